@@ -1,0 +1,166 @@
+"""Command line: ``parity check <family> ...`` and ``parity list``.
+
+Exit codes: 0 parity holds; 1 a node failed; 2 bad usage or bad input (one line on stderr);
+3 an internal error (a bug in parity: traceback on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import traceback
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from .errors import ParityError
+
+DTYPES = ("float32", "bfloat16")
+FORMATS = ("html", "csv", "json", "junit")
+FILES = {"html": "report.html", "csv": "nodes.csv", "json": "result.json", "junit": "junit.xml"}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse would print the whole usage)
+        raise ParityError(message)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _nonnegative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative number, got {text}")
+    return value
+
+
+def _formats(text: str) -> list[str]:
+    items = [f.strip() for f in text.split(",") if f.strip()]
+    unknown = [f for f in items if f not in FORMATS]
+    if unknown or not items:
+        raise argparse.ArgumentTypeError(f"unknown format {', '.join(unknown) or text!r}; choose from {', '.join(FORMATS)}")
+    return items
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="parity", description="Layer-by-layer parity of a from-scratch LLM against Transformers.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    check = sub.add_parser("check", help="compare one family's pair node by node")
+    check.add_argument("family", help="a registered family (see `parity list`)")
+    check.add_argument("--config", help="built-in config name or a config.json path (default: the family's)")
+    check.add_argument("--layers", type=_positive, help="number of layers for built-in configs")
+    check.add_argument("--checkpoint", help="Transformers-format directory (config.json + safetensors)")
+    check.add_argument("--seq-len", type=_positive, help="tokens per sequence (default: past the sliding window)")
+    check.add_argument("--batch", type=_positive, default=1, help="sequences per batch (default 1)")
+    check.add_argument("--seed", type=int, default=0, help="seed for random weights and input tokens")
+    check.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype of both models")
+    check.add_argument("--atol", type=_nonnegative_float, help="absolute tolerance (default by dtype)")
+    check.add_argument("--rtol", type=_nonnegative_float, help="relative tolerance (default by dtype)")
+    check.add_argument("--mode", choices=("chained",), default="chained", help="chained: both models run on their own")
+    check.add_argument("--report-dir", default="reports", help="parent folder of the run's new report folder")
+    check.add_argument("--format", type=_formats, default=["html", "csv", "json"], help="comma list of html,csv,json,junit")
+    sub.add_parser("list", help="registered families and their configs")
+    return parser
+
+
+def _node_table(result) -> Table:
+    bad = result.first_mismatch
+    table = Table(title=f"{result.meta['family']} / {result.meta['config']} ({result.meta['dtype']})", show_lines=False)
+    for col, justify in [("#", "right"), ("node", "left"), ("status", "left"), ("max_abs", "right"),
+                         ("mean_abs", "right"), ("cosine", "right")]:
+        table.add_column(col, justify=justify)
+    colors = {"ok": "green", "mismatch": "red", "shape": "magenta", "missing": "magenta", "nonfinite": "red"}
+    for r in result.nodes:
+        style = "bold reverse red" if bad is not None and r.index == bad.index else None
+        fmt = lambda v, spec=".3g": "" if v is None else format(v, spec)  # noqa: E731
+        table.add_row(
+            str(r.index), r.name, f"[{colors[r.status]}]{r.status}[/]", fmt(r.max_abs), fmt(r.mean_abs),
+            fmt(r.cosine, ".6f"), style=style,
+        )
+    return table
+
+
+def _write_reports(result, parent: Path, formats: list[str]) -> Path:
+    from .report.atomic import publish_folder, run_stem, staging_folder
+
+    staging = staging_folder(parent)
+    try:
+        for fmt in formats:
+            getattr(result, f"write_{fmt}")(staging / FILES[fmt])
+        return publish_folder(staging, parent, run_stem(result.meta["family"], result.meta["config"]))
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def cmd_check(args, console: Console) -> int:
+    import torch
+
+    from .check import check
+    from .registry import get_family
+
+    family = get_family(args.family)
+    if args.checkpoint is not None and (args.config is not None or args.layers is not None):
+        raise ParityError("--checkpoint brings its own config.json; do not combine it with --config or --layers")
+    if args.checkpoint is not None and not Path(args.checkpoint).is_dir():
+        raise ParityError(f"checkpoint directory {args.checkpoint} does not exist")
+    dtype = getattr(torch, args.dtype)
+    overrides = {"n_layers": args.layers} if args.layers is not None else {}
+    config = None if args.checkpoint else (args.config or family.default_config)
+    what = args.checkpoint or config
+    with console.status(f"building {family.name} pair ({what}, {args.dtype}): ours and {family.reference_class}"):
+        pair = family.build_pair(config=config, checkpoint=args.checkpoint, dtype=dtype, seed=args.seed, **overrides)
+    with console.status("tracing both models and comparing every node"):
+        result = check(pair, seq_len=args.seq_len, batch_size=args.batch, atol=args.atol, rtol=args.rtol)
+    console.print(_node_table(result))
+    for note in result.notes:
+        console.print(f"[yellow]note:[/] {note}")
+    bad = result.first_mismatch
+    if bad is not None and bad.hint:
+        console.print(f"[bold]hint:[/] {bad.hint}")
+    console.print(("[bold green]" if result.passed else "[bold red]") + result.verdict() + "[/]", highlight=False)
+    folder = _write_reports(result, Path(args.report_dir), args.format)
+    console.print(f"reports: {folder}", highlight=False)
+    return 0 if result.passed else 1
+
+
+def cmd_list(console: Console) -> int:
+    from .registry import families
+
+    table = Table(title="registered families")
+    for col in ("family", "reference", "config", "description"):
+        table.add_column(col)
+    for fam in families().values():
+        for i, (name, desc) in enumerate(fam.configs.items()):
+            table.add_row(fam.name if i == 0 else "", fam.reference_class if i == 0 else "", name, desc)
+    console.print(table)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    console = Console()
+    err = Console(stderr=True)
+    try:
+        args = build_parser().parse_args(argv)
+        if args.command == "list":
+            return cmd_list(console)
+        return cmd_check(args, console)
+    except ParityError as e:
+        err.print(f"parity: error: {e}", highlight=False, markup=False, soft_wrap=True)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception:  # a bug in parity, not bad input: keep the traceback
+        traceback.print_exc()
+        return 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""Compare two tensors, and two traces node by node, against dtype-aware tolerances.
+
+A node passes when every element satisfies ``|ours - ref| <= atol + rtol * |ref|`` (the
+``torch.isclose`` rule). Metrics are computed in float64 so they do not add error of their own.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .pair import NodeSpec
+from .trace import Trace
+
+OK, MISMATCH, SHAPE, MISSING, NONFINITE = "ok", "mismatch", "shape", "missing", "nonfinite"
+
+#: Default (atol, rtol) per compute dtype. fp32: two implementations of the same math differ by
+#: reduction order only (~1e-6 after a few layers); bf16 keeps 8 bits of mantissa, so one
+#: rounding of a unit-scale value is ~4e-3 and chained layers compound it.
+DEFAULT_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float64: (1e-10, 1e-8),
+    torch.float32: (1e-4, 1e-4),
+    torch.float16: (2e-2, 2e-2),
+    torch.bfloat16: (5e-2, 5e-2),
+}
+
+
+@dataclass
+class NodeResult:
+    """The comparison of one node. Absent metrics (missing node, shape mismatch) are None."""
+
+    name: str
+    index: int
+    status: str
+    layer: int | None
+    kind: str
+    shape_ours: tuple[int, ...] | None
+    shape_ref: tuple[int, ...] | None
+    dtype: str | None
+    max_abs: float | None
+    mean_abs: float | None
+    max_rel: float | None
+    cosine: float | None
+    atol: float
+    rtol: float
+    hint: str = ""
+    detail: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return self.status == OK
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        for key in ("shape_ours", "shape_ref"):
+            d[key] = list(d[key]) if d[key] is not None else None
+        return d
+
+    def line(self) -> str:
+        """One line for logs, JUnit and error messages."""
+        if self.max_abs is None:
+            return f"{self.name}: {self.status} ({self.detail})"
+        return (
+            f"{self.name}: {self.status} max_abs={self.max_abs:.3g} mean_abs={self.mean_abs:.3g} "
+            f"cosine={self.cosine:.6f} (atol={self.atol:g}, rtol={self.rtol:g})"
+        )
+
+
+def default_tolerance(dtype: torch.dtype) -> tuple[float, float]:
+    """Default ``(atol, rtol)`` for a compute dtype; float32's for dtypes not in the table."""
+    return DEFAULT_TOLERANCES.get(dtype, DEFAULT_TOLERANCES[torch.float32])
+
+
+def tolerance_for(
+    name: str,
+    dtype: torch.dtype,
+    atol: float | None = None,
+    rtol: float | None = None,
+    per_node: Mapping[str, tuple[float, float]] | None = None,
+) -> tuple[float, float]:
+    """Resolve a node's tolerance: the first matching ``per_node`` glob pattern wins, then the
+    run-wide ``atol``/``rtol``, then the dtype default."""
+    for pattern, tol in (per_node or {}).items():
+        if fnmatch.fnmatchcase(name, pattern):
+            return tol
+    d_atol, d_rtol = default_tolerance(dtype)
+    return (d_atol if atol is None else atol, d_rtol if rtol is None else rtol)
+
+
+def tensor_metrics(ours: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float) -> dict:
+    """Compare two same-shaped tensors.
+
+    Returns ``status`` (``ok``, ``mismatch`` or ``nonfinite``), ``max_abs``, ``mean_abs``,
+    ``max_rel`` (max of ``|a-b| / |b|`` over elements with ``b != 0``), ``cosine`` of the
+    flattened tensors and, for non-finite values, ``detail`` naming the first position.
+    Metrics skip positions where either side is non-finite.
+    """
+    a, b = ours.detach().to(torch.float64), ref.detach().to(torch.float64)
+    finite = torch.isfinite(a) & torch.isfinite(b)
+    detail = ""
+    status = OK
+    if not bool(finite.all()):
+        status = NONFINITE
+        first = tuple(int(i) for i in (~finite).nonzero()[0])
+        side = "ours" if not bool(torch.isfinite(a[first])) else "reference"
+        both = int((~torch.isfinite(a) & ~torch.isfinite(b)).sum())
+        detail = (
+            f"first non-finite value at index {first} ({side}); "
+            f"{int((~torch.isfinite(a)).sum())} in ours, {int((~torch.isfinite(b)).sum())} in reference, "
+            f"{both} in both"
+        )
+    a, b = a[finite], b[finite]
+    if a.numel() == 0:
+        return dict(status=status, max_abs=math.nan, mean_abs=math.nan, max_rel=math.nan, cosine=math.nan, detail=detail)
+    diff = (a - b).abs()
+    nonzero = b != 0
+    max_rel = float((diff[nonzero] / b[nonzero].abs()).max()) if bool(nonzero.any()) else 0.0
+    na, nb = a.norm(), b.norm()
+    if float(na) == 0 and float(nb) == 0:
+        cosine = 1.0
+    elif float(na) == 0 or float(nb) == 0:
+        cosine = 0.0
+    else:
+        cosine = float((a @ b) / (na * nb))
+    if status == OK and bool((diff > atol + rtol * b.abs()).any()):
+        status = MISMATCH
+    return dict(
+        status=status,
+        max_abs=float(diff.max()),
+        mean_abs=float(diff.mean()),
+        max_rel=max_rel,
+        cosine=cosine,
+        detail=detail,
+    )
+
+
+def compare_traces(
+    ours: Trace,
+    reference: Trace,
+    nodes: Sequence[NodeSpec],
+    dtype: torch.dtype,
+    atol: float | None = None,
+    rtol: float | None = None,
+    per_node: Mapping[str, tuple[float, float]] | None = None,
+) -> list[NodeResult]:
+    """One NodeResult per node, in the reference's execution order.
+
+    Nodes the reference never produced come last, as ``missing``: a node that cannot be compared
+    is reported, never counted as agreeing.
+    """
+    by_name = {n.name: n for n in nodes}
+    order = [name for name in reference.order if name in by_name]
+    order += [n.name for n in nodes if n.name not in reference.tensors]
+    results = []
+    for index, name in enumerate(order):
+        spec = by_name[name]
+        n_atol, n_rtol = tolerance_for(name, dtype, atol, rtol, per_node)
+        ref_t, our_t = reference.tensors.get(name), ours.tensors.get(name)
+        base = dict(name=name, index=index, layer=spec.layer, kind=spec.kind, atol=n_atol, rtol=n_rtol)
+        shapes = dict(
+            shape_ours=tuple(our_t.shape) if our_t is not None else None,
+            shape_ref=tuple(ref_t.shape) if ref_t is not None else None,
+            dtype=str(ref_t.dtype if ref_t is not None else our_t.dtype if our_t is not None else "").replace(
+                "torch.", ""
+            )
+            or None,
+        )
+        empty = dict(max_abs=None, mean_abs=None, max_rel=None, cosine=None)
+        if ref_t is None or our_t is None:
+            side = "reference" if ref_t is None else "ours"
+            where = spec.name if ref_t is None else spec.ours
+            results.append(
+                NodeResult(**base, **shapes, **empty, status=MISSING, detail=f"{side} produced no tensor at {where}")
+            )
+        elif ref_t.shape != our_t.shape:
+            detail = f"ours {tuple(our_t.shape)} vs reference {tuple(ref_t.shape)}"
+            results.append(NodeResult(**base, **shapes, **empty, status=SHAPE, detail=detail))
+        else:
+            results.append(NodeResult(**base, **shapes, **tensor_metrics(our_t, ref_t, n_atol, n_rtol)))
+    return results
+
+
+def first_mismatch(results: Sequence[NodeResult]) -> NodeResult | None:
+    """The earliest node in execution order whose status is not ``ok``, or None if all agree."""
+    return next((r for r in results if not r.passed), None)

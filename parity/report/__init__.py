@@ -1,0 +1,1 @@
+"""Report writers: nodes.csv and result.json (tables.py), report.html (html.py), junit.xml (junit.py)."""

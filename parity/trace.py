@@ -1,0 +1,117 @@
+"""Record named intermediates of a model with forward hooks, detached to CPU, in execution order.
+
+A point is ``(node name, module path)``; a path ending in ``@input`` records the module's first
+input through a forward pre-hook, any other path its output. Tensors computed outside modules
+are recorded either through our models' ``Tap`` modules (ordinary hooks) or, for Transformers,
+by :mod:`parity.hf_capture` writing into the active trace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+_ACTIVE: contextvars.ContextVar[Trace | None] = contextvars.ContextVar("parity_active_trace", default=None)
+
+
+def _first_tensor(value) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)):
+        for item in value:
+            found = _first_tensor(item)
+            if found is not None:
+                return found
+    if isinstance(value, dict):
+        return _first_tensor(list(value.values()))
+    if hasattr(value, "to_tuple"):  # Transformers ModelOutput
+        return _first_tensor(value.to_tuple())
+    return None
+
+
+@dataclass
+class Trace:
+    """Recorded tensors by node name, in the order they were produced.
+
+    A module that runs more than once in one forward keeps its first tensor; ``calls`` counts
+    every call so a repeated module is visible. ``missing`` lists requested paths that do not
+    exist in the model.
+    """
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    calls: dict[str, int] = field(default_factory=dict)
+    missing: list[str] = field(default_factory=list)
+    wanted: frozenset[str] = frozenset()
+
+    def add(self, name: str, value, transform: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        tensor = _first_tensor(value)
+        if tensor is None:
+            return
+        self.calls[name] = self.calls.get(name, 0) + 1
+        if name in self.tensors:
+            return
+        tensor = tensor.detach()
+        if transform is not None:
+            tensor = transform(tensor)
+        self.tensors[name] = tensor.to("cpu", copy=True)
+
+    @property
+    def order(self) -> list[str]:
+        return list(self.tensors)
+
+
+def active_trace() -> Trace | None:
+    """The trace being recorded in this context, if any (used by :mod:`parity.hf_capture`)."""
+    return _ACTIVE.get()
+
+
+@contextlib.contextmanager
+def recording(
+    model: nn.Module,
+    points: Sequence[tuple[str, str]],
+    transforms: dict[str, Callable[[torch.Tensor], torch.Tensor]] | None = None,
+    captured: Sequence[str] = (),
+) -> Iterator[Trace]:
+    """Hook ``model`` for the duration of the block and yield the Trace being filled.
+
+    ``points``: ``(node name, module path)`` pairs; module paths that do not resolve are listed in
+    ``trace.missing`` rather than raising, so a partial model can still be compared. Node names
+    that are not module paths (attention internals of a Transformers model) go in ``captured``:
+    they are ``wanted`` and filled by a capture function through :func:`active_trace`.
+    """
+    transforms = transforms or {}
+    trace = Trace(wanted=frozenset([name for name, _ in points] + list(captured)))
+    handles = []
+    modules = dict(model.named_modules())
+    for name, path in points:
+        is_input = path.endswith("@input")
+        module_path = path[: -len("@input")] if is_input else path
+        module = modules.get(module_path)
+        if module is None:
+            trace.missing.append(name)
+            continue
+        transform = transforms.get(name)
+        if is_input:
+
+            def pre_hook(mod, args, kwargs, _name=name, _t=transform):
+                trace.add(_name, args if args else kwargs, _t)
+
+            handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+        else:
+
+            def hook(mod, args, output, _name=name, _t=transform):
+                trace.add(_name, output, _t)
+
+            handles.append(module.register_forward_hook(hook))
+    token = _ACTIVE.set(trace)
+    try:
+        yield trace
+    finally:
+        _ACTIVE.reset(token)
+        for handle in handles:
+            handle.remove()

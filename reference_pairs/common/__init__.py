@@ -1,0 +1,1 @@
+"""Building blocks shared by every family: norms, RoPE variants, attention, weight maps, pair building."""

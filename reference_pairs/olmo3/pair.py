@@ -1,0 +1,199 @@
+"""The OLMo 3 pair: our :class:`Olmo3Model` against ``transformers.Olmo3ForCausalLM``."""
+
+from __future__ import annotations
+
+import torch
+
+from parity.errors import ConfigError
+from parity.pair import Family, NodeSpec, Pair, expand_nodes
+
+from ..common.pairing import FamilySpec
+from ..common.pairing import build_pair as _build_pair
+from .configs import CONFIGS, FULL, SLIDING
+from .loader import load_weights_into_olmo3
+from .model import Olmo3Model
+
+NODES_BEFORE = [("model.embed_tokens", "tok_emb")]
+NODES_PER_LAYER = [
+    ("model.layers.{i}.self_attn.q_proj", "blocks.{i}.att.W_query"),
+    ("model.layers.{i}.self_attn.q_norm", "blocks.{i}.att.q_norm"),
+    ("model.layers.{i}.self_attn.k_proj", "blocks.{i}.att.W_key"),
+    ("model.layers.{i}.self_attn.k_norm", "blocks.{i}.att.k_norm"),
+    ("model.layers.{i}.self_attn.v_proj", "blocks.{i}.att.W_value"),
+    ("model.layers.{i}.self_attn.q_rot", "blocks.{i}.att.q_rot"),
+    ("model.layers.{i}.self_attn.k_rot", "blocks.{i}.att.k_rot"),
+    ("model.layers.{i}.self_attn.probs", "blocks.{i}.att.probs"),
+    ("model.layers.{i}.self_attn.context", "blocks.{i}.att.context"),
+    ("model.layers.{i}.self_attn.o_proj", "blocks.{i}.att.out_proj"),
+    ("model.layers.{i}.post_attention_layernorm", "blocks.{i}.post_attention_layernorm"),
+    ("model.layers.{i}.mlp@input", "blocks.{i}.ff@input"),
+    ("model.layers.{i}.mlp.gate_proj", "blocks.{i}.ff.fc1"),
+    ("model.layers.{i}.mlp.up_proj", "blocks.{i}.ff.fc2"),
+    ("model.layers.{i}.mlp.down_proj", "blocks.{i}.ff.fc3"),
+    ("model.layers.{i}.post_feedforward_layernorm", "blocks.{i}.post_feedforward_layernorm"),
+    ("model.layers.{i}", "blocks.{i}"),
+]
+NODES_AFTER = [("model.norm", "final_norm"), ("lm_head", "out_head")]
+
+
+def nodes(cfg: dict) -> list[NodeSpec]:
+    return expand_nodes(NODES_BEFORE, NODES_PER_LAYER, NODES_AFTER, cfg["n_layers"])
+
+
+def _rope_dict(cfg: dict, layer_type: str) -> dict:
+    base = cfg["rope_local_base"] if layer_type == SLIDING else cfg["rope_base"]
+    if cfg["rope_type"] != "yarn" or layer_type not in cfg["rope_scaled_layer_types"]:
+        return {"rope_type": "default", "rope_theta": base}
+    params = {
+        "rope_type": "yarn",
+        "rope_theta": base,
+        "factor": cfg["rope_factor"],
+        "original_max_position_embeddings": cfg["rope_orig_max"],
+        "beta_fast": cfg["beta_fast"],
+        "beta_slow": cfg["beta_slow"],
+    }
+    if cfg["rope_attention_factor"] is not None:
+        params["attention_factor"] = cfg["rope_attention_factor"]
+    return params
+
+
+def to_hf(cfg: dict):
+    """Our cfg -> ``transformers.Olmo3Config`` (RoPE given per layer type, as Transformers 5 stores it)."""
+    from transformers import Olmo3Config
+
+    return Olmo3Config(
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["emb_dim"],
+        intermediate_size=cfg["hidden_dim"],
+        num_hidden_layers=cfg["n_layers"],
+        num_attention_heads=cfg["n_heads"],
+        num_key_value_heads=cfg["n_kv_heads"],
+        head_dim=cfg["head_dim"],
+        max_position_embeddings=cfg["context_length"],
+        rms_norm_eps=cfg["rms_norm_eps"],
+        sliding_window=cfg["sliding_window"],
+        layer_types=list(cfg["layer_types"]),
+        attention_bias=cfg["attention_bias"],
+        tie_word_embeddings=cfg["tie_word_embeddings"],
+        rope_parameters={t: _rope_dict(cfg, t) for t in (SLIDING, FULL)},
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+
+
+_YARN_KEYS = {
+    "factor": "rope_factor",
+    "original_max_position_embeddings": "rope_orig_max",
+    "beta_fast": "beta_fast",
+    "beta_slow": "beta_slow",
+    "attention_factor": "rope_attention_factor",
+}
+_KNOWN_ROPE_KEYS = {"rope_type", "rope_theta", "truncate", *_YARN_KEYS}
+
+
+def from_hf(hc, dtype: torch.dtype) -> dict:
+    """``transformers.Olmo3Config`` (after its own RoPE standardisation) -> our cfg.
+
+    Which layer types get YaRN is read from ``hc.rope_parameters`` exactly as Transformers filled
+    it (a legacy ``rope_scaling`` lands on ``full_attention`` only). Raises ConfigError naming any
+    field we cannot honour: an unknown rope type, YaRN options we do not implement (mscale,
+    partial rotary), different YaRN parameters per layer type, a non-SiLU activation, sliding
+    layers without a window.
+    """
+    if hc.hidden_act != "silu":
+        raise ConfigError(f"hidden_act {hc.hidden_act!r} is not supported (OLMo 3 uses 'silu')")
+    layer_types = list(hc.layer_types)
+    unknown_types = set(layer_types) - {SLIDING, FULL}
+    if unknown_types:
+        raise ConfigError(f"layer_types has unsupported entries: {', '.join(sorted(unknown_types))}")
+    if SLIDING in layer_types and not hc.sliding_window:
+        raise ConfigError("layer_types has sliding_attention layers but sliding_window is null")
+    rope = hc.rope_parameters or {}
+    yarn_params, scaled, theta = None, [], {}
+    for layer_type in (SLIDING, FULL):
+        params = rope.get(layer_type) or {"rope_type": "default"}
+        rope_type = params.get("rope_type", "default")
+        if rope_type not in ("default", "yarn"):
+            raise ConfigError(f"rope_parameters.{layer_type}.rope_type {rope_type!r} is not supported (default, yarn)")
+        extra = set(params) - _KNOWN_ROPE_KEYS
+        if extra:
+            raise ConfigError(f"rope_parameters.{layer_type} has unsupported fields: {', '.join(sorted(extra))}")
+        theta[layer_type] = float(params.get("rope_theta", hc.default_theta))
+        if rope_type == "yarn":
+            these = {ours: params.get(key) for key, ours in _YARN_KEYS.items()}
+            if these["rope_factor"] is None:  # Transformers derives it from the two context lengths
+                these["rope_factor"] = hc.max_position_embeddings / these["rope_orig_max"]
+            these["beta_fast"] = these["beta_fast"] or 32.0
+            these["beta_slow"] = these["beta_slow"] or 1.0
+            if yarn_params is not None and these != yarn_params:
+                raise ConfigError(f"rope_parameters: YaRN parameters differ between layer types: {yarn_params} vs {these}")
+            yarn_params = these
+            scaled.append(layer_type)
+    head_dim = getattr(hc, "head_dim", None) or hc.hidden_size // hc.num_attention_heads
+    cfg = dict(
+        vocab_size=hc.vocab_size,
+        context_length=hc.max_position_embeddings,
+        emb_dim=hc.hidden_size,
+        n_heads=hc.num_attention_heads,
+        n_kv_heads=hc.num_key_value_heads,
+        n_layers=hc.num_hidden_layers,
+        hidden_dim=hc.intermediate_size,
+        head_dim=head_dim,
+        rms_norm_eps=hc.rms_norm_eps,
+        sliding_window=hc.sliding_window,
+        layer_types=layer_types,
+        attention_bias=bool(hc.attention_bias),
+        tie_word_embeddings=bool(hc.tie_word_embeddings),
+        rope_type="yarn" if yarn_params else "default",
+        rope_base=theta[FULL],
+        rope_local_base=theta[SLIDING],
+        rope_scaled_layer_types=scaled or [FULL],
+        rope_factor=1.0,
+        rope_orig_max=None,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        rope_attention_factor=None,
+        dtype=dtype,
+    )
+    cfg.update(yarn_params or {})
+    return cfg
+
+
+def default_seq_len(cfg: dict) -> int:
+    """Long enough to pass the sliding window (4x window, at least 16) while that stays small;
+    64 for real-size windows, where the check reports that the window is not exercised."""
+    window = cfg.get("sliding_window") or 4
+    return max(16, 4 * window) if 4 * window <= 512 else 64
+
+
+SPEC = FamilySpec(
+    name="olmo3",
+    model_type="olmo3",
+    reference_class="Olmo3ForCausalLM",
+    config_class="Olmo3Config",
+    model_class=Olmo3Model,
+    configs=CONFIGS,
+    to_hf=to_hf,
+    from_hf=from_hf,
+    load=load_weights_into_olmo3,
+    nodes=nodes,
+    default_seq_len=default_seq_len,
+)
+
+
+def build_pair(config=None, checkpoint=None, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides) -> Pair:
+    """OLMo 3 pair from a built-in config (``tiny``, ``yarn``, ``mha``, ``7b-shape``, ``32b-shape``),
+    a cfg dict, a config.json path, or a checkpoint directory. See
+    :func:`reference_pairs.common.pairing.build_pair` for arguments and raised errors."""
+    return _build_pair(SPEC, config, checkpoint, dtype, seed, **overrides)
+
+
+FAMILY = Family(
+    name="olmo3",
+    reference_class="transformers.Olmo3ForCausalLM",
+    build_pair=build_pair,
+    configs={name: (fn.__doc__ or "").strip().splitlines()[0] for name, fn in CONFIGS.items()},
+    default_config="tiny",
+    ci_configs=("tiny", "yarn", "mha"),
+)

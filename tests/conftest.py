@@ -1,0 +1,29 @@
+"""Shared test helpers: checkpoints written with the reference's own save_pretrained."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def save_checkpoint(pair, directory: Path, sharded: bool = False) -> Path:
+    """Write ``pair.reference`` with ``save_pretrained`` (safetensors); sharded into several files
+    when asked (a shard size far below the model size)."""
+    kwargs = {"max_shard_size": "20KB"} if sharded else {}
+    pair.reference.save_pretrained(directory, **kwargs)
+    return directory
+
+
+@pytest.fixture
+def checkpoint_of(tmp_path):
+    """``checkpoint_of(pair, sharded=False) -> Path`` of a fresh save_pretrained directory."""
+    counter = iter(range(1000))
+
+    def make(pair, sharded: bool = False) -> Path:
+        return save_checkpoint(pair, tmp_path / f"ckpt{next(counter)}", sharded)
+
+    return make
