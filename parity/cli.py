@@ -132,20 +132,30 @@ def cmd_check(args, console: Console) -> int:
 
 
 def cmd_list(console: Console) -> int:
-    from .registry import families
+    """Every registered family; one that cannot be loaded is listed with its error (exit 2)."""
+    from .registry import family_names, get_family
 
     table = Table(title="registered families")
     for col in ("family", "reference", "config", "description"):
         table.add_column(col)
-    for fam in families().values():
+    broken = 0
+    for family_name in family_names():
+        try:
+            fam = get_family(family_name)
+        except ParityError as e:
+            broken += 1
+            table.add_row(family_name, "[red]unavailable[/]", "", str(e))
+            continue
         for i, (name, desc) in enumerate(fam.configs.items()):
             table.add_row(fam.name if i == 0 else "", fam.reference_class if i == 0 else "", name, desc)
     console.print(table)
-    return 0
+    return 2 if broken else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     console = Console()
+    if not console.is_terminal:  # logs and CI: wide enough that node names are never cut
+        console = Console(width=max(console.width, 140))
     err = Console(stderr=True)
     try:
         args = build_parser().parse_args(argv)

@@ -60,8 +60,8 @@ def diagnose(result: NodeResult, ours_trace: Trace, ref_trace: Trace, pair: Pair
     ratio = _constant_ratio(ours, ref)
     if ratio is not None:
         return (
-            f"likely a missing or extra scale: ours / reference = {ratio:.6g} everywhere "
-            f"(sqrt of it = {abs(ratio) ** 0.5:.6g})"
+            f"likely a missing or extra scale: ours / reference = {ratio:.6g} everywhere, "
+            f"reference / ours = {1 / ratio:.6g} (square roots {abs(ratio) ** 0.5:.6g}, {abs(1 / ratio) ** 0.5:.6g})"
         )
     axis = _seq_axis(result.kind)
     if ours.dim() > axis and ours.shape[axis] > 2:

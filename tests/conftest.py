@@ -27,3 +27,11 @@ def checkpoint_of(tmp_path):
         return save_checkpoint(pair, tmp_path / f"ckpt{next(counter)}", sharded)
 
     return make
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _quiet_transformers():
+    """save_pretrained draws progress bars on stderr; tests read stderr for one-line errors."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()

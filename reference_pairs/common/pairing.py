@@ -106,7 +106,11 @@ def build_reference(spec: FamilySpec, hf_config, state_dict: Mapping[str, torch.
 
     with no_init_weights():
         reference = spec.reference_cls()(hf_config)
-    result = reference.load_state_dict(state_dict, strict=False, assign=True)
+    try:
+        result = reference.load_state_dict(state_dict, strict=False, assign=True)
+    except RuntimeError as e:  # size mismatches: the lines after the first name key and shapes
+        reasons = "; ".join(line.strip() for line in str(e).splitlines()[1:] if line.strip())
+        raise LoaderError(f"{spec.reference_class} rejects the state dict: {reasons or e}") from None
     tied_targets = set(getattr(reference, "_tied_weights_keys", None) or {}) if hf_config.tie_word_embeddings else set()
     missing = [k for k in result.missing_keys if k not in tied_targets]
     if missing or result.unexpected_keys:
@@ -154,10 +158,10 @@ def build_pair(
         state_dict = random_state_dict(shapes, seed, dtype)
         config_name = config if isinstance(config, str) else Path(config).name if isinstance(config, Path) else "custom"
     notes = spec.check_cfg(cfg)
-    reference = build_reference(spec, hf_config, state_dict)
     with torch.device("meta"):
         ours = spec.model_class(cfg)
-    loaded = spec.load(ours, cfg, state_dict)
+    loaded = spec.load(ours, cfg, state_dict)  # first: its errors name the checkpoint key
+    reference = build_reference(spec, hf_config, state_dict)
     pair = Pair(
         ours=ours.eval(),
         reference=reference,

@@ -100,3 +100,36 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
         half = x32.shape[-1] // 2
         rotated = torch.cat([-x32[..., half:], x32[..., :half]], dim=-1)
     return (x32 * cos + rotated * sin).to(x.dtype)
+
+
+def llama3_inv_freq(
+    head_dim: int,
+    base: float,
+    factor: float,
+    low_freq_factor: float,
+    high_freq_factor: float,
+    original_context_length: int,
+) -> torch.Tensor:
+    """Llama 3 frequency scaling ("rope_type": "llama3"). Shape ``(head_dim // 2,)``, float32.
+
+    Meta's Llama 3.1 release (``apply_scaling`` in meta-llama/llama-models; Llama 3 paper,
+    arXiv:2407.21783), as ``transformers.modeling_rope_utils._compute_llama3_parameters`` computes
+    it. With wavelength ``lam = 2 pi / w`` of each default frequency ``w`` and ``L`` the original
+    context length:
+
+    * ``lam < L / high_freq_factor`` (high frequencies): ``w`` unchanged;
+    * ``lam > L / low_freq_factor`` (low frequencies): ``w / factor``;
+    * in between: ``(1 - s) * w / factor + s * w`` with ``s = (L / lam - low_freq_factor) /
+      (high_freq_factor - low_freq_factor)``, a linear blend of the two.
+
+    The blend is evaluated as ``((1 - s) * w) / factor + s * w``, the reference's operation order,
+    so the result agrees bit for bit in float32.
+    """
+    inv_freq = default_inv_freq(head_dim, base)
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = original_context_length / low_freq_factor  # longer than this: interpolate
+    high_freq_wavelen = original_context_length / high_freq_factor  # shorter than this: keep
+    smooth = (original_context_length / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, blended)
+    return torch.where(wavelen < high_freq_wavelen, inv_freq, scaled)

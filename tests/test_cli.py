@@ -1,0 +1,141 @@
+"""`parity check` end to end: exit codes 0/1/2, one-line errors, report files with the same verdict."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+from parity.cli import main
+from reference_pairs.olmo3 import build_pair
+
+
+def run(args, tmp_path):
+    return main(["check", "olmo3", *args, "--report-dir", str(tmp_path / "reports")])
+
+
+def only_report(tmp_path):
+    (folder,) = [p for p in (tmp_path / "reports").iterdir() if not p.name.startswith(".")]
+    return folder
+
+
+def test_pass_exit_0_and_reports_agree(tmp_path, capsys):
+    assert run([], tmp_path) == 0
+    out = capsys.readouterr().out
+    assert "PASS: all 71 nodes agree" in out
+    folder = only_report(tmp_path)
+    assert sorted(p.name for p in folder.iterdir()) == ["nodes.csv", "report.html", "result.json"]
+    result = json.loads((folder / "result.json").read_text())
+    assert result["passed"] is True and result["first_mismatch"] is None
+    assert result["meta"]["versions"]["transformers"].startswith("5.")
+    frame = pd.read_csv(folder / "nodes.csv")
+    assert len(frame) == 71 and set(frame["status"]) == {"ok"}
+    assert "PASS: all 71 nodes agree" in (folder / "report.html").read_text()
+
+
+def test_fault_exit_1_and_reports_name_the_node(tmp_path, monkeypatch, capsys):
+    """A broken loader (gate and up swapped in layer 2) makes the command fail at that gate_proj."""
+    import reference_pairs.olmo3.loader as loader
+
+    template = dict(loader.WEIGHT_MAP)
+    template["model.layers.{i}.mlp.gate_proj.weight"], template["model.layers.{i}.mlp.up_proj.weight"] = (
+        template["model.layers.{i}.mlp.up_proj.weight"],
+        template["model.layers.{i}.mlp.gate_proj.weight"],
+    )
+    monkeypatch.setattr(loader, "WEIGHT_MAP", template)
+    assert run(["--config", "mha"], tmp_path) == 1
+    out = capsys.readouterr().out
+    assert "FAIL: first mismatch at node 13" in out and "model.layers.0.mlp.gate_proj" in out
+    folder = only_report(tmp_path)
+    result = json.loads((folder / "result.json").read_text())
+    assert result["passed"] is False
+    assert result["first_mismatch"]["name"] == "model.layers.0.mlp.gate_proj"
+    frame = pd.read_csv(folder / "nodes.csv")
+    assert frame.loc[frame["status"] != "ok", "name"].iloc[0] == "model.layers.0.mlp.gate_proj"
+    html = (folder / "report.html").read_text()
+    assert 'id="first-mismatch"' in html and "model.layers.0.mlp.gate_proj" in html
+
+
+def test_reports_never_overwrite(tmp_path):
+    assert run(["--format", "json"], tmp_path) == 0
+    assert run(["--format", "json,junit"], tmp_path) == 0
+    folders = sorted(p for p in (tmp_path / "reports").iterdir())
+    assert len(folders) == 2 and all((f / "result.json").is_file() for f in folders)
+    assert not [p for p in (tmp_path / "reports").iterdir() if p.name.startswith(".staging")]
+
+
+def test_layers_and_dtype_options(tmp_path):
+    assert run(["--config", "yarn", "--layers", "2", "--dtype", "bfloat16", "--seq-len", "9", "--batch", "2"], tmp_path) == 0
+    meta = json.loads((only_report(tmp_path) / "result.json").read_text())["meta"]
+    assert (meta["dtype"], meta["seq_len"], meta["batch_size"], meta["cfg"]["n_layers"]) == ("bfloat16", 9, 2, 2)
+
+
+def corrupt(directory):
+    f = directory / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-100])
+    return directory
+
+
+def other_model_type(directory):
+    text = (directory / "config.json").read_text().replace('"olmo3"', '"llama"')
+    (directory / "config.json").write_text(text)
+    return directory
+
+
+def wrong_width(directory):
+    config = json.loads((directory / "config.json").read_text())
+    config["intermediate_size"] = 48
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (corrupt, "model.safetensors is corrupt or truncated"),
+        (other_model_type, "has model_type 'llama', expected 'olmo3'"),
+        (wrong_width, "shape mismatch for model.layers.0.mlp.gate_proj.weight"),
+    ],
+    ids=["truncated", "model_type", "shape"],
+)
+def test_bad_checkpoint_exit_2_one_line(make, message, tmp_path, capsys, checkpoint_of):
+    directory = make(checkpoint_of(build_pair("tiny")))
+    assert run(["--checkpoint", str(directory)], tmp_path) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+    assert not (tmp_path / "reports").exists() or not list((tmp_path / "reports").iterdir())
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["check", "gpt5"], "unknown family 'gpt5'"),
+        (["check", "olmo3", "--checkpoint", "/nonexistent/ckpt"], "checkpoint directory /nonexistent/ckpt does not exist"),
+        (["check", "olmo3", "--config", "huge"], "unknown olmo3 config 'huge'"),
+        (["check", "olmo3", "--seq-len", "0"], "must be a positive integer"),
+        (["check", "olmo3", "--dtype", "int8"], "invalid choice: 'int8'"),
+    ],
+)
+def test_bad_usage_exit_2_one_line(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_pickle_checkpoint_is_refused_not_opened(tmp_path, capsys):
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    (directory / "config.json").write_text('{"model_type": "olmo3"}')
+    (directory / "pytorch_model.bin").write_bytes(b"not even a pickle")
+    assert main(["check", "olmo3", "--checkpoint", str(directory)]) == 2
+    assert "pickle files are never loaded" in capsys.readouterr().err
+
+
+def test_console_script_is_installed(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "parity.cli", "list"], capture_output=True, text=True, check=True
+    ).stdout
+    assert "olmo3" in out and "7b-shape" in out
