@@ -131,5 +131,5 @@ def llama3_inv_freq(
     high_freq_wavelen = original_context_length / high_freq_factor  # shorter than this: keep
     smooth = (original_context_length / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
     blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, blended)
-    return torch.where(wavelen < high_freq_wavelen, inv_freq, scaled)
+    kept_or_blended = torch.where(wavelen < high_freq_wavelen, inv_freq, blended)
+    return torch.where(wavelen > low_freq_wavelen, inv_freq / factor, kept_or_blended)
