@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from . import hf_capture
+from .analysis import error_profile, logits_effect
 from .compare import NodeResult, compare_traces, first_mismatch
 from .diagnose import diagnose
 from .errors import ParityError
@@ -25,6 +26,12 @@ class CheckResult:
     nodes: list[NodeResult]
     meta: dict
     notes: list[str] = field(default_factory=list)
+    #: error by position / head / channel of the first failing node (see parity.analysis.error_profile)
+    profile: dict | None = None
+    #: effect on predictions at the output node (see parity.analysis.logits_effect)
+    logits: dict | None = None
+    #: per-node results of isolated mode, when it ran (same order as ``nodes``)
+    isolated: list[NodeResult] | None = None
 
     @property
     def first_mismatch(self) -> NodeResult | None:
@@ -133,8 +140,16 @@ def check(
     ref_trace, our_trace = trace_pair(pair, input_ids)
     nodes = compare_traces(our_trace, ref_trace, pair.nodes, pair.dtype, atol, rtol, tolerances)
     bad = first_mismatch(nodes)
+    profile = None
     if bad is not None:
         bad.hint = diagnose(bad, our_trace, ref_trace, pair)
+        ours_t, ref_t = our_trace.tensors.get(bad.name), ref_trace.tensors.get(bad.name)
+        if ours_t is not None and ref_t is not None and ours_t.shape == ref_t.shape:
+            profile = {"node": bad.name, **error_profile(ours_t, ref_t, bad.kind, pair.cfg.get("head_dim"))}
+    output = next((n.name for n in reversed(nodes) if n.name in ("logits", "lm_head") and n.status != "shape"), None)
+    logits = None
+    if output is not None and output in our_trace.tensors and output in ref_trace.tensors:
+        logits = {"node": output, **logits_effect(our_trace.tensors[output], ref_trace.tensors[output])}
     meta = {
         "family": pair.family,
         "config": pair.config_name,
@@ -153,4 +168,4 @@ def check(
         "seconds": round(time.perf_counter() - start, 3),
         "cfg": {k: str(v) if isinstance(v, torch.dtype) else v for k, v in pair.cfg.items()},
     }
-    return CheckResult(nodes=nodes, meta=meta, notes=notes)
+    return CheckResult(nodes=nodes, meta=meta, notes=notes, profile=profile, logits=logits)

@@ -49,6 +49,13 @@ class NodeResult:
     rtol: float
     hint: str = ""
     detail: str = ""
+    #: ||ours - ref|| / ||ref|| (cosine is blind to scale; this is not)
+    rel_l2: float | None = None
+    #: smallest atol that passes with this rtol, and smallest rtol that passes with this atol
+    atol_needed: float | None = None
+    rtol_needed: float | None = None
+    #: where atol/rtol came from: "default:<dtype>", "run", "pattern:<glob>" or "calibrated"
+    tol_source: str = ""
 
     @property
     def passed(self) -> bool:
@@ -84,11 +91,17 @@ def tolerance_for(
 ) -> tuple[float, float]:
     """Resolve a node's tolerance: the first matching ``per_node`` glob pattern wins, then the
     run-wide ``atol``/``rtol``, then the dtype default."""
+    return tolerance_with_source(name, dtype, atol, rtol, per_node)[:2]
+
+
+def tolerance_with_source(name, dtype, atol=None, rtol=None, per_node=None) -> tuple[float, float, str]:
+    """:func:`tolerance_for` plus where the values came from (``pattern:<glob>``, ``run``, ``default:<dtype>``)."""
     for pattern, tol in (per_node or {}).items():
         if fnmatch.fnmatchcase(name, pattern):
-            return tol
+            return float(tol[0]), float(tol[1]), f"pattern:{pattern}"
     d_atol, d_rtol = default_tolerance(dtype)
-    return (d_atol if atol is None else atol, d_rtol if rtol is None else rtol)
+    source = "run" if atol is not None or rtol is not None else f"default:{str(dtype).replace('torch.', '')}"
+    return (d_atol if atol is None else atol, d_rtol if rtol is None else rtol, source)
 
 
 def tensor_metrics(ours: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float) -> dict:
@@ -96,8 +109,10 @@ def tensor_metrics(ours: torch.Tensor, ref: torch.Tensor, atol: float, rtol: flo
 
     Returns ``status`` (``ok``, ``mismatch`` or ``nonfinite``), ``max_abs``, ``mean_abs``,
     ``max_rel`` (max of ``|a-b| / |b|`` over elements with ``b != 0``), ``cosine`` of the
-    flattened tensors and, for non-finite values, ``detail`` naming the first position.
-    Metrics skip positions where either side is non-finite.
+    flattened tensors, ``rel_l2`` (``||a-b|| / ||b||``), ``atol_needed`` (smallest atol that
+    passes with this rtol), ``rtol_needed`` (smallest rtol that passes with this atol; inf when an
+    element with ``b == 0`` exceeds atol) and, for non-finite values, ``detail`` naming the first
+    position. Metrics skip positions where either side is non-finite.
     """
     a, b = ours.detach().to(torch.float64), ref.detach().to(torch.float64)
     finite = torch.isfinite(a) & torch.isfinite(b)
@@ -115,7 +130,9 @@ def tensor_metrics(ours: torch.Tensor, ref: torch.Tensor, atol: float, rtol: flo
         )
     a, b = a[finite], b[finite]
     if a.numel() == 0:
-        return dict(status=status, max_abs=math.nan, mean_abs=math.nan, max_rel=math.nan, cosine=math.nan, detail=detail)
+        nan = math.nan
+        return dict(status=status, max_abs=nan, mean_abs=nan, max_rel=nan, cosine=nan, detail=detail,
+                    rel_l2=nan, atol_needed=nan, rtol_needed=nan)
     diff = (a - b).abs()
     nonzero = b != 0
     max_rel = float((diff[nonzero] / b[nonzero].abs()).max()) if bool(nonzero.any()) else 0.0
@@ -128,6 +145,14 @@ def tensor_metrics(ours: torch.Tensor, ref: torch.Tensor, atol: float, rtol: flo
         cosine = float((a @ b) / (na * nb))
     if status == OK and bool((diff > atol + rtol * b.abs()).any()):
         status = MISMATCH
+    excess = diff - atol
+    over = excess > 0
+    if not bool(over.any()):
+        rtol_needed = 0.0
+    elif bool((b[over] == 0).any()):
+        rtol_needed = math.inf
+    else:
+        rtol_needed = float((excess[over] / b[over].abs()).max())
     return dict(
         status=status,
         max_abs=float(diff.max()),
@@ -135,6 +160,9 @@ def tensor_metrics(ours: torch.Tensor, ref: torch.Tensor, atol: float, rtol: flo
         max_rel=max_rel,
         cosine=cosine,
         detail=detail,
+        rel_l2=float((a - b).norm() / nb) if float(nb) > 0 else (0.0 if float((a - b).norm()) == 0 else math.inf),
+        atol_needed=max(0.0, float((diff - rtol * b.abs()).max())),
+        rtol_needed=rtol_needed,
     )
 
 
@@ -158,9 +186,9 @@ def compare_traces(
     results = []
     for index, name in enumerate(order):
         spec = by_name[name]
-        n_atol, n_rtol = tolerance_for(name, dtype, atol, rtol, per_node)
+        n_atol, n_rtol, source = tolerance_with_source(name, dtype, atol, rtol, per_node)
         ref_t, our_t = reference.tensors.get(name), ours.tensors.get(name)
-        base = dict(name=name, index=index, layer=spec.layer, kind=spec.kind, atol=n_atol, rtol=n_rtol)
+        base = dict(name=name, index=index, layer=spec.layer, kind=spec.kind, atol=n_atol, rtol=n_rtol, tol_source=source)
         shapes = dict(
             shape_ours=tuple(our_t.shape) if our_t is not None else None,
             shape_ref=tuple(ref_t.shape) if ref_t is not None else None,

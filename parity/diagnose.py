@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import torch
 
+from .analysis import HEAD_MAJOR
 from .compare import MISSING, NONFINITE, SHAPE, NodeResult
 from .pair import Pair
 from .trace import Trace
-
-#: Node kinds whose tensors are (batch, heads, seq, ...): the sequence axis is 2, not 1.
-HEAD_MAJOR = {"q_rot", "k_rot", "probs"}
 
 
 def _seq_axis(kind: str) -> int:

@@ -16,6 +16,9 @@ cosine     cosine similarity of the flattened tensors
 atol, rtol tolerance the node was judged with
 hint       likely cause (first failing node only)
 detail     why a node could not be compared, or where non-finite values are
+rel_l2     ``||ours - ref|| / ||ref||``
+atol_needed / rtol_needed   smallest atol (at this rtol) / rtol (at this atol) that would pass
+tol_source where atol/rtol came from: default:<dtype>, run, pattern:<glob>, calibrated
 =========  ==============================================================
 """
 
@@ -32,6 +35,7 @@ from .atomic import atomic_write
 COLUMNS = [
     "order", "name", "layer", "kind", "status", "shape_ours", "shape_ref", "dtype",
     "max_abs", "mean_abs", "max_rel", "cosine", "atol", "rtol", "hint", "detail",
+    "rel_l2", "atol_needed", "rtol_needed", "tol_source",
 ]
 RESULT_VERSION = 1
 
@@ -73,6 +77,13 @@ def result_dict(result) -> dict:
         "notes": result.notes,
         "counts": {s: sum(r.status == s for r in result.nodes) for s in sorted({r.status for r in result.nodes})},
         "nodes": [{k: _clean(v) for k, v in r.to_dict().items()} for r in result.nodes],
+        "isolated": (
+            [{k: _clean(v) for k, v in r.to_dict().items()} for r in result.isolated]
+            if result.isolated is not None
+            else None
+        ),
+        "profile": result.profile,
+        "logits": result.logits,
     }
 
 
