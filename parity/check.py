@@ -41,6 +41,11 @@ class CheckResult:
     def passed(self) -> bool:
         return self.first_mismatch is None
 
+    @property
+    def first_isolated_mismatch(self) -> NodeResult | None:
+        """The first failing node in isolated mode (the likely fault), when isolated mode ran."""
+        return first_mismatch(self.isolated) if self.isolated is not None else None
+
     def verdict(self) -> str:
         """One line: parity holds, or the first node that fails with its metrics."""
         n = len(self.nodes)
@@ -83,19 +88,99 @@ def _versions() -> dict:
     return {"torch": torch.__version__, "transformers": transformers.__version__}
 
 
+MODES = ("chained", "isolated", "both")
+#: node kinds whose module input is kept for diagnosis (norm placement, LayerNorm vs RMSNorm)
+_DIAGNOSIS_INPUT_KINDS = ("q_proj", "gate_proj", "norm", "layernorm")
+#: calibrated atol = SAFETY_FACTOR x |reference - reference in float64|, at least the floor
+SAFETY_FACTOR = 10.0
+CALIBRATION_FLOOR = {torch.float32: 1e-6, torch.bfloat16: 1e-3, torch.float16: 1e-4}
+
+
+def _keep_inputs(pair: Pair) -> frozenset[str]:
+    return frozenset(n.name for n in pair.nodes if any(k in n.kind for k in _DIAGNOSIS_INPUT_KINDS))
+
+
+def trace_reference(pair: Pair, input_ids: torch.Tensor, model=None) -> Trace:
+    """Run the reference (or ``model``, a copy of it) on ``input_ids``; attention internals
+    come through :mod:`parity.hf_capture`."""
+    model = pair.reference if model is None else model
+    hf_capture.install(model)
+    captured = [n.name for n in pair.nodes if n.name.rsplit(".", 1)[-1] in hf_capture.SUFFIXES]
+    points = [(n.name, n.reference_path) for n in pair.nodes if n.name not in captured]
+    with torch.inference_mode(), recording(model, points, captured=captured, keep_inputs=_keep_inputs(pair)) as trace:
+        model(input_ids=input_ids, use_cache=False)
+    return trace
+
+
+def trace_ours(pair: Pair, input_ids: torch.Tensor, substitute: Trace | None = None) -> Trace:
+    """Run our model; with ``substitute`` (isolated mode) every node continues from the reference's tensor."""
+    points = [(n.name, n.ours) for n in pair.nodes]
+    transforms = {n.name: n.transform for n in pair.nodes if n.transform is not None}
+    inverses = {n.name: n.inverse for n in pair.nodes if n.inverse is not None}
+    with torch.inference_mode(), recording(
+        pair.ours, points, transforms=transforms, substitute=substitute, inverses=inverses,
+        keep_inputs=_keep_inputs(pair),
+    ) as trace:
+        pair.ours(input_ids)
+    return trace
+
+
 def trace_pair(pair: Pair, input_ids: torch.Tensor) -> tuple[Trace, Trace]:
     """Run the reference, then ours, on ``input_ids`` and return their traces (reference, ours)."""
-    hf_capture.install(pair.reference)
-    captured = [n.name for n in pair.nodes if n.name.rsplit(".", 1)[-1] in hf_capture.SUFFIXES]
-    ref_points = [(n.name, n.reference_path) for n in pair.nodes if n.name not in captured]
-    our_points = [(n.name, n.ours) for n in pair.nodes]
-    transforms = {n.name: n.transform for n in pair.nodes if n.transform is not None}
-    with torch.inference_mode():
-        with recording(pair.reference, ref_points, captured=captured) as ref_trace:
-            pair.reference(input_ids=input_ids, use_cache=False)
-        with recording(pair.ours, our_points, transforms=transforms) as our_trace:
-            pair.ours(input_ids)
-    return ref_trace, our_trace
+    ref_trace = trace_reference(pair, input_ids)
+    return ref_trace, trace_ours(pair, input_ids)
+
+
+def calibrate_tolerances(pair: Pair, input_ids: torch.Tensor, ref_trace: Trace, safety: float = SAFETY_FACTOR) -> dict:
+    """Per-node ``(atol, 0.0)`` from the reference's own error against itself in float64.
+
+    A float64 copy of the reference (same weights) runs on the same inputs; each node's atol is
+    ``safety`` times the reference's max |error|, floored (:data:`CALIBRATION_FLOOR`) so that an
+    exactly representable node does not demand bit-exactness. Costs a float64 copy of the weights.
+    """
+    import copy
+
+    ref64 = copy.deepcopy(pair.reference).to(torch.float64)
+    try:
+        trace64 = trace_reference(pair, input_ids, model=ref64)
+    finally:
+        del ref64
+    floor = CALIBRATION_FLOOR.get(pair.dtype, 1e-6)
+    tolerances = {}
+    for name, tensor in ref_trace.tensors.items():
+        exact = trace64.tensors.get(name)
+        if exact is None or exact.shape != tensor.shape:
+            continue
+        err = (tensor.double() - exact).abs().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+        tolerances[name] = (max(safety * float(err.max()) if err.numel() else 0.0, floor), 0.0)
+    return tolerances
+
+
+def config_diff(pair: Pair) -> list[dict]:
+    """Hyperparameters where the cfg our model runs with differs from the reference's config.
+
+    Our side: ``pair.ours.cfg`` (the dict our model was built with, which a user may have edited);
+    reference side: ``pair.reference_cfg``, the reference config read back through the family's
+    mapping. Returns ``[{"key", "ours", "reference"}]``; keys missing on one side are listed too.
+    """
+    ours = getattr(pair.ours, "cfg", None) or pair.cfg
+    ref = pair.reference_cfg
+    if ref is None:
+        return []
+    diffs = []
+    for key in sorted(set(ours) | set(ref)):
+        if key == "dtype":
+            continue
+        a, b = ours.get(key, "<absent>"), ref.get(key, "<absent>")
+        if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+            same = list(a) == list(b)
+        elif isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+            same = a == b or abs(a - b) <= 1e-9 * max(abs(a), abs(b))
+        else:
+            same = a == b
+        if not same:
+            diffs.append({"key": key, "ours": a, "reference": b})
+    return diffs
 
 
 def check(
@@ -107,22 +192,27 @@ def check(
     atol: float | None = None,
     rtol: float | None = None,
     tolerances: Mapping[str, tuple[float, float]] | None = None,
+    calibrate: bool = False,
 ) -> CheckResult:
     """Compare ``pair.ours`` with ``pair.reference`` node by node.
 
     ``input_ids``: ``(batch, seq)`` int64; by default seeded random tokens of ``seq_len``
     (``pair.default_seq_len``, which passes the sliding window of small configs) and
-    ``batch_size``. ``atol``/``rtol`` override the dtype defaults
-    (:data:`parity.compare.DEFAULT_TOLERANCES`); ``tolerances`` maps node-name glob patterns to
-    ``(atol, rtol)`` and wins over both.
+    ``batch_size``. ``mode``: ``chained`` (both models run on their own; errors compound),
+    ``isolated`` (every node of ours continues from the reference's tensors, so each node shows
+    only its own error; the first failing node is the fault) or ``both`` (verdict from chained,
+    ``result.isolated`` filled too). ``atol``/``rtol`` override the dtype defaults
+    (:data:`parity.compare.DEFAULT_TOLERANCES`); ``calibrate`` derives each node's atol from the
+    reference's own float32-vs-float64 error (:func:`calibrate_tolerances`); ``tolerances`` maps
+    node-name glob patterns to ``(atol, rtol)`` and wins over all of them.
 
     Raises:
-        ParityError: unsupported ``mode``, or ``input_ids`` that are not 2-D or out of the vocabulary.
+        ParityError: unknown ``mode``, or ``input_ids`` that are not 2-D or out of the vocabulary.
     """
-    if mode != "chained":
-        raise ParityError(f"mode {mode!r} is not available yet; use 'chained'")
+    if mode not in MODES:
+        raise ParityError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
     if input_ids is None:
-        if seq_len is not None and seq_len < 1 or batch_size < 1:
+        if (seq_len is not None and seq_len < 1) or batch_size < 1:
             raise ParityError(f"seq_len and batch_size must be positive, got {seq_len} and {batch_size}")
         input_ids = pair.make_inputs(seq_len, batch_size)
     if input_ids.dim() != 2:
@@ -136,20 +226,36 @@ def check(
             f"seq_len {input_ids.shape[1]} does not exceed the sliding window ({window}): sliding layers "
             f"behave like full attention here; pass --seq-len {window + 1} or more to exercise the window"
         )
+    diffs = config_diff(pair)
+    notes += [f"config differs: {d['key']} is {d['ours']!r} in ours, {d['reference']!r} in the reference" for d in diffs]
     start = time.perf_counter()
-    ref_trace, our_trace = trace_pair(pair, input_ids)
-    nodes = compare_traces(our_trace, ref_trace, pair.nodes, pair.dtype, atol, rtol, tolerances)
+    ref_trace = trace_reference(pair, input_ids)
+    calibrated = calibrate_tolerances(pair, input_ids, ref_trace) if calibrate else None
+
+    def run(substitute: Trace | None) -> tuple[list[NodeResult], Trace]:
+        ours = trace_ours(pair, input_ids, substitute)
+        results = compare_traces(ours, ref_trace, pair.nodes, pair.dtype, atol, rtol, tolerances, calibrated)
+        bad = first_mismatch(results)
+        if bad is not None:
+            bad.hint = diagnose(bad, ours, ref_trace, pair)
+        return results, ours
+
+    isolated = run(ref_trace)[0] if mode in ("isolated", "both") else None
+    if mode == "isolated":
+        nodes, our_trace = isolated, None
+    else:
+        nodes, our_trace = run(None)
     bad = first_mismatch(nodes)
-    profile = None
-    if bad is not None:
-        bad.hint = diagnose(bad, our_trace, ref_trace, pair)
-        ours_t, ref_t = our_trace.tensors.get(bad.name), ref_trace.tensors.get(bad.name)
-        if ours_t is not None and ref_t is not None and ours_t.shape == ref_t.shape:
-            profile = {"node": bad.name, **error_profile(ours_t, ref_t, bad.kind, pair.cfg.get("head_dim"))}
-    output = next((n.name for n in reversed(nodes) if n.name in ("logits", "lm_head") and n.status != "shape"), None)
-    logits = None
-    if output is not None and output in our_trace.tensors and output in ref_trace.tensors:
-        logits = {"node": output, **logits_effect(our_trace.tensors[output], ref_trace.tensors[output])}
+    profile = logits = None
+    if our_trace is not None:
+        if bad is not None:
+            ours_t, ref_t = our_trace.tensors.get(bad.name), ref_trace.tensors.get(bad.name)
+            if ours_t is not None and ref_t is not None and ours_t.shape == ref_t.shape:
+                profile = {"node": bad.name, **error_profile(ours_t, ref_t, bad.kind, pair.cfg.get("head_dim"))}
+        output = next((n.name for n in reversed(nodes) if n.name in ("logits", "lm_head")), None)
+        if output is not None and output in our_trace.tensors and output in ref_trace.tensors:
+            if our_trace.tensors[output].shape == ref_trace.tensors[output].shape:
+                logits = {"node": output, **logits_effect(our_trace.tensors[output], ref_trace.tensors[output])}
     meta = {
         "family": pair.family,
         "config": pair.config_name,
@@ -162,10 +268,13 @@ def check(
         "mode": mode,
         "atol": atol,
         "rtol": rtol,
+        "calibrated": bool(calibrate),
+        "safety_factor": SAFETY_FACTOR if calibrate else None,
         "tolerances": dict(tolerances or {}),
+        "config_diff": diffs,
         "versions": _versions(),
         "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "seconds": round(time.perf_counter() - start, 3),
         "cfg": {k: str(v) if isinstance(v, torch.dtype) else v for k, v in pair.cfg.items()},
     }
-    return CheckResult(nodes=nodes, meta=meta, notes=notes, profile=profile, logits=logits)
+    return CheckResult(nodes=nodes, meta=meta, notes=notes, profile=profile, logits=logits, isolated=isolated)

@@ -94,11 +94,16 @@ def tolerance_for(
     return tolerance_with_source(name, dtype, atol, rtol, per_node)[:2]
 
 
-def tolerance_with_source(name, dtype, atol=None, rtol=None, per_node=None) -> tuple[float, float, str]:
-    """:func:`tolerance_for` plus where the values came from (``pattern:<glob>``, ``run``, ``default:<dtype>``)."""
+def tolerance_with_source(
+    name, dtype, atol=None, rtol=None, per_node=None, calibrated=None
+) -> tuple[float, float, str]:
+    """:func:`tolerance_for` plus where the values came from (``pattern:<glob>``, ``calibrated``,
+    ``run``, ``default:<dtype>``). Precedence: pattern, calibrated, run-wide, default."""
     for pattern, tol in (per_node or {}).items():
         if fnmatch.fnmatchcase(name, pattern):
             return float(tol[0]), float(tol[1]), f"pattern:{pattern}"
+    if calibrated and name in calibrated:
+        return float(calibrated[name][0]), float(calibrated[name][1]), "calibrated"
     d_atol, d_rtol = default_tolerance(dtype)
     source = "run" if atol is not None or rtol is not None else f"default:{str(dtype).replace('torch.', '')}"
     return (d_atol if atol is None else atol, d_rtol if rtol is None else rtol, source)
@@ -174,6 +179,7 @@ def compare_traces(
     atol: float | None = None,
     rtol: float | None = None,
     per_node: Mapping[str, tuple[float, float]] | None = None,
+    calibrated: Mapping[str, tuple[float, float]] | None = None,
 ) -> list[NodeResult]:
     """One NodeResult per node, in the reference's execution order.
 
@@ -186,7 +192,7 @@ def compare_traces(
     results = []
     for index, name in enumerate(order):
         spec = by_name[name]
-        n_atol, n_rtol, source = tolerance_with_source(name, dtype, atol, rtol, per_node)
+        n_atol, n_rtol, source = tolerance_with_source(name, dtype, atol, rtol, per_node, calibrated)
         ref_t, our_t = reference.tensors.get(name), ours.tensors.get(name)
         base = dict(name=name, index=index, layer=spec.layer, kind=spec.kind, atol=n_atol, rtol=n_rtol, tol_source=source)
         shapes = dict(

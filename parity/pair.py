@@ -26,13 +26,15 @@ class NodeSpec:
     path in our model, with the same ``@input`` convention (``""`` is the whole model's output).
     ``reference`` is the reference's module path when it differs from ``name`` (e.g. ``logits``
     after a scale applied outside any module is the root's output, ``""``). ``transform``
-    (optional) maps our tensor into the reference's layout before comparing.
+    (optional) maps our tensor into the reference's layout before comparing; ``inverse`` maps a
+    reference tensor back into ours, which isolated mode needs to substitute that node.
     """
 
     name: str
     ours: str
     transform: Callable[[torch.Tensor], torch.Tensor] | None = None
     reference: str | None = None
+    inverse: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
     def reference_path(self) -> str:
@@ -92,6 +94,8 @@ class Pair:
     default_seq_len: int = 16
     notes: list[str] = field(default_factory=list)
     loaded_keys: dict[str, str] = field(default_factory=dict)
+    #: the reference's config read back through the family's mapping, for the config diff
+    reference_cfg: dict | None = None
 
     @property
     def vocab_size(self) -> int:

@@ -19,6 +19,19 @@ from torch import nn
 _ACTIVE: contextvars.ContextVar[Trace | None] = contextvars.ContextVar("parity_active_trace", default=None)
 
 
+def _replace_first_tensor(value, new: torch.Tensor):
+    """``value`` with its first tensor replaced by ``new`` (cast to that tensor's dtype and device)."""
+    if isinstance(value, torch.Tensor):
+        return new.to(dtype=value.dtype, device=value.device)
+    if isinstance(value, (tuple, list)):
+        items = list(value)
+        for i, item in enumerate(items):
+            if _first_tensor(item) is not None:
+                items[i] = _replace_first_tensor(item, new)
+                return type(value)(items)
+    return value
+
+
 def _first_tensor(value) -> torch.Tensor | None:
     if isinstance(value, torch.Tensor):
         return value
@@ -47,6 +60,8 @@ class Trace:
     calls: dict[str, int] = field(default_factory=dict)
     missing: list[str] = field(default_factory=list)
     wanted: frozenset[str] = frozenset()
+    #: first input of selected output nodes, kept for diagnosis only (never compared)
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def add(self, name: str, value, transform: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         tensor = _first_tensor(value)
@@ -76,6 +91,9 @@ def recording(
     points: Sequence[tuple[str, str]],
     transforms: dict[str, Callable[[torch.Tensor], torch.Tensor]] | None = None,
     captured: Sequence[str] = (),
+    substitute: Trace | None = None,
+    inverses: dict[str, Callable[[torch.Tensor], torch.Tensor]] | None = None,
+    keep_inputs: frozenset[str] = frozenset(),
 ) -> Iterator[Trace]:
     """Hook ``model`` for the duration of the block and yield the Trace being filled.
 
@@ -83,9 +101,25 @@ def recording(
     ``trace.missing`` rather than raising, so a partial model can still be compared. Node names
     that are not module paths (attention internals of a Transformers model) go in ``captured``:
     they are ``wanted`` and filled by a capture function through :func:`active_trace`.
+
+    ``substitute`` (isolated mode): after a node's own tensor is recorded, the model continues
+    with ``substitute``'s tensor for that node instead (outputs through the forward hook's return
+    value, ``@input`` nodes through the pre-hook's), so every later node reads the reference's
+    values and is judged on its own error. A node with a ``transform`` is substituted only if
+    ``inverses`` maps the reference tensor back into our layout. Only a module's first call is
+    substituted. ``keep_inputs``: node names whose module input is also kept in ``trace.inputs``.
     """
-    transforms = transforms or {}
+    transforms, inverses = transforms or {}, inverses or {}
     trace = Trace(wanted=frozenset([name for name, _ in points] + list(captured)))
+
+    def replacement(name: str) -> torch.Tensor | None:
+        if substitute is None or trace.calls.get(name, 0) != 1 or name not in substitute.tensors:
+            return None
+        ref = substitute.tensors[name]
+        if name in transforms:
+            return inverses[name](ref) if name in inverses else None
+        return ref
+
     handles = []
     modules = dict(model.named_modules())
     for name, path in points:
@@ -100,14 +134,31 @@ def recording(
 
             def pre_hook(mod, args, kwargs, _name=name, _t=transform):
                 trace.add(_name, args if args else kwargs, _t)
+                new = replacement(_name)
+                if new is None:
+                    return None
+                if args:
+                    return _replace_first_tensor(args, new), kwargs
+                key = next(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
+                return args, {**kwargs, key: _replace_first_tensor(kwargs[key], new)}
 
             handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
         else:
 
             def hook(mod, args, output, _name=name, _t=transform):
                 trace.add(_name, output, _t)
+                new = replacement(_name)
+                return None if new is None else _replace_first_tensor(output, new)
 
             handles.append(module.register_forward_hook(hook))
+            if name in keep_inputs:
+
+                def keep(mod, args, kwargs, _name=name):
+                    tensor = _first_tensor(args if args else kwargs)
+                    if tensor is not None and _name not in trace.inputs:
+                        trace.inputs[_name] = tensor.detach().to("cpu", copy=True)
+
+                handles.append(module.register_forward_pre_hook(keep, with_kwargs=True))
     token = _ACTIVE.set(trace)
     try:
         yield trace

@@ -176,5 +176,6 @@ def build_pair(
         notes=notes,
         loaded_keys=loaded,
         checkpoint_hash=ckpt.content_hash() if checkpoint is not None else None,
+        reference_cfg=spec.from_hf(reference.config, dtype),
     )
     return pair

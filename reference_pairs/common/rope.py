@@ -122,8 +122,8 @@ def llama3_inv_freq(
     * in between: ``(1 - s) * w / factor + s * w`` with ``s = (L / lam - low_freq_factor) /
       (high_freq_factor - low_freq_factor)``, a linear blend of the two.
 
-    The blend is evaluated as ``((1 - s) * w) / factor + s * w``, the reference's operation order,
-    so the result agrees bit for bit in float32.
+    The blend is evaluated as ``((1 - s) * w) / factor + s * w``, the reference's operation order;
+    tests/test_llama3.py checks bit-for-bit agreement in float32.
     """
     inv_freq = default_inv_freq(head_dim, base)
     wavelen = 2 * math.pi / inv_freq

@@ -40,13 +40,13 @@ def _base(**kw) -> dict:
 
 
 def tiny(n_layers: int | None = None) -> dict:
-    """2 layers, emb 48, GQA 4 query / 2 KV heads, head_dim 16, tied head, Llama 3 RoPE scaling in reach of 16 tokens.
+    """2 layers, emb 48, GQA 4 query / 2 KV heads, head_dim 16, tied head, Llama 3 RoPE scaling seen in 16 tokens.
 
     The real theta 500000 and factor 32, but ``original_context_length`` 256 instead of 8192, so
     at head_dim 16 the wavelengths 6.3, 32, 167, 860, ... straddle the band [64, 256]: one
     frequency is blended, five are divided by 32, and at position 15 the blended one's angle moves
-    by about 0.45 rad. With 8192 the scaled frequencies turn by under 0.03 rad in 16 tokens and
-    the scaling would be all but invisible. ``emb_dim`` 48 differs from ``n_heads * head_dim`` 64
+    by about 0.45 rad. With 8192 only frequencies that turn by under 0.03 rad in 16 tokens would
+    be touched: visible in float32, but no margin. ``emb_dim`` 48 differs from ``n_heads * head_dim`` 64
     so the two cannot be confused.
     """
     return _base(

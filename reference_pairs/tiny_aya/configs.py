@@ -7,7 +7,7 @@ Real values (``3b-shape``) are those of the released checkpoints' config.json
 vocab 262144, ``max_position_embeddings`` 500000, hidden 2048, 36 layers (3 sliding : 1 full),
 16 query / 4 KV heads, head_dim 128 (= 2048 / 16), FFN 11008, sliding window 4096, rope_theta
 50000, layer_norm_eps 1e-5, logit_scale 1.0, tied embeddings. Cross-checks: the parameter count
-these widths give, 3,349,227,520 with the tied matrix counted twice, is the model card's 3.35B;
+these widths give, 3,349,227,520 with the tied embedding counted once, is the model card's 3.35B;
 the README there and the book give the 3:1 pattern, window 4096 and no RoPE on full layers.
 Where a value is absent from config.json, ``transformers.Cohere2Config``'s default applies
 (``logit_scale`` 0.0625, ``layer_norm_eps`` 1e-5, pattern 4, ``tie_word_embeddings`` True).

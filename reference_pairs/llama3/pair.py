@@ -1,0 +1,170 @@
+"""The Llama 3.2 pair: our :class:`Llama3Model` against ``transformers.LlamaForCausalLM``."""
+
+from __future__ import annotations
+
+import torch
+
+from parity.errors import ConfigError
+from parity.pair import Family, NodeSpec, Pair, expand_nodes
+
+from ..common.pairing import FamilySpec
+from ..common.pairing import build_pair as _build_pair
+from .configs import CONFIGS, FULL
+from .loader import load_weights_into_llama3
+from .model import Llama3Model
+
+NODES_BEFORE = [("model.embed_tokens", "tok_emb")]
+NODES_PER_LAYER = [
+    ("model.layers.{i}.input_layernorm", "blocks.{i}.norm1"),
+    ("model.layers.{i}.self_attn.q_proj", "blocks.{i}.att.W_query"),
+    ("model.layers.{i}.self_attn.k_proj", "blocks.{i}.att.W_key"),
+    ("model.layers.{i}.self_attn.v_proj", "blocks.{i}.att.W_value"),
+    ("model.layers.{i}.self_attn.q_rot", "blocks.{i}.att.q_rot"),
+    ("model.layers.{i}.self_attn.k_rot", "blocks.{i}.att.k_rot"),
+    ("model.layers.{i}.self_attn.probs", "blocks.{i}.att.probs"),
+    ("model.layers.{i}.self_attn.context", "blocks.{i}.att.context"),
+    ("model.layers.{i}.self_attn.o_proj", "blocks.{i}.att.out_proj"),
+    # the residual stream after attention: the input of the second pre-norm
+    ("model.layers.{i}.post_attention_layernorm@input", "blocks.{i}.norm2@input"),
+    ("model.layers.{i}.post_attention_layernorm", "blocks.{i}.norm2"),
+    ("model.layers.{i}.mlp.gate_proj", "blocks.{i}.ff.fc1"),
+    ("model.layers.{i}.mlp.up_proj", "blocks.{i}.ff.fc2"),
+    ("model.layers.{i}.mlp.down_proj", "blocks.{i}.ff.fc3"),
+    ("model.layers.{i}", "blocks.{i}"),
+]
+NODES_AFTER = [("model.norm", "final_norm"), ("lm_head", "out_head")]
+
+
+def nodes(cfg: dict) -> list[NodeSpec]:
+    return expand_nodes(NODES_BEFORE, NODES_PER_LAYER, NODES_AFTER, cfg["n_layers"])
+
+
+def _rope_dict(cfg: dict) -> dict:
+    freq = cfg["rope_freq"]
+    if freq is None:
+        return {"rope_type": "default", "rope_theta": cfg["rope_base"]}
+    return {
+        "rope_type": "llama3",
+        "rope_theta": cfg["rope_base"],
+        "factor": float(freq["factor"]),
+        "low_freq_factor": float(freq["low_freq_factor"]),
+        "high_freq_factor": float(freq["high_freq_factor"]),
+        "original_max_position_embeddings": int(freq["original_context_length"]),
+    }
+
+
+def to_hf(cfg: dict):
+    """Our cfg -> ``transformers.LlamaConfig`` (RoPE in Transformers 5's ``rope_parameters``)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["emb_dim"],
+        intermediate_size=cfg["hidden_dim"],
+        num_hidden_layers=cfg["n_layers"],
+        num_attention_heads=cfg["n_heads"],
+        num_key_value_heads=cfg["n_kv_heads"],
+        head_dim=cfg["head_dim"],
+        max_position_embeddings=cfg["context_length"],
+        rms_norm_eps=cfg["rms_norm_eps"],
+        hidden_act="silu",
+        attention_bias=False,
+        mlp_bias=False,
+        tie_word_embeddings=cfg["tie_word_embeddings"],
+        rope_parameters=_rope_dict(cfg),
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+
+
+#: Transformers' llama3 rope keys -> the book's ``rope_freq`` keys.
+_FREQ_KEYS = {
+    "factor": "factor",
+    "low_freq_factor": "low_freq_factor",
+    "high_freq_factor": "high_freq_factor",
+    "original_max_position_embeddings": "original_context_length",
+}
+_ROPE_KEYS = {"default": {"rope_type", "rope_theta", "type"}, "llama3": {"rope_type", "rope_theta", "type", *_FREQ_KEYS}}
+
+
+def from_hf(hc, dtype: torch.dtype) -> dict:
+    """``transformers.LlamaConfig`` (after its own RoPE standardisation, so a legacy
+    ``rope_scaling`` + ``rope_theta`` config.json arrives as ``rope_parameters``) -> our cfg.
+
+    Raises ConfigError naming any field we cannot honour: a rope type other than ``default`` or
+    ``llama3`` (linear, dynamic, yarn, longrope, ...), RoPE fields we do not implement
+    (``partial_rotary_factor`` below 1, per-layer-type RoPE, ...), ``attention_bias`` or
+    ``mlp_bias``, an activation other than SiLU.
+    """
+    if hc.hidden_act != "silu":
+        raise ConfigError(f"hidden_act {hc.hidden_act!r} is not supported (Llama 3 uses 'silu')")
+    if hc.attention_bias:
+        raise ConfigError("attention_bias true is not supported (Llama 3 has no attention biases)")
+    if hc.mlp_bias:
+        raise ConfigError("mlp_bias true is not supported (Llama 3 has no MLP biases)")
+    rope = dict(hc.rope_parameters or {})
+    rope_type = rope.get("rope_type", "default")
+    if rope_type not in _ROPE_KEYS:
+        raise ConfigError(f"rope_parameters.rope_type {rope_type!r} is not supported (default, llama3)")
+    if float(rope.get("partial_rotary_factor", 1.0)) == 1.0:
+        rope.pop("partial_rotary_factor", None)
+    extra = set(rope) - _ROPE_KEYS[rope_type]
+    if extra:
+        raise ConfigError(f"rope_parameters has unsupported fields for rope_type {rope_type!r}: {', '.join(sorted(extra))}")
+    rope_freq = None
+    if rope_type == "llama3":
+        missing = [key for key in _FREQ_KEYS if rope.get(key) is None]
+        if missing:
+            raise ConfigError(f"rope_parameters (llama3) lacks {', '.join(missing)}")
+        rope_freq = {ours: rope[key] for key, ours in _FREQ_KEYS.items()}
+        rope_freq = {k: int(v) if k == "original_context_length" else float(v) for k, v in rope_freq.items()}
+    head_dim = getattr(hc, "head_dim", None) or hc.hidden_size // hc.num_attention_heads
+    return dict(
+        vocab_size=hc.vocab_size,
+        context_length=hc.max_position_embeddings,
+        emb_dim=hc.hidden_size,
+        n_heads=hc.num_attention_heads,
+        n_kv_heads=hc.num_key_value_heads,
+        n_layers=hc.num_hidden_layers,
+        hidden_dim=hc.intermediate_size,
+        head_dim=head_dim,
+        rope_base=float(rope.get("rope_theta", hc.default_theta)),
+        rope_freq=rope_freq,
+        rms_norm_eps=hc.rms_norm_eps,
+        tie_word_embeddings=bool(hc.tie_word_embeddings),
+        layer_types=[FULL] * hc.num_hidden_layers,
+        dtype=dtype,
+    )
+
+
+SPEC = FamilySpec(
+    name="llama3",
+    model_type="llama",
+    reference_class="LlamaForCausalLM",
+    config_class="LlamaConfig",
+    model_class=Llama3Model,
+    configs=CONFIGS,
+    to_hf=to_hf,
+    from_hf=from_hf,
+    load=load_weights_into_llama3,
+    nodes=nodes,
+    default_seq_len=lambda cfg: 16,
+)
+
+
+def build_pair(config=None, checkpoint=None, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides) -> Pair:
+    """Llama 3.2 pair from a built-in config (``tiny``, ``1b-shape``, ``3b-shape``), a cfg dict, a
+    config.json path, or a checkpoint directory. See
+    :func:`reference_pairs.common.pairing.build_pair` for arguments and raised errors."""
+    return _build_pair(SPEC, config, checkpoint, dtype, seed, **overrides)
+
+
+FAMILY = Family(
+    name="llama3",
+    reference_class="transformers.LlamaForCausalLM",
+    build_pair=build_pair,
+    configs={name: (fn.__doc__ or "").strip().splitlines()[0] for name, fn in CONFIGS.items()},
+    default_config="tiny",
+    ci_configs=("tiny",),
+)

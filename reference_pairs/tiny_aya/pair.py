@@ -1,0 +1,186 @@
+"""The Tiny Aya pair: our :class:`TinyAyaModel` against ``transformers.Cohere2ForCausalLM``."""
+
+from __future__ import annotations
+
+import torch
+
+from parity.errors import ConfigError
+from parity.pair import Family, NodeSpec, Pair, expand_nodes
+
+from ..common.pairing import FamilySpec
+from ..common.pairing import build_pair as _build_pair
+from .configs import CONFIGS, FULL, SLIDING
+from .loader import load_weights_into_tiny_aya
+from .model import TinyAyaModel
+
+NODES_BEFORE = [("model.embed_tokens", "tok_emb")]
+NODES_PER_LAYER = [
+    ("model.layers.{i}.input_layernorm", "blocks.{i}.input_layernorm"),
+    ("model.layers.{i}.self_attn.q_proj", "blocks.{i}.att.W_query"),
+    ("model.layers.{i}.self_attn.k_proj", "blocks.{i}.att.W_key"),
+    ("model.layers.{i}.self_attn.v_proj", "blocks.{i}.att.W_value"),
+    # After RoPE on sliding layers; the unrotated q/k on full layers (no RoPE there).
+    ("model.layers.{i}.self_attn.q_rot", "blocks.{i}.att.q_rot"),
+    ("model.layers.{i}.self_attn.k_rot", "blocks.{i}.att.k_rot"),
+    ("model.layers.{i}.self_attn.probs", "blocks.{i}.att.probs"),
+    ("model.layers.{i}.self_attn.context", "blocks.{i}.att.context"),
+    ("model.layers.{i}.self_attn.o_proj", "blocks.{i}.att.out_proj"),
+    # The shared normalized input of the parallel block: equal to input_layernorm's output.
+    ("model.layers.{i}.mlp@input", "blocks.{i}.ff@input"),
+    ("model.layers.{i}.mlp.gate_proj", "blocks.{i}.ff.fc1"),
+    ("model.layers.{i}.mlp.up_proj", "blocks.{i}.ff.fc2"),
+    ("model.layers.{i}.mlp.down_proj", "blocks.{i}.ff.fc3"),
+    ("model.layers.{i}", "blocks.{i}"),
+]
+NODES_AFTER = [("model.norm", "final_norm"), ("lm_head", "out_head")]
+
+
+def nodes(cfg: dict) -> list[NodeSpec]:
+    """Every compared tensor. ``lm_head`` is the head before scaling; ``logits`` is the whole
+    models' output, after ``* logit_scale`` (applied outside any module on both sides)."""
+    return expand_nodes(NODES_BEFORE, NODES_PER_LAYER, NODES_AFTER, cfg["n_layers"]) + [
+        NodeSpec("logits", ours="", reference="")
+    ]
+
+
+def to_hf(cfg: dict):
+    """Our cfg -> ``transformers.Cohere2Config``. Raises ConfigError for a rope type other than default."""
+    from transformers import Cohere2Config
+
+    if cfg["rope_type"] != "default":
+        raise ConfigError(f"rope_type {cfg['rope_type']!r} is not supported (Tiny Aya uses 'default')")
+    return Cohere2Config(
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["emb_dim"],
+        intermediate_size=cfg["hidden_dim"],
+        logit_scale=cfg["logit_scale"],
+        num_hidden_layers=cfg["n_layers"],
+        num_attention_heads=cfg["n_heads"],
+        num_key_value_heads=cfg["n_kv_heads"],
+        head_dim=cfg["head_dim"],
+        hidden_act="silu",
+        max_position_embeddings=cfg["context_length"],
+        layer_norm_eps=cfg["layer_norm_eps"],
+        tie_word_embeddings=cfg["tie_word_embeddings"],
+        rope_parameters={"rope_type": "default", "rope_theta": cfg["rope_base"]},
+        attention_bias=cfg["attention_bias"],
+        sliding_window=cfg["sliding_window"],
+        layer_types=list(cfg["layer_types"]),
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+
+
+#: Fields of the original Cohere configs that ``Cohere2ForCausalLM`` ignores: it always builds a
+#: parallel block without Q/K norm and rotates the whole head. A config asking for anything else
+#: describes a model that neither side implements, so it is refused rather than silently compared.
+_COHERE_FIXED = {"use_qk_norm": False, "use_parallel_block": True, "rotary_pct": 1.0, "partial_rotary_factor": 1.0}
+_KNOWN_ROPE_KEYS = {"rope_type", "rope_theta"}
+
+
+def from_hf(hc, dtype: torch.dtype) -> dict:
+    """``transformers.Cohere2Config`` (after its own RoPE standardisation) -> our cfg.
+
+    Raises ConfigError naming any field we cannot honour: a rope type other than ``default`` (or
+    any RoPE option besides ``rope_theta``), a non-SiLU activation, unknown layer types, sliding
+    layers without a window, and the original Cohere switches ``Cohere2ForCausalLM`` ignores
+    (Q/K norm, sequential blocks, partial rotary).
+    """
+    if hc.hidden_act != "silu":
+        raise ConfigError(f"hidden_act {hc.hidden_act!r} is not supported (Tiny Aya uses 'silu')")
+    for key, value in _COHERE_FIXED.items():
+        if getattr(hc, key, None) not in (None, value):
+            raise ConfigError(f"{key}={getattr(hc, key)!r} is not supported (Cohere2ForCausalLM implements only {value!r})")
+    layer_types = list(hc.layer_types)
+    unknown_types = set(layer_types) - {SLIDING, FULL}
+    if unknown_types:
+        raise ConfigError(f"layer_types has unsupported entries: {', '.join(sorted(unknown_types))}")
+    if SLIDING in layer_types and not hc.sliding_window:
+        raise ConfigError("layer_types has sliding_attention layers but sliding_window is null")
+    rope = dict(hc.rope_parameters or {})
+    if set(rope) & {SLIDING, FULL}:
+        raise ConfigError("rope_parameters per layer type is not supported (Cohere2 has one RoPE for sliding layers)")
+    rope_type = rope.get("rope_type", "default")
+    if rope_type != "default":
+        raise ConfigError(f"rope_parameters.rope_type {rope_type!r} is not supported (default)")
+    extra = set(rope) - _KNOWN_ROPE_KEYS
+    if extra:
+        raise ConfigError(f"rope_parameters has unsupported fields: {', '.join(sorted(extra))}")
+    if hc.num_attention_heads % hc.num_key_value_heads:
+        raise ConfigError(
+            f"num_attention_heads ({hc.num_attention_heads}) is not a multiple of num_key_value_heads ({hc.num_key_value_heads})"
+        )
+    head_dim = getattr(hc, "head_dim", None) or hc.hidden_size // hc.num_attention_heads
+    return dict(
+        vocab_size=hc.vocab_size,
+        context_length=hc.max_position_embeddings,
+        emb_dim=hc.hidden_size,
+        n_heads=hc.num_attention_heads,
+        n_kv_heads=hc.num_key_value_heads,
+        n_layers=hc.num_hidden_layers,
+        hidden_dim=hc.intermediate_size,
+        head_dim=head_dim,
+        layer_norm_eps=hc.layer_norm_eps,
+        sliding_window=hc.sliding_window,
+        layer_types=layer_types,
+        attention_bias=bool(hc.attention_bias),
+        tie_word_embeddings=bool(hc.tie_word_embeddings),
+        rope_type="default",
+        rope_base=float(rope.get("rope_theta", hc.default_theta)),
+        logit_scale=float(hc.logit_scale),
+        dtype=dtype,
+    )
+
+
+def default_seq_len(cfg: dict) -> int:
+    """Long enough to pass the sliding window (4x window, at least 16) while that stays small;
+    64 for real-size windows, where the check reports that the window is not exercised."""
+    window = cfg.get("sliding_window") or 4
+    return max(16, 4 * window) if 4 * window <= 512 else 64
+
+
+def check_cfg(cfg: dict) -> list[str]:
+    """Notes for the user about what this cfg cannot show."""
+    notes = []
+    if cfg["logit_scale"] == 1.0:
+        notes.append("logit_scale is 1.0: a missing logit scale cannot show at this config (the tiny config checks it)")
+    types = set(cfg["layer_types"])
+    if SLIDING not in types:
+        notes.append("no sliding_attention layer: RoPE and the window are not exercised")
+    if FULL not in types:
+        notes.append("no full_attention layer: the no-RoPE layers are not exercised")
+    return notes
+
+
+SPEC = FamilySpec(
+    name="tiny_aya",
+    model_type="cohere2",
+    reference_class="Cohere2ForCausalLM",
+    config_class="Cohere2Config",
+    model_class=TinyAyaModel,
+    configs=CONFIGS,
+    to_hf=to_hf,
+    from_hf=from_hf,
+    load=load_weights_into_tiny_aya,
+    nodes=nodes,
+    default_seq_len=default_seq_len,
+    check_cfg=check_cfg,
+)
+
+
+def build_pair(config=None, checkpoint=None, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides) -> Pair:
+    """Tiny Aya pair from a built-in config (``tiny``, ``3b-shape``), a cfg dict, a config.json
+    path, or a checkpoint directory. See :func:`reference_pairs.common.pairing.build_pair` for
+    arguments and raised errors."""
+    return _build_pair(SPEC, config, checkpoint, dtype, seed, **overrides)
+
+
+FAMILY = Family(
+    name="tiny_aya",
+    reference_class="transformers.Cohere2ForCausalLM",
+    build_pair=build_pair,
+    configs={name: (fn.__doc__ or "").strip().splitlines()[0] for name, fn in CONFIGS.items()},
+    default_config="tiny",
+    ci_configs=("tiny",),
+)
