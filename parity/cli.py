@@ -63,10 +63,20 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype of both models")
     check.add_argument("--atol", type=_nonnegative_float, help="absolute tolerance (default by dtype)")
     check.add_argument("--rtol", type=_nonnegative_float, help="relative tolerance (default by dtype)")
-    check.add_argument("--mode", choices=("chained",), default="chained", help="chained: both models run on their own")
+    check.add_argument(
+        "--mode", choices=("chained", "isolated", "both"), default="chained",
+        help="chained: both models run on their own; isolated: each node of ours continues from the "
+        "reference's tensors (the first failing node is the fault); both: the two side by side",
+    )
+    check.add_argument(
+        "--calibrate", action="store_true",
+        help="set each node's atol from the reference's own float32-vs-float64 error (x10) instead of fixed defaults",
+    )
     check.add_argument("--report-dir", default="reports", help="parent folder of the run's new report folder")
     check.add_argument("--format", type=_formats, default=["html", "csv", "json"], help="comma list of html,csv,json,junit")
     sub.add_parser("list", help="registered families and their configs")
+    selftest = sub.add_parser("selftest", help="inject every known fault and check parity locates it")
+    selftest.add_argument("family", help="a registered family (see `parity list`)")
     return parser
 
 
@@ -76,14 +86,19 @@ def _node_table(result) -> Table:
     for col, justify in [("#", "right"), ("node", "left"), ("status", "left"), ("max_abs", "right"),
                          ("mean_abs", "right"), ("cosine", "right")]:
         table.add_column(col, justify=justify)
+    if result.isolated is not None and result.isolated is not result.nodes:
+        table.add_column("isolated", justify="left")
     colors = {"ok": "green", "mismatch": "red", "shape": "magenta", "missing": "magenta", "nonfinite": "red"}
+    isolated = {r.name: r for r in result.isolated or []} if result.isolated is not result.nodes else {}
     for r in result.nodes:
         style = "bold reverse red" if bad is not None and r.index == bad.index else None
         fmt = lambda v, spec=".3g": "" if v is None else format(v, spec)  # noqa: E731
-        table.add_row(
-            str(r.index), r.name, f"[{colors[r.status]}]{r.status}[/]", fmt(r.max_abs), fmt(r.mean_abs),
-            fmt(r.cosine, ".6f"), style=style,
-        )
+        cells = [str(r.index), r.name, f"[{colors[r.status]}]{r.status}[/]", fmt(r.max_abs), fmt(r.mean_abs),
+                 fmt(r.cosine, ".6f")]
+        if isolated:
+            iso = isolated.get(r.name)
+            cells.append(f"[{colors[iso.status]}]{iso.status}[/] {fmt(iso.max_abs)}" if iso else "")
+        table.add_row(*cells, style=style)
     return table
 
 
@@ -118,17 +133,55 @@ def cmd_check(args, console: Console) -> int:
     with console.status(f"building {family.name} pair ({what}, {args.dtype}): ours and {family.reference_class}"):
         pair = family.build_pair(config=config, checkpoint=args.checkpoint, dtype=dtype, seed=args.seed, **overrides)
     with console.status("tracing both models and comparing every node"):
-        result = check(pair, seq_len=args.seq_len, batch_size=args.batch, atol=args.atol, rtol=args.rtol)
+        result = check(
+            pair, seq_len=args.seq_len, batch_size=args.batch, mode=args.mode, atol=args.atol, rtol=args.rtol,
+            calibrate=args.calibrate,
+        )
     console.print(_node_table(result))
     for note in result.notes:
-        console.print(f"[yellow]note:[/] {note}")
+        console.print(f"[yellow]note:[/] {note}", highlight=False)
     bad = result.first_mismatch
     if bad is not None and bad.hint:
-        console.print(f"[bold]hint:[/] {bad.hint}")
+        console.print(f"[bold]hint:[/] {bad.hint}", highlight=False)
+    if args.mode == "both":
+        iso = result.first_isolated_mismatch
+        line = "every node agrees on its own" if iso is None else f"first node failing on its own: {iso.line()}"
+        console.print(f"[bold]isolated:[/] {line}", highlight=False)
     console.print(("[bold green]" if result.passed else "[bold red]") + result.verdict() + "[/]", highlight=False)
     folder = _write_reports(result, Path(args.report_dir), args.format)
     console.print(f"reports: {folder}", highlight=False)
     return 0 if result.passed else 1
+
+
+def cmd_selftest(args, console: Console) -> int:
+    """Every fault of the family's catalogue, injected into a fresh pair: exit 1 if any is missed."""
+    from .registry import get_family
+    from .selftest import run_fault
+
+    family = get_family(args.family)
+    if not family.faults:
+        raise ParityError(f"family {family.name} has no fault catalogue")
+    table = Table(title=f"parity selftest {family.name}: {len(family.faults)} faults", show_lines=True)
+    for col in ("fault", "expected node", "found (chained)", "found (isolated)", "hint", "result"):
+        table.add_column(col, overflow="fold")
+    rows = []
+    for fault in family.faults:
+        with console.status(f"{fault.id}: {fault.description}"):
+            row = run_fault(family, fault)
+        rows.append(row)
+        verdict = "[green]pass[/]" if row.passed else "[red]FAIL[/]\n" + "\n".join(row.problems)
+        table.add_row(
+            f"{fault.id}\n{fault.description}" + (f"\n({fault.source})" if fault.source else ""),
+            fault.expected, row.chained or "-", row.isolated or "-", row.hint or "-", verdict,
+        )
+    console.print(table)
+    for row in rows:  # unfolded, for logs
+        for problem in row.problems:
+            console.print(f"{row.fault.id}: {problem}", highlight=False, soft_wrap=True)
+    failed = [r.fault.id for r in rows if not r.passed]
+    summary = f"{len(rows) - len(failed)} passed, {len(failed)} failed"
+    console.print(("[bold green]" if not failed else "[bold red]") + summary + "[/]", highlight=False)
+    return 1 if failed else 0
 
 
 def cmd_list(console: Console) -> int:
@@ -161,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         if args.command == "list":
             return cmd_list(console)
+        if args.command == "selftest":
+            return cmd_selftest(args, console)
         return cmd_check(args, console)
     except ParityError as e:
         err.print(f"parity: error: {e}", highlight=False, markup=False, soft_wrap=True)

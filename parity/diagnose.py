@@ -127,11 +127,12 @@ def constant_ratio(result: NodeResult, ours: torch.Tensor, ref: torch.Tensor, pa
     mean = float(ratio.mean())
     if abs(mean) < 1e-12 or abs(mean - 1) < 1e-6 or float(ratio.std()) / abs(mean) > 1e-3:
         return None
+    r = max(mean, 1 / mean)  # compare magnitudes >= 1, whichever side carries the extra factor
+    bigger = "ours / reference" if mean > 1 else "reference / ours"
     names = [
-        f"{'ours' if r > 1 else 'reference'} / {'reference' if r > 1 else 'ours'} = {name} ({value:.6g})"
+        f"{bigger} = {name} ({value:.6g})" if value >= 1 else f"{bigger} = 1 / {name} ({1 / value:.6g})"
         for name, value in _named_constants(pair).items()
-        for r in (mean,)
-        if abs(max(r, 1 / r) / value - 1) < 1e-3
+        if value > 0 and abs(r / max(value, 1 / value) - 1) < 1e-3
     ]
     known = f"; matches {names[0]}" if names else ""
     return (
@@ -269,30 +270,40 @@ def _pairing(rotated: torch.Tensor, x: torch.Tensor) -> str | None:
 
 def rope_pattern(result: NodeResult, ours: torch.Tensor, ref: torch.Tensor, ref_trace: Trace, pair: Pair) -> str | None:
     """Position 0 agrees and the error grows with position: RoPE (frequencies, scaling, pairing, offset)."""
-    axis = _seq_axis(result.kind)
-    if ours.dim() <= axis or ours.shape[axis] < 3:
+    # Only where RoPE acts: after attention, position 0 agrees trivially (it sees one key).
+    if result.kind not in ("q_rot", "k_rot") or ours.dim() != 4 or ours.shape[2] < 3:
         return None
-    per_pos = _by_position(ours, ref, axis)
+    per_pos = _by_position(ours, ref, 2)
     tol = result.atol + result.rtol * float(ref.abs().max())
     if float(per_pos[0]) > tol or float(per_pos.max()) <= tol:
         return None
-    numbers = f"position 0 agrees (error {float(per_pos[0]):.2g}), error grows with position (pos 1: {float(per_pos[1]):.3g}, pos {len(per_pos) - 1}: {float(per_pos[-1]):.3g})"
-    if result.kind in ("q_rot", "k_rot") and ours.dim() == 4:
-        x = _pre_rope(result, ref_trace, pair, ours.shape[1])
-        if x is not None and x.shape == ours.shape:
-            ours_pairs, ref_pairs = _pairing(ours, x), _pairing(ref, x)
-            if ours_pairs and ref_pairs and ours_pairs != ref_pairs:
-                return f"likely RoPE pairing layout: ours rotates {ours_pairs} pairs, the reference {ref_pairs}; {numbers}"
-        d = ours.shape[-1]
-        by_dim = (ours.double() - ref.double()).abs().amax(dim=(0, 1, 2))
-        freq_err = torch.maximum(by_dim[: d // 2], by_dim[d // 2 :])  # half-split: frequency i is dims i, i + d/2
-        bad = (freq_err > tol).nonzero().flatten().tolist()
-        if bad and len(bad) < d // 2:
-            yarn = " (a YaRN correction range / ramp band: rounding or clamping)" if pair.cfg.get("rope_type") == "yarn" else ""
-            return (
-                f"likely RoPE frequencies{yarn}: error confined to a band of rotary frequencies "
-                f"{_fmt_list(bad)} of {d // 2}; {numbers}"
-            )
+    numbers = (
+        f"position 0 agrees (error {float(per_pos[0]):.2g}), later positions differ "
+        f"(pos 1: {float(per_pos[1]):.3g}, pos {len(per_pos) - 1}: {float(per_pos[-1]):.3g})"
+    )
+    x = _pre_rope(result, ref_trace, pair, ours.shape[1])
+    ref_pairs = None
+    if x is not None and x.shape == ours.shape:
+        if _close(ref, x, result):
+            return f"likely RoPE where the reference applies no rotation (a NoPE layer): the reference's {result.kind} is its unrotated input; {numbers}"
+        if _close(ours, x, result):
+            return f"likely a missing RoPE: ours applies no rotation here, the reference does; {numbers}"
+        ours_pairs, ref_pairs = _pairing(ours, x), _pairing(ref, x)
+        if ours_pairs and ref_pairs and ours_pairs != ref_pairs:
+            return f"likely RoPE pairing layout: ours rotates {ours_pairs} pairs, the reference {ref_pairs}; {numbers}"
+    d = ours.shape[-1]
+    by_dim = (ours.double() - ref.double()).abs().amax(dim=(0, 1, 2))
+    if ref_pairs is not None and ref_pairs.startswith("interleaved"):
+        freq_err = torch.maximum(by_dim[0::2], by_dim[1::2])  # frequency i rotates dims 2i, 2i + 1
+    else:
+        freq_err = torch.maximum(by_dim[: d // 2], by_dim[d // 2 :])  # frequency i rotates dims i, i + d/2
+    bad = (freq_err > tol).nonzero().flatten().tolist()
+    if bad and len(bad) < d // 2:
+        yarn = " (a YaRN correction range / ramp band: rounding or clamping)" if pair.cfg.get("rope_type") == "yarn" else ""
+        return (
+            f"likely RoPE frequencies{yarn}: error confined to a band of rotary frequencies "
+            f"{_fmt_list(bad)} of {d // 2}; {numbers}"
+        )
     return f"likely RoPE frequencies, scaling or offset: {numbers}"
 
 
@@ -355,9 +366,9 @@ def diagnose(result: NodeResult, ours_trace: Trace, ref_trace: Trace, pair: Pair
         lambda: norm_placement(result, ours, ref, ours_trace, ref_trace, pair),
         lambda: constant_ratio(result, ours, ref, pair),
         lambda: last_dim_permutation(result, ours, ref, pair),
+        lambda: head_mapping(result, ours, ref, pair),
         lambda: window_pattern(result, ours, ref, pair),
         lambda: rope_pattern(result, ours, ref, ref_trace, pair),
-        lambda: head_mapping(result, ours, ref, pair),
         lambda: channel_ratio(result, ours, ref, pair),
     )
     for detect in detectors:

@@ -113,7 +113,8 @@ class Family:
 
     ``configs`` maps built-in config names to one-line descriptions; ``ci_configs`` are the ones
     small enough for every test run. ``build_pair(config=..., checkpoint=..., dtype=..., seed=...,
-    **overrides)`` returns a :class:`Pair`.
+    **overrides)`` returns a :class:`Pair`. ``faults``: the family's catalogue of
+    :class:`parity.faults.Fault` for ``parity selftest``.
     """
 
     name: str
@@ -122,3 +123,4 @@ class Family:
     configs: dict[str, str]
     default_config: str = "tiny"
     ci_configs: tuple[str, ...] = ("tiny",)
+    faults: tuple = ()

@@ -9,6 +9,12 @@ import tempfile
 from pathlib import Path
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write(path: str | Path, data: str | bytes) -> Path:
     """Write ``data`` to ``path`` through a temporary file in the same folder and ``os.replace``."""
     path = Path(path)
@@ -18,6 +24,7 @@ def atomic_write(path: str | Path, data: str | bytes) -> Path:
     try:
         with os.fdopen(fd, mode, **({} if isinstance(data, bytes) else {"encoding": "utf-8"})) as fh:
             fh.write(data)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a report is as readable as any new file
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

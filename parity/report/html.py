@@ -1,26 +1,208 @@
-"""report.html: one self-contained file (inline CSS, no scripts or fonts from a network)."""
+"""report.html: one self-contained file that opens offline.
+
+Inline CSS, an inline script of our own (table sorting, filtering, node details) and figures from
+:mod:`parity.report.plots` inlined as SVG; nothing is fetched from a network. Jinja2 autoescape is
+on: every name from a config, a checkpoint path or a module path is escaped.
+
+Sections: header (verdict and run facts), first-mismatch card (metrics, hint, error by position
+and head), depth (heatmap of log10(max_abs / tolerance) per layer and node kind, error through
+depth), where the error sits (by position / head / channel, and what it does to the logits), the
+node table (sortable, filterable, a details row per node), the model cfg.
+"""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from jinja2 import Environment, PackageLoader, select_autoescape
+from markupsafe import Markup
 
+from . import plots
 from .atomic import atomic_write
-from .tables import result_dict
+from .tables import result_dict, tolerance_ratio
 
-_env = Environment(loader=PackageLoader("parity.report", "templates"), autoescape=select_autoescape(["j2", "html"]))
+_env = Environment(
+    loader=PackageLoader("parity.report", "templates"),
+    autoescape=select_autoescape(["j2", "html"], default_for_string=True, default=True),
+    trim_blocks=True,
+    lstrip_blocks=True,
+)
+
+STATUSES = ("ok", "mismatch", "nonfinite", "shape", "missing")
+#: node kinds whose last axis is the key position rather than a channel
+KEY_AXIS_KINDS = {"probs"}
+HEAD_MAJOR = {"q_rot", "k_rot", "probs"}
 
 
 def _fmt(value, spec: str = ".3g") -> str:
-    return "" if value is None else format(value, spec)
+    if value is None:
+        return ""
+    if isinstance(value, float) and math.isnan(value):
+        return "nan"
+    return format(value, spec)
+
+
+def _sort_value(value) -> str:
+    """``data-v`` for the table script: a plain number, or empty (sorted last)."""
+    if value is None or math.isnan(value):
+        return ""
+    if math.isinf(value):
+        return "Infinity" if value > 0 else "-Infinity"
+    return repr(float(value))
 
 
 _env.filters["fmt"] = _fmt
+_env.filters["sortv"] = _sort_value
+
+
+def _shape(shape) -> str:
+    return "x".join(str(d) for d in shape) if shape else ""
+
+
+def _top(values, k: int = 3) -> list[int]:
+    finite = [(v if v is not None and not math.isnan(v) else math.inf, i) for i, v in enumerate(values or [])]
+    return [i for _, i in sorted(finite, key=lambda t: -t[0])[:k]]
+
+
+def _tolerance_facts(result) -> list[tuple[str, str]]:
+    meta = result.meta
+    base = next((n for n in result.nodes if not n.tol_source.startswith("pattern:")), None)
+    facts = []
+    if base is not None:
+        where = "set for this run" if base.tol_source == "run" else base.tol_source.replace("default:", "defaults for ")
+        facts.append(("tolerance", f"atol {base.atol:g}, rtol {base.rtol:g} ({where})"))
+    elif meta.get("atol") is not None or meta.get("rtol") is not None:
+        facts.append(("tolerance", f"atol {meta.get('atol')}, rtol {meta.get('rtol')} (set for this run)"))
+    for pattern, tol in (meta.get("tolerances") or {}).items():
+        facts.append(("tolerance", f"{pattern}: atol {tol[0]:g}, rtol {tol[1]:g}"))
+    calibrated = sum(n.tol_source == "calibrated" for n in result.nodes)
+    if calibrated:
+        facts.append(("tolerance", f"{calibrated} nodes use calibrated tolerances"))
+    return facts
+
+
+def _facts(result) -> list[dict]:
+    meta = result.meta
+    versions = meta.get("versions") or {}
+    facts = [
+        ("family", meta.get("family")),
+        ("config", meta.get("config")),
+        ("checkpoint", meta.get("checkpoint") or "none: random weights from the seed"),
+    ]
+    if meta.get("checkpoint_sha256"):
+        facts.append(("checkpoint sha256", meta["checkpoint_sha256"]))
+    facts += [
+        ("dtype", meta.get("dtype")),
+        ("seq len", f"{meta.get('seq_len')} tokens" + (f" x batch {meta['batch_size']}" if meta.get("batch_size", 1) != 1 else "")),
+        ("seed", meta.get("seed")),
+        ("mode", meta.get("mode")),
+        *_tolerance_facts(result),
+        ("torch", versions.get("torch")),
+        ("transformers", versions.get("transformers")),
+        ("time", meta.get("time")),
+    ]
+    if meta.get("seconds") is not None:
+        facts.append(("duration", f"{meta['seconds']:g} s tracing and comparing"))
+    return [{"key": k, "value": "-" if v is None else str(v)} for k, v in facts]
+
+
+def _card(result, bad) -> dict | None:
+    if bad is None:
+        return None
+    profile = result.profile if result.profile and result.profile.get("node") == bad.name else None
+    card = {
+        "ratio": tolerance_ratio(bad),
+        "failing": sum(not n.passed for n in result.nodes),
+        "after": sum(not n.passed for n in result.nodes if n.index > bad.index),
+        "profile": profile,
+        "position_svg": None,
+        "head_svg": None,
+    }
+    if profile:
+        card["position_svg"] = _svg(plots.profile_svg(profile.get("by_position"), bad.atol, "token position", "position"))
+        card["head_svg"] = _svg(
+            plots.profile_svg(profile.get("by_head"), bad.atol, "head", "head", width=3.6)
+        )
+    return card
+
+
+def _where(result, bad, card) -> dict:
+    profile = card["profile"] if card else None
+    where = {"channel_svg": None, "channel_label": "", "tops": [], "logits_svg": None}
+    if profile and bad is not None:
+        key_axis = bad.kind in KEY_AXIS_KINDS
+        where["channel_label"] = "key position (last axis)" if key_axis else "channel (last axis)"
+        where["channel_svg"] = _svg(
+            plots.profile_svg(profile.get("by_channel"), bad.atol, where["channel_label"], "channel", width=9.0)
+        )
+        for label, key in (("token positions", "by_position"), ("heads", "by_head"), (where["channel_label"], "by_channel")):
+            values = profile.get(key)
+            if values:
+                where["tops"].append({
+                    "label": label,
+                    "n": len(values),
+                    "top": [{"i": i, "v": values[i]} for i in _top(values)],
+                    "over": sum(1 for v in values if v is None or not math.isfinite(v) or v > bad.atol),
+                })
+    if result.logits:
+        where["logits_svg"] = _svg(plots.logits_svg(result.logits, int(result.meta.get("batch_size") or 1)))
+    return where
+
+
+def _svg(text: str | None) -> Markup | None:
+    # plots.* output is matplotlib's SVG writer output (it escapes all text); safe to inline as is
+    return Markup(text) if text else None
+
+
+def _rows(result) -> list[dict]:
+    isolated = {n.name: n for n in result.isolated} if result.isolated else {}
+    rows = []
+    for n in result.nodes:
+        ratio = tolerance_ratio(n)
+        rows.append({
+            "n": n,
+            "ratio": ratio,
+            "shape": _shape(n.shape_ref or n.shape_ours),
+            "shape_ours": _shape(n.shape_ours) or "-",
+            "shape_ref": _shape(n.shape_ref) or "-",
+            "iso": isolated.get(n.name),
+            "iso_ratio": tolerance_ratio(isolated[n.name]) if n.name in isolated else None,
+        })
+    return rows
+
+
+def _filters(result) -> dict:
+    layers = sorted({n.layer for n in result.nodes if n.layer is not None})
+    kinds: list[str] = []
+    for n in result.nodes:
+        if n.kind not in kinds:
+            kinds.append(n.kind)
+    present = {n.status for n in result.nodes}
+    return {
+        "statuses": [s for s in STATUSES if s in present] + sorted(present - set(STATUSES)),
+        "layers": layers,
+        "has_unlayered": any(n.layer is None for n in result.nodes),
+        "kinds": kinds,
+    }
 
 
 def render_html(result) -> str:
-    return _env.get_template("report.html.j2").render(r=result, d=result_dict(result), bad=result.first_mismatch)
+    bad = result.first_mismatch
+    card = _card(result, bad)
+    return _env.get_template("report.html.j2").render(
+        r=result,
+        d=result_dict(result),
+        bad=bad,
+        facts=_facts(result),
+        card=card,
+        heatmap_svg=_svg(plots.depth_heatmap_svg(result.nodes, bad.index if bad else None)),
+        depth_svg=_svg(plots.depth_line_svg(result.nodes, result.isolated, bad.index if bad else None)),
+        where=_where(result, bad, card),
+        rows=_rows(result),
+        filters=_filters(result),
+        head_major=bad is not None and bad.kind in HEAD_MAJOR,
+    )
 
 
 def write_html(result, path) -> Path:

@@ -20,12 +20,24 @@ rel_l2     ``||ours - ref|| / ||ref||``
 atol_needed / rtol_needed   smallest atol (at this rtol) / rtol (at this atol) that would pass
 tol_source where atol/rtol came from: default:<dtype>, run, pattern:<glob>, calibrated
 =========  ==============================================================
+
+Empty cells: a metric that does not exist for the node (missing, shape mismatch, all non-finite).
+
+result.json is ``result_dict``: ``version`` (:data:`RESULT_VERSION`), ``passed``, ``verdict``,
+``first_mismatch``, ``meta`` (the run: family, config, checkpoint and its sha256, dtype, sizes,
+seed, mode, tolerances, torch/transformers versions, time), ``notes``, ``counts`` (nodes per
+status), ``nodes`` (NodeResult fields; ``index`` is the CSV's ``order``, shapes are lists),
+``isolated``, ``profile`` and ``logits`` (see :mod:`parity.analysis`). It is strict JSON: a
+non-finite number (an infinite ``rtol_needed``, an error profile entry at a NaN) is written as
+``null``. ``result.schema.json`` next to this module is its JSON Schema (:func:`result_schema`).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import numbers
+from importlib import resources
 from pathlib import Path
 
 import pandas as pd
@@ -38,6 +50,33 @@ COLUMNS = [
     "rel_l2", "atol_needed", "rtol_needed", "tol_source",
 ]
 RESULT_VERSION = 1
+SCHEMA_FILE = "result.schema.json"
+
+
+def result_schema() -> dict:
+    """The JSON Schema (draft 2020-12) that every result.json of :data:`RESULT_VERSION` satisfies."""
+    return json.loads(resources.files(__package__).joinpath(SCHEMA_FILE).read_text(encoding="utf-8"))
+
+
+def tolerance_ratio(node) -> float | None:
+    """How far a node is from its tolerance: ``max_abs / (atol + rtol * |ref|)``, with ``|ref|`` taken
+    at the element that needs the largest atol (``atol_needed = max(|ours - ref| - rtol * |ref|)``).
+
+    Above 1 exactly when the node fails the ``|ours - ref| <= atol + rtol * |ref|`` rule (and equal
+    to the worst element's ratio when that element is also the one with the largest error); 0 for
+    an exact match; None when the node has no metrics (missing, shape mismatch, all non-finite).
+    """
+    max_abs = node.max_abs
+    if max_abs is None or not math.isfinite(max_abs):
+        return None
+    needed = node.atol_needed
+    if needed is None or not math.isfinite(needed):
+        tolerance = node.atol
+    else:
+        tolerance = node.atol + max(0.0, max_abs - needed)
+    if tolerance <= 0:
+        return 0.0 if max_abs == 0 else math.inf
+    return max_abs / tolerance
 
 
 def _shape(s) -> str:
@@ -61,14 +100,25 @@ def write_csv(result, path) -> Path:
 
 
 def _clean(value):
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
+    """JSON-ready copy: non-finite floats become None, tuples become lists, all the way down."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        value = float(value)
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return str(value)
 
 
 def result_dict(result) -> dict:
+    """The content of result.json (see the module docstring and result.schema.json)."""
     bad = result.first_mismatch
-    return {
+    return _clean({
         "version": RESULT_VERSION,
         "passed": result.passed,
         "verdict": result.verdict(),
@@ -76,16 +126,12 @@ def result_dict(result) -> dict:
         "meta": result.meta,
         "notes": result.notes,
         "counts": {s: sum(r.status == s for r in result.nodes) for s in sorted({r.status for r in result.nodes})},
-        "nodes": [{k: _clean(v) for k, v in r.to_dict().items()} for r in result.nodes],
-        "isolated": (
-            [{k: _clean(v) for k, v in r.to_dict().items()} for r in result.isolated]
-            if result.isolated is not None
-            else None
-        ),
+        "nodes": [r.to_dict() for r in result.nodes],
+        "isolated": [r.to_dict() for r in result.isolated] if result.isolated is not None else None,
         "profile": result.profile,
         "logits": result.logits,
-    }
+    })
 
 
 def write_json(result, path) -> Path:
-    return atomic_write(path, json.dumps(result_dict(result), indent=2, default=str) + "\n")
+    return atomic_write(path, json.dumps(result_dict(result), indent=2, allow_nan=False) + "\n")

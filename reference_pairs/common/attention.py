@@ -50,6 +50,7 @@ class GroupedQueryAttention(nn.Module):
         bias: bool = False,
         sliding_window: int | None = None,
         interleaved_rope: bool = False,
+        rope_in_input_dtype: bool = False,
         dtype: torch.dtype | None = None,
     ):
         super().__init__()
@@ -59,6 +60,7 @@ class GroupedQueryAttention(nn.Module):
         self.group_size = n_heads // n_kv_heads
         self.sliding_window = sliding_window
         self.interleaved_rope = interleaved_rope
+        self.rope_in_input_dtype = rope_in_input_dtype
         self.qk_norm = qk_norm
         self.W_query = nn.Linear(d_in, n_heads * head_dim, bias=bias, dtype=dtype)
         self.W_key = nn.Linear(d_in, n_kv_heads * head_dim, bias=bias, dtype=dtype)
@@ -78,6 +80,11 @@ class GroupedQueryAttention(nn.Module):
         b, s, _ = x.shape
         return x.view(b, s, n, self.head_dim).transpose(1, 2)
 
+    def expand_kv(self, t: torch.Tensor) -> torch.Tensor:
+        """``(batch, n_kv_heads, seq, head_dim)`` -> ``(batch, n_heads, seq, head_dim)``: KV head ``g``
+        serves query heads ``g * group .. (g + 1) * group - 1`` (``repeat_interleave``, not ``repeat``)."""
+        return t.repeat_interleave(self.group_size, dim=1)
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
         """``x``: ``(batch, seq, d_in)``; ``cos``/``sin``: ``(seq, head_dim)`` or None for no RoPE."""
         b, s, _ = x.shape
@@ -90,12 +97,11 @@ class GroupedQueryAttention(nn.Module):
         if self.qk_norm == "head":
             queries, keys = self.q_norm(queries), self.k_norm(keys)
         if cos is not None:
-            queries = apply_rope(queries, cos, sin, self.interleaved_rope)
-            keys = apply_rope(keys, cos, sin, self.interleaved_rope)
+            queries = apply_rope(queries, cos, sin, self.interleaved_rope, self.rope_in_input_dtype)
+            keys = apply_rope(keys, cos, sin, self.interleaved_rope, self.rope_in_input_dtype)
         queries, keys = self.q_rot(queries), self.k_rot(keys)
 
-        keys = keys.repeat_interleave(self.group_size, dim=1)
-        values = values.repeat_interleave(self.group_size, dim=1)
+        keys, values = self.expand_kv(keys), self.expand_kv(values)
         scores = queries @ keys.transpose(2, 3) * self.head_dim**-0.5
         allowed = causal_mask(s, self.sliding_window).to(scores.device)
         scores = scores.masked_fill(~allowed, float("-inf"))

@@ -21,9 +21,10 @@ class Tap(nn.Identity):
 class RMSNorm(nn.Module):
     """Root-mean-square norm: ``y = w * x / sqrt(mean(x^2) + eps)`` over the last dimension.
 
-    Zhang & Sennrich 2019 ("Root Mean Square Layer Normalization"); the float32 upcast and the
-    multiplication by the weight before casting back follow ``transformers`` ``LlamaRMSNorm`` /
-    ``Olmo3RMSNorm``, which matters in bf16.
+    Zhang & Sennrich 2019 ("Root Mean Square Layer Normalization"). Normalises in float32 and
+    multiplies by the weight *before* casting back, as ``transformers`` ``Olmo3RMSNorm`` does; Llama
+    casts first and multiplies after (see ``reference_pairs.llama3.model.Llama3RMSNorm``), which
+    differs in bf16.
 
     Shapes: ``x`` is ``(..., dim)``; the output has the shape and dtype of ``x``.
     """

@@ -92,8 +92,9 @@ def _hf_config_from_dict(spec: FamilySpec, raw: dict):
     config_cls = spec.config_cls()
     try:
         return config_cls.from_dict(raw)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"config.json rejected by {config_cls.__name__}: {str(e).splitlines()[0]}") from None
+    except (TypeError, ValueError, KeyError) as e:
+        reason = str(e.args[0] if isinstance(e, KeyError) and e.args else e).splitlines()[0]
+        raise ConfigError(f"config.json rejected by {config_cls.__name__}: {reason}") from None
 
 
 def build_reference(spec: FamilySpec, hf_config, state_dict: Mapping[str, torch.Tensor]) -> nn.Module:

@@ -84,14 +84,26 @@ def rope_cos_sin(
     return angles.cos() * attention_factor, angles.sin() * attention_factor
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+def apply_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False, in_input_dtype: bool = False
+) -> torch.Tensor:
     """Rotate ``x`` of shape ``(batch, heads, seq, head_dim)`` by position.
 
     Half-split pairing rotates dimension ``i`` with ``i + d/2`` (GPT-NeoX / Llama layout);
     interleaved pairing rotates ``2i`` with ``2i + 1`` (the RoFormer paper, Cohere).
     ``cos``/``sin`` are ``(seq, head_dim)`` from :func:`rope_cos_sin` with the same layout.
-    The rotation is done in float32 and cast back to ``x``'s dtype.
+    The rotation runs in float32 and is cast back to ``x``'s dtype (OLMo 3, Cohere 2), or with
+    ``in_input_dtype`` entirely in ``x``'s dtype with cos/sin rounded to it first (Llama: its
+    rotary embedding returns cos/sin in the activation dtype). Identical in float32.
     """
+    if in_input_dtype:
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        if interleaved:
+            rotated = torch.stack([-x[..., 1::2], x[..., 0::2]], dim=-1).flatten(-2)
+        else:
+            half = x.shape[-1] // 2
+            rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
     x32 = x.float()
     if interleaved:
         even, odd = x32[..., 0::2], x32[..., 1::2]

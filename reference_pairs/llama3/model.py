@@ -58,7 +58,8 @@ class TransformerBlock(nn.Module):
         super().__init__()
         dtype = cfg["dtype"]
         self.att = GroupedQueryAttention(
-            cfg["emb_dim"], cfg["n_heads"], cfg["n_kv_heads"], cfg["head_dim"], qk_norm=None, bias=False, dtype=dtype
+            cfg["emb_dim"], cfg["n_heads"], cfg["n_kv_heads"], cfg["head_dim"], qk_norm=None, bias=False,
+            rope_in_input_dtype=True, dtype=dtype,
         )
         self.ff = FeedForward(cfg["emb_dim"], cfg["hidden_dim"], dtype=dtype)
         self.norm1 = Llama3RMSNorm(cfg["emb_dim"], eps=cfg["rms_norm_eps"], dtype=dtype)

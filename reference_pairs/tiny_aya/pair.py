@@ -10,6 +10,7 @@ from parity.pair import Family, NodeSpec, Pair, expand_nodes
 from ..common.pairing import FamilySpec
 from ..common.pairing import build_pair as _build_pair
 from .configs import CONFIGS, FULL, SLIDING
+from .faults import FAULTS
 from .loader import load_weights_into_tiny_aya
 from .model import TinyAyaModel
 
@@ -183,4 +184,5 @@ FAMILY = Family(
     configs={name: (fn.__doc__ or "").strip().splitlines()[0] for name, fn in CONFIGS.items()},
     default_config="tiny",
     ci_configs=("tiny",),
+    faults=FAULTS,
 )

@@ -1,0 +1,47 @@
+"""Known fault kinds, each injectable into a fresh pair, and the selftest that proves parity sees them.
+
+A :class:`Fault` is a change to an otherwise correct implementation (from the test suite or from
+shared/cases/fault-catalogue.md), with the node a good debugger must name first and the class of
+hint it must give. ``inject`` mutates only the pair's own objects (our model instance, its cfg
+copy, its modules' methods), never module globals, so faults cannot leak into later runs.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .pair import Pair
+
+
+@dataclass(frozen=True)
+class Fault:
+    """``expected``: first failing node in chained mode. ``scope`` (a glob): in isolated mode every
+    failing node matches it or lies inside what it matches (``scope.*``, ``scope@*``) — one node and
+    its own children, or the same node in every layer the fault touches — and the first one is
+    ``isolated`` (default: ``expected``). ``hint``: a phrase the hint must contain ("" = any)."""
+
+    id: str
+    description: str
+    config: str
+    inject: Callable[[Pair], None]
+    expected: str
+    hint: str
+    scope: str | None = None
+    isolated: str | None = None
+    source: str = ""
+    overrides: tuple[tuple[str, object], ...] = ()
+
+    @property
+    def isolated_expected(self) -> str:
+        return self.isolated or self.expected
+
+    @property
+    def isolated_scope(self) -> str:
+        return self.scope or self.isolated_expected
+
+
+def in_scope(name: str, scope: str) -> bool:
+    """``name`` matches the glob ``scope`` or lies inside a module it matches."""
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in (scope, scope + ".*", scope + "@*"))

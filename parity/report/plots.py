@@ -1,0 +1,325 @@
+"""Figures for report.html: matplotlib figures rendered to SVG and inlined into the page.
+
+No pyplot and no global backend switch: each figure is a bare ``matplotlib.figure.Figure`` saved
+as SVG (vector output, text kept as ``<text>`` so it stays small and searchable). The SVG is made
+fit for inlining: no XML prolog, no DOCTYPE, no metadata block, and element ids salted per figure
+so that several figures in one page never share an id. Labels that come from configs or module
+paths are passed with math text off (a ``$`` in a name stays a ``$``); matplotlib's SVG writer
+escapes text, and nothing here reaches the page except through that writer.
+
+Each ``*_svg`` function returns the SVG text, or None when there is nothing to draw.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import math
+import re
+from collections.abc import Sequence
+
+import matplotlib as mpl
+from matplotlib.colors import LinearSegmentedColormap, TwoSlopeNorm
+from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+from .tables import tolerance_ratio
+
+#: log10(max_abs / tolerance) below this is drawn at the floor (an exact match is -inf)
+LOG_FLOOR = -6.0
+OVER, UNDER, NEUTRAL, ISOLATED = "#c62828", "#1e88e5", "#9aa0aa", "#ef6c00"
+#: blue far below tolerance, yellow at tolerance, red above
+RATIO_CMAP = LinearSegmentedColormap.from_list(
+    "parity_ratio", ["#313695", "#74add1", "#e0f3f8", "#fee090", "#f46d43", "#a50026", "#4a0010"]
+)
+STATUS_MARK = {"shape": "S", "missing": "M", "nonfinite": "N"}
+BAR_LIMIT = 160  # above this many values, draw a step line instead of bars
+
+_RC = {
+    "svg.fonttype": "none",
+    "text.parse_math": False,
+    "font.family": "sans-serif",
+    "font.sans-serif": ["DejaVu Sans", "Helvetica", "Arial", "Liberation Sans"],
+    "font.size": 9,
+    "axes.titlesize": 10,
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+    "axes.grid": True,
+    "grid.color": "#e6e8ec",
+    "grid.linewidth": 0.6,
+    "axes.axisbelow": True,
+}
+
+
+def _styled(func):
+    """Build the whole figure under the report's rcParams (they are read when artists are made)."""
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        with mpl.rc_context(_RC):
+            return func(*args, **kwargs)
+
+    return wrapper
+
+
+def _figure(width: float, height: float) -> Figure:
+    return Figure(figsize=(width, height), layout="constrained")
+
+
+def to_svg(fig: Figure, salt: str) -> str:
+    """The figure as inline-ready SVG text (``<svg ...>...</svg>``)."""
+    buf = io.StringIO()
+    with mpl.rc_context({**_RC, "svg.hashsalt": f"parity-{salt}"}):
+        fig.savefig(buf, format="svg", metadata={"Date": None})
+    text = buf.getvalue()
+    text = text[text.index("<svg"):]
+    text = re.sub(r"\s*<metadata>.*?</metadata>", "", text, count=1, flags=re.S)
+    return text.replace("<svg ", f'<svg class="plot" role="img" data-plot="{salt}" ', 1)
+
+
+def _pow10(value: float, _pos=None) -> str:
+    """Tick label without math text: 1e-4, 1, 1e3 (matplotlib's default needs math text)."""
+    if value <= 0:
+        return ""
+    exponent = math.log10(value)
+    if abs(exponent - round(exponent)) < 1e-9:
+        exponent = int(round(exponent))
+        return "1" if exponent == 0 else "10" if exponent == 1 else f"1e{exponent}"
+    return f"{value:g}"
+
+
+def _log_y(ax) -> None:
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(base=10, numticks=7))
+    ax.yaxis.set_major_formatter(FuncFormatter(_pow10))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+
+
+def _log_ratio(node) -> float | None:
+    """log10(max_abs / tolerance), floored at LOG_FLOOR; None when the node has no metrics."""
+    ratio = tolerance_ratio(node)
+    if ratio is None:
+        return None
+    if ratio == 0:
+        return LOG_FLOOR
+    if math.isinf(ratio):
+        return None
+    return max(LOG_FLOOR, math.log10(ratio))
+
+
+def _values(values: Sequence[float | None]) -> tuple[list[float], list[int]]:
+    """Finite values (None/NaN/inf replaced by 0) and the indices that were not finite."""
+    out, bad = [], []
+    for i, v in enumerate(values):
+        if v is None or not math.isfinite(v):
+            bad.append(i)
+            out.append(0.0)
+        else:
+            out.append(float(v))
+    return out, bad
+
+
+def _error_bars(ax, values: Sequence[float | None], threshold: float | None, xlabel: str) -> None:
+    """Max |ours - ref| per index on a log axis; red where it passes ``threshold``; non-finite marked."""
+    vals, bad = _values(values)
+    positive = [v for v in vals if v > 0]
+    floor = min(positive + ([threshold] if threshold else [])) / 10 if positive or threshold else 1e-12
+    top = max(positive + ([threshold] if threshold else []) + [floor * 10])
+    shown = [max(v, floor) for v in vals]
+    for i in bad:
+        shown[i] = top * 3
+    colors = [
+        OVER if (i in bad or (threshold is not None and v > threshold)) else NEUTRAL for i, v in enumerate(vals)
+    ]
+    x = list(range(len(vals)))
+    if len(vals) <= BAR_LIMIT:
+        ax.bar(x, [s - floor for s in shown], bottom=floor, color=colors, width=0.8, linewidth=0)
+    else:
+        ax.step(x, shown, where="mid", color=UNDER, linewidth=0.8)
+        over = [i for i, c in enumerate(colors) if c == OVER]
+        if over:
+            ax.scatter(over, [shown[i] for i in over], s=4, color=OVER, zorder=3, linewidths=0)
+    if bad:
+        ax.scatter(bad, [top * 3] * len(bad), marker="x", color="black", s=16, zorder=4, label="non-finite")
+        ax.legend(loc="upper left", fontsize=8, frameon=False)
+    if threshold:
+        ax.axhline(threshold, color=OVER, linestyle="--", linewidth=0.9)
+        ax.annotate("atol", (1, threshold), xycoords=("axes fraction", "data"), xytext=(2, 0),
+                    textcoords="offset points", va="center", fontsize=8, color=OVER)
+    _log_y(ax)
+    ax.set_ylim(floor, top * 6)
+    ax.set_xlim(-0.7, len(vals) - 0.3)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("max |ours - ref|")
+    if len(vals) <= 32:
+        ax.set_xticks(x)
+    ax.grid(axis="x", visible=False)
+
+
+@_styled
+def profile_svg(values: Sequence[float | None] | None, threshold: float | None, xlabel: str, salt: str,
+                width: float = 5.2) -> str | None:
+    """Error per token position / head / channel of one node."""
+    if not values:
+        return None
+    fig = _figure(width, 2.3)
+    _error_bars(fig.add_subplot(), values, threshold, xlabel)
+    return to_svg(fig, salt)
+
+
+def _layer_grid(nodes) -> tuple[list[int], list[str], dict[tuple[int, str], object]]:
+    layers = sorted({n.layer for n in nodes if n.layer is not None})
+    kinds: list[str] = []
+    cells = {}
+    for n in nodes:
+        if n.layer is None:
+            continue
+        if n.kind not in kinds:
+            kinds.append(n.kind)
+        cells[(n.layer, n.kind)] = n
+    return layers, kinds, cells
+
+
+@_styled
+def depth_heatmap_svg(nodes, first_index: int | None) -> str | None:
+    """log10(max_abs / tolerance): one row per layer, one column per node kind (execution order).
+
+    Each cell links to its node's row in the table (``#node-<index>``); the first mismatch is
+    outlined; shape / missing / non-finite nodes carry a letter (S / M / N).
+    """
+    layers, kinds, cells = _layer_grid(nodes)
+    if not layers:
+        return None
+    logs = [v for v in (_log_ratio(n) for n in cells.values()) if v is not None]
+    vmax = max([1.0] + [math.ceil(v) for v in logs])
+    norm = TwoSlopeNorm(vmin=LOG_FLOOR, vcenter=0.0, vmax=vmax)
+    n_rows, n_cols = len(layers), len(kinds)
+    cell_h = 0.16 if n_rows > 16 else 0.26
+    fig = _figure(max(5.0, 1.6 + 0.36 * n_cols), max(2.9, 1.7 + cell_h * n_rows))
+    ax = fig.add_subplot()
+    ax.grid(False)
+    row_of = {layer: r for r, layer in enumerate(layers)}
+    for (layer, kind), node in cells.items():
+        r, c = row_of[layer], kinds.index(kind)
+        value = _log_ratio(node)
+        mark = STATUS_MARK.get(node.status)
+        if node.status == "nonfinite" or (value is None and node.status == "mismatch"):
+            face = RATIO_CMAP(1.0)
+        elif value is None:
+            face = "#d9dce1"
+        else:
+            face = RATIO_CMAP(norm(value))
+        rect = Rectangle((c, r), 1, 1, facecolor=face, edgecolor="white", linewidth=0.5)
+        rect.set_url(f"#node-{node.index}")
+        ax.add_patch(rect)
+        if mark:
+            ax.text(c + 0.5, r + 0.5, mark, ha="center", va="center", fontsize=7, color="white" if face != "#d9dce1" else "black")
+        if first_index is not None and node.index == first_index:
+            ax.add_patch(Rectangle((c + 0.04, r + 0.04), 0.92, 0.92, fill=False, edgecolor="black", linewidth=1.8))
+    ax.set_xlim(0, n_cols)
+    ax.set_ylim(n_rows, 0)
+    ax.set_xticks([c + 0.5 for c in range(n_cols)], kinds, rotation=50, ha="right", rotation_mode="anchor")
+    step = 1 if n_rows <= 16 else 2 if n_rows <= 40 else 4
+    ax.set_yticks([r + 0.5 for r in range(0, n_rows, step)], [str(layers[r]) for r in range(0, n_rows, step)])
+    ax.set_ylabel("layer")
+    ax.tick_params(length=0)
+    for side in ("left", "bottom"):
+        ax.spines[side].set_visible(False)
+    mappable = mpl.cm.ScalarMappable(norm=norm, cmap=RATIO_CMAP)
+    bar = fig.colorbar(mappable, ax=ax, fraction=0.04, pad=0.02)
+    step = 2 if vmax - LOG_FLOOR <= 14 else 4
+    bar.set_ticks(sorted({*range(0, int(LOG_FLOOR) - 1, -step), *range(0, int(vmax) + 1, step)}))
+    bar.set_label("log10(max_abs / tol)")
+    bar.ax.axhline(0, color="black", linewidth=0.8)
+    return to_svg(fig, "heatmap")
+
+
+@_styled
+def depth_line_svg(nodes, isolated, first_index: int | None) -> str | None:
+    """max_abs / tolerance along execution order (log), chained and isolated; 1 is the tolerance."""
+    if not nodes:
+        return None
+    fig = _figure(9.0, 2.8)
+    ax = fig.add_subplot()
+    floor = 10.0**LOG_FLOOR
+    series = [("chained", nodes, UNDER)] + ([("isolated", isolated, ISOLATED)] if isolated else [])
+    top = 10.0
+    for label, group, color in series:
+        xs, ys, bad_x = [], [], []
+        for n in group:
+            ratio = tolerance_ratio(n)
+            if ratio is None or math.isinf(ratio) or n.status == "nonfinite":
+                if not n.passed:
+                    bad_x.append(n.index)
+                continue
+            xs.append(n.index)
+            ys.append(max(ratio, floor))
+            top = max(top, ratio * 3)
+        ax.plot(xs, ys, color=color, linewidth=1.1, marker="o" if len(group) <= 120 else None, markersize=2.5,
+                label=label)
+        fails = [(x, y) for x, y in zip(xs, ys) if y > 1]
+        if fails and label == "chained":
+            ax.scatter(*zip(*fails), s=9, color=OVER, zorder=3, linewidths=0)
+        if bad_x:
+            ax.scatter(bad_x, [top] * len(bad_x), marker="x", color="black", s=18, zorder=4,
+                       label=f"{label}: not comparable / non-finite")
+    ax.axhline(1.0, color=OVER, linestyle="--", linewidth=0.9)
+    ax.annotate("tolerance", (0, 1.0), xycoords=("axes fraction", "data"), xytext=(2, 3),
+                textcoords="offset points", fontsize=8, color=OVER)
+    if first_index is not None:
+        ax.axvline(first_index, color="black", linewidth=0.8, linestyle=":")
+        ax.annotate(f"first mismatch (#{first_index})", (first_index, 1), xycoords=("data", "axes fraction"),
+                    xytext=(3, -10), textcoords="offset points", fontsize=8)
+    starts: dict[int, int] = {}
+    for n in nodes:
+        if n.layer is not None:
+            starts.setdefault(n.layer, n.index)
+    if starts:
+        layers = sorted(starts)
+        step = max(1, math.ceil(len(layers) / 16))
+        ax.set_xticks([starts[layer] for layer in layers[::step]], [str(layer) for layer in layers[::step]])
+        ax.set_xlabel("node, in execution order (ticks: first node of each layer)")
+    else:
+        ax.set_xlabel("node, in execution order")
+    _log_y(ax)
+    ax.set_ylim(floor / 2, top * 2)
+    ax.set_xlim(-1, len(nodes))
+    ax.set_ylabel("max_abs / tolerance")
+    ax.legend(loc="upper left", fontsize=8, frameon=False, ncols=3, bbox_to_anchor=(0, 1.16))
+    return to_svg(fig, "depth")
+
+
+@_styled
+def logits_svg(logits: dict | None, batch_size: int = 1) -> str | None:
+    """Per position: top-1 agreement, top-k overlap and KL(reference || ours)."""
+    if not logits or not logits.get("top1_agree"):
+        return None
+    top1, _ = _values(logits["top1_agree"])
+    overlap, _ = _values(logits["topk_overlap"])
+    kl, kl_bad = _values(logits["kl"])
+    n = len(top1)
+    x = list(range(n))
+    fig = _figure(9.0, 3.9)
+    axes = fig.subplots(3, 1, sharex=True)
+    bars = n <= BAR_LIMIT
+    draw = (lambda ax, ys, colors: ax.bar(x, ys, color=colors, width=0.85, linewidth=0)) if bars else (
+        lambda ax, ys, colors: ax.step(x, ys, where="mid", color=UNDER, linewidth=0.8))
+    draw(axes[0], [1.0] * n, ["#43a047" if v >= 1 else OVER for v in top1])
+    axes[0].set_yticks([])
+    axes[0].set_ylabel("top-1\nagrees", rotation=0, ha="right", va="center")
+    axes[0].grid(False)
+    draw(axes[1], overlap, [NEUTRAL if v >= 1 else OVER for v in overlap])
+    axes[1].set_ylim(0, 1.05)
+    axes[1].set_ylabel(f"top-{logits.get('k', 5)}\noverlap", rotation=0, ha="right", va="center")
+    draw(axes[2], kl, [UNDER] * n)
+    if kl_bad:
+        axes[2].scatter(kl_bad, [max(kl + [1e-12])] * len(kl_bad), marker="x", color="black", s=16)
+    axes[2].set_ylabel("KL(ref||ours)\nnats", rotation=0, ha="right", va="center")
+    axes[2].set_xlabel("token position" + (f" (the {batch_size} batch rows one after another)" if batch_size > 1 else ""))
+    if n <= 32:
+        axes[2].set_xticks(x)
+    for ax in axes:
+        ax.grid(axis="x", visible=False)
+        ax.set_xlim(-0.7, n - 0.3)
+    return to_svg(fig, "logits")

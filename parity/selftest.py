@@ -1,0 +1,53 @@
+"""``parity selftest <family>``: inject every known fault into a fresh pair and check that parity
+names the right node, in chained and in isolated mode, with the right class of hint."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .check import check
+from .faults import Fault, in_scope
+from .pair import Family
+
+
+@dataclass
+class SelftestRow:
+    fault: Fault
+    chained: str | None
+    isolated: str | None
+    isolated_failing: list[str]
+    hint: str
+    problems: list[str]
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems
+
+
+def run_fault(family: Family, fault: Fault) -> SelftestRow:
+    """Build a fresh pair, check it is clean, inject ``fault`` and judge what parity reports."""
+    pair = family.build_pair(config=fault.config, **dict(fault.overrides))
+    problems = []
+    control = check(pair)
+    if not control.passed:
+        problems.append(f"control pair already fails at {control.first_mismatch.name}")
+    fault.inject(pair)
+    res = check(pair, mode="both")
+    chained, isolated = res.first_mismatch, res.first_isolated_mismatch
+    failing = [n.name for n in res.isolated if not n.passed]
+    if chained is None or chained.name != fault.expected:
+        problems.append(f"chained: expected {fault.expected}, found {chained.name if chained else 'no mismatch'}")
+    if isolated is None or isolated.name != fault.isolated_expected:
+        problems.append(f"isolated: expected {fault.isolated_expected}, found {isolated.name if isolated else 'no mismatch'}")
+    outside = [n for n in failing if not in_scope(n, fault.isolated_scope)]
+    if outside:
+        problems.append(f"isolated: {len(outside)} failing nodes outside {fault.isolated_scope}, first {outside[0]}")
+    hint = chained.hint if chained is not None else ""
+    if fault.hint and fault.hint not in hint:
+        problems.append(f"hint lacks {fault.hint!r}")
+    return SelftestRow(fault, chained.name if chained else None, isolated.name if isolated else None, failing, hint, problems)
+
+
+def run_selftest(family: Family) -> list[SelftestRow]:
+    """One row per fault in ``family.faults``."""
+    return [run_fault(family, fault) for fault in family.faults]

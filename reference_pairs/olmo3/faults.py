@@ -1,0 +1,106 @@
+"""OLMo 3 fault catalogue for ``parity selftest olmo3`` (test-suite faults and shared/cases F03, F04, F06, F07)."""
+
+from __future__ import annotations
+
+import math
+import types
+
+import torch
+
+from parity.faults import Fault
+
+from ..common.faults import PerHeadRMSNorm, expand_kv_with_repeat
+from ..common.rope import default_inv_freq, rope_cos_sin
+from .model import SLIDING
+
+FIRST_YARN = 3  # the full-attention layer of the tiny configs
+
+
+def _with_cfg(**changes):
+    def inject(pair):
+        pair.ours.cfg = {**pair.ours.cfg, **changes}
+
+    return inject
+
+
+def _per_head_q_norm(pair):
+    att = pair.ours.blocks[0].att
+    att.q_norm = PerHeadRMSNorm(att.q_norm, att.head_dim)
+
+
+def _yarn_factor_twice(pair):
+    f = pair.cfg["rope_attention_factor"]
+    pair.ours.cfg = {**pair.ours.cfg, "rope_attention_factor": f * f}
+
+
+def _unrounded_yarn_band(pair):
+    """YaRN with the correction range left unrounded (no floor/ceil) (keras-hub #2981)."""
+    model, cfg = pair.ours, pair.cfg
+    correct = model.rope_tables
+
+    def rope_tables(self, seq_len, device):
+        tables = correct(seq_len, device)
+        d, base = cfg["head_dim"], cfg["rope_base"]
+
+        def dim_for(rotations):
+            return d * math.log(cfg["rope_orig_max"] / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low, high = max(dim_for(cfg["beta_fast"]), 0), min(dim_for(cfg["beta_slow"]), d - 1)
+        extrapolated = default_inv_freq(d, base)
+        keep = 1 - ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        inv = extrapolated / cfg["rope_factor"] * (1 - keep) + extrapolated * keep
+        tables["full_attention"] = tuple(t.to(device) for t in rope_cos_sin(inv, seq_len, cfg["rope_attention_factor"]))
+        return tables
+
+    model.rope_tables = types.MethodType(rope_tables, model)
+
+
+def _pre_norm(layer):
+    def inject(pair):
+        def forward(self, x, cos, sin):
+            x = x + self.att(self.post_attention_layernorm(x), cos, sin)
+            return x + self.ff(self.post_feedforward_layernorm(x))
+
+        block = pair.ours.blocks[layer]
+        block.forward = types.MethodType(forward, block)
+
+    return inject
+
+
+def _wider_window(pair):
+    for block in pair.ours.blocks:
+        if block.layer_type == SLIDING:
+            block.att.sliding_window += 1
+
+
+def _swap_gate_up(layer):
+    def inject(pair):
+        ff = pair.ours.blocks[layer].ff
+        ff.fc1.weight, ff.fc2.weight = ff.fc2.weight, ff.fc1.weight
+
+    return inject
+
+
+ATT = "model.layers.{}.self_attn"
+FAULTS = (
+    Fault("qk-norm-per-head", "Q norm computed per head instead of over the whole projection", "tiny",
+          _per_head_q_norm, f"{ATT.format(0)}.q_norm", "per head"),
+    Fault("yarn-factor-dropped", "YaRN attention factor not applied to cos/sin", "yarn",
+          _with_cfg(rope_attention_factor=1.0), f"{ATT.format(FIRST_YARN)}.q_rot", "missing or extra scale",
+          scope=ATT.format(FIRST_YARN)),
+    Fault("F03", "YaRN correction range without floor/ceil rounding", "yarn", _unrounded_yarn_band,
+          f"{ATT.format(FIRST_YARN)}.q_rot", "band of rotary frequencies", scope=ATT.format(FIRST_YARN),
+          source="keras-hub #2981"),
+    Fault("F04", "YaRN attention factor applied twice", "yarn", _yarn_factor_twice,
+          f"{ATT.format(FIRST_YARN)}.q_rot", "YaRN attention factor", scope=ATT.format(FIRST_YARN),
+          source="sglang #33558"),
+    Fault("F06", "block 2 built pre-norm x + attn(N(x)) instead of post-norm x + N(attn(x))", "tiny",
+          _pre_norm(2), f"{ATT.format(2)}.q_proj", "norm placement", scope="model.layers.2",
+          source="gpt-neox #1408"),
+    Fault("window-plus-one", "sliding window one token wider on every sliding layer", "tiny", _wider_window,
+          f"{ATT.format(0)}.probs", "sliding window", scope=f"{ATT.format('[012]')}.probs"),
+    Fault("gate-up-swapped", "gate and up weights swapped in layer 1", "tiny", _swap_gate_up(1),
+          "model.layers.1.mlp.gate_proj", "swapped", scope="model.layers.1.mlp"),
+    Fault("F07", "K/V heads expanded with repeat instead of repeat_interleave", "tiny", expand_kv_with_repeat,
+          f"{ATT.format(0)}.probs", "GQA head mapping", scope=ATT.format("*"), source="onnx #7274"),
+)

@@ -1,0 +1,62 @@
+"""Tiny Aya fault catalogue for ``parity selftest tiny_aya`` (test-suite faults and shared/cases F01, F05, F07)."""
+
+from __future__ import annotations
+
+import types
+
+from parity.faults import Fault
+
+from ..common.faults import expand_kv_with_repeat, rms_instead_of
+
+ATT = "model.layers.{}.self_attn"
+FULL_LAYER = 3  # the tiny config's full-attention (NoPE) layer
+
+
+def _sequential(layer):
+    def inject(pair):
+        def forward(self, x, cos, sin):
+            if not self.use_rope:
+                cos = sin = None
+            x = x + self.att(self.input_layernorm(x), cos, sin)
+            return x + self.ff(self.input_layernorm(x))
+
+        block = pair.ours.blocks[layer]
+        block.forward = types.MethodType(forward, block)
+
+    return inject
+
+
+def _rms_layer0(pair):
+    block = pair.ours.blocks[0]
+    block.input_layernorm = rms_instead_of(block.input_layernorm)
+
+
+def _half_split(pair):
+    pair.ours.interleaved_rope = False
+    for block in pair.ours.blocks:
+        block.att.interleaved_rope = False
+
+
+def _rope_on_full(pair):
+    pair.ours.blocks[FULL_LAYER].use_rope = True
+
+
+def _no_logit_scale(pair):
+    pair.ours.logit_scale = 1.0
+
+
+FAULTS = (
+    Fault("sequential-residual", "layer 1 sequential x + A(N(x)), then + F(N(.)), instead of parallel", "tiny",
+          _sequential(1), "model.layers.1.mlp@input", "", scope="model.layers.1"),
+    Fault("F05", "bias-free LayerNorm implemented as RMSNorm (layer 0 input_layernorm)", "tiny", _rms_layer0,
+          "model.layers.0.input_layernorm", "mean subtraction", source="omniserve #32"),
+    Fault("F01", "RoPE with half-split pairs and concatenated cos/sin instead of even/odd pairs", "tiny",
+          _half_split, f"{ATT.format(0)}.q_rot", "pairing layout", scope=f"{ATT.format('*')}.[qk]_rot",
+          source="llama.cpp #6033"),
+    Fault("rope-on-full-layer", "RoPE also applied on the full-attention (NoPE) layer", "tiny", _rope_on_full,
+          f"{ATT.format(FULL_LAYER)}.q_rot", "applies no rotation", scope=f"{ATT.format(FULL_LAYER)}.[qk]_rot"),
+    Fault("logit-scale-missing", "logits not multiplied by logit_scale", "tiny", _no_logit_scale,
+          "logits", "logit_scale"),
+    Fault("F07", "K/V heads expanded with repeat instead of repeat_interleave", "tiny", expand_kv_with_repeat,
+          f"{ATT.format(0)}.probs", "GQA head mapping", scope=ATT.format("*"), source="onnx #7274"),
+)
