@@ -10,6 +10,7 @@ from .check import CheckResult, check
 from .compare import DEFAULT_TOLERANCES, NodeResult, first_mismatch
 from .errors import CheckpointError, ConfigError, LoaderError, ParityError
 from .pair import Family, NodeSpec, Pair
+from .testing import assert_parity
 
 __version__ = "0.1.0"
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "NodeSpec",
     "Pair",
     "ParityError",
+    "assert_parity",
     "check",
     "first_mismatch",
 ]

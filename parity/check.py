@@ -13,6 +13,7 @@ import torch
 from . import hf_capture
 from .analysis import error_profile, logits_effect
 from .compare import NodeResult, compare_traces, first_mismatch
+from .coverage import Coverage, loader_coverage
 from .diagnose import diagnose
 from .errors import ParityError
 from .pair import Pair
@@ -32,6 +33,8 @@ class CheckResult:
     logits: dict | None = None
     #: per-node results of isolated mode, when it ran (same order as ``nodes``)
     isolated: list[NodeResult] | None = None
+    #: what the loader did with the checkpoint tensors (see parity.coverage); gaps fail the run
+    coverage: Coverage | None = None
 
     @property
     def first_mismatch(self) -> NodeResult | None:
@@ -39,7 +42,8 @@ class CheckResult:
 
     @property
     def passed(self) -> bool:
-        return self.first_mismatch is None
+        """Every node agrees and the loader covered the checkpoint exactly."""
+        return self.first_mismatch is None and (self.coverage is None or self.coverage.ok)
 
     @property
     def first_isolated_mismatch(self) -> NodeResult | None:
@@ -50,6 +54,8 @@ class CheckResult:
         """One line: parity holds, or the first node that fails with its metrics."""
         n = len(self.nodes)
         bad = self.first_mismatch
+        if bad is None and self.coverage is not None and not self.coverage.ok:
+            return f"FAIL: all {n} nodes agree, but loader coverage has gaps: {'; '.join(self.coverage.gaps)}"
         if bad is None:
             return f"PASS: all {n} nodes agree within tolerance"
         failing = sum(not r.passed for r in self.nodes)
@@ -277,4 +283,7 @@ def check(
         "seconds": round(time.perf_counter() - start, 3),
         "cfg": {k: str(v) if isinstance(v, torch.dtype) else v for k, v in pair.cfg.items()},
     }
-    return CheckResult(nodes=nodes, meta=meta, notes=notes, profile=profile, logits=logits, isolated=isolated)
+    coverage = loader_coverage(pair.ours, pair.state_dict, pair.tied_keys, pair.conversions) if pair.state_dict else None
+    return CheckResult(
+        nodes=nodes, meta=meta, notes=notes, profile=profile, logits=logits, isolated=isolated, coverage=coverage
+    )

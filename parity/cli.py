@@ -75,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--report-dir", default="reports", help="parent folder of the run's new report folder")
     check.add_argument("--format", type=_formats, default=["html", "csv", "json"], help="comma list of html,csv,json,junit")
     sub.add_parser("list", help="registered families and their configs")
+    gate = sub.add_parser("gate", help="CI gate: every family's CI cases against the committed baseline")
+    gate.add_argument("--family", action="append", help="only this family (repeatable; default: all)")
+    gate.add_argument("--baseline", default="parity-baseline.json", help="baseline file (default parity-baseline.json)")
+    gate.add_argument("--update-baseline", action="store_true", help="rewrite the baseline from this run (only if it passes)")
+    gate.add_argument("--changed-since", metavar="REF", help="run only families whose files changed since this git ref")
+    gate.add_argument("--report-dir", default="reports", help="parent folder of the gate's report folder")
+    gate.add_argument("--no-reports", action="store_true", help="write no report files")
     selftest = sub.add_parser("selftest", help="inject every known fault and check parity locates it")
     selftest.add_argument("family", help="a registered family (see `parity list`)")
     return parser
@@ -100,6 +107,18 @@ def _node_table(result) -> Table:
             cells.append(f"[{colors[iso.status]}]{iso.status}[/] {fmt(iso.max_abs)}" if iso else "")
         table.add_row(*cells, style=style)
     return table
+
+
+def _print_coverage(coverage, console: Console) -> None:
+    if coverage is None:
+        return
+    head = "[green]complete[/]" if coverage.ok else f"[red]{len(coverage.gaps)} gap(s)[/]"
+    console.print(f"[bold]loader coverage:[/] {head}; {len(coverage.consumed)} checkpoint tensors consumed", highlight=False)
+    for label, lines in (("tied", coverage.tied), ("conversion", coverage.conversions), ("copy", coverage.copies),
+                         ("gap", coverage.gaps)):
+        for line in lines:
+            style = "red" if label == "gap" else "dim"
+            console.print(f"  [{style}]{label}:[/] {line}", highlight=False, soft_wrap=True)
 
 
 def _write_reports(result, parent: Path, formats: list[str]) -> Path:
@@ -138,6 +157,7 @@ def cmd_check(args, console: Console) -> int:
             calibrate=args.calibrate,
         )
     console.print(_node_table(result))
+    _print_coverage(result.coverage, console)
     for note in result.notes:
         console.print(f"[yellow]note:[/] {note}", highlight=False)
     bad = result.first_mismatch
@@ -184,6 +204,44 @@ def cmd_selftest(args, console: Console) -> int:
     return 1 if failed else 0
 
 
+def cmd_gate(args, console: Console) -> int:
+    """Exit 0 when every case passes and nothing grew past its budget, 1 otherwise."""
+    from .gate import changed_since, run_gate, write_reports
+
+    changed = changed_since(args.changed_since) if args.changed_since else None
+    with console.status("running the gate") as status:
+        outcome = run_gate(
+            args.baseline, args.family, args.update_baseline, changed,
+            progress=lambda case: status.update(f"gate: {case.id}"),
+        )
+    for line in outcome.selection:
+        console.print(f"[bold]selected:[/] {line}", highlight=False)
+    table = Table(title=f"parity gate ({len(outcome.cases)} cases)")
+    for col in ("case", "nodes", "max max_abs", "loader coverage", "result"):
+        table.add_column(col)
+    for c in outcome.cases:
+        r = c.result
+        worst = max((n.max_abs or 0.0 for n in r.nodes), default=0.0) if r else None
+        coverage = "-" if r is None or r.coverage is None else ("complete" if r.coverage.ok else f"{len(r.coverage.gaps)} gap(s)")
+        verdict = "[green]pass[/]" if c.passed else "[red]FAIL[/]"
+        table.add_row(c.case.id, str(len(r.nodes)) if r else "-", "-" if worst is None else f"{worst:.3g}", coverage, verdict)
+    console.print(table)
+    for c in outcome.cases:
+        for problem in c.problems:
+            console.print(f"[red]{c.case.id}:[/] {problem}", highlight=False, soft_wrap=True)
+    for hole in outcome.config_holes:
+        console.print(f"[red]config coverage:[/] {hole}", highlight=False, soft_wrap=True)
+    for note in outcome.version_notes:
+        console.print(f"[yellow]note:[/] {note}", highlight=False)
+    if outcome.baseline_updated:
+        console.print(f"baseline written: {args.baseline}", highlight=False)
+    if not args.no_reports and outcome.cases:
+        console.print(f"reports: {write_reports(outcome, args.report_dir)}", highlight=False)
+    failed = sum(not c.passed for c in outcome.cases) + len(outcome.config_holes)
+    console.print(("[bold green]" if not failed else "[bold red]") + f"gate: {len(outcome.cases) - sum(not c.passed for c in outcome.cases)} of {len(outcome.cases)} cases pass, {failed} failure(s)[/]", highlight=False)
+    return 0 if outcome.passed else 1
+
+
 def cmd_list(console: Console) -> int:
     """Every registered family; one that cannot be loaded is listed with its error (exit 2)."""
     from .registry import family_names, get_family
@@ -216,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_list(console)
         if args.command == "selftest":
             return cmd_selftest(args, console)
+        if args.command == "gate":
+            return cmd_gate(args, console)
         return cmd_check(args, console)
     except ParityError as e:
         err.print(f"parity: error: {e}", highlight=False, markup=False, soft_wrap=True)

@@ -96,6 +96,12 @@ class Pair:
     loaded_keys: dict[str, str] = field(default_factory=dict)
     #: the reference's config read back through the family's mapping, for the config diff
     reference_cfg: dict | None = None
+    #: the checkpoint-named tensors both models were loaded from (shared, not a copy), for loader coverage
+    state_dict: dict = field(default_factory=dict, repr=False)
+    #: dtype casts applied to the checkpoint on the way in (``key: float32 -> bfloat16``)
+    conversions: list[str] = field(default_factory=list)
+    #: checkpoint key -> key it must be tied to (from the reference, when its config ties them)
+    tied_keys: dict[str, str] = field(default_factory=dict)
 
     @property
     def vocab_size(self) -> int:
@@ -114,7 +120,9 @@ class Family:
     ``configs`` maps built-in config names to one-line descriptions; ``ci_configs`` are the ones
     small enough for every test run. ``build_pair(config=..., checkpoint=..., dtype=..., seed=...,
     **overrides)`` returns a :class:`Pair`. ``faults``: the family's catalogue of
-    :class:`parity.faults.Fault` for ``parity selftest``.
+    :class:`parity.faults.Fault` for ``parity selftest``. ``real_configs`` are the configs of the
+    released models; ``config_features(name)`` lists what a config exercises, and the gate fails if
+    a real config uses a feature no CI config has.
     """
 
     name: str
@@ -124,3 +132,5 @@ class Family:
     default_config: str = "tiny"
     ci_configs: tuple[str, ...] = ("tiny",)
     faults: tuple = ()
+    real_configs: tuple[str, ...] = ()
+    config_features: Callable[[str], set[str]] | None = None

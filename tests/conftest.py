@@ -9,6 +9,8 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+pytest_plugins = ["pytester"]
+
 
 def save_checkpoint(pair, directory: Path, sharded: bool = False) -> Path:
     """Write ``pair.reference`` with ``save_pretrained`` (safetensors); sharded into several files

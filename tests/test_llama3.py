@@ -244,7 +244,10 @@ def test_a_copying_loader_fails_the_identity_check_and_parity_after_an_update():
     pair = shared_build_pair(dataclasses.replace(SPEC, load=copying_loader), "tiny")
     with pytest.raises(AssertionError, match="out_head.weight is not tok_emb.weight"):
         assert_head_tied(pair.ours)
-    assert parity.check(pair).passed  # equal values: a single forward cannot tell a copy from a tie
+    res = parity.check(pair)
+    assert res.first_mismatch is None  # equal values: a single forward cannot tell a copy from a tie...
+    assert not res.passed  # ...but loader coverage can
+    assert "tied weights lm_head.weight and model.embed_tokens.weight are not the same Parameter" in res.verdict()
     # An in-place update of the embedding (what an optimizer step does) reaches the reference's tied
     # head through the shared storage, but not our copy.
     with torch.no_grad():

@@ -149,6 +149,11 @@ def build_pair(
         hf_config = _hf_config_from_dict(spec, ckpt.config)
         cfg = spec.from_hf(hf_config, dtype)
         state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in ckpt.state_dict.items()}
+        conversions = [
+            f"{k}: {str(v.dtype).replace('torch.', '')} -> {str(dtype).replace('torch.', '')}"
+            for k, v in ckpt.state_dict.items()
+            if v.is_floating_point() and v.dtype != dtype
+        ]
         config_name = str(Path(checkpoint))
     else:
         config = "tiny" if config is None else config
@@ -157,6 +162,7 @@ def build_pair(
         with torch.device("meta"):
             shapes = {k: tuple(p.shape) for k, p in spec.reference_cls()(hf_config).named_parameters()}
         state_dict = random_state_dict(shapes, seed, dtype)
+        conversions = []
         config_name = config if isinstance(config, str) else Path(config).name if isinstance(config, Path) else "custom"
     notes = spec.check_cfg(cfg)
     with torch.device("meta"):
@@ -178,5 +184,8 @@ def build_pair(
         loaded_keys=loaded,
         checkpoint_hash=ckpt.content_hash() if checkpoint is not None else None,
         reference_cfg=spec.from_hf(reference.config, dtype),
+        state_dict=state_dict,
+        conversions=conversions,
+        tied_keys=dict(reference._tied_weights_keys or {}) if hf_config.tie_word_embeddings else {},
     )
     return pair

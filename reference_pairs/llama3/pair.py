@@ -7,6 +7,7 @@ import torch
 from parity.errors import ConfigError
 from parity.pair import Family, NodeSpec, Pair, expand_nodes
 
+from ..common.features import common_features
 from ..common.pairing import FamilySpec
 from ..common.pairing import build_pair as _build_pair
 from .configs import CONFIGS, FULL
@@ -139,6 +140,12 @@ def from_hf(hc, dtype: torch.dtype) -> dict:
     )
 
 
+def features(cfg: dict) -> set[str]:
+    """What a Llama 3 cfg exercises (see :mod:`reference_pairs.common.features`)."""
+    rope = "Llama 3 scaled RoPE" if cfg["rope_freq"] else "default RoPE"
+    return common_features(cfg) | {rope, "pre-norm blocks"}
+
+
 SPEC = FamilySpec(
     name="llama3",
     model_type="llama",
@@ -169,4 +176,6 @@ FAMILY = Family(
     default_config="tiny",
     ci_configs=("tiny",),
     faults=FAULTS,
+    real_configs=("1b-shape", "3b-shape"),
+    config_features=lambda name: features(CONFIGS[name](None)),
 )

@@ -7,6 +7,7 @@ import torch
 from parity.errors import ConfigError
 from parity.pair import Family, NodeSpec, Pair, expand_nodes
 
+from ..common.features import common_features
 from ..common.pairing import FamilySpec
 from ..common.pairing import build_pair as _build_pair
 from .configs import CONFIGS, FULL, SLIDING
@@ -168,6 +169,15 @@ def default_seq_len(cfg: dict) -> int:
     return max(16, 4 * window) if 4 * window <= 512 else 64
 
 
+def features(cfg: dict) -> set[str]:
+    """What an OLMo 3 cfg exercises (see :mod:`reference_pairs.common.features`)."""
+    feats = common_features(cfg) | {"Q/K norm over the whole projection", "post-norm blocks"}
+    for layer_type in set(cfg["layer_types"]):
+        scaled = cfg["rope_type"] == "yarn" and layer_type in cfg["rope_scaled_layer_types"]
+        feats.add(f"{'YaRN' if scaled else 'default'} RoPE on {layer_type}")
+    return feats
+
+
 SPEC = FamilySpec(
     name="olmo3",
     model_type="olmo3",
@@ -198,4 +208,6 @@ FAMILY = Family(
     default_config="tiny",
     ci_configs=("tiny", "yarn", "mha"),
     faults=FAULTS,
+    real_configs=("7b-shape", "32b-shape"),
+    config_features=lambda name: features(CONFIGS[name](None)),
 )

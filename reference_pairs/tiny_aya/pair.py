@@ -7,6 +7,7 @@ import torch
 from parity.errors import ConfigError
 from parity.pair import Family, NodeSpec, Pair, expand_nodes
 
+from ..common.features import common_features
 from ..common.pairing import FamilySpec
 from ..common.pairing import build_pair as _build_pair
 from .configs import CONFIGS, FULL, SLIDING
@@ -154,6 +155,18 @@ def check_cfg(cfg: dict) -> list[str]:
     return notes
 
 
+def features(cfg: dict) -> set[str]:
+    """What a Tiny Aya cfg exercises (see :mod:`reference_pairs.common.features`)."""
+    feats = common_features(cfg) | {"parallel blocks", "bias-free LayerNorm"}
+    if SLIDING in cfg["layer_types"]:
+        feats.add("interleaved RoPE on sliding_attention")
+    if FULL in cfg["layer_types"]:
+        feats.add("no RoPE on full_attention")
+    if cfg["logit_scale"] != 1.0:
+        feats.add("logit_scale != 1")
+    return feats
+
+
 SPEC = FamilySpec(
     name="tiny_aya",
     model_type="cohere2",
@@ -185,4 +198,6 @@ FAMILY = Family(
     default_config="tiny",
     ci_configs=("tiny",),
     faults=FAULTS,
+    real_configs=("3b-shape",),
+    config_features=lambda name: features(CONFIGS[name](None)),
 )

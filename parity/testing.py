@@ -1,0 +1,53 @@
+"""Parity in a project's own test suite: ``assert_parity`` and (through the pytest plugin) the
+``parity_pair`` fixture.
+
+    def test_my_olmo3(parity_pair):
+        assert_parity(parity_pair("olmo3", "tiny"))
+"""
+
+from __future__ import annotations
+
+import io
+
+from .check import CheckResult, check
+from .pair import Pair
+
+
+def mismatch_table(result: CheckResult, context: int = 3) -> str:
+    """Plain-text table of the nodes around the first mismatch (or the last nodes if all pass),
+    the hint and any loader-coverage gaps: the message a failing parity test shows."""
+    from rich.console import Console
+    from rich.table import Table
+
+    bad = result.first_mismatch
+    center = bad.index if bad is not None else len(result.nodes) - 1
+    rows = result.nodes[max(0, center - context) : center + context + 1]
+    table = Table(box=None, pad_edge=False)
+    for col in ("#", "node", "status", "max_abs", "mean_abs", "cosine", "atol", "rtol"):
+        table.add_column(col)
+    fmt = lambda v, spec=".3g": "" if v is None else format(v, spec)  # noqa: E731
+    for r in rows:
+        marker = ">" if bad is not None and r.index == bad.index else " "
+        table.add_row(f"{marker}{r.index}", r.name, r.status, fmt(r.max_abs), fmt(r.mean_abs), fmt(r.cosine, ".6f"),
+                      f"{r.atol:g}", f"{r.rtol:g}")
+    buffer = io.StringIO()
+    console = Console(file=buffer, width=160, color_system=None)
+    console.print(result.verdict(), soft_wrap=True, highlight=False)
+    console.print(table)
+    if bad is not None and bad.hint:
+        console.print(f"hint: {bad.hint}", soft_wrap=True, highlight=False)
+    for gap in result.coverage.gaps if result.coverage is not None else []:
+        console.print(f"loader coverage: {gap}", soft_wrap=True, highlight=False)
+    return buffer.getvalue()
+
+
+def assert_parity(pair: Pair, **check_kwargs) -> CheckResult:
+    """Run :func:`parity.check` and raise AssertionError with the first-mismatch table unless it passes.
+
+    ``check_kwargs`` go to :func:`parity.check` (``seq_len``, ``mode``, ``atol``, ``tolerances``...).
+    Returns the result when parity holds.
+    """
+    result = check(pair, **check_kwargs)
+    if not result.passed:
+        raise AssertionError("parity failed\n" + mismatch_table(result))
+    return result
