@@ -20,6 +20,7 @@ from markupsafe import Markup
 
 from . import plots
 from .atomic import atomic_write
+from ..compare import first_mismatch
 from .tables import result_dict, tolerance_ratio
 
 _env = Environment(
@@ -32,7 +33,6 @@ _env = Environment(
 STATUSES = ("ok", "mismatch", "nonfinite", "shape", "missing")
 #: node kinds whose last axis is the key position rather than a channel
 KEY_AXIS_KINDS = {"probs"}
-HEAD_MAJOR = {"q_rot", "k_rot", "probs"}
 
 
 def _fmt(value, spec: str = ".3g") -> str:
@@ -78,8 +78,21 @@ def _tolerance_facts(result) -> list[tuple[str, str]]:
         facts.append(("tolerance", f"{pattern}: atol {tol[0]:g}, rtol {tol[1]:g}"))
     calibrated = sum(n.tol_source == "calibrated" for n in result.nodes)
     if calibrated:
-        facts.append(("tolerance", f"{calibrated} nodes use calibrated tolerances"))
+        factor = f", safety factor {meta['safety_factor']:g}" if meta.get("safety_factor") else ""
+        facts.append(("tolerance", f"{calibrated} nodes calibrated from the reference's float64 error{factor}"))
     return facts
+
+
+def _coverage(result) -> dict | None:
+    coverage = getattr(result, "coverage", None)
+    if coverage is None:
+        return None
+    d = coverage.to_dict()
+    summary = f"complete: {d.get('consumed', 0)} checkpoint tensors, each in one parameter" if coverage.ok else (
+        f"{len(d['gaps'])} gap{'s' if len(d['gaps']) != 1 else ''}"
+    )
+    return {"ok": coverage.ok, "summary": summary, "gaps": list(d["gaps"]),
+            "info": [f"{k}: {v}" for k in ("tied", "conversions", "copies") for v in d.get(k) or []]}
 
 
 def _facts(result) -> list[dict]:
@@ -102,6 +115,9 @@ def _facts(result) -> list[dict]:
         ("transformers", versions.get("transformers")),
         ("time", meta.get("time")),
     ]
+    coverage = _coverage(result)
+    if coverage is not None:
+        facts.append(("loader coverage", coverage["summary"]))
     if meta.get("seconds") is not None:
         facts.append(("duration", f"{meta['seconds']:g} s tracing and comparing"))
     return [{"key": k, "value": "-" if v is None else str(v)} for k, v in facts]
@@ -118,7 +134,10 @@ def _card(result, bad) -> dict | None:
         "profile": profile,
         "position_svg": None,
         "head_svg": None,
+        "isolated_first": None,
     }
+    if result.isolated is not None and result.meta.get("mode") != "isolated":
+        card["isolated_first"] = first_mismatch(result.isolated)
     if profile:
         card["position_svg"] = _svg(plots.profile_svg(profile.get("by_position"), bad.atol, "token position", "position"))
         card["head_svg"] = _svg(
@@ -156,7 +175,8 @@ def _svg(text: str | None) -> Markup | None:
 
 
 def _rows(result) -> list[dict]:
-    isolated = {n.name: n for n in result.isolated} if result.isolated else {}
+    separate = result.isolated and result.meta.get("mode") != "isolated"
+    isolated = {n.name: n for n in result.isolated} if separate else {}
     rows = []
     for n in result.nodes:
         ratio = tolerance_ratio(n)
@@ -190,6 +210,7 @@ def _filters(result) -> dict:
 def render_html(result) -> str:
     bad = result.first_mismatch
     card = _card(result, bad)
+    mode = result.meta.get("mode", "chained")
     return _env.get_template("report.html.j2").render(
         r=result,
         d=result_dict(result),
@@ -197,11 +218,15 @@ def render_html(result) -> str:
         facts=_facts(result),
         card=card,
         heatmap_svg=_svg(plots.depth_heatmap_svg(result.nodes, bad.index if bad else None)),
-        depth_svg=_svg(plots.depth_line_svg(result.nodes, result.isolated, bad.index if bad else None)),
+        depth_svg=_svg(plots.depth_line_svg(
+            result.nodes, result.isolated if mode != "isolated" else None, bad.index if bad else None,
+            label="isolated" if mode == "isolated" else "chained",
+        )),
         where=_where(result, bad, card),
         rows=_rows(result),
         filters=_filters(result),
-        head_major=bad is not None and bad.kind in HEAD_MAJOR,
+        coverage=_coverage(result),
+        mode=mode,
     )
 
 

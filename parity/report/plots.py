@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import matplotlib as mpl
 from matplotlib.colors import LinearSegmentedColormap, TwoSlopeNorm
 from matplotlib.figure import Figure
+from matplotlib.collections import PatchCollection
 from matplotlib.patches import Rectangle
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
@@ -29,12 +30,16 @@ from .tables import tolerance_ratio
 #: log10(max_abs / tolerance) below this is drawn at the floor (an exact match is -inf)
 LOG_FLOOR = -6.0
 OVER, UNDER, NEUTRAL, ISOLATED = "#c62828", "#1e88e5", "#9aa0aa", "#ef6c00"
-#: blue far below tolerance, yellow at tolerance, red above
+#: quiet (pale blue) far below tolerance, pale yellow at it, orange to dark red above: failing cells stand out
 RATIO_CMAP = LinearSegmentedColormap.from_list(
-    "parity_ratio", ["#313695", "#74add1", "#e0f3f8", "#fee090", "#f46d43", "#a50026", "#4a0010"]
+    "parity_ratio",
+    [(0.0, "#e4ecf5"), (0.3, "#bcd3ea"), (0.46, "#eef0d0"), (0.5, "#ffe58a"), (0.6, "#fdae61"), (0.8, "#d73027"),
+     (1.0, "#5e0016")],
 )
+NO_METRICS = "#d9dce1"
 STATUS_MARK = {"shape": "S", "missing": "M", "nonfinite": "N"}
 BAR_LIMIT = 160  # above this many values, draw a step line instead of bars
+STEP_POINTS = 1024  # at most this many steps in a line
 
 _RC = {
     "svg.fonttype": "none",
@@ -75,6 +80,17 @@ def to_svg(fig: Figure, salt: str) -> str:
     text = buf.getvalue()
     text = text[text.index("<svg"):]
     text = re.sub(r"\s*<metadata>.*?</metadata>", "", text, count=1, flags=re.S)
+    # collections mark their links target="_blank"; links here are in-page anchors
+    text = re.sub(r'(<a xlink:href="#[^"]*") target="_blank"', r"\1", text)
+    # matplotlib numbers its groups per figure (figure_1, axes_1...): prefix every id of this
+    # figure, and the references to them, so that ids stay unique in a page of several figures
+    own = set(re.findall(r'\bid="([^"]+)"', text))
+    text = re.sub(r'\bid="([^"]+)"', lambda m: f'id="{salt}-{m.group(1)}"', text)
+    text = re.sub(
+        r'(url\(#|xlink:href="#)([^")]+)',
+        lambda m: f"{m.group(1)}{salt}-{m.group(2)}" if m.group(2) in own else m.group(0),
+        text,
+    )
     return text.replace("<svg ", f'<svg class="plot" role="img" data-plot="{salt}" ', 1)
 
 
@@ -135,11 +151,14 @@ def _error_bars(ax, values: Sequence[float | None], threshold: float | None, xla
     x = list(range(len(vals)))
     if len(vals) <= BAR_LIMIT:
         ax.bar(x, [s - floor for s in shown], bottom=floor, color=colors, width=0.8, linewidth=0)
-    else:
-        ax.step(x, shown, where="mid", color=UNDER, linewidth=0.8)
-        over = [i for i, c in enumerate(colors) if c == OVER]
-        if over:
-            ax.scatter(over, [shown[i] for i in over], s=4, color=OVER, zorder=3, linewidths=0)
+    else:  # one step line; long series as the max of each bin (peaks are what matter)
+        size = math.ceil(len(vals) / STEP_POINTS)
+        bins = [max(shown[i:i + size]) for i in range(0, len(shown), size)]
+        edges = [i * size - 0.5 for i in range(len(bins))] + [len(vals) - 0.5]
+        label = f"max over {size} consecutive" if size > 1 else None
+        ax.stairs(bins, edges, baseline=None, color=UNDER, linewidth=0.8, label=label)
+        if label:
+            ax.legend(loc="upper right", fontsize=8, frameon=False)
     if bad:
         ax.scatter(bad, [top * 3] * len(bad), marker="x", color="black", s=16, zorder=4, label="non-finite")
         ax.legend(loc="upper left", fontsize=8, frameon=False)
@@ -200,23 +219,28 @@ def depth_heatmap_svg(nodes, first_index: int | None) -> str | None:
     ax = fig.add_subplot()
     ax.grid(False)
     row_of = {layer: r for r, layer in enumerate(layers)}
+    patches, faces, urls = [], [], []
     for (layer, kind), node in cells.items():
         r, c = row_of[layer], kinds.index(kind)
         value = _log_ratio(node)
-        mark = STATUS_MARK.get(node.status)
         if node.status == "nonfinite" or (value is None and node.status == "mismatch"):
             face = RATIO_CMAP(1.0)
         elif value is None:
-            face = "#d9dce1"
+            face = NO_METRICS
         else:
             face = RATIO_CMAP(norm(value))
-        rect = Rectangle((c, r), 1, 1, facecolor=face, edgecolor="white", linewidth=0.5)
-        rect.set_url(f"#node-{node.index}")
-        ax.add_patch(rect)
+        patches.append(Rectangle((c, r), 1, 1))
+        faces.append(face)
+        urls.append(f"#node-{node.index}")
+        mark = STATUS_MARK.get(node.status)
         if mark:
-            ax.text(c + 0.5, r + 0.5, mark, ha="center", va="center", fontsize=7, color="white" if face != "#d9dce1" else "black")
+            ax.text(c + 0.5, r + 0.5, mark, ha="center", va="center", fontsize=7,
+                    color="black" if face == NO_METRICS else "white")
         if first_index is not None and node.index == first_index:
-            ax.add_patch(Rectangle((c + 0.04, r + 0.04), 0.92, 0.92, fill=False, edgecolor="black", linewidth=1.8))
+            ax.add_patch(Rectangle((c + 0.04, r + 0.04), 0.92, 0.92, fill=False, edgecolor="black", linewidth=1.8, zorder=3))
+    grid = PatchCollection(patches, facecolors=faces, edgecolors="white", linewidths=0.5)
+    grid.set_urls(urls)
+    ax.add_collection(grid)
     ax.set_xlim(0, n_cols)
     ax.set_ylim(n_rows, 0)
     ax.set_xticks([c + 0.5 for c in range(n_cols)], kinds, rotation=50, ha="right", rotation_mode="anchor")
@@ -236,16 +260,17 @@ def depth_heatmap_svg(nodes, first_index: int | None) -> str | None:
 
 
 @_styled
-def depth_line_svg(nodes, isolated, first_index: int | None) -> str | None:
-    """max_abs / tolerance along execution order (log), chained and isolated; 1 is the tolerance."""
+def depth_line_svg(nodes, isolated, first_index: int | None, label: str = "chained") -> str | None:
+    """max_abs / tolerance along execution order (log): ``nodes`` (drawn as ``label``) and, when
+    given, ``isolated``; 1 is the tolerance."""
     if not nodes:
         return None
     fig = _figure(9.0, 2.8)
     ax = fig.add_subplot()
     floor = 10.0**LOG_FLOOR
-    series = [("chained", nodes, UNDER)] + ([("isolated", isolated, ISOLATED)] if isolated else [])
+    series = [(label, nodes, UNDER)] + ([("isolated", isolated, ISOLATED)] if isolated else [])
     top = 10.0
-    for label, group, color in series:
+    for name, group, color in series:
         xs, ys, bad_x = [], [], []
         for n in group:
             ratio = tolerance_ratio(n)
@@ -257,13 +282,13 @@ def depth_line_svg(nodes, isolated, first_index: int | None) -> str | None:
             ys.append(max(ratio, floor))
             top = max(top, ratio * 3)
         ax.plot(xs, ys, color=color, linewidth=1.1, marker="o" if len(group) <= 120 else None, markersize=2.5,
-                label=label)
+                label=name)
         fails = [(x, y) for x, y in zip(xs, ys) if y > 1]
-        if fails and label == "chained":
+        if fails and group is nodes:
             ax.scatter(*zip(*fails), s=9, color=OVER, zorder=3, linewidths=0)
         if bad_x:
             ax.scatter(bad_x, [top] * len(bad_x), marker="x", color="black", s=18, zorder=4,
-                       label=f"{label}: not comparable / non-finite")
+                       label=f"{name}: not comparable / non-finite")
     ax.axhline(1.0, color=OVER, linestyle="--", linewidth=0.9)
     ax.annotate("tolerance", (0, 1.0), xycoords=("axes fraction", "data"), xytext=(2, 3),
                 textcoords="offset points", fontsize=8, color=OVER)

@@ -27,7 +27,8 @@ result.json is ``result_dict``: ``version`` (:data:`RESULT_VERSION`), ``passed``
 ``first_mismatch``, ``meta`` (the run: family, config, checkpoint and its sha256, dtype, sizes,
 seed, mode, tolerances, torch/transformers versions, time), ``notes``, ``counts`` (nodes per
 status), ``nodes`` (NodeResult fields; ``index`` is the CSV's ``order``, shapes are lists),
-``isolated``, ``profile`` and ``logits`` (see :mod:`parity.analysis`). It is strict JSON: a
+``isolated``, ``profile`` and ``logits`` (see :mod:`parity.analysis`), ``coverage`` (what the
+loader did with the checkpoint, see :mod:`parity.coverage`; null without a checkpoint). It is strict JSON: a
 non-finite number (an infinite ``rtol_needed``, an error profile entry at a NaN) is written as
 ``null``. ``result.schema.json`` next to this module is its JSON Schema (:func:`result_schema`).
 """
@@ -130,7 +131,13 @@ def result_dict(result) -> dict:
         "isolated": [r.to_dict() for r in result.isolated] if result.isolated is not None else None,
         "profile": result.profile,
         "logits": result.logits,
+        "coverage": _coverage(result),
     })
+
+
+def _coverage(result) -> dict | None:
+    coverage = getattr(result, "coverage", None)
+    return coverage.to_dict() if coverage is not None else None
 
 
 def write_json(result, path) -> Path:
