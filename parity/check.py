@@ -62,7 +62,7 @@ class CheckResult:
         return f"FAIL: first mismatch at node {bad.index} of {n}, {bad.line()} [{failing} nodes fail]"
 
     def to_frame(self):
-        """pandas DataFrame, one row per node (columns documented in parity.report.csv)."""
+        """pandas DataFrame, one row per node (columns documented in parity.report.tables)."""
         from .report.tables import nodes_frame
 
         return nodes_frame(self)
@@ -106,7 +106,7 @@ def _keep_inputs(pair: Pair) -> frozenset[str]:
     return frozenset(n.name for n in pair.nodes if any(k in n.kind for k in _DIAGNOSIS_INPUT_KINDS))
 
 
-def trace_reference(pair: Pair, input_ids: torch.Tensor, model=None) -> Trace:
+def trace_reference(pair: Pair, input_ids: torch.Tensor, model=None, attention_mask: torch.Tensor | None = None) -> Trace:
     """Run the reference (or ``model``, a copy of it) on ``input_ids``; attention internals
     come through :mod:`parity.hf_capture`."""
     model = pair.reference if model is None else model
@@ -114,11 +114,13 @@ def trace_reference(pair: Pair, input_ids: torch.Tensor, model=None) -> Trace:
     captured = [n.name for n in pair.nodes if n.name.rsplit(".", 1)[-1] in hf_capture.SUFFIXES]
     points = [(n.name, n.reference_path) for n in pair.nodes if n.name not in captured]
     with torch.inference_mode(), recording(model, points, captured=captured, keep_inputs=_keep_inputs(pair)) as trace:
-        model(input_ids=input_ids, use_cache=False)
+        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     return trace
 
 
-def trace_ours(pair: Pair, input_ids: torch.Tensor, substitute: Trace | None = None) -> Trace:
+def trace_ours(
+    pair: Pair, input_ids: torch.Tensor, substitute: Trace | None = None, attention_mask: torch.Tensor | None = None
+) -> Trace:
     """Run our model; with ``substitute`` (isolated mode) every node continues from the reference's tensor."""
     points = [(n.name, n.ours) for n in pair.nodes]
     transforms = {n.name: n.transform for n in pair.nodes if n.transform is not None}
@@ -127,7 +129,10 @@ def trace_ours(pair: Pair, input_ids: torch.Tensor, substitute: Trace | None = N
         pair.ours, points, transforms=transforms, substitute=substitute, inverses=inverses,
         keep_inputs=_keep_inputs(pair),
     ) as trace:
-        pair.ours(input_ids)
+        if attention_mask is None:
+            pair.ours(input_ids)
+        else:
+            pair.ours(input_ids, attention_mask=attention_mask)
     return trace
 
 
@@ -137,7 +142,9 @@ def trace_pair(pair: Pair, input_ids: torch.Tensor) -> tuple[Trace, Trace]:
     return ref_trace, trace_ours(pair, input_ids)
 
 
-def calibrate_tolerances(pair: Pair, input_ids: torch.Tensor, ref_trace: Trace, safety: float = SAFETY_FACTOR) -> dict:
+def calibrate_tolerances(
+    pair: Pair, input_ids: torch.Tensor, ref_trace: Trace, safety: float = SAFETY_FACTOR, attention_mask=None
+) -> dict:
     """Per-node ``(atol, 0.0)`` from the reference's own error against itself in float64.
 
     A float64 copy of the reference (same weights) runs on the same inputs; each node's atol is
@@ -148,7 +155,7 @@ def calibrate_tolerances(pair: Pair, input_ids: torch.Tensor, ref_trace: Trace, 
 
     ref64 = copy.deepcopy(pair.reference).to(torch.float64)
     try:
-        trace64 = trace_reference(pair, input_ids, model=ref64)
+        trace64 = trace_reference(pair, input_ids, model=ref64, attention_mask=attention_mask)
     finally:
         del ref64
     floor = CALIBRATION_FLOOR.get(pair.dtype, 1e-6)
@@ -199,6 +206,8 @@ def check(
     rtol: float | None = None,
     tolerances: Mapping[str, tuple[float, float]] | None = None,
     calibrate: bool = False,
+    attention_mask: torch.Tensor | None = None,
+    left_pad: int = 0,
 ) -> CheckResult:
     """Compare ``pair.ours`` with ``pair.reference`` node by node.
 
@@ -212,8 +221,13 @@ def check(
     reference's own float32-vs-float64 error (:func:`calibrate_tolerances`); ``tolerances`` maps
     node-name glob patterns to ``(atol, rtol)`` and wins over all of them.
 
+    ``attention_mask``: ``(batch, seq)``, 1 for real tokens and 0 for padding, given to both models;
+    ``left_pad`` builds one instead: every batch row after the first starts with that many padding
+    tokens (the rows whose queries see no real key are where masking bugs turn into NaN).
+
     Raises:
-        ParityError: unknown ``mode``, or ``input_ids`` that are not 2-D or out of the vocabulary.
+        ParityError: unknown ``mode``; ``input_ids`` not 2-D or out of the vocabulary; a mask of
+            another shape; ``left_pad`` without a second row or not shorter than the sequence.
     """
     if mode not in MODES:
         raise ParityError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
@@ -225,6 +239,15 @@ def check(
         raise ParityError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
     if int(input_ids.min()) < 0 or int(input_ids.max()) >= pair.vocab_size:
         raise ParityError(f"input_ids must lie in [0, {pair.vocab_size}), got [{int(input_ids.min())}, {int(input_ids.max())}]")
+    if left_pad:
+        if attention_mask is not None or input_ids.shape[0] < 2 or not 0 < left_pad < input_ids.shape[1]:
+            raise ParityError(
+                f"left_pad {left_pad} needs batch_size >= 2, 0 < left_pad < seq_len ({input_ids.shape[1]}) and no attention_mask"
+            )
+        attention_mask = torch.ones_like(input_ids)
+        attention_mask[1:, :left_pad] = 0
+    if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
+        raise ParityError(f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids {tuple(input_ids.shape)}")
     notes = list(pair.notes)
     window = pair.cfg.get("sliding_window")
     if window and "sliding_attention" in pair.cfg.get("layer_types", []) and input_ids.shape[1] <= window:
@@ -235,11 +258,11 @@ def check(
     diffs = config_diff(pair)
     notes += [f"config differs: {d['key']} is {d['ours']!r} in ours, {d['reference']!r} in the reference" for d in diffs]
     start = time.perf_counter()
-    ref_trace = trace_reference(pair, input_ids)
-    calibrated = calibrate_tolerances(pair, input_ids, ref_trace) if calibrate else None
+    ref_trace = trace_reference(pair, input_ids, attention_mask=attention_mask)
+    calibrated = calibrate_tolerances(pair, input_ids, ref_trace, attention_mask=attention_mask) if calibrate else None
 
     def run(substitute: Trace | None) -> tuple[list[NodeResult], Trace]:
-        ours = trace_ours(pair, input_ids, substitute)
+        ours = trace_ours(pair, input_ids, substitute, attention_mask)
         results = compare_traces(ours, ref_trace, pair.nodes, pair.dtype, atol, rtol, tolerances, calibrated)
         bad = first_mismatch(results)
         if bad is not None:
@@ -270,6 +293,7 @@ def check(
         "dtype": str(pair.dtype).replace("torch.", ""),
         "batch_size": int(input_ids.shape[0]),
         "seq_len": int(input_ids.shape[1]),
+        "padding": None if attention_mask is None else [int(n) for n in (attention_mask == 0).sum(1)],
         "seed": pair.seed,
         "mode": mode,
         "atol": atol,

@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--seq-len", type=_positive, help="tokens per sequence (default: past the sliding window)")
     check.add_argument("--batch", type=_positive, default=1, help="sequences per batch (default 1)")
     check.add_argument("--seed", type=int, default=0, help="seed for random weights and input tokens")
+    check.add_argument("--left-pad", type=int, default=0, metavar="N",
+                       help="left-pad every batch row after the first with N padding tokens (needs --batch 2+)")
     check.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype of both models")
     check.add_argument("--atol", type=_nonnegative_float, help="absolute tolerance (default by dtype)")
     check.add_argument("--rtol", type=_nonnegative_float, help="relative tolerance (default by dtype)")
@@ -154,7 +156,7 @@ def cmd_check(args, console: Console) -> int:
     with console.status("tracing both models and comparing every node"):
         result = check(
             pair, seq_len=args.seq_len, batch_size=args.batch, mode=args.mode, atol=args.atol, rtol=args.rtol,
-            calibrate=args.calibrate,
+            calibrate=args.calibrate, left_pad=args.left_pad,
         )
     console.print(_node_table(result))
     _print_coverage(result.coverage, console)

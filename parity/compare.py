@@ -69,7 +69,7 @@ class NodeResult:
 
     def line(self) -> str:
         """One line for logs, JUnit and error messages."""
-        if self.max_abs is None:
+        if self.max_abs is None or self.status == NONFINITE:
             return f"{self.name}: {self.status} ({self.detail})"
         return (
             f"{self.name}: {self.status} max_abs={self.max_abs:.3g} mean_abs={self.mean_abs:.3g} "

@@ -32,6 +32,8 @@ class Fault:
     isolated: str | None = None
     source: str = ""
     overrides: tuple[tuple[str, object], ...] = ()
+    #: extra arguments for parity.check, e.g. (("batch_size", 2), ("left_pad", 5)) for padded batches
+    check_kwargs: tuple[tuple[str, object], ...] = ()
 
     @property
     def isolated_expected(self) -> str:

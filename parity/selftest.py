@@ -28,11 +28,12 @@ def run_fault(family: Family, fault: Fault) -> SelftestRow:
     """Build a fresh pair, check it is clean, inject ``fault`` and judge what parity reports."""
     pair = family.build_pair(config=fault.config, **dict(fault.overrides))
     problems = []
-    control = check(pair)
+    kwargs = dict(fault.check_kwargs)
+    control = check(pair, **kwargs)
     if not control.passed:
         problems.append(f"control pair already fails at {control.first_mismatch.name}")
     fault.inject(pair)
-    res = check(pair, mode="both")
+    res = check(pair, mode="both", **kwargs)
     chained, isolated = res.first_mismatch, res.first_isolated_mismatch
     failing = [n.name for n in res.isolated if not n.passed]
     if chained is None or chained.name != fault.expected:

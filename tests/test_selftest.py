@@ -15,9 +15,9 @@ CASES = [(name, fault) for name, fam in families().items() for fault in fam.faul
 
 def test_every_family_has_a_catalogue_with_the_handed_cases():
     ids = {name: {f.id for f in fam.faults} for name, fam in families().items()}
-    assert {"F03", "F04", "F06", "F07"} <= ids["olmo3"]
-    assert {"F01", "F05", "F07"} <= ids["tiny_aya"]
-    assert {"F02", "F07", "F08"} <= ids["llama3"]
+    assert {"F03", "F04", "F06", "F07", "F10"} <= ids["olmo3"]
+    assert {"F01", "F05", "F07", "F10"} <= ids["tiny_aya"]
+    assert {"F02", "F07", "F08", "F10"} <= ids["llama3"]
 
 
 @pytest.mark.parametrize("family, fault", CASES, ids=[f"{n}-{f.id}" for n, f in CASES])
@@ -31,7 +31,7 @@ def test_fault_is_located_chained_and_isolated_with_its_hint(family, fault):
 def test_selftest_command_passes_and_reports_each_fault(capsys):
     assert main(["selftest", "llama3"]) == 0
     out = capsys.readouterr().out
-    assert "4 passed, 0 failed" in out and "F08" in out and "transformers #31788" in out
+    assert "5 passed, 0 failed" in out and "F08" in out and "transformers #31788" in out
 
 
 def test_selftest_fails_when_a_fault_is_mislocated(monkeypatch, capsys):

@@ -33,11 +33,11 @@ def first_bad(pair) -> parity.NodeResult:
     return res.first_mismatch
 
 
-def sequential_forward(self, x, cos, sin):
+def sequential_forward(self, x, cos, sin, padding_mask=None):
     """The fault: a Llama-style sequential block, x' = x + A(N(x)), y = x' + F(N(x'))."""
     if not self.use_rope:
         cos = sin = None
-    x = x + self.att(self.input_layernorm(x), cos, sin)
+    x = x + self.att(self.input_layernorm(x), cos, sin, padding_mask)
     return x + self.ff(self.input_layernorm(x))
 
 

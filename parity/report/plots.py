@@ -340,6 +340,7 @@ def logits_svg(logits: dict | None, batch_size: int = 1) -> str | None:
     draw(axes[2], kl, [UNDER] * n)
     if kl_bad:
         axes[2].scatter(kl_bad, [max(kl + [1e-12])] * len(kl_bad), marker="x", color="black", s=16)
+    axes[2].set_ylim(min(0.0, min(kl)), max(max(kl), 1e-6) * 1.15)
     axes[2].set_ylabel("KL(ref||ours)\nnats", rotation=0, ha="right", va="center")
     axes[2].set_xlabel("token position" + (f" (the {batch_size} batch rows one after another)" if batch_size > 1 else ""))
     if n <= 32:

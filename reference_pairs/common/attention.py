@@ -85,8 +85,16 @@ class GroupedQueryAttention(nn.Module):
         serves query heads ``g * group .. (g + 1) * group - 1`` (``repeat_interleave``, not ``repeat``)."""
         return t.repeat_interleave(self.group_size, dim=1)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
-        """``x``: ``(batch, seq, d_in)``; ``cos``/``sin``: ``(seq, head_dim)`` or None for no RoPE."""
+    def mask_scores(self, scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """Disallowed positions get the dtype's lowest finite value, as Transformers' eager masks do:
+        a query row with no allowed key (a left-padding row) then gets uniform weights, not NaN."""
+        return scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, padding_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``x``: ``(batch, seq, d_in)``; ``cos``/``sin``: ``(seq, head_dim)`` or None for no RoPE;
+        ``padding_mask``: ``(batch, seq)``, True (or 1) for real tokens, or None for no padding."""
         b, s, _ = x.shape
         queries, keys, values = self.W_query(x), self.W_key(x), self.W_value(x)
         if self.qk_norm == "projection":
@@ -103,8 +111,10 @@ class GroupedQueryAttention(nn.Module):
 
         keys, values = self.expand_kv(keys), self.expand_kv(values)
         scores = queries @ keys.transpose(2, 3) * self.head_dim**-0.5
-        allowed = causal_mask(s, self.sliding_window).to(scores.device)
-        scores = scores.masked_fill(~allowed, float("-inf"))
+        allowed = causal_mask(s, self.sliding_window).to(scores.device)[None, None]
+        if padding_mask is not None:
+            allowed = allowed & padding_mask.bool()[:, None, None, :]
+        scores = self.mask_scores(scores, allowed)
         probs = self.probs(torch.softmax(scores.float(), dim=-1).to(queries.dtype))
         context = (probs @ values).transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim)
         return self.out_proj(self.context(context))

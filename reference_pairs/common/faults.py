@@ -44,3 +44,13 @@ def untie_head(pair: Pair) -> None:
     gen = torch.Generator().manual_seed(1234)
     fresh = torch.randn(head.weight.shape, generator=gen) * head.weight.shape[1] ** -0.5
     head.weight = nn.Parameter(fresh.to(head.weight.dtype), requires_grad=False)
+
+
+def mask_with_neg_inf(pair: Pair) -> None:
+    """Masked scores filled with -inf: a query row with no real key (left padding) becomes NaN (unsloth #9848)."""
+    for block in pair.ours.blocks:
+        block.att.mask_scores = lambda scores, allowed: scores.masked_fill(~allowed, float("-inf"))
+
+
+#: the padded batch F10 needs: rows after the first start with 5 padding tokens
+LEFT_PADDED = (("batch_size", 3), ("left_pad", 5))

@@ -7,7 +7,7 @@ from torch import nn
 
 from parity.faults import Fault
 
-from ..common.faults import expand_kv_with_repeat, untie_head
+from ..common.faults import LEFT_PADDED, mask_with_neg_inf, expand_kv_with_repeat, untie_head
 
 ATT = "model.layers.{}.self_attn"
 
@@ -44,4 +44,7 @@ FAULTS = (
           f"{ATT.format(0)}.probs", "GQA head mapping", scope=ATT.format("*"), source="onnx #7274"),
     Fault("F08", "output head its own Parameter, never loaded or tied", "tiny", untie_head, "lm_head",
           "never loaded or tied", source="tinygrad #13796"),
+    Fault("F10", "masked scores filled with -inf: fully masked (left-pad) query rows give NaN", "tiny",
+          mask_with_neg_inf, f"{ATT.format(0)}.probs", "non-finite", scope=f"{ATT.format('*')}.probs",
+          source="unsloth #9848", check_kwargs=LEFT_PADDED),
 )

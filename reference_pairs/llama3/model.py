@@ -65,8 +65,8 @@ class TransformerBlock(nn.Module):
         self.norm1 = Llama3RMSNorm(cfg["emb_dim"], eps=cfg["rms_norm_eps"], dtype=dtype)
         self.norm2 = Llama3RMSNorm(cfg["emb_dim"], eps=cfg["rms_norm_eps"], dtype=dtype)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.att(self.norm1(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, padding_mask=None) -> torch.Tensor:
+        x = x + self.att(self.norm1(x), cos, sin, padding_mask)
         x = x + self.ff(self.norm2(x))
         return x
 
@@ -94,9 +94,10 @@ class Llama3Model(nn.Module):
         cos, sin = rope_cos_sin(compute_inv_freq(self.cfg), seq_len)
         return cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``attention_mask``: ``(batch, seq)`` 1 for real tokens, 0 for padding (keys only are masked)."""
         x = self.tok_emb(input_ids)
         cos, sin = self.rope_tables(input_ids.shape[1], x.dtype, x.device)
         for block in self.blocks:
-            x = block(x, cos, sin)
+            x = block(x, cos, sin, padding_mask=attention_mask)
         return self.out_head(self.final_norm(x))

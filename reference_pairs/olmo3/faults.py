@@ -9,7 +9,7 @@ import torch
 
 from parity.faults import Fault
 
-from ..common.faults import PerHeadRMSNorm, expand_kv_with_repeat
+from ..common.faults import LEFT_PADDED, mask_with_neg_inf, PerHeadRMSNorm, expand_kv_with_repeat
 from ..common.rope import default_inv_freq, rope_cos_sin
 from .model import SLIDING
 
@@ -57,8 +57,8 @@ def _unrounded_yarn_band(pair):
 
 def _pre_norm(layer):
     def inject(pair):
-        def forward(self, x, cos, sin):
-            x = x + self.att(self.post_attention_layernorm(x), cos, sin)
+        def forward(self, x, cos, sin, padding_mask=None):
+            x = x + self.att(self.post_attention_layernorm(x), cos, sin, padding_mask)
             return x + self.ff(self.post_feedforward_layernorm(x))
 
         block = pair.ours.blocks[layer]
@@ -103,4 +103,7 @@ FAULTS = (
           "model.layers.1.mlp.gate_proj", "swapped", scope="model.layers.1.mlp"),
     Fault("F07", "K/V heads expanded with repeat instead of repeat_interleave", "tiny", expand_kv_with_repeat,
           f"{ATT.format(0)}.probs", "GQA head mapping", scope=ATT.format("*"), source="onnx #7274"),
+    Fault("F10", "masked scores filled with -inf: fully masked (left-pad) query rows give NaN", "tiny",
+          mask_with_neg_inf, f"{ATT.format(0)}.probs", "non-finite", scope=f"{ATT.format('*')}.probs",
+          source="unsloth #9848", check_kwargs=LEFT_PADDED),
 )

@@ -63,8 +63,8 @@ class TransformerBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg["emb_dim"], eps=cfg["rms_norm_eps"], dtype=dtype)
         self.post_feedforward_layernorm = RMSNorm(cfg["emb_dim"], eps=cfg["rms_norm_eps"], dtype=dtype)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.att(x, cos, sin))
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, padding_mask=None) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.att(x, cos, sin, padding_mask))
         x = x + self.post_feedforward_layernorm(self.ff(x))
         return x
 
@@ -95,9 +95,10 @@ class Olmo3Model(nn.Module):
             tables[layer_type] = (cos.to(device), sin.to(device))
         return tables
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``attention_mask``: ``(batch, seq)`` 1 for real tokens, 0 for padding (keys only are masked)."""
         x = self.tok_emb(input_ids)
         tables = self.rope_tables(input_ids.shape[1], x.device)
         for block in self.blocks:
-            x = block(x, *tables[block.layer_type])
+            x = block(x, *tables[block.layer_type], padding_mask=attention_mask)
         return self.out_head(self.final_norm(x))

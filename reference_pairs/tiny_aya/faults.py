@@ -6,7 +6,7 @@ import types
 
 from parity.faults import Fault
 
-from ..common.faults import expand_kv_with_repeat, rms_instead_of
+from ..common.faults import LEFT_PADDED, mask_with_neg_inf, expand_kv_with_repeat, rms_instead_of
 
 ATT = "model.layers.{}.self_attn"
 FULL_LAYER = 3  # the tiny config's full-attention (NoPE) layer
@@ -14,10 +14,10 @@ FULL_LAYER = 3  # the tiny config's full-attention (NoPE) layer
 
 def _sequential(layer):
     def inject(pair):
-        def forward(self, x, cos, sin):
+        def forward(self, x, cos, sin, padding_mask=None):
             if not self.use_rope:
                 cos = sin = None
-            x = x + self.att(self.input_layernorm(x), cos, sin)
+            x = x + self.att(self.input_layernorm(x), cos, sin, padding_mask)
             return x + self.ff(self.input_layernorm(x))
 
         block = pair.ours.blocks[layer]
@@ -59,4 +59,7 @@ FAULTS = (
           "logits", "logit_scale"),
     Fault("F07", "K/V heads expanded with repeat instead of repeat_interleave", "tiny", expand_kv_with_repeat,
           f"{ATT.format(0)}.probs", "GQA head mapping", scope=ATT.format("*"), source="onnx #7274"),
+    Fault("F10", "masked scores filled with -inf: fully masked (left-pad) query rows give NaN", "tiny",
+          mask_with_neg_inf, f"{ATT.format(0)}.probs", "non-finite", scope=f"{ATT.format('*')}.probs",
+          source="unsloth #9848", check_kwargs=LEFT_PADDED),
 )

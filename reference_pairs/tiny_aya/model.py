@@ -57,12 +57,12 @@ class TransformerBlock(nn.Module):
         )
         self.ff = FeedForward(cfg["emb_dim"], cfg["hidden_dim"], dtype=dtype)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, padding_mask=None) -> torch.Tensor:
         """``cos``/``sin``: ``(seq, head_dim)`` interleaved tables; ignored unless ``use_rope``."""
         h = self.input_layernorm(x)
         if not self.use_rope:
             cos = sin = None
-        return x + self.att(h, cos, sin) + self.ff(h)
+        return x + self.att(h, cos, sin, padding_mask) + self.ff(h)
 
 
 class TinyAyaModel(nn.Module):
@@ -98,9 +98,10 @@ class TinyAyaModel(nn.Module):
         cos, sin = rope_cos_sin(inv_freq, seq_len, interleaved=self.interleaved_rope)
         return cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``attention_mask``: ``(batch, seq)`` 1 for real tokens, 0 for padding (keys only are masked)."""
         x = self.tok_emb(input_ids)
         cos, sin = self.rope_tables(input_ids.shape[1], x.device, x.dtype)
         for block in self.blocks:
-            x = block(x, cos, sin)
+            x = block(x, cos, sin, padding_mask=attention_mask)
         return self.out_head(self.final_norm(x)) * self.logit_scale
