@@ -94,6 +94,32 @@ def apply_weight_map(
     return {**weight_map, **{k: dst for k, (dst, _) in tied.items() if k in state_dict}}
 
 
+#: q/k/v/o biases of Transformers' standard attention (configs with ``attention_bias``)
+ATTENTION_BIAS_MAP = {
+    f"model.layers.{{i}}.self_attn.{hf}.bias": f"blocks.{{i}}.att.{ours}.bias"
+    for hf, ours in [("q_proj", "W_query"), ("k_proj", "W_key"), ("v_proj", "W_value"), ("o_proj", "out_proj")]
+}
+HEAD_MAP = {"lm_head.weight": "out_head.weight"}
+#: a tied head: no checkpoint tensor of its own, the embedding's Parameter itself
+TIED_HEAD = {"lm_head.weight": ("out_head.weight", "tok_emb.weight")}
+
+
+def load_by_table(model: nn.Module, cfg: dict, state_dict: Mapping[str, torch.Tensor], table: Mapping[str, str]) -> dict[str, str]:
+    """Apply a family's weight table (``{i}`` templates) plus what the cfg adds: the attention
+    biases when ``cfg["attention_bias"]``, ``lm_head`` when the head is untied, the tie when it is.
+
+    Returns the consumed checkpoint keys -> our parameter paths; raises LoaderError as
+    :func:`apply_weight_map` does.
+    """
+    template = dict(table)
+    if cfg.get("attention_bias"):
+        template.update(ATTENTION_BIAS_MAP)
+    if not cfg["tie_word_embeddings"]:
+        template.update(HEAD_MAP)
+    tied = TIED_HEAD if cfg["tie_word_embeddings"] else None
+    return apply_weight_map(model, state_dict, expand_weight_map(template, cfg["n_layers"]), tied=tied)
+
+
 def random_state_dict(
     shapes: Mapping[str, tuple[int, ...]], seed: int, dtype: torch.dtype = torch.float32
 ) -> dict[str, torch.Tensor]:

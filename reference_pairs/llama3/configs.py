@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-FULL = "full_attention"
+from ..common.layer_types import FULL
 
 #: Llama 3.1/3.2 frequency scaling as released (book names; ``original_context_length`` is
 #: Transformers' ``original_max_position_embeddings``).

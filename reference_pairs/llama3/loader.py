@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ..common.weights import apply_weight_map, expand_weight_map
+from ..common.weights import load_by_table
 from .model import Llama3Model
 
 WEIGHT_MAP = {
@@ -26,16 +26,6 @@ WEIGHT_MAP = {
     "model.layers.{i}.mlp.down_proj.weight": "blocks.{i}.ff.fc3.weight",
     "model.norm.weight": "final_norm.weight",
 }
-HEAD_MAP = {"lm_head.weight": "out_head.weight"}
-TIED = {"lm_head.weight": ("out_head.weight", "tok_emb.weight")}
-
-
-def weight_map_for(cfg: dict) -> dict[str, str]:
-    """The expanded checkpoint-key -> parameter-path map for this cfg (``lm_head`` only when untied)."""
-    template = dict(WEIGHT_MAP)
-    if not cfg["tie_word_embeddings"]:
-        template.update(HEAD_MAP)
-    return expand_weight_map(template, cfg["n_layers"])
 
 
 def load_weights_into_llama3(model: Llama3Model, cfg: dict, state_dict: Mapping[str, torch.Tensor]) -> dict[str, str]:
@@ -48,5 +38,4 @@ def load_weights_into_llama3(model: Llama3Model, cfg: dict, state_dict: Mapping[
         LoaderError: naming every missing, unused or mis-shaped key and every parameter of ours left
             unwritten.
     """
-    tied = TIED if cfg["tie_word_embeddings"] else None
-    return apply_weight_map(model, state_dict, weight_map_for(cfg), tied=tied)
+    return load_by_table(model, cfg, state_dict, WEIGHT_MAP)

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import torch
 
-SLIDING, FULL = "sliding_attention", "full_attention"
+from ..common.layer_types import every_nth_full
+
+from ..common.layer_types import FULL, SLIDING
 
 YARN = dict(
     rope_type="yarn",
@@ -23,12 +25,8 @@ YARN = dict(
 
 
 def olmo3_layer_types(n_layers: int) -> list[str]:
-    """OLMo 3's pattern (every 4th layer full). With fewer than 4 layers the last one is made full,
-    so a truncated shape config still has both layer types (and therefore YaRN) to compare."""
-    types = [FULL if (i + 1) % 4 == 0 else SLIDING for i in range(n_layers)]
-    if FULL not in types and n_layers > 1:
-        types[-1] = FULL
-    return types
+    """OLMo 3: every 4th layer full; see :func:`reference_pairs.common.layer_types.every_nth_full`."""
+    return every_nth_full(n_layers, 4)
 
 
 def _base(**kw) -> dict:

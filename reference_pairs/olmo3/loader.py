@@ -9,7 +9,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ..common.weights import apply_weight_map, expand_weight_map
+from ..common.weights import load_by_table
 from .model import Olmo3Model
 
 WEIGHT_MAP = {
@@ -27,22 +27,6 @@ WEIGHT_MAP = {
     "model.layers.{i}.post_feedforward_layernorm.weight": "blocks.{i}.post_feedforward_layernorm.weight",
     "model.norm.weight": "final_norm.weight",
 }
-BIAS_MAP = {
-    f"model.layers.{{i}}.self_attn.{hf}.bias": f"blocks.{{i}}.att.{ours}.bias"
-    for hf, ours in [("q_proj", "W_query"), ("k_proj", "W_key"), ("v_proj", "W_value"), ("o_proj", "out_proj")]
-}
-HEAD_MAP = {"lm_head.weight": "out_head.weight"}
-TIED = {"lm_head.weight": ("out_head.weight", "tok_emb.weight")}
-
-
-def weight_map_for(cfg: dict) -> dict[str, str]:
-    """The expanded checkpoint-key -> parameter-path map for this cfg (bias and head as configured)."""
-    template = dict(WEIGHT_MAP)
-    if cfg["attention_bias"]:
-        template.update(BIAS_MAP)
-    if not cfg["tie_word_embeddings"]:
-        template.update(HEAD_MAP)
-    return expand_weight_map(template, cfg["n_layers"])
 
 
 def load_weights_into_olmo3(model: Olmo3Model, cfg: dict, state_dict: Mapping[str, torch.Tensor]) -> dict[str, str]:
@@ -54,5 +38,4 @@ def load_weights_into_olmo3(model: Olmo3Model, cfg: dict, state_dict: Mapping[st
         LoaderError: naming every missing, unused or mis-shaped key and every parameter of ours left
             unwritten.
     """
-    tied = TIED if cfg["tie_word_embeddings"] else None
-    return apply_weight_map(model, state_dict, weight_map_for(cfg), tied=tied)
+    return load_by_table(model, cfg, state_dict, WEIGHT_MAP)

@@ -17,17 +17,14 @@ from __future__ import annotations
 
 import torch
 
-SLIDING, FULL = "sliding_attention", "full_attention"
+from ..common.layer_types import every_nth_full
+
+from ..common.layer_types import FULL, SLIDING
 
 
 def tiny_aya_layer_types(n_layers: int) -> list[str]:
-    """Tiny Aya's pattern (every 4th layer full, ``Cohere2Config``'s ``sliding_window_pattern`` 4).
-    With fewer than 4 layers the last one is made full, so a truncated shape config still has a
-    layer without RoPE to compare."""
-    types = [FULL if (i + 1) % 4 == 0 else SLIDING for i in range(n_layers)]
-    if FULL not in types and n_layers > 1:
-        types[-1] = FULL
-    return types
+    """Tiny Aya: every 4th layer full (Cohere2Config sliding_window_pattern 4); see :func:`reference_pairs.common.layer_types.every_nth_full`."""
+    return every_nth_full(n_layers, 4)
 
 
 def _base(**kw) -> dict:

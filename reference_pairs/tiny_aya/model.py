@@ -29,7 +29,7 @@ from ..common.attention import GroupedQueryAttention
 from ..common.layers import FeedForward, LayerNorm
 from ..common.rope import default_inv_freq, rope_cos_sin
 
-SLIDING, FULL = "sliding_attention", "full_attention"
+from ..common.layer_types import FULL, SLIDING
 
 
 class TransformerBlock(nn.Module):
