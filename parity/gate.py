@@ -248,6 +248,8 @@ def junit_xml(outcome: GateOutcome) -> str:
     """One test case per family/config/source; the failure message is the case's first problem."""
     import xml.etree.ElementTree as ET
 
+    from .report.junit import xml_text
+
     suite = ET.Element("testsuite", name="parity-gate", tests=str(len(outcome.cases) + len(outcome.config_holes)))
     failures = 0
     for c in outcome.cases:
@@ -255,12 +257,12 @@ def junit_xml(outcome: GateOutcome) -> str:
                              time=str((c.result.meta.get("seconds", 0) if c.result else 0)))
         if not c.passed:
             failures += 1
-            failure = ET.SubElement(case, "failure", message=c.problems[0], type="parity")
-            failure.text = "\n".join(c.problems)
+            failure = ET.SubElement(case, "failure", message=xml_text(c.problems[0]), type="parity")
+            failure.text = xml_text("\n".join(c.problems))
     for hole in outcome.config_holes:
         failures += 1
         case = ET.SubElement(suite, "testcase", classname="parity.gate.config_coverage", name=hole.split(":")[0])
-        ET.SubElement(case, "failure", message=hole, type="config-coverage").text = hole
+        ET.SubElement(case, "failure", message=xml_text(hole), type="config-coverage").text = xml_text(hole)
     suite.set("failures", str(failures))
     tree = ET.ElementTree(suite)
     ET.indent(tree)

@@ -28,7 +28,8 @@ from .atomic import atomic_write
 _NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
 
 
-def _text(value) -> str:
+def xml_text(value) -> str:
+    """``value`` as text XML 1.0 can hold (characters it cannot are replaced by U+FFFD)."""
     return _NOT_XML.sub("\ufffd", str(value))
 
 
@@ -60,12 +61,12 @@ def junit_tree(results) -> ET.ElementTree:
     root = ET.Element("testsuites", name="parity", **counts)
     suite = ET.SubElement(root, "testsuite", name="parity", skipped="0", **counts)
     if results:
-        suite.set("timestamp", _text(results[0].meta.get("time", "")))
+        suite.set("timestamp", xml_text(results[0].meta.get("time", "")))
         versions = results[0].meta.get("versions") or {}
         props = ET.SubElement(suite, "properties")
         for key in ("torch", "transformers"):
             if key in versions:
-                ET.SubElement(props, "property", name=key, value=_text(versions[key]))
+                ET.SubElement(props, "property", name=key, value=xml_text(versions[key]))
     used: Counter = Counter()
     for result in results:
         meta = result.meta
@@ -74,22 +75,22 @@ def junit_tree(results) -> ET.ElementTree:
         if used[(meta.get("family"), name)] > 1:
             name += f" #{used[(meta.get('family'), name)]}"
         case = ET.SubElement(
-            suite, "testcase", classname=_text(f"parity.{meta.get('family')}"), name=_text(name),
+            suite, "testcase", classname=xml_text(f"parity.{meta.get('family')}"), name=xml_text(name),
             time=f"{float(meta.get('seconds') or 0):.3f}",
         )
         if not result.passed:
             bad = result.first_mismatch
             if bad is not None:
-                failure = ET.SubElement(case, "failure", message=_text(bad.line()), type=_text(bad.status))
+                failure = ET.SubElement(case, "failure", message=xml_text(bad.line()), type=xml_text(bad.status))
             else:  # every node agrees, yet the run fails (loader coverage gaps): the verdict says why
-                failure = ET.SubElement(case, "failure", message=_text(result.verdict()), type="coverage")
+                failure = ET.SubElement(case, "failure", message=xml_text(result.verdict()), type="coverage")
             body = [result.verdict()]
             if bad is not None and bad.hint:
                 body.append("hint: " + bad.hint)
             body += ["note: " + n for n in result.notes]
-            failure.text = _text("\n".join(body))
+            failure.text = xml_text("\n".join(body))
         out = ET.SubElement(case, "system-out")
-        out.text = _text(result.verdict() + "\n" + _run_facts(meta))
+        out.text = xml_text(result.verdict() + "\n" + _run_facts(meta))
     return ET.ElementTree(root)
 
 
