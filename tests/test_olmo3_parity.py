@@ -104,3 +104,13 @@ def test_parity_7b_shape_one_layer():
     pair = build_pair("7b-shape", n_layers=1)
     assert pair.cfg["emb_dim"] == 4096 and pair.cfg["n_heads"] == pair.cfg["n_kv_heads"] == 32
     assert_holds(pair)
+
+
+def test_config_json_path_with_fewer_layers(tmp_path):
+    """--config path/config.json --layers N keeps the first N layers of that config."""
+    build_pair("yarn").reference.config.save_pretrained(tmp_path)
+    pair = build_pair(str(tmp_path / "config.json"), n_layers=2)
+    assert pair.cfg["n_layers"] == 2 and pair.cfg["layer_types"] == [SLIDING, SLIDING]
+    assert_holds(pair)
+    with pytest.raises(parity.ConfigError, match="n_layers 9 exceeds the 4 layers"):
+        build_pair(str(tmp_path / "config.json"), n_layers=9)

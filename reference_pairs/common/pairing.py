@@ -81,8 +81,12 @@ def resolve_cfg(spec: FamilySpec, config, dtype: torch.dtype, overrides: dict) -
             continue
         if key not in cfg:
             raise ConfigError(f"unknown cfg key {key!r} for {spec.name}")
+        if key == "n_layers" and "layer_types" in cfg and "layer_types" not in overrides:
+            if value > len(cfg["layer_types"]):
+                raise ConfigError(f"n_layers {value} exceeds the {len(cfg['layer_types'])} layers of config {config}")
+            cfg["layer_types"] = list(cfg["layer_types"][:value])  # the first n layers of a config.json
         cfg[key] = value
-    if len(cfg.get("layer_types", [])) != cfg["n_layers"]:
+    if "layer_types" in cfg and len(cfg["layer_types"]) != cfg["n_layers"]:
         raise ConfigError(f"layer_types has {len(cfg['layer_types'])} entries but n_layers is {cfg['n_layers']}")
     cfg["dtype"] = dtype
     return cfg
