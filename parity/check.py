@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import datetime as _dt
+import fnmatch
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -17,6 +19,7 @@ from .coverage import Coverage, loader_coverage
 from .diagnose import diagnose
 from .errors import ParityError
 from .pair import Pair
+from .resources import require, trace_bytes
 from .trace import Trace, recording
 
 
@@ -196,6 +199,16 @@ def config_diff(pair: Pair) -> list[dict]:
     return diffs
 
 
+def _refuse_changed_weights(pair: Pair, when: str) -> None:
+    changed = pair.changed_weights()
+    if changed:
+        raise ParityError(
+            f"{len(changed)} weight tensor(s) changed in place {when} ({', '.join(changed[:3])}"
+            f"{', ...' if len(changed) > 3 else ''}): ours and the reference share that storage, so both changed; "
+            "replace a Parameter (module.weight = nn.Parameter(...)) instead of editing it in place"
+        )
+
+
 def check(
     pair: Pair,
     input_ids: torch.Tensor | None = None,
@@ -227,10 +240,23 @@ def check(
 
     Raises:
         ParityError: unknown ``mode``; ``input_ids`` not 2-D or out of the vocabulary; a mask of
-            another shape; ``left_pad`` without a second row or not shorter than the sequence.
+            another shape; ``left_pad`` without a second row or not shorter than the sequence;
+            invalid tolerances; weights shared by both models edited in place (before or during the
+            check); a run that would not fit in memory.
     """
     if mode not in MODES:
         raise ParityError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+    for label, value in (("atol", atol), ("rtol", rtol)):
+        if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+            raise ParityError(f"{label} must be a finite number >= 0, got {value!r}")
+    if calibrate and (atol is not None or rtol is not None):
+        raise ParityError("calibrate sets each node's atol (rtol 0); drop atol/rtol, or override nodes with tolerances=")
+    for pattern, tol in (tolerances or {}).items():
+        if not (isinstance(tol, (tuple, list)) and len(tol) == 2
+                and all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in tol)):
+            raise ParityError(f"tolerances[{pattern!r}] must be (atol, rtol), finite and >= 0, got {tol!r}")
+        if not any(fnmatch.fnmatchcase(n.name, pattern) for n in pair.nodes):
+            raise ParityError(f"tolerance pattern {pattern!r} matches no node of this pair")
     if input_ids is None:
         if (seq_len is not None and seq_len < 1) or batch_size < 1:
             raise ParityError(f"seq_len and batch_size must be positive, got {seq_len} and {batch_size}")
@@ -255,8 +281,15 @@ def check(
             f"seq_len {input_ids.shape[1]} does not exceed the sliding window ({window}): sliding layers "
             f"behave like full attention here; pass --seq-len {window + 1} or more to exercise the window"
         )
+    require(
+        trace_bytes(pair.cfg, input_ids.shape[0], input_ids.shape[1], torch.finfo(pair.dtype).bits // 8)
+        * (2 if mode == "both" else 1),
+        f"tracing {input_ids.shape[0]} x {input_ids.shape[1]} tokens",
+        "use a shorter --seq-len, a smaller --batch or fewer layers",
+    )
     diffs = config_diff(pair)
     notes += [f"config differs: {d['key']} is {d['ours']!r} in ours, {d['reference']!r} in the reference" for d in diffs]
+    _refuse_changed_weights(pair, "before the check")
     start = time.perf_counter()
     ref_trace = trace_reference(pair, input_ids, attention_mask=attention_mask)
     calibrated = calibrate_tolerances(pair, input_ids, ref_trace, attention_mask=attention_mask) if calibrate else None
@@ -274,6 +307,7 @@ def check(
         nodes, our_trace = isolated, None
     else:
         nodes, our_trace = run(None)
+    _refuse_changed_weights(pair, "during the forward passes")
     bad = first_mismatch(nodes)
     profile = logits = None
     if our_trace is not None:

@@ -16,6 +16,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from .errors import CheckpointError
+from .resources import require
 
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
 
@@ -41,9 +42,14 @@ class Checkpoint:
 
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{path} is not UTF-8 text") from None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path} is not valid JSON: {e.msg} at line {e.lineno}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} is not a JSON object (found a {type(data).__name__})")
+    return data
 
 
 def _load(path: Path) -> dict[str, torch.Tensor]:
@@ -66,35 +72,48 @@ def read_checkpoint(directory: str | Path, model_type: str | None = None) -> Che
     """Read ``directory``'s config.json and safetensors weights.
 
     Raises:
-        CheckpointError: the directory or config.json is missing; ``model_type`` differs from the
-            expected one; no safetensors weights (pickle files are refused, not opened); an index
-            names a missing shard or a key its shard lacks; a file is corrupt or truncated.
+        CheckpointError: the directory or config.json is missing (or not a JSON object);
+            ``model_type`` differs from the expected one; no safetensors weights (pickle files are
+            refused, not opened); an index names a missing shard, a shard outside the directory or a
+            key its shard lacks; a key stands in two shards; a file is corrupt or truncated.
     """
     directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise CheckpointError(f"checkpoint {directory} is a file; pass the directory that holds config.json")
     if not directory.is_dir():
         raise CheckpointError(f"checkpoint directory {directory} does not exist")
     config = read_config(directory)
     found = config.get("model_type")
     if model_type is not None and found != model_type:
         raise CheckpointError(f"{directory / 'config.json'} has model_type {found!r}, expected {model_type!r}")
-    if (directory / INDEX).is_file():
+    weights = [directory / SINGLE] if (directory / SINGLE).is_file() else sorted(directory.glob("*.safetensors"))
+    require(sum(f.stat().st_size for f in weights), f"checkpoint {directory}", "check a smaller checkpoint")
+    # Like Transformers, a complete single file wins over an index lying next to it.
+    if (directory / SINGLE).is_file():
+        files = [directory / SINGLE]
+        state_dict = _load(files[0])
+    elif (directory / INDEX).is_file():
         index = _read_json(directory / INDEX)
         weight_map = index.get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{directory / INDEX} has no weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{directory / INDEX} has no weight_map of key -> shard file")
+        root = directory.resolve()
         files = [directory / name for name in dict.fromkeys(weight_map.values())]
-        state_dict = {}
+        state_dict, found_in = {}, {}
         for f in files:
+            if f.resolve().parent != root:
+                raise CheckpointError(f"shard {f.name!r} named in {INDEX} lies outside {directory}")
             if not f.is_file():
                 raise CheckpointError(f"shard {f} named in {INDEX} does not exist")
             shard = _load(f)
             expected = {k for k, v in weight_map.items() if directory / v == f}
             if expected - shard.keys():
                 raise CheckpointError(f"shard {f} lacks keys listed in {INDEX}: {', '.join(sorted(expected - shard.keys()))}")
+            twice = sorted(k for k in shard if k in found_in)
+            if twice:
+                raise CheckpointError(f"key {twice[0]} is in two shards: {found_in[twice[0]].name} and {f.name}")
+            found_in.update(dict.fromkeys(shard, f))
             state_dict.update(shard)
-    elif (directory / SINGLE).is_file():
-        files = [directory / SINGLE]
-        state_dict = _load(files[0])
     else:
         pickles = sorted(p.name for p in directory.glob("*.bin")) + sorted(p.name for p in directory.glob("*.pt"))
         extra = f" (found {', '.join(pickles)}: pickle files are never loaded)" if pickles else ""

@@ -7,6 +7,8 @@ Exit codes: 0 parity holds; 1 a node failed; 2 bad usage or bad input (one line 
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import shutil
 import sys
 import traceback
@@ -28,17 +30,47 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _positive(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _nonnegative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2^63), got {text!r}")
     return value
 
 
 def _nonnegative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative number, got {text}")
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
     return value
+
+
+def _report_parent(path: str) -> Path:
+    """The report folder's parent, created now, so a bad --report-dir fails before any model is built."""
+    parent = Path(path)
+    if parent.exists() and not parent.is_dir():
+        raise ParityError(f"--report-dir {parent} is a file, not a folder")
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ParityError(f"--report-dir {parent} cannot be created: {e.strerror}") from None
+    if not os.access(parent, os.W_OK):
+        raise ParityError(f"--report-dir {parent} is not writable")
+    return parent
 
 
 def _formats(text: str) -> list[str]:
@@ -59,8 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--checkpoint", help="Transformers-format directory (config.json + safetensors)")
     check.add_argument("--seq-len", type=_positive, help="tokens per sequence (default: past the sliding window)")
     check.add_argument("--batch", type=_positive, default=1, help="sequences per batch (default 1)")
-    check.add_argument("--seed", type=int, default=0, help="seed for random weights and input tokens")
-    check.add_argument("--left-pad", type=int, default=0, metavar="N",
+    check.add_argument("--seed", type=_nonnegative, default=0, help="seed for random weights and input tokens")
+    check.add_argument("--left-pad", type=_nonnegative, default=0, metavar="N",
                        help="left-pad every batch row after the first with N padding tokens (needs --batch 2+)")
     check.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype of both models")
     check.add_argument("--atol", type=_nonnegative_float, help="absolute tolerance (default by dtype)")
@@ -116,7 +148,11 @@ def _print_coverage(coverage, console: Console) -> None:
         return
     head = "[green]complete[/]" if coverage.ok else f"[red]{len(coverage.gaps)} gap(s)[/]"
     console.print(f"[bold]loader coverage:[/] {head}; {len(coverage.consumed)} checkpoint tensors consumed", highlight=False)
-    for label, lines in (("tied", coverage.tied), ("conversion", coverage.conversions), ("copy", coverage.copies),
+    conversions = coverage.conversions
+    if len(conversions) > 5:  # a cast checkpoint converts every tensor the same way: say it once
+        kinds = sorted({c.split(": ", 1)[-1] for c in conversions})
+        conversions = [f"{len(coverage.conversions)} tensors: {', '.join(kinds)}"] if len(kinds) <= 3 else conversions
+    for label, lines in (("tied", coverage.tied), ("conversion", conversions), ("copy", coverage.copies),
                          ("gap", coverage.gaps)):
         for line in lines:
             style = "red" if label == "gap" else "dim"
@@ -145,8 +181,7 @@ def cmd_check(args, console: Console) -> int:
     family = get_family(args.family)
     if args.checkpoint is not None and (args.config is not None or args.layers is not None):
         raise ParityError("--checkpoint brings its own config.json; do not combine it with --config or --layers")
-    if args.checkpoint is not None and not Path(args.checkpoint).is_dir():
-        raise ParityError(f"checkpoint directory {args.checkpoint} does not exist")
+    report_parent = _report_parent(args.report_dir)
     dtype = getattr(torch, args.dtype)
     overrides = {"n_layers": args.layers} if args.layers is not None else {}
     config = None if args.checkpoint else (args.config or family.default_config)
@@ -170,7 +205,7 @@ def cmd_check(args, console: Console) -> int:
         line = "every node agrees on its own" if iso is None else f"first node failing on its own: {iso.line()}"
         console.print(f"[bold]isolated:[/] {line}", highlight=False)
     console.print(("[bold green]" if result.passed else "[bold red]") + result.verdict() + "[/]", highlight=False)
-    folder = _write_reports(result, Path(args.report_dir), args.format)
+    folder = _write_reports(result, report_parent, args.format)
     console.print(f"reports: {folder}", highlight=False)
     return 0 if result.passed else 1
 
@@ -210,6 +245,7 @@ def cmd_gate(args, console: Console) -> int:
     """Exit 0 when every case passes and nothing grew past its budget, 1 otherwise."""
     from .gate import changed_since, run_gate, write_reports
 
+    report_parent = None if args.no_reports else _report_parent(args.report_dir)
     changed = changed_since(args.changed_since) if args.changed_since else None
     with console.status("running the gate") as status:
         outcome = run_gate(
@@ -238,7 +274,7 @@ def cmd_gate(args, console: Console) -> int:
     if outcome.baseline_updated:
         console.print(f"baseline written: {args.baseline}", highlight=False)
     if not args.no_reports and outcome.cases:
-        console.print(f"reports: {write_reports(outcome, args.report_dir)}", highlight=False)
+        console.print(f"reports: {write_reports(outcome, report_parent)}", highlight=False)
     failed = sum(not c.passed for c in outcome.cases) + len(outcome.config_holes)
     console.print(("[bold green]" if not failed else "[bold red]") + f"gate: {len(outcome.cases) - sum(not c.passed for c in outcome.cases)} of {len(outcome.cases)} cases pass, {failed} failure(s)[/]", highlight=False)
     return 0 if outcome.passed else 1
@@ -266,6 +302,9 @@ def cmd_list(console: Console) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # its config warnings would break our one-line errors
     console = Console()
     if not console.is_terminal:  # logs and CI: wide enough that node names are never cut
         console = Console(width=max(console.width, 140))

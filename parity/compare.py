@@ -117,7 +117,7 @@ def tensor_metrics(ours: torch.Tensor, ref: torch.Tensor, atol: float, rtol: flo
     flattened tensors, ``rel_l2`` (``||a-b|| / ||b||``), ``atol_needed`` (smallest atol that
     passes with this rtol), ``rtol_needed`` (smallest rtol that passes with this atol; inf when an
     element with ``b == 0`` exceeds atol) and, for non-finite values, ``detail`` naming the first
-    position. Metrics skip positions where either side is non-finite.
+    position; a non-finite node gets ``max_abs`` inf and NaN agreement numbers (written as null).
     """
     a, b = ours.detach().to(torch.float64), ref.detach().to(torch.float64)
     finite = torch.isfinite(a) & torch.isfinite(b)
@@ -134,6 +134,10 @@ def tensor_metrics(ours: torch.Tensor, ref: torch.Tensor, atol: float, rtol: flo
             f"{both} in both"
         )
     a, b = a[finite], b[finite]
+    if status == NONFINITE:  # agreement numbers over the finite part would read as a match
+        inf, nan = math.inf, math.nan
+        return dict(status=status, max_abs=inf, mean_abs=nan, max_rel=inf, cosine=nan, detail=detail,
+                    rel_l2=nan, atol_needed=inf, rtol_needed=inf)
     if a.numel() == 0:
         nan = math.nan
         return dict(status=status, max_abs=nan, mean_abs=nan, max_rel=nan, cosine=nan, detail=detail,
@@ -147,7 +151,7 @@ def tensor_metrics(ours: torch.Tensor, ref: torch.Tensor, atol: float, rtol: flo
     elif float(na) == 0 or float(nb) == 0:
         cosine = 0.0
     else:
-        cosine = float((a @ b) / (na * nb))
+        cosine = max(-1.0, min(1.0, float((a @ b) / (na * nb))))
     if status == OK and bool((diff > atol + rtol * b.abs()).any()):
         status = MISMATCH
     excess = diff - atol

@@ -119,17 +119,33 @@ def config_holes(family: Family) -> list[str]:
 # --- baseline -----------------------------------------------------------------------------------------
 
 
-def read_baseline(path: str | Path) -> dict:
-    """The baseline file, or an empty one if it does not exist. Raises ParityError if unreadable."""
+def read_baseline(path: str | Path, missing_ok: bool = False) -> dict:
+    """The baseline file (an empty one if it does not exist and ``missing_ok``).
+
+    Raises ParityError if it is missing, not JSON, of another version, or holds anything but
+    non-negative numbers per case and node.
+    """
     path = Path(path)
     if not path.exists():
-        return {"version": BASELINE_VERSION, "versions": {}, "cases": {}}
+        if missing_ok:
+            return {"version": BASELINE_VERSION, "versions": {}, "cases": {}}
+        raise ParityError(f"baseline {path} does not exist (create it with `parity gate --update-baseline --baseline {path}`)")
     try:
         data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ParityError(f"baseline {path} is not valid JSON: {e.msg} at line {e.lineno}") from None
-    if data.get("version") != BASELINE_VERSION or not isinstance(data.get("cases"), dict):
-        raise ParityError(f"baseline {path} has version {data.get('version')!r}, expected {BASELINE_VERSION}")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ParityError(f"baseline {path} is not valid JSON: {getattr(e, 'msg', e)}") from None
+    if not isinstance(data, dict) or data.get("version") != BASELINE_VERSION:
+        found = data.get("version") if isinstance(data, dict) else type(data).__name__
+        raise ParityError(f"baseline {path} has version {found!r}, expected {BASELINE_VERSION}")
+    if not isinstance(data.get("cases"), dict):
+        raise ParityError(f"baseline {path} has no \"cases\" object")
+    for case, entry in data["cases"].items():
+        nodes = entry.get("nodes") if isinstance(entry, dict) else None
+        if not isinstance(nodes, dict):
+            raise ParityError(f"baseline {path}: case {case} has no \"nodes\" object")
+        for name, value in nodes.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ParityError(f"baseline {path}: {case} node {name} has {value!r}, expected a number >= 0")
     return data
 
 
@@ -140,6 +156,9 @@ def baseline_problems(case: Case, result: CheckResult, baseline: dict) -> list[s
     growth, floor = baseline.get("growth", GROWTH), baseline.get("floor", FLOOR)
     problems = []
     now = {n.name: n.max_abs for n in result.nodes}
+    new = [name for name in now if name not in recorded["nodes"]]
+    if new:
+        problems.append(f"{len(new)} node(s) not in the baseline ({', '.join(new[:3])}): review and run --update-baseline")
     for name, before in recorded["nodes"].items():
         if name not in now:
             problems.append(f"{name} is in the baseline but no longer compared")
@@ -204,6 +223,7 @@ def run_gate(
     unknown family or an unreadable baseline.
     """
     known = all_families()
+    family_names = list(dict.fromkeys(family_names or [])) or None  # --family twice runs it once
     unknown = [f for f in family_names or [] if f not in known]
     if unknown:
         raise ParityError(f"unknown family {', '.join(unknown)}; known families: {', '.join(known)}")
@@ -212,7 +232,7 @@ def run_gate(
     else:
         names = sorted(family_names or known)
         selection = [f"families: {', '.join(names)}" + (" (all)" if not family_names else "")]
-    baseline = read_baseline(baseline_path)
+    baseline = read_baseline(baseline_path, missing_ok=update_baseline)
     version_notes = []
     recorded = baseline.get("versions") or {}
     for tool, now in _versions().items():

@@ -102,6 +102,21 @@ class Pair:
     conversions: list[str] = field(default_factory=list)
     #: checkpoint key -> key it must be tied to (from the reference, when its config ties them)
     tied_keys: dict[str, str] = field(default_factory=dict)
+    #: per checkpoint tensor, a cheap checksum taken at build time (see :meth:`changed_weights`)
+    fingerprint: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        if self.state_dict and not self.fingerprint:
+            self.fingerprint = checksums(self.state_dict)
+
+    def changed_weights(self) -> list[str]:
+        """Checkpoint tensors whose values changed since the pair was built.
+
+        Both models share these tensors, so an in-place edit of one of ours (``w.mul_(2)``, a forward
+        that folds a weight in place) changes the reference too and would hide any difference.
+        """
+        now = checksums(self.state_dict)
+        return [k for k, v in self.fingerprint.items() if now.get(k) != v]
 
     @property
     def vocab_size(self) -> int:
@@ -111,6 +126,16 @@ class Pair:
         """Seeded random token ids ``(batch_size, seq_len)`` in ``[0, vocab_size)``, int64."""
         gen = torch.Generator().manual_seed(self.seed if seed is None else seed)
         return torch.randint(0, self.vocab_size, (batch_size, seq_len or self.default_seq_len), generator=gen)
+
+
+def checksums(state_dict) -> dict[str, tuple[float, float]]:
+    """Per tensor: its float32 sum and the float32 sum of every 97th element (cheap, no copy)."""
+    out = {}
+    with torch.no_grad():
+        for key, t in state_dict.items():
+            flat = t.detach().reshape(-1)
+            out[key] = (float(flat.sum(dtype=torch.float32)), float(flat[::97].sum(dtype=torch.float32)))
+    return out
 
 
 @dataclass(frozen=True)

@@ -139,3 +139,70 @@ def test_console_script_is_installed(tmp_path):
         [sys.executable, "-m", "parity.cli", "list"], capture_output=True, text=True, check=True
     ).stdout
     assert "olmo3" in out and "7b-shape" in out
+
+
+def edit_config(directory, **changes):
+    config = json.loads((directory / "config.json").read_text())
+    config.update(changes)
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda d: (d / "config.json").write_text("[1, 2]") and d, "config.json is not a JSON object"),
+        (lambda d: (d / "config.json").write_bytes(b"\xff\xfe{") and d, "config.json is not UTF-8 text"),
+        (lambda d: edit_config(d, vocab_size="257"), "config.json rejected by Olmo3Config"),
+        (lambda d: edit_config(d, layer_types=["full_attention"]), "config.json rejected by Olmo3Config"),
+        (lambda d: edit_config(d, num_key_value_heads=3), "must be a multiple of n_kv_heads (3)"),
+        (lambda d: d / "config.json", "is a file; pass the directory that holds config.json"),
+    ],
+    ids=["json-list", "not-utf8", "typed-field", "layer-types", "kv-heads", "file"],
+)
+def test_malformed_checkpoint_configs_exit_2(make, message, capsys, checkpoint_of):
+    target = make(checkpoint_of(build_pair("tiny")))
+    assert main(["check", "olmo3", "--checkpoint", str(target), "--report-dir", str(target.parent / "r")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_checkpoint_layout_edge_cases(checkpoint_of, capsys, tmp_path):
+    import shutil
+
+    sharded = checkpoint_of(build_pair("tiny"), sharded=True)
+    single = checkpoint_of(build_pair("tiny"))
+    # a stale index next to a complete single file: the single file wins, as in Transformers
+    shutil.copy(sharded / "model.safetensors.index.json", single)
+    assert main(["check", "olmo3", "--checkpoint", str(single), "--report-dir", str(tmp_path)]) == 0
+    # an index naming a shard outside the checkpoint
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    key = next(iter(index["weight_map"]))
+    index["weight_map"][key] = "../elsewhere/model.safetensors"
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert main(["check", "olmo3", "--checkpoint", str(sharded), "--report-dir", str(tmp_path)]) == 2
+    assert "lies outside" in capsys.readouterr().err
+
+
+def test_bad_options_exit_2_before_any_model_is_built(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for argv, message in [
+        (["--report-dir", str(blocker)], "is a file, not a folder"),
+        (["--seed", "99999999999999999999"], "must be an integer in [0, 2^63)"),
+        (["--atol", "inf"], "must be a finite number >= 0"),
+        (["--seq-len", "abc"], "must be a positive integer, got 'abc'"),
+        (["--calibrate", "--atol", "1e-3"], "calibrate sets each node's atol"),
+        (["--left-pad", "3"], "left_pad 3 needs batch_size >= 2"),
+    ]:
+        assert main(["check", "olmo3", *argv]) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and message in err, (argv, err)
+
+
+def test_a_model_that_cannot_fit_is_refused_with_numbers(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("parity.resources.available_bytes", lambda: 8 * 1024**3)  # any machine: 8 GiB free
+    (tmp_path / "config.json").write_text('{"model_type": "olmo3"}')  # Transformers' default: 32 layers of 7B
+    assert main(["check", "olmo3", "--config", str(tmp_path / "config.json"), "--report-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "(6.89B parameters in float32) needs about 25.7 GiB but 8.0 GiB are available" in err and "--layers" in err

@@ -67,7 +67,7 @@ def test_first_nan_is_its_own_status_with_its_position():
     ours[1, 2] = math.nan
     m = tensor_metrics(ours, ref, 1e-4, 1e-4)
     assert m["status"] == "nonfinite" and "(1, 2) (ours)" in m["detail"]
-    assert m["max_abs"] == 0  # finite positions still measured
+    assert m["max_abs"] == math.inf and math.isnan(m["cosine"])  # never reads as a match
 
 
 def test_tolerance_resolution_order():

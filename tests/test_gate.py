@@ -154,8 +154,29 @@ def test_update_refuses_to_record_a_failing_state(baseline, monkeypatch, capsys)
 
 
 def test_missing_baseline_entry_fails(tmp_path):
-    outcome = run_gate(tmp_path / "none.json", ["llama3"])
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"version": 1, "cases": {}}))
+    outcome = run_gate(empty, ["llama3"])
     assert not outcome.passed and "no baseline for llama3/tiny/config" in outcome.cases[0].problems[0]
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, "does not exist"),
+        ("[]", "has version 'list'"),
+        ('{"version": 1}', 'has no "cases" object'),
+        ('{"version": 1, "cases": {"a/b/c": {"nodes": {"lm_head": -1}}}}', "node lm_head has -1"),
+        ('{"version": 1, "cases": {"a/b/c": {"nodes": {"lm_head": "abc"}}}}', "node lm_head has 'abc'"),
+    ],
+)
+def test_bad_baseline_is_bad_input(tmp_path, capsys, content, message):
+    path = tmp_path / "baseline.json"
+    if content is not None:
+        path.write_text(content)
+    assert main(["gate", "--family", "llama3", "--baseline", str(path), "--no-reports"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
 
 
 def test_changed_since_chooses_families_and_says_why():

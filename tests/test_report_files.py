@@ -46,8 +46,10 @@ def passing():
 def nonfinite():
     """A NaN in one weight of layer 1's gate: the first failing node is non-finite."""
     pair = build_pair("tiny")
-    with torch.no_grad():
-        pair.ours.blocks[1].ff.fc1.weight[0, 0] = float("nan")
+    fc1 = pair.ours.blocks[1].ff.fc1
+    poisoned = fc1.weight.detach().clone()  # a new tensor: the original is shared with the reference
+    poisoned[0, 0] = float("nan")
+    fc1.weight = torch.nn.Parameter(poisoned, requires_grad=False)
     return parity.check(pair)
 
 

@@ -55,7 +55,8 @@ def publish_folder(staging: Path, parent: Path, stem: str) -> Path:
 def run_stem(family: str, config: str) -> str:
     """``<family>-<config>-<UTC timestamp>``; config paths are reduced to their last part."""
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    return f"{family}-{Path(config).name}-{stamp}"
+    name = Path(config).name or Path(config).resolve().name or "checkpoint"
+    return f"{family}-{name}-{stamp}"
 
 
 def staging_folder(parent: Path) -> Path:

@@ -8,6 +8,7 @@ checkpoints, seeds weights and shares storage the same way.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from torch import nn
 from parity.checkpoint import read_checkpoint, read_config
 from parity.errors import ConfigError, LoaderError
 from parity.pair import NodeSpec, Pair
+from parity.resources import require
 
 from .weights import random_state_dict
 
@@ -96,9 +98,14 @@ def _hf_config_from_dict(spec: FamilySpec, raw: dict):
     config_cls = spec.config_cls()
     try:
         return config_cls.from_dict(raw)
-    except (TypeError, ValueError, KeyError) as e:
-        reason = str(e.args[0] if isinstance(e, KeyError) and e.args else e).splitlines()[0]
-        raise ConfigError(f"config.json rejected by {config_cls.__name__}: {reason}") from None
+    except Exception as e:  # its strict dataclass validators raise their own types: all mean bad input
+        reason = str(e.args[0] if isinstance(e, KeyError) and e.args else e).strip().splitlines()
+        raise ConfigError(f"config.json rejected by {config_cls.__name__}: {reason[0] if reason else type(e).__name__}") from None
+
+
+def config_name_of(config) -> str:
+    """A built-in name as is, a config path as its file name, a cfg dict as "custom"."""
+    return config if isinstance(config, str) else Path(config).name if isinstance(config, Path) else "custom"
 
 
 def build_reference(spec: FamilySpec, hf_config, state_dict: Mapping[str, torch.Tensor]) -> nn.Module:
@@ -165,12 +172,21 @@ def build_pair(
         hf_config = spec.to_hf(cfg)
         with torch.device("meta"):
             shapes = {k: tuple(p.shape) for k, p in spec.reference_cls()(hf_config).named_parameters()}
+        n_params = sum(math.prod(s) for s in shapes.values())
+        require(
+            n_params * torch.finfo(dtype).bits // 8,
+            f"{spec.name} {config_name_of(config)} ({n_params / 1e9:.2f}B parameters in {str(dtype).replace('torch.', '')})",
+            "build fewer layers (--layers / n_layers=)",
+        )
         state_dict = random_state_dict(shapes, seed, dtype)
         conversions = []
-        config_name = config if isinstance(config, str) else Path(config).name if isinstance(config, Path) else "custom"
+        config_name = config_name_of(config)
     notes = spec.check_cfg(cfg)
-    with torch.device("meta"):
-        ours = spec.model_class(cfg)
+    try:
+        with torch.device("meta"):
+            ours = spec.model_class(cfg)
+    except (ValueError, TypeError, KeyError) as e:
+        raise ConfigError(f"{spec.model_class.__name__} rejects the config: {e}") from None
     loaded = spec.load(ours, cfg, state_dict)  # first: its errors name the checkpoint key
     reference = build_reference(spec, hf_config, state_dict)
     pair = Pair(

@@ -178,6 +178,17 @@ def features(cfg: dict) -> set[str]:
     return feats
 
 
+def check_cfg(cfg: dict) -> list[str]:
+    """Notes for configs that leave a branch unexercised (YaRN configured but no layer uses it)."""
+    notes = []
+    if cfg["rope_type"] == "yarn" and not set(cfg["rope_scaled_layer_types"]) & set(cfg["layer_types"]):
+        notes.append(
+            f"YaRN is configured for {', '.join(cfg['rope_scaled_layer_types'])} layers but no layer has that type: "
+            "YaRN is not exercised (use more layers)"
+        )
+    return notes
+
+
 SPEC = FamilySpec(
     name="olmo3",
     model_type="olmo3",
@@ -190,6 +201,7 @@ SPEC = FamilySpec(
     load=load_weights_into_olmo3,
     nodes=nodes,
     default_seq_len=default_seq_len,
+    check_cfg=check_cfg,
 )
 
 
