@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import types
 
-import pytest
 import torch
 from torch import nn
 

@@ -18,9 +18,9 @@ from pathlib import Path
 from jinja2 import Environment, PackageLoader, select_autoescape
 from markupsafe import Markup
 
+from ..compare import first_mismatch
 from . import plots
 from .atomic import atomic_write
-from ..compare import first_mismatch
 from .tables import result_dict, tolerance_ratio
 
 _env = Environment(

@@ -19,9 +19,9 @@ import re
 from collections.abc import Sequence
 
 import matplotlib as mpl
+from matplotlib.collections import PatchCollection
 from matplotlib.colors import LinearSegmentedColormap, TwoSlopeNorm
 from matplotlib.figure import Figure
-from matplotlib.collections import PatchCollection
 from matplotlib.patches import Rectangle
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 

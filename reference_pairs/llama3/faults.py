@@ -7,7 +7,7 @@ from torch import nn
 
 from parity.faults import Fault
 
-from ..common.faults import LEFT_PADDED, mask_with_neg_inf, expand_kv_with_repeat, untie_head
+from ..common.faults import LEFT_PADDED, expand_kv_with_repeat, mask_with_neg_inf, untie_head
 
 ATT = "model.layers.{}.self_attn"
 

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..common.layer_types import every_nth_full
-
-from ..common.layer_types import FULL, SLIDING
+from ..common.layer_types import FULL, SLIDING, every_nth_full  # noqa: F401 (re-exported)
 
 YARN = dict(
     rope_type="yarn",

@@ -9,7 +9,7 @@ import torch
 
 from parity.faults import Fault
 
-from ..common.faults import LEFT_PADDED, mask_with_neg_inf, PerHeadRMSNorm, expand_kv_with_repeat
+from ..common.faults import LEFT_PADDED, PerHeadRMSNorm, expand_kv_with_repeat, mask_with_neg_inf
 from ..common.rope import default_inv_freq, rope_cos_sin
 from .model import SLIDING
 

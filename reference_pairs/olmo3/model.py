@@ -22,10 +22,9 @@ import torch
 from torch import nn
 
 from ..common.attention import GroupedQueryAttention
+from ..common.layer_types import SLIDING
 from ..common.layers import FeedForward, RMSNorm
 from ..common.rope import default_inv_freq, rope_cos_sin, yarn_attention_factor, yarn_inv_freq
-
-from ..common.layer_types import FULL, SLIDING
 
 
 def rope_params_for(cfg: dict, layer_type: str) -> tuple[torch.Tensor, float]:

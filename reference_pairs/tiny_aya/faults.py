@@ -6,7 +6,7 @@ import types
 
 from parity.faults import Fault
 
-from ..common.faults import LEFT_PADDED, mask_with_neg_inf, expand_kv_with_repeat, rms_instead_of
+from ..common.faults import LEFT_PADDED, expand_kv_with_repeat, mask_with_neg_inf, rms_instead_of
 
 ATT = "model.layers.{}.self_attn"
 FULL_LAYER = 3  # the tiny config's full-attention (NoPE) layer

@@ -26,10 +26,9 @@ import torch
 from torch import nn
 
 from ..common.attention import GroupedQueryAttention
+from ..common.layer_types import SLIDING
 from ..common.layers import FeedForward, LayerNorm
 from ..common.rope import default_inv_freq, rope_cos_sin
-
-from ..common.layer_types import FULL, SLIDING
 
 
 class TransformerBlock(nn.Module):
