@@ -106,18 +106,21 @@ def recording(
     with ``substitute``'s tensor for that node instead (outputs through the forward hook's return
     value, ``@input`` nodes through the pre-hook's), so every later node reads the reference's
     values and is judged on its own error. A node with a ``transform`` is substituted only if
-    ``inverses`` maps the reference tensor back into our layout. Only a module's first call is
-    substituted. ``keep_inputs``: node names whose module input is also kept in ``trace.inputs``.
+    ``inverses`` maps the reference tensor back into our layout, and only where the shapes agree.
+    Only a module's first call is substituted. ``keep_inputs``: node names whose module input is also kept in ``trace.inputs``.
     """
     transforms, inverses = transforms or {}, inverses or {}
     trace = Trace(wanted=frozenset([name for name, _ in points] + list(captured)))
 
-    def replacement(name: str) -> torch.Tensor | None:
+    def replacement(name: str, current) -> torch.Tensor | None:
         if substitute is None or trace.calls.get(name, 0) != 1 or name not in substitute.tensors:
             return None
         ref = substitute.tensors[name]
         if name in transforms:
-            return inverses[name](ref) if name in inverses else None
+            ref = inverses[name](ref) if name in inverses else None
+        mine = _first_tensor(current)
+        if ref is None or mine is None or ref.shape != mine.shape:
+            return None  # a node of another shape is reported as such; ours keeps its own tensor
         return ref
 
     handles = []
@@ -134,7 +137,7 @@ def recording(
 
             def pre_hook(mod, args, kwargs, _name=name, _t=transform):
                 trace.add(_name, args if args else kwargs, _t)
-                new = replacement(_name)
+                new = replacement(_name, args if args else kwargs)
                 if new is None:
                     return None
                 if args:
@@ -147,7 +150,7 @@ def recording(
 
             def hook(mod, args, output, _name=name, _t=transform):
                 trace.add(_name, output, _t)
-                new = replacement(_name)
+                new = replacement(_name, output)
                 return None if new is None else _replace_first_tensor(output, new)
 
             handles.append(module.register_forward_hook(hook))

@@ -119,3 +119,16 @@ def test_first_non_finite_value_is_its_own_status_with_positions():
     assert bad.name == "model.layers.2.mlp.up_proj" and bad.status == "nonfinite"
     assert "first non-finite value at index (0, 0, 5) (ours)" in bad.detail
     assert "positions 0, 1, 2" in bad.hint and "batch rows 0" in bad.hint
+
+
+def test_isolated_mode_survives_a_node_of_another_shape():
+    """A node mapped to a tensor of another layout is reported as `shape`; isolated mode does not
+    push the reference's tensor into ours there (it would not fit), it carries on."""
+    pair = build_pair("tiny")
+    pair.nodes[:] = [  # q_rot of layer 1 read from the (batch, seq, heads * head_dim) projection
+        parity.NodeSpec(n.name, "blocks.1.att.W_query") if n.name == "model.layers.1.self_attn.q_rot" else n
+        for n in pair.nodes
+    ]
+    res = parity.check(pair, mode="both")
+    assert res.first_mismatch.status == "shape" and res.first_isolated_mismatch.status == "shape"
+    assert [n.name for n in res.isolated if not n.passed] == ["model.layers.1.self_attn.q_rot"]
