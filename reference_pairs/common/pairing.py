@@ -103,6 +103,34 @@ def _hf_config_from_dict(spec: FamilySpec, raw: dict):
         raise ConfigError(f"config.json rejected by {config_cls.__name__}: {reason[0] if reason else type(e).__name__}") from None
 
 
+#: cfg key -> Transformers config attribute, for the fields every decoder family shares
+SHARED_FIELDS = (
+    ("vocab_size", "vocab_size"),
+    ("context_length", "max_position_embeddings"),
+    ("emb_dim", "hidden_size"),
+    ("hidden_dim", "intermediate_size"),
+    ("n_layers", "num_hidden_layers"),
+    ("n_heads", "num_attention_heads"),
+    ("n_kv_heads", "num_key_value_heads"),
+    ("head_dim", "head_dim"),
+    ("tie_word_embeddings", "tie_word_embeddings"),
+)
+
+
+def shared_to_hf(cfg: dict) -> dict:
+    """Keyword arguments of a Transformers config for the :data:`SHARED_FIELDS` of ``cfg``."""
+    return {hf: cfg[ours] for ours, hf in SHARED_FIELDS}
+
+
+def shared_from_hf(hc) -> dict:
+    """The :data:`SHARED_FIELDS` of our cfg from a Transformers config (``head_dim`` defaults to
+    ``hidden_size // num_attention_heads``, as the reference's attention computes it)."""
+    cfg = {ours: getattr(hc, hf, None) for ours, hf in SHARED_FIELDS}
+    cfg["head_dim"] = cfg["head_dim"] or hc.hidden_size // hc.num_attention_heads
+    cfg["tie_word_embeddings"] = bool(cfg["tie_word_embeddings"])
+    return cfg
+
+
 def config_name_of(config) -> str:
     """A built-in name as is, a config path as its file name, a cfg dict as "custom"."""
     return config if isinstance(config, str) else Path(config).name if isinstance(config, Path) else "custom"

@@ -8,7 +8,7 @@ from parity.errors import ConfigError
 from parity.pair import Family, NodeSpec, Pair, expand_nodes
 
 from ..common.features import common_features
-from ..common.pairing import FamilySpec
+from ..common.pairing import FamilySpec, shared_from_hf, shared_to_hf
 from ..common.pairing import build_pair as _build_pair
 from .configs import CONFIGS, FULL
 from .faults import FAULTS
@@ -60,19 +60,11 @@ def to_hf(cfg: dict):
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=cfg["vocab_size"],
-        hidden_size=cfg["emb_dim"],
-        intermediate_size=cfg["hidden_dim"],
-        num_hidden_layers=cfg["n_layers"],
-        num_attention_heads=cfg["n_heads"],
-        num_key_value_heads=cfg["n_kv_heads"],
-        head_dim=cfg["head_dim"],
-        max_position_embeddings=cfg["context_length"],
+        **shared_to_hf(cfg),
         rms_norm_eps=cfg["rms_norm_eps"],
         hidden_act="silu",
         attention_bias=False,
         mlp_bias=False,
-        tie_word_embeddings=cfg["tie_word_embeddings"],
         rope_parameters=_rope_dict(cfg),
         pad_token_id=None,
         bos_token_id=None,
@@ -121,20 +113,11 @@ def from_hf(hc, dtype: torch.dtype) -> dict:
             raise ConfigError(f"rope_parameters (llama3) lacks {', '.join(missing)}")
         rope_freq = {ours: rope[key] for key, ours in _FREQ_KEYS.items()}
         rope_freq = {k: int(v) if k == "original_context_length" else float(v) for k, v in rope_freq.items()}
-    head_dim = getattr(hc, "head_dim", None) or hc.hidden_size // hc.num_attention_heads
     return dict(
-        vocab_size=hc.vocab_size,
-        context_length=hc.max_position_embeddings,
-        emb_dim=hc.hidden_size,
-        n_heads=hc.num_attention_heads,
-        n_kv_heads=hc.num_key_value_heads,
-        n_layers=hc.num_hidden_layers,
-        hidden_dim=hc.intermediate_size,
-        head_dim=head_dim,
+        **shared_from_hf(hc),
         rope_base=float(rope.get("rope_theta", hc.default_theta)),
         rope_freq=rope_freq,
         rms_norm_eps=hc.rms_norm_eps,
-        tie_word_embeddings=bool(hc.tie_word_embeddings),
         layer_types=[FULL] * hc.num_hidden_layers,
         dtype=dtype,
     )

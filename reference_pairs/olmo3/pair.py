@@ -8,7 +8,7 @@ from parity.errors import ConfigError
 from parity.pair import Family, NodeSpec, Pair, expand_nodes
 
 from ..common.features import common_features
-from ..common.pairing import FamilySpec
+from ..common.pairing import FamilySpec, shared_from_hf, shared_to_hf
 from ..common.pairing import build_pair as _build_pair
 from .configs import CONFIGS, FULL, SLIDING
 from .faults import FAULTS
@@ -64,19 +64,11 @@ def to_hf(cfg: dict):
     from transformers import Olmo3Config
 
     return Olmo3Config(
-        vocab_size=cfg["vocab_size"],
-        hidden_size=cfg["emb_dim"],
-        intermediate_size=cfg["hidden_dim"],
-        num_hidden_layers=cfg["n_layers"],
-        num_attention_heads=cfg["n_heads"],
-        num_key_value_heads=cfg["n_kv_heads"],
-        head_dim=cfg["head_dim"],
-        max_position_embeddings=cfg["context_length"],
+        **shared_to_hf(cfg),
         rms_norm_eps=cfg["rms_norm_eps"],
         sliding_window=cfg["sliding_window"],
         layer_types=list(cfg["layer_types"]),
         attention_bias=cfg["attention_bias"],
-        tie_word_embeddings=cfg["tie_word_embeddings"],
         rope_parameters={t: _rope_dict(cfg, t) for t in (SLIDING, FULL)},
         pad_token_id=None,
         bos_token_id=None,
@@ -132,21 +124,12 @@ def from_hf(hc, dtype: torch.dtype) -> dict:
                 raise ConfigError(f"rope_parameters: YaRN parameters differ between layer types: {yarn_params} vs {these}")
             yarn_params = these
             scaled.append(layer_type)
-    head_dim = getattr(hc, "head_dim", None) or hc.hidden_size // hc.num_attention_heads
     cfg = dict(
-        vocab_size=hc.vocab_size,
-        context_length=hc.max_position_embeddings,
-        emb_dim=hc.hidden_size,
-        n_heads=hc.num_attention_heads,
-        n_kv_heads=hc.num_key_value_heads,
-        n_layers=hc.num_hidden_layers,
-        hidden_dim=hc.intermediate_size,
-        head_dim=head_dim,
+        **shared_from_hf(hc),
         rms_norm_eps=hc.rms_norm_eps,
         sliding_window=hc.sliding_window,
         layer_types=layer_types,
         attention_bias=bool(hc.attention_bias),
-        tie_word_embeddings=bool(hc.tie_word_embeddings),
         rope_type="yarn" if yarn_params else "default",
         rope_base=theta[FULL],
         rope_local_base=theta[SLIDING],

@@ -8,7 +8,7 @@ from parity.errors import ConfigError
 from parity.pair import Family, NodeSpec, Pair, expand_nodes
 
 from ..common.features import common_features
-from ..common.pairing import FamilySpec
+from ..common.pairing import FamilySpec, shared_from_hf, shared_to_hf
 from ..common.pairing import build_pair as _build_pair
 from .configs import CONFIGS, FULL, SLIDING
 from .faults import FAULTS
@@ -52,18 +52,10 @@ def to_hf(cfg: dict):
     if cfg["rope_type"] != "default":
         raise ConfigError(f"rope_type {cfg['rope_type']!r} is not supported (Tiny Aya uses 'default')")
     return Cohere2Config(
-        vocab_size=cfg["vocab_size"],
-        hidden_size=cfg["emb_dim"],
-        intermediate_size=cfg["hidden_dim"],
+        **shared_to_hf(cfg),
         logit_scale=cfg["logit_scale"],
-        num_hidden_layers=cfg["n_layers"],
-        num_attention_heads=cfg["n_heads"],
-        num_key_value_heads=cfg["n_kv_heads"],
-        head_dim=cfg["head_dim"],
         hidden_act="silu",
-        max_position_embeddings=cfg["context_length"],
         layer_norm_eps=cfg["layer_norm_eps"],
-        tie_word_embeddings=cfg["tie_word_embeddings"],
         rope_parameters={"rope_type": "default", "rope_theta": cfg["rope_base"]},
         attention_bias=cfg["attention_bias"],
         sliding_window=cfg["sliding_window"],
@@ -113,21 +105,12 @@ def from_hf(hc, dtype: torch.dtype) -> dict:
         raise ConfigError(
             f"num_attention_heads ({hc.num_attention_heads}) is not a multiple of num_key_value_heads ({hc.num_key_value_heads})"
         )
-    head_dim = getattr(hc, "head_dim", None) or hc.hidden_size // hc.num_attention_heads
     return dict(
-        vocab_size=hc.vocab_size,
-        context_length=hc.max_position_embeddings,
-        emb_dim=hc.hidden_size,
-        n_heads=hc.num_attention_heads,
-        n_kv_heads=hc.num_key_value_heads,
-        n_layers=hc.num_hidden_layers,
-        hidden_dim=hc.intermediate_size,
-        head_dim=head_dim,
+        **shared_from_hf(hc),
         layer_norm_eps=hc.layer_norm_eps,
         sliding_window=hc.sliding_window,
         layer_types=layer_types,
         attention_bias=bool(hc.attention_bias),
-        tie_word_embeddings=bool(hc.tie_word_embeddings),
         rope_type="default",
         rope_base=float(rope.get("rope_theta", hc.default_theta)),
         logit_scale=float(hc.logit_scale),
