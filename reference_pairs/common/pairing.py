@@ -131,6 +131,14 @@ def shared_from_hf(hc) -> dict:
     return cfg
 
 
+def seq_len_past_window(cfg: dict) -> int:
+    """Default sequence length: long enough to pass the sliding window (4x window, at least 16)
+    while that stays small; 64 for real-size windows, where the check notes that the window is not
+    exercised (the attention probabilities of 4096+ tokens would not fit in memory)."""
+    window = cfg.get("sliding_window") or 4
+    return max(16, 4 * window) if 4 * window <= 512 else 64
+
+
 def config_name_of(config) -> str:
     """A built-in name as is, a config path as its file name, a cfg dict as "custom"."""
     return config if isinstance(config, str) else Path(config).name if isinstance(config, Path) else "custom"

@@ -8,7 +8,7 @@ from parity.errors import ConfigError
 from parity.pair import Family, NodeSpec, Pair, expand_nodes
 
 from ..common.features import common_features
-from ..common.pairing import FamilySpec, shared_from_hf, shared_to_hf
+from ..common.pairing import FamilySpec, seq_len_past_window, shared_from_hf, shared_to_hf
 from ..common.pairing import build_pair as _build_pair
 from .configs import CONFIGS, FULL, SLIDING
 from .faults import FAULTS
@@ -145,13 +145,6 @@ def from_hf(hc, dtype: torch.dtype) -> dict:
     return cfg
 
 
-def default_seq_len(cfg: dict) -> int:
-    """Long enough to pass the sliding window (4x window, at least 16) while that stays small;
-    64 for real-size windows, where the check reports that the window is not exercised."""
-    window = cfg.get("sliding_window") or 4
-    return max(16, 4 * window) if 4 * window <= 512 else 64
-
-
 def features(cfg: dict) -> set[str]:
     """What an OLMo 3 cfg exercises (see :mod:`reference_pairs.common.features`)."""
     feats = common_features(cfg) | {"Q/K norm over the whole projection", "post-norm blocks"}
@@ -183,7 +176,7 @@ SPEC = FamilySpec(
     from_hf=from_hf,
     load=load_weights_into_olmo3,
     nodes=nodes,
-    default_seq_len=default_seq_len,
+    default_seq_len=seq_len_past_window,
     check_cfg=check_cfg,
 )
 
