@@ -139,6 +139,6 @@ def random_state_dict(
         elif "embed" in name:
             t = torch.randn(shape, generator=gen)
         else:
-            t = torch.randn(shape, generator=gen) * shape[-1] ** -0.5
+            t = torch.randn(shape, generator=gen).mul_(shape[-1] ** -0.5)  # in place: no second copy
         out[name] = t.to(dtype)
     return out
