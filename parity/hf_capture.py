@@ -52,10 +52,12 @@ def parity_attention(module, query, key, value, attention_mask, **kwargs):
 
 
 def install(reference: nn.Module) -> None:
-    """Register ``parity_eager`` (attention + mask) and switch ``reference`` to it.
+    """Register ``parity_eager`` (attention + mask) and switch ``reference`` to it (once per model).
 
     Raises ParityError if the model does not dispatch attention through AttentionInterface.
     """
+    if getattr(reference.config, "_attn_implementation", None) == ATTN_IMPLEMENTATION and reference in _paths:
+        return
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, eager_mask
 

@@ -52,13 +52,11 @@ class Trace:
     """Recorded tensors by node name, in the order they were produced.
 
     A module that runs more than once in one forward keeps its first tensor; ``calls`` counts
-    every call so a repeated module is visible. ``missing`` lists requested paths that do not
-    exist in the model.
+    every call so a repeated module is visible.
     """
 
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     calls: dict[str, int] = field(default_factory=dict)
-    missing: list[str] = field(default_factory=list)
     wanted: frozenset[str] = frozenset()
     #: first input of selected output nodes, kept for diagnosis only (never compared)
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -97,8 +95,8 @@ def recording(
 ) -> Iterator[Trace]:
     """Hook ``model`` for the duration of the block and yield the Trace being filled.
 
-    ``points``: ``(node name, module path)`` pairs; module paths that do not resolve are listed in
-    ``trace.missing`` rather than raising, so a partial model can still be compared. Node names
+    ``points``: ``(node name, module path)`` pairs; a path that does not resolve records nothing
+    (compare reports that node as missing), so a partial model can still be compared. Node names
     that are not module paths (attention internals of a Transformers model) go in ``captured``:
     they are ``wanted`` and filled by a capture function through :func:`active_trace`.
 
@@ -130,7 +128,6 @@ def recording(
         module_path = path[: -len("@input")] if is_input else path
         module = modules.get(module_path)
         if module is None:
-            trace.missing.append(name)
             continue
         transform = transforms.get(name)
         if is_input:

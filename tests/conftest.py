@@ -37,3 +37,23 @@ def _quiet_transformers():
     from transformers.utils import logging
 
     logging.disable_progress_bar()
+
+
+@pytest.fixture(scope="session")
+def fault():
+    """A CheckResult with layer 0's sliding window one too wide: first mismatch at its probs."""
+    import parity
+    from reference_pairs.olmo3 import build_pair
+
+    pair = build_pair("tiny")
+    pair.ours.blocks[0].att.sliding_window += 1
+    return parity.check(pair)
+
+
+@pytest.fixture(scope="session")
+def passing():
+    """A CheckResult of the clean tiny OLMo 3 pair."""
+    import parity
+    from reference_pairs.olmo3 import build_pair
+
+    return parity.check(build_pair("tiny"))

@@ -30,19 +30,6 @@ FROZEN_COLUMNS = [
 
 
 @pytest.fixture(scope="module")
-def fault():
-    """Layer 0's sliding window one too wide: first mismatch at its attention probabilities."""
-    pair = build_pair("tiny")
-    pair.ours.blocks[0].att.sliding_window += 1
-    return parity.check(pair)
-
-
-@pytest.fixture(scope="module")
-def passing():
-    return parity.check(build_pair("tiny"))
-
-
-@pytest.fixture(scope="module")
 def nonfinite():
     """A NaN in one weight of layer 1's gate: the first failing node is non-finite."""
     pair = build_pair("tiny")

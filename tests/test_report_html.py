@@ -20,11 +20,9 @@ from pathlib import Path
 
 import pytest
 
-import parity
 from parity.check import CheckResult
 from parity.compare import NodeResult
 from parity.report.html import render_html
-from reference_pairs.olmo3 import build_pair
 from reference_pairs.olmo3.pair import nodes as olmo3_nodes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,19 +34,6 @@ EVIL = "<script>alert(1)</script>"
 
 
 # --- results to render
-
-
-@pytest.fixture(scope="module")
-def fault():
-    """Layer 0's sliding window one too wide: the first mismatch is its attention probabilities."""
-    pair = build_pair("tiny")
-    pair.ours.blocks[0].att.sliding_window += 1
-    return parity.check(pair)
-
-
-@pytest.fixture(scope="module")
-def passing():
-    return parity.check(build_pair("tiny"))
 
 
 def synthetic_7b(n_layers: int = 32, seq: int = 64, width: int = 4096,

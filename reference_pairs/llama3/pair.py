@@ -8,6 +8,7 @@ from parity.errors import ConfigError
 from parity.pair import Family, NodeSpec, Pair, expand_nodes
 
 from ..common.features import common_features
+from ..common.nodes import ATTENTION, EMBED, FINAL, LAYER_OUTPUT, MLP
 from ..common.pairing import FamilySpec, shared_from_hf, shared_to_hf
 from ..common.pairing import build_pair as _build_pair
 from .configs import CONFIGS, FULL
@@ -15,30 +16,19 @@ from .faults import FAULTS
 from .loader import load_weights_into_llama3
 from .model import Llama3Model
 
-NODES_BEFORE = [("model.embed_tokens", "tok_emb")]
 NODES_PER_LAYER = [
     ("model.layers.{i}.input_layernorm", "blocks.{i}.norm1"),
-    ("model.layers.{i}.self_attn.q_proj", "blocks.{i}.att.W_query"),
-    ("model.layers.{i}.self_attn.k_proj", "blocks.{i}.att.W_key"),
-    ("model.layers.{i}.self_attn.v_proj", "blocks.{i}.att.W_value"),
-    ("model.layers.{i}.self_attn.q_rot", "blocks.{i}.att.q_rot"),
-    ("model.layers.{i}.self_attn.k_rot", "blocks.{i}.att.k_rot"),
-    ("model.layers.{i}.self_attn.probs", "blocks.{i}.att.probs"),
-    ("model.layers.{i}.self_attn.context", "blocks.{i}.att.context"),
-    ("model.layers.{i}.self_attn.o_proj", "blocks.{i}.att.out_proj"),
+    *ATTENTION,
     # the residual stream after attention: the input of the second pre-norm
     ("model.layers.{i}.post_attention_layernorm@input", "blocks.{i}.norm2@input"),
     ("model.layers.{i}.post_attention_layernorm", "blocks.{i}.norm2"),
-    ("model.layers.{i}.mlp.gate_proj", "blocks.{i}.ff.fc1"),
-    ("model.layers.{i}.mlp.up_proj", "blocks.{i}.ff.fc2"),
-    ("model.layers.{i}.mlp.down_proj", "blocks.{i}.ff.fc3"),
-    ("model.layers.{i}", "blocks.{i}"),
+    *MLP,
+    *LAYER_OUTPUT,
 ]
-NODES_AFTER = [("model.norm", "final_norm"), ("lm_head", "out_head")]
 
 
 def nodes(cfg: dict) -> list[NodeSpec]:
-    return expand_nodes(NODES_BEFORE, NODES_PER_LAYER, NODES_AFTER, cfg["n_layers"])
+    return expand_nodes(EMBED, NODES_PER_LAYER, FINAL, cfg["n_layers"])
 
 
 def _rope_dict(cfg: dict) -> dict:

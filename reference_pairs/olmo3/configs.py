@@ -22,11 +22,6 @@ YARN = dict(
 )
 
 
-def olmo3_layer_types(n_layers: int) -> list[str]:
-    """OLMo 3: every 4th layer full; see :func:`reference_pairs.common.layer_types.every_nth_full`."""
-    return every_nth_full(n_layers, 4)
-
-
 def _base(**kw) -> dict:
     cfg = dict(
         attention_bias=False,
@@ -44,7 +39,7 @@ def _base(**kw) -> dict:
         dtype=torch.float32,
     )
     cfg.update(kw)
-    cfg.setdefault("layer_types", olmo3_layer_types(cfg["n_layers"]))
+    cfg.setdefault("layer_types", every_nth_full(cfg["n_layers"], 4))  # OLMo 3: every 4th layer full
     return cfg
 
 

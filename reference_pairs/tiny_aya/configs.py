@@ -20,11 +20,6 @@ import torch
 from ..common.layer_types import FULL, SLIDING, every_nth_full  # noqa: F401 (re-exported)
 
 
-def tiny_aya_layer_types(n_layers: int) -> list[str]:
-    """Tiny Aya: every 4th layer full (Cohere2Config sliding_window_pattern 4); see :func:`reference_pairs.common.layer_types.every_nth_full`."""
-    return every_nth_full(n_layers, 4)
-
-
 def _base(**kw) -> dict:
     cfg = dict(
         attention_bias=False,
@@ -36,7 +31,7 @@ def _base(**kw) -> dict:
         dtype=torch.float32,
     )
     cfg.update(kw)
-    cfg.setdefault("layer_types", tiny_aya_layer_types(cfg["n_layers"]))
+    cfg.setdefault("layer_types", every_nth_full(cfg["n_layers"], 4))  # Cohere2Config sliding_window_pattern 4
     return cfg
 
 

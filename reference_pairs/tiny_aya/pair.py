@@ -8,6 +8,7 @@ from parity.errors import ConfigError
 from parity.pair import Family, NodeSpec, Pair, expand_nodes
 
 from ..common.features import common_features
+from ..common.nodes import ATTENTION, EMBED, FINAL, LAYER_OUTPUT, MLP
 from ..common.pairing import FamilySpec, seq_len_past_window, shared_from_hf, shared_to_hf
 from ..common.pairing import build_pair as _build_pair
 from .configs import CONFIGS, FULL, SLIDING
@@ -15,32 +16,20 @@ from .faults import FAULTS
 from .loader import load_weights_into_tiny_aya
 from .model import TinyAyaModel
 
-NODES_BEFORE = [("model.embed_tokens", "tok_emb")]
 NODES_PER_LAYER = [
     ("model.layers.{i}.input_layernorm", "blocks.{i}.input_layernorm"),
-    ("model.layers.{i}.self_attn.q_proj", "blocks.{i}.att.W_query"),
-    ("model.layers.{i}.self_attn.k_proj", "blocks.{i}.att.W_key"),
-    ("model.layers.{i}.self_attn.v_proj", "blocks.{i}.att.W_value"),
-    # After RoPE on sliding layers; the unrotated q/k on full layers (no RoPE there).
-    ("model.layers.{i}.self_attn.q_rot", "blocks.{i}.att.q_rot"),
-    ("model.layers.{i}.self_attn.k_rot", "blocks.{i}.att.k_rot"),
-    ("model.layers.{i}.self_attn.probs", "blocks.{i}.att.probs"),
-    ("model.layers.{i}.self_attn.context", "blocks.{i}.att.context"),
-    ("model.layers.{i}.self_attn.o_proj", "blocks.{i}.att.out_proj"),
+    *ATTENTION,  # q_rot/k_rot are the unrotated q/k on full (NoPE) layers
     # The shared normalized input of the parallel block: equal to input_layernorm's output.
     ("model.layers.{i}.mlp@input", "blocks.{i}.ff@input"),
-    ("model.layers.{i}.mlp.gate_proj", "blocks.{i}.ff.fc1"),
-    ("model.layers.{i}.mlp.up_proj", "blocks.{i}.ff.fc2"),
-    ("model.layers.{i}.mlp.down_proj", "blocks.{i}.ff.fc3"),
-    ("model.layers.{i}", "blocks.{i}"),
+    *MLP,
+    *LAYER_OUTPUT,
 ]
-NODES_AFTER = [("model.norm", "final_norm"), ("lm_head", "out_head")]
 
 
 def nodes(cfg: dict) -> list[NodeSpec]:
     """Every compared tensor. ``lm_head`` is the head before scaling; ``logits`` is the whole
     models' output, after ``* logit_scale`` (applied outside any module on both sides)."""
-    return expand_nodes(NODES_BEFORE, NODES_PER_LAYER, NODES_AFTER, cfg["n_layers"]) + [
+    return expand_nodes(EMBED, NODES_PER_LAYER, FINAL, cfg["n_layers"]) + [
         NodeSpec("logits", ours="", reference="")
     ]
 

@@ -1,0 +1,31 @@
+"""Node-map entries every family shares: canonical (Transformers) name template -> our module path
+template, ``{i}`` = layer. Families add only what differs (norm placement, Q/K norm, taps of their
+own). Order within a list does not matter: nodes are compared in the reference's execution order."""
+
+from __future__ import annotations
+
+EMBED = [("model.embed_tokens", "tok_emb")]
+#: :class:`~reference_pairs.common.attention.GroupedQueryAttention` and its taps
+ATTENTION = [
+    ("model.layers.{i}.self_attn.q_proj", "blocks.{i}.att.W_query"),
+    ("model.layers.{i}.self_attn.k_proj", "blocks.{i}.att.W_key"),
+    ("model.layers.{i}.self_attn.v_proj", "blocks.{i}.att.W_value"),
+    # after RoPE; the unrotated q/k on a layer without RoPE
+    ("model.layers.{i}.self_attn.q_rot", "blocks.{i}.att.q_rot"),
+    ("model.layers.{i}.self_attn.k_rot", "blocks.{i}.att.k_rot"),
+    ("model.layers.{i}.self_attn.probs", "blocks.{i}.att.probs"),
+    ("model.layers.{i}.self_attn.context", "blocks.{i}.att.context"),
+    ("model.layers.{i}.self_attn.o_proj", "blocks.{i}.att.out_proj"),
+]
+QK_NORM = [
+    ("model.layers.{i}.self_attn.q_norm", "blocks.{i}.att.q_norm"),
+    ("model.layers.{i}.self_attn.k_norm", "blocks.{i}.att.k_norm"),
+]
+#: :class:`~reference_pairs.common.layers.FeedForward`
+MLP = [
+    ("model.layers.{i}.mlp.gate_proj", "blocks.{i}.ff.fc1"),
+    ("model.layers.{i}.mlp.up_proj", "blocks.{i}.ff.fc2"),
+    ("model.layers.{i}.mlp.down_proj", "blocks.{i}.ff.fc3"),
+]
+LAYER_OUTPUT = [("model.layers.{i}", "blocks.{i}")]
+FINAL = [("model.norm", "final_norm"), ("lm_head", "out_head")]
