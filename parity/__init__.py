@@ -6,25 +6,38 @@
     res.first_mismatch   # NodeResult | None
 """
 
-from .check import CheckResult, check
-from .compare import DEFAULT_TOLERANCES, NodeResult, first_mismatch
+from . import report  # noqa: F401  (registers the report writers)
+from .check import check
+from .compare import DEFAULT_TOLERANCES, NodeResult, first_divergence, first_mismatch
 from .errors import CheckpointError, ConfigError, LoaderError, ParityError
-from .pair import Family, NodeSpec, Pair
+from .facts import ArchFacts, derive_facts
+from .family import Family, Node, NodeMap
+from .hints import Hint
+from .pair import NodeSpec, Pair
+from .result import CheckResult
 from .testing import assert_parity
+from .trace import tap
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = [
     "DEFAULT_TOLERANCES",
+    "ArchFacts",
     "CheckResult",
     "CheckpointError",
     "ConfigError",
     "Family",
+    "Hint",
     "LoaderError",
+    "Node",
+    "NodeMap",
     "NodeResult",
     "NodeSpec",
     "Pair",
     "ParityError",
     "assert_parity",
     "check",
+    "derive_facts",
+    "first_divergence",
     "first_mismatch",
+    "tap",
 ]

@@ -21,7 +21,6 @@ from .errors import ParityError
 
 DTYPES = ("float32", "bfloat16")
 FORMATS = ("html", "csv", "json", "junit")
-FILES = {"html": "report.html", "csv": "nodes.csv", "json": "result.json", "junit": "junit.xml"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -103,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
         "reference's tensors (the first failing node is the fault); both: the two side by side",
     )
     check.add_argument(
+        "--exact", action="store_true",
+        help="atol = rtol = 0 on every node (for pairs that are bit-identical when correct, e.g. our bf16 pairs)",
+    )
+    check.add_argument(
         "--calibrate", action="store_true",
         help="set each node's atol from the reference's own float32-vs-float64 error (x10) instead of fixed defaults",
     )
@@ -162,10 +165,12 @@ def _print_coverage(coverage, console: Console) -> None:
 def _write_reports(result, parent: Path, formats: list[str]) -> Path:
     from .report.atomic import publish_folder, run_stem, staging_folder
 
+    from .result import WRITERS
+
     staging = staging_folder(parent)
     try:
         for fmt in formats:
-            getattr(result, f"write_{fmt}")(staging / FILES[fmt])
+            result.write(fmt, staging / WRITERS[fmt].filename)
         return publish_folder(staging, parent, run_stem(result.meta["family"], result.meta["config"]))
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -191,15 +196,15 @@ def cmd_check(args, console: Console) -> int:
     with console.status("tracing both models and comparing every node"):
         result = check(
             pair, seq_len=args.seq_len, batch_size=args.batch, mode=args.mode, atol=args.atol, rtol=args.rtol,
-            calibrate=args.calibrate, left_pad=args.left_pad,
+            calibrate=args.calibrate, left_pad=args.left_pad, exact=args.exact,
         )
     console.print(_node_table(result))
     _print_coverage(result.coverage, console)
     for note in result.notes:
         console.print(f"[yellow]note:[/] {note}", highlight=False)
     bad = result.first_mismatch
-    if bad is not None and bad.hint:
-        console.print(f"[bold]hint:[/] {bad.hint}", highlight=False)
+    if bad is not None and bad.hint is not None:
+        console.print(f"[bold]hint ({bad.hint.kind}):[/] {bad.hint.text}", highlight=False)
     if args.mode == "both":
         iso = result.first_isolated_mismatch
         line = "every node agrees on its own" if iso is None else f"first node failing on its own: {iso.line()}"
@@ -229,7 +234,8 @@ def cmd_selftest(args, console: Console) -> int:
         verdict = "[green]pass[/]" if row.passed else "[red]FAIL[/]\n" + "\n".join(row.problems)
         table.add_row(
             f"{fault.id}\n{fault.description}" + (f"\n({fault.source})" if fault.source else ""),
-            fault.expected, row.chained or "-", row.isolated or "-", row.hint or "-", verdict,
+            fault.expected, row.chained or "-", row.isolated or "-",
+            f"{row.hint_kind}: {row.hint}" if row.hint_kind else "-", verdict,
         )
     console.print(table)
     for row in rows:  # unfolded, for logs
@@ -295,7 +301,7 @@ def cmd_list(console: Console) -> int:
             broken += 1
             table.add_row(family_name, "[red]unavailable[/]", "", str(e))
             continue
-        for i, (name, desc) in enumerate(fam.configs.items()):
+        for i, (name, desc) in enumerate(fam.config_descriptions.items()):
             table.add_row(fam.name if i == 0 else "", fam.reference_class if i == 0 else "", name, desc)
     console.print(table)
     return 2 if broken else 0

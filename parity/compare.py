@@ -1,7 +1,9 @@
 """Compare two tensors, and two traces node by node, against dtype-aware tolerances.
 
 A node passes when every element satisfies ``|ours - ref| <= atol + rtol * |ref|`` (the
-``torch.isclose`` rule). Metrics are computed in float64 so they do not add error of their own.
+``torch.isclose`` rule). Metrics are computed chunk by chunk (a bounded working set, however large
+the node), differences in the inputs' precision (float32 for float32 and lower, float64 for
+float64) and every sum accumulated in float64, so the metrics add no error of their own.
 """
 
 from __future__ import annotations
@@ -9,14 +11,15 @@ from __future__ import annotations
 import fnmatch
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .hints import Hint
 from .pair import NodeSpec
-from .trace import Trace
 
-OK, MISMATCH, SHAPE, MISSING, NONFINITE = "ok", "mismatch", "shape", "missing", "nonfinite"
+OK, MISMATCH, SHAPE, MISSING, NONFINITE, UNTAPPED = "ok", "mismatch", "shape", "missing", "nonfinite", "untapped"
+STATUSES = (OK, MISMATCH, NONFINITE, SHAPE, MISSING, UNTAPPED)
 
 #: Default (atol, rtol) per compute dtype. fp32: two implementations of the same math differ by
 #: reduction order only (~1e-6 after a few layers); bf16 keeps 8 bits of mantissa, so one
@@ -27,9 +30,11 @@ DEFAULT_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     torch.float16: (2e-2, 2e-2),
     torch.bfloat16: (5e-2, 5e-2),
 }
+#: elements per chunk when comparing (a few MiB of working memory per tensor)
+CHUNK = 1 << 20
 
 
-@dataclass
+@dataclass(frozen=True)
 class NodeResult:
     """The comparison of one node. Absent metrics (missing node, shape mismatch) are None."""
 
@@ -47,24 +52,42 @@ class NodeResult:
     cosine: float | None
     atol: float
     rtol: float
-    hint: str = ""
+    hint: Hint | None = None
     detail: str = ""
     #: ||ours - ref|| / ||ref|| (cosine is blind to scale; this is not)
     rel_l2: float | None = None
     #: smallest atol that passes with this rtol, and smallest rtol that passes with this atol
     atol_needed: float | None = None
     rtol_needed: float | None = None
-    #: where atol/rtol came from: "default:<dtype>", "run", "pattern:<glob>" or "calibrated"
+    #: where atol/rtol came from: "default:<dtype>", "run", "pattern:<glob>", "calibrated" or "exact"
     tol_source: str = ""
 
     @property
     def passed(self) -> bool:
+        """True when the node agrees. An ``untapped`` node (a user model without that tap) is
+        neither a pass nor a failure: it is not part of the verdict (see :attr:`judged`)."""
         return self.status == OK
+
+    @property
+    def judged(self) -> bool:
+        return self.status != UNTAPPED
+
+    @property
+    def differs(self) -> bool:
+        """Any difference at all (the first divergence of a pair that is bit-exact when correct)."""
+        return self.judged and (self.status != OK or bool(self.max_abs))
+
+    @property
+    def hint_text(self) -> str:
+        return self.hint.text if self.hint is not None else ""
 
     def to_dict(self) -> dict:
         d = asdict(self)
         for key in ("shape_ours", "shape_ref"):
             d[key] = list(d[key]) if d[key] is not None else None
+        d["hint"] = self.hint_text
+        d["hint_kind"] = self.hint.kind if self.hint is not None else None
+        d["hint_evidence"] = dict(self.hint.evidence) if self.hint is not None else None
         return d
 
     def line(self) -> str:
@@ -82,31 +105,47 @@ def default_tolerance(dtype: torch.dtype) -> tuple[float, float]:
     return DEFAULT_TOLERANCES.get(dtype, DEFAULT_TOLERANCES[torch.float32])
 
 
-def tolerance_for(
-    name: str,
-    dtype: torch.dtype,
-    atol: float | None = None,
-    rtol: float | None = None,
-    per_node: Mapping[str, tuple[float, float]] | None = None,
-) -> tuple[float, float]:
-    """Resolve a node's tolerance: the first matching ``per_node`` glob pattern wins, then the
-    run-wide ``atol``/``rtol``, then the dtype default."""
-    return tolerance_with_source(name, dtype, atol, rtol, per_node)[:2]
+@dataclass(frozen=True)
+class Tolerances:
+    """How each node's ``(atol, rtol)`` is chosen. Precedence: a matching ``per_node`` glob pattern,
+    then ``exact`` (0, 0), then ``calibrated`` (per node), then the run-wide ``atol``/``rtol``, then
+    the dtype default."""
+
+    dtype: torch.dtype = torch.float32
+    atol: float | None = None
+    rtol: float | None = None
+    per_node: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    calibrated: Mapping[str, tuple[float, float]] | None = None
+    exact: bool = False
+
+    def for_node(self, name: str) -> tuple[float, float, str]:
+        """``(atol, rtol, source)`` for one node."""
+        for pattern, tol in self.per_node.items():
+            if fnmatch.fnmatchcase(name, pattern):
+                return float(tol[0]), float(tol[1]), f"pattern:{pattern}"
+        if self.exact:
+            return 0.0, 0.0, "exact"
+        if self.calibrated and name in self.calibrated:
+            return float(self.calibrated[name][0]), float(self.calibrated[name][1]), "calibrated"
+        d_atol, d_rtol = default_tolerance(self.dtype)
+        source = "run" if self.atol is not None or self.rtol is not None else f"default:{str(self.dtype).replace('torch.', '')}"
+        return (d_atol if self.atol is None else self.atol, d_rtol if self.rtol is None else self.rtol, source)
 
 
-def tolerance_with_source(
-    name, dtype, atol=None, rtol=None, per_node=None, calibrated=None
-) -> tuple[float, float, str]:
-    """:func:`tolerance_for` plus where the values came from (``pattern:<glob>``, ``calibrated``,
-    ``run``, ``default:<dtype>``). Precedence: pattern, calibrated, run-wide, default."""
-    for pattern, tol in (per_node or {}).items():
-        if fnmatch.fnmatchcase(name, pattern):
-            return float(tol[0]), float(tol[1]), f"pattern:{pattern}"
-    if calibrated and name in calibrated:
-        return float(calibrated[name][0]), float(calibrated[name][1]), "calibrated"
-    d_atol, d_rtol = default_tolerance(dtype)
-    source = "run" if atol is not None or rtol is not None else f"default:{str(dtype).replace('torch.', '')}"
-    return (d_atol if atol is None else atol, d_rtol if rtol is None else rtol, source)
+def tolerance_for(name: str, dtype: torch.dtype, atol=None, rtol=None, per_node=None) -> tuple[float, float]:
+    """Resolve a node's tolerance (see :class:`Tolerances`)."""
+    return Tolerances(dtype, atol, rtol, dict(per_node or {})).for_node(name)[:2]
+
+
+def _nonfinite_detail(a: torch.Tensor, b: torch.Tensor, shape) -> str:
+    fa, fb = torch.isfinite(a), torch.isfinite(b)
+    bad = ~(fa & fb)
+    flat = int(bad.reshape(-1).nonzero()[0, 0])
+    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), shape)) if shape else ()
+    side = "ours" if not bool(fa.reshape(-1)[flat]) else "reference"
+    n_a, n_b = int((~fa).sum()), int((~fb).sum())
+    both = int((~fa & ~fb).sum())
+    return f"first non-finite value at index {index} ({side}); {n_a} in ours, {n_b} in reference, {both} in both"
 
 
 def tensor_metrics(ours: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float) -> dict:
@@ -119,72 +158,93 @@ def tensor_metrics(ours: torch.Tensor, ref: torch.Tensor, atol: float, rtol: flo
     element with ``b == 0`` exceeds atol) and, for non-finite values, ``detail`` naming the first
     position; a non-finite node gets ``max_abs`` inf and NaN agreement numbers (written as null).
     """
-    a, b = ours.detach().to(torch.float64), ref.detach().to(torch.float64)
-    finite = torch.isfinite(a) & torch.isfinite(b)
-    detail = ""
-    status = OK
-    if not bool(finite.all()):
-        status = NONFINITE
-        first = tuple(int(i) for i in (~finite).nonzero()[0])
-        side = "ours" if not bool(torch.isfinite(a[first])) else "reference"
-        both = int((~torch.isfinite(a) & ~torch.isfinite(b)).sum())
-        detail = (
-            f"first non-finite value at index {first} ({side}); "
-            f"{int((~torch.isfinite(a)).sum())} in ours, {int((~torch.isfinite(b)).sum())} in reference, "
-            f"{both} in both"
-        )
-    a, b = a[finite], b[finite]
-    if status == NONFINITE:  # agreement numbers over the finite part would read as a match
-        inf, nan = math.inf, math.nan
-        return dict(status=status, max_abs=inf, mean_abs=nan, max_rel=inf, cosine=nan, detail=detail,
-                    rel_l2=nan, atol_needed=inf, rtol_needed=inf)
-    if a.numel() == 0:
+    work = torch.float64 if torch.float64 in (ours.dtype, ref.dtype) else torch.float32
+    a_all, b_all = ours.detach().reshape(-1), ref.detach().reshape(-1)
+    n = a_all.numel()
+    f64 = torch.float64
+    max_abs = max_rel = atol_needed = 0.0
+    rtol_needed = 0.0
+    sum_abs = dot = na2 = nb2 = nd2 = torch.zeros((), dtype=f64)
+    failed = False
+    for start in range(0, n, CHUNK):
+        a = a_all[start : start + CHUNK].to(work)
+        b = b_all[start : start + CHUNK].to(work)
+        d = a - b
+        if not bool(torch.isfinite(d).all()):
+            if not bool(torch.isfinite(a).all() and torch.isfinite(b).all()):
+                inf, nan = math.inf, math.nan
+                return dict(status=NONFINITE, max_abs=inf, mean_abs=nan, max_rel=inf, cosine=nan,
+                            detail=_nonfinite_detail(ours.detach(), ref.detach(), tuple(ours.shape)),
+                            rel_l2=nan, atol_needed=inf, rtol_needed=inf)
+        d = d.abs_()
+        babs = b.abs()
+        max_abs = max(max_abs, float(d.max()))
+        sum_abs = sum_abs + d.sum(dtype=f64)
+        nd2 = nd2 + d.pow(2).sum(dtype=f64)
+        dot = dot + (a * b).sum(dtype=f64)
+        na2 = na2 + a.pow(2).sum(dtype=f64)
+        nb2 = nb2 + babs.pow(2).sum(dtype=f64)
+        rel = torch.where(babs > 0, d / babs, 0.0)
+        max_rel = max(max_rel, float(rel.max()))
+        allowed = babs.mul(rtol)
+        atol_needed = max(atol_needed, float((d - allowed).max()))
+        failed = failed or bool((d > allowed.add_(atol)).any())
+        excess = d.sub_(atol)  # d is not needed after this
+        over = excess > 0
+        if bool(over.any()):
+            if bool((babs[over] == 0).any()):
+                rtol_needed = math.inf
+            elif rtol_needed != math.inf:
+                rtol_needed = max(rtol_needed, float((excess[over] / babs[over]).max()))
+    if n == 0:
         nan = math.nan
-        return dict(status=status, max_abs=nan, mean_abs=nan, max_rel=nan, cosine=nan, detail=detail,
+        return dict(status=OK, max_abs=nan, mean_abs=nan, max_rel=nan, cosine=nan, detail="",
                     rel_l2=nan, atol_needed=nan, rtol_needed=nan)
-    diff = (a - b).abs()
-    nonzero = b != 0
-    max_rel = float((diff[nonzero] / b[nonzero].abs()).max()) if bool(nonzero.any()) else 0.0
-    na, nb = a.norm(), b.norm()
-    if float(na) == 0 and float(nb) == 0:
+    na, nb, nd = float(na2.sqrt()), float(nb2.sqrt()), float(nd2.sqrt())
+    if na == 0 and nb == 0:
         cosine = 1.0
-    elif float(na) == 0 or float(nb) == 0:
+    elif na == 0 or nb == 0:
         cosine = 0.0
     else:
-        cosine = max(-1.0, min(1.0, float((a @ b) / (na * nb))))
-    if status == OK and bool((diff > atol + rtol * b.abs()).any()):
-        status = MISMATCH
-    excess = diff - atol
-    over = excess > 0
-    if not bool(over.any()):
-        rtol_needed = 0.0
-    elif bool((b[over] == 0).any()):
-        rtol_needed = math.inf
-    else:
-        rtol_needed = float((excess[over] / b[over].abs()).max())
+        cosine = max(-1.0, min(1.0, float(dot) / (na * nb)))
     return dict(
-        status=status,
-        max_abs=float(diff.max()),
-        mean_abs=float(diff.mean()),
+        status=MISMATCH if failed else OK,
+        max_abs=max_abs,
+        mean_abs=float(sum_abs) / n,
         max_rel=max_rel,
         cosine=cosine,
-        detail=detail,
-        rel_l2=float((a - b).norm() / nb) if float(nb) > 0 else (0.0 if float((a - b).norm()) == 0 else math.inf),
-        atol_needed=max(0.0, float((diff - rtol * b.abs()).max())),
+        detail="",
+        rel_l2=nd / nb if nb > 0 else (0.0 if nd == 0 else math.inf),
+        atol_needed=max(0.0, atol_needed),
         rtol_needed=rtol_needed,
     )
 
 
-def compare_traces(
-    ours: Trace,
-    reference: Trace,
-    nodes: Sequence[NodeSpec],
-    dtype: torch.dtype,
-    atol: float | None = None,
-    rtol: float | None = None,
-    per_node: Mapping[str, tuple[float, float]] | None = None,
-    calibrated: Mapping[str, tuple[float, float]] | None = None,
-) -> list[NodeResult]:
+def compare_node(spec: NodeSpec, index: int, our_t, ref_t, tolerances: Tolerances, untapped: bool = False) -> NodeResult:
+    """One node's NodeResult. ``untapped``: ours has no tap for it (a user model): not judged."""
+    n_atol, n_rtol, source = tolerances.for_node(spec.name)
+    base = dict(name=spec.name, index=index, layer=spec.layer, kind=spec.kind, atol=n_atol, rtol=n_rtol, tol_source=source)
+    dtype = ref_t.dtype if ref_t is not None else our_t.dtype if our_t is not None else None
+    shapes = dict(
+        shape_ours=tuple(our_t.shape) if our_t is not None else None,
+        shape_ref=tuple(ref_t.shape) if ref_t is not None else None,
+        dtype=str(dtype).replace("torch.", "") if dtype is not None else None,
+    )
+    empty = dict(max_abs=None, mean_abs=None, max_rel=None, cosine=None)
+    if untapped and our_t is None:
+        return NodeResult(**base, **shapes, **empty, status=UNTAPPED,
+                          detail="no tap in ours for this node (add parity.tap(tensor, ...) to compare it)")
+    if ref_t is None or our_t is None:
+        side = "reference" if ref_t is None else "ours"
+        where = spec.name if ref_t is None else spec.ours
+        return NodeResult(**base, **shapes, **empty, status=MISSING, detail=f"{side} produced no tensor at {where}")
+    if ref_t.shape != our_t.shape:
+        return NodeResult(**base, **shapes, **empty, status=SHAPE,
+                          detail=f"ours {tuple(our_t.shape)} vs reference {tuple(ref_t.shape)}")
+    return NodeResult(**base, **shapes, **tensor_metrics(our_t, ref_t, n_atol, n_rtol))
+
+
+def compare_traces(ours, reference, nodes: Sequence[NodeSpec], tolerances: Tolerances, untapped: frozenset[str] = frozenset()) -> list[NodeResult]:
     """One NodeResult per node, in the reference's execution order.
 
     Nodes the reference never produced come last, as ``missing``: a node that cannot be compared
@@ -193,35 +253,18 @@ def compare_traces(
     by_name = {n.name: n for n in nodes}
     order = [name for name in reference.order if name in by_name]
     order += [n.name for n in nodes if n.name not in reference.tensors]
-    results = []
-    for index, name in enumerate(order):
-        spec = by_name[name]
-        n_atol, n_rtol, source = tolerance_with_source(name, dtype, atol, rtol, per_node, calibrated)
-        ref_t, our_t = reference.tensors.get(name), ours.tensors.get(name)
-        base = dict(name=name, index=index, layer=spec.layer, kind=spec.kind, atol=n_atol, rtol=n_rtol, tol_source=source)
-        shapes = dict(
-            shape_ours=tuple(our_t.shape) if our_t is not None else None,
-            shape_ref=tuple(ref_t.shape) if ref_t is not None else None,
-            dtype=str(ref_t.dtype if ref_t is not None else our_t.dtype if our_t is not None else "").replace(
-                "torch.", ""
-            )
-            or None,
-        )
-        empty = dict(max_abs=None, mean_abs=None, max_rel=None, cosine=None)
-        if ref_t is None or our_t is None:
-            side = "reference" if ref_t is None else "ours"
-            where = spec.name if ref_t is None else spec.ours
-            results.append(
-                NodeResult(**base, **shapes, **empty, status=MISSING, detail=f"{side} produced no tensor at {where}")
-            )
-        elif ref_t.shape != our_t.shape:
-            detail = f"ours {tuple(our_t.shape)} vs reference {tuple(ref_t.shape)}"
-            results.append(NodeResult(**base, **shapes, **empty, status=SHAPE, detail=detail))
-        else:
-            results.append(NodeResult(**base, **shapes, **tensor_metrics(our_t, ref_t, n_atol, n_rtol)))
-    return results
+    return [
+        compare_node(by_name[name], index, ours.tensors.get(name), reference.tensors.get(name), tolerances, name in untapped)
+        for index, name in enumerate(order)
+    ]
 
 
 def first_mismatch(results: Sequence[NodeResult]) -> NodeResult | None:
-    """The earliest node in execution order whose status is not ``ok``, or None if all agree."""
-    return next((r for r in results if not r.passed), None)
+    """The earliest judged node in execution order whose status is not ``ok``, or None if all agree."""
+    return next((r for r in results if r.judged and not r.passed), None)
+
+
+def first_divergence(results: Sequence[NodeResult]) -> NodeResult | None:
+    """The earliest node with any difference at all (max_abs > 0 or a failing status), or None
+    when the two traces are bit-identical on every judged node."""
+    return next((r for r in results if r.differs), None)

@@ -1,28 +1,58 @@
-"""Hints from the pattern of a failing node's error.
+"""Typed hints from the pattern of a failing node's error.
 
-A hint says "likely", names the kind of mistake and shows the numbers it rests on; it never
-changes the measured status. Each detector is a small function of (our tensor, the reference's,
-what the traces hold) returning a hint or None; :func:`diagnose` tries them in order, from the
-most specific evidence (an exact match with something else) to the most general (a pattern).
+Each detector is a small function of one :class:`Evidence` (the failing node, both tensors, both
+traces, the architecture's facts) returning a :class:`~parity.hints.Hint` or None; :func:`diagnose`
+tries them in order, from the most specific evidence (an exact match with something else) to the
+most general (a pattern). A detector stays silent unless its evidence clearly exceeds the noise the
+node itself shows: no hint is better than a wrong one.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from .analysis import HEAD_MAJOR, HEAD_MERGED
 from .compare import MISSING, NONFINITE, SHAPE, NodeResult
-from .pair import Pair
+from .facts import ArchFacts
+from .hints import Hint
 from .trace import Trace
 
 #: relative residual below which an explanation "reproduces" a tensor
 EXPLAINS = 1e-3
 
 
-def _close(a: torch.Tensor, b: torch.Tensor, result: NodeResult) -> bool:
-    return bool(torch.allclose(a.double(), b.double(), atol=result.atol, rtol=result.rtol))
+@dataclass(frozen=True)
+class Evidence:
+    """What a detector may look at: the failing node, its two tensors and everything traced."""
+
+    result: NodeResult
+    ours: torch.Tensor | None
+    ref: torch.Tensor | None
+    ours_trace: Trace
+    ref_trace: Trace
+    facts: ArchFacts
+
+    @property
+    def kind(self) -> str:
+        return self.result.kind
+
+    @property
+    def name(self) -> str:
+        return self.result.name
+
+    def close(self, a: torch.Tensor, b: torch.Tensor) -> bool:
+        """Equal within this node's tolerance (and a little slack when the tolerance is exact)."""
+        atol = max(self.result.atol, 1e-6 * float(b.abs().max()) if b.numel() else 0.0)
+        return a.shape == b.shape and bool(torch.allclose(a.double(), b.double(), atol=atol, rtol=self.result.rtol))
+
+    @property
+    def noise(self) -> float:
+        """The node's tolerance at its largest reference value: errors below it are noise."""
+        return self.result.atol + self.result.rtol * float(self.ref.abs().max())
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -39,12 +69,39 @@ def _fmt_list(xs, n=6) -> str:
 # --- exact matches with something else ---------------------------------------------------------
 
 
-def sibling_match(result: NodeResult, ours: torch.Tensor, ref_trace: Trace, pair: Pair) -> str | None:
+def sibling_match(e: Evidence) -> Hint | None:
     """Ours reproduces another reference node of the same layer (gate vs up, k vs v)."""
-    prefix = result.name.rsplit(".", 1)[0]
-    for name, tensor in ref_trace.tensors.items():
-        if name != result.name and name.startswith(prefix) and tensor.shape == ours.shape and _close(ours, tensor, result):
-            return f"likely swapped or misassigned weights: ours matches the reference's {name} instead"
+    prefix = e.name.rsplit(".", 1)[0]
+    for name, tensor in e.ref_trace.tensors.items():
+        if name != e.name and name.startswith(prefix) and tensor.shape == e.ours.shape and e.close(e.ours, tensor):
+            return Hint(
+                "swapped_weights",
+                f"likely swapped or misassigned weights: ours matches the reference's {name} instead",
+                {"matches": name},
+            )
+    return None
+
+
+def transposed_weight(e: Evidence) -> Hint | None:
+    """A linear node whose output equals the reference's input times the transposed weight."""
+    x = e.ref_trace.inputs.get(e.name)
+    weight = e.ref_trace.weights.get(e.name)
+    if x is None or weight is None or weight.dim() != 2 or weight.shape[0] != weight.shape[1]:
+        return None
+    xs = e.ours_trace.inputs.get(e.name)
+    if xs is None or not e.close(xs, x):
+        return None  # the input already differs: not this node's own fault
+    y = torch.nn.functional.linear(x.double(), weight.double().T)
+    bias = e.ref_trace.biases.get(e.name)
+    if bias is not None:
+        y = y + bias.double()
+    if _rel(e.ours, y) < EXPLAINS:
+        return Hint(
+            "transposed_weight",
+            f"likely a transposed weight: ours equals the reference's input times the transposed {e.kind} "
+            f"weight (a Conv1D-style or transposed load; residual {_rel(e.ours, y):.1e})",
+            {"residual": _rel(e.ours, y)},
+        )
     return None
 
 
@@ -57,92 +114,108 @@ def _heads(t: torch.Tensor, kind: str, head_dim: int | None) -> torch.Tensor | N
     return None
 
 
-def head_mapping(result: NodeResult, ours: torch.Tensor, ref: torch.Tensor, pair: Pair) -> str | None:
+def head_mapping(e: Evidence) -> Hint | None:
     """Some heads agree and others do not, or ours' heads are the reference's in another order."""
-    a, b = _heads(ours, result.kind, pair.cfg.get("head_dim")), _heads(ref, result.kind, pair.cfg.get("head_dim"))
+    head_dim = e.facts.layer(e.result.layer).head_dim if e.facts.layer(e.result.layer) else e.facts.head_dim
+    a, b = _heads(e.ours, e.kind, head_dim), _heads(e.ref, e.kind, head_dim)
     if a is None or a.shape[0] < 2:
         return None
     n = a.shape[0]
-    same = [i for i in range(n) if _close(a[i], b[i], result)]
-    moved = {i: j for i in range(n) if i not in same for j in range(n) if j != i and _close(a[i], b[j], result)}
-    if not same and not moved:
-        return None
-    gqa = pair.cfg.get("n_kv_heads") not in (None, pair.cfg.get("n_heads"))
-    cause = "GQA head mapping (K/V heads expanded with repeat instead of repeat_interleave, or grouped wrongly)" if gqa else "a head permutation in the weights or the head split"
+    same = [i for i in range(n) if e.close(a[i], b[i])]
+    moved = {i: j for i in range(n) if i not in same for j in range(n) if j != i and e.close(a[i], b[j])}
+    if not moved and (not same or len(same) == n):
+        return None  # no head equals another: nothing here says "mapping"
+    gqa = e.facts.num_kv_heads != e.facts.num_heads
+    cause = (
+        "GQA head mapping (K/V heads expanded with repeat instead of repeat_interleave, or grouped wrongly)"
+        if gqa else "a head permutation in the weights or the head split"
+    )
     parts = [f"heads {_fmt_list(same)} agree" if same else "no head agrees in place"]
     if moved:
         parts.append("ours " + ", ".join(f"head {i} = reference head {j}" for i, j in list(moved.items())[:6]))
     differ = [i for i in range(n) if i not in same]
     parts.append(f"heads {_fmt_list(differ)} differ")
-    return f"likely {cause}: " + "; ".join(parts)
+    return Hint("head_mapping", f"likely {cause}: " + "; ".join(parts),
+                {"agree": same, "moved": {str(k): v for k, v in moved.items()}, "differ": differ})
 
 
-def last_dim_permutation(result: NodeResult, ours: torch.Tensor, ref: torch.Tensor, pair: Pair) -> str | None:
+def last_dim_permutation(e: Evidence) -> Hint | None:
     """Same values, other order along the last axis: a row permutation of a weight (RoPE layout
-    permutation with a wrong head count, half-split vs interleaved Q/K rows)."""
+    permutation with a wrong head count, half-split vs interleaved Q/K rows). The identity is never
+    a permutation."""
+    ours, ref = e.ours, e.ref
     if ours.dim() < 2 or ours.shape[-1] < 4:
         return None
     a, b = ours.double().flatten(0, -2), ref.double().flatten(0, -2)
-    if not torch.allclose(a.sort(-1).values, b.sort(-1).values, atol=result.atol, rtol=result.rtol):
+    if not torch.allclose(a.sort(-1).values, b.sort(-1).values, atol=max(e.result.atol, 1e-12), rtol=e.result.rtol):
         return None
     perm = [int((b[0] - a[0, j]).abs().argmin()) for j in range(a.shape[-1])]
-    head_dim = pair.cfg.get("head_dim")
+    moved = [j for j, k in enumerate(perm) if j != k]
+    if not moved or len(set(perm)) != len(perm):
+        return None
+    if _rel(a, b[:, perm]) > EXPLAINS:  # ours[..., j] = reference[..., perm[j]] on every token
+        return None
+    evidence: dict = {"permutation": perm[:64], "moved": len(moved)}
     within = ""
-    if head_dim and ours.shape[-1] % head_dim == 0:
+    head_dim = e.facts.head_dim
+    if e.kind in HEAD_MERGED and head_dim and ours.shape[-1] % head_dim == 0:
         crossing = sum(1 for j, k in enumerate(perm) if j // head_dim != k // head_dim)
+        evidence["crosses_heads"] = crossing
         within = (
             "; every element stays in its head (a permutation within heads, as a RoPE un-permute with the "
             "wrong head count gives)" if crossing == 0 else f"; {crossing} positions cross head boundaries"
         )
-    return (
+    return Hint(
+        "weight_permutation",
         f"likely a permutation of weight rows: same values per token, other order along the last axis "
-        f"(ours[j] = reference[{_fmt_list(perm, 8)}]){within}"
+        f"(ours[j] = reference[{_fmt_list(perm, 8)}]){within}",
+        evidence,
     )
 
 
 # --- scales --------------------------------------------------------------------------------------
 
 
-def _named_constants(pair: Pair) -> dict[str, float]:
-    cfg = pair.cfg
-    named = {}
-    if cfg.get("rope_attention_factor"):
-        f = float(cfg["rope_attention_factor"])
-        named.update({"the YaRN attention factor": f, "the YaRN attention factor squared": f * f})
-    if cfg.get("logit_scale"):
-        named["logit_scale"] = float(cfg["logit_scale"])
-    for key in ("emb_dim", "head_dim"):
-        if cfg.get(key):
-            named[f"sqrt({key}={cfg[key]})"] = math.sqrt(cfg[key])
-    return named
-
-
-def constant_ratio(result: NodeResult, ours: torch.Tensor, ref: torch.Tensor, pair: Pair) -> str | None:
-    """ours / reference is one constant everywhere: a missing or extra scale."""
-    a, b = ours.double().flatten(), ref.double().flatten()
+def constant_ratio(e: Evidence) -> Hint | None:
+    """ours / reference is one constant everywhere: a missing or extra scale (named when it equals
+    a known constant of the architecture)."""
+    a, b = e.ours.double().flatten(), e.ref.double().flatten()
     keep = b.abs() > 1e-3 * b.abs().max()
     if int(keep.sum()) < 4:
         return None
     ratio = a[keep] / b[keep]
     mean = float(ratio.mean())
-    if abs(mean) < 1e-12 or abs(mean - 1) < 1e-6 or float(ratio.std()) / abs(mean) > 1e-3:
+    if abs(mean) < 1e-12 or float(ratio.std()) / abs(mean) > 1e-3:
+        return None
+    # the ratio must stand out from the node's own noise, not be a rounding drift (F20)
+    if abs(mean - 1) * float(b.abs().max()) <= 10 * e.noise or abs(mean - 1) < 1e-3:
         return None
     r = max(mean, 1 / mean)  # compare magnitudes >= 1, whichever side carries the extra factor
     bigger = "ours / reference" if mean > 1 else "reference / ours"
-    names = [
-        f"{bigger} = {name} ({value:.6g})" if value >= 1 else f"{bigger} = 1 / {name} ({1 / value:.6g})"
-        for name, value in _named_constants(pair).items()
+    matched = [
+        (name, value) for name, value in e.facts.named_constants().items()
         if value > 0 and abs(r / max(value, 1 / value) - 1) < 1e-3
     ]
-    known = f"; matches {names[0]}" if names else ""
-    return (
+    known = ""
+    kind = "scale"
+    if matched:
+        name, value = matched[0]
+        known = f"; matches {bigger} = {name} ({max(value, 1 / value):.6g})"
+        if "attention factor" in name:
+            kind = "rope_attention_factor"
+        elif name == "logit_scale":
+            kind = "logit_scale"
+    return Hint(
+        kind,
         f"likely a missing or extra scale: ours / reference = {mean:.6g} at every position including 0 "
-        f"(reference / ours = {1 / mean:.6g}){known}"
+        f"(reference / ours = {1 / mean:.6g}){known}",
+        {"ratio": mean, "matches": matched[0][0] if matched else None},
     )
 
 
-def channel_ratio(result: NodeResult, ours: torch.Tensor, ref: torch.Tensor, pair: Pair) -> str | None:
+def channel_ratio(e: Evidence) -> Hint | None:
     """ours / reference constant over tokens for each channel, different across channels."""
+    ours, ref = e.ours, e.ref
     if ours.dim() < 2 or ours.shape[-1] < 2:
         return None
     a, b = ours.double().flatten(0, -2), ref.double().flatten(0, -2)
@@ -153,9 +226,14 @@ def channel_ratio(result: NodeResult, ours: torch.Tensor, ref: torch.Tensor, pai
     if spread > 1e-3:
         return None
     per_channel = ratio.mean(0)
-    return (
+    if float((per_channel - 1).abs().max()) < 1e-3:
+        return None
+    return Hint(
+        "channel_scale",
         "likely a per-channel weight difference (a norm weight used as w instead of 1 + w, or a wrong norm "
-        f"weight): ours / reference is constant over tokens per channel, e.g. {_fmt_list(f'{v:.4g}' for v in per_channel[:4].tolist())}"
+        f"weight): ours / reference is constant over tokens per channel, e.g. "
+        f"{_fmt_list(f'{v:.4g}' for v in per_channel[:4].tolist())}",
+        {"per_channel": per_channel[:16].tolist()},
     )
 
 
@@ -186,15 +264,15 @@ def _explained_by(y: torch.Tensor, candidates: dict[str, torch.Tensor]) -> str |
     return None
 
 
-def norm_kind(result: NodeResult, ours: torch.Tensor, ref: torch.Tensor, ours_trace: Trace, ref_trace: Trace, pair: Pair) -> str | None:
+def norm_kind(e: Evidence) -> Hint | None:
     """A norm node whose output is explained by another normaliser than the reference's."""
-    if "norm" not in result.kind or result.name not in ref_trace.inputs or result.name not in ours_trace.inputs:
+    if "norm" not in e.kind or e.name not in e.ref_trace.inputs or e.name not in e.ours_trace.inputs:
         return None
-    x_ref, x_ours = ref_trace.inputs[result.name], ours_trace.inputs[result.name]
-    if not _close(x_ours, x_ref, result):
+    x_ref, x_ours = e.ref_trace.inputs[e.name], e.ours_trace.inputs[e.name]
+    if not e.close(x_ours, x_ref):
         return None  # the input already differs: not this norm's own fault
-    candidates = _normalisers(x_ref, pair.cfg.get("head_dim"))
-    ours_is, ref_is = _explained_by(ours, candidates), _explained_by(ref, candidates)
+    candidates = _normalisers(x_ref, e.facts.head_dim)
+    ours_is, ref_is = _explained_by(e.ours, candidates), _explained_by(e.ref, candidates)
     if ours_is is None or ref_is is None or ours_is == ref_is:
         return None
     evidence = ""
@@ -203,24 +281,72 @@ def norm_kind(result: NodeResult, ours: torch.Tensor, ref: torch.Tensor, ours_tr
         evidence = f"; the difference tracks each token's mean (input means {_fmt_list(f'{m:.3g}' for m in means[:4].tolist())}): mean subtraction"
     if "per head" in ours_is or "per head" in ref_is:
         evidence = "; per-head vs whole-projection Q/K norm"
-    return f"likely the wrong norm: ours behaves like {ours_is}, the reference like {ref_is}{evidence}"
+    return Hint("norm_kind", f"likely the wrong norm: ours behaves like {ours_is}, the reference like {ref_is}{evidence}",
+                {"ours": ours_is, "reference": ref_is})
 
 
-def norm_placement(result: NodeResult, ours: torch.Tensor, ref: torch.Tensor, ours_trace: Trace, ref_trace: Trace, pair: Pair) -> str | None:
+def norm_placement(e: Evidence) -> Hint | None:
     """A projection whose input is the reference's input after a norm (pre-norm vs post-norm)."""
-    if result.name not in ref_trace.inputs or result.name not in ours_trace.inputs:
+    if e.name not in e.ref_trace.inputs or e.name not in e.ours_trace.inputs:
         return None
-    x_ref, x_ours = ref_trace.inputs[result.name], ours_trace.inputs[result.name]
-    if x_ref.shape != x_ours.shape or _close(x_ours, x_ref, result):
+    x_ref, x_ours = e.ref_trace.inputs[e.name], e.ours_trace.inputs[e.name]
+    if x_ref.shape != x_ours.shape or e.close(x_ours, x_ref):
         return None
-    cand = {k: v for k, v in _normalisers(x_ref, None).items()}
-    ours_is = _explained_by(x_ours, cand)
+    ours_is = _explained_by(x_ours, _normalisers(x_ref, None))
     if ours_is is not None:
-        return (
-            f"likely norm placement: the input of {result.kind} in ours equals the reference's input after a "
-            f"{ours_is} (pre-norm vs post-norm)"
+        return Hint(
+            "norm_placement",
+            f"likely norm placement: the input of {e.kind} in ours equals the reference's input after a "
+            f"{ours_is} (pre-norm vs post-norm)",
+            {"normaliser": ours_is},
         )
     return None
+
+
+def _layer_node(e: Evidence, layer: int, kind: str) -> torch.Tensor | None:
+    """The reference's tensor of the node of that kind in that layer, if traced."""
+    for name, tensor in e.ref_trace.tensors.items():
+        if e.facts.locate(name) == (layer, kind):
+            return tensor
+    return None
+
+
+def _residual_into(e: Evidence, layer: int) -> torch.Tensor | None:
+    """The reference's residual stream entering ``layer``: the previous layer's output, or the
+    (scaled) token embedding before layer 0."""
+    if layer > 0:
+        return _layer_node(e, layer - 1, "layer")
+    x = e.ref_trace.tensors.get(e.facts.embed_module)
+    return x * e.facts.embed_scale if x is not None and e.facts.embed_scale else x
+
+
+def block_layout(e: Evidence) -> Hint | None:
+    """The MLP branch reads the residual after attention on one side and the layer's input on the
+    other: a parallel block (``x + attn(N(x)) + mlp(N(x))``) run sequentially, or the reverse."""
+    if e.result.layer is None or not (e.kind.endswith("@input") or "norm" in e.kind):
+        return None
+    x, attn = _residual_into(e, e.result.layer), _layer_node(e, e.result.layer, "o_proj")
+    if x is None or attn is None or x.shape != e.ref.shape or attn.shape != x.shape:
+        return None
+    candidates = {
+        "the residual after attention (sequential block)": x.double() + attn.double(),
+        "the layer's input (parallel block)": x.double(),
+    }
+
+    def explained(y: torch.Tensor) -> str | None:
+        for label, u in candidates.items():
+            if _rel(y, u) < EXPLAINS or _explained_by(y, _normalisers(u, None)) is not None:
+                return label
+        return None
+
+    ours_is, ref_is = explained(e.ours), explained(e.ref)
+    if ours_is is None or ref_is is None or ours_is == ref_is:
+        return None
+    return Hint(
+        "block_layout",
+        f"likely the block layout: the {e.kind} of ours is computed from {ours_is}, the reference's from {ref_is}",
+        {"ours": ours_is, "reference": ref_is},
+    )
 
 
 # --- positions -----------------------------------------------------------------------------------
@@ -235,16 +361,16 @@ def _by_position(ours: torch.Tensor, ref: torch.Tensor, axis: int) -> torch.Tens
     return diff.reshape(diff.shape[0], -1).amax(dim=1)
 
 
-def _pre_rope(result: NodeResult, ref_trace: Trace, pair: Pair, n_heads: int) -> torch.Tensor | None:
+def _pre_rope(e: Evidence, n_heads: int) -> torch.Tensor | None:
     """The reference's q (or k) before RoPE as (batch, heads, seq, head_dim), from the q_norm/q_proj node."""
-    stem = result.name.rsplit(".", 1)[0]
-    letter = result.kind[0]
+    stem = e.name.rsplit(".", 1)[0]
+    letter = e.kind[0]
+    head_dim = e.ref.shape[-1]
     for kind in (f"{letter}_norm", f"{letter}_proj"):
-        t = ref_trace.tensors.get(f"{stem}.{kind}")
+        t = e.ref_trace.tensors.get(f"{stem}.{kind}")
         if t is None:
             continue
-        head_dim = pair.cfg.get("head_dim")
-        if t.dim() == 3 and head_dim and t.shape[-1] == n_heads * head_dim:
+        if t.dim() == 3 and t.shape[-1] == n_heads * head_dim:
             return t.unflatten(-1, (n_heads, head_dim)).transpose(1, 2)
         if t.dim() == 4 and t.shape[1] == n_heads:
             return t
@@ -268,29 +394,34 @@ def _pairing(rotated: torch.Tensor, x: torch.Tensor) -> str | None:
     return None
 
 
-def rope_pattern(result: NodeResult, ours: torch.Tensor, ref: torch.Tensor, ref_trace: Trace, pair: Pair) -> str | None:
+def rope_pattern(e: Evidence) -> Hint | None:
     """Position 0 agrees and the error grows with position: RoPE (frequencies, scaling, pairing, offset)."""
+    ours, ref = e.ours, e.ref
     # Only where RoPE acts: after attention, position 0 agrees trivially (it sees one key).
-    if result.kind not in ("q_rot", "k_rot") or ours.dim() != 4 or ours.shape[2] < 3:
+    if e.kind not in ("q_rot", "k_rot") or ours.dim() != 4 or ours.shape[2] < 3:
         return None
     per_pos = _by_position(ours, ref, 2)
-    tol = result.atol + result.rtol * float(ref.abs().max())
+    tol = e.noise
     if float(per_pos[0]) > tol or float(per_pos.max()) <= tol:
         return None
     numbers = (
         f"position 0 agrees (error {float(per_pos[0]):.2g}), later positions differ "
         f"(pos 1: {float(per_pos[1]):.3g}, pos {len(per_pos) - 1}: {float(per_pos[-1]):.3g})"
     )
-    x = _pre_rope(result, ref_trace, pair, ours.shape[1])
+    evidence = {"position_0": float(per_pos[0]), "last_position": float(per_pos[-1])}
+    x = _pre_rope(e, ours.shape[1])
     ref_pairs = None
     if x is not None and x.shape == ours.shape:
-        if _close(ref, x, result):
-            return f"likely RoPE where the reference applies no rotation (a NoPE layer): the reference's {result.kind} is its unrotated input; {numbers}"
-        if _close(ours, x, result):
-            return f"likely a missing RoPE: ours applies no rotation here, the reference does; {numbers}"
+        if e.close(ref, x):
+            return Hint("rope_unexpected",
+                        f"likely RoPE where the reference applies no rotation (a NoPE layer): the reference's {e.kind} is its unrotated input; {numbers}",
+                        evidence)
+        if e.close(ours, x):
+            return Hint("rope_missing", f"likely a missing RoPE: ours applies no rotation here, the reference does; {numbers}", evidence)
         ours_pairs, ref_pairs = _pairing(ours, x), _pairing(ref, x)
         if ours_pairs and ref_pairs and ours_pairs != ref_pairs:
-            return f"likely RoPE pairing layout: ours rotates {ours_pairs} pairs, the reference {ref_pairs}; {numbers}"
+            return Hint("rope_pairing", f"likely RoPE pairing layout: ours rotates {ours_pairs} pairs, the reference {ref_pairs}; {numbers}",
+                        {**evidence, "ours": ours_pairs, "reference": ref_pairs})
     d = ours.shape[-1]
     by_dim = (ours.double() - ref.double()).abs().amax(dim=(0, 1, 2))
     if ref_pairs is not None and ref_pairs.startswith("interleaved"):
@@ -298,81 +429,100 @@ def rope_pattern(result: NodeResult, ours: torch.Tensor, ref: torch.Tensor, ref_
     else:
         freq_err = torch.maximum(by_dim[: d // 2], by_dim[d // 2 :])  # frequency i rotates dims i, i + d/2
     bad = (freq_err > tol).nonzero().flatten().tolist()
+    layer = e.facts.layer(e.result.layer)
+    rope_type = layer.rope.rope_type if layer is not None and layer.rope is not None else None
     if bad and len(bad) < d // 2:
-        yarn = " (a YaRN correction range / ramp band: rounding or clamping)" if pair.cfg.get("rope_type") == "yarn" else ""
-        return (
-            f"likely RoPE frequencies{yarn}: error confined to a band of rotary frequencies "
-            f"{_fmt_list(bad)} of {d // 2}; {numbers}"
+        band = f" (a {rope_type} correction range / ramp band: rounding or clamping)" if rope_type in ("yarn", "llama3") else ""
+        return Hint(
+            "rope_band",
+            f"likely RoPE frequencies{band}: error confined to a band of rotary frequencies "
+            f"{_fmt_list(bad)} of {d // 2}; {numbers}",
+            {**evidence, "band": bad},
         )
-    return f"likely RoPE frequencies, scaling or offset: {numbers}"
+    return Hint("rope_frequencies", f"likely RoPE frequencies, scaling or offset: {numbers}", evidence)
 
 
-def window_pattern(result: NodeResult, ours: torch.Tensor, ref: torch.Tensor, pair: Pair) -> str | None:
+def window_pattern(e: Evidence) -> Hint | None:
     """Only query positions at or past the sliding window differ."""
-    window = pair.cfg.get("sliding_window")
-    axis = _seq_axis(result.kind)
-    if not window or ours.dim() <= axis or ours.shape[axis] <= window:
+    layer = e.facts.layer(e.result.layer)
+    window = layer.window if layer is not None else None
+    axis = _seq_axis(e.kind)
+    if not window or e.ours.dim() <= axis or e.ours.shape[axis] <= window:
         return None
-    per_pos = _by_position(ours, ref, axis)
-    tol = result.atol + result.rtol * float(ref.abs().max())
-    bad = (per_pos > tol).nonzero().flatten().tolist()
+    per_pos = _by_position(e.ours, e.ref, axis)
+    bad = (per_pos > e.noise).nonzero().flatten().tolist()
     if bad and min(bad) >= window:
-        return (
+        return Hint(
+            "sliding_window",
             f"likely the sliding window size or mask: positions < {window} agree, positions {bad[0]}..{bad[-1]} "
-            f"differ (max error {float(per_pos.max()):.3g})"
+            f"differ (max error {float(per_pos.max()):.3g})",
+            {"window": window, "first_bad_position": bad[0]},
         )
     return None
 
 
-def untied_head(result: NodeResult, ours: torch.Tensor, ref: torch.Tensor, pair: Pair) -> str | None:
+def untied_head(e: Evidence) -> Hint | None:
     """Everything before the output agrees but the logits are uncorrelated: an unloaded or untied head."""
-    if result.kind not in ("lm_head", "logits") or result.cosine is None or abs(result.cosine) > 0.3:
+    if e.kind not in (e.facts.head_module.rsplit(".", 1)[-1], "logits") or e.result.cosine is None or abs(e.result.cosine) > 0.3:
         return None
-    tied = " (the config ties it to the embedding)" if pair.cfg.get("tie_word_embeddings") else ""
-    return (
+    tied = " (the config ties it to the embedding)" if e.facts.tie_word_embeddings else ""
+    return Hint(
+        "untied_head",
         f"likely an output head that was never loaded or tied{tied}: every hidden node before it agrees, "
-        f"the logits are uncorrelated (cosine {result.cosine:.3f})"
+        f"the logits are uncorrelated (cosine {e.result.cosine:.3f})",
+        {"cosine": e.result.cosine},
     )
 
 
-def nonfinite(result: NodeResult, ours: torch.Tensor | None, ref: torch.Tensor | None) -> str:
-    if ours is None or ref is None:
-        return f"non-finite values appear first here: {result.detail}"
-    bad = ~torch.isfinite(ours) | ~torch.isfinite(ref)
-    axis = _seq_axis(result.kind)
-    where = []
+def nonfinite(e: Evidence) -> Hint:
+    result = e.result
+    if e.ours is None or e.ref is None:
+        return Hint("nonfinite", f"non-finite values appear first here: {result.detail}")
+    bad = ~torch.isfinite(e.ours) | ~torch.isfinite(e.ref)
+    axis = _seq_axis(e.kind)
+    where, evidence = [], {}
     if bad.dim() > axis:
         rows = bad.movedim(axis, 0).flatten(1).any(1).nonzero().flatten().tolist()
         where.append(f"positions {_fmt_list(rows, 10)}")
-    if bad.dim() > 0:
-        batch = bad.flatten(1).any(1).nonzero().flatten().tolist() if bad.dim() > 1 else []
+        evidence["positions"] = rows[:64]
+    if bad.dim() > 1:
+        batch = bad.flatten(1).any(1).nonzero().flatten().tolist()
         where.append(f"batch rows {_fmt_list(batch)}")
-    return f"non-finite values appear first here: {result.detail}; at {', '.join(where)} (masked or padded rows?)"
+        evidence["batch_rows"] = batch
+    return Hint("nonfinite", f"non-finite values appear first here: {result.detail}; at {', '.join(where)} (masked or padded rows?)",
+                evidence)
 
 
-def diagnose(result: NodeResult, ours_trace: Trace, ref_trace: Trace, pair: Pair) -> str:
-    """A likely cause for a failing node, with its evidence; "" if no pattern is recognised."""
+#: detectors tried in order on a node that has both tensors of one shape
+DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
+    sibling_match,
+    untied_head,
+    transposed_weight,
+    norm_kind,
+    block_layout,
+    norm_placement,
+    constant_ratio,
+    last_dim_permutation,
+    head_mapping,
+    window_pattern,
+    rope_pattern,
+    channel_ratio,
+)
+
+
+def diagnose(result: NodeResult, ours_trace: Trace, ref_trace: Trace, facts: ArchFacts) -> Hint | None:
+    """A likely cause for a failing node, with its evidence; None if no pattern is recognised."""
     if result.status == MISSING:
-        return f"likely a node-map or tap problem: {result.detail}"
+        return Hint("missing", f"likely a node-map or tap problem: {result.detail}")
     if result.status == SHAPE:
-        return f"likely a layout or head-count difference: {result.detail}"
-    ours, ref = ours_trace.tensors.get(result.name), ref_trace.tensors.get(result.name)
+        return Hint("shape", f"likely a layout or head-count difference: {result.detail}")
+    e = Evidence(result, ours_trace.tensors.get(result.name), ref_trace.tensors.get(result.name), ours_trace, ref_trace, facts)
     if result.status == NONFINITE:
-        return nonfinite(result, ours, ref)
-    detectors = (
-        lambda: sibling_match(result, ours, ref_trace, pair),
-        lambda: untied_head(result, ours, ref, pair),
-        lambda: norm_kind(result, ours, ref, ours_trace, ref_trace, pair),
-        lambda: norm_placement(result, ours, ref, ours_trace, ref_trace, pair),
-        lambda: constant_ratio(result, ours, ref, pair),
-        lambda: last_dim_permutation(result, ours, ref, pair),
-        lambda: head_mapping(result, ours, ref, pair),
-        lambda: window_pattern(result, ours, ref, pair),
-        lambda: rope_pattern(result, ours, ref, ref_trace, pair),
-        lambda: channel_ratio(result, ours, ref, pair),
-    )
-    for detect in detectors:
-        hint = detect()
-        if hint:
+        return nonfinite(e)
+    if e.ours is None or e.ref is None or e.ours.shape != e.ref.shape:
+        return None
+    for detect in DETECTORS:
+        hint = detect(e)
+        if hint is not None:
             return hint
-    return ""
+    return None

@@ -12,6 +12,7 @@ import fnmatch
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .hints import KINDS
 from .pair import Pair
 
 
@@ -20,7 +21,9 @@ class Fault:
     """``expected``: first failing node in chained mode. ``scope`` (a glob): in isolated mode every
     failing node matches it or lies inside what it matches (``scope.*``, ``scope@*``) — one node and
     its own children, or the same node in every layer the fault touches — and the first one is
-    ``isolated`` (default: ``expected``). ``hint``: a phrase the hint must contain ("" = any)."""
+    ``isolated`` (default: ``expected``). ``hint``: the kind the first mismatch's hint must have
+    (one of :data:`parity.hints.KINDS`). ``check_kwargs``: extra arguments of parity.check (a padded
+    batch, ``exact=True`` for a fault only bit-exactness can see)."""
 
     id: str
     description: str
@@ -34,6 +37,10 @@ class Fault:
     overrides: tuple[tuple[str, object], ...] = ()
     #: extra arguments for parity.check, e.g. (("batch_size", 2), ("left_pad", 5)) for padded batches
     check_kwargs: tuple[tuple[str, object], ...] = ()
+
+    def __post_init__(self):
+        if self.hint not in KINDS:
+            raise ValueError(f"fault {self.id}: unknown hint kind {self.hint!r}; choose from {', '.join(KINDS)}")
 
     @property
     def isolated_expected(self) -> str:

@@ -15,10 +15,11 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .check import CheckResult, _versions, check
+from .check import check, versions
 from .errors import ParityError
-from .pair import Family
+from .family import Family
 from .registry import families as all_families
+from .result import CheckResult
 
 SOURCES = ("config", "checkpoint", "checkpoint-sharded")
 BASELINE_VERSION = 1
@@ -66,11 +67,6 @@ class GateOutcome:
 # --- choosing families from a diff -------------------------------------------------------------------
 
 
-def family_folder(family: Family) -> str:
-    """``reference_pairs/olmo3/`` for a family whose build_pair lives in ``reference_pairs.olmo3.pair``."""
-    return "/".join(family.build_pair.__module__.split(".")[:-1]) + "/"
-
-
 def choose_families(changed: list[str], known: dict[str, Family]) -> tuple[list[str], list[str]]:
     """Families to run for a list of changed paths, with one reason line each."""
     engine = [p for p in changed if p.startswith(ENGINE_PATHS)]
@@ -78,7 +74,7 @@ def choose_families(changed: list[str], known: dict[str, Family]) -> tuple[list[
         return sorted(known), [f"all families: shared code changed ({', '.join(engine[:5])}{', ...' if len(engine) > 5 else ''})"]
     chosen, reasons = [], []
     for name, fam in sorted(known.items()):
-        hits = [p for p in changed if p.startswith(family_folder(fam))]
+        hits = [p for p in changed if p.startswith(fam.folder)]
         if hits:
             chosen.append(name)
             reasons.append(f"{name}: {', '.join(hits[:5])}{', ...' if len(hits) > 5 else ''} changed")
@@ -103,14 +99,42 @@ def changed_since(ref: str, cwd: str | Path = ".") -> list[str]:
 # --- config coverage ----------------------------------------------------------------------------------
 
 
+def config_features(family: Family, name: str) -> set[str]:
+    """What a built-in config exercises, read from the facts of its Transformers config (head sharing,
+    layer types, RoPE type per layer type, soft-caps, logit scale, Q/K norm, tying, biases) plus
+    the family's own ``features``."""
+    from .build import to_reference_config
+    from .facts import derive_facts
+
+    cfg = family.configs[name](None)
+    hf_config = to_reference_config(family, cfg)
+    facts = derive_facts(hf_config)
+    kv, heads = facts.num_kv_heads, facts.num_heads
+    feats = {"MQA" if kv == 1 else "MHA" if kv == heads else "GQA"}
+    for layer_type in set(facts.layer_types):
+        rope = facts.rope_of_type(layer_type)
+        feats.add(f"{layer_type} layers")
+        feats.add(f"{'no' if rope is None else rope.rope_type} RoPE on {layer_type}"
+                  + (" (interleaved)" if rope is not None and rope.interleaved else "")
+                  + (" (partial)" if rope is not None and rope.rotary_dim < facts.head_dim else ""))
+    feats.add("tied head" if facts.tie_word_embeddings else "untied head")
+    for label, value in (("logit scale", facts.logit_scale), ("final soft-cap", facts.final_softcap),
+                         ("attention soft-cap", facts.attn_softcap), ("embedding scale", facts.embed_scale)):
+        if value not in (None, 1.0):
+            feats.add(label)
+    if facts.qk_norm:
+        feats.add(f"Q/K norm per {facts.qk_norm}")
+    if getattr(hf_config, "attention_bias", False):
+        feats.add("attention bias")
+    return feats | family.config_features(name)
+
+
 def config_holes(family: Family) -> list[str]:
     """Features a real config uses that no CI config exercises (one line per real config)."""
-    if family.config_features is None:
-        return []
-    covered = set().union(*(family.config_features(c) for c in family.ci_configs))
+    covered = set().union(*(config_features(family, c) for c in family.ci_configs))
     holes = []
     for real in family.real_configs:
-        missing = sorted(family.config_features(real) - covered)
+        missing = sorted(config_features(family, real) - covered)
         if missing:
             holes.append(f"{family.name}: {real} uses {', '.join(missing)}, which no CI config ({', '.join(family.ci_configs)}) exercises")
     return holes
@@ -175,7 +199,7 @@ def write_baseline(path: str | Path, baseline: dict, outcomes: list[CaseResult])
     cases = dict(baseline.get("cases", {}))
     for c in outcomes:
         cases[c.case.id] = {"nodes": {n.name: n.max_abs for n in c.result.nodes}}
-    data = {"version": BASELINE_VERSION, "versions": _versions(), "growth": GROWTH, "floor": FLOOR,
+    data = {"version": BASELINE_VERSION, "versions": versions(), "growth": GROWTH, "floor": FLOOR,
             "cases": dict(sorted(cases.items()))}
     atomic_write(path, json.dumps(data, indent=1, sort_keys=False) + "\n")
 
@@ -203,7 +227,7 @@ def run_case(case: Case, family: Family, workdir: Path) -> CaseResult:
         return CaseResult(case, None, [f"{type(e).__name__}: {e}"])
     problems = []
     if result.first_mismatch is not None:
-        problems.append(result.first_mismatch.line() + (f" — hint: {result.first_mismatch.hint}" if result.first_mismatch.hint else ""))
+        problems.append(result.first_mismatch.line() + (f" — hint: {result.first_mismatch.hint}" if result.first_mismatch.hint is not None else ""))
     if result.coverage is not None and not result.coverage.ok:
         problems += [f"loader coverage: {gap}" for gap in result.coverage.gaps]
     return CaseResult(case, result, problems)
@@ -235,7 +259,7 @@ def run_gate(
     baseline = read_baseline(baseline_path, missing_ok=update_baseline)
     version_notes = []
     recorded = baseline.get("versions") or {}
-    for tool, now in _versions().items():
+    for tool, now in versions().items():
         if recorded.get(tool) not in (None, now):
             version_notes.append(f"baseline recorded with {tool} {recorded[tool]}, running {now}: the reference may have changed")
     from transformers.utils import logging as hf_logging

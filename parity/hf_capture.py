@@ -13,13 +13,14 @@ from __future__ import annotations
 import sys
 import weakref
 
+import torch
 from torch import nn
 
 from .errors import ParityError
 from .trace import active_trace
 
 ATTN_IMPLEMENTATION = "parity_eager"
-SUFFIXES = ("q_rot", "k_rot", "probs", "context")
+SUFFIXES = ("q_rot", "k_rot", "scores", "probs", "context")
 
 _paths: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
 
@@ -32,21 +33,33 @@ def _eager_for(module: nn.Module):
     return eager
 
 
+def _scores(module, query, key, scaling) -> torch.Tensor:
+    """``(q @ k^T) * scaling`` before soft-cap and mask, with the ops eager attention uses (so the
+    same bits): K heads expanded as ``repeat_kv`` does (each KV head repeated for its group)."""
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        b, kv, s, d = key.shape
+        key = key[:, :, None].expand(b, kv, groups, s, d).reshape(b, kv * groups, s, d)
+    return torch.matmul(query, key.transpose(2, 3)) * scaling
+
+
 def parity_attention(module, query, key, value, attention_mask, **kwargs):
     """AttentionInterface function: the model's eager attention, recorded.
 
     Records ``<path>.q_rot`` ``(batch, heads, seq, head_dim)``, ``<path>.k_rot`` ``(batch, kv_heads,
-    seq, head_dim)``, ``<path>.probs`` ``(batch, heads, q_len, kv_len)`` and ``<path>.context``
-    ``(batch, seq, heads * head_dim)``.
+    seq, head_dim)``, ``<path>.scores`` and ``<path>.probs`` ``(batch, heads, q_len, kv_len)`` (scores:
+    ``q k^T * scaling`` before soft-cap and mask) and ``<path>.context`` ``(batch, seq, heads * head_dim)``.
     """
     output, weights = _eager_for(module)(module, query, key, value, attention_mask, **kwargs)
     trace = active_trace()
     path = _paths.get(module)
     if trace is not None and path is not None:
         context = output.reshape(*output.shape[:2], -1)
-        for suffix, tensor in zip(SUFFIXES, (query, key, weights, context)):
+        for suffix, tensor in zip(SUFFIXES, (query, key, None, weights, context)):
             name = f"{path}.{suffix}"
             if name in trace.wanted:
+                if suffix == "scores":
+                    tensor = _scores(module, query, key, kwargs.get("scaling", getattr(module, "scaling", 1.0)))
                 trace.add(name, tensor)
     return output, weights
 

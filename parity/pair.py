@@ -1,20 +1,19 @@
-"""A Pair: our model, the reference, and the declaration of which tensors correspond.
+"""A Pair: our model, the reference, the facts of the architecture, and which tensors correspond.
 
-The engine only sees this object; it knows nothing of any one architecture. Families build Pairs
-(``reference_pairs/<family>/pair.py``) and register a :class:`Family` in the ``parity.pairs``
-entry-point group.
+The engine only sees this object: ``facts`` (:class:`parity.facts.ArchFacts`, derived from the
+reference's Transformers config) and ``nodes`` (:class:`NodeSpec`). Families build Pairs through
+:meth:`parity.family.Family.build_pair`; :func:`parity.check_model` builds one for a user's model.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 
-_LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)(?:\.(.*))?$")
+from .facts import ArchFacts
 
 
 @dataclass(frozen=True)
@@ -22,12 +21,16 @@ class NodeSpec:
     """One compared tensor.
 
     ``name`` is canonical: the Transformers module path, ``<path>@input`` for a module's input, or
-    an attention suffix (``.q_rot``, ``.k_rot``, ``.probs``, ``.context``). ``ours`` is the module
-    path in our model, with the same ``@input`` convention (``""`` is the whole model's output).
-    ``reference`` is the reference's module path when it differs from ``name`` (e.g. ``logits``
-    after a scale applied outside any module is the root's output, ``""``). ``transform``
-    (optional) maps our tensor into the reference's layout before comparing; ``inverse`` maps a
-    reference tensor back into ours, which isolated mode needs to substitute that node.
+    an attention suffix (``.q_rot``, ``.k_rot``, ``.scores``, ``.probs``, ``.context``). ``ours`` is
+    the module path in our model, with the same ``@input`` convention (``""`` is the whole model's
+    output). ``reference`` is the reference's module path when it differs from ``name`` (e.g.
+    ``logits`` after a scale applied outside any module is the root's output, ``""``).
+
+    ``transform`` (optional) maps our tensor into the reference's layout before comparing (a slice
+    of a fused projection, a transpose of a head-major layout); ``inverse`` maps a reference tensor
+    back into ours, which isolated mode needs to substitute that node (without it the node is
+    compared but not substituted). ``layer`` and ``kind`` are filled from the facts
+    (:meth:`ArchFacts.locate`) unless given.
     """
 
     name: str
@@ -35,58 +38,41 @@ class NodeSpec:
     transform: Callable[[torch.Tensor], torch.Tensor] | None = None
     reference: str | None = None
     inverse: Callable[[torch.Tensor], torch.Tensor] | None = None
+    layer: int | None = None
+    kind: str = ""
 
     @property
     def reference_path(self) -> str:
         return self.name if self.reference is None else self.reference
 
-    @property
-    def layer(self) -> int | None:
-        m = _LAYER.match(self.name)
-        return int(m.group(1)) if m else None
 
-    @property
-    def kind(self) -> str:
-        """Node kind without the layer prefix: ``q_proj``, ``probs``, ``mlp@input``, ``layer``, ``lm_head``."""
-        m = _LAYER.match(self.name)
-        if not m:
-            return self.name.rsplit(".", 1)[-1]
-        rest = m.group(2)
-        if rest is None:
-            return "layer"
-        return rest.rsplit(".", 1)[-1] if "@" not in rest else rest.split(".")[-1]
-
-
-def expand_nodes(
-    before: Sequence[tuple[str, str]],
-    per_layer: Sequence[tuple[str, str]],
-    after: Sequence[tuple[str, str]],
-    n_layers: int,
-) -> list[NodeSpec]:
-    """Declarative node map -> NodeSpecs: ``per_layer`` entries use ``{i}`` for the layer index."""
-    nodes = [NodeSpec(n, o) for n, o in before]
-    for i in range(n_layers):
-        nodes += [NodeSpec(n.format(i=i), o.format(i=i)) for n, o in per_layer]
-    nodes += [NodeSpec(n, o) for n, o in after]
-    return nodes
+def annotate(nodes: Sequence[NodeSpec], facts: ArchFacts) -> list[NodeSpec]:
+    """Fill each node's ``layer`` and ``kind`` from the facts (explicit values win)."""
+    out = []
+    for n in nodes:
+        layer, kind = facts.locate(n.name)
+        out.append(replace(n, layer=n.layer if n.layer is not None else layer, kind=n.kind or kind))
+    return out
 
 
 @dataclass
 class Pair:
     """Our model and the reference, holding identical weights, plus what to compare.
 
-    ``ours(input_ids)`` returns logits; ``reference(input_ids=...)`` is a Transformers
-    ``*ForCausalLM``. ``nodes`` lists every compared tensor; order is fixed by the reference's
-    execution, not by this list. ``notes`` carries warnings a user should see (for example a
-    sequence length that does not reach the sliding window).
+    ``ours(input_ids, attention_mask=None)`` returns logits; ``reference(input_ids=...)`` is a
+    Transformers ``*ForCausalLM``. ``nodes`` lists every compared tensor; order is fixed by the
+    reference's execution, not by this list. ``facts`` is all the engine knows about the
+    architecture. ``notes`` carries warnings a user should see. ``cfg`` is the family's own config
+    dict (opaque to the engine: only reported, and diffed key by key against ``reference_cfg``).
     """
 
     ours: nn.Module
     reference: nn.Module
-    cfg: dict
     nodes: list[NodeSpec]
+    facts: ArchFacts
     family: str
     config_name: str
+    cfg: dict = field(default_factory=dict)
     dtype: torch.dtype = torch.float32
     seed: int = 0
     checkpoint: str | None = None
@@ -102,25 +88,37 @@ class Pair:
     conversions: list[str] = field(default_factory=list)
     #: checkpoint key -> key it must be tied to (from the reference, when its config ties them)
     tied_keys: dict[str, str] = field(default_factory=dict)
-    #: per checkpoint tensor, a cheap checksum taken at build time (see :meth:`changed_weights`)
+    #: per checkpoint tensor, its version counter and a sample of its bits at build time
     fingerprint: dict = field(default_factory=dict, repr=False)
+    #: reference node -> how our node was found (check_model's alignment), empty for families
+    alignment: list = field(default_factory=list)
 
     def __post_init__(self):
+        self.nodes = annotate(self.nodes, self.facts)
         if self.state_dict and not self.fingerprint:
-            self.fingerprint = checksums(self.state_dict)
+            self.fingerprint = fingerprints(self.state_dict)
 
     def changed_weights(self) -> list[str]:
-        """Checkpoint tensors whose values changed since the pair was built.
+        """Checkpoint tensors changed in place since the pair was built.
 
         Both models share these tensors, so an in-place edit of one of ours (``w.mul_(2)``, a forward
-        that folds a weight in place) changes the reference too and would hide any difference.
+        that folds a weight in place) changes the reference too and would hide any difference. The
+        version counter catches every in-place op in O(1); a fixed sample of each tensor's bits also
+        catches edits through ``.data`` (which bypass the counter). Bits, not values, so a NaN
+        weight is equal to itself.
         """
-        now = checksums(self.state_dict)
+        now = fingerprints(self.state_dict)
         return [k for k, v in self.fingerprint.items() if now.get(k) != v]
 
     @property
     def vocab_size(self) -> int:
-        return int(self.cfg["vocab_size"])
+        return self.facts.vocab_size
+
+    @property
+    def output_node(self) -> str | None:
+        """The node holding the model's final output: the root output if it is a node, else the head."""
+        names = {n.reference_path: n.name for n in self.nodes}
+        return names.get("", names.get(self.facts.head_module))
 
     def make_inputs(self, seq_len: int | None = None, batch_size: int = 1, seed: int | None = None) -> torch.Tensor:
         """Seeded random token ids ``(batch_size, seq_len)`` in ``[0, vocab_size)``, int64."""
@@ -128,34 +126,19 @@ class Pair:
         return torch.randint(0, self.vocab_size, (batch_size, seq_len or self.default_seq_len), generator=gen)
 
 
-def checksums(state_dict) -> dict[str, tuple[float, float]]:
-    """Per tensor: its float32 sum and the float32 sum of every 97th element (cheap, no copy)."""
-    out = {}
+#: elements sampled per tensor for the fingerprint (spread evenly, first and last included)
+_SAMPLE = 64
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    flat = t.detach().reshape(-1)
+    if flat.numel() == 0:
+        return b""
+    idx = torch.linspace(0, flat.numel() - 1, min(_SAMPLE, flat.numel())).long()
+    return flat[idx].cpu().numpy().tobytes() if flat.dtype != torch.bfloat16 else flat[idx].view(torch.int16).cpu().numpy().tobytes()
+
+
+def fingerprints(state_dict) -> dict[str, tuple[int, bytes]]:
+    """Per tensor: its version counter (every in-place op bumps it) and a fixed sample of its bits."""
     with torch.no_grad():
-        for key, t in state_dict.items():
-            flat = t.detach().reshape(-1)
-            out[key] = (float(flat.sum(dtype=torch.float32)), float(flat[::97].sum(dtype=torch.float32)))
-    return out
-
-
-@dataclass(frozen=True)
-class Family:
-    """A registered family: how to build its pairs and what configs it offers.
-
-    ``configs`` maps built-in config names to one-line descriptions; ``ci_configs`` are the ones
-    small enough for every test run. ``build_pair(config=..., checkpoint=..., dtype=..., seed=...,
-    **overrides)`` returns a :class:`Pair`. ``faults``: the family's catalogue of
-    :class:`parity.faults.Fault` for ``parity selftest``. ``real_configs`` are the configs of the
-    released models; ``config_features(name)`` lists what a config exercises, and the gate fails if
-    a real config uses a feature no CI config has.
-    """
-
-    name: str
-    reference_class: str
-    build_pair: Callable[..., Pair]
-    configs: dict[str, str]
-    default_config: str = "tiny"
-    ci_configs: tuple[str, ...] = ("tiny",)
-    faults: tuple = ()
-    real_configs: tuple[str, ...] = ()
-    config_features: Callable[[str], set[str]] | None = None
+        return {key: (t._version, _bits(t)) for key, t in state_dict.items()}

@@ -9,7 +9,7 @@ from __future__ import annotations
 from importlib.metadata import entry_points
 
 from .errors import ParityError
-from .pair import Family
+from .family import Family
 
 GROUP = "parity.pairs"
 

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from .errors import ParityError
+from .facts import ArchFacts
 
 GIB = 1024**3
 #: share of the available memory a run may plan to use (forward passes need room beyond what is counted)
@@ -12,14 +11,13 @@ BUDGET = 0.8
 
 
 def available_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo, or None where that is unknown."""
+    """Memory available to new allocations (psutil's ``available``), or None where that is unknown."""
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except Exception:  # no psutil support on this platform: do not guess
         return None
-    return None
 
 
 def require(needed: int, what: str, advice: str) -> None:
@@ -31,13 +29,14 @@ def require(needed: int, what: str, advice: str) -> None:
         )
 
 
-def trace_bytes(cfg: dict, batch: int, seq: int, element_size: int) -> int:
-    """Rough peak of a check: both traces (per layer the attention probabilities plus ~17 hidden-size
-    and 3 FFN-size tensors per token, plus the logits) and the float64 working copies comparing the
-    largest node takes (about six of it)."""
-    heads, vocab = cfg.get("n_heads", 1), cfg.get("vocab_size", 0)
-    per_token_layer = heads * seq + 17 * cfg.get("emb_dim", 0) + 3 * cfg.get("hidden_dim", 0)
-    per_token = cfg.get("n_layers", 1) * per_token_layer + 2 * vocab
+def trace_bytes(facts: ArchFacts, batch: int, seq: int, element_size: int) -> int:
+    """Rough peak of a check: both traces (per layer the attention scores and probabilities plus ~17
+    hidden-size and 3 FFN-size tensors per token, plus the logits) and the float64 working copies
+    comparing the largest node takes (about six of it)."""
+    heads, vocab = max(facts.num_heads, 1), facts.vocab_size
+    ffn = facts.intermediate_size or 4 * facts.hidden_size
+    per_token_layer = 2 * heads * seq + 17 * facts.hidden_size + 3 * ffn
+    per_token = max(facts.num_layers, 1) * per_token_layer + 2 * vocab
     traces = 2 * element_size * batch * seq * per_token
-    largest = batch * seq * max(heads * seq, vocab, cfg.get("hidden_dim", 0))
+    largest = batch * seq * max(heads * seq, vocab, ffn)
     return traces + 6 * 8 * largest

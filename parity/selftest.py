@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from .check import check
 from .faults import Fault, in_scope
-from .pair import Family
+from .family import Family
 
 
 @dataclass
@@ -17,6 +17,7 @@ class SelftestRow:
     isolated: str | None
     isolated_failing: list[str]
     hint: str
+    hint_kind: str | None
     problems: list[str]
 
     @property
@@ -43,10 +44,12 @@ def run_fault(family: Family, fault: Fault) -> SelftestRow:
     outside = [n for n in failing if not in_scope(n, fault.isolated_scope)]
     if outside:
         problems.append(f"isolated: {len(outside)} failing nodes outside {fault.isolated_scope}, first {outside[0]}")
-    hint = chained.hint if chained is not None else ""
-    if fault.hint and fault.hint not in hint:
-        problems.append(f"hint lacks {fault.hint!r}")
-    return SelftestRow(fault, chained.name if chained else None, isolated.name if isolated else None, failing, hint, problems)
+    hint = chained.hint if chained is not None else None
+    kind = hint.kind if hint is not None else None
+    if kind != fault.hint:
+        problems.append(f"hint kind: expected {fault.hint}, found {kind or 'no hint'}")
+    return SelftestRow(fault, chained.name if chained else None, isolated.name if isolated else None, failing,
+                       hint.text if hint is not None else "", kind, problems)
 
 
 def run_selftest(family: Family) -> list[SelftestRow]:

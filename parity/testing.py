@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import io
 
-from .check import CheckResult, check
+from .check import check
 from .pair import Pair
+from .result import CheckResult
 
 
 def mismatch_table(result: CheckResult, context: int = 3) -> str:
@@ -34,8 +35,8 @@ def mismatch_table(result: CheckResult, context: int = 3) -> str:
     console = Console(file=buffer, width=160, color_system=None)
     console.print(result.verdict(), soft_wrap=True, highlight=False)
     console.print(table)
-    if bad is not None and bad.hint:
-        console.print(f"hint: {bad.hint}", soft_wrap=True, highlight=False)
+    if bad is not None and bad.hint is not None:
+        console.print(f"hint ({bad.hint.kind}): {bad.hint.text}", soft_wrap=True, highlight=False)
     for gap in result.coverage.gaps if result.coverage is not None else []:
         console.print(f"loader coverage: {gap}", soft_wrap=True, highlight=False)
     return buffer.getvalue()

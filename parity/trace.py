@@ -2,8 +2,9 @@
 
 A point is ``(node name, module path)``; a path ending in ``@input`` records the module's first
 input through a forward pre-hook, any other path its output. Tensors computed outside modules
-are recorded either through our models' ``Tap`` modules (ordinary hooks) or, for Transformers,
-by :mod:`parity.hf_capture` writing into the active trace.
+are recorded through taps: our models' ``Tap`` modules (ordinary hooks), :func:`tap` calls in a
+user's forward (recorded under the module that is running), and, for Transformers,
+:mod:`parity.hf_capture` writing into the active trace.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-_ACTIVE: contextvars.ContextVar[Trace | None] = contextvars.ContextVar("parity_active_trace", default=None)
+_ACTIVE: contextvars.ContextVar[_Recording | None] = contextvars.ContextVar("parity_active_recording", default=None)
 
 
 def _replace_first_tensor(value, new: torch.Tensor):
@@ -52,14 +53,17 @@ class Trace:
     """Recorded tensors by node name, in the order they were produced.
 
     A module that runs more than once in one forward keeps its first tensor; ``calls`` counts
-    every call so a repeated module is visible.
+    every call so a repeated module is visible. ``inputs`` (first input) and ``weights``/``biases``
+    (the module's own parameters, referenced, not copied) of selected nodes are kept for diagnosis
+    only, never compared.
     """
 
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     calls: dict[str, int] = field(default_factory=dict)
     wanted: frozenset[str] = frozenset()
-    #: first input of selected output nodes, kept for diagnosis only (never compared)
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    weights: dict[str, torch.Tensor] = field(default_factory=dict)
+    biases: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def add(self, name: str, value, transform: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         tensor = _first_tensor(value)
@@ -78,9 +82,55 @@ class Trace:
         return list(self.tensors)
 
 
+@dataclass
+class _Recording:
+    trace: Trace
+    replacement: Callable[[str, object], torch.Tensor | None]
+    #: module paths of the modules running now (innermost last), for :func:`tap`
+    stack: list[str] = field(default_factory=list)
+    #: functional node name -> canonical node name, for taps recorded in a user's model
+    tap_names: dict[str, str] = field(default_factory=dict)
+
+
 def active_trace() -> Trace | None:
     """The trace being recorded in this context, if any (used by :mod:`parity.hf_capture`)."""
-    return _ACTIVE.get()
+    rec = _ACTIVE.get()
+    return rec.trace if rec is not None else None
+
+
+def tap(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    """Name a tensor computed outside any module, inside a model's forward: ``q = parity.tap(q, "q_rot")``.
+
+    Recorded as ``<path of the module that is running>.<name>`` while parity traces the model; in
+    isolated mode the reference's tensor for that node comes back instead, so the rest of the
+    forward continues from it. Free when nothing is being traced: returns ``tensor`` unchanged.
+    """
+    rec = _ACTIVE.get()
+    if rec is None:
+        return tensor
+    path = f"{rec.stack[-1]}.{name}" if rec.stack and rec.stack[-1] else name
+    node = rec.tap_names.get(path)
+    if node is None:
+        return tensor
+    rec.trace.add(node, tensor)
+    new = rec.replacement(node, tensor)
+    return tensor if new is None else new.to(dtype=tensor.dtype, device=tensor.device)
+
+
+def _module_stack_hooks(model: nn.Module, rec: _Recording) -> list:
+    """Hooks that keep ``rec.stack`` = the paths of the modules running now (for :func:`tap`)."""
+    handles = []
+    for path, module in model.named_modules():
+        def push(mod, args, _p=path):
+            rec.stack.append(_p)
+
+        def pop(mod, args, output, _p=path):
+            if rec.stack and rec.stack[-1] == _p:
+                rec.stack.pop()
+
+        handles.append(module.register_forward_pre_hook(push))
+        handles.append(module.register_forward_hook(pop, always_call=True))
+    return handles
 
 
 @contextlib.contextmanager
@@ -92,23 +142,26 @@ def recording(
     substitute: Trace | None = None,
     inverses: dict[str, Callable[[torch.Tensor], torch.Tensor]] | None = None,
     keep_inputs: frozenset[str] = frozenset(),
+    taps: dict[str, str] | None = None,
 ) -> Iterator[Trace]:
     """Hook ``model`` for the duration of the block and yield the Trace being filled.
 
     ``points``: ``(node name, module path)`` pairs; a path that does not resolve records nothing
     (compare reports that node as missing), so a partial model can still be compared. Node names
     that are not module paths (attention internals of a Transformers model) go in ``captured``:
-    they are ``wanted`` and filled by a capture function through :func:`active_trace`.
+    they are ``wanted`` and filled by a capture function through :func:`active_trace`. ``taps``:
+    ``{path as tap() computes it: node name}`` for functional nodes of a user's model.
 
     ``substitute`` (isolated mode): after a node's own tensor is recorded, the model continues
     with ``substitute``'s tensor for that node instead (outputs through the forward hook's return
     value, ``@input`` nodes through the pre-hook's), so every later node reads the reference's
     values and is judged on its own error. A node with a ``transform`` is substituted only if
     ``inverses`` maps the reference tensor back into our layout, and only where the shapes agree.
-    Only a module's first call is substituted. ``keep_inputs``: node names whose module input is also kept in ``trace.inputs``.
+    Only a module's first call is substituted. ``keep_inputs``: node names whose module input (and
+    2-D weight and bias, by reference) are also kept for diagnosis.
     """
     transforms, inverses = transforms or {}, inverses or {}
-    trace = Trace(wanted=frozenset([name for name, _ in points] + list(captured)))
+    trace = Trace(wanted=frozenset([name for name, _ in points] + list(captured) + list((taps or {}).values())))
 
     def replacement(name: str, current) -> torch.Tensor | None:
         if substitute is None or trace.calls.get(name, 0) != 1 or name not in substitute.tensors:
@@ -121,7 +174,8 @@ def recording(
             return None  # a node of another shape is reported as such; ours keeps its own tensor
         return ref
 
-    handles = []
+    rec = _Recording(trace, replacement, tap_names=dict(taps or {}))
+    handles = _module_stack_hooks(model, rec) if taps else []
     modules = dict(model.named_modules())
     for name, path in points:
         is_input = path.endswith("@input")
@@ -157,9 +211,14 @@ def recording(
                     tensor = _first_tensor(args if args else kwargs)
                     if tensor is not None and _name not in trace.inputs:
                         trace.inputs[_name] = tensor.detach().to("cpu", copy=True)
+                        weight, bias = getattr(mod, "weight", None), getattr(mod, "bias", None)
+                        if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+                            trace.weights[_name] = weight.detach()
+                            if isinstance(bias, torch.Tensor):
+                                trace.biases[_name] = bias.detach()
 
                 handles.append(module.register_forward_pre_hook(keep, with_kwargs=True))
-    token = _ACTIVE.set(trace)
+    token = _ACTIVE.set(rec)
     try:
         yield trace
     finally:

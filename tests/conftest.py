@@ -31,6 +31,21 @@ def checkpoint_of(tmp_path):
     return make
 
 
+@pytest.fixture
+def replace_table(monkeypatch):
+    """``replace_table(table, new)``: make a family's weight table (the dict its Family holds) read
+    ``new`` for this test only, as an edited loader.py would."""
+
+    def replace(table: dict, new: dict) -> None:
+        new = dict(new)
+        for key in list(table):
+            monkeypatch.delitem(table, key)
+        for key, value in new.items():
+            monkeypatch.setitem(table, key, value)
+
+    return replace
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _quiet_transformers():
     """save_pretrained draws progress bars on stderr; tests read stderr for one-line errors."""

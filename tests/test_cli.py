@@ -36,7 +36,7 @@ def test_pass_exit_0_and_reports_agree(tmp_path, capsys):
     assert "PASS: all 71 nodes agree" in (folder / "report.html").read_text()
 
 
-def test_fault_exit_1_and_reports_name_the_node(tmp_path, monkeypatch, capsys):
+def test_fault_exit_1_and_reports_name_the_node(tmp_path, monkeypatch, capsys, replace_table):
     """A broken loader (gate and up swapped in layer 2) makes the command fail at that gate_proj."""
     import reference_pairs.olmo3.loader as loader
 
@@ -45,7 +45,7 @@ def test_fault_exit_1_and_reports_name_the_node(tmp_path, monkeypatch, capsys):
         template["model.layers.{i}.mlp.up_proj.weight"],
         template["model.layers.{i}.mlp.gate_proj.weight"],
     )
-    monkeypatch.setattr(loader, "WEIGHT_MAP", template)
+    replace_table(loader.WEIGHT_MAP, template)
     assert run(["--config", "mha"], tmp_path) == 1
     out = capsys.readouterr().out
     assert "FAIL: first mismatch at node 13" in out and "model.layers.0.mlp.gate_proj" in out
@@ -155,7 +155,7 @@ def edit_config(directory, **changes):
         (lambda d: (d / "config.json").write_bytes(b"\xff\xfe{") and d, "config.json is not UTF-8 text"),
         (lambda d: edit_config(d, vocab_size="257"), "config.json rejected by Olmo3Config"),
         (lambda d: edit_config(d, layer_types=["full_attention"]), "config.json rejected by Olmo3Config"),
-        (lambda d: edit_config(d, num_key_value_heads=3), "must be a multiple of n_kv_heads (3)"),
+        (lambda d: edit_config(d, num_key_value_heads=3), "num_attention_heads (4) is not a multiple of num_key_value_heads (3)"),
         (lambda d: d / "config.json", "is a file; pass the directory that holds config.json"),
     ],
     ids=["json-list", "not-utf8", "typed-field", "layer-types", "kv-heads", "file"],

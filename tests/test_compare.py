@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from parity.compare import (
     DEFAULT_TOLERANCES,
+    Tolerances,
     compare_traces,
     first_mismatch,
     tensor_metrics,
@@ -84,7 +85,7 @@ def test_compare_traces_follows_reference_order_and_flags_missing_and_shape():
         ref.add(name, torch.ones(2))
     ours.add("a", torch.ones(2))
     ours.add("b", torch.ones(3))
-    results = compare_traces(ours, ref, nodes, torch.float32)
+    results = compare_traces(ours, ref, nodes, Tolerances(torch.float32))
     assert [(r.name, r.status) for r in results] == [("a", "ok"), ("b", "shape"), ("c", "missing"), ("d", "missing")]
     assert first_mismatch(results).name == "b"
     assert first_mismatch(results[:1]) is None

@@ -3,6 +3,7 @@ the baseline changes only when asked."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import shutil
@@ -10,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
+import reference_pairs.llama3 as llama3
 import reference_pairs.llama3.loader as llama3_loader
+import reference_pairs.olmo3 as olmo3
 import reference_pairs.olmo3.loader as olmo3_loader
 from parity.cli import main
 from parity.gate import choose_families, run_gate
@@ -45,9 +48,9 @@ def test_committed_baseline_passes_for_every_family():
     assert digest(BASELINE) == before
 
 
-def test_loader_dropping_a_key_fails(baseline, monkeypatch):
+def test_loader_dropping_a_key_fails(baseline, monkeypatch, replace_table):
     template = {k: v for k, v in olmo3_loader.WEIGHT_MAP.items() if "k_norm" not in k}
-    monkeypatch.setattr(olmo3_loader, "WEIGHT_MAP", template)
+    replace_table(olmo3_loader.WEIGHT_MAP, template)
     outcome = run_gate(baseline, ["olmo3"])
     assert not outcome.passed
     assert all(not c.passed for c in outcome.cases)
@@ -56,14 +59,14 @@ def test_loader_dropping_a_key_fails(baseline, monkeypatch):
     assert "never written: blocks.0.att.k_norm.weight" in msg
 
 
-def test_loader_swapping_two_same_shaped_tensors_fails(baseline, monkeypatch):
+def test_loader_swapping_two_same_shaped_tensors_fails(baseline, monkeypatch, replace_table):
     template = dict(olmo3_loader.WEIGHT_MAP)
     q, k = "model.layers.{i}.self_attn.q_norm.weight", "model.layers.{i}.self_attn.k_norm.weight"
     template["model.layers.{i}.self_attn.v_proj.weight"], template["model.layers.{i}.self_attn.k_proj.weight"] = (
         template["model.layers.{i}.self_attn.k_proj.weight"], template["model.layers.{i}.self_attn.v_proj.weight"]
     )
     assert q in template and k in template
-    monkeypatch.setattr(olmo3_loader, "WEIGHT_MAP", template)
+    replace_table(olmo3_loader.WEIGHT_MAP, template)
     outcome = run_gate(baseline, ["olmo3"])
     assert all(not c.passed for c in outcome.cases)
     msg = outcome.cases[0].problems[0]
@@ -81,8 +84,7 @@ def test_loader_copying_the_tied_head_fails_on_coverage(baseline, monkeypatch):
         model.out_head.weight = nn.Parameter(model.tok_emb.weight.detach().clone(), requires_grad=False)
         return loaded
 
-    monkeypatch.setattr("reference_pairs.llama3.pair.SPEC", __import__("dataclasses").replace(
-        __import__("reference_pairs.llama3.pair", fromlist=["SPEC"]).SPEC, load=copying))
+    monkeypatch.setattr("reference_pairs.llama3.FAMILY", dataclasses.replace(llama3.FAMILY, load=copying))
     outcome = run_gate(baseline, ["llama3"])
     assert all(not c.passed for c in outcome.cases)
     gaps = outcome.cases[0].problems
@@ -98,8 +100,7 @@ def test_loader_transposing_a_square_matrix_fails(baseline, monkeypatch):
         sd["model.layers.1.self_attn.o_proj.weight"] = sd["model.layers.1.self_attn.o_proj.weight"].T
         return real(model, cfg, sd)
 
-    monkeypatch.setattr("reference_pairs.olmo3.pair.SPEC", __import__("dataclasses").replace(
-        __import__("reference_pairs.olmo3.pair", fromlist=["SPEC"]).SPEC, load=transposing))
+    monkeypatch.setattr("reference_pairs.olmo3.FAMILY", dataclasses.replace(olmo3.FAMILY, load=transposing))
     outcome = run_gate(baseline, ["olmo3"])
     assert all(not c.passed for c in outcome.cases)
     case = outcome.cases[0]
@@ -107,9 +108,9 @@ def test_loader_transposing_a_square_matrix_fails(baseline, monkeypatch):
     assert "model.layers.1.self_attn.o_proj.weight: transposed into blocks.1.att.out_proj.weight" in case.result.coverage.conversions
 
 
-def test_an_unrelated_loader_change_passes(baseline, monkeypatch):
+def test_an_unrelated_loader_change_passes(baseline, monkeypatch, replace_table):
     """Reordering the weight map changes the code, not the result."""
-    monkeypatch.setattr(olmo3_loader, "WEIGHT_MAP", dict(reversed(list(olmo3_loader.WEIGHT_MAP.items()))))
+    replace_table(olmo3_loader.WEIGHT_MAP, dict(reversed(list(olmo3_loader.WEIGHT_MAP.items()))))
     before = digest(baseline)
     assert run_gate(baseline, ["olmo3"]).passed
     assert digest(baseline) == before
@@ -144,9 +145,9 @@ def test_baseline_changes_only_when_asked(baseline, capsys):
     assert "baseline written" in capsys.readouterr().out
 
 
-def test_update_refuses_to_record_a_failing_state(baseline, monkeypatch, capsys):
+def test_update_refuses_to_record_a_failing_state(baseline, monkeypatch, capsys, replace_table):
     template = {k: v for k, v in olmo3_loader.WEIGHT_MAP.items() if "k_norm" not in k}
-    monkeypatch.setattr(olmo3_loader, "WEIGHT_MAP", template)
+    replace_table(olmo3_loader.WEIGHT_MAP, template)
     before = digest(baseline)
     assert main(["gate", "--family", "olmo3", "--baseline", str(baseline), "--update-baseline"]) == 2
     assert "not updating the baseline" in capsys.readouterr().err
@@ -216,6 +217,6 @@ def test_config_coverage_hole_fails_the_gate(baseline, monkeypatch):
     outcome = run_gate(baseline, ["olmo3"])
     assert not outcome.passed
     assert outcome.config_holes == [
-        "olmo3: 7b-shape uses YaRN RoPE on full_attention, which no CI config (tiny, mha) exercises",
-        "olmo3: 32b-shape uses YaRN RoPE on full_attention, which no CI config (tiny, mha) exercises",
+        "olmo3: 7b-shape uses yarn RoPE on full_attention, which no CI config (tiny, mha) exercises",
+        "olmo3: 32b-shape uses yarn RoPE on full_attention, which no CI config (tiny, mha) exercises",
     ]

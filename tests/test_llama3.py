@@ -17,10 +17,9 @@ import reference_pairs.llama3.model as llama3_model
 from parity.cli import main
 from parity.errors import ConfigError, LoaderError
 from reference_pairs.common.layers import RMSNorm
-from reference_pairs.common.pairing import build_pair as shared_build_pair
 from reference_pairs.common.rope import default_inv_freq, llama3_inv_freq
 from reference_pairs.llama3 import CONFIGS, FAMILY, Llama3Model, build_pair, load_weights_into_llama3
-from reference_pairs.llama3.pair import SPEC, from_hf, to_hf
+from reference_pairs.llama3.pair import from_hf, to_hf
 
 NODES_PER_LAYER = 15
 
@@ -188,7 +187,7 @@ def test_skipped_llama3_frequency_scaling_is_found_at_layer0_q_rot(monkeypatch):
     )
     bad = first_bad(pair)
     assert bad.name == "model.layers.0.self_attn.q_rot"
-    assert "RoPE" in bad.hint
+    assert bad.hint.kind == "rope_band"
 
 
 def test_kv_heads_expanded_with_repeat_is_found_at_layer0_probs():
@@ -200,7 +199,7 @@ def test_kv_heads_expanded_with_repeat_is_found_at_layer0_probs():
     bad = first_bad(pair)
     # q_rot and k_rot (K before expansion) still agree; the scores use the wrong K heads
     assert bad.name == "model.layers.0.self_attn.probs"
-    assert "GQA head mapping" in bad.hint
+    assert bad.hint.kind == "head_mapping" and "GQA head mapping" in bad.hint.text
 
 
 def test_rope_base_off_by_factor_is_found_at_layer0_q_rot():
@@ -241,7 +240,7 @@ def test_real_loader_keeps_the_head_tied_with_or_without_lm_head_key():
 
 
 def test_a_copying_loader_fails_the_identity_check_and_loader_coverage():
-    pair = shared_build_pair(dataclasses.replace(SPEC, load=copying_loader), "tiny")
+    pair = dataclasses.replace(FAMILY, load=copying_loader).build_pair("tiny")
     with pytest.raises(AssertionError, match="out_head.weight is not tok_emb.weight"):
         assert_head_tied(pair.ours)
     res = parity.check(pair)
@@ -280,7 +279,7 @@ def test_dropped_key_raises_naming_it(loader_case):
 def test_extra_key_raises_naming_it(loader_case):
     model, cfg, sd = loader_case
     sd["model.layers.2.mlp.up_proj.weight"] = sd["model.layers.1.mlp.up_proj.weight"]  # a deeper checkpoint
-    with pytest.raises(LoaderError, match=r"unused checkpoint keys: model\.layers\.2\.mlp\.up_proj\.weight"):
+    with pytest.raises(LoaderError, match=r"checkpoint keys mapped to no parameter of ours: model\.layers\.2\.mlp\.up_proj\.weight -> blocks\.2\.ff\.fc2\.weight"):
         load_weights_into_llama3(model, cfg, sd)
 
 

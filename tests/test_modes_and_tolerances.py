@@ -80,7 +80,7 @@ def test_cfg_round_trips_through_the_reference_config(family, config):
     """from_hf(to_hf(cfg)) == cfg for every built-in config: a clean pair has no config diff."""
     import importlib
 
-    spec = importlib.import_module(f"reference_pairs.{family}.pair").SPEC
+    spec = families()[family]
     cfg = spec.configs[config](1 if "shape" in config else None)
     cfg["dtype"] = torch.float32
     back = spec.from_hf(spec.to_hf(cfg), torch.float32)
@@ -118,7 +118,7 @@ def test_first_non_finite_value_is_its_own_status_with_positions():
     bad = res.first_mismatch
     assert bad.name == "model.layers.2.mlp.up_proj" and bad.status == "nonfinite"
     assert "first non-finite value at index (0, 0, 5) (ours)" in bad.detail
-    assert "positions 0, 1, 2" in bad.hint and "batch rows 0" in bad.hint
+    assert bad.hint.kind == "nonfinite" and "positions 0, 1, 2" in bad.hint.text and "batch rows 0" in bad.hint.text
 
 
 def test_isolated_mode_survives_a_node_of_another_shape():

@@ -49,7 +49,7 @@ def test_dropped_yarn_attention_factor_is_found_at_first_yarn_q_rot(monkeypatch)
     bad = first_bad(pair)
     first_yarn = pair.cfg["layer_types"].index("full_attention")
     assert bad.name == f"model.layers.{first_yarn}.self_attn.q_rot"
-    assert "scale" in bad.hint and "1.20794" in bad.hint
+    assert bad.hint.kind == "rope_attention_factor" and "1.20794" in bad.hint.text
 
 
 def test_pre_norm_block_is_found_at_that_layers_q_proj():
@@ -69,7 +69,7 @@ def test_window_one_token_wider_is_found_at_first_sliding_probs():
     pair.ours.blocks[0].att.sliding_window += 1
     bad = first_bad(pair)
     assert bad.name == "model.layers.0.self_attn.probs"
-    assert "window" in bad.hint
+    assert bad.hint.kind == "sliding_window"
 
 
 def test_swapped_gate_and_up_is_found_at_that_layers_gate_proj():
@@ -78,7 +78,7 @@ def test_swapped_gate_and_up_is_found_at_that_layers_gate_proj():
     ff.fc1.weight, ff.fc2.weight = ff.fc2.weight, ff.fc1.weight
     bad = first_bad(pair)
     assert bad.name == "model.layers.1.mlp.gate_proj"
-    assert "model.layers.1.mlp.up_proj" in bad.hint
+    assert bad.hint.kind == "swapped_weights" and bad.hint.evidence["matches"] == "model.layers.1.mlp.up_proj"
 
 
 def test_every_node_after_a_late_fault_still_passes_before_it():
@@ -89,7 +89,7 @@ def test_every_node_after_a_late_fault_still_passes_before_it():
     bad = res.first_mismatch
     assert bad.name == "model.layers.3.mlp.down_proj"
     assert all(n.passed for n in res.nodes[: bad.index])
-    assert "1.01" in bad.hint
+    assert "1.01" in bad.hint.text
 
 
 def test_missing_node_counts_as_failure():

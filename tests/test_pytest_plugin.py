@@ -27,7 +27,7 @@ def test_failure_message_is_the_first_mismatch_table(parity_pair):
     assert "FAIL: first mismatch at node 8 of 71, model.layers.0.self_attn.probs" in message
     assert ">8   model.layers.0.self_attn.probs" in message  # the failing row, marked, with its neighbours
     assert "model.layers.0.self_attn.k_rot" in message and "model.layers.0.self_attn.context" in message
-    assert "hint: likely the sliding window size or mask" in message
+    assert "hint (sliding_window): likely the sliding window size or mask" in message
 
 
 def test_plugin_is_registered_for_other_projects(pytester):

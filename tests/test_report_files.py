@@ -11,6 +11,8 @@ import xml.etree.ElementTree as ET
 import jsonschema
 import pandas as pd
 import pytest
+
+from parity.hints import Hint
 import torch
 
 import parity
@@ -82,7 +84,7 @@ def test_csv_has_one_row_per_node_with_its_values(fault, tmp_path):
     bad = fault.first_mismatch
     row = frame.iloc[bad.index]
     assert row["name"] == "model.layers.0.self_attn.probs" and row["status"] == "mismatch"
-    assert row["hint"] == bad.hint and "sliding window" in row["hint"]
+    assert row["hint"] == bad.hint.text and row["hint_kind"] == "sliding_window"
     assert row["shape_ours"] == row["shape_ref"] == "1x4x16x16" and row["dtype"] == "float32"
 
 
@@ -159,7 +161,7 @@ def test_junit_failure_message_is_the_first_mismatch_line(fault, tmp_path):
     assert failure.get("message") == fault.first_mismatch.line()
     assert failure.get("message").startswith("model.layers.0.self_attn.probs: mismatch")
     assert failure.get("type") == "mismatch"
-    assert fault.verdict() in failure.text and "hint: likely the sliding window" in failure.text
+    assert fault.verdict() in failure.text and "hint (sliding_window): likely the sliding window" in failure.text
     props = {p.get("name"): p.get("value") for p in root.iter("property")}
     assert props["transformers"] == fault.meta["versions"]["transformers"]
 
@@ -178,7 +180,7 @@ def test_junit_one_case_per_family_and_config(fault, passing, tmp_path):
 def test_junit_survives_markup_and_control_characters(fault, tmp_path):
     nodes = list(fault.nodes)
     bad = fault.first_mismatch
-    nodes[bad.index] = dataclasses.replace(bad, name='probs<&>"\x01', hint="a\x0bb <c>")
+    nodes[bad.index] = dataclasses.replace(bad, name='probs<&>"\x01', hint=Hint("sliding_window", "a\x0bb <c>"))
     odd = dataclasses.replace(fault, nodes=nodes, meta={**fault.meta, "config": 'x"<y>'})
     root = ET.parse(odd.write_junit(tmp_path / "junit.xml")).getroot()
     case = root.find("testsuite/testcase")

@@ -23,7 +23,9 @@ import pytest
 from parity.check import CheckResult
 from parity.compare import NodeResult
 from parity.report.html import render_html
-from reference_pairs.olmo3.pair import nodes as olmo3_nodes
+from parity.facts import derive_facts
+from parity.pair import annotate
+from reference_pairs.olmo3 import CONFIGS, FAMILY
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = Path(os.environ.get("PARITY_TEST_ARTIFACTS") or ROOT / "reports" / "test-artifacts")
@@ -41,7 +43,8 @@ def synthetic_7b(n_layers: int = 32, seq: int = 64, width: int = 4096,
     """A CheckResult shaped like an OLMo 3 7B run in bfloat16: the real node list (1 + 17 x 32 + 2),
     real widths in the error profile, chained and isolated results (no 7B model is built)."""
     rng = random.Random(0)
-    specs = olmo3_nodes({"n_layers": n_layers})
+    facts = derive_facts(FAMILY.to_hf(CONFIGS["7b-shape"](n_layers)))
+    specs = annotate(FAMILY.node_specs(facts), facts)
     bad_index = next(i for i, s in enumerate(specs) if s.name == bad_name)
     nodes, isolated = [], []
     for i, spec in enumerate(specs):
@@ -94,7 +97,7 @@ def test_fault_report_has_every_section(fault, tmp_path):
     assert bad.name == BAD_NODE
     card = html[html.index('id="first-mismatch"'):html.index('id="depth"')]
     assert f'data-node="{BAD_NODE}"' in html and BAD_NODE in card
-    assert "likely the sliding window" in card and bad.hint.split(":")[0] in card
+    assert "likely the sliding window" in card and bad.hint.text.split(":")[0] in card
     for metric in ("max_abs", "mean_abs", "max_rel", "cosine", "rel_l2", "atol needed", "x tolerance"):
         assert metric in card
     for plot in ("plot-position", "plot-head", "plot-heatmap", "plot-depth", "plot-channel", "plot-logits"):

@@ -155,7 +155,7 @@ def test_missing_logit_scale_is_found_at_logits_not_lm_head():
     bad = res.first_mismatch
     assert bad.name == "logits"
     assert next(n for n in res.nodes if n.name == "lm_head").passed
-    assert "scale" in bad.hint and "16" in bad.hint
+    assert bad.hint.kind == "logit_scale" and "16" in bad.hint.text
 
 
 # --- loader -------------------------------------------------------------------------------------

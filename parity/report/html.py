@@ -18,7 +18,7 @@ from pathlib import Path
 from jinja2 import Environment, PackageLoader, select_autoescape
 from markupsafe import Markup
 
-from ..compare import first_mismatch
+from ..compare import STATUSES, first_mismatch
 from . import plots
 from .atomic import atomic_write
 from .tables import result_dict, tolerance_ratio
@@ -30,7 +30,6 @@ _env = Environment(
     lstrip_blocks=True,
 )
 
-STATUSES = ("ok", "mismatch", "nonfinite", "shape", "missing")
 #: node kinds whose last axis is the key position rather than a channel
 KEY_AXIS_KINDS = {"probs"}
 

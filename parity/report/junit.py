@@ -85,8 +85,8 @@ def junit_tree(results) -> ET.ElementTree:
             else:  # every node agrees, yet the run fails (loader coverage gaps): the verdict says why
                 failure = ET.SubElement(case, "failure", message=xml_text(result.verdict()), type="coverage")
             body = [result.verdict()]
-            if bad is not None and bad.hint:
-                body.append("hint: " + bad.hint)
+            if bad is not None and bad.hint is not None:
+                body.append(f"hint ({bad.hint.kind}): {bad.hint.text}")
             body += ["note: " + n for n in result.notes]
             failure.text = xml_text("\n".join(body))
         out = ET.SubElement(case, "system-out")

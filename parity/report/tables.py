@@ -7,7 +7,7 @@ order      position in the reference's execution order (0-based)
 name       canonical node name (Transformers module path, ``@input``, attention suffix)
 layer      decoder layer index, empty for embed/norm/head
 kind       node kind without the layer prefix (``q_proj``, ``probs``, ``layer``...)
-status     ok | mismatch | shape | missing | nonfinite
+status     ok | mismatch | shape | missing | nonfinite | untapped
 shape_ours / shape_ref   shapes as ``AxBxC``
 dtype      reference tensor dtype
 max_abs, mean_abs        max and mean of ``|ours - ref|``
@@ -18,7 +18,8 @@ hint       likely cause (first failing node only)
 detail     why a node could not be compared, or where non-finite values are
 rel_l2     ``||ours - ref|| / ||ref||``
 atol_needed / rtol_needed   smallest atol (at this rtol) / rtol (at this atol) that would pass
-tol_source where atol/rtol came from: default:<dtype>, run, pattern:<glob>, calibrated
+tol_source where atol/rtol came from: default:<dtype>, run, pattern:<glob>, calibrated, exact
+hint_kind  the hint's kind (see parity.hints.KINDS), empty without a hint
 =========  ==============================================================
 
 Empty cells: a metric that does not exist for the node (missing, shape mismatch, all non-finite).
@@ -48,9 +49,9 @@ from .atomic import atomic_write
 COLUMNS = [
     "order", "name", "layer", "kind", "status", "shape_ours", "shape_ref", "dtype",
     "max_abs", "mean_abs", "max_rel", "cosine", "atol", "rtol", "hint", "detail",
-    "rel_l2", "atol_needed", "rtol_needed", "tol_source",
+    "rel_l2", "atol_needed", "rtol_needed", "tol_source", "hint_kind",
 ]
-RESULT_VERSION = 1
+RESULT_VERSION = 2
 SCHEMA_FILE = "result.schema.json"
 
 
@@ -126,7 +127,7 @@ def result_dict(result) -> dict:
         "first_mismatch": bad.to_dict() if bad is not None else None,
         "meta": result.meta,
         "notes": result.notes,
-        "counts": {s: sum(r.status == s for r in result.nodes) for s in sorted({r.status for r in result.nodes})},
+        "counts": dict(sorted(result.counts.items())),
         "nodes": [r.to_dict() for r in result.nodes],
         "isolated": [r.to_dict() for r in result.isolated] if result.isolated is not None else None,
         "profile": result.profile,

@@ -37,14 +37,14 @@ def _k_permuted_by_query_heads(pair):
 
 FAULTS = (
     Fault("llama3-scaling-skipped", "Llama 3 RoPE frequency scaling not applied", "tiny", _skip_llama3_scaling,
-          f"{ATT.format(0)}.q_rot", "RoPE frequencies", scope=f"{ATT.format('*')}.[qk]_rot"),
+          f"{ATT.format(0)}.q_rot", "rope_band", scope=f"{ATT.format('*')}.[qk]_rot"),
     Fault("F02", "k_proj rows (un)permuted for RoPE grouped by query heads instead of KV heads", "tiny",
-          _k_permuted_by_query_heads, f"{ATT.format(0)}.k_proj", "permutation", source="transformers #31788"),
+          _k_permuted_by_query_heads, f"{ATT.format(0)}.k_proj", "weight_permutation", source="transformers #31788"),
     Fault("F07", "K/V heads expanded with repeat instead of repeat_interleave", "tiny", expand_kv_with_repeat,
-          f"{ATT.format(0)}.probs", "GQA head mapping", scope=ATT.format("*"), source="onnx #7274"),
+          f"{ATT.format(0)}.probs", "head_mapping", scope=ATT.format("*"), source="onnx #7274"),
     Fault("F08", "output head its own Parameter, never loaded or tied", "tiny", untie_head, "lm_head",
-          "never loaded or tied", source="tinygrad #13796"),
+          "untied_head", source="tinygrad #13796"),
     Fault("F10", "masked scores filled with -inf: fully masked (left-pad) query rows give NaN", "tiny",
-          mask_with_neg_inf, f"{ATT.format(0)}.probs", "non-finite", scope=f"{ATT.format('*')}.probs",
+          mask_with_neg_inf, f"{ATT.format(0)}.probs", "nonfinite", scope=f"{ATT.format('*')}.probs",
           source="unsloth #9848", check_kwargs=LEFT_PADDED),
 )

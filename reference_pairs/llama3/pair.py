@@ -1,34 +1,32 @@
-"""The Llama 3.2 pair: our :class:`Llama3Model` against ``transformers.LlamaForCausalLM``."""
+"""The Llama 3.2 family: our :class:`Llama3Model` against ``transformers.LlamaForCausalLM``."""
 
 from __future__ import annotations
 
 import torch
 
 from parity.errors import ConfigError
-from parity.pair import Family, NodeSpec, Pair, expand_nodes
+from parity.family import Family, NodeMap
 
-from ..common.features import common_features
+from ..common.config import shared_from_hf, shared_to_hf
 from ..common.nodes import ATTENTION, EMBED, FINAL, LAYER_OUTPUT, MLP
-from ..common.pairing import FamilySpec, shared_from_hf, shared_to_hf
-from ..common.pairing import build_pair as _build_pair
 from .configs import CONFIGS, FULL
 from .faults import FAULTS
-from .loader import load_weights_into_llama3
+from .loader import WEIGHT_MAP
 from .model import Llama3Model
 
-NODES_PER_LAYER = [
-    ("model.layers.{i}.input_layernorm", "blocks.{i}.norm1"),
-    *ATTENTION,
-    # the residual stream after attention: the input of the second pre-norm
-    ("model.layers.{i}.post_attention_layernorm@input", "blocks.{i}.norm2@input"),
-    ("model.layers.{i}.post_attention_layernorm", "blocks.{i}.norm2"),
-    *MLP,
-    *LAYER_OUTPUT,
-]
-
-
-def nodes(cfg: dict) -> list[NodeSpec]:
-    return expand_nodes(EMBED, NODES_PER_LAYER, FINAL, cfg["n_layers"])
+NODES = NodeMap(
+    before=EMBED,
+    per_layer=[
+        ("model.layers.{i}.input_layernorm", "blocks.{i}.norm1"),
+        *ATTENTION,
+        # the residual stream after attention: the input of the second pre-norm
+        ("model.layers.{i}.post_attention_layernorm@input", "blocks.{i}.norm2@input"),
+        ("model.layers.{i}.post_attention_layernorm", "blocks.{i}.norm2"),
+        *MLP,
+        *LAYER_OUTPUT,
+    ],
+    after=FINAL,
+)
 
 
 def _rope_dict(cfg: dict) -> dict:
@@ -56,9 +54,6 @@ def to_hf(cfg: dict):
         attention_bias=False,
         mlp_bias=False,
         rope_parameters=_rope_dict(cfg),
-        pad_token_id=None,
-        bos_token_id=None,
-        eos_token_id=None,
     )
 
 
@@ -113,42 +108,19 @@ def from_hf(hc, dtype: torch.dtype) -> dict:
     )
 
 
-def features(cfg: dict) -> set[str]:
-    """What a Llama 3 cfg exercises (see :mod:`reference_pairs.common.features`)."""
-    rope = "Llama 3 scaled RoPE" if cfg["rope_freq"] else "default RoPE"
-    return common_features(cfg) | {rope, "pre-norm blocks"}
-
-
-SPEC = FamilySpec(
+FAMILY = Family(
     name="llama3",
     model_type="llama",
     reference_class="LlamaForCausalLM",
     config_class="LlamaConfig",
     model_class=Llama3Model,
     configs=CONFIGS,
+    weights=WEIGHT_MAP,
+    nodes=NODES,
     to_hf=to_hf,
     from_hf=from_hf,
-    load=load_weights_into_llama3,
-    nodes=nodes,
-    default_seq_len=lambda cfg: 16,
-)
-
-
-def build_pair(config=None, checkpoint=None, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides) -> Pair:
-    """Llama 3.2 pair from a built-in config (``tiny``, ``1b-shape``, ``3b-shape``), a cfg dict, a
-    config.json path, or a checkpoint directory. See
-    :func:`reference_pairs.common.pairing.build_pair` for arguments and raised errors."""
-    return _build_pair(SPEC, config, checkpoint, dtype, seed, **overrides)
-
-
-FAMILY = Family(
-    name="llama3",
-    reference_class="transformers.LlamaForCausalLM",
-    build_pair=build_pair,
-    configs={name: (fn.__doc__ or "").strip().splitlines()[0] for name, fn in CONFIGS.items()},
-    default_config="tiny",
-    ci_configs=("tiny",),
     faults=FAULTS,
+    ci_configs=("tiny",),
     real_configs=("1b-shape", "3b-shape"),
-    config_features=lambda name: features(CONFIGS[name](None)),
 )
+build_pair = FAMILY.build_pair

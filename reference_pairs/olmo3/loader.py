@@ -9,28 +9,24 @@ from collections.abc import Mapping
 
 import torch
 
-from ..common.weights import load_by_table
+from parity.weights import apply_weight_table
+
+from ..common.weights import ATTENTION, EMBED, FINAL, MLP, QK_NORM
 from .model import Olmo3Model
 
 WEIGHT_MAP = {
-    "model.embed_tokens.weight": "tok_emb.weight",
-    "model.layers.{i}.self_attn.q_proj.weight": "blocks.{i}.att.W_query.weight",
-    "model.layers.{i}.self_attn.k_proj.weight": "blocks.{i}.att.W_key.weight",
-    "model.layers.{i}.self_attn.v_proj.weight": "blocks.{i}.att.W_value.weight",
-    "model.layers.{i}.self_attn.o_proj.weight": "blocks.{i}.att.out_proj.weight",
-    "model.layers.{i}.self_attn.q_norm.weight": "blocks.{i}.att.q_norm.weight",
-    "model.layers.{i}.self_attn.k_norm.weight": "blocks.{i}.att.k_norm.weight",
+    **EMBED,
+    **ATTENTION,
+    **QK_NORM,
     "model.layers.{i}.post_attention_layernorm.weight": "blocks.{i}.post_attention_layernorm.weight",
-    "model.layers.{i}.mlp.gate_proj.weight": "blocks.{i}.ff.fc1.weight",
-    "model.layers.{i}.mlp.up_proj.weight": "blocks.{i}.ff.fc2.weight",
-    "model.layers.{i}.mlp.down_proj.weight": "blocks.{i}.ff.fc3.weight",
+    **MLP,
     "model.layers.{i}.post_feedforward_layernorm.weight": "blocks.{i}.post_feedforward_layernorm.weight",
-    "model.norm.weight": "final_norm.weight",
+    **FINAL,
 }
 
 
 def load_weights_into_olmo3(model: Olmo3Model, cfg: dict, state_dict: Mapping[str, torch.Tensor]) -> dict[str, str]:
-    """Assign Transformers-named tensors to ``model`` without copying; tie the head if configured.
+    """Assign Transformers-named tensors to ``model`` without copying (a tied head stays tied).
 
     Returns the consumed checkpoint keys -> our parameter paths.
 
@@ -38,4 +34,4 @@ def load_weights_into_olmo3(model: Olmo3Model, cfg: dict, state_dict: Mapping[st
         LoaderError: naming every missing, unused or mis-shaped key and every parameter of ours left
             unwritten.
     """
-    return load_by_table(model, cfg, state_dict, WEIGHT_MAP)
+    return apply_weight_table(model, state_dict, WEIGHT_MAP)

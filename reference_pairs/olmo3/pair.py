@@ -1,35 +1,33 @@
-"""The OLMo 3 pair: our :class:`Olmo3Model` against ``transformers.Olmo3ForCausalLM``."""
+"""The OLMo 3 family: our :class:`Olmo3Model` against ``transformers.Olmo3ForCausalLM``."""
 
 from __future__ import annotations
 
 import torch
 
 from parity.errors import ConfigError
-from parity.pair import Family, NodeSpec, Pair, expand_nodes
+from parity.family import Family, NodeMap
 
-from ..common.features import common_features
+from ..common.config import shared_from_hf, shared_to_hf
 from ..common.nodes import ATTENTION, EMBED, FINAL, LAYER_OUTPUT, MLP, QK_NORM
-from ..common.pairing import FamilySpec, seq_len_past_window, shared_from_hf, shared_to_hf
-from ..common.pairing import build_pair as _build_pair
 from .configs import CONFIGS, FULL, SLIDING
 from .faults import FAULTS
-from .loader import load_weights_into_olmo3
+from .loader import WEIGHT_MAP
 from .model import Olmo3Model
 
-NODES_PER_LAYER = [
-    *ATTENTION,
-    *QK_NORM,
-    ("model.layers.{i}.post_attention_layernorm", "blocks.{i}.post_attention_layernorm"),
-    # post-norm: the residual stream after attention is the MLP's input
-    ("model.layers.{i}.mlp@input", "blocks.{i}.ff@input"),
-    *MLP,
-    ("model.layers.{i}.post_feedforward_layernorm", "blocks.{i}.post_feedforward_layernorm"),
-    *LAYER_OUTPUT,
-]
-
-
-def nodes(cfg: dict) -> list[NodeSpec]:
-    return expand_nodes(EMBED, NODES_PER_LAYER, FINAL, cfg["n_layers"])
+NODES = NodeMap(
+    before=EMBED,
+    per_layer=[
+        *ATTENTION,
+        *QK_NORM,
+        ("model.layers.{i}.post_attention_layernorm", "blocks.{i}.post_attention_layernorm"),
+        # post-norm: the residual stream after attention is the MLP's input
+        ("model.layers.{i}.mlp@input", "blocks.{i}.ff@input"),
+        *MLP,
+        ("model.layers.{i}.post_feedforward_layernorm", "blocks.{i}.post_feedforward_layernorm"),
+        *LAYER_OUTPUT,
+    ],
+    after=FINAL,
+)
 
 
 def _rope_dict(cfg: dict, layer_type: str) -> dict:
@@ -60,9 +58,6 @@ def to_hf(cfg: dict):
         layer_types=list(cfg["layer_types"]),
         attention_bias=cfg["attention_bias"],
         rope_parameters={t: _rope_dict(cfg, t) for t in (SLIDING, FULL)},
-        pad_token_id=None,
-        bos_token_id=None,
-        eos_token_id=None,
     )
 
 
@@ -80,10 +75,11 @@ def from_hf(hc, dtype: torch.dtype) -> dict:
     """``transformers.Olmo3Config`` (after its own RoPE standardisation) -> our cfg.
 
     Which layer types get YaRN is read from ``hc.rope_parameters`` exactly as Transformers filled
-    it (a legacy ``rope_scaling`` lands on ``full_attention`` only). Raises ConfigError naming any
-    field we cannot honour: an unknown rope type, YaRN options we do not implement (mscale,
-    partial rotary), different YaRN parameters per layer type, a non-SiLU activation, sliding
-    layers without a window.
+    it (a legacy ``rope_scaling`` lands on ``full_attention`` only). Missing YaRN values take
+    Transformers' defaults (``factor`` = max / original positions, ``beta_fast`` 32, ``beta_slow``
+    1, also for a 0). Raises ConfigError naming any field we cannot honour: an unknown rope type,
+    YaRN options we do not implement (mscale, ``truncate`` false, partial rotary), different YaRN
+    parameters per layer type, a non-SiLU activation.
     """
     if hc.hidden_act != "silu":
         raise ConfigError(f"hidden_act {hc.hidden_act!r} is not supported (OLMo 3 uses 'silu')")
@@ -91,8 +87,6 @@ def from_hf(hc, dtype: torch.dtype) -> dict:
     unknown_types = set(layer_types) - {SLIDING, FULL}
     if unknown_types:
         raise ConfigError(f"layer_types has unsupported entries: {', '.join(sorted(unknown_types))}")
-    if SLIDING in layer_types and not hc.sliding_window:
-        raise ConfigError("layer_types has sliding_attention layers but sliding_window is null")
     rope = hc.rope_parameters or {}
     yarn_params, scaled, theta = None, [], {}
     for layer_type in (SLIDING, FULL):
@@ -103,12 +97,16 @@ def from_hf(hc, dtype: torch.dtype) -> dict:
         extra = set(params) - _KNOWN_ROPE_KEYS
         if extra:
             raise ConfigError(f"rope_parameters.{layer_type} has unsupported fields: {', '.join(sorted(extra))}")
+        if params.get("truncate", True) is not True:
+            raise ConfigError(f"rope_parameters.{layer_type}.truncate {params['truncate']!r} is not supported (true)")
         theta[layer_type] = float(params.get("rope_theta", hc.default_theta))
         if rope_type == "yarn":
             these = {ours: params.get(key) for key, ours in _YARN_KEYS.items()}
+            if these["rope_orig_max"] is None:
+                raise ConfigError(f"rope_parameters.{layer_type} (yarn) lacks original_max_position_embeddings")
             if these["rope_factor"] is None:  # Transformers derives it from the two context lengths
                 these["rope_factor"] = hc.max_position_embeddings / these["rope_orig_max"]
-            these["beta_fast"] = these["beta_fast"] or 32.0
+            these["beta_fast"] = these["beta_fast"] or 32.0  # Transformers: `or 32`, so 0 means the default too
             these["beta_slow"] = these["beta_slow"] or 1.0
             if yarn_params is not None and these != yarn_params:
                 raise ConfigError(f"rope_parameters: YaRN parameters differ between layer types: {yarn_params} vs {these}")
@@ -135,57 +133,30 @@ def from_hf(hc, dtype: torch.dtype) -> dict:
     return cfg
 
 
-def features(cfg: dict) -> set[str]:
-    """What an OLMo 3 cfg exercises (see :mod:`reference_pairs.common.features`)."""
-    feats = common_features(cfg) | {"Q/K norm over the whole projection", "post-norm blocks"}
-    for layer_type in set(cfg["layer_types"]):
-        scaled = cfg["rope_type"] == "yarn" and layer_type in cfg["rope_scaled_layer_types"]
-        feats.add(f"{'YaRN' if scaled else 'default'} RoPE on {layer_type}")
-    return feats
-
-
-def check_cfg(cfg: dict) -> list[str]:
+def notes(cfg: dict) -> list[str]:
     """Notes for configs that leave a branch unexercised (YaRN configured but no layer uses it)."""
-    notes = []
     if cfg["rope_type"] == "yarn" and not set(cfg["rope_scaled_layer_types"]) & set(cfg["layer_types"]):
-        notes.append(
+        return [
             f"YaRN is configured for {', '.join(cfg['rope_scaled_layer_types'])} layers but no layer has that type: "
             "YaRN is not exercised (use more layers)"
-        )
-    return notes
+        ]
+    return []
 
 
-SPEC = FamilySpec(
+FAMILY = Family(
     name="olmo3",
     model_type="olmo3",
     reference_class="Olmo3ForCausalLM",
     config_class="Olmo3Config",
     model_class=Olmo3Model,
     configs=CONFIGS,
+    weights=WEIGHT_MAP,
+    nodes=NODES,
     to_hf=to_hf,
     from_hf=from_hf,
-    load=load_weights_into_olmo3,
-    nodes=nodes,
-    default_seq_len=seq_len_past_window,
-    check_cfg=check_cfg,
-)
-
-
-def build_pair(config=None, checkpoint=None, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides) -> Pair:
-    """OLMo 3 pair from a built-in config (``tiny``, ``yarn``, ``mha``, ``7b-shape``, ``32b-shape``),
-    a cfg dict, a config.json path, or a checkpoint directory. See
-    :func:`reference_pairs.common.pairing.build_pair` for arguments and raised errors."""
-    return _build_pair(SPEC, config, checkpoint, dtype, seed, **overrides)
-
-
-FAMILY = Family(
-    name="olmo3",
-    reference_class="transformers.Olmo3ForCausalLM",
-    build_pair=build_pair,
-    configs={name: (fn.__doc__ or "").strip().splitlines()[0] for name, fn in CONFIGS.items()},
-    default_config="tiny",
-    ci_configs=("tiny", "yarn", "mha"),
     faults=FAULTS,
+    ci_configs=("tiny", "yarn", "mha"),
     real_configs=("7b-shape", "32b-shape"),
-    config_features=lambda name: features(CONFIGS[name](None)),
+    notes=notes,
 )
+build_pair = FAMILY.build_pair

@@ -1,37 +1,33 @@
-"""The Tiny Aya pair: our :class:`TinyAyaModel` against ``transformers.Cohere2ForCausalLM``."""
+"""The Tiny Aya family: our :class:`TinyAyaModel` against ``transformers.Cohere2ForCausalLM``."""
 
 from __future__ import annotations
 
 import torch
 
 from parity.errors import ConfigError
-from parity.pair import Family, NodeSpec, Pair, expand_nodes
+from parity.family import Family, Node, NodeMap
 
-from ..common.features import common_features
+from ..common.config import shared_from_hf, shared_to_hf
 from ..common.nodes import ATTENTION, EMBED, FINAL, LAYER_OUTPUT, MLP
-from ..common.pairing import FamilySpec, seq_len_past_window, shared_from_hf, shared_to_hf
-from ..common.pairing import build_pair as _build_pair
 from .configs import CONFIGS, FULL, SLIDING
 from .faults import FAULTS
-from .loader import load_weights_into_tiny_aya
+from .loader import WEIGHT_MAP
 from .model import TinyAyaModel
 
-NODES_PER_LAYER = [
-    ("model.layers.{i}.input_layernorm", "blocks.{i}.input_layernorm"),
-    *ATTENTION,  # q_rot/k_rot are the unrotated q/k on full (NoPE) layers
-    # The shared normalized input of the parallel block: equal to input_layernorm's output.
-    ("model.layers.{i}.mlp@input", "blocks.{i}.ff@input"),
-    *MLP,
-    *LAYER_OUTPUT,
-]
-
-
-def nodes(cfg: dict) -> list[NodeSpec]:
-    """Every compared tensor. ``lm_head`` is the head before scaling; ``logits`` is the whole
-    models' output, after ``* logit_scale`` (applied outside any module on both sides)."""
-    return expand_nodes(EMBED, NODES_PER_LAYER, FINAL, cfg["n_layers"]) + [
-        NodeSpec("logits", ours="", reference="")
-    ]
+NODES = NodeMap(
+    before=EMBED,
+    per_layer=[
+        ("model.layers.{i}.input_layernorm", "blocks.{i}.input_layernorm"),
+        *ATTENTION,  # q_rot/k_rot are the unrotated q/k on full (NoPE) layers
+        # The shared normalized input of the parallel block: equal to input_layernorm's output.
+        ("model.layers.{i}.mlp@input", "blocks.{i}.ff@input"),
+        *MLP,
+        *LAYER_OUTPUT,
+    ],
+    # ``lm_head`` is the head before scaling; ``logits`` is the whole models' output, after
+    # ``* logit_scale`` (applied outside any module on both sides).
+    after=[*FINAL, Node("logits", "", reference="")],
+)
 
 
 def to_hf(cfg: dict):
@@ -49,9 +45,6 @@ def to_hf(cfg: dict):
         attention_bias=cfg["attention_bias"],
         sliding_window=cfg["sliding_window"],
         layer_types=list(cfg["layer_types"]),
-        pad_token_id=None,
-        bos_token_id=None,
-        eos_token_id=None,
     )
 
 
@@ -79,8 +72,6 @@ def from_hf(hc, dtype: torch.dtype) -> dict:
     unknown_types = set(layer_types) - {SLIDING, FULL}
     if unknown_types:
         raise ConfigError(f"layer_types has unsupported entries: {', '.join(sorted(unknown_types))}")
-    if SLIDING in layer_types and not hc.sliding_window:
-        raise ConfigError("layer_types has sliding_attention layers but sliding_window is null")
     rope = dict(hc.rope_parameters or {})
     if set(rope) & {SLIDING, FULL}:
         raise ConfigError("rope_parameters per layer type is not supported (Cohere2 has one RoPE for sliding layers)")
@@ -90,10 +81,6 @@ def from_hf(hc, dtype: torch.dtype) -> dict:
     extra = set(rope) - _KNOWN_ROPE_KEYS
     if extra:
         raise ConfigError(f"rope_parameters has unsupported fields: {', '.join(sorted(extra))}")
-    if hc.num_attention_heads % hc.num_key_value_heads:
-        raise ConfigError(
-            f"num_attention_heads ({hc.num_attention_heads}) is not a multiple of num_key_value_heads ({hc.num_key_value_heads})"
-        )
     return dict(
         **shared_from_hf(hc),
         layer_norm_eps=hc.layer_norm_eps,
@@ -107,7 +94,7 @@ def from_hf(hc, dtype: torch.dtype) -> dict:
     )
 
 
-def check_cfg(cfg: dict) -> list[str]:
+def notes(cfg: dict) -> list[str]:
     """Notes for the user about what this cfg cannot show."""
     notes = []
     if cfg["logit_scale"] == 1.0:
@@ -120,49 +107,20 @@ def check_cfg(cfg: dict) -> list[str]:
     return notes
 
 
-def features(cfg: dict) -> set[str]:
-    """What a Tiny Aya cfg exercises (see :mod:`reference_pairs.common.features`)."""
-    feats = common_features(cfg) | {"parallel blocks", "bias-free LayerNorm"}
-    if SLIDING in cfg["layer_types"]:
-        feats.add("interleaved RoPE on sliding_attention")
-    if FULL in cfg["layer_types"]:
-        feats.add("no RoPE on full_attention")
-    if cfg["logit_scale"] != 1.0:
-        feats.add("logit_scale != 1")
-    return feats
-
-
-SPEC = FamilySpec(
+FAMILY = Family(
     name="tiny_aya",
     model_type="cohere2",
     reference_class="Cohere2ForCausalLM",
     config_class="Cohere2Config",
     model_class=TinyAyaModel,
     configs=CONFIGS,
+    weights=WEIGHT_MAP,
+    nodes=NODES,
     to_hf=to_hf,
     from_hf=from_hf,
-    load=load_weights_into_tiny_aya,
-    nodes=nodes,
-    default_seq_len=seq_len_past_window,
-    check_cfg=check_cfg,
-)
-
-
-def build_pair(config=None, checkpoint=None, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides) -> Pair:
-    """Tiny Aya pair from a built-in config (``tiny``, ``3b-shape``), a cfg dict, a config.json
-    path, or a checkpoint directory. See :func:`reference_pairs.common.pairing.build_pair` for
-    arguments and raised errors."""
-    return _build_pair(SPEC, config, checkpoint, dtype, seed, **overrides)
-
-
-FAMILY = Family(
-    name="tiny_aya",
-    reference_class="transformers.Cohere2ForCausalLM",
-    build_pair=build_pair,
-    configs={name: (fn.__doc__ or "").strip().splitlines()[0] for name, fn in CONFIGS.items()},
-    default_config="tiny",
-    ci_configs=("tiny",),
     faults=FAULTS,
+    ci_configs=("tiny",),
     real_configs=("3b-shape",),
-    config_features=lambda name: features(CONFIGS[name](None)),
+    notes=notes,
 )
+build_pair = FAMILY.build_pair

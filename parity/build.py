@@ -1,0 +1,241 @@
+"""The one build path every family shares: config or checkpoint -> one state dict -> both models.
+
+A cfg reaches our model only after a round trip through the reference's Transformers config
+(``to_hf`` -> the config class's own validation -> :func:`~parity.facts.validate_facts` ->
+``from_hf``), so a cfg dict, a config.json and a checkpoint are validated and normalised by the
+same path (a ``beta_fast`` of 0 becomes Transformers' 32 on both sides, a zero width is refused
+by name).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .checkpoint import read_checkpoint, read_config
+from .errors import ConfigError, LoaderError, ParityError
+from .facts import ArchFacts, derive_facts, validate_facts
+from .family import Family
+from .pair import Pair
+from .resources import require
+from .weights import apply_weight_table, random_state_dict
+
+#: compute dtypes both models can run in
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def one_line(e: BaseException) -> str:
+    """An exception's message as one line (Transformers' validators spread theirs over several)."""
+    text = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+    parts = [p.strip() for p in text.splitlines() if p.strip()]
+    return " ".join(parts) or type(e).__name__
+
+
+def default_seq_len(facts: ArchFacts) -> int:
+    """Long enough to pass every sliding window (4x window, at least 16) while that stays small; 64
+    for real-size windows, where the check notes that the window is not exercised."""
+    window = facts.sliding_window or 4
+    return max(16, 4 * window) if 4 * window <= 512 else 64
+
+
+def config_name_of(config) -> str:
+    """A built-in name as is, a config path as its file name, a cfg dict as "custom"."""
+    return config if isinstance(config, str) else Path(config).name if isinstance(config, Path) else "custom"
+
+
+def to_reference_config(family: Family, cfg: dict):
+    """Our cfg -> the Transformers config, through the config class's own validation. Raises ConfigError."""
+    try:
+        return family.to_hf(cfg)
+    except ParityError:
+        raise
+    except Exception as e:  # KeyError, TypeError, ValueError, strict-dataclass validation errors
+        raise ConfigError(f"{family.config_class} rejects the config: {one_line(e)}") from None
+
+
+def config_from_dict(family: Family, raw: dict):
+    """A config.json dict -> the Transformers config object. Raises ConfigError (one line)."""
+    try:
+        return family.config_cls().from_dict(raw)
+    except Exception as e:  # its strict validators raise their own types: all mean bad input
+        raise ConfigError(f"config.json rejected by {family.config_class}: {one_line(e)}") from None
+
+
+def validated(family: Family, hf_config, dtype: torch.dtype) -> tuple[dict, ArchFacts]:
+    """``(cfg, facts)`` for a Transformers config, or ConfigError naming the first field that makes
+    no sense (zero layers, heads not a multiple of KV heads, ...) or that our model cannot honour."""
+    facts = derive_facts(hf_config)
+    problems = validate_facts(facts)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise ConfigError(f"{family.name}: {problems[0]}{more}")
+    return family.from_hf(hf_config, dtype), facts
+
+
+def _truncate_layers(hf_config, n_layers: int) -> None:
+    types = getattr(hf_config, "layer_types", None)
+    if types is not None and n_layers > len(types):
+        raise ConfigError(f"n_layers {n_layers} exceeds the {len(types)} layers of the config's layer_types")
+    hf_config.num_hidden_layers = n_layers
+    if types is not None:
+        hf_config.layer_types = list(types[:n_layers])  # the first n layers of a config.json
+
+
+def resolve_config(family: Family, config, dtype: torch.dtype, overrides: dict):
+    """A built-in name, a cfg dict or a config.json path, with overrides -> ``(cfg, hf_config, facts)``.
+
+    ``n_layers`` picks the depth (a built-in's layer pattern follows it; a config.json keeps its first
+    N layers); any other override must be an existing cfg key. Raises ConfigError.
+    """
+    overrides = dict(overrides)
+    n_layers = overrides.pop("n_layers", None)
+    if n_layers is not None and (isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 1):
+        raise ConfigError(f"n_layers must be a positive integer, got {n_layers!r}")
+    builtin = isinstance(config, str) and config in family.configs
+    if builtin:
+        cfg = family.configs[config](n_layers)
+    elif isinstance(config, dict):
+        cfg = copy.deepcopy(config)
+    elif isinstance(config, (str, Path)) and (Path(config).is_file() or str(config).endswith(".json")):
+        raw = read_config(config)
+        if raw.get("model_type") != family.model_type:
+            raise ConfigError(f"{config} has model_type {raw.get('model_type')!r}, expected {family.model_type!r}")
+        cfg = family.from_hf(config_from_dict(family, raw), dtype)
+    else:
+        known = ", ".join(family.configs)
+        raise ConfigError(f"unknown {family.name} config {config!r}; built-in configs: {known}, or a config.json path")
+    for key, value in overrides.items():
+        if key not in cfg:
+            raise ConfigError(f"unknown cfg key {key!r} for {family.name}; known keys: {', '.join(sorted(k for k in cfg if k != 'dtype'))}")
+        cfg[key] = value
+    cfg.update(dtype=dtype)  # the compute dtype both models run in
+    hf_config = to_reference_config(family, cfg)
+    if n_layers is not None and not builtin:
+        _truncate_layers(hf_config, n_layers)
+    cfg, facts = validated(family, hf_config, dtype)
+    return cfg, hf_config, facts
+
+
+def build_reference(family: Family, hf_config, state_dict: Mapping[str, torch.Tensor]) -> nn.Module:
+    """The Transformers model holding exactly ``state_dict``'s tensors (no copy).
+
+    Built without weight initialisation (its parameters are assigned right away), then tied as
+    its config says. Raises LoaderError if the reference rejects a key or lacks one.
+    """
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights():
+        reference = family.reference_cls()(hf_config)
+    try:
+        result = reference.load_state_dict(state_dict, strict=False, assign=True)
+    except RuntimeError as e:  # size mismatches: the lines after the first name key and shapes
+        reasons = "; ".join(line.strip() for line in str(e).splitlines()[1:] if line.strip())
+        raise LoaderError(f"{family.reference_class} rejects the state dict: {reasons or e}") from None
+    tied_targets = set(getattr(reference, "_tied_weights_keys", None) or {}) if hf_config.tie_word_embeddings else set()
+    missing = [k for k in result.missing_keys if k not in tied_targets]
+    if missing or result.unexpected_keys:
+        raise LoaderError(
+            f"{family.reference_class} rejects the state dict: missing {', '.join(missing) or 'none'}; "
+            f"unexpected {', '.join(result.unexpected_keys) or 'none'}"
+        )
+    if hf_config.tie_word_embeddings:
+        reference.tie_weights()
+    return reference.eval()
+
+
+def load_ours(family: Family, model: nn.Module, cfg: dict, state_dict: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """Our model loaded from the checkpoint-named state dict: the family's loader, else its table."""
+    if family.load is not None:
+        return family.load(model, cfg, state_dict)
+    return apply_weight_table(model, state_dict, family.weights)
+
+
+def _check_dtype(dtype) -> None:
+    if dtype not in DTYPES:
+        names = ", ".join(str(d).replace("torch.", "") for d in DTYPES)
+        raise ConfigError(f"dtype must be a floating-point torch dtype ({names}), got {dtype!r}")
+
+
+def build_pair(
+    family: Family,
+    config=None,
+    checkpoint: str | Path | None = None,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    **overrides,
+) -> Pair:
+    """Build ours and the reference with identical, shared weights.
+
+    From a config (built-in name, cfg dict or config.json path; default the family's default):
+    seeded random weights in checkpoint naming, created once. From ``checkpoint`` (a
+    Transformers-format directory): both models are built from its config.json and loaded from its
+    safetensors files; ``config`` and ``overrides`` must then be absent. ``dtype`` is the compute
+    dtype of both.
+
+    Raises:
+        ConfigError, CheckpointError, LoaderError: one line naming the key, file or field.
+    """
+    _check_dtype(dtype)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise ConfigError(f"seed must be an integer in [0, 2^63), got {seed!r}")
+    if checkpoint is not None:
+        if config is not None or overrides:
+            raise ConfigError("a checkpoint brings its own config.json; do not pass a config or overrides with it")
+        ckpt = read_checkpoint(checkpoint, model_type=family.model_type)
+        hf_config = config_from_dict(family, ckpt.config)
+        cfg, facts = validated(family, hf_config, dtype)
+        state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in ckpt.state_dict.items()}
+        conversions = [
+            f"{k}: {str(v.dtype).replace('torch.', '')} -> {str(dtype).replace('torch.', '')}"
+            for k, v in ckpt.state_dict.items()
+            if v.is_floating_point() and v.dtype != dtype
+        ]
+        config_name = str(Path(checkpoint))
+    else:
+        config = family.default_config if config is None else config
+        cfg, hf_config, facts = resolve_config(family, config, dtype, overrides)
+        with torch.device("meta"):
+            shapes = {k: tuple(p.shape) for k, p in family.reference_cls()(hf_config).named_parameters()}
+        n_params = sum(math.prod(s) for s in shapes.values())
+        require(
+            n_params * torch.finfo(dtype).bits // 8,
+            f"{family.name} {config_name_of(config)} ({n_params / 1e9:.2f}B parameters in {str(dtype).replace('torch.', '')})",
+            "build fewer layers (--layers / n_layers=)",
+        )
+        state_dict = random_state_dict(shapes, seed, dtype)
+        conversions = []
+        config_name = config_name_of(config)
+    notes = list(family.notes(cfg)) if family.notes is not None else []
+    try:
+        with torch.device("meta"):
+            ours = family.model_class(cfg)
+    except (ValueError, TypeError, KeyError) as e:
+        raise ConfigError(f"{getattr(family.model_class, '__name__', 'our model')} rejects the config: {one_line(e)}") from None
+    loaded = load_ours(family, ours, cfg, state_dict)  # first: its errors name the checkpoint key
+    reference = build_reference(family, hf_config, state_dict)
+    facts = derive_facts(reference.config, reference)
+    return Pair(
+        ours=ours.eval(),
+        reference=reference,
+        nodes=family.node_specs(facts),
+        facts=facts,
+        family=family.name,
+        config_name=config_name,
+        cfg=cfg,
+        dtype=dtype,
+        seed=seed,
+        checkpoint=str(checkpoint) if checkpoint is not None else None,
+        checkpoint_hash=ckpt.content_hash() if checkpoint is not None else None,
+        default_seq_len=default_seq_len(facts),
+        notes=notes,
+        loaded_keys=loaded,
+        reference_cfg=family.from_hf(reference.config, dtype),
+        state_dict=state_dict,
+        conversions=conversions,
+        tied_keys=dict(reference._tied_weights_keys or {}) if hf_config.tie_word_embeddings else {},
+    )

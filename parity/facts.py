@@ -1,0 +1,395 @@
+"""ArchFacts: everything the engine may know about an architecture, derived from a Transformers config.
+
+The engine (check, diagnose, analysis, resources, reports) reads these facts and the NodeSpecs,
+never a family's cfg dict, so a user's own model, which has no cfg dict of ours, gets the same
+hints, guards and reports as a built-in family. The facts come from the *reference's* config: the
+standard fields every decoder config has, plus one small rule per ``model_type`` where a model
+decides something the config does not say (Cohere 2 applies no RoPE on full-attention layers,
+GPT-2's layers live under ``transformer.h``, Gemma scales its embeddings).
+
+RoPE is kept in Transformers 5's ``rope_parameters`` shape, per layer type, together with the
+cos/sin scaling factor Transformers computes for it (``ROPE_INIT_FUNCTIONS``), so a hint can name
+"the YaRN attention factor 1.2079" without knowing how any family spells it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+@dataclass(frozen=True)
+class RopeFacts:
+    """RoPE of one layer type.
+
+    ``parameters``: the Transformers ``rope_parameters`` dict of that layer type (read-only).
+    ``attention_factor``: the factor Transformers multiplies cos and sin by (1.0 unless YaRN or
+    LongRoPE say otherwise). ``rotary_dim``: how many dims of a head rotate (``head_dim *
+    partial_rotary_factor``). ``interleaved``: pairs ``(2i, 2i + 1)`` rotate together (RoFormer,
+    Cohere) instead of ``(i, i + d/2)`` (GPT-NeoX, Llama).
+    """
+
+    rope_type: str
+    theta: float
+    parameters: Mapping[str, object]
+    attention_factor: float = 1.0
+    rotary_dim: int = 0
+    interleaved: bool = False
+
+    def get(self, key: str, default=None):
+        return self.parameters.get(key, default)
+
+
+@dataclass(frozen=True)
+class LayerFacts:
+    """One decoder layer: its type, attention window (None = full causal), RoPE (None = no RoPE),
+    head_dim, KV heads and softmax scale (``scores = q k^T * attention_scale``)."""
+
+    index: int
+    layer_type: str
+    window: int | None
+    rope: RopeFacts | None
+    head_dim: int
+    num_kv_heads: int
+    attention_scale: float
+
+
+@dataclass(frozen=True)
+class ArchFacts:
+    """What the engine knows about one architecture (see the module docstring).
+
+    Node locations: ``layer_prefix`` is the module path of the decoder layers' ModuleList
+    (``model.layers``, ``model.language_model.layers``, ``transformer.h``); ``embed_module`` and
+    ``head_module`` are the token embedding and the output projection. Scalars the output may carry:
+    ``logit_scale`` (Cohere multiplies the logits), ``final_softcap`` / ``attn_softcap`` (Gemma
+    ``cap * tanh(x / cap)``), ``embed_scale`` (Gemma multiplies embeddings by sqrt(hidden)).
+    ``norm_kind`` is ``"rmsnorm"`` or ``"layernorm"``; ``norm_weight_offset`` is 1.0 where the norm
+    multiplies by ``(1 + w)``. ``qk_norm``: None, ``"head"`` (per head, Qwen3/Gemma) or
+    ``"projection"`` (over the whole projection, OLMo 2/3).
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int | None
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    layers: tuple[LayerFacts, ...]
+    layer_prefix: str = "model.layers"
+    embed_module: str = "model.embed_tokens"
+    head_module: str = "lm_head"
+    norm_kind: str = "rmsnorm"
+    norm_eps: float | None = None
+    norm_weight_offset: float = 0.0
+    qk_norm: str | None = None
+    logit_scale: float | None = None
+    final_softcap: float | None = None
+    attn_softcap: float | None = None
+    embed_scale: float | None = None
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int | None = None
+    #: named constants a constant ratio may equal (see :meth:`named_constants`)
+    extra_constants: Mapping[str, float] = field(default_factory=dict)
+
+    # --- per layer -----------------------------------------------------------------------------
+
+    @property
+    def layer_types(self) -> tuple[str, ...]:
+        return tuple(layer.layer_type for layer in self.layers)
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        return tuple(layer.window for layer in self.layers)
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The largest attention window of any layer, or None when every layer is full causal."""
+        windows = [w for w in self.windows if w]
+        return max(windows) if windows else None
+
+    def layer(self, index: int | None) -> LayerFacts | None:
+        return self.layers[index] if index is not None and 0 <= index < len(self.layers) else None
+
+    def rope_of_type(self, layer_type: str) -> RopeFacts | None:
+        return next((layer.rope for layer in self.layers if layer.layer_type == layer_type), None)
+
+    # --- node names ----------------------------------------------------------------------------
+
+    def locate(self, name: str) -> tuple[int | None, str]:
+        """``(layer index or None, kind)`` of a canonical node name.
+
+        The kind is the last path component without the layer prefix (``q_proj``, ``probs``,
+        ``mlp@input``); a layer's own output is ``layer``; outside the layers the last component
+        (``embed_tokens``, ``norm``, ``lm_head``, ``logits``). A ``stepN/`` prefix (decode checks) is
+        ignored.
+        """
+        bare = name.split("/", 1)[1] if re.match(r"^step\d+/", name) else name
+        prefix = self.layer_prefix + "."
+        if bare.startswith(prefix):
+            head, _, rest = bare[len(prefix):].partition(".")
+            layer_part, at, after_at = head.partition("@")
+            if layer_part.isdigit():
+                index = int(layer_part)
+                if at:
+                    return index, "layer@" + after_at
+                if not rest:
+                    return index, "layer"
+                if "@" in rest:
+                    path, _, what = rest.partition("@")
+                    return index, f"{path.rsplit('.', 1)[-1]}@{what}"
+                return index, rest.rsplit(".", 1)[-1]
+        if "@" in bare:
+            path, _, what = bare.partition("@")
+            return None, f"{path.rsplit('.', 1)[-1]}@{what}"
+        return None, bare.rsplit(".", 1)[-1] if bare else "logits"
+
+    def named_constants(self) -> dict[str, float]:
+        """Scalars a missing or extra factor is likely to equal, by name (for constant-ratio hints)."""
+        named: dict[str, float] = {}
+        for layer in self.layers:
+            rope = layer.rope
+            if rope is not None and rope.attention_factor != 1.0:
+                f = rope.attention_factor
+                named.setdefault(f"the {rope.rope_type} attention factor of {layer.layer_type} layers", f)
+                named.setdefault(f"the {rope.rope_type} attention factor of {layer.layer_type} layers, squared", f * f)
+        if self.logit_scale not in (None, 1.0):
+            named["logit_scale"] = float(self.logit_scale)
+        if self.embed_scale not in (None, 1.0):
+            named["the embedding scale"] = float(self.embed_scale)
+        named[f"sqrt(hidden_size={self.hidden_size})"] = math.sqrt(self.hidden_size)
+        named[f"sqrt(head_dim={self.head_dim})"] = math.sqrt(self.head_dim)
+        if self.num_heads and self.hidden_size % self.num_heads == 0 and self.hidden_size // self.num_heads != self.head_dim:
+            alt = self.hidden_size // self.num_heads
+            named[f"sqrt(head_dim / (hidden_size / num_heads)) = sqrt({self.head_dim}/{alt})"] = math.sqrt(self.head_dim / alt)
+        named.update(self.extra_constants)
+        return named
+
+
+# --- derivation ---------------------------------------------------------------------------------
+
+#: model_type -> rule that adjusts the generic facts for what that model decides itself
+RULES: dict[str, Callable[[object, ArchFacts], ArchFacts]] = {}
+
+
+def rule(*model_types: str):
+    """Register a per-``model_type`` adjustment of the generic facts."""
+
+    def register(fn):
+        for model_type in model_types:
+            RULES[model_type] = fn
+        return fn
+
+    return register
+
+
+def _get(config, *names, default=None):
+    for name in names:
+        value = getattr(config, name, None)
+        if value is not None:
+            return value
+    return default
+
+
+def _rope_by_type(config, layer_types: tuple[str, ...]) -> dict[str, dict | None]:
+    params = getattr(config, "rope_parameters", None)
+    if not params:
+        return {t: None for t in set(layer_types)}
+    if isinstance(params, Mapping) and set(params) & set(layer_types) and all(isinstance(v, Mapping) for v in params.values()):
+        return {t: (dict(params[t]) if params.get(t) is not None else None) for t in set(layer_types)}
+    return {t: dict(params) for t in set(layer_types)}
+
+
+def _attention_factor(config, layer_type: str, params: dict, per_type: bool) -> float:
+    """The cos/sin scale Transformers computes for these parameters (1.0 where it has none)."""
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        return 1.0
+    try:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        fn = ROPE_INIT_FUNCTIONS[rope_type]
+        _, factor = fn(config, "cpu", layer_type=layer_type) if per_type else fn(config, "cpu")
+        return float(factor)
+    except Exception:  # a config Transformers itself cannot run; the build path reports it
+        value = params.get("attention_factor")
+        return float(value) if isinstance(value, (int, float)) else 1.0
+
+
+def derive_facts(config, model=None) -> ArchFacts:
+    """ArchFacts from a Transformers ``PretrainedConfig`` (and, when given, the reference model,
+    whose module tree fixes the layer prefix). Standard fields first, then the ``model_type``'s rule.
+
+    Raises nothing for unusual configs: missing fields become None or their Transformers defaults;
+    :func:`validate_facts` judges whether a check can run.
+    """
+    hidden = int(_get(config, "hidden_size", "n_embd", default=0))
+    heads = int(_get(config, "num_attention_heads", "n_head", default=0))
+    kv = int(_get(config, "num_key_value_heads", default=heads) or heads)
+    head_dim = _get(config, "head_dim")
+    head_dim = int(head_dim) if head_dim else (hidden // heads if heads else 0)
+    n_layers = int(_get(config, "num_hidden_layers", "n_layer", default=0))
+    layer_types = tuple(_get(config, "layer_types", default=None) or [FULL] * n_layers)
+    window = _get(config, "sliding_window")
+    ropes = _rope_by_type(config, layer_types)
+    per_type = bool(getattr(config, "rope_parameters", None)) and set(config.rope_parameters) & set(layer_types) != set()
+    rope_facts: dict[str, RopeFacts | None] = {}
+    for layer_type, params in ropes.items():
+        if params is None:
+            rope_facts[layer_type] = None
+            continue
+        partial = float(params.get("partial_rotary_factor", _get(config, "partial_rotary_factor", default=1.0)))
+        rope_facts[layer_type] = RopeFacts(
+            rope_type=str(params.get("rope_type", "default")),
+            theta=float(params.get("rope_theta", getattr(config, "default_theta", 10_000.0))),
+            parameters=MappingProxyType(params),
+            attention_factor=_attention_factor(config, layer_type, params, per_type),
+            rotary_dim=int(head_dim * partial),
+        )
+    scalar = _get(config, "query_pre_attn_scalar")
+    scale = float(scalar) ** -0.5 if scalar else (head_dim**-0.5 if head_dim else 1.0)
+    layers = tuple(
+        LayerFacts(
+            index=i,
+            layer_type=t,
+            window=int(window) if window and t == SLIDING else None,
+            rope=rope_facts.get(t),
+            head_dim=head_dim,
+            num_kv_heads=kv,
+            attention_scale=scale,
+        )
+        for i, t in enumerate(layer_types)
+    )
+    eps = _get(config, "rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon")
+    facts = ArchFacts(
+        model_type=str(getattr(config, "model_type", "") or ""),
+        vocab_size=int(_get(config, "vocab_size", default=0)),
+        hidden_size=hidden,
+        intermediate_size=_get(config, "intermediate_size", "n_inner"),
+        num_layers=n_layers,
+        num_heads=heads,
+        num_kv_heads=kv,
+        head_dim=head_dim,
+        layers=layers,
+        norm_kind="layernorm" if _get(config, "layer_norm_eps", "layer_norm_epsilon") is not None and _get(config, "rms_norm_eps") is None else "rmsnorm",
+        norm_eps=float(eps) if eps is not None else None,
+        logit_scale=_get(config, "logit_scale"),
+        final_softcap=_get(config, "final_logit_softcapping"),
+        attn_softcap=_get(config, "attn_logit_softcapping"),
+        tie_word_embeddings=bool(_get(config, "tie_word_embeddings", default=False)),
+        max_position_embeddings=_get(config, "max_position_embeddings"),
+    )
+    adjust = RULES.get(facts.model_type)
+    if adjust is not None:
+        facts = adjust(config, facts)
+    if model is not None:
+        prefix = find_layer_prefix(model, facts.num_layers)
+        if prefix is not None and prefix != facts.layer_prefix:
+            facts = replace(facts, layer_prefix=prefix)
+    return facts
+
+
+def find_layer_prefix(model, num_layers: int) -> str | None:
+    """The path of the ModuleList holding ``num_layers`` decoder layers (the shortest such path)."""
+    from torch import nn
+
+    found = [
+        name for name, module in model.named_modules()
+        if isinstance(module, nn.ModuleList) and len(module) == num_layers and num_layers > 0 and name
+    ]
+    return min(found, key=lambda n: (n.count("."), len(n))) if found else None
+
+
+def with_layers(facts: ArchFacts, **changes) -> ArchFacts:
+    """``facts`` with every LayerFacts updated by ``fn(layer)`` for the given fields."""
+    return replace(facts, layers=tuple(replace(layer, **{k: fn(layer) for k, fn in changes.items()}) for layer in facts.layers))
+
+
+@rule("olmo2", "olmo3")
+def _olmo(config, facts: ArchFacts) -> ArchFacts:
+    return replace(facts, qk_norm="projection")
+
+
+@rule("cohere", "cohere2")
+def _cohere(config, facts: ArchFacts) -> ArchFacts:
+    # Cohere2Attention rotates only on sliding layers (full layers are NoPE), with interleaved pairs.
+    def rope(layer: LayerFacts):
+        if layer.rope is None or (facts.model_type == "cohere2" and layer.layer_type != SLIDING):
+            return None
+        return replace(layer.rope, interleaved=True)
+
+    return replace(with_layers(facts, rope=rope), norm_kind="layernorm")
+
+
+@rule("qwen3", "qwen3_moe")
+def _qwen3(config, facts: ArchFacts) -> ArchFacts:
+    return replace(facts, qk_norm="head")
+
+
+@rule("mistral")
+def _mistral(config, facts: ArchFacts) -> ArchFacts:
+    # MistralModel builds a sliding-window mask for every layer whenever sliding_window is set.
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return facts
+    return with_layers(facts, layer_type=lambda layer: SLIDING, window=lambda layer: int(window))
+
+
+@rule("gemma3_text", "gemma3")
+def _gemma3(config, facts: ArchFacts) -> ArchFacts:
+    return replace(facts, qk_norm="head", norm_weight_offset=1.0, embed_scale=math.sqrt(facts.hidden_size))
+
+
+@rule("gpt2")
+def _gpt2(config, facts: ArchFacts) -> ArchFacts:
+    return replace(
+        with_layers(facts, rope=lambda layer: None),
+        layer_prefix="transformer.h",
+        embed_module="transformer.wte",
+        norm_kind="layernorm",
+        intermediate_size=facts.intermediate_size or 4 * facts.hidden_size,
+    )
+
+
+# --- validation ---------------------------------------------------------------------------------
+
+
+def validate_facts(facts: ArchFacts) -> list[str]:
+    """Reasons these facts describe a model no check can run on (one line each, naming the
+    Transformers field); empty when the shapes make sense."""
+    problems = []
+    for label, value, minimum in (
+        ("num_hidden_layers", facts.num_layers, 1),
+        ("num_attention_heads", facts.num_heads, 1),
+        ("num_key_value_heads", facts.num_kv_heads, 1),
+        ("hidden_size", facts.hidden_size, 1),
+        ("vocab_size", facts.vocab_size, 2),
+        ("head_dim", facts.head_dim, 1),
+    ):
+        if not isinstance(value, int) or value < minimum:
+            problems.append(f"{label} is {value!r}; it must be at least {minimum}")
+    if facts.intermediate_size is not None and facts.intermediate_size < 1:
+        problems.append(f"intermediate_size is {facts.intermediate_size!r}; it must be at least 1")
+    if facts.num_heads >= 1 and facts.num_kv_heads >= 1 and facts.num_heads % facts.num_kv_heads:
+        problems.append(
+            f"num_attention_heads ({facts.num_heads}) is not a multiple of num_key_value_heads ({facts.num_kv_heads})"
+        )
+    if facts.norm_eps is not None and not (math.isfinite(facts.norm_eps) and facts.norm_eps >= 0):
+        problems.append(f"the norm eps is {facts.norm_eps!r}; it must be a finite number >= 0")
+    for layer in facts.layers:
+        if layer.layer_type == SLIDING and not layer.window:
+            problems.append(f"layer {layer.index} is sliding_attention but sliding_window is {layer.window!r}; it must be >= 1")
+            break
+    for layer_type in sorted(set(facts.layer_types)):
+        rope = facts.rope_of_type(layer_type)
+        if rope is not None and rope.rotary_dim % 2:
+            problems.append(f"RoPE on {layer_type} layers rotates {rope.rotary_dim} dims of each head; it must be even")
+        if rope is not None and not (math.isfinite(rope.theta) and rope.theta > 0):
+            problems.append(f"rope_theta of {layer_type} layers is {rope.theta!r}; it must be > 0")
+    return problems

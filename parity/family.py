@@ -1,0 +1,146 @@
+"""A family is data: configs, a weight table, a node map, the Transformers classes, faults, CI configs.
+
+One :class:`Family` per architecture, registered in the ``parity.pairs`` entry-point group (the
+built-ins register exactly like a user's package would). :meth:`Family.build_pair` is the same
+generic build path for every family (:mod:`parity.build`).
+
+A node map is declared once per family (:class:`NodeMap`): entries before the layers, per layer
+(``{i}`` = layer index; an entry may be limited to some layer types) and after them. It expands
+against the :class:`~parity.facts.ArchFacts` of the reference, so it needs no family cfg key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .facts import ArchFacts
+from .pair import NodeSpec, Pair
+
+
+@dataclass(frozen=True)
+class Node:
+    """One node-map entry: canonical name template and our module path template (``{i}`` = layer).
+
+    ``layer_types`` limits a per-layer entry to those layer types (None: every layer).
+    ``transform``/``inverse``/``reference``/``kind`` are passed to :class:`~parity.pair.NodeSpec`.
+    ``when`` (optional) decides from the facts whether the entry exists at all (e.g. a ``logits``
+    node only where something is applied after the head).
+    """
+
+    name: str
+    ours: str
+    layer_types: tuple[str, ...] | None = None
+    transform: Callable | None = None
+    inverse: Callable | None = None
+    reference: str | None = None
+    kind: str = ""
+    when: Callable[[ArchFacts], bool] | None = None
+
+    def spec(self, i: int | None = None) -> NodeSpec:
+        fmt = (lambda s: s) if i is None else (lambda s: s.format(i=i))
+        return NodeSpec(
+            fmt(self.name), fmt(self.ours), self.transform, None if self.reference is None else fmt(self.reference),
+            self.inverse, kind=self.kind,
+        )
+
+
+def _node(entry) -> Node:
+    return entry if isinstance(entry, Node) else Node(*entry)
+
+
+@dataclass(frozen=True)
+class NodeMap:
+    """``before`` the layers, ``per_layer`` (``{i}``), ``after`` them; entries are :class:`Node` or
+    ``(name, ours)`` pairs. Order within a list does not matter: nodes are compared in the
+    reference's execution order."""
+
+    before: Sequence = ()
+    per_layer: Sequence = ()
+    after: Sequence = ()
+
+    def expand(self, facts: ArchFacts) -> list[NodeSpec]:
+        def keep(node: Node) -> bool:
+            return node.when is None or node.when(facts)
+
+        nodes = [n.spec() for n in map(_node, self.before) if keep(n)]
+        for layer in facts.layers:
+            for n in map(_node, self.per_layer):
+                if keep(n) and (n.layer_types is None or layer.layer_type in n.layer_types):
+                    nodes.append(n.spec(layer.index))
+        nodes += [n.spec() for n in map(_node, self.after) if keep(n)]
+        return nodes
+
+
+def _first_line(fn) -> str:
+    return (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else ""
+
+
+@dataclass(frozen=True)
+class Family:
+    """A registered family (see the module docstring).
+
+    ``model_class(cfg)``: our from-scratch model. ``configs``: built-in name -> ``f(n_layers=None)
+    -> cfg``. ``weights``: the weight table (:mod:`parity.weights`), or ``load(model, cfg, state_dict) ->
+    consumed keys`` for a loader of its own. ``nodes``: a :class:`NodeMap` or ``f(facts) ->
+    NodeSpecs``. ``to_hf(cfg)`` -> Transformers config; ``from_hf(config, dtype)`` -> cfg (raises
+    ConfigError naming a field it cannot honour). ``faults``: the catalogue for ``parity selftest``.
+    ``ci_configs`` run in every test run and the gate; ``real_configs`` are the released models'
+    shapes; ``features(cfg)`` lists what a cfg exercises (the gate fails if a real config uses a
+    feature no CI config has); ``notes(cfg)`` warns what a cfg cannot show; ``fields`` declares the
+    config fields the sensitivity audit and the property tests draw (:mod:`parity.fields`).
+    """
+
+    name: str
+    model_type: str
+    reference_class: str
+    config_class: str
+    model_class: Callable[[dict], torch.nn.Module]
+    configs: Mapping[str, Callable[..., dict]]
+    nodes: NodeMap | Callable[[ArchFacts], list[NodeSpec]]
+    to_hf: Callable[[dict], object]
+    from_hf: Callable[[object, torch.dtype], dict]
+    weights: Mapping[str, object] = field(default_factory=dict)
+    load: Callable | None = None
+    faults: tuple = ()
+    default_config: str = "tiny"
+    ci_configs: tuple[str, ...] = ("tiny",)
+    real_configs: tuple[str, ...] = ()
+    features: Callable[[dict], set[str]] | None = None
+    notes: Callable[[dict], list[str]] | None = None
+    fields: tuple = ()
+
+    def build_pair(self, config=None, checkpoint=None, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides) -> Pair:
+        """A Pair from a built-in config name, a cfg dict, a config.json path, or a checkpoint
+        directory; see :func:`parity.build.build_pair` for arguments and raised errors."""
+        from .build import build_pair
+
+        return build_pair(self, config, checkpoint, dtype, seed, **overrides)
+
+    def node_specs(self, facts: ArchFacts) -> list[NodeSpec]:
+        return self.nodes.expand(facts) if isinstance(self.nodes, NodeMap) else list(self.nodes(facts))
+
+    def reference_cls(self):
+        import transformers
+
+        return getattr(transformers, self.reference_class)
+
+    def config_cls(self):
+        import transformers
+
+        return getattr(transformers, self.config_class)
+
+    @property
+    def config_descriptions(self) -> dict[str, str]:
+        """Built-in config name -> the first line of its docstring."""
+        return {name: _first_line(fn) for name, fn in self.configs.items()}
+
+    def config_features(self, name: str) -> set[str]:
+        return set() if self.features is None else self.features(self.configs[name](None))
+
+    @property
+    def folder(self) -> str:
+        """``reference_pairs/olmo3/`` for a family whose model lives in ``reference_pairs.olmo3.model``."""
+        return "/".join(self.model_class.__module__.split(".")[:-1]) + "/"

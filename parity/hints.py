@@ -1,0 +1,62 @@
+"""Typed hints: what a failing node's error pattern suggests, as ``Hint(kind, evidence, text)``.
+
+``kind`` is one of :data:`KINDS` (tests, fault catalogues and the selftest compare kinds, never
+the prose); ``evidence`` holds the numbers the hint rests on (JSON-serialisable); ``text`` is the
+sentence a user reads. A hint says "likely" and never changes the measured status.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+#: every hint kind, with what it means
+KINDS: dict[str, str] = {
+    "missing": "a node one side never produced (node map, tap or module path)",
+    "shape": "the same node has another shape on each side (layout, head count)",
+    "nonfinite": "the first NaN/Inf, with its positions and batch rows (masked or padded rows?)",
+    "swapped_weights": "ours equals another reference node of the same layer (gate vs up, k vs v)",
+    "transposed_weight": "ours equals the reference computed with a transposed weight (Conv1D-style load)",
+    "weight_permutation": "same values per token in another order along the last axis (a row permutation)",
+    "head_mapping": "some heads agree, others equal a different reference head (GQA expansion, head split)",
+    "untied_head": "every hidden node agrees, the logits are uncorrelated (head never loaded or tied)",
+    "norm_kind": "the norm behaves like another normaliser (RMSNorm vs LayerNorm, per head vs projection)",
+    "block_layout": "a parallel block run sequentially, or the reverse (the MLP reads the residual after attention)",
+    "norm_placement": "a block's input equals the reference's input after a norm (pre- vs post-norm)",
+    "norm_eps": "the norm's eps: ours/ref varies per token with that token's RMS",
+    "norm_weight_offset": "the norm weight used as w instead of 1 + w (per-channel ratio w / (1 + w))",
+    "channel_scale": "ours/ref constant over tokens per channel (a per-channel weight difference)",
+    "scale": "ours/ref is one constant everywhere (a missing or extra factor)",
+    "rope_attention_factor": "a constant ratio equal to the RoPE (YaRN) attention factor, at every position incl. 0",
+    "logit_scale": "a constant ratio equal to logit_scale",
+    "attention_scale": "q and k agree, the pre-softmax scores differ by a constant factor (softmax temperature)",
+    "sliding_window": "only query positions at or past the window differ",
+    "rope_pairing": "RoPE pairs (i, i + d/2) on one side and (2i, 2i + 1) on the other",
+    "rope_frequencies": "position 0 agrees, the error grows with position (frequencies, scaling, offset)",
+    "rope_band": "the error is confined to a band of rotary frequencies (YaRN / llama3 ramp band)",
+    "rope_missing": "ours does not rotate where the reference does",
+    "rope_unexpected": "ours rotates where the reference applies no RoPE (a NoPE layer)",
+    "rope_layer_type": "RoPE differs on exactly the layers of one type (per-layer-type RoPE parameters)",
+    "rope_theta": "the rotation equals RoPE with another theta (a fallback theta)",
+    "position_offset": "each padded row is rotated by an offset equal to its pad count (positions not from the mask)",
+    "rounding_order": "every difference is within one or two units in the last place of the dtype (cast order)",
+}
+
+
+@dataclass(frozen=True)
+class Hint:
+    """A likely cause: ``kind`` (see :data:`KINDS`), ``text`` for people, ``evidence`` for machines."""
+
+    kind: str
+    text: str
+    evidence: Mapping[str, object] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown hint kind {self.kind!r}")
+
+    def __str__(self) -> str:
+        return self.text
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "text": self.text, "evidence": dict(self.evidence)}
