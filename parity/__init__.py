@@ -17,6 +17,7 @@ from .pair import NodeSpec, Pair
 from .result import CheckResult
 from .testing import assert_parity
 from .trace import tap
+from .user_model import check_model
 
 __version__ = "0.2.0"
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "ParityError",
     "assert_parity",
     "check",
+    "check_model",
     "derive_facts",
     "first_divergence",
     "first_mismatch",

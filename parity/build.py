@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -121,7 +122,7 @@ def resolve_config(family: Family, config, dtype: torch.dtype, overrides: dict):
     return cfg, hf_config, facts
 
 
-def build_reference(family: Family, hf_config, state_dict: Mapping[str, torch.Tensor]) -> nn.Module:
+def build_reference(reference_cls, hf_config, state_dict: Mapping[str, torch.Tensor]) -> nn.Module:
     """The Transformers model holding exactly ``state_dict``'s tensors (no copy).
 
     Built without weight initialisation (its parameters are assigned right away), then tied as
@@ -129,18 +130,20 @@ def build_reference(family: Family, hf_config, state_dict: Mapping[str, torch.Te
     """
     from transformers.initialization import no_init_weights
 
+    name = reference_cls.__name__
     with no_init_weights():
-        reference = family.reference_cls()(hf_config)
+        reference = reference_cls(hf_config)
     try:
         result = reference.load_state_dict(state_dict, strict=False, assign=True)
     except RuntimeError as e:  # size mismatches: the lines after the first name key and shapes
-        reasons = "; ".join(line.strip() for line in str(e).splitlines()[1:] if line.strip())
-        raise LoaderError(f"{family.reference_class} rejects the state dict: {reasons or e}") from None
+        reasons = [line.strip() for line in str(e).splitlines()[1:] if line.strip()]
+        shown = "; ".join(reasons[:3]) + (f"; ... ({len(reasons)} in all)" if len(reasons) > 3 else "")
+        raise LoaderError(f"{name} rejects the state dict: {shown or one_line(e)}") from None
     tied_targets = set(getattr(reference, "_tied_weights_keys", None) or {}) if hf_config.tie_word_embeddings else set()
     missing = [k for k in result.missing_keys if k not in tied_targets]
     if missing or result.unexpected_keys:
         raise LoaderError(
-            f"{family.reference_class} rejects the state dict: missing {', '.join(missing) or 'none'}; "
+            f"{name} rejects the state dict: missing {', '.join(missing) or 'none'}; "
             f"unexpected {', '.join(result.unexpected_keys) or 'none'}"
         )
     if hf_config.tie_word_embeddings:
@@ -159,6 +162,103 @@ def _check_dtype(dtype) -> None:
     if dtype not in DTYPES:
         names = ", ".join(str(d).replace("torch.", "") for d in DTYPES)
         raise ConfigError(f"dtype must be a floating-point torch dtype ({names}), got {dtype!r}")
+
+
+@dataclass
+class Reference:
+    """The reference side of a pair, built alone: the Transformers model holding ``state_dict``'s
+    tensors, its facts, and where it came from (``cfg``: the family's cfg, when built from one)."""
+
+    model: nn.Module | None
+    hf_config: object
+    facts: ArchFacts
+    state_dict: dict
+    config_name: str
+    cfg: dict | None = None
+    checkpoint: str | None = None
+    checkpoint_hash: str | None = None
+    conversions: list = field(default_factory=list)
+
+    @property
+    def tied_keys(self) -> dict[str, str]:
+        return dict(getattr(self.model, "_tied_weights_keys", None) or {}) if self.hf_config.tie_word_embeddings else {}
+
+
+def random_weights(reference_cls, hf_config, seed: int, dtype: torch.dtype, what: str) -> dict[str, torch.Tensor]:
+    """Seeded random weights in checkpoint naming for ``reference_cls(hf_config)`` (shapes read on
+    the meta device; the memory guard runs first)."""
+    with torch.device("meta"):
+        shapes = {k: tuple(p.shape) for k, p in reference_cls(hf_config).named_parameters()}
+    n_params = sum(math.prod(s) for s in shapes.values())
+    require(
+        n_params * torch.finfo(dtype).bits // 8,
+        f"{what} ({n_params / 1e9:.2f}B parameters in {str(dtype).replace('torch.', '')})",
+        "build fewer layers (--layers / n_layers=)",
+    )
+    return random_state_dict(shapes, seed, dtype)
+
+
+def read_weights(checkpoint, dtype: torch.dtype, model_type: str | None):
+    """``(checkpoint, state dict in dtype, conversions)`` of a safetensors checkpoint directory."""
+    ckpt = read_checkpoint(checkpoint, model_type=model_type)
+    state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in ckpt.state_dict.items()}
+    conversions = [
+        f"{k}: {str(v.dtype).replace('torch.', '')} -> {str(dtype).replace('torch.', '')}"
+        for k, v in ckpt.state_dict.items()
+        if v.is_floating_point() and v.dtype != dtype
+    ]
+    return ckpt, state_dict, conversions
+
+
+def make_reference(
+    family: Family,
+    config=None,
+    checkpoint: str | Path | None = None,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    **overrides,
+) -> Reference:
+    """The reference of a family's pair, alone (see :func:`build_pair` for the arguments and errors)."""
+    return _with_model(family, _source(family, config, checkpoint, dtype, seed, overrides))
+
+
+def _with_model(family: Family, ref: Reference) -> Reference:
+    """``ref`` (still without its model) with the Transformers model built over its state dict."""
+    ref.model = build_reference(family.reference_cls(), ref.hf_config, ref.state_dict)
+    ref.facts = derive_facts(ref.model.config, ref.model)
+    return ref
+
+
+def _source(family: Family, config, checkpoint, dtype, seed, overrides) -> Reference:
+    """Config, weights and facts of a family's reference, before its model is built."""
+    _check_dtype(dtype)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise ConfigError(f"seed must be an integer in [0, 2^63), got {seed!r}")
+    ckpt = None
+    if checkpoint is not None:
+        if config is not None or overrides:
+            raise ConfigError("a checkpoint brings its own config.json; do not pass a config or overrides with it")
+        ckpt, state_dict, conversions = read_weights(checkpoint, dtype, family.model_type)
+        hf_config = config_from_dict(family, ckpt.config)
+        cfg, facts = validated(family, hf_config, dtype)
+        config_name = str(Path(checkpoint))
+    else:
+        config = family.default_config if config is None else config
+        cfg, hf_config, facts = resolve_config(family, config, dtype, overrides)
+        config_name = config_name_of(config)
+        state_dict = random_weights(family.reference_cls(), hf_config, seed, dtype, f"{family.name} {config_name}")
+        conversions = []
+    return Reference(
+        model=None,
+        hf_config=hf_config,
+        facts=facts,
+        state_dict=state_dict,
+        config_name=config_name,
+        cfg=cfg,
+        checkpoint=str(checkpoint) if checkpoint is not None else None,
+        checkpoint_hash=ckpt.content_hash() if ckpt is not None else None,
+        conversions=conversions,
+    )
 
 
 def build_pair(
@@ -180,62 +280,33 @@ def build_pair(
     Raises:
         ConfigError, CheckpointError, LoaderError: one line naming the key, file or field.
     """
-    _check_dtype(dtype)
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
-        raise ConfigError(f"seed must be an integer in [0, 2^63), got {seed!r}")
-    if checkpoint is not None:
-        if config is not None or overrides:
-            raise ConfigError("a checkpoint brings its own config.json; do not pass a config or overrides with it")
-        ckpt = read_checkpoint(checkpoint, model_type=family.model_type)
-        hf_config = config_from_dict(family, ckpt.config)
-        cfg, facts = validated(family, hf_config, dtype)
-        state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in ckpt.state_dict.items()}
-        conversions = [
-            f"{k}: {str(v.dtype).replace('torch.', '')} -> {str(dtype).replace('torch.', '')}"
-            for k, v in ckpt.state_dict.items()
-            if v.is_floating_point() and v.dtype != dtype
-        ]
-        config_name = str(Path(checkpoint))
-    else:
-        config = family.default_config if config is None else config
-        cfg, hf_config, facts = resolve_config(family, config, dtype, overrides)
-        with torch.device("meta"):
-            shapes = {k: tuple(p.shape) for k, p in family.reference_cls()(hf_config).named_parameters()}
-        n_params = sum(math.prod(s) for s in shapes.values())
-        require(
-            n_params * torch.finfo(dtype).bits // 8,
-            f"{family.name} {config_name_of(config)} ({n_params / 1e9:.2f}B parameters in {str(dtype).replace('torch.', '')})",
-            "build fewer layers (--layers / n_layers=)",
-        )
-        state_dict = random_state_dict(shapes, seed, dtype)
-        conversions = []
-        config_name = config_name_of(config)
+    ref = _source(family, config, checkpoint, dtype, seed, overrides)
+    cfg = ref.cfg
     notes = list(family.notes(cfg)) if family.notes is not None else []
     try:
         with torch.device("meta"):
             ours = family.model_class(cfg)
     except (ValueError, TypeError, KeyError) as e:
         raise ConfigError(f"{getattr(family.model_class, '__name__', 'our model')} rejects the config: {one_line(e)}") from None
-    loaded = load_ours(family, ours, cfg, state_dict)  # first: its errors name the checkpoint key
-    reference = build_reference(family, hf_config, state_dict)
-    facts = derive_facts(reference.config, reference)
+    loaded = load_ours(family, ours, cfg, ref.state_dict)  # first: its errors name the checkpoint key
+    ref = _with_model(family, ref)
     return Pair(
         ours=ours.eval(),
-        reference=reference,
-        nodes=family.node_specs(facts),
-        facts=facts,
+        reference=ref.model,
+        nodes=family.node_specs(ref.facts),
+        facts=ref.facts,
         family=family.name,
-        config_name=config_name,
+        config_name=ref.config_name,
         cfg=cfg,
         dtype=dtype,
         seed=seed,
-        checkpoint=str(checkpoint) if checkpoint is not None else None,
-        checkpoint_hash=ckpt.content_hash() if checkpoint is not None else None,
-        default_seq_len=default_seq_len(facts),
+        checkpoint=ref.checkpoint,
+        checkpoint_hash=ref.checkpoint_hash,
+        default_seq_len=default_seq_len(ref.facts),
         notes=notes,
         loaded_keys=loaded,
-        reference_cfg=family.from_hf(reference.config, dtype),
-        state_dict=state_dict,
-        conversions=conversions,
-        tied_keys=dict(reference._tied_weights_keys or {}) if hf_config.tie_word_embeddings else {},
+        reference_cfg=family.from_hf(ref.model.config, dtype),
+        state_dict=ref.state_dict,
+        conversions=ref.conversions,
+        tied_keys=ref.tied_keys,
     )

@@ -51,6 +51,8 @@ class Run:
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor | None
+    #: ``(batch, seq)`` token positions: 0..S-1, or counted over real tokens when padded (as generate does)
+    position_ids: torch.Tensor
     mode: str
     tolerances: Tolerances
     calibrate: bool
@@ -133,6 +135,7 @@ def plan(
     return Run(
         input_ids=input_ids,
         attention_mask=attention_mask,
+        position_ids=torch.arange(seq).expand(batch, seq),
         mode=mode,
         tolerances=Tolerances(pair.dtype, atol, rtol, dict(tolerances or {}), exact=exact),
         calibrate=calibrate,
@@ -172,7 +175,7 @@ def _accepts(model, name: str) -> bool:
 def trace_ours(pair: Pair, run: Run, substitute: Trace | None = None) -> Trace:
     """Run our model; with ``substitute`` (isolated mode) every node continues from the reference's tensor."""
     tapped = {n.ours: n.name for n in pair.nodes if n.ours.startswith("tap:")}
-    points = [(n.name, n.ours) for n in pair.nodes if not n.ours.startswith("tap:")]
+    points = [(n.name, n.ours) for n in pair.nodes if not n.ours.startswith(("tap:", "unaligned:"))]
     transforms = {n.name: n.transform for n in pair.nodes if n.transform is not None}
     inverses = {n.name: n.inverse for n in pair.nodes if n.inverse is not None}
     taps = {path[len("tap:"):]: name for path, name in tapped.items()}
@@ -216,13 +219,13 @@ def calibrate_tolerances(pair: Pair, run: Run, ref_trace: Trace, safety: float =
     return tolerances
 
 
-def compare_run(pair: Pair, ours: Trace, ref: Trace, tolerances: Tolerances) -> list[NodeResult]:
+def compare_run(pair: Pair, run: Run, ours: Trace, ref: Trace, tolerances: Tolerances) -> list[NodeResult]:
     """Every node compared; the first judged failure carries its hint."""
-    untapped = frozenset(n.name for n in pair.nodes if n.ours.startswith("tap:"))
+    untapped = frozenset(n.name for n in pair.nodes if n.ours.startswith(("tap:", "unaligned:")))
     results = compare_traces(ours, ref, pair.nodes, tolerances, untapped)
     bad = first_mismatch(results)
     if bad is not None:
-        results[bad.index] = replace(bad, hint=diagnose(bad, ours, ref, pair.facts))
+        results[bad.index] = replace(bad, hint=diagnose(bad, ours, ref, pair.facts, run.position_ids))
     return results
 
 
@@ -306,6 +309,8 @@ def _meta(pair: Pair, run: Run, diffs: list[dict], seconds: float, atol, rtol, t
         "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "seconds": round(seconds, 3),
         "model_type": pair.facts.model_type,
+        "ours_class": f"{type(pair.ours).__module__}.{type(pair.ours).__qualname__}",
+        "aligned": bool(pair.alignment),
         "cfg": {k: str(v) if isinstance(v, torch.dtype) else v for k, v in pair.cfg.items()},
     }
 
@@ -360,16 +365,18 @@ def check(
         tolerance = replace(tolerance, calibrated=calibrate_tolerances(pair, run, ref_trace))
     isolated = None
     if run.mode in ("isolated", "both"):
-        isolated = compare_run(pair, trace_ours(pair, run, ref_trace), ref_trace, tolerance)
+        isolated = compare_run(pair, run, trace_ours(pair, run, ref_trace), ref_trace, tolerance)
     our_trace = None
     if run.mode == "isolated":
         nodes = isolated
     else:
         our_trace = trace_ours(pair, run)
-        nodes = compare_run(pair, our_trace, ref_trace, tolerance)
+        nodes = compare_run(pair, run, our_trace, ref_trace, tolerance)
     _refuse_changed_weights(pair, "during the forward passes")
     profile, logits = analyse(pair, nodes, our_trace, ref_trace)
-    coverage = loader_coverage(pair.ours, pair.state_dict, pair.tied_keys, pair.conversions) if pair.state_dict else None
+    coverage = pair.coverage
+    if coverage is None and pair.state_dict:
+        coverage = loader_coverage(pair.ours, pair.state_dict, pair.tied_keys, pair.conversions)
     return CheckResult(
         nodes=tuple(nodes),
         meta=_meta(pair, run, diffs, time.perf_counter() - start, atol, rtol, tolerances, calibrate),

@@ -83,8 +83,9 @@ def _formats(text: str) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="parity", description="Layer-by-layer parity of a from-scratch LLM against Transformers.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    check = sub.add_parser("check", help="compare one family's pair node by node")
-    check.add_argument("family", help="a registered family (see `parity list`)")
+    check = sub.add_parser("check", help="compare one family's pair, or your own model, node by node")
+    check.add_argument("family", nargs="?", help="a registered family (see `parity list`); omit it with --ours")
+    _add_user_model_args(check)
     check.add_argument("--config", help="built-in config name or a config.json path (default: the family's)")
     check.add_argument("--layers", type=_positive, help="number of layers for built-in configs")
     check.add_argument("--checkpoint", help="Transformers-format directory (config.json + safetensors)")
@@ -111,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.add_argument("--report-dir", default="reports", help="parent folder of the run's new report folder")
     check.add_argument("--format", type=_formats, default=["html", "csv", "json"], help="comma list of html,csv,json,junit")
+    align = sub.add_parser("align", help="show how your model's modules align to the reference's nodes")
+    _add_user_model_args(align, required=True)
+    align.add_argument("--dtype", choices=DTYPES, default="float32", help="dtype of the reference's weights")
+    align.add_argument("--seed", type=_nonnegative, default=0, help="seed for the reference's random weights")
     sub.add_parser("list", help="registered families and their configs")
     gate = sub.add_parser("gate", help="CI gate: every family's CI cases against the committed baseline")
     gate.add_argument("--family", action="append", help="only this family (repeatable; default: all)")
@@ -122,6 +127,74 @@ def build_parser() -> argparse.ArgumentParser:
     selftest = sub.add_parser("selftest", help="inject every known fault and check parity locates it")
     selftest.add_argument("family", help="a registered family (see `parity list`)")
     return parser
+
+
+def _add_user_model_args(parser, required: bool = False) -> None:
+    parser.add_argument("--ours", required=required, metavar="MODULE:BUILD",
+                        help="your model: build(state_dict, hf_config) -> nn.Module, as module:function or file.py:function")
+    parser.add_argument("--reference", metavar="REF",
+                        help="with --ours: family[:config] (random weights), a checkpoint folder or a config.json "
+                        "(default: the family argument, or olmo3)")
+    parser.add_argument("--node-map", metavar="JSON",
+                        help="with --ours: a JSON file {reference node or glob: your module path} overriding the alignment")
+
+
+def _node_map(path: str | None) -> dict | None:
+    if path is None:
+        return None
+    import json
+
+    try:
+        data = json.loads(Path(path).expanduser().read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ParityError(f"--node-map {path}: {getattr(e, 'msg', None) or getattr(e, 'strerror', None) or e}") from None
+    if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in data.items()):
+        raise ParityError(f"--node-map {path} must hold a JSON object of reference node -> your module path")
+    return data
+
+
+def _user_pair(args, console: Console):
+    """The Pair of --ours against --reference (or the family argument)."""
+    import torch
+
+    from .user_model import build_user_pair, load_callable
+
+    if args.family is not None and args.reference is not None:
+        raise ParityError("give the reference once: the family argument or --reference, not both")
+    for flag in ("config", "checkpoint", "layers"):
+        if getattr(args, flag, None) is not None:
+            raise ParityError(f"--{flag} does not apply with --ours; pass the reference as --reference family:config or a folder")
+    build = load_callable(args.ours)
+    reference = args.reference or args.family or "olmo3"
+    node_map = _node_map(args.node_map)
+    with console.status(f"building the reference ({reference}) and your model ({args.ours})"):
+        return build_user_pair(build, reference, dtype=getattr(torch, args.dtype), seed=args.seed, node_map=node_map)
+
+
+def _print_alignment(pair, console: Console) -> None:
+    table = Table(title=f"alignment: {sum(r.ours is not None for r in pair.alignment)} of {len(pair.alignment)} reference nodes")
+    table.add_column("reference node", no_wrap=True, overflow="fold")
+    table.add_column("your model", overflow="fold")
+    table.add_column("how")
+    table.add_column("detail", overflow="fold")
+    for r in pair.alignment:
+        ours = "-" if r.ours is None else r.ours
+        table.add_row(r.node, f"[red]{ours}[/]" if r.ours is None else ours, r.how, r.detail)
+    console.print(table)
+
+
+def cmd_align(args, console: Console) -> int:
+    """Exit 0 when every reference node found a place in your model (taps may be missing), 1 otherwise."""
+    args.family = None
+    pair = _user_pair(args, console)
+    _print_alignment(pair, console)
+    unaligned = [r for r in pair.alignment if r.ours is None]
+    for r in unaligned:
+        console.print(f"[red]unaligned:[/] {r.node}: {r.detail}", highlight=False, soft_wrap=True)
+    taps = sum(r.how == "tap" for r in pair.alignment)
+    console.print(f"{len(pair.alignment) - len(unaligned)} aligned ({taps} expect a parity.tap call), {len(unaligned)} unaligned",
+                  highlight=False)
+    return 1 if unaligned else 0
 
 
 def _node_table(result) -> Table:
@@ -183,16 +256,23 @@ def cmd_check(args, console: Console) -> int:
     from .check import check
     from .registry import get_family
 
-    family = get_family(args.family)
-    if args.checkpoint is not None and (args.config is not None or args.layers is not None):
-        raise ParityError("--checkpoint brings its own config.json; do not combine it with --config or --layers")
+    if args.ours is None and args.family is None:
+        raise ParityError("name a family (see `parity list`), or check your own model with --ours module:build")
+    if args.ours is None and (args.reference is not None or args.node_map is not None):
+        raise ParityError("--reference and --node-map go with --ours")
     report_parent = _report_parent(args.report_dir)
-    dtype = getattr(torch, args.dtype)
-    overrides = {"n_layers": args.layers} if args.layers is not None else {}
-    config = None if args.checkpoint else (args.config or family.default_config)
-    what = args.checkpoint or config
-    with console.status(f"building {family.name} pair ({what}, {args.dtype}): ours and {family.reference_class}"):
-        pair = family.build_pair(config=config, checkpoint=args.checkpoint, dtype=dtype, seed=args.seed, **overrides)
+    if args.ours is not None:
+        pair = _user_pair(args, console)
+    else:
+        family = get_family(args.family)
+        if args.checkpoint is not None and (args.config is not None or args.layers is not None):
+            raise ParityError("--checkpoint brings its own config.json; do not combine it with --config or --layers")
+        dtype = getattr(torch, args.dtype)
+        overrides = {"n_layers": args.layers} if args.layers is not None else {}
+        config = None if args.checkpoint else (args.config or family.default_config)
+        what = args.checkpoint or config
+        with console.status(f"building {family.name} pair ({what}, {args.dtype}): ours and {family.reference_class}"):
+            pair = family.build_pair(config=config, checkpoint=args.checkpoint, dtype=dtype, seed=args.seed, **overrides)
     with console.status("tracing both models and comparing every node"):
         result = check(
             pair, seq_len=args.seq_len, batch_size=args.batch, mode=args.mode, atol=args.atol, rtol=args.rtol,
@@ -323,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_selftest(args, console)
         if args.command == "gate":
             return cmd_gate(args, console)
+        if args.command == "align":
+            return cmd_align(args, console)
         return cmd_check(args, console)
     except ParityError as e:
         err.print(f"parity: error: {e}", highlight=False, markup=False, soft_wrap=True)

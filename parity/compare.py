@@ -232,8 +232,11 @@ def compare_node(spec: NodeSpec, index: int, our_t, ref_t, tolerances: Tolerance
     )
     empty = dict(max_abs=None, mean_abs=None, max_rel=None, cosine=None)
     if untapped and our_t is None:
-        return NodeResult(**base, **shapes, **empty, status=UNTAPPED,
-                          detail="no tap in ours for this node (add parity.tap(tensor, ...) to compare it)")
+        if spec.ours.startswith("unaligned:"):
+            detail = "not aligned: " + spec.ours[len("unaligned:"):]
+        else:
+            detail = f"no tap in ours: add parity.tap(tensor, {spec.name.rsplit('.', 1)[-1]!r}) in {spec.ours[len('tap:'):].rsplit('.', 1)[0]}'s forward"
+        return NodeResult(**base, **shapes, **empty, status=UNTAPPED, detail=detail)
     if ref_t is None or our_t is None:
         side = "reference" if ref_t is None else "ours"
         where = spec.name if ref_t is None else spec.ours

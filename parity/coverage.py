@@ -1,8 +1,10 @@
 """Loader coverage: did every checkpoint tensor land in exactly one parameter of ours, and nothing else?
 
-Judged from the loaded model itself, not from the loader's table, so it holds for any loader:
-each of our parameters is traced back to the checkpoint tensor whose storage it shares (or,
-failing that, whose values it equals, as a copy or a transpose).
+Judged from the loaded model itself, not from a loader's table, so it holds for any loader (an
+assigning one, a copying one, a user's own): each of our parameters is traced back to the
+checkpoint tensor it came from, by shared storage, else by value (a copy, a transpose, or the rows
+of several checkpoint tensors fused into one, e.g. ``qkv`` or ``gate_up``, in any row order). The
+:class:`Source` records say how, which is also what aligns a user's model to the reference.
 """
 
 from __future__ import annotations
@@ -12,17 +14,35 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+SHARED, COPY, TRANSPOSED, ROWS = "shared", "copy", "transposed", "rows"
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where (part of) one of our parameters comes from.
+
+    ``param``: our parameter name (the first name of its Parameter); ``key``: the checkpoint key;
+    ``how``: ``shared`` (same storage), ``copy`` (equal values), ``transposed`` (ours is the key's
+    transpose) or ``rows`` (ours holds the key's rows at ``rows[j]`` for the key's row ``j``).
+    """
+
+    param: str
+    key: str
+    how: str
+    rows: tuple[int, ...] | None = None
+
 
 @dataclass
 class Coverage:
     """What the loader did with a checkpoint. ``gaps`` are failures; the rest is information.
 
-    ``consumed``: checkpoint key -> our parameter names (a tied group counts once).
-    ``unused``: checkpoint keys no parameter came from. ``unwritten``: our parameters that hold
-    no checkpoint tensor (never written, still their initial values). ``conversions``: dtype casts
-    and layout changes on the way (``key: float32 -> bfloat16``, ``key: transposed``). ``copies``:
-    parameters equal to a checkpoint tensor by value but not sharing its storage. ``tied``: one
-    line per tie the reference's config asks for, saying whether ours keeps one Parameter.
+    ``consumed``: checkpoint key -> our parameter labels (a tied group counts once, as
+    ``a = b``). ``unused``: checkpoint keys no parameter came from. ``unwritten``: our parameters
+    that hold no checkpoint tensor. ``conversions``: dtype casts and layout changes on the way
+    (``key: float32 -> bfloat16``, ``key: transposed into p``, ``key: rows ... of p``). ``copies``:
+    parameters equal to a checkpoint tensor by value but not sharing its storage. ``tied``: one line
+    per tie the reference's config asks for, saying whether ours keeps one Parameter. ``sources``:
+    per our parameter name (every name of a tied Parameter), where its values came from.
     """
 
     consumed: dict[str, list[str]] = field(default_factory=dict)
@@ -32,6 +52,7 @@ class Coverage:
     copies: list[str] = field(default_factory=list)
     tied: list[str] = field(default_factory=list)
     gaps: list[str] = field(default_factory=list)
+    sources: dict[str, list[Source]] = field(default_factory=dict, repr=False)
 
     @property
     def ok(self) -> bool:
@@ -52,6 +73,53 @@ class Coverage:
 
 def _storage(t: torch.Tensor) -> tuple:
     return (t.device.type, t.untyped_storage().data_ptr() if not t.is_meta else id(t), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def _row_bytes(t: torch.Tensor) -> list[bytes]:
+    flat = t.detach().reshape(t.shape[0], -1).contiguous()
+    raw = flat.view(torch.int16) if flat.dtype == torch.bfloat16 else flat
+    return [row.numpy().tobytes() for row in raw.cpu()]
+
+
+def _fused_rows(p: torch.Tensor, candidates: dict[str, torch.Tensor]) -> list[tuple[str, tuple[int, ...]]] | None:
+    """The checkpoint tensors whose rows, all of them, make up every row of ``p`` (in any order), as
+    ``[(key, our row of each of its rows)]``; None unless they explain ``p`` exactly."""
+    if p.dim() < 2 or p.shape[0] < 2:
+        return None
+    where: dict[bytes, list[int]] = {}
+    for r, b in enumerate(_row_bytes(p)):
+        where.setdefault(b, []).append(r)
+    taken: set[int] = set()
+    parts = []
+    for key, t in candidates.items():
+        if t.dim() != p.dim() or tuple(t.shape[1:]) != tuple(p.shape[1:]) or t.shape[0] >= p.shape[0]:
+            continue
+        rows = []
+        for b in _row_bytes(t.to(p.dtype)):
+            free = [r for r in where.get(b, []) if r not in taken and r not in rows]
+            if not free:
+                break
+            rows.append(free[0])
+        else:
+            taken.update(rows)
+            parts.append((key, tuple(rows)))
+    return parts if len(parts) >= 2 and len(taken) == p.shape[0] else None
+
+
+def _fused_slices(p: torch.Tensor, candidates: dict[str, torch.Tensor]) -> list[tuple[str, tuple[int, ...]]] | None:
+    """1-D ``p`` as consecutive 1-D checkpoint tensors (fused biases); None unless exact."""
+    if p.dim() != 1:
+        return None
+    parts, start, n = [], 0, p.shape[0]
+    remaining = {k: t for k, t in candidates.items() if t.dim() == 1 and t.shape[0] < n}
+    while start < n:
+        hit = next((k for k, t in remaining.items() if start + t.shape[0] <= n and torch.equal(p[start:start + t.shape[0]], t.to(p.dtype))), None)
+        if hit is None:
+            return None
+        size = remaining.pop(hit).shape[0]
+        parts.append((hit, tuple(range(start, start + size))))
+        start += size
+    return parts if len(parts) >= 2 else None
 
 
 def loader_coverage(
@@ -79,23 +147,27 @@ def loader_coverage(
     for name, p in model.named_parameters(remove_duplicate=False):
         params.setdefault(id(p), (p, []))[1].append(name)
 
-    origin: dict[str, str] = {}  # our parameter name -> checkpoint key
+    def record(names: list[str], key: str, how: str, rows=None) -> None:
+        label = " = ".join(names)
+        cov.consumed.setdefault(key, []).append(label)
+        for n in names:
+            cov.sources.setdefault(n, []).append(Source(names[0], key, how, rows))
+
+    unexplained = []
     for p, names in params.values():
         label = " = ".join(names)
         keys = sources.get(_storage(p.data))
         if keys:
             for key in keys:
-                cov.consumed.setdefault(key, []).append(label)
-            origin.update({n: keys[0] for n in names})
+                record(names, key, SHARED)
             continue
         if p.is_meta:
             cov.unwritten.append(f"{label} (never written: still on the meta device)")
             continue
         match = next((k for k in by_shape.get(tuple(p.shape), []) if torch.equal(p.data, state_dict[k].to(p.dtype))), None)
         if match is not None:
-            cov.consumed.setdefault(match, []).append(label)
+            record(names, match, COPY)
             cov.copies.append(f"{label} is a copy of {match}")
-            origin.update({n: match for n in names})
             continue
         if p.dim() == 2:
             match = next(
@@ -103,11 +175,23 @@ def loader_coverage(
                 None,
             )
             if match is not None:
-                cov.consumed.setdefault(match, []).append(label)
+                record(names, match, TRANSPOSED)
                 cov.conversions.append(f"{match}: transposed into {label}")
-                origin.update({n: match for n in names})
                 continue
-        cov.unwritten.append(f"{label} (holds no checkpoint tensor)")
+        unexplained.append((p, names))
+    if unexplained:  # fused tensors: only now, and only against what nothing else consumed
+        free = {k: t for k, t in state_dict.items() if k not in cov.consumed}
+        for p, names in unexplained:
+            label = " = ".join(names)
+            parts = _fused_rows(p.data, free) or _fused_slices(p.data, free)
+            if parts is None:
+                cov.unwritten.append(f"{label} (holds no checkpoint tensor)")
+                continue
+            for key, rows in parts:
+                record(names, key, ROWS, rows)
+                span = f"{rows[0]}..{rows[-1]}" if list(rows) == list(range(rows[0], rows[-1] + 1)) else f"{len(rows)} rows"
+                cov.conversions.append(f"{key}: rows {span} of {label}")
+                free.pop(key, None)
 
     for storage_keys in sources.values():
         used = [k for k in storage_keys if k in cov.consumed]
@@ -116,6 +200,7 @@ def loader_coverage(
     for key, targets in cov.consumed.items():
         if len(targets) > 1:
             cov.gaps.append(f"{key} consumed {len(targets)} times: {', '.join(targets)}")
+
     def consumers(key: str) -> list[str]:
         aliases = sources.get(_storage(state_dict[key]), [key]) if key in state_dict else []
         return [label for k in aliases for label in cov.consumed.get(k, [])]
@@ -129,7 +214,11 @@ def loader_coverage(
             cov.tied.append(f"{target} -> {source}: not tied in ours ({found})")
             cov.gaps.append(f"tied weights {target} and {source} are not the same Parameter in ours: {found}")
     if cov.unused:
-        cov.gaps.append(f"checkpoint keys never used: {', '.join(cov.unused)}")
+        cov.gaps.append(f"checkpoint keys never used: {_summary(cov.unused)}")
     if cov.unwritten:
-        cov.gaps.append(f"parameters of ours holding no checkpoint tensor: {', '.join(cov.unwritten)}")
+        cov.gaps.append(f"parameters of ours holding no checkpoint tensor: {_summary(cov.unwritten)}")
     return cov
+
+
+def _summary(items: list[str], n: int = 6) -> str:
+    return ", ".join(items[:n]) + (f", ... ({len(items)} in all)" if len(items) > n else "")

@@ -35,6 +35,8 @@ class Evidence:
     ours_trace: Trace
     ref_trace: Trace
     facts: ArchFacts
+    #: the position of every token, ``(batch, seq)`` (what RoPE rotates by)
+    positions: torch.Tensor | None = None
 
     @property
     def kind(self) -> str:
@@ -394,6 +396,61 @@ def _pairing(rotated: torch.Tensor, x: torch.Tensor) -> str | None:
     return None
 
 
+def rope_fit(e: Evidence) -> Hint | None:
+    """Read ours' rotation back (angles and amplitude per frequency and position) and name the RoPE
+    that reproduces it: another layer type's, the unscaled one, another theta, shifted positions."""
+    from .rope_fit import identify
+
+    if e.kind not in ("q_rot", "k_rot") or e.ours.dim() != 4 or e.positions is None:
+        return None
+    layer = e.facts.layer(e.result.layer)
+    x = _pre_rope(e, e.ours.shape[1])
+    if layer is None or x is None or x.shape != e.ours.shape or e.positions.shape != (e.ours.shape[0], e.ours.shape[2]):
+        return None
+    ropes = {t: e.facts.rope_of_type(t) for t in sorted(set(e.facts.layer_types))}
+    tol = 1e-2 if e.ours.dtype in (torch.bfloat16, torch.float16) else 1e-4
+    fit = identify(x, e.ours, layer, ropes, e.positions, tol)
+    if fit is None:
+        return None
+    own = layer.rope.attention_factor if layer.rope is not None else 1.0
+    amp = f"cos/sin scaled by {fit.amplitude:.6g} (the reference: {own:.6g})"
+    evidence = {"ours": fit.label, "amplitude": fit.amplitude, "reference_amplitude": own, "layer_type": layer.layer_type}
+    if fit.offsets:
+        pads = [int((e.positions[row] == e.positions[row, -1] - (e.positions.shape[1] - 1)).sum()) for row in range(len(fit.offsets))]
+        return Hint(
+            "position_offset",
+            f"likely positions not derived from the attention mask: ours rotates row b by this layer's RoPE at "
+            f"position + {list(fit.offsets)} (per batch row); a padded row's offset equal to its pad count means "
+            "positions 0..S-1 were used where generation counts only real tokens",
+            {**evidence, "offsets": list(fit.offsets)},
+        )
+    if fit.label.startswith("this layer's RoPE"):
+        if abs(fit.amplitude / own - 1) < 1e-3:
+            return None  # ours is this layer's RoPE: the error is not in the rotation
+        named = [(n, v) for n, v in e.facts.named_constants().items() if "attention factor" in n and abs(fit.amplitude / own / v - 1) < 1e-3]
+        detail = f" ({named[0][0]})" if named else ""
+        return Hint("rope_attention_factor",
+                    f"likely the RoPE attention factor: ours rotates with this layer's frequencies but {amp}{detail}", evidence)
+    if fit.label.startswith("the RoPE of") and layer.rope is None:
+        return Hint(
+            "rope_unexpected",
+            f"likely RoPE where the reference applies none: this {layer.layer_type} layer is NoPE in the reference, "
+            f"ours rotates it with {fit.label}, {amp}",
+            evidence,
+        )
+    if fit.label.startswith("the RoPE of"):
+        return Hint(
+            "rope_layer_type",
+            f"likely RoPE per layer type: this {layer.layer_type} layer of ours uses {fit.label}, {amp}; "
+            "in Transformers 5 each layer type has its own rope_parameters (e.g. YaRN on full_attention only)",
+            evidence,
+        )
+    if fit.label.startswith("the unscaled RoPE"):
+        return Hint("rope_scaling", f"likely the RoPE scaling is not applied: ours rotates with {fit.label}, {amp}", evidence)
+    return Hint("rope_theta", f"likely a different rope theta: ours rotates like {fit.label}, {amp} (the reference: theta "
+                f"{layer.rope.theta:g})", evidence)
+
+
 def rope_pattern(e: Evidence) -> Hint | None:
     """Position 0 agrees and the error grows with position: RoPE (frequencies, scaling, pairing, offset)."""
     ours, ref = e.ours, e.ref
@@ -505,18 +562,22 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     last_dim_permutation,
     head_mapping,
     window_pattern,
+    rope_fit,
     rope_pattern,
     channel_ratio,
 )
 
 
-def diagnose(result: NodeResult, ours_trace: Trace, ref_trace: Trace, facts: ArchFacts) -> Hint | None:
-    """A likely cause for a failing node, with its evidence; None if no pattern is recognised."""
+def diagnose(result: NodeResult, ours_trace: Trace, ref_trace: Trace, facts: ArchFacts,
+             positions: torch.Tensor | None = None) -> Hint | None:
+    """A likely cause for a failing node, with its evidence; None if no pattern is recognised.
+    ``positions``: ``(batch, seq)`` token positions of the run (RoPE hints need them)."""
     if result.status == MISSING:
         return Hint("missing", f"likely a node-map or tap problem: {result.detail}")
     if result.status == SHAPE:
         return Hint("shape", f"likely a layout or head-count difference: {result.detail}")
-    e = Evidence(result, ours_trace.tensors.get(result.name), ref_trace.tensors.get(result.name), ours_trace, ref_trace, facts)
+    e = Evidence(result, ours_trace.tensors.get(result.name), ref_trace.tensors.get(result.name), ours_trace, ref_trace,
+                 facts, positions)
     if result.status == NONFINITE:
         return nonfinite(e)
     if e.ours is None or e.ref is None or e.ours.shape != e.ref.shape:

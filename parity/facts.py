@@ -40,6 +40,12 @@ class RopeFacts:
     attention_factor: float = 1.0
     rotary_dim: int = 0
     interleaved: bool = False
+    #: the inverse frequencies Transformers computes (``rotary_dim // 2`` of them), for hints
+    inv_freq: tuple[float, ...] = ()
+
+    def unscaled_inv_freq(self) -> tuple[float, ...]:
+        """Plain RoPE frequencies ``theta^(-2i/d)`` with this theta (what a forgotten scaling gives)."""
+        return default_inv_freq(self.theta, self.rotary_dim)
 
     def get(self, key: str, default=None):
         return self.parameters.get(key, default)
@@ -206,20 +212,30 @@ def _rope_by_type(config, layer_types: tuple[str, ...]) -> dict[str, dict | None
     return {t: dict(params) for t in set(layer_types)}
 
 
-def _attention_factor(config, layer_type: str, params: dict, per_type: bool) -> float:
-    """The cos/sin scale Transformers computes for these parameters (1.0 where it has none)."""
+def default_inv_freq(theta: float, rotary_dim: int) -> tuple[float, ...]:
+    """``theta^(-2i/d)`` for ``i < d/2``, computed as Transformers' default RoPE does (float32)."""
+    import torch
+
+    if rotary_dim < 2 or not theta > 0:
+        return ()
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    return tuple((1.0 / (theta**exponents)).tolist())
+
+
+def _rope_init(config, layer_type: str, params: dict, per_type: bool, theta: float, rotary_dim: int) -> tuple[tuple, float]:
+    """``(inverse frequencies, cos/sin scale)`` as Transformers computes them for these parameters."""
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
-        return 1.0
+        return default_inv_freq(theta, rotary_dim), 1.0
     try:
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
         fn = ROPE_INIT_FUNCTIONS[rope_type]
-        _, factor = fn(config, "cpu", layer_type=layer_type) if per_type else fn(config, "cpu")
-        return float(factor)
+        inv_freq, factor = fn(config, "cpu", layer_type=layer_type) if per_type else fn(config, "cpu")
+        return tuple(inv_freq.float().tolist()), float(factor)
     except Exception:  # a config Transformers itself cannot run; the build path reports it
         value = params.get("attention_factor")
-        return float(value) if isinstance(value, (int, float)) else 1.0
+        return (), float(value) if isinstance(value, (int, float)) else 1.0
 
 
 def derive_facts(config, model=None) -> ArchFacts:
@@ -245,12 +261,16 @@ def derive_facts(config, model=None) -> ArchFacts:
             rope_facts[layer_type] = None
             continue
         partial = float(params.get("partial_rotary_factor", _get(config, "partial_rotary_factor", default=1.0)))
+        theta = float(params.get("rope_theta", getattr(config, "default_theta", 10_000.0)))
+        rotary_dim = int(head_dim * partial)
+        inv_freq, attention_factor = _rope_init(config, layer_type, params, per_type, theta, rotary_dim)
         rope_facts[layer_type] = RopeFacts(
             rope_type=str(params.get("rope_type", "default")),
-            theta=float(params.get("rope_theta", getattr(config, "default_theta", 10_000.0))),
+            theta=theta,
             parameters=MappingProxyType(params),
-            attention_factor=_attention_factor(config, layer_type, params, per_type),
-            rotary_dim=int(head_dim * partial),
+            attention_factor=attention_factor,
+            rotary_dim=rotary_dim,
+            inv_freq=inv_freq,
         )
     scalar = _get(config, "query_pre_attn_scalar")
     scale = float(scalar) ** -0.5 if scalar else (head_dim**-0.5 if head_dim else 1.0)

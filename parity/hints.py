@@ -38,6 +38,7 @@ KINDS: dict[str, str] = {
     "rope_unexpected": "ours rotates where the reference applies no RoPE (a NoPE layer)",
     "rope_layer_type": "RoPE differs on exactly the layers of one type (per-layer-type RoPE parameters)",
     "rope_theta": "the rotation equals RoPE with another theta (a fallback theta)",
+    "rope_scaling": "ours rotates with the unscaled frequencies where the reference scales them (llama3, YaRN, linear)",
     "position_offset": "each padded row is rotated by an offset equal to its pad count (positions not from the mask)",
     "rounding_order": "every difference is within one or two units in the last place of the dtype (cast order)",
 }

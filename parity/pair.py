@@ -27,9 +27,10 @@ class NodeSpec:
     ``logits`` after a scale applied outside any module is the root's output, ``""``).
 
     ``transform`` (optional) maps our tensor into the reference's layout before comparing (a slice
-    of a fused projection, a transpose of a head-major layout); ``inverse`` maps a reference tensor
-    back into ours, which isolated mode needs to substitute that node (without it the node is
-    compared but not substituted). ``layer`` and ``kind`` are filled from the facts
+    of a fused projection, a transpose of a head-major layout); ``inverse(ref, ours) -> ours`` maps a
+    reference tensor back into our layout (given our tensor, so a fused projection can write only its
+    part), which isolated mode needs to substitute that node (without it the node is compared but
+    not substituted). ``layer`` and ``kind`` are filled from the facts
     (:meth:`ArchFacts.locate`) unless given.
     """
 
@@ -37,7 +38,7 @@ class NodeSpec:
     ours: str
     transform: Callable[[torch.Tensor], torch.Tensor] | None = None
     reference: str | None = None
-    inverse: Callable[[torch.Tensor], torch.Tensor] | None = None
+    inverse: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     layer: int | None = None
     kind: str = ""
 
@@ -92,6 +93,8 @@ class Pair:
     fingerprint: dict = field(default_factory=dict, repr=False)
     #: reference node -> how our node was found (check_model's alignment), empty for families
     alignment: list = field(default_factory=list)
+    #: loader coverage computed while building (check_model), else computed by the check
+    coverage: object | None = field(default=None, repr=False)
 
     def __post_init__(self):
         self.nodes = annotate(self.nodes, self.facts)

@@ -1,4 +1,4 @@
-"""pytest plugin (entry point ``pytest11``): the ``parity_pair`` fixture factory.
+"""pytest plugin (entry point ``pytest11``): the ``parity_pair`` and ``parity_model`` fixture factories.
 
 ``parity_pair(family, config=None, **kwargs)`` builds a registered family's pair with
 ``family.build_pair(config=..., **kwargs)`` (``checkpoint=``, ``dtype=``, ``seed=``, cfg
@@ -22,3 +22,12 @@ def parity_pair():
         return fam.build_pair(config=config, **kwargs)
 
     return make
+
+
+@pytest.fixture
+def parity_model():
+    """Factory: ``parity_model(build, "olmo3:yarn", mode="both") -> parity.CheckResult`` for your own
+    model (see :func:`parity.check_model`); use with ``assert_parity``."""
+    from .user_model import check_model
+
+    return check_model

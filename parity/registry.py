@@ -42,3 +42,16 @@ def get_family(name: str) -> Family:
             return _load(ep)
     known = family_names()
     raise ParityError(f"unknown family {name!r}; known families: {', '.join(known) or 'none installed'}")
+
+
+def family_for_model_type(model_type: str) -> Family | None:
+    """The registered family whose reference has this ``model_type`` (the first by name), or None.
+    Families that cannot be imported are skipped here (``parity list`` reports them)."""
+    for ep in sorted(entry_points(group=GROUP), key=lambda ep: ep.name):
+        try:
+            family = _load(ep)
+        except ParityError:
+            continue
+        if family.model_type == model_type:
+            return family
+    return None

@@ -42,13 +42,19 @@ def mismatch_table(result: CheckResult, context: int = 3) -> str:
     return buffer.getvalue()
 
 
-def assert_parity(pair: Pair, **check_kwargs) -> CheckResult:
-    """Run :func:`parity.check` and raise AssertionError with the first-mismatch table unless it passes.
+def assert_parity(pair_or_result: Pair | CheckResult, **check_kwargs) -> CheckResult:
+    """Raise AssertionError with the first-mismatch table unless parity holds.
 
-    ``check_kwargs`` go to :func:`parity.check` (``seq_len``, ``mode``, ``atol``, ``tolerances``...).
+    Given a Pair, runs :func:`parity.check` first (``check_kwargs``: ``seq_len``, ``mode``, ``atol``,
+    ``tolerances``...); given a CheckResult (e.g. from :func:`parity.check_model`), judges it as is.
     Returns the result when parity holds.
     """
-    result = check(pair, **check_kwargs)
+    if isinstance(pair_or_result, CheckResult):
+        if check_kwargs:
+            raise TypeError("check options go with a Pair, not with a finished CheckResult")
+        result = pair_or_result
+    else:
+        result = check(pair_or_result, **check_kwargs)
     if not result.passed:
         raise AssertionError("parity failed\n" + mismatch_table(result))
     return result

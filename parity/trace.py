@@ -90,6 +90,8 @@ class _Recording:
     stack: list[str] = field(default_factory=list)
     #: functional node name -> canonical node name, for taps recorded in a user's model
     tap_names: dict[str, str] = field(default_factory=dict)
+    #: node name -> transform into the reference's layout (applied to tapped tensors too)
+    transforms: dict = field(default_factory=dict)
 
 
 def active_trace() -> Trace | None:
@@ -106,13 +108,16 @@ def tap(tensor: torch.Tensor, name: str) -> torch.Tensor:
     forward continues from it. Free when nothing is being traced: returns ``tensor`` unchanged.
     """
     rec = _ACTIVE.get()
-    if rec is None:
+    if rec is None or not rec.tap_names:
         return tensor
-    path = f"{rec.stack[-1]}.{name}" if rec.stack and rec.stack[-1] else name
-    node = rec.tap_names.get(path)
+    node = None
+    for path in reversed(rec.stack):  # the innermost running module first, then its parents
+        node = rec.tap_names.get(f"{path}.{name}" if path else name)
+        if node is not None:
+            break
     if node is None:
         return tensor
-    rec.trace.add(node, tensor)
+    rec.trace.add(node, tensor, rec.transforms.get(node))
     new = rec.replacement(node, tensor)
     return tensor if new is None else new.to(dtype=tensor.dtype, device=tensor.device)
 
@@ -156,7 +161,8 @@ def recording(
     with ``substitute``'s tensor for that node instead (outputs through the forward hook's return
     value, ``@input`` nodes through the pre-hook's), so every later node reads the reference's
     values and is judged on its own error. A node with a ``transform`` is substituted only if
-    ``inverses`` maps the reference tensor back into our layout, and only where the shapes agree.
+    ``inverses`` maps the reference tensor back into our layout (``inverse(ref, ours) -> ours``:
+    a fused projection writes the reference's part into our tensor), and only where the shapes agree.
     Only a module's first call is substituted. ``keep_inputs``: node names whose module input (and
     2-D weight and bias, by reference) are also kept for diagnosis.
     """
@@ -167,14 +173,16 @@ def recording(
         if substitute is None or trace.calls.get(name, 0) != 1 or name not in substitute.tensors:
             return None
         ref = substitute.tensors[name]
-        if name in transforms:
-            ref = inverses[name](ref) if name in inverses else None
         mine = _first_tensor(current)
-        if ref is None or mine is None or ref.shape != mine.shape:
+        if mine is None:
+            return None
+        if name in transforms:
+            ref = inverses[name](ref, mine) if name in inverses else None
+        if ref is None or ref.shape != mine.shape:
             return None  # a node of another shape is reported as such; ours keeps its own tensor
         return ref
 
-    rec = _Recording(trace, replacement, tap_names=dict(taps or {}))
+    rec = _Recording(trace, replacement, tap_names=dict(taps or {}), transforms=transforms)
     handles = _module_stack_hooks(model, rec) if taps else []
     modules = dict(model.named_modules())
     for name, path in points:

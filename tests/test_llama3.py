@@ -187,7 +187,7 @@ def test_skipped_llama3_frequency_scaling_is_found_at_layer0_q_rot(monkeypatch):
     )
     bad = first_bad(pair)
     assert bad.name == "model.layers.0.self_attn.q_rot"
-    assert bad.hint.kind == "rope_band"
+    assert bad.hint.kind == "rope_scaling"
 
 
 def test_kv_heads_expanded_with_repeat_is_found_at_layer0_probs():

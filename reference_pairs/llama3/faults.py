@@ -37,7 +37,7 @@ def _k_permuted_by_query_heads(pair):
 
 FAULTS = (
     Fault("llama3-scaling-skipped", "Llama 3 RoPE frequency scaling not applied", "tiny", _skip_llama3_scaling,
-          f"{ATT.format(0)}.q_rot", "rope_band", scope=f"{ATT.format('*')}.[qk]_rot"),
+          f"{ATT.format(0)}.q_rot", "rope_scaling", scope=f"{ATT.format('*')}.[qk]_rot"),
     Fault("F02", "k_proj rows (un)permuted for RoPE grouped by query heads instead of KV heads", "tiny",
           _k_permuted_by_query_heads, f"{ATT.format(0)}.k_proj", "weight_permutation", source="transformers #31788"),
     Fault("F07", "K/V heads expanded with repeat instead of repeat_interleave", "tiny", expand_kv_with_repeat,

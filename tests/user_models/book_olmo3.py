@@ -4,6 +4,7 @@
 
 import math
 
+import parity
 import torch
 import torch.nn as nn
 
@@ -181,19 +182,19 @@ class GroupedQueryAttention(nn.Module):
         keys = keys.view(b, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
         values = values.view(b, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
 
-        queries = apply_rope(queries, cos, sin)
-        keys = apply_rope(keys, cos, sin)
+        queries = parity.tap(apply_rope(queries, cos, sin), "q_rot")  # named for the debugger
+        keys = parity.tap(apply_rope(keys, cos, sin), "k_rot")
 
         # Each K/V head serves `group_size` query heads
         keys = keys.repeat_interleave(self.group_size, dim=1)
         values = values.repeat_interleave(self.group_size, dim=1)
 
-        scores = (queries @ keys.transpose(2, 3)) * self.head_dim ** -0.5
+        scores = parity.tap((queries @ keys.transpose(2, 3)) * self.head_dim ** -0.5, "scores")
         # Finite min instead of -inf: a row with every key masked stays NaN-free
         scores = scores.masked_fill(mask, torch.finfo(scores.dtype).min)
-        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(queries.dtype)
+        weights = parity.tap(torch.softmax(scores, dim=-1, dtype=torch.float32).to(queries.dtype), "probs")
 
-        context = (weights @ values).transpose(1, 2).reshape(b, n, -1)
+        context = parity.tap((weights @ values).transpose(1, 2).reshape(b, n, -1), "context")
         return self.out_proj(context)
 
 

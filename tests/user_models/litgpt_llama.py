@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
+import parity
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -121,8 +122,8 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, ng, hs).transpose(1, 2)  # (B, ng, T, hs)
         v = v.view(B, T, ng, hs).transpose(1, 2)
 
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+        q = parity.tap(apply_rope(q, cos, sin), "q_rot")  # the only taps: the rest is aligned by weights
+        k = parity.tap(apply_rope(k, cos, sin), "k_rot")
 
         # GQA: each kv group serves nh // ng consecutive query heads
         if ng != nh:

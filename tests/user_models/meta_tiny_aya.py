@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+import parity
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -87,6 +88,7 @@ class Attention(nn.Module):
 
         if self.use_rope:
             xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
+        xq, xk = parity.tap(xq, "q_rot"), parity.tap(xk, "k_rot")  # (bs, seq, heads, hd): parity transposes
 
         # GQA: kv head k serves query heads k*n_rep .. k*n_rep + n_rep - 1
         xk = torch.repeat_interleave(xk, self.n_rep, dim=2)
@@ -95,7 +97,7 @@ class Attention(nn.Module):
         xq, xk, xv = (t.transpose(1, 2) for t in (xq, xk, xv))  # (bs, heads, seq, hd)
         scores = torch.matmul(xq, xk.transpose(2, 3)) / math.sqrt(self.head_dim)
         scores = scores + mask
-        scores = F.softmax(scores.float(), dim=-1).type_as(xq)
+        scores = parity.tap(F.softmax(scores.float(), dim=-1).type_as(xq), "probs")
         out = torch.matmul(scores, xv)
         out = out.transpose(1, 2).reshape(bsz, seqlen, -1)
         return self.wo(out)
