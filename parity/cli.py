@@ -205,7 +205,7 @@ def _node_table(result) -> Table:
         table.add_column(col, justify=justify)
     if result.isolated is not None and result.isolated is not result.nodes:
         table.add_column("isolated", justify="left")
-    colors = {"ok": "green", "mismatch": "red", "shape": "magenta", "missing": "magenta", "nonfinite": "red"}
+    colors = {"ok": "green", "mismatch": "red", "shape": "magenta", "missing": "magenta", "nonfinite": "red", "untapped": "dim"}
     isolated = {r.name: r for r in result.isolated or []} if result.isolated is not result.nodes else {}
     for r in result.nodes:
         style = "bold reverse red" if bad is not None and r.index == bad.index else None

@@ -73,6 +73,11 @@ class NodeResult:
         return self.status != UNTAPPED
 
     @property
+    def failed(self) -> bool:
+        """Judged and not ok (an ``untapped`` node never fails)."""
+        return self.judged and not self.passed
+
+    @property
     def differs(self) -> bool:
         """Any difference at all (the first divergence of a pair that is bit-exact when correct)."""
         return self.judged and (self.status != OK or bool(self.max_abs))

@@ -36,7 +36,7 @@ def run_fault(family: Family, fault: Fault) -> SelftestRow:
     fault.inject(pair)
     res = check(pair, mode="both", **kwargs)
     chained, isolated = res.first_mismatch, res.first_isolated_mismatch
-    failing = [n.name for n in res.isolated if not n.passed]
+    failing = [n.name for n in res.isolated if n.failed]
     if chained is None or chained.name != fault.expected:
         problems.append(f"chained: expected {fault.expected}, found {chained.name if chained else 'no mismatch'}")
     if isolated is None or isolated.name != fault.isolated_expected:

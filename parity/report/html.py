@@ -128,8 +128,8 @@ def _card(result, bad) -> dict | None:
     profile = result.profile if result.profile and result.profile.get("node") == bad.name else None
     card = {
         "ratio": tolerance_ratio(bad),
-        "failing": sum(not n.passed for n in result.nodes),
-        "after": sum(not n.passed for n in result.nodes if n.index > bad.index),
+        "failing": sum(n.failed for n in result.nodes),
+        "after": sum(n.failed for n in result.nodes if n.index > bad.index),
         "profile": profile,
         "position_svg": None,
         "head_svg": None,

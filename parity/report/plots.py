@@ -275,7 +275,7 @@ def depth_line_svg(nodes, isolated, first_index: int | None, label: str = "chain
         for n in group:
             ratio = tolerance_ratio(n)
             if ratio is None or math.isinf(ratio) or n.status == "nonfinite":
-                if not n.passed:
+                if n.failed:
                     bad_x.append(n.index)
                 continue
             xs.append(n.index)

@@ -1,0 +1,222 @@
+"""parity.check_model: three user models written independently of reference_pairs/ (tests/user_models/,
+each in its own style and loader convention) are aligned to the reference by the weights they hold,
+pass clean, and have an injected bug located at the right node with the right hint kind, in chained
+and isolated mode."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import parity
+from parity.cli import main
+
+USER_MODELS = Path(__file__).parent / "user_models"
+sys.path.insert(0, str(USER_MODELS))
+
+import book_olmo3  # noqa: E402  (book style: trf_blocks, att.W_query, copying loader)
+import litgpt_llama  # noqa: E402  (litgpt style: transformer.h, fused qkv, load_state_dict)
+import meta_tiny_aya  # noqa: E402  (Meta style: layers.i.attention.wq, complex RoPE, assigning loader)
+
+MODELS = {
+    "book_olmo3": (book_olmo3, "olmo3:yarn"),
+    "litgpt_llama": (litgpt_llama, "llama3"),
+    "meta_tiny_aya": (meta_tiny_aya, "tiny_aya"),
+}
+#: functional nodes each model does not tap (the verdict covers the rest)
+UNTAPPED_KINDS = {"book_olmo3": set(), "litgpt_llama": {"probs", "context"}, "meta_tiny_aya": {"context"}}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_user_model_passes_chained_and_isolated(name):
+    module, reference = MODELS[name]
+    res = parity.check_model(module.build, reference, mode="both")
+    assert res.passed, res.verdict()
+    assert res.first_isolated_mismatch is None
+    untapped = {n.kind for n in res.nodes if n.status == "untapped"}
+    assert untapped == UNTAPPED_KINDS[name]
+    assert all(n.status in ("ok", "untapped") for n in res.nodes)
+    assert all(row.ours is not None for row in res.alignment)  # every reference node found a place
+    assert res.coverage.ok, res.coverage.gaps
+
+
+def rows(res) -> dict[str, parity.user_model.Aligned]:
+    return {r.node: r for r in res.alignment}
+
+
+def test_book_model_aligns_by_copied_weights_and_taps():
+    res = parity.check_model(book_olmo3.build, "olmo3:yarn")
+    a = rows(res)
+    assert a["model.layers.3.self_attn.q_proj"].ours == "trf_blocks.3.att.W_query" and a["model.layers.3.self_attn.q_proj"].how == "weights"
+    assert "copy" in a["model.layers.3.self_attn.q_proj"].detail  # a copying loader, found by value
+    assert a["model.layers.3.post_attention_layernorm"].ours == "trf_blocks.3.norm1"  # norms by their weight vectors
+    assert a["model.layers.3.mlp@input"].ours == "trf_blocks.3.ff@input"  # containers through their children
+    assert a["model.layers.3"].ours == "trf_blocks.3"
+    assert a["model.layers.3.self_attn.q_rot"].ours == "tap:trf_blocks.3.att.q_rot"
+    assert a["lm_head"].ours == "out_head"
+
+
+def test_litgpt_fused_qkv_is_compared_through_its_rows_and_the_tied_head_is_found():
+    res = parity.check_model(litgpt_llama.build, "llama3", mode="both")
+    a = rows(res)
+    for proj in ("q_proj", "k_proj", "v_proj"):
+        row = a[f"model.layers.1.self_attn.{proj}"]
+        assert row.ours == "transformer.h.1.attn.qkv" and row.how == "fused rows"
+    assert a["lm_head"].ours == "lm_head" and a["model.embed_tokens"].ours == "transformer.wte"
+    conversions = " ".join(res.coverage.conversions)
+    assert "model.layers.1.self_attn.k_proj.weight: rows 64..95 of transformer.h.1.attn.qkv.weight" in conversions
+    assert any("one Parameter" in t for t in res.coverage.tied)
+
+
+def test_fused_rows_in_any_order_are_found(monkeypatch):
+    """litgpt's real layout interleaves q, k, v per query group; rows are matched by value, not position."""
+    original = litgpt_llama.convert_hf_checkpoint
+
+    def interleaved(sd, config):
+        out = original(sd, config)
+        for key in [k for k in out if k.endswith("attn.qkv.weight")]:
+            out[key] = out[key].flip(0)  # any permutation of rows
+        return out
+
+    monkeypatch.setattr(litgpt_llama, "convert_hf_checkpoint", interleaved)
+    res = parity.check_model(litgpt_llama.build, "llama3")
+    assert rows(res)["model.layers.0.self_attn.q_proj"].how == "fused rows"
+    assert res.coverage.ok
+    # the forward still splits [q; k; v] by position, so q_proj itself agrees (rows) but the rotation input does not
+    assert res.first_mismatch.name == "model.layers.0.self_attn.q_rot"
+
+
+def test_book_olmo3_with_yarn_on_every_layer_is_found_at_layer0_q_rot(monkeypatch):
+    """Transformers 5 puts YaRN on full_attention layers only; this user applies it everywhere."""
+    correct = book_olmo3.compute_rope_params
+    monkeypatch.setattr(book_olmo3, "compute_rope_params", lambda cfg, layer_type: correct(cfg, "full_attention"))
+    res = parity.check_model(book_olmo3.build, "olmo3:yarn", mode="both")
+    for bad in (res.first_mismatch, res.first_isolated_mismatch):
+        assert bad.name == "model.layers.0.self_attn.q_rot"
+        assert bad.hint.kind == "rope_layer_type"
+        assert "full_attention" in bad.hint.text and "1.20794" in bad.hint.text
+
+
+def test_litgpt_without_llama3_scaling_is_found_at_layer0_q_rot(monkeypatch):
+    monkeypatch.setattr(litgpt_llama, "llama3_adjust_inv_freq", lambda inv_freq, adj: inv_freq)
+    res = parity.check_model(litgpt_llama.build, "llama3", mode="both")
+    for bad in (res.first_mismatch, res.first_isolated_mismatch):
+        assert bad.name == "model.layers.0.self_attn.q_rot" and bad.hint.kind == "rope_scaling"
+
+
+def test_meta_tiny_aya_rotating_its_nope_layer_is_found_at_that_layers_q_rot(monkeypatch):
+    init = meta_tiny_aya.Attention.__init__
+
+    def rope_everywhere(self, args, layer_id):
+        init(self, args, layer_id)
+        self.use_rope = True
+
+    monkeypatch.setattr(meta_tiny_aya.Attention, "__init__", rope_everywhere)
+    res = parity.check_model(meta_tiny_aya.build, "tiny_aya", mode="both")
+    for bad in (res.first_mismatch, res.first_isolated_mismatch):
+        assert bad.name == "model.layers.3.self_attn.q_rot" and bad.hint.kind == "rope_unexpected"
+    isolated = [n.name for n in res.isolated if n.failed]
+    assert isolated and all(n.startswith("model.layers.3.self_attn.") for n in isolated)
+
+
+def test_node_map_overrides_the_alignment():
+    """No context tap in the litgpt model: compare it as the input of the output projection instead."""
+    res = parity.check_model(litgpt_llama.build, "llama3",
+                             node_map={"model.layers.0.self_attn.context": "transformer.h.0.attn.proj@input"})
+    row = rows(res)["model.layers.0.self_attn.context"]
+    assert row.how == "override"
+    assert next(n for n in res.nodes if n.name == row.node).status == "ok"
+
+
+def test_reference_given_as_a_checkpoint_folder_or_a_model(tmp_path):
+    from reference_pairs.llama3 import build_pair
+
+    reference = build_pair("tiny").reference
+    reference.save_pretrained(tmp_path / "ckpt")
+    for ref in (tmp_path / "ckpt", reference, reference.config):
+        res = parity.check_model(litgpt_llama.build, ref)
+        assert res.passed, (type(ref).__name__, res.verdict())
+
+
+# --- bad input: one line naming the problem
+
+
+def test_build_that_raises_is_bad_input():
+    def build(state_dict, hf_config):
+        raise KeyError("model.norm.weight")
+
+    with pytest.raises(parity.ParityError, match=r"build .*build\(state_dict, hf_config\) raised KeyError: model.norm.weight"):
+        parity.check_model(build, "llama3")
+
+
+def test_build_returning_something_else_is_bad_input():
+    with pytest.raises(parity.ParityError, match="returned dict, not a torch.nn.Module"):
+        parity.check_model(lambda sd, cfg: {}, "llama3")
+
+
+def test_a_reference_tensor_left_unused_is_named():
+    def build(state_dict, hf_config):
+        model = litgpt_llama.build(state_dict, hf_config)
+        model.transformer.ln_f.weight = nn.Parameter(torch.ones_like(model.transformer.ln_f.weight))
+        return model
+
+    with pytest.raises(parity.ParityError, match=r"holds no copy of reference tensor\(s\) model.norm.weight"):
+        parity.check_model(build, "llama3")
+
+
+class Flat(nn.Module):
+    """Every tensor in one ParameterDict: nothing module-shaped to align."""
+
+    def __init__(self, state_dict):
+        super().__init__()
+        self.p = nn.ParameterDict({k.replace(".", "_"): nn.Parameter(v.clone()) for k, v in state_dict.items()})
+
+    def forward(self, input_ids, attention_mask=None):
+        return self.p["model_embed_tokens_weight"][input_ids]
+
+
+def test_an_unalignable_model_says_what_could_not_be_aligned_and_why():
+    with pytest.raises(parity.ParityError, match=r"no node of the reference could be aligned to your model \(model.embed_tokens: no module of ours holds"):
+        parity.check_model(lambda sd, cfg: Flat(sd), "llama3")
+
+
+# --- CLI and pytest
+
+
+def test_cli_check_ours_and_align(tmp_path, capsys):
+    spec = f"{USER_MODELS / 'litgpt_llama.py'}:build"
+    assert main(["check", "--ours", spec, "--reference", "llama3", "--report-dir", str(tmp_path), "--format", "json"]) == 0
+    out = capsys.readouterr().out
+    assert "PASS: all 29 nodes agree" in out and "4 of 33 reference nodes untapped" in out
+    (folder,) = [p for p in tmp_path.iterdir() if not p.name.startswith(".")]
+    result = json.loads((folder / "result.json").read_text())
+    assert result["counts"] == {"ok": 29, "untapped": 4}
+    assert main(["align", "--ours", spec, "--reference", "llama3"]) == 0
+    out = capsys.readouterr().out
+    assert "transformer.h.0.attn.qkv" in out and "fused rows" in out and "33 aligned (8 expect a parity.tap call), 0 unaligned" in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["check", "--ours", "nosuchmodule_xyz:build"], "--ours: cannot import nosuchmodule_xyz: ModuleNotFoundError"),
+        (["check", "--ours", "no_colon"], "must be module:function or path/to/file.py:function"),
+        (["check", "--ours", f"{USER_MODELS / 'litgpt_llama.py'}:nope"], "has no attribute 'nope'"),
+        (["check", "--ours", f"{USER_MODELS / 'litgpt_llama.py'}:build", "--reference", "nosuch"], "unknown family 'nosuch'"),
+        (["check", "--ours", f"{USER_MODELS / 'litgpt_llama.py'}:build", "--config", "tiny"], "--config does not apply with --ours"),
+        (["check"], "name a family"),
+    ],
+)
+def test_cli_bad_user_model_input_exit_2(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_parity_model_fixture(parity_model):
+    parity.assert_parity(parity_model(meta_tiny_aya.build, "tiny_aya", mode="both"))
