@@ -24,7 +24,8 @@ from .facts import ArchFacts, derive_facts, validate_facts
 from .family import Family
 from .pair import Pair
 from .resources import require
-from .weights import apply_weight_table, random_state_dict
+from .probes import probe_weights
+from .weights import apply_weight_table
 
 #: compute dtypes both models can run in
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -195,7 +196,7 @@ def random_weights(reference_cls, hf_config, seed: int, dtype: torch.dtype, what
         f"{what} ({n_params / 1e9:.2f}B parameters in {str(dtype).replace('torch.', '')})",
         "build fewer layers (--layers / n_layers=)",
     )
-    return random_state_dict(shapes, seed, dtype)
+    return probe_weights(shapes, seed, dtype)
 
 
 def read_weights(checkpoint, dtype: torch.dtype, model_type: str | None):

@@ -242,16 +242,17 @@ def channel_ratio(e: Evidence) -> Hint | None:
 # --- norms ---------------------------------------------------------------------------------------
 
 
-def _normalisers(x: torch.Tensor, head_dim: int | None) -> dict[str, torch.Tensor]:
+def _normalisers(x: torch.Tensor, head_dim: int | None, eps: float = 0.0) -> dict[str, torch.Tensor]:
+    """``x`` normalised each way a norm might (``eps``: the architecture's norm eps)."""
     x = x.double()
+    centered = x - x.mean(-1, keepdim=True)
     out = {
-        "RMSNorm over the last axis": x / x.pow(2).mean(-1, keepdim=True).sqrt(),
-        "LayerNorm (mean-subtracting)": (x - x.mean(-1, keepdim=True))
-        / (x - x.mean(-1, keepdim=True)).pow(2).mean(-1, keepdim=True).sqrt(),
+        "RMSNorm over the last axis": x / (x.pow(2).mean(-1, keepdim=True) + eps).sqrt(),
+        "LayerNorm (mean-subtracting)": centered / (centered.pow(2).mean(-1, keepdim=True) + eps).sqrt(),
     }
     if head_dim and x.shape[-1] % head_dim == 0 and x.shape[-1] > head_dim:
         h = x.unflatten(-1, (-1, head_dim))
-        out["RMSNorm per head"] = (h / h.pow(2).mean(-1, keepdim=True).sqrt()).flatten(-2)
+        out["RMSNorm per head"] = (h / (h.pow(2).mean(-1, keepdim=True) + eps).sqrt()).flatten(-2)
     return out
 
 
@@ -273,7 +274,7 @@ def norm_kind(e: Evidence) -> Hint | None:
     x_ref, x_ours = e.ref_trace.inputs[e.name], e.ours_trace.inputs[e.name]
     if not e.close(x_ours, x_ref):
         return None  # the input already differs: not this norm's own fault
-    candidates = _normalisers(x_ref, e.facts.head_dim)
+    candidates = _normalisers(x_ref, e.facts.head_dim, e.facts.norm_eps or 0.0)
     ours_is, ref_is = _explained_by(e.ours, candidates), _explained_by(e.ref, candidates)
     if ours_is is None or ref_is is None or ours_is == ref_is:
         return None
@@ -294,7 +295,7 @@ def norm_placement(e: Evidence) -> Hint | None:
     x_ref, x_ours = e.ref_trace.inputs[e.name], e.ours_trace.inputs[e.name]
     if x_ref.shape != x_ours.shape or e.close(x_ours, x_ref):
         return None
-    ours_is = _explained_by(x_ours, _normalisers(x_ref, None))
+    ours_is = _explained_by(x_ours, _normalisers(x_ref, None, e.facts.norm_eps or 0.0))
     if ours_is is not None:
         return Hint(
             "norm_placement",
@@ -337,7 +338,7 @@ def block_layout(e: Evidence) -> Hint | None:
 
     def explained(y: torch.Tensor) -> str | None:
         for label, u in candidates.items():
-            if _rel(y, u) < EXPLAINS or _explained_by(y, _normalisers(u, None)) is not None:
+            if _rel(y, u) < EXPLAINS or _explained_by(y, _normalisers(u, None, e.facts.norm_eps or 0.0)) is not None:
                 return label
         return None
 

@@ -1,4 +1,5 @@
-"""Weight tables as data, one generic applier, seeded random weights.
+"""Weight tables as data and one generic applier (the random weights a check runs on are in
+:mod:`parity.probes`).
 
 A family's loader is a table ``{checkpoint key template: our parameter path}`` with ``{i}`` for the
 layer index (the litgpt convention). An entry may instead say what the loader does to the tensor on
@@ -140,27 +141,3 @@ def apply_weight_table(model: nn.Module, state_dict: Mapping[str, torch.Tensor],
             module_path, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(module_path) if module_path else model, leaf, param)
     return {src: dst for src, (dst, _) in plan.items()}
-
-
-def random_state_dict(
-    shapes: Mapping[str, tuple[int, ...]], seed: int, dtype: torch.dtype = torch.float32
-) -> dict[str, torch.Tensor]:
-    """Seeded random weights in checkpoint naming, created once and shared by both models.
-
-    Linear weights ``(out, in)`` get N(0, 1/in) so activations keep unit scale through depth;
-    embeddings N(0, 1); norm weights ``1 + N(0, 0.1^2)`` (not all ones, so a norm-weight bug such
-    as ``w`` vs ``1 + w`` is visible); biases N(0, 0.02^2). Drawn in float32, then cast.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, shape in shapes.items():
-        if len(shape) == 1 and "norm" in name:
-            t = 1.0 + 0.1 * torch.randn(shape, generator=gen)
-        elif len(shape) == 1:
-            t = 0.02 * torch.randn(shape, generator=gen)
-        elif "embed" in name:
-            t = torch.randn(shape, generator=gen)
-        else:
-            t = torch.randn(shape, generator=gen).mul_(shape[-1] ** -0.5)  # in place: no second copy
-        out[name] = t.to(dtype)
-    return out
