@@ -27,7 +27,7 @@ def hf_yarn(head_dim, base, factor, orig, beta_fast, beta_slow):
 @given(
     head_dim=st.sampled_from([8, 16, 64, 128]),
     base=st.sampled_from([10_000.0, 500_000.0, 1_000_000.0]),
-    factor=st.sampled_from([2.0, 4.0, 8.0, 32.0]),
+    factor=st.sampled_from([2.0, 4.0, 8.0, 12.0, 32.0, 40.0]),
     orig=st.sampled_from([2048, 4096, 8192]),
     beta_fast=st.sampled_from([16.0, 32.0]),
     beta_slow=st.sampled_from([1.0, 2.0]),
@@ -36,6 +36,13 @@ def test_yarn_inv_freq_matches_transformers(head_dim, base, factor, orig, beta_f
     ours = yarn_inv_freq(head_dim, base, factor, orig, beta_fast, beta_slow)
     theirs, _ = hf_yarn(head_dim, base, factor, orig, beta_fast, beta_slow)
     torch.testing.assert_close(ours, theirs, atol=0, rtol=0)
+
+
+def test_f18_yarn_with_factor_12_is_bit_identical():
+    """F18: ``(1/base^e)/factor`` is an ulp off ``1/(factor*base^e)``, which the reference computes."""
+    ours = yarn_inv_freq(32, 10_000.0, 12.0, 64)
+    theirs, _ = hf_yarn(32, 10_000.0, 12.0, 64, 32.0, 1.0)
+    assert torch.equal(ours, theirs)
 
 
 def test_olmo3_yarn_band_is_the_rounded_clamped_range():

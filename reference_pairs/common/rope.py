@@ -52,8 +52,9 @@ def yarn_inv_freq(
     Frequencies below the band are interpolated (divided by ``factor``), above it extrapolated
     (kept), and blended linearly inside it.
     """
-    extrapolated = default_inv_freq(head_dim, base)
-    interpolated = extrapolated / factor
+    pos_freqs = base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    extrapolated = 1.0 / pos_freqs
+    interpolated = 1.0 / (factor * pos_freqs)  # the reference's rounding order, not extrapolated / factor (F18)
     low, high = yarn_correction_range(head_dim, base, beta_fast, beta_slow, original_context_length)
     if low == high:
         high += 0.001  # a zero-width band would divide by zero; the reference widens it the same way
