@@ -56,7 +56,6 @@ class GroupedQueryAttention(nn.Module):
       rotate only the first dims (partial rotary); ``interleaved_rope`` pairs ``2i`` with ``2i + 1``
       instead of ``i`` with ``i + d/2``; ``rotate_in_float32`` upcasts q/k for the rotation
       (Cohere 2) — see :func:`~reference_pairs.common.rope.apply_rope`;
-    * ``upcast_softmax=False``: softmax in the scores' dtype (GPT-2) instead of float32 (all others).
 
     KV heads are expanded with ``repeat_interleave`` so query head ``h`` reads KV head
     ``h // group``, as Transformers' ``repeat_kv`` does. ``expand_kv`` and ``mask_scores`` are
@@ -85,7 +84,6 @@ class GroupedQueryAttention(nn.Module):
         sliding_window: int | None = None,
         interleaved_rope: bool = False,
         rotate_in_float32: bool = False,
-        upcast_softmax: bool = True,
         bias: bool = False,
         dtype: torch.dtype | None = None,
     ):
@@ -101,7 +99,7 @@ class GroupedQueryAttention(nn.Module):
         self.scale = head_dim**-0.5 if scale is None else scale
         self.softcap, self.qk_norm, self.output_gate = softcap, qk_norm, output_gate
         self.sliding_window = sliding_window
-        self.interleaved_rope, self.rotate_in_float32, self.upcast_softmax = interleaved_rope, rotate_in_float32, upcast_softmax
+        self.interleaved_rope, self.rotate_in_float32 = interleaved_rope, rotate_in_float32
         q_width = n_heads * head_dim * (2 if output_gate else 1)
         self.W_query = nn.Linear(d_in, q_width, bias=bias, dtype=dtype)
         self.W_key = nn.Linear(d_in, n_kv_heads * head_dim, bias=bias, dtype=dtype)
@@ -160,11 +158,7 @@ class GroupedQueryAttention(nn.Module):
         if padding_mask is not None:
             allowed = allowed & padding_mask.bool()[:, None, None, :]
         scores = self.mask_scores(scores, allowed)
-        if self.upcast_softmax:
-            probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
-        else:
-            probs = torch.softmax(scores, dim=-1).to(values.dtype)
-        probs = self.probs(probs)
+        probs = self.probs(torch.softmax(scores.float(), dim=-1).to(queries.dtype))
         context = self.context((probs @ values).transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim))
         if self.output_gate:
             context = context * torch.sigmoid(gate)
