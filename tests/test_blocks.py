@@ -114,7 +114,8 @@ def test_rmsnorm_rounding_orders_differ_in_bfloat16():
         default, cast_first = default.to(torch.bfloat16), cast_first.to(torch.bfloat16)
         assert not torch.equal(default(x), cast_first(x))
         x_hat = x.double() / x.double().pow(2).mean(-1, keepdim=True).add(1e-6).sqrt()
-        torch.testing.assert_close(offset(x).double(), (x_hat * w.double()).to(torch.bfloat16).double(), atol=0.02, rtol=0.02)
+        expected = (x_hat * w.double()).to(torch.bfloat16).double()  # (1 + (w - 1)) x_hat, to bf16 precision
+        torch.testing.assert_close(offset(x).double(), expected, atol=0.02, rtol=0.02)
         offset.weight.zero_()
         torch.testing.assert_close(offset(x.float()), x_hat.float(), atol=1e-5, rtol=1e-5)  # zero init: 1 + 0
 

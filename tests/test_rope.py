@@ -17,6 +17,7 @@ from reference_pairs.common.rope import (
     apply_rope,
     default_inv_freq,
     rope_cos_sin,
+    pair_layout,
     rope_init,
     yarn_correction_range,
     yarn_inv_freq,
@@ -198,8 +199,6 @@ ROTATIONS = {"llama": (False, False, False), "olmo3": (False, True, False), "coh
     ids=["default", "yarn"],
 )
 def test_tables_and_rotation_match_the_reference_in_bfloat16(model_type, params):
-    import importlib
-
     interleaved, tables_f32, upcast = ROTATIONS[model_type]
     head_dim, seq_len, dtype = 32, 11, torch.bfloat16
     inv_freq, factor = rope_init(params, head_dim)
@@ -207,8 +206,8 @@ def test_tables_and_rotation_match_the_reference_in_bfloat16(model_type, params)
     if not tables_f32:
         cos, sin = cos.to(dtype), sin.to(dtype)
     ref_cos, ref_sin = reference_tables(model_type, params, head_dim, seq_len, dtype)
-    expand = (lambda t: t.repeat_interleave(2, -1)) if interleaved else (lambda t: torch.cat([t, t], -1))
-    assert torch.equal(expand(cos)[None], ref_cos) and torch.equal(expand(sin)[None], ref_sin)
+    assert torch.equal(pair_layout(cos, interleaved)[None], ref_cos)
+    assert torch.equal(pair_layout(sin, interleaved)[None], ref_sin)
 
     gen = torch.Generator().manual_seed(0)
     q, k = (torch.randn(2, 3, seq_len, head_dim, generator=gen).to(dtype) for _ in range(2))

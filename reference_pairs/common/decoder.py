@@ -104,17 +104,18 @@ class DecoderModel(nn.Module):
 
     def rope_tables(self, seq_len: int, device: torch.device, dtype: torch.dtype) -> dict[str, tuple]:
         """``{layer_type: (cos, sin)}`` of shape ``(seq_len, rotary_dim // 2)`` for positions
-        ``0 .. seq_len - 1``, ``(None, None)`` for a layer type without RoPE. Computed in float32
-        per call, then kept in float32 or rounded to ``dtype`` (see ``rope_in_float32``)."""
+        ``0 .. seq_len - 1``, ``(None, None)`` for a layer type without RoPE. As the references do it:
+        inverse frequencies on the CPU, angles and cos/sin in float32 on ``device``, then kept in float32
+        or rounded to ``dtype`` (see ``rope_in_float32``). Computed per call: no buffers."""
         tables = {}
         for layer_type, params, head_dim in self._layer_ropes():
             if params is None:
                 tables[layer_type] = (None, None)
                 continue
             inv_freq, attention_factor = rope_init(params, head_dim, self.cfg.get("context_length"))
-            cos, sin = rope_cos_sin(inv_freq, seq_len, attention_factor)
+            cos, sin = rope_cos_sin(inv_freq.to(device), seq_len, attention_factor)
             table_dtype = torch.float32 if self.rope_in_float32 else dtype
-            tables[layer_type] = (cos.to(device=device, dtype=table_dtype), sin.to(device=device, dtype=table_dtype))
+            tables[layer_type] = (cos.to(table_dtype), sin.to(table_dtype))
         return tables
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:

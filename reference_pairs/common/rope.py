@@ -29,7 +29,9 @@ import torch
 ROPE_KEYS = {
     "default": {"partial_rotary_factor"},
     "linear": {"factor", "partial_rotary_factor"},
-    "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings", "partial_rotary_factor"},
+    "llama3": {
+        "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings", "partial_rotary_factor",
+    },
     "yarn": {
         "factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "truncate",
         "mscale", "mscale_all_dim", "partial_rotary_factor",
@@ -201,7 +203,7 @@ def rope_init(
     factor = params.get("factor")
     if factor is None:
         if max_position_embeddings is None:
-            raise ValueError("rope_type 'yarn' without 'factor' needs max_position_embeddings (factor = max / original)")
+            raise ValueError("rope_type 'yarn' without 'factor' needs max_position_embeddings (factor = max/original)")
         factor = max_position_embeddings / original
     attention_factor = params.get("attention_factor")
     if attention_factor is None:
@@ -218,13 +220,21 @@ def rope_cos_sin(
     """Cos and sin of each pair's angle ``p * w_i``, times ``attention_factor``.
 
     ``positions``: a sequence length (positions ``0 .. n - 1``) or a tensor ``(seq,)``. Returns two
-    ``(seq, rotary_dim // 2)`` float32 tables, one column per rotated pair (the pairing layout is
-    :func:`apply_rope`'s business). Same float32 operations as the references' rotary embeddings.
+    ``(seq, rotary_dim // 2)`` float32 tables on ``inv_freq``'s device, one column per rotated pair
+    (:func:`pair_layout` spreads them over dimensions). Same float32 operations as the references'
+    rotary embeddings.
     """
     if isinstance(positions, int):
-        positions = torch.arange(positions)
+        positions = torch.arange(positions, device=inv_freq.device)
     angles = positions.float()[:, None] * inv_freq.float()[None, :]
     return angles.cos() * attention_factor, angles.sin() * attention_factor
+
+
+def pair_layout(table: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """One column per pair ``(..., rotary_dim // 2)`` -> one per dimension ``(..., rotary_dim)``:
+    ``[c0 .. c_{n-1}, c0 .. c_{n-1}]`` for half-split pairs, ``[c0, c0, c1, c1, ...]`` for interleaved
+    pairs; the layout the references' rotary embeddings return their cos/sin in."""
+    return table.repeat_interleave(2, dim=-1) if interleaved else torch.cat([table, table], dim=-1)
 
 
 def apply_rope(
@@ -237,10 +247,11 @@ def apply_rope(
     return them). Each pair ``(a, b)`` becomes ``(a cos - b sin, b cos + a sin)``, written as the
     references write it, ``x * cos + partner * sin`` with ``partner = (-b, a)``:
 
-    * half-split pairing (``interleaved=False``): ``a = x[i]``, ``b = x[i + rotary_dim/2]``, tables
-      concatenated ``[c, c]`` (``rotate_half`` in Llama, Qwen, Gemma, OLMo);
-    * interleaved pairing: ``a = x[2i]``, ``b = x[2i + 1]``, tables repeated ``[c0, c0, c1, c1, ...]``
-      (Cohere).
+    * half-split pairing (``interleaved=False``): ``a = x[i]``, ``b = x[i + rotary_dim/2]``
+      (``rotate_half`` in Llama, Qwen, Gemma, OLMo);
+    * interleaved pairing: ``a = x[2i]``, ``b = x[2i + 1]`` (Cohere);
+
+    with the tables laid out to match by :func:`pair_layout`.
 
     The arithmetic runs in the promoted dtype of ``x`` and the tables (float32 tables rotate in
     float32: OLMo 3; tables in the activation dtype rotate in it: Llama), or with ``upcast`` in
@@ -252,11 +263,10 @@ def apply_rope(
     x_rot, x_pass = x[..., :n], x[..., n:]
     if upcast:
         x_rot = x_rot.float()
+    cos, sin = pair_layout(cos, interleaved), pair_layout(sin, interleaved)
     if interleaved:
-        cos, sin = cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
         partner = torch.stack([-x_rot[..., 1::2], x_rot[..., 0::2]], dim=-1).flatten(-2)
     else:
-        cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
         partner = torch.cat([-x_rot[..., n // 2 :], x_rot[..., : n // 2]], dim=-1)
     rotated = (x_rot * cos + partner * sin).to(x.dtype)
     return torch.cat([rotated, x_pass], dim=-1) if x_pass.shape[-1] else rotated
