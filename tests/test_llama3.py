@@ -16,8 +16,8 @@ import parity
 import reference_pairs.llama3.model as llama3_model
 from parity.cli import main
 from parity.errors import ConfigError, LoaderError
-from reference_pairs.common.layers import RMSNorm
-from reference_pairs.common.rope import default_inv_freq, llama3_inv_freq
+from reference_pairs.common.norms import RMSNorm
+from reference_pairs.common.rope import default_inv_freq, llama3_inv_freq, rope_init
 from reference_pairs.llama3 import CONFIGS, FAMILY, Llama3Model, build_pair, load_weights_into_llama3
 from reference_pairs.llama3.pair import from_hf, to_hf
 
@@ -114,7 +114,7 @@ def test_tiny_puts_frequencies_in_the_scaled_band_within_the_default_seq_len():
     pair = build_pair("tiny")
     cfg, seq_len = pair.cfg, pair.default_seq_len
     plain = default_inv_freq(cfg["head_dim"], cfg["rope_base"])
-    scaled = llama3_model.compute_inv_freq(cfg)
+    scaled, _ = rope_init(llama3_model.rope_parameters(cfg)["full_attention"], cfg["head_dim"])
     ratio = scaled / plain
     assert torch.equal(ratio[:2], torch.ones(2))  # high frequencies kept
     assert 1 / 32 < float(ratio[2]) < 1  # one blended
@@ -183,7 +183,7 @@ def test_legacy_rope_scaling_config_json_as_meta_ships_it(checkpoint_of):
 def test_skipped_llama3_frequency_scaling_is_found_at_layer0_q_rot(monkeypatch):
     pair = build_pair("tiny")
     monkeypatch.setattr(
-        llama3_model, "compute_inv_freq", lambda cfg: default_inv_freq(cfg["head_dim"], cfg["rope_base"])
+        llama3_model, "rope_parameters", lambda cfg: {"full_attention": {"rope_type": "default", "rope_theta": cfg["rope_base"]}}
     )
     bad = first_bad(pair)
     assert bad.name == "model.layers.0.self_attn.q_rot"
@@ -356,8 +356,8 @@ def test_config_json_path_round_trip(tmp_path):
 
 
 def test_norms_round_like_llama_in_bfloat16():
-    """Llama3RMSNorm's docstring claim: bit-exact with LlamaRMSNorm in bf16, where the shared
-    RMSNorm (multiply in float32, cast last) is not."""
+    """RMSNorm(cast_first=True)'s docstring claim: bit-exact with LlamaRMSNorm in bf16, where the
+    default RMSNorm (multiply in float32, cast last) is not."""
     pair = build_pair("tiny", dtype=torch.bfloat16)
     x = torch.randn(2, 16, 48, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     ours, ref = pair.ours.final_norm, pair.reference.model.norm

@@ -44,8 +44,12 @@ def test_q_norm_per_head_is_found_at_layer0_q_norm():
 
 def test_dropped_yarn_attention_factor_is_found_at_first_yarn_q_rot(monkeypatch):
     pair = build_pair("yarn")
-    correct = olmo3_model.rope_params_for
-    monkeypatch.setattr(olmo3_model, "rope_params_for", lambda cfg, t: (correct(cfg, t)[0], 1.0))
+    correct = olmo3_model.rope_parameters
+
+    def factor_dropped(cfg):
+        return {t: p if p["rope_type"] != "yarn" else {**p, "attention_factor": 1.0} for t, p in correct(cfg).items()}
+
+    monkeypatch.setattr(olmo3_model, "rope_parameters", factor_dropped)
     bad = first_bad(pair)
     first_yarn = pair.cfg["layer_types"].index("full_attention")
     assert bad.name == f"model.layers.{first_yarn}.self_attn.q_rot"

@@ -11,10 +11,10 @@ import torch
 import parity
 from parity.cli import main
 from parity.errors import ConfigError, LoaderError
-from reference_pairs.common.layers import LayerNorm, RMSNorm
+from reference_pairs.common.norms import LayerNorm, RMSNorm
 from reference_pairs.tiny_aya import CONFIGS, TinyAyaModel, build_pair, load_weights_into_tiny_aya
 from reference_pairs.tiny_aya.configs import FULL, SLIDING
-from reference_pairs.tiny_aya.model import TransformerBlock
+from reference_pairs.common.blocks import ParallelBlock
 from reference_pairs.tiny_aya.pair import to_hf
 
 NODES_PER_LAYER = 14
@@ -35,8 +35,6 @@ def first_bad(pair) -> parity.NodeResult:
 
 def sequential_forward(self, x, cos, sin, padding_mask=None):
     """The fault: a Llama-style sequential block, x' = x + A(N(x)), y = x' + F(N(x'))."""
-    if not self.use_rope:
-        cos = sin = None
     x = x + self.att(self.input_layernorm(x), cos, sin, padding_mask)
     return x + self.ff(self.input_layernorm(x))
 
@@ -134,9 +132,8 @@ def test_rmsnorm_instead_of_layernorm_is_found_at_input_layernorm():
 
 def test_half_split_rope_is_found_at_first_sliding_q_rot():
     pair = build_pair("tiny")
-    pair.ours.interleaved_rope = False  # Llama's tables ...
     for block in pair.ours.blocks:
-        block.att.interleaved_rope = False  # ... and Llama's rotate-half
+        block.att.interleaved_rope = False  # Llama's rotate-half and concatenated tables
     first_sliding = pair.cfg["layer_types"].index(SLIDING)
     assert first_bad(pair).name == f"model.layers.{first_sliding}.self_attn.q_rot"
 
@@ -144,7 +141,8 @@ def test_half_split_rope_is_found_at_first_sliding_q_rot():
 def test_rope_on_the_full_layer_is_found_at_its_q_rot():
     pair = build_pair("tiny")
     full = pair.cfg["layer_types"].index(FULL)
-    pair.ours.blocks[full].use_rope = True
+    params = pair.ours.rope_parameters()
+    pair.ours.rope_parameters = lambda: {**params, FULL: params[SLIDING]}  # full layers rotate too
     assert first_bad(pair).name == f"model.layers.{full}.self_attn.q_rot"
 
 
@@ -261,7 +259,7 @@ def test_cli_pass_exit_0(tmp_path, capsys):
 
 
 def test_cli_fault_exit_1(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(TransformerBlock, "forward", sequential_forward)
+    monkeypatch.setattr(ParallelBlock, "forward", sequential_forward)
     assert main(["check", "tiny_aya", "--report-dir", str(tmp_path), "--format", "json"]) == 1
     assert "model.layers.0.mlp@input" in capsys.readouterr().out
     (folder,) = [p for p in tmp_path.iterdir() if not p.name.startswith(".")]

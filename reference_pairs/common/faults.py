@@ -8,7 +8,7 @@ from torch import nn
 
 from parity.pair import Pair
 
-from .layers import RMSNorm
+from .norms import RMSNorm
 
 
 def expand_kv_with_repeat(pair: Pair) -> None:

@@ -21,7 +21,7 @@ QK_NORM = [
     ("model.layers.{i}.self_attn.q_norm", "blocks.{i}.att.q_norm"),
     ("model.layers.{i}.self_attn.k_norm", "blocks.{i}.att.k_norm"),
 ]
-#: :class:`~reference_pairs.common.layers.FeedForward`
+#: :class:`~reference_pairs.common.mlp.GatedMLP`
 MLP = [
     ("model.layers.{i}.mlp.gate_proj", "blocks.{i}.ff.fc1"),
     ("model.layers.{i}.mlp.up_proj", "blocks.{i}.ff.fc2"),

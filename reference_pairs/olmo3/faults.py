@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import math
 import types
-
-import torch
 
 from parity.faults import Fault
 
 from ..common.faults import LEFT_PADDED, PerHeadRMSNorm, expand_kv_with_repeat, mask_with_neg_inf
-from ..common.rope import default_inv_freq, rope_cos_sin
 from .model import SLIDING
 
 FIRST_YARN = 3  # the full-attention layer of the tiny configs
@@ -34,25 +30,14 @@ def _yarn_factor_twice(pair):
 
 
 def _unrounded_yarn_band(pair):
-    """YaRN with the correction range left unrounded (no floor/ceil) (keras-hub #2981)."""
-    model, cfg = pair.ours, pair.cfg
-    correct = model.rope_tables
+    """YaRN with the correction range left unrounded (no floor/ceil) (keras-hub #2981): what
+    Transformers computes for ``truncate: false``, on the layers that use YaRN."""
+    correct = pair.ours.rope_parameters
 
-    def rope_tables(self, seq_len, device):
-        tables = correct(seq_len, device)
-        d, base = cfg["head_dim"], cfg["rope_base"]
+    def rope_parameters():
+        return {t: p if p["rope_type"] != "yarn" else {**p, "truncate": False} for t, p in correct().items()}
 
-        def dim_for(rotations):
-            return d * math.log(cfg["rope_orig_max"] / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-        low, high = max(dim_for(cfg["beta_fast"]), 0), min(dim_for(cfg["beta_slow"]), d - 1)
-        extrapolated = default_inv_freq(d, base)
-        keep = 1 - ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-        inv = extrapolated / cfg["rope_factor"] * (1 - keep) + extrapolated * keep
-        tables["full_attention"] = tuple(t.to(device) for t in rope_cos_sin(inv, seq_len, cfg["rope_attention_factor"]))
-        return tables
-
-    model.rope_tables = types.MethodType(rope_tables, model)
+    pair.ours.rope_parameters = rope_parameters
 
 
 def _pre_norm(layer):

@@ -8,7 +8,7 @@ What distinguishes it from Llama-style models:
 * ``layer_types``: sliding-window layers and full-attention layers (3:1 in the released models);
 * RoPE per layer type: YaRN on the layer types listed in ``cfg["rope_scaled_layer_types"]``
   (Transformers 5 puts a checkpoint's ``rope_scaling`` on ``full_attention`` only), default RoPE
-  elsewhere.
+  elsewhere; cos/sin stay in float32 and the rotation runs in float32 (``Olmo3RotaryEmbedding``).
 
 ``cfg`` keys: ``vocab_size, context_length, emb_dim, n_heads, n_kv_heads, n_layers, hidden_dim,
 head_dim, rms_norm_eps, sliding_window, layer_types, attention_bias, tie_word_embeddings,
@@ -18,86 +18,53 @@ rope_orig_max, beta_fast, beta_slow, rope_attention_factor (None: 0.1 ln(factor)
 
 from __future__ import annotations
 
-import torch
-from torch import nn
+from functools import partial
 
 from ..common.attention import GroupedQueryAttention
-from ..common.layer_types import SLIDING
-from ..common.layers import FeedForward, RMSNorm
-from ..common.rope import default_inv_freq, rope_cos_sin, yarn_attention_factor, yarn_inv_freq
+from ..common.blocks import PostNormBlock
+from ..common.decoder import DecoderModel
+from ..common.layer_types import FULL, SLIDING
+from ..common.mlp import GatedMLP
+from ..common.norms import RMSNorm
 
 
-def rope_params_for(cfg: dict, layer_type: str) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies ``(head_dim // 2,)`` and cos/sin scale for one layer type."""
-    base = cfg["rope_local_base"] if layer_type == SLIDING else cfg["rope_base"]
-    scaled = cfg["rope_type"] == "yarn" and layer_type in cfg["rope_scaled_layer_types"]
-    if not scaled:
-        return default_inv_freq(cfg["head_dim"], base), 1.0
-    inv_freq = yarn_inv_freq(
-        cfg["head_dim"], base, cfg["rope_factor"], cfg["rope_orig_max"], cfg["beta_fast"], cfg["beta_slow"]
+def rope_parameters(cfg: dict) -> dict[str, dict]:
+    """Transformers-5 rope dict per layer type: YaRN where ``rope_scaled_layer_types`` says, default elsewhere."""
+    params = {}
+    for layer_type in (SLIDING, FULL):
+        base = cfg["rope_local_base"] if layer_type == SLIDING else cfg["rope_base"]
+        params[layer_type] = {"rope_type": "default", "rope_theta": base}
+        if cfg["rope_type"] == "yarn" and layer_type in cfg["rope_scaled_layer_types"]:
+            params[layer_type] = {
+                "rope_type": "yarn", "rope_theta": base, "factor": cfg["rope_factor"],
+                "original_max_position_embeddings": cfg["rope_orig_max"],
+                "beta_fast": cfg["beta_fast"], "beta_slow": cfg["beta_slow"],
+            }
+            if cfg["rope_attention_factor"] is not None:
+                params[layer_type]["attention_factor"] = cfg["rope_attention_factor"]
+    return params
+
+
+def transformer_block(cfg: dict, layer_type: str) -> PostNormBlock:
+    """One post-norm block; ``layer_type`` decides the window (and, through its RoPE table, the RoPE)."""
+    dtype, emb_dim = cfg["dtype"], cfg["emb_dim"]
+    att = GroupedQueryAttention(
+        emb_dim, cfg["n_heads"], cfg["n_kv_heads"], cfg["head_dim"],
+        qk_norm="projection", norm=partial(RMSNorm, eps=cfg["rms_norm_eps"], dtype=dtype),
+        sliding_window=cfg["sliding_window"] if layer_type == SLIDING else None,
+        bias=cfg["attention_bias"], dtype=dtype,
     )
-    factor = cfg["rope_attention_factor"]
-    return inv_freq, yarn_attention_factor(cfg["rope_factor"]) if factor is None else factor
+    ff = GatedMLP(emb_dim, cfg["hidden_dim"], activation="silu", dtype=dtype)
+    return PostNormBlock(att, ff, partial(RMSNorm, emb_dim, eps=cfg["rms_norm_eps"], dtype=dtype), layer_type)
 
 
-class TransformerBlock(nn.Module):
-    """One post-norm OLMo 3 block; ``layer_type`` decides the window (and, through cos/sin, the RoPE)."""
-
-    def __init__(self, cfg: dict, layer_type: str):
-        super().__init__()
-        dtype = cfg["dtype"]
-        self.layer_type = layer_type
-        self.att = GroupedQueryAttention(
-            cfg["emb_dim"],
-            cfg["n_heads"],
-            cfg["n_kv_heads"],
-            cfg["head_dim"],
-            qk_norm="projection",
-            norm_eps=cfg["rms_norm_eps"],
-            bias=cfg["attention_bias"],
-            sliding_window=cfg["sliding_window"] if layer_type == SLIDING else None,
-            dtype=dtype,
-        )
-        self.ff = FeedForward(cfg["emb_dim"], cfg["hidden_dim"], dtype=dtype)
-        self.post_attention_layernorm = RMSNorm(cfg["emb_dim"], eps=cfg["rms_norm_eps"], dtype=dtype)
-        self.post_feedforward_layernorm = RMSNorm(cfg["emb_dim"], eps=cfg["rms_norm_eps"], dtype=dtype)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, padding_mask=None) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.att(x, cos, sin, padding_mask))
-        x = x + self.post_feedforward_layernorm(self.ff(x))
-        return x
-
-
-class Olmo3Model(nn.Module):
+class Olmo3Model(DecoderModel):
     """Token ids ``(batch, seq)`` -> logits ``(batch, seq, vocab_size)`` in ``cfg["dtype"]``."""
 
     def __init__(self, cfg: dict):
-        super().__init__()
-        if len(cfg["layer_types"]) != cfg["n_layers"]:
-            raise ValueError(f"layer_types has {len(cfg['layer_types'])} entries for n_layers={cfg['n_layers']}")
-        self.cfg = cfg
-        dtype = cfg["dtype"]
-        self.tok_emb = nn.Embedding(cfg["vocab_size"], cfg["emb_dim"], dtype=dtype)
-        self.blocks = nn.ModuleList(TransformerBlock(cfg, t) for t in cfg["layer_types"])
-        self.final_norm = RMSNorm(cfg["emb_dim"], eps=cfg["rms_norm_eps"], dtype=dtype)
-        self.out_head = nn.Linear(cfg["emb_dim"], cfg["vocab_size"], bias=False, dtype=dtype)
-        if cfg["tie_word_embeddings"]:
-            self.out_head.weight = self.tok_emb.weight
+        blocks = [transformer_block(cfg, t) for t in cfg["layer_types"]]
+        final_norm = RMSNorm(cfg["emb_dim"], eps=cfg["rms_norm_eps"], dtype=cfg["dtype"])
+        super().__init__(cfg, blocks, final_norm, rope_in_float32=True)
 
-    def rope_tables(self, seq_len: int, device: torch.device) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """Cos/sin ``(seq_len, head_dim)`` float32 for each layer type present. Computed per call (cheap,
-        and it keeps the model free of buffers so it can be built on the meta device)."""
-        tables = {}
-        for layer_type in set(self.cfg["layer_types"]):
-            inv_freq, scale = rope_params_for(self.cfg, layer_type)
-            cos, sin = rope_cos_sin(inv_freq, seq_len, scale)
-            tables[layer_type] = (cos.to(device), sin.to(device))
-        return tables
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``attention_mask``: ``(batch, seq)`` 1 for real tokens, 0 for padding (keys only are masked)."""
-        x = self.tok_emb(input_ids)
-        tables = self.rope_tables(input_ids.shape[1], x.device)
-        for block in self.blocks:
-            x = block(x, *tables[block.layer_type], padding_mask=attention_mask)
-        return self.out_head(self.final_norm(x))
+    def rope_parameters(self) -> dict[str, dict]:
+        return rope_parameters(self.cfg)

@@ -7,6 +7,7 @@ import types
 from parity.faults import Fault
 
 from ..common.faults import LEFT_PADDED, expand_kv_with_repeat, mask_with_neg_inf, rms_instead_of
+from ..common.layer_types import FULL, SLIDING
 
 ATT = "model.layers.{}.self_attn"
 FULL_LAYER = 3  # the tiny config's full-attention (NoPE) layer
@@ -15,8 +16,6 @@ FULL_LAYER = 3  # the tiny config's full-attention (NoPE) layer
 def _sequential(layer):
     def inject(pair):
         def forward(self, x, cos, sin, padding_mask=None):
-            if not self.use_rope:
-                cos = sin = None
             x = x + self.att(self.input_layernorm(x), cos, sin, padding_mask)
             return x + self.ff(self.input_layernorm(x))
 
@@ -32,13 +31,14 @@ def _rms_layer0(pair):
 
 
 def _half_split(pair):
-    pair.ours.interleaved_rope = False
     for block in pair.ours.blocks:
         block.att.interleaved_rope = False
 
 
 def _rope_on_full(pair):
-    pair.ours.blocks[FULL_LAYER].use_rope = True
+    """The full-attention layers given the sliding layers' RoPE, as a Llama-derived port would."""
+    correct = pair.ours.rope_parameters
+    pair.ours.rope_parameters = lambda: {**correct(), FULL: correct()[SLIDING]}
 
 
 def _no_logit_scale(pair):
