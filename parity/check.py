@@ -96,6 +96,16 @@ def _inputs(pair: Pair, input_ids, seq_len, batch_size, attention_mask, left_pad
     return input_ids, attention_mask
 
 
+def generation_positions(attention_mask: torch.Tensor | None, batch: int, seq: int) -> torch.Tensor:
+    """``(batch, seq)`` positions as ``generate`` derives them: ``0 .. seq - 1`` without padding; with
+    an attention mask, real tokens counted from 0 in each row (padding gets 1, as in Transformers'
+    ``prepare_inputs_for_generation``)."""
+    if attention_mask is None:
+        return torch.arange(seq).expand(batch, seq)
+    positions = attention_mask.long().cumsum(-1) - 1
+    return positions.masked_fill(attention_mask == 0, 1)
+
+
 def _window_notes(pair: Pair, seq_len: int) -> list[str]:
     facts = pair.facts
     windows = sorted({w for w in facts.windows if w})
@@ -135,7 +145,7 @@ def plan(
     return Run(
         input_ids=input_ids,
         attention_mask=attention_mask,
-        position_ids=torch.arange(seq).expand(batch, seq),
+        position_ids=generation_positions(attention_mask, batch, seq),
         mode=mode,
         tolerances=Tolerances(pair.dtype, atol, rtol, dict(tolerances or {}), exact=exact),
         calibrate=calibrate,
@@ -157,7 +167,7 @@ def trace_reference(pair: Pair, run: Run, model=None) -> Trace:
     points = [(n.name, n.reference_path) for n in pair.nodes if n.name not in captured]
     with torch.inference_mode(), recording(model, points, captured=captured, keep_inputs=_keep_inputs(pair)) as trace:
         try:
-            model(input_ids=run.input_ids, attention_mask=run.attention_mask, use_cache=False)
+            model(input_ids=run.input_ids, attention_mask=run.attention_mask, position_ids=run.position_ids, use_cache=False)
         except (RuntimeError, ValueError, TypeError, IndexError, AttributeError) as e:
             reason = " ".join(str(e).split()) or type(e).__name__
             raise ParityError(f"the reference ({type(model).__name__}) cannot run this config: {reason[:300]}") from None
@@ -182,6 +192,8 @@ def trace_ours(pair: Pair, run: Run, substitute: Trace | None = None) -> Trace:
     kwargs = {}
     if run.attention_mask is not None:
         kwargs["attention_mask"] = run.attention_mask
+        if _accepts(pair.ours, "position_ids"):
+            kwargs["position_ids"] = run.position_ids
     with torch.inference_mode(), recording(
         pair.ours, points, transforms=transforms, substitute=substitute, inverses=inverses,
         keep_inputs=_keep_inputs(pair), taps=taps,
@@ -225,7 +237,7 @@ def compare_run(pair: Pair, run: Run, ours: Trace, ref: Trace, tolerances: Toler
     results = compare_traces(ours, ref, pair.nodes, tolerances, untapped)
     bad = first_mismatch(results)
     if bad is not None:
-        results[bad.index] = replace(bad, hint=diagnose(bad, ours, ref, pair.facts, run.position_ids))
+        results[bad.index] = replace(bad, hint=diagnose(bad, ours, ref, pair.facts, run.position_ids, run.attention_mask))
     return results
 
 
@@ -354,7 +366,11 @@ def check(
     """
     run = plan(pair, input_ids, seq_len, batch_size, mode, atol, rtol, tolerances, calibrate, attention_mask, left_pad, exact)
     diffs = config_diff(pair)
-    notes = list(run.notes) + [
+    notes = list(run.notes)
+    if run.attention_mask is not None and not _accepts(pair.ours, "position_ids"):
+        notes.append("ours takes no position_ids: it gets the mask only, while the reference rotates each padded row "
+                     "by positions counted over its real tokens (as generation does)")
+    notes += [
         f"config differs: {d['key']} is {d['ours']!r} in ours, {d['reference']!r} in the reference" for d in diffs
     ]
     _refuse_changed_weights(pair, "before the check")

@@ -37,6 +37,8 @@ class Evidence:
     facts: ArchFacts
     #: the position of every token, ``(batch, seq)`` (what RoPE rotates by)
     positions: torch.Tensor | None = None
+    #: ``(batch, seq)`` 1 for real tokens, 0 for padding, when the run is padded
+    attention_mask: torch.Tensor | None = None
 
     @property
     def kind(self) -> str:
@@ -410,20 +412,22 @@ def rope_fit(e: Evidence) -> Hint | None:
         return None
     ropes = {t: e.facts.rope_of_type(t) for t in sorted(set(e.facts.layer_types))}
     tol = 1e-2 if e.ours.dtype in (torch.bfloat16, torch.float16) else 1e-4
-    fit = identify(x, e.ours, layer, ropes, e.positions, tol)
+    fit = identify(x, e.ours, layer, ropes, e.positions, tol, e.attention_mask)
     if fit is None:
         return None
     own = layer.rope.attention_factor if layer.rope is not None else 1.0
     amp = f"cos/sin scaled by {fit.amplitude:.6g} (the reference: {own:.6g})"
     evidence = {"ours": fit.label, "amplitude": fit.amplitude, "reference_amplitude": own, "layer_type": layer.layer_type}
     if fit.offsets:
-        pads = [int((e.positions[row] == e.positions[row, -1] - (e.positions.shape[1] - 1)).sum()) for row in range(len(fit.offsets))]
+        pads = [0] * len(fit.offsets) if e.attention_mask is None else [int(n) for n in (e.attention_mask == 0).sum(1)]
+        same = list(fit.offsets) == pads
+        because = ("each row's offset equals its pad count: ours counts positions 0..S-1 over the padding, the "
+                   "reference (as generation does) from each row's first real token") if same else "positions are shifted"
         return Hint(
             "position_offset",
-            f"likely positions not derived from the attention mask: ours rotates row b by this layer's RoPE at "
-            f"position + {list(fit.offsets)} (per batch row); a padded row's offset equal to its pad count means "
-            "positions 0..S-1 were used where generation counts only real tokens",
-            {**evidence, "offsets": list(fit.offsets)},
+            f"likely positions not derived from the attention mask: ours rotates each batch row by this layer's RoPE "
+            f"at its position + {list(fit.offsets)} (pad counts {pads}); {because}",
+            {**evidence, "offsets": list(fit.offsets), "pad_counts": pads},
         )
     if fit.label.startswith("this layer's RoPE"):
         if abs(fit.amplitude / own - 1) < 1e-3:
@@ -570,15 +574,16 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
 
 
 def diagnose(result: NodeResult, ours_trace: Trace, ref_trace: Trace, facts: ArchFacts,
-             positions: torch.Tensor | None = None) -> Hint | None:
+             positions: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None) -> Hint | None:
     """A likely cause for a failing node, with its evidence; None if no pattern is recognised.
-    ``positions``: ``(batch, seq)`` token positions of the run (RoPE hints need them)."""
+    ``positions``: ``(batch, seq)`` token positions of the run and ``attention_mask`` its padding
+    (RoPE hints need them)."""
     if result.status == MISSING:
         return Hint("missing", f"likely a node-map or tap problem: {result.detail}")
     if result.status == SHAPE:
         return Hint("shape", f"likely a layout or head-count difference: {result.detail}")
     e = Evidence(result, ours_trace.tensors.get(result.name), ref_trace.tensors.get(result.name), ours_trace, ref_trace,
-                 facts, positions)
+                 facts, positions, attention_mask)
     if result.status == NONFINITE:
         return nonfinite(e)
     if e.ours is None or e.ref is None or e.ours.shape != e.ref.shape:

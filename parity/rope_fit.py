@@ -71,17 +71,21 @@ def identify(
     ropes: dict[str, RopeFacts | None],
     positions: torch.Tensor,
     tol: float,
+    valid: torch.Tensor | None = None,
 ) -> Fit | None:
     """Which RoPE turns the unrotated ``x`` into ``ours`` (both ``(b, h, s, d)``), at ``positions``
     ``(b, s)``: this layer's own RoPE, another layer type's, this one without its scaling, default
-    RoPE with another theta, or this one at positions shifted per row. None when nothing fits or
-    ``ours`` is no rotation of ``x`` at all (pair norms not kept up to one factor)."""
+    RoPE with another theta, or this one at positions shifted per row. ``valid`` ``(b, s)``: the
+    tokens to judge (padding excluded). None when nothing fits or ``ours`` is no rotation of ``x`` at
+    all (pair norms not kept up to one factor)."""
     rope = layer.rope
     probe = rope if rope is not None else next((r for r in ropes.values() if r is not None), None)
     if probe is None or x.shape != ours.shape:
         return None
     ratio, weight = rotation(x, ours, probe.interleaved, probe.rotary_dim)
     keep = weight > 1e-6 * weight.max()
+    if valid is not None:
+        keep = keep & valid.bool()[..., None]
     amp = ratio.abs()[keep]
     if amp.numel() == 0 or float(amp.std()) > 1e-2 * float(amp.mean()):
         return None  # not one rotation with one amplitude: something else changed q/k

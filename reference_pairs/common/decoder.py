@@ -102,9 +102,10 @@ class DecoderModel(nn.Module):
                 seen[block.layer_type] = (block.layer_type, params[block.layer_type], block.att.head_dim)
         return list(seen.values())
 
-    def rope_tables(self, seq_len: int, device: torch.device, dtype: torch.dtype) -> dict[str, tuple]:
-        """``{layer_type: (cos, sin)}`` of shape ``(seq_len, rotary_dim // 2)`` for positions
-        ``0 .. seq_len - 1``, ``(None, None)`` for a layer type without RoPE. As the references do it:
+    def rope_tables(self, positions: int | torch.Tensor, device: torch.device, dtype: torch.dtype) -> dict[str, tuple]:
+        """``{layer_type: (cos, sin)}`` of shape ``(..., seq, rotary_dim // 2)`` for ``positions`` (a
+        length: ``0 .. n - 1``; or ``(batch, seq)`` per-row positions), ``(None, None)`` for a layer
+        type without RoPE. As the references do it:
         inverse frequencies on the CPU, angles and cos/sin in float32 on ``device``, then kept in float32
         or rounded to ``dtype`` (see ``rope_in_float32``). Computed per call: no buffers."""
         tables = {}
@@ -113,17 +114,22 @@ class DecoderModel(nn.Module):
                 tables[layer_type] = (None, None)
                 continue
             inv_freq, attention_factor = rope_init(params, head_dim, self.cfg.get("context_length"))
-            cos, sin = rope_cos_sin(inv_freq.to(device), seq_len, attention_factor)
+            cos, sin = rope_cos_sin(inv_freq.to(device), positions, attention_factor)
             table_dtype = torch.float32 if self.rope_in_float32 else dtype
             tables[layer_type] = (cos.to(table_dtype), sin.to(table_dtype))
         return tables
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``attention_mask``: ``(batch, seq)`` 1 for real tokens, 0 for padding (keys only are masked)."""
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``attention_mask``: ``(batch, seq)`` 1 for real tokens, 0 for padding (keys only are masked);
+        ``position_ids``: ``(batch, seq)`` positions (default ``0 .. seq - 1``; a left-padded batch
+        counts real tokens only, as generation does)."""
         x = self.tok_emb(input_ids)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device) if position_ids is None else position_ids.to(x.device)
         if self.pos_emb is not None:
-            x = x + self.pos_emb(torch.arange(input_ids.shape[1], device=input_ids.device))
-        tables = self.rope_tables(input_ids.shape[1], x.device, x.dtype)
+            x = x + self.pos_emb(positions)
+        tables = self.rope_tables(positions, x.device, x.dtype)
         for block in self.blocks:
             x = block(x, *tables[block.layer_type], padding_mask=attention_mask)
         logits = self.out_head(self.final_norm(x))

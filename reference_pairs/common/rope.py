@@ -219,14 +219,15 @@ def rope_cos_sin(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Cos and sin of each pair's angle ``p * w_i``, times ``attention_factor``.
 
-    ``positions``: a sequence length (positions ``0 .. n - 1``) or a tensor ``(seq,)``. Returns two
-    ``(seq, rotary_dim // 2)`` float32 tables on ``inv_freq``'s device, one column per rotated pair
-    (:func:`pair_layout` spreads them over dimensions). Same float32 operations as the references'
-    rotary embeddings.
+    ``positions``: a sequence length (positions ``0 .. n - 1``), a tensor ``(seq,)``, or per-row
+    positions ``(batch, seq)`` (left-padded batches). Returns two ``(..., seq, rotary_dim // 2)``
+    float32 tables on ``inv_freq``'s device, one column per rotated pair (:func:`pair_layout` spreads
+    them over dimensions). Same float32 operations as the references' rotary embeddings (one product
+    ``p * w`` per angle).
     """
     if isinstance(positions, int):
         positions = torch.arange(positions, device=inv_freq.device)
-    angles = positions.float()[:, None] * inv_freq.float()[None, :]
+    angles = positions.float()[..., None] * inv_freq.float()
     return angles.cos() * attention_factor, angles.sin() * attention_factor
 
 
