@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 #: Node kinds laid out (batch, heads, seq, ...); every other node is (batch, seq, ...).
-HEAD_MAJOR = {"q_rot", "k_rot", "probs"}
+HEAD_MAJOR = {"q_rot", "k_rot", "scores", "probs"}
 #: Node kinds (batch, seq, heads * head_dim) whose last axis splits into heads.
 HEAD_MERGED = {"q_proj", "k_proj", "v_proj", "q_norm", "k_norm", "context"}
 

@@ -29,7 +29,7 @@ MODELS = {
     "meta_tiny_aya": (meta_tiny_aya, "tiny_aya"),
 }
 #: functional nodes each model does not tap (the verdict covers the rest)
-UNTAPPED_KINDS = {"book_olmo3": set(), "litgpt_llama": {"probs", "context"}, "meta_tiny_aya": {"context"}}
+UNTAPPED_KINDS = {"book_olmo3": set(), "litgpt_llama": {"scores", "probs", "context"}, "meta_tiny_aya": {"scores", "context"}}
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -192,13 +192,13 @@ def test_cli_check_ours_and_align(tmp_path, capsys):
     spec = f"{USER_MODELS / 'litgpt_llama.py'}:build"
     assert main(["check", "--ours", spec, "--reference", "llama3", "--report-dir", str(tmp_path), "--format", "json"]) == 0
     out = capsys.readouterr().out
-    assert "PASS: all 29 nodes agree" in out and "4 of 33 reference nodes untapped" in out
+    assert "PASS: all 29 nodes agree" in out and "6 of 35 reference nodes untapped" in out
     (folder,) = [p for p in tmp_path.iterdir() if not p.name.startswith(".")]
     result = json.loads((folder / "result.json").read_text())
-    assert result["counts"] == {"ok": 29, "untapped": 4}
+    assert result["counts"] == {"ok": 29, "untapped": 6}
     assert main(["align", "--ours", spec, "--reference", "llama3"]) == 0
     out = capsys.readouterr().out
-    assert "transformer.h.0.attn.qkv" in out and "fused rows" in out and "33 aligned (8 expect a parity.tap call), 0 unaligned" in out
+    assert "transformer.h.0.attn.qkv" in out and "fused rows" in out and "35 aligned (10 expect a parity.tap call), 0 unaligned" in out
 
 
 @pytest.mark.parametrize(

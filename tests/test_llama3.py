@@ -21,7 +21,7 @@ from reference_pairs.common.rope import default_inv_freq, llama3_inv_freq, rope_
 from reference_pairs.llama3 import CONFIGS, FAMILY, Llama3Model, build_pair, load_weights_into_llama3
 from reference_pairs.llama3.pair import from_hf, to_hf
 
-NODES_PER_LAYER = 15
+NODES_PER_LAYER = len(FAMILY.nodes.per_layer)
 
 
 def assert_holds(pair, **kw):
@@ -190,7 +190,7 @@ def test_skipped_llama3_frequency_scaling_is_found_at_layer0_q_rot(monkeypatch):
     assert bad.hint.kind == "rope_scaling"
 
 
-def test_kv_heads_expanded_with_repeat_is_found_at_layer0_probs():
+def test_kv_heads_expanded_with_repeat_is_found_at_layer0_scores():
     """K/V heads expanded as [K0, K1, K0, K1] (tile) instead of [K0, K0, K1, K1] (repeat_interleave)."""
     pair = build_pair("tiny")
     for block in pair.ours.blocks:
@@ -198,7 +198,7 @@ def test_kv_heads_expanded_with_repeat_is_found_at_layer0_probs():
         att.expand_kv = lambda t, g=att.group_size: t.repeat(1, g, 1, 1)
     bad = first_bad(pair)
     # q_rot and k_rot (K before expansion) still agree; the scores use the wrong K heads
-    assert bad.name == "model.layers.0.self_attn.probs"
+    assert bad.name == "model.layers.0.self_attn.scores"
     assert bad.hint.kind == "head_mapping" and "GQA head mapping" in bad.hint.text
 
 

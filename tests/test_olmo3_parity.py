@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import parity
-from reference_pairs.olmo3 import build_pair
+from reference_pairs.olmo3 import FAMILY, build_pair
 from reference_pairs.olmo3.configs import FULL, SLIDING
 
 
@@ -22,7 +22,7 @@ def test_parity_from_random_config(config):
     pair = build_pair(config)
     res = assert_holds(pair)
     # Every declared node was compared, none silently skipped, and the window was exercised.
-    assert len(res.nodes) == len(pair.nodes) == 1 + 17 * pair.cfg["n_layers"] + 2
+    assert len(res.nodes) == len(pair.nodes) == 1 + len(FAMILY.nodes.per_layer) * pair.cfg["n_layers"] + 2
     assert res.meta["seq_len"] > pair.cfg["sliding_window"]
     assert not res.notes
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+import parity
+
 from parity import assert_parity
 
 
@@ -24,8 +26,9 @@ def test_failure_message_is_the_first_mismatch_table(parity_pair):
     with pytest.raises(AssertionError) as info:
         assert_parity(pair)
     message = str(info.value)
-    assert "FAIL: first mismatch at node 8 of 71, model.layers.0.self_attn.probs" in message
-    assert ">8   model.layers.0.self_attn.probs" in message  # the failing row, marked, with its neighbours
+    probs = next(n.index for n in parity.check(parity_pair("olmo3")).nodes if n.name == "model.layers.0.self_attn.probs")
+    assert f"FAIL: first mismatch at node {probs} of {len(pair.nodes)}, model.layers.0.self_attn.probs" in message
+    assert f">{probs}   model.layers.0.self_attn.probs" in message  # the failing row, marked, with its neighbours
     assert "model.layers.0.self_attn.k_rot" in message and "model.layers.0.self_attn.context" in message
     assert "hint (sliding_window): likely the sliding window size or mask" in message
 

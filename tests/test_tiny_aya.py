@@ -12,12 +12,12 @@ import parity
 from parity.cli import main
 from parity.errors import ConfigError, LoaderError
 from reference_pairs.common.norms import LayerNorm, RMSNorm
-from reference_pairs.tiny_aya import CONFIGS, TinyAyaModel, build_pair, load_weights_into_tiny_aya
+from reference_pairs.tiny_aya import CONFIGS, FAMILY, TinyAyaModel, build_pair, load_weights_into_tiny_aya
 from reference_pairs.tiny_aya.configs import FULL, SLIDING
 from reference_pairs.common.blocks import ParallelBlock
 from reference_pairs.tiny_aya.pair import to_hf
 
-NODES_PER_LAYER = 14
+NODES_PER_LAYER = len(FAMILY.nodes.per_layer)
 
 
 def assert_holds(pair, **kw):
@@ -255,7 +255,7 @@ def test_rope_type_override_is_refused():
 
 def test_cli_pass_exit_0(tmp_path, capsys):
     assert main(["check", "tiny_aya", "--report-dir", str(tmp_path)]) == 0
-    assert "PASS: all 60 nodes agree" in capsys.readouterr().out
+    assert f"PASS: all {1 + NODES_PER_LAYER * 4 + 3} nodes agree" in capsys.readouterr().out
 
 
 def test_cli_fault_exit_1(tmp_path, monkeypatch, capsys):

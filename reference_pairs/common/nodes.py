@@ -13,6 +13,8 @@ ATTENTION = [
     # after RoPE; the unrotated q/k on a layer without RoPE
     ("model.layers.{i}.self_attn.q_rot", "blocks.{i}.att.q_rot"),
     ("model.layers.{i}.self_attn.k_rot", "blocks.{i}.att.k_rot"),
+    # q k^T * scale, before soft-cap and mask: an attention-scale error shows here as one constant ratio
+    ("model.layers.{i}.self_attn.scores", "blocks.{i}.att.scores"),
     ("model.layers.{i}.self_attn.probs", "blocks.{i}.att.probs"),
     ("model.layers.{i}.self_attn.context", "blocks.{i}.att.context"),
     ("model.layers.{i}.self_attn.o_proj", "blocks.{i}.att.out_proj"),

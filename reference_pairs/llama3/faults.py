@@ -41,7 +41,7 @@ FAULTS = (
     Fault("F02", "k_proj rows (un)permuted for RoPE grouped by query heads instead of KV heads", "tiny",
           _k_permuted_by_query_heads, f"{ATT.format(0)}.k_proj", "weight_permutation", source="transformers #31788"),
     Fault("F07", "K/V heads expanded with repeat instead of repeat_interleave", "tiny", expand_kv_with_repeat,
-          f"{ATT.format(0)}.probs", "head_mapping", scope=ATT.format("*"), source="onnx #7274"),
+          f"{ATT.format(0)}.scores", "head_mapping", scope=ATT.format("*"), source="onnx #7274"),
     Fault("F08", "output head its own Parameter, never loaded or tied", "tiny", untie_head, "lm_head",
           "untied_head", source="tinygrad #13796"),
     Fault("F10", "masked scores filled with -inf: fully masked (left-pad) query rows give NaN", "tiny",

@@ -87,7 +87,7 @@ FAULTS = (
     Fault("gate-up-swapped", "gate and up weights swapped in layer 1", "tiny", _swap_gate_up(1),
           "model.layers.1.mlp.gate_proj", "swapped_weights", scope="model.layers.1.mlp"),
     Fault("F07", "K/V heads expanded with repeat instead of repeat_interleave", "tiny", expand_kv_with_repeat,
-          f"{ATT.format(0)}.probs", "head_mapping", scope=ATT.format("*"), source="onnx #7274"),
+          f"{ATT.format(0)}.scores", "head_mapping", scope=ATT.format("*"), source="onnx #7274"),
     Fault("F10", "masked scores filled with -inf: fully masked (left-pad) query rows give NaN", "tiny",
           mask_with_neg_inf, f"{ATT.format(0)}.probs", "nonfinite", scope=f"{ATT.format('*')}.probs",
           source="unsloth #9848", check_kwargs=LEFT_PADDED),

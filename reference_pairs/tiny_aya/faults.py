@@ -58,7 +58,7 @@ FAULTS = (
     Fault("logit-scale-missing", "logits not multiplied by logit_scale", "tiny", _no_logit_scale,
           "logits", "logit_scale"),
     Fault("F07", "K/V heads expanded with repeat instead of repeat_interleave", "tiny", expand_kv_with_repeat,
-          f"{ATT.format(0)}.probs", "head_mapping", scope=ATT.format("*"), source="onnx #7274"),
+          f"{ATT.format(0)}.scores", "head_mapping", scope=ATT.format("*"), source="onnx #7274"),
     Fault("F10", "masked scores filled with -inf: fully masked (left-pad) query rows give NaN", "tiny",
           mask_with_neg_inf, f"{ATT.format(0)}.probs", "nonfinite", scope=f"{ATT.format('*')}.probs",
           source="unsloth #9848", check_kwargs=LEFT_PADDED),
