@@ -318,17 +318,19 @@ def test_browser_fault_report(browser, fault, tmp_path):
     assert len(p.visible_rows()) == len(fault.nodes)
 
     # a node opens its details; a heatmap cell (a link to #node-N) opens that node's, even when filtered out
-    assert not page.is_visible("#details-8")
-    page.click("#node-8 a.node-link")
-    assert page.is_visible("#details-8") and "sliding window" in page.inner_text("#details-8")
-    page.click("#node-8 a.node-link")
-    assert not page.is_visible("#details-8")
+    bad = fault.first_mismatch.index
+    other = next(n.index for n in fault.nodes if n.layer == 1 and n.kind == "q_proj")
+    assert not page.is_visible(f"#details-{bad}")
+    page.click(f"#node-{bad} a.node-link")
+    assert page.is_visible(f"#details-{bad}") and "sliding window" in page.inner_text(f"#details-{bad}")
+    page.click(f"#node-{bad} a.node-link")
+    assert not page.is_visible(f"#details-{bad}")
     page.select_option("#f-layer", "3")
-    page.click('#plot-heatmap a[*|href="#node-20"]')
-    page.wait_for_function("document.getElementById('node-20').classList.contains('open')")
-    assert page.is_visible("#node-20") and page.is_visible("#details-20")
+    page.click(f'#plot-heatmap a[*|href="#node-{other}"]')
+    page.wait_for_function(f"document.getElementById('node-{other}').classList.contains('open')")
+    assert page.is_visible(f"#node-{other}") and page.is_visible(f"#details-{other}")
     assert page.input_value("#f-layer") == ""
-    title = page.eval_on_selector('#plot-heatmap a[*|href="#node-8"] title', "t => t.textContent")
+    title = page.eval_on_selector(f'#plot-heatmap a[*|href="#node-{bad}"] title', "t => t.textContent")
     assert title.startswith(BAD_NODE) and "mismatch" in title
     p.assert_clean()
 
