@@ -310,4 +310,5 @@ def build_pair(
         state_dict=ref.state_dict,
         conversions=ref.conversions,
         tied_keys=ref.tied_keys,
+        exact=dtype in family.exact_dtypes,
     )

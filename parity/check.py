@@ -339,7 +339,7 @@ def check(
     calibrate: bool = False,
     attention_mask: torch.Tensor | None = None,
     left_pad: int = 0,
-    exact: bool = False,
+    exact: bool | None = None,
 ) -> CheckResult:
     """Compare ``pair.ours`` with ``pair.reference`` node by node.
 
@@ -350,7 +350,8 @@ def check(
     only its own error; the first failing node is the fault) or ``both`` (verdict from chained,
     ``result.isolated`` filled too). ``atol``/``rtol`` override the dtype defaults
     (:data:`parity.compare.DEFAULT_TOLERANCES`); ``exact`` sets both to 0 (for pairs that are
-    bit-identical when correct); ``calibrate`` derives each node's atol from the reference's own
+    bit-identical when correct; by default ``pair.exact``, what the pair's family claims for its
+    dtype, unless tolerances are given); ``calibrate`` derives each node's atol from the reference's own
     float32-vs-float64 error (:func:`calibrate_tolerances`); ``tolerances`` maps node-name glob
     patterns to ``(atol, rtol)`` and wins over all of them.
 
@@ -364,6 +365,8 @@ def check(
             invalid tolerances; weights shared by both models edited in place (before or during the
             check); a run that would not fit in memory; a config the reference cannot run.
     """
+    if exact is None:
+        exact = pair.exact and atol is None and rtol is None and not calibrate
     run = plan(pair, input_ids, seq_len, batch_size, mode, atol, rtol, tolerances, calibrate, attention_mask, left_pad, exact)
     diffs = config_diff(pair)
     notes = list(run.notes)

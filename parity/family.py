@@ -90,7 +90,8 @@ class Family:
     ``ci_configs`` run in every test run and the gate; ``real_configs`` are the released models'
     shapes; ``features(cfg)`` lists what a cfg exercises (the gate fails if a real config uses a
     feature no CI config has); ``notes(cfg)`` warns what a cfg cannot show; ``fields`` declares the
-    config fields the sensitivity audit and the property tests draw (:mod:`parity.fields`).
+    config fields the sensitivity audit and the property tests draw (:mod:`parity.fields`);
+    ``exact_dtypes``: the dtypes in which the family claims bit-exactness (tests hold it to that).
     """
 
     name: str
@@ -111,6 +112,9 @@ class Family:
     features: Callable[[dict], set[str]] | None = None
     notes: Callable[[dict], list[str]] | None = None
     fields: tuple = ()
+    #: compute dtypes in which our model is bit-identical to the reference when correct (on the CPU):
+    #: checks of such pairs default to atol = rtol = 0, so the first node with any difference is the fault
+    exact_dtypes: tuple[torch.dtype, ...] = ()
 
     def build_pair(self, config=None, checkpoint=None, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides) -> Pair:
         """A Pair from a built-in config name, a cfg dict, a config.json path, or a checkpoint

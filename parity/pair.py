@@ -95,6 +95,9 @@ class Pair:
     alignment: list = field(default_factory=list)
     #: loader coverage computed while building (check_model), else computed by the check
     coverage: object | None = field(default=None, repr=False)
+    #: ours is bit-identical to the reference when correct (its family claims it for this dtype):
+    #: checks default to atol = rtol = 0
+    exact: bool = False
 
     def __post_init__(self):
         self.nodes = annotate(self.nodes, self.facts)

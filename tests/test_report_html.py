@@ -109,7 +109,7 @@ def test_fault_report_has_every_section(fault, tmp_path):
                  "transformers", "time"):
         assert f"<dt>{fact}</dt>" in header, fact
     for value in (meta["versions"]["torch"], meta["versions"]["transformers"], meta["time"], "float32", "16 tokens",
-                  "atol 0.0001, rtol 0.0001 (defaults for float32)"):
+                  "atol 0, rtol 0 (exact: the pair is bit-identical when correct)"):
         assert value in header, value
     assert "top-1 agreement" in html and "KL(reference || ours)" in html
     assert html.count('<tr id="node-') == len(fault.nodes)

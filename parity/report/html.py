@@ -69,7 +69,8 @@ def _tolerance_facts(result) -> list[tuple[str, str]]:
     base = next((n for n in result.nodes if not n.tol_source.startswith("pattern:")), None)
     facts = []
     if base is not None:
-        where = "set for this run" if base.tol_source == "run" else base.tol_source.replace("default:", "defaults for ")
+        where = {"run": "set for this run", "exact": "exact: the pair is bit-identical when correct"}.get(
+            base.tol_source, base.tol_source.replace("default:", "defaults for "))
         facts.append(("tolerance", f"atol {base.atol:g}, rtol {base.rtol:g} ({where})"))
     elif meta.get("atol") is not None or meta.get("rtol") is not None:
         facts.append(("tolerance", f"atol {meta.get('atol')}, rtol {meta.get('rtol')} (set for this run)"))

@@ -120,6 +120,7 @@ FAMILY = Family(
     to_hf=to_hf,
     from_hf=from_hf,
     faults=FAULTS,
+    exact_dtypes=(torch.float32, torch.bfloat16),
     ci_configs=("tiny",),
     real_configs=("1b-shape", "3b-shape"),
 )

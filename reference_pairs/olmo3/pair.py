@@ -155,6 +155,7 @@ FAMILY = Family(
     to_hf=to_hf,
     from_hf=from_hf,
     faults=FAULTS,
+    exact_dtypes=(torch.float32, torch.bfloat16),
     ci_configs=("tiny", "yarn", "mha"),
     real_configs=("7b-shape", "32b-shape"),
     notes=notes,
