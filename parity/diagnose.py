@@ -177,6 +177,125 @@ def last_dim_permutation(e: Evidence) -> Hint | None:
     )
 
 
+def rounding_order(e: Evidence) -> Hint | None:
+    """Every difference within two units in the last place of the node's dtype: the same formula
+    rounded in another order (cast before or after a multiply, fused or separate operations)."""
+    dtype = e.ref.dtype
+    if not dtype.is_floating_point:
+        return None
+    a, b = e.ours.double(), e.ref.double()
+    diff = (a - b).abs()
+    if not bool((diff > 0).any()):
+        return None
+    mantissa = -round(math.log2(torch.finfo(dtype).eps))  # explicit mantissa bits: 23 float32, 7 bfloat16
+    magnitude = torch.maximum(a.abs(), b.abs()).clamp_min(torch.finfo(dtype).tiny)
+    ulp = torch.pow(2.0, torch.floor(torch.log2(magnitude)) - mantissa)
+    units = diff / ulp
+    worst = float(units.max())
+    if worst > 2.0:
+        return None
+    count = int((diff > 0).sum())
+    return Hint(
+        "rounding_order",
+        f"likely a rounding-order difference: {count} of {diff.numel()} elements differ, none by more than "
+        f"{worst:.0f} unit(s) in the last place of {str(dtype).replace('torch.', '')} (the same formula with a cast "
+        "before instead of after a multiply, or ops fused differently); the reference's order is the one the "
+        "checkpoint was trained with",
+        {"elements": count, "max_ulps": worst},
+    )
+
+
+def _ms(x: torch.Tensor, centered: bool) -> torch.Tensor:
+    x = x.double()
+    if centered:
+        x = x - x.mean(-1, keepdim=True)
+    return x.pow(2).mean(-1)
+
+
+def norm_eps(e: Evidence) -> Hint | None:
+    """A norm whose inputs agree, and whose ours/ref ratio is constant over channels but varies per
+    token with the token's mean square: another eps (or eps outside the square root)."""
+    if "norm" not in e.kind or e.name not in e.ref_trace.inputs or e.name not in e.ours_trace.inputs:
+        return None
+    x_ref, x_ours = e.ref_trace.inputs[e.name], e.ours_trace.inputs[e.name]
+    if x_ref.shape != e.ref.shape or not e.close(x_ours, x_ref):
+        return None
+    a, b = e.ours.double().flatten(0, -2), e.ref.double().flatten(0, -2)
+    keep = b.abs() > 1e-3 * b.abs().amax(-1, keepdim=True)
+    ratio = torch.where(keep, a / b.where(keep, torch.ones_like(b)), torch.nan)
+    r = ratio.nanmean(-1)
+    spread = ((ratio - r[:, None]).abs().nan_to_num(0.0).amax(-1) / r.abs()).max()
+    if not bool(torch.isfinite(r).all()) or float(spread) > 1e-3 or float((r - 1).abs().max()) < 1e-4:
+        return None  # not a per-token factor, or no factor at all
+    centered = e.facts.norm_kind == "layernorm"
+    ms = _ms(x_ref, centered).flatten()
+    r2 = r.pow(2)
+    # r^2 = (ms + eps_ref) / (ms + eps_ours)  <=>  r^2 * eps_ours - eps_ref = ms * (1 - r^2): least squares,
+    # each token's equation divided by its ms + eps so large-RMS tokens (where eps is invisible) add no noise
+    weight = 1.0 / (ms + (e.facts.norm_eps or 1e-6))
+    design = torch.stack([r2, -torch.ones_like(r2)], 1) * weight[:, None]
+    solution = torch.linalg.lstsq(design, (ms * (1 - r2) * weight)[:, None]).solution.flatten()
+    eps_ours, eps_ref = float(solution[0]), float(solution[1])
+    predicted = ((ms + eps_ref) / (ms + eps_ours)).sqrt()
+    if min(eps_ours, eps_ref) >= -1e-12 and float(((predicted - r).abs() / r).max()) < 1e-3:
+        return Hint(
+            "norm_eps",
+            f"likely the norm's eps: ours / reference varies per token with the token's mean square (ratio "
+            f"{float(r.min()):.4g}..{float(r.max()):.4g}), as eps {eps_ours:.3g} in ours and {eps_ref:.3g} in the reference "
+            f"give (the config says {e.facts.norm_eps:g})",
+            {"eps_ours": eps_ours, "eps_reference": eps_ref, "config_eps": e.facts.norm_eps},
+        )
+    eps = e.facts.norm_eps or 0.0
+    outside = ((ms + eps).sqrt() / r - ms.sqrt())  # ours = x / (sqrt(ms) + eps'): one eps' for every token
+    if float(outside.std()) <= 1e-3 * max(float(outside.abs().mean()), 1e-30):
+        return Hint(
+            "norm_eps",
+            f"likely eps outside the square root: ours behaves like x / (sqrt(mean(x^2)) + {float(outside.mean()):.3g}), "
+            f"the reference like x / sqrt(mean(x^2) + {eps:g})",
+            {"eps_outside": float(outside.mean()), "config_eps": eps},
+        )
+    return None
+
+
+def _qk_agree(e: Evidence) -> bool:
+    stem = e.name.rsplit(".", 1)[0]
+    for kind in ("q_rot", "k_rot"):
+        a, b = e.ours_trace.tensors.get(f"{stem}.{kind}"), e.ref_trace.tensors.get(f"{stem}.{kind}")
+        if a is None or b is None or a.shape != b.shape or not e.close(a, b):
+            return False
+    return True
+
+
+def softmax_temperature(e: Evidence) -> Hint | None:
+    """Attention probabilities that are the reference's scores times one constant, softmaxed: the
+    attention scale (softmax temperature), with q and k agreeing."""
+    if e.kind != "probs" or not _qk_agree(e):
+        return None
+    scores = e.ref_trace.tensors.get(e.name.rsplit(".", 1)[0] + ".scores")
+    if scores is None or scores.shape != e.ref.shape:
+        return None
+    p_o, p_r, s = e.ours.double(), e.ref.double(), scores.double()
+    keep = (p_o > 1e-6) & (p_r > 1e-6)
+    # log p_o - log p_r = (c - 1) s - const per row: c from the slope over kept entries
+    d = (p_o.log() - p_r.log()).where(keep, torch.zeros_like(p_o))
+    n = keep.sum(-1, keepdim=True).clamp_min(1)
+    s_c = (s.where(keep, torch.zeros_like(s)) - (s * keep).sum(-1, keepdim=True) / n) * keep
+    d_c = (d - d.sum(-1, keepdim=True) / n) * keep
+    denom = float(s_c.pow(2).sum())
+    if denom == 0:
+        return None
+    slope = float((s_c * d_c).sum()) / denom
+    if abs(slope) < 1e-3 or float((d_c - slope * s_c).pow(2).sum()) > 1e-6 * float(d_c.pow(2).sum()) + 1e-18:
+        return None
+    c = 1 + slope
+    return Hint(
+        "attention_scale",
+        f"likely the attention scale (softmax temperature): q and k agree, and ours' probabilities are the "
+        f"softmax of the reference's scores times {c:.6g}",
+        {"factor": c},
+    )
+
+
 # --- scales --------------------------------------------------------------------------------------
 
 
@@ -201,14 +320,18 @@ def constant_ratio(e: Evidence) -> Hint | None:
         if value > 0 and abs(r / max(value, 1 / value) - 1) < 1e-3
     ]
     known = ""
-    kind = "scale"
-    if matched:
+    kind = "attention_scale" if e.kind == "scores" and _qk_agree(e) else "scale"
+    if matched and kind == "scale":
         name, value = matched[0]
         known = f"; matches {bigger} = {name} ({max(value, 1 / value):.6g})"
         if "attention factor" in name:
             kind = "rope_attention_factor"
         elif name == "logit_scale":
             kind = "logit_scale"
+    if kind == "attention_scale":
+        named = f"; matches {matched[0][0]}" if matched else ""
+        return Hint(kind, f"likely the attention scale (softmax temperature): q and k agree, the pre-softmax scores "
+                    f"differ by one factor, ours / reference = {mean:.6g}{named}", {"ratio": mean, "matches": matched[0][0] if matched else None})
     return Hint(
         kind,
         f"likely a missing or extra scale: ours / reference = {mean:.6g} at every position including 0 "
@@ -493,7 +616,17 @@ def rope_pattern(e: Evidence) -> Hint | None:
     bad = (freq_err > tol).nonzero().flatten().tolist()
     layer = e.facts.layer(e.result.layer)
     rope_type = layer.rope.rope_type if layer is not None and layer.rope is not None else None
-    if bad and len(bad) < d // 2:
+    precision = _frequency_precision(e, x, ref_pairs) if x is not None and x.shape == ours.shape else None
+    if precision is not None:
+        return Hint(
+            "rope_frequencies",
+            f"likely RoPE frequencies off in their last bits: ours' rotation angles differ from the reference's by "
+            f"{precision:.2g} relative (bfloat16 rounding is 4e-3): inverse frequencies computed or rounded in a lower "
+            f"precision than the reference's float32; {numbers}",
+            {**evidence, "relative": precision},
+        )
+    # a band: the highest and the lowest frequency agree, the error sits between (a YaRN / llama3 ramp)
+    if bad and bad[0] > 0 and bad[-1] < d // 2 - 1:
         band = f" (a {rope_type} correction range / ramp band: rounding or clamping)" if rope_type in ("yarn", "llama3") else ""
         return Hint(
             "rope_band",
@@ -502,6 +635,27 @@ def rope_pattern(e: Evidence) -> Hint | None:
             {**evidence, "band": bad},
         )
     return Hint("rope_frequencies", f"likely RoPE frequencies, scaling or offset: {numbers}", evidence)
+
+
+def _frequency_precision(e: Evidence, x: torch.Tensor, pairing: str | None) -> float | None:
+    """The largest relative difference of ours' rotation angles from the reference's, when every
+    frequency is off by under 1% (a precision problem, not a different formula), else None."""
+    from .rope_fit import rotation
+
+    layer = e.facts.layer(e.result.layer)
+    if layer is None or layer.rope is None or e.positions is None:
+        return None
+    interleaved = pairing is not None and pairing.startswith("interleaved")
+    ours_r, _ = rotation(x, e.ours, interleaved, layer.rope.rotary_dim)
+    ref_r, weight = rotation(x, e.ref, interleaved, layer.rope.rotary_dim)
+    last = int(e.positions[0].argmax())
+    angle_ref = ref_r[0, last].angle().abs()
+    delta = (ours_r[0, last] / ref_r[0, last]).angle().abs()
+    keep = (angle_ref > 1e-3) & (angle_ref < 3.0) & (weight[0, last] > 0)  # unwrapped angles only
+    if not bool(keep.any()) or not bool((delta[keep] > 0).any()):
+        return None
+    relative = float((delta[keep] / angle_ref[keep]).max())
+    return relative if relative < 1e-2 else None
 
 
 def window_pattern(e: Evidence) -> Hint | None:
@@ -560,12 +714,15 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     sibling_match,
     untied_head,
     transposed_weight,
+    rounding_order,
+    norm_eps,
     norm_kind,
     block_layout,
     norm_placement,
     constant_ratio,
     last_dim_permutation,
     head_mapping,
+    softmax_temperature,
     window_pattern,
     rope_fit,
     rope_pattern,

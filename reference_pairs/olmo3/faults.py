@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import types
 
+from torch import nn
+
 from parity.faults import Fault
 
 from ..common.faults import LEFT_PADDED, PerHeadRMSNorm, expand_kv_with_repeat, mask_with_neg_inf
@@ -66,6 +68,16 @@ def _swap_gate_up(layer):
     return inject
 
 
+def _transposed_o_proj(layer):
+    """A loader that transposes the square o_proj weight of one layer (a Conv1D-style load)."""
+
+    def inject(pair):
+        out_proj = pair.ours.blocks[layer].att.out_proj
+        out_proj.weight = nn.Parameter(out_proj.weight.detach().T, requires_grad=False)
+
+    return inject
+
+
 ATT = "model.layers.{}.self_attn"
 FAULTS = (
     Fault("qk-norm-per-head", "Q norm computed per head instead of over the whole projection", "tiny",
@@ -91,4 +103,6 @@ FAULTS = (
     Fault("F10", "masked scores filled with -inf: fully masked (left-pad) query rows give NaN", "tiny",
           mask_with_neg_inf, f"{ATT.format(0)}.probs", "nonfinite", scope=f"{ATT.format('*')}.probs",
           source="unsloth #9848", check_kwargs=LEFT_PADDED),
+    Fault("F17", "a loader transposes the square o_proj weight of layer 1", "tiny", _transposed_o_proj(1),
+          f"{ATT.format(1)}.o_proj", "transposed_weight"),
 )
