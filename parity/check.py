@@ -105,6 +105,17 @@ def _window_notes(pair: Pair, seq_len: int) -> list[str]:
     return []
 
 
+def _position_notes(pair: Pair, seq_len: int) -> list[str]:
+    limit = pair.facts.max_position_embeddings
+    if limit and seq_len > limit:
+        return [
+            f"seq_len {seq_len} exceeds max_position_embeddings ({limit}): positions {limit} and later lie past "
+            f"the context the config declares, where the reference makes no promise; pass --seq-len {limit} or less "
+            "unless that is what you mean to test"
+        ]
+    return []
+
+
 def plan(
     pair: Pair,
     input_ids=None,
@@ -136,7 +147,7 @@ def plan(
         mode=mode,
         tolerances=Tolerances(pair.dtype, atol, rtol, dict(tolerances or {}), exact=exact),
         calibrate=calibrate,
-        notes=tuple(pair.notes) + tuple(_window_notes(pair, seq)),
+        notes=tuple(pair.notes) + tuple(_window_notes(pair, seq)) + tuple(_position_notes(pair, seq)),
     )
 
 
@@ -369,7 +380,10 @@ def check(
         nodes = compare_run(pair, our_trace, ref_trace, tolerance)
     _refuse_changed_weights(pair, "during the forward passes")
     profile, logits = analyse(pair, nodes, our_trace, ref_trace)
-    coverage = loader_coverage(pair.ours, pair.state_dict, pair.tied_keys, pair.conversions) if pair.state_dict else None
+    coverage = (
+        loader_coverage(pair.ours, pair.state_dict, pair.tied_keys, pair.conversions, pair.built_storage)
+        if pair.state_dict else None
+    )
     return CheckResult(
         nodes=tuple(nodes),
         meta=_meta(pair, run, diffs, time.perf_counter() - start, atol, rtol, tolerances, calibrate),
