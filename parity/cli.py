@@ -341,8 +341,9 @@ def selftest_output(family, rows, console: Console) -> list:
         out.append(f"{verdict} [bold]{fault.id}[/] {fault.description}" + (f" ({fault.source})" if fault.source else ""))
         out.append(f"  expected  {fault.expected}")
         if fault.isolated_expected != fault.expected:
-            out.append(f"  isolated  {fault.isolated_expected} expected")
-        out.append(f"  found     chained {found(row.chained, fault.expected)}, isolated {found(row.isolated, fault.isolated_expected)}")
+            out.append(f"  expected  {fault.isolated_expected} (isolated)")
+        out.append(f"  chained   {found(row.chained, fault.expected)}")
+        out.append(f"  isolated  {found(row.isolated, fault.isolated_expected)}")
         out.append(f"  hint      {row.hint_kind or '-'}")
     return out
 
