@@ -150,10 +150,14 @@ def test_a_layer_types_mismatch_keeps_its_reason_whole(checkpoint, capsys, tmp_p
 
 
 def test_a_sequence_past_max_position_embeddings_is_noted(capsys, tmp_path):
-    pair = build_pair("tiny", context_length=512)
-    res = parity.check(pair, seq_len=600)
-    assert any("seq_len 600 exceeds max_position_embeddings (512)" in n for n in res.notes), res.notes
-    assert not any("max_position_embeddings" in n for n in parity.check(pair, seq_len=512).notes)
+    pair = build_pair("tiny", context_length=24)  # the same as --seq-len 600 with 512 positions, smaller
+    res = parity.check(pair, seq_len=30)
+    assert any("seq_len 30 exceeds max_position_embeddings (24)" in n for n in res.notes), res.notes
+    assert not any("max_position_embeddings" in n for n in parity.check(pair, seq_len=24).notes)
+    config = tmp_path / "config.json"
+    pair.reference.config.to_json_file(config)
+    assert main(["check", "olmo3", "--config", str(config), "--seq-len", "30", "--report-dir", str(tmp_path)]) == 0
+    assert "seq_len 30 exceeds max_position_embeddings (24)" in " ".join(capsys.readouterr().out.split())
 
 
 # --- the Python API validates like the CLI
