@@ -249,3 +249,13 @@ def test_a_replaced_tied_head_is_not_a_tie_gap():
     res = parity.check(pair)
     assert res.first_mismatch.name == "lm_head" and res.coverage.ok
     assert len(res.coverage.replaced) == 1 and res.coverage.replaced[0].startswith("out_head.weight")
+
+
+def test_the_report_says_the_replacement_once_and_lists_no_gap(tmp_path):
+    pair = build_pair("tiny")
+    fc1 = pair.ours.blocks[0].ff.fc1
+    fc1.weight = nn.Parameter(fc1.weight.detach() * 2, requires_grad=False)
+    html = parity.check(pair).write_html(tmp_path / "report.html").read_text()
+    assert html.count("no longer holds the checkpoint tensor") == 1 and "loader coverage gap" not in html
+    data = json.loads(parity.check(pair).write_json(tmp_path / "result.json").read_text())
+    assert data["coverage"]["gaps"] == [] and len(data["coverage"]["replaced"]) == 1

@@ -1,6 +1,7 @@
 """report.html: complete, self-contained, escaped; and opened in a real browser (Debian's Chromium,
 driven by Playwright) where it must render without console errors, name the right node, sort,
-filter and open node details. Screenshots go to reports/test-artifacts/ (or $PARITY_TEST_ARTIFACTS).
+filter and open node details. Screenshots go to $PARITY_TEST_ARTIFACTS when it is set (for CI to
+keep), else to pytest's temporary folder: the test run writes nothing into the clone.
 
 The browser tests never install anything: they use $PARITY_CHROMIUM, else a chromium on PATH, and
 otherwise skip, saying how to get one (Debian: ``apt-get install chromium``; CI's ``.ci/run`` does
@@ -25,8 +26,6 @@ from parity.facts import derive_facts
 from parity.pair import annotate
 from reference_pairs.olmo3 import CONFIGS, FAMILY
 
-ROOT = Path(__file__).resolve().parents[1]
-ARTIFACTS = Path(os.environ.get("PARITY_TEST_ARTIFACTS") or ROOT / "reports" / "test-artifacts")
 BAD_NODE = "model.layers.0.self_attn.probs"
 #: any reference that would make the page fetch something: src/href/url() to a URL, or a protocol-relative one
 EXTERNAL = re.compile(r"""(?:\b(?:src|href|xlink:href|action)\s*=\s*["']?\s*(?:https?:)?//|url\(\s*["']?\s*(?:https?:)?//|@import)""", re.I)
@@ -237,6 +236,15 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networki
                  "--disable-sync", "--no-first-run", "--disable-dev-shm-usage"]
 
 
+@pytest.fixture(scope="session")
+def artifacts(tmp_path_factory) -> Path:
+    """Where screenshots go: $PARITY_TEST_ARTIFACTS, else a temporary folder of this test run."""
+    explicit = os.environ.get("PARITY_TEST_ARTIFACTS")
+    folder = Path(explicit) if explicit else tmp_path_factory.mktemp("screenshots")
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def browser():
     sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed (pip install -e '.[test]')")
@@ -288,7 +296,7 @@ def _sorted_ok(values, descending):
     assert present == sorted(present, reverse=descending)
 
 
-def test_browser_fault_report(browser, fault, tmp_path):
+def test_browser_fault_report(browser, fault, tmp_path, artifacts):
     path = html_of(fault, tmp_path)
     p = Page(browser)
     p.open(path)
@@ -298,9 +306,8 @@ def test_browser_fault_report(browser, fault, tmp_path):
     assert "likely the sliding window" in page.inner_text("#first-mismatch")
     sizes = page.eval_on_selector_all("svg.plot", "svgs => svgs.map(s => [s.dataset.plot, s.getBoundingClientRect().width, s.getBoundingClientRect().height])")
     assert len(sizes) == 6 and all(w > 100 and h > 50 for _, w, h in sizes), sizes
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(ARTIFACTS / "report-mismatch.png"), full_page=True)
-    page.screenshot(path=str(ARTIFACTS / "report-mismatch-top.png"))
+    page.screenshot(path=str(artifacts / "report-mismatch.png"), full_page=True)
+    page.screenshot(path=str(artifacts / "report-mismatch-top.png"))
 
     rows = p.visible_rows()
     assert [r["index"] for r in rows] == list(range(71))
@@ -360,7 +367,7 @@ def test_browser_fault_report(browser, fault, tmp_path):
     p.assert_clean()
 
 
-def test_browser_7b_shape_report_sorts_and_filters(browser, tmp_path):
+def test_browser_7b_shape_report_sorts_and_filters(browser, tmp_path, artifacts):
     p = Page(browser)
     p.open(html_of(synthetic_7b(), tmp_path))
     assert len(p.visible_rows()) == 547
@@ -368,8 +375,7 @@ def test_browser_7b_shape_report_sorts_and_filters(browser, tmp_path):
     p.page.select_option("#f-status", "failing")
     rows = p.visible_rows()
     assert rows and all(r["status"] == "mismatch" for r in rows) and rows[0]["index"] >= 304
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    p.page.screenshot(path=str(ARTIFACTS / "report-7b-shape-top.png"))
+    p.page.screenshot(path=str(artifacts / "report-7b-shape-top.png"))
     p.assert_clean()
 
 
@@ -382,7 +388,7 @@ def test_browser_runs_no_script_from_names(browser, fault, tmp_path):
     p.assert_clean()
 
 
-def test_browser_page_fits_the_window_and_keeps_names_and_the_timestamp_on_one_line(browser, fault, passing, tmp_path):
+def test_browser_page_fits_the_window_and_keeps_names_and_the_timestamp_on_one_line(browser, fault, passing, tmp_path, artifacts):
     pages = {name: html_of(result, tmp_path, f"{name}.html")
              for name, result in (("7b-shape", synthetic_7b()), ("mismatch", fault), ("pass", passing))}
     for width, names in ((1400, pages), (1024, ["7b-shape"])):
@@ -398,6 +404,5 @@ def test_browser_page_fits_the_window_and_keeps_names_and_the_timestamp_on_one_l
             assert time_lines == 1, (name, width)
             lines = p.page.eval_on_selector_all("#nodes tr.node td:nth-child(2) code", "cs => cs.map(c => c.getClientRects().length)")
             assert set(lines) == {1}, (name, width)  # every node name on one line
-            ARTIFACTS.mkdir(parents=True, exist_ok=True)
-            p.page.screenshot(path=str(ARTIFACTS / f"report-{name}-{width}.png"))
+            p.page.screenshot(path=str(artifacts / f"report-{name}-{width}.png"))
             p.assert_clean()
