@@ -1,7 +1,8 @@
 """Command line: ``parity check <family> ...`` and ``parity list``.
 
-Exit codes: 0 parity holds; 1 a node failed; 2 bad usage or bad input (one line on stderr);
-3 an internal error (a bug in parity: traceback on stderr).
+Exit codes: 0 parity holds; 1 a node failed; 2 bad usage or bad input (one line on stderr, in the
+options' own words, before any model is built where the options alone show it); 3 an internal
+error (a bug in parity: traceback on stderr).
 """
 
 from __future__ import annotations
@@ -129,9 +130,8 @@ def fit_table(columns: list[tuple], rows: list[tuple[list[str], str | None]], co
 
     ``columns``: ``(header, options, drop_rank)`` where ``drop_rank`` is None for a column that is
     always kept and otherwise the order of dropping (1 first); ``rows``: ``(cells, row style)``.
-    Node names go in ``no_wrap`` columns,
-    so a name is never cut or wrapped mid-word: other columns go before it does. None when even the
-    kept columns do not fit.
+    Node names go in ``no_wrap`` columns, so a name is never cut or wrapped mid-word: other columns
+    go before it does. None when even the kept columns do not fit.
     """
     from rich.measure import Measurement
 
@@ -156,14 +156,18 @@ def fit_table(columns: list[tuple], rows: list[tuple[list[str], str | None]], co
 def _fix_widths(table: Table, console: Console, wide) -> Table:
     """Column widths that never go below a column's minimum (rich's own squeezing can cut a word):
     each column its minimum, the space left shared by how much more each would take."""
-    ranges = [table._measure_column(console, wide, column) for column in table.columns]
-    spare = console.width - table._extra_width - sum(r.minimum for r in ranges)
+    try:  # rich's own column measure (not public API: without it, rich's layout stands)
+        ranges = [table._measure_column(console, wide, column) for column in table.columns]
+        extra = table._extra_width
+    except AttributeError:
+        return table
+    spare = console.width - extra - sum(r.minimum for r in ranges)
     want = [r.maximum - r.minimum for r in ranges]
     if spare >= sum(want):
         return table  # everything fits at its natural width
+    pad = 2  # a column's measure includes the Table's default padding, (0, 1)
     for column, r, w in zip(table.columns, ranges, want):
-        pad = 2  # Table's default padding, (0, 1)
-        column.width = r.minimum - pad + (spare * w // sum(want) if sum(want) else 0)
+        column.width = r.minimum - pad + spare * w // sum(want)
     return table
 
 
