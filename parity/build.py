@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,11 +32,25 @@ from .weights import apply_weight_table
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
+#: the wrapper huggingface_hub's strict dataclasses put around a validator's own message
+_VALIDATOR_WRAPPER = re.compile(
+    r"^(?:Class validation error for validator '[^']*'|Validation error for field '[^']*'):\s*"
+    r"(?:[A-Za-z_.]*(?:Error|Exception|Warning):\s*)?"
+)
+
+
 def one_line(e: BaseException) -> str:
-    """An exception's message as one line (Transformers' validators spread theirs over several)."""
+    """An exception's message as one line, the reason kept whole (Transformers' validators put it
+    on a second line, under a header naming the validator function)."""
     text = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
-    parts = [p.strip() for p in text.splitlines() if p.strip()]
-    return " ".join(parts) or type(e).__name__
+    text = " ".join(p.strip() for p in text.splitlines() if p.strip())
+    return _VALIDATOR_WRAPPER.sub("", text) or type(e).__name__
+
+
+def summary(items: list[str], n: int = 3, what: str = "") -> str:
+    """The first ``n`` items and how many there are in all (a message stays one readable line)."""
+    body = "; ".join(items[:n])
+    return body + (f"; ... ({len(items)} {what or 'in all'})" if len(items) > n else "")
 
 
 def default_seq_len(facts: ArchFacts) -> int:
@@ -82,7 +97,7 @@ def validated(family: Family, hf_config, dtype: torch.dtype) -> tuple[dict, Arch
 def _truncate_layers(hf_config, n_layers: int) -> None:
     types = getattr(hf_config, "layer_types", None)
     if types is not None and n_layers > len(types):
-        raise ConfigError(f"n_layers {n_layers} exceeds the {len(types)} layers of the config's layer_types")
+        raise ConfigError(f"{n_layers} layers asked for, but the config's layer_types lists {len(types)}")
     hf_config.num_hidden_layers = n_layers
     if types is not None:
         hf_config.layer_types = list(types[:n_layers])  # the first n layers of a config.json
@@ -138,18 +153,61 @@ def build_reference(reference_cls, hf_config, state_dict: Mapping[str, torch.Ten
         result = reference.load_state_dict(state_dict, strict=False, assign=True)
     except RuntimeError as e:  # size mismatches: the lines after the first name key and shapes
         reasons = [line.strip() for line in str(e).splitlines()[1:] if line.strip()]
-        shown = "; ".join(reasons[:3]) + (f"; ... ({len(reasons)} in all)" if len(reasons) > 3 else "")
-        raise LoaderError(f"{name} rejects the state dict: {shown or one_line(e)}") from None
+        text = summary(reasons, what="tensors in all") if reasons else one_line(e)
+        raise LoaderError(f"{name} rejects the state dict: {text}") from None
     tied_targets = set(getattr(reference, "_tied_weights_keys", None) or {}) if hf_config.tie_word_embeddings else set()
     missing = [k for k in result.missing_keys if k not in tied_targets]
     if missing or result.unexpected_keys:
         raise LoaderError(
-            f"{name} rejects the state dict: missing {', '.join(missing) or 'none'}; "
-            f"unexpected {', '.join(result.unexpected_keys) or 'none'}"
+            f"{name} rejects the state dict: missing {_keys(missing)}; "
+            f"unexpected {_keys(list(result.unexpected_keys))}"
         )
     if hf_config.tie_word_embeddings:
         reference.tie_weights()
     return reference.eval()
+
+
+def _keys(keys: list[str], n: int = 5) -> str:
+    if not keys:
+        return "none"
+    return ", ".join(keys[:n]) + (f", ... ({len(keys)} keys in all)" if len(keys) > n else "")
+
+
+def _check_tensor_dtypes(state_dict: Mapping[str, torch.Tensor], where: str) -> None:
+    """Every checkpoint tensor must be floating point: both models compute in a float dtype, and an
+    integer tensor (a quantized checkpoint, a mis-saved norm) would fail deep in a loader with a
+    message about shapes."""
+    odd = [f"{k} ({str(v.dtype).replace('torch.', '')})" for k, v in state_dict.items() if not v.is_floating_point()]
+    if odd:
+        raise LoaderError(
+            f"{where} holds tensors that are not floating point: {_keys(odd, 3)}; parity loads float32, bfloat16, "
+            "float16 or float64 weights (a quantized checkpoint is not supported)"
+        )
+
+
+def nonfinite_notes(state_dict: Mapping[str, torch.Tensor], chunk: int = 1 << 24) -> list[str]:
+    """One note per checkpoint tensor holding NaN or Inf (first index and count).
+
+    Such a checkpoint is still checked: a NaN that reaches a node is reported there as ``nonfinite``;
+    one no token uses (an embedding row, say) changes no node, and this note is how it stays visible.
+    """
+    notes = []
+    for key, tensor in state_dict.items():
+        flat = tensor.detach().reshape(-1)
+        count, first = 0, None
+        for start in range(0, flat.numel(), chunk):  # bounded memory on real checkpoints
+            bad = ~torch.isfinite(flat[start : start + chunk])
+            n = int(bad.sum())
+            if n and first is None:
+                first = start + int(bad.nonzero()[0, 0])
+            count += n
+        if count:
+            index = tuple(int(i) for i in torch.unravel_index(torch.tensor(first), tuple(tensor.shape)))
+            notes.append(
+                f"checkpoint tensor {key} holds {count} non-finite value{'s' if count != 1 else ''} (first at index "
+                f"{index}); a node that reads one shows it as nonfinite, and the check passes only if none is read"
+            )
+    return notes
 
 
 def load_ours(family: Family, model: nn.Module, cfg: dict, state_dict: Mapping[str, torch.Tensor]) -> dict[str, str]:
@@ -202,6 +260,7 @@ def random_weights(reference_cls, hf_config, seed: int, dtype: torch.dtype, what
 def read_weights(checkpoint, dtype: torch.dtype, model_type: str | None):
     """``(checkpoint, state dict in dtype, conversions)`` of a safetensors checkpoint directory."""
     ckpt = read_checkpoint(checkpoint, model_type=model_type)
+    _check_tensor_dtypes(ckpt.state_dict, f"checkpoint {checkpoint}")
     state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in ckpt.state_dict.items()}
     conversions = [
         f"{k}: {str(v.dtype).replace('torch.', '')} -> {str(dtype).replace('torch.', '')}"
@@ -284,6 +343,8 @@ def build_pair(
     ref = _source(family, config, checkpoint, dtype, seed, overrides)
     cfg = ref.cfg
     notes = list(family.notes(cfg)) if family.notes is not None else []
+    if checkpoint is not None:  # after the cast: a float16 cast can overflow to inf
+        notes += nonfinite_notes(ref.state_dict)
     try:
         with torch.device("meta"):
             ours = family.model_class(cfg)

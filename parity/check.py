@@ -117,6 +117,17 @@ def _window_notes(pair: Pair, seq_len: int) -> list[str]:
     return []
 
 
+def _position_notes(pair: Pair, seq_len: int) -> list[str]:
+    limit = pair.facts.max_position_embeddings
+    if limit and seq_len > limit:
+        return [
+            f"seq_len {seq_len} exceeds max_position_embeddings ({limit}): positions {limit} and later lie past "
+            f"the context the config declares, where the reference makes no promise; pass --seq-len {limit} or less "
+            "unless that is what you mean to test"
+        ]
+    return []
+
+
 def plan(
     pair: Pair,
     input_ids=None,
@@ -149,7 +160,7 @@ def plan(
         mode=mode,
         tolerances=Tolerances(pair.dtype, atol, rtol, dict(tolerances or {}), exact=exact),
         calibrate=calibrate,
-        notes=tuple(pair.notes) + tuple(_window_notes(pair, seq)),
+        notes=tuple(pair.notes) + tuple(_window_notes(pair, seq)) + tuple(_position_notes(pair, seq)),
     )
 
 
@@ -395,7 +406,7 @@ def check(
     profile, logits = analyse(pair, nodes, our_trace, ref_trace)
     coverage = pair.coverage
     if coverage is None and pair.state_dict:
-        coverage = loader_coverage(pair.ours, pair.state_dict, pair.tied_keys, pair.conversions)
+        coverage = loader_coverage(pair.ours, pair.state_dict, pair.tied_keys, pair.conversions, pair.built_storage)
     return CheckResult(
         nodes=tuple(nodes),
         meta=_meta(pair, run, diffs, time.perf_counter() - start, atol, rtol, tolerances, calibrate),

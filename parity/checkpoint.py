@@ -6,8 +6,10 @@ and the shards it names. Pickle-based weights (``*.bin``, ``*.pt``) are never op
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,12 +61,38 @@ def _load(path: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{path} is corrupt or truncated: {str(e).splitlines()[0]}") from None
 
 
+def unreachable(path: Path, what: str) -> str | None:
+    """Why ``path`` cannot be opened, in words (``what`` names it: "checkpoint directory"), or None.
+
+    ``Path.exists()`` answers False for a symlink loop, a dangling link or a folder without search
+    permission alike; the error number tells them apart.
+    """
+    try:
+        os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return f"{what} {path} is a symbolic link loop (it resolves to itself)"
+        if e.errno == errno.ENOENT and os.path.islink(path):
+            return f"{what} {path} is a symbolic link to {os.readlink(path)}, which does not exist"
+        if e.errno == errno.ENOENT:
+            return f"{what} {path} does not exist"
+        if e.errno == errno.ENOTDIR:
+            return f"{what} {path} does not exist (a part of the path is a file)"
+        return f"{what} {path} cannot be read: {e.strerror}"
+    return None
+
+
 def read_config(path: str | Path) -> dict:
     """config.json of a checkpoint directory (or the file itself). Raises CheckpointError."""
     path = Path(path)
+    problem = unreachable(path, "config file")
+    if problem:
+        raise CheckpointError(problem)
     config_path = path / "config.json" if path.is_dir() else path
     if not config_path.is_file():
-        raise CheckpointError(f"no config.json in {path}" if path.is_dir() else f"config file {path} does not exist")
+        if not os.path.lexists(config_path):
+            raise CheckpointError(f"no config.json in {path}")
+        raise CheckpointError(unreachable(config_path, "config file") or f"{config_path} is not a file")
     return _read_json(config_path)
 
 
@@ -78,10 +106,11 @@ def read_checkpoint(directory: str | Path, model_type: str | None = None) -> Che
             key its shard lacks; a key stands in two shards; a file is corrupt or truncated.
     """
     directory = Path(directory)
-    if directory.exists() and not directory.is_dir():
-        raise CheckpointError(f"checkpoint {directory} is a file; pass the directory that holds config.json")
+    problem = unreachable(directory, "checkpoint directory")
+    if problem:
+        raise CheckpointError(problem)
     if not directory.is_dir():
-        raise CheckpointError(f"checkpoint directory {directory} does not exist")
+        raise CheckpointError(f"checkpoint {directory} is a file; pass the directory that holds config.json")
     config = read_config(directory)
     found = config.get("model_type")
     if model_type is not None and found != model_type:

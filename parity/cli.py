@@ -1,7 +1,8 @@
 """Command line: ``parity check <family> ...`` and ``parity list``.
 
-Exit codes: 0 parity holds; 1 a node failed; 2 bad usage or bad input (one line on stderr);
-3 an internal error (a bug in parity: traceback on stderr).
+Exit codes: 0 parity holds; 1 a node failed; 2 bad usage or bad input (one line on stderr, in the
+options' own words, before any model is built where the options alone show it); 3 an internal
+error (a bug in parity: traceback on stderr).
 """
 
 from __future__ import annotations
@@ -197,25 +198,86 @@ def cmd_align(args, console: Console) -> int:
     return 1 if unaligned else 0
 
 
-def _node_table(result) -> Table:
+def fit_table(columns: list[tuple], rows: list[tuple[list[str], str | None]], console: Console, **table_kwargs) -> Table | None:
+    """A Table of the columns that fit ``console``'s width, dropping optional columns first.
+
+    ``columns``: ``(header, options, drop_rank)`` where ``drop_rank`` is None for a column that is
+    always kept and otherwise the order of dropping (1 first); ``rows``: ``(cells, row style)``.
+    Node names go in ``no_wrap`` columns, so a name is never cut or wrapped mid-word: other columns
+    go before it does. None when even the kept columns do not fit.
+    """
+    from rich.measure import Measurement
+
+    dropped: set[int] = set()
+    ranks = sorted((rank, i) for i, (_, _, rank) in enumerate(columns) if rank is not None)
+    while True:
+        keep = [i for i in range(len(columns)) if i not in dropped]
+        table = Table(**table_kwargs)
+        for i in keep:
+            header, options, _ = columns[i]
+            table.add_column(header, **options)
+        for cells, style in rows:
+            table.add_row(*(cells[i] for i in keep), style=style)
+        wide = console.options.update_width(10_000)
+        if Measurement.get(console, wide, table).minimum <= console.width:
+            return _fix_widths(table, console, wide)
+        if not ranks:
+            return None
+        dropped.add(ranks.pop(0)[1])
+
+
+def _fix_widths(table: Table, console: Console, wide) -> Table:
+    """Column widths that never go below a column's minimum (rich's own squeezing can cut a word):
+    each column its minimum, the space left shared by how much more each would take."""
+    try:  # rich's own column measure (not public API: without it, rich's layout stands)
+        ranges = [table._measure_column(console, wide, column) for column in table.columns]
+        extra = table._extra_width
+    except AttributeError:
+        return table
+    spare = console.width - extra - sum(r.minimum for r in ranges)
+    want = [r.maximum - r.minimum for r in ranges]
+    if spare >= sum(want):
+        return table  # everything fits at its natural width
+    pad = 2  # a column's measure includes the Table's default padding, (0, 1)
+    for column, r, w in zip(table.columns, ranges, want):
+        column.width = r.minimum - pad + spare * w // sum(want)
+    return table
+
+
+def _node_table(result, console: Console) -> Table:
+    """Every node: index, name (whole), status and the metrics that fit the console's width."""
     bad = result.first_mismatch
-    table = Table(title=f"{result.meta['family']} / {result.meta['config']} ({result.meta['dtype']})", show_lines=False)
-    for col, justify in [("#", "right"), ("node", "left"), ("status", "left"), ("max_abs", "right"),
-                         ("mean_abs", "right"), ("cosine", "right")]:
-        table.add_column(col, justify=justify)
-    if result.isolated is not None and result.isolated is not result.nodes:
-        table.add_column("isolated", justify="left")
-    colors = {"ok": "green", "mismatch": "red", "shape": "magenta", "missing": "magenta", "nonfinite": "red", "untapped": "dim"}
+    colors = {"ok": "green", "mismatch": "red", "shape": "magenta", "missing": "magenta", "nonfinite": "red",
+              "untapped": "dim"}
     isolated = {r.name: r for r in result.isolated or []} if result.isolated is not result.nodes else {}
+    fmt = lambda v, spec=".3g": "" if v is None else format(v, spec)  # noqa: E731
+    columns = [
+        ("#", dict(justify="right", no_wrap=True), 5),
+        ("node", dict(no_wrap=True), None),
+        ("status", dict(no_wrap=True), None),
+        ("max_abs", dict(justify="right", no_wrap=True), 4),
+        ("mean_abs", dict(justify="right", no_wrap=True), 1),
+        ("cosine", dict(justify="right", no_wrap=True), 2),
+    ]
+    if isolated:
+        columns.append(("isolated", dict(no_wrap=True), 3))
+    rows = []
     for r in result.nodes:
         style = "bold reverse red" if bad is not None and r.index == bad.index else None
-        fmt = lambda v, spec=".3g": "" if v is None else format(v, spec)  # noqa: E731
-        cells = [str(r.index), r.name, f"[{colors[r.status]}]{r.status}[/]", fmt(r.max_abs), fmt(r.mean_abs),
-                 fmt(r.cosine, ".6f")]
+        cells = [str(r.index), r.name, f"[{colors.get(r.status, 'red')}]{r.status}[/]", fmt(r.max_abs),
+                 fmt(r.mean_abs), fmt(r.cosine, ".6f")]
         if isolated:
             iso = isolated.get(r.name)
-            cells.append(f"[{colors[iso.status]}]{iso.status}[/] {fmt(iso.max_abs)}" if iso else "")
-        table.add_row(*cells, style=style)
+            cells.append(f"[{colors.get(iso.status, 'red')}]{iso.status}[/] {fmt(iso.max_abs)}" if iso else "")
+        rows.append((cells, style))
+    title = f"{result.meta['family']} / {result.meta['config']} ({result.meta['dtype']})"
+    table = fit_table(columns, rows, console, title=title)
+    if table is None:  # narrower than one node name: fold rather than lose the end of a name
+        table = Table(title=title)
+        table.add_column("node", overflow="fold")
+        table.add_column("status")
+        for cells, style in rows:
+            table.add_row(cells[1], cells[2], style=style)
     return table
 
 
@@ -250,6 +312,35 @@ def _write_reports(result, parent: Path, formats: list[str]) -> Path:
         raise
 
 
+def check_options(args) -> None:
+    """Everything about ``parity check``'s options that needs no model, in the options' own words,
+    before anything is built. Raises ParityError."""
+    if args.checkpoint is not None and (args.config is not None or args.layers is not None):
+        raise ParityError("--checkpoint brings its own config.json; do not combine it with --config or --layers")
+    if args.calibrate and (args.atol is not None or args.rtol is not None):
+        raise ParityError("--calibrate sets each node's atol itself (rtol 0); drop --atol/--rtol, or drop --calibrate")
+    if args.exact and (args.atol is not None or args.rtol is not None or args.calibrate):
+        raise ParityError("--exact sets atol = rtol = 0 on every node; drop --atol/--rtol/--calibrate, or drop --exact")
+    if args.left_pad:
+        if args.batch < 2:
+            raise ParityError(
+                f"--left-pad {args.left_pad} pads every batch row after the first, so it needs --batch 2 or more "
+                f"(got --batch {args.batch})"
+            )
+        if args.seq_len is not None and args.left_pad >= args.seq_len:
+            raise ParityError(f"--left-pad {args.left_pad} must be shorter than --seq-len {args.seq_len}")
+
+
+def _check_left_pad(args, pair) -> None:
+    """--left-pad against the default sequence length, which only the built pair knows."""
+    seq_len = args.seq_len or pair.default_seq_len
+    if args.left_pad and args.left_pad >= seq_len:
+        raise ParityError(
+            f"--left-pad {args.left_pad} must be shorter than the sequence ({seq_len} tokens by default for this "
+            "config); pass a longer --seq-len or a smaller --left-pad"
+        )
+
+
 def cmd_check(args, console: Console) -> int:
     import torch
 
@@ -260,25 +351,25 @@ def cmd_check(args, console: Console) -> int:
         raise ParityError("name a family (see `parity list`), or check your own model with --ours module:build")
     if args.ours is None and (args.reference is not None or args.node_map is not None):
         raise ParityError("--reference and --node-map go with --ours")
+    check_options(args)
     report_parent = _report_parent(args.report_dir)
     if args.ours is not None:
         pair = _user_pair(args, console)
     else:
         family = get_family(args.family)
-        if args.checkpoint is not None and (args.config is not None or args.layers is not None):
-            raise ParityError("--checkpoint brings its own config.json; do not combine it with --config or --layers")
         dtype = getattr(torch, args.dtype)
         overrides = {"n_layers": args.layers} if args.layers is not None else {}
         config = None if args.checkpoint else (args.config or family.default_config)
         what = args.checkpoint or config
         with console.status(f"building {family.name} pair ({what}, {args.dtype}): ours and {family.reference_class}"):
             pair = family.build_pair(config=config, checkpoint=args.checkpoint, dtype=dtype, seed=args.seed, **overrides)
+    _check_left_pad(args, pair)
     with console.status("tracing both models and comparing every node"):
         result = check(
             pair, seq_len=args.seq_len, batch_size=args.batch, mode=args.mode, atol=args.atol, rtol=args.rtol,
             calibrate=args.calibrate, left_pad=args.left_pad, exact=args.exact,
         )
-    console.print(_node_table(result))
+    console.print(_node_table(result, console))
     _print_coverage(result.coverage, console)
     for note in result.notes:
         console.print(f"[yellow]note:[/] {note}", highlight=False)
@@ -290,9 +381,55 @@ def cmd_check(args, console: Console) -> int:
         line = "every node agrees on its own" if iso is None else f"first node failing on its own: {iso.line()}"
         console.print(f"[bold]isolated:[/] {line}", highlight=False)
     console.print(("[bold green]" if result.passed else "[bold red]") + result.verdict() + "[/]", highlight=False)
+    replaced = result.coverage.replaced_note() if result.coverage is not None else None
+    if replaced:  # a fault injected by hand: said once, under the finding it explains
+        console.print(f"[yellow]note:[/] {replaced}", highlight=False)
     folder = _write_reports(result, report_parent, args.format)
     console.print(f"reports: {folder}", highlight=False)
     return 0 if result.passed else 1
+
+
+def selftest_output(family, rows, console: Console) -> list:
+    """Renderables for the selftest's rows: a table where the node names fit whole, else one block
+    per fault (a label, then the name on its own line)."""
+    from rich.text import Text
+
+    def found(name, expected):
+        return "-" if name is None else "same" if name == expected else name
+
+    columns = [
+        ("fault", dict(), None),
+        ("expected node", dict(no_wrap=True), None),
+        ("chained", dict(no_wrap=True), None),
+        ("isolated", dict(no_wrap=True), None),
+        ("hint", dict(no_wrap=True), None),
+        ("hint text", dict(), 1),
+        ("result", dict(no_wrap=True), None),
+    ]
+    cells = []
+    for row in rows:
+        fault = row.fault
+        cells.append(([
+            f"{fault.id}\n{fault.description}" + (f"\n({fault.source})" if fault.source else ""),
+            fault.expected, found(row.chained, fault.expected), found(row.isolated, fault.isolated_expected),
+            row.hint_kind or "-", row.hint or "-", "[green]pass[/]" if row.passed else "[red]FAIL[/]",
+        ], None))
+    title = f"parity selftest {family.name}: {len(rows)} faults"
+    table = fit_table(columns, cells, console, title=title, show_lines=True)
+    if table is not None:
+        return [table]
+    out = [Text(title, style="bold")]
+    for row in rows:
+        fault = row.fault
+        verdict = "[green]pass[/]" if row.passed else "[red]FAIL[/]"
+        out.append(f"{verdict} [bold]{fault.id}[/] {fault.description}" + (f" ({fault.source})" if fault.source else ""))
+        out.append(f"  expected  {fault.expected}")
+        if fault.isolated_expected != fault.expected:
+            out.append(f"  expected  {fault.isolated_expected} (isolated)")
+        out.append(f"  chained   {found(row.chained, fault.expected)}")
+        out.append(f"  isolated  {found(row.isolated, fault.isolated_expected)}")
+        out.append(f"  hint      {row.hint_kind or '-'}")
+    return out
 
 
 def cmd_selftest(args, console: Console) -> int:
@@ -303,21 +440,12 @@ def cmd_selftest(args, console: Console) -> int:
     family = get_family(args.family)
     if not family.faults:
         raise ParityError(f"family {family.name} has no fault catalogue")
-    table = Table(title=f"parity selftest {family.name}: {len(family.faults)} faults", show_lines=True)
-    for col in ("fault", "expected node", "found (chained)", "found (isolated)", "hint", "result"):
-        table.add_column(col, overflow="fold")
     rows = []
     for fault in family.faults:
         with console.status(f"{fault.id}: {fault.description}"):
-            row = run_fault(family, fault)
-        rows.append(row)
-        verdict = "[green]pass[/]" if row.passed else "[red]FAIL[/]\n" + "\n".join(row.problems)
-        table.add_row(
-            f"{fault.id}\n{fault.description}" + (f"\n({fault.source})" if fault.source else ""),
-            fault.expected, row.chained or "-", row.isolated or "-",
-            f"{row.hint_kind}: {row.hint}" if row.hint_kind else "-", verdict,
-        )
-    console.print(table)
+            rows.append(run_fault(family, fault))
+    for renderable in selftest_output(family, rows, console):
+        console.print(renderable, highlight=False)
     for row in rows:  # unfolded, for logs
         for problem in row.problems:
             console.print(f"{row.fault.id}: {problem}", highlight=False, soft_wrap=True)

@@ -43,6 +43,9 @@ class Coverage:
     parameters equal to a checkpoint tensor by value but not sharing its storage. ``tied``: one line
     per tie the reference's config asks for, saying whether ours keeps one Parameter. ``sources``:
     per our parameter name (every name of a tied Parameter), where its values came from.
+    ``replaced``: parameters of ours that held a checkpoint tensor when the pair was built and were
+    replaced since (``module.weight = nn.Parameter(...)``, how a fault is injected by hand): the
+    loader did its part, so they are named here once and judged by the nodes, not as gaps.
     """
 
     consumed: dict[str, list[str]] = field(default_factory=dict)
@@ -53,6 +56,8 @@ class Coverage:
     tied: list[str] = field(default_factory=list)
     gaps: list[str] = field(default_factory=list)
     sources: dict[str, list[Source]] = field(default_factory=dict, repr=False)
+    #: our parameters replaced after the pair was built (a fault injected by hand): not a loader gap
+    replaced: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -68,11 +73,29 @@ class Coverage:
             "conversions": self.conversions,
             "copies": self.copies,
             "tied": self.tied,
+            "replaced": self.replaced,
         }
+
+    def replaced_note(self) -> str | None:
+        """One sentence for every parameter replaced after loading, or None."""
+        if not self.replaced:
+            return None
+        shown = "; ".join(self.replaced[:3]) + (f"; ... ({len(self.replaced)} in all)" if len(self.replaced) > 3 else "")
+        return (
+            f"ours no longer holds the checkpoint tensor of {len(self.replaced)} parameter"
+            f"{'s' if len(self.replaced) != 1 else ''} replaced after the pair was built ({shown}); "
+            "loader coverage does not judge them, the nodes do"
+        )
 
 
 def _storage(t: torch.Tensor) -> tuple:
     return (t.device.type, t.untyped_storage().data_ptr() if not t.is_meta else id(t), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def parameter_storages(model: nn.Module) -> dict[str, tuple]:
+    """Our parameter name -> where its data lives, taken right after loading, so that
+    :func:`loader_coverage` can tell a loader's gap from a Parameter replaced afterwards."""
+    return {name: _storage(p.data) for name, p in model.named_parameters(remove_duplicate=False)}
 
 
 def _row_bytes(t: torch.Tensor) -> list[bytes]:
@@ -127,12 +150,15 @@ def loader_coverage(
     state_dict: dict[str, torch.Tensor],
     tied_keys: dict[str, str] | None = None,
     conversions: list[str] | None = None,
+    built: dict[str, tuple] | None = None,
 ) -> Coverage:
     """Trace every parameter of ``model`` back to ``state_dict`` (the tensors it was loaded from).
 
     ``tied_keys``: checkpoint key -> the key it must be tied to (Transformers'
     ``_tied_weights_keys`` when the config ties embeddings); ours must then hold one Parameter for
     both. ``conversions``: casts already applied to the state dict, reported as they are.
+    ``built``: :func:`parameter_storages` taken right after loading; a parameter that held a
+    checkpoint tensor then and another tensor now was replaced by hand, and lands in ``replaced``.
     """
     cov = Coverage(conversions=list(conversions or []))
     # checkpoint keys that alias one storage (state_dict() of a tied model) form one source
@@ -154,8 +180,17 @@ def loader_coverage(
             cov.sources.setdefault(n, []).append(Source(names[0], key, how, rows))
 
     unexplained = []
+    set_aside: set[str] = set()  # checkpoint keys whose parameter was replaced after loading
     for p, names in params.values():
         label = " = ".join(names)
+        was = [built[n] for n in names if built and n in built and built[n] != _storage(p.data) and built[n] in sources]
+        if was:
+            before = sources[was[0]]
+            now = sources.get(_storage(p.data))
+            holds = f"now shares {now[0]}" if now else "now a tensor of its own"
+            cov.replaced.append(f"{label} (held {before[0]}; {holds})")
+            set_aside.update(before)
+            continue
         keys = sources.get(_storage(p.data))
         if keys:
             for key in keys:
@@ -194,7 +229,7 @@ def loader_coverage(
                 free.pop(key, None)
 
     for storage_keys in sources.values():
-        used = [k for k in storage_keys if k in cov.consumed]
+        used = [k for k in storage_keys if k in cov.consumed or k in set_aside]
         if not used:
             cov.unused.extend(k for k in storage_keys if not (tied_keys and k in tied_keys))
     for key, targets in cov.consumed.items():
@@ -206,6 +241,9 @@ def loader_coverage(
         return [label for k in aliases for label in cov.consumed.get(k, [])]
 
     for target, source in (tied_keys or {}).items():
+        if {target, source} & set_aside:
+            cov.tied.append(f"{target} -> {source}: not judged (a parameter of the tie was replaced after loading)")
+            continue
         labels = consumers(source)
         if len(labels) == 1 and " = " in labels[0]:  # one Parameter reachable under several names
             cov.tied.append(f"{target} -> {source}: one Parameter ({labels[0]})")

@@ -278,7 +278,7 @@ def derive_facts(config, model=None) -> ArchFacts:
         LayerFacts(
             index=i,
             layer_type=t,
-            window=int(window) if window and t == SLIDING else None,
+            window=int(window) if window is not None and t == SLIDING else None,
             rope=rope_facts.get(t),
             head_dim=head_dim,
             num_kv_heads=kv,
@@ -403,8 +403,9 @@ def validate_facts(facts: ArchFacts) -> list[str]:
     if facts.norm_eps is not None and not (math.isfinite(facts.norm_eps) and facts.norm_eps >= 0):
         problems.append(f"the norm eps is {facts.norm_eps!r}; it must be a finite number >= 0")
     for layer in facts.layers:
-        if layer.layer_type == SLIDING and not layer.window:
-            problems.append(f"layer {layer.index} is sliding_attention but sliding_window is {layer.window!r}; it must be >= 1")
+        if layer.layer_type == SLIDING and (layer.window is None or layer.window < 1):
+            value = "null" if layer.window is None else repr(layer.window)
+            problems.append(f"layer {layer.index} is sliding_attention but sliding_window is {value}; it must be >= 1")
             break
     for layer_type in sorted(set(facts.layer_types)):
         rope = facts.rope_of_type(layer_type)

@@ -11,6 +11,7 @@ against the :class:`~parity.facts.ArchFacts` of the reference, so it needs no fa
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -74,8 +75,18 @@ class NodeMap:
         return nodes
 
 
+#: reStructuredText inline markup: ``literal``, :role:`target`, `interpreted`, *emphasis*
+_RST = re.compile(r"(?::[\w.+-]+:)?``?([^`]+?)``?|\*\*?([^*\s][^*]*?)\*?\*")
+
+
+def plain_text(text: str) -> str:
+    """A docstring line as a terminal shows it: inline reStructuredText markup removed
+    (``` ``n_layers`` ``` -> ``n_layers``, ``:func:`f``` -> ``f``, ``*x*`` -> ``x``)."""
+    return _RST.sub(lambda m: m.group(1) if m.group(1) is not None else m.group(2), text)
+
+
 def _first_line(fn) -> str:
-    return (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else ""
+    return plain_text((fn.__doc__ or "").strip().splitlines()[0]) if fn.__doc__ else ""
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Known fault kinds, each injectable into a fresh pair, and the selftest that proves parity sees them.
 
-A :class:`Fault` is a change to an otherwise correct implementation (from the test suite or from
-shared/cases/fault-catalogue.md), with the node a good debugger must name first and the class of
+A :class:`Fault` is a change to an otherwise correct implementation (from the test suite, or one of
+the cases F01-F10 reported in public projects), with the node a good debugger must name first and the class of
 hint it must give. ``inject`` mutates only the pair's own objects (our model instance, its cfg
 copy, its modules' methods), never module globals, so faults cannot leak into later runs.
 """

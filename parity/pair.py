@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
+from .coverage import parameter_storages
 from .facts import ArchFacts
 
 
@@ -98,11 +99,16 @@ class Pair:
     #: ours is bit-identical to the reference when correct (its family claims it for this dtype):
     #: checks default to atol = rtol = 0
     exact: bool = False
+    #: where each of our parameters lived right after loading (loader coverage tells a replaced
+    #: Parameter, a fault injected by hand, from a loader's gap)
+    built_storage: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         self.nodes = annotate(self.nodes, self.facts)
         if self.state_dict and not self.fingerprint:
             self.fingerprint = fingerprints(self.state_dict)
+        if self.state_dict and not self.built_storage:
+            self.built_storage = parameter_storages(self.ours)
 
     def changed_weights(self) -> list[str]:
         """Checkpoint tensors changed in place since the pair was built.
@@ -140,7 +146,9 @@ def _bits(t: torch.Tensor) -> bytes:
     flat = t.detach().reshape(-1)
     if flat.numel() == 0:
         return b""
-    idx = torch.linspace(0, flat.numel() - 1, min(_SAMPLE, flat.numel())).long()
+    k = min(_SAMPLE, flat.numel())
+    # integer arithmetic: a float linspace rounds past the last index of a tensor of 2^24+ elements
+    idx = torch.arange(k, dtype=torch.int64) * (flat.numel() - 1) // max(k - 1, 1)
     return flat[idx].cpu().numpy().tobytes() if flat.dtype != torch.bfloat16 else flat[idx].view(torch.int16).cpu().numpy().tobytes()
 
 

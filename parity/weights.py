@@ -88,7 +88,7 @@ def apply_weight_table(model: nn.Module, state_dict: Mapping[str, torch.Tensor],
     expanded = expand_table(table, state_dict.keys(), ours)
 
     problems, plan = [], {}
-    missing, unknown = [], []
+    missing, unknown, shapes, mismatched = [], [], [], set()
     for src, entry in expanded.items():
         dst = _target(entry)
         in_ckpt, in_ours = src in state_dict, dst in ours
@@ -102,10 +102,10 @@ def apply_weight_table(model: nn.Module, state_dict: Mapping[str, torch.Tensor],
             continue
         tensor = state_dict[src] if isinstance(entry, str) else entry.apply(state_dict[src])
         if tuple(tensor.shape) != tuple(ours[dst].shape):
-            problems.append(
-                f"shape mismatch for {src}: checkpoint {tuple(state_dict[src].shape)}, expected "
-                f"{tuple(ours[dst].shape)} ({dst})"
+            shapes.append(
+                f"{src}: checkpoint {tuple(state_dict[src].shape)}, expected {tuple(ours[dst].shape)} ({dst})"
             )
+            mismatched.add(id(ours[dst]))  # named here already, not again as "never written"
             continue
         plan[src] = (dst, tensor)
     # a tie in ours: one group may be written from two keys only when they hold the same values
@@ -119,6 +119,10 @@ def apply_weight_table(model: nn.Module, state_dict: Mapping[str, torch.Tensor],
             plan[src] = (dst, None)  # consumed, not assigned twice
         else:
             written[gid] = src
+    if shapes:  # a wrong width mismatches every tensor: the first few say it, the count says how far it goes
+        shapes.sort(key=lambda entry: tuple(int(n) for n in re.findall(r"\.(\d+)\.", entry.split(":", 1)[0])))
+        shown = "; ".join(shapes[:3]) + (f"; ... ({len(shapes)} keys in all)" if len(shapes) > 3 else "")
+        problems.insert(0, f"shape mismatch for {shown}")
     missing = [k for k in missing if id(ours[_target(expanded[k])]) not in written]  # a tied name is written through its group
     if missing:
         problems.append(f"missing checkpoint keys: {_summary(missing)}")
@@ -127,7 +131,8 @@ def apply_weight_table(model: nn.Module, state_dict: Mapping[str, torch.Tensor],
     unused = [k for k in state_dict if k not in expanded]
     if unused:
         problems.append(f"unused checkpoint keys: {_summary(unused)}")
-    unwritten = sorted({name for name in ours if id(ours[name]) not in written})
+    accounted = set(written) | mismatched
+    unwritten = sorted({name for name in ours if id(ours[name]) not in accounted})
     if unwritten:
         problems.append(f"parameters of ours never written: {_summary(unwritten)}")
     if problems:

@@ -100,7 +100,7 @@ def wrong_width(directory):
     [
         (corrupt, "model.safetensors is corrupt or truncated"),
         (other_model_type, "has model_type 'llama', expected 'olmo3'"),
-        (wrong_width, "shape mismatch for model.layers.0.mlp.gate_proj.weight"),
+        (wrong_width, "model.layers.0.mlp.gate_proj.weight: checkpoint (64, 32), expected (48, 32)"),
     ],
     ids=["truncated", "model_type", "shape"],
 )
@@ -187,7 +187,15 @@ def test_checkpoint_layout_edge_cases(checkpoint_of, capsys, tmp_path):
     assert "lies outside" in capsys.readouterr().err
 
 
-def test_bad_options_exit_2_before_any_model_is_built(tmp_path, capsys):
+#: the Python API's words, which a CLI message must never use
+API_WORDS = ("attention_mask", "tolerances=", "left_pad", "batch_size", "seq_len", "n_layers", "calibrate=", "atol=")
+
+
+def test_bad_options_exit_2_in_cli_words_before_any_model_is_built(tmp_path, capsys, monkeypatch):
+    def no_build(*args, **kwargs):
+        raise AssertionError("a model was built before the options were checked")
+
+    monkeypatch.setattr("parity.family.Family.build_pair", no_build)
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     for argv, message in [
@@ -195,12 +203,24 @@ def test_bad_options_exit_2_before_any_model_is_built(tmp_path, capsys):
         (["--seed", "99999999999999999999"], "must be an integer in [0, 2^63)"),
         (["--atol", "inf"], "must be a finite number >= 0"),
         (["--seq-len", "abc"], "must be a positive integer, got 'abc'"),
-        (["--calibrate", "--atol", "1e-3"], "calibrate sets each node's atol"),
-        (["--left-pad", "3"], "left_pad 3 needs batch_size >= 2"),
+        (["--calibrate", "--atol", "1e-3"], "--calibrate sets each node's atol itself (rtol 0); drop --atol/--rtol"),
+        (["--exact", "--rtol", "0"], "--exact sets atol = rtol = 0 on every node; drop --atol/--rtol/--calibrate"),
+        (["--left-pad", "3"], "--left-pad 3 pads every batch row after the first, so it needs --batch 2 or more"),
+        (["--left-pad", "9", "--batch", "2", "--seq-len", "9"], "--left-pad 9 must be shorter than --seq-len 9"),
+        (["--checkpoint", str(tmp_path), "--layers", "2"], "do not combine it with --config or --layers"),
     ]:
         assert main(["check", "olmo3", *argv]) == 2, argv
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and message in err, (argv, err)
+        assert not any(word in err for word in API_WORDS), (argv, err)
+
+
+def test_left_pad_past_the_default_sequence_is_an_error_in_cli_words(tmp_path, capsys):
+    # tiny's default sequence is 16 tokens; only the built pair knows that
+    assert run(["--left-pad", "16", "--batch", "2"], tmp_path) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--left-pad 16 must be shorter than the sequence (16 tokens by default" in err, err
+    assert len(err.splitlines()) == 1 and not any(word in err for word in API_WORDS), err
 
 
 def test_a_model_that_cannot_fit_is_refused_with_numbers(tmp_path, capsys, monkeypatch):

@@ -195,3 +195,19 @@ def test_cli_format_junit_writes_a_case(tmp_path):
     case = ET.parse(folder / "junit.xml").getroot().find("testsuite/testcase")
     assert case.get("classname") == "parity.olmo3" and case.find("failure") is None
     jsonschema.validate(strict_json((folder / "result.json").read_text()), result_schema())
+
+
+@pytest.mark.parametrize("umask, folder_mode, file_mode", [(0o022, 0o755, 0o644), (0o027, 0o750, 0o640)])
+def test_report_folder_and_files_follow_the_umask(passing, tmp_path, umask, folder_mode, file_mode):
+    import os
+    import stat
+
+    from parity.cli import _write_reports
+
+    old = os.umask(umask)
+    try:
+        folder = _write_reports(passing, tmp_path, ["json", "csv"])
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(folder.stat().st_mode) == folder_mode
+    assert {stat.S_IMODE(f.stat().st_mode) for f in folder.iterdir()} == {file_mode}

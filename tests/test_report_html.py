@@ -1,10 +1,11 @@
 """report.html: complete, self-contained, escaped; and opened in a real browser (Debian's Chromium,
 driven by Playwright) where it must render without console errors, name the right node, sort,
-filter and open node details. Screenshots go to reports/test-artifacts/ (or $PARITY_TEST_ARTIFACTS).
+filter and open node details. Screenshots go to $PARITY_TEST_ARTIFACTS when it is set (for CI to
+keep), else to pytest's temporary folder: the test run writes nothing into the clone.
 
-The browser tests install Debian's chromium when it is missing and this is a root Debian system;
-they skip, saying why, only when the browser cannot exist here (no apt-get, not root, the install
-failed, or the playwright package is missing).
+The browser tests never install anything: they use $PARITY_CHROMIUM, else a chromium on PATH, and
+otherwise skip, saying how to get one (Debian: ``apt-get install chromium``; CI's ``.ci/run`` does
+that itself). They assert what the page shows and does, never how fast it was.
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ import os
 import random
 import re
 import shutil
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -27,8 +26,6 @@ from parity.facts import derive_facts
 from parity.pair import annotate
 from reference_pairs.olmo3 import CONFIGS, FAMILY
 
-ROOT = Path(__file__).resolve().parents[1]
-ARTIFACTS = Path(os.environ.get("PARITY_TEST_ARTIFACTS") or ROOT / "reports" / "test-artifacts")
 BAD_NODE = "model.layers.0.self_attn.probs"
 #: any reference that would make the page fetch something: src/href/url() to a URL, or a protocol-relative one
 EXTERNAL = re.compile(r"""(?:\b(?:src|href|xlink:href|action)\s*=\s*["']?\s*(?:https?:)?//|url\(\s*["']?\s*(?:https?:)?//|@import)""", re.I)
@@ -40,7 +37,7 @@ EVIL = "<script>alert(1)</script>"
 
 def synthetic_7b(n_layers: int = 32, seq: int = 64, width: int = 4096,
                  bad_name: str = "model.layers.17.mlp.down_proj") -> CheckResult:
-    """A CheckResult shaped like an OLMo 3 7B run in bfloat16: the real node list (1 + 17 x 32 + 2),
+    """A CheckResult shaped like an OLMo 3 7B run in bfloat16: the real node list (1 + per-layer nodes x 32 + 2),
     real widths in the error profile, chained and isolated results (no 7B model is built)."""
     rng = random.Random(0)
     facts = derive_facts(FAMILY.to_hf(CONFIGS["7b-shape"](n_layers)))
@@ -133,8 +130,23 @@ def test_plot_ids_are_unique_and_heatmap_cells_link_to_rows(fault):
     assert not duplicates
     heatmap = re.search(r'<svg class="plot"[^>]*data-plot="heatmap".*?</svg>', html, re.S).group(0)
     targets = re.findall(r'<a xlink:href="#(node-\d+)"', heatmap)
-    assert len(targets) == 4 * len(FAMILY.nodes.per_layer) and set(targets) <= set(ids)
+    assert len(targets) == 4 * len(FAMILY.nodes.per_layer) + 3 and set(targets) <= set(ids)
     assert 'target="_blank"' not in heatmap
+
+
+def test_heatmap_shows_every_node_and_the_size_of_each_error(fault):
+    """The embedding, final norm and head have cells too; each cell says its numbers on hover (an SVG
+    <title>, no script needed) and the colour bar is numbered in max_abs / tolerance."""
+    html = render_html(fault)
+    heatmap = re.search(r'<svg class="plot"[^>]*data-plot="heatmap".*?</svg>', html, re.S).group(0)
+    titles = dict(re.findall(r'<a xlink:href="#node-(\d+)"><title>(.*?)</title>', heatmap, re.S))
+    assert set(titles) == {str(n.index) for n in fault.nodes}
+    for n in (fault.nodes[0], fault.first_mismatch, fault.nodes[-1]):  # embed_tokens, probs, lm_head
+        title = titles[str(n.index)]
+        assert title.startswith(n.name) and n.status in title
+        assert f"max_abs {n.max_abs:.3g}" in title and "x tolerance" in title
+    assert "max_abs / tolerance" in heatmap and "log10" not in heatmap
+    assert all(f">{tick}<" in heatmap for tick in ("1e-6", "1"))  # tick labels are ratios
 
 
 def test_names_from_configs_and_module_paths_are_escaped(fault, tmp_path):
@@ -146,11 +158,22 @@ def test_names_from_configs_and_module_paths_are_escaped(fault, tmp_path):
     assert html.count("<script>") == 1  # ours, at the end
 
 
-def test_pass_report(passing, tmp_path):
+def test_pass_report_says_in_a_sentence_what_a_plot_of_nothing_would_show(passing, tmp_path):
     html = html_of(passing, tmp_path).read_text()
-    assert 'id="first-mismatch"' not in html and f"PASS: all {len(passing.nodes)} nodes agree" in html
-    assert "Every node agrees within tolerance" in html and 'id="plot-logits"' in html
-    assert 'id="plot-heatmap"' in html and 'id="plot-depth"' in html
+    n = len(passing.nodes)
+    assert 'id="first-mismatch"' not in html and f"PASS: all {n} nodes agree" in html
+    assert f"Every node is bit-identical to the reference (max_abs 0 at all {n} compared nodes)" in html
+    assert "at every one of the 16 positions" in html
+    assert '<svg class="plot"' not in html  # no empty heatmap, no flat lines
+
+
+def test_near_tolerance_pass_names_the_closest_node_and_keeps_the_plots_folded(passing):
+    nodes = list(passing.nodes)
+    nodes[30] = dataclasses.replace(nodes[30], max_abs=5e-5, mean_abs=1e-5, atol_needed=5e-5, atol=1e-4, rtol=1e-4)
+    html = render_html(dataclasses.replace(passing, nodes=nodes))
+    summary = html[html.index('id="depth-summary"'):html.index("</details>", html.index('id="depth-summary"'))]
+    assert nodes[30].name in summary and "0.5 of its tolerance" in summary
+    assert '<details class="plots-more">' in summary and 'id="plot-heatmap"' in summary
 
 
 def test_missing_shape_and_nonfinite_nodes_render(passing):
@@ -164,47 +187,64 @@ def test_missing_shape_and_nonfinite_nodes_render(passing):
     assert "ours (1, 16, 8) vs reference (1, 16, 16)" in html
 
 
-def test_7b_shape_report_renders_in_a_few_seconds(tmp_path):
+def test_7b_shape_report_is_complete_and_bounded(tmp_path):
     result = synthetic_7b()
     assert len(result.nodes) == 1 + len(FAMILY.nodes.per_layer) * 32 + 2
-    render_html(result)  # matplotlib's first figure pays for font loading; time a warm render too
-    start = time.perf_counter()
     path = html_of(result, tmp_path)
-    elapsed = time.perf_counter() - start
     html = path.read_text()
-    assert elapsed < 5, f"render took {elapsed:.2f} s"
-    assert html.count('<tr id="node-') == len(result.nodes) and html.count('<tr class="detail"') == len(result.nodes)
-    assert len(re.findall(r'<a xlink:href="#node-\d+"', html)) == 32 * len(FAMILY.nodes.per_layer)
+    n = len(result.nodes)
+    assert html.count('<tr id="node-') == n and html.count('<tr class="detail"') == n
+    assert set(re.findall(r'<a xlink:href="#(node-\d+)"', html)) == {f"node-{i}" for i in range(n)}
     assert path.stat().st_size < 4_000_000
 
 
 # --- in a real browser
 
 
+HOW_TO_GET_CHROMIUM = (
+    "install Debian's chromium (apt-get install chromium) or point PARITY_CHROMIUM at a Chromium binary; "
+    "CI's .ci/run installs it"
+)
+
+
 def _chromium() -> tuple[str | None, str]:
-    """Path to Debian's chromium, installing it when missing and possible; else (None, why not)."""
+    """Path to a Chromium already on this machine, else (None, why not and how to get one)."""
     explicit = os.environ.get("PARITY_CHROMIUM")
     if explicit:
         return (explicit, "") if Path(explicit).exists() else (None, f"PARITY_CHROMIUM={explicit} does not exist")
     found = shutil.which("chromium") or shutil.which("chromium-browser")
     if found:
         return found, ""
-    if not shutil.which("apt-get"):
-        return None, "chromium is not installed and there is no apt-get here to install Debian's chromium"
-    if os.geteuid() != 0:
-        return None, "chromium is not installed and installing Debian's chromium needs root (apt-get install chromium)"
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    proc = subprocess.run("apt-get update -qq && apt-get install -y -qq chromium", shell=True, env=env,
-                          capture_output=True, text=True, timeout=1200)
-    found = shutil.which("chromium")
-    if proc.returncode != 0 or not found:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-        return None, f"apt-get install chromium failed (exit {proc.returncode}): {tail[0]}"
-    return found, ""
+    return None, f"no chromium on PATH: {HOW_TO_GET_CHROMIUM}"
+
+
+def test_no_browser_means_a_skip_that_says_how_to_get_one_and_nothing_installed(monkeypatch):
+    import subprocess
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"a test ran a program: {args}")
+
+    for name in ("run", "Popen", "call", "check_call", "check_output"):
+        monkeypatch.setattr(subprocess, name, refuse)
+    monkeypatch.setattr(os, "system", refuse)
+    monkeypatch.delenv("PARITY_CHROMIUM", raising=False)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    path, why = _chromium()
+    assert path is None
+    assert "apt-get install chromium" in why and "PARITY_CHROMIUM" in why and ".ci/run" in why
 
 
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--no-first-run", "--disable-dev-shm-usage"]
+
+
+@pytest.fixture(scope="session")
+def artifacts(tmp_path_factory) -> Path:
+    """Where screenshots go: $PARITY_TEST_ARTIFACTS, else a temporary folder of this test run."""
+    explicit = os.environ.get("PARITY_TEST_ARTIFACTS")
+    folder = Path(explicit) if explicit else tmp_path_factory.mktemp("screenshots")
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
 
 
 @pytest.fixture(scope="module")
@@ -235,16 +275,14 @@ class Page:
         self.page.on("dialog", lambda d: (self.dialogs.append(d.message), d.dismiss()))
         self.page.on("request", lambda r: self.requests.append(r.url))
 
-    def open(self, path: Path) -> float:
-        start = time.perf_counter()
+    def open(self, path: Path) -> None:
         self.page.goto(path.as_uri(), wait_until="load")
-        return time.perf_counter() - start
 
     def visible_rows(self) -> list[dict]:
         return self.page.eval_on_selector_all(
             "#nodes tbody tr.node:not([hidden])",
             "rows => rows.map(r => ({index: +r.cells[0].dataset.v, status: r.dataset.status, layer: r.dataset.layer,"
-            " kind: r.dataset.kind, max_abs: r.cells[5].dataset.v === '' ? null : +r.cells[5].dataset.v}))",
+            " kind: r.dataset.kind, max_abs: r.cells[3].dataset.v === '' ? null : +r.cells[3].dataset.v}))",
         )
 
     def assert_clean(self):
@@ -260,7 +298,7 @@ def _sorted_ok(values, descending):
     assert present == sorted(present, reverse=descending)
 
 
-def test_browser_fault_report(browser, fault, tmp_path):
+def test_browser_fault_report(browser, fault, tmp_path, artifacts):
     path = html_of(fault, tmp_path)
     p = Page(browser)
     p.open(path)
@@ -270,19 +308,18 @@ def test_browser_fault_report(browser, fault, tmp_path):
     assert "likely the sliding window" in page.inner_text("#first-mismatch")
     sizes = page.eval_on_selector_all("svg.plot", "svgs => svgs.map(s => [s.dataset.plot, s.getBoundingClientRect().width, s.getBoundingClientRect().height])")
     assert len(sizes) == 6 and all(w > 100 and h > 50 for _, w, h in sizes), sizes
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(ARTIFACTS / "report-mismatch.png"), full_page=True)
-    page.screenshot(path=str(ARTIFACTS / "report-mismatch-top.png"))
+    page.screenshot(path=str(artifacts / "report-mismatch.png"), full_page=True)
+    page.screenshot(path=str(artifacts / "report-mismatch-top.png"))
 
     rows = p.visible_rows()
     assert [r["index"] for r in rows] == list(range(len(fault.nodes)))
     assert page.inner_text("#nodes tr.first td:nth-child(2)") == BAD_NODE
     # sort by max_abs: descending first, then ascending; "#" restores execution order
-    page.click("#nodes thead th:nth-child(6) button")
+    page.click("#nodes thead th:nth-child(4) button")
     rows = p.visible_rows()
     _sorted_ok([r["max_abs"] for r in rows], descending=True)
-    assert page.get_attribute("#nodes thead th:nth-child(6)", "aria-sort") == "descending"
-    page.click("#nodes thead th:nth-child(6) button")
+    assert page.get_attribute("#nodes thead th:nth-child(4)", "aria-sort") == "descending"
+    page.click("#nodes thead th:nth-child(4) button")
     _sorted_ok([r["max_abs"] for r in p.visible_rows()], descending=False)
     page.click("#nodes thead th:nth-child(2) button")  # by name
     names = page.eval_on_selector_all("#nodes tbody tr.node", "rs => rs.map(r => r.dataset.name)")
@@ -335,27 +372,16 @@ def test_browser_fault_report(browser, fault, tmp_path):
     p.assert_clean()
 
 
-def test_browser_7b_shape_report_opens_in_a_few_seconds(browser, tmp_path):
-    result = synthetic_7b()
-    render_html(result)  # warm matplotlib (fonts), as a second report in one process would be
-    start = time.perf_counter()
-    path = html_of(result, tmp_path)
-    rendered = time.perf_counter() - start
+def test_browser_7b_shape_report_sorts_and_filters(browser, tmp_path, artifacts):
     p = Page(browser)
-    loaded = p.open(path)
-    assert len(p.visible_rows()) == len(FAMILY.nodes.per_layer) * 32 + 3
-    start = time.perf_counter()
-    p.page.click("#nodes thead th:nth-child(11) button")  # x tolerance, every row
+    p.open(html_of(synthetic_7b(), tmp_path))
+    assert len(p.visible_rows()) == 1 + len(FAMILY.nodes.per_layer) * 32 + 2
+    p.page.click("#nodes thead th:nth-child(9) button")  # x tolerance, every row
     p.page.select_option("#f-status", "failing")
-    interactive = time.perf_counter() - start
     rows = p.visible_rows()
     assert rows and all(r["status"] == "mismatch" for r in rows) and rows[0]["index"] >= 304
-    assert rendered + loaded < 8, f"render {rendered:.2f} s + load {loaded:.2f} s"
-    assert interactive < 3, f"sorting and filtering every row took {interactive:.2f} s"
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    p.page.screenshot(path=str(ARTIFACTS / "report-7b-shape-top.png"))
+    p.page.screenshot(path=str(artifacts / "report-7b-shape-top.png"))
     p.assert_clean()
-    print(f"7b-shape report: render {rendered:.2f} s, browser load {loaded:.2f} s, sort+filter {interactive:.2f} s")
 
 
 def test_browser_runs_no_script_from_names(browser, fault, tmp_path):
@@ -365,3 +391,23 @@ def test_browser_runs_no_script_from_names(browser, fault, tmp_path):
     assert p.page.inner_text("#first-mismatch .node-name") == evil(fault).first_mismatch.name
     assert p.page.eval_on_selector_all("img", "imgs => imgs.length") == 0
     p.assert_clean()
+
+
+def test_browser_page_fits_the_window_and_keeps_names_and_the_timestamp_on_one_line(browser, fault, passing, tmp_path, artifacts):
+    pages = {name: html_of(result, tmp_path, f"{name}.html")
+             for name, result in (("7b-shape", synthetic_7b()), ("mismatch", fault), ("pass", passing))}
+    for width, names in ((1400, pages), (1024, ["7b-shape"])):
+        for name in names:
+            p = Page(browser, width=width)
+            p.open(pages[name])
+            page_width, table_right, room, time_lines = p.page.evaluate(
+                "[document.documentElement.scrollWidth, document.getElementById('nodes').getBoundingClientRect().right,"
+                " document.getElementById('nodes-section').getBoundingClientRect().right,"
+                " document.querySelector('dl.facts time').getClientRects().length]"
+            )
+            assert page_width <= width and table_right <= room, (name, width, page_width, table_right, room)
+            assert time_lines == 1, (name, width)
+            lines = p.page.eval_on_selector_all("#nodes tr.node td:nth-child(2) code", "cs => cs.map(c => c.getClientRects().length)")
+            assert set(lines) == {1}, (name, width)  # every node name on one line
+            p.page.screenshot(path=str(artifacts / f"report-{name}-{width}.png"))
+            p.assert_clean()

@@ -60,5 +60,13 @@ def run_stem(family: str, config: str) -> str:
 
 
 def staging_folder(parent: Path) -> Path:
+    """A new, empty folder in ``parent`` to write a report into before :func:`publish_folder`.
+
+    mkdtemp makes it 0700; it gets the umask's mode instead, like any folder ``mkdir`` makes (and
+    like the 0644 files :func:`atomic_write` puts in it), so a published report is as readable as
+    its files.
+    """
     parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=".staging-", dir=parent))
+    folder = Path(tempfile.mkdtemp(prefix=".staging-", dir=parent))
+    os.chmod(folder, 0o777 & ~_umask())
+    return folder

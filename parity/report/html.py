@@ -5,9 +5,11 @@ Inline CSS, an inline script of our own (table sorting, filtering, node details)
 on: every name from a config, a checkpoint path or a module path is escaped.
 
 Sections: header (verdict and run facts), first-mismatch card (metrics, hint, error by position
-and head), depth (heatmap of log10(max_abs / tolerance) per layer and node kind, error through
-depth), where the error sits (by position / head / channel, and what it does to the logits), the
-node table (sortable, filterable, a details row per node), the model cfg.
+and head), depth (heatmap of max_abs / tolerance per layer and node kind, the embedding, final norm
+and head a row each, every cell naming its numbers on hover; error through depth), where the error
+sits (by position / head / channel, and what it does to the logits), the node table (sortable,
+filterable, a details row per node), the model cfg. Where every node agrees, a sentence says so
+instead of a plot of nothing (the plots stay one click away when the errors are not all zero).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ _env = Environment(
 
 #: node kinds whose last axis is the key position rather than a channel
 KEY_AXIS_KINDS = {"probs"}
+#: run facts short enough never to wrap (a timestamp broken over two lines reads as two values)
+NOWRAP_FACTS = {"family", "dtype", "seq len", "seed", "mode", "torch", "transformers", "time"}
 
 
 def _fmt(value, spec: str = ".3g") -> str:
@@ -92,7 +96,15 @@ def _coverage(result) -> dict | None:
         f"{len(d['gaps'])} gap{'s' if len(d['gaps']) != 1 else ''}"
     )
     return {"ok": coverage.ok, "summary": summary, "gaps": list(d["gaps"]),
-            "info": [f"{k}: {v}" for k in ("tied", "conversions", "copies") for v in d.get(k) or []]}
+            "info": [f"{k}: {v}" for k in ("tied", "conversions", "copies") for v in d.get(k) or []],
+            "replaced": coverage.replaced_note() if hasattr(coverage, "replaced_note") else None}
+
+
+def _time(stamp) -> str | None:
+    """``2026-11-30T09:26:29+00:00`` -> ``2026-11-30 09:26:29 UTC`` (other offsets kept as they are)."""
+    if not isinstance(stamp, str):
+        return stamp
+    return stamp.replace("T", " ", 1).replace("+00:00", " UTC") if stamp.endswith("+00:00") else stamp.replace("T", " ", 1)
 
 
 def _facts(result) -> list[dict]:
@@ -113,7 +125,7 @@ def _facts(result) -> list[dict]:
         *_tolerance_facts(result),
         ("torch", versions.get("torch")),
         ("transformers", versions.get("transformers")),
-        ("time", meta.get("time")),
+        ("time", _time(meta.get("time"))),
     ]
     coverage = _coverage(result)
     if coverage is not None:
@@ -164,7 +176,7 @@ def _where(result, bad, card) -> dict:
                     "top": [{"i": i, "v": values[i]} for i in _top(values)],
                     "over": sum(1 for v in values if v is None or not math.isfinite(v) or v > bad.atol),
                 })
-    if result.logits:
+    if result.logits and _logits_agree(result.logits) is None:
         where["logits_svg"] = _svg(plots.logits_svg(result.logits, int(result.meta.get("batch_size") or 1)))
     return where
 
@@ -207,18 +219,50 @@ def _filters(result) -> dict:
     }
 
 
+def _depth_summary(result) -> dict:
+    """One sentence for a run where every node agrees (plots of nothing look like a broken page):
+    ``exact`` when every error is 0, else the node closest to its tolerance."""
+    judged = [n for n in result.nodes if n.judged and tolerance_ratio(n) is not None]
+    worst = max(judged, key=tolerance_ratio, default=None)
+    exact = all(n.max_abs == 0 for n in judged)
+    return {"exact": exact, "worst": worst, "ratio": tolerance_ratio(worst) if worst is not None else None,
+            "n": len(judged)}
+
+
+def _logits_agree(logits) -> dict | None:
+    """``{"kl": largest KL}`` when the output agrees everywhere (the same top-1 and top-k at every
+    position, KL at rounding level), where a plot would be flat; else None."""
+    if not logits:
+        return None
+    kl = logits.get("kl") or []
+    if (logits.get("top1_agreement") == 1 and logits.get("mean_topk_overlap") == 1 and kl
+            and all(v is not None and math.isfinite(v) and abs(v) < 1e-6 for v in kl)):
+        return {"kl": max(kl)}
+    return None
+
+
+def _facts_nowrap(facts: list[dict]) -> list[dict]:
+    for f in facts:
+        f["nowrap"] = f["key"] in NOWRAP_FACTS
+    return facts
+
+
 def render_html(result) -> str:
     bad = result.first_mismatch
     card = _card(result, bad)
     mode = result.meta.get("mode", "chained")
+    depth_summary = _depth_summary(result)
+    exact = bad is None and depth_summary["exact"]  # nothing to plot
     return _env.get_template("report.html.j2").render(
         r=result,
         d=result_dict(result),
         bad=bad,
-        facts=_facts(result),
+        facts=_facts_nowrap(_facts(result)),
+        depth_summary=depth_summary,
+        logits_agree=_logits_agree(result.logits),
         card=card,
-        heatmap_svg=_svg(plots.depth_heatmap_svg(result.nodes, bad.index if bad else None)),
-        depth_svg=_svg(plots.depth_line_svg(
+        heatmap_svg=None if exact else _svg(plots.depth_heatmap_svg(result.nodes, bad.index if bad else None)),
+        depth_svg=None if exact else _svg(plots.depth_line_svg(
             result.nodes, result.isolated if mode != "isolated" else None, bad.index if bad else None,
             label="isolated" if mode == "isolated" else "chained",
         )),

@@ -187,41 +187,72 @@ def profile_svg(values: Sequence[float | None] | None, threshold: float | None, 
     return to_svg(fig, salt)
 
 
-def _layer_grid(nodes) -> tuple[list[int], list[str], dict[tuple[int, str], object]]:
+def _layer_grid(nodes) -> tuple[list, list[str], dict[tuple, object]]:
+    """Rows (layer indices, with each node outside the layers as a row of its own: the embedding
+    on top, the final norm and the head below), the node kinds of the layers (columns, execution
+    order) and the node of each cell (``(row, kind)``; an outside node's kind is None)."""
     layers = sorted({n.layer for n in nodes if n.layer is not None})
+    first = min((n.index for n in nodes if n.layer is not None), default=None)
     kinds: list[str] = []
     cells = {}
+    before, after = [], []
     for n in nodes:
         if n.layer is None:
+            (before if first is not None and n.index < first else after).append(n.name)
+            cells[(n.name, None)] = n
             continue
         if n.kind not in kinds:
             kinds.append(n.kind)
         cells[(n.layer, n.kind)] = n
-    return layers, kinds, cells
+    return before + layers + after, kinds, cells
+
+
+def cell_title(node) -> str:
+    """The hover text of a node's cell: name, status and the size of its error."""
+    ratio = tolerance_ratio(node)
+    numbers = "" if node.max_abs is None else f", max_abs {node.max_abs:.3g}"
+    if ratio is not None:
+        numbers += f", {ratio:.3g} x tolerance"
+    return f"{node.name}\n{node.status}{numbers}"
+
+
+def _add_titles(svg: str, titles: dict[str, str]) -> str:
+    """A ``<title>`` (the browser's hover text) inside each link whose target has one."""
+    from html import escape
+
+    def add(m: re.Match) -> str:
+        title = titles.get(m.group(1))
+        return m.group(0) if title is None else f"{m.group(0)}<title>{escape(title)}</title>"
+
+    return re.sub(r'<a xlink:href="(#[^"]+)"[^>]*>', add, svg)
 
 
 @_styled
 def depth_heatmap_svg(nodes, first_index: int | None) -> str | None:
-    """log10(max_abs / tolerance): one row per layer, one column per node kind (execution order).
+    """log10(max_abs / tolerance): one row per layer, one column per node kind (execution order),
+    and a row of its own for each node outside the layers (embedding, final norm, head).
 
-    Each cell links to its node's row in the table (``#node-<index>``); the first mismatch is
-    outlined; shape / missing / non-finite nodes carry a letter (S / M / N).
+    Each cell links to its node's row in the table (``#node-<index>``) and names the node and the
+    size of its error on hover; the first mismatch is outlined; shape / missing / non-finite nodes
+    carry a letter (S / M / N). The colour bar is numbered in max_abs / tolerance.
     """
-    layers, kinds, cells = _layer_grid(nodes)
-    if not layers:
+    rows, kinds, cells = _layer_grid(nodes)
+    if not cells:
         return None
+    kinds = kinds or [""]
     logs = [v for v in (_log_ratio(n) for n in cells.values()) if v is not None]
     vmax = max([1.0] + [math.ceil(v) for v in logs])
     norm = TwoSlopeNorm(vmin=LOG_FLOOR, vcenter=0.0, vmax=vmax)
-    n_rows, n_cols = len(layers), len(kinds)
+    n_rows, n_cols = len(rows), len(kinds)
     cell_h = 0.16 if n_rows > 16 else 0.26
-    fig = _figure(max(5.0, 1.6 + 0.36 * n_cols), max(2.9, 1.7 + cell_h * n_rows))
+    fig = _figure(max(5.0, 2.2 + 0.36 * n_cols), max(2.9, 1.7 + cell_h * n_rows))
     ax = fig.add_subplot()
     ax.grid(False)
-    row_of = {layer: r for r, layer in enumerate(layers)}
-    patches, faces, urls = [], [], []
-    for (layer, kind), node in cells.items():
-        r, c = row_of[layer], kinds.index(kind)
+    row_of = {row: r for r, row in enumerate(rows)}
+    patches, faces, urls, titles = [], [], [], {}
+    for (row, kind), node in cells.items():
+        r = row_of[row]
+        c, width = (kinds.index(kind), 1) if kind is not None else (0, n_cols)  # outside nodes span the row
         value = _log_ratio(node)
         if node.status == "nonfinite" or (value is None and node.status == "mismatch"):
             face = RATIO_CMAP(1.0)
@@ -229,23 +260,28 @@ def depth_heatmap_svg(nodes, first_index: int | None) -> str | None:
             face = NO_METRICS
         else:
             face = RATIO_CMAP(norm(value))
-        patches.append(Rectangle((c, r), 1, 1))
+        patches.append(Rectangle((c, r), width, 1))
         faces.append(face)
         urls.append(f"#node-{node.index}")
+        titles[f"#node-{node.index}"] = cell_title(node)
         mark = STATUS_MARK.get(node.status)
         if mark:
-            ax.text(c + 0.5, r + 0.5, mark, ha="center", va="center", fontsize=7,
+            ax.text(c + width / 2, r + 0.5, mark, ha="center", va="center", fontsize=7,
                     color="black" if face == NO_METRICS else "white")
         if first_index is not None and node.index == first_index:
-            ax.add_patch(Rectangle((c + 0.04, r + 0.04), 0.92, 0.92, fill=False, edgecolor="black", linewidth=1.8, zorder=3))
+            ax.add_patch(Rectangle((c + 0.04, r + 0.04), width - 0.08, 0.92, fill=False, edgecolor="black",
+                                   linewidth=1.8, zorder=3))
     grid = PatchCollection(patches, facecolors=faces, edgecolors="white", linewidths=0.5)
     grid.set_urls(urls)
     ax.add_collection(grid)
     ax.set_xlim(0, n_cols)
     ax.set_ylim(n_rows, 0)
     ax.set_xticks([c + 0.5 for c in range(n_cols)], kinds, rotation=50, ha="right", rotation_mode="anchor")
-    step = 1 if n_rows <= 16 else 2 if n_rows <= 40 else 4
-    ax.set_yticks([r + 0.5 for r in range(0, n_rows, step)], [str(layers[r]) for r in range(0, n_rows, step)])
+    layer_rows = [r for r, row in enumerate(rows) if isinstance(row, int)]
+    step = 1 if len(layer_rows) <= 16 else 2 if len(layer_rows) <= 40 else 4
+    shown = [r for r in layer_rows[::step]] + [r for r, row in enumerate(rows) if not isinstance(row, int)]
+    label = {row: cells[(row, None)].kind for row in rows if not isinstance(row, int)}
+    ax.set_yticks([r + 0.5 for r in shown], [str(label.get(rows[r], rows[r])) for r in shown])
     ax.set_ylabel("layer")
     ax.tick_params(length=0)
     for side in ("left", "bottom"):
@@ -253,10 +289,11 @@ def depth_heatmap_svg(nodes, first_index: int | None) -> str | None:
     mappable = mpl.cm.ScalarMappable(norm=norm, cmap=RATIO_CMAP)
     bar = fig.colorbar(mappable, ax=ax, fraction=0.04, pad=0.02)
     step = 2 if vmax - LOG_FLOOR <= 14 else 4
-    bar.set_ticks(sorted({*range(0, int(LOG_FLOOR) - 1, -step), *range(0, int(vmax) + 1, step)}))
-    bar.set_label("log10(max_abs / tol)")
+    ticks = sorted({*range(0, int(LOG_FLOOR) - 1, -step), *range(0, int(vmax) + 1, step)})
+    bar.set_ticks(ticks, labels=[_pow10(10.0**t) for t in ticks])
+    bar.set_label("max_abs / tolerance")
     bar.ax.axhline(0, color="black", linewidth=0.8)
-    return to_svg(fig, "heatmap")
+    return _add_titles(to_svg(fig, "heatmap"), titles)
 
 
 @_styled
