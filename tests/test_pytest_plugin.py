@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from parity import assert_parity
@@ -42,3 +44,40 @@ def test_plugin_is_registered_for_other_projects(pytester):
     )
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
+
+
+FAILING_AND_PASSING = """
+from parity import assert_parity
+
+def test_broken(parity_pair):
+    pair = parity_pair("llama3")
+    pair.ours.blocks[0].att.sliding_window = 2
+    assert_parity(pair)
+
+def test_fine(parity_pair):
+    assert_parity(parity_pair("llama3"))
+"""
+
+
+def test_a_failing_parity_test_leaves_its_report_and_names_it(pytester):
+    """The plugin writes report.html and result.json for a failing test, into a folder the failure
+    message names; a passing test writes nothing unless --parity-keep-reports."""
+    pytester.makepyfile(test_models=FAILING_AND_PASSING)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1, passed=1)
+    (folder,) = (pytester.path / "reports").iterdir()
+    assert folder.name.startswith("test_models-test_broken-")
+    assert (folder / "report.html").is_file() and json.loads((folder / "result.json").read_text())["passed"] is False
+    result.stdout.fnmatch_lines([f"*parity report: {folder}"])
+
+    kept = pytester.path / "kept"
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", f"--parity-report-dir={kept}", "--parity-keep-reports")
+    result.assert_outcomes(failed=1, passed=1)
+    assert sorted(f.name.split("-")[1] for f in kept.iterdir()) == ["test_broken", "test_fine"]
+
+
+def test_report_dir_too_long_is_a_usage_error(pytester):
+    pytester.makepyfile(test_models=FAILING_AND_PASSING)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--parity-report-dir", "/" + "x" * 300)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: --parity-report-dir has a part of 300 bytes*"])
