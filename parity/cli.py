@@ -302,9 +302,13 @@ def _gate_pytest(run, junit: Path | None, console: Console) -> tuple[int, _GateE
         "--disable-plugin-autoload", "-p", "no:cacheprovider", "-p", "no:terminal", "-s", "--parity-no-reports",
         "-o", "junit_suite_name=parity-gate",
     ] + ([f"--junitxml={junit}"] if junit is not None else [])
-    with console.status("running the gate") as status:
-        run.on_case = lambda case: status.update(f"gate: {case.id}")
-        code = pytest.main(argv, plugins=[pytest_plugin, run, errors])
+    saved = {k: os.environ.pop(k) for k in ("PYTEST_ADDOPTS", "PYTEST_PLUGINS") if k in os.environ}  # the gate's own run
+    try:
+        with console.status("running the gate") as status:
+            run.on_case = lambda case: status.update(f"gate: {case.id}")
+            code = pytest.main(argv, plugins=[pytest_plugin, run, errors])
+    finally:
+        os.environ.update(saved)
     return int(code), errors
 
 

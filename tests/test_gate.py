@@ -328,3 +328,27 @@ def test_config_coverage_hole_fails_the_gate(baseline, monkeypatch):
         "olmo3: 32b-shape uses yarn RoPE on full_attention, which no CI config (tiny, mha) exercises",
     ]
     assert not run.passed
+
+
+def test_pytest_options_run_and_update_the_gate(tmp_path, capsys, monkeypatch):
+    """`pytest --parity-gate ...` is the gate: its cases are the session's tests, and
+    --parity-gate-update-baseline writes the baseline at the end of a passing session."""
+    from parity.gate import gate_module_path
+
+    monkeypatch.setenv("PYTEST_ADDOPTS", "-x")  # a CI's own options reach a plain pytest run
+    path = tmp_path / "b.json"
+    argv = [str(gate_module_path()), f"--rootdir={ROOT}", "-c", str(ROOT / "pyproject.toml"), "-p", "no:cacheprovider",
+            "--parity-no-reports", "--parity-gate", "--parity-gate-family", "llama3", "--parity-gate-baseline", str(path)]
+    assert pytest.main([*argv, "--parity-gate-update-baseline"]) == pytest.ExitCode.OK
+    out = capsys.readouterr().out
+    assert "7 passed" in out and f"parity gate: baseline written: {path}" in out
+    assert sorted(read_baseline(path)["cases"]) == sorted(c for c in read_baseline(BASELINE)["cases"] if c.startswith("llama3/"))
+    path.write_text(path.read_text().replace('"max_abs": 0.0', '"max_abs": -1.0', 1))
+    assert pytest.main(argv) == pytest.ExitCode.USAGE_ERROR
+    assert "ERROR: parity gate: baseline" in capsys.readouterr().err
+
+
+def test_parity_gate_ignores_pytest_addopts(monkeypatch, capsys):
+    monkeypatch.setenv("PYTEST_ADDOPTS", "-q --no-such-option")
+    assert main(["gate", "reference_pairs/llama3/configs.py", "--no-reports"]) == 0
+    assert "gate: 6 of 6 cases pass" in capsys.readouterr().out

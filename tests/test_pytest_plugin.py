@@ -59,25 +59,32 @@ def test_fine(parity_pair):
 """
 
 
-def test_a_failing_parity_test_leaves_its_report_and_names_it(pytester):
+def run_pytest(path, *args) -> int:
+    """pytest in this process (no second interpreter to start) on the project at ``path``."""
+    return pytest.main([str(path), f"--rootdir={path}", "-c", str(path / "pytest.ini"), "--import-mode=importlib",
+                        "-p", "no:cacheprovider", *args])
+
+
+def test_a_failing_parity_test_leaves_its_report_and_names_it(tmp_path, capsys):
     """The plugin writes report.html and result.json for a failing test, into a folder the failure
     message names; a passing test writes nothing unless --parity-keep-reports."""
-    pytester.makepyfile(test_models=FAILING_AND_PASSING)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
-    result.assert_outcomes(failed=1, passed=1)
-    (folder,) = (pytester.path / "reports").iterdir()
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    (tmp_path / "test_models.py").write_text(FAILING_AND_PASSING)
+    assert run_pytest(tmp_path) == pytest.ExitCode.TESTS_FAILED
+    (folder,) = (tmp_path / "reports").iterdir()
     assert folder.name.startswith("test_models-test_broken-")
     assert (folder / "report.html").is_file() and json.loads((folder / "result.json").read_text())["passed"] is False
-    result.stdout.fnmatch_lines([f"*parity report: {folder}"])
+    out = capsys.readouterr().out
+    assert f"parity report: {folder}" in out and "1 failed, 1 passed" in out
 
-    kept = pytester.path / "kept"
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", f"--parity-report-dir={kept}", "--parity-keep-reports")
-    result.assert_outcomes(failed=1, passed=1)
-    assert sorted(f.name.split("-")[1] for f in kept.iterdir()) == ["test_broken", "test_fine"]
+    kept = tmp_path / "kept"
+    assert run_pytest(tmp_path, f"--parity-report-dir={kept}", "--parity-keep-reports", "-k", "fine") == pytest.ExitCode.OK
+    (folder,) = kept.iterdir()
+    assert folder.name.startswith("test_models-test_fine-") and (folder / "report.html").is_file()
 
 
-def test_report_dir_too_long_is_a_usage_error(pytester):
-    pytester.makepyfile(test_models=FAILING_AND_PASSING)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--parity-report-dir", "/" + "x" * 300)
-    assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["ERROR: --parity-report-dir has a part of 300 bytes*"])
+def test_report_dir_too_long_is_a_usage_error(tmp_path, capsys):
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    (tmp_path / "test_models.py").write_text(FAILING_AND_PASSING)
+    assert run_pytest(tmp_path, "--parity-report-dir", "/" + "x" * 300) == pytest.ExitCode.USAGE_ERROR
+    assert "ERROR: --parity-report-dir has a part of 300 bytes" in capsys.readouterr().err
