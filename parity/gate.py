@@ -56,8 +56,8 @@ class Budget:
     rounding step doubles it (the same change: 0.5-2.0x), hence 4x. The floor is what a pair that is
     bit-exact today may drift to: 1% of the atol that the check itself allows, i.e. float32 1e-6
     (about 16 roundings of a unit-scale value, the reduction-order noise of another kernel; a wrong
-    norm eps 3e-6 for 1e-6 gives 4e-5) and bfloat16 5e-4 (less than one rounding of any value above
-    1/8: a bf16 pair that is bit-exact today must stay so).
+    norm eps 3e-6 for 1e-6 gives 4e-5) and bfloat16 5e-4 (less than the step between neighbouring
+    bf16 numbers from 1/8 up, 2^-10: a bf16 pair that is bit-exact today must stay so).
     """
 
     growth: tuple[tuple[str, float], ...] = (("max_abs", 4.0), ("mean_abs", 2.0))
