@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterable
@@ -484,9 +485,14 @@ class GateRun:
     def prepare(cls, root: str | Path = ".", baseline: str | Path | None = None, families: list[str] | None = None,
                 changed: list[str] | None = None, update: bool = False) -> GateRun:
         """Choose the cases: ``families`` (default: the project's), narrowed by ``changed`` (paths
-        relative to ``root``, e.g. what a commit touches) when given. Reads the baseline when there is
-        anything to judge. Raises ParityError (unknown family, no family at all, bad baseline)."""
-        project = Project.load(root)
+        relative to ``root``, e.g. what a commit touches) when given. The project is the nearest
+        folder from ``root`` up that holds a pyproject.toml. Reads the baseline when there is anything
+        to judge. Raises ParityError (unknown family, no family at all, bad baseline)."""
+        start = Path(root).resolve()
+        top = next((p for p in (start, *start.parents) if (p / "pyproject.toml").is_file()), start)
+        project = Project.load(top)
+        if changed is not None:
+            changed = [Path(os.path.relpath(os.path.normpath(start / p), top)).as_posix() for p in changed]
         names = list(dict.fromkeys(families or []))
         for name in names:
             project.family(name)

@@ -352,3 +352,10 @@ def test_parity_gate_ignores_pytest_addopts(monkeypatch, capsys):
     monkeypatch.setenv("PYTEST_ADDOPTS", "-q --no-such-option")
     assert main(["gate", "reference_pairs/llama3/configs.py", "--no-reports"]) == 0
     assert "gate: 6 of 6 cases pass" in capsys.readouterr().out
+
+
+def test_paths_from_a_subfolder_are_the_projects(monkeypatch, capsys):
+    monkeypatch.chdir(ROOT / "reference_pairs")
+    run = GateRun.prepare(".", changed=["llama3/loader.py"])
+    assert run.project.root == ROOT and run.names == ["llama3"]
+    assert run.selection == ["llama3: reference_pairs/llama3/loader.py changed"]
