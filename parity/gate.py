@@ -198,6 +198,10 @@ class Project:
         unknown = sorted(set(settings) - set(SETTINGS))
         if unknown:
             raise ParityError(f"{root / 'pyproject.toml'}: unknown [tool.parity] setting(s) {', '.join(unknown)}; known: {', '.join(SETTINGS)}")
+        for key, value in settings.items():
+            ok = isinstance(value, str) if key == "baseline" else isinstance(value, list) and all(isinstance(v, str) for v in value)
+            if not ok:
+                raise ParityError(f"{root / 'pyproject.toml'}: [tool.parity] {key} must be {'a path' if key == 'baseline' else 'a list of paths'}, got {value!r}")
         for path in reversed([root, *(root / p for p in settings.get("pythonpath", []))]):
             if str(path) in sys.path:
                 sys.path.remove(str(path))
@@ -242,7 +246,8 @@ class Project:
             rel = Path(baseline).resolve().relative_to(self.root).as_posix()
         except ValueError:
             rel = None
-        return tuple(p for p in ("pyproject.toml", rel, *self.settings.get("shared", [])) if p)
+        folders = [p if p.endswith("/") or not (self.root / p).is_dir() else p + "/" for p in self.settings.get("shared", [])]
+        return tuple(p for p in ("pyproject.toml", rel, *folders) if p)
 
     def family(self, name: str) -> Family:
         fam = self.families.get(name) or self.installed.get(name)

@@ -359,3 +359,19 @@ def test_paths_from_a_subfolder_are_the_projects(monkeypatch, capsys):
     run = GateRun.prepare(".", changed=["llama3/loader.py"])
     assert run.project.root == ROOT and run.names == ["llama3"]
     assert run.selection == ["llama3: reference_pairs/llama3/loader.py changed"]
+
+
+@pytest.mark.parametrize(
+    "table, message",
+    [
+        ("[tool.parity]\nbaselin = 'x.json'\n", "unknown [tool.parity] setting(s) baselin; known: baseline, pythonpath, shared"),
+        ("[tool.parity]\nshared = 'src/common'\n", "[tool.parity] shared must be a list of paths, got 'src/common'"),
+        ("[tool.parity\n", "pyproject.toml cannot be read"),
+    ],
+)
+def test_bad_tool_parity_settings_are_one_line(tmp_path, monkeypatch, capsys, table, message):
+    (tmp_path / "pyproject.toml").write_text(table)
+    monkeypatch.chdir(tmp_path)
+    assert main(["gate", "--no-reports"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
