@@ -19,9 +19,12 @@ from rich.console import Console
 from rich.table import Table
 
 from .errors import ParityError
+from .report.atomic import RESERVED
 
 DTYPES = ("float32", "bfloat16")
 FORMATS = ("html", "csv", "json", "junit")
+#: bytes below a --checkpoint that its files need ("/model-00001-of-00002.safetensors.index.json" and the like)
+CHECKPOINT_FILE = 64
 
 
 class _Parser(argparse.ArgumentParser):
@@ -59,6 +62,21 @@ def _nonnegative_float(text: str) -> float:
     return value
 
 
+def _path(reserve: int):
+    """argparse type: a path with ``~`` expanded, refused (exit 2, one line) when it or what is written
+    below it (``reserve`` bytes: a report folder and its files) would pass the system's path limits."""
+    from .report.atomic import path_problem
+
+    def parse(text: str) -> str:
+        path = os.path.expanduser(text)
+        problem = path_problem(path, reserve)
+        if problem is not None:
+            raise argparse.ArgumentTypeError(problem)
+        return path
+
+    return parse
+
+
 def _report_parent(path: str) -> Path:
     """The report folder's parent, created now, so a bad --report-dir fails before any model is built."""
     parent = Path(path)
@@ -89,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_user_model_args(check)
     check.add_argument("--config", help="built-in config name or a config.json path (default: the family's)")
     check.add_argument("--layers", type=_positive, help="number of layers for built-in configs")
-    check.add_argument("--checkpoint", help="Transformers-format directory (config.json + safetensors)")
+    check.add_argument("--checkpoint", type=_path(CHECKPOINT_FILE), help="Transformers-format directory (config.json + safetensors)")
     check.add_argument("--seq-len", type=_positive, help="tokens per sequence (default: past the sliding window)")
     check.add_argument("--batch", type=_positive, default=1, help="sequences per batch (default 1)")
     check.add_argument("--seed", type=_nonnegative, default=0, help="seed for random weights and input tokens")
@@ -111,19 +129,27 @@ def build_parser() -> argparse.ArgumentParser:
         "--calibrate", action="store_true",
         help="set each node's atol from the reference's own float32-vs-float64 error (x10) instead of fixed defaults",
     )
-    check.add_argument("--report-dir", default="reports", help="parent folder of the run's new report folder")
+    check.add_argument("--report-dir", type=_path(RESERVED), default="reports", help="parent folder of the run's new report folder")
     check.add_argument("--format", type=_formats, default=["html", "csv", "json"], help="comma list of html,csv,json,junit")
     align = sub.add_parser("align", help="show how your model's modules align to the reference's nodes")
     _add_user_model_args(align, required=True)
     align.add_argument("--dtype", choices=DTYPES, default="float32", help="dtype of the reference's weights")
     align.add_argument("--seed", type=_nonnegative, default=0, help="seed for the reference's random weights")
     sub.add_parser("list", help="registered families and their configs")
-    gate = sub.add_parser("gate", help="CI gate: every family's CI cases against the committed baseline")
-    gate.add_argument("--family", action="append", help="only this family (repeatable; default: all)")
-    gate.add_argument("--baseline", default="parity-baseline.json", help="baseline file (default parity-baseline.json)")
+    gate = sub.add_parser(
+        "gate", help="CI gate: the project's families' CI cases, as pytest tests, against the committed baseline",
+        description="Runs parity.pytest_gate under pytest: one test per family/config/source/dtype, judged by its "
+        "checks and against the baseline, and one config-coverage test per family. Given PATHS (what a pre-commit "
+        "hook passes) or --changed-since, only the families whose files changed.",
+    )
+    gate.add_argument("paths", nargs="*", metavar="PATH",
+                      help="changed files (relative to the project): run only the families they touch")
+    gate.add_argument("--family", action="append", help="only this family (repeatable; default: the project's families)")
+    gate.add_argument("--baseline", type=_path(0),
+                      help="baseline file (default: [tool.parity] baseline in pyproject.toml, else parity-baseline.json)")
     gate.add_argument("--update-baseline", action="store_true", help="rewrite the baseline from this run (only if it passes)")
-    gate.add_argument("--changed-since", metavar="REF", help="run only families whose files changed since this git ref")
-    gate.add_argument("--report-dir", default="reports", help="parent folder of the gate's report folder")
+    gate.add_argument("--changed-since", metavar="REF", help="run only families whose files changed since this git commit")
+    gate.add_argument("--report-dir", type=_path(RESERVED), default="reports", help="parent folder of the gate's report folder")
     gate.add_argument("--no-reports", action="store_true", help="write no report files")
     selftest = sub.add_parser("selftest", help="inject every known fault and check parity locates it")
     selftest.add_argument("family", help="a registered family (see `parity list`)")
@@ -455,43 +481,112 @@ def cmd_selftest(args, console: Console) -> int:
     return 1 if failed else 0
 
 
-def cmd_gate(args, console: Console) -> int:
-    """Exit 0 when every case passes and nothing grew past its budget, 1 otherwise."""
-    from .gate import changed_since, run_gate, write_reports
+class _GateErrors:
+    """pytest plugin for ``parity gate``: keeps the failure text of tests that broke (a bug, not a verdict)."""
 
+    def __init__(self):
+        self.failures: dict[str, str] = {}
+
+    def pytest_runtest_logreport(self, report):
+        if report.failed:
+            self.failures[report.nodeid] = report.longreprtext
+
+    def pytest_collectreport(self, report):
+        if report.failed:
+            self.failures[report.nodeid or "collection"] = report.longreprtext
+
+
+def _gate_pytest(run, junit: Path | None, console: Console) -> tuple[int, _GateErrors]:
+    """Run parity.pytest_gate under pytest, in this process, on ``run``'s cases."""
+    import pytest
+
+    from . import pytest_plugin
+    from .gate import gate_module_path
+
+    module = gate_module_path()
+    errors = _GateErrors()
+    argv = [
+        str(module), "-c", os.devnull, f"--rootdir={module.parent.parent}", f"--confcutdir={module.parent}",
+        "--disable-plugin-autoload", "-p", "no:cacheprovider", "-p", "no:terminal", "-s", "--parity-no-reports",
+        "-o", "junit_suite_name=parity-gate",
+    ] + ([f"--junitxml={junit}"] if junit is not None else [])
+    saved = {k: os.environ.pop(k) for k in ("PYTEST_ADDOPTS", "PYTEST_PLUGINS") if k in os.environ}  # the gate's own run
+    try:
+        with console.status("running the gate") as status:
+            run.on_case = lambda case: status.update(f"gate: {case.id}")
+            code = pytest.main(argv, plugins=[pytest_plugin, run, errors])
+    finally:
+        os.environ.update(saved)
+    return int(code), errors
+
+
+def cmd_gate(args, console: Console) -> int:
+    """Exit 0 when every case passes and nothing grew past its budget, 1 otherwise (2: bad input,
+    130: interrupted, 3: a case broke with an error that is parity's bug)."""
+    from .gate import GateRun, changed_since, write_reports
+    from .report.atomic import discard, publish_folder, run_stem, staging_folder
+
+    if args.paths and args.changed_since:
+        raise ParityError("give changed PATHs or --changed-since, not both")
     report_parent = None if args.no_reports else _report_parent(args.report_dir)
-    changed = changed_since(args.changed_since) if args.changed_since else None
-    with console.status("running the gate") as status:
-        outcome = run_gate(
-            args.baseline, args.family, args.update_baseline, changed,
-            progress=lambda case: status.update(f"gate: {case.id}"),
-        )
-    for line in outcome.selection:
-        console.print(f"[bold]selected:[/] {line}", highlight=False)
-    table = Table(title=f"parity gate ({len(outcome.cases)} cases)")
+    changed = changed_since(args.changed_since) if args.changed_since else (args.paths or None)
+    run = GateRun.prepare(".", args.baseline, args.family, changed, args.update_baseline)
+    for line in run.selection:
+        console.print(f"[bold]selected:[/] {line}", highlight=False, soft_wrap=True)
+    if not run.cases:
+        console.print("gate: nothing to check", highlight=False)
+        return 0
+    staging = staging_folder(report_parent) if report_parent is not None else None
+    try:
+        code, errors = _gate_pytest(run, staging / "junit.xml" if staging else None, console)
+        if code == 2:  # pytest's "interrupted"
+            raise KeyboardInterrupt
+        broken = [c.id for c in run.cases if c.id not in run.outcomes] + [n for n in run.names if n not in run.holes]
+        if code not in (0, 1) or broken:
+            for nodeid, text in errors.failures.items():
+                print(f"{nodeid}\n{text}", file=sys.stderr)
+            print(f"parity gate: {len(broken)} test(s) broke instead of giving a verdict (pytest exit {code})", file=sys.stderr)
+            return 3
+        _print_gate(run, console)
+        if run.update:
+            run.finish()  # ParityError (exit 2) when any case fails
+            console.print(f"baseline written: {run.baseline_path}", highlight=False)
+        if staging is not None:
+            write_reports(run, staging)
+            folder = publish_folder(staging, report_parent, run_stem("gate", "all").replace("gate-all-", "gate-"))
+            staging = None
+            console.print(f"reports: {folder}", highlight=False)
+    finally:
+        run.close()
+        if staging is not None:
+            discard(staging)
+    failed = sum(not o.passed for o in run.outcomes.values())
+    holes = sum(len(h) for h in run.holes.values())
+    style = "[bold green]" if run.passed else "[bold red]"
+    console.print(f"{style}gate: {len(run.cases) - failed} of {len(run.cases)} cases pass, {failed + holes} failure(s)[/]", highlight=False)
+    return 0 if run.passed else 1
+
+
+def _print_gate(run, console: Console) -> None:
+    """One table row per case, then at most two lines per failing case (the report has every line)."""
+    table = Table(title=f"parity gate ({len(run.cases)} cases)")
     for col in ("case", "nodes", "max max_abs", "loader coverage", "result"):
         table.add_column(col)
-    for c in outcome.cases:
-        r = c.result
+    for case in run.cases:
+        outcome = run.outcomes[case.id]
+        r = outcome.result
         worst = max((n.max_abs or 0.0 for n in r.nodes), default=0.0) if r else None
         coverage = "-" if r is None or r.coverage is None else ("complete" if r.coverage.ok else f"{len(r.coverage.gaps)} gap(s)")
-        verdict = "[green]pass[/]" if c.passed else "[red]FAIL[/]"
-        table.add_row(c.case.id, str(len(r.nodes)) if r else "-", "-" if worst is None else f"{worst:.3g}", coverage, verdict)
+        table.add_row(case.id, str(len(r.nodes)) if r else "-", "-" if worst is None else f"{worst:.3g}", coverage,
+                      "[green]pass[/]" if outcome.passed else "[red]FAIL[/]")
     console.print(table)
-    for c in outcome.cases:
-        for problem in c.problems:
-            console.print(f"[red]{c.case.id}:[/] {problem}", highlight=False, soft_wrap=True)
-    for hole in outcome.config_holes:
+    for outcome in run.outcomes.values():
+        for line in outcome.summary():
+            console.print(f"[red]{outcome.case.id}:[/] {line}", highlight=False, soft_wrap=True)
+    for hole in (h for hs in run.holes.values() for h in hs):
         console.print(f"[red]config coverage:[/] {hole}", highlight=False, soft_wrap=True)
-    for note in outcome.version_notes:
+    for note in run.version_notes:
         console.print(f"[yellow]note:[/] {note}", highlight=False)
-    if outcome.baseline_updated:
-        console.print(f"baseline written: {args.baseline}", highlight=False)
-    if not args.no_reports and outcome.cases:
-        console.print(f"reports: {write_reports(outcome, report_parent)}", highlight=False)
-    failed = sum(not c.passed for c in outcome.cases) + len(outcome.config_holes)
-    console.print(("[bold green]" if not failed else "[bold red]") + f"gate: {len(outcome.cases) - sum(not c.passed for c in outcome.cases)} of {len(outcome.cases)} cases pass, {failed} failure(s)[/]", highlight=False)
-    return 0 if outcome.passed else 1
 
 
 def cmd_list(console: Console) -> int:

@@ -3,10 +3,15 @@
 
     def test_my_olmo3(parity_pair):
         assert_parity(parity_pair("olmo3", "tiny"))
+
+Inside :func:`collecting`, every result ``assert_parity`` makes is also appended to a list: the
+pytest plugin uses it to write the reports of a failing test.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import io
 
 from .check import check
@@ -42,8 +47,31 @@ def mismatch_table(result: CheckResult, context: int = 3) -> str:
     return buffer.getvalue()
 
 
+class ParityAssertionError(AssertionError):
+    """``assert_parity`` failed; ``result`` is the CheckResult."""
+
+    def __init__(self, message: str, result: CheckResult):
+        super().__init__(message)
+        self.result = result
+
+
+_SINK: contextvars.ContextVar[list | None] = contextvars.ContextVar("parity_results", default=None)
+
+
+@contextlib.contextmanager
+def collecting():
+    """``with collecting() as results:`` every CheckResult ``assert_parity`` makes inside is appended."""
+    results: list[CheckResult] = []
+    token = _SINK.set(results)
+    try:
+        yield results
+    finally:
+        _SINK.reset(token)
+
+
 def assert_parity(pair_or_result: Pair | CheckResult, **check_kwargs) -> CheckResult:
-    """Raise AssertionError with the first-mismatch table unless parity holds.
+    """Raise :class:`ParityAssertionError` (an AssertionError) with the first-mismatch table unless
+    parity holds.
 
     Given a Pair, runs :func:`parity.check` first (``check_kwargs``: ``seq_len``, ``mode``, ``atol``,
     ``tolerances``...); given a CheckResult (e.g. from :func:`parity.check_model`), judges it as is.
@@ -55,6 +83,9 @@ def assert_parity(pair_or_result: Pair | CheckResult, **check_kwargs) -> CheckRe
         result = pair_or_result
     else:
         result = check(pair_or_result, **check_kwargs)
+    sink = _SINK.get()
+    if sink is not None:
+        sink.append(result)
     if not result.passed:
-        raise AssertionError("parity failed\n" + mismatch_table(result))
+        raise ParityAssertionError("parity failed\n" + mismatch_table(result), result)
     return result

@@ -32,18 +32,22 @@ def checkpoint_of(tmp_path):
 
 
 @pytest.fixture
-def replace_table(monkeypatch):
+def replace_table():
     """``replace_table(table, new)``: make a family's weight table (the dict its Family holds) read
-    ``new`` for this test only, as an edited loader.py would."""
+    ``new`` for this test only, as an edited loader.py would. The table gets its own entries back,
+    in their order (a loader's messages follow the table's order)."""
+    saved = []
 
     def replace(table: dict, new: dict) -> None:
+        saved.append((table, dict(table)))
         new = dict(new)
-        for key in list(table):
-            monkeypatch.delitem(table, key)
-        for key, value in new.items():
-            monkeypatch.setitem(table, key, value)
+        table.clear()
+        table.update(new)
 
-    return replace
+    yield replace
+    for table, original in reversed(saved):
+        table.clear()
+        table.update(original)
 
 
 @pytest.fixture(autouse=True, scope="session")

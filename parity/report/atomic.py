@@ -1,12 +1,38 @@
-"""Write files and report folders so that a reader never sees half of one and nothing is overwritten."""
+"""Write files and report folders so that a reader never sees half of one, nothing is overwritten,
+and nothing is left behind.
+
+- A file is written through a temporary file in its folder and ``os.replace``; a report folder is
+  filled under a hidden ``.staging-<host>-<pid>-<random>`` name and renamed when complete.
+- Folders in use (staging folders, the gate's temporary checkpoints) are *live*: on SIGTERM (what
+  CI sends on cancel) they are removed before the process ends with the signal's usual status. A
+  SIGKILL leaves them behind; the next :func:`staging_folder` or :func:`temporary_folder` sweeps
+  those whose process is gone.
+- Names derived from user input (a checkpoint folder of 240 characters) are shortened to
+  :data:`MAX_NAME` bytes, and :func:`path_problem` says up front when a folder is too long to hold
+  a report at all, so a run never fails after its check.
+"""
 
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import os
 import re
+import shutil
+import signal
+import socket
 import tempfile
+import threading
+import time
 from pathlib import Path
+
+#: longest folder or file name (bytes) derived from a family, config or case name
+MAX_NAME = 96
+#: bytes a report folder needs below its parent: "/" + folder name (with "-NNNN") + "/" + a file's
+#: temporary name (".<name>.<8 random>")
+RESERVED = 1 + MAX_NAME + 5 + 1 + MAX_NAME + 10
+#: a live folder of a process that is gone is swept; one whose owner cannot be told is swept after this
+STALE_SECONDS = 24 * 3600
 
 
 def _umask() -> int:
@@ -32,41 +58,197 @@ def atomic_write(path: str | Path, data: str | bytes) -> Path:
     return path
 
 
+# --- names and path limits ----------------------------------------------------------------------------
+
+
+def short_name(name: str, limit: int = MAX_NAME) -> str:
+    """``name`` with characters a folder name should not hold replaced, cut to ``limit`` bytes; a cut
+    name keeps its start and end and gains 8 hex digits of its hash, so two long names stay apart."""
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", name).lstrip(".") or "_"
+    if len(name) <= limit:
+        return name
+    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
+    keep = limit - len(digest) - 2
+    head, tail = keep - keep // 3, keep // 3
+    return f"{name[:head]}~{digest}~{name[len(name) - tail:]}"
+
+
+def _limits(path: Path) -> tuple[int, int]:
+    """(PATH_MAX, NAME_MAX) of the file system ``path`` is (or would be) on."""
+    probe = path
+    while probe != probe.parent:
+        try:
+            if probe.exists():
+                break
+        except OSError:  # a name too long to even look up
+            pass
+        probe = probe.parent
+    try:
+        return os.pathconf(probe, "PC_PATH_MAX"), os.pathconf(probe, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return 4096, 255
+
+
+def path_problem(path: str | Path, reserve: int = 0) -> str | None:
+    """Why ``path`` cannot be used with ``reserve`` more bytes below it, or None.
+
+    Checks every part against the file system's name limit (255 bytes on most) and the whole path
+    plus ``reserve`` against its path limit (4096), as an absolute path: a report folder needs
+    :data:`RESERVED` bytes.
+    """
+    if not str(path):
+        return "is empty"
+    absolute = Path(os.path.abspath(path))
+    text = os.fsencode(str(absolute))
+    path_max, name_max = _limits(absolute)
+    for part in absolute.parts:
+        size = len(os.fsencode(part))
+        if size > name_max:
+            shown = part if len(part) <= 24 else part[:20] + "..."
+            return f"has a part of {size} bytes ({shown}), over the file system's {name_max}-byte limit for a name"
+    if len(text) + reserve >= path_max:
+        room = path_max - 1 - reserve
+        what = f", and what is written below it needs {reserve} more" if reserve else ""
+        return f"is {len(text)} bytes as an absolute path{what}: over the system's {path_max}-byte path limit (at most {room} bytes here)"
+    return None
+
+
+def run_stem(family: str, config: str) -> str:
+    """``<family>-<config>-<UTC timestamp>``, at most :data:`MAX_NAME` bytes; config paths are
+    reduced to their last part."""
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    name = Path(config).name or Path(config).resolve().name or "checkpoint"
+    return short_name(f"{family}-{name}", MAX_NAME - len(stamp) - 1) + f"-{stamp}"
+
+
+# --- live folders: removed on SIGTERM, swept when their process is gone ---------------------------------
+
+_HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+_LIVE: set[Path] = set()
+_LOCK = threading.Lock()
+_previous_handler = None
+
+
+def _on_sigterm(signum, frame):
+    for folder in list(_LIVE):
+        shutil.rmtree(folder, ignore_errors=True)
+    _LIVE.clear()
+    previous = _previous_handler
+    if callable(previous):
+        previous(signum, frame)
+        return
+    signal.signal(signum, signal.SIG_DFL)  # end as SIGTERM would have, status 128 + 15
+    os.kill(os.getpid(), signum)
+
+
+def _install_handler() -> None:
+    """Route SIGTERM through :func:`_on_sigterm` (once; main thread only; never over SIG_IGN)."""
+    global _previous_handler
+    if threading.current_thread() is not threading.main_thread():
+        return
+    current = signal.getsignal(signal.SIGTERM)
+    if current is _on_sigterm or current == signal.SIG_IGN:
+        return
+    _previous_handler = current
+    signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def live(folder: Path) -> Path:
+    """Mark ``folder`` to be removed if the process gets SIGTERM before :func:`done` is called."""
+    with _LOCK:
+        _LIVE.add(Path(folder))
+    _install_handler()
+    return folder
+
+
+def done(folder: Path) -> None:
+    with _LOCK:
+        _LIVE.discard(Path(folder))
+
+
+def _live_name(prefix: str) -> str:
+    return f"{prefix}{_HOST}-{os.getpid()}-"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep(parent: Path, prefix: str) -> list[Path]:
+    """Remove ``<prefix><host>-<pid>-*`` folders in ``parent`` left by a process of this host that
+    is gone, and any such folder untouched for :data:`STALE_SECONDS`. Returns what was removed."""
+    removed = []
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        return removed
+    now = time.time()
+    for entry in entries:
+        if not entry.name.startswith(prefix) or not entry.is_dir(follow_symlinks=False):
+            continue
+        match = re.match(rf"{re.escape(prefix)}([0-9a-f]{{8}})-(\d+)-", entry.name)
+        try:
+            age = now - entry.stat(follow_symlinks=False).st_mtime
+        except OSError:
+            continue
+        ours = match is not None and match.group(1) == _HOST
+        if (ours and int(match.group(2)) != os.getpid() and not _alive(int(match.group(2)))) or age > STALE_SECONDS:
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(Path(entry.path))
+    return removed
+
+
+def staging_folder(parent: Path) -> Path:
+    """A new hidden, live staging folder in ``parent`` (created), after sweeping stale ones.
+
+    mkdtemp makes it 0700; it gets the umask's mode instead, like any folder ``mkdir`` makes (and
+    like the files :func:`atomic_write` puts in it), so a published report is as readable as its files.
+    """
+    parent = Path(parent)
+    parent.mkdir(parents=True, exist_ok=True)
+    sweep(parent, ".staging-")
+    folder = Path(tempfile.mkdtemp(prefix=_live_name(".staging-"), dir=parent))
+    os.chmod(folder, 0o777 & ~_umask())
+    return live(folder)
+
+
+def temporary_folder(prefix: str) -> Path:
+    """A new live folder ``<tmp>/<prefix><host>-<pid>-*`` after sweeping stale ones; the caller
+    removes it and calls :func:`done`."""
+    parent = Path(tempfile.gettempdir())
+    sweep(parent, prefix)
+    return live(Path(tempfile.mkdtemp(prefix=_live_name(prefix), dir=parent)))
+
+
 def publish_folder(staging: Path, parent: Path, stem: str) -> Path:
     """Rename a finished staging folder to ``parent/<stem>`` (or ``<stem>-2``, ``-3``...).
 
     ``os.rename`` onto an existing non-empty folder fails, so an earlier report is never replaced
-    even by a concurrent run.
+    even by a concurrent run. ``stem`` is shortened to :data:`MAX_NAME` bytes.
     """
-    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", stem)
+    stem = short_name(stem)
     for n in range(1, 10_000):
         target = parent / (stem if n == 1 else f"{stem}-{n}")
         if target.exists():
             continue
         try:
             os.rename(staging, target)
-            return target
         except OSError:
             if not target.exists():
                 raise
+            continue
+        done(staging)
+        return target
     raise FileExistsError(f"no free report folder name for {stem} under {parent}")
 
 
-def run_stem(family: str, config: str) -> str:
-    """``<family>-<config>-<UTC timestamp>``; config paths are reduced to their last part."""
-    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    name = Path(config).name or Path(config).resolve().name or "checkpoint"
-    return f"{family}-{name}-{stamp}"
-
-
-def staging_folder(parent: Path) -> Path:
-    """A new, empty folder in ``parent`` to write a report into before :func:`publish_folder`.
-
-    mkdtemp makes it 0700; it gets the umask's mode instead, like any folder ``mkdir`` makes (and
-    like the 0644 files :func:`atomic_write` puts in it), so a published report is as readable as
-    its files.
-    """
-    parent.mkdir(parents=True, exist_ok=True)
-    folder = Path(tempfile.mkdtemp(prefix=".staging-", dir=parent))
-    os.chmod(folder, 0o777 & ~_umask())
-    return folder
+def discard(folder: Path) -> None:
+    """Remove a live folder (a staging folder that will not be published, a temporary folder)."""
+    shutil.rmtree(folder, ignore_errors=True)
+    done(folder)
