@@ -321,7 +321,8 @@ def test_budget_summary_is_one_line_per_case_and_the_report_has_every_node(tmp_p
     # the pair is bit-exact, so the line leads with the first mismatch and counts the rest
     assert line.startswith("model.layers.0.post_feedforward_layernorm: mismatch")
     assert line.endswith(f"[+{len(nodes)} node(s) past their budget]")
-    assert len(outcome.lines()) == len(outcome.excess) and outcome.to_dict()["over_budget"][0]["node"] == outcome.excess[0].node
+    # the full list (the mismatch, then every excess) goes to the report
+    assert len(outcome.lines()) == 1 + len(outcome.excess) and outcome.to_dict()["over_budget"][0]["node"] == outcome.excess[0].node
 
 
 def test_config_coverage_hole_fails_the_gate(baseline, monkeypatch):
