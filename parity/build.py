@@ -327,6 +327,7 @@ def build_pair(
     checkpoint: str | Path | None = None,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    reference_changes: dict | None = None,
     **overrides,
 ) -> Pair:
     """Build ours and the reference with identical, shared weights.
@@ -335,13 +336,25 @@ def build_pair(
     seeded random weights in checkpoint naming, created once. From ``checkpoint`` (a
     Transformers-format directory): both models are built from its config.json and loaded from its
     safetensors files; ``config`` and ``overrides`` must then be absent. ``dtype`` is the compute
-    dtype of both.
+    dtype of both. ``reference_changes``: ``{cfg key: value}`` (dotted keys reach into dict values)
+    applied to the reference's config only, ours keeping the config's values (what the sensitivity
+    audit does: would parity see a port that got this field wrong?).
 
     Raises:
         ConfigError, CheckpointError, LoaderError: one line naming the key, file or field.
     """
     ref = _source(family, config, checkpoint, dtype, seed, overrides)
     cfg = ref.cfg
+    if reference_changes:
+        from .fields import set_value
+
+        if checkpoint is not None:
+            raise ConfigError("reference_changes go with a config, not with a checkpoint")
+        changed = cfg
+        for key, value in reference_changes.items():
+            changed = set_value(changed, key, value)
+        ref = _source(family, changed, None, dtype, seed, {})
+        ref.config_name = config_name_of(family.default_config if config is None else config)
     notes = list(family.notes(cfg)) if family.notes is not None else []
     if checkpoint is not None:  # after the cast: a float16 cast can overflow to inf
         notes += nonfinite_notes(ref.state_dict)

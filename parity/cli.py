@@ -153,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     gate.add_argument("--no-reports", action="store_true", help="write no report files")
     selftest = sub.add_parser("selftest", help="inject every known fault and check parity locates it")
     selftest.add_argument("family", help="a registered family (see `parity list`)")
+    selftest.add_argument("--fields", action="store_true",
+                          help="audit the config fields instead: change each on the reference side only and require "
+                          "parity to see it at the node where it first acts")
     return parser
 
 
@@ -464,6 +467,8 @@ def cmd_selftest(args, console: Console) -> int:
     from .selftest import run_fault
 
     family = get_family(args.family)
+    if args.fields:
+        return _selftest_fields(family, console)
     if not family.faults:
         raise ParityError(f"family {family.name} has no fault catalogue")
     rows = []
@@ -478,6 +483,37 @@ def cmd_selftest(args, console: Console) -> int:
     failed = [r.fault.id for r in rows if not r.passed]
     summary = f"{len(rows) - len(failed)} passed, {len(failed)} failed"
     console.print(("[bold green]" if not failed else "[bold red]") + summary + "[/]", highlight=False)
+    return 1 if failed else 0
+
+
+def _selftest_fields(family, console: Console) -> int:
+    """``parity selftest <family> --fields``: exit 1 if a field's change goes unseen or shows elsewhere."""
+    from .fields import audit_field
+
+    fields = [f for f in family.fields if f.audited]
+    if not fields:
+        raise ParityError(f"family {family.name} declares no audited config fields")
+    rows = []
+    for f in fields:
+        with console.status(f"field {f.key}"):
+            rows.append(audit_field(family, f))
+    columns = [
+        ("field", dict(no_wrap=True), None),
+        ("ours -> reference", dict(overflow="fold"), 2),
+        ("seen at", dict(no_wrap=True), None),
+        ("hint", dict(no_wrap=True), None),
+        ("result", dict(no_wrap=True), None),
+    ]
+    cells = [([r.field.key, f"{r.ours!r} -> {r.reference!r}", r.found or "unseen", r.hint_kind or "-",
+               "[green]pass[/]" if r.passed else "[red]FAIL[/]"], None) for r in rows]
+    table = fit_table(columns, cells, console, title=f"parity selftest {family.name} --fields: {len(rows)} fields")
+    console.print(table if table is not None else "\n".join(" ".join(c[:4]) for c, _ in cells), highlight=False)
+    for r in rows:
+        for problem in r.problems:
+            console.print(f"{r.field.key}: {problem}", highlight=False, soft_wrap=True)
+    failed = [r for r in rows if not r.passed]
+    console.print(("[bold green]" if not failed else "[bold red]") + f"{len(rows) - len(failed)} passed, {len(failed)} failed[/]",
+                  highlight=False)
     return 1 if failed else 0
 
 

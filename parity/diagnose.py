@@ -321,6 +321,9 @@ def constant_ratio(e: Evidence) -> Hint | None:
     ]
     known = ""
     kind = "attention_scale" if e.kind == "scores" and _qk_agree(e) else "scale"
+    if e.kind == "logits" and e.facts.logit_scale not in (None, 1.0):
+        return Hint("logit_scale", f"likely logit_scale: the logits differ by one factor, ours / reference = {mean:.6g} "
+                    f"(the reference's logit_scale is {e.facts.logit_scale:g})", {"ratio": mean})
     if matched and kind == "scale":
         name, value = matched[0]
         known = f"; matches {bigger} = {name} ({max(value, 1 / value):.6g})"
@@ -535,7 +538,7 @@ def rope_fit(e: Evidence) -> Hint | None:
         return None
     ropes = {t: e.facts.rope_of_type(t) for t in sorted(set(e.facts.layer_types))}
     tol = 1e-2 if e.ours.dtype in (torch.bfloat16, torch.float16) else 1e-4
-    fit = identify(x, e.ours, layer, ropes, e.positions, tol, e.attention_mask)
+    fit = identify(x, e.ours, layer, ropes, e.positions, tol, e.attention_mask, e.facts.max_position_embeddings)
     if fit is None:
         return None
     own = layer.rope.attention_factor if layer.rope is not None else 1.0
@@ -658,21 +661,52 @@ def _frequency_precision(e: Evidence, x: torch.Tensor, pairing: str | None) -> f
     return relative if relative < 1e-2 else None
 
 
+def _window_of(probs: torch.Tensor, valid: torch.Tensor | None) -> int | None:
+    """The attention window ``probs`` ``(b, h, q, k)`` keeps: the longest span from a query back to
+    the earliest key it gives any weight (None: every query sees all earlier keys). Padded rows are
+    skipped (their keys are masked by padding, not by a window)."""
+    seen = probs.abs() > 0
+    if valid is not None:
+        seen = seen[valid.bool().all(-1)]
+    if seen.numel() == 0:
+        return None
+    q = torch.arange(seen.shape[-2])[:, None]
+    k = torch.arange(seen.shape[-1])[None, :]
+    span = torch.where(seen, q - k + 1, torch.zeros_like(q - k)).amax(dim=-1)  # (..., q)
+    full = (span == q.flatten() + 1).all()
+    return None if bool(full) else int(span.amax())
+
+
 def window_pattern(e: Evidence) -> Hint | None:
-    """Only query positions at or past the sliding window differ."""
+    """Only the query positions from some point up to the window on differ: the first position
+    that can see a key the window decides about (the smaller of ours' and the reference's window)."""
+    if e.kind not in ("probs", "context", "scores"):
+        return None
+    if e.kind == "probs" and e.ours.dim() == 4:
+        ours_w, ref_w = _window_of(e.ours, e.attention_mask), _window_of(e.ref, e.attention_mask)
+        if ours_w != ref_w:
+            show = lambda w: "full causal attention" if w is None else f"a window of {w}"  # noqa: E731
+            return Hint(
+                "sliding_window",
+                f"likely the sliding window size or mask: ours attends with {show(ours_w)}, the reference with "
+                f"{show(ref_w)} (read from which keys get any weight)",
+                {"ours": ours_w, "reference": ref_w},
+            )
     layer = e.facts.layer(e.result.layer)
-    window = layer.window if layer is not None else None
+    window = (layer.window if layer is not None else None) or e.facts.sliding_window
     axis = _seq_axis(e.kind)
     if not window or e.ours.dim() <= axis or e.ours.shape[axis] <= window:
         return None
     per_pos = _by_position(e.ours, e.ref, axis)
     bad = (per_pos > e.noise).nonzero().flatten().tolist()
-    if bad and min(bad) >= window:
+    if bad and 1 <= min(bad) <= window:
+        mine = layer.window if layer is not None else None
+        ref = f"the reference's window here is {mine}" if mine else "the reference attends to every earlier key here"
         return Hint(
             "sliding_window",
-            f"likely the sliding window size or mask: positions < {window} agree, positions {bad[0]}..{bad[-1]} "
-            f"differ (max error {float(per_pos.max()):.3g})",
-            {"window": window, "first_bad_position": bad[0]},
+            f"likely the sliding window size or mask: positions < {bad[0]} agree, positions {bad[0]}..{bad[-1]} "
+            f"differ (max error {float(per_pos.max()):.3g}); {ref}",
+            {"window": mine, "first_bad_position": bad[0]},
         )
     return None
 

@@ -47,9 +47,30 @@ class RopeFacts:
         """Plain RoPE frequencies ``theta^(-2i/d)`` with this theta (what a forgotten scaling gives)."""
         return default_inv_freq(self.theta, self.rotary_dim)
 
+    def with_theta(self, theta: float, head_dim: int, max_position_embeddings: int | None) -> tuple[float, ...]:
+        """This RoPE's frequencies (same type and scaling) had its theta been ``theta``."""
+        if self.rope_type == "default":
+            return default_inv_freq(theta, self.rotary_dim)
+        params = {**self.parameters, "rope_theta": theta}
+        inv_freq, _ = _rope_init(_RopeConfig(params, head_dim, max_position_embeddings), None, params, False, theta, self.rotary_dim)
+        return inv_freq
+
+
     def get(self, key: str, default=None):
         return self.parameters.get(key, default)
 
+
+class _RopeConfig:
+    """The attributes Transformers' RoPE init functions read, for one rope dict (no model config)."""
+
+    def __init__(self, params: dict, head_dim: int, max_position_embeddings: int | None):
+        self.rope_parameters = dict(params)
+        self.head_dim, self.hidden_size, self.num_attention_heads = head_dim, head_dim, 1
+        self.max_position_embeddings = max_position_embeddings or 2048
+        self.partial_rotary_factor = float(params.get("partial_rotary_factor", 1.0))
+
+    def standardize_rope_params(self) -> None:
+        """Already standard: one rope dict."""
 
 @dataclass(frozen=True)
 class LayerFacts:
@@ -165,6 +186,9 @@ class ArchFacts:
                 f = rope.attention_factor
                 named.setdefault(f"the {rope.rope_type} attention factor of {layer.layer_type} layers", f)
                 named.setdefault(f"the {rope.rope_type} attention factor of {layer.layer_type} layers, squared", f * f)
+            factor = rope.get("factor") if rope is not None and rope.rope_type == "yarn" else None
+            if isinstance(factor, (int, float)) and factor > 1:  # YaRN's default, 0.1 ln(s) + 1 (arXiv:2309.00071 eq. 22)
+                named.setdefault(f"the default YaRN attention factor 0.1 ln({factor:g}) + 1", 0.1 * math.log(factor) + 1)
         if self.logit_scale not in (None, 1.0):
             named["logit_scale"] = float(self.logit_scale)
         if self.embed_scale not in (None, 1.0):

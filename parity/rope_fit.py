@@ -72,6 +72,7 @@ def identify(
     positions: torch.Tensor,
     tol: float,
     valid: torch.Tensor | None = None,
+    max_position_embeddings: int | None = None,
 ) -> Fit | None:
     """Which RoPE turns the unrotated ``x`` into ``ours`` (both ``(b, h, s, d)``), at ``positions``
     ``(b, s)``: this layer's own RoPE, another layer type's, this one without its scaling, default
@@ -97,7 +98,12 @@ def identify(
         if rope.rope_type != "default":
             candidates.append((f"the unscaled RoPE (theta {rope.theta:g}, no {rope.rope_type} scaling)", rope.unscaled_inv_freq()))
     for layer_type, other in ropes.items():
-        if other is not None and layer_type != layer.layer_type:
+        if other is None or layer_type == layer.layer_type:
+            continue
+        if rope is not None and other.rope_type == rope.rope_type and other.attention_factor == rope.attention_factor:
+            # the same kind of RoPE with another theta: a theta mistake, whichever layer type has it
+            candidates.append((f"{other.rope_type} RoPE with theta {other.theta:g} (the theta of {layer_type} layers)", other.inv_freq))
+        else:
             candidates.append((f"the RoPE of {layer_type} layers ({other.rope_type}, theta {other.theta:g})", other.inv_freq))
     for label, inv_freq in candidates:
         worst = _fits(angle, keep, inv_freq, positions, tol)
@@ -122,9 +128,13 @@ def identify(
         if theta is not None and abs(theta / rope.theta - 1) > 1e-3:
             from .facts import default_inv_freq
 
-            worst = _fits(angle, keep, default_inv_freq(theta, probe.rotary_dim), positions, tol)
-            if worst is not None:
-                return Fit(f"default RoPE with theta {theta:.6g}", amplitude, worst, inv_freq=default_inv_freq(theta, probe.rotary_dim))
+            for label, inv_freq in (
+                (f"{rope.rope_type} RoPE with theta {theta:.6g}", rope.with_theta(theta, layer.head_dim, max_position_embeddings)),
+                (f"default RoPE with theta {theta:.6g}", default_inv_freq(theta, probe.rotary_dim)),
+            ):
+                worst = _fits(angle, keep, inv_freq, positions, tol)
+                if worst is not None:
+                    return Fit(label, amplitude, worst, inv_freq=inv_freq)
     return None
 
 
@@ -138,4 +148,5 @@ def _fit_theta(angle: torch.Tensor, keep: torch.Tensor, positions: torch.Tensor,
     w1 = float(_wrap(angle[0, 1, 1] - angle[0, 0, 1]))
     if w1 <= 0:
         return None
-    return w1 ** (-rotary_dim / 2)  # w_1 = theta^(-2/d)
+    theta = w1 ** (-rotary_dim / 2)  # w_1 = theta^(-2/d)
+    return float(f"{theta:.4g}")  # a theta is a round number; the fit's last digits are noise

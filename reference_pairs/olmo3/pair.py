@@ -11,6 +11,7 @@ from ..common.config import shared_from_hf, shared_to_hf
 from ..common.nodes import ATTENTION, EMBED, FINAL, LAYER_OUTPUT, MLP, QK_NORM
 from .configs import CONFIGS, FULL, SLIDING
 from .faults import FAULTS
+from .fields import FIELDS
 from .loader import WEIGHT_MAP
 from .model import Olmo3Model
 
@@ -156,6 +157,7 @@ FAMILY = Family(
     from_hf=from_hf,
     faults=FAULTS,
     exact_dtypes=(torch.float32, torch.bfloat16),
+    fields=FIELDS,
     ci_configs=("tiny", "yarn", "mha"),
     real_configs=("7b-shape", "32b-shape"),
     notes=notes,

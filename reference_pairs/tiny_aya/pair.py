@@ -11,6 +11,7 @@ from ..common.config import shared_from_hf, shared_to_hf
 from ..common.nodes import ATTENTION, EMBED, FINAL, LAYER_OUTPUT, MLP
 from .configs import CONFIGS, FULL, SLIDING
 from .faults import FAULTS
+from .fields import FIELDS
 from .loader import WEIGHT_MAP
 from .model import TinyAyaModel
 
@@ -120,6 +121,7 @@ FAMILY = Family(
     from_hf=from_hf,
     faults=FAULTS,
     exact_dtypes=(torch.float32, torch.bfloat16),
+    fields=FIELDS,
     ci_configs=("tiny",),
     real_configs=("3b-shape",),
     notes=notes,
