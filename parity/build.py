@@ -385,4 +385,5 @@ def build_pair(
         conversions=ref.conversions,
         tied_keys=ref.tied_keys,
         exact=dtype in family.exact_dtypes,
+        **({"probe": f"checkpoint weights ({ref.checkpoint})"} if ref.checkpoint else {}),
     )

@@ -26,6 +26,7 @@ from .compare import NodeResult, Tolerances, compare_traces, first_mismatch
 from .coverage import loader_coverage
 from .diagnose import diagnose
 from .errors import ParityError
+from .origin import find_origin
 from .pair import Pair
 from .resources import require, trace_bytes
 from .result import CheckResult
@@ -219,27 +220,35 @@ def trace_pair(pair: Pair, input_ids: torch.Tensor, attention_mask: torch.Tensor
     return trace_reference(pair, run), trace_ours(pair, run)
 
 
-def calibrate_tolerances(pair: Pair, run: Run, ref_trace: Trace, safety: float = SAFETY_FACTOR) -> dict:
-    """Per-node ``(atol, 0.0)`` from the reference's own error against itself in float64.
-
-    A float64 copy of the reference (same weights) runs on the same inputs; each node's atol is
-    ``safety`` times the reference's max |error|, floored (:data:`CALIBRATION_FLOOR`) so that an
-    exactly representable node does not demand bit-exactness. Costs a float64 copy of the weights.
-    """
+def reference_noise(pair: Pair, run: Run, ref_trace: Trace) -> dict[str, float]:
+    """Per node, the reference's own max |error| against a float64 copy of itself (same weights, same
+    inputs): the rounding noise of the run's dtype. Costs a float64 copy of the weights (refused up
+    front when it would not fit)."""
+    n_params = sum(p.numel() for p in pair.reference.parameters())
+    require(8 * n_params, "a float64 copy of the reference (calibration, origin)", "use mode chained without calibrate")
     ref64 = copy.deepcopy(pair.reference).to(torch.float64)
     try:
         trace64 = trace_reference(pair, run, model=ref64)
     finally:
         del ref64
-    floor = CALIBRATION_FLOOR.get(pair.dtype, 1e-6)
-    tolerances = {}
+    noise = {}
     for name, tensor in ref_trace.tensors.items():
         exact = trace64.tensors.get(name)
         if exact is None or exact.shape != tensor.shape:
             continue
         err = (tensor.double() - exact).abs().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
-        tolerances[name] = (max(safety * float(err.max()) if err.numel() else 0.0, floor), 0.0)
-    return tolerances
+        noise[name] = float(err.max()) if err.numel() else 0.0
+    return noise
+
+
+def calibrate_tolerances(pair: Pair, run: Run, ref_trace: Trace, safety: float = SAFETY_FACTOR,
+                         noise: dict[str, float] | None = None) -> dict:
+    """Per-node ``(atol, 0.0)``: ``safety`` times the reference's own error against itself in float64
+    (:func:`reference_noise`), floored (:data:`CALIBRATION_FLOOR`) so that an exactly representable
+    node does not demand bit-exactness."""
+    noise = reference_noise(pair, run, ref_trace) if noise is None else noise
+    floor = CALIBRATION_FLOOR.get(pair.dtype, 1e-6)
+    return {name: (max(safety * err, floor), 0.0) for name, err in noise.items()}
 
 
 def compare_run(pair: Pair, run: Run, ours: Trace, ref: Trace, tolerances: Tolerances) -> list[NodeResult]:
@@ -334,6 +343,8 @@ def _meta(pair: Pair, run: Run, diffs: list[dict], seconds: float, atol, rtol, t
         "model_type": pair.facts.model_type,
         "ours_class": f"{type(pair.ours).__module__}.{type(pair.ours).__qualname__}",
         "aligned": bool(pair.alignment),
+        "probe": pair.probe + (f"; inputs: seeded random token ids, {int(run.input_ids.shape[0])} x {int(run.input_ids.shape[1])}"
+                               + (", left-padded, positions from the mask" if run.attention_mask is not None else "")),
         "cfg": {k: str(v) if isinstance(v, torch.dtype) else v for k, v in pair.cfg.items()},
     }
 
@@ -391,8 +402,10 @@ def check(
     start = time.perf_counter()
     ref_trace = trace_reference(pair, run)
     tolerance = run.tolerances
+    noise = None
     if run.calibrate:
-        tolerance = replace(tolerance, calibrated=calibrate_tolerances(pair, run, ref_trace))
+        noise = reference_noise(pair, run, ref_trace)
+        tolerance = replace(tolerance, calibrated=calibrate_tolerances(pair, run, ref_trace, noise=noise))
     isolated = None
     if run.mode in ("isolated", "both"):
         isolated = compare_run(pair, run, trace_ours(pair, run, ref_trace), ref_trace, tolerance)
@@ -403,6 +416,10 @@ def check(
         our_trace = trace_ours(pair, run)
         nodes = compare_run(pair, run, our_trace, ref_trace, tolerance)
     _refuse_changed_weights(pair, "during the forward passes")
+    origin, origin_reason = None, ""
+    if isolated is not None and run.mode == "both" and not run.tolerances.exact and first_mismatch(nodes) is not None:
+        noise = reference_noise(pair, run, ref_trace) if noise is None else noise
+        origin, origin_reason = find_origin(nodes, isolated, noise)
     profile, logits = analyse(pair, nodes, our_trace, ref_trace)
     coverage = pair.coverage
     if coverage is None and pair.state_dict:
@@ -415,5 +432,7 @@ def check(
         logits=logits,
         isolated=tuple(isolated) if isolated is not None else None,
         coverage=coverage,
+        origin=origin,
+        origin_reason=origin_reason,
         alignment=tuple(pair.alignment),
     )

@@ -409,6 +409,12 @@ def cmd_check(args, console: Console) -> int:
         iso = result.first_isolated_mismatch
         line = "every node agrees on its own" if iso is None else f"first node failing on its own: {iso.line()}"
         console.print(f"[bold]isolated:[/] {line}", highlight=False)
+    divergence = result.first_divergence
+    if divergence is not None and (bad is None or divergence.name != bad.name):
+        console.print(f"[bold]first divergence:[/] {divergence.name} (max_abs {divergence.max_abs:.3g}): the first node "
+                      "with any difference at all", highlight=False)
+    if result.origin_reason:
+        console.print(f"[bold]origin:[/] {result.origin_reason}", highlight=False, soft_wrap=True)
     console.print(("[bold green]" if result.passed else "[bold red]") + result.verdict() + "[/]", highlight=False)
     replaced = result.coverage.replaced_note() if result.coverage is not None else None
     if replaced:  # a fault injected by hand: said once, under the finding it explains

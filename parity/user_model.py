@@ -189,6 +189,7 @@ def build_user_pair(ours, reference="olmo3", *, dtype: torch.dtype = torch.float
         tied_keys=ref.tied_keys,
         alignment=rows,
         coverage=coverage,
+        **({"probe": f"the weights of {ref.config_name}"} if ref.checkpoint or isinstance(reference, torch.nn.Module) else {}),
     )
 
 

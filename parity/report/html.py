@@ -122,6 +122,7 @@ def _facts(result) -> list[dict]:
         ("seq len", f"{meta.get('seq_len')} tokens" + (f" x batch {meta['batch_size']}" if meta.get("batch_size", 1) != 1 else "")),
         ("seed", meta.get("seed")),
         ("mode", meta.get("mode")),
+        ("probe", meta.get("probe")),
         *_tolerance_facts(result),
         ("torch", versions.get("torch")),
         ("transformers", versions.get("transformers")),
