@@ -349,6 +349,34 @@ def _meta(pair: Pair, run: Run, diffs: list[dict], seconds: float, atol, rtol, t
     }
 
 
+def _check_decode(pair, decode, input_ids, seq_len, batch_size, mode, atol, rtol, tolerances, calibrate,
+                  attention_mask, left_pad, exact) -> CheckResult:
+    """The KV-cache run of :func:`check` (see :mod:`parity.decode`)."""
+    from .decode import DecodePlan, run_decode
+
+    plan_ = DecodePlan.parse(decode) if isinstance(decode, str) else decode
+    if not isinstance(plan_, DecodePlan):
+        raise ParityError(f"decode must be a DecodePlan or PREFILL[:CHUNK]xSTEPS, got {type(decode).__name__}")
+    if mode != "chained" or calibrate:
+        raise ParityError("a decode check runs chained, with fixed tolerances (no isolated mode, no calibration)")
+    if seq_len is not None and seq_len != plan_.prefill:
+        raise ParityError(f"seq_len {seq_len} and the decode plan's prefill {plan_.prefill} disagree: the prefill is the prompt")
+    run = plan(pair, input_ids, plan_.prefill, batch_size, mode, atol, rtol, tolerances, False, attention_mask, left_pad, exact)
+    notes = list(run.notes)
+    _refuse_changed_weights(pair, "before the check")
+    start = time.perf_counter()
+    nodes, outcome = run_decode(pair, run.input_ids, run.attention_mask, plan_, run.tolerances)
+    _refuse_changed_weights(pair, "during the forward passes")
+    notes += outcome.lines()
+    coverage = pair.coverage
+    if coverage is None and pair.state_dict:
+        coverage = loader_coverage(pair.ours, pair.state_dict, pair.tied_keys, pair.conversions, pair.built_storage)
+    meta = _meta(pair, run, config_diff(pair), time.perf_counter() - start, atol, rtol, tolerances, False)
+    meta["decode"] = plan_.describe()
+    return CheckResult(nodes=tuple(nodes), meta=meta, notes=tuple(notes), coverage=coverage,
+                       alignment=tuple(pair.alignment), decode=outcome.to_dict())
+
+
 def check(
     pair: Pair,
     input_ids: torch.Tensor | None = None,
@@ -362,6 +390,7 @@ def check(
     attention_mask: torch.Tensor | None = None,
     left_pad: int = 0,
     exact: bool | None = None,
+    decode=None,
 ) -> CheckResult:
     """Compare ``pair.ours`` with ``pair.reference`` node by node.
 
@@ -381,6 +410,10 @@ def check(
     ``left_pad`` builds one instead: every batch row after the first starts with that many padding
     tokens (the rows whose queries see no real key are where masking bugs turn into NaN).
 
+    ``decode``: a :class:`parity.decode.DecodePlan` (or its text, ``"12:4x8"``) runs both models with
+    their KV caches instead: prefill (``seq_len`` is the prefill length), chunks, decode steps, every
+    node and both caches compared at every step (chained mode only; see :mod:`parity.decode`).
+
     Raises:
         ParityError: unknown ``mode``; ``input_ids`` not 2-D or out of the vocabulary; a mask of
             another shape; ``left_pad`` without a second row or not shorter than the sequence;
@@ -389,6 +422,9 @@ def check(
     """
     if exact is None:
         exact = pair.exact and atol is None and rtol is None and not calibrate
+    if decode is not None:
+        return _check_decode(pair, decode, input_ids, seq_len, batch_size, mode, atol, rtol, tolerances, calibrate,
+                             attention_mask, left_pad, exact)
     run = plan(pair, input_ids, seq_len, batch_size, mode, atol, rtol, tolerances, calibrate, attention_mask, left_pad, exact)
     diffs = config_diff(pair)
     notes = list(run.notes)

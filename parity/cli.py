@@ -122,6 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
         "reference's tensors (the first failing node is the fault); both: the two side by side",
     )
     check.add_argument(
+        "--decode", metavar="PREFILL[:CHUNK]xSTEPS",
+        help="KV-cache run: prefill PREFILL tokens (in CHUNK-token pieces), then STEPS decode steps; every node and "
+        "both caches compared at each step (e.g. 12:4x8)",
+    )
+    check.add_argument(
         "--exact", action="store_true",
         help="atol = rtol = 0 on every node (for pairs that are bit-identical when correct, e.g. our bf16 pairs)",
     )
@@ -350,6 +355,14 @@ def check_options(args) -> None:
         raise ParityError("--calibrate sets each node's atol itself (rtol 0); drop --atol/--rtol, or drop --calibrate")
     if args.exact and (args.atol is not None or args.rtol is not None or args.calibrate):
         raise ParityError("--exact sets atol = rtol = 0 on every node; drop --atol/--rtol/--calibrate, or drop --exact")
+    if args.decode is not None:
+        from .decode import DecodePlan
+
+        plan = DecodePlan.parse(args.decode)
+        if args.mode != "chained" or args.calibrate:
+            raise ParityError("--decode runs chained with fixed tolerances: drop --mode/--calibrate")
+        if args.seq_len is not None and args.seq_len != plan.prefill:
+            raise ParityError(f"--seq-len {args.seq_len} and --decode's prefill {plan.prefill} disagree: the prefill is the prompt")
     if args.left_pad:
         if args.batch < 2:
             raise ParityError(
@@ -363,6 +376,10 @@ def check_options(args) -> None:
 def _check_left_pad(args, pair) -> None:
     """--left-pad against the default sequence length, which only the built pair knows."""
     seq_len = args.seq_len or pair.default_seq_len
+    if args.decode is not None:
+        from .decode import DecodePlan
+
+        seq_len = DecodePlan.parse(args.decode).prefill
     if args.left_pad and args.left_pad >= seq_len:
         raise ParityError(
             f"--left-pad {args.left_pad} must be shorter than the sequence ({seq_len} tokens by default for this "
@@ -396,7 +413,7 @@ def cmd_check(args, console: Console) -> int:
     with console.status("tracing both models and comparing every node"):
         result = check(
             pair, seq_len=args.seq_len, batch_size=args.batch, mode=args.mode, atol=args.atol, rtol=args.rtol,
-            calibrate=args.calibrate, left_pad=args.left_pad, exact=args.exact,
+            calibrate=args.calibrate, left_pad=args.left_pad, exact=args.exact, decode=args.decode,
         )
     console.print(_node_table(result, console))
     _print_coverage(result.coverage, console)

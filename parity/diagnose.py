@@ -677,12 +677,33 @@ def _window_of(probs: torch.Tensor, valid: torch.Tensor | None) -> int | None:
     return None if bool(full) else int(span.amax())
 
 
+def future_keys(e: Evidence) -> Hint | None:
+    """Ours gives weight to keys the reference masks, later than the last key the reference lets each
+    query see: the causal mask lets a query see the future (a decode-time mask off by one, a chunk
+    attending to all of itself)."""
+    if e.kind != "probs" or e.ours.dim() != 4:
+        return None
+    seen_ref, seen_ours = e.ref.abs() > 0, e.ours.abs() > 0
+    keys = torch.arange(e.ref.shape[-1])
+    last = torch.where(seen_ref, keys, torch.full_like(keys, -1)).amax(-1, keepdim=True)  # per query row
+    future = seen_ours & ~seen_ref & (keys > last)
+    if not bool(future.any()):
+        return None
+    rows = future.any(-1).flatten(0, 1).any(0).nonzero().flatten().tolist()
+    return Hint(
+        "causal_mask",
+        f"likely the causal mask: ours gives weight to keys after the last one the reference lets a query see "
+        f"({int(future.sum())} entries; queries {_fmt_list(rows)}), so a query reads the future",
+        {"entries": int(future.sum()), "queries": rows[:32]},
+    )
+
+
 def window_pattern(e: Evidence) -> Hint | None:
     """Only the query positions from some point up to the window on differ: the first position
     that can see a key the window decides about (the smaller of ours' and the reference's window)."""
     if e.kind not in ("probs", "context", "scores"):
         return None
-    if e.kind == "probs" and e.ours.dim() == 4:
+    if e.kind == "probs" and e.ours.dim() == 4 and e.ours.shape[-1] == e.ours.shape[-2]:
         ours_w, ref_w = _window_of(e.ours, e.attention_mask), _window_of(e.ref, e.attention_mask)
         if ours_w != ref_w:
             show = lambda w: "full causal attention" if w is None else f"a window of {w}"  # noqa: E731
@@ -757,6 +778,7 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     last_dim_permutation,
     head_mapping,
     softmax_temperature,
+    future_keys,
     window_pattern,
     rope_fit,
     rope_pattern,

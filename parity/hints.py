@@ -40,6 +40,8 @@ KINDS: dict[str, str] = {
     "rope_theta": "the rotation equals RoPE with another theta (a fallback theta)",
     "rope_scaling": "ours rotates with the unscaled frequencies where the reference scales them (llama3, YaRN, linear)",
     "position_offset": "each padded row is rotated by an offset equal to its pad count (positions not from the mask)",
+    "cache_length": "a KV cache holds another number of tokens than the reference's (a sliding layer keeps window - 1)",
+    "causal_mask": "ours gives weight to keys the reference masks, later than the query (a query sees the future)",
     "rounding_order": "every difference is within one or two units in the last place of the dtype (cast order)",
 }
 

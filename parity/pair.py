@@ -99,8 +99,10 @@ class Pair:
     #: ours is bit-identical to the reference when correct (its family claims it for this dtype):
     #: checks default to atol = rtol = 0
     exact: bool = False
+    #: how to run ours with its KV cache in a decode check (None: our families' protocol, see parity.decode)
+    cache_protocol: object | None = None
     #: what the weights are, for reports: parity's probe weights (see parity.probes) or a checkpoint's
-    probe: str = "probe weights (parity.probes: per-token embedding RMS 1e-3..10, norm weights 1 + N(0, 0.01))"
+    probe: str = "probe weights (parity.probes: per-token embedding RMS 1e-3..10, norm weights 1 + 0.1 N(0, 1))"
     #: where each of our parameters lived right after loading (loader coverage tells a replaced
     #: Parameter, a fault injected by hand, from a loader's gap)
     built_storage: dict = field(default_factory=dict, repr=False)

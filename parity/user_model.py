@@ -156,7 +156,7 @@ def build_ours(ours, ref: Reference) -> nn.Module:
 
 
 def build_user_pair(ours, reference="olmo3", *, dtype: torch.dtype = torch.float32, seed: int = 0,
-                    node_map: dict[str, str] | None = None) -> Pair:
+                    node_map: dict[str, str] | None = None, cache_protocol=None) -> Pair:
     """The Pair of a user's model and the reference, nodes aligned by shared weights. Raises
     ParityError for bad input (see :func:`check_model`)."""
     ref, family = resolve_reference(reference, dtype, seed)
@@ -189,6 +189,7 @@ def build_user_pair(ours, reference="olmo3", *, dtype: torch.dtype = torch.float
         tied_keys=ref.tied_keys,
         alignment=rows,
         coverage=coverage,
+        cache_protocol=cache_protocol,
         **({"probe": f"the weights of {ref.config_name}"} if ref.checkpoint or isinstance(reference, torch.nn.Module) else {}),
     )
 
@@ -200,6 +201,7 @@ def check_model(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     node_map: dict[str, str] | None = None,
+    cache_protocol=None,
     **check_kwargs,
 ) -> CheckResult:
     """Check your own model against a Transformers reference, node by node.
@@ -210,7 +212,9 @@ def check_model(
     registered family's reference with parity's random weights), a checkpoint folder, a config.json,
     a ``PretrainedConfig`` or a ``PreTrainedModel``. ``node_map``: ``{reference node or glob: your
     module path}`` overrides of the automatic alignment. ``check_kwargs``: every option of
-    :func:`parity.check` (``seq_len``, ``batch_size``, ``mode``, ``atol``, ``exact``...).
+    :func:`parity.check` (``seq_len``, ``batch_size``, ``mode``, ``atol``, ``exact``, ``decode``...).
+    ``cache_protocol``: how to run your model with its KV cache for ``decode=`` checks when its API is
+    not ``new_cache()`` / ``forward(..., cache=)`` (a :class:`parity.decode.CacheProtocol`).
 
     Functional nodes (after RoPE, scores, probabilities, context) need ``parity.tap(tensor, name)``
     in your forward; a node without a tap is ``untapped``: shown and counted, never a pass or a
@@ -221,7 +225,7 @@ def check_model(
             leaves a reference tensor unused or keeps a parameter on the meta device; nothing could
             be aligned; a bad reference or bad check arguments (see :func:`parity.check`).
     """
-    pair = build_user_pair(ours, reference, dtype=dtype, seed=seed, node_map=node_map)
+    pair = build_user_pair(ours, reference, dtype=dtype, seed=seed, node_map=node_map, cache_protocol=cache_protocol)
     return check(pair, **check_kwargs)
 
 

@@ -398,7 +398,7 @@ class Branch(nn.Module):
         super().__init__()
         self.scale, self.shift, self.head_dim = scale, shift, 8
 
-    def forward(self, x, cos=None, sin=None, padding_mask=None):
+    def forward(self, x, cos=None, sin=None, padding_mask=None, cache=None):
         return self.scale * x + self.shift
 
 

@@ -386,3 +386,63 @@ def logits_svg(logits: dict | None, batch_size: int = 1) -> str | None:
         ax.grid(axis="x", visible=False)
         ax.set_xlim(-0.7, n - 0.3)
     return to_svg(fig, "logits")
+
+
+def _badness(node) -> tuple:
+    """Order nodes by how badly they fail: failing first, then by max_abs / tolerance (inf when the
+    tolerance is 0 or the node has no metrics)."""
+    value = _log_ratio(node)
+    return (node.failed, value if value is not None else (math.inf if node.failed else -math.inf))
+
+
+@_styled
+def decode_heatmap_svg(nodes, first_index: int | None) -> str | None:
+    """A KV-cache run: log10(max_abs / tolerance) of the worst node per decode step (rows) and layer
+    (columns; ``out`` for the nodes outside the layers). Each cell links to that worst node and names
+    it on hover; the cell of the first mismatch is outlined."""
+    cells: dict[tuple[int, object], object] = {}
+    for n in nodes:
+        if "/" not in n.name or not n.name.startswith("step"):
+            continue
+        step = int(n.name.split("/", 1)[0][len("step"):])
+        key = (step, n.layer if n.layer is not None else "out")
+        worst = cells.get(key)
+        if worst is None or _badness(n) > _badness(worst):
+            cells[key] = n
+    if not cells:
+        return None
+    steps = sorted({s for s, _ in cells})
+    layers = sorted({c for _, c in cells if c != "out"}) + (["out"] if any(c == "out" for _, c in cells) else [])
+    logs = [v for v in (_log_ratio(n) for n in cells.values()) if v is not None]
+    vmax = max([1.0] + [math.ceil(v) for v in logs])
+    norm = TwoSlopeNorm(vmin=LOG_FLOOR, vcenter=0.0, vmax=vmax)
+    fig = _figure(max(4.5, 2.0 + 0.4 * len(layers)), max(2.6, 1.5 + 0.24 * len(steps)))
+    ax = fig.add_subplot()
+    ax.grid(False)
+    patches, faces, urls, titles = [], [], [], {}
+    for (step, layer), node in cells.items():
+        r, c = steps.index(step), layers.index(layer)
+        value = _log_ratio(node)
+        face = RATIO_CMAP(1.0) if node.status == "nonfinite" or (value is None and node.failed) else (
+            NO_METRICS if value is None else RATIO_CMAP(norm(value)))
+        patches.append(Rectangle((c, r), 1, 1))
+        faces.append(face)
+        urls.append(f"#node-{node.index}")
+        titles[f"#node-{node.index}"] = cell_title(node)
+        if first_index is not None and node.index == first_index:
+            ax.add_patch(Rectangle((c + 0.05, r + 0.05), 0.9, 0.9, fill=False, edgecolor="black", linewidth=1.8, zorder=3))
+    grid = PatchCollection(patches, facecolors=faces, edgecolors="white", linewidths=0.5)
+    grid.set_urls(urls)
+    ax.add_collection(grid)
+    ax.set_xlim(0, len(layers))
+    ax.set_ylim(len(steps), 0)
+    ax.set_xticks([c + 0.5 for c in range(len(layers))], [str(x) for x in layers])
+    ax.set_yticks([r + 0.5 for r in range(len(steps))], [str(s) for s in steps])
+    ax.set_xlabel("layer")
+    ax.set_ylabel("step")
+    ax.tick_params(length=0)
+    mappable = mpl.cm.ScalarMappable(norm=norm, cmap=RATIO_CMAP)
+    bar = fig.colorbar(mappable, ax=ax, fraction=0.05, pad=0.02)
+    bar.set_label("max_abs / tolerance (worst node)")
+    bar.ax.yaxis.set_major_formatter(FuncFormatter(_pow10))
+    return _add_titles(to_svg(fig, "decode"), titles)

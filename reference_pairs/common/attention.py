@@ -17,10 +17,13 @@ from .rope import apply_rope
 from .taps import Tap
 
 
-def causal_mask(seq_len: int, sliding_window: int | None = None) -> torch.Tensor:
-    """Boolean ``(seq_len, seq_len)`` mask, True where query ``i`` may attend to key ``j``."""
-    i = torch.arange(seq_len)[:, None]
-    j = torch.arange(seq_len)[None, :]
+def causal_mask(
+    seq_len: int, sliding_window: int | None = None, q_start: int = 0, k_start: int = 0, k_len: int | None = None
+) -> torch.Tensor:
+    """Boolean ``(seq_len, k_len)`` mask, True where query ``i`` may attend to key ``j``; queries are the
+    sequence indices ``q_start ..``, keys ``k_start ..`` (a KV cache reads keys from earlier steps)."""
+    i = q_start + torch.arange(seq_len)[:, None]
+    j = k_start + torch.arange(seq_len if k_len is None else k_len)[None, :]
     allowed = j <= i
     if sliding_window is not None:
         allowed = allowed & (i - j < sliding_window)
@@ -129,9 +132,13 @@ class GroupedQueryAttention(nn.Module):
         cos: torch.Tensor | None = None,
         sin: torch.Tensor | None = None,
         padding_mask: torch.Tensor | None = None,
+        cache=None,
     ) -> torch.Tensor:
         """``x``: ``(batch, seq, d_in)``; ``cos``/``sin``: ``(seq, rotary_dim // 2)`` or None (no RoPE);
-        ``padding_mask``: ``(batch, seq)``, True (or 1) for real tokens, or None for no padding."""
+        ``padding_mask``: ``(batch, seq)`` (with a cache: ``(batch, tokens so far)``), True (or 1) for
+        real tokens, or None for no padding; ``cache``: this layer's
+        :class:`~reference_pairs.common.cache.CacheLayer`, or None for a plain forward. The ``k_rot``
+        tap sees the keys attention reads (with a cache: past and new, as the reference's do)."""
         b, s, _ = x.shape
         queries, keys, values = self.W_query(x), self.W_key(x), self.W_value(x)
         if self.qk_norm == "projection":
@@ -148,15 +155,20 @@ class GroupedQueryAttention(nn.Module):
         if cos is not None:
             rope = dict(interleaved=self.interleaved_rope, upcast=self.rotate_in_float32)
             queries, keys = apply_rope(queries, cos, sin, **rope), apply_rope(keys, cos, sin, **rope)
-        queries, keys = self.q_rot(queries), self.k_rot(keys)
+        queries, q_start, k_start = self.q_rot(queries), 0, 0
+        if cache is not None:
+            q_start = cache.seen
+            keys, values, k_start = cache.update(keys, values)
+        keys = self.k_rot(keys)
 
         keys, values = self.expand_kv(keys), self.expand_kv(values)
         scores = self.scores(queries @ keys.transpose(2, 3) * self.scale)
         if self.softcap is not None:
             scores = soft_cap(scores, self.softcap)
-        allowed = causal_mask(s, self.sliding_window).to(scores.device)[None, None]
+        k_len = keys.shape[-2]
+        allowed = causal_mask(s, self.sliding_window, q_start, k_start, k_len).to(scores.device)[None, None]
         if padding_mask is not None:
-            allowed = allowed & padding_mask.bool()[:, None, None, :]
+            allowed = allowed & padding_mask.bool()[:, None, None, k_start : k_start + k_len]
         scores = self.mask_scores(scores, allowed)
         probs = self.probs(torch.softmax(scores.float(), dim=-1).to(queries.dtype))
         context = self.context((probs @ values).transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim))

@@ -54,3 +54,94 @@ def mask_with_neg_inf(pair: Pair) -> None:
 
 #: the padded batch F10 needs: rows after the first start with 5 padding tokens
 LEFT_PADDED = (("batch_size", 3), ("left_pad", 5))
+
+
+# --- KV-cache faults (decode checks) ----------------------------------------------------------------
+
+
+def _patch_new_cache(pair: Pair, patch_layer) -> None:
+    """Make ``pair.ours.new_cache()`` hand out caches whose layers ``patch_layer(i, layer)`` altered."""
+    make = pair.ours.new_cache
+
+    def new_cache():
+        cache = make()
+        for i, layer in enumerate(cache.layers):
+            patch_layer(i, layer)
+        return cache
+
+    pair.ours.new_cache = new_cache
+
+
+def sliding_cache_trimmed_as_if_one_token(pair: Pair) -> None:
+    """A sliding layer's cache keeps ``window - 1`` plus ``S - 1`` tokens when ``S`` arrive at once: the
+    trim is computed as if one token had come (mlx-lm #1914)."""
+
+    def patch(i, layer):
+        if layer.window is None:
+            return
+
+        def update(keys, values, layer=layer):
+            arriving = keys.shape[-2]
+            first = layer.seen - layer.held
+            layer.seen += arriving
+            if layer.keys is not None:
+                keys, values = torch.cat([layer.keys, keys], -2), torch.cat([layer.values, values], -2)
+            n = min(keys.shape[-2], layer.window - 1 + arriving - 1)
+            layer.keys, layer.values = keys[:, :, keys.shape[-2] - n :], values[:, :, values.shape[-2] - n :]
+            return keys, values, first
+
+        layer.update = update
+
+    _patch_new_cache(pair, patch)
+
+
+def cached_positions_off_by_one(first_layer: int):
+    """From layer ``first_layer`` up, once the cache holds tokens, RoPE rotates the new tokens one
+    position too far (a position counter read after an earlier layer advanced it)."""
+
+    def inject(pair: Pair) -> None:
+        model = pair.ours
+        tables = model.rope_tables
+
+        for block in list(model.blocks)[first_layer:]:
+            forward = block.forward
+
+            def shifted(x, cos=None, sin=None, padding_mask=None, cache=None, _forward=forward, _block=block):
+                if cache is not None and cache.seen > 0 and cos is not None:
+                    positions = model._parity_positions + 1
+                    cos, sin = tables(positions, x.device, cos.dtype)[_block.layer_type]
+                return _forward(x, cos, sin, padding_mask, cache)
+
+            block.forward = shifted
+
+        def remember(module, args, kwargs):
+            ids = args[0] if args else kwargs["input_ids"]
+            cache = kwargs.get("cache")
+            positions = kwargs.get("position_ids")
+            if positions is None:
+                start = cache.seen if cache is not None else 0
+                positions = torch.arange(start, start + ids.shape[1])
+            model._parity_positions = positions
+
+        model.register_forward_pre_hook(remember, with_kwargs=True)
+
+    return inject
+
+
+def cached_mask_sees_one_ahead(pair: Pair) -> None:
+    """With a cache, each query of a chunk may also see the next key of its chunk (a decode-time mask
+    built one slot wide)."""
+    for block in pair.ours.blocks:
+        att = block.att
+        masked = att.mask_scores
+
+        def mask_scores(scores, allowed, _masked=masked):
+            if scores.shape[-1] > scores.shape[-2]:  # keys from earlier steps: a cached step
+                allowed = allowed | torch.nn.functional.pad(allowed, (1, 0))[..., :-1]
+            return _masked(scores, allowed)
+
+        att.mask_scores = mask_scores
+
+
+#: the decode schedule the cached faults run on: prefill 12 in chunks of 4, then 4 decode steps
+DECODE = (("decode", "12:4x4"),)

@@ -11,7 +11,14 @@ from torch import nn
 
 from parity.faults import Fault
 
-from ..common.faults import LEFT_PADDED, expand_kv_with_repeat, mask_with_neg_inf, untie_head
+from ..common.faults import (
+    DECODE,
+    LEFT_PADDED,
+    cached_mask_sees_one_ahead,
+    expand_kv_with_repeat,
+    mask_with_neg_inf,
+    untie_head,
+)
 
 ATT = "model.layers.{}.self_attn"
 
@@ -116,4 +123,6 @@ FAULTS = (
     Fault("F16", "positions 0..S-1 in every row of a left-padded batch instead of positions from the mask", "tiny",
           _positions_not_from_mask, f"{ATT.format(0)}.q_rot", "position_offset", scope=f"{ATT.format('*')}.[qk]_rot",
           source="unsloth #3795", check_kwargs=LEFT_PADDED),
+    Fault("decode-mask-one-ahead", "with a cache, each query of a chunk also sees the next key", "tiny",
+          cached_mask_sees_one_ahead, f"step1/{ATT.format(0)}.probs", "causal_mask", check_kwargs=DECODE),
 )
