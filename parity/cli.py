@@ -520,7 +520,7 @@ def cmd_record(args, console: Console) -> int:
         if args.seq_len is not None and args.left_pad >= args.seq_len:
             raise ParityError(f"--left-pad {args.left_pad} must be shorter than --seq-len {args.seq_len}")
     shard_bytes = parse_size(args.shard_size) if args.shard_size is not None else None
-    source = args.target if args.target is not None else args.reference
+    source = args.target if args.target is not None else Path(args.reference).expanduser()
     dtype = args.dtype or "float32"
     with console.status(f"recording the reference of {source} ({dtype})"):
         trace = record(

@@ -312,13 +312,17 @@ class GoldenTrace:
         recorded, now = self.manifest["versions"], versions()
         return [(k, str(recorded.get(k)), now[k]) for k in ("torch", "transformers") if recorded.get(k) != now[k]]
 
-    def stale_note(self) -> str | None:
+    def stale_note(self, verifying: bool = False) -> str | None:
+        """One line naming the versions that differ (None when none does); ``verifying``: said by the
+        run that re-runs the reference."""
         diffs = self.stale()
         if not diffs:
             return None
         what = ", ".join(f"{k} {a} (installed: {b})" for k, a, b in diffs)
-        return (f"stale reference: this trace was recorded with {what}; the installed versions may compute the reference "
-                f"differently; `parity record --verify {self.path}` re-runs it and says whether it still reproduces")
+        then = ("this run re-runs it with the installed versions" if verifying else
+                f"`parity record --verify {self.path}` re-runs it and says whether it still reproduces")
+        return (f"stale reference: this trace was recorded with {what}; the installed versions may compute the "
+                f"reference differently; {then}")
 
     def rebuild_reference(self, checkpoint: str | Path | None = None):
         """The Transformers model the trace was recorded from, with the same weights: regenerated from
@@ -385,7 +389,7 @@ def _source(source, n_layers, dtype, seed):
     from .user_model import resolve_reference
 
     text = str(source)
-    is_path = not isinstance(source, str) or os.path.exists(text) or text.endswith(".json") or "/" in text
+    is_path = not isinstance(source, str) or text.endswith(".json") or os.sep in text or "/" in text
     if not is_path:
         name, _, config = text.partition(":")
         family = get_family(name)
@@ -507,7 +511,8 @@ def record(
     """Run the reference once and write its golden trace to the new folder ``out``.
 
     ``source``: ``"family[:config]"`` (the family's reference with parity's seeded probe weights;
-    ``n_layers`` its depth), a checkpoint folder or a config.json (probe weights). ``seq_len``,
+    ``n_layers`` its depth), or a checkpoint folder or a config.json (probe weights) as a ``Path``
+    (a string is a path when it ends in ``.json`` or holds a ``/``). ``seq_len``,
     ``batch_size``, ``left_pad``, ``dtype``, ``seed``: as :func:`parity.check`. ``atol``/``rtol``/
     ``tolerances``/``calibrate``: the tolerances the trace carries (default: the dtype's); calibration
     needs whole tensors. ``summaries``: statistics instead of tensors (``sample`` elements per node).
@@ -778,8 +783,8 @@ def _meta(trace: GoldenTrace, compared: str, what: str, tolerances: Tolerances, 
     }
 
 
-def _notes(trace: GoldenTrace, extra: list[str]) -> tuple[str, ...]:
-    notes = [n for n in (trace.stale_note(),) if n] + list(trace.manifest.get("notes") or []) + extra
+def _notes(trace: GoldenTrace, extra: list[str], verifying: bool = False) -> tuple[str, ...]:
+    notes = [n for n in (trace.stale_note(verifying),) if n] + list(trace.manifest.get("notes") or []) + extra
     if trace.kind == "summaries":
         notes.append("judged on summaries: a statistic or sampled element past its bound proves a node fails; a node "
                      "that passes is only consistent with agreement (an error in a few elements can escape the sample)")
@@ -907,7 +912,7 @@ def verify(trace, checkpoint=None) -> CheckResult:
         nodes=tuple(results),
         meta=_meta(trace, "verify", what, tolerance, None, None, "chained", time.perf_counter() - start,
                    type(ref.model).__name__),
-        notes=_notes(trace, []),
+        notes=_notes(trace, [], verifying=True),
         profile=profile,
         logits=logits,
     )

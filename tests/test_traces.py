@@ -244,7 +244,7 @@ def test_verify_says_whether_the_installed_versions_reproduce_the_trace(golden, 
 
 
 def test_verify_finds_a_reference_that_computes_differently_now(golden, tmp_path, monkeypatch, capsys):
-    """What an upgrade that changes the math looks like: the RMSNorm eps moved inside the weight."""
+    """What an upgrade that changes the math looks like: Llama's RMSNorm output off by 0.1%."""
     from transformers.models.llama import modeling_llama
 
     original = modeling_llama.LlamaRMSNorm.forward
@@ -304,7 +304,7 @@ def test_verify_of_a_summaries_trace(summaries):
 # --- other sources -------------------------------------------------------------------------------------
 
 
-def test_record_a_checkpoint_with_padding_and_verify_it_after_it_moved(tmp_path, checkpoint_of):
+def test_record_a_checkpoint_with_padding_and_verify_it_after_it_moved(tmp_path, checkpoint_of, capsys):
     from reference_pairs.olmo3 import build_pair
 
     ckpt = checkpoint_of(build_pair("tiny"))
@@ -321,7 +321,9 @@ def test_record_a_checkpoint_with_padding_and_verify_it_after_it_moved(tmp_path,
         traces.verify(trace)
     assert main(["record", "--verify", str(out), "--checkpoint", str(moved), "--report-dir", str(tmp_path / "r")]) == 0
     other = checkpoint_of(build_pair("tiny", seed=1))
+    capsys.readouterr()
     assert main(["record", "--verify", str(out), "--checkpoint", str(other)]) == 2
+    assert "not the same weights" in capsys.readouterr().err
 
 
 # --- bad input: one line, exit 2 -----------------------------------------------------------------------
