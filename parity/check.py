@@ -169,15 +169,15 @@ def _keep_inputs(pair: Pair) -> frozenset[str]:
     return frozenset(n.name for n in pair.nodes if any(k in n.kind for k in _DIAGNOSIS_INPUT_KINDS) and "@" not in n.kind)
 
 
-def trace_reference(pair: Pair, run: Run, model=None) -> Trace:
+def trace_reference(pair: Pair, run: Run, model=None, into: Trace | None = None) -> Trace:
     """Run the reference (or ``model``, a copy of it) on the run's inputs; attention internals
-    come through :mod:`parity.hf_capture`. Raises ParityError when the reference itself cannot run
+    come through :mod:`parity.hf_capture`; ``into``: the Trace to fill (see :func:`parity.trace.recording`). Raises ParityError when the reference itself cannot run
     the config (a config Transformers accepts but its forward rejects is bad input, not a bug)."""
     model = pair.reference if model is None else model
     hf_capture.install(model)
     captured = [n.name for n in pair.nodes if n.name.rsplit(".", 1)[-1] in hf_capture.SUFFIXES]
     points = [(n.name, n.reference_path) for n in pair.nodes if n.name not in captured]
-    with torch.inference_mode(), recording(model, points, captured=captured, keep_inputs=_keep_inputs(pair)) as trace:
+    with torch.inference_mode(), recording(model, points, captured=captured, keep_inputs=_keep_inputs(pair), into=into) as trace:
         try:
             model(input_ids=run.input_ids, attention_mask=run.attention_mask, position_ids=run.position_ids, use_cache=False)
         except (RuntimeError, ValueError, TypeError, IndexError, AttributeError) as e:

@@ -148,6 +148,7 @@ def recording(
     inverses: dict[str, Callable[[torch.Tensor], torch.Tensor]] | None = None,
     keep_inputs: frozenset[str] = frozenset(),
     taps: dict[str, str] | None = None,
+    into: Trace | None = None,
 ) -> Iterator[Trace]:
     """Hook ``model`` for the duration of the block and yield the Trace being filled.
 
@@ -164,10 +165,12 @@ def recording(
     ``inverses`` maps the reference tensor back into our layout (``inverse(ref, ours) -> ours``:
     a fused projection writes the reference's part into our tensor), and only where the shapes agree.
     Only a module's first call is substituted. ``keep_inputs``: node names whose module input (and
-    2-D weight and bias, by reference) are also kept for diagnosis.
+    2-D weight and bias, by reference) are also kept for diagnosis. ``into``: the (empty) Trace to
+    fill, e.g. one whose ``add`` keeps statistics instead of tensors (:mod:`parity.traces`).
     """
     transforms, inverses = transforms or {}, inverses or {}
-    trace = Trace(wanted=frozenset([name for name, _ in points] + list(captured) + list((taps or {}).values())))
+    trace = Trace() if into is None else into
+    trace.wanted = frozenset([name for name, _ in points] + list(captured) + list((taps or {}).values()))
 
     def replacement(name: str, current) -> torch.Tensor | None:
         if substitute is None or trace.calls.get(name, 0) != 1 or name not in substitute.tensors:
