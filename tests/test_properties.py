@@ -1,0 +1,87 @@
+"""Property-based parity: configs generated from each family's declared fields (parity/fields.py),
+with a dtype, a batch, left padding, a sequence length and a mode, sometimes rebuilt from a saved
+(and sometimes sharded) checkpoint. The property: the check passes -- bit-exact where the family
+claims it for that dtype, since such checks default to atol = rtol = 0 -- or building refuses the
+config with one line naming the problem. Anything else fails with the shrunk case printed as the
+calls that reproduce it.
+
+Profiles (tests/conftest.py): ``default`` (a few dozen examples per family, for every test run),
+``ci`` (`.ci/run`: a few hundred), ``nightly`` (thousands). Pick one with
+``pytest --hypothesis-profile=ci tests/test_properties.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, note, settings
+from hypothesis import strategies as st
+
+import parity
+from parity.fields import draw_config
+from parity.registry import families
+
+FAMILIES = sorted(families())
+
+
+def _call(family: str, cfg: dict, dtype: torch.dtype, source: str, check_kwargs: dict) -> str:
+    shown = {k: v for k, v in cfg.items() if k != "dtype"}
+    build = (f"parity.registry.get_family({family!r}).build_pair(config={shown!r}, dtype=torch.{str(dtype)[6:]})")
+    if source != "config":
+        shard = ', max_shard_size="20KB"' if source == "sharded" else ""
+        build += f"  # then pair.reference.save_pretrained(dir{shard}) and build_pair(checkpoint=dir, dtype=...)"
+    return f"{build}\nparity.check(pair, **{check_kwargs!r})"
+
+
+def _refusal_is_one_line(error: Exception) -> None:
+    text = str(error)
+    assert text and "\n" not in text, f"a refusal must be one line, got {text!r}"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
+                                                HealthCheck.data_too_large])
+@given(data=st.data())
+def test_generated_config_is_bit_exact_or_refused(family, data, tmp_path):
+    fam = families()[family]
+    rng = data.draw(st.randoms(use_true_random=False), label="field values")
+    base = fam.configs[fam.default_config](None)
+    cfg = draw_config(fam.fields, base, rng)
+    dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16]), label="dtype")
+    source = data.draw(st.sampled_from(["config"] * 6 + ["checkpoint", "sharded"]), label="source")
+    batch = data.draw(st.integers(1, 3), label="batch")
+    seq_len = data.draw(st.integers(2, 20), label="seq_len")
+    left_pad = data.draw(st.integers(0, seq_len - 1), label="left_pad") if batch > 1 else 0
+    mode = data.draw(st.sampled_from(["chained", "chained", "isolated", "both"]), label="mode")
+    check_kwargs = dict(seq_len=seq_len, batch_size=batch, mode=mode, **({"left_pad": left_pad} if left_pad else {}))
+    note(_call(family, cfg, dtype, source, check_kwargs))
+    try:
+        pair = fam.build_pair(config=copy.deepcopy(cfg), dtype=dtype)
+        if source != "config":
+            directory = tmp_path / f"ckpt-{rng.randrange(1 << 30)}"
+            pair.reference.save_pretrained(directory, **({"max_shard_size": "20KB"} if source == "sharded" else {}))
+            pair = fam.build_pair(checkpoint=directory, dtype=dtype)
+        result = parity.check(pair, **check_kwargs)
+    except parity.ParityError as e:  # a clear refusal: the config (or the run) is bad input
+        _refusal_is_one_line(e)
+        return
+    assert result.passed, result.verdict()
+    if dtype in fam.exact_dtypes:
+        assert all(n.max_abs == 0 for n in result.nodes if n.judged), "claimed bit-exact, found a difference"
+
+
+def test_the_generator_draws_valid_configs_more_often_than_not():
+    """A generator that mostly produces refused configs would test nothing: most draws must build."""
+    built = 0
+    for seed in range(12):
+        fam = families()["llama3"]
+        cfg = draw_config(fam.fields, fam.configs["tiny"](None), random.Random(seed))
+        try:
+            fam.build_pair(config=cfg)
+            built += 1
+        except parity.ParityError:
+            pass
+    assert built >= 9
