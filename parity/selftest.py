@@ -51,8 +51,3 @@ def run_fault(family: Family, fault: Fault) -> SelftestRow:
         problems.append(f"hint kind: expected {fault.hint}, found {kind or 'no hint'}")
     return SelftestRow(fault, chained.name if chained else None, isolated.name if isolated else None, failing,
                        hint.text if hint is not None else "", kind, problems)
-
-
-def run_selftest(family: Family) -> list[SelftestRow]:
-    """One row per fault in ``family.faults``."""
-    return [run_fault(family, fault) for fault in family.faults]
