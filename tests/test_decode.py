@@ -132,3 +132,47 @@ def test_cli_bad_decode_is_one_line(argv, message, tmp_path, capsys):
     assert main(["check", "olmo3", *argv, "--report-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err
+
+
+# --- a user's own cached model (tests/user_models/kv_olmo3.py: a ring buffer, its own API) -------
+
+
+def _kv_olmo3():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent / "user_models"))
+    import kv_olmo3
+
+    return kv_olmo3
+
+
+@pytest.mark.parametrize("plan", ["12:4x4", "12:6x3", "4:1x6"])
+def test_user_model_with_a_ring_buffer_cache_passes_through_its_protocol(plan):
+    kv = _kv_olmo3()
+    res = parity.check_model(kv.build, "olmo3:tiny", decode=plan, batch_size=3, left_pad=2,
+                             cache_protocol=kv.cache_protocol())
+    assert res.passed, res.verdict()
+    assert any(n.kind == "cache.keys" and n.status == "ok" for n in res.nodes)
+
+
+def test_user_ring_buffer_writing_a_long_chunk_into_the_wrong_slots_is_found_in_its_cache(monkeypatch):
+    """A chunk longer than the window written from its first slot instead of its (n - window)-th: the
+    step's outputs still agree (attention read old tail + chunk), but the cache holds the wrong keys."""
+    kv = _kv_olmo3()
+    update = kv.RingKV.update
+
+    def wrong_slots(self, k, v, start):
+        keys, vals = update(self, k, v, start)
+        n, w = k.shape[2], self.window
+        if n > w:  # rewrite the kept tail from the chunk's first slot on
+            keep = min(n, w)
+            dst = self._slots(start, start + keep)
+            self.k.index_copy_(2, dst, k[:, :, n - keep:])
+            self.v.index_copy_(2, dst, v[:, :, n - keep:])
+        return keys, vals
+
+    monkeypatch.setattr(kv.RingKV, "update", wrong_slots)
+    res = parity.check_model(kv.build, "olmo3:tiny", decode="12:6x2", cache_protocol=kv.cache_protocol())
+    bad = res.first_mismatch
+    assert bad.name == "step0/model.layers.0.self_attn.cache.keys" and bad.status == "mismatch"
