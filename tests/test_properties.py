@@ -85,3 +85,36 @@ def test_the_generator_draws_valid_configs_more_often_than_not():
         except parity.ParityError:
             pass
     assert built >= 9
+
+
+USER_MODELS = {"book_olmo3": "olmo3", "litgpt_llama": "llama3", "meta_tiny_aya": "tiny_aya", "kv_olmo3": "olmo3"}
+
+
+@pytest.mark.parametrize("user_model", sorted(USER_MODELS))
+@settings(deadline=None, max_examples=10, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(data=st.data())
+def test_user_models_hold_on_generated_configs(user_model, data):
+    """check_model over the test user models (written independently of ours) on generated reference
+    configs: within the float32 tolerances, or one line saying what the reference or the model refuses."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent / "user_models"))
+    module = importlib.import_module(user_model)
+    fam = families()[USER_MODELS[user_model]]
+    rng = data.draw(st.randoms(use_true_random=False), label="field values")
+    cfg = draw_config(fam.fields, fam.configs[fam.default_config](None), rng)
+    batch = data.draw(st.integers(1, 2), label="batch")
+    seq_len = data.draw(st.integers(2, 16), label="seq_len")
+    note(f"{fam.name} cfg {cfg!r}; check_model({user_model}.build, reference=FAMILY.to_hf(cfg), seq_len={seq_len}, batch_size={batch})")
+    try:
+        from parity.build import to_reference_config, validated
+
+        hf_config = to_reference_config(fam, {**cfg, "dtype": torch.float32})
+        validated(fam, hf_config, torch.float32)
+        result = parity.check_model(module.build, reference=hf_config, seq_len=seq_len, batch_size=batch, mode="both")
+    except parity.ParityError as e:
+        _refusal_is_one_line(e)
+        return
+    assert result.passed, result.verdict()
