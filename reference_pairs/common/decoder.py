@@ -127,8 +127,8 @@ class DecoderModel(nn.Module):
         counts real tokens only, as generation does)."""
         x = self.tok_emb(input_ids)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device) if position_ids is None else position_ids.to(x.device)
-        if self.pos_emb is not None:
-            x = x + self.pos_emb(positions)
+        if self.pos_emb is not None:  # (batch, seq, emb_dim) as the reference's wpe(position_ids) gives it
+            x = x + self.pos_emb(positions.expand(input_ids.shape))
         tables = self.rope_tables(positions, x.device, x.dtype)
         for block in self.blocks:
             x = block(x, *tables[block.layer_type], padding_mask=attention_mask)

@@ -1,0 +1,2 @@
+from parity.fields import Field
+FIELDS = ()
