@@ -173,8 +173,8 @@ def last_dim_permutation(e: Evidence) -> Hint | None:
         crossing = sum(1 for j, k in enumerate(perm) if j // head_dim != k // head_dim)
         evidence["crosses_heads"] = crossing
         within = (
-            "; every element stays in its head (a permutation within heads, as a RoPE un-permute with the "
-            "wrong head count gives)" if crossing == 0 else f"; {crossing} positions cross head boundaries"
+            "; every element stays in its head (a permutation within heads: RoPE rows in Meta's interleaved "
+            "layout, not un-permuted or un-permuted with the wrong head count)" if crossing == 0 else f"; {crossing} positions cross head boundaries"
         )
     return Hint(
         "weight_permutation",
@@ -277,6 +277,9 @@ def norm_eps(e: Evidence) -> Hint | None:
     if x_ref.shape != e.ref.shape or not e.close(x_ours, x_ref):
         return None
     a, b = e.ours.double().flatten(0, -2), e.ref.double().flatten(0, -2)
+    shift = e.ref_trace.biases.get(e.name)  # a LayerNorm's bias: the ratio holds for w * x_hat alone
+    if shift is not None and shift.shape == a.shape[-1:]:
+        a, b = a - shift.double(), b - shift.double()
     keep = b.abs() > 1e-3 * b.abs().amax(-1, keepdim=True)
     ratio = torch.where(keep, a / b.where(keep, torch.ones_like(b)), torch.nan)
     r = ratio.nanmean(-1)
@@ -441,13 +444,19 @@ def _normalisers(x: torch.Tensor, head_dim: int | None, eps: float = 0.0) -> dic
 
 
 def _explained_by(y: torch.Tensor, candidates: dict[str, torch.Tensor]) -> str | None:
-    """The candidate n with y ~= n * w for a per-channel w (least squares), if any."""
+    """The candidate n with y ~= n * w for a per-channel w (least squares), or y ~= n * w + b with a
+    per-channel bias too (a LayerNorm with bias, GPT-2), if any."""
     y = y.double().flatten(0, -2)
     for name, n in candidates.items():
         n = n.flatten(0, -2)
         w = (y * n).sum(0) / n.pow(2).sum(0).clamp_min(1e-30)
         if _rel(n * w, y) < EXPLAINS:
             return name
+        if n.shape[0] > 2:
+            nc, yc = n - n.mean(0), y - y.mean(0)
+            w = (yc * nc).sum(0) / nc.pow(2).sum(0).clamp_min(1e-30)
+            if _rel(nc * w, yc) < EXPLAINS:
+                return name
     return None
 
 

@@ -55,7 +55,7 @@ class Trace:
     A module that runs more than once in one forward keeps its first tensor; ``calls`` counts
     every call so a repeated module is visible. ``inputs`` (first input) and ``weights``/``biases``
     (the module's own parameters, referenced, not copied) of selected nodes are kept for diagnosis
-    only, never compared.
+    only, never compared (``weights``: 2-D ones; ``biases``: of projections and of norms).
     """
 
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -222,8 +222,8 @@ def recording(
                         weight, bias = getattr(mod, "weight", None), getattr(mod, "bias", None)
                         if isinstance(weight, torch.Tensor) and weight.dim() == 2:
                             trace.weights[_name] = weight.detach()
-                            if isinstance(bias, torch.Tensor):
-                                trace.biases[_name] = bias.detach()
+                        if isinstance(bias, torch.Tensor):  # a projection's, or a LayerNorm's shift
+                            trace.biases[_name] = bias.detach()
 
                 handles.append(module.register_forward_pre_hook(keep, with_kwargs=True))
     token = _ACTIVE.set(rec)
