@@ -328,9 +328,9 @@ def _source(family: Family, config, checkpoint, dtype, seed, overrides) -> Refer
             raise ConfigError("a checkpoint brings its own config.json; do not pass a config or overrides with it")
         ckpt, state_dict, conversions = read_weights(checkpoint, dtype, family.model_type)
         hf_config = config_from_dict(family, ckpt.config)
+        cfg, facts = validated(family, hf_config, dtype)
         state_dict, renamed = as_reference_keys(family.reference_cls(), hf_config, state_dict)
         conversions = renamed + conversions
-        cfg, facts = validated(family, hf_config, dtype)
         config_name = str(Path(checkpoint))
     else:
         config = family.default_config if config is None else config
