@@ -174,7 +174,8 @@ def last_dim_permutation(e: Evidence) -> Hint | None:
         evidence["crosses_heads"] = crossing
         within = (
             "; every element stays in its head (a permutation within heads: RoPE rows in Meta's interleaved "
-            "layout, not un-permuted or un-permuted with the wrong head count)" if crossing == 0 else f"; {crossing} positions cross head boundaries"
+            "layout, not un-permuted or un-permuted with the wrong head count)"
+            if crossing == 0 else f"; {crossing} positions cross head boundaries"
         )
     return Hint(
         "weight_permutation",

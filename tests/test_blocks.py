@@ -330,8 +330,10 @@ def test_fused_qkv_is_the_three_projections_side_by_side():
     widths too); the same attention as three projections holding those rows, and no output gate."""
     fused = randomize(GroupedQueryAttention(16, 4, 2, 8, fused_qkv=True, bias=True))
     split = GroupedQueryAttention(16, 4, 2, 8, bias=True)
-    rows = dict(zip(("W_query", "W_key", "W_value"), zip(fused.W_qkv.weight.split([32, 16, 16]), fused.W_qkv.bias.split([32, 16, 16]))))
-    state = {f"{name}.{p}": t for name, (w, b) in rows.items() for p, t in (("weight", w), ("bias", b))}
+    weights, biases = fused.W_qkv.weight.split([32, 16, 16]), fused.W_qkv.bias.split([32, 16, 16])
+    state = {}
+    for name, w, b in zip(("W_query", "W_key", "W_value"), weights, biases):
+        state |= {f"{name}.weight": w, f"{name}.bias": b}
     split.load_state_dict({**state, "out_proj.weight": fused.out_proj.weight, "out_proj.bias": fused.out_proj.bias})
     x = inputs((2, 6, 16), torch.float32)
     cos, sin = rope_cos_sin(rope_init({"rope_type": "default", "rope_theta": 100.0}, 8)[0], 6)

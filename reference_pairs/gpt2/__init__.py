@@ -1,4 +1,5 @@
-"""GPT-2: from-scratch model, Transformers-format loader (Conv1D weights transposed), and its pair with ``GPT2LMHeadModel``."""
+"""GPT-2: from-scratch model, Transformers-format loader (Conv1D weights transposed), and its pair
+with ``GPT2LMHeadModel``."""
 
 from .configs import CONFIGS
 from .loader import load_weights_into_gpt

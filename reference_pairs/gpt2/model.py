@@ -49,7 +49,8 @@ def transformer_block(cfg: dict, layer: int) -> PreNormBlock:
         dtype=dtype,
     )
     ff = MLP(emb_dim, cfg["hidden_dim"], activation=cfg["activation"], dtype=dtype)
-    return PreNormBlock(att, ff, partial(LayerNorm, emb_dim, eps=cfg["layer_norm_eps"], bias=True, fused=True, dtype=dtype))
+    norm = partial(LayerNorm, emb_dim, eps=cfg["layer_norm_eps"], bias=True, fused=True, dtype=dtype)
+    return PreNormBlock(att, ff, norm)
 
 
 class GPTModel(DecoderModel):

@@ -1,4 +1,5 @@
-"""Mistral: the llama3 family's model and loader with a sliding window on every layer, paired with ``MistralForCausalLM``."""
+"""Mistral: the llama3 family's model and loader with a sliding window on every layer, paired with
+``MistralForCausalLM``."""
 
 from .configs import CONFIGS
 from .pair import FAMILY, build_pair
