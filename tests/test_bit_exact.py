@@ -5,7 +5,6 @@ shared blocks round as each reference rounds."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 import parity
 from parity.registry import families

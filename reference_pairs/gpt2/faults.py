@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import types
 
-import torch
 from torch import nn
 from torch.nn import functional as F
 
