@@ -27,9 +27,14 @@ import torch
 from torch import nn
 
 from .coverage import ROWS, TRANSPOSED, Coverage, Source
+from .errors import ParityError
 from .facts import ArchFacts
 from .hf_capture import SUFFIXES
 from .pair import NodeSpec
+
+#: layouts a tap may declare for q_rot/k_rot/context: (batch, heads, seq, head_dim), (batch, seq, heads,
+#: head_dim), (batch, seq, heads * head_dim)
+LAYOUTS = ("bhsd", "bshd", "bsf")
 
 UNALIGNED, TAP = "unaligned:", "tap:"
 
@@ -74,16 +79,33 @@ class Layout:
     ``scores``/``probs`` ``(batch, heads, q, k)``, ``context`` ``(batch, seq, heads * head_dim)``.
     Accepted from ours: ``(batch, seq, heads, head_dim)``, ``(batch, seq, heads * head_dim)``,
     complex ``(..., head_dim / 2)`` (Meta's RoPE: real and imaginary parts are the interleaved pairs).
-    A sequence length equal to the head count is ambiguous; the reference's layout is assumed then.
+    A 4-D tensor whose sequence length equals the head count cannot be read by shape: ``declared``
+    (``parity.tap(t, "q_rot", layout="bshd")``) says which it is, and without it that call raises
+    :class:`ParityError` rather than compare a possibly transposed tensor.
     """
 
     kind: str
     heads: int
     head_dim: int
+    #: the layout the tap declared: "bhsd" (batch, heads, seq, head_dim), "bshd" or "bsf" (heads flattened)
+    declared: str = ""
+
+    def with_layout(self, layout: str) -> "Layout":
+        """This layout with the tap's declared ``layout``; raises ParityError for an unknown one."""
+        if layout not in LAYOUTS:
+            raise ParityError(f"parity.tap(..., {self.kind!r}, layout={layout!r}): layout must be one of {', '.join(LAYOUTS)}")
+        return replace(self, declared=layout)
 
     def _steps(self, t: torch.Tensor) -> tuple[bool, str]:
         complex_ = t.is_complex()
         shape = t.shape[:-1] + (t.shape[-1] * 2,) if complex_ else t.shape
+        if self.declared:
+            return complex_, self._declared(tuple(shape))
+        if len(shape) == 4 and self.kind in ("q_rot", "k_rot", "context") and shape[1] == shape[2] == self.heads > 1:
+            raise ParityError(
+                f"parity.tap(..., {self.kind!r}): shape {tuple(t.shape)} is ambiguous, its sequence length equals the {self.heads} heads; "
+                f"say which with layout='bhsd' or layout='bshd', or use another seq_len"
+            )
         if self.kind in ("q_rot", "k_rot"):
             if len(shape) == 4 and shape[1] != self.heads and shape[2] == self.heads:
                 return complex_, "bshd"
@@ -95,6 +117,21 @@ class Layout:
             if len(shape) == 4:
                 return complex_, "bshd"
         return complex_, ""
+
+    def _declared(self, shape: tuple) -> str:
+        """The conversion step for a declared layout ("" = already the reference's), checked against ``shape``."""
+        reference = "bhsd" if self.kind in ("q_rot", "k_rot") else "bsf"
+        fits = {
+            "bhsd": len(shape) == 4 and shape[1] == self.heads,
+            "bshd": len(shape) == 4 and shape[2] == self.heads,
+            "bsf": len(shape) == 3 and shape[-1] == self.heads * self.head_dim,
+        }[self.declared]
+        if not fits:
+            raise ParityError(
+                f"parity.tap(..., {self.kind!r}, layout={self.declared!r}): shape {tuple(shape)} does not fit "
+                f"{self.declared} with {self.heads} heads of {self.head_dim}"
+            )
+        return "" if self.declared == reference else self.declared
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         complex_, layout = self._steps(t)

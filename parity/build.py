@@ -270,6 +270,34 @@ def read_weights(checkpoint, dtype: torch.dtype, model_type: str | None):
     return ckpt, state_dict, conversions
 
 
+def as_reference_keys(reference_cls, hf_config, state_dict: dict) -> tuple[dict, list[str]]:
+    """The checkpoint's tensors under the names the reference loads them by, as ``from_pretrained``
+    reads a checkpoint: keys of a base-model checkpoint get the base-model prefix (GPT-2's released
+    files say ``h.0.attn.c_attn.weight`` for ``transformer.h.0.attn.c_attn.weight``), and keys the
+    reference declares ignorable (``_keys_to_ignore_on_load_unexpected``: GPT-2's old ``attn.bias``
+    mask buffers) are left out. Same tensors, no copy. Returns the dict and one line per change."""
+    with torch.device("meta"):
+        expected = set(reference_cls(hf_config).state_dict())
+    prefix = getattr(reference_cls, "base_model_prefix", "") or ""
+    ignorable = [re.compile(p) for p in getattr(reference_cls, "_keys_to_ignore_on_load_unexpected", None) or []]
+    out, prefixed, ignored = {}, [], []
+    for key, tensor in state_dict.items():
+        if key not in expected and prefix and f"{prefix}.{key}" in expected:
+            prefixed.append(key)
+            key = f"{prefix}.{key}"
+        elif key not in expected and any(p.search(key) for p in ignorable):
+            ignored.append(key)
+            continue
+        out[key] = tensor
+    lines = []
+    if prefixed:
+        lines.append(f"{len(prefixed)} keys without the base-model prefix ({prefixed[0]}, ...): read as {prefix}.<key>, "
+                     "as from_pretrained reads them")
+    if ignored:
+        lines.append(f"{len(ignored)} keys the reference ignores on load ({_keys(ignored, 3)}): left out")
+    return out, lines
+
+
 def make_reference(
     family: Family,
     config=None,
@@ -301,6 +329,8 @@ def _source(family: Family, config, checkpoint, dtype, seed, overrides) -> Refer
         ckpt, state_dict, conversions = read_weights(checkpoint, dtype, family.model_type)
         hf_config = config_from_dict(family, ckpt.config)
         cfg, facts = validated(family, hf_config, dtype)
+        state_dict, renamed = as_reference_keys(family.reference_cls(), hf_config, state_dict)
+        conversions = renamed + conversions
         config_name = str(Path(checkpoint))
     else:
         config = family.default_config if config is None else config

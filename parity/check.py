@@ -34,7 +34,10 @@ from .trace import Trace, recording
 
 MODES = ("chained", "isolated", "both")
 #: node kinds whose module input (and weight) is kept for diagnosis (norm placement, norm kind, transposes)
-_DIAGNOSIS_INPUT_KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "norm", "layernorm")
+_DIAGNOSIS_INPUT_KINDS = (
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "norm", "layernorm",
+    "c_attn", "c_proj", "c_fc", "ln_",  # GPT-2's Conv1D projections and LayerNorms
+)
 #: calibrated atol = SAFETY_FACTOR x |reference - reference in float64|, at least the floor
 SAFETY_FACTOR = 10.0
 CALIBRATION_FLOOR = {torch.float32: 1e-6, torch.bfloat16: 1e-3, torch.float16: 1e-4}

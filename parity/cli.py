@@ -472,7 +472,7 @@ def cmd_check(args, console: Console) -> int:
     with console.status("tracing both models and comparing every node"):
         result = check(
             pair, seq_len=args.seq_len, batch_size=args.batch, mode=args.mode, atol=args.atol, rtol=args.rtol,
-            calibrate=args.calibrate, left_pad=args.left_pad, exact=args.exact, decode=args.decode,
+            calibrate=args.calibrate, left_pad=args.left_pad, exact=True if args.exact else None, decode=args.decode,
         )
     console.print(_node_table(result, console))
     _print_coverage(result.coverage, console)

@@ -87,7 +87,11 @@ def sibling_match(e: Evidence) -> Hint | None:
 
 
 def transposed_weight(e: Evidence) -> Hint | None:
-    """A linear node whose output equals the reference's input times the transposed weight."""
+    """A linear node whose output equals the reference's input times the transposed weight.
+
+    The reference's weight may be stored ``(out, in)`` (``nn.Linear``: ``x W^T``) or ``(in, out)``
+    (Transformers' ``Conv1D``, GPT-2: ``x W``); of the two products, the one that reproduces the
+    reference's own output is its layout, and ours matching the other is a transposed load."""
     x = e.ref_trace.inputs.get(e.name)
     weight = e.ref_trace.weights.get(e.name)
     if x is None or weight is None or weight.dim() != 2 or weight.shape[0] != weight.shape[1]:
@@ -95,17 +99,20 @@ def transposed_weight(e: Evidence) -> Hint | None:
     xs = e.ours_trace.inputs.get(e.name)
     if xs is None or not e.close(xs, x):
         return None  # the input already differs: not this node's own fault
-    y = torch.nn.functional.linear(x.double(), weight.double().T)
     bias = e.ref_trace.biases.get(e.name)
-    if bias is not None:
-        y = y + bias.double()
-    if _rel(e.ours, y) < EXPLAINS:
-        return Hint(
-            "transposed_weight",
-            f"likely a transposed weight: ours equals the reference's input times the transposed {e.kind} "
-            f"weight (a Conv1D-style or transposed load; residual {_rel(e.ours, y):.1e})",
-            {"residual": _rel(e.ours, y)},
-        )
+    for w in (weight.double().T, weight.double()):
+        y = torch.nn.functional.linear(x.double(), w)
+        if bias is not None:
+            y = y + bias.double()
+        if _rel(e.ref, y) < EXPLAINS:
+            continue  # the reference's own layout
+        if _rel(e.ours, y) < EXPLAINS:
+            return Hint(
+                "transposed_weight",
+                f"likely a transposed weight: ours equals the reference's input times the transposed {e.kind} "
+                f"weight (a Conv1D-style or transposed load; residual {_rel(e.ours, y):.1e})",
+                {"residual": _rel(e.ours, y)},
+            )
     return None
 
 
@@ -166,8 +173,9 @@ def last_dim_permutation(e: Evidence) -> Hint | None:
         crossing = sum(1 for j, k in enumerate(perm) if j // head_dim != k // head_dim)
         evidence["crosses_heads"] = crossing
         within = (
-            "; every element stays in its head (a permutation within heads, as a RoPE un-permute with the "
-            "wrong head count gives)" if crossing == 0 else f"; {crossing} positions cross head boundaries"
+            "; every element stays in its head (a permutation within heads: RoPE rows in Meta's interleaved "
+            "layout, not un-permuted or un-permuted with the wrong head count)"
+            if crossing == 0 else f"; {crossing} positions cross head boundaries"
         )
     return Hint(
         "weight_permutation",
@@ -205,6 +213,50 @@ def rounding_order(e: Evidence) -> Hint | None:
     )
 
 
+def _activations() -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """Activations a port may use instead of the reference's, by Transformers name, computed as the
+    references compute them (in the tensor's own dtype)."""
+    F = torch.nn.functional
+
+    def gelu_new(x):
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+    return {
+        "gelu (exact, erf)": F.gelu,
+        "gelu_new (tanh approximation, op by op)": gelu_new,
+        "gelu_pytorch_tanh (torch's fused tanh approximation)": lambda x: F.gelu(x, approximate="tanh"),
+        "silu": F.silu,
+        "relu": F.relu,
+        "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+    }
+
+
+def activation_function(e: Evidence) -> Hint | None:
+    """Ours equals an earlier reference node of the same layer and shape (the pre-activation, e.g.
+    GPT-2's ``c_fc`` output) through another activation than the reference's: exact vs tanh GELU,
+    SiLU for GELU."""
+    if e.result.layer is None:
+        return None
+    acts = _activations()
+    for name, pre in e.ref_trace.tensors.items():
+        if name == e.name:
+            break  # only nodes the reference computed before this one
+        if pre.shape != e.ref.shape or e.facts.locate(name)[0] != e.result.layer:
+            continue
+        values = {label: fn(pre) for label, fn in acts.items()}
+        ours_is = next((label for label, y in values.items() if e.close(e.ours, y) and not e.close(e.ref, y)), None)
+        if ours_is is None:
+            continue
+        ref_is = next((label for label, y in values.items() if e.close(e.ref, y)), None)
+        theirs = f"the reference {ref_is}" if ref_is else "the reference another function"
+        return Hint(
+            "activation",
+            f"likely the activation function: ours equals {ours_is} of the reference's {name}, {theirs}",
+            {"ours": ours_is, "reference": ref_is, "input": name},
+        )
+    return None
+
+
 def _ms(x: torch.Tensor, centered: bool) -> torch.Tensor:
     x = x.double()
     if centered:
@@ -212,15 +264,23 @@ def _ms(x: torch.Tensor, centered: bool) -> torch.Tensor:
     return x.pow(2).mean(-1)
 
 
+def _is_norm(kind: str) -> bool:
+    """A norm node's kind: ``*norm*`` (Llama, OLMo, Gemma...) or GPT-2's ``ln_1``, ``ln_2``, ``ln_f``."""
+    return "norm" in kind or kind.startswith("ln_")
+
+
 def norm_eps(e: Evidence) -> Hint | None:
     """A norm whose inputs agree, and whose ours/ref ratio is constant over channels but varies per
     token with the token's mean square: another eps (or eps outside the square root)."""
-    if "norm" not in e.kind or e.name not in e.ref_trace.inputs or e.name not in e.ours_trace.inputs:
+    if not _is_norm(e.kind) or e.name not in e.ref_trace.inputs or e.name not in e.ours_trace.inputs:
         return None
     x_ref, x_ours = e.ref_trace.inputs[e.name], e.ours_trace.inputs[e.name]
     if x_ref.shape != e.ref.shape or not e.close(x_ours, x_ref):
         return None
     a, b = e.ours.double().flatten(0, -2), e.ref.double().flatten(0, -2)
+    shift = e.ref_trace.biases.get(e.name)  # a LayerNorm's bias: the ratio holds for w * x_hat alone
+    if shift is not None and shift.shape == a.shape[-1:]:
+        a, b = a - shift.double(), b - shift.double()
     keep = b.abs() > 1e-3 * b.abs().amax(-1, keepdim=True)
     ratio = torch.where(keep, a / b.where(keep, torch.ones_like(b)), torch.nan)
     r = ratio.nanmean(-1)
@@ -385,19 +445,25 @@ def _normalisers(x: torch.Tensor, head_dim: int | None, eps: float = 0.0) -> dic
 
 
 def _explained_by(y: torch.Tensor, candidates: dict[str, torch.Tensor]) -> str | None:
-    """The candidate n with y ~= n * w for a per-channel w (least squares), if any."""
+    """The candidate n with y ~= n * w for a per-channel w (least squares), or y ~= n * w + b with a
+    per-channel bias too (a LayerNorm with bias, GPT-2), if any."""
     y = y.double().flatten(0, -2)
     for name, n in candidates.items():
         n = n.flatten(0, -2)
         w = (y * n).sum(0) / n.pow(2).sum(0).clamp_min(1e-30)
         if _rel(n * w, y) < EXPLAINS:
             return name
+        if n.shape[0] > 2:
+            nc, yc = n - n.mean(0), y - y.mean(0)
+            w = (yc * nc).sum(0) / nc.pow(2).sum(0).clamp_min(1e-30)
+            if _rel(nc * w, yc) < EXPLAINS:
+                return name
     return None
 
 
 def norm_kind(e: Evidence) -> Hint | None:
     """A norm node whose output is explained by another normaliser than the reference's."""
-    if "norm" not in e.kind or e.name not in e.ref_trace.inputs or e.name not in e.ours_trace.inputs:
+    if not _is_norm(e.kind) or e.name not in e.ref_trace.inputs or e.name not in e.ours_trace.inputs:
         return None
     x_ref, x_ours = e.ref_trace.inputs[e.name], e.ours_trace.inputs[e.name]
     if not e.close(x_ours, x_ref):
@@ -454,7 +520,7 @@ def _residual_into(e: Evidence, layer: int) -> torch.Tensor | None:
 def block_layout(e: Evidence) -> Hint | None:
     """The MLP branch reads the residual after attention on one side and the layer's input on the
     other: a parallel block (``x + attn(N(x)) + mlp(N(x))``) run sequentially, or the reverse."""
-    if e.result.layer is None or not (e.kind.endswith("@input") or "norm" in e.kind):
+    if e.result.layer is None or not (e.kind.endswith("@input") or _is_norm(e.kind)):
         return None
     x, attn = _residual_into(e, e.result.layer), _layer_node(e, e.result.layer, "o_proj")
     if x is None or attn is None or x.shape != e.ref.shape or attn.shape != x.shape:
@@ -490,6 +556,26 @@ def _seq_axis(kind: str) -> int:
 def _by_position(ours: torch.Tensor, ref: torch.Tensor, axis: int) -> torch.Tensor:
     diff = (ours.double() - ref.double()).abs().movedim(axis, 0)
     return diff.reshape(diff.shape[0], -1).amax(dim=1)
+
+
+def sequence_shift(e: Evidence) -> Hint | None:
+    """Ours at position ``p`` equals the reference at ``p + k`` for every ``p`` both have (``k`` != 0):
+    positions read off by ``k`` (a learned position table indexed with ``position + 1``)."""
+    axis = _seq_axis(e.kind)
+    if e.ours.dim() <= axis or e.ours.shape[axis] < 4:
+        return None
+    n = e.ours.shape[axis]
+    for k in (1, -1, 2, -2):
+        ours, ref = e.ours.narrow(axis, max(0, -k), n - abs(k)), e.ref.narrow(axis, max(0, k), n - abs(k))
+        if e.close(ours, ref):
+            sign = "+" if k > 0 else "-"
+            return Hint(
+                "position_offset",
+                f"likely positions off by {k}: ours at position p equals the reference at position p {sign} {abs(k)} "
+                f"(for p = {max(0, -k)}..{n - 1 - max(0, k)}; a position table or position ids shifted by {k})",
+                {"offset": k},
+            )
+    return None
 
 
 def _pre_rope(e: Evidence, n_heads: int) -> torch.Tensor | None:
@@ -770,12 +856,14 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     untied_head,
     transposed_weight,
     rounding_order,
+    activation_function,
     norm_eps,
     norm_kind,
     block_layout,
     norm_placement,
     constant_ratio,
     last_dim_permutation,
+    sequence_shift,
     head_mapping,
     softmax_temperature,
     future_keys,

@@ -379,8 +379,9 @@ def _qwen3(config, facts: ArchFacts) -> ArchFacts:
 @rule("mistral")
 def _mistral(config, facts: ArchFacts) -> ArchFacts:
     # MistralModel builds a sliding-window mask for every layer whenever sliding_window is set.
+    # A window of 0 is a window too (MistralModel tests `is None`): validate_facts refuses it by name.
     window = getattr(config, "sliding_window", None)
-    if not window:
+    if window is None:
         return facts
     return with_layers(facts, layer_type=lambda layer: SLIDING, window=lambda layer: int(window))
 
@@ -390,10 +391,19 @@ def _gemma3(config, facts: ArchFacts) -> ArchFacts:
     return replace(facts, qk_norm="head", norm_weight_offset=1.0, embed_scale=math.sqrt(facts.hidden_size))
 
 
+def _gpt2_scale(config, layer: LayerFacts) -> float:
+    """``GPT2Attention.scaling``: ``head_dim**-0.5`` (1.0 without ``scale_attn_weights``), divided by
+    ``layer + 1`` with ``scale_attn_by_inverse_layer_idx``, in that order of operations."""
+    scaling = layer.head_dim**-0.5 if getattr(config, "scale_attn_weights", True) else 1.0
+    if getattr(config, "scale_attn_by_inverse_layer_idx", False):
+        scaling /= float(layer.index + 1)
+    return scaling
+
+
 @rule("gpt2")
 def _gpt2(config, facts: ArchFacts) -> ArchFacts:
     return replace(
-        with_layers(facts, rope=lambda layer: None),
+        with_layers(facts, rope=lambda layer: None, attention_scale=lambda layer: _gpt2_scale(config, layer)),
         layer_prefix="transformer.h",
         embed_module="transformer.wte",
         norm_kind="layernorm",

@@ -39,7 +39,9 @@ KINDS: dict[str, str] = {
     "rope_layer_type": "RoPE differs on exactly the layers of one type (per-layer-type RoPE parameters)",
     "rope_theta": "the rotation equals RoPE with another theta (a fallback theta)",
     "rope_scaling": "ours rotates with the unscaled frequencies where the reference scales them (llama3, YaRN, linear)",
-    "position_offset": "each padded row is rotated by an offset equal to its pad count (positions not from the mask)",
+    "position_offset": "positions shifted: each padded row rotated by its pad count (positions not from the mask), or "
+                       "ours at position p equals the reference at p + k (a learned position table read off by k)",
+    "activation": "ours equals the reference's pre-activation through another activation (exact vs tanh GELU, SiLU)",
     "cache_length": "a KV cache holds another number of tokens than the reference's (a sliding layer keeps window - 1)",
     "causal_mask": "ours gives weight to keys the reference masks, later than the query (a query sees the future)",
     "rounding_order": "every difference is within one or two units in the last place of the dtype (cast order)",

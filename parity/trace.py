@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .errors import ParityError
+
 _ACTIVE: contextvars.ContextVar[_Recording | None] = contextvars.ContextVar("parity_active_recording", default=None)
 
 
@@ -55,7 +57,7 @@ class Trace:
     A module that runs more than once in one forward keeps its first tensor; ``calls`` counts
     every call so a repeated module is visible. ``inputs`` (first input) and ``weights``/``biases``
     (the module's own parameters, referenced, not copied) of selected nodes are kept for diagnosis
-    only, never compared.
+    only, never compared (``weights``: 2-D ones; ``biases``: of projections and of norms).
     """
 
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -100,12 +102,16 @@ def active_trace() -> Trace | None:
     return rec.trace if rec is not None else None
 
 
-def tap(tensor: torch.Tensor, name: str) -> torch.Tensor:
+def tap(tensor: torch.Tensor, name: str, *, layout: str | None = None) -> torch.Tensor:
     """Name a tensor computed outside any module, inside a model's forward: ``q = parity.tap(q, "q_rot")``.
 
     Recorded as ``<path of the module that is running>.<name>`` while parity traces the model; in
     isolated mode the reference's tensor for that node comes back instead, so the rest of the
     forward continues from it. Free when nothing is being traced: returns ``tensor`` unchanged.
+    ``layout`` ("bhsd", "bshd" or "bsf": batch, heads, seq, head_dim in that order, or heads
+    flattened) says how a ``q_rot``/``k_rot``/``context`` tensor is laid out; without it the layout is
+    read from the shape, and a 4-D shape whose sequence length equals the head count raises
+    :class:`parity.ParityError` (ambiguous).
     """
     rec = _ACTIVE.get()
     if rec is None or not rec.tap_names:
@@ -117,8 +123,13 @@ def tap(tensor: torch.Tensor, name: str) -> torch.Tensor:
             break
     if node is None:
         return tensor
-    rec.trace.add(node, tensor, rec.transforms.get(node))
-    new = rec.replacement(node, tensor)
+    transform = rec.transforms.get(node)
+    if layout is not None:
+        if not hasattr(transform, "with_layout"):
+            raise ParityError(f"parity.tap(..., {name!r}, layout={layout!r}): layout applies to q_rot, k_rot and context taps only")
+        transform = transform.with_layout(layout)
+    rec.trace.add(node, tensor, transform)
+    new = rec.replacement(node, tensor, transform if layout is not None else None)
     return tensor if new is None else new.to(dtype=tensor.dtype, device=tensor.device)
 
 
@@ -172,7 +183,9 @@ def recording(
     trace = Trace() if into is None else into
     trace.wanted = frozenset([name for name, _ in points] + list(captured) + list((taps or {}).values()))
 
-    def replacement(name: str, current) -> torch.Tensor | None:
+    def replacement(name: str, current, declared=None) -> torch.Tensor | None:
+        """The reference's tensor for ``name`` in ``current``'s layout; ``declared``: a tap's own
+        transform (its declared layout), whose inverse then replaces the node's."""
         if substitute is None or trace.calls.get(name, 0) != 1 or name not in substitute.tensors:
             return None
         ref = substitute.tensors[name]
@@ -180,7 +193,8 @@ def recording(
         if mine is None:
             return None
         if name in transforms:
-            ref = inverses[name](ref, mine) if name in inverses else None
+            inverse = getattr(declared, "inverse", None) or inverses.get(name)
+            ref = inverse(ref, mine) if inverse is not None else None
         if ref is None or ref.shape != mine.shape:
             return None  # a node of another shape is reported as such; ours keeps its own tensor
         return ref
@@ -225,8 +239,8 @@ def recording(
                         weight, bias = getattr(mod, "weight", None), getattr(mod, "bias", None)
                         if isinstance(weight, torch.Tensor) and weight.dim() == 2:
                             trace.weights[_name] = weight.detach()
-                            if isinstance(bias, torch.Tensor):
-                                trace.biases[_name] = bias.detach()
+                        if isinstance(bias, torch.Tensor):  # a projection's, or a LayerNorm's shift
+                            trace.biases[_name] = bias.detach()
 
                 handles.append(module.register_forward_pre_hook(keep, with_kwargs=True))
     token = _ACTIVE.set(rec)

@@ -102,8 +102,9 @@ def apply_weight_table(model: nn.Module, state_dict: Mapping[str, torch.Tensor],
             continue
         tensor = state_dict[src] if isinstance(entry, str) else entry.apply(state_dict[src])
         if tuple(tensor.shape) != tuple(ours[dst].shape):
+            moved = "" if isinstance(entry, str) else f" ({type(entry).__name__.lower()}: {tuple(tensor.shape)})"
             shapes.append(
-                f"{src}: checkpoint {tuple(state_dict[src].shape)}, expected {tuple(ours[dst].shape)} ({dst})"
+                f"{src}: checkpoint {tuple(state_dict[src].shape)}{moved}, expected {tuple(ours[dst].shape)} ({dst})"
             )
             mismatched.add(id(ours[dst]))  # named here already, not again as "never written"
             continue

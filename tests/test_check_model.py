@@ -124,6 +124,37 @@ def test_meta_tiny_aya_rotating_its_nope_layer_is_found_at_that_layers_q_rot(mon
     assert isolated and all(n.startswith("model.layers.3.self_attn.") for n in isolated)
 
 
+def test_a_tap_whose_sequence_length_equals_the_head_count_needs_its_layout(monkeypatch):
+    """(batch, seq, heads, head_dim) and (batch, heads, seq, head_dim) have one shape when seq = heads:
+    an undeclared tap is refused in one line rather than compared possibly transposed; a declared one
+    is compared in that layout (the tiny config has 4 query heads)."""
+    declared = parity.check_model(meta_tiny_aya.build, "tiny_aya", seq_len=4, mode="both")
+    assert declared.passed, declared.verdict()
+    assert declared.nodes[[n.name for n in declared.nodes].index("model.layers.0.self_attn.q_rot")].status == "ok"
+
+    tap = parity.tap
+    monkeypatch.setattr(meta_tiny_aya.parity, "tap", lambda t, name, layout=None: tap(t, name))
+    with pytest.raises(parity.ParityError) as err:
+        parity.check_model(meta_tiny_aya.build, "tiny_aya", seq_len=4)
+    message = str(err.value)
+    assert "\n" not in message and "'q_rot'" in message and "(1, 4, 4, 8)" in message and "layout=" in message
+    # any other length is read from the shape
+    assert parity.check_model(meta_tiny_aya.build, "tiny_aya", seq_len=5).passed
+
+    # a wrong declaration is compared as declared (q: heads and positions swap places), or refused
+    # where the shape cannot hold it (k has 2 heads, not 4 positions)
+    wrong_q = lambda t, name, layout=None: tap(t, name, layout="bhsd" if name == "q_rot" else layout)
+    monkeypatch.setattr(meta_tiny_aya.parity, "tap", wrong_q)
+    wrong = parity.check_model(meta_tiny_aya.build, "tiny_aya", seq_len=4)
+    assert wrong.first_mismatch.name == "model.layers.0.self_attn.q_rot"
+    monkeypatch.setattr(meta_tiny_aya.parity, "tap", lambda t, name, layout=None: tap(t, name, layout="bhsd"))
+    with pytest.raises(parity.ParityError, match=r"'k_rot', layout='bhsd'\): shape \(1, 4, 2, 8\) does not fit bhsd with 2 heads"):
+        parity.check_model(meta_tiny_aya.build, "tiny_aya", seq_len=4)
+    monkeypatch.setattr(meta_tiny_aya.parity, "tap", lambda t, name, layout=None: tap(t, name, layout="sbhd"))
+    with pytest.raises(parity.ParityError, match="layout must be one of bhsd, bshd, bsf"):
+        parity.check_model(meta_tiny_aya.build, "tiny_aya", seq_len=4)
+
+
 def test_node_map_overrides_the_alignment():
     """No context tap in the litgpt model: compare it as the input of the output projection instead."""
     res = parity.check_model(litgpt_llama.build, "llama3",

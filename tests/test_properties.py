@@ -95,7 +95,11 @@ USER_MODELS = {"book_olmo3": "olmo3", "litgpt_llama": "llama3", "meta_tiny_aya":
 @given(data=st.data())
 def test_user_models_hold_on_generated_configs(user_model, data):
     """check_model over the test user models (written independently of ours) on generated reference
-    configs: within the float32 tolerances, or one line saying what the reference or the model refuses."""
+    configs: within the reference's own float32 noise (``calibrate=True``: per-node tolerance from the
+    reference run in float64), or one line saying what the reference or the model refuses. The fixed
+    float32 default is not the property here: a model written in another rounding order is not
+    bit-exact, and configs such as emb_dim 3 with rms_norm_eps 5e-7 amplify that order difference
+    to 8e-4 at the logits while the reference's own float64-vs-float32 noise there is 2e-3."""
     import importlib
     import sys
     from pathlib import Path
@@ -113,7 +117,8 @@ def test_user_models_hold_on_generated_configs(user_model, data):
 
         hf_config = to_reference_config(fam, {**cfg, "dtype": torch.float32})
         validated(fam, hf_config, torch.float32)
-        result = parity.check_model(module.build, reference=hf_config, seq_len=seq_len, batch_size=batch, mode="both")
+        result = parity.check_model(module.build, reference=hf_config, seq_len=seq_len, batch_size=batch,
+                                    mode="both", calibrate=True)
     except parity.ParityError as e:
         _refusal_is_one_line(e)
         return

@@ -55,14 +55,19 @@ class GroupedQueryAttention(nn.Module):
       splits *per head* into the query (first ``head_dim``) and a gate (second ``head_dim``); the
       merged context is multiplied by ``sigmoid(gate)`` before ``out_proj`` (``Qwen3_5Attention``);
     * ``sliding_window``: keys more than ``window - 1`` positions back are masked;
+    * ``fused_qkv``: one projection ``W_qkv`` whose output is ``[q | k | v]`` along its last axis
+      (GPT-2's ``c_attn``, Phi-3's ``qkv_proj``) instead of ``W_query``/``W_key``/``W_value``: one
+      matrix product, rounded as the reference rounds it (three products over the column blocks of
+      the same matrix differ in bfloat16 at real widths: the kernel blocks the wider product
+      differently); ``split_qkv`` cuts it;
     * RoPE: a layer without it gets ``cos = sin = None``. ``cos``/``sin`` narrower than ``head_dim / 2``
       rotate only the first dims (partial rotary); ``interleaved_rope`` pairs ``2i`` with ``2i + 1``
       instead of ``i`` with ``i + d/2``; ``rotate_in_float32`` upcasts q/k for the rotation
       (Cohere 2) — see :func:`~reference_pairs.common.rope.apply_rope`;
 
     KV heads are expanded with ``repeat_interleave`` so query head ``h`` reads KV head
-    ``h // group``, as Transformers' ``repeat_kv`` does. ``expand_kv`` and ``mask_scores`` are
-    methods so a fault injection can replace them.
+    ``h // group``, as Transformers' ``repeat_kv`` does. ``split_qkv``, ``expand_kv`` and
+    ``mask_scores`` are methods so a fault injection can replace them.
 
     Taps (see :class:`~reference_pairs.common.taps.Tap`): ``q_rot``/``k_rot`` after RoPE (the
     unrotated q/k without RoPE) ``(batch, heads, seq, head_dim)``, K before expansion; ``scores``
@@ -85,6 +90,7 @@ class GroupedQueryAttention(nn.Module):
         norm: Callable[[int], nn.Module] = RMSNorm,
         output_gate: bool = False,
         sliding_window: int | None = None,
+        fused_qkv: bool = False,
         interleaved_rope: bool = False,
         rotate_in_float32: bool = False,
         bias: bool = False,
@@ -97,6 +103,8 @@ class GroupedQueryAttention(nn.Module):
             raise ValueError(f"qk_norm must be None, 'projection' or 'head', got {qk_norm!r}")
         if output_gate and qk_norm == "projection":
             raise ValueError("output_gate with a whole-projection Q norm: no reference model does this")
+        if fused_qkv and output_gate:
+            raise ValueError("fused_qkv with an output gate: no reference model does this")
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.group_size = n_heads // n_kv_heads
         self.scale = head_dim**-0.5 if scale is None else scale
@@ -104,9 +112,14 @@ class GroupedQueryAttention(nn.Module):
         self.sliding_window = sliding_window
         self.interleaved_rope, self.rotate_in_float32 = interleaved_rope, rotate_in_float32
         q_width = n_heads * head_dim * (2 if output_gate else 1)
-        self.W_query = nn.Linear(d_in, q_width, bias=bias, dtype=dtype)
-        self.W_key = nn.Linear(d_in, n_kv_heads * head_dim, bias=bias, dtype=dtype)
-        self.W_value = nn.Linear(d_in, n_kv_heads * head_dim, bias=bias, dtype=dtype)
+        self.widths = (q_width, n_kv_heads * head_dim, n_kv_heads * head_dim)
+        self.fused_qkv = fused_qkv
+        if fused_qkv:
+            self.W_qkv = nn.Linear(d_in, sum(self.widths), bias=bias, dtype=dtype)
+        else:
+            self.W_query = nn.Linear(d_in, q_width, bias=bias, dtype=dtype)
+            self.W_key = nn.Linear(d_in, n_kv_heads * head_dim, bias=bias, dtype=dtype)
+            self.W_value = nn.Linear(d_in, n_kv_heads * head_dim, bias=bias, dtype=dtype)
         self.out_proj = nn.Linear(n_heads * head_dim, d_in, bias=bias, dtype=dtype)
         if qk_norm is not None:
             whole = qk_norm == "projection"
@@ -115,6 +128,10 @@ class GroupedQueryAttention(nn.Module):
         self.q_rot, self.k_rot, self.scores, self.probs, self.context = Tap(), Tap(), Tap(), Tap(), Tap()
         if output_gate:
             self.gate = Tap()
+
+    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``W_qkv``'s output ``(batch, seq, q + k + v widths)`` -> queries, keys, values, in that order."""
+        return qkv.split(self.widths, dim=-1)
 
     def expand_kv(self, t: torch.Tensor) -> torch.Tensor:
         """``(batch, n_kv_heads, seq, head_dim)`` -> ``(batch, n_heads, seq, head_dim)``: KV head ``g``
@@ -140,7 +157,10 @@ class GroupedQueryAttention(nn.Module):
         :class:`~reference_pairs.common.cache.CacheLayer`, or None for a plain forward. The ``k_rot``
         tap sees the keys attention reads (with a cache: past and new, as the reference's do)."""
         b, s, _ = x.shape
-        queries, keys, values = self.W_query(x), self.W_key(x), self.W_value(x)
+        if self.fused_qkv:
+            queries, keys, values = self.split_qkv(self.W_qkv(x))
+        else:
+            queries, keys, values = self.W_query(x), self.W_key(x), self.W_value(x)
         if self.qk_norm == "projection":
             queries, keys = self.q_norm(queries), self.k_norm(keys)
         queries = queries.unflatten(-1, (self.n_heads, -1))  # (b, s, heads, head_dim [* 2])

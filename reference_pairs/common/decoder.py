@@ -140,8 +140,8 @@ class DecoderModel(nn.Module):
             start = cache.seen if cache is not None else 0
             position_ids = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
         positions = position_ids.to(x.device)
-        if self.pos_emb is not None:
-            x = x + self.pos_emb(positions)
+        if self.pos_emb is not None:  # (batch, seq, emb_dim) as the reference's wpe(position_ids) gives it
+            x = x + self.pos_emb(positions.expand(input_ids.shape))
         tables = self.rope_tables(positions, x.device, x.dtype)
         for i, block in enumerate(self.blocks):
             layer_cache = cache.layers[i] if cache is not None else None

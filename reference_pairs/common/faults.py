@@ -11,6 +11,19 @@ from parity.pair import Pair
 from .norms import RMSNorm
 
 
+def to_half_split_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Meta's interleaved q/k rows (RoPE pairs ``2i, 2i + 1``) -> Transformers' half-split rows (``i,
+    i + d/2``), grouping rows in ``n_heads`` heads: the permute of ``convert_llama_weights_to_hf.py``."""
+    out, d_in = w.shape
+    return w.view(n_heads, out // n_heads // 2, 2, d_in).transpose(1, 2).reshape(out, d_in)
+
+
+def to_interleaved_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """The inverse of :func:`to_half_split_rows`: Transformers' q/k rows back in Meta's layout."""
+    out, d_in = w.shape
+    return w.view(n_heads, 2, out // n_heads // 2, d_in).transpose(1, 2).reshape(out, d_in)
+
+
 def expand_kv_with_repeat(pair: Pair) -> None:
     """K/V heads tiled ``[K0, K1, K0, K1]`` (``repeat``) instead of ``[K0, K0, K1, K1]`` (onnx #7274)."""
     for block in pair.ours.blocks:
