@@ -100,6 +100,14 @@ def active_trace() -> Trace | None:
     return rec.trace if rec is not None else None
 
 
+def running_module() -> str | None:
+    """The path of the innermost module running now in the model being recorded, when the recording
+    keeps the module stack (``taps``, or ``module_stack=True``); None otherwise. Used by
+    :mod:`parity.hf_kernels` to name what a function computes after the module that called it."""
+    rec = _ACTIVE.get()
+    return rec.stack[-1] if rec is not None and rec.stack else None
+
+
 def tap(tensor: torch.Tensor, name: str) -> torch.Tensor:
     """Name a tensor computed outside any module, inside a model's forward: ``q = parity.tap(q, "q_rot")``.
 
@@ -148,6 +156,7 @@ def recording(
     inverses: dict[str, Callable[[torch.Tensor], torch.Tensor]] | None = None,
     keep_inputs: frozenset[str] = frozenset(),
     taps: dict[str, str] | None = None,
+    module_stack: bool = False,
 ) -> Iterator[Trace]:
     """Hook ``model`` for the duration of the block and yield the Trace being filled.
 
@@ -164,7 +173,8 @@ def recording(
     ``inverses`` maps the reference tensor back into our layout (``inverse(ref, ours) -> ours``:
     a fused projection writes the reference's part into our tensor), and only where the shapes agree.
     Only a module's first call is substituted. ``keep_inputs``: node names whose module input (and
-    2-D weight and bias, by reference) are also kept for diagnosis.
+    2-D weight and bias, by reference) are also kept for diagnosis. ``module_stack``: keep the
+    paths of the running modules (:func:`running_module`) even without ``taps``.
     """
     transforms, inverses = transforms or {}, inverses or {}
     trace = Trace(wanted=frozenset([name for name, _ in points] + list(captured) + list((taps or {}).values())))
@@ -183,7 +193,7 @@ def recording(
         return ref
 
     rec = _Recording(trace, replacement, tap_names=dict(taps or {}), transforms=transforms)
-    handles = _module_stack_hooks(model, rec) if taps else []
+    handles = _module_stack_hooks(model, rec) if taps or module_stack else []
     modules = dict(model.named_modules())
     for name, path in points:
         is_input = path.endswith("@input")
