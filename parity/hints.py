@@ -35,12 +35,17 @@ KINDS: dict[str, str] = {
     "rope_frequencies": "position 0 agrees, the error grows with position (frequencies, scaling, offset)",
     "rope_band": "the error is confined to a band of rotary frequencies (YaRN / llama3 ramp band)",
     "rope_missing": "ours does not rotate where the reference does",
+    "rope_partial": "ours rotates another share of each head than the reference (partial_rotary_factor)",
     "rope_unexpected": "ours rotates where the reference applies no RoPE (a NoPE layer)",
     "rope_layer_type": "RoPE differs on exactly the layers of one type (per-layer-type RoPE parameters)",
     "rope_theta": "the rotation equals RoPE with another theta (a fallback theta)",
     "rope_scaling": "ours rotates with the unscaled frequencies where the reference scales them (llama3, YaRN, linear)",
     "position_offset": "each padded row is rotated by an offset equal to its pad count (positions not from the mask)",
     "rounding_order": "every difference is within one or two units in the last place of the dtype (cast order)",
+    "row_scale": "ours / ref is one factor per row (token, head), another for each row: a per-vector norm on one side only",
+    "activation": "ours is a monotone function of the reference value by value: another element-wise activation",
+    "sequence_shift": "ours at position t equals the reference at t + d (a conv padded on the wrong side, a token shift)",
+    "chunk_boundary": "positions before the first chunk boundary agree, later ones differ: the state carried between chunks",
 }
 
 

@@ -26,7 +26,7 @@ included, so ours rounds where the reference rounds: the same algebra in another
 the last bits, and a float32 reduction even depends on the memory layout it runs over.
 
 The state after a call is :class:`DeltaNetState`: what a KV cache of this layer holds (the last
-``K - 1`` conv inputs and ``S``). Taps (see :class:`~reference_pairs.common.taps.Tap`):
+``K`` conv inputs and ``S``, as Transformers' ``LinearAttentionLayer`` holds them). Taps (see :class:`~reference_pairs.common.taps.Tap`):
 ``conv_out`` ``(batch, seq, channels)`` after the conv and SiLU; ``beta`` and ``g`` ``(batch, seq,
 v_heads)``; ``q_l2norm``/``k_l2norm`` ``(batch, seq, v_heads, d_k)`` float32, q and k after the L2
 norm, repeated for every value head they serve; ``delta_out`` ``(batch, seq, v_heads, d_v)`` the
@@ -50,9 +50,9 @@ CHUNK_SIZE = 64
 
 
 class DeltaNetState(NamedTuple):
-    """A Gated DeltaNet layer's state after some tokens: ``conv`` ``(batch, channels, K - 1)`` the
-    last conv inputs (zeros before the first token), ``recurrent`` ``(batch, v_heads, d_k, d_v)``
-    float32, the delta-rule state ``S``."""
+    """A Gated DeltaNet layer's state after some tokens: ``conv`` ``(batch, channels, K)`` the last
+    conv inputs (zeros before the first token), ``recurrent`` ``(batch, v_heads, d_k, d_v)`` float32,
+    the delta-rule state ``S``."""
 
     conv: torch.Tensor
     recurrent: torch.Tensor
@@ -66,10 +66,16 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 class CausalConv1d(nn.Module):
     """Depthwise causal convolution: output ``t`` of channel ``c`` is ``act(sum_j w[c, j] x[c, t - K + 1 + j])``,
-    reading only tokens up to ``t`` (``K - 1`` zeros, or the previous call's last inputs, on the left).
+    reading only tokens up to ``t`` (zeros, or the previous call's last inputs, on the left).
 
-    ``x``: ``(batch, channels, seq)``; ``state``: ``(batch, channels, K - 1)`` or None. Returns
-    ``(y, new_state)``, ``y`` like ``x``. The weight is ``nn.Conv1d``'s ``(channels, 1, K)``, no bias.
+    ``x``: ``(batch, channels, seq)``; ``state``: the last ``K`` inputs before ``x`` ``(batch,
+    channels, K)`` or None. Returns ``(y, new_state)``, ``y`` like ``x``. The weight is
+    ``nn.Conv1d``'s ``(channels, 1, K)``, no bias.
+
+    The state keeps ``K`` inputs, one more than the next output reads, as Transformers' cache does:
+    the three calls below are the reference's (a prompt, a decode step, a prompt continued after a
+    state), each slicing its output before the activation where the reference does, because the
+    activation rounds differently on a strided slice than on a contiguous tensor. The sums are the same.
     """
 
     def __init__(self, channels: int, kernel_size: int, activation: str = "silu", dtype: torch.dtype | None = None):
@@ -78,15 +84,15 @@ class CausalConv1d(nn.Module):
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size, dtype=dtype))
 
     def forward(self, x: torch.Tensor, state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        k, seq = self.kernel_size, x.shape[-1]
-        if state is None:  # a prompt: zeros on the left. Padding both sides and keeping the first `seq`
-            # outputs is the same sum; it is the call the reference makes (the kernel rounds by layout)
-            y = F.conv1d(x.to(self.weight.dtype), self.weight, padding=k - 1, groups=x.shape[1])[..., :seq]
-            window = F.pad(x, (k - 1, 0))
-        else:  # after earlier tokens: their last K - 1 inputs on the left
-            window = torch.cat([state.to(x.dtype), x], dim=-1)
-            y = F.conv1d(window.to(self.weight.dtype), self.weight, groups=x.shape[1])
-        return self.act(y).to(x.dtype), window[..., window.shape[-1] - (k - 1):]
+        k, seq, channels = self.kernel_size, x.shape[-1], x.shape[1]
+        window = x if state is None else torch.cat([state.to(x.dtype), x], dim=-1)
+        inputs = window.to(self.weight.dtype)
+        if state is not None and seq == 1:  # a decode step (``causal_conv1d_update``): K + 1 inputs, the last output
+            y = F.conv1d(inputs, self.weight, groups=channels)[..., -seq:]
+        else:  # K - 1 zeros on the left (padding both sides, keeping the first outputs: ``causal_conv1d_fn``)
+            y = F.conv1d(inputs, self.weight, padding=k - 1, groups=channels)[..., : window.shape[-1]]
+        y = self.act(y).to(x.dtype)[..., -seq:]
+        return y, F.pad(window, (max(k - window.shape[-1], 0), 0))[..., -k:]
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, kernel_size={self.kernel_size}, activation={self.act_name}"
@@ -175,8 +181,8 @@ class GatedDeltaNet(nn.Module):
     ``repeat_interleave`` expands them); a causal conv of ``kernel_size`` with ``activation``; the
     gated output norm with ``eps``. Parameters carry Transformers' names (``in_proj_qkv``,
     ``in_proj_z``, ``in_proj_b``, ``in_proj_a``, ``conv1d``, ``A_log``, ``dt_bias``, ``norm``,
-    ``out_proj``): the book's Qwen3.5 reuses that component. ``gates`` and ``delta_rule`` are
-    methods so a fault injection can replace them.
+    ``out_proj``): the book's Qwen3.5 reuses that component. ``gates``, ``normalize_qk`` and
+    ``delta_rule`` are methods so a fault injection can replace them.
     """
 
     def __init__(
@@ -206,6 +212,11 @@ class GatedDeltaNet(nn.Module):
         -exp(A_log) softplus(a + dt_bias)``, the log decay (<= 0, float32: ``A_log.exp()`` could
         overflow float16)."""
         return b.sigmoid(), -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+
+    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k scaled to unit length per head and token (:func:`l2norm`): the state then reads and
+        writes at a fixed scale, and ``beta`` alone decides how much of ``v`` a token writes."""
+        return l2norm(q), l2norm(k)
 
     def delta_rule(self, q, k, v, g, beta, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Step by step for one token after a state (decoding), in chunks otherwise (as the reference chooses)."""
@@ -242,8 +253,9 @@ class GatedDeltaNet(nn.Module):
         q, k, v, beta32, g32 = (
             t.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format) for t in (q, k, v, beta, g)
         )
-        q = self.q_l2norm(l2norm(q).transpose(1, 2)).transpose(1, 2)
-        k = self.k_l2norm(l2norm(k).transpose(1, 2)).transpose(1, 2)
+        q, k = self.normalize_qk(q, k)
+        q = self.q_l2norm(q.transpose(1, 2)).transpose(1, 2)
+        k = self.k_l2norm(k.transpose(1, 2)).transpose(1, 2)
         o, recurrent = self.delta_rule(q, k, v, g32, beta32, None if state is None else state.recurrent)
         o = self.delta_out(o.transpose(1, 2).to(x.dtype, memory_format=torch.contiguous_format))
         recurrent = self.recurrent_state(recurrent)
