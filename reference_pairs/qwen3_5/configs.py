@@ -33,9 +33,11 @@ def _base(**kw) -> dict:
 
 
 def tiny(n_layers: int | None = None) -> dict:
-    """4 layers (3 linear + 1 full), GQA 4/2 heads of 16 (4 dims rotate), linear attention with 2 key
-    and 4 value heads of 8 (each key head serves 2 value heads); 80 tokens by default, past the
-    delta rule's first 64-token chunk."""
+    """4 layers (3 linear + 1 full), GQA 4/2 heads of 16, linear attention 2 key / 4 value heads of 8.
+
+    A quarter of each attention head (4 dims) rotates; each linear key head serves 2 value heads.
+    The default 80 tokens pass the delta rule's first 64-token chunk.
+    """
     return _base(
         vocab_size=257, context_length=4096, emb_dim=32, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=64,
         n_layers=n_layers or 4, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
@@ -44,8 +46,10 @@ def tiny(n_layers: int | None = None) -> dict:
 
 
 def shape_0_8b(n_layers: int | None = None) -> dict:
-    """Qwen3.5-0.8B widths: emb 1024, 8 query / 2 KV heads of 256, FFN 3584, linear attention 16/16
-    heads of 128, vocab 248320; ``n_layers`` default 4 (3 linear + 1 full)."""
+    """Qwen3.5-0.8B widths: emb 1024, 8 / 2 heads of 256, FFN 3584, linear 16 / 16 heads of 128; 4 layers.
+
+    Vocabulary 248320; ``n_layers`` default 4 (3 linear + 1 full) of the released 24.
+    """
     return _base(
         vocab_size=248_320, context_length=262_144, emb_dim=1024, n_heads=8, n_kv_heads=2, head_dim=256,
         hidden_dim=3584, n_layers=n_layers or 4, linear_num_key_heads=16, linear_num_value_heads=16,
