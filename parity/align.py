@@ -243,6 +243,8 @@ class _Aligner:
             )
         is_input = ref_path.endswith("@input")
         base = ref_path[: -len("@input")] if is_input else ref_path
+        if spec.reference_transform is not None:  # a part of that module's output, not its output
+            return self._unaligned(spec, f"a view of {base}'s output (name it with node_map)")
         hit = self.leaf(base) if isinstance(getattr(self.ref_modules.get(base), "weight", None), torch.Tensor) else None
         if hit is not None:
             our_path, source = hit
