@@ -26,11 +26,13 @@ included, so ours rounds where the reference rounds: the same algebra in another
 the last bits, and a float32 reduction even depends on the memory layout it runs over.
 
 The state after a call is :class:`DeltaNetState`: what a KV cache of this layer holds (the last
-``K`` conv inputs and ``S``, as Transformers' ``LinearAttentionLayer`` holds them). Taps (see :class:`~reference_pairs.common.taps.Tap`):
-``conv_out`` ``(batch, seq, channels)`` after the conv and SiLU; ``beta`` and ``g`` ``(batch, seq,
-v_heads)``; ``q_l2norm``/``k_l2norm`` ``(batch, seq, v_heads, d_k)`` float32, q and k after the L2
-norm, repeated for every value head they serve; ``delta_out`` ``(batch, seq, v_heads, d_v)`` the
-rule's output; ``recurrent_state`` ``(batch, v_heads, d_k, d_v)`` float32, ``S`` after the last token.
+``K`` conv inputs and ``S``, as Transformers' ``LinearAttentionLayer`` holds them).
+
+Taps (see :class:`~reference_pairs.common.taps.Tap`): ``conv_out`` ``(batch, seq, channels)`` after
+the conv and SiLU; ``beta`` and ``g`` ``(batch, seq, v_heads)``; ``q_l2norm``/``k_l2norm``
+``(batch, seq, v_heads, d_k)`` float32, q and k after the L2 norm, repeated for every value head
+they serve; ``delta_out`` ``(batch, seq, v_heads, d_v)`` the rule's output; ``recurrent_state``
+``(batch, v_heads, d_k, d_v)`` float32, ``S`` after the last token.
 """
 
 from __future__ import annotations
