@@ -227,16 +227,20 @@ class GatedDeltaNet(nn.Module):
         return chunk_gated_delta_rule(q, k, v, g, beta, self.chunk_size, state)
 
     def forward(
-        self, x: torch.Tensor, cos=None, sin=None, padding_mask: torch.Tensor | None = None, *,
+        self, x: torch.Tensor, cos=None, sin=None, padding_mask: torch.Tensor | None = None, cache=None, *,
         state: DeltaNetState | None = None, return_state: bool = False,
     ):
         """``x``: ``(batch, seq, d_in)``; ``cos``/``sin`` are ignored (no RoPE in this layer; a block
         passes its layer type's tables, None); ``padding_mask`` ``(batch, seq)``, 1 for real tokens:
         padding is zeroed before anything reads it, so it neither writes the state nor reaches the conv.
         ``state``: this layer's :class:`DeltaNetState` after earlier tokens (None: a new sequence).
+        ``cache``: the slot a block passes its attention's per-layer KV cache in; this layer's cache
+        is its ``state`` (not a key/value cache), so only None is accepted there.
 
         Returns ``y`` ``(batch, seq, d_in)``, or ``(y, state after these tokens)`` with ``return_state``.
         """
+        if cache is not None:
+            raise ValueError("a Gated DeltaNet layer carries a DeltaNetState (state=, return_state=True), not a KV cache")
         if padding_mask is not None:
             x = (x * padding_mask[:, :, None]).to(x.dtype)
         batch, seq, _ = x.shape
