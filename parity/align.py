@@ -21,7 +21,7 @@ Every reference node gets one row of :class:`Aligned`: what it was aligned to an
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -80,13 +80,17 @@ class Layout:
     Accepted from ours: ``(batch, seq, heads, head_dim)``, ``(batch, seq, heads * head_dim)``,
     complex ``(..., head_dim / 2)`` (Meta's RoPE: real and imaginary parts are the interleaved pairs).
     A 4-D tensor whose sequence length equals the head count cannot be read by shape: ``declared``
-    (``parity.tap(t, "q_rot", layout="bshd")``) says which it is, and without it that call raises
-    :class:`ParityError` rather than compare a possibly transposed tensor.
+    (``parity.tap(t, "q_rot", layout="bshd")``) says which it is; without it, the layout this tap
+    showed on an earlier call of another length holds (a decode chunk after the prompt), and with
+    neither ``(batch, heads, seq, head_dim)`` is assumed: a wrong guess fails the node, and its
+    ``tap_layout`` hint names the fix.
     """
 
     kind: str
     heads: int
     head_dim: int
+    #: the layout read from an unambiguous shape, kept for the tap's later ambiguous calls
+    seen: dict = field(default_factory=dict, compare=False, repr=False)
     #: the layout the tap declared: "bhsd" (batch, heads, seq, head_dim), "bshd" or "bsf" (heads flattened)
     declared: str = ""
 
@@ -102,21 +106,20 @@ class Layout:
         if self.declared:
             return complex_, self._declared(tuple(shape))
         if len(shape) == 4 and self.kind in ("q_rot", "k_rot", "context") and shape[1] == shape[2] == self.heads > 1:
-            raise ParityError(
-                f"parity.tap(..., {self.kind!r}): shape {tuple(t.shape)} is ambiguous, its sequence length equals the {self.heads} heads; "
-                f"say which with layout='bhsd' or layout='bshd', or use another seq_len"
-            )
+            # the shape cannot tell: the layout this tap showed before, else (batch, heads, seq, head_dim);
+            # a wrong guess fails the node with a tap_layout hint naming layout=
+            return complex_, self.seen.get("layout", "bhsd" if self.kind == "context" else "")
+        step = ""
         if self.kind in ("q_rot", "k_rot"):
             if len(shape) == 4 and shape[1] != self.heads and shape[2] == self.heads:
-                return complex_, "bshd"
-            if len(shape) == 3 and shape[-1] == self.heads * self.head_dim:
-                return complex_, "bsf"
-        if self.kind == "context":
-            if len(shape) == 4 and shape[1] == self.heads and shape[2] != self.heads:
-                return complex_, "bhsd"
-            if len(shape) == 4:
-                return complex_, "bshd"
-        return complex_, ""
+                step = "bshd"
+            elif len(shape) == 3 and shape[-1] == self.heads * self.head_dim:
+                step = "bsf"
+        elif self.kind == "context" and len(shape) == 4:
+            step = "bhsd" if shape[1] == self.heads and shape[2] != self.heads else "bshd"
+        if len(shape) == 4 and shape[1] != shape[2]:
+            self.seen.setdefault("layout", step)
+        return complex_, step
 
     def _declared(self, shape: tuple) -> str:
         """The conversion step for a declared layout ("" = already the reference's), checked against ``shape``."""
@@ -280,6 +283,8 @@ class _Aligner:
             )
         is_input = ref_path.endswith("@input")
         base = ref_path[: -len("@input")] if is_input else ref_path
+        if spec.reference_transform is not None:  # a part of that module's output, not its output
+            return self._unaligned(spec, f"a view of {base}'s output (name it with node_map)")
         hit = self.leaf(base) if isinstance(getattr(self.ref_modules.get(base), "weight", None), torch.Tensor) else None
         if hit is not None:
             our_path, source = hit

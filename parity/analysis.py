@@ -10,8 +10,9 @@ import torch
 
 #: Node kinds laid out (batch, heads, seq, ...); every other node is (batch, seq, ...).
 HEAD_MAJOR = {"q_rot", "k_rot", "scores", "probs"}
-#: Node kinds (batch, seq, heads * head_dim) whose last axis splits into heads.
-HEAD_MERGED = {"q_proj", "k_proj", "v_proj", "q_norm", "k_norm", "context"}
+#: Node kinds (batch, seq, heads * head_dim) whose last axis splits into heads (``gate``: an
+#: attention output gate, one per query head and dim).
+HEAD_MERGED = {"q_proj", "k_proj", "v_proj", "q_norm", "k_norm", "context", "gate"}
 
 
 def _amax_over_all_but(diff: torch.Tensor, axis: int) -> list[float]:

@@ -55,9 +55,11 @@ def summary(items: list[str], n: int = 3, what: str = "") -> str:
 
 def default_seq_len(facts: ArchFacts) -> int:
     """Long enough to pass every sliding window (4x window, at least 16) while that stays small; 64
-    for real-size windows, where the check notes that the window is not exercised."""
+    for real-size windows, where the check notes that the window is not exercised. Past the first
+    chunk boundary of linear-attention layers too (a quarter chunk into the second chunk)."""
     window = facts.sliding_window or 4
-    return max(16, 4 * window) if 4 * window <= 512 else 64
+    length = max(16, 4 * window) if 4 * window <= 512 else 64
+    return max(length, facts.chunk_size + facts.chunk_size // 4) if facts.chunk_size else length
 
 
 def config_name_of(config) -> str:

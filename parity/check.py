@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from . import hf_capture
+from . import hf_capture, hf_kernels
 from .analysis import error_profile, logits_effect
 from .compare import NodeResult, Tolerances, compare_traces, first_mismatch
 from .coverage import loader_coverage
@@ -121,6 +121,16 @@ def _window_notes(pair: Pair, seq_len: int) -> list[str]:
     return []
 
 
+def _chunk_notes(pair: Pair, seq_len: int) -> list[str]:
+    chunk = pair.facts.chunk_size
+    if chunk and seq_len <= chunk:
+        return [
+            f"seq_len {seq_len} does not exceed the linear-attention chunk ({chunk} tokens): the state carried "
+            f"from one chunk to the next is not exercised; pass --seq-len {chunk + 1} or more"
+        ]
+    return []
+
+
 def _position_notes(pair: Pair, seq_len: int) -> list[str]:
     limit = pair.facts.max_position_embeddings
     if limit and seq_len > limit:
@@ -164,7 +174,7 @@ def plan(
         mode=mode,
         tolerances=Tolerances(pair.dtype, atol, rtol, dict(tolerances or {}), exact=exact),
         calibrate=calibrate,
-        notes=tuple(pair.notes) + tuple(_window_notes(pair, seq)) + tuple(_position_notes(pair, seq)),
+        notes=tuple(pair.notes) + tuple(_window_notes(pair, seq)) + tuple(_chunk_notes(pair, seq)) + tuple(_position_notes(pair, seq)),
     )
 
 
@@ -178,9 +188,13 @@ def trace_reference(pair: Pair, run: Run, model=None, into: Trace | None = None)
     the config (a config Transformers accepts but its forward rejects is bad input, not a bug)."""
     model = pair.reference if model is None else model
     hf_capture.install(model)
-    captured = [n.name for n in pair.nodes if n.name.rsplit(".", 1)[-1] in hf_capture.SUFFIXES]
+    captured = [n.name for n in pair.nodes if hf_capture.is_captured(n.name)]
     points = [(n.name, n.reference_path) for n in pair.nodes if n.name not in captured]
-    with torch.inference_mode(), recording(model, points, captured=captured, keep_inputs=_keep_inputs(pair), into=into) as trace:
+    views = {n.name: n.reference_transform for n in pair.nodes if n.reference_transform is not None}
+    kernels = any(hf_kernels.is_kernel_node(name) for name in captured)  # named after the module that calls them
+    with torch.inference_mode(), recording(
+        model, points, transforms=views, captured=captured, keep_inputs=_keep_inputs(pair), module_stack=kernels, into=into,
+    ) as trace:
         try:
             model(input_ids=run.input_ids, attention_mask=run.attention_mask, position_ids=run.position_ids, use_cache=False)
         except (RuntimeError, ValueError, TypeError, IndexError, AttributeError) as e:

@@ -202,6 +202,10 @@ def _trace_ours_step(pair: Pair, protocol: CacheProtocol, ids, mask, positions, 
     return trace, logits
 
 
+#: layer types whose cache is keys and values (what a decode check steps and compares)
+KV_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+
+
 def new_caches(pair: Pair, protocol: CacheProtocol):
     """``(reference cache, ours' cache)``: a Transformers DynamicCache and ours' (through ``protocol``)."""
     from transformers import DynamicCache
@@ -211,6 +215,13 @@ def new_caches(pair: Pair, protocol: CacheProtocol):
             f"{type(pair.ours).__name__} has no new_cache(): a decode check needs ours to keep a KV cache "
             "(new_cache() -> object with layers[i].keys / .values, and forward(..., cache=)), or a "
             "parity.decode.CacheProtocol given to check_model(cache_protocol=...)"
+        )
+    recurrent = [i for i, layer in enumerate(pair.facts.layers) if layer.layer_type not in KV_LAYER_TYPES]
+    if recurrent:
+        kinds = sorted({pair.facts.layers[i].layer_type for i in recurrent})
+        raise ParityError(
+            f"decode checks compare KV caches; layers {recurrent[:8]} are {', '.join(kinds)} (a recurrent state, "
+            "not keys and values), which parity's decode does not step yet: check without --decode"
         )
     return DynamicCache(config=pair.reference.config), protocol.new_cache(pair.ours)
 

@@ -116,6 +116,33 @@ def transposed_weight(e: Evidence) -> Hint | None:
     return None
 
 
+def tap_layout(e: Evidence) -> Hint | None:
+    """Ours is the reference with the heads and positions axes swapped: a tap whose sequence length
+    equals its head count, read in the other layout (the shape cannot tell them apart)."""
+    if e.kind not in ("q_rot", "k_rot", "context") or e.ours is None or e.ours.shape != e.ref.shape:
+        return None
+    ours = e.ours
+    if e.kind == "context" and ours.dim() == 3:
+        layer = e.facts.layer(e.result.layer)
+        head_dim = layer.head_dim if layer is not None else e.facts.head_dim
+        if not head_dim or ours.shape[-1] % head_dim or ours.shape[-1] // head_dim != ours.shape[1]:
+            return None
+        swapped = ours.unflatten(-1, (-1, head_dim)).transpose(1, 2).flatten(-2)
+    elif ours.dim() == 4 and ours.shape[1] == ours.shape[2] > 1:
+        swapped = ours.transpose(1, 2)
+    else:
+        return None
+    if not e.close(swapped, e.ref):
+        return None
+    return Hint(
+        "tap_layout",
+        f"ours equals the reference with heads and positions swapped: with seq_len = {ours.shape[1]} heads the "
+        f"shape cannot tell (batch, seq, heads, head_dim) from (batch, heads, seq, head_dim); declare it, "
+        f"parity.tap(tensor, {e.kind!r}, layout='bshd') or layout='bhsd', or check at another seq_len",
+        {"seq_len": int(ours.shape[1])},
+    )
+
+
 def _heads(t: torch.Tensor, kind: str, head_dim: int | None) -> torch.Tensor | None:
     """(heads, rest...) view of an attention node, or None."""
     if kind in HEAD_MAJOR and t.dim() == 4:
@@ -136,10 +163,12 @@ def head_mapping(e: Evidence) -> Hint | None:
     moved = {i: j for i in range(n) if i not in same for j in range(n) if j != i and e.close(a[i], b[j])}
     if not moved and (not same or len(same) == n):
         return None  # no head equals another: nothing here says "mapping"
-    gqa = e.facts.num_kv_heads != e.facts.num_heads
+    # K/V heads meet the query heads from the scores on: a head mix-up before that is not GQA's
+    gqa = e.facts.num_kv_heads != e.facts.num_heads and e.kind in ("scores", "probs", "context")
     cause = (
         "GQA head mapping (K/V heads expanded with repeat instead of repeat_interleave, or grouped wrongly)"
-        if gqa else "a head permutation in the weights or the head split"
+        if gqa else "a head permutation in the weights or the head split (a fused projection cut in flat halves "
+        "instead of per head)"
     )
     parts = [f"heads {_fmt_list(same)} agree" if same else "no head agrees in place"]
     if moved:
@@ -403,6 +432,43 @@ def constant_ratio(e: Evidence) -> Hint | None:
     )
 
 
+def row_scale(e: Evidence) -> Hint | None:
+    """ours / reference is one factor per row (the last axis: a token's or a head's vector), another
+    factor for other rows: a per-vector normalisation (L2, RMS) that one side applies and the other
+    does not, e.g. a missing L2 norm of q or k before linear attention."""
+    a, b = e.ours.double().flatten(0, -2), e.ref.double().flatten(0, -2)
+    if a.shape[0] < 2 or a.shape[-1] < 2:
+        return None
+    keep = b.abs() > 1e-3 * b.abs().amax(-1, keepdim=True)
+    ratio = torch.where(keep, a / b.where(keep, torch.ones_like(b)), torch.nan)
+    r = ratio.nanmean(-1)
+    rows = (keep.sum(-1) >= 2) & torch.isfinite(r) & (r != 0)
+    if int(rows.sum()) < 2:
+        return None
+    spread = ((ratio[rows] - r[rows, None]).abs().nan_to_num(0.0).amax(-1) / r[rows].abs()).max()
+    factors = r[rows]
+    if float(spread) > 1e-3 or float(factors.max() / factors.min()) < 1.01 or bool((factors < 0).any()):
+        return None  # not one factor per row, or the same factor everywhere (a scale)
+    if _rel(b[rows] * factors[:, None], a[rows]) > EXPLAINS:
+        return None  # the factors miss what ours holds where the reference is ~0 (a key the window adds)
+    evidence: dict = {"row_factors": factors[:8].tolist()}
+    cause = "a per-vector normalisation applied on one side only"
+    for label, size in (("unit L2 length", a[rows].norm(dim=-1)), ("unit RMS", a[rows].pow(2).mean(-1).sqrt())):
+        ref_size = size / factors
+        ours_unit, ref_unit = bool(((size - 1).abs() < 1e-3).all()), bool(((ref_size - 1).abs() < 1e-3).all())
+        if ref_unit != ours_unit:
+            side = ("the reference's rows have" if ref_unit else "ours have")
+            cause = f"{side} {label}, the other side's do not: a missing {'L2' if 'L2' in label else 'RMS'} normalisation"
+            evidence["unit"] = {"reference" if ref_unit else "ours": label}
+            break
+    return Hint(
+        "row_scale",
+        f"likely {cause}: ours / reference is one factor per row (along the last axis), a different one for each "
+        f"row ({_fmt_list(f'{v:.4g}' for v in factors[:4].tolist())})",
+        evidence,
+    )
+
+
 def channel_ratio(e: Evidence) -> Hint | None:
     """ours / reference constant over tokens for each channel, different across channels."""
     ours, ref = e.ours, e.ref
@@ -558,11 +624,12 @@ def _by_position(ours: torch.Tensor, ref: torch.Tensor, axis: int) -> torch.Tens
     return diff.reshape(diff.shape[0], -1).amax(dim=1)
 
 
-def sequence_shift(e: Evidence) -> Hint | None:
-    """Ours at position ``p`` equals the reference at ``p + k`` for every ``p`` both have (``k`` != 0):
-    positions read off by ``k`` (a learned position table indexed with ``position + 1``)."""
+def position_table_offset(e: Evidence) -> Hint | None:
+    """A position embedding node (``wpe``, ``embed_positions``) where ours at position ``p`` equals the
+    reference at ``p + k`` for every ``p`` both have (``k`` != 0): a learned position table indexed with
+    ``position + k``. Other nodes shifted along the sequence are :func:`sequence_shift`'s."""
     axis = _seq_axis(e.kind)
-    if e.ours.dim() <= axis or e.ours.shape[axis] < 4:
+    if "pos" not in e.kind and e.kind != "wpe" or e.ours.dim() <= axis or e.ours.shape[axis] < 4:
         return None
     n = e.ours.shape[axis]
     for k in (1, -1, 2, -2):
@@ -591,7 +658,18 @@ def _pre_rope(e: Evidence, n_heads: int) -> torch.Tensor | None:
             return t.unflatten(-1, (n_heads, head_dim)).transpose(1, 2)
         if t.dim() == 4 and t.shape[1] == n_heads:
             return t
+        if t.dim() == 4 and t.shape[2] == n_heads and t.shape[-1] == head_dim:  # a per-head norm's (b, s, heads, d)
+            return t.transpose(1, 2)
     return None
+
+
+def _rotated_dims(e: Evidence, rotated: torch.Tensor, x: torch.Tensor) -> int:
+    """How many leading dims of each head ``rotated`` changes: the rest equal the unrotated ``x``
+    (partial rotary passes them through)."""
+    n = x.shape[-1]
+    while n > 0 and e.close(rotated[..., n - 1], x[..., n - 1]):
+        n -= 1
+    return n
 
 
 def _pairing(rotated: torch.Tensor, x: torch.Tensor) -> str | None:
@@ -692,6 +770,18 @@ def rope_pattern(e: Evidence) -> Hint | None:
                         evidence)
         if e.close(ours, x):
             return Hint("rope_missing", f"likely a missing RoPE: ours applies no rotation here, the reference does; {numbers}", evidence)
+        ours_dims, ref_dims = _rotated_dims(e, ours, x), _rotated_dims(e, ref, x)
+        here = e.facts.layer(e.result.layer)
+        declared = here.rope.rotary_dim if here is not None and here.rope is not None else None
+        if ours_dims != ref_dims and ref_dims == declared:
+            d = ours.shape[-1]
+            return Hint(
+                "rope_partial",
+                f"likely the rotary share of each head (partial_rotary_factor): ours rotates its first {ours_dims} of "
+                f"{d} dims ({ours_dims / d:g}), the reference its first {ref_dims} ({ref_dims / d:g}) and passes the "
+                f"rest through; {numbers}",
+                {**evidence, "ours_rotated_dims": ours_dims, "reference_rotated_dims": ref_dims},
+            )
         ours_pairs, ref_pairs = _pairing(ours, x), _pairing(ref, x)
         if ours_pairs and ref_pairs and ours_pairs != ref_pairs:
             return Hint("rope_pairing", f"likely RoPE pairing layout: ours rotates {ours_pairs} pairs, the reference {ref_pairs}; {numbers}",
@@ -818,6 +908,117 @@ def window_pattern(e: Evidence) -> Hint | None:
     return None
 
 
+def _positions_axis(e: Evidence) -> int | None:
+    """The sequence axis of the failing node when its layout is ``(batch, seq, ...)`` or ``(batch,
+    heads, seq, ...)`` for this run's tokens; None for nodes without one (a recurrent state)."""
+    if e.positions is None:
+        return None
+    axis = _seq_axis(e.kind)
+    batch, seq = e.positions.shape
+    return axis if e.ours.dim() > axis and e.ours.shape[0] == batch and e.ours.shape[axis] == seq else None
+
+
+def sequence_shift(e: Evidence) -> Hint | None:
+    """Ours at position ``t`` holds the reference's value at ``t + d`` (``d != 0``) wherever both
+    exist: a causal convolution padded on the wrong side (it reads the future), a token shift, an
+    off-by-one in the sequence."""
+    axis = _positions_axis(e)
+    if axis is None or e.ours.shape[axis] < 3:
+        return None
+    ours, ref = e.ours.movedim(axis, 0), e.ref.movedim(axis, 0)
+    seq = ours.shape[0]
+    for d in sorted((d for d in range(-min(8, seq - 2), min(8, seq - 2) + 1) if d), key=lambda d: (abs(d), d < 0)):
+        mine, theirs = ours[max(0, -d): seq - max(0, d)], ref[max(0, d): seq + min(0, d)]
+        if e.close(mine, theirs):
+            later = f"{d} position{'s' if abs(d) > 1 else ''} later" if d > 0 else f"{-d} position{'s' if -d > 1 else ''} earlier"
+            return Hint(
+                "sequence_shift",
+                f"likely a shift along the sequence: ours at each position equals the reference {later} (on the "
+                f"{mine.shape[0]} of {seq} positions both have); a causal convolution padded on the wrong side reads "
+                "the future, or a token shift / position off by one",
+                {"shift": d, "positions": int(mine.shape[0])},
+            )
+    return None
+
+
+def chunk_boundary(e: Evidence) -> Hint | None:
+    """Positions before a chunk boundary agree, the first differing one starts a chunk: the state a
+    chunked linear-attention recurrence carries from one chunk to the next (``facts.chunk_size``)."""
+    chunk, axis = e.facts.chunk_size, _positions_axis(e)
+    if not chunk or axis is None or e.ours.shape[axis] <= chunk:
+        return None
+    per_pos = _by_position(e.ours, e.ref, axis)
+    bad = (per_pos > e.noise).nonzero().flatten().tolist()
+    if not bad or bad[0] < chunk or bad[0] % chunk:
+        return None
+    return Hint(
+        "chunk_boundary",
+        f"likely the state carried between chunks: positions < {bad[0]} agree, positions {bad[0]}..{bad[-1]} differ "
+        f"(max error {float(per_pos.max()):.3g}); the linear-attention recurrence runs in chunks of {chunk} tokens "
+        f"and position {bad[0]} starts one (what the chunk before hands on: its state, its decay, its padding)",
+        {"chunk_size": chunk, "first_bad_position": bad[0]},
+    )
+
+
+#: element-wise functions a swapped activation may involve (applied in float64)
+_ELEMENTWISE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "sigmoid": torch.sigmoid,
+    "softplus": torch.nn.functional.softplus,
+    "silu": torch.nn.functional.silu,
+    "gelu": torch.nn.functional.gelu,
+    "gelu (tanh)": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
+    "relu": torch.relu,
+    "tanh": torch.tanh,
+    "exp": torch.exp,
+    "identity": lambda x: x,
+}
+
+
+def _elementwise_of(e: Evidence, y: torch.Tensor, x: torch.Tensor) -> str | None:
+    for name, fn in _ELEMENTWISE.items():
+        if e.close(y, fn(x.double())):
+            return name
+    return None
+
+
+def activation(e: Evidence) -> Hint | None:
+    """Ours is a monotone, non-affine function of the reference, value by value in each channel (the
+    last axis): the same pre-activation through another element-wise function (sigmoid vs softplus).
+    Both functions are named when an earlier node of the layer is the input of both."""
+    a, b = e.ours.double().flatten(0, -2), e.ref.double().flatten(0, -2)
+    if a.shape[0] < 8 or not bool(torch.isfinite(a).all() and torch.isfinite(b).all()):
+        return None
+    order = b.argsort(dim=0)
+    da, db = a.gather(0, order).diff(dim=0), b.gather(0, order).diff(dim=0)
+    tol = e.noise + 1e-6 * float(a.abs().max())
+    rising, falling = (da >= -tol).all(0), (da <= tol).all(0)
+    if not bool((rising | falling).all()) or bool((da.abs() > tol)[db == 0].any()):
+        return None  # not a function of the reference value, channel by channel
+    centred = b - b.mean(0)
+    slope = (centred * a).sum(0) / centred.pow(2).sum(0).clamp_min(1e-300)
+    affine = a.mean(0) + slope * centred
+    if _rel(affine, a) < 1e-3:
+        return None  # a scale or an offset per channel: not an activation
+    names = None
+    for name, x in e.ref_trace.tensors.items():
+        if name == e.name:
+            break
+        if x.shape == e.ref.shape and e.facts.locate(name)[0] == e.result.layer and name != e.name:
+            ref_fn, ours_fn = _elementwise_of(e, e.ref, x), _elementwise_of(e, e.ours, x)
+            if ref_fn and ours_fn and ref_fn != ours_fn:
+                names = (ours_fn, ref_fn, name)
+    if names:
+        ours_fn, ref_fn, source = names
+        return Hint("activation", f"likely the activation: ours applies {ours_fn} to {source}, the reference {ref_fn}",
+                    {"ours": ours_fn, "reference": ref_fn, "input": source})
+    return Hint(
+        "activation",
+        "likely an element-wise function (activation) that differs: in every channel ours is a monotone, non-linear "
+        "function of the reference's value (the same input through e.g. sigmoid vs softplus)",
+        {},
+    )
+
+
 def untied_head(e: Evidence) -> Hint | None:
     """Everything before the output agrees but the logits are uncorrelated: an unloaded or untied head."""
     if e.kind not in (e.facts.head_module.rsplit(".", 1)[-1], "logits") or e.result.cosine is None or abs(e.result.cosine) > 0.3:
@@ -852,6 +1053,7 @@ def nonfinite(e: Evidence) -> Hint:
 
 #: detectors tried in order on a node that has both tensors of one shape
 DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
+    tap_layout,
     sibling_match,
     untied_head,
     transposed_weight,
@@ -863,14 +1065,18 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     norm_placement,
     constant_ratio,
     last_dim_permutation,
-    sequence_shift,
+    position_table_offset,
     head_mapping,
+    sequence_shift,
     softmax_temperature,
     future_keys,
     window_pattern,
+    chunk_boundary,
     rope_fit,
     rope_pattern,
     channel_ratio,
+    row_scale,
+    activation,
 )
 
 

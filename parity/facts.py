@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
-SLIDING, FULL = "sliding_attention", "full_attention"
+SLIDING, FULL, LINEAR = "sliding_attention", "full_attention", "linear_attention"
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,9 @@ class ArchFacts:
     ``cap * tanh(x / cap)``), ``embed_scale`` (Gemma multiplies embeddings by sqrt(hidden)).
     ``norm_kind`` is ``"rmsnorm"`` or ``"layernorm"``; ``norm_weight_offset`` is 1.0 where the norm
     multiplies by ``(1 + w)``. ``qk_norm``: None, ``"head"`` (per head, Qwen3/Gemma) or
-    ``"projection"`` (over the whole projection, OLMo 2/3).
+    ``"projection"`` (over the whole projection, OLMo 2/3). ``chunk_size``: linear-attention
+    layers run their recurrence over the sequence in chunks of this many tokens (None: no such
+    layers); only a sequence longer than one chunk exercises the state carried between chunks.
     """
 
     model_type: str
@@ -122,6 +124,7 @@ class ArchFacts:
     embed_scale: float | None = None
     tie_word_embeddings: bool = False
     max_position_embeddings: int | None = None
+    chunk_size: int | None = None
     #: named constants a constant ratio may equal (see :meth:`named_constants`)
     extra_constants: Mapping[str, float] = field(default_factory=dict)
 
@@ -374,6 +377,17 @@ def _cohere(config, facts: ArchFacts) -> ArchFacts:
 @rule("qwen3", "qwen3_moe")
 def _qwen3(config, facts: ArchFacts) -> ArchFacts:
     return replace(facts, qk_norm="head")
+
+
+@rule("qwen3_5_text")
+def _qwen3_5(config, facts: ArchFacts) -> ArchFacts:
+    # Qwen3_5DecoderLayer: linear_attention layers are Gated DeltaNet (no RoPE; the delta rule in chunks
+    # of 64, torch_chunk_gated_delta_rule's default); full_attention layers norm Q/K per head; every
+    # RMSNorm but the DeltaNet's gated one scales by (1 + w).
+    def rope(layer: LayerFacts):
+        return None if layer.layer_type == LINEAR else layer.rope
+
+    return replace(with_layers(facts, rope=rope), qk_norm="head", norm_weight_offset=1.0, chunk_size=64)
 
 
 @rule("mistral")

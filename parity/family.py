@@ -26,7 +26,8 @@ class Node:
     """One node-map entry: canonical name template and our module path template (``{i}`` = layer).
 
     ``layer_types`` limits a per-layer entry to those layer types (None: every layer).
-    ``transform``/``inverse``/``reference``/``kind`` are passed to :class:`~parity.pair.NodeSpec`.
+    ``transform``/``inverse``/``reference``/``kind``/``reference_transform`` are passed to
+    :class:`~parity.pair.NodeSpec`.
     ``when`` (optional) decides from the facts whether the entry exists at all (e.g. a ``logits``
     node only where something is applied after the head).
     """
@@ -39,12 +40,13 @@ class Node:
     reference: str | None = None
     kind: str = ""
     when: Callable[[ArchFacts], bool] | None = None
+    reference_transform: Callable | None = None
 
     def spec(self, i: int | None = None) -> NodeSpec:
         fmt = (lambda s: s) if i is None else (lambda s: s.format(i=i))
         return NodeSpec(
             fmt(self.name), fmt(self.ours), self.transform, None if self.reference is None else fmt(self.reference),
-            self.inverse, kind=self.kind,
+            self.inverse, kind=self.kind, reference_transform=self.reference_transform,
         )
 
 

@@ -16,6 +16,7 @@ import weakref
 import torch
 from torch import nn
 
+from . import hf_kernels
 from .errors import ParityError
 from .trace import active_trace
 
@@ -64,11 +65,19 @@ def parity_attention(module, query, key, value, attention_mask, **kwargs):
     return output, weights
 
 
+def is_captured(name: str) -> bool:
+    """Whether the reference's node ``name`` is recorded by a capture function (attention internals
+    here, kernel internals in :mod:`parity.hf_kernels`) rather than by a module hook."""
+    return name.rsplit(".", 1)[-1] in SUFFIXES or hf_kernels.is_kernel_node(name)
+
+
 def install(reference: nn.Module) -> None:
-    """Register ``parity_eager`` (attention + mask) and switch ``reference`` to it (once per model).
+    """Register ``parity_eager`` (attention + mask) and switch ``reference`` to it (once per model);
+    wrap the kernel functions its linear-attention layers call (:mod:`parity.hf_kernels`).
 
     Raises ParityError if the model does not dispatch attention through AttentionInterface.
     """
+    hf_kernels.install(reference)
     if getattr(reference.config, "_attn_implementation", None) == ATTN_IMPLEMENTATION and reference in _paths:
         return
     from transformers import AttentionInterface
@@ -76,7 +85,10 @@ def install(reference: nn.Module) -> None:
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, parity_attention)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, eager_mask)
-    if not getattr(reference, "_supports_attention_backend", False):
+    # Transformers' own test: the flag, or (models without it, e.g. Qwen3.5) its attention modules
+    # calling ALL_ATTENTION_FUNCTIONS.get_interface, which is what set_attn_implementation accepts
+    can_set = getattr(type(reference), "_can_set_attn_implementation", lambda: False)
+    if not (getattr(reference, "_supports_attention_backend", False) or can_set()):
         raise ParityError(f"{type(reference).__name__} does not dispatch attention through AttentionInterface")
     reference.set_attn_implementation(ATTN_IMPLEMENTATION)
     for name, module in reference.named_modules():

@@ -16,6 +16,7 @@ KINDS: dict[str, str] = {
     "shape": "the same node has another shape on each side (layout, head count)",
     "nonfinite": "the first NaN/Inf, with its positions and batch rows (masked or padded rows?)",
     "swapped_weights": "ours equals another reference node of the same layer (gate vs up, k vs v)",
+    "tap_layout": "a tapped attention tensor equals the reference with heads and positions swapped (declare parity.tap(..., layout=))",
     "transposed_weight": "ours equals the reference computed with a transposed weight (Conv1D-style load)",
     "weight_permutation": "same values per token in another order along the last axis (a row permutation)",
     "head_mapping": "some heads agree, others equal a different reference head (GQA expansion, head split)",
@@ -35,6 +36,7 @@ KINDS: dict[str, str] = {
     "rope_frequencies": "position 0 agrees, the error grows with position (frequencies, scaling, offset)",
     "rope_band": "the error is confined to a band of rotary frequencies (YaRN / llama3 ramp band)",
     "rope_missing": "ours does not rotate where the reference does",
+    "rope_partial": "ours rotates another share of each head than the reference (partial_rotary_factor)",
     "rope_unexpected": "ours rotates where the reference applies no RoPE (a NoPE layer)",
     "rope_layer_type": "RoPE differs on exactly the layers of one type (per-layer-type RoPE parameters)",
     "rope_theta": "the rotation equals RoPE with another theta (a fallback theta)",
@@ -45,6 +47,10 @@ KINDS: dict[str, str] = {
     "cache_length": "a KV cache holds another number of tokens than the reference's (a sliding layer keeps window - 1)",
     "causal_mask": "ours gives weight to keys the reference masks, later than the query (a query sees the future)",
     "rounding_order": "every difference is within one or two units in the last place of the dtype (cast order)",
+    "row_scale": "ours / ref is one factor per row (token, head), another for each row: a per-vector norm on one side only",
+    "activation": "ours is a monotone function of the reference value by value: another element-wise activation",
+    "sequence_shift": "ours at position t equals the reference at t + d (a conv padded on the wrong side, a token shift)",
+    "chunk_boundary": "positions before the first chunk boundary agree, later ones differ: the state carried between chunks",
 }
 
 

@@ -32,7 +32,10 @@ class NodeSpec:
     reference tensor back into our layout (given our tensor, so a fused projection can write only its
     part), which isolated mode needs to substitute that node (without it the node is compared but
     not substituted). ``layer`` and ``kind`` are filled from the facts
-    (:meth:`ArchFacts.locate`) unless given.
+    (:meth:`ArchFacts.locate`) unless given. ``reference_transform`` (optional) makes the node a
+    view of what the reference module computes, recorded when it runs: a part the reference
+    splits off its output outside any module (the gate half of a fused ``q_proj``), taken with the
+    reference's own view ops, so no arithmetic is added.
     """
 
     name: str
@@ -42,6 +45,7 @@ class NodeSpec:
     inverse: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     layer: int | None = None
     kind: str = ""
+    reference_transform: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
     def reference_path(self) -> str:

@@ -102,6 +102,14 @@ def active_trace() -> Trace | None:
     return rec.trace if rec is not None else None
 
 
+def running_module() -> str | None:
+    """The path of the innermost module running now in the model being recorded, when the recording
+    keeps the module stack (``taps``, or ``module_stack=True``); None otherwise. Used by
+    :mod:`parity.hf_kernels` to name what a function computes after the module that called it."""
+    rec = _ACTIVE.get()
+    return rec.stack[-1] if rec is not None and rec.stack else None
+
+
 def tap(tensor: torch.Tensor, name: str, *, layout: str | None = None) -> torch.Tensor:
     """Name a tensor computed outside any module, inside a model's forward: ``q = parity.tap(q, "q_rot")``.
 
@@ -110,8 +118,10 @@ def tap(tensor: torch.Tensor, name: str, *, layout: str | None = None) -> torch.
     forward continues from it. Free when nothing is being traced: returns ``tensor`` unchanged.
     ``layout`` ("bhsd", "bshd" or "bsf": batch, heads, seq, head_dim in that order, or heads
     flattened) says how a ``q_rot``/``k_rot``/``context`` tensor is laid out; without it the layout is
-    read from the shape, and a 4-D shape whose sequence length equals the head count raises
-    :class:`parity.ParityError` (ambiguous).
+    read from the shape (a 4-D shape whose sequence length equals the head count cannot tell, and is
+    read as this tap's earlier calls were, else as ``(batch, heads, seq, head_dim)``). Raises
+    :class:`parity.ParityError` for another layout name, a shape that cannot hold the declared
+    layout, or ``layout`` on a tap other than those three.
     """
     rec = _ACTIVE.get()
     if rec is None or not rec.tap_names:
@@ -160,6 +170,7 @@ def recording(
     keep_inputs: frozenset[str] = frozenset(),
     taps: dict[str, str] | None = None,
     into: Trace | None = None,
+    module_stack: bool = False,
 ) -> Iterator[Trace]:
     """Hook ``model`` for the duration of the block and yield the Trace being filled.
 
@@ -177,7 +188,8 @@ def recording(
     a fused projection writes the reference's part into our tensor), and only where the shapes agree.
     Only a module's first call is substituted. ``keep_inputs``: node names whose module input (and
     2-D weight and bias, by reference) are also kept for diagnosis. ``into``: the (empty) Trace to
-    fill, e.g. one whose ``add`` keeps statistics instead of tensors (:mod:`parity.traces`).
+    fill, e.g. one whose ``add`` keeps statistics instead of tensors (:mod:`parity.traces`). ``module_stack``: keep the
+    paths of the running modules (:func:`running_module`) even without ``taps``.
     """
     transforms, inverses = transforms or {}, inverses or {}
     trace = Trace() if into is None else into
@@ -200,7 +212,7 @@ def recording(
         return ref
 
     rec = _Recording(trace, replacement, tap_names=dict(taps or {}), transforms=transforms)
-    handles = _module_stack_hooks(model, rec) if taps else []
+    handles = _module_stack_hooks(model, rec) if taps or module_stack else []
     modules = dict(model.named_modules())
     for name, path in points:
         is_input = path.endswith("@input")

@@ -66,8 +66,8 @@ class GroupedQueryAttention(nn.Module):
       (Cohere 2) — see :func:`~reference_pairs.common.rope.apply_rope`;
 
     KV heads are expanded with ``repeat_interleave`` so query head ``h`` reads KV head
-    ``h // group``, as Transformers' ``repeat_kv`` does. ``split_qkv``, ``expand_kv`` and
-    ``mask_scores`` are methods so a fault injection can replace them.
+    ``h // group``, as Transformers' ``repeat_kv`` does. ``split_qkv``, ``expand_kv``, ``mask_scores``
+    and ``split_gate`` are methods so a fault injection can replace them.
 
     Taps (see :class:`~reference_pairs.common.taps.Tap`): ``q_rot``/``k_rot`` after RoPE (the
     unrotated q/k without RoPE) ``(batch, heads, seq, head_dim)``, K before expansion; ``scores``
@@ -138,6 +138,12 @@ class GroupedQueryAttention(nn.Module):
         serves query heads ``g * group .. (g + 1) * group - 1`` (``repeat_interleave``, not ``repeat``)."""
         return t.repeat_interleave(self.group_size, dim=1)
 
+    def split_gate(self, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(b, s, heads, 2 * head_dim)`` -> the query ``(b, s, heads, head_dim)`` and the gate ``(b, s,
+        heads * head_dim)``: each head's first ``head_dim`` values are its query, the next its gate."""
+        queries, gate = queries.chunk(2, dim=-1)
+        return queries, gate.reshape(*gate.shape[:2], -1)
+
     def mask_scores(self, scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
         """Disallowed positions get the dtype's lowest finite value, as Transformers' eager masks do:
         a query row with no allowed key (a left-padding row) then gets uniform weights, not NaN."""
@@ -167,8 +173,8 @@ class GroupedQueryAttention(nn.Module):
         keys = keys.unflatten(-1, (self.n_kv_heads, self.head_dim))
         values = values.unflatten(-1, (self.n_kv_heads, self.head_dim))
         if self.output_gate:
-            queries, gate = queries.chunk(2, dim=-1)
-            gate = self.gate(gate.reshape(b, s, -1))
+            queries, gate = self.split_gate(queries)
+            gate = self.gate(gate)
         if self.qk_norm == "head":
             queries, keys = self.q_norm(queries), self.k_norm(keys)
         queries, keys, values = queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)

@@ -93,14 +93,16 @@ class DecoderModel(nn.Module):
         every forward, so an edited ``cfg`` takes effect)."""
         raise NotImplementedError
 
-    def _layer_ropes(self) -> list[tuple[str, dict | None, int]]:
-        """(layer type, rope dict or None, head_dim of its attention) for each layer type present."""
+    def _layer_ropes(self) -> list[tuple[str, dict | None, int | None]]:
+        """(layer type, rope dict or None, head_dim of its attention, None without RoPE) for each
+        layer type present (a token mixer without RoPE, e.g. linear attention, need not have a head_dim)."""
         params, seen = self.rope_parameters(), {}
         for block in self.blocks:
             if block.layer_type not in seen:
                 if block.layer_type not in params:
                     raise ValueError(f"rope_parameters has no entry for layer type {block.layer_type!r}")
-                seen[block.layer_type] = (block.layer_type, params[block.layer_type], block.att.head_dim)
+                rope = params[block.layer_type]
+                seen[block.layer_type] = (block.layer_type, rope, None if rope is None else block.att.head_dim)
         return list(seen.values())
 
     def rope_tables(self, positions: int | torch.Tensor, device: torch.device, dtype: torch.dtype) -> dict[str, tuple]:

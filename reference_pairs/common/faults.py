@@ -28,7 +28,8 @@ def expand_kv_with_repeat(pair: Pair) -> None:
     """K/V heads tiled ``[K0, K1, K0, K1]`` (``repeat``) instead of ``[K0, K0, K1, K1]`` (onnx #7274)."""
     for block in pair.ours.blocks:
         att = block.att
-        att.expand_kv = lambda t, g=att.group_size: t.repeat(1, g, 1, 1)
+        if hasattr(att, "expand_kv"):  # softmax attention layers only (not a linear-attention layer)
+            att.expand_kv = lambda t, g=att.group_size: t.repeat(1, g, 1, 1)
 
 
 class PerHeadRMSNorm(nn.Module):
@@ -62,7 +63,8 @@ def untie_head(pair: Pair) -> None:
 def mask_with_neg_inf(pair: Pair) -> None:
     """Masked scores filled with -inf: a query row with no real key (left padding) becomes NaN (unsloth #9848)."""
     for block in pair.ours.blocks:
-        block.att.mask_scores = lambda scores, allowed: scores.masked_fill(~allowed, float("-inf"))
+        if hasattr(block.att, "mask_scores"):
+            block.att.mask_scores = lambda scores, allowed: scores.masked_fill(~allowed, float("-inf"))
 
 
 #: the padded batch F10 needs: rows after the first start with 5 padding tokens

@@ -31,3 +31,14 @@ MLP = [
 ]
 LAYER_OUTPUT = [("model.layers.{i}", "blocks.{i}")]
 FINAL = [("model.norm", "final_norm"), ("lm_head", "out_head")]
+#: :class:`~reference_pairs.common.linear_attention.GatedDeltaNet`: the projections, the gated norm
+#: and ``out_proj`` are modules on both sides; what the reference computes inside its kernel
+#: functions (conv output, beta, g, q/k after the L2 norm, the delta rule's output and final state)
+#: is captured by :mod:`parity.hf_kernels`, ours by taps of the same names
+GATED_DELTANET = [
+    (f"model.layers.{{i}}.linear_attn.{name}", f"blocks.{{i}}.att.{name}")
+    for name in (
+        "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv_out", "beta", "g", "q_l2norm", "k_l2norm",
+        "delta_out", "recurrent_state", "norm", "out_proj",
+    )
+]

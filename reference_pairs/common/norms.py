@@ -85,3 +85,27 @@ class LayerNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, bias={self.bias is not None}, fused={self.fused}"
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm, then times ``silu(gate)``: ``y = (w * x_hat.to(dtype)) * silu(gate)``, norm before gate.
+
+    The output norm of Gated DeltaNet layers (``Qwen3_5RMSNormGated``, FLA's ``FusedRMSNormGated``
+    with ``norm_before_gate``): ``x_hat`` in float32, cast to the input dtype, multiplied by ``w``
+    (initialised to ones) in that dtype (Llama's order), then by ``silu(gate)`` computed in
+    float32, and cast back last. Shapes: ``x`` and ``gate`` ``(..., dim)``; the output has ``x``'s
+    shape and dtype.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, *, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return (self.weight * normed.to(x.dtype) * F.silu(gate.float())).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"

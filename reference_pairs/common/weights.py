@@ -25,3 +25,12 @@ MLP = {
 #: final norm and output head (a tied head is the embedding's Parameter in ours; the checkpoint may
 #: omit ``lm_head.weight`` then)
 FINAL = {"model.norm.weight": "final_norm.weight", "lm_head.weight": "out_head.weight"}
+#: :class:`~reference_pairs.common.linear_attention.GatedDeltaNet`, a ``linear_attention`` layer's
+#: token mixer (it keeps Transformers' parameter names)
+GATED_DELTANET = {
+    f"model.layers.{{i}}.linear_attn.{name}": f"blocks.{{i}}.att.{name}"
+    for name in (
+        "in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight", "conv1d.weight",
+        "A_log", "dt_bias", "norm.weight", "out_proj.weight",
+    )
+}
