@@ -9,7 +9,10 @@ for a kind of field:
   that read it (RMSNorm / LayerNorm eps, eps inside vs outside the square root, the Q/K norms), and a
   token with RMS 10 makes a missing normalisation obvious. Random token ids hit every scale.
 * **Norm weights away from 1** (``1 + N(0, 0.1^2)``; also for ``(1 + w)`` norms, whose ``w`` is then
-  away from 0): ``w`` vs ``1 + w`` and a swapped or unloaded norm weight change every output.
+  away from 0): ``w`` vs ``1 + w`` and a swapped or unloaded norm weight change every output. Other
+  1-D multipliers (a tensor whose own name says ``scale``/``scalar``, e.g. Gemma 4's per-layer
+  ``layer_scalar``) are drawn the same way: near 1, so depth neither explodes nor vanishes, and
+  not 1, so a multiplier left out shows.
 * **Every tensor distinct** (one seeded generator, drawn in checkpoint order): two weights of the
   same shape never hold equal values, so swapped, duplicated or transposed loads show, and a user's
   model can be aligned to the reference by the values it holds.
@@ -43,12 +46,13 @@ def probe_weights(shapes: Mapping[str, tuple[int, ...]], seed: int, dtype: torch
     """Seeded probe weights in checkpoint naming (see the module docstring), created once and shared by
     both models. Keys are read for what a tensor is: ``embed`` in the name and 2-D is a token
     embedding (the first one; any other embedding table is N(0, 1)), ``norm`` and 1-D is a norm
-    weight, other 1-D tensors are biases, everything else a linear weight ``(out, in, ...)``."""
+    weight, 1-D with ``scal`` in its own name a multiplier (drawn like a norm weight), other 1-D
+    tensors are biases, everything else a linear weight ``(out, in, ...)``."""
     gen = torch.Generator().manual_seed(seed)
     out = {}
     scaled_embedding = False
     for name, shape in shapes.items():
-        if len(shape) == 1 and "norm" in name:
+        if len(shape) == 1 and ("norm" in name or "scal" in name.rsplit(".", 1)[-1]):
             t = 1.0 + 0.1 * torch.randn(shape, generator=gen)
         elif len(shape) == 1:
             t = 0.02 * torch.randn(shape, generator=gen)

@@ -52,6 +52,16 @@ class GroupedQueryAttention(nn.Module):
       splits *per head* into the query (first ``head_dim``) and a gate (second ``head_dim``); the
       merged context is multiplied by ``sigmoid(gate)`` before ``out_proj`` (``Qwen3_5Attention``);
     * ``sliding_window``: keys more than ``window - 1`` positions back are masked;
+    * ``qk_norm_heads_first``: the per-head Q/K norm runs on ``(batch, heads, seq, head_dim)`` instead
+      of ``(batch, seq, heads, head_dim)`` (``Gemma3Attention``): the same numbers, in the layout
+      the reference's ``q_norm``/``k_norm`` return;
+    * ``v_norm(head_dim)``: a norm on each value head (Gemma 4: ``RMSNorm(weight=False)``);
+    * ``k_eq_v``: no ``W_value``; the values are the raw key projection, before ``k_norm`` and RoPE
+      (Gemma 4 ``attention_k_eq_v`` on full-attention layers);
+    * ``kv_shared``: no K/V projections or norms at all; ``forward`` attends to the ``shared_kv``
+      it is given, the keys and values another layer computed (Gemma 4 ``num_kv_shared_layers``);
+      ``keep_kv``: after each forward, ``self.kv`` holds this layer's ``(keys, values)`` (after norm
+      and RoPE, before GQA expansion) for the layers that share them;
     * RoPE: a layer without it gets ``cos = sin = None``. ``cos``/``sin`` narrower than ``head_dim / 2``
       rotate only the first dims (partial rotary); ``interleaved_rope`` pairs ``2i`` with ``2i + 1``
       instead of ``i`` with ``i + d/2``; ``rotate_in_float32`` upcasts q/k for the rotation
@@ -81,6 +91,11 @@ class GroupedQueryAttention(nn.Module):
         qk_norm: str | None = None,
         norm: Callable[[int], nn.Module] = RMSNorm,
         output_gate: bool = False,
+        qk_norm_heads_first: bool = False,
+        v_norm: Callable[[int], nn.Module] | None = None,
+        k_eq_v: bool = False,
+        kv_shared: bool = False,
+        keep_kv: bool = False,
         sliding_window: int | None = None,
         interleaved_rope: bool = False,
         rotate_in_float32: bool = False,
@@ -94,21 +109,32 @@ class GroupedQueryAttention(nn.Module):
             raise ValueError(f"qk_norm must be None, 'projection' or 'head', got {qk_norm!r}")
         if output_gate and qk_norm == "projection":
             raise ValueError("output_gate with a whole-projection Q norm: no reference model does this")
+        if qk_norm_heads_first and qk_norm != "head":
+            raise ValueError("qk_norm_heads_first is a layout of the per-head Q/K norm (qk_norm='head')")
+        if kv_shared and (k_eq_v or keep_kv):
+            raise ValueError("a kv_shared layer computes no keys or values (k_eq_v and keep_kv describe those it computes)")
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.group_size = n_heads // n_kv_heads
         self.scale = head_dim**-0.5 if scale is None else scale
         self.softcap, self.qk_norm, self.output_gate = softcap, qk_norm, output_gate
+        self.qk_norm_heads_first, self.k_eq_v, self.kv_shared, self.keep_kv = qk_norm_heads_first, k_eq_v, kv_shared, keep_kv
         self.sliding_window = sliding_window
         self.interleaved_rope, self.rotate_in_float32 = interleaved_rope, rotate_in_float32
+        self.kv: tuple[torch.Tensor, torch.Tensor] | None = None
         q_width = n_heads * head_dim * (2 if output_gate else 1)
+        whole = qk_norm == "projection"
         self.W_query = nn.Linear(d_in, q_width, bias=bias, dtype=dtype)
-        self.W_key = nn.Linear(d_in, n_kv_heads * head_dim, bias=bias, dtype=dtype)
-        self.W_value = nn.Linear(d_in, n_kv_heads * head_dim, bias=bias, dtype=dtype)
-        self.out_proj = nn.Linear(n_heads * head_dim, d_in, bias=bias, dtype=dtype)
         if qk_norm is not None:
-            whole = qk_norm == "projection"
             self.q_norm = norm(n_heads * head_dim if whole else head_dim)
-            self.k_norm = norm(n_kv_heads * head_dim if whole else head_dim)
+        if not kv_shared:
+            self.W_key = nn.Linear(d_in, n_kv_heads * head_dim, bias=bias, dtype=dtype)
+            if not k_eq_v:
+                self.W_value = nn.Linear(d_in, n_kv_heads * head_dim, bias=bias, dtype=dtype)
+            if qk_norm is not None:
+                self.k_norm = norm(n_kv_heads * head_dim if whole else head_dim)
+            if v_norm is not None:
+                self.v_norm = v_norm(head_dim)
+        self.out_proj = nn.Linear(n_heads * head_dim, d_in, bias=bias, dtype=dtype)
         self.q_rot, self.k_rot, self.scores, self.probs, self.context = Tap(), Tap(), Tap(), Tap(), Tap()
         if output_gate:
             self.gate = Tap()
@@ -129,26 +155,32 @@ class GroupedQueryAttention(nn.Module):
         cos: torch.Tensor | None = None,
         sin: torch.Tensor | None = None,
         padding_mask: torch.Tensor | None = None,
+        shared_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """``x``: ``(batch, seq, d_in)``; ``cos``/``sin``: ``(seq, rotary_dim // 2)`` or None (no RoPE);
-        ``padding_mask``: ``(batch, seq)``, True (or 1) for real tokens, or None for no padding."""
+        ``padding_mask``: ``(batch, seq)``, True (or 1) for real tokens, or None for no padding;
+        ``shared_kv`` (``kv_shared`` layers only): ``(keys, values)``, each ``(batch, n_kv_heads, seq,
+        head_dim)``, as another layer's ``self.kv`` holds them."""
         b, s, _ = x.shape
-        queries, keys, values = self.W_query(x), self.W_key(x), self.W_value(x)
+        queries = self.W_query(x)
         if self.qk_norm == "projection":
-            queries, keys = self.q_norm(queries), self.k_norm(keys)
+            queries = self.q_norm(queries)
         queries = queries.unflatten(-1, (self.n_heads, -1))  # (b, s, heads, head_dim [* 2])
-        keys = keys.unflatten(-1, (self.n_kv_heads, self.head_dim))
-        values = values.unflatten(-1, (self.n_kv_heads, self.head_dim))
         if self.output_gate:
             queries, gate = queries.chunk(2, dim=-1)
             gate = self.gate(gate.reshape(b, s, -1))
-        if self.qk_norm == "head":
-            queries, keys = self.q_norm(queries), self.k_norm(keys)
-        queries, keys, values = queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
+        queries = self._per_head_norm(self.q_norm, queries) if self.qk_norm == "head" else queries.transpose(1, 2)
+        rope = dict(interleaved=self.interleaved_rope, upcast=self.rotate_in_float32)
         if cos is not None:
-            rope = dict(interleaved=self.interleaved_rope, upcast=self.rotate_in_float32)
-            queries, keys = apply_rope(queries, cos, sin, **rope), apply_rope(keys, cos, sin, **rope)
+            queries = apply_rope(queries, cos, sin, **rope)
+        if self.kv_shared:
+            if shared_kv is None:
+                raise ValueError("a kv_shared attention needs the (keys, values) of the layer it shares (shared_kv=)")
+            keys, values = shared_kv
+        else:
+            keys, values = self._keys_values(x, cos, sin, rope)
         queries, keys = self.q_rot(queries), self.k_rot(keys)
+        self.kv = (keys, values) if self.keep_kv else None
 
         keys, values = self.expand_kv(keys), self.expand_kv(values)
         scores = self.scores(queries @ keys.transpose(2, 3) * self.scale)
@@ -163,3 +195,22 @@ class GroupedQueryAttention(nn.Module):
         if self.output_gate:
             context = context * torch.sigmoid(gate)
         return self.out_proj(context)
+
+    def _per_head_norm(self, norm: nn.Module, t: torch.Tensor) -> torch.Tensor:
+        """``(b, s, heads, head_dim)`` -> normalised per head, ``(b, heads, s, head_dim)``."""
+        return norm(t.transpose(1, 2)) if self.qk_norm_heads_first else norm(t).transpose(1, 2)
+
+    def _keys_values(self, x: torch.Tensor, cos, sin, rope: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's keys (normalised, rotated) and values, each ``(b, n_kv_heads, s, head_dim)``."""
+        keys = self.W_key(x)
+        values = keys if self.k_eq_v else self.W_value(x)  # K = V: the raw projection, before k_norm
+        if self.qk_norm == "projection":
+            keys = self.k_norm(keys)
+        keys = keys.unflatten(-1, (self.n_kv_heads, self.head_dim))
+        values = values.unflatten(-1, (self.n_kv_heads, self.head_dim))
+        keys = self._per_head_norm(self.k_norm, keys) if self.qk_norm == "head" else keys.transpose(1, 2)
+        if hasattr(self, "v_norm"):
+            values = self.v_norm(values)
+        if cos is not None:
+            keys = apply_rope(keys, cos, sin, **rope)
+        return keys, values.transpose(1, 2)

@@ -1,0 +1,3 @@
+"""Gemma 3 fault catalogue for ``parity selftest gemma3``."""
+
+FAULTS = ()

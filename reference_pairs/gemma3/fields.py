@@ -1,0 +1,3 @@
+"""Gemma 3 config fields."""
+
+FIELDS = ()

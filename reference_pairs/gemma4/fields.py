@@ -1,0 +1,3 @@
+"""Gemma 4 config fields."""
+
+FIELDS = ()
