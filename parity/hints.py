@@ -41,6 +41,10 @@ KINDS: dict[str, str] = {
     "rope_scaling": "ours rotates with the unscaled frequencies where the reference scales them (llama3, YaRN, linear)",
     "position_offset": "each padded row is rotated by an offset equal to its pad count (positions not from the mask)",
     "rounding_order": "every difference is within one or two units in the last place of the dtype (cast order)",
+    "rope_partial": "ours rotates other dims of each head than the reference (partial rotary: how many dims, which pairs)",
+    "softcap": "one side equals the other soft-capped, cap * tanh(x / cap) (a soft-cap missing or extra)",
+    "kv_sharing": "a layer that reads another layer's keys reads other keys (another layer's, or its own projection)",
+    "layer_offset": "ours equals the reference's same node in another layer (a per-layer tensor taken from the wrong layer)",
 }
 
 
