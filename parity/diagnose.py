@@ -897,8 +897,8 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     head_mapping,
     softmax_temperature,
     window_pattern,
-    rope_fit,
     rope_partial,
+    rope_fit,
     rope_pattern,
     channel_ratio,
 )

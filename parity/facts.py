@@ -29,8 +29,9 @@ class RopeFacts:
 
     ``parameters``: the Transformers ``rope_parameters`` dict of that layer type (read-only).
     ``attention_factor``: the factor Transformers multiplies cos and sin by (1.0 unless YaRN or
-    LongRoPE say otherwise). ``rotary_dim``: how many dims of a head rotate (``head_dim *
-    partial_rotary_factor``). ``interleaved``: pairs ``(2i, 2i + 1)`` rotate together (RoFormer,
+    LongRoPE say otherwise). ``rotary_dim``: how many dims of a head the rotation spans (``head_dim *
+    partial_rotary_factor``; the whole head for "proportional" RoPE, whose zero frequencies leave
+    the pairs past the partial part unrotated). ``interleaved``: pairs ``(2i, 2i + 1)`` rotate together (RoFormer,
     Cohere) instead of ``(i, i + d/2)`` (GPT-NeoX, Llama).
     """
 
@@ -314,7 +315,8 @@ def derive_facts(config, model=None) -> ArchFacts:
         partial = float(params.get("partial_rotary_factor", _get(config, "partial_rotary_factor", default=1.0)))
         theta = float(params.get("rope_theta", getattr(config, "default_theta", 10_000.0)))
         type_head_dim = head_dims[layer_types.index(layer_type)] if layer_type in layer_types else head_dim
-        rotary_dim = int(type_head_dim * partial)
+        # proportional RoPE (Gemma 4) spans the whole head, pairs (i, i + d/2), zero frequencies past the partial part
+        rotary_dim = type_head_dim if params.get("rope_type") == "proportional" else int(type_head_dim * partial)
         inv_freq, attention_factor = _rope_init(config, layer_type, params, per_type, theta, rotary_dim)
         rope_facts[layer_type] = RopeFacts(
             rope_type=str(params.get("rope_type", "default")),

@@ -36,18 +36,18 @@ def _base(**kw) -> dict:
 
 
 def tiny(n_layers: int | None = None) -> dict:
-    """6 layers (5 sliding + 1 full), window 4, GQA 4 query / 2 KV heads, head_dim 16 with
-    query_pre_attn_scalar 24 (a scale that is not head_dim's, as in Gemma 3 27B)."""
+    """6 layers (5 sliding + 1 full), window 4, 4 query heads on 1 KV head (MQA, as in 270M and
+    1B), head_dim 16 with query_pre_attn_scalar 24 (a scale that is not head_dim's, as in 27B)."""
     return _base(
-        vocab_size=257, context_length=4096, emb_dim=32, n_heads=4, n_kv_heads=2, n_layers=n_layers or 6,
+        vocab_size=257, context_length=4096, emb_dim=32, n_heads=4, n_kv_heads=1, n_layers=n_layers or 6,
         hidden_dim=64, head_dim=16, query_pre_attn_scalar=24, sliding_window=4,
     )
 
 
 def linear(n_layers: int | None = None) -> dict:
-    """``tiny`` with the larger models' linear RoPE scaling (factor 8) on full layers and a final
-    logit soft-cap of 30 (optional in Gemma 3; Gemma 2's value)."""
-    return {**tiny(n_layers), "rope_scaling_factor": 8.0, "final_logit_softcap": 30.0}
+    """``tiny`` as the 4B-27B models are: GQA (4 query / 2 KV heads) and linear RoPE scaling (factor 8)
+    on full layers; and a final logit soft-cap of 30 (optional in Gemma 3; Gemma 2's value)."""
+    return {**tiny(n_layers), "n_kv_heads": 2, "rope_scaling_factor": 8.0, "final_logit_softcap": 30.0}
 
 
 def shape_270m(n_layers: int | None = None) -> dict:

@@ -116,7 +116,7 @@ FAULTS = (
           f"{ATT.format(0)}.probs", "sliding_window", scope=f"{ATT.format('[0-4]')}.probs"),
     Fault("final-softcap-dropped", "final logit soft-cap (30) not applied", "linear", _no_final_softcap, "logits",
           "softcap"),
-    Fault("F07", "K/V heads expanded with repeat instead of repeat_interleave", "tiny", expand_kv_with_repeat,
+    Fault("F07", "K/V heads expanded with repeat instead of repeat_interleave", "linear", expand_kv_with_repeat,
           f"{ATT.format(0)}.scores", "head_mapping", scope=ATT.format("*"), source="onnx #7274"),
     Fault("F08", "output head its own Parameter, never loaded or tied", "tiny", untie_head, "lm_head", "untied_head",
           source="tinygrad #13796"),

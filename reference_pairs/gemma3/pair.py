@@ -20,8 +20,9 @@ NODES = NodeMap(
     # the embedding node is after the sqrt(emb_dim) scale on both sides (the scale is the module's)
     before=EMBED,
     per_layer=[*SANDWICH_NORMS, *ATTENTION, *QK_NORM, *MLP, *LAYER_OUTPUT],
-    # ``lm_head`` is the head before the soft-cap, ``logits`` the model's output after it
-    after=[*FINAL, Node("logits", "", reference="", when=lambda facts: facts.final_softcap is not None)],
+    # ``lm_head`` is the head before the soft-cap, ``logits`` the model's output after it (also without a
+    # cap in the config: a port that caps anyway shows there)
+    after=[*FINAL, Node("logits", "", reference="")],
 )
 
 

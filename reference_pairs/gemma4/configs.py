@@ -52,20 +52,20 @@ def _base(**kw) -> dict:
 
 def tiny(n_layers: int | None = None) -> dict:
     """6 layers (every 3rd full), the last 3 reading the keys and values of layers 1 (sliding) and 2
-    (full) with a double-wide FFN; window 4, GQA 4 query / 2 KV heads, head_dim 8 on sliding and 16
-    on full layers, per-layer inputs of width 8."""
+    (full) with a double-wide FFN; window 4, 4 query heads on 1 KV head (MQA, as in E2B), head_dim 8
+    on sliding and 16 on full layers, per-layer inputs of width 8."""
     n = n_layers or 6
     return _base(
-        vocab_size=257, vocab_size_per_layer_input=257, context_length=4096, emb_dim=32, n_heads=4, n_kv_heads=2,
+        vocab_size=257, vocab_size_per_layer_input=257, context_length=4096, emb_dim=32, n_heads=4, n_kv_heads=1,
         n_layers=n, hidden_dim=64, head_dim=8, global_head_dim=16, sliding_window=4, layer_types=layer_types(n, 3),
         hidden_size_per_layer_input=8, num_kv_shared_layers=n // 2, use_double_wide_mlp=True,
     )
 
 
 def k_eq_v(n_layers: int | None = None) -> dict:
-    """``tiny`` with ``attention_k_eq_v`` (full layers use their key projection as values, with 1 KV
-    head of their own), as the larger Gemma 4 models do."""
-    return {**tiny(n_layers), "attention_k_eq_v": True, "num_global_kv_heads": 1}
+    """``tiny`` with GQA (4 query / 2 KV heads, as in E4B) and ``attention_k_eq_v``: full layers use
+    their key projection as values, with 1 KV head of their own (as the larger Gemma 4 models do)."""
+    return {**tiny(n_layers), "n_kv_heads": 2, "attention_k_eq_v": True, "num_global_kv_heads": 1}
 
 
 def _shape(n_layers: int | None, first_shared: int, period: int, **kw) -> dict:

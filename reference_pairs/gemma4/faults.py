@@ -150,7 +150,7 @@ FAULTS = (
           "model.layers.0", "scale", scope="model.layers.[0-9]"),
     Fault("final-softcap-dropped", "final logit soft-cap (30) not applied", "tiny", _no_final_softcap, "logits",
           "softcap"),
-    Fault("F07", "K/V heads expanded with repeat instead of repeat_interleave", "tiny", expand_kv_with_repeat,
+    Fault("F07", "K/V heads expanded with repeat instead of repeat_interleave", "k-eq-v", expand_kv_with_repeat,
           f"{ATT.format(0)}.scores", "head_mapping", scope=ATT.format("*"), source="onnx #7274"),
     Fault("F08", "output head its own Parameter, never loaded or tied", "tiny", untie_head, "lm_head", "untied_head",
           source="tinygrad #13796"),

@@ -52,7 +52,9 @@ NODES = NodeMap(
         Node("model.layers.{i}.post_per_layer_input_norm", f"{_BLOCK}.post_per_layer_input_norm", when=_PLE),
         *LAYER_OUTPUT,  # after the layer scalar
     ],
-    after=[*FINAL, Node("logits", "", reference="", when=lambda facts: facts.final_softcap is not None)],
+    # ``lm_head`` is the head before the soft-cap, ``logits`` the model's output after it (also without a
+    # cap in the config: a port that caps anyway shows there)
+    after=[*FINAL, Node("logits", "", reference="")],
 )
 
 
@@ -118,7 +120,9 @@ def from_hf(hc, dtype: torch.dtype) -> dict:
     26B A4B), ``use_bidirectional_attention``, ``per_layer_config`` overrides other than full layers'
     head_dim and KV heads, an activation we do not implement, unknown layer types, a rope type other
     than default (sliding) or proportional/default (full), RoPE options we do not implement,
-    ``num_kv_shared_layers`` that leaves a shared layer type without an earlier layer to read.
+    ``num_kv_shared_layers`` that leaves a shared layer type without an earlier layer to read, KV
+    sharing without per-layer inputs (the reference fails on it), a per-layer vocabulary smaller than
+    the vocabulary.
     """
     if hc.enable_moe_block:
         raise ConfigError("enable_moe_block=True is not supported (the dense Gemma 4 text model only; no MoE block)")
@@ -138,6 +142,17 @@ def from_hf(hc, dtype: torch.dtype) -> dict:
         raise ConfigError(
             f"num_kv_shared_layers={shared} leaves a shared layer type without an earlier layer of its type to "
             f"read keys and values from ({hc.num_hidden_layers} layers: {', '.join(layer_types)})"
+        )
+    if shared and not hc.hidden_size_per_layer_input:
+        raise ConfigError(
+            f"num_kv_shared_layers={shared} with hidden_size_per_layer_input={hc.hidden_size_per_layer_input!r} is not "
+            "supported: Gemma4TextModel (Transformers 5.24) slices the per-layer inputs, None here, before its first "
+            "KV-shared layer and fails"
+        )
+    if hc.hidden_size_per_layer_input and hc.vocab_size_per_layer_input < hc.vocab_size:
+        raise ConfigError(
+            f"vocab_size_per_layer_input={hc.vocab_size_per_layer_input} is smaller than vocab_size={hc.vocab_size}: "
+            "token ids past it have no per-layer embedding"
         )
     globals_ = hc.to_dict()  # global values (a heterogeneous config raises when they are read as attributes)
     head_dim = _per_layer(hc, "head_dim", SLIDING, globals_["head_dim"] or hc.hidden_size // hc.num_attention_heads)
