@@ -275,3 +275,70 @@ def test_parity_at_real_widths(name, emb, n_layers, dtype):
     assert (pair.cfg["emb_dim"], pair.cfg["global_head_dim"], pair.cfg["vocab_size"]) == (emb, 512, 262_144)
     assert ("KV sharing" in pair.facts.features) == (n_layers > 15)
     assert_exact(pair)
+
+
+# --- the general pieces Gemma 4 brought: named-argument nodes, a weightless norm, KV-shared attention
+
+
+class _TakesSideInput(torch.nn.Module):
+    def forward(self, x, side=None, scale=1.0):
+        return x + side * scale
+
+
+class _Caller(torch.nn.Module):
+    def __init__(self, positional: bool):
+        super().__init__()
+        self.inner, self.positional = _TakesSideInput(), positional
+
+    def forward(self, x):
+        side = x * 2
+        return self.inner(x, side) if self.positional else self.inner(x, side=side)
+
+
+@pytest.mark.parametrize("positional", [True, False], ids=["positional", "keyword"])
+def test_argument_nodes_record_and_substitute_a_named_forward_argument(positional):
+    from parity.trace import Trace, recording
+
+    x = torch.arange(6.0).reshape(1, 2, 3)
+    model = _Caller(positional)
+    with recording(model, [("side", "inner@side"), ("out", "inner")]) as trace:
+        model(x)
+    assert torch.equal(trace.tensors["side"], x * 2)
+    substitute = Trace(tensors={"side": torch.zeros_like(x)})
+    with recording(model, [("side", "inner@side")], substitute=substitute):
+        assert torch.equal(model(x), x)  # the reference's side input (zeros) replaced ours
+    with recording(model, [("none", "inner@scale")]) as trace:  # left at its default: nothing recorded
+        model(x)
+    assert "none" not in trace.tensors
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_rms_norms_match_gemma4_with_and_without_weight(dtype):
+    """Gemma4RMSNorm writes pow(ms + eps, -0.5) where ours writes rsqrt: the same bits."""
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
+
+    from reference_pairs.common.norms import RMSNorm
+
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(4, 16, 64, generator=gen) * torch.logspace(-3, 1, 64)).to(dtype)
+    for with_scale in (True, False):
+        theirs = Gemma4RMSNorm(64, eps=1e-6, with_scale=with_scale).to(dtype)
+        ours = RMSNorm(64, eps=1e-6, weight=with_scale, dtype=dtype)
+        if with_scale:
+            theirs.weight.data = 1 + 0.1 * torch.randn(64, generator=gen).to(dtype)
+            ours.weight = theirs.weight
+        with torch.no_grad():
+            assert torch.equal(ours(x), theirs(x))
+    with pytest.raises(ValueError, match="weight=False has none"):
+        RMSNorm(8, weight=False, unit_offset=True)
+
+
+def test_kv_shared_attention_needs_the_keys_it_shares():
+    from reference_pairs.common.attention import GroupedQueryAttention
+
+    att = GroupedQueryAttention(16, 2, 1, 8, kv_shared=True)
+    assert not hasattr(att, "W_key") and not hasattr(att, "W_value")
+    with pytest.raises(ValueError, match="shared_kv="):
+        att(torch.zeros(1, 3, 16))
+    with pytest.raises(ValueError, match="kv_shared layer computes no keys"):
+        GroupedQueryAttention(16, 2, 1, 8, kv_shared=True, k_eq_v=True)

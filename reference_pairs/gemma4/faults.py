@@ -104,6 +104,14 @@ def _per_layer_inputs_unscaled(pair):
     ours.per_layer_inputs = lambda input_ids, x: correct(input_ids, x) * 2.0**0.5
 
 
+def _per_layer_inputs_one_layer_off(pair):
+    """Layer i reads the per-layer input of layer i + 1 (a packed ``n_layers * width`` table unpacked
+    one slice off)."""
+    ours = pair.ours
+    correct = ours.per_layer_inputs
+    ours.per_layer_inputs = lambda input_ids, x: correct(input_ids, x).roll(-1, dims=2)
+
+
 def _scale_from_head_dim(pair):
     """The attention scale head_dim ** -0.5 (a Llama/Gemma 3 habit) where Gemma 4 uses 1.0."""
     for block in pair.ours.blocks:
@@ -144,6 +152,9 @@ FAULTS = (
           scope="model.layers.*.per_layer_input_gate"),
     Fault("per-layer-inputs-unscaled", "per-layer inputs summed without the 1/sqrt(2) scale", "tiny",
           _per_layer_inputs_unscaled, "model.layers.0@per_layer_input", "scale", scope="model.layers.*@per_layer_input"),
+    Fault("per-layer-inputs-one-layer-off", "layer i reads the per-layer input of layer i + 1", "tiny",
+          _per_layer_inputs_one_layer_off, "model.layers.0@per_layer_input", "layer_offset",
+          scope="model.layers.*@per_layer_input"),
     Fault("scale-from-head-dim", "attention scale head_dim ** -0.5 instead of Gemma 4's 1.0", "tiny",
           _scale_from_head_dim, f"{ATT.format(0)}.scores", "attention_scale", scope=f"{ATT.format('*')}.scores"),
     Fault("layer-scalar-dropped", "each layer's output not multiplied by its layer_scalar", "tiny", _no_layer_scalar,

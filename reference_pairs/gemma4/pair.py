@@ -112,26 +112,14 @@ def _per_layer(hc, name: str, layer_type: str, default):
     return values.pop() if values else default
 
 
-def from_hf(hc, dtype: torch.dtype) -> dict:
-    """``transformers.Gemma4TextConfig`` -> our cfg (head_dim and KV heads per layer type from its
-    ``per_layer_config``).
-
-    Raises ConfigError naming any field we cannot honour: the MoE block (``enable_moe_block``, Gemma 4
-    26B A4B), ``use_bidirectional_attention``, ``per_layer_config`` overrides other than full layers'
-    head_dim and KV heads, an activation we do not implement, unknown layer types, a rope type other
-    than default (sliding) or proportional/default (full), RoPE options we do not implement,
-    ``num_kv_shared_layers`` that leaves a shared layer type without an earlier layer to read, KV
-    sharing without per-layer inputs (the reference fails on it), a per-layer vocabulary smaller than
-    the vocabulary.
-    """
+def _refuse_what_we_cannot_honour(hc) -> None:
     if hc.enable_moe_block:
         raise ConfigError("enable_moe_block=True is not supported (the dense Gemma 4 text model only; no MoE block)")
     if hc.use_bidirectional_attention is not None:
         raise ConfigError(f"use_bidirectional_attention={hc.use_bidirectional_attention!r} is not supported (causal text model only)")
     if hc.hidden_activation not in ACTIVATIONS:
         raise ConfigError(f"hidden_activation {hc.hidden_activation!r} is not supported ({', '.join(ACTIVATIONS)})")
-    layer_types = list(hc.layer_types)
-    unknown_types = set(layer_types) - {SLIDING, FULL}
+    unknown_types = set(hc.layer_types) - {SLIDING, FULL}
     if unknown_types:
         raise ConfigError(f"layer_types has unsupported entries: {', '.join(sorted(unknown_types))}")
     per_layer = set(hc.per_layer_attributes or ()) - {"head_dim", "num_key_value_heads"}
@@ -141,7 +129,7 @@ def from_hf(hc, dtype: torch.dtype) -> dict:
     if shared and not kv_sources(hc):
         raise ConfigError(
             f"num_kv_shared_layers={shared} leaves a shared layer type without an earlier layer of its type to "
-            f"read keys and values from ({hc.num_hidden_layers} layers: {', '.join(layer_types)})"
+            f"read keys and values from ({hc.num_hidden_layers} layers: {', '.join(hc.layer_types)})"
         )
     if shared and not hc.hidden_size_per_layer_input:
         raise ConfigError(
@@ -154,6 +142,21 @@ def from_hf(hc, dtype: torch.dtype) -> dict:
             f"vocab_size_per_layer_input={hc.vocab_size_per_layer_input} is smaller than vocab_size={hc.vocab_size}: "
             "token ids past it have no per-layer embedding"
         )
+
+
+def from_hf(hc, dtype: torch.dtype) -> dict:
+    """``transformers.Gemma4TextConfig`` -> our cfg (head_dim and KV heads per layer type from its
+    ``per_layer_config``).
+
+    Raises ConfigError naming any field we cannot honour: the MoE block (``enable_moe_block``, Gemma 4
+    26B A4B), ``use_bidirectional_attention``, ``per_layer_config`` overrides other than full layers'
+    head_dim and KV heads, an activation we do not implement, unknown layer types, a rope type other
+    than default (sliding) or proportional/default (full), RoPE options we do not implement,
+    ``num_kv_shared_layers`` that leaves a shared layer type without an earlier layer to read, KV
+    sharing without per-layer inputs (the reference fails on it), a per-layer vocabulary smaller than
+    the vocabulary.
+    """
+    _refuse_what_we_cannot_honour(hc)
     globals_ = hc.to_dict()  # global values (a heterogeneous config raises when they are read as attributes)
     head_dim = _per_layer(hc, "head_dim", SLIDING, globals_["head_dim"] or hc.hidden_size // hc.num_attention_heads)
     kv_heads = _per_layer(hc, "num_key_value_heads", SLIDING, globals_["num_key_value_heads"])
@@ -161,36 +164,33 @@ def from_hf(hc, dtype: torch.dtype) -> dict:
     if full_kv != kv_heads and not hc.attention_k_eq_v:
         raise ConfigError(f"per_layer_config gives full layers {full_kv} KV heads without attention_k_eq_v (ours: {kv_heads})")
     sliding, full = _rope(hc, SLIDING), _rope(hc, FULL)
-    cfg = dict(
+    return dict(
         vocab_size=hc.vocab_size,
+        vocab_size_per_layer_input=hc.vocab_size_per_layer_input,
         context_length=hc.max_position_embeddings,
         emb_dim=hc.hidden_size,
         hidden_dim=hc.intermediate_size,
         n_layers=hc.num_hidden_layers,
         n_heads=hc.num_attention_heads,
         n_kv_heads=kv_heads,
-        head_dim=head_dim,
-        tie_word_embeddings=bool(hc.tie_word_embeddings),
-    )
-    return dict(
-        **cfg,
-        vocab_size_per_layer_input=hc.vocab_size_per_layer_input,
-        global_head_dim=_per_layer(hc, "head_dim", FULL, head_dim),
         num_global_kv_heads=full_kv if hc.attention_k_eq_v and full_kv != kv_heads else None,
+        head_dim=head_dim,
+        global_head_dim=_per_layer(hc, "head_dim", FULL, head_dim),
         hidden_activation=hc.hidden_activation,
         rms_norm_eps=hc.rms_norm_eps,
         sliding_window=hc.sliding_window,
-        layer_types=layer_types,
+        layer_types=list(hc.layer_types),
         rope_local_base=float(sliding.get("rope_theta", 10_000.0)),
         rope_base=float(full.get("rope_theta", 1_000_000.0)),
         rope_global_type=full.get("rope_type", "default"),
         rope_global_partial_rotary_factor=float(full.get("partial_rotary_factor", 1.0)),
         hidden_size_per_layer_input=hc.hidden_size_per_layer_input or 0,
-        num_kv_shared_layers=shared,
+        num_kv_shared_layers=int(hc.num_kv_shared_layers or 0),
         use_double_wide_mlp=bool(hc.use_double_wide_mlp),
         attention_k_eq_v=bool(hc.attention_k_eq_v),
         final_logit_softcap=hc.final_logit_softcapping,
         attention_bias=bool(hc.attention_bias),
+        tie_word_embeddings=bool(hc.tie_word_embeddings),
         dtype=dtype,
     )
 
