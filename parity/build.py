@@ -247,9 +247,13 @@ class Reference:
 
 def random_weights(reference_cls, hf_config, seed: int, dtype: torch.dtype, what: str) -> dict[str, torch.Tensor]:
     """Seeded random weights in checkpoint naming for ``reference_cls(hf_config)`` (shapes read on
-    the meta device; the memory guard runs first)."""
+    the meta device; the memory guard runs first): every parameter, then every persistent buffer
+    (a checkpoint carries those too, e.g. Gemma 4's ``layer_scalar``)."""
     with torch.device("meta"):
-        shapes = {k: tuple(p.shape) for k, p in reference_cls(hf_config).named_parameters()}
+        model = reference_cls(hf_config)
+        shapes = {k: tuple(p.shape) for k, p in model.named_parameters()}
+        buffers = dict(model.named_buffers())
+        shapes.update({k: tuple(buffers[k].shape) for k in model.state_dict() if k in buffers})
     n_params = sum(math.prod(s) for s in shapes.values())
     require(
         n_params * torch.finfo(dtype).bits // 8,

@@ -145,8 +145,13 @@ def _step(k: int, name: str) -> str:
 
 
 def _attention_stems(pair: Pair) -> dict[int, str]:
-    """Layer index -> the attention module's canonical path (from its ``k_rot`` node)."""
-    return {n.layer: n.name[: -len(".k_rot")] for n in pair.nodes if n.kind == "k_rot" and n.layer is not None}
+    """Layer index -> the attention module's canonical path (from its ``k_rot`` node), for the layers
+    that keep a cache of their own (a KV-shared layer reads its source layer's)."""
+    def own(i: int) -> bool:
+        layer = pair.facts.layer(i)
+        return layer is None or layer.kv_source is None
+
+    return {n.layer: n.name[: -len(".k_rot")] for n in pair.nodes if n.kind == "k_rot" and n.layer is not None and own(n.layer)}
 
 
 def _cache_tensors(layers: list, stems: dict[int, str]) -> dict[str, torch.Tensor]:

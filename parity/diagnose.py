@@ -73,16 +73,88 @@ def _fmt_list(xs, n=6) -> str:
 # --- exact matches with something else ---------------------------------------------------------
 
 
+def _reads_stream(kind: str) -> bool:
+    """A node that is a point of the residual stream: a module's input, or a layer's output."""
+    return "@input" in kind or kind == "layer"
+
+
 def sibling_match(e: Evidence) -> Hint | None:
-    """Ours reproduces another reference node of the same layer (gate vs up, k vs v)."""
+    """Ours reproduces another reference node of the same layer (gate vs up, k vs v); for a branch's
+    input, another point of the residual stream (the branch reads the stream at the wrong place)."""
     prefix = e.name.rsplit(".", 1)[0]
     for name, tensor in e.ref_trace.tensors.items():
-        if name != e.name and name.startswith(prefix) and tensor.shape == e.ours.shape and e.close(e.ours, tensor):
+        if name == e.name or not name.startswith(prefix) or tensor.shape != e.ours.shape:
+            continue
+        layer, kind = e.facts.locate(name)
+        if e.result.layer is not None and layer != e.result.layer:
+            continue  # another layer's node: see other_layer
+        if not e.close(e.ours, tensor):
+            continue
+        if _reads_stream(e.kind) and _reads_stream(kind):
             return Hint(
-                "swapped_weights",
-                f"likely swapped or misassigned weights: ours matches the reference's {name} instead",
+                "block_layout",
+                f"likely the block layout: the {e.kind} of ours is the reference's {name}, another point of the "
+                "residual stream (this branch reads the stream before or after the wrong sub-layer)",
                 {"matches": name},
             )
+        return Hint(
+            "swapped_weights",
+            f"likely swapped or misassigned weights: ours matches the reference's {name} instead",
+            {"matches": name},
+        )
+    return None
+
+
+def _same_kind_elsewhere(e: Evidence) -> list[tuple[int, str, torch.Tensor]]:
+    """``(layer, name, tensor)`` of the reference's nodes of this node's kind in every other layer."""
+    out = []
+    for name, tensor in e.ref_trace.tensors.items():
+        layer, kind = e.facts.locate(name)
+        if kind == e.kind and layer is not None and layer != e.result.layer and tensor.shape == e.ours.shape:
+            out.append((layer, name, tensor))
+    return out
+
+
+def kv_sharing(e: Evidence) -> Hint | None:
+    """The keys of a layer that reads another layer's keys and values (cross-layer KV sharing): ours
+    are some other layer's, or computed here."""
+    layer = e.facts.layer(e.result.layer)
+    if e.kind != "k_rot" or layer is None or layer.kv_source is None:
+        return None
+    own = [(i, name, t) for i, name, t in _same_kind_elsewhere(e) if e.facts.layer(i).kv_source is None]
+    match = next(((i, name) for i, name, t in own if i != layer.kv_source and e.close(e.ours, t)), None)
+    source = f"layer {layer.index} reads the keys and values of layer {layer.kv_source} in the reference (KV sharing)"
+    if match is not None:
+        return Hint("kv_sharing", f"likely the wrong layer's keys: {source}; ours are layer {match[0]}'s ({match[1]})",
+                    {"reference_source": layer.kv_source, "ours_source": match[0]})
+    return Hint("kv_sharing", f"likely KV sharing not applied: {source}; ours equal no layer's keys (computed here, "
+                "e.g. by projecting this layer's own input)", {"reference_source": layer.kv_source, "ours_source": None})
+
+
+def other_layer(e: Evidence) -> Hint | None:
+    """Ours equals the reference's node of the same kind in another layer (a per-layer input, weight
+    or cache slot taken from the wrong layer)."""
+    for layer, name, tensor in _same_kind_elsewhere(e):
+        if e.close(e.ours, tensor):
+            return Hint("layer_offset", f"likely a per-layer tensor from the wrong layer: ours equals the reference's "
+                        f"{name} (layer {layer}, not {e.result.layer})", {"matches": name, "layer": layer})
+    return None
+
+
+def soft_capping(e: Evidence) -> Hint | None:
+    """The logits of one side are the other's soft-capped, ``cap * tanh(x / cap)``: the final soft-cap
+    missing in ours, or applied where the reference applies none (or twice)."""
+    cap = e.facts.final_softcap
+    if e.kind != "logits" or not cap:
+        return None
+    a, b = e.ours.double(), e.ref.double()
+    tol = max(EXPLAINS, 4 * torch.finfo(e.ref.dtype).eps)
+    if _rel(b, cap * torch.tanh(a / cap)) < tol:
+        return Hint("softcap", f"likely the final logit soft-cap is missing: the reference's logits are ours "
+                    f"soft-capped, {cap:g} * tanh(x / {cap:g})", {"cap": cap, "ours": "uncapped"})
+    if _rel(a, cap * torch.tanh(b / cap)) < tol:
+        return Hint("softcap", f"likely an extra soft-cap: ours are the reference's logits soft-capped again, "
+                    f"{cap:g} * tanh(x / {cap:g})", {"cap": cap, "ours": "capped twice"})
     return None
 
 
@@ -496,6 +568,31 @@ def channel_ratio(e: Evidence) -> Hint | None:
 # --- norms ---------------------------------------------------------------------------------------
 
 
+def norm_weight_offset(e: Evidence) -> Hint | None:
+    """A norm whose inputs agree and whose output is the reference's times ``(w + 1 - o) / (w + o)``
+    per channel, ``w`` the stored weight and ``o`` the reference's offset: ours multiplies by ``w``
+    where the reference multiplies by ``1 + w`` (Gemma 3), or the reverse (a Gemma 3 norm in Gemma 4)."""
+    if "norm" not in e.kind or e.name not in e.ref_trace.inputs or e.name not in e.ours_trace.inputs:
+        return None
+    w = e.ref_trace.weights.get(e.name)
+    x_ref, x_ours = e.ref_trace.inputs[e.name], e.ours_trace.inputs[e.name]
+    if w is None or w.dim() != 1 or w.shape[0] != e.ref.shape[-1] or not e.close(x_ours, x_ref):
+        return None
+    offset, w = e.facts.norm_weight_offset, w.double()
+    if bool(((w + offset).abs() < 1e-6).any()):
+        return None
+    predicted = e.ref.double() * (w + 1 - offset) / (w + offset)
+    if _rel(e.ours, predicted) >= max(EXPLAINS, 4 * torch.finfo(e.ref.dtype).eps):
+        return None
+    ours, ref = ("w", "1 + w") if offset == 1.0 else ("1 + w", "w")
+    return Hint(
+        "norm_weight_offset",
+        f"likely the norm weight offset: ours multiplies by {ours}, the reference by {ref} (ours / reference = "
+        f"({ours}) / ({ref}) per channel, constant over tokens, e.g. {_fmt_list(f'{v:.4g}' for v in ((w + 1 - offset) / (w + offset))[:4].tolist())})",
+        {"ours": ours, "reference": ref},
+    )
+
+
 def _normalisers(x: torch.Tensor, head_dim: int | None, eps: float = 0.0) -> dict[str, torch.Tensor]:
     """``x`` normalised each way a norm might (``eps``: the architecture's norm eps)."""
     x = x.double()
@@ -650,15 +747,16 @@ def _pre_rope(e: Evidence, n_heads: int) -> torch.Tensor | None:
     stem = e.name.rsplit(".", 1)[0]
     letter = e.kind[0]
     head_dim = e.ref.shape[-1]
+    seq = e.ref.shape[2]
     for kind in (f"{letter}_norm", f"{letter}_proj"):
         t = e.ref_trace.tensors.get(f"{stem}.{kind}")
         if t is None:
             continue
         if t.dim() == 3 and t.shape[-1] == n_heads * head_dim:
             return t.unflatten(-1, (n_heads, head_dim)).transpose(1, 2)
-        if t.dim() == 4 and t.shape[1] == n_heads:
+        if t.dim() == 4 and t.shape[1:3] == (n_heads, seq):  # (batch, heads, seq, head_dim): Gemma 3
             return t
-        if t.dim() == 4 and t.shape[2] == n_heads and t.shape[-1] == head_dim:  # a per-head norm's (b, s, heads, d)
+        if t.dim() == 4 and t.shape[1:3] == (seq, n_heads):  # (batch, seq, heads, head_dim): Qwen3, Gemma 4
             return t.transpose(1, 2)
     return None
 
@@ -744,6 +842,41 @@ def rope_fit(e: Evidence) -> Hint | None:
         return Hint("rope_scaling", f"likely the RoPE scaling is not applied: ours rotates with {fit.label}, {amp}", evidence)
     return Hint("rope_theta", f"likely a different rope theta: ours rotates like {fit.label}, {amp} (the reference: theta "
                 f"{layer.rope.theta:g})", evidence)
+
+
+def _unrotated_dims(t: torch.Tensor, x: torch.Tensor, moved: torch.Tensor) -> torch.Tensor:
+    """``(head_dim,)`` bool: the dims ``t`` leaves exactly as ``x`` at every token whose position is
+    past 0 (``moved``, ``(batch, seq)``)."""
+    a, b = t.transpose(1, 2)[moved], x.transpose(1, 2)[moved]  # (tokens, heads, head_dim)
+    return (a != b).sum(dim=(0, 1)) == 0
+
+
+def rope_partial(e: Evidence) -> Hint | None:
+    """Ours rotates other dims of each head than the reference: partial rotary over the whole head,
+    or over the first dims where the reference pairs ``(i, i + head_dim/2)`` (Gemma 4's
+    proportional RoPE), or the reverse. Dims with a zero frequency come through RoPE bit for bit."""
+    if e.kind not in ("q_rot", "k_rot") or e.ours.dim() != 4 or e.positions is None:
+        return None
+    x = _pre_rope(e, e.ours.shape[1])
+    moved = e.positions > 0
+    if x is None or x.shape != e.ours.shape or moved.shape != (e.ours.shape[0], e.ours.shape[2]) or not bool(moved.any()):
+        return None
+    ours_still, ref_still = _unrotated_dims(e.ours, x, moved), _unrotated_dims(e.ref, x, moved)
+    if torch.equal(ours_still, ref_still) or bool(ref_still.all()) or bool(ours_still.all()):  # no RoPE: rope_pattern
+        return None
+    d = e.ours.shape[-1]
+
+    def rotated(still: torch.Tensor) -> str:
+        dims = (~still).nonzero().flatten().tolist()
+        return f"{len(dims)} of {d} dims ({_fmt_list(dims, 8)})" if dims else "no dims"
+
+    return Hint(
+        "rope_partial",
+        f"likely partial rotary: the reference rotates {rotated(ref_still)} of each head and leaves the rest as they "
+        f"are, ours rotates {rotated(ours_still)} (how many dims rotate, and which pairs: (i, i + d/2) over the whole "
+        "head, or within the first dims)",
+        {"reference_rotated": (~ref_still).nonzero().flatten().tolist(), "ours_rotated": (~ours_still).nonzero().flatten().tolist()},
+    )
 
 
 def rope_pattern(e: Evidence) -> Hint | None:
@@ -1054,12 +1187,16 @@ def nonfinite(e: Evidence) -> Hint:
 #: detectors tried in order on a node that has both tensors of one shape
 DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     tap_layout,
+    kv_sharing,
     sibling_match,
+    other_layer,
     untied_head,
     transposed_weight,
     rounding_order,
     activation_function,
+    soft_capping,
     norm_eps,
+    norm_weight_offset,
     norm_kind,
     block_layout,
     norm_placement,
@@ -1072,6 +1209,7 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     future_keys,
     window_pattern,
     chunk_boundary,
+    rope_partial,
     rope_fit,
     rope_pattern,
     channel_ratio,

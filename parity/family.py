@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .facts import ArchFacts
+from .facts import ArchFacts, LayerFacts
 from .pair import NodeSpec, Pair
 
 
@@ -29,7 +29,9 @@ class Node:
     ``transform``/``inverse``/``reference``/``kind``/``reference_transform`` are passed to
     :class:`~parity.pair.NodeSpec`.
     ``when`` (optional) decides from the facts whether the entry exists at all (e.g. a ``logits``
-    node only where something is applied after the head).
+    node only where something is applied after the head); ``where`` (optional) decides it per layer
+    from that layer's :class:`~parity.facts.LayerFacts` (e.g. no ``k_proj`` on a layer that reads
+    another layer's keys).
     """
 
     name: str
@@ -41,6 +43,7 @@ class Node:
     kind: str = ""
     when: Callable[[ArchFacts], bool] | None = None
     reference_transform: Callable | None = None
+    where: Callable[[LayerFacts], bool] | None = None
 
     def spec(self, i: int | None = None) -> NodeSpec:
         fmt = (lambda s: s) if i is None else (lambda s: s.format(i=i))
@@ -71,7 +74,9 @@ class NodeMap:
         nodes = [n.spec() for n in map(_node, self.before) if keep(n)]
         for layer in facts.layers:
             for n in map(_node, self.per_layer):
-                if keep(n) and (n.layer_types is None or layer.layer_type in n.layer_types):
+                if keep(n) and (n.layer_types is None or layer.layer_type in n.layer_types) and (
+                    n.where is None or n.where(layer)
+                ):
                     nodes.append(n.spec(layer.index))
         nodes += [n.spec() for n in map(_node, self.after) if keep(n)]
         return nodes

@@ -36,7 +36,7 @@ KINDS: dict[str, str] = {
     "rope_frequencies": "position 0 agrees, the error grows with position (frequencies, scaling, offset)",
     "rope_band": "the error is confined to a band of rotary frequencies (YaRN / llama3 ramp band)",
     "rope_missing": "ours does not rotate where the reference does",
-    "rope_partial": "ours rotates another share of each head than the reference (partial_rotary_factor)",
+    "rope_partial": "ours rotates other dims of each head than the reference (partial_rotary_factor: how many dims, which pairs)",
     "rope_unexpected": "ours rotates where the reference applies no RoPE (a NoPE layer)",
     "rope_layer_type": "RoPE differs on exactly the layers of one type (per-layer-type RoPE parameters)",
     "rope_theta": "the rotation equals RoPE with another theta (a fallback theta)",
@@ -51,6 +51,9 @@ KINDS: dict[str, str] = {
     "activation": "ours is a monotone function of the reference value by value: another element-wise activation",
     "sequence_shift": "ours at position t equals the reference at t + d (a conv padded on the wrong side, a token shift)",
     "chunk_boundary": "positions before the first chunk boundary agree, later ones differ: the state carried between chunks",
+    "softcap": "one side equals the other soft-capped, cap * tanh(x / cap) (a soft-cap missing or extra)",
+    "kv_sharing": "a layer that reads another layer's keys reads other keys (another layer's, or its own projection)",
+    "layer_offset": "ours equals the reference's same node in another layer (a per-layer tensor taken from the wrong layer)",
 }
 
 

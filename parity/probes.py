@@ -13,7 +13,10 @@ for a kind of field:
   token an RMS near 1 and hide the eps again), yet a shifted or unloaded position table still changes
   every position.
 * **Norm weights away from 1** (``1 + N(0, 0.1^2)``; also for ``(1 + w)`` norms, whose ``w`` is then
-  away from 0): ``w`` vs ``1 + w`` and a swapped or unloaded norm weight change every output.
+  away from 0): ``w`` vs ``1 + w`` and a swapped or unloaded norm weight change every output. Other
+  1-D multipliers (a tensor whose own name says ``scale``/``scalar``, e.g. Gemma 4's per-layer
+  ``layer_scalar``) are drawn the same way: near 1, so depth neither explodes nor vanishes, and
+  not 1, so a multiplier left out shows.
 * **Every tensor distinct** (one seeded generator, drawn in checkpoint order): two weights of the
   same shape never hold equal values, so swapped, duplicated or transposed loads show, and a user's
   model can be aligned to the reference by the values it holds.
@@ -48,12 +51,13 @@ def probe_weights(shapes: Mapping[str, tuple[int, ...]], seed: int, dtype: torch
     both models. Keys are read for what a tensor is: ``embed`` (or GPT-2's ``wte``) in the name and 2-D
     is a token embedding (the first one; any other embedding table is N(0, 1)), ``wpe`` or
     ``position`` and 2-D a learned position table, ``norm`` (or GPT-2's ``ln_``) and 1-D a norm weight
-    (``.bias`` excepted), other 1-D tensors are biases, everything else a linear weight ``(out, in, ...)``."""
+    (``.bias`` excepted), 1-D with ``scal`` in its own name a multiplier (drawn like a norm weight),
+    other 1-D tensors are biases, everything else a linear weight ``(out, in, ...)``."""
     gen = torch.Generator().manual_seed(seed)
     out = {}
     scaled_embedding = False
     for name, shape in shapes.items():
-        if len(shape) == 1 and ("norm" in name or "ln_" in name) and not name.endswith(".bias"):
+        if len(shape) == 1 and not name.endswith(".bias") and ("norm" in name or "ln_" in name or "scal" in name.rsplit(".", 1)[-1]):
             t = 1.0 + 0.1 * torch.randn(shape, generator=gen)
         elif len(shape) == 1:
             t = 0.02 * torch.randn(shape, generator=gen)

@@ -1,7 +1,9 @@
 """Record named intermediates of a model with forward hooks, detached to CPU, in execution order.
 
 A point is ``(node name, module path)``; a path ending in ``@input`` records the module's first
-input through a forward pre-hook, any other path its output. Tensors computed outside modules
+input through a forward pre-hook, ``@<name>`` the argument of its ``forward`` called ``name``
+(positional or keyword: Gemma 4's decoder layers receive ``per_layer_input`` beside the hidden
+states), any other path its output. Tensors computed outside modules
 are recorded through taps: our models' ``Tap`` modules (ordinary hooks), :func:`tap` calls in a
 user's forward (recorded under the module that is running), and, for Transformers,
 :mod:`parity.hf_capture` writing into the active trace.
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import inspect
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -33,6 +36,21 @@ def _replace_first_tensor(value, new: torch.Tensor):
                 items[i] = _replace_first_tensor(item, new)
                 return type(value)(items)
     return value
+
+
+def _argument_slot(module: nn.Module, name: str, args: tuple, kwargs: dict) -> tuple[str, int | str] | None:
+    """Where the ``forward`` argument ``name`` of this call is: ``("kwargs", name)``, ``("args", index)``,
+    or None when the call leaves it at its default."""
+    if name in kwargs:
+        return "kwargs", name
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if name in positional and positional.index(name) < len(args):
+        return "args", positional.index(name)
+    return None
 
 
 def _first_tensor(value) -> torch.Tensor | None:
@@ -187,7 +205,7 @@ def recording(
     ``inverses`` maps the reference tensor back into our layout (``inverse(ref, ours) -> ours``:
     a fused projection writes the reference's part into our tensor), and only where the shapes agree.
     Only a module's first call is substituted. ``keep_inputs``: node names whose module input (and
-    2-D weight and bias, by reference) are also kept for diagnosis. ``into``: the (empty) Trace to
+    1-D or 2-D weight and bias, by reference) are also kept for diagnosis. ``into``: the (empty) Trace to
     fill, e.g. one whose ``add`` keeps statistics instead of tensors (:mod:`parity.traces`). ``module_stack``: keep the
     paths of the running modules (:func:`running_module`) even without ``taps``.
     """
@@ -215,13 +233,12 @@ def recording(
     handles = _module_stack_hooks(model, rec) if taps or module_stack else []
     modules = dict(model.named_modules())
     for name, path in points:
-        is_input = path.endswith("@input")
-        module_path = path[: -len("@input")] if is_input else path
+        module_path, at, argument = path.partition("@")
         module = modules.get(module_path)
         if module is None:
             continue
         transform = transforms.get(name)
-        if is_input:
+        if at and argument == "input":
 
             def pre_hook(mod, args, kwargs, _name=name, _t=transform):
                 trace.add(_name, args if args else kwargs, _t)
@@ -234,6 +251,23 @@ def recording(
                 return args, {**kwargs, key: _replace_first_tensor(kwargs[key], new)}
 
             handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+        elif at:
+
+            def argument_hook(mod, args, kwargs, _name=name, _t=transform, _arg=argument):
+                slot = _argument_slot(mod, _arg, args, kwargs)
+                if slot is None:
+                    return None
+                where, key = slot
+                value = kwargs[key] if where == "kwargs" else args[key]
+                trace.add(_name, value, _t)
+                new = replacement(_name, value)
+                if new is None:
+                    return None
+                if where == "kwargs":
+                    return args, {**kwargs, key: _replace_first_tensor(value, new)}
+                return (*args[:key], _replace_first_tensor(value, new), *args[key + 1:]), kwargs
+
+            handles.append(module.register_forward_pre_hook(argument_hook, with_kwargs=True))
         else:
 
             def hook(mod, args, output, _name=name, _t=transform):
@@ -249,7 +283,7 @@ def recording(
                     if tensor is not None and _name not in trace.inputs:
                         trace.inputs[_name] = tensor.detach().to("cpu", copy=True)
                         weight, bias = getattr(mod, "weight", None), getattr(mod, "bias", None)
-                        if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+                        if isinstance(weight, torch.Tensor) and weight.dim() in (1, 2):  # linear or norm weight
                             trace.weights[_name] = weight.detach()
                         if isinstance(bias, torch.Tensor):  # a projection's, or a LayerNorm's shift
                             trace.biases[_name] = bias.detach()

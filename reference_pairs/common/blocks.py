@@ -56,7 +56,8 @@ class PostNormBlock(nn.Module):
 
 class SandwichBlock(nn.Module):
     """Four norms, before and after each branch: ``h = x + N_post_att(att(N_in(x)))``,
-    ``y = h + N_post_ff(ff(N_pre_ff(h)))`` (Gemma 2 report, arXiv:2408.00118; ``Gemma3DecoderLayer``)."""
+    ``y = h + N_post_ff(ff(N_pre_ff(h)))`` (Gemma 2 report, arXiv:2408.00118; ``Gemma3DecoderLayer``).
+    Keyword arguments beyond ``padding_mask`` go to the attention (Gemma 4's ``shared_kv``)."""
 
     def __init__(self, att: nn.Module, ff: nn.Module, norm: Norm, layer_type: str = FULL):
         super().__init__()
@@ -64,8 +65,8 @@ class SandwichBlock(nn.Module):
         self.input_layernorm, self.att, self.post_attention_layernorm = norm(), att, norm()
         self.pre_feedforward_layernorm, self.ff, self.post_feedforward_layernorm = norm(), ff, norm()
 
-    def forward(self, x: torch.Tensor, cos=None, sin=None, padding_mask=None, cache=None) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.att(self.input_layernorm(x), cos, sin, padding_mask, cache))
+    def forward(self, x: torch.Tensor, cos=None, sin=None, padding_mask=None, cache=None, **att_kwargs) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.att(self.input_layernorm(x), cos, sin, padding_mask, cache, **att_kwargs))
         x = x + self.post_feedforward_layernorm(self.ff(self.pre_feedforward_layernorm(x)))
         return x
 

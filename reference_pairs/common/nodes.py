@@ -29,6 +29,15 @@ MLP = [
     ("model.layers.{i}.mlp.up_proj", "blocks.{i}.ff.fc2"),
     ("model.layers.{i}.mlp.down_proj", "blocks.{i}.ff.fc3"),
 ]
+#: :class:`~reference_pairs.common.blocks.SandwichBlock`'s four norms, and the residual stream after
+#: attention (the input of the second pre-norm)
+SANDWICH_NORMS = [
+    ("model.layers.{i}.input_layernorm", "blocks.{i}.input_layernorm"),
+    ("model.layers.{i}.post_attention_layernorm", "blocks.{i}.post_attention_layernorm"),
+    ("model.layers.{i}.pre_feedforward_layernorm@input", "blocks.{i}.pre_feedforward_layernorm@input"),
+    ("model.layers.{i}.pre_feedforward_layernorm", "blocks.{i}.pre_feedforward_layernorm"),
+    ("model.layers.{i}.post_feedforward_layernorm", "blocks.{i}.post_feedforward_layernorm"),
+]
 LAYER_OUTPUT = [("model.layers.{i}", "blocks.{i}")]
 FINAL = [("model.norm", "final_norm"), ("lm_head", "out_head")]
 #: :class:`~reference_pairs.common.linear_attention.GatedDeltaNet`: the projections, the gated norm

@@ -16,6 +16,11 @@ QK_NORM = {
     "model.layers.{i}.self_attn.q_norm.weight": "blocks.{i}.att.q_norm.weight",
     "model.layers.{i}.self_attn.k_norm.weight": "blocks.{i}.att.k_norm.weight",
 }
+#: :class:`~reference_pairs.common.blocks.SandwichBlock`'s four norms, under the same names on both sides
+SANDWICH_NORMS = {
+    f"model.layers.{{i}}.{name}.weight": f"blocks.{{i}}.{name}.weight"
+    for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+}
 #: the gated feed-forward (``fc1`` gate, ``fc2`` up, ``fc3`` down)
 MLP = {
     "model.layers.{i}.mlp.gate_proj.weight": "blocks.{i}.ff.fc1.weight",
