@@ -174,7 +174,7 @@ def trace_reference(pair: Pair, run: Run, model=None) -> Trace:
     the config (a config Transformers accepts but its forward rejects is bad input, not a bug)."""
     model = pair.reference if model is None else model
     hf_capture.install(model)
-    captured = [n.name for n in pair.nodes if n.name.rsplit(".", 1)[-1] in hf_capture.SUFFIXES]
+    captured = [n.name for n in pair.nodes if hf_capture.captures(n.name)]
     points = [(n.name, n.reference_path) for n in pair.nodes if n.name not in captured]
     with torch.inference_mode(), recording(model, points, captured=captured, keep_inputs=_keep_inputs(pair)) as trace:
         try:
@@ -248,7 +248,8 @@ def compare_run(pair: Pair, run: Run, ours: Trace, ref: Trace, tolerances: Toler
     results = compare_traces(ours, ref, pair.nodes, tolerances, untapped)
     bad = first_mismatch(results)
     if bad is not None:
-        results[bad.index] = replace(bad, hint=diagnose(bad, ours, ref, pair.facts, run.position_ids, run.attention_mask))
+        spec = next((n for n in pair.nodes if n.name == bad.name), None)
+        results[bad.index] = replace(bad, hint=diagnose(bad, ours, ref, pair.facts, run.position_ids, run.attention_mask, spec))
     return results
 
 

@@ -33,6 +33,11 @@ class NodeSpec:
     part), which isolated mode needs to substitute that node (without it the node is compared but
     not substituted). ``layer`` and ``kind`` are filled from the facts
     (:meth:`ArchFacts.locate`) unless given.
+
+    A module path (either side) may end in ``#n``: the ``n``-th tensor of the module's output (a
+    router returning logits, weights and chosen experts). An integer node (indices) is compared
+    exactly; ``chosen_from`` names the node whose scores the indices were chosen from (top-k), so a
+    different choice is reported with the reference's margin there.
     """
 
     name: str
@@ -42,6 +47,7 @@ class NodeSpec:
     inverse: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     layer: int | None = None
     kind: str = ""
+    chosen_from: str | None = None
 
     @property
     def reference_path(self) -> str:

@@ -33,6 +33,35 @@ def _replace_first_tensor(value, new: torch.Tensor):
     return value
 
 
+def _item(value, n: int | None):
+    """``value`` itself (``n`` None), or the ``n``-th item of a tuple/list output (``path#n``)."""
+    if n is None:
+        return value
+    if isinstance(value, (tuple, list)):
+        return value[n] if n < len(value) else None
+    return value if n == 0 else None
+
+
+def _replace_item(value, n: int | None, new: torch.Tensor):
+    """``value`` with its ``n``-th item (or, ``n`` None, its first tensor) replaced by ``new``."""
+    if n is None or not isinstance(value, (tuple, list)):
+        return _replace_first_tensor(value, new)
+    items = list(value)
+    items[n] = _replace_first_tensor(items[n], new)
+    return type(value)(items)
+
+
+def split_path(path: str) -> tuple[str, bool, int | None]:
+    """``(module path, is_input, output item)`` of a node path: ``a.b@input`` -> ``("a.b", True, None)``,
+    ``a.b#2`` -> ``("a.b", False, 2)`` (the module's third output), ``a.b`` -> ``("a.b", False, None)``."""
+    if path.endswith("@input"):
+        return path[: -len("@input")], True, None
+    head, sep, tail = path.rpartition("#")
+    if sep and tail.isdigit():
+        return head, False, int(tail)
+    return path, False, None
+
+
 def _first_tensor(value) -> torch.Tensor | None:
     if isinstance(value, torch.Tensor):
         return value
@@ -55,7 +84,8 @@ class Trace:
     A module that runs more than once in one forward keeps its first tensor; ``calls`` counts
     every call so a repeated module is visible. ``inputs`` (first input) and ``weights``/``biases``
     (the module's own parameters, referenced, not copied) of selected nodes are kept for diagnosis
-    only, never compared.
+    only, never compared; so are ``extras``, records a capture function leaves for a node (one
+    expert's weights and tokens, see :mod:`parity.hf_capture`).
     """
 
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -64,6 +94,7 @@ class Trace:
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)
     weights: dict[str, torch.Tensor] = field(default_factory=dict)
     biases: dict[str, torch.Tensor] = field(default_factory=dict)
+    extras: dict[str, object] = field(default_factory=dict)
 
     def add(self, name: str, value, transform: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         tensor = _first_tensor(value)
@@ -186,8 +217,7 @@ def recording(
     handles = _module_stack_hooks(model, rec) if taps else []
     modules = dict(model.named_modules())
     for name, path in points:
-        is_input = path.endswith("@input")
-        module_path = path[: -len("@input")] if is_input else path
+        module_path, is_input, item = split_path(path)
         module = modules.get(module_path)
         if module is None:
             continue
@@ -207,10 +237,10 @@ def recording(
             handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
         else:
 
-            def hook(mod, args, output, _name=name, _t=transform):
-                trace.add(_name, output, _t)
-                new = replacement(_name, output)
-                return None if new is None else _replace_first_tensor(output, new)
+            def hook(mod, args, output, _name=name, _t=transform, _n=item):
+                trace.add(_name, _item(output, _n), _t)
+                new = replacement(_name, _item(output, _n))
+                return None if new is None else _replace_item(output, _n, new)
 
             handles.append(module.register_forward_hook(hook))
             if name in keep_inputs:

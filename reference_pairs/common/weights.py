@@ -5,6 +5,8 @@ both sides lack them."""
 
 from __future__ import annotations
 
+from parity.weights import Split
+
 EMBED = {"model.embed_tokens.weight": "tok_emb.weight"}
 #: :class:`~reference_pairs.common.attention.GroupedQueryAttention` (biases only where the config has them)
 ATTENTION = {
@@ -25,3 +27,13 @@ MLP = {
 #: final norm and output head (a tied head is the embedding's Parameter in ours; the checkpoint may
 #: omit ``lm_head.weight`` then)
 FINAL = {"model.norm.weight": "final_norm.weight", "lm_head.weight": "out_head.weight"}
+#: :class:`~reference_pairs.common.moe.SparseMoE`: the router, and Transformers 5's fused 3-D experts
+#: (``gate_up_proj`` ``(E, 2I, H)``, gate rows first; ``down_proj`` ``(E, H, I)``) split into one gated
+#: MLP per expert, as views
+MOE = {
+    "model.layers.{i}.mlp.gate.weight": "blocks.{i}.ff.gate.weight",
+    "model.layers.{i}.mlp.experts.gate_up_proj": Split(
+        ("blocks.{i}.ff.experts.{e}.fc1.weight", "blocks.{i}.ff.experts.{e}.fc2.weight")
+    ),
+    "model.layers.{i}.mlp.experts.down_proj": Split(("blocks.{i}.ff.experts.{e}.fc3.weight",)),
+}
