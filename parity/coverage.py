@@ -228,11 +228,12 @@ def loader_coverage(
         by_ptr.setdefault(st[:2], []).append(keys[0])
 
     def owner(st: tuple, t: torch.Tensor | None = None) -> str | None:
-        """The checkpoint key whose tensor holds storage tuple ``st`` (a view of part of it)."""
+        """The checkpoint key whose tensor holds storage tuple ``st``: ``t`` a view of a proper part of it
+        (a whole tensor in another layout, a transpose, is judged by value below)."""
         for key in by_ptr.get(st[:2], []):
             whole = state_dict[key]
             lo, hi = _span(whole)
-            if t is None or (lo <= _span(t)[0] and _span(t)[1] <= hi and t.dtype == whole.dtype):
+            if t is None or (lo <= _span(t)[0] and _span(t)[1] <= hi and t.dtype == whole.dtype and t.numel() < whole.numel()):
                 return key
         return None
 

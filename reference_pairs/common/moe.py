@@ -28,8 +28,8 @@ class TopKRouter(nn.Module):
 
     ``softmax`` over every expert in float32, ``topk`` (largest first), with ``norm_topk_prob``
     the chosen probabilities divided by their sum (in float32), then the weights cast to the
-    logits' dtype (``Qwen3MoeTopKRouter``). Taps: ``experts`` (the chosen indices, int64, before the
-    weights as the reference returns them last) and ``weights``.
+    logits' dtype (``Qwen3MoeTopKRouter``). Taps: ``weights`` and ``experts`` (the chosen indices,
+    int64, largest probability first).
     """
 
     def __init__(self, top_k: int, norm_topk_prob: bool):

@@ -3,8 +3,6 @@ reported in public projects (each naming its source)."""
 
 from __future__ import annotations
 
-import types
-
 from parity.faults import Fault
 
 from ..common.faults import LEFT_PADDED, WholeProjectionRMSNorm, expand_kv_with_repeat, mask_with_neg_inf, untie_head
@@ -46,8 +44,7 @@ def _yarn_changed(**changes):
 def _windowed_layers_first(pair):
     """``max_window_layers`` read the other way round: the first layers windowed, the later ones full."""
     blocks = pair.ours.blocks
-    for block in blocks:
-        n_sliding = sum(b.layer_type == SLIDING for b in blocks)
+    n_sliding = sum(b.layer_type == SLIDING for b in blocks)
     window = pair.ours.cfg["sliding_window"]
     for i, block in enumerate(blocks):
         block.layer_type = SLIDING if i < n_sliding else FULL
@@ -64,14 +61,6 @@ def _swap_gate_up(layer):
     def inject(pair):
         ff = pair.ours.blocks[layer].ff
         ff.fc1.weight, ff.fc2.weight = ff.fc2.weight, ff.fc1.weight
-
-    return inject
-
-
-def _norms_swapped(layer):
-    def inject(pair):
-        block = pair.ours.blocks[layer]
-        block.norm1, block.norm2 = block.norm2, block.norm1
 
     return inject
 

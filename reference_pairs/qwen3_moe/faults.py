@@ -62,11 +62,10 @@ def _top_k_ascending(pair):
     for block in pair.ours.blocks:
         if hasattr(block.ff, "router"):
             router = block.ff.router
-            forward = router.forward
 
-            def ascending(logits, _forward=forward, _router=router):
+            def ascending(logits, _router=router):
                 probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-                weights, chosen = torch.topk(probs, _router.top_k, dim=-1, largest=True)
+                weights, chosen = torch.topk(probs, _router.top_k, dim=-1)
                 weights, chosen = weights.flip(-1), chosen.flip(-1)
                 if _router.norm_topk_prob:
                     weights = weights / weights.sum(dim=-1, keepdim=True)
