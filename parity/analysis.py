@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-#: Node kinds laid out (batch, heads, seq, ...); every other node is (batch, seq, ...).
+#: Node kinds laid out (batch, heads, seq, ...); every other node is (batch, seq, ...), or (tokens, ...)
+#: when 2-D (a MoE block's router and experts work on the flattened tokens).
 HEAD_MAJOR = {"q_rot", "k_rot", "scores", "probs"}
 #: Node kinds (batch, seq, heads * head_dim) whose last axis splits into heads (``gate``: an
 #: attention output gate, one per query head and dim).
@@ -32,7 +33,7 @@ def error_profile(ours: torch.Tensor, ref: torch.Tensor, kind: str, head_dim: in
     if diff.dim() < 2:
         return {"by_position": None, "by_head": None, "by_channel": diff.tolist()}
     head_major = kind in HEAD_MAJOR and diff.dim() == 4
-    by_position = _amax_over_all_but(diff, 2 if head_major else 1)
+    by_position = _amax_over_all_but(diff, 2 if head_major else 1 if diff.dim() > 2 else 0)
     by_head = None
     if head_major:
         by_head = _amax_over_all_but(diff, 1)

@@ -263,6 +263,55 @@ def random_weights(reference_cls, hf_config, seed: int, dtype: torch.dtype, what
     return probe_weights(shapes, seed, dtype)
 
 
+def model_naming(reference_cls, hf_config, state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """``state_dict`` in the reference model's own naming and layout, and one line per conversion.
+
+    A checkpoint may be stored in another layout than the model holds its weights in: Transformers 5
+    saves MoE experts one module per expert (``mlp.experts.3.gate_proj.weight``, the format of the
+    released checkpoints) and fuses them into 3-D parameters when it loads them
+    (``mlp.experts.gate_up_proj``); ``from_pretrained`` applies the model's checkpoint conversion
+    mapping. This applies that same mapping (Transformers' own ``WeightConverter``/``WeightRenaming``
+    list, its operations and key order), so both models, our loader and loader coverage see what a
+    Transformers user's model holds. Renamed tensors keep their storage; merged ones are new (the
+    per-expert originals are not kept). A model without a conversion mapping is returned unchanged.
+    """
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+    except ImportError:  # a Transformers without conversion mappings loads checkpoints as they are
+        return state_dict, []
+    with torch.device("meta"):
+        model = reference_cls(hf_config)
+    mapping = get_model_conversion_mapping(model)
+    if not mapping:
+        return state_dict, []
+    meta = model.state_dict()
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    out: dict[str, torch.Tensor] = {}
+    pending: dict[str, tuple[object, list[str]]] = {}
+    for key in sorted(state_dict, key=dot_natural_key):
+        renamed, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
+        if renamed not in meta and key in meta:
+            renamed, pattern = key, None
+        if pattern is None:
+            out[renamed] = state_dict[key]
+            continue
+        converter, sources = pending.setdefault(renamed, (copy.deepcopy(by_pattern[pattern]), []))  # one per target
+        converter.add_tensor(renamed, key, pattern, state_dict[key])
+        sources.append(key)
+    notes = []
+    for target, (converter, sources) in pending.items():
+        converted = converter.convert(target, model=model, config=hf_config)
+        for name, value in converted.items():
+            out[name] = value[0] if isinstance(value, list) else value
+        names = list(converted)
+        shown = f"{sources[0]} .. {sources[-1]}" if len(sources) > 1 else sources[0]
+        notes.append(f"{shown} ({len(sources)} tensors): merged into {', '.join(names)} (Transformers' checkpoint conversion)")
+    return out, notes
+
+
 def read_weights(checkpoint, dtype: torch.dtype, model_type: str | None):
     """``(checkpoint, state dict in dtype, conversions)`` of a safetensors checkpoint directory."""
     ckpt = read_checkpoint(checkpoint, model_type=model_type)
@@ -337,6 +386,8 @@ def _source(family: Family, config, checkpoint, dtype, seed, overrides) -> Refer
         cfg, facts = validated(family, hf_config, dtype)
         state_dict, renamed = as_reference_keys(family.reference_cls(), hf_config, state_dict)
         conversions = renamed + conversions
+        state_dict, merged = model_naming(family.reference_cls(), hf_config, state_dict)
+        conversions += merged
         config_name = str(Path(checkpoint))
     else:
         config = family.default_config if config is None else config

@@ -274,7 +274,8 @@ def compare_run(pair: Pair, run: Run, ours: Trace, ref: Trace, tolerances: Toler
     results = compare_traces(ours, ref, pair.nodes, tolerances, untapped)
     bad = first_mismatch(results)
     if bad is not None:
-        results[bad.index] = replace(bad, hint=diagnose(bad, ours, ref, pair.facts, run.position_ids, run.attention_mask))
+        spec = next((n for n in pair.nodes if n.name == bad.name), None)
+        results[bad.index] = replace(bad, hint=diagnose(bad, ours, ref, pair.facts, run.position_ids, run.attention_mask, spec))
     return results
 
 

@@ -340,8 +340,8 @@ def _fix_widths(table: Table, console: Console, wide) -> Table:
 def _node_table(result, console: Console) -> Table:
     """Every node: index, name (whole), status and the metrics that fit the console's width."""
     bad = result.first_mismatch
-    colors = {"ok": "green", "mismatch": "red", "shape": "magenta", "missing": "magenta", "nonfinite": "red",
-              "untapped": "dim"}
+    colors = {"ok": "green", "mismatch": "red", "choice": "red", "shape": "magenta", "missing": "magenta",
+              "nonfinite": "red", "untapped": "dim"}
     isolated = {r.name: r for r in result.isolated or []} if result.isolated is not result.nodes else {}
     fmt = lambda v, spec=".3g": "" if v is None else format(v, spec)  # noqa: E731
     columns = [

@@ -186,7 +186,7 @@ def _inputs_for_trace(pair: Pair) -> frozenset[str]:
 
 
 def _trace_reference_step(pair: Pair, ids, mask, positions, cache) -> tuple[Trace, torch.Tensor]:
-    captured = [n.name for n in pair.nodes if n.name.rsplit(".", 1)[-1] in hf_capture.SUFFIXES]
+    captured = [n.name for n in pair.nodes if hf_capture.is_captured(n.name)]
     points = [(n.name, n.reference_path) for n in pair.nodes if n.name not in captured]
     with torch.inference_mode(), recording(pair.reference, points, captured=captured, keep_inputs=_inputs_for_trace(pair)) as trace:
         try:

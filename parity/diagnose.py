@@ -16,9 +16,10 @@ from dataclasses import dataclass
 import torch
 
 from .analysis import HEAD_MAJOR, HEAD_MERGED
-from .compare import MISSING, NONFINITE, SHAPE, NodeResult
+from .compare import CHOICE, MISSING, NONFINITE, SHAPE, NodeResult, choice_margins
 from .facts import ArchFacts
 from .hints import Hint
+from .pair import NodeSpec
 from .trace import Trace
 
 #: relative residual below which an explanation "reproduces" a tensor
@@ -342,7 +343,7 @@ def activation_function(e: Evidence) -> Hint | None:
     for name, pre in e.ref_trace.tensors.items():
         if name == e.name:
             break  # only nodes the reference computed before this one
-        if pre.shape != e.ref.shape or e.facts.locate(name)[0] != e.result.layer:
+        if pre.shape != e.ref.shape or not pre.is_floating_point() or e.facts.locate(name)[0] != e.result.layer:
             continue
         values = {label: fn(pre) for label, fn in acts.items()}
         ours_is = next((label for label, y in values.items() if e.close(e.ours, y) and not e.close(e.ref, y)), None)
@@ -541,6 +542,100 @@ def row_scale(e: Evidence) -> Hint | None:
     )
 
 
+def row_normalisation(e: Evidence) -> Hint | None:
+    """ours / reference is one factor per row (over the last axis), different across rows, and one
+    side's rows sum to 1: a normalisation over the last axis on one side only (top-k routing weights
+    renormalised, or not, against ``norm_topk_prob``)."""
+    if e.ours.dim() < 2 or e.ours.shape[-1] < 2 or not e.ref.is_floating_point():
+        return None
+    a, b = e.ours.double().flatten(0, -2), e.ref.double().flatten(0, -2)
+    if a.shape[0] < 2 or bool((b.abs() < 1e-12).any()):
+        return None
+    ratio = a / b
+    per_row = ratio.mean(-1)
+    if float((ratio.std(-1) / per_row.abs()).max()) > 1e-3 or float(per_row.std() / per_row.abs().mean()) < 1e-3:
+        return None  # not one factor per row, or one factor everywhere (constant_ratio's case)
+    tol = max(1e-3, 4 * float(torch.finfo(e.ref.dtype).eps))
+    ours_one, ref_one = bool(((a.sum(-1) - 1).abs() < tol).all()), bool(((b.sum(-1) - 1).abs() < tol).all())
+    if ours_one == ref_one:
+        return None
+    side, other = ("ours", "the reference") if ours_one else ("the reference", "ours")
+    return Hint(
+        "renormalisation",
+        f"likely a normalisation over the last axis on one side only: {side} sums to 1 in every row, {other} does "
+        f"not, and ours / reference is one factor per row ({float(per_row.min()):.4g}..{float(per_row.max()):.4g}); "
+        "for top-k routing weights: renormalised over the chosen experts where the config says not, or the reverse "
+        "(norm_topk_prob)",
+        {"ours_sums_to_one": ours_one, "reference_sums_to_one": ref_one,
+         "ratio_min": float(per_row.min()), "ratio_max": float(per_row.max())},
+    )
+
+
+def expert_weights(e: Evidence) -> Hint | None:
+    """One expert's output explained by the reference's experts under another weight assignment:
+    another expert's weights (experts indexed in another order), or this expert with its fused gate
+    and up halves swapped."""
+    record = e.ref_trace.extras.get(e.name)
+    if record is None or not hasattr(record, "output") or len(record.rows) == 0:
+        return None
+    ours = e.ours.double()[record.rows]
+    if not bool(torch.isfinite(ours).all()):
+        return None
+    halves = record.output(record.index, swap_halves=True)
+    if halves is None:
+        return None
+    if _rel(ours, halves) < EXPLAINS:
+        return Hint(
+            "swapped_weights",
+            f"likely the fused gate/up projection split the wrong way round: ours equals the reference's expert "
+            f"{record.index} with its gate and up halves swapped (residual {_rel(ours, halves):.1e})",
+            {"expert": record.index, "residual": _rel(ours, halves)},
+        )
+    for j in range(record.num_experts):
+        if j == record.index:
+            continue
+        other = record.output(j)
+        if other is not None and _rel(ours, other) < EXPLAINS:
+            return Hint(
+                "expert_mapping",
+                f"likely experts indexed in another order: ours' expert {record.index} computes with the reference's "
+                f"expert {j} weights on its {len(record.rows)} token{'s' if len(record.rows) != 1 else ''} "
+                f"(residual {_rel(ours, other):.1e})",
+                {"expert": record.index, "matches": j, "tokens": len(record.rows)},
+            )
+    return None
+
+
+def choice(e: Evidence, spec: NodeSpec | None) -> Hint:
+    """A different choice at an integer node (top-k experts): where, whether it is the same set in
+    another order, and how near a tie the reference's scores were there."""
+    scores = e.ref_trace.tensors.get(spec.chosen_from) if spec is not None and spec.chosen_from else None
+    found = choice_margins(e.ours, e.ref, scores)
+    rows = found["rows"]
+    where = f"rows {_fmt_list(rows, 8)}"
+    if e.positions is not None and e.positions.numel() == found["total"]:
+        batch, seq = e.positions.shape
+        where = "tokens " + _fmt_list([f"(row {r // seq}, position {r % seq})" for r in rows], 6)
+    evidence: dict = {"rows": rows[:64], "same_set": found["same_set"][:64]}
+    if found["same_set"] and len(found["same_set"]) == len(rows):
+        return Hint("routing", f"likely the same experts chosen in another order (top-k sorted differently) at {where}; "
+                    "the combined output is unaffected unless the order is used", evidence)
+    text = f"likely a different expert choice at {where} ({len(rows)} of {found['total']} tokens)"
+    margins = found["margins"]
+    if margins:
+        evidence["margins"] = margins[:64]
+        s = scores.detach().double()
+        floor = 8 * float(torch.finfo(scores.dtype).eps) * float(s.abs().max()) if scores.is_floating_point() else 0.0
+        near = [m for m in margins if m <= floor]
+        if len(near) == len(margins):
+            text += (f": the reference's scores there are near-ties (margin {max(margins):.2g} between its last chosen and "
+                     f"first unchosen expert, within rounding): a numerical accident upstream decides, not a routing bug")
+        else:
+            text += (f": the reference's margin between its last chosen and first unchosen score there is "
+                     f"{min(margins):.3g}..{max(margins):.3g}, not a near-tie: the router scores or the top-k differ")
+    return Hint("routing", text, evidence)
+
+
 def channel_ratio(e: Evidence) -> Hint | None:
     """ours / reference constant over tokens for each channel, different across channels."""
     ours, ref = e.ours, e.ref
@@ -604,6 +699,8 @@ def _normalisers(x: torch.Tensor, head_dim: int | None, eps: float = 0.0) -> dic
     if head_dim and x.shape[-1] % head_dim == 0 and x.shape[-1] > head_dim:
         h = x.unflatten(-1, (-1, head_dim))
         out["RMSNorm per head"] = (h / (h.pow(2).mean(-1, keepdim=True) + eps).sqrt()).flatten(-2)
+    if head_dim and x.dim() >= 3 and x.shape[-1] == head_dim and x.shape[-2] > 1:  # (..., heads, head_dim)
+        out["RMSNorm over the whole projection"] = x / (x.pow(2).mean((-2, -1), keepdim=True) + eps).sqrt()
     return out
 
 
@@ -639,7 +736,7 @@ def norm_kind(e: Evidence) -> Hint | None:
     if "LayerNorm" in ref_is or "LayerNorm" in ours_is:
         means = x_ref.double().mean(-1).flatten()
         evidence = f"; the difference tracks each token's mean (input means {_fmt_list(f'{m:.3g}' for m in means[:4].tolist())}): mean subtraction"
-    if "per head" in ours_is or "per head" in ref_is:
+    if any(w in label for w in ("per head", "whole projection") for label in (ours_is, ref_is)):
         evidence = "; per-head vs whole-projection Q/K norm"
     return Hint("norm_kind", f"likely the wrong norm: ours behaves like {ours_is}, the reference like {ref_is}{evidence}",
                 {"ours": ours_is, "reference": ref_is})
@@ -743,21 +840,35 @@ def position_table_offset(e: Evidence) -> Hint | None:
 
 
 def _pre_rope(e: Evidence, n_heads: int) -> torch.Tensor | None:
-    """The reference's q (or k) before RoPE as (batch, heads, seq, head_dim), from the q_norm/q_proj node."""
+    """The reference's q (or k) before RoPE as (batch, heads, seq, head_dim), from the q_norm/q_proj node
+    (a per-head norm's output is ``(batch, seq, heads, head_dim)`` where Transformers normalises
+    before moving heads first, Qwen3 and Gemma 4, and ``(batch, heads, seq, head_dim)`` where it
+    normalises after, Gemma 3). When the sequence length equals the head count the shape cannot
+    tell: the layout that equals the reference's rotated tensor at position 0 (no rotation) wins."""
     stem = e.name.rsplit(".", 1)[0]
     letter = e.kind[0]
     head_dim = e.ref.shape[-1]
-    seq = e.ref.shape[2]
+    seq = e.ref.shape[2] if e.ref.dim() == 4 else None
     for kind in (f"{letter}_norm", f"{letter}_proj"):
         t = e.ref_trace.tensors.get(f"{stem}.{kind}")
         if t is None:
             continue
         if t.dim() == 3 and t.shape[-1] == n_heads * head_dim:
             return t.unflatten(-1, (n_heads, head_dim)).transpose(1, 2)
-        if t.dim() == 4 and t.shape[1:3] == (n_heads, seq):  # (batch, heads, seq, head_dim): Gemma 3
-            return t
-        if t.dim() == 4 and t.shape[1:3] == (seq, n_heads):  # (batch, seq, heads, head_dim): Qwen3, Gemma 4
-            return t.transpose(1, 2)
+        if t.dim() != 4:
+            continue
+        candidates = []
+        if t.shape[1:3] == (n_heads, seq):
+            candidates.append(t)
+        if t.shape[1:3] == (seq, n_heads):
+            candidates.append(t.transpose(1, 2))
+        if len(candidates) > 1 and e.positions is not None and e.positions.shape == (t.shape[0], seq):
+            start = e.positions == 0  # (batch, seq): tokens RoPE leaves as they are
+            if bool(start.any()):
+                at_start = [c for c in candidates if e.close(c.transpose(1, 2)[start], e.ref.transpose(1, 2)[start])]
+                candidates = at_start or candidates
+        if candidates:
+            return candidates[0]
     return None
 
 
@@ -1192,6 +1303,7 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     other_layer,
     untied_head,
     transposed_weight,
+    expert_weights,
     rounding_order,
     activation_function,
     soft_capping,
@@ -1201,6 +1313,7 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     block_layout,
     norm_placement,
     constant_ratio,
+    row_normalisation,
     last_dim_permutation,
     position_table_offset,
     head_mapping,
@@ -1219,10 +1332,11 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
 
 
 def diagnose(result: NodeResult, ours_trace: Trace, ref_trace: Trace, facts: ArchFacts,
-             positions: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None) -> Hint | None:
+             positions: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+             spec: NodeSpec | None = None) -> Hint | None:
     """A likely cause for a failing node, with its evidence; None if no pattern is recognised.
     ``positions``: ``(batch, seq)`` token positions of the run and ``attention_mask`` its padding
-    (RoPE hints need them)."""
+    (RoPE hints need them); ``spec``: the node's NodeSpec (which scores a choice was made from)."""
     if result.status == MISSING:
         return Hint("missing", f"likely a node-map or tap problem: {result.detail}")
     if result.status == SHAPE:
@@ -1231,7 +1345,9 @@ def diagnose(result: NodeResult, ours_trace: Trace, ref_trace: Trace, facts: Arc
                  facts, positions, attention_mask)
     if result.status == NONFINITE:
         return nonfinite(e)
-    if e.ours is None or e.ref is None or e.ours.shape != e.ref.shape:
+    if result.status == CHOICE:
+        return choice(e, spec)
+    if e.ours is None or e.ref is None or e.ours.shape != e.ref.shape or not e.ref.is_floating_point():
         return None
     for detect in DETECTORS:
         hint = detect(e)

@@ -76,7 +76,9 @@ class _RopeConfig:
 @dataclass(frozen=True)
 class LayerFacts:
     """One decoder layer: its type, attention window (None = full causal), RoPE (None = no RoPE),
-    head_dim, KV heads and softmax scale (``scores = q k^T * attention_scale``).
+    head_dim, KV heads and softmax scale (``scores = q k^T * attention_scale``); a mixture-of-experts
+    feed-forward has ``num_experts`` routed experts of which each token uses ``experts_per_token``
+    (0 and 0: a dense feed-forward).
 
     ``kv_source``: the index of the earlier layer whose keys and values this layer attends to
     instead of computing its own (cross-layer KV sharing, Gemma 4 ``num_kv_shared_layers``); None
@@ -91,6 +93,13 @@ class LayerFacts:
     attention_scale: float
     kv_source: int | None = None
     k_eq_v: bool = False
+    num_experts: int = 0
+    experts_per_token: int = 0
+
+    @property
+    def sparse(self) -> bool:
+        """True when this layer's feed-forward is a mixture of experts."""
+        return self.num_experts > 0
 
 
 @dataclass(frozen=True)
@@ -329,6 +338,8 @@ def derive_facts(config, model=None) -> ArchFacts:
             rotary_dim=rotary_dim,
             inv_freq=inv_freq,
         )
+    num_experts = int(_get(config, "num_experts", "num_local_experts", default=0) or 0)
+    experts_per_token = int(_get(config, "num_experts_per_tok", default=0) or 0) if num_experts else 0
     scalar = _get(config, "query_pre_attn_scalar")
     scalar = float(scalar) if scalar else None
     layers = tuple(
@@ -340,6 +351,8 @@ def derive_facts(config, model=None) -> ArchFacts:
             head_dim=head_dims[i],
             num_kv_heads=kv_heads[i],
             attention_scale=scalar ** -0.5 if scalar else (head_dims[i] ** -0.5 if head_dims[i] else 1.0),
+            num_experts=num_experts,  # every layer, unless the model_type's rule says otherwise
+            experts_per_token=experts_per_token,
         )
         for i, t in enumerate(layer_types)
     )
@@ -406,7 +419,22 @@ def _cohere(config, facts: ArchFacts) -> ArchFacts:
 
 @rule("qwen3", "qwen3_moe")
 def _qwen3(config, facts: ArchFacts) -> ArchFacts:
-    return replace(facts, qk_norm="head")
+    facts = replace(facts, qk_norm="head")
+    if facts.model_type != "qwen3_moe":
+        return facts
+    # Qwen3MoeDecoderLayer: layer i is sparse unless listed in mlp_only_layers, and only every
+    # decoder_sparse_step-th layer ((i + 1) % step == 0) is
+    dense_only = set(getattr(config, "mlp_only_layers", None) or [])
+    step = int(getattr(config, "decoder_sparse_step", 1) or 1)
+
+    def sparse(layer: LayerFacts) -> bool:
+        return layer.num_experts > 0 and layer.index not in dense_only and (layer.index + 1) % step == 0
+
+    return with_layers(
+        facts,
+        num_experts=lambda layer: layer.num_experts if sparse(layer) else 0,
+        experts_per_token=lambda layer: layer.experts_per_token if sparse(layer) else 0,
+    )
 
 
 @rule("qwen3_5_text")

@@ -327,6 +327,11 @@ def config_features(family: Family, name: str) -> set[str]:
             feats.add(label)
     if facts.qk_norm:
         feats.add(f"Q/K norm per {facts.qk_norm}")
+    sparse = {layer.sparse for layer in facts.layers}
+    if True in sparse:
+        feats.add("mixture-of-experts feed-forward")
+    if sparse == {True, False}:
+        feats.add("dense and mixture-of-experts layers")
     if getattr(hf_config, "attention_bias", False):
         feats.add("attention bias")
     return feats | set(facts.features) | family.config_features(name)

@@ -36,6 +36,11 @@ class NodeSpec:
     view of what the reference module computes, recorded when it runs: a part the reference
     splits off its output outside any module (the gate half of a fused ``q_proj``), taken with the
     reference's own view ops, so no arithmetic is added.
+
+    A module path (either side) may end in ``#n``: the ``n``-th tensor of the module's output (a
+    router returning logits, weights and chosen experts). An integer node (indices) is compared
+    exactly; ``chosen_from`` names the node whose scores the indices were chosen from (top-k), so a
+    different choice is reported with the reference's margin there.
     """
 
     name: str
@@ -46,6 +51,7 @@ class NodeSpec:
     layer: int | None = None
     kind: str = ""
     reference_transform: Callable[[torch.Tensor], torch.Tensor] | None = None
+    chosen_from: str | None = None
 
     @property
     def reference_path(self) -> str:

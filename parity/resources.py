@@ -31,12 +31,13 @@ def require(needed: int, what: str, advice: str) -> None:
 
 def trace_bytes(facts: ArchFacts, batch: int, seq: int, element_size: int) -> int:
     """Rough peak of a check: both traces (per layer the attention scores and probabilities plus ~17
-    hidden-size and 3 FFN-size tensors per token, plus the logits) and the float64 working copies
-    comparing the largest node takes (about six of it)."""
+    hidden-size and 3 FFN-size tensors per token, one hidden-size tensor per expert of a MoE layer,
+    plus the logits) and the float64 working copies comparing the largest node takes (about six of it)."""
     heads, vocab = max(facts.num_heads, 1), facts.vocab_size
     ffn = facts.intermediate_size or 4 * facts.hidden_size
     per_token_layer = 2 * heads * seq + 17 * facts.hidden_size + 3 * ffn
-    per_token = max(facts.num_layers, 1) * per_token_layer + 2 * vocab
+    experts = sum(layer.num_experts for layer in facts.layers) * facts.hidden_size
+    per_token = max(facts.num_layers, 1) * per_token_layer + experts + 2 * vocab
     traces = 2 * element_size * batch * seq * per_token
     largest = batch * seq * max(heads * seq, vocab, ffn)
     return traces + 6 * 8 * largest

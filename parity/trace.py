@@ -53,6 +53,36 @@ def _argument_slot(module: nn.Module, name: str, args: tuple, kwargs: dict) -> t
     return None
 
 
+def _item(value, n: int | None):
+    """``value`` itself (``n`` None), or the ``n``-th item of a tuple/list output (``path#n``)."""
+    if n is None:
+        return value
+    if isinstance(value, (tuple, list)):
+        return value[n] if n < len(value) else None
+    return value if n == 0 else None
+
+
+def _replace_item(value, n: int | None, new: torch.Tensor):
+    """``value`` with its ``n``-th item (or, ``n`` None, its first tensor) replaced by ``new``."""
+    if n is None or not isinstance(value, (tuple, list)):
+        return _replace_first_tensor(value, new)
+    items = list(value)
+    items[n] = _replace_first_tensor(items[n], new)
+    return type(value)(items)
+
+
+def split_path(path: str) -> tuple[str, bool, int | None]:
+    """``(module path, is_input, output item)`` of a node path: ``a.b@input`` -> ``("a.b", True, None)``,
+    ``a.b#2`` -> ``("a.b", False, 2)`` (the module's third output), ``a.b`` -> ``("a.b", False, None)``.
+    A named forward argument, ``a.b@name``, comes back whole (see :func:`recording`)."""
+    if path.endswith("@input"):
+        return path[: -len("@input")], True, None
+    head, sep, tail = path.rpartition("#")
+    if sep and tail.isdigit():
+        return head, False, int(tail)
+    return path, False, None
+
+
 def _first_tensor(value) -> torch.Tensor | None:
     if isinstance(value, torch.Tensor):
         return value
@@ -75,7 +105,9 @@ class Trace:
     A module that runs more than once in one forward keeps its first tensor; ``calls`` counts
     every call so a repeated module is visible. ``inputs`` (first input) and ``weights``/``biases``
     (the module's own parameters, referenced, not copied) of selected nodes are kept for diagnosis
-    only, never compared (``weights``: 2-D ones; ``biases``: of projections and of norms).
+    only, never compared (``weights``: 1-D and 2-D ones; ``biases``: of projections and of norms); so
+    are ``extras``, records a capture function leaves for a node (one expert's weights and tokens,
+    see :mod:`parity.hf_capture`).
     """
 
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -84,6 +116,7 @@ class Trace:
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)
     weights: dict[str, torch.Tensor] = field(default_factory=dict)
     biases: dict[str, torch.Tensor] = field(default_factory=dict)
+    extras: dict[str, object] = field(default_factory=dict)
 
     def add(self, name: str, value, transform: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         tensor = _first_tensor(value)
@@ -233,12 +266,13 @@ def recording(
     handles = _module_stack_hooks(model, rec) if taps or module_stack else []
     modules = dict(model.named_modules())
     for name, path in points:
-        module_path, at, argument = path.partition("@")
+        module_path, is_input, item = split_path(path)
+        module_path, at, argument = module_path.partition("@")  # a named forward argument: a.b@name
         module = modules.get(module_path)
         if module is None:
             continue
         transform = transforms.get(name)
-        if at and argument == "input":
+        if is_input:
 
             def pre_hook(mod, args, kwargs, _name=name, _t=transform):
                 trace.add(_name, args if args else kwargs, _t)
@@ -270,10 +304,10 @@ def recording(
             handles.append(module.register_forward_pre_hook(argument_hook, with_kwargs=True))
         else:
 
-            def hook(mod, args, output, _name=name, _t=transform):
-                trace.add(_name, output, _t)
-                new = replacement(_name, output)
-                return None if new is None else _replace_first_tensor(output, new)
+            def hook(mod, args, output, _name=name, _t=transform, _n=item):
+                trace.add(_name, _item(output, _n), _t)
+                new = replacement(_name, _item(output, _n))
+                return None if new is None else _replace_item(output, _n, new)
 
             handles.append(module.register_forward_hook(hook))
             if name in keep_inputs:

@@ -20,7 +20,9 @@ import torch
 from torch import nn
 
 from .align import Aligned, align
-from .build import Reference, build_reference, default_seq_len, make_reference, one_line, random_weights, read_weights
+from .build import (
+    Reference, build_reference, default_seq_len, make_reference, model_naming, one_line, random_weights, read_weights,
+)
 from .check import check
 from .coverage import loader_coverage
 from .errors import ConfigError, ParityError
@@ -80,6 +82,8 @@ def resolve_reference(reference, dtype: torch.dtype = torch.float32, seed: int =
         ckpt, state_dict, conversions = read_weights(reference, dtype, None)
         hf_config = _config_from_dict(ckpt.config, str(Path(reference) / "config.json"))
         _validated(hf_config, str(reference))
+        state_dict, merged = model_naming(_causal_lm_class(hf_config), hf_config, state_dict)
+        conversions = conversions + merged
         model = build_reference(_causal_lm_class(hf_config), hf_config, state_dict)
         ref = Reference(model, hf_config, derive_facts(model.config, model), state_dict, str(reference),
                         checkpoint=str(reference), checkpoint_hash=ckpt.content_hash(), conversions=conversions)

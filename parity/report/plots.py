@@ -37,7 +37,7 @@ RATIO_CMAP = LinearSegmentedColormap.from_list(
      (1.0, "#5e0016")],
 )
 NO_METRICS = "#d9dce1"
-STATUS_MARK = {"shape": "S", "missing": "M", "nonfinite": "N"}
+STATUS_MARK = {"shape": "S", "missing": "M", "nonfinite": "N", "choice": "C"}
 BAR_LIMIT = 160  # above this many values, draw a step line instead of bars
 STEP_POINTS = 1024  # at most this many steps in a line
 
@@ -190,7 +190,9 @@ def profile_svg(values: Sequence[float | None] | None, threshold: float | None, 
 def _layer_grid(nodes) -> tuple[list, list[str], dict[tuple, object]]:
     """Rows (layer indices, with each node outside the layers as a row of its own: the embedding
     on top, the final norm and the head below), the node kinds of the layers (columns, execution
-    order) and the node of each cell (``(row, kind)``; an outside node's kind is None)."""
+    order) and the node of each cell (``(row, kind)``; an outside node's kind is None). Several nodes
+    of one kind in one layer (the experts of a MoE layer) share a cell: it shows the earliest failing
+    one, else the one nearest its tolerance."""
     layers = sorted({n.layer for n in nodes if n.layer is not None})
     first = min((n.index for n in nodes if n.layer is not None), default=None)
     kinds: list[str] = []
@@ -203,6 +205,9 @@ def _layer_grid(nodes) -> tuple[list, list[str], dict[tuple, object]]:
             continue
         if n.kind not in kinds:
             kinds.append(n.kind)
+        held = cells.get((n.layer, n.kind))
+        if held is not None and (held.failed or (not n.failed and (_log_ratio(n) or -math.inf) <= (_log_ratio(held) or -math.inf))):
+            continue
         cells[(n.layer, n.kind)] = n
     return before + layers + after, kinds, cells
 

@@ -45,6 +45,20 @@ class PerHeadRMSNorm(nn.Module):
         return (self.weight * heads.flatten(-2)).to(x.dtype)
 
 
+class WholeProjectionRMSNorm(nn.Module):
+    """A per-head RMSNorm's weight applied after normalising every head of a token together (the
+    whole projection, OLMo's way) instead of each head on its own: input ``(..., heads, head_dim)``."""
+
+    def __init__(self, per_head: RMSNorm):
+        super().__init__()
+        self.weight, self.eps, self.cast_first = per_head.weight, per_head.eps, per_head.cast_first
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean((-2, -1), keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype) if self.cast_first else (self.weight * normed).to(x.dtype)
+
+
 def rms_instead_of(norm: nn.Module) -> RMSNorm:
     """An RMSNorm with ``norm``'s weight and eps (a LayerNorm re-implemented without mean subtraction)."""
     replacement = RMSNorm(norm.weight.shape[0], eps=norm.eps)

@@ -4,6 +4,8 @@ own). Order within a list does not matter: nodes are compared in the reference's
 
 from __future__ import annotations
 
+from parity.family import Node
+
 EMBED = [("model.embed_tokens", "tok_emb")]
 #: :class:`~reference_pairs.common.attention.GroupedQueryAttention` and its taps
 ATTENTION = [
@@ -51,3 +53,20 @@ GATED_DELTANET = [
         "delta_out", "recurrent_state", "norm", "out_proj",
     )
 ]
+#: :class:`~reference_pairs.common.moe.SparseMoE`, on the layers whose feed-forward is a mixture of
+#: experts. The reference's router (``mlp.gate``) returns ``(logits, weights, experts)``: its logits
+#: are the module's node, the chosen experts (compared exactly, a different choice reported with the
+#: reference's logit margin) and their weights its outputs 2 and 1. ``mlp.experts.{e}`` is expert
+#: ``e``'s unweighted output on the tokens routed to it (zero elsewhere; captured by
+#: :mod:`parity.hf_capture`), ``mlp.experts`` the weighted sum.
+MOE = [
+    Node("model.layers.{i}.mlp.gate", "blocks.{i}.ff.gate", sparse=True),
+    Node("model.layers.{i}.mlp.router.experts", "blocks.{i}.ff.router.experts", reference="model.layers.{i}.mlp.gate#2",
+         kind="router.experts", sparse=True, chosen_from="model.layers.{i}.mlp.gate"),
+    Node("model.layers.{i}.mlp.router.weights", "blocks.{i}.ff.router.weights", reference="model.layers.{i}.mlp.gate#1",
+         kind="router.weights", sparse=True),
+    Node("model.layers.{i}.mlp.experts.{e}", "blocks.{i}.ff.experts.{e}", kind="expert", sparse=True),
+    Node("model.layers.{i}.mlp.experts", "blocks.{i}.ff.experts", kind="experts", sparse=True),
+]
+#: :data:`MLP` on the dense layers of a model whose other layers are MoE
+DENSE_MLP = [Node(name, ours, sparse=False) for name, ours in MLP]

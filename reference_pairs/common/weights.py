@@ -5,6 +5,8 @@ both sides lack them."""
 
 from __future__ import annotations
 
+from parity.weights import Split
+
 EMBED = {"model.embed_tokens.weight": "tok_emb.weight"}
 #: :class:`~reference_pairs.common.attention.GroupedQueryAttention` (biases only where the config has them)
 ATTENTION = {
@@ -38,4 +40,14 @@ GATED_DELTANET = {
         "in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight", "conv1d.weight",
         "A_log", "dt_bias", "norm.weight", "out_proj.weight",
     )
+}
+#: :class:`~reference_pairs.common.moe.SparseMoE`: the router, and Transformers 5's fused 3-D experts
+#: (``gate_up_proj`` ``(E, 2I, H)``, gate rows first; ``down_proj`` ``(E, H, I)``) split into one gated
+#: MLP per expert, as views
+MOE = {
+    "model.layers.{i}.mlp.gate.weight": "blocks.{i}.ff.gate.weight",
+    "model.layers.{i}.mlp.experts.gate_up_proj": Split(
+        ("blocks.{i}.ff.experts.{e}.fc1.weight", "blocks.{i}.ff.experts.{e}.fc2.weight")
+    ),
+    "model.layers.{i}.mlp.experts.down_proj": Split(("blocks.{i}.ff.experts.{e}.fc3.weight",)),
 }

@@ -103,7 +103,7 @@ FAULTS = (
           "tiny", _whole_head_rotary, f"{ATT.format(FULL_LAYER)}.q_rot", "rope_partial",
           scope=f"{ATT.format(FULL_LAYER)}.[qk]_rot"),
     Fault("norm-w-not-1-plus-w", "input_layernorm of layer 0 scaled by w instead of 1 + w", "tiny",
-          _norm_without_unit_offset, "model.layers.0.input_layernorm", "channel_scale"),
+          _norm_without_unit_offset, "model.layers.0.input_layernorm", "norm_weight_offset"),
     Fault("conv-padded-right", "the short conv padded on the right (anti-causal: reads K - 1 future tokens)",
           "tiny", _conv_padded_right(0), f"{LIN.format(0)}.conv_out", "sequence_shift"),
     Fault("beta-softplus", "beta = softplus(b) instead of sigmoid(b)", "tiny", _gates(beta_act=F.softplus),
