@@ -255,3 +255,16 @@ def test_cli_bad_user_model_input_exit_2(argv, message, capsys):
 
 def test_parity_model_fixture(parity_model):
     parity.assert_parity(parity_model(meta_tiny_aya.build, "tiny_aya", mode="both"))
+
+
+def test_assert_bit_exact_holds_our_pairs_to_the_last_bit_and_a_user_model_to_its_tolerance():
+    """A model in another rounding order passes at float32 tolerance but is not bit-exact; our pair is."""
+    res = parity.check_model(litgpt_llama.build, "llama3")
+    assert parity.assert_parity(res) is res
+    assert any((n.max_abs or 0.0) > 0 for n in res.nodes)
+    with pytest.raises(AssertionError, match="not bit-exact at"):
+        parity.assert_bit_exact(res)
+    from parity.registry import get_family
+
+    exact = parity.assert_bit_exact(get_family("llama3").build_pair())
+    assert all(n.max_abs == 0.0 and n.atol == 0.0 for n in exact.nodes)

@@ -28,9 +28,7 @@ def node_count(pair) -> int:
 
 def assert_exact(pair, **kw) -> parity.CheckResult:
     """Every node bit-identical (Gemma 3 claims float32 and bfloat16)."""
-    res = parity.check(pair, **kw)
-    assert res.passed, res.verdict()
-    assert all(n.max_abs == 0.0 for n in res.nodes), [(n.name, n.max_abs) for n in res.nodes if n.max_abs]
+    res = parity.assert_bit_exact(pair, **kw)
     assert len(res.nodes) == len(pair.nodes) == node_count(pair)
     return res
 

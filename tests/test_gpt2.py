@@ -22,9 +22,7 @@ DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=[
 
 def assert_exact(pair, **kw):
     """Every node bit-identical (the family claims both dtypes)."""
-    res = parity.check(pair, **kw)
-    assert res.passed, res.verdict()
-    assert all(n.max_abs == 0.0 for n in res.nodes), [(n.name, n.max_abs) for n in res.nodes if n.max_abs]
+    res = parity.assert_bit_exact(pair, **kw)
     n_nodes = len(FAMILY.nodes.before) + NODES_PER_LAYER * pair.cfg["n_layers"] + len(FAMILY.nodes.after)
     assert len(res.nodes) == len(pair.nodes) == n_nodes
     return res

@@ -24,9 +24,7 @@ def n_nodes(family, n_layers: int) -> int:
 
 
 def assert_exact(pair, **kw):
-    res = parity.check(pair, **kw)
-    assert res.passed, res.verdict()
-    assert all(n.max_abs == 0.0 for n in res.nodes), [(n.name, n.max_abs) for n in res.nodes if n.max_abs]
+    res = parity.assert_bit_exact(pair, **kw)
     assert len(res.nodes) == n_nodes(FAMILY, pair.cfg["n_layers"])
     return res
 
