@@ -12,7 +12,8 @@ from torch.nn import functional as F
 
 from parity.faults import Fault
 
-from ..common.faults import DECODE, LEFT_PADDED, expand_kv_with_repeat, mask_with_neg_inf
+from ..common.cache import LinearAttentionCacheLayer
+from ..common.faults import LEFT_PADDED, expand_kv_with_repeat, mask_with_neg_inf
 from ..common.linear_attention import l2norm
 
 FULL_LAYER = 3  # the full-attention layer of the tiny config
@@ -139,6 +140,22 @@ def _conv_state_kept_one_early(pair):
         conv.forward = kept_early
 
 
+def _recurrent_state_not_stored(pair):
+    """The cache's recurrent state written as zeros after every call (a state slot allocated and never
+    filled): the call itself computes right, the next one starts from nothing."""
+    new_cache = pair.ours.new_cache
+
+    def cache_keeping_zeros():
+        cache = new_cache()
+        for layer in cache.layers:
+            if isinstance(layer, LinearAttentionCacheLayer):
+                update = layer.update
+                layer.update = lambda conv, state, tokens, _update=update: _update(conv, torch.zeros_like(state), tokens)
+        return cache
+
+    pair.ours.new_cache = cache_keeping_zeros
+
+
 def _padding_zeroed_in_first_call_only(pair):
     """Padding zeroed only in a sequence's first call: left padding that falls in a later prefill chunk
     reaches the projections, the conv and the state."""
@@ -151,7 +168,10 @@ def _padding_zeroed_in_first_call_only(pair):
         att.forward = first_call_masked
 
 
-#: a decode schedule whose second prefill chunk holds padding: rows 1 and 2 start with 5 padding tokens
+#: the decode schedule of the cache faults: a prompt of 8 in two calls of 4 (the second continues the
+#: cache through the chunked rule and reads the conv's cached inputs), then 2 single-token steps
+DECODE = (("decode", "8:4x2"),)
+#: the same with padding in the second prefill call: rows 1 and 2 start with 5 padding tokens
 DECODE_PADDED = (*DECODE, *LEFT_PADDED)
 
 FAULTS = (
@@ -190,6 +210,9 @@ FAULTS = (
     Fault("conv-state-kept-one-early", "the conv state kept after a call ends one input before the call's last",
           "tiny", _conv_state_kept_one_early, f"step0/{LIN.format(0)}.cache.conv_state", "conv_state",
           check_kwargs=DECODE),
+    Fault("recurrent-state-not-stored", "the cache keeps zeros for the recurrent state after every call (the slot "
+          "never written)", "tiny", _recurrent_state_not_stored, f"step0/{LIN.format(0)}.cache.recurrent_state",
+          "state_not_carried", check_kwargs=DECODE),
     Fault("chunk-padding-leaks", "padding zeroed in a sequence's first call only: left padding in a later prefill "
           "chunk leaks into the conv and the recurrent state", "tiny", _padding_zeroed_in_first_call_only,
           f"step1/{LIN.format(0)}.in_proj_qkv", "padding", check_kwargs=DECODE_PADDED),
