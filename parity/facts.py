@@ -116,6 +116,8 @@ class ArchFacts:
     ``"projection"`` (over the whole projection, OLMo 2/3). ``chunk_size``: linear-attention
     layers run their recurrence over the sequence in chunks of this many tokens (None: no such
     layers); only a sequence longer than one chunk exercises the state carried between chunks.
+    ``conv_kernel``: the width of those layers' short causal convolution (a call continuing a cache
+    reads the previous call's last ``conv_kernel - 1`` inputs).
     """
 
     model_type: str
@@ -141,6 +143,7 @@ class ArchFacts:
     tie_word_embeddings: bool = False
     max_position_embeddings: int | None = None
     chunk_size: int | None = None
+    conv_kernel: int | None = None
     #: named constants a constant ratio may equal (see :meth:`named_constants`)
     extra_constants: Mapping[str, float] = field(default_factory=dict)
     #: named parts of the architecture beyond the fields above (Gemma 4: "per-layer inputs", "KV
@@ -440,12 +443,13 @@ def _qwen3(config, facts: ArchFacts) -> ArchFacts:
 @rule("qwen3_5_text")
 def _qwen3_5(config, facts: ArchFacts) -> ArchFacts:
     # Qwen3_5DecoderLayer: linear_attention layers are Gated DeltaNet (no RoPE; the delta rule in chunks
-    # of 64, torch_chunk_gated_delta_rule's default); full_attention layers norm Q/K per head; every
-    # RMSNorm but the DeltaNet's gated one scales by (1 + w).
+    # of 64, torch_chunk_gated_delta_rule's default; a causal conv of linear_conv_kernel_dim before it);
+    # full_attention layers norm Q/K per head; every RMSNorm but the DeltaNet's gated one scales by (1 + w).
     def rope(layer: LayerFacts):
         return None if layer.layer_type == LINEAR else layer.rope
 
-    return replace(with_layers(facts, rope=rope), qk_norm="head", norm_weight_offset=1.0, chunk_size=64)
+    return replace(with_layers(facts, rope=rope), qk_norm="head", norm_weight_offset=1.0, chunk_size=64,
+                   conv_kernel=int(config.linear_conv_kernel_dim))
 
 
 @rule("mistral")
