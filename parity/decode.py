@@ -51,8 +51,10 @@ class DecodePlan:
     chunk: int | None = None
 
     def __post_init__(self):
-        if self.prefill < 1 or self.steps < 0 or (self.chunk is not None and self.chunk < 1):
-            raise ParityError(f"decode plan needs prefill >= 1, steps >= 0 and chunk >= 1, got {self.describe()}")
+        for part, value, least in (("prefill", self.prefill, 1), ("steps", self.steps, 0), ("chunk", self.chunk, 1)):
+            if value is not None and value < least:
+                raise ParityError(f"decode plan {self.describe()} (PREFILL[:CHUNK]xSTEPS): {part} is {value}; "
+                                  f"it must be at least {least}")
 
     @classmethod
     def parse(cls, text: str) -> DecodePlan:
@@ -64,7 +66,7 @@ class DecodePlan:
         return cls(prefill, steps, int(chunk) if chunk is not None else None)
 
     def describe(self) -> str:
-        return f"{self.prefill}{f':{self.chunk}' if self.chunk else ''}x{self.steps}"
+        return f"{self.prefill}{f':{self.chunk}' if self.chunk is not None else ''}x{self.steps}"
 
     @property
     def total(self) -> int:
