@@ -123,7 +123,9 @@ def resolve_config(family: Family, config, dtype: torch.dtype, overrides: dict):
     elif isinstance(config, (str, Path)) and (Path(config).is_file() or str(config).endswith(".json")):
         raw = read_config(config)
         if raw.get("model_type") != family.model_type:
-            raise ConfigError(f"{config} has model_type {raw.get('model_type')!r}, expected {family.model_type!r}")
+            multimodal = family.composite_for(raw.get("model_type")) is not None
+            how = " (a multimodal config: pass its checkpoint folder, or its text_config as a config.json)" if multimodal else ""
+            raise ConfigError(f"{config} has model_type {raw.get('model_type')!r}, expected {family.model_type!r}{how}")
         cfg = family.from_hf(config_from_dict(family, raw), dtype)
     else:
         known = ", ".join(family.configs)
@@ -242,23 +244,25 @@ def text_config_of(hf_config):
     return hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
 
 
-def outside_text_model(reference_cls, hf_config, composite: Composite, state_dict: Mapping[str, torch.Tensor]) -> dict[str, str]:
+def outside_text_model(expected, text_prefix: str, state_dict: Mapping[str, torch.Tensor]) -> dict[str, str]:
     """Checkpoint key -> the module it belongs to (``model.vision_tower``, ``model.embed_audio``), for every
-    key the multimodal reference holds outside its text model and head: what a text-only check leaves
+    key of ``state_dict`` that the multimodal reference holds (``expected``: its state dict's keys) outside
+    its text model (``text_prefix``: ``model.language_model.``) and head: what a text-only check leaves
     unused by design. Keys the reference does not hold are not among them (our loader names those)."""
-    with torch.device("meta"):
-        expected = set(reference_cls(hf_config).state_dict())
-    parent = composite.text_prefix.rstrip(".").rpartition(".")[0]
+    parent = text_prefix.rstrip(".").rpartition(".")[0]
     lead = parent + "." if parent else ""
 
     def part(key: str) -> str:
         rest = key[len(lead):] if key.startswith(lead) else key
         return lead + rest.partition(".")[0]
 
-    return {
-        k: part(k) for k in state_dict
-        if k in expected and not k.startswith(composite.text_prefix) and not k.startswith("lm_head.")
-    }
+    return {k: part(k) for k in state_dict if k in expected and not k.startswith(text_prefix) and not k.startswith("lm_head.")}
+
+
+def meta_keys(reference_cls, hf_config) -> set[str]:
+    """The state dict keys of ``reference_cls(hf_config)``, built on the meta device."""
+    with torch.device("meta"):
+        return set(reference_cls(hf_config).state_dict())
 
 
 def _check_dtype(dtype) -> None:
@@ -439,7 +443,7 @@ def _source(family: Family, config, checkpoint, dtype, seed, overrides) -> Refer
         state_dict, merged = model_naming(reference_cls, hf_config, state_dict)
         conversions += merged
         if composite is not None:
-            by_design = outside_text_model(reference_cls, hf_config, composite, state_dict)
+            by_design = outside_text_model(meta_keys(reference_cls, hf_config), composite.text_prefix, state_dict)
         config_name = str(Path(checkpoint))
     else:
         config = family.default_config if config is None else config

@@ -13,7 +13,7 @@ import torch
 
 import parity
 from parity.cli import main
-from parity.errors import CheckpointError, LoaderError, ParityError
+from parity.errors import CheckpointError, ConfigError, LoaderError, ParityError
 from parity.registry import family_for_model_type
 from reference_pairs import gemma3, gemma4
 
@@ -210,3 +210,29 @@ def test_nonfinite_note_only_for_tensors_the_text_model_reads(checkpoints):
     inf = [k for k, v in pair.state_dict.items() if not bool(torch.isfinite(v).all())]
     assert inf and all(pair.by_design.get(k) == "model.audio_tower" for k in inf)
     assert not any("non-finite" in note for note in pair.notes)
+
+
+def test_multimodal_config_without_weights_is_refused_saying_what_to_pass(checkpoints):
+    with pytest.raises(ConfigError, match=r"has model_type 'gemma4', expected 'gemma4_text' \(a multimodal config: pass its "
+                                          r"checkpoint folder, or its text_config as a config.json\)$"):
+        gemma4.build_pair(str(checkpoints[0]["gemma4", torch.float32, False] / "config.json"))
+
+
+def test_check_model_against_a_multimodal_checkpoint(checkpoints):
+    """A user's text model built from the multimodal checkpoint's tensors and config: aligned to the
+    reference's model.language_model nodes, the towers skipped by coverage, not refused as unused."""
+    prefix = "model.language_model."
+
+    def build(state_dict, hf_config):
+        cfg = gemma4.FAMILY.from_hf(hf_config.get_text_config(), torch.float32)
+        with torch.device("meta"):
+            model = gemma4.Gemma4Model(cfg)
+        text = {"model." + k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+        gemma4.load_weights_into_gemma4(model, cfg, text)
+        return model
+
+    res = parity.check_model(build, reference=str(checkpoints[0]["gemma4", torch.float32, False]), exact=True)
+    assert res.passed and res.coverage.ok and set(res.coverage.skipped.values()) >= {"model.vision_tower", "model.audio_tower"}
+    judged = [n for n in res.nodes if n.status == "ok"]
+    assert len(judged) > 100 and all(n.max_abs == 0.0 for n in judged)
+    assert all(n.name.startswith(prefix) or n.name in ("lm_head", "logits") for n in res.nodes)
