@@ -366,6 +366,8 @@ def _meta(pair: Pair, run: Run, diffs: list[dict], seconds: float, atol, rtol, t
         "seconds": round(seconds, 3),
         "model_type": pair.facts.model_type,
         "ours_class": f"{type(pair.ours).__module__}.{type(pair.ours).__qualname__}",
+        # the Transformers class compared against (a multimodal checkpoint: ...ForConditionalGeneration)
+        "reference_class": f"{type(pair.reference).__module__}.{type(pair.reference).__qualname__}",
         "aligned": bool(pair.alignment),
         "probe": pair.probe + (f"; inputs: seeded random token ids, {int(run.input_ids.shape[0])} x {int(run.input_ids.shape[1])}"
                                + (", left-padded, positions from the mask" if run.attention_mask is not None else "")),

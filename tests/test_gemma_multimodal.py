@@ -23,22 +23,23 @@ FAMILIES = {"gemma3": gemma3, "gemma4": gemma4}
 IMAGE, AUDIO, VIDEO = 250, 251, 252
 
 
-def multimodal_model(family: str, seed: int = 3, dtype=torch.float32):
-    """A tiny Gemma{3,4}ForConditionalGeneration (tiny vision tower; Gemma 4 a tiny audio tower too) whose
-    text model holds the probe weights of the family's ``tiny`` pair; ``(model, text-only pair)``."""
+def multimodal_model(family: str, seed: int = 3, dtype=torch.float32, config: str = "tiny", placeholders=(IMAGE, AUDIO, VIDEO)):
+    """A Gemma{3,4}ForConditionalGeneration with tiny towers (vision; Gemma 4 audio too) whose text model
+    holds the probe weights of the family's ``config`` pair; ``(model, text-only pair)``."""
     import transformers
 
-    text_pair = FAMILIES[family].build_pair("tiny", seed=seed, dtype=dtype)
+    text_pair = FAMILIES[family].build_pair(config, seed=seed, dtype=dtype)
+    image, audio, video = placeholders
     text = text_pair.reference.config
     text.pad_token_id = 0  # the released text configs' pad id (Gemma 4 embeds it in place of placeholders)
     if family == "gemma4":
         vision = transformers.Gemma4VisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                                  num_attention_heads=2, num_key_value_heads=2, head_dim=8,
                                                  position_embedding_size=64, patch_size=4)
-        audio = transformers.Gemma4AudioConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, output_proj_dims=16)
+        audio_config = transformers.Gemma4AudioConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, output_proj_dims=16)
         config = transformers.Gemma4Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
-                                           audio_config=audio.to_dict(), image_token_id=IMAGE, audio_token_id=AUDIO,
-                                           video_token_id=VIDEO, boi_token_id=253, eoi_token_id=254, boa_token_id=255,
+                                           audio_config=audio_config.to_dict(), image_token_id=image, audio_token_id=audio,
+                                           video_token_id=video, boi_token_id=253, eoi_token_id=254, boa_token_id=255,
                                            eoa_token_index=256)
         cls = transformers.Gemma4ForConditionalGeneration
     else:
@@ -89,6 +90,7 @@ def test_multimodal_checkpoint_is_bit_exact_under_its_own_names(family, dtype, s
         name.replace("model.", "model.language_model.", 1) if name.startswith("model.") else name for name in text_names
     ]
     assert res.nodes[0].name == "model.language_model.embed_tokens" and res.nodes[-1].name == "logits"
+    assert res.meta["reference_class"].endswith(f".{family.capitalize()}ForConditionalGeneration")
     assert pair.facts.layer_prefix == "model.language_model.layers" and pair.facts.text_model == "model.language_model"
     # loader coverage: every text tensor consumed once, the towers named and counted as skipped, no gap
     cov = res.coverage
@@ -236,3 +238,18 @@ def test_check_model_against_a_multimodal_checkpoint(checkpoints):
     judged = [n for n in res.nodes if n.status == "ok"]
     assert len(judged) > 100 and all(n.max_abs == 0.0 for n in judged)
     assert all(n.name.startswith(prefix) or n.name in ("lm_head", "logits") for n in res.nodes)
+
+
+@pytest.mark.slow
+def test_e2b_shape_multimodal_checkpoint_with_the_released_placeholders(tmp_path):
+    """E2B widths (2 layers, vocabulary 262144 for both tables) in a multimodal bfloat16 checkpoint whose
+    placeholders are the released ids (258880 image, 258881 audio, 258884 video, inside the vocabulary)."""
+    released = (258_880, 258_881, 258_884)
+    model, text_pair = multimodal_model("gemma4", dtype=torch.bfloat16, config="e2b-shape", placeholders=released)
+    directory = save(model, tmp_path / "e2b", sharded=False)
+    del model
+    pair = gemma4.build_pair(checkpoint=directory, dtype=torch.bfloat16)
+    assert pair.cfg == text_pair.cfg and pair.facts.placeholder_tokens == released
+    del text_pair
+    res = parity.assert_bit_exact(pair)
+    assert res.nodes[0].name == "model.language_model.embed_tokens" and res.coverage.ok and res.coverage.skipped
