@@ -341,17 +341,24 @@ def model_naming(reference_cls, hf_config, state_dict: dict[str, torch.Tensor]) 
     by_pattern = {p: c for c in converters for p in c.source_patterns}
     out: dict[str, torch.Tensor] = {}
     pending: dict[str, tuple[object, list[str]]] = {}
+    moved: list[tuple[str, str]] = []
     for key in sorted(state_dict, key=dot_natural_key):
         renamed, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
         if renamed not in meta and key in meta:
             renamed, pattern = key, None
         if pattern is None:
             out[renamed] = state_dict[key]
+            if renamed != key:
+                moved.append((key, renamed))
             continue
         converter, sources = pending.setdefault(renamed, (copy.deepcopy(by_pattern[pattern]), []))  # one per target
         converter.add_tensor(renamed, key, pattern, state_dict[key])
         sources.append(key)
     notes = []
+    if moved:  # e.g. a Gemma 3 multimodal file's language_model.model.* read as model.language_model.*
+        (first, to), n = moved[0], len(moved)
+        notes.append(f"{first} -> {to}{f' and {n - 1} more keys' if n > 1 else ''}: renamed as from_pretrained renames "
+                     "them (Transformers' checkpoint conversion)")
     for target, (converter, sources) in pending.items():
         converted = converter.convert(target, model=model, config=hf_config)
         for name, value in converted.items():

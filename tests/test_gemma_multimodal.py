@@ -118,6 +118,11 @@ def test_gemma3_checkpoint_in_the_released_layout_is_read_through_transformers_c
     assert "language_model.model.layers.0.mlp.up_proj.weight" in keys
     pair = gemma3.build_pair(checkpoint=directory)
     assert "model.language_model.layers.0.mlp.up_proj.weight" in pair.loaded_keys
+    renamed = [c for c in pair.conversions if "renamed as from_pretrained renames them" in c]
+    assert renamed == [f"language_model.model.embed_tokens.weight -> model.language_model.embed_tokens.weight and "
+                       f"{sum(k.startswith('language_model.model.') for k in keys) - 1} more keys: renamed as from_pretrained renames them (Transformers' checkpoint conversion)"]
+    # a Gemma 4 file is already in the model's naming: nothing renamed
+    assert not any("renamed" in c for c in gemma4.build_pair(checkpoint=checkpoints[0]["gemma4", torch.float32, False]).conversions)
 
 
 def test_isolated_mode_and_decode_on_a_multimodal_checkpoint(checkpoints):
@@ -158,6 +163,19 @@ def test_missing_or_misnamed_text_weight_is_refused_in_one_line_naming_it(change
     assert "\n" not in message and f"missing checkpoint keys: {key}" in message
     if change == "rename":
         assert "unused checkpoint keys: model.language_model.layers.0.self_attn.query.weight" in message
+
+
+def test_missing_text_weight_of_a_gemma3_file_is_named_as_transformers_reads_it(checkpoints, tmp_path):
+    """A Gemma 3 file says language_model.model.*; the error names the key as Transformers reads it."""
+    from safetensors.torch import load_file, save_file
+
+    source = checkpoints[0]["gemma3", torch.float32, False]
+    (tmp_path / "config.json").write_bytes((source / "config.json").read_bytes())
+    weights = load_file(source / "model.safetensors")
+    del weights["language_model.model.layers.2.mlp.up_proj.weight"]
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(LoaderError, match=r"^missing checkpoint keys: model\.language_model\.layers\.2\.mlp\.up_proj\.weight;"):
+        gemma3.build_pair(checkpoint=tmp_path)
 
 
 def test_multimodal_checkpoint_of_the_other_family_is_refused_naming_both_model_types(checkpoints):
