@@ -271,3 +271,14 @@ def test_e2b_shape_multimodal_checkpoint_with_the_released_placeholders(tmp_path
     del text_pair
     res = parity.assert_bit_exact(pair)
     assert res.nodes[0].name == "model.language_model.embed_tokens" and res.coverage.ok and res.coverage.skipped
+
+
+def test_decode_never_feeds_a_placeholder():
+    """The reference's greedy choice is fed to both models in a decode check; a placeholder never is
+    (Gemma4Model would swap it for pad and ours would not), so the next best token goes in its place."""
+    from parity.decode import fed_token
+
+    logits = torch.tensor([[0.0, 1.0, 5.0, 3.0], [4.0, 0.0, 0.0, 0.0]])
+    assert fed_token(logits).tolist() == [2, 0]
+    assert fed_token(logits, (2,)).tolist() == [3, 0]
+    assert logits[0, 2] == 5.0  # the logits themselves are left as they are
