@@ -239,6 +239,17 @@ def load_ours(
     return apply_weight_table(model, state_dict, table)
 
 
+def _refuse_split_tie(hf_config, composite: Composite) -> None:
+    """A multimodal config whose two ``tie_word_embeddings`` disagree: the multimodal model ties its
+    head by its own, a text model by its text_config's, so the two sides would differ. ConfigError."""
+    outer, text = bool(hf_config.tie_word_embeddings), bool(text_config_of(hf_config).tie_word_embeddings)
+    if outer != text:
+        raise ConfigError(
+            f"config.json has tie_word_embeddings={outer} but text_config.tie_word_embeddings={text}: "
+            f"{composite.reference_class} ties its head by the first, the text model by the second; make them agree"
+        )
+
+
 def text_config_of(hf_config):
     """The text config of a multimodal config (its ``text_config``), else the config itself."""
     return hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
@@ -444,6 +455,8 @@ def _source(family: Family, config, checkpoint, dtype, seed, overrides) -> Refer
         composite = family.composite_for(ckpt.config.get("model_type"))
         reference_cls = composite.reference_cls() if composite is not None else family.reference_cls()
         hf_config = config_from_dict(composite or family, ckpt.config)
+        if composite is not None:
+            _refuse_split_tie(hf_config, composite)
         cfg, facts = validated(family, text_config_of(hf_config), dtype)
         state_dict, renamed = as_reference_keys(reference_cls, hf_config, state_dict)
         conversions = renamed + conversions

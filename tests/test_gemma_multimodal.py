@@ -23,12 +23,14 @@ FAMILIES = {"gemma3": gemma3, "gemma4": gemma4}
 IMAGE, AUDIO, VIDEO = 250, 251, 252
 
 
-def multimodal_model(family: str, seed: int = 3, dtype=torch.float32, config: str = "tiny", placeholders=(IMAGE, AUDIO, VIDEO)):
+def multimodal_model(family: str, seed: int = 3, dtype=torch.float32, config: str = "tiny", placeholders=(IMAGE, AUDIO, VIDEO),
+                     **overrides):
     """A Gemma{3,4}ForConditionalGeneration with tiny towers (vision; Gemma 4 audio too) whose text model
     holds the probe weights of the family's ``config`` pair; ``(model, text-only pair)``."""
     import transformers
 
-    text_pair = FAMILIES[family].build_pair(config, seed=seed, dtype=dtype)
+    text_pair = FAMILIES[family].build_pair(config, seed=seed, dtype=dtype, **overrides)
+    tie = text_pair.cfg["tie_word_embeddings"]
     image, audio, video = placeholders
     text = text_pair.reference.config
     text.pad_token_id = 0  # the released text configs' pad id (Gemma 4 embeds it in place of placeholders)
@@ -40,17 +42,20 @@ def multimodal_model(family: str, seed: int = 3, dtype=torch.float32, config: st
         config = transformers.Gemma4Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
                                            audio_config=audio_config.to_dict(), image_token_id=image, audio_token_id=audio,
                                            video_token_id=video, boi_token_id=253, eoi_token_id=254, boa_token_id=255,
-                                           eoa_token_index=256)
+                                           eoa_token_index=256, tie_word_embeddings=tie)
         cls = transformers.Gemma4ForConditionalGeneration
     else:
         vision = transformers.SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                                  num_attention_heads=2, image_size=8, patch_size=4)
         config = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=1,
-                                           image_token_id=256, boi_token_index=254, eoi_token_index=255)
+                                           image_token_id=256, boi_token_index=254, eoi_token_index=255,
+                                           tie_word_embeddings=tie)
         cls = transformers.Gemma3ForConditionalGeneration
     torch.manual_seed(seed)
     model = cls(config).to(dtype)
     model.model.language_model.load_state_dict(text_pair.reference.model.state_dict())
+    if not tie:
+        model.lm_head.load_state_dict(text_pair.reference.lm_head.state_dict())
     return model, text_pair
 
 
@@ -282,3 +287,25 @@ def test_decode_never_feeds_a_placeholder():
     assert fed_token(logits).tolist() == [2, 0]
     assert fed_token(logits, (2,)).tolist() == [3, 0]
     assert logits[0, 2] == 5.0  # the logits themselves are left as they are
+
+
+def test_multimodal_config_whose_two_ties_disagree_is_refused_naming_both(checkpoints, tmp_path):
+    import json
+
+    source = checkpoints[0]["gemma4", torch.float32, False]
+    raw = json.loads((source / "config.json").read_text())
+    raw["tie_word_embeddings"] = False
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    (tmp_path / "model.safetensors").write_bytes((source / "model.safetensors").read_bytes())
+    with pytest.raises(ConfigError, match=r"^config.json has tie_word_embeddings=False but text_config.tie_word_embeddings=True: "
+                                          r"Gemma4ForConditionalGeneration ties its head by the first"):
+        gemma4.build_pair(checkpoint=tmp_path)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_untied_multimodal_checkpoint(family, tmp_path):
+    model, text_pair = multimodal_model(family, tie_word_embeddings=False)
+    pair = FAMILIES[family].build_pair(checkpoint=save(model, tmp_path / family))
+    assert "lm_head.weight" in pair.state_dict and pair.ours.out_head.weight is not pair.ours.tok_emb.weight
+    res = parity.assert_bit_exact(pair)
+    assert res.coverage.ok and res.coverage.consumed["lm_head.weight"] == ["out_head.weight"] and not res.coverage.tied
