@@ -309,3 +309,15 @@ def test_untied_multimodal_checkpoint(family, tmp_path):
     assert "lm_head.weight" in pair.state_dict and pair.ours.out_head.weight is not pair.ours.tok_emb.weight
     res = parity.assert_bit_exact(pair)
     assert res.coverage.ok and res.coverage.consumed["lm_head.weight"] == ["out_head.weight"] and not res.coverage.tied
+
+
+def test_record_and_verify_a_multimodal_checkpoint(checkpoints, tmp_path, capsys):
+    import json
+
+    directory = checkpoints[0]["gemma4", torch.float32, False]
+    assert main(["record", "--reference", str(directory), "--out", str(tmp_path / "golden")]) == 0
+    manifest = json.loads((tmp_path / "golden" / "manifest.json").read_text())
+    assert manifest["reference"]["class"] == "Gemma4ForConditionalGeneration"
+    assert manifest["reference"]["layer_prefix"] == "model.language_model.layers"
+    assert main(["record", "--verify", str(tmp_path / "golden"), "--report-dir", str(tmp_path)]) == 0
+    assert "reproduces: every node bit for bit" in capsys.readouterr().out
