@@ -387,8 +387,9 @@ def _print_coverage(coverage, console: Console) -> None:
     if len(conversions) > 5:  # a cast checkpoint converts every tensor the same way: say it once
         kinds = sorted({c.split(": ", 1)[-1] for c in conversions})
         conversions = [f"{len(coverage.conversions)} tensors: {', '.join(kinds)}"] if len(kinds) <= 3 else conversions
+    skipped = [coverage.skipped_note()] if getattr(coverage, "skipped", None) else []
     for label, lines in (("tied", coverage.tied), ("conversion", conversions), ("copy", coverage.copies),
-                         ("gap", coverage.gaps)):
+                         ("skipped", skipped), ("gap", coverage.gaps)):
         for line in lines:
             style = "red" if label == "gap" else "dim"
             console.print(f"  [{style}]{label}:[/] {line}", highlight=False, soft_wrap=True)
