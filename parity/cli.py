@@ -470,6 +470,9 @@ def cmd_check(args, console: Console) -> int:
         dtype = getattr(torch, args.dtype)
         overrides = {"n_layers": args.layers} if args.layers is not None else {}
         config = None if args.checkpoint else (args.config or family.default_config)
+        if config is not None and config not in family.configs and Path(config).is_dir():
+            raise ParityError(f"--config {config} is a folder: pass a checkpoint folder with --checkpoint, "
+                              "or the config.json inside it with --config")
         if config is not None and args.left_pad and args.seq_len is None and args.decode is None:
             from .build import default_seq_len, resolve_config
 
