@@ -255,6 +255,8 @@ def render_html(result) -> str:
     depth_summary = _depth_summary(result)
     exact = bad is None and depth_summary["exact"]  # nothing to plot
     decode = result.decode is not None  # steps x layers replaces the layer x kind picture
+    separate = mode != "isolated" and result.isolated
+    scale = plots.error_scale(list(result.nodes) + list(result.isolated or []))
     return _env.get_template("report.html.j2").render(
         r=result,
         d=result_dict(result),
@@ -263,12 +265,13 @@ def render_html(result) -> str:
         depth_summary=depth_summary,
         logits_agree=_logits_agree(result.logits),
         card=card,
-        heatmap_svg=None if exact or decode else _svg(plots.depth_heatmap_svg(result.nodes, bad.index if bad else None)),
-        decode_svg=_svg(plots.decode_heatmap_svg(result.nodes, bad.index if bad else None)) if decode else None,
+        heatmap_svg=None if exact or decode else _svg(plots.depth_heatmap_svg(result.nodes, bad.index if bad else None, scale)),
+        decode_svg=_svg(plots.decode_heatmap_svg(result.nodes, bad.index if bad else None, scale)) if decode else None,
         depth_svg=None if exact else _svg(plots.depth_line_svg(
-            result.nodes, result.isolated if mode != "isolated" else None, bad.index if bad else None,
-            label="isolated" if mode == "isolated" else "chained",
+            result.nodes, result.isolated if separate else None, bad.index if bad else None,
+            label="isolated" if mode == "isolated" else "chained", scale=scale,
         )),
+        scale=scale,
         where=_where(result, bad, card),
         rows=_rows(result),
         filters=_filters(result),
