@@ -195,6 +195,8 @@ def test_exact_tolerance_plots_and_colours_the_error_itself(fault):
     assert exact and {fills[n.index] for n in exact} == {plots.EXACT}
     # the hover text says why there is no ratio
     assert "tolerance 0 (atol 0, rtol 0)" in heatmap and "inf x tolerance" not in html
+    card = html[html.index('id="first-mismatch"'):html.index('id="depth"')]
+    assert "<td>inf (tolerance 0: any nonzero error fails)</td>" in card
     # the depth plot: max_abs on its y axis, no "non-finite" / "not comparable" marks for finite errors
     assert "max_abs (tolerance 0)" in depth and "non-finite" not in depth and "not comparable" not in depth
     assert "every point above the floor fails" in depth

@@ -55,7 +55,15 @@ def _sort_value(value) -> str:
     return repr(float(value))
 
 
+def _fmt_ratio(value, spec: str = ".3g") -> str:
+    """max_abs / tolerance; an infinite one (a nonzero error under atol 0, rtol 0) says why."""
+    if isinstance(value, float) and math.isinf(value):
+        return "inf (tolerance 0: any nonzero error fails)"
+    return _fmt(value, spec)
+
+
 _env.filters["fmt"] = _fmt
+_env.filters["ratio"] = _fmt_ratio
 _env.filters["sortv"] = _sort_value
 
 
