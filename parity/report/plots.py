@@ -298,13 +298,11 @@ class _Colours:
     def face(self, node):
         value = _log_value(node, self.scale)
         if node.status == "nonfinite" or (value is None and node.failed and node.max_abs is not None):
-            return self.cmap(1.0)
+            return self.cmap(1.0)  # non-finite, or (ratio scale) a nonzero error under a zero tolerance
         if value is None:
             return NO_METRICS
-        if self.scale == "max_abs" and value == -math.inf:
+        if value == -math.inf:  # max_abs scale: an exact match
             return EXACT
-        if math.isinf(value):  # a zero tolerance in a run of nonzero ones
-            return self.cmap(1.0)
         return self.cmap(self.norm(value))
 
     def colorbar(self, fig, ax, label: str, **kwargs):
