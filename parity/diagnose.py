@@ -1365,24 +1365,54 @@ def _elementwise_of(e: Evidence, y: torch.Tensor, x: torch.Tensor) -> str | None
     return None
 
 
+#: the fewest distinct reference values per channel on which a monotone curve is evidence of a function
+ACTIVATION_MIN_POINTS = 8
+#: how far the curve must bend away from a straight line, in multiples of the noise (the node's
+#: tolerance, or the most the rising/falling order is broken by) and of the dtype's rounding (eps)
+ACTIVATION_MARGIN = 10.0
+ACTIVATION_EPS_MARGIN = 8.0
+
+
+def _dtype_eps(dtype: str | None) -> float:
+    """Machine epsilon of a dtype named like ``bfloat16``; float32's when unknown."""
+    value = getattr(torch, str(dtype or "float32").removeprefix("torch."), None)
+    try:
+        return float(torch.finfo(value).eps)
+    except TypeError:
+        return float(torch.finfo(torch.float32).eps)
+
+
 def activation(e: Evidence) -> Hint | None:
     """Ours is a monotone, non-affine function of the reference, value by value in each channel (the
     last axis): the same pre-activation through another element-wise function (sigmoid vs softplus).
-    Both functions are named when an earlier node of the layer is the input of both."""
+    Both functions are named when an earlier node of the layer is the input of both.
+
+    Rounding is monotone too (two roundings of one value stay in order), so a rounding fault (a norm
+    that multiplies in float32, then casts) looks like "a monotone function" within a loose tolerance.
+    The curve is evidence only where it clearly exceeds noise: at least :data:`ACTIVATION_MIN_POINTS`
+    distinct reference values in every channel, a departure from the best straight line per channel
+    at least :data:`ACTIVATION_MARGIN` times the node's tolerance and the largest break of the order,
+    and, relative to ours, :data:`ACTIVATION_EPS_MARGIN` times the dtype's eps (F14, F20)."""
     a, b = e.ours.double().flatten(0, -2), e.ref.double().flatten(0, -2)
-    if a.shape[0] < 8 or not bool(torch.isfinite(a).all() and torch.isfinite(b).all()):
+    if a.shape[0] < ACTIVATION_MIN_POINTS or not bool(torch.isfinite(a).all() and torch.isfinite(b).all()):
         return None
     order = b.argsort(dim=0)
     da, db = a.gather(0, order).diff(dim=0), b.gather(0, order).diff(dim=0)
+    if int((db > 0).sum(0).min()) + 1 < ACTIVATION_MIN_POINTS:
+        return None  # too few distinct values in some channel to see a curve
     tol = e.noise + 1e-6 * float(a.abs().max())
     rising, falling = (da >= -tol).all(0), (da <= tol).all(0)
     if not bool((rising | falling).all()) or bool((da.abs() > tol)[db == 0].any()):
         return None  # not a function of the reference value, channel by channel
+    broken = float(torch.minimum((-da).clamp_min(0).amax(0), da.clamp_min(0).amax(0)).max())
     centred = b - b.mean(0)
     slope = (centred * a).sum(0) / centred.pow(2).sum(0).clamp_min(1e-300)
     affine = a.mean(0) + slope * centred
-    if _rel(affine, a) < 1e-3:
-        return None  # a scale or an offset per channel: not an activation
+    bend = float((a - affine).abs().max())
+    if _rel(affine, a) < max(1e-3, ACTIVATION_EPS_MARGIN * _dtype_eps(e.result.dtype)):
+        return None  # a scale or an offset per channel (up to rounding): not an activation
+    if bend < ACTIVATION_MARGIN * max(tol, broken):
+        return None  # the bend is within the noise: rounding, not another function
     names = None
     for name, x in e.ref_trace.tensors.items():
         if name == e.name:

@@ -11,6 +11,7 @@ against the :class:`~parity.facts.ArchFacts` of the reference, so it needs no fa
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -110,8 +111,17 @@ def plain_text(text: str) -> str:
     return _RST.sub(lambda m: m.group(1) if m.group(1) is not None else m.group(2), text)
 
 
-def _first_line(fn) -> str:
-    return plain_text((fn.__doc__ or "").strip().splitlines()[0]) if fn.__doc__ else ""
+def summary(doc: str | None) -> str:
+    """A docstring's first paragraph (up to the first blank line), its lines joined with single spaces
+    and inline markup removed: the whole description, never its first physical line alone."""
+    paragraph = []
+    for line in inspect.cleandoc(doc or "").splitlines():
+        if not line.strip():
+            if paragraph:
+                break
+            continue
+        paragraph.append(line.strip())
+    return plain_text(" ".join(paragraph))
 
 
 def reroot(nodes: list[NodeSpec], text_model: str) -> list[NodeSpec]:
@@ -225,8 +235,8 @@ class Family:
 
     @property
     def config_descriptions(self) -> dict[str, str]:
-        """Built-in config name -> the first line of its docstring."""
-        return {name: _first_line(fn) for name, fn in self.configs.items()}
+        """Built-in config name -> the first paragraph of its docstring (see :func:`summary`)."""
+        return {name: summary(fn.__doc__) for name, fn in self.configs.items()}
 
     def config_features(self, name: str) -> set[str]:
         return set() if self.features is None else self.features(self.configs[name](None))

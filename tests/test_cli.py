@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -142,6 +143,43 @@ def test_console_script_is_installed(tmp_path):
         [sys.executable, "-m", "parity.cli", "list"], capture_output=True, text=True, check=True
     ).stdout
     assert "olmo3" in out and "7b-shape" in out
+
+
+def test_list_describes_every_config_in_whole_sentences(capsys):
+    """`parity list` shows each config's whole first paragraph, lines joined: no description of any
+    registered family stops mid-sentence (a docstring's first physical line often does)."""
+    import inspect
+
+    from parity.registry import family_names, get_family
+
+    assert main(["list"]) == 0
+    # the table as one line, borders dropped: a wrapped description reads as one text again
+    shown = " ".join(re.sub("[\u2500-\u257f]", " ", capsys.readouterr().out).split())
+    checked = 0
+    for family_name in family_names():
+        family = get_family(family_name)
+        for name, text in family.config_descriptions.items():
+            assert text and text.rstrip(")").endswith((".", "!", "?")), (family_name, name, text)
+            paragraph = inspect.cleandoc(family.configs[name].__doc__).split("\n\n")[0].split()
+            assert len(text.split()) == len(paragraph), (family_name, name, text)  # every word of the paragraph
+            assert "\n" not in text and "  " not in text
+            checked += 1
+    assert checked >= 30
+    for words in ("as in 270M and 1B), head_dim 16", "full layers use their key projection as values"):
+        assert words in shown, words
+
+
+def test_summary_joins_the_first_paragraph_and_drops_markup():
+    from parity.family import summary
+
+    doc = """``tiny`` with GQA (4 query / 2 KV heads) and
+        :func:`linear` RoPE, as in
+        *27B*.
+
+        Details that are not the description.
+        """
+    assert summary(doc) == "tiny with GQA (4 query / 2 KV heads) and linear RoPE, as in 27B."
+    assert summary(None) == "" and summary("\n\n  one line.  \n") == "one line."
 
 
 def edit_config(directory, **changes):

@@ -11,7 +11,7 @@ from dataclasses import replace
 from torch.nn import functional as F
 
 from parity.compare import Tolerances, compare_traces, first_mismatch
-from parity.diagnose import diagnose
+from parity.diagnose import Evidence, activation, diagnose
 from parity.facts import FULL, LINEAR, ArchFacts, LayerFacts
 from parity.pair import NodeSpec, annotate
 from parity.trace import Trace
@@ -191,3 +191,34 @@ def test_only_padding_differing_in_a_continued_chunk_is_padding():
     assert h is None or h.kind != "padding"
     h = hint({name: x}, {name: ref}, seq=4, facts=CONV_FACTS, attention_mask=None)  # no padding in the run
     assert h is None or h.kind != "padding"
+
+
+
+def _rounding_evidence(atol: float | None, bend: float = 0.0):
+    """F14 grown through a few layers, bf16: per channel ours and the reference are two roundings of
+    one monotone function of the input (several ulps apart); ``bend`` adds a real curve (a tanh)."""
+    gen = torch.Generator().manual_seed(14)
+    x = torch.randn(4, 16, 32, generator=gen)
+    w = (1 + 0.1 * torch.randn(32, generator=gen)).bfloat16()
+    normed = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16().float()
+    ref = normed.bfloat16() * w
+    ours = (normed * w.float() * (1 + 3e-3) + bend * torch.tanh(3 * normed)).bfloat16()
+    name = "model.layers.0.post_attention_layernorm@input"
+    nodes = annotate([NodeSpec(name, name)], FACTS)
+    t_ours, t_ref = Trace(), Trace()
+    t_ours.add(name, ours)
+    t_ref.add(name, ref)
+    tol = Tolerances(torch.bfloat16, exact=True) if atol is None else Tolerances(torch.bfloat16, atol, 0.0)
+    bad = compare_traces(t_ours, t_ref, nodes, tol)[0]
+    return bad, Evidence(bad, ours, ref, t_ours, t_ref, FACTS)
+
+
+def test_rounding_is_not_an_activation_under_any_tolerance():
+    """Rounding is monotone too; a bend of a few ulps is noise, not another function (F14, F20). The
+    same node with a bend well above the noise is still an activation."""
+    for atol in (None, 5e-3, 1e-2):
+        bad, e = _rounding_evidence(atol)
+        assert bad.status == "mismatch" and bad.max_abs > 1e-2, (atol, bad)
+        assert activation(e) is None, atol
+    bad, e = _rounding_evidence(1e-2, bend=0.5)
+    assert bad.status == "mismatch" and activation(e).kind == "activation"

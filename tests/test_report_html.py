@@ -11,6 +11,7 @@ that itself). They assert what the page shows and does, never how fast it was.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import random
 import re
@@ -21,6 +22,7 @@ import pytest
 
 from parity.check import CheckResult
 from parity.compare import NodeResult
+from parity.report import plots
 from parity.report.html import render_html
 from parity.facts import derive_facts
 from parity.pair import annotate
@@ -134,19 +136,96 @@ def test_plot_ids_are_unique_and_heatmap_cells_link_to_rows(fault):
     assert 'target="_blank"' not in heatmap
 
 
+def _plot(html: str, name: str) -> str:
+    return re.search(rf'<svg class="plot"[^>]*data-plot="{name}".*?</svg>', html, re.S).group(0)
+
+
+def _cell_fills(svg: str) -> dict[int, str]:
+    """Node index -> fill colour of its heatmap cell."""
+    return {int(i): fill for i, fill in re.findall(r'<a xlink:href="#node-(\d+)">.*?fill: (#[0-9a-f]{6})', svg, re.S)}
+
+
+def _tolerant(result, atol: float = 1e-3, rtol: float = 0.0):
+    """``result`` as if judged with a nonzero tolerance (statuses and ratios follow it)."""
+    nodes = [dataclasses.replace(n, atol=atol, rtol=rtol, atol_needed=n.max_abs,
+                                 status=("mismatch" if n.max_abs > atol else "ok") if n.status in ("ok", "mismatch") else n.status)
+             for n in result.nodes]
+    return dataclasses.replace(result, nodes=nodes, isolated=[])
+
+
 def test_heatmap_shows_every_node_and_the_size_of_each_error(fault):
     """The embedding, final norm and head have cells too; each cell says its numbers on hover (an SVG
     <title>, no script needed) and the colour bar is numbered in max_abs / tolerance."""
-    html = render_html(fault)
-    heatmap = re.search(r'<svg class="plot"[^>]*data-plot="heatmap".*?</svg>', html, re.S).group(0)
+    result = _tolerant(fault)
+    html = render_html(result)
+    heatmap = _plot(html, "heatmap")
     titles = dict(re.findall(r'<a xlink:href="#node-(\d+)"><title>(.*?)</title>', heatmap, re.S))
-    assert set(titles) == {str(n.index) for n in fault.nodes}
-    for n in (fault.nodes[0], fault.first_mismatch, fault.nodes[-1]):  # embed_tokens, probs, lm_head
+    assert set(titles) == {str(n.index) for n in result.nodes}
+    for n in (result.nodes[0], result.first_mismatch, result.nodes[-1]):  # embed_tokens, probs, lm_head
         title = titles[str(n.index)]
         assert title.startswith(n.name) and n.status in title
         assert f"max_abs {n.max_abs:.3g}" in title and "x tolerance" in title
     assert "max_abs / tolerance" in heatmap and "log10" not in heatmap
     assert all(f">{tick}<" in heatmap for tick in ("1e-6", "1"))  # tick labels are ratios
+    assert "above the dashed line fails" in html and "The tolerance is 0" not in html
+
+
+def test_exact_tolerance_plots_and_colours_the_error_itself(fault):
+    """Under atol 0, rtol 0 every failing node is infinitely far past its tolerance: the heatmap and the
+    depth plot show max_abs itself (log scale, numbered bar) instead of saturating every failing cell,
+    the page says so, and nothing finite is drawn or named as non-finite."""
+    assert {(n.atol, n.rtol) for n in fault.nodes} == {(0.0, 0.0)}
+    failing = [n for n in fault.nodes if n.failed]
+    assert all(n.status == "mismatch" and 0 < n.max_abs < math.inf for n in failing)
+    html = render_html(fault)
+    heatmap, depth = _plot(html, "heatmap"), _plot(html, "depth")
+    assert "max_abs (tolerance 0)" in heatmap and "max_abs / tolerance" not in heatmap
+    # the colour bar spans the decades of the errors, numbered
+    low, high = (math.floor(math.log10(min(n.max_abs for n in failing))), math.ceil(math.log10(max(n.max_abs for n in failing))))
+    ticks = re.findall(r"<text[^>]*>([^<]+)</text>", heatmap)
+    assert plots._pow10(10.0**high) in ticks and plots._pow10(10.0**low) in ticks
+    fills = _cell_fills(heatmap)
+    fail_fills = {fills[n.index] for n in failing if n.index in fills}
+    saturated = "#%02x%02x%02x" % tuple(round(255 * c) for c in plots.ERROR_CMAP(1.0)[:3])
+    assert len(fail_fills) >= 5 and fail_fills != {saturated}  # graded by the size of the error
+    largest = max(failing, key=lambda n: n.max_abs)
+    darkness = {f: -sum(int(f[i:i + 2], 16) for i in (1, 3, 5)) for f in fail_fills}
+    assert darkness[fills[largest.index]] == max(darkness.values())  # the largest error is the darkest
+    exact = [n for n in fault.nodes if n.max_abs == 0]
+    assert exact and {fills[n.index] for n in exact} == {plots.EXACT}
+    # the hover text says why there is no ratio
+    assert "tolerance 0 (atol 0, rtol 0)" in heatmap and "inf x tolerance" not in html
+    card = html[html.index('id="first-mismatch"'):html.index('id="depth"')]
+    assert "<td>inf (tolerance 0: any nonzero error fails)</td>" in card
+    # the depth plot: max_abs on its y axis, no "non-finite" / "not comparable" marks for finite errors
+    assert "max_abs (tolerance 0)" in depth and "non-finite" not in depth and "not comparable" not in depth
+    assert "every point above the floor fails" in depth
+    caption = html[html.index('id="plot-heatmap"'):html.index("</figure>", html.index('id="plot-heatmap"'))]
+    assert "The tolerance is 0" in caption and "pale blue: exact" in caption
+    assert "the error itself is plotted" in html
+
+
+def test_depth_plot_names_why_a_node_has_no_value(fault):
+    """Marks at the top of the depth plot say non-finite only for non-finite values; a shape mismatch
+    or a missing node is "not comparable"; a zero tolerance among nonzero ones "fails a zero tolerance"."""
+    result = _tolerant(fault)
+    nodes = list(result.nodes)
+    empty = dict(max_abs=None, mean_abs=None, max_rel=None, cosine=None, rel_l2=None, atol_needed=None, rtol_needed=None)
+    nodes[-3] = dataclasses.replace(nodes[-3], status="nonfinite", max_abs=float("nan"))
+    nodes[-4] = dataclasses.replace(nodes[-4], status="shape", shape_ours=(1, 16, 8), **empty)
+    nodes[-5] = dataclasses.replace(nodes[-5], status="mismatch", atol=0.0, rtol=0.0, max_abs=0.5, atol_needed=0.5)
+    depth = plots.depth_line_svg(nodes, None, result.first_mismatch.index)
+    for why in ("chained: non-finite", "chained: not comparable", "chained: fails a zero tolerance"):
+        assert why in depth, why
+    assert plots.error_scale(nodes) == "ratio"
+    assert "non-finite" not in plots.depth_line_svg(result.nodes, None, result.first_mismatch.index)
+
+
+def test_decode_heatmap_under_exact_tolerance_is_numbered_in_max_abs(fault):
+    steps = [dataclasses.replace(n, name=f"step{s}/{n.name}", max_abs=n.max_abs * (s + 1))
+             for s in range(3) for n in fault.nodes]
+    svg = plots.decode_heatmap_svg(steps, None)
+    assert "max_abs (tolerance 0)" in svg and len(set(_cell_fills(svg).values())) >= 3
 
 
 def test_names_from_configs_and_module_paths_are_escaped(fault, tmp_path):
@@ -411,3 +490,25 @@ def test_browser_page_fits_the_window_and_keeps_names_and_the_timestamp_on_one_l
             assert set(lines) == {1}, (name, width)  # every node name on one line
             p.page.screenshot(path=str(artifacts / f"report-{name}-{width}.png"))
             p.assert_clean()
+
+
+def test_browser_plot_labels_are_whole(browser, fault, tmp_path):
+    """Every text of every figure (the heatmap's rotated node kinds above all) lies inside its figure,
+    so no label is clipped, and each node kind is there whole."""
+    path = html_of(fault, tmp_path)
+    kinds = {n.kind for n in fault.nodes if n.layer is not None}
+    heatmap = _plot(path.read_text(), "heatmap")
+    assert kinds <= set(re.findall(r"<text[^>]*>([^<]+)</text>", heatmap))  # non-browser check of the data
+    for width in (1400, 1024):
+        p = Page(browser, width=width)
+        p.open(path)
+        outside = p.page.evaluate("""() => [...document.querySelectorAll('svg.plot')].flatMap(svg => {
+            const box = svg.getBoundingClientRect();
+            return [...svg.querySelectorAll('text')].filter(t => t.textContent.trim()).map(t => [t.textContent, t.getBoundingClientRect()])
+              .filter(([_, r]) => r.left < box.left - 0.5 || r.right > box.right + 0.5 || r.top < box.top - 0.5 || r.bottom > box.bottom + 0.5)
+              .map(([s, r]) => svg.dataset.plot + ': ' + s);
+        })""")
+        assert outside == [], (width, outside)
+        shown = set(p.page.eval_on_selector_all('svg[data-plot="heatmap"] text', "ts => ts.map(t => t.textContent)"))
+        assert kinds <= shown
+        p.assert_clean()

@@ -55,7 +55,15 @@ def _sort_value(value) -> str:
     return repr(float(value))
 
 
+def _fmt_ratio(value, spec: str = ".3g") -> str:
+    """max_abs / tolerance; an infinite one (a nonzero error under atol 0, rtol 0) says why."""
+    if isinstance(value, float) and math.isinf(value):
+        return "inf (tolerance 0: any nonzero error fails)"
+    return _fmt(value, spec)
+
+
 _env.filters["fmt"] = _fmt
+_env.filters["ratio"] = _fmt_ratio
 _env.filters["sortv"] = _sort_value
 
 
@@ -256,6 +264,8 @@ def render_html(result) -> str:
     depth_summary = _depth_summary(result)
     exact = bad is None and depth_summary["exact"]  # nothing to plot
     decode = result.decode is not None  # steps x layers replaces the layer x kind picture
+    separate = mode != "isolated" and result.isolated
+    scale = plots.error_scale(list(result.nodes) + list(result.isolated or []))
     return _env.get_template("report.html.j2").render(
         r=result,
         d=result_dict(result),
@@ -264,12 +274,13 @@ def render_html(result) -> str:
         depth_summary=depth_summary,
         logits_agree=_logits_agree(result.logits),
         card=card,
-        heatmap_svg=None if exact or decode else _svg(plots.depth_heatmap_svg(result.nodes, bad.index if bad else None)),
-        decode_svg=_svg(plots.decode_heatmap_svg(result.nodes, bad.index if bad else None)) if decode else None,
+        heatmap_svg=None if exact or decode else _svg(plots.depth_heatmap_svg(result.nodes, bad.index if bad else None, scale)),
+        decode_svg=_svg(plots.decode_heatmap_svg(result.nodes, bad.index if bad else None, scale)) if decode else None,
         depth_svg=None if exact else _svg(plots.depth_line_svg(
-            result.nodes, result.isolated if mode != "isolated" else None, bad.index if bad else None,
-            label="isolated" if mode == "isolated" else "chained",
+            result.nodes, result.isolated if separate else None, bad.index if bad else None,
+            label="isolated" if mode == "isolated" else "chained", scale=scale,
         )),
+        scale=scale,
         where=_where(result, bad, card),
         rows=_rows(result),
         filters=_filters(result),

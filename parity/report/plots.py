@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import matplotlib as mpl
 from matplotlib.collections import PatchCollection
-from matplotlib.colors import LinearSegmentedColormap, TwoSlopeNorm
+from matplotlib.colors import LinearSegmentedColormap, Normalize, TwoSlopeNorm
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
@@ -36,6 +36,11 @@ RATIO_CMAP = LinearSegmentedColormap.from_list(
     [(0.0, "#e4ecf5"), (0.3, "#bcd3ea"), (0.46, "#eef0d0"), (0.5, "#ffe58a"), (0.6, "#fdae61"), (0.8, "#d73027"),
      (1.0, "#5e0016")],
 )
+#: under a zero tolerance every nonzero error fails: pale yellow (smallest error) to dark red (largest)
+ERROR_CMAP = LinearSegmentedColormap.from_list(
+    "parity_error", [(0.0, "#ffe58a"), (0.25, "#fdae61"), (0.65, "#d73027"), (1.0, "#5e0016")],
+)
+EXACT = "#e4ecf5"  # a cell with max_abs 0 under a zero tolerance
 NO_METRICS = "#d9dce1"
 STATUS_MARK = {"shape": "S", "missing": "M", "nonfinite": "N", "choice": "C"}
 BAR_LIMIT = 160  # above this many values, draw a step line instead of bars
@@ -122,6 +127,40 @@ def _log_ratio(node) -> float | None:
     if math.isinf(ratio):
         return None
     return max(LOG_FLOOR, math.log10(ratio))
+
+
+def error_scale(nodes) -> str:
+    """What the depth plots measure: ``"ratio"`` (max_abs / tolerance, 1 is the line between pass and
+    fail) or, when every node with metrics was judged with atol 0 and rtol 0 (bit-exact pairs), where
+    that ratio is infinite for every failing node, ``"max_abs"`` (the error itself: any nonzero value
+    fails)."""
+    measured = [n for n in nodes if n.max_abs is not None and math.isfinite(n.max_abs)]
+    return "max_abs" if measured and all(n.atol == 0 and n.rtol == 0 for n in measured) else "ratio"
+
+
+def _log_value(node, scale: str) -> float | None:
+    """The plotted log10 of a node's error on ``scale``: ``_log_ratio``, or log10(max_abs) with
+    ``-inf`` for an exact match; None when the node has no finite metrics."""
+    if scale == "ratio":
+        return _log_ratio(node)
+    value = node.max_abs
+    if value is None or not math.isfinite(value):
+        return None
+    return -math.inf if value == 0 else math.log10(value)
+
+
+def _max_abs_range(logs: Sequence[float]) -> tuple[int, int]:
+    """Whole decades that hold every finite log10(max_abs) (at least one decade)."""
+    finite = [v for v in logs if math.isfinite(v)]
+    if not finite:
+        return -1, 0
+    low, high = math.floor(min(finite)), math.ceil(max(finite))
+    return low, max(high, low + 1)
+
+
+def _decade_ticks(low: int, high: int, limit: int = 8) -> list[int]:
+    step = max(1, math.ceil((high - low) / limit))
+    return list(range(high, low - 1, -step))[::-1]
 
 
 def _values(values: Sequence[float | None]) -> tuple[list[float], list[int]]:
@@ -216,8 +255,12 @@ def cell_title(node) -> str:
     """The hover text of a node's cell: name, status and the size of its error."""
     ratio = tolerance_ratio(node)
     numbers = "" if node.max_abs is None else f", max_abs {node.max_abs:.3g}"
-    if ratio is not None:
+    if ratio is not None and (math.isinf(ratio) or node.atol == 0 and node.rtol == 0):
+        numbers += ", tolerance 0 (atol 0, rtol 0)"
+    elif ratio is not None:
         numbers += f", {ratio:.3g} x tolerance"
+    if node.rel_l2 is not None and math.isfinite(node.rel_l2) and node.max_abs:
+        numbers += f", rel_l2 {node.rel_l2:.3g}"
     return f"{node.name}\n{node.status}{numbers}"
 
 
@@ -232,22 +275,62 @@ def _add_titles(svg: str, titles: dict[str, str]) -> str:
     return re.sub(r'<a xlink:href="(#[^"]+)"[^>]*>', add, svg)
 
 
+class _Colours:
+    """The colour of a cell and its numbered colour bar, on ``scale`` (see :func:`error_scale`).
+
+    ``ratio``: log10(max_abs / tolerance) from 1e-6 to the largest decade, diverging at 1 (the
+    tolerance). ``max_abs``: log10(max_abs) over the decades the errors span, pale yellow to dark red
+    (every nonzero error fails a zero tolerance), pale blue for an exact match."""
+
+    def __init__(self, cells, scale: str):
+        self.scale = scale
+        logs = [v for v in (_log_value(n, scale) for n in cells) if v is not None]
+        if scale == "ratio":
+            vmax = max([1.0] + [math.ceil(v) for v in logs if math.isfinite(v)])
+            self.norm, self.cmap = TwoSlopeNorm(vmin=LOG_FLOOR, vcenter=0.0, vmax=vmax), RATIO_CMAP
+            step = 2 if vmax - LOG_FLOOR <= 14 else 4
+            self.ticks = sorted({*range(0, int(LOG_FLOOR) - 1, -step), *range(0, int(vmax) + 1, step)})
+        else:
+            low, high = _max_abs_range(logs)
+            self.norm, self.cmap = Normalize(vmin=low, vmax=high), ERROR_CMAP
+            self.ticks = _decade_ticks(low, high)
+
+    def face(self, node):
+        value = _log_value(node, self.scale)
+        if node.status == "nonfinite" or (value is None and node.failed and node.max_abs is not None):
+            return self.cmap(1.0)  # non-finite, or (ratio scale) a nonzero error under a zero tolerance
+        if value is None:
+            return NO_METRICS
+        if value == -math.inf:  # max_abs scale: an exact match
+            return EXACT
+        return self.cmap(self.norm(value))
+
+    def colorbar(self, fig, ax, label: str, **kwargs):
+        bar = fig.colorbar(mpl.cm.ScalarMappable(norm=self.norm, cmap=self.cmap), ax=ax, **kwargs)
+        bar.set_ticks(self.ticks, labels=[_pow10(10.0**t) for t in self.ticks])
+        if self.scale == "ratio":
+            bar.set_label(label)
+            bar.ax.axhline(0, color="black", linewidth=0.8)
+        else:
+            bar.set_label(label.replace("max_abs / tolerance", "max_abs (tolerance 0)"))
+        return bar
+
+
 @_styled
-def depth_heatmap_svg(nodes, first_index: int | None) -> str | None:
-    """log10(max_abs / tolerance): one row per layer, one column per node kind (execution order),
-    and a row of its own for each node outside the layers (embedding, final norm, head).
+def depth_heatmap_svg(nodes, first_index: int | None, scale: str | None = None) -> str | None:
+    """log10(max_abs / tolerance), or log10(max_abs) when the tolerance is 0 (``scale``, see
+    :func:`error_scale`): one row per layer, one column per node kind (execution order), and a row
+    of its own for each node outside the layers (embedding, final norm, head).
 
     Each cell links to its node's row in the table (``#node-<index>``) and names the node and the
     size of its error on hover; the first mismatch is outlined; shape / missing / non-finite nodes
-    carry a letter (S / M / N). The colour bar is numbered in max_abs / tolerance.
+    carry a letter (S / M / N). The colour bar is numbered in max_abs / tolerance (or max_abs).
     """
     rows, kinds, cells = _layer_grid(nodes)
     if not cells:
         return None
     kinds = kinds or [""]
-    logs = [v for v in (_log_ratio(n) for n in cells.values()) if v is not None]
-    vmax = max([1.0] + [math.ceil(v) for v in logs])
-    norm = TwoSlopeNorm(vmin=LOG_FLOOR, vcenter=0.0, vmax=vmax)
+    colours = _Colours(cells.values(), scale or error_scale(nodes))
     n_rows, n_cols = len(rows), len(kinds)
     cell_h = 0.16 if n_rows > 16 else 0.26
     fig = _figure(max(5.0, 2.2 + 0.36 * n_cols), max(2.9, 1.7 + cell_h * n_rows))
@@ -258,13 +341,7 @@ def depth_heatmap_svg(nodes, first_index: int | None) -> str | None:
     for (row, kind), node in cells.items():
         r = row_of[row]
         c, width = (kinds.index(kind), 1) if kind is not None else (0, n_cols)  # outside nodes span the row
-        value = _log_ratio(node)
-        if node.status == "nonfinite" or (value is None and node.status == "mismatch"):
-            face = RATIO_CMAP(1.0)
-        elif value is None:
-            face = NO_METRICS
-        else:
-            face = RATIO_CMAP(norm(value))
+        face = colours.face(node)
         patches.append(Rectangle((c, r), width, 1))
         faces.append(face)
         urls.append(f"#node-{node.index}")
@@ -291,49 +368,65 @@ def depth_heatmap_svg(nodes, first_index: int | None) -> str | None:
     ax.tick_params(length=0)
     for side in ("left", "bottom"):
         ax.spines[side].set_visible(False)
-    mappable = mpl.cm.ScalarMappable(norm=norm, cmap=RATIO_CMAP)
-    bar = fig.colorbar(mappable, ax=ax, fraction=0.04, pad=0.02)
-    step = 2 if vmax - LOG_FLOOR <= 14 else 4
-    ticks = sorted({*range(0, int(LOG_FLOOR) - 1, -step), *range(0, int(vmax) + 1, step)})
-    bar.set_ticks(ticks, labels=[_pow10(10.0**t) for t in ticks])
-    bar.set_label("max_abs / tolerance")
-    bar.ax.axhline(0, color="black", linewidth=0.8)
+    colours.colorbar(fig, ax, "max_abs / tolerance", fraction=0.04, pad=0.02)
     return _add_titles(to_svg(fig, "heatmap"), titles)
 
 
 @_styled
-def depth_line_svg(nodes, isolated, first_index: int | None, label: str = "chained") -> str | None:
+def depth_line_svg(nodes, isolated, first_index: int | None, label: str = "chained",
+                   scale: str | None = None) -> str | None:
     """max_abs / tolerance along execution order (log): ``nodes`` (drawn as ``label``) and, when
-    given, ``isolated``; 1 is the tolerance."""
+    given, ``isolated``; 1 is the tolerance. On the ``max_abs`` scale (every tolerance 0, see
+    :func:`error_scale`) the y axis is max_abs itself, every point above the floor fails and exact
+    matches sit on the floor.
+
+    Nodes without a value are marked at the top, by why: non-finite values (status ``nonfinite``),
+    not comparable (shape mismatch, missing), or, among nonzero tolerances, a node whose own
+    tolerance is 0 (its ratio is infinite)."""
     if not nodes:
         return None
+    scale = scale or error_scale(list(nodes) + list(isolated or []))
     fig = _figure(9.0, 2.8)
     ax = fig.add_subplot()
-    floor = 10.0**LOG_FLOOR
     series = [(label, nodes, UNDER)] + ([("isolated", isolated, ISOLATED)] if isolated else [])
-    top = 10.0
+    if scale == "ratio":
+        floor, top = 10.0**LOG_FLOOR, 10.0
+    else:
+        low, high = _max_abs_range([v for g in series for v in (_log_value(n, scale) for n in g[1]) if v is not None])
+        floor, top = 10.0 ** (low - 1), 10.0**high
+    marks = []  # (x, series name, why) drawn at the top once the top is known
     for name, group, color in series:
-        xs, ys, bad_x = [], [], []
+        xs, ys = [], []
         for n in group:
-            ratio = tolerance_ratio(n)
-            if ratio is None or math.isinf(ratio) or n.status == "nonfinite":
+            value = None if n.status == "nonfinite" else _log_value(n, scale)
+            if value is None:
                 if n.failed:
-                    bad_x.append(n.index)
+                    why = ("not comparable" if n.max_abs is None and n.status != "nonfinite"
+                           else "non-finite" if n.status == "nonfinite" or not math.isfinite(n.max_abs)
+                           else "fails a zero tolerance")  # max_abs / 0 in a run of nonzero tolerances
+                    marks.append((n.index, name, why))
                 continue
+            y = floor if value == -math.inf else max(10.0**value, floor)
             xs.append(n.index)
-            ys.append(max(ratio, floor))
-            top = max(top, ratio * 3)
+            ys.append(y)
+            top = max(top, y * 3)
         ax.plot(xs, ys, color=color, linewidth=1.1, marker="o" if len(group) <= 120 else None, markersize=2.5,
                 label=name)
-        fails = [(x, y) for x, y in zip(xs, ys) if y > 1]
+        line = 1.0 if scale == "ratio" else floor
+        fails = [(x, y) for x, y in zip(xs, ys) if y > line]
         if fails and group is nodes:
             ax.scatter(*zip(*fails), s=9, color=OVER, zorder=3, linewidths=0)
-        if bad_x:
-            ax.scatter(bad_x, [top] * len(bad_x), marker="x", color="black", s=18, zorder=4,
-                       label=f"{name}: not comparable / non-finite")
-    ax.axhline(1.0, color=OVER, linestyle="--", linewidth=0.9)
-    ax.annotate("tolerance", (0, 1.0), xycoords=("axes fraction", "data"), xytext=(2, 3),
-                textcoords="offset points", fontsize=8, color=OVER)
+    for (name, why), marker in zip(sorted({(m[1], m[2]) for m in marks}), "xv^+*"):
+        xs = [x for x, n, w in marks if (n, w) == (name, why)]
+        ax.scatter(xs, [top] * len(xs), marker=marker, color="black", s=18, zorder=4, label=f"{name}: {why}")
+    if scale == "ratio":
+        ax.axhline(1.0, color=OVER, linestyle="--", linewidth=0.9)
+        ax.annotate("tolerance", (0, 1.0), xycoords=("axes fraction", "data"), xytext=(2, 3),
+                    textcoords="offset points", fontsize=8, color=OVER)
+    else:
+        ax.annotate("tolerance 0: every point above the floor fails; exact = floor", (0, floor),
+                    xycoords=("axes fraction", "data"), xytext=(2, 3), textcoords="offset points", fontsize=8,
+                    color=OVER)
     if first_index is not None:
         ax.axvline(first_index, color="black", linewidth=0.8, linestyle=":")
         ax.annotate(f"first mismatch (#{first_index})", (first_index, 1), xycoords=("data", "axes fraction"),
@@ -352,7 +445,7 @@ def depth_line_svg(nodes, isolated, first_index: int | None, label: str = "chain
     _log_y(ax)
     ax.set_ylim(floor / 2, top * 2)
     ax.set_xlim(-1, len(nodes))
-    ax.set_ylabel("max_abs / tolerance")
+    ax.set_ylabel("max_abs / tolerance" if scale == "ratio" else "max_abs (tolerance 0)")
     ax.legend(loc="upper left", fontsize=8, frameon=False, ncols=3, bbox_to_anchor=(0, 1.16))
     return to_svg(fig, "depth")
 
@@ -393,18 +486,20 @@ def logits_svg(logits: dict | None, batch_size: int = 1) -> str | None:
     return to_svg(fig, "logits")
 
 
-def _badness(node) -> tuple:
-    """Order nodes by how badly they fail: failing first, then by max_abs / tolerance (inf when the
-    tolerance is 0 or the node has no metrics)."""
-    value = _log_ratio(node)
+def _badness(node, scale: str = "ratio") -> tuple:
+    """Order nodes by how badly they fail: failing first, then by max_abs / tolerance (or max_abs on
+    the ``max_abs`` scale; inf when the tolerance is 0 or the node has no metrics)."""
+    value = _log_value(node, scale)
     return (node.failed, value if value is not None else (math.inf if node.failed else -math.inf))
 
 
 @_styled
-def decode_heatmap_svg(nodes, first_index: int | None) -> str | None:
-    """A KV-cache run: log10(max_abs / tolerance) of the worst node per decode step (rows) and layer
-    (columns; ``out`` for the nodes outside the layers). Each cell links to that worst node and names
-    it on hover; the cell of the first mismatch is outlined."""
+def decode_heatmap_svg(nodes, first_index: int | None, scale: str | None = None) -> str | None:
+    """A KV-cache run: log10(max_abs / tolerance) (or log10(max_abs) under a zero tolerance, see
+    :func:`error_scale`) of the worst node per decode step (rows) and layer (columns; ``out`` for the
+    nodes outside the layers). Each cell links to that worst node and names it on hover; the cell of
+    the first mismatch is outlined."""
+    scale = scale or error_scale(nodes)
     cells: dict[tuple[int, object], object] = {}
     for n in nodes:
         if "/" not in n.name or not n.name.startswith("step"):
@@ -412,24 +507,20 @@ def decode_heatmap_svg(nodes, first_index: int | None) -> str | None:
         step = int(n.name.split("/", 1)[0][len("step"):])
         key = (step, n.layer if n.layer is not None else "out")
         worst = cells.get(key)
-        if worst is None or _badness(n) > _badness(worst):
+        if worst is None or _badness(n, scale) > _badness(worst, scale):
             cells[key] = n
     if not cells:
         return None
     steps = sorted({s for s, _ in cells})
     layers = sorted({c for _, c in cells if c != "out"}) + (["out"] if any(c == "out" for _, c in cells) else [])
-    logs = [v for v in (_log_ratio(n) for n in cells.values()) if v is not None]
-    vmax = max([1.0] + [math.ceil(v) for v in logs])
-    norm = TwoSlopeNorm(vmin=LOG_FLOOR, vcenter=0.0, vmax=vmax)
+    colours = _Colours(cells.values(), scale)
     fig = _figure(max(4.5, 2.0 + 0.4 * len(layers)), max(2.6, 1.5 + 0.24 * len(steps)))
     ax = fig.add_subplot()
     ax.grid(False)
     patches, faces, urls, titles = [], [], [], {}
     for (step, layer), node in cells.items():
         r, c = steps.index(step), layers.index(layer)
-        value = _log_ratio(node)
-        face = RATIO_CMAP(1.0) if node.status == "nonfinite" or (value is None and node.failed) else (
-            NO_METRICS if value is None else RATIO_CMAP(norm(value)))
+        face = colours.face(node)
         patches.append(Rectangle((c, r), 1, 1))
         faces.append(face)
         urls.append(f"#node-{node.index}")
@@ -446,8 +537,5 @@ def decode_heatmap_svg(nodes, first_index: int | None) -> str | None:
     ax.set_xlabel("layer")
     ax.set_ylabel("step")
     ax.tick_params(length=0)
-    mappable = mpl.cm.ScalarMappable(norm=norm, cmap=RATIO_CMAP)
-    bar = fig.colorbar(mappable, ax=ax, fraction=0.05, pad=0.02)
-    bar.set_label("max_abs / tolerance (worst node)")
-    bar.ax.yaxis.set_major_formatter(FuncFormatter(_pow10))
+    colours.colorbar(fig, ax, "max_abs / tolerance (worst node)", fraction=0.05, pad=0.02)
     return _add_titles(to_svg(fig, "decode"), titles)
