@@ -159,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="baseline file (default: [tool.parity] baseline in pyproject.toml, else parity-baseline.json)")
     gate.add_argument("--update-baseline", action="store_true", help="rewrite the baseline from this run (only if it passes)")
     gate.add_argument("--changed-since", metavar="REF", help="run only families whose files changed since this git commit")
-    gate.add_argument("--report-dir", type=_path(RESERVED), default="reports", help="parent folder of the gate's report folder")
+    gate.add_argument("--report-dir", type=_path(RESERVED), help="parent folder of the gate's report folder (default reports)")
     gate.add_argument("--no-reports", action="store_true", help="write no report files")
     _add_trace_commands(sub)
     selftest = sub.add_parser("selftest", help="inject every known fault and check parity locates it")
@@ -809,7 +809,9 @@ def cmd_gate(args, console: Console) -> int:
 
     if args.paths and args.changed_since:
         raise ParityError("give changed PATHs or --changed-since, not both")
-    report_parent = None if args.no_reports else _report_parent(args.report_dir)
+    if args.no_reports and args.report_dir is not None:
+        raise ParityError("--no-reports writes no report folder: drop --report-dir, or drop --no-reports")
+    report_parent = None if args.no_reports else _report_parent(args.report_dir or "reports")
     changed = changed_since(args.changed_since) if args.changed_since else (args.paths or None)
     run = GateRun.prepare(".", args.baseline, args.family, changed, args.update_baseline)
     for line in run.selection:

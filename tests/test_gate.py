@@ -273,6 +273,13 @@ def test_paths_on_the_command_line_pick_families(capsys):
     assert "give changed PATHs or --changed-since, not both" in capsys.readouterr().err
 
 
+def test_no_reports_with_a_report_dir_is_refused_before_anything_runs(capsys, tmp_path):
+    assert main(["gate", "--no-reports", "--report-dir", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "parity: error: --no-reports writes no report folder: drop --report-dir, or drop --no-reports"
+    assert not (tmp_path / "r").exists()
+
+
 def test_changed_since_a_missing_ref_is_one_line_in_cli_words(capsys):
     assert main(["gate", "--changed-since", "no-such-ref-xyz", "--no-reports"]) == 2
     err = capsys.readouterr().err.strip()
