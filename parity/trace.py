@@ -260,7 +260,13 @@ def recording(
             ref = inverse(ref, mine) if inverse is not None else None
         if ref is None or ref.shape != mine.shape:
             return None  # a node of another shape is reported as such; ours keeps its own tensor
-        return ref
+        # the values are the reference's, the memory layout ours' (a view's gaps included): CPU kernels
+        # take another path, with another rounding, for another layout (a sigmoid of a strided view
+        # differs by an ulp from the same values packed), and isolated mode must change values only
+        try:
+            return torch.empty_strided(mine.shape, mine.stride(), dtype=mine.dtype, device=mine.device).copy_(ref)
+        except RuntimeError:  # an expanded (overlapping) view cannot be written: packed is the best
+            return torch.empty_like(mine, memory_format=torch.contiguous_format).copy_(ref)
 
     rec = _Recording(trace, replacement, tap_names=dict(taps or {}), transforms=transforms)
     handles = _module_stack_hooks(model, rec) if taps or module_stack else []
