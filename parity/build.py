@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from .checkpoint import read_checkpoint, read_config
+from .devices import Placement
 from .errors import ConfigError, LoaderError, ParityError
 from .facts import ArchFacts, derive_facts, validate_facts
 from .family import Family
@@ -328,6 +329,8 @@ def build_pair(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     reference_changes: dict | None = None,
+    device=None,
+    device_map: str | None = None,
     **overrides,
 ) -> Pair:
     """Build ours and the reference with identical, shared weights.
@@ -340,9 +343,14 @@ def build_pair(
     applied to the reference's config only, ours keeping the config's values (what the sensitivity
     audit does: would parity see a port that got this field wrong?).
 
+    ``device`` (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"mps"``) or ``device_map="auto"`` (through
+    accelerate, spread over the GPUs): where the weights live and both forward passes run; the
+    weights move there before either model is built, so they still exist once.
+
     Raises:
         ConfigError, CheckpointError, LoaderError: one line naming the key, file or field.
     """
+    placement = Placement.of(device, device_map)
     ref = _source(family, config, checkpoint, dtype, seed, overrides)
     cfg = ref.cfg
     if reference_changes:
@@ -358,6 +366,10 @@ def build_pair(
     notes = list(family.notes(cfg)) if family.notes is not None else []
     if checkpoint is not None:  # after the cast: a float16 cast can overflow to inf
         notes += nonfinite_notes(ref.state_dict)
+    plan = None
+    if not placement.is_cpu:
+        plan = placement.plan(family.reference_cls(), ref.hf_config, dtype)
+        ref.state_dict = placement.place(ref.state_dict, plan)
     try:
         with torch.device("meta"):
             ours = family.model_class(cfg)
@@ -365,6 +377,8 @@ def build_pair(
         raise ConfigError(f"{getattr(family.model_class, '__name__', 'our model')} rejects the config: {one_line(e)}") from None
     loaded = load_ours(family, ours, cfg, ref.state_dict)  # first: its errors name the checkpoint key
     ref = _with_model(family, ref)
+    if not placement.is_cpu:
+        ours, ref.model = placement.dispatch(ours), placement.dispatch(ref.model, plan)
     return Pair(
         ours=ours.eval(),
         reference=ref.model,
@@ -385,4 +399,5 @@ def build_pair(
         conversions=ref.conversions,
         tied_keys=ref.tied_keys,
         exact=dtype in family.exact_dtypes,
+        device=placement.label,
     )

@@ -153,6 +153,39 @@ def _nonfinite_detail(a: torch.Tensor, b: torch.Tensor, shape) -> str:
     return f"first non-finite value at index {index} ({side}); {n_a} in ours, {n_b} in reference, {both} in both"
 
 
+class _Work:
+    """Scratch buffers for :func:`tensor_metrics`, reused from chunk to chunk (a fresh tensor per op
+    would cost more in page faults than the arithmetic)."""
+
+    def __init__(self, n: int, dtype: torch.dtype):
+        self.d, self.babs, self.tmp, self.e = (torch.empty(n, dtype=dtype) for _ in range(4))
+        self.a = self.b = None  # casts of a lower-precision input, made when needed
+
+    def cast(self, which: str, x: torch.Tensor) -> torch.Tensor:
+        buf = getattr(self, which)
+        if buf is None:
+            buf = torch.empty(self.d.numel(), dtype=self.d.dtype)
+            setattr(self, which, buf)
+        return buf[: x.numel()].copy_(x)
+
+
+def _sum(x: torch.Tensor) -> float:
+    """Sum of one chunk: pairwise in the chunk's precision (relative error ~1e-8 at CHUNK elements),
+    accumulated across chunks in float64 by the caller; float64 here where float32 would overflow."""
+    s = float(x.sum())
+    return s if math.isfinite(s) else float(x.sum(dtype=torch.float64))
+
+
+def _chunks(x, n: int):
+    """1-D slices of ``x`` of at most ``n`` elements: a tensor's views, or a spilled tensor's reads."""
+    if isinstance(x, torch.Tensor):
+        flat = x.detach().reshape(-1)
+        for start in range(0, flat.numel(), n):
+            yield flat[start : start + n]
+    else:
+        yield from x.chunks(n)
+
+
 def tensor_metrics(ours: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float) -> dict:
     """Compare two same-shaped tensors.
 
@@ -162,60 +195,75 @@ def tensor_metrics(ours: torch.Tensor, ref: torch.Tensor, atol: float, rtol: flo
     passes with this rtol), ``rtol_needed`` (smallest rtol that passes with this atol; inf when an
     element with ``b == 0`` exceeds atol) and, for non-finite values, ``detail`` naming the first
     position; a non-finite node gets ``max_abs`` inf and NaN agreement numbers (written as null).
+
+    One chunk of :data:`CHUNK` elements at a time, in preallocated buffers (no copy of the whole
+    tensor, no mask indexing). The status, ``max_abs``, ``max_rel`` and the two ``*_needed`` are
+    exact (maxima of per-element values computed in the inputs' precision); the sums behind
+    ``mean_abs``, ``cosine`` and ``rel_l2`` are pairwise within a chunk and float64 across chunks.
+    A chunk whose two sides are bitwise equal costs one comparison and one sum of squares. ``ref``
+    may also be a spilled tensor (:class:`parity.trace.SpilledTensor`), read chunk by chunk.
     """
     work = torch.float64 if torch.float64 in (ours.dtype, ref.dtype) else torch.float32
-    a_all, b_all = ours.detach().reshape(-1), ref.detach().reshape(-1)
-    n = a_all.numel()
-    f64 = torch.float64
-    max_abs = max_rel = atol_needed = 0.0
-    rtol_needed = 0.0
-    sum_abs = dot = na2 = nb2 = nd2 = torch.zeros((), dtype=f64)
-    failed = False
-    for start in range(0, n, CHUNK):
-        a = a_all[start : start + CHUNK].to(work)
-        b = b_all[start : start + CHUNK].to(work)
-        d = a - b
-        if not bool(torch.isfinite(d).all()):
-            if not bool(torch.isfinite(a).all() and torch.isfinite(b).all()):
-                inf, nan = math.inf, math.nan
-                return dict(status=NONFINITE, max_abs=inf, mean_abs=nan, max_rel=inf, cosine=nan,
-                            detail=_nonfinite_detail(ours.detach(), ref.detach(), tuple(ours.shape)),
-                            rel_l2=nan, atol_needed=inf, rtol_needed=inf)
-        d = d.abs_()
-        babs = b.abs()
-        max_abs = max(max_abs, float(d.max()))
-        sum_abs = sum_abs + d.sum(dtype=f64)
-        nd2 = nd2 + d.pow(2).sum(dtype=f64)
-        dot = dot + (a * b).sum(dtype=f64)
-        na2 = na2 + a.pow(2).sum(dtype=f64)
-        nb2 = nb2 + babs.pow(2).sum(dtype=f64)
-        rel = torch.where(babs > 0, d / babs, 0.0)
-        max_rel = max(max_rel, float(rel.max()))
-        allowed = babs.mul(rtol)
-        atol_needed = max(atol_needed, float((d - allowed).max()))
-        failed = failed or bool((d > allowed.add_(atol)).any())
-        excess = d.sub_(atol)  # d is not needed after this
-        over = excess > 0
-        if bool(over.any()):
-            if bool((babs[over] == 0).any()):
-                rtol_needed = math.inf
-            elif rtol_needed != math.inf:
-                rtol_needed = max(rtol_needed, float((excess[over] / babs[over]).max()))
+    n = ours.numel()
     if n == 0:
         nan = math.nan
         return dict(status=OK, max_abs=nan, mean_abs=nan, max_rel=nan, cosine=nan, detail="",
                     rel_l2=nan, atol_needed=nan, rtol_needed=nan)
-    na, nb, nd = float(na2.sqrt()), float(nb2.sqrt()), float(nd2.sqrt())
+    w = _Work(min(n, CHUNK), work)
+    max_abs = max_rel = atol_needed = rtol_needed = 0.0
+    sum_abs = dot = na2 = nb2 = nd2 = 0.0
+    failed = False
+    for a, b in zip(_chunks(ours, CHUNK), _chunks(ref, CHUNK)):
+        m = a.numel()
+        a = a if a.dtype == work else w.cast("a", a)
+        b = b if b.dtype == work else w.cast("b", b)
+        d, babs, tmp, e = w.d[:m], w.babs[:m], w.tmp[:m], w.e[:m]
+        if torch.equal(a, b):  # NaN is never equal: non-finite chunks take the long way
+            squares = _sum(torch.mul(a, a, out=tmp))
+            if math.isfinite(squares):  # every element finite: no difference to account for
+                dot, na2, nb2 = dot + squares, na2 + squares, nb2 + squares
+                continue
+        torch.sub(a, b, out=d).abs_()
+        chunk_max = float(d.max())
+        if not math.isfinite(chunk_max) and not bool(torch.isfinite(a).all() and torch.isfinite(b).all()):
+            inf, nan = math.inf, math.nan
+            whole = ref if isinstance(ref, torch.Tensor) else ref.load()
+            return dict(status=NONFINITE, max_abs=inf, mean_abs=nan, max_rel=inf, cosine=nan,
+                        detail=_nonfinite_detail(ours.detach(), whole.detach(), tuple(ours.shape)),
+                        rel_l2=nan, atol_needed=inf, rtol_needed=inf)
+        max_abs = max(max_abs, chunk_max)
+        sum_abs += _sum(d)
+        nd2 += _sum(torch.mul(d, d, out=tmp))
+        dot += _sum(torch.mul(a, b, out=tmp))
+        na2 += _sum(torch.mul(a, a, out=tmp))
+        torch.abs(b, out=babs)
+        nb2 += _sum(torch.mul(babs, babs, out=tmp))
+        rel = float(torch.div(d, babs, out=tmp).max())
+        if not math.isfinite(rel):  # elements with b == 0 are left out (0/0, x/0)
+            rel = float(tmp.masked_fill_(babs == 0, 0.0).max())
+        max_rel = max(max_rel, rel)
+        allowed = torch.mul(babs, rtol, out=tmp)
+        over_rtol = float(torch.sub(d, allowed, out=e).max())
+        atol_needed = max(atol_needed, over_rtol)
+        if not failed and not over_rtol <= 0:  # some |a-b| > rtol|b|: does any pass atol + rtol|b| too?
+            bound = allowed.add_(atol)
+            excess = float(torch.sub(d, bound, out=e).max())
+            failed = excess > 0 if not math.isnan(excess) else bool(torch.gt(d, bound).any())
+        if chunk_max > atol and rtol_needed != math.inf:
+            # (|a-b| - atol) / |b| over the elements past atol; x/0 -> inf, 0/0 (not past atol) -> 0
+            ratio = torch.sub(d, atol, out=e).clamp_min_(0.0).div_(babs).nan_to_num_(nan=0.0, posinf=math.inf)
+            rtol_needed = max(rtol_needed, float(ratio.max()))
+    na, nb, nd = math.sqrt(na2), math.sqrt(nb2), math.sqrt(nd2)
     if na == 0 and nb == 0:
         cosine = 1.0
     elif na == 0 or nb == 0:
         cosine = 0.0
     else:
-        cosine = max(-1.0, min(1.0, float(dot) / (na * nb)))
+        cosine = max(-1.0, min(1.0, dot / (na * nb)))
     return dict(
         status=MISMATCH if failed else OK,
         max_abs=max_abs,
-        mean_abs=float(sum_abs) / n,
+        mean_abs=sum_abs / n,
         max_rel=max_rel,
         cosine=cosine,
         detail="",
@@ -252,19 +300,96 @@ def compare_node(spec: NodeSpec, index: int, our_t, ref_t, tolerances: Tolerance
     return NodeResult(**base, **shapes, **tensor_metrics(our_t, ref_t, n_atol, n_rtol))
 
 
+def node_order(reference, nodes: Sequence[NodeSpec]) -> list[str]:
+    """Node names in the reference's execution order, then the nodes it never produced."""
+    names = {n.name for n in nodes}
+    order = [name for name in reference.order if name in names]
+    return order + [n.name for n in nodes if n.name not in reference.tensors]
+
+
 def compare_traces(ours, reference, nodes: Sequence[NodeSpec], tolerances: Tolerances, untapped: frozenset[str] = frozenset()) -> list[NodeResult]:
     """One NodeResult per node, in the reference's execution order.
 
     Nodes the reference never produced come last, as ``missing``: a node that cannot be compared
-    is reported, never counted as agreeing.
+    is reported, never counted as agreeing. A node ``ours`` already compared while it ran
+    (:class:`NodeStream`, in ``ours.results``) is taken from there.
     """
     by_name = {n.name: n for n in nodes}
-    order = [name for name in reference.order if name in by_name]
-    order += [n.name for n in nodes if n.name not in reference.tensors]
+    done = getattr(ours, "results", {})
     return [
+        done[name] if name in done else
         compare_node(by_name[name], index, ours.tensors.get(name), reference.tensors.get(name), tolerances, name in untapped)
-        for index, name in enumerate(order)
+        for index, name in enumerate(node_order(reference, nodes))
     ]
+
+
+class NodeStream:
+    """A trace sink that compares each node of ours with the stored reference as ours produces it.
+
+    The result goes to ``trace.results`` and ours' tensor is dropped at once, except what a report
+    of the first failure needs: the earliest failing node (in the reference's order) with its kept
+    module input, and the ``context`` nodes (by kind, e.g. ``q_rot``) of its stem (the part of the
+    name before the last dot) produced before it. While nothing has failed, the context nodes of the
+    latest stem are held, since a later node of that stem may still fail. ``watch``: ``{node: f(ours,
+    ref)}`` run on a node as it is compared (same shapes), its value kept in ``trace.summaries``.
+    """
+
+    def __init__(self, nodes: Sequence[NodeSpec], reference, tolerances: Tolerances,
+                 untapped: frozenset[str] = frozenset(), context: Sequence[str] = (), watch: Mapping | None = None):
+        self.specs = {n.name: n for n in nodes}
+        self.index = {name: i for i, name in enumerate(node_order(reference, nodes))}
+        self.reference, self.tolerances, self.untapped = reference, tolerances, untapped
+        self.context = frozenset(context)
+        self.watch = dict(watch or {})
+        self.trace = None
+        self.first: NodeResult | None = None
+        #: names of ours' tensors held: the first failure and its context, and the latest stem's context
+        self.failure_keep: set[str] = set()
+        self.stem_keep: set[str] = set()
+
+    def attach(self, trace) -> None:
+        trace.sink, self.trace = self, trace
+
+    def __call__(self, name: str, tensor: torch.Tensor) -> bool:
+        spec = self.specs.get(name)
+        if spec is None:
+            return False
+        ours = tensor if tensor.device.type == "cpu" else tensor.to("cpu")
+        store = self.reference.tensors
+        ref = store.lazy(name) if hasattr(store, "lazy") else store.get(name)  # a spilled node is read, not mapped
+        result = compare_node(spec, self.index[name], ours, ref, self.tolerances, name in self.untapped)
+        self.trace.results[name] = result
+        if name in self.watch and ref is not None and ref.shape == ours.shape:
+            self.trace.summaries[name] = self.watch[name](ours, ref if isinstance(ref, torch.Tensor) else ref.load())
+        del ref
+        stem = name.rsplit(".", 1)[0]
+        if spec.kind in self.context:
+            old, self.stem_keep = self.stem_keep, {n for n in self.stem_keep if n.rsplit(".", 1)[0] == stem} | {name}
+            self._release(old - self.stem_keep)
+        if result.failed and (self.first is None or result.index < self.first.index):
+            old, self.first = self.failure_keep, result
+            self.failure_keep = {name} | {n for n in self.stem_keep if n.rsplit(".", 1)[0] == stem}
+            self._release(old - self.failure_keep)
+            return False  # kept: the trace stores it
+        if name in self.stem_keep:
+            return False
+        self._release({name})  # its module input, kept by the pre-hook in case it failed
+        return True
+
+    def finish(self) -> None:
+        """After the forward: drop the context nodes no failure needs, and stop consuming."""
+        old, self.stem_keep = self.stem_keep, set()
+        self._release(old)
+        self.trace.sink = None
+
+    def _release(self, names: set[str]) -> None:
+        """Drop ours' tensors (and kept inputs) of ``names`` that nothing holds any more."""
+        for name in names:
+            if name in self.failure_keep or name in self.stem_keep:
+                continue
+            for store in (self.trace.tensors, self.trace.inputs):
+                if name in store:
+                    del store[name]
 
 
 def first_mismatch(results: Sequence[NodeResult]) -> NodeResult | None:

@@ -23,6 +23,7 @@ from .align import Aligned, align
 from .build import Reference, build_reference, default_seq_len, make_reference, one_line, random_weights, read_weights
 from .check import check
 from .coverage import loader_coverage
+from .devices import Placement
 from .errors import ConfigError, ParityError
 from .facts import derive_facts, validate_facts
 from .nodes import reference_nodes
@@ -156,11 +157,18 @@ def build_ours(ours, ref: Reference) -> nn.Module:
 
 
 def build_user_pair(ours, reference="olmo3", *, dtype: torch.dtype = torch.float32, seed: int = 0,
-                    node_map: dict[str, str] | None = None) -> Pair:
+                    node_map: dict[str, str] | None = None, device=None, device_map: str | None = None) -> Pair:
     """The Pair of a user's model and the reference, nodes aligned by shared weights. Raises
     ParityError for bad input (see :func:`check_model`)."""
+    placement = Placement.of(device, device_map)
     ref, family = resolve_reference(reference, dtype, seed)
+    if not placement.is_cpu:  # the reference on its device(s) first; build() then receives those tensors
+        ref.model = placement.dispatch(ref.model, placement.plan(type(ref.model), ref.hf_config, dtype))
+        on_device = ref.model.state_dict()
+        ref.state_dict = {k: on_device.get(k, v) for k, v in ref.state_dict.items()}
     model = build_ours(ours, ref)
+    if not placement.is_cpu:
+        model = placement.dispatch(model)
     coverage = loader_coverage(model, ref.state_dict, ref.tied_keys, ref.conversions)
     if coverage.unused:
         shown = ", ".join(coverage.unused[:4]) + (f", ... ({len(coverage.unused)} in all)" if len(coverage.unused) > 4 else "")
@@ -189,6 +197,7 @@ def build_user_pair(ours, reference="olmo3", *, dtype: torch.dtype = torch.float
         tied_keys=ref.tied_keys,
         alignment=rows,
         coverage=coverage,
+        device=placement.label,
     )
 
 
@@ -199,6 +208,8 @@ def check_model(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     node_map: dict[str, str] | None = None,
+    device=None,
+    device_map: str | None = None,
     **check_kwargs,
 ) -> CheckResult:
     """Check your own model against a Transformers reference, node by node.
@@ -208,7 +219,9 @@ def check_model(
     already holds the weights. ``reference``: ``"family[:config]"`` (e.g. ``"olmo3:yarn"``: a
     registered family's reference with parity's random weights), a checkpoint folder, a config.json,
     a ``PretrainedConfig`` or a ``PreTrainedModel``. ``node_map``: ``{reference node or glob: your
-    module path}`` overrides of the automatic alignment. ``check_kwargs``: every option of
+    module path}`` overrides of the automatic alignment. ``device`` / ``device_map``: where both
+    models run (see :func:`parity.build.build_pair`); ``build`` receives the reference's tensors
+    already there. ``check_kwargs``: every option of
     :func:`parity.check` (``seq_len``, ``batch_size``, ``mode``, ``atol``, ``exact``...).
 
     Functional nodes (after RoPE, scores, probabilities, context) need ``parity.tap(tensor, name)``
@@ -220,7 +233,7 @@ def check_model(
             leaves a reference tensor unused or keeps a parameter on the meta device; nothing could
             be aligned; a bad reference or bad check arguments (see :func:`parity.check`).
     """
-    pair = build_user_pair(ours, reference, dtype=dtype, seed=seed, node_map=node_map)
+    pair = build_user_pair(ours, reference, dtype=dtype, seed=seed, node_map=node_map, device=device, device_map=device_map)
     return check(pair, **check_kwargs)
 
 
