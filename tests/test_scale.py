@@ -330,7 +330,7 @@ def test_check_model_runs_a_users_model_where_it_is_placed(placement):
 def test_a_failing_node_too_large_to_diagnose_is_reported_without_a_hint(monkeypatch):
     pair = olmo3_pair("tiny")
     scale_q(pair)
-    monkeypatch.setattr("parity.check.available_bytes", lambda: 1024)  # the run fits; its diagnosis does not
+    monkeypatch.setattr(sys.modules["parity.check"], "available_bytes", lambda: 1024)  # the run fits; its diagnosis not
     res = parity.check(pair)
     assert res.first_mismatch.name == "model.layers.1.self_attn.q_proj" and res.first_mismatch.hint is None
     assert any(note.startswith("model.layers.1.self_attn.q_proj was not diagnosed (no hint)") for note in res.notes)
