@@ -79,9 +79,13 @@ def child(spec: dict) -> dict:
         start = time.perf_counter()
         result = parity.check(pair, seq_len=spec["seq"], **({"trace_memory": spec["trace_memory"]} if "trace_memory" in spec else {}))
         checks.append(time.perf_counter() - start)
+    start = time.perf_counter()
+    pair.changed_weights()  # the in-place edit check a check runs twice
+    changed = time.perf_counter() - start
     return {
         **spec,
         "layers": pair.facts.num_layers,
+        "changed_weights_s": changed,
         "build_s": build,
         "bare_s": bare,
         "check_s": checks,

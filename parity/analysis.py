@@ -62,6 +62,18 @@ def error_profile(ours: torch.Tensor, ref: torch.Tensor, kind: str, head_dim: in
     }
 
 
+def _row_blocks(x, rows: int, width: int):
+    """``(rows, width)`` blocks of ``x`` viewed as ``(-1, width)``: a tensor's views, or a spilled
+    tensor's reads (each overwritten by the next)."""
+    if isinstance(x, torch.Tensor):
+        flat = x.reshape(-1, width)
+        for start in range(0, flat.shape[0], rows):
+            yield flat[start : start + rows]
+    else:
+        for chunk in x.chunks(rows * width):
+            yield chunk.view(-1, width)
+
+
 def logits_effect(ours: torch.Tensor, ref: torch.Tensor, k: int = 5) -> dict:
     """What a logits error does to predictions, per position (batch rows concatenated).
 
@@ -69,15 +81,13 @@ def logits_effect(ours: torch.Tensor, ref: torch.Tensor, k: int = 5) -> dict:
     reference's top-``k`` tokens also in ours; ``kl``: KL(reference || ours) in nats, computed in
     float64 from log-softmax. Shapes: ``(batch, seq, vocab)`` in. A slice of positions at a time; a
     slice whose two sides are bitwise equal (and finite) agrees by definition (1, 1, 0) and costs one
-    comparison.
+    comparison. ``ref`` may be a spilled tensor (:class:`parity.trace.SpilledTensor`), read by slices.
     """
-    a_all = ours.reshape(-1, ours.shape[-1])
-    b_all = ref.reshape(-1, ref.shape[-1])
-    k = min(k, a_all.shape[-1])
-    rows = max(1, SLICE // max(a_all.shape[-1], 1))
+    width = ours.shape[-1]
+    k = min(k, width)
+    rows = max(1, SLICE // max(width, 1))
     top1s, overlaps, kls = [], [], []
-    for start in range(0, a_all.shape[0], rows):
-        a, b = a_all[start : start + rows], b_all[start : start + rows]
+    for a, b in zip(_row_blocks(ours, rows, width), _row_blocks(ref, rows, width)):
         n = a.shape[0]
         if a.numel() and torch.equal(a, b) and all(math.isfinite(float(v)) for v in a.aminmax()):
             top1s.append(torch.ones(n, dtype=torch.float64))

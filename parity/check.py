@@ -22,7 +22,7 @@ import torch
 
 from . import hf_capture
 from .analysis import error_profile, logits_effect
-from .compare import CHUNK, NodeResult, NodeStream, Tolerances, compare_traces, first_mismatch
+from .compare import CHUNK, NodeResult, NodeStream, Tolerances, chunks, compare_traces, first_mismatch
 from .coverage import loader_coverage
 from .diagnose import diagnose
 from .errors import ParityError
@@ -299,10 +299,10 @@ def calibrate_tolerances(pair: Pair, run: Run, ref_trace: Trace, safety: float =
     tolerances = {}
 
     def calibrate(name: str, exact: torch.Tensor) -> bool:  # each float64 node as it is produced
-        if name in ref_trace.tensors:
-            tensor = ref_trace.tensors[name]
-            if tensor.shape == exact.shape:
-                tolerances[name] = (max(safety * _max_error(tensor, exact.to("cpu")), floor), 0.0)
+        store = ref_trace.tensors
+        tensor = store.lazy(name) if hasattr(store, "lazy") else store.get(name)
+        if tensor is not None and tensor.shape == exact.shape:
+            tolerances[name] = (max(safety * _max_error(tensor, exact.to("cpu")), floor), 0.0)
         return True  # nothing of the float64 run is kept
 
     ref64 = copy.deepcopy(pair.reference).to(torch.float64)
@@ -313,12 +313,12 @@ def calibrate_tolerances(pair: Pair, run: Run, ref_trace: Trace, safety: float =
     return tolerances
 
 
-def _max_error(tensor: torch.Tensor, exact: torch.Tensor) -> float:
-    """max |tensor - exact| in float64 over finite differences (0 for an empty tensor), a chunk at a time."""
-    a, b = tensor.reshape(-1), exact.reshape(-1)
+def _max_error(tensor, exact: torch.Tensor) -> float:
+    """max |tensor - exact| in float64 over finite differences (0 for an empty tensor), a chunk at a
+    time (``tensor`` may be a spilled one)."""
     worst = 0.0
-    for start in range(0, a.numel(), CHUNK):
-        err = (a[start : start + CHUNK].double() - b[start : start + CHUNK]).abs().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    for a, b in zip(chunks(tensor, CHUNK), chunks(exact, CHUNK)):
+        err = (a.double() - b.double()).abs().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
         worst = max(worst, float(err.max()))
     return worst
 

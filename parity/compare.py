@@ -176,7 +176,7 @@ def _sum(x: torch.Tensor) -> float:
     return s if math.isfinite(s) else float(x.sum(dtype=torch.float64))
 
 
-def _chunks(x, n: int):
+def chunks(x, n: int):
     """1-D slices of ``x`` of at most ``n`` elements: a tensor's views, or a spilled tensor's reads."""
     if isinstance(x, torch.Tensor):
         flat = x.detach().reshape(-1)
@@ -213,7 +213,7 @@ def tensor_metrics(ours: torch.Tensor, ref: torch.Tensor, atol: float, rtol: flo
     max_abs = max_rel = atol_needed = rtol_needed = 0.0
     sum_abs = dot = na2 = nb2 = nd2 = 0.0
     failed = False
-    for a, b in zip(_chunks(ours, CHUNK), _chunks(ref, CHUNK)):
+    for a, b in zip(chunks(ours, CHUNK), chunks(ref, CHUNK)):
         m = a.numel()
         a = a if a.dtype == work else w.cast("a", a)
         b = b if b.dtype == work else w.cast("b", b)
@@ -331,7 +331,8 @@ class NodeStream:
     module input, and the ``context`` nodes (by kind, e.g. ``q_rot``) of its stem (the part of the
     name before the last dot) produced before it. While nothing has failed, the context nodes of the
     latest stem are held, since a later node of that stem may still fail. ``watch``: ``{node: f(ours,
-    ref)}`` run on a node as it is compared (same shapes), its value kept in ``trace.summaries``.
+    ref)}`` run on a node as it is compared (same shapes; ``ref`` may be a spilled tensor), its value
+    kept in ``trace.summaries``.
     """
 
     def __init__(self, nodes: Sequence[NodeSpec], reference, tolerances: Tolerances,
@@ -360,7 +361,7 @@ class NodeStream:
         result = compare_node(spec, self.index[name], ours, ref, self.tolerances, name in self.untapped)
         self.trace.results[name] = result
         if name in self.watch and ref is not None and ref.shape == ours.shape:
-            self.trace.summaries[name] = self.watch[name](ours, ref if isinstance(ref, torch.Tensor) else ref.load())
+            self.trace.summaries[name] = self.watch[name](ours, ref)
         del ref
         stem = name.rsplit(".", 1)[0]
         if spec.kind in self.context:

@@ -102,15 +102,18 @@ def largest_node_bytes(facts: ArchFacts, batch: int, seq: int, element_size: int
     return element_size * batch * seq * max(heads * seq, ffn, facts.vocab_size, facts.hidden_size)
 
 
-def forward_bytes(facts: ArchFacts, batch: int, seq: int, element_size: int) -> int:
-    """Working set of a check's forward passes beyond the weights, at their widest: in a layer's
-    attention two attention-matrix-sized tensors (eager attention keeps two alive at a time, and the
-    node being compared is read from disk in chunks, not held), with a few FFN- and hidden-width
-    activations; at the head, ours' logits and the reference's (mapped back to measure the effect
-    on predictions). One layer at a time: depth does not add to it."""
+def forward_bytes(facts: ArchFacts, batch: int, seq: int, element_size: int, budget: int | None = TRACE_MEMORY) -> int:
+    """Working set of a check's forward passes beyond the weights, at their widest. In a layer's
+    attention: two attention-matrix-sized tensors (eager attention keeps two alive at a time, and a
+    node being compared is read from disk in chunks, not held) and a few FFN- and hidden-width
+    activations. At the head: ours' logits, and the reference's while they are recorded (a copy
+    when they fit the trace budget, else written straight to disk). One layer at a time: depth does
+    not add to it."""
     heads, ffn, _ = _per_layer(facts)
     attention = 2 * heads * seq * seq + seq * (4 * ffn + 8 * facts.hidden_size)
-    head = 2 * seq * facts.vocab_size + seq * 4 * facts.hidden_size
+    logits = seq * facts.vocab_size
+    head = logits + (logits if budget is None else min(logits, budget // max(element_size * batch, 1)))
+    head += seq * 4 * facts.hidden_size
     return element_size * batch * max(attention, head) + 64 * 1024**2  # + the comparison's chunk buffers
 
 
@@ -129,4 +132,4 @@ def check_footprint(facts: ArchFacts, batch: int, seq: int, element_size: int, b
     in_memory = reference if budget is None else min(reference, budget)
     kept_memory = kept_ours if budget is None else min(kept_ours, budget)
     disk = 0 if budget is None else max(0, reference - budget) + max(0, kept_ours - budget)
-    return Footprint(memory=forward_bytes(facts, batch, seq, element_size) + in_memory + kept_memory, disk=disk)
+    return Footprint(memory=forward_bytes(facts, batch, seq, element_size, budget) + in_memory + kept_memory, disk=disk)

@@ -7,8 +7,8 @@ user's forward (recorded under the module that is running), and, for Transformer
 :mod:`parity.hf_capture` writing into the active trace.
 
 A trace holds its tensors in a :class:`TensorStore`: in memory up to a byte budget, past it in
-safetensors files in a temporary folder, memory-mapped back when read (so a trace costs disk, not
-memory, beyond its budget, whatever the depth). A ``sink`` sees every tensor as it is produced and
+safetensors files in a temporary folder, read back in chunks or memory-mapped (so a trace costs
+disk, not memory, beyond its budget, whatever the depth). A ``sink`` sees every tensor as it is produced and
 may consume it instead of storing it: that is how ours is compared against the stored reference
 node by node while it runs, keeping only what a report needs.
 """
@@ -69,9 +69,9 @@ _CODES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torc
 _WRITE = 64 << 20
 
 
-def write_safetensors(path: Path, name: str, tensor: torch.Tensor) -> None:
+def write_safetensors(path: Path, name: str, tensor: torch.Tensor) -> int:
     """One CPU tensor to ``path`` in the safetensors format, written from the tensor's own memory
-    (no serialised copy of it in memory)."""
+    (no serialised copy of it in memory). Returns the byte offset of its data in the file."""
     tensor = tensor.contiguous()
     nbytes = tensor.numel() * tensor.element_size()
     header = json.dumps({name: {"dtype": _CODES[tensor.dtype], "shape": list(tensor.shape),
@@ -83,6 +83,7 @@ def write_safetensors(path: Path, name: str, tensor: torch.Tensor) -> None:
         view = memoryview(raw)
         for start in range(0, nbytes, _WRITE):
             fh.write(view[start : start + _WRITE])
+    return 8 + len(header)
 
 
 def map_safetensors(path: Path, dtype: torch.dtype, shape: tuple[int, ...], offset: int) -> torch.Tensor:
@@ -190,8 +191,8 @@ class SpilledTensor:
 
 class TensorStore(MutableMapping):
     """Tensors by name in insertion order, in memory while the :class:`Spill` budget lasts and in
-    memory-mapped safetensors files past it. Reading a spilled tensor maps it again (nothing is
-    cached, so a trace read node by node never holds more than the node being read)."""
+    safetensors files past it. Reading a spilled tensor maps it again (nothing is cached, so a trace
+    read node by node never holds more than the node being read); :meth:`lazy` reads it in chunks."""
 
     def __init__(self, spill: Spill | None = None):
         self.spill = spill if spill is not None else Spill()
@@ -200,15 +201,15 @@ class TensorStore(MutableMapping):
     def put(self, name: str, tensor: torch.Tensor) -> None:
         """Store a copy of ``tensor`` (on the CPU), or write it to disk when it does not fit."""
         nbytes = tensor.numel() * tensor.element_size()
-        self.pop(name, None)
+        if name in self._items:
+            del self[name]
         if self.spill.fits(nbytes):
             self._items[name] = tensor.to("cpu", copy=True)
             self.spill.in_memory += nbytes
             return
         tensor = tensor.to("cpu")
         path = self.spill.new_file()
-        write_safetensors(path, "tensor", tensor)
-        offset = 8 + struct.unpack("<Q", path.open("rb").read(8))[0]
+        offset = write_safetensors(path, "tensor", tensor)
         self._items[name] = _OnDisk(path, tensor.dtype, tuple(tensor.shape), offset, nbytes)
         self.spill.on_disk += nbytes
         self.spill.written += nbytes
