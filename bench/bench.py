@@ -1,7 +1,8 @@
 """parity's benchmark: what a check costs next to the two bare forward passes, in time and memory.
 
-    flock /tmp/parity-bigmem.lock python bench/bench.py            # everything (about an hour on 2 cores)
-    flock /tmp/parity-bigmem.lock python bench/bench.py --quick    # OLMo 3 7B widths, 2 layers, 128 tokens
+    python bench/bench.py            # everything (about an hour on 2 cores)
+    python bench/bench.py --quick    # OLMo 3 7B widths, 2 layers, 128 tokens
+    python bench/bench.py --lock /tmp/parity-bigmem.lock   # on a shared machine: one big case at a time
 
 For every ``*-shape`` config of every registered family, at 128 tokens and at 4097 (past a real
 4096-token sliding window), one child process per case: build the pair, then ``--repeats`` times
@@ -90,6 +91,7 @@ def child(spec: dict) -> dict:
         "bare_s": bare,
         "check_s": checks,
         "ratio": statistics.median(checks) / statistics.median(bare),
+        "ratio_best": min(checks) / min(bare),
         "weights": _weight_bytes(pair.state_dict),
         "peak_rss": _peak_rss(),
         "spilled": result.meta.get("trace_spilled_bytes", 0),
@@ -107,11 +109,32 @@ def write_checkpoint(spec: dict) -> dict:
     return {"shards": len(list(Path(spec["checkpoint"]).glob("*.safetensors")))}
 
 
-def run_child(spec: dict, timeout: float) -> dict:
+class _Lock:
+    """An exclusive flock on ``path`` while a case runs (None: no lock), so that on a shared machine
+    the memory-hungry cases of several users take turns instead of running at once."""
+
+    def __init__(self, path: str | None):
+        self.path, self.fh = path, None
+
+    def __enter__(self):
+        if self.path:
+            import fcntl
+
+            self.fh = open(self.path, "a")
+            fcntl.flock(self.fh, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        if self.fh is not None:
+            self.fh.close()  # releases the lock
+
+
+def run_child(spec: dict, timeout: float, lock: str | None = None, mode: str = "--child") -> dict:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     try:
-        done = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
-                              timeout=timeout, env=env, cwd=ROOT)
+        with _Lock(lock):
+            done = subprocess.run([sys.executable, __file__, mode, json.dumps(spec)], capture_output=True, text=True,
+                                  timeout=timeout, env=env, cwd=ROOT)
     except subprocess.TimeoutExpired:
         return {**spec, "error": f"timed out after {timeout:.0f} s"}
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
@@ -191,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-suite", action="store_true", help="skip the test suite's wall time")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per case (default 3600)")
     parser.add_argument("--json", help="also write every measurement to this file")
+    parser.add_argument("--lock", metavar="FILE", help="hold an flock on FILE around each case (a machine shared with others)")
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(child(json.loads(args.child))), flush=True)
@@ -210,19 +234,18 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for spec in cases:
         print(f"running {spec}", file=sys.stderr, flush=True)
-        rows.append(run_child(spec, args.timeout))
+        rows.append(run_child(spec, args.timeout, args.lock))
     if not args.quick and not args.no_sharded:
         folder = Path(tempfile.mkdtemp(prefix="parity-bench-"))
         try:
             spec = dict(family="olmo3", config="7b-shape", layers=8, checkpoint=str(folder / "ckpt"))
             print(f"writing {spec}", file=sys.stderr, flush=True)
-            env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-            written = subprocess.run([sys.executable, __file__, "--write-checkpoint", json.dumps(spec)], capture_output=True,
-                                     text=True, env=env, cwd=ROOT, timeout=args.timeout)
-            shards = json.loads(written.stdout.splitlines()[-1])["shards"] if written.returncode == 0 else 0
+            written = run_child(spec, args.timeout, args.lock, mode="--write-checkpoint")
+            shards = written.get("shards", 0)
             label = f"7b-shape (8 layers, checkpoint in {shards} shards)"
             case = dict(family="olmo3", config="7b-shape", checkpoint=spec["checkpoint"], seq=128, repeats=1, label=label)
-            rows.append(run_child(case, args.timeout) if shards else {**case, "error": written.stderr.strip()[-300:]})
+            print(f"running {case}", file=sys.stderr, flush=True)
+            rows.append(run_child(case, args.timeout, args.lock) if shards else {**case, "error": written.get("error")})
         finally:
             shutil.rmtree(folder, ignore_errors=True)
     print(table(rows))

@@ -222,7 +222,7 @@ def trace_reference(pair: Pair, run: Run, model=None, sink=None) -> Trace:
     trace = Trace.spilling(run.trace_memory, sink=sink)
     keep = _keep_inputs(pair) if sink is None else frozenset()
     device = _device_of(model)
-    with torch.inference_mode(), recording(model, points, captured=captured, keep_inputs=keep, trace=trace):
+    with torch.no_grad(), recording(model, points, captured=captured, keep_inputs=keep, trace=trace):
         try:
             model(input_ids=_on(device, run.input_ids), attention_mask=_on(device, run.attention_mask),
                   position_ids=_on(device, run.position_ids), use_cache=False)
@@ -272,7 +272,7 @@ def trace_ours(pair: Pair, run: Run, substitute: Trace | None = None, *, referen
         stream = NodeStream(pair.nodes, reference, tolerances or run.tolerances, _untapped(pair), _DIAGNOSIS_CONTEXT_KINDS,
                             watch={output: logits_effect} if output is not None else None)
         stream.attach(trace)
-    with torch.inference_mode(), recording(
+    with torch.no_grad(), recording(
         pair.ours, points, transforms=transforms, substitute=substitute, inverses=inverses,
         keep_inputs=_keep_inputs(pair), taps=taps, trace=trace,
     ):

@@ -113,6 +113,8 @@ class Spill:
         self.folder: Path | None = None
         self._count = 0
         self._finalizer = None
+        #: id of a stored item (a tensor in memory or a file) -> names holding it, across the stores
+        self.holders: dict[int, int] = {}
 
     def fits(self, nbytes: int) -> bool:
         return self.budget is None or self.in_memory + nbytes <= self.budget
@@ -204,15 +206,25 @@ class TensorStore(MutableMapping):
         if name in self._items:
             del self[name]
         if self.spill.fits(nbytes):
-            self._items[name] = tensor.to("cpu", copy=True)
+            self._hold(name, tensor.to("cpu", copy=True))
             self.spill.in_memory += nbytes
             return
         tensor = tensor.to("cpu")
         path = self.spill.new_file()
         offset = write_safetensors(path, "tensor", tensor)
-        self._items[name] = _OnDisk(path, tensor.dtype, tuple(tensor.shape), offset, nbytes)
+        self._hold(name, _OnDisk(path, tensor.dtype, tuple(tensor.shape), offset, nbytes))
         self.spill.on_disk += nbytes
         self.spill.written += nbytes
+
+    def alias(self, name: str, store: TensorStore, source: str) -> None:
+        """Store under ``name`` what ``store`` (sharing this store's Spill) holds as ``source``: no copy."""
+        if name in self._items:
+            del self[name]
+        self._hold(name, store._items[source])
+
+    def _hold(self, name: str, item) -> None:
+        self._items[name] = item
+        self.spill.holders[id(item)] = self.spill.holders.get(id(item), 0) + 1
 
     def __setitem__(self, name: str, tensor: torch.Tensor) -> None:
         self.put(name, tensor)
@@ -225,6 +237,10 @@ class TensorStore(MutableMapping):
 
     def __delitem__(self, name: str) -> None:
         item = self._items.pop(name)
+        left = self.spill.holders.pop(id(item), 1) - 1
+        if left:  # another name still holds it
+            self.spill.holders[id(item)] = left
+            return
         if isinstance(item, _OnDisk):
             self.spill.on_disk -= item.nbytes
             with contextlib.suppress(OSError):
@@ -250,6 +266,15 @@ class TensorStore(MutableMapping):
         if item is None:
             return default
         return SpilledTensor(item) if isinstance(item, _OnDisk) else item
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    """The tensor's version counter (bumped by every in-place op), None for an inference-mode tensor
+    (which has none: it is then never taken as unchanged)."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return None
 
 
 class OnCpu(dict):
@@ -288,6 +313,14 @@ class Trace:
     results: dict = field(default_factory=dict)
     #: what a sink computed from tensors it did not keep (``{output node: logits effect}``)
     summaries: dict = field(default_factory=dict)
+    #: module inputs are held by reference until :meth:`keep_input` or :meth:`drop_input` (a sink
+    #: that keeps only a failing node's input copies that one alone)
+    defer_inputs: bool = False
+    pending: dict = field(default_factory=dict, repr=False)
+    #: id of a live tensor already stored -> (weakref, version, stored in inputs?, name): the same
+    #: unchanged tensor recorded twice (q/k/v's shared input, a node that is the next one's input) is
+    #: stored once
+    _stored: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def spilling(cls, budget: int | None, **kwargs) -> Trace:
@@ -302,20 +335,47 @@ class Trace:
         self.calls[name] = self.calls.get(name, 0) + 1
         if self.calls[name] > 1 or name in self.tensors:
             return
+        live = tensor
         tensor = tensor.detach()
         if transform is not None:
-            tensor = transform(tensor)
+            tensor = live = transform(tensor)
         if self.sink is not None and self.sink(name, tensor):
             return
-        self.keep(name, tensor)
+        self.keep(name, live)
 
     def keep(self, name: str, tensor: torch.Tensor, inputs: bool = False) -> None:
-        """Store a CPU copy of ``tensor`` (in ``inputs`` with ``inputs=True``)."""
+        """Store a CPU copy of ``tensor`` (in ``inputs`` with ``inputs=True``); a tensor this trace
+        already stored, unchanged since (same object, same version), is stored once."""
         store = self.inputs if inputs else self.tensors
-        if isinstance(store, TensorStore):
-            store.put(name, tensor.detach())
-        else:
+        if not isinstance(store, TensorStore):
             store[name] = tensor.detach().to("cpu", copy=True)
+            return
+        seen = self._stored.get(id(tensor))
+        if seen is not None and seen[0]() is tensor and seen[1] is not None and seen[1] == _version(tensor):
+            source = self.inputs if seen[2] else self.tensors
+            if seen[3] in source:
+                store.alias(name, source, seen[3])
+                return
+        store.put(name, tensor.detach())
+        self._stored[id(tensor)] = (weakref.ref(tensor), _version(tensor), inputs, name)
+
+    def hold_input(self, name: str, tensor: torch.Tensor) -> None:
+        """A module input for diagnosis: copied now, or held by reference when inputs are deferred."""
+        if self.defer_inputs:
+            self.pending[name] = (tensor, _version(tensor))
+        else:
+            self.keep(name, tensor, inputs=True)
+
+    def keep_input(self, name: str) -> None:
+        """Copy a deferred input now, if its tensor was not changed in place since it was held."""
+        held = self.pending.pop(name, None)
+        if held is not None and held[1] is not None and _version(held[0]) == held[1]:
+            self.keep(name, held[0], inputs=True)
+
+    def drop_input(self, name: str) -> None:
+        self.pending.pop(name, None)
+        if name in self.inputs:
+            del self.inputs[name]
 
     @property
     def order(self) -> list[str]:
@@ -328,6 +388,7 @@ class Trace:
 
     def close(self) -> None:
         """Free the disk this trace spilled to."""
+        self.pending.clear()
         if self.spill is not None:
             self.spill.close()
 
@@ -471,7 +532,7 @@ def recording(
                 def keep(mod, args, kwargs, _name=name):
                     tensor = _first_tensor(args if args else kwargs)
                     if tensor is not None and not trace.calls.get(_name) and _name not in trace.inputs:
-                        trace.keep(_name, tensor, inputs=True)
+                        trace.hold_input(_name, tensor)
                         weight, bias = getattr(mod, "weight", None), getattr(mod, "bias", None)
                         if isinstance(weight, torch.Tensor) and weight.dim() == 2:
                             trace.weights[_name] = weight.detach()
