@@ -208,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--write-checkpoint", help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="only OLMo 3 at 7B widths, 2 layers, 128 tokens")
+    parser.add_argument("--cases", help="only these cases: comma list of family:config:tokens (no sharded case, no suite)")
     parser.add_argument("--seq-lens", default="128,4097", help="comma list of sequence lengths (default 128,4097)")
     parser.add_argument("--repeats", type=int, default=3, help="check and bare-forward repeats at 128 tokens (default 3; 1 past it)")
     parser.add_argument("--no-sharded", action="store_true", help="skip the 8-layer sharded checkpoint case")
@@ -226,7 +227,10 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
     print(f"machine: {machine()}\nload average at start: {load()}", flush=True)
     seqs = [int(s) for s in args.seq_lens.split(",")]
-    if args.quick:
+    if args.cases:
+        cases = [dict(family=f, config=c, seq=int(t), repeats=args.repeats if int(t) <= 128 else 1)
+                 for f, c, t in (item.split(":") for item in args.cases.split(","))]
+    elif args.quick:
         cases = [dict(family="olmo3", config="7b-shape", seq=128, repeats=args.repeats)]
     else:
         cases = shape_cases(seqs, {128: args.repeats})
@@ -235,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     for spec in cases:
         print(f"running {spec}", file=sys.stderr, flush=True)
         rows.append(run_child(spec, args.timeout, args.lock))
-    if not args.quick and not args.no_sharded:
+    if not (args.quick or args.cases or args.no_sharded):
         folder = Path(tempfile.mkdtemp(prefix="parity-bench-"))
         try:
             spec = dict(family="olmo3", config="7b-shape", layers=8, checkpoint=str(folder / "ckpt"))
@@ -249,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             shutil.rmtree(folder, ignore_errors=True)
     print(table(rows))
-    if not args.quick and not args.no_suite:
+    if not (args.quick or args.cases or args.no_suite):
         suite = suite_seconds()
         print(f"\ndefault test suite (`HF_HUB_OFFLINE=1 pytest -q`): {suite['seconds']:.0f} s wall, {suite['summary']}")
         rows.append({"suite": suite})

@@ -86,6 +86,12 @@ def logits_effect(ours: torch.Tensor, ref: torch.Tensor, k: int = 5) -> dict:
     width = ours.shape[-1]
     k = min(k, width)
     rows = max(1, SLICE // max(width, 1))
+    if isinstance(ref, torch.Tensor) and ours.numel() and torch.equal(ours, ref) and all(
+        math.isfinite(float(v)) for v in ours.aminmax()
+    ):  # equal logits agree everywhere: top-1 and top-k overlap 1, KL 0
+        n = ours.numel() // max(width, 1)
+        top1, overlap, kl = torch.ones(n, dtype=torch.float64), torch.ones(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
+        return _effect(k, top1, overlap, kl)
     top1s, overlaps, kls = [], [], []
     for a, b in zip(_row_blocks(ours, rows, width), _row_blocks(ref, rows, width)):
         n = a.shape[0]
@@ -101,7 +107,10 @@ def logits_effect(ours: torch.Tensor, ref: torch.Tensor, k: int = 5) -> dict:
         overlaps.append((ref_top[:, :, None] == ours_top[:, None, :]).any(-1).double().mean(-1))
         log_p, log_q = torch.log_softmax(b, -1), torch.log_softmax(a, -1)
         kls.append((log_p.exp() * (log_p - log_q)).sum(-1))
-    top1, overlap, kl = torch.cat(top1s), torch.cat(overlaps), torch.cat(kls)
+    return _effect(k, torch.cat(top1s), torch.cat(overlaps), torch.cat(kls))
+
+
+def _effect(k: int, top1: torch.Tensor, overlap: torch.Tensor, kl: torch.Tensor) -> dict:
     return {
         "k": k,
         "top1_agree": top1.tolist(),
