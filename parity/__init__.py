@@ -15,7 +15,7 @@ from .family import Family, Node, NodeMap
 from .hints import Hint
 from .pair import NodeSpec, Pair
 from .result import CheckResult
-from .testing import assert_parity
+from .testing import assert_bit_exact, assert_parity
 from .trace import tap
 from .user_model import check_model
 
@@ -35,6 +35,7 @@ __all__ = [
     "NodeSpec",
     "Pair",
     "ParityError",
+    "assert_bit_exact",
     "assert_parity",
     "check",
     "check_model",

@@ -21,15 +21,20 @@ Every reference node gets one row of :class:`Aligned`: what it was aligned to an
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 
 from .coverage import ROWS, TRANSPOSED, Coverage, Source
+from .errors import ParityError
 from .facts import ArchFacts
 from .hf_capture import SUFFIXES
 from .pair import NodeSpec
+
+#: layouts a tap may declare for q_rot/k_rot/context: (batch, heads, seq, head_dim), (batch, seq, heads,
+#: head_dim), (batch, seq, heads * head_dim)
+LAYOUTS = ("bhsd", "bshd", "bsf")
 
 UNALIGNED, TAP = "unaligned:", "tap:"
 
@@ -74,27 +79,62 @@ class Layout:
     ``scores``/``probs`` ``(batch, heads, q, k)``, ``context`` ``(batch, seq, heads * head_dim)``.
     Accepted from ours: ``(batch, seq, heads, head_dim)``, ``(batch, seq, heads * head_dim)``,
     complex ``(..., head_dim / 2)`` (Meta's RoPE: real and imaginary parts are the interleaved pairs).
-    A sequence length equal to the head count is ambiguous; the reference's layout is assumed then.
+    A 4-D tensor whose sequence length equals the head count cannot be read by shape: ``declared``
+    (``parity.tap(t, "q_rot", layout="bshd")``) says which it is; without it, the layout this tap
+    showed on an earlier call of another length holds (a decode chunk after the prompt), and with
+    neither ``(batch, heads, seq, head_dim)`` is assumed: a wrong guess fails the node, and its
+    ``tap_layout`` hint names the fix.
     """
 
     kind: str
     heads: int
     head_dim: int
+    #: the layout read from an unambiguous shape, kept for the tap's later ambiguous calls
+    seen: dict = field(default_factory=dict, compare=False, repr=False)
+    #: the layout the tap declared: "bhsd" (batch, heads, seq, head_dim), "bshd" or "bsf" (heads flattened)
+    declared: str = ""
+
+    def with_layout(self, layout: str) -> "Layout":
+        """This layout with the tap's declared ``layout``; raises ParityError for an unknown one."""
+        if layout not in LAYOUTS:
+            raise ParityError(f"parity.tap(..., {self.kind!r}, layout={layout!r}): layout must be one of {', '.join(LAYOUTS)}")
+        return replace(self, declared=layout)
 
     def _steps(self, t: torch.Tensor) -> tuple[bool, str]:
         complex_ = t.is_complex()
         shape = t.shape[:-1] + (t.shape[-1] * 2,) if complex_ else t.shape
+        if self.declared:
+            return complex_, self._declared(tuple(shape))
+        if len(shape) == 4 and self.kind in ("q_rot", "k_rot", "context") and shape[1] == shape[2] == self.heads > 1:
+            # the shape cannot tell: the layout this tap showed before, else (batch, heads, seq, head_dim);
+            # a wrong guess fails the node with a tap_layout hint naming layout=
+            return complex_, self.seen.get("layout", "bhsd" if self.kind == "context" else "")
+        step = ""
         if self.kind in ("q_rot", "k_rot"):
             if len(shape) == 4 and shape[1] != self.heads and shape[2] == self.heads:
-                return complex_, "bshd"
-            if len(shape) == 3 and shape[-1] == self.heads * self.head_dim:
-                return complex_, "bsf"
-        if self.kind == "context":
-            if len(shape) == 4 and shape[1] == self.heads and shape[2] != self.heads:
-                return complex_, "bhsd"
-            if len(shape) == 4:
-                return complex_, "bshd"
-        return complex_, ""
+                step = "bshd"
+            elif len(shape) == 3 and shape[-1] == self.heads * self.head_dim:
+                step = "bsf"
+        elif self.kind == "context" and len(shape) == 4:
+            step = "bhsd" if shape[1] == self.heads and shape[2] != self.heads else "bshd"
+        if len(shape) == 4 and shape[1] != shape[2]:
+            self.seen.setdefault("layout", step)
+        return complex_, step
+
+    def _declared(self, shape: tuple) -> str:
+        """The conversion step for a declared layout ("" = already the reference's), checked against ``shape``."""
+        reference = "bhsd" if self.kind in ("q_rot", "k_rot") else "bsf"
+        fits = {
+            "bhsd": len(shape) == 4 and shape[1] == self.heads,
+            "bshd": len(shape) == 4 and shape[2] == self.heads,
+            "bsf": len(shape) == 3 and shape[-1] == self.heads * self.head_dim,
+        }[self.declared]
+        if not fits:
+            raise ParityError(
+                f"parity.tap(..., {self.kind!r}, layout={self.declared!r}): shape {tuple(shape)} does not fit "
+                f"{self.declared} with {self.heads} heads of {self.head_dim}"
+            )
+        return "" if self.declared == reference else self.declared
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         complex_, layout = self._steps(t)
@@ -243,6 +283,8 @@ class _Aligner:
             )
         is_input = ref_path.endswith("@input")
         base = ref_path[: -len("@input")] if is_input else ref_path
+        if spec.reference_transform is not None:  # a part of that module's output, not its output
+            return self._unaligned(spec, f"a view of {base}'s output (name it with node_map)")
         hit = self.leaf(base) if isinstance(getattr(self.ref_modules.get(base), "weight", None), torch.Tensor) else None
         if hit is not None:
             our_path, source = hit

@@ -10,10 +10,12 @@ import math
 
 import torch
 
-#: Node kinds laid out (batch, heads, seq, ...); every other node is (batch, seq, ...).
+#: Node kinds laid out (batch, heads, seq, ...); every other node is (batch, seq, ...), or (tokens, ...)
+#: when 2-D (a MoE block's router and experts work on the flattened tokens).
 HEAD_MAJOR = {"q_rot", "k_rot", "scores", "probs"}
-#: Node kinds (batch, seq, heads * head_dim) whose last axis splits into heads.
-HEAD_MERGED = {"q_proj", "k_proj", "v_proj", "q_norm", "k_norm", "context"}
+#: Node kinds (batch, seq, heads * head_dim) whose last axis splits into heads (``gate``: an
+#: attention output gate, one per query head and dim).
+HEAD_MERGED = {"q_proj", "k_proj", "v_proj", "q_norm", "k_norm", "context", "gate"}
 
 
 #: elements of float64 working memory per slice (error profile, logits effect): ~32 MiB per copy
@@ -39,10 +41,9 @@ def error_profile(ours: torch.Tensor, ref: torch.Tensor, kind: str, head_dim: in
         diff = (ours.double() - ref.double()).abs().nan_to_num(nan=float("inf"))
         return {"by_position": None, "by_head": None, "by_channel": diff.tolist()}
     head_major = kind in HEAD_MAJOR and ours.dim() == 4
-    axis = 2 if head_major else 1
+    axis = 2 if head_major else 1 if ours.dim() > 2 else 0  # a 2-D node is (tokens, ...)
     split = kind in HEAD_MERGED and head_dim and ours.shape[-1] % head_dim == 0
-    # slices of positions; a 2-D node's positions are its channels: one slice
-    step = max(1, SLICE * ours.shape[axis] // max(ours.numel(), 1)) if ours.dim() > 2 else ours.shape[axis]
+    step = max(1, SLICE * ours.shape[axis] // max(ours.numel(), 1))  # slices of positions
     by_position, by_head, by_channel = [], None, None
     for start in range(0, ours.shape[axis], step):
         a, b = ours.narrow(axis, start, min(step, ours.shape[axis] - start)), ref.narrow(axis, start, min(step, ours.shape[axis] - start))

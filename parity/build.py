@@ -56,9 +56,11 @@ def summary(items: list[str], n: int = 3, what: str = "") -> str:
 
 def default_seq_len(facts: ArchFacts) -> int:
     """Long enough to pass every sliding window (4x window, at least 16) while that stays small; 64
-    for real-size windows, where the check notes that the window is not exercised."""
+    for real-size windows, where the check notes that the window is not exercised. Past the first
+    chunk boundary of linear-attention layers too (a quarter chunk into the second chunk)."""
     window = facts.sliding_window or 4
-    return max(16, 4 * window) if 4 * window <= 512 else 64
+    length = max(16, 4 * window) if 4 * window <= 512 else 64
+    return max(length, facts.chunk_size + facts.chunk_size // 4) if facts.chunk_size else length
 
 
 def config_name_of(config) -> str:
@@ -246,9 +248,13 @@ class Reference:
 
 def random_weights(reference_cls, hf_config, seed: int, dtype: torch.dtype, what: str) -> dict[str, torch.Tensor]:
     """Seeded random weights in checkpoint naming for ``reference_cls(hf_config)`` (shapes read on
-    the meta device; the memory guard runs first)."""
+    the meta device; the memory guard runs first): every parameter, then every persistent buffer
+    (a checkpoint carries those too, e.g. Gemma 4's ``layer_scalar``)."""
     with torch.device("meta"):
-        shapes = {k: tuple(p.shape) for k, p in reference_cls(hf_config).named_parameters()}
+        model = reference_cls(hf_config)
+        shapes = {k: tuple(p.shape) for k, p in model.named_parameters()}
+        buffers = dict(model.named_buffers())
+        shapes.update({k: tuple(buffers[k].shape) for k in model.state_dict() if k in buffers})
     n_params = sum(math.prod(s) for s in shapes.values())
     require(
         n_params * torch.finfo(dtype).bits // 8,
@@ -256,6 +262,55 @@ def random_weights(reference_cls, hf_config, seed: int, dtype: torch.dtype, what
         "build fewer layers (--layers / n_layers=)",
     )
     return probe_weights(shapes, seed, dtype)
+
+
+def model_naming(reference_cls, hf_config, state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """``state_dict`` in the reference model's own naming and layout, and one line per conversion.
+
+    A checkpoint may be stored in another layout than the model holds its weights in: Transformers 5
+    saves MoE experts one module per expert (``mlp.experts.3.gate_proj.weight``, the format of the
+    released checkpoints) and fuses them into 3-D parameters when it loads them
+    (``mlp.experts.gate_up_proj``); ``from_pretrained`` applies the model's checkpoint conversion
+    mapping. This applies that same mapping (Transformers' own ``WeightConverter``/``WeightRenaming``
+    list, its operations and key order), so both models, our loader and loader coverage see what a
+    Transformers user's model holds. Renamed tensors keep their storage; merged ones are new (the
+    per-expert originals are not kept). A model without a conversion mapping is returned unchanged.
+    """
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+    except ImportError:  # a Transformers without conversion mappings loads checkpoints as they are
+        return state_dict, []
+    with torch.device("meta"):
+        model = reference_cls(hf_config)
+    mapping = get_model_conversion_mapping(model)
+    if not mapping:
+        return state_dict, []
+    meta = model.state_dict()
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    out: dict[str, torch.Tensor] = {}
+    pending: dict[str, tuple[object, list[str]]] = {}
+    for key in sorted(state_dict, key=dot_natural_key):
+        renamed, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
+        if renamed not in meta and key in meta:
+            renamed, pattern = key, None
+        if pattern is None:
+            out[renamed] = state_dict[key]
+            continue
+        converter, sources = pending.setdefault(renamed, (copy.deepcopy(by_pattern[pattern]), []))  # one per target
+        converter.add_tensor(renamed, key, pattern, state_dict[key])
+        sources.append(key)
+    notes = []
+    for target, (converter, sources) in pending.items():
+        converted = converter.convert(target, model=model, config=hf_config)
+        for name, value in converted.items():
+            out[name] = value[0] if isinstance(value, list) else value
+        names = list(converted)
+        shown = f"{sources[0]} .. {sources[-1]}" if len(sources) > 1 else sources[0]
+        notes.append(f"{shown} ({len(sources)} tensors): merged into {', '.join(names)} (Transformers' checkpoint conversion)")
+    return out, notes
 
 
 def read_weights(checkpoint, dtype: torch.dtype, model_type: str | None):
@@ -269,6 +324,34 @@ def read_weights(checkpoint, dtype: torch.dtype, model_type: str | None):
         if v.is_floating_point() and v.dtype != dtype
     ]
     return ckpt, state_dict, conversions
+
+
+def as_reference_keys(reference_cls, hf_config, state_dict: dict) -> tuple[dict, list[str]]:
+    """The checkpoint's tensors under the names the reference loads them by, as ``from_pretrained``
+    reads a checkpoint: keys of a base-model checkpoint get the base-model prefix (GPT-2's released
+    files say ``h.0.attn.c_attn.weight`` for ``transformer.h.0.attn.c_attn.weight``), and keys the
+    reference declares ignorable (``_keys_to_ignore_on_load_unexpected``: GPT-2's old ``attn.bias``
+    mask buffers) are left out. Same tensors, no copy. Returns the dict and one line per change."""
+    with torch.device("meta"):
+        expected = set(reference_cls(hf_config).state_dict())
+    prefix = getattr(reference_cls, "base_model_prefix", "") or ""
+    ignorable = [re.compile(p) for p in getattr(reference_cls, "_keys_to_ignore_on_load_unexpected", None) or []]
+    out, prefixed, ignored = {}, [], []
+    for key, tensor in state_dict.items():
+        if key not in expected and prefix and f"{prefix}.{key}" in expected:
+            prefixed.append(key)
+            key = f"{prefix}.{key}"
+        elif key not in expected and any(p.search(key) for p in ignorable):
+            ignored.append(key)
+            continue
+        out[key] = tensor
+    lines = []
+    if prefixed:
+        lines.append(f"{len(prefixed)} keys without the base-model prefix ({prefixed[0]}, ...): read as {prefix}.<key>, "
+                     "as from_pretrained reads them")
+    if ignored:
+        lines.append(f"{len(ignored)} keys the reference ignores on load ({_keys(ignored, 3)}): left out")
+    return out, lines
 
 
 def make_reference(
@@ -302,6 +385,10 @@ def _source(family: Family, config, checkpoint, dtype, seed, overrides) -> Refer
         ckpt, state_dict, conversions = read_weights(checkpoint, dtype, family.model_type)
         hf_config = config_from_dict(family, ckpt.config)
         cfg, facts = validated(family, hf_config, dtype)
+        state_dict, renamed = as_reference_keys(family.reference_cls(), hf_config, state_dict)
+        conversions = renamed + conversions
+        state_dict, merged = model_naming(family.reference_cls(), hf_config, state_dict)
+        conversions += merged
         config_name = str(Path(checkpoint))
     else:
         config = family.default_config if config is None else config
@@ -400,4 +487,5 @@ def build_pair(
         tied_keys=ref.tied_keys,
         exact=dtype in family.exact_dtypes,
         device=placement.label,
+        **({"probe": f"checkpoint weights ({ref.checkpoint})"} if ref.checkpoint else {}),
     )

@@ -20,12 +20,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from . import hf_capture
+from . import hf_capture, hf_kernels
 from .analysis import error_profile, logits_effect
 from .compare import CHUNK, NodeResult, NodeStream, Tolerances, chunks, compare_traces, first_mismatch
 from .coverage import loader_coverage
 from .diagnose import diagnose
 from .errors import ParityError
+from .origin import find_origin
 from .pair import Pair
 from .resources import BUDGET as RESOURCE_BUDGET
 from .resources import GIB, TRACE_MEMORY, available_bytes, check_footprint, require, require_disk
@@ -34,7 +35,10 @@ from .trace import Trace, recording
 
 MODES = ("chained", "isolated", "both")
 #: node kinds whose module input (and weight) is kept for diagnosis (norm placement, norm kind, transposes)
-_DIAGNOSIS_INPUT_KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "norm", "layernorm")
+_DIAGNOSIS_INPUT_KINDS = (
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "norm", "layernorm",
+    "c_attn", "c_proj", "c_fc", "ln_",  # GPT-2's Conv1D projections and LayerNorms
+)
 #: node kinds of ours the diagnosis of a later node of the same attention reads (softmax temperature
 #: needs q and k to agree); everything else of ours is dropped once compared
 _DIAGNOSIS_CONTEXT_KINDS = ("q_rot", "k_rot")
@@ -123,6 +127,16 @@ def _window_notes(pair: Pair, seq_len: int) -> list[str]:
     return []
 
 
+def _chunk_notes(pair: Pair, seq_len: int) -> list[str]:
+    chunk = pair.facts.chunk_size
+    if chunk and seq_len <= chunk:
+        return [
+            f"seq_len {seq_len} does not exceed the linear-attention chunk ({chunk} tokens): the state carried "
+            f"from one chunk to the next is not exercised; pass --seq-len {chunk + 1} or more"
+        ]
+    return []
+
+
 def _position_notes(pair: Pair, seq_len: int) -> list[str]:
     limit = pair.facts.max_position_embeddings
     if limit and seq_len > limit:
@@ -165,7 +179,7 @@ def plan(
         mode=mode,
         tolerances=Tolerances(pair.dtype, atol, rtol, dict(tolerances or {}), exact=exact),
         calibrate=calibrate,
-        notes=tuple(pair.notes) + tuple(_window_notes(pair, seq)) + tuple(_position_notes(pair, seq)),
+        notes=tuple(pair.notes) + tuple(_window_notes(pair, seq)) + tuple(_chunk_notes(pair, seq)) + tuple(_position_notes(pair, seq)),
         trace_memory=trace_memory,
     )
 
@@ -209,20 +223,27 @@ def _on(device: torch.device, tensor: torch.Tensor | None) -> torch.Tensor | Non
     return tensor if tensor is None or tensor.device == device else tensor.to(device)
 
 
-def trace_reference(pair: Pair, run: Run, model=None, sink=None) -> Trace:
+def trace_reference(pair: Pair, run: Run, model=None, sink=None, into: Trace | None = None) -> Trace:
     """Run the reference (or ``model``, a copy of it) on the run's inputs; attention internals
     come through :mod:`parity.hf_capture`. The trace spills to disk past ``run.trace_memory``.
-    ``sink`` (see :class:`~parity.trace.Trace`) sees each node instead of the trace storing it.
-    Raises ParityError when the reference itself cannot run the config (a config Transformers
-    accepts but its forward rejects is bad input, not a bug)."""
+    ``sink`` (see :class:`~parity.trace.Trace`) sees each node instead of the trace storing it;
+    ``into``: the Trace to fill instead (see :func:`parity.trace.recording`). Raises ParityError
+    when the reference itself cannot run the config (a config Transformers accepts but its forward
+    rejects is bad input, not a bug)."""
     model = pair.reference if model is None else model
     hf_capture.install(model)
-    captured = [n.name for n in pair.nodes if n.name.rsplit(".", 1)[-1] in hf_capture.SUFFIXES]
+    captured = [n.name for n in pair.nodes if hf_capture.is_captured(n.name)]
     points = [(n.name, n.reference_path) for n in pair.nodes if n.name not in captured]
-    trace = Trace.spilling(run.trace_memory, sink=sink)
+    views = {n.name: n.reference_transform for n in pair.nodes if n.reference_transform is not None}
+    kernels = any(hf_kernels.is_kernel_node(name) for name in captured)  # named after the module that calls them
+    trace = Trace.spilling(run.trace_memory, sink=sink) if into is None else into
     keep = _keep_inputs(pair) if sink is None else frozenset()
     device = _device_of(model)
-    with torch.no_grad(), recording(model, points, captured=captured, keep_inputs=keep, trace=trace):
+    # no_grad, not inference_mode: tensors keep their version counters (an unchanged tensor recorded
+    # twice is stored once, an in-place edit is seen)
+    with torch.no_grad(), recording(
+        model, points, transforms=views, captured=captured, keep_inputs=keep, module_stack=kernels, into=trace,
+    ):
         try:
             model(input_ids=_on(device, run.input_ids), attention_mask=_on(device, run.attention_mask),
                   position_ids=_on(device, run.position_ids), use_cache=False)
@@ -252,7 +273,7 @@ def trace_ours(pair: Pair, run: Run, substitute: Trace | None = None, *, referen
     With ``reference`` (the reference's trace), every node is compared as ours produces it
     (:class:`~parity.compare.NodeStream`, on ``tolerances``, by default the run's) and dropped: the
     trace returned holds the results, the first failure with what its diagnosis reads, and the
-    logits effect (``summaries``). Without it, every tensor of ours is kept.
+    logits effect (``watched``). Without it, every tensor of ours is kept.
     """
     tapped = {n.ours: n.name for n in pair.nodes if n.ours.startswith("tap:")}
     points = [(n.name, n.ours) for n in pair.nodes if not n.ours.startswith(("tap:", "unaligned:"))]
@@ -274,7 +295,7 @@ def trace_ours(pair: Pair, run: Run, substitute: Trace | None = None, *, referen
         stream.attach(trace)
     with torch.no_grad(), recording(
         pair.ours, points, transforms=transforms, substitute=substitute, inverses=inverses,
-        keep_inputs=_keep_inputs(pair), taps=taps, trace=trace,
+        keep_inputs=_keep_inputs(pair), taps=taps, into=trace,
     ):
         pair.ours(_on(device, run.input_ids), **kwargs)
     if stream is not None:
@@ -288,29 +309,38 @@ def trace_pair(pair: Pair, input_ids: torch.Tensor, attention_mask: torch.Tensor
     return trace_reference(pair, run), trace_ours(pair, run)
 
 
-def calibrate_tolerances(pair: Pair, run: Run, ref_trace: Trace, safety: float = SAFETY_FACTOR) -> dict:
-    """Per-node ``(atol, 0.0)`` from the reference's own error against itself in float64.
+def reference_noise(pair: Pair, run: Run, ref_trace: Trace) -> dict[str, float]:
+    """Per node, the reference's own max |error| against a float64 copy of itself (same weights, same
+    inputs): the rounding noise of the run's dtype. Each float64 node is compared as it is produced
+    and dropped (nothing of the float64 run is kept). Costs a float64 copy of the weights (refused up
+    front when it would not fit)."""
+    n_params = sum(p.numel() for p in pair.reference.parameters())
+    require(8 * n_params, "a float64 copy of the reference (calibration, origin)", "use mode chained without calibrate")
+    noise = {}
 
-    A float64 copy of the reference (same weights) runs on the same inputs; each node's atol is
-    ``safety`` times the reference's max |error|, floored (:data:`CALIBRATION_FLOOR`) so that an
-    exactly representable node does not demand bit-exactness. Costs a float64 copy of the weights.
-    """
-    floor = CALIBRATION_FLOOR.get(pair.dtype, 1e-6)
-    tolerances = {}
-
-    def calibrate(name: str, exact: torch.Tensor) -> bool:  # each float64 node as it is produced
+    def measure(name: str, exact: torch.Tensor) -> bool:
         store = ref_trace.tensors
         tensor = store.lazy(name) if hasattr(store, "lazy") else store.get(name)
         if tensor is not None and tensor.shape == exact.shape:
-            tolerances[name] = (max(safety * _max_error(tensor, exact.to("cpu")), floor), 0.0)
-        return True  # nothing of the float64 run is kept
+            noise[name] = _max_error(tensor, exact.to("cpu"))
+        return True
 
     ref64 = copy.deepcopy(pair.reference).to(torch.float64)
     try:
-        trace_reference(pair, run, model=ref64, sink=calibrate).close()
+        trace_reference(pair, run, model=ref64, sink=measure).close()
     finally:
         del ref64
-    return tolerances
+    return {name: noise[name] for name in ref_trace.tensors if name in noise}
+
+
+def calibrate_tolerances(pair: Pair, run: Run, ref_trace: Trace, safety: float = SAFETY_FACTOR,
+                         noise: dict[str, float] | None = None) -> dict:
+    """Per-node ``(atol, 0.0)``: ``safety`` times the reference's own error against itself in float64
+    (:func:`reference_noise`), floored (:data:`CALIBRATION_FLOOR`) so that an exactly representable
+    node does not demand bit-exactness."""
+    noise = reference_noise(pair, run, ref_trace) if noise is None else noise
+    floor = CALIBRATION_FLOOR.get(pair.dtype, 1e-6)
+    return {name: (max(safety * err, floor), 0.0) for name, err in noise.items()}
 
 
 def _max_error(tensor, exact: torch.Tensor) -> float:
@@ -329,7 +359,8 @@ def compare_run(pair: Pair, run: Run, ours: Trace, ref: Trace, tolerances: Toler
     results = compare_traces(ours, ref, pair.nodes, tolerances, _untapped(pair))
     bad = first_mismatch(results)
     if bad is not None and undiagnosed(bad) is None:
-        results[bad.index] = replace(bad, hint=diagnose(bad, ours, ref, pair.facts, run.position_ids, run.attention_mask))
+        spec = next((n for n in pair.nodes if n.name == bad.name), None)
+        results[bad.index] = replace(bad, hint=diagnose(bad, ours, ref, pair.facts, run.position_ids, run.attention_mask, spec))
     return results
 
 
@@ -409,8 +440,8 @@ def analyse(pair: Pair, nodes: list[NodeResult], ours: Trace | None, ref: Trace)
             head_dim = layer.head_dim if layer is not None else pair.facts.head_dim
             profile = {"node": bad.name, **error_profile(ours_t, ref_t, bad.kind, head_dim)}
     output = pair.output_node
-    if output is not None and output in ours.summaries:  # computed while ours ran (a NodeStream)
-        logits = {"node": output, **ours.summaries[output]}
+    if output is not None and output in ours.watched:  # computed while ours ran (a NodeStream)
+        logits = {"node": output, **ours.watched[output]}
     elif output is not None and output in ours.tensors and output in ref.tensors:
         if ours.tensors[output].shape == ref.tensors[output].shape:
             logits = {"node": output, **logits_effect(ours.tensors[output], ref.tensors[output])}
@@ -444,8 +475,38 @@ def _meta(pair: Pair, run: Run, diffs: list[dict], seconds: float, atol, rtol, t
         "trace_memory": run.trace_memory,
         "ours_class": f"{type(pair.ours).__module__}.{type(pair.ours).__qualname__}",
         "aligned": bool(pair.alignment),
+        "probe": pair.probe + (f"; inputs: seeded random token ids, {int(run.input_ids.shape[0])} x {int(run.input_ids.shape[1])}"
+                               + (", left-padded, positions from the mask" if run.attention_mask is not None else "")),
         "cfg": {k: str(v) if isinstance(v, torch.dtype) else v for k, v in pair.cfg.items()},
     }
+
+
+def _check_decode(pair, decode, input_ids, seq_len, batch_size, mode, atol, rtol, tolerances, calibrate,
+                  attention_mask, left_pad, exact) -> CheckResult:
+    """The KV-cache run of :func:`check` (see :mod:`parity.decode`)."""
+    from .decode import DecodePlan, run_decode
+
+    plan_ = DecodePlan.parse(decode) if isinstance(decode, str) else decode
+    if not isinstance(plan_, DecodePlan):
+        raise ParityError(f"decode must be a DecodePlan or PREFILL[:CHUNK]xSTEPS, got {type(decode).__name__}")
+    if mode != "chained" or calibrate:
+        raise ParityError("a decode check runs chained, with fixed tolerances (no isolated mode, no calibration)")
+    if seq_len is not None and seq_len != plan_.prefill:
+        raise ParityError(f"seq_len {seq_len} and the decode plan's prefill {plan_.prefill} disagree: the prefill is the prompt")
+    run = plan(pair, input_ids, plan_.prefill, batch_size, mode, atol, rtol, tolerances, False, attention_mask, left_pad, exact)
+    notes = list(run.notes)
+    _refuse_changed_weights(pair, "before the check")
+    start = time.perf_counter()
+    nodes, outcome = run_decode(pair, run.input_ids, run.attention_mask, plan_, run.tolerances)
+    _refuse_changed_weights(pair, "during the forward passes")
+    notes += outcome.lines()
+    coverage = pair.coverage
+    if coverage is None and pair.state_dict:
+        coverage = loader_coverage(pair.ours, pair.state_dict, pair.tied_keys, pair.conversions, pair.built_storage)
+    meta = _meta(pair, run, config_diff(pair), time.perf_counter() - start, atol, rtol, tolerances, False)
+    meta["decode"] = plan_.describe()
+    return CheckResult(nodes=tuple(nodes), meta=meta, notes=tuple(notes), coverage=coverage,
+                       alignment=tuple(pair.alignment), decode=outcome.to_dict())
 
 
 def check(
@@ -461,6 +522,7 @@ def check(
     attention_mask: torch.Tensor | None = None,
     left_pad: int = 0,
     exact: bool | None = None,
+    decode=None,
     trace_memory: int | None = TRACE_MEMORY,
 ) -> CheckResult:
     """Compare ``pair.ours`` with ``pair.reference`` node by node.
@@ -486,6 +548,10 @@ def check(
     is compared node by node as it runs, so only its first failure and that node's neighbourhood
     are kept (see :mod:`parity.resources` for the memory model).
 
+    ``decode``: a :class:`parity.decode.DecodePlan` (or its text, ``"12:4x8"``) runs both models with
+    their KV caches instead: prefill (``seq_len`` is the prefill length), chunks, decode steps, every
+    node and both caches compared at every step (chained mode only; see :mod:`parity.decode`).
+
     Raises:
         ParityError: unknown ``mode``; ``input_ids`` not 2-D or out of the vocabulary; a mask of
             another shape; ``left_pad`` without a second row or not shorter than the sequence;
@@ -495,6 +561,9 @@ def check(
     """
     if exact is None:
         exact = pair.exact and atol is None and rtol is None and not calibrate
+    if decode is not None:
+        return _check_decode(pair, decode, input_ids, seq_len, batch_size, mode, atol, rtol, tolerances, calibrate,
+                             attention_mask, left_pad, exact)
     run = plan(pair, input_ids, seq_len, batch_size, mode, atol, rtol, tolerances, calibrate, attention_mask, left_pad, exact,
                trace_memory)
     diffs = config_diff(pair)
@@ -509,8 +578,10 @@ def check(
     start = time.perf_counter()
     ref_trace = trace_reference(pair, run)  # spills to disk past run.trace_memory; freed when dropped
     tolerance = run.tolerances
+    noise = None
     if run.calibrate:
-        tolerance = replace(tolerance, calibrated=calibrate_tolerances(pair, run, ref_trace))
+        noise = reference_noise(pair, run, ref_trace)
+        tolerance = replace(tolerance, calibrated=calibrate_tolerances(pair, run, ref_trace, noise=noise))
     isolated = None
     if run.mode in ("isolated", "both"):
         isolated = compare_run(pair, run, trace_ours(pair, run, ref_trace, reference=ref_trace, tolerances=tolerance),
@@ -522,6 +593,10 @@ def check(
         our_trace = trace_ours(pair, run, reference=ref_trace, tolerances=tolerance)  # compared as it runs
         nodes = compare_run(pair, run, our_trace, ref_trace, tolerance)
     _refuse_changed_weights(pair, "during the forward passes")
+    origin, origin_reason = None, ""
+    if isolated is not None and run.mode == "both" and not run.tolerances.exact and first_mismatch(nodes) is not None:
+        noise = reference_noise(pair, run, ref_trace) if noise is None else noise
+        origin, origin_reason = find_origin(nodes, isolated, noise)
     profile, logits = analyse(pair, nodes, our_trace, ref_trace)
     spilled = ref_trace.spilled_bytes + (our_trace.spilled_bytes if our_trace is not None else 0)
     for trace in (ref_trace, our_trace):
@@ -541,5 +616,7 @@ def check(
         logits=logits,
         isolated=tuple(isolated) if isolated is not None else None,
         coverage=coverage,
+        origin=origin,
+        origin_reason=origin_reason,
         alignment=tuple(pair.alignment),
     )

@@ -1,4 +1,5 @@
-"""Command line: ``parity check <family> ...`` and ``parity list``.
+"""Command line: ``parity check <family> ...``, ``parity record`` / ``parity compare`` (golden traces),
+``parity list``, ``parity selftest``, ``parity gate``, ``parity align``.
 
 Exit codes: 0 parity holds; 1 a node failed; 2 bad usage or bad input (one line on stderr, in the
 options' own words, before any model is built where the options alone show it); 3 an internal
@@ -133,6 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
         "reference's tensors (the first failing node is the fault); both: the two side by side",
     )
     check.add_argument(
+        "--decode", metavar="PREFILL[:CHUNK]xSTEPS",
+        help="KV-cache run: prefill PREFILL tokens (in CHUNK-token pieces), then STEPS decode steps; every node and "
+        "both caches compared at each step (e.g. 12:4x8)",
+    )
+    check.add_argument(
         "--exact", action="store_true",
         help="atol = rtol = 0 on every node (for pairs that are bit-identical when correct, e.g. our bf16 pairs)",
     )
@@ -167,12 +173,70 @@ def build_parser() -> argparse.ArgumentParser:
     gate.add_argument("--changed-since", metavar="REF", help="run only families whose files changed since this git commit")
     gate.add_argument("--report-dir", type=_path(RESERVED), default="reports", help="parent folder of the gate's report folder")
     gate.add_argument("--no-reports", action="store_true", help="write no report files")
+    _add_trace_commands(sub)
     selftest = sub.add_parser("selftest", help="inject every known fault and check parity locates it")
     selftest.add_argument("family", help="a registered family (see `parity list`)")
     selftest.add_argument("--fields", action="store_true",
                           help="audit the config fields instead: change each on the reference side only and require "
                           "parity to see it at the node where it first acts")
     return parser
+
+
+def _add_trace_commands(sub) -> None:
+    """``parity record`` and ``parity compare`` (golden traces, :mod:`parity.traces`). Options default
+    to None so that the commands can tell which were given."""
+    record = sub.add_parser(
+        "record", help="run the reference once and write a golden trace (node tensors, inputs, manifest)",
+        description="Writes a golden trace of the reference to --out: node tensors (or --summaries), the inputs and a "
+        "versioned manifest.json (see parity/traces.schema.json). --verify TRACE_DIR re-runs a trace's reference instead.",
+    )
+    record.add_argument("target", nargs="?", metavar="FAMILY[:CONFIG]", help="a registered family and one of its configs")
+    record.add_argument("--reference", metavar="DIR|config.json", help="a checkpoint folder or a config.json instead of a family")
+    record.add_argument("--out", type=_path(RESERVED), metavar="TRACE_DIR", help="the trace folder to create")
+    record.add_argument("--layers", type=_positive, help="number of layers for a family's built-in config")
+    record.add_argument("--seq-len", type=_positive, help="tokens per sequence (default: past the sliding window)")
+    record.add_argument("--batch", type=_positive, help="sequences per batch (default 1)")
+    record.add_argument("--left-pad", type=_nonnegative, metavar="N", help="left-pad every batch row after the first (needs --batch 2+)")
+    record.add_argument("--seed", type=_nonnegative, help="seed of the random weights and input tokens (default 0)")
+    record.add_argument("--dtype", choices=DTYPES, help="compute dtype of the reference (default float32)")
+    record.add_argument("--atol", type=_nonnegative_float, help="absolute tolerance the trace carries (default by dtype)")
+    record.add_argument("--rtol", type=_nonnegative_float, help="relative tolerance the trace carries (default by dtype)")
+    record.add_argument("--calibrate", action="store_true", default=None,
+                        help="carry per-node atol = 10x the reference's own error against float64 (recommended for other runtimes)")
+    record.add_argument("--summaries", action="store_true", default=None,
+                        help="per-node statistics, a seeded sample and per-position norms instead of whole tensors (deep models)")
+    record.add_argument("--sample", type=_positive, metavar="N", help="elements sampled per node with --summaries (default 1024)")
+    record.add_argument("--save-weights", action="store_true", default=None,
+                        help="copy the weights into TRACE_DIR/weights (a Transformers checkpoint) for other runtimes to load")
+    record.add_argument("--shard-size", metavar="SIZE", help="largest nodes-*.safetensors file, e.g. 500MB (default 1GB)")
+    record.add_argument("--verify", type=_path(0), metavar="TRACE_DIR",
+                        help="re-run the reference of an existing trace and say whether the installed versions reproduce it")
+    record.add_argument("--checkpoint", type=_path(CHECKPOINT_FILE), metavar="DIR",
+                        help="with --verify: the trace's checkpoint, when it is no longer where it was recorded")
+    record.add_argument("--report-dir", type=_path(RESERVED), help="with --verify: parent folder of its report folder (default reports)")
+    record.add_argument("--format", type=_formats, help="with --verify: comma list of html,csv,json,junit (default html,csv,json)")
+    compare = sub.add_parser(
+        "compare", help="compare another runtime's dump, or a live PyTorch model, with a golden trace",
+        description="Judges a dump (a folder of .safetensors files keyed by node name or .npy files named by node) or "
+        "your model (--ours) against a trace made by `parity record`, with the metrics, hints, reports and exit codes "
+        "of `parity check`.",
+    )
+    compare.add_argument("trace", metavar="TRACE_DIR", help="a folder written by parity record")
+    compare.add_argument("--dump", type=_path(0), metavar="DIR", help="the runtime's dump: a folder (or one file) of .safetensors/.npy")
+    compare.add_argument("--name-map", metavar="FILE",
+                         help="with --dump: JSON {runtime name: node name or {node, permute, reshape}}; {i} is a layer index")
+    compare.add_argument("--ours", metavar="MODULE:BUILD",
+                         help="your model instead of a dump: build(state_dict, hf_config) -> nn.Module, given the trace's weights")
+    compare.add_argument("--node-map", metavar="JSON", help="with --ours: {reference node or glob: your module path}")
+    compare.add_argument("--checkpoint", type=_path(CHECKPOINT_FILE), metavar="DIR",
+                         help="with --ours: the trace's checkpoint, when it is no longer where it was recorded")
+    compare.add_argument("--mode", choices=("chained", "isolated", "both"),
+                         help="with --ours (a dump cannot continue from the reference's tensors): as parity check --mode")
+    compare.add_argument("--atol", type=_nonnegative_float, help="absolute tolerance instead of the trace's")
+    compare.add_argument("--rtol", type=_nonnegative_float, help="relative tolerance instead of the trace's")
+    compare.add_argument("--exact", action="store_true", help="atol = rtol = 0 on every node")
+    compare.add_argument("--report-dir", type=_path(RESERVED), default="reports", help="parent folder of the run's new report folder")
+    compare.add_argument("--format", type=_formats, default=["html", "csv", "json"], help="comma list of html,csv,json,junit")
 
 
 def _add_user_model_args(parser, required: bool = False) -> None:
@@ -293,8 +357,8 @@ def _fix_widths(table: Table, console: Console, wide) -> Table:
 def _node_table(result, console: Console) -> Table:
     """Every node: index, name (whole), status and the metrics that fit the console's width."""
     bad = result.first_mismatch
-    colors = {"ok": "green", "mismatch": "red", "shape": "magenta", "missing": "magenta", "nonfinite": "red",
-              "untapped": "dim"}
+    colors = {"ok": "green", "mismatch": "red", "choice": "red", "shape": "magenta", "missing": "magenta",
+              "nonfinite": "red", "untapped": "dim"}
     isolated = {r.name: r for r in result.isolated or []} if result.isolated is not result.nodes else {}
     fmt = lambda v, spec=".3g": "" if v is None else format(v, spec)  # noqa: E731
     columns = [
@@ -367,6 +431,14 @@ def check_options(args) -> None:
         raise ParityError("--calibrate sets each node's atol itself (rtol 0); drop --atol/--rtol, or drop --calibrate")
     if args.exact and (args.atol is not None or args.rtol is not None or args.calibrate):
         raise ParityError("--exact sets atol = rtol = 0 on every node; drop --atol/--rtol/--calibrate, or drop --exact")
+    if args.decode is not None:
+        from .decode import DecodePlan
+
+        plan = DecodePlan.parse(args.decode)
+        if args.mode != "chained" or args.calibrate:
+            raise ParityError("--decode runs chained with fixed tolerances: drop --mode/--calibrate")
+        if args.seq_len is not None and args.seq_len != plan.prefill:
+            raise ParityError(f"--seq-len {args.seq_len} and --decode's prefill {plan.prefill} disagree: the prefill is the prompt")
     if args.left_pad:
         if args.batch < 2:
             raise ParityError(
@@ -396,6 +468,10 @@ def _check_placement(args) -> None:
 def _check_left_pad(args, pair) -> None:
     """--left-pad against the default sequence length, which only the built pair knows."""
     seq_len = args.seq_len or pair.default_seq_len
+    if args.decode is not None:
+        from .decode import DecodePlan
+
+        seq_len = DecodePlan.parse(args.decode).prefill
     if args.left_pad and args.left_pad >= seq_len:
         raise ParityError(
             f"--left-pad {args.left_pad} must be shorter than the sequence ({seq_len} tokens by default for this "
@@ -431,7 +507,7 @@ def cmd_check(args, console: Console) -> int:
     with console.status("tracing both models and comparing every node"):
         result = check(
             pair, seq_len=args.seq_len, batch_size=args.batch, mode=args.mode, atol=args.atol, rtol=args.rtol,
-            calibrate=args.calibrate, left_pad=args.left_pad, exact=args.exact,
+            calibrate=args.calibrate, left_pad=args.left_pad, exact=True if args.exact else None, decode=args.decode,
             **({"trace_memory": args.trace_memory} if args.trace_memory is not None else {}),
         )
     console.print(_node_table(result, console))
@@ -445,9 +521,165 @@ def cmd_check(args, console: Console) -> int:
         iso = result.first_isolated_mismatch
         line = "every node agrees on its own" if iso is None else f"first node failing on its own: {iso.line()}"
         console.print(f"[bold]isolated:[/] {line}", highlight=False)
+    divergence = result.first_divergence
+    if divergence is not None and (bad is None or divergence.name != bad.name):
+        console.print(f"[bold]first divergence:[/] {divergence.name} (max_abs {divergence.max_abs:.3g}): the first node "
+                      "with any difference at all", highlight=False)
+    if result.origin_reason:
+        console.print(f"[bold]origin:[/] {result.origin_reason}", highlight=False, soft_wrap=True)
     console.print(("[bold green]" if result.passed else "[bold red]") + result.verdict() + "[/]", highlight=False)
     replaced = result.coverage.replaced_note() if result.coverage is not None else None
     if replaced:  # a fault injected by hand: said once, under the finding it explains
+        console.print(f"[yellow]note:[/] {replaced}", highlight=False)
+    folder = _write_reports(result, report_parent, args.format)
+    console.print(f"reports: {folder}", highlight=False)
+    return 0 if result.passed else 1
+
+
+#: parity record's options that describe a new recording (none applies with --verify)
+_RECORD_OPTIONS = ("target", "reference", "out", "layers", "seq_len", "batch", "left_pad", "seed", "dtype", "atol", "rtol",
+                   "calibrate", "summaries", "sample", "save_weights", "shard_size")
+
+
+def _flag(dest: str) -> str:
+    return "FAMILY[:CONFIG]" if dest == "target" else "--" + dest.replace("_", "-")
+
+
+def cmd_record(args, console: Console) -> int:
+    """Exit 0 when the trace is written (with --verify: when the installed versions reproduce it), 1
+    when --verify finds it no longer reproduces, 2 on bad input."""
+    import torch
+
+    from .traces import DEFAULT_SAMPLE, parse_size, record
+
+    given = [d for d in _RECORD_OPTIONS if getattr(args, d) is not None]
+    if args.verify is not None:
+        if given:
+            raise ParityError(f"--verify re-runs the trace as it was recorded; {_flag(given[0])} does not apply")
+        return _verify(args, console)
+    for dest in ("checkpoint", "report_dir", "format"):
+        if getattr(args, dest) is not None:
+            raise ParityError(f"{_flag(dest)} goes with --verify")
+    if (args.target is None) == (args.reference is None):
+        raise ParityError("name what to record: a family (family[:config]) or --reference DIR|config.json, not both")
+    if args.out is None:
+        raise ParityError("--out TRACE_DIR is required: the folder the trace is written to")
+    if args.layers is not None and args.target is None:
+        raise ParityError("--layers goes with a family; a checkpoint or config.json brings its own depth")
+    if args.calibrate and (args.atol is not None or args.rtol is not None):
+        raise ParityError("--calibrate sets each node's atol itself (rtol 0); drop --atol/--rtol, or drop --calibrate")
+    if args.calibrate and args.summaries:
+        raise ParityError("--calibrate needs whole tensors (a float64 trace beside this one); drop it or --summaries")
+    if args.sample is not None and not args.summaries:
+        raise ParityError("--sample goes with --summaries")
+    batch = args.batch or 1
+    if args.left_pad:
+        if batch < 2:
+            raise ParityError(f"--left-pad {args.left_pad} pads every batch row after the first, so it needs --batch 2 or more")
+        if args.seq_len is not None and args.left_pad >= args.seq_len:
+            raise ParityError(f"--left-pad {args.left_pad} must be shorter than --seq-len {args.seq_len}")
+    shard_bytes = parse_size(args.shard_size) if args.shard_size is not None else None
+    source = args.target if args.target is not None else Path(args.reference).expanduser()
+    dtype = args.dtype or "float32"
+    with console.status(f"recording the reference of {source} ({dtype})"):
+        trace = record(
+            source, args.out, n_layers=args.layers, seq_len=args.seq_len, batch_size=batch, left_pad=args.left_pad or 0,
+            dtype=getattr(torch, dtype), seed=args.seed or 0, atol=args.atol, rtol=args.rtol, calibrate=bool(args.calibrate),
+            summaries=bool(args.summaries), sample=args.sample or DEFAULT_SAMPLE, save_weights=bool(args.save_weights),
+            **({"shard_bytes": shard_bytes} if shard_bytes is not None else {}),
+        )
+    m = trace.manifest
+    for note in m.get("notes") or []:
+        console.print(f"[yellow]note:[/] {note}", highlight=False)
+    files = [f for f in m["files"] if f["name"].startswith("nodes-")]
+    size = sum(f["bytes"] for f in m["files"])
+    probe = m["probe"]
+    console.print(
+        f"recorded {m['reference']['source']} ({probe['dtype']}, {probe['batch_size']} x {probe['seq_len']} tokens): "
+        f"{len(m['nodes'])} nodes as {m['kind']} in {len(files)} file(s), {size / 1e6:.3g} MB"
+        + (f", weights in {trace.path / m['weights']['saved']}" if m["weights"].get("saved") else ""), highlight=False)
+    console.print(f"trace: {trace.path} (format {m['format']} version {m['version']})", highlight=False)
+    return 0
+
+
+def _print_compared(result, console: Console) -> None:
+    """What parity check prints: the node table, loader coverage, notes, the hint, isolated mode, the
+    verdict; a stale reference first and in bold."""
+    console.print(_node_table(result, console))
+    _print_coverage(result.coverage, console)
+    for note in result.notes:
+        if note.startswith("stale reference:"):
+            console.print(f"[bold yellow]stale reference:[/] {note[len('stale reference: '):]}", highlight=False)
+        else:
+            console.print(f"[yellow]note:[/] {note}", highlight=False)
+    bad = result.first_mismatch
+    if bad is not None and bad.hint is not None:
+        console.print(f"[bold]hint ({bad.hint.kind}):[/] {bad.hint.text}", highlight=False)
+    if result.meta.get("mode") == "both":
+        iso = result.first_isolated_mismatch
+        line = "every node agrees on its own" if iso is None else f"first node failing on its own: {iso.line()}"
+        console.print(f"[bold]isolated:[/] {line}", highlight=False)
+
+
+def _verify(args, console: Console) -> int:
+    from .traces import read_trace, verify
+
+    report_parent = _report_parent(args.report_dir or "reports")
+    trace = read_trace(args.verify)
+    recorded = trace.manifest["versions"]
+    with console.status(f"re-running the reference of {trace.path}"):
+        result = verify(trace, args.checkpoint)
+    _print_compared(result, console)
+    now = result.meta["installed_versions"]
+    console.print(f"recorded with torch {recorded.get('torch')}, Transformers {recorded.get('transformers')}; "
+                  f"re-run with torch {now['torch']}, Transformers {now['transformers']}", highlight=False)
+    if not result.passed:
+        line = f"[bold red]does not reproduce: {result.verdict()}[/]"
+    elif result.first_divergence is None:
+        line = "[bold green]reproduces: every node bit for bit[/]"
+    else:
+        worst = max((n for n in result.nodes if n.max_abs is not None), key=lambda n: n.max_abs / max(n.atol, 1e-300))
+        line = (f"[bold green]reproduces within the trace's tolerances[/] (not bit for bit: the largest difference is "
+                f"max_abs {worst.max_abs:.3g} at {worst.name}, atol {worst.atol:g})")
+    console.print(line, highlight=False)
+    folder = _write_reports(result, report_parent, args.format or ["html", "csv", "json"])
+    console.print(f"reports: {folder}", highlight=False)
+    return 0 if result.passed else 1
+
+
+def cmd_compare(args, console: Console) -> int:
+    """Exit codes as parity check: 0 every node agrees with the trace, 1 a node fails, 2 bad input."""
+    from .traces import compare_dump, compare_model, read_trace
+
+    if (args.dump is None) == (args.ours is None):
+        raise ParityError("compare what: --dump DIR (another runtime's dump) or --ours MODULE:BUILD (a PyTorch model), one of them")
+    if args.dump is not None:
+        for dest in ("node_map", "checkpoint"):
+            if getattr(args, dest) is not None:
+                raise ParityError(f"{_flag(dest)} goes with --ours; a dump is matched by name (--name-map)")
+        if args.mode not in (None, "chained"):
+            raise ParityError(f"--mode {args.mode} is not possible from a dump: isolated mode continues each node of ours "
+                              "from the reference's tensor, which needs a runtime parity drives (--ours)")
+    if args.ours is not None and args.name_map is not None:
+        raise ParityError("--name-map goes with --dump; with --ours, --node-map overrides the alignment")
+    if args.exact and (args.atol is not None or args.rtol is not None):
+        raise ParityError("--exact sets atol = rtol = 0 on every node; drop --atol/--rtol, or drop --exact")
+    report_parent = _report_parent(args.report_dir)
+    trace = read_trace(args.trace)
+    if args.dump is not None:
+        with console.status(f"comparing {args.dump} with {trace.path}"):
+            result = compare_dump(trace, args.dump, args.name_map, atol=args.atol, rtol=args.rtol, exact=args.exact)
+    else:
+        from .user_model import load_callable
+
+        build = load_callable(args.ours)
+        with console.status(f"tracing {args.ours} on the trace's inputs"):
+            result = compare_model(trace, build, node_map=_node_map(args.node_map), mode=args.mode or "chained",
+                                   atol=args.atol, rtol=args.rtol, exact=args.exact, checkpoint=args.checkpoint)
+    _print_compared(result, console)
+    console.print(("[bold green]" if result.passed else "[bold red]") + result.verdict() + "[/]", highlight=False)
+    replaced = result.coverage.replaced_note() if result.coverage is not None else None
+    if replaced:
         console.print(f"[yellow]note:[/] {replaced}", highlight=False)
     folder = _write_reports(result, report_parent, args.format)
     console.print(f"reports: {folder}", highlight=False)
@@ -700,6 +932,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_gate(args, console)
         if args.command == "align":
             return cmd_align(args, console)
+        if args.command == "record":
+            return cmd_record(args, console)
+        if args.command == "compare":
+            return cmd_compare(args, console)
         return cmd_check(args, console)
     except ParityError as e:
         err.print(f"parity: error: {e}", highlight=False, markup=False, soft_wrap=True)

@@ -1,7 +1,10 @@
 """Compare two tensors, and two traces node by node, against dtype-aware tolerances.
 
 A node passes when every element satisfies ``|ours - ref| <= atol + rtol * |ref|`` (the
-``torch.isclose`` rule). Metrics are computed chunk by chunk (a bounded working set, however large
+``torch.isclose`` rule). An integer node (the experts a router chose) is compared exactly: a
+different choice is its own status, ``choice``, with the rows that differ and, when the node says
+which scores it was chosen from, the reference's margin there (a near-tie is a numerical accident,
+a wide margin a real difference upstream). Metrics are computed chunk by chunk (a bounded working set, however large
 the node), differences in the inputs' precision (float32 for float32 and lower, float64 for
 float64) and every sum accumulated in float64, so the metrics add no error of their own.
 """
@@ -20,7 +23,8 @@ from .pair import NodeSpec
 from .trace import one_thread
 
 OK, MISMATCH, SHAPE, MISSING, NONFINITE, UNTAPPED = "ok", "mismatch", "shape", "missing", "nonfinite", "untapped"
-STATUSES = (OK, MISMATCH, NONFINITE, SHAPE, MISSING, UNTAPPED)
+CHOICE = "choice"
+STATUSES = (OK, MISMATCH, CHOICE, NONFINITE, SHAPE, MISSING, UNTAPPED)
 
 #: Default (atol, rtol) per compute dtype. fp32: two implementations of the same math differ by
 #: reduction order only (~1e-6 after a few layers); bf16 keeps 8 bits of mantissa, so one
@@ -99,7 +103,7 @@ class NodeResult:
 
     def line(self) -> str:
         """One line for logs, JUnit and error messages."""
-        if self.max_abs is None or self.status == NONFINITE:
+        if self.max_abs is None or self.status in (NONFINITE, CHOICE):
             return f"{self.name}: {self.status} ({self.detail})"
         return (
             f"{self.name}: {self.status} max_abs={self.max_abs:.3g} mean_abs={self.mean_abs:.3g} "
@@ -284,8 +288,49 @@ def tensor_metrics(ours: torch.Tensor, ref: torch.Tensor, atol: float, rtol: flo
     )
 
 
-def compare_node(spec: NodeSpec, index: int, our_t, ref_t, tolerances: Tolerances, untapped: bool = False) -> NodeResult:
-    """One node's NodeResult. ``untapped``: ours has no tap for it (a user model): not judged."""
+def choice_margins(ours: torch.Tensor, ref: torch.Tensor, scores: torch.Tensor | None) -> dict:
+    """Where two integer tensors of one shape (top-k choices, ``(..., k)``) differ.
+
+    Returns ``rows`` (flat indices of the rows, all leading dims flattened, that differ),
+    ``same_set`` (rows choosing the same values in another order) and, given the reference's
+    ``scores`` the choice was made from (``(..., n)``, same leading dims), ``margins``: per differing
+    row, the reference's gap between its k-th and (k+1)-th largest score (how near a tie it was).
+    """
+    a, b = ours.reshape(-1, ours.shape[-1] if ours.dim() else 1), ref.reshape(-1, ref.shape[-1] if ref.dim() else 1)
+    rows = (a != b).any(-1).nonzero().flatten()
+    same_set = [int(r) for r in rows if torch.equal(a[r].sort().values, b[r].sort().values)]
+    margins = None
+    if scores is not None and scores.dim() >= 1 and scores.numel() // scores.shape[-1] == a.shape[0]:
+        s = scores.detach().double().reshape(a.shape[0], -1)
+        k = b.shape[-1]
+        if s.shape[-1] > k:
+            top = s.topk(k + 1, dim=-1).values
+            margins = [float(top[r, k - 1] - top[r, k]) for r in rows]
+    return {"rows": [int(r) for r in rows], "same_set": same_set, "margins": margins, "total": a.shape[0]}
+
+
+def _choice_result(our_t: torch.Tensor, ref_t: torch.Tensor, scores: torch.Tensor | None) -> dict:
+    """Metrics of an integer node: exact equality (``ok``) or ``choice`` with the rows and margins."""
+    if torch.equal(our_t, ref_t):
+        return dict(status=OK, max_abs=0.0, mean_abs=0.0, max_rel=0.0, cosine=1.0, detail="", rel_l2=0.0,
+                    atol_needed=0.0, rtol_needed=0.0)
+    found = choice_margins(our_t, ref_t, scores)
+    rows = found["rows"]
+    detail = f"{len(rows)} of {found['total']} rows choose differently (rows {', '.join(map(str, rows[:8]))}{', ...' if len(rows) > 8 else ''})"
+    if found["same_set"]:
+        detail += f"; {len(found['same_set'])} of them the same values in another order"
+    if found["margins"]:
+        margins = found["margins"]
+        detail += f"; the reference's margin between its last chosen and first unchosen score there: {min(margins):.3g}..{max(margins):.3g}"
+    empty = dict(max_abs=None, mean_abs=None, max_rel=None, cosine=None)
+    return dict(status=CHOICE, detail=detail, **empty)
+
+
+def compare_node(
+    spec: NodeSpec, index: int, our_t, ref_t, tolerances: Tolerances, untapped: bool = False, scores=None
+) -> NodeResult:
+    """One node's NodeResult. ``untapped``: ours has no tap for it (a user model): not judged.
+    ``scores``: for an integer node, the reference's tensor of ``spec.chosen_from``."""
     n_atol, n_rtol, source = tolerances.for_node(spec.name)
     base = dict(name=spec.name, index=index, layer=spec.layer, kind=spec.kind, atol=n_atol, rtol=n_rtol, tol_source=source)
     dtype = ref_t.dtype if ref_t is not None else our_t.dtype if our_t is not None else None
@@ -308,6 +353,9 @@ def compare_node(spec: NodeSpec, index: int, our_t, ref_t, tolerances: Tolerance
     if ref_t.shape != our_t.shape:
         return NodeResult(**base, **shapes, **empty, status=SHAPE,
                           detail=f"ours {tuple(our_t.shape)} vs reference {tuple(ref_t.shape)}")
+    if not ref_t.is_floating_point() and not our_t.is_floating_point():
+        ref_t = ref_t if isinstance(ref_t, torch.Tensor) else ref_t.load()  # a spilled integer node: small
+        return NodeResult(**base, **shapes, **_choice_result(our_t, ref_t, scores))
     return NodeResult(**base, **shapes, **tensor_metrics(our_t, ref_t, n_atol, n_rtol))
 
 
@@ -330,7 +378,8 @@ def compare_traces(ours, reference, nodes: Sequence[NodeSpec], tolerances: Toler
     with one_thread():
         return [
             done[name] if name in done else
-            compare_node(by_name[name], index, ours.tensors.get(name), reference.tensors.get(name), tolerances, name in untapped)
+            compare_node(by_name[name], index, ours.tensors.get(name), reference.tensors.get(name), tolerances, name in untapped,
+                         reference.tensors.get(by_name[name].chosen_from) if by_name[name].chosen_from else None)
             for index, name in enumerate(node_order(reference, nodes))
         ]
 
@@ -345,7 +394,7 @@ class NodeStream:
     dot) produced before it. While nothing has failed, the context nodes of the
     latest stem are held, since a later node of that stem may still fail. ``watch``: ``{node: f(ours,
     ref)}`` run on a node as it is compared (same shapes; ``ref`` may be a spilled tensor), its value
-    kept in ``trace.summaries``.
+    kept in ``trace.watched``.
     """
 
     def __init__(self, nodes: Sequence[NodeSpec], reference, tolerances: Tolerances,
@@ -371,11 +420,12 @@ class NodeStream:
         ours = tensor if tensor.device.type == "cpu" else tensor.to("cpu")
         store = self.reference.tensors
         ref = store.lazy(name) if hasattr(store, "lazy") else store.get(name)  # a spilled node is read, not mapped
-        result = compare_node(spec, self.index[name], ours, ref, self.tolerances, name in self.untapped)
+        scores = store.get(spec.chosen_from) if spec.chosen_from and not ours.is_floating_point() else None
+        result = compare_node(spec, self.index[name], ours, ref, self.tolerances, name in self.untapped, scores)
         self.trace.results[name] = result
         if name in self.watch and ref is not None and ref.shape == ours.shape:
-            self.trace.summaries[name] = self.watch[name](ours, ref)
-        del ref
+            self.trace.watched[name] = self.watch[name](ours, ref)
+        del ref, scores
         stem = name.rsplit(".", 1)[0]
         if spec.kind in self.context:
             old, self.stem_keep = self.stem_keep, {n for n in self.stem_keep if n.rsplit(".", 1)[0] == stem} | {name}

@@ -2,9 +2,12 @@
 
 Judged from the loaded model itself, not from a loader's table, so it holds for any loader (an
 assigning one, a copying one, a user's own): each of our parameters is traced back to the
-checkpoint tensor it came from, by shared storage, else by value (a copy, a transpose, or the rows
-of several checkpoint tensors fused into one, e.g. ``qkv`` or ``gate_up``, in any row order). The
-:class:`Source` records say how, which is also what aligns a user's model to the reference.
+checkpoint tensor it came from, by shared storage (the whole tensor, or a view of part of it: a
+fused tensor split into several parameters, e.g. MoE ``experts.gate_up_proj`` into one gate and one
+up projection per expert, where every element must land in exactly one parameter), else by value
+(a copy, a transpose, or the rows of several checkpoint tensors fused into one, e.g. ``qkv`` or
+``gate_up``, in any row order). The :class:`Source` records say how, which is also what aligns a
+user's model to the reference.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-SHARED, COPY, TRANSPOSED, ROWS = "shared", "copy", "transposed", "rows"
+SHARED, COPY, TRANSPOSED, ROWS, SLICE = "shared", "copy", "transposed", "rows", "slice"
 
 
 @dataclass(frozen=True)
@@ -23,13 +26,15 @@ class Source:
 
     ``param``: our parameter name (the first name of its Parameter); ``key``: the checkpoint key;
     ``how``: ``shared`` (same storage), ``copy`` (equal values), ``transposed`` (ours is the key's
-    transpose) or ``rows`` (ours holds the key's rows at ``rows[j]`` for the key's row ``j``).
+    transpose), ``rows`` (ours holds the key's rows at ``rows[j]`` for the key's row ``j``) or
+    ``slice`` (ours is a view of part of the key: ``region`` says which, e.g. ``[3, 0:16, :]``).
     """
 
     param: str
     key: str
     how: str
     rows: tuple[int, ...] | None = None
+    region: str | None = None
 
 
 @dataclass
@@ -90,6 +95,44 @@ class Coverage:
 
 def _storage(t: torch.Tensor) -> tuple:
     return (t.device.type, t.untyped_storage().data_ptr() if not t.is_meta else id(t), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """First and one-past-last element offset ``t`` touches in its storage."""
+    if t.numel() == 0:
+        return t.storage_offset(), t.storage_offset()
+    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return t.storage_offset(), last + 1
+
+
+def _runs(t: torch.Tensor) -> list[tuple[int, int]]:
+    """The storage intervals ``[start, end)`` a strided view covers (one per contiguous run)."""
+    if t.numel() == 0:
+        return []
+    if t.is_contiguous():
+        return [(t.storage_offset(), t.storage_offset() + t.numel())]
+    shape, stride = list(t.shape), list(t.stride())
+    inner = shape[-1] if stride[-1] == 1 else 1
+    outer_shape, outer_stride = (shape[:-1], stride[:-1]) if stride[-1] == 1 else (shape, stride)
+    starts = torch.zeros((), dtype=torch.int64) + t.storage_offset()
+    for n, s in zip(outer_shape, outer_stride):
+        starts = (starts[..., None] + torch.arange(n, dtype=torch.int64) * s)
+    return [(int(a), int(a) + inner) for a in starts.reshape(-1).tolist()]
+
+
+def _region(view: torch.Tensor, whole: torch.Tensor) -> str:
+    """``view``'s place in ``whole`` as an index expression (``[3, 0:16, :]``) when it is a block of
+    it with ``whole``'s strides, else its element range."""
+    offset = view.storage_offset() - whole.storage_offset()
+    if whole.is_contiguous() and view.dim() <= whole.dim() and tuple(view.stride()) == tuple(whole.stride()[whole.dim() - view.dim():]):
+        start = [int(i) for i in torch.unravel_index(torch.tensor(offset), tuple(whole.shape))] if whole.numel() else []
+        sizes = [1] * (whole.dim() - view.dim()) + list(view.shape)
+        parts = []
+        for d, (a, n) in enumerate(zip(start, sizes)):
+            lead = d < whole.dim() - view.dim()
+            parts.append(str(a) if lead else ":" if n == whole.shape[d] else f"{a}:{a + n}")
+        return "[" + ", ".join(parts) + "]"
+    return f"[elements {offset}..{offset + view.numel() - 1}]"
 
 
 def parameter_storages(model: nn.Module) -> dict[str, tuple]:
@@ -173,20 +216,42 @@ def loader_coverage(
     for name, p in model.named_parameters(remove_duplicate=False):
         params.setdefault(id(p), (p, []))[1].append(name)
 
-    def record(names: list[str], key: str, how: str, rows=None) -> None:
+    def record(names: list[str], key: str, how: str, rows=None, region=None) -> None:
         label = " = ".join(names)
         cov.consumed.setdefault(key, []).append(label)
         for n in names:
-            cov.sources.setdefault(n, []).append(Source(names[0], key, how, rows))
+            cov.sources.setdefault(n, []).append(Source(names[0], key, how, rows, region))
+
+    # checkpoint tensors by the storage they live in, for parameters that are views of part of one
+    by_ptr: dict[tuple, list[str]] = {}
+    for st, keys in sources.items():
+        by_ptr.setdefault(st[:2], []).append(keys[0])
+
+    def owner(st: tuple, t: torch.Tensor | None = None) -> str | None:
+        """The checkpoint key whose tensor holds storage tuple ``st``: ``t`` a view of a proper part of it
+        (a whole tensor in another layout, a transpose, is judged by value below)."""
+        for key in by_ptr.get(st[:2], []):
+            whole = state_dict[key]
+            lo, hi = _span(whole)
+            part = t is not None and lo <= _span(t)[0] and _span(t)[1] <= hi and t.dtype == whole.dtype
+            # all of it in the same element order (one expert of one, a reshape) is a part too; not a transpose
+            if t is None or part and (t.numel() < whole.numel() or t.is_contiguous() and whole.is_contiguous()):
+                return key
+        return None
+
+    sliced: dict[str, list[tuple[list[tuple[int, int]], str]]] = {}
 
     unexplained = []
     set_aside: set[str] = set()  # checkpoint keys whose parameter was replaced after loading
     for p, names in params.values():
         label = " = ".join(names)
-        was = [built[n] for n in names if built and n in built and built[n] != _storage(p.data) and built[n] in sources]
+        was = [
+            built[n] for n in names
+            if built and n in built and built[n] != _storage(p.data) and (built[n] in sources or owner(built[n]) is not None)
+        ]
         if was:
-            before = sources[was[0]]
-            now = sources.get(_storage(p.data))
+            before = sources.get(was[0]) or [owner(was[0])]
+            now = sources.get(_storage(p.data)) or ([owner(_storage(p.data), p.data)] if owner(_storage(p.data), p.data) else None)
             holds = f"now shares {now[0]}" if now else "now a tensor of its own"
             cov.replaced.append(f"{label} (held {before[0]}; {holds})")
             set_aside.update(before)
@@ -195,6 +260,11 @@ def loader_coverage(
         if keys:
             for key in keys:
                 record(names, key, SHARED)
+            continue
+        key = owner(_storage(p.data), p.data) if not p.is_meta else None
+        if key is not None:  # a view of part of a fused checkpoint tensor
+            record(names, key, SLICE, region=_region(p.data, state_dict[key]))
+            sliced.setdefault(key, []).append((_runs(p.data), label))
             continue
         if p.is_meta:
             cov.unwritten.append(f"{label} (never written: still on the meta device)")
@@ -233,8 +303,18 @@ def loader_coverage(
         if not used:
             cov.unused.extend(k for k in storage_keys if not (tied_keys and k in tied_keys))
     for key, targets in cov.consumed.items():
-        if len(targets) > 1:
+        whole = len(targets) - len(sliced.get(key, []))
+        if key in sliced and whole:
+            cov.gaps.append(f"{key} consumed whole and in {len(sliced[key])} parts: {', '.join(targets[:4])}")
+        elif whole > 1:
             cov.gaps.append(f"{key} consumed {len(targets)} times: {', '.join(targets)}")
+    for key, parts in sliced.items():
+        if key in set_aside:
+            continue
+        cov.gaps += _slice_gaps(key, state_dict[key], parts)
+        labels = [label for _, label in parts]
+        shown = labels[0] if len(labels) == 1 else f"{labels[0]} .. {labels[-1]}"
+        cov.conversions.append(f"{key}: split into {len(labels)} view{'s' if len(labels) != 1 else ''} ({shown})")
 
     def consumers(key: str) -> list[str]:
         aliases = sources.get(_storage(state_dict[key]), [key]) if key in state_dict else []
@@ -256,6 +336,27 @@ def loader_coverage(
     if cov.unwritten:
         cov.gaps.append(f"parameters of ours holding no checkpoint tensor: {_summary(cov.unwritten)}")
     return cov
+
+
+def _slice_gaps(key: str, whole: torch.Tensor, parts: list[tuple[list[tuple[int, int]], str]]) -> list[str]:
+    """Every element of a fused checkpoint tensor in exactly one parameter: overlaps and holes, one line each."""
+    runs = sorted((a, b, label) for intervals, label in parts for a, b in intervals)
+    lo, hi = _span(whole)
+    gaps, reach, last = [], lo, None
+    holes = overlaps = 0
+    for a, b, label in runs:
+        if a < reach:
+            overlaps += 1
+            if overlaps == 1:
+                gaps.append(f"{key}: elements {a - lo}..{min(b, reach) - lo - 1} land in two parameters ({last}, {label})")
+        elif a > reach:
+            holes += a - reach
+        if b > reach:
+            reach, last = b, label
+    holes += max(0, hi - reach)
+    if holes:
+        gaps.append(f"{key}: {holes} of {whole.numel()} elements land in no parameter of ours")
+    return gaps
 
 
 def _summary(items: list[str], n: int = 6) -> str:

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 import torch
 
 from .analysis import HEAD_MAJOR, HEAD_MERGED
-from .compare import MISSING, NONFINITE, SHAPE, NodeResult
+from .compare import CHOICE, MISSING, NONFINITE, SHAPE, NodeResult, choice_margins
 from .facts import ArchFacts
 from .hints import Hint
+from .pair import NodeSpec
 from .trace import Trace
 
 #: relative residual below which an explanation "reproduces" a tensor
@@ -73,21 +74,97 @@ def _fmt_list(xs, n=6) -> str:
 # --- exact matches with something else ---------------------------------------------------------
 
 
+def _reads_stream(kind: str) -> bool:
+    """A node that is a point of the residual stream: a module's input, or a layer's output."""
+    return "@input" in kind or kind == "layer"
+
+
 def sibling_match(e: Evidence) -> Hint | None:
-    """Ours reproduces another reference node of the same layer (gate vs up, k vs v)."""
+    """Ours reproduces another reference node of the same layer (gate vs up, k vs v); for a branch's
+    input, another point of the residual stream (the branch reads the stream at the wrong place)."""
     prefix = e.name.rsplit(".", 1)[0]
     for name, tensor in e.ref_trace.tensors.items():
-        if name != e.name and name.startswith(prefix) and tensor.shape == e.ours.shape and e.close(e.ours, tensor):
+        if name == e.name or not name.startswith(prefix) or tensor.shape != e.ours.shape:
+            continue
+        layer, kind = e.facts.locate(name)
+        if e.result.layer is not None and layer != e.result.layer:
+            continue  # another layer's node: see other_layer
+        if not e.close(e.ours, tensor):
+            continue
+        if _reads_stream(e.kind) and _reads_stream(kind):
             return Hint(
-                "swapped_weights",
-                f"likely swapped or misassigned weights: ours matches the reference's {name} instead",
+                "block_layout",
+                f"likely the block layout: the {e.kind} of ours is the reference's {name}, another point of the "
+                "residual stream (this branch reads the stream before or after the wrong sub-layer)",
                 {"matches": name},
             )
+        return Hint(
+            "swapped_weights",
+            f"likely swapped or misassigned weights: ours matches the reference's {name} instead",
+            {"matches": name},
+        )
+    return None
+
+
+def _same_kind_elsewhere(e: Evidence) -> list[tuple[int, str, torch.Tensor]]:
+    """``(layer, name, tensor)`` of the reference's nodes of this node's kind in every other layer."""
+    out = []
+    for name, tensor in e.ref_trace.tensors.items():
+        layer, kind = e.facts.locate(name)
+        if kind == e.kind and layer is not None and layer != e.result.layer and tensor.shape == e.ours.shape:
+            out.append((layer, name, tensor))
+    return out
+
+
+def kv_sharing(e: Evidence) -> Hint | None:
+    """The keys of a layer that reads another layer's keys and values (cross-layer KV sharing): ours
+    are some other layer's, or computed here."""
+    layer = e.facts.layer(e.result.layer)
+    if e.kind != "k_rot" or layer is None or layer.kv_source is None:
+        return None
+    own = [(i, name, t) for i, name, t in _same_kind_elsewhere(e) if e.facts.layer(i).kv_source is None]
+    match = next(((i, name) for i, name, t in own if i != layer.kv_source and e.close(e.ours, t)), None)
+    source = f"layer {layer.index} reads the keys and values of layer {layer.kv_source} in the reference (KV sharing)"
+    if match is not None:
+        return Hint("kv_sharing", f"likely the wrong layer's keys: {source}; ours are layer {match[0]}'s ({match[1]})",
+                    {"reference_source": layer.kv_source, "ours_source": match[0]})
+    return Hint("kv_sharing", f"likely KV sharing not applied: {source}; ours equal no layer's keys (computed here, "
+                "e.g. by projecting this layer's own input)", {"reference_source": layer.kv_source, "ours_source": None})
+
+
+def other_layer(e: Evidence) -> Hint | None:
+    """Ours equals the reference's node of the same kind in another layer (a per-layer input, weight
+    or cache slot taken from the wrong layer)."""
+    for layer, name, tensor in _same_kind_elsewhere(e):
+        if e.close(e.ours, tensor):
+            return Hint("layer_offset", f"likely a per-layer tensor from the wrong layer: ours equals the reference's "
+                        f"{name} (layer {layer}, not {e.result.layer})", {"matches": name, "layer": layer})
+    return None
+
+
+def soft_capping(e: Evidence) -> Hint | None:
+    """The logits of one side are the other's soft-capped, ``cap * tanh(x / cap)``: the final soft-cap
+    missing in ours, or applied where the reference applies none (or twice)."""
+    cap = e.facts.final_softcap
+    if e.kind != "logits" or not cap:
+        return None
+    a, b = e.ours.double(), e.ref.double()
+    tol = max(EXPLAINS, 4 * torch.finfo(e.ref.dtype).eps)
+    if _rel(b, cap * torch.tanh(a / cap)) < tol:
+        return Hint("softcap", f"likely the final logit soft-cap is missing: the reference's logits are ours "
+                    f"soft-capped, {cap:g} * tanh(x / {cap:g})", {"cap": cap, "ours": "uncapped"})
+    if _rel(a, cap * torch.tanh(b / cap)) < tol:
+        return Hint("softcap", f"likely an extra soft-cap: ours are the reference's logits soft-capped again, "
+                    f"{cap:g} * tanh(x / {cap:g})", {"cap": cap, "ours": "capped twice"})
     return None
 
 
 def transposed_weight(e: Evidence) -> Hint | None:
-    """A linear node whose output equals the reference's input times the transposed weight."""
+    """A linear node whose output equals the reference's input times the transposed weight.
+
+    The reference's weight may be stored ``(out, in)`` (``nn.Linear``: ``x W^T``) or ``(in, out)``
+    (Transformers' ``Conv1D``, GPT-2: ``x W``); of the two products, the one that reproduces the
+    reference's own output is its layout, and ours matching the other is a transposed load."""
     x = e.ref_trace.inputs.get(e.name)
     weight = e.ref_trace.weights.get(e.name)
     if x is None or weight is None or weight.dim() != 2 or weight.shape[0] != weight.shape[1]:
@@ -95,18 +172,48 @@ def transposed_weight(e: Evidence) -> Hint | None:
     xs = e.ours_trace.inputs.get(e.name)
     if xs is None or not e.close(xs, x):
         return None  # the input already differs: not this node's own fault
-    y = torch.nn.functional.linear(x.double(), weight.double().T)
     bias = e.ref_trace.biases.get(e.name)
-    if bias is not None:
-        y = y + bias.double()
-    if _rel(e.ours, y) < EXPLAINS:
-        return Hint(
-            "transposed_weight",
-            f"likely a transposed weight: ours equals the reference's input times the transposed {e.kind} "
-            f"weight (a Conv1D-style or transposed load; residual {_rel(e.ours, y):.1e})",
-            {"residual": _rel(e.ours, y)},
-        )
+    for w in (weight.double().T, weight.double()):
+        y = torch.nn.functional.linear(x.double(), w)
+        if bias is not None:
+            y = y + bias.double()
+        if _rel(e.ref, y) < EXPLAINS:
+            continue  # the reference's own layout
+        if _rel(e.ours, y) < EXPLAINS:
+            return Hint(
+                "transposed_weight",
+                f"likely a transposed weight: ours equals the reference's input times the transposed {e.kind} "
+                f"weight (a Conv1D-style or transposed load; residual {_rel(e.ours, y):.1e})",
+                {"residual": _rel(e.ours, y)},
+            )
     return None
+
+
+def tap_layout(e: Evidence) -> Hint | None:
+    """Ours is the reference with the heads and positions axes swapped: a tap whose sequence length
+    equals its head count, read in the other layout (the shape cannot tell them apart)."""
+    if e.kind not in ("q_rot", "k_rot", "context") or e.ours is None or e.ours.shape != e.ref.shape:
+        return None
+    ours = e.ours
+    if e.kind == "context" and ours.dim() == 3:
+        layer = e.facts.layer(e.result.layer)
+        head_dim = layer.head_dim if layer is not None else e.facts.head_dim
+        if not head_dim or ours.shape[-1] % head_dim or ours.shape[-1] // head_dim != ours.shape[1]:
+            return None
+        swapped = ours.unflatten(-1, (-1, head_dim)).transpose(1, 2).flatten(-2)
+    elif ours.dim() == 4 and ours.shape[1] == ours.shape[2] > 1:
+        swapped = ours.transpose(1, 2)
+    else:
+        return None
+    if not e.close(swapped, e.ref):
+        return None
+    return Hint(
+        "tap_layout",
+        f"ours equals the reference with heads and positions swapped: with seq_len = {ours.shape[1]} heads the "
+        f"shape cannot tell (batch, seq, heads, head_dim) from (batch, heads, seq, head_dim); declare it, "
+        f"parity.tap(tensor, {e.kind!r}, layout='bshd') or layout='bhsd', or check at another seq_len",
+        {"seq_len": int(ours.shape[1])},
+    )
 
 
 def _heads(t: torch.Tensor, kind: str, head_dim: int | None) -> torch.Tensor | None:
@@ -129,10 +236,12 @@ def head_mapping(e: Evidence) -> Hint | None:
     moved = {i: j for i in range(n) if i not in same for j in range(n) if j != i and e.close(a[i], b[j])}
     if not moved and (not same or len(same) == n):
         return None  # no head equals another: nothing here says "mapping"
-    gqa = e.facts.num_kv_heads != e.facts.num_heads
+    # K/V heads meet the query heads from the scores on: a head mix-up before that is not GQA's
+    gqa = e.facts.num_kv_heads != e.facts.num_heads and e.kind in ("scores", "probs", "context")
     cause = (
         "GQA head mapping (K/V heads expanded with repeat instead of repeat_interleave, or grouped wrongly)"
-        if gqa else "a head permutation in the weights or the head split"
+        if gqa else "a head permutation in the weights or the head split (a fused projection cut in flat halves "
+        "instead of per head)"
     )
     parts = [f"heads {_fmt_list(same)} agree" if same else "no head agrees in place"]
     if moved:
@@ -166,8 +275,9 @@ def last_dim_permutation(e: Evidence) -> Hint | None:
         crossing = sum(1 for j, k in enumerate(perm) if j // head_dim != k // head_dim)
         evidence["crosses_heads"] = crossing
         within = (
-            "; every element stays in its head (a permutation within heads, as a RoPE un-permute with the "
-            "wrong head count gives)" if crossing == 0 else f"; {crossing} positions cross head boundaries"
+            "; every element stays in its head (a permutation within heads: RoPE rows in Meta's interleaved "
+            "layout, not un-permuted or un-permuted with the wrong head count)"
+            if crossing == 0 else f"; {crossing} positions cross head boundaries"
         )
     return Hint(
         "weight_permutation",
@@ -205,6 +315,50 @@ def rounding_order(e: Evidence) -> Hint | None:
     )
 
 
+def _activations() -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """Activations a port may use instead of the reference's, by Transformers name, computed as the
+    references compute them (in the tensor's own dtype)."""
+    F = torch.nn.functional
+
+    def gelu_new(x):
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+    return {
+        "gelu (exact, erf)": F.gelu,
+        "gelu_new (tanh approximation, op by op)": gelu_new,
+        "gelu_pytorch_tanh (torch's fused tanh approximation)": lambda x: F.gelu(x, approximate="tanh"),
+        "silu": F.silu,
+        "relu": F.relu,
+        "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+    }
+
+
+def activation_function(e: Evidence) -> Hint | None:
+    """Ours equals an earlier reference node of the same layer and shape (the pre-activation, e.g.
+    GPT-2's ``c_fc`` output) through another activation than the reference's: exact vs tanh GELU,
+    SiLU for GELU."""
+    if e.result.layer is None:
+        return None
+    acts = _activations()
+    for name, pre in e.ref_trace.tensors.items():
+        if name == e.name:
+            break  # only nodes the reference computed before this one
+        if pre.shape != e.ref.shape or not pre.is_floating_point() or e.facts.locate(name)[0] != e.result.layer:
+            continue
+        values = {label: fn(pre) for label, fn in acts.items()}
+        ours_is = next((label for label, y in values.items() if e.close(e.ours, y) and not e.close(e.ref, y)), None)
+        if ours_is is None:
+            continue
+        ref_is = next((label for label, y in values.items() if e.close(e.ref, y)), None)
+        theirs = f"the reference {ref_is}" if ref_is else "the reference another function"
+        return Hint(
+            "activation",
+            f"likely the activation function: ours equals {ours_is} of the reference's {name}, {theirs}",
+            {"ours": ours_is, "reference": ref_is, "input": name},
+        )
+    return None
+
+
 def _ms(x: torch.Tensor, centered: bool) -> torch.Tensor:
     x = x.double()
     if centered:
@@ -212,15 +366,23 @@ def _ms(x: torch.Tensor, centered: bool) -> torch.Tensor:
     return x.pow(2).mean(-1)
 
 
+def _is_norm(kind: str) -> bool:
+    """A norm node's kind: ``*norm*`` (Llama, OLMo, Gemma...) or GPT-2's ``ln_1``, ``ln_2``, ``ln_f``."""
+    return "norm" in kind or kind.startswith("ln_")
+
+
 def norm_eps(e: Evidence) -> Hint | None:
     """A norm whose inputs agree, and whose ours/ref ratio is constant over channels but varies per
     token with the token's mean square: another eps (or eps outside the square root)."""
-    if "norm" not in e.kind or e.name not in e.ref_trace.inputs or e.name not in e.ours_trace.inputs:
+    if not _is_norm(e.kind) or e.name not in e.ref_trace.inputs or e.name not in e.ours_trace.inputs:
         return None
     x_ref, x_ours = e.ref_trace.inputs[e.name], e.ours_trace.inputs[e.name]
     if x_ref.shape != e.ref.shape or not e.close(x_ours, x_ref):
         return None
     a, b = e.ours.double().flatten(0, -2), e.ref.double().flatten(0, -2)
+    shift = e.ref_trace.biases.get(e.name)  # a LayerNorm's bias: the ratio holds for w * x_hat alone
+    if shift is not None and shift.shape == a.shape[-1:]:
+        a, b = a - shift.double(), b - shift.double()
     keep = b.abs() > 1e-3 * b.abs().amax(-1, keepdim=True)
     ratio = torch.where(keep, a / b.where(keep, torch.ones_like(b)), torch.nan)
     r = ratio.nanmean(-1)
@@ -343,6 +505,137 @@ def constant_ratio(e: Evidence) -> Hint | None:
     )
 
 
+def row_scale(e: Evidence) -> Hint | None:
+    """ours / reference is one factor per row (the last axis: a token's or a head's vector), another
+    factor for other rows: a per-vector normalisation (L2, RMS) that one side applies and the other
+    does not, e.g. a missing L2 norm of q or k before linear attention."""
+    a, b = e.ours.double().flatten(0, -2), e.ref.double().flatten(0, -2)
+    if a.shape[0] < 2 or a.shape[-1] < 2:
+        return None
+    keep = b.abs() > 1e-3 * b.abs().amax(-1, keepdim=True)
+    ratio = torch.where(keep, a / b.where(keep, torch.ones_like(b)), torch.nan)
+    r = ratio.nanmean(-1)
+    rows = (keep.sum(-1) >= 2) & torch.isfinite(r) & (r != 0)
+    if int(rows.sum()) < 2:
+        return None
+    spread = ((ratio[rows] - r[rows, None]).abs().nan_to_num(0.0).amax(-1) / r[rows].abs()).max()
+    factors = r[rows]
+    if float(spread) > 1e-3 or float(factors.max() / factors.min()) < 1.01 or bool((factors < 0).any()):
+        return None  # not one factor per row, or the same factor everywhere (a scale)
+    if _rel(b[rows] * factors[:, None], a[rows]) > EXPLAINS:
+        return None  # the factors miss what ours holds where the reference is ~0 (a key the window adds)
+    evidence: dict = {"row_factors": factors[:8].tolist()}
+    cause = "a per-vector normalisation applied on one side only"
+    for label, size in (("unit L2 length", a[rows].norm(dim=-1)), ("unit RMS", a[rows].pow(2).mean(-1).sqrt())):
+        ref_size = size / factors
+        ours_unit, ref_unit = bool(((size - 1).abs() < 1e-3).all()), bool(((ref_size - 1).abs() < 1e-3).all())
+        if ref_unit != ours_unit:
+            side = ("the reference's rows have" if ref_unit else "ours have")
+            cause = f"{side} {label}, the other side's do not: a missing {'L2' if 'L2' in label else 'RMS'} normalisation"
+            evidence["unit"] = {"reference" if ref_unit else "ours": label}
+            break
+    return Hint(
+        "row_scale",
+        f"likely {cause}: ours / reference is one factor per row (along the last axis), a different one for each "
+        f"row ({_fmt_list(f'{v:.4g}' for v in factors[:4].tolist())})",
+        evidence,
+    )
+
+
+def row_normalisation(e: Evidence) -> Hint | None:
+    """ours / reference is one factor per row (over the last axis), different across rows, and one
+    side's rows sum to 1: a normalisation over the last axis on one side only (top-k routing weights
+    renormalised, or not, against ``norm_topk_prob``)."""
+    if e.ours.dim() < 2 or e.ours.shape[-1] < 2 or not e.ref.is_floating_point():
+        return None
+    a, b = e.ours.double().flatten(0, -2), e.ref.double().flatten(0, -2)
+    if a.shape[0] < 2 or bool((b.abs() < 1e-12).any()):
+        return None
+    ratio = a / b
+    per_row = ratio.mean(-1)
+    if float((ratio.std(-1) / per_row.abs()).max()) > 1e-3 or float(per_row.std() / per_row.abs().mean()) < 1e-3:
+        return None  # not one factor per row, or one factor everywhere (constant_ratio's case)
+    tol = max(1e-3, 4 * float(torch.finfo(e.ref.dtype).eps))
+    ours_one, ref_one = bool(((a.sum(-1) - 1).abs() < tol).all()), bool(((b.sum(-1) - 1).abs() < tol).all())
+    if ours_one == ref_one:
+        return None
+    side, other = ("ours", "the reference") if ours_one else ("the reference", "ours")
+    return Hint(
+        "renormalisation",
+        f"likely a normalisation over the last axis on one side only: {side} sums to 1 in every row, {other} does "
+        f"not, and ours / reference is one factor per row ({float(per_row.min()):.4g}..{float(per_row.max()):.4g}); "
+        "for top-k routing weights: renormalised over the chosen experts where the config says not, or the reverse "
+        "(norm_topk_prob)",
+        {"ours_sums_to_one": ours_one, "reference_sums_to_one": ref_one,
+         "ratio_min": float(per_row.min()), "ratio_max": float(per_row.max())},
+    )
+
+
+def expert_weights(e: Evidence) -> Hint | None:
+    """One expert's output explained by the reference's experts under another weight assignment:
+    another expert's weights (experts indexed in another order), or this expert with its fused gate
+    and up halves swapped."""
+    record = e.ref_trace.extras.get(e.name)
+    if record is None or not hasattr(record, "output") or len(record.rows) == 0:
+        return None
+    ours = e.ours.double()[record.rows]
+    if not bool(torch.isfinite(ours).all()):
+        return None
+    halves = record.output(record.index, swap_halves=True)
+    if halves is None:
+        return None
+    if _rel(ours, halves) < EXPLAINS:
+        return Hint(
+            "swapped_weights",
+            f"likely the fused gate/up projection split the wrong way round: ours equals the reference's expert "
+            f"{record.index} with its gate and up halves swapped (residual {_rel(ours, halves):.1e})",
+            {"expert": record.index, "residual": _rel(ours, halves)},
+        )
+    for j in range(record.num_experts):
+        if j == record.index:
+            continue
+        other = record.output(j)
+        if other is not None and _rel(ours, other) < EXPLAINS:
+            return Hint(
+                "expert_mapping",
+                f"likely experts indexed in another order: ours' expert {record.index} computes with the reference's "
+                f"expert {j} weights on its {len(record.rows)} token{'s' if len(record.rows) != 1 else ''} "
+                f"(residual {_rel(ours, other):.1e})",
+                {"expert": record.index, "matches": j, "tokens": len(record.rows)},
+            )
+    return None
+
+
+def choice(e: Evidence, spec: NodeSpec | None) -> Hint:
+    """A different choice at an integer node (top-k experts): where, whether it is the same set in
+    another order, and how near a tie the reference's scores were there."""
+    scores = e.ref_trace.tensors.get(spec.chosen_from) if spec is not None and spec.chosen_from else None
+    found = choice_margins(e.ours, e.ref, scores)
+    rows = found["rows"]
+    where = f"rows {_fmt_list(rows, 8)}"
+    if e.positions is not None and e.positions.numel() == found["total"]:
+        batch, seq = e.positions.shape
+        where = "tokens " + _fmt_list([f"(row {r // seq}, position {r % seq})" for r in rows], 6)
+    evidence: dict = {"rows": rows[:64], "same_set": found["same_set"][:64]}
+    if found["same_set"] and len(found["same_set"]) == len(rows):
+        return Hint("routing", f"likely the same experts chosen in another order (top-k sorted differently) at {where}; "
+                    "the combined output is unaffected unless the order is used", evidence)
+    text = f"likely a different expert choice at {where} ({len(rows)} of {found['total']} tokens)"
+    margins = found["margins"]
+    if margins:
+        evidence["margins"] = margins[:64]
+        s = scores.detach().double()
+        floor = 8 * float(torch.finfo(scores.dtype).eps) * float(s.abs().max()) if scores.is_floating_point() else 0.0
+        near = [m for m in margins if m <= floor]
+        if len(near) == len(margins):
+            text += (f": the reference's scores there are near-ties (margin {max(margins):.2g} between its last chosen and "
+                     f"first unchosen expert, within rounding): a numerical accident upstream decides, not a routing bug")
+        else:
+            text += (f": the reference's margin between its last chosen and first unchosen score there is "
+                     f"{min(margins):.3g}..{max(margins):.3g}, not a near-tie: the router scores or the top-k differ")
+    return Hint("routing", text, evidence)
+
+
 def channel_ratio(e: Evidence) -> Hint | None:
     """ours / reference constant over tokens for each channel, different across channels."""
     ours, ref = e.ours, e.ref
@@ -370,6 +663,31 @@ def channel_ratio(e: Evidence) -> Hint | None:
 # --- norms ---------------------------------------------------------------------------------------
 
 
+def norm_weight_offset(e: Evidence) -> Hint | None:
+    """A norm whose inputs agree and whose output is the reference's times ``(w + 1 - o) / (w + o)``
+    per channel, ``w`` the stored weight and ``o`` the reference's offset: ours multiplies by ``w``
+    where the reference multiplies by ``1 + w`` (Gemma 3), or the reverse (a Gemma 3 norm in Gemma 4)."""
+    if "norm" not in e.kind or e.name not in e.ref_trace.inputs or e.name not in e.ours_trace.inputs:
+        return None
+    w = e.ref_trace.weights.get(e.name)
+    x_ref, x_ours = e.ref_trace.inputs[e.name], e.ours_trace.inputs[e.name]
+    if w is None or w.dim() != 1 or w.shape[0] != e.ref.shape[-1] or not e.close(x_ours, x_ref):
+        return None
+    offset, w = e.facts.norm_weight_offset, w.double()
+    if bool(((w + offset).abs() < 1e-6).any()):
+        return None
+    predicted = e.ref.double() * (w + 1 - offset) / (w + offset)
+    if _rel(e.ours, predicted) >= max(EXPLAINS, 4 * torch.finfo(e.ref.dtype).eps):
+        return None
+    ours, ref = ("w", "1 + w") if offset == 1.0 else ("1 + w", "w")
+    return Hint(
+        "norm_weight_offset",
+        f"likely the norm weight offset: ours multiplies by {ours}, the reference by {ref} (ours / reference = "
+        f"({ours}) / ({ref}) per channel, constant over tokens, e.g. {_fmt_list(f'{v:.4g}' for v in ((w + 1 - offset) / (w + offset))[:4].tolist())})",
+        {"ours": ours, "reference": ref},
+    )
+
+
 def _normalisers(x: torch.Tensor, head_dim: int | None, eps: float = 0.0) -> dict[str, torch.Tensor]:
     """``x`` normalised each way a norm might (``eps``: the architecture's norm eps)."""
     x = x.double()
@@ -381,23 +699,31 @@ def _normalisers(x: torch.Tensor, head_dim: int | None, eps: float = 0.0) -> dic
     if head_dim and x.shape[-1] % head_dim == 0 and x.shape[-1] > head_dim:
         h = x.unflatten(-1, (-1, head_dim))
         out["RMSNorm per head"] = (h / (h.pow(2).mean(-1, keepdim=True) + eps).sqrt()).flatten(-2)
+    if head_dim and x.dim() >= 3 and x.shape[-1] == head_dim and x.shape[-2] > 1:  # (..., heads, head_dim)
+        out["RMSNorm over the whole projection"] = x / (x.pow(2).mean((-2, -1), keepdim=True) + eps).sqrt()
     return out
 
 
 def _explained_by(y: torch.Tensor, candidates: dict[str, torch.Tensor]) -> str | None:
-    """The candidate n with y ~= n * w for a per-channel w (least squares), if any."""
+    """The candidate n with y ~= n * w for a per-channel w (least squares), or y ~= n * w + b with a
+    per-channel bias too (a LayerNorm with bias, GPT-2), if any."""
     y = y.double().flatten(0, -2)
     for name, n in candidates.items():
         n = n.flatten(0, -2)
         w = (y * n).sum(0) / n.pow(2).sum(0).clamp_min(1e-30)
         if _rel(n * w, y) < EXPLAINS:
             return name
+        if n.shape[0] > 2:
+            nc, yc = n - n.mean(0), y - y.mean(0)
+            w = (yc * nc).sum(0) / nc.pow(2).sum(0).clamp_min(1e-30)
+            if _rel(nc * w, yc) < EXPLAINS:
+                return name
     return None
 
 
 def norm_kind(e: Evidence) -> Hint | None:
     """A norm node whose output is explained by another normaliser than the reference's."""
-    if "norm" not in e.kind or e.name not in e.ref_trace.inputs or e.name not in e.ours_trace.inputs:
+    if not _is_norm(e.kind) or e.name not in e.ref_trace.inputs or e.name not in e.ours_trace.inputs:
         return None
     x_ref, x_ours = e.ref_trace.inputs[e.name], e.ours_trace.inputs[e.name]
     if not e.close(x_ours, x_ref):
@@ -410,7 +736,7 @@ def norm_kind(e: Evidence) -> Hint | None:
     if "LayerNorm" in ref_is or "LayerNorm" in ours_is:
         means = x_ref.double().mean(-1).flatten()
         evidence = f"; the difference tracks each token's mean (input means {_fmt_list(f'{m:.3g}' for m in means[:4].tolist())}): mean subtraction"
-    if "per head" in ours_is or "per head" in ref_is:
+    if any(w in label for w in ("per head", "whole projection") for label in (ours_is, ref_is)):
         evidence = "; per-head vs whole-projection Q/K norm"
     return Hint("norm_kind", f"likely the wrong norm: ours behaves like {ours_is}, the reference like {ref_is}{evidence}",
                 {"ours": ours_is, "reference": ref_is})
@@ -454,7 +780,7 @@ def _residual_into(e: Evidence, layer: int) -> torch.Tensor | None:
 def block_layout(e: Evidence) -> Hint | None:
     """The MLP branch reads the residual after attention on one side and the layer's input on the
     other: a parallel block (``x + attn(N(x)) + mlp(N(x))``) run sequentially, or the reverse."""
-    if e.result.layer is None or not (e.kind.endswith("@input") or "norm" in e.kind):
+    if e.result.layer is None or not (e.kind.endswith("@input") or _is_norm(e.kind)):
         return None
     x, attn = _residual_into(e, e.result.layer), _layer_node(e, e.result.layer, "o_proj")
     if x is None or attn is None or x.shape != e.ref.shape or attn.shape != x.shape:
@@ -492,20 +818,67 @@ def _by_position(ours: torch.Tensor, ref: torch.Tensor, axis: int) -> torch.Tens
     return diff.reshape(diff.shape[0], -1).amax(dim=1)
 
 
+def position_table_offset(e: Evidence) -> Hint | None:
+    """A position embedding node (``wpe``, ``embed_positions``) where ours at position ``p`` equals the
+    reference at ``p + k`` for every ``p`` both have (``k`` != 0): a learned position table indexed with
+    ``position + k``. Other nodes shifted along the sequence are :func:`sequence_shift`'s."""
+    axis = _seq_axis(e.kind)
+    if "pos" not in e.kind and e.kind != "wpe" or e.ours.dim() <= axis or e.ours.shape[axis] < 4:
+        return None
+    n = e.ours.shape[axis]
+    for k in (1, -1, 2, -2):
+        ours, ref = e.ours.narrow(axis, max(0, -k), n - abs(k)), e.ref.narrow(axis, max(0, k), n - abs(k))
+        if e.close(ours, ref):
+            sign = "+" if k > 0 else "-"
+            return Hint(
+                "position_offset",
+                f"likely positions off by {k}: ours at position p equals the reference at position p {sign} {abs(k)} "
+                f"(for p = {max(0, -k)}..{n - 1 - max(0, k)}; a position table or position ids shifted by {k})",
+                {"offset": k},
+            )
+    return None
+
+
 def _pre_rope(e: Evidence, n_heads: int) -> torch.Tensor | None:
-    """The reference's q (or k) before RoPE as (batch, heads, seq, head_dim), from the q_norm/q_proj node."""
+    """The reference's q (or k) before RoPE as (batch, heads, seq, head_dim), from the q_norm/q_proj node
+    (a per-head norm's output is ``(batch, seq, heads, head_dim)`` where Transformers normalises
+    before moving heads first, Qwen3 and Gemma 4, and ``(batch, heads, seq, head_dim)`` where it
+    normalises after, Gemma 3). When the sequence length equals the head count the shape cannot
+    tell: the layout that equals the reference's rotated tensor at position 0 (no rotation) wins."""
     stem = e.name.rsplit(".", 1)[0]
     letter = e.kind[0]
     head_dim = e.ref.shape[-1]
+    seq = e.ref.shape[2] if e.ref.dim() == 4 else None
     for kind in (f"{letter}_norm", f"{letter}_proj"):
         t = e.ref_trace.tensors.get(f"{stem}.{kind}")
         if t is None:
             continue
         if t.dim() == 3 and t.shape[-1] == n_heads * head_dim:
             return t.unflatten(-1, (n_heads, head_dim)).transpose(1, 2)
-        if t.dim() == 4 and t.shape[1] == n_heads:
-            return t
+        if t.dim() != 4:
+            continue
+        candidates = []
+        if t.shape[1:3] == (n_heads, seq):
+            candidates.append(t)
+        if t.shape[1:3] == (seq, n_heads):
+            candidates.append(t.transpose(1, 2))
+        if len(candidates) > 1 and e.positions is not None and e.positions.shape == (t.shape[0], seq):
+            start = e.positions == 0  # (batch, seq): tokens RoPE leaves as they are
+            if bool(start.any()):
+                at_start = [c for c in candidates if e.close(c.transpose(1, 2)[start], e.ref.transpose(1, 2)[start])]
+                candidates = at_start or candidates
+        if candidates:
+            return candidates[0]
     return None
+
+
+def _rotated_dims(e: Evidence, rotated: torch.Tensor, x: torch.Tensor) -> int:
+    """How many leading dims of each head ``rotated`` changes: the rest equal the unrotated ``x``
+    (partial rotary passes them through)."""
+    n = x.shape[-1]
+    while n > 0 and e.close(rotated[..., n - 1], x[..., n - 1]):
+        n -= 1
+    return n
 
 
 def _pairing(rotated: torch.Tensor, x: torch.Tensor) -> str | None:
@@ -582,6 +955,41 @@ def rope_fit(e: Evidence) -> Hint | None:
                 f"{layer.rope.theta:g})", evidence)
 
 
+def _unrotated_dims(t: torch.Tensor, x: torch.Tensor, moved: torch.Tensor) -> torch.Tensor:
+    """``(head_dim,)`` bool: the dims ``t`` leaves exactly as ``x`` at every token whose position is
+    past 0 (``moved``, ``(batch, seq)``)."""
+    a, b = t.transpose(1, 2)[moved], x.transpose(1, 2)[moved]  # (tokens, heads, head_dim)
+    return (a != b).sum(dim=(0, 1)) == 0
+
+
+def rope_partial(e: Evidence) -> Hint | None:
+    """Ours rotates other dims of each head than the reference: partial rotary over the whole head,
+    or over the first dims where the reference pairs ``(i, i + head_dim/2)`` (Gemma 4's
+    proportional RoPE), or the reverse. Dims with a zero frequency come through RoPE bit for bit."""
+    if e.kind not in ("q_rot", "k_rot") or e.ours.dim() != 4 or e.positions is None:
+        return None
+    x = _pre_rope(e, e.ours.shape[1])
+    moved = e.positions > 0
+    if x is None or x.shape != e.ours.shape or moved.shape != (e.ours.shape[0], e.ours.shape[2]) or not bool(moved.any()):
+        return None
+    ours_still, ref_still = _unrotated_dims(e.ours, x, moved), _unrotated_dims(e.ref, x, moved)
+    if torch.equal(ours_still, ref_still) or bool(ref_still.all()) or bool(ours_still.all()):  # no RoPE: rope_pattern
+        return None
+    d = e.ours.shape[-1]
+
+    def rotated(still: torch.Tensor) -> str:
+        dims = (~still).nonzero().flatten().tolist()
+        return f"{len(dims)} of {d} dims ({_fmt_list(dims, 8)})" if dims else "no dims"
+
+    return Hint(
+        "rope_partial",
+        f"likely partial rotary: the reference rotates {rotated(ref_still)} of each head and leaves the rest as they "
+        f"are, ours rotates {rotated(ours_still)} (how many dims rotate, and which pairs: (i, i + d/2) over the whole "
+        "head, or within the first dims)",
+        {"reference_rotated": (~ref_still).nonzero().flatten().tolist(), "ours_rotated": (~ours_still).nonzero().flatten().tolist()},
+    )
+
+
 def rope_pattern(e: Evidence) -> Hint | None:
     """Position 0 agrees and the error grows with position: RoPE (frequencies, scaling, pairing, offset)."""
     ours, ref = e.ours, e.ref
@@ -606,6 +1014,18 @@ def rope_pattern(e: Evidence) -> Hint | None:
                         evidence)
         if e.close(ours, x):
             return Hint("rope_missing", f"likely a missing RoPE: ours applies no rotation here, the reference does; {numbers}", evidence)
+        ours_dims, ref_dims = _rotated_dims(e, ours, x), _rotated_dims(e, ref, x)
+        here = e.facts.layer(e.result.layer)
+        declared = here.rope.rotary_dim if here is not None and here.rope is not None else None
+        if ours_dims != ref_dims and ref_dims == declared:
+            d = ours.shape[-1]
+            return Hint(
+                "rope_partial",
+                f"likely the rotary share of each head (partial_rotary_factor): ours rotates its first {ours_dims} of "
+                f"{d} dims ({ours_dims / d:g}), the reference its first {ref_dims} ({ref_dims / d:g}) and passes the "
+                f"rest through; {numbers}",
+                {**evidence, "ours_rotated_dims": ours_dims, "reference_rotated_dims": ref_dims},
+            )
         ours_pairs, ref_pairs = _pairing(ours, x), _pairing(ref, x)
         if ours_pairs and ref_pairs and ours_pairs != ref_pairs:
             return Hint("rope_pairing", f"likely RoPE pairing layout: ours rotates {ours_pairs} pairs, the reference {ref_pairs}; {numbers}",
@@ -677,12 +1097,33 @@ def _window_of(probs: torch.Tensor, valid: torch.Tensor | None) -> int | None:
     return None if bool(full) else int(span.amax())
 
 
+def future_keys(e: Evidence) -> Hint | None:
+    """Ours gives weight to keys the reference masks, later than the last key the reference lets each
+    query see: the causal mask lets a query see the future (a decode-time mask off by one, a chunk
+    attending to all of itself)."""
+    if e.kind != "probs" or e.ours.dim() != 4:
+        return None
+    seen_ref, seen_ours = e.ref.abs() > 0, e.ours.abs() > 0
+    keys = torch.arange(e.ref.shape[-1])
+    last = torch.where(seen_ref, keys, torch.full_like(keys, -1)).amax(-1, keepdim=True)  # per query row
+    future = seen_ours & ~seen_ref & (keys > last)
+    if not bool(future.any()):
+        return None
+    rows = future.any(-1).flatten(0, 1).any(0).nonzero().flatten().tolist()
+    return Hint(
+        "causal_mask",
+        f"likely the causal mask: ours gives weight to keys after the last one the reference lets a query see "
+        f"({int(future.sum())} entries; queries {_fmt_list(rows)}), so a query reads the future",
+        {"entries": int(future.sum()), "queries": rows[:32]},
+    )
+
+
 def window_pattern(e: Evidence) -> Hint | None:
     """Only the query positions from some point up to the window on differ: the first position
     that can see a key the window decides about (the smaller of ours' and the reference's window)."""
     if e.kind not in ("probs", "context", "scores"):
         return None
-    if e.kind == "probs" and e.ours.dim() == 4:
+    if e.kind == "probs" and e.ours.dim() == 4 and e.ours.shape[-1] == e.ours.shape[-2]:
         ours_w, ref_w = _window_of(e.ours, e.attention_mask), _window_of(e.ref, e.attention_mask)
         if ours_w != ref_w:
             show = lambda w: "full causal attention" if w is None else f"a window of {w}"  # noqa: E731
@@ -709,6 +1150,117 @@ def window_pattern(e: Evidence) -> Hint | None:
             {"window": mine, "first_bad_position": bad[0]},
         )
     return None
+
+
+def _positions_axis(e: Evidence) -> int | None:
+    """The sequence axis of the failing node when its layout is ``(batch, seq, ...)`` or ``(batch,
+    heads, seq, ...)`` for this run's tokens; None for nodes without one (a recurrent state)."""
+    if e.positions is None:
+        return None
+    axis = _seq_axis(e.kind)
+    batch, seq = e.positions.shape
+    return axis if e.ours.dim() > axis and e.ours.shape[0] == batch and e.ours.shape[axis] == seq else None
+
+
+def sequence_shift(e: Evidence) -> Hint | None:
+    """Ours at position ``t`` holds the reference's value at ``t + d`` (``d != 0``) wherever both
+    exist: a causal convolution padded on the wrong side (it reads the future), a token shift, an
+    off-by-one in the sequence."""
+    axis = _positions_axis(e)
+    if axis is None or e.ours.shape[axis] < 3:
+        return None
+    ours, ref = e.ours.movedim(axis, 0), e.ref.movedim(axis, 0)
+    seq = ours.shape[0]
+    for d in sorted((d for d in range(-min(8, seq - 2), min(8, seq - 2) + 1) if d), key=lambda d: (abs(d), d < 0)):
+        mine, theirs = ours[max(0, -d): seq - max(0, d)], ref[max(0, d): seq + min(0, d)]
+        if e.close(mine, theirs):
+            later = f"{d} position{'s' if abs(d) > 1 else ''} later" if d > 0 else f"{-d} position{'s' if -d > 1 else ''} earlier"
+            return Hint(
+                "sequence_shift",
+                f"likely a shift along the sequence: ours at each position equals the reference {later} (on the "
+                f"{mine.shape[0]} of {seq} positions both have); a causal convolution padded on the wrong side reads "
+                "the future, or a token shift / position off by one",
+                {"shift": d, "positions": int(mine.shape[0])},
+            )
+    return None
+
+
+def chunk_boundary(e: Evidence) -> Hint | None:
+    """Positions before a chunk boundary agree, the first differing one starts a chunk: the state a
+    chunked linear-attention recurrence carries from one chunk to the next (``facts.chunk_size``)."""
+    chunk, axis = e.facts.chunk_size, _positions_axis(e)
+    if not chunk or axis is None or e.ours.shape[axis] <= chunk:
+        return None
+    per_pos = _by_position(e.ours, e.ref, axis)
+    bad = (per_pos > e.noise).nonzero().flatten().tolist()
+    if not bad or bad[0] < chunk or bad[0] % chunk:
+        return None
+    return Hint(
+        "chunk_boundary",
+        f"likely the state carried between chunks: positions < {bad[0]} agree, positions {bad[0]}..{bad[-1]} differ "
+        f"(max error {float(per_pos.max()):.3g}); the linear-attention recurrence runs in chunks of {chunk} tokens "
+        f"and position {bad[0]} starts one (what the chunk before hands on: its state, its decay, its padding)",
+        {"chunk_size": chunk, "first_bad_position": bad[0]},
+    )
+
+
+#: element-wise functions a swapped activation may involve (applied in float64)
+_ELEMENTWISE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "sigmoid": torch.sigmoid,
+    "softplus": torch.nn.functional.softplus,
+    "silu": torch.nn.functional.silu,
+    "gelu": torch.nn.functional.gelu,
+    "gelu (tanh)": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
+    "relu": torch.relu,
+    "tanh": torch.tanh,
+    "exp": torch.exp,
+    "identity": lambda x: x,
+}
+
+
+def _elementwise_of(e: Evidence, y: torch.Tensor, x: torch.Tensor) -> str | None:
+    for name, fn in _ELEMENTWISE.items():
+        if e.close(y, fn(x.double())):
+            return name
+    return None
+
+
+def activation(e: Evidence) -> Hint | None:
+    """Ours is a monotone, non-affine function of the reference, value by value in each channel (the
+    last axis): the same pre-activation through another element-wise function (sigmoid vs softplus).
+    Both functions are named when an earlier node of the layer is the input of both."""
+    a, b = e.ours.double().flatten(0, -2), e.ref.double().flatten(0, -2)
+    if a.shape[0] < 8 or not bool(torch.isfinite(a).all() and torch.isfinite(b).all()):
+        return None
+    order = b.argsort(dim=0)
+    da, db = a.gather(0, order).diff(dim=0), b.gather(0, order).diff(dim=0)
+    tol = e.noise + 1e-6 * float(a.abs().max())
+    rising, falling = (da >= -tol).all(0), (da <= tol).all(0)
+    if not bool((rising | falling).all()) or bool((da.abs() > tol)[db == 0].any()):
+        return None  # not a function of the reference value, channel by channel
+    centred = b - b.mean(0)
+    slope = (centred * a).sum(0) / centred.pow(2).sum(0).clamp_min(1e-300)
+    affine = a.mean(0) + slope * centred
+    if _rel(affine, a) < 1e-3:
+        return None  # a scale or an offset per channel: not an activation
+    names = None
+    for name, x in e.ref_trace.tensors.items():
+        if name == e.name:
+            break
+        if x.shape == e.ref.shape and e.facts.locate(name)[0] == e.result.layer and name != e.name:
+            ref_fn, ours_fn = _elementwise_of(e, e.ref, x), _elementwise_of(e, e.ours, x)
+            if ref_fn and ours_fn and ref_fn != ours_fn:
+                names = (ours_fn, ref_fn, name)
+    if names:
+        ours_fn, ref_fn, source = names
+        return Hint("activation", f"likely the activation: ours applies {ours_fn} to {source}, the reference {ref_fn}",
+                    {"ours": ours_fn, "reference": ref_fn, "input": source})
+    return Hint(
+        "activation",
+        "likely an element-wise function (activation) that differs: in every channel ours is a monotone, non-linear "
+        "function of the reference's value (the same input through e.g. sigmoid vs softplus)",
+        {},
+    )
 
 
 def untied_head(e: Evidence) -> Hint | None:
@@ -745,30 +1297,46 @@ def nonfinite(e: Evidence) -> Hint:
 
 #: detectors tried in order on a node that has both tensors of one shape
 DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
+    tap_layout,
+    kv_sharing,
     sibling_match,
+    other_layer,
     untied_head,
     transposed_weight,
+    expert_weights,
     rounding_order,
+    activation_function,
+    soft_capping,
     norm_eps,
+    norm_weight_offset,
     norm_kind,
     block_layout,
     norm_placement,
     constant_ratio,
+    row_normalisation,
     last_dim_permutation,
+    position_table_offset,
     head_mapping,
+    sequence_shift,
     softmax_temperature,
+    future_keys,
     window_pattern,
+    chunk_boundary,
+    rope_partial,
     rope_fit,
     rope_pattern,
     channel_ratio,
+    row_scale,
+    activation,
 )
 
 
 def diagnose(result: NodeResult, ours_trace: Trace, ref_trace: Trace, facts: ArchFacts,
-             positions: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None) -> Hint | None:
+             positions: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+             spec: NodeSpec | None = None) -> Hint | None:
     """A likely cause for a failing node, with its evidence; None if no pattern is recognised.
     ``positions``: ``(batch, seq)`` token positions of the run and ``attention_mask`` its padding
-    (RoPE hints need them)."""
+    (RoPE hints need them); ``spec``: the node's NodeSpec (which scores a choice was made from)."""
     if result.status == MISSING:
         return Hint("missing", f"likely a node-map or tap problem: {result.detail}")
     if result.status == SHAPE:
@@ -777,7 +1345,9 @@ def diagnose(result: NodeResult, ours_trace: Trace, ref_trace: Trace, facts: Arc
                  facts, positions, attention_mask)
     if result.status == NONFINITE:
         return nonfinite(e)
-    if e.ours is None or e.ref is None or e.ours.shape != e.ref.shape:
+    if result.status == CHOICE:
+        return choice(e, spec)
+    if e.ours is None or e.ref is None or e.ours.shape != e.ref.shape or not e.ref.is_floating_point():
         return None
     for detect in DETECTORS:
         hint = detect(e)

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
-SLIDING, FULL = "sliding_attention", "full_attention"
+SLIDING, FULL, LINEAR = "sliding_attention", "full_attention", "linear_attention"
 
 
 @dataclass(frozen=True)
@@ -29,8 +29,9 @@ class RopeFacts:
 
     ``parameters``: the Transformers ``rope_parameters`` dict of that layer type (read-only).
     ``attention_factor``: the factor Transformers multiplies cos and sin by (1.0 unless YaRN or
-    LongRoPE say otherwise). ``rotary_dim``: how many dims of a head rotate (``head_dim *
-    partial_rotary_factor``). ``interleaved``: pairs ``(2i, 2i + 1)`` rotate together (RoFormer,
+    LongRoPE say otherwise). ``rotary_dim``: how many dims of a head the rotation spans (``head_dim *
+    partial_rotary_factor``; the whole head for "proportional" RoPE, whose zero frequencies leave
+    the pairs past the partial part unrotated). ``interleaved``: pairs ``(2i, 2i + 1)`` rotate together (RoFormer,
     Cohere) instead of ``(i, i + d/2)`` (GPT-NeoX, Llama).
     """
 
@@ -75,7 +76,13 @@ class _RopeConfig:
 @dataclass(frozen=True)
 class LayerFacts:
     """One decoder layer: its type, attention window (None = full causal), RoPE (None = no RoPE),
-    head_dim, KV heads and softmax scale (``scores = q k^T * attention_scale``)."""
+    head_dim, KV heads and softmax scale (``scores = q k^T * attention_scale``); a mixture-of-experts
+    feed-forward has ``num_experts`` routed experts of which each token uses ``experts_per_token``
+    (0 and 0: a dense feed-forward).
+
+    ``kv_source``: the index of the earlier layer whose keys and values this layer attends to
+    instead of computing its own (cross-layer KV sharing, Gemma 4 ``num_kv_shared_layers``); None
+    when it computes them. ``k_eq_v``: its values are its key projection (no value projection)."""
 
     index: int
     layer_type: str
@@ -84,6 +91,15 @@ class LayerFacts:
     head_dim: int
     num_kv_heads: int
     attention_scale: float
+    kv_source: int | None = None
+    k_eq_v: bool = False
+    num_experts: int = 0
+    experts_per_token: int = 0
+
+    @property
+    def sparse(self) -> bool:
+        """True when this layer's feed-forward is a mixture of experts."""
+        return self.num_experts > 0
 
 
 @dataclass(frozen=True)
@@ -97,7 +113,9 @@ class ArchFacts:
     ``cap * tanh(x / cap)``), ``embed_scale`` (Gemma multiplies embeddings by sqrt(hidden)).
     ``norm_kind`` is ``"rmsnorm"`` or ``"layernorm"``; ``norm_weight_offset`` is 1.0 where the norm
     multiplies by ``(1 + w)``. ``qk_norm``: None, ``"head"`` (per head, Qwen3/Gemma) or
-    ``"projection"`` (over the whole projection, OLMo 2/3).
+    ``"projection"`` (over the whole projection, OLMo 2/3). ``chunk_size``: linear-attention
+    layers run their recurrence over the sequence in chunks of this many tokens (None: no such
+    layers); only a sequence longer than one chunk exercises the state carried between chunks.
     """
 
     model_type: str
@@ -122,8 +140,12 @@ class ArchFacts:
     embed_scale: float | None = None
     tie_word_embeddings: bool = False
     max_position_embeddings: int | None = None
+    chunk_size: int | None = None
     #: named constants a constant ratio may equal (see :meth:`named_constants`)
     extra_constants: Mapping[str, float] = field(default_factory=dict)
+    #: named parts of the architecture beyond the fields above (Gemma 4: "per-layer inputs", "KV
+    #: sharing", "K = V", "double-wide MLP"): a node map's ``when`` and the gate's config coverage read them
+    features: frozenset[str] = frozenset()
 
     # --- per layer -----------------------------------------------------------------------------
 
@@ -221,10 +243,26 @@ def rule(*model_types: str):
 
 def _get(config, *names, default=None):
     for name in names:
-        value = getattr(config, name, None)
+        value = _attr(config, name)
         if value is not None:
             return value
     return default
+
+
+def _attr(config, name: str, layer: int = 0):
+    """``config.name``; for an attribute that varies per layer in a heterogeneous config (Transformers'
+    ``per_layer_config``, where reading it globally raises), its value at ``layer``."""
+    try:
+        return getattr(config, name, None)
+    except RuntimeError:  # AmbiguousGlobalPerLayerAttributeError: read it per layer
+        return getattr(config.per_layer_config[layer], name, None)
+
+
+def _per_layer(config, name: str, n_layers: int, default):
+    """The value of ``name`` at each layer (``default`` where a layer does not set it)."""
+    if not getattr(config, "is_heterogeneous", False) or name not in (config.per_layer_attributes or ()):
+        return [default] * n_layers
+    return [getattr(config.per_layer_config[i], name, None) or default for i in range(n_layers)]
 
 
 def _rope_by_type(config, layer_types: tuple[str, ...]) -> dict[str, dict | None]:
@@ -276,6 +314,8 @@ def derive_facts(config, model=None) -> ArchFacts:
     head_dim = int(head_dim) if head_dim else (hidden // heads if heads else 0)
     n_layers = int(_get(config, "num_hidden_layers", "n_layer", default=0))
     layer_types = tuple(_get(config, "layer_types", default=None) or [FULL] * n_layers)
+    head_dims = [int(d) for d in _per_layer(config, "head_dim", n_layers, head_dim)]
+    kv_heads = [int(k) for k in _per_layer(config, "num_key_value_heads", n_layers, kv)]
     window = _get(config, "sliding_window")
     ropes = _rope_by_type(config, layer_types)
     per_type = bool(getattr(config, "rope_parameters", None)) and set(config.rope_parameters) & set(layer_types) != set()
@@ -286,7 +326,9 @@ def derive_facts(config, model=None) -> ArchFacts:
             continue
         partial = float(params.get("partial_rotary_factor", _get(config, "partial_rotary_factor", default=1.0)))
         theta = float(params.get("rope_theta", getattr(config, "default_theta", 10_000.0)))
-        rotary_dim = int(head_dim * partial)
+        type_head_dim = head_dims[layer_types.index(layer_type)] if layer_type in layer_types else head_dim
+        # proportional RoPE (Gemma 4) spans the whole head, pairs (i, i + d/2), zero frequencies past the partial part
+        rotary_dim = type_head_dim if params.get("rope_type") == "proportional" else int(type_head_dim * partial)
         inv_freq, attention_factor = _rope_init(config, layer_type, params, per_type, theta, rotary_dim)
         rope_facts[layer_type] = RopeFacts(
             rope_type=str(params.get("rope_type", "default")),
@@ -296,17 +338,21 @@ def derive_facts(config, model=None) -> ArchFacts:
             rotary_dim=rotary_dim,
             inv_freq=inv_freq,
         )
+    num_experts = int(_get(config, "num_experts", "num_local_experts", default=0) or 0)
+    experts_per_token = int(_get(config, "num_experts_per_tok", default=0) or 0) if num_experts else 0
     scalar = _get(config, "query_pre_attn_scalar")
-    scale = float(scalar) ** -0.5 if scalar else (head_dim**-0.5 if head_dim else 1.0)
+    scalar = float(scalar) if scalar else None
     layers = tuple(
         LayerFacts(
             index=i,
             layer_type=t,
             window=int(window) if window is not None and t == SLIDING else None,
             rope=rope_facts.get(t),
-            head_dim=head_dim,
-            num_kv_heads=kv,
-            attention_scale=scale,
+            head_dim=head_dims[i],
+            num_kv_heads=kv_heads[i],
+            attention_scale=scalar ** -0.5 if scalar else (head_dims[i] ** -0.5 if head_dims[i] else 1.0),
+            num_experts=num_experts,  # every layer, unless the model_type's rule says otherwise
+            experts_per_token=experts_per_token,
         )
         for i, t in enumerate(layer_types)
     )
@@ -373,27 +419,105 @@ def _cohere(config, facts: ArchFacts) -> ArchFacts:
 
 @rule("qwen3", "qwen3_moe")
 def _qwen3(config, facts: ArchFacts) -> ArchFacts:
-    return replace(facts, qk_norm="head")
+    facts = replace(facts, qk_norm="head")
+    if facts.model_type != "qwen3_moe":
+        return facts
+    # Qwen3MoeDecoderLayer: layer i is sparse unless listed in mlp_only_layers, and only every
+    # decoder_sparse_step-th layer ((i + 1) % step == 0) is
+    dense_only = set(getattr(config, "mlp_only_layers", None) or [])
+    step = int(getattr(config, "decoder_sparse_step", 1) or 1)
+
+    def sparse(layer: LayerFacts) -> bool:
+        return layer.num_experts > 0 and layer.index not in dense_only and (layer.index + 1) % step == 0
+
+    return with_layers(
+        facts,
+        num_experts=lambda layer: layer.num_experts if sparse(layer) else 0,
+        experts_per_token=lambda layer: layer.experts_per_token if sparse(layer) else 0,
+    )
+
+
+@rule("qwen3_5_text")
+def _qwen3_5(config, facts: ArchFacts) -> ArchFacts:
+    # Qwen3_5DecoderLayer: linear_attention layers are Gated DeltaNet (no RoPE; the delta rule in chunks
+    # of 64, torch_chunk_gated_delta_rule's default); full_attention layers norm Q/K per head; every
+    # RMSNorm but the DeltaNet's gated one scales by (1 + w).
+    def rope(layer: LayerFacts):
+        return None if layer.layer_type == LINEAR else layer.rope
+
+    return replace(with_layers(facts, rope=rope), qk_norm="head", norm_weight_offset=1.0, chunk_size=64)
 
 
 @rule("mistral")
 def _mistral(config, facts: ArchFacts) -> ArchFacts:
     # MistralModel builds a sliding-window mask for every layer whenever sliding_window is set.
+    # A window of 0 is a window too (MistralModel tests `is None`): validate_facts refuses it by name.
     window = getattr(config, "sliding_window", None)
-    if not window:
+    if window is None:
         return facts
     return with_layers(facts, layer_type=lambda layer: SLIDING, window=lambda layer: int(window))
 
 
 @rule("gemma3_text", "gemma3")
 def _gemma3(config, facts: ArchFacts) -> ArchFacts:
-    return replace(facts, qk_norm="head", norm_weight_offset=1.0, embed_scale=math.sqrt(facts.hidden_size))
+    # Gemma3Attention (Transformers 5.24) keeps attn_logit_softcapping but never applies it
+    return replace(facts, qk_norm="head", norm_weight_offset=1.0, embed_scale=math.sqrt(facts.hidden_size), attn_softcap=None)
+
+
+def kv_sources(config) -> dict[int, int]:
+    """Gemma 4 KV sharing: ``{consumer layer: layer whose keys and values it reads}``. The last
+    ``num_kv_shared_layers`` layers compute none; each reads the last earlier layer of its own type
+    (``Gemma4TextConfig.kv_sharing_modes``: that layer "stores", the consumers "reuse"). Empty when
+    the config shares nothing or cannot (a layer type without an earlier producer)."""
+    n, shared = int(getattr(config, "num_hidden_layers", 0)), int(getattr(config, "num_kv_shared_layers", 0) or 0)
+    types = list(getattr(config, "layer_types", None) or [])
+    first = n - shared
+    if not shared or first <= 0 or len(types) != n:
+        return {}
+    producers = {t: i for i, t in enumerate(types[:first])}  # the last producer of each type
+    if any(t not in producers for t in types[first:]):
+        return {}
+    return {i: producers[types[i]] for i in range(first, n)}
+
+
+@rule("gemma4_text")
+def _gemma4(config, facts: ArchFacts) -> ArchFacts:
+    # Gemma4TextAttention: scaling 1.0 (q and k are RMS-normalised per head), K = V on full layers
+    # with attention_k_eq_v, keys and values of the last num_kv_shared_layers read from an earlier layer
+    sources, k_eq_v = kv_sources(config), bool(getattr(config, "attention_k_eq_v", False))
+    facts = with_layers(
+        facts,
+        attention_scale=lambda layer: 1.0,
+        kv_source=lambda layer: sources.get(layer.index),
+        k_eq_v=lambda layer: k_eq_v and layer.layer_type == FULL and layer.index not in sources,
+    )
+    per_layer_inputs = bool(getattr(config, "hidden_size_per_layer_input", 0))
+    constants = {"the per-layer input scale 1/sqrt(2)": 2**-0.5} if per_layer_inputs else {}
+    features = {
+        "per-layer inputs": per_layer_inputs,
+        "KV sharing": bool(sources),
+        "K = V": any(layer.k_eq_v for layer in facts.layers),
+        "double-wide MLP": bool(sources) and bool(getattr(config, "use_double_wide_mlp", False)),
+        "per-layer head_dim": len({layer.head_dim for layer in facts.layers}) > 1,
+    }
+    return replace(facts, qk_norm="head", embed_scale=math.sqrt(facts.hidden_size), attn_softcap=None,
+                   extra_constants={**facts.extra_constants, **constants},
+                   features=facts.features | {name for name, present in features.items() if present})
+
+
+def _gpt2_scale(config, layer: LayerFacts) -> float:
+    """``GPT2Attention.scaling``: ``head_dim**-0.5`` (1.0 without ``scale_attn_weights``), divided by
+    ``layer + 1`` with ``scale_attn_by_inverse_layer_idx``, in that order of operations."""
+    scaling = layer.head_dim**-0.5 if getattr(config, "scale_attn_weights", True) else 1.0
+    if getattr(config, "scale_attn_by_inverse_layer_idx", False):
+        scaling /= float(layer.index + 1)
+    return scaling
 
 
 @rule("gpt2")
 def _gpt2(config, facts: ArchFacts) -> ArchFacts:
     return replace(
-        with_layers(facts, rope=lambda layer: None),
+        with_layers(facts, rope=lambda layer: None, attention_scale=lambda layer: _gpt2_scale(config, layer)),
         layer_prefix="transformer.h",
         embed_module="transformer.wte",
         norm_kind="layernorm",

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .facts import ArchFacts
+from .facts import ArchFacts, LayerFacts
 from .pair import NodeSpec, Pair
 
 
@@ -25,10 +25,14 @@ from .pair import NodeSpec, Pair
 class Node:
     """One node-map entry: canonical name template and our module path template (``{i}`` = layer).
 
-    ``layer_types`` limits a per-layer entry to those layer types (None: every layer).
-    ``transform``/``inverse``/``reference``/``kind`` are passed to :class:`~parity.pair.NodeSpec`.
-    ``when`` (optional) decides from the facts whether the entry exists at all (e.g. a ``logits``
-    node only where something is applied after the head).
+    ``layer_types`` limits a per-layer entry to those layer types (None: every layer); ``sparse``
+    to the layers whose feed-forward is a mixture of experts (True) or dense (False; None: every
+    layer); ``where`` (optional) decides it per layer from that layer's
+    :class:`~parity.facts.LayerFacts` (e.g. no ``k_proj`` on a layer that reads another layer's
+    keys). ``{e}`` in a per-layer entry expands over the layer's experts (``mlp.experts.{e}``).
+    ``transform``/``inverse``/``reference``/``kind``/``reference_transform``/``chosen_from`` are
+    passed to :class:`~parity.pair.NodeSpec`. ``when`` (optional) decides from the facts whether the
+    entry exists at all (e.g. a ``logits`` node only where something is applied after the head).
     """
 
     name: str
@@ -39,13 +43,30 @@ class Node:
     reference: str | None = None
     kind: str = ""
     when: Callable[[ArchFacts], bool] | None = None
+    reference_transform: Callable | None = None
+    where: Callable[[LayerFacts], bool] | None = None
+    sparse: bool | None = None
+    chosen_from: str | None = None
 
-    def spec(self, i: int | None = None) -> NodeSpec:
-        fmt = (lambda s: s) if i is None else (lambda s: s.format(i=i))
+    def spec(self, i: int | None = None, e: int | None = None) -> NodeSpec:
+        def fmt(s: str | None) -> str | None:
+            if s is None:
+                return None
+            s = s if i is None else s.replace("{i}", str(i))
+            return s if e is None else s.replace("{e}", str(e))
+
         return NodeSpec(
-            fmt(self.name), fmt(self.ours), self.transform, None if self.reference is None else fmt(self.reference),
-            self.inverse, kind=self.kind,
+            fmt(self.name), fmt(self.ours), self.transform, fmt(self.reference), self.inverse, kind=self.kind,
+            reference_transform=self.reference_transform, chosen_from=fmt(self.chosen_from),
         )
+
+    def applies_to(self, layer) -> bool:
+        """Whether this per-layer entry exists on ``layer`` (a :class:`~parity.facts.LayerFacts`)."""
+        if self.layer_types is not None and layer.layer_type not in self.layer_types:
+            return False
+        if self.where is not None and not self.where(layer):
+            return False
+        return self.sparse is None or self.sparse == layer.sparse
 
 
 def _node(entry) -> Node:
@@ -69,7 +90,11 @@ class NodeMap:
         nodes = [n.spec() for n in map(_node, self.before) if keep(n)]
         for layer in facts.layers:
             for n in map(_node, self.per_layer):
-                if keep(n) and (n.layer_types is None or layer.layer_type in n.layer_types):
+                if not (keep(n) and n.applies_to(layer)):
+                    continue
+                if "{e}" in n.name:
+                    nodes += [n.spec(layer.index, e) for e in range(layer.num_experts)]
+                else:
                     nodes.append(n.spec(layer.index))
         nodes += [n.spec() for n in map(_node, self.after) if keep(n)]
         return nodes

@@ -303,8 +303,8 @@ def changed_since(ref: str, cwd: str | Path = ".") -> list[str]:
 
 def config_features(family: Family, name: str) -> set[str]:
     """What a built-in config exercises, read from the facts of its Transformers config (head sharing,
-    layer types, RoPE type per layer type, soft-caps, logit scale, Q/K norm, tying, biases) plus
-    the family's own ``features``."""
+    layer types, RoPE type per layer type, soft-caps, logit scale, Q/K norm, tying, biases, the
+    facts' named ``features``) plus the family's own ``features``."""
     from .build import to_reference_config
     from .facts import derive_facts
 
@@ -315,10 +315,11 @@ def config_features(family: Family, name: str) -> set[str]:
     feats = {"MQA" if kv == 1 else "MHA" if kv == heads else "GQA"}
     for layer_type in set(facts.layer_types):
         rope = facts.rope_of_type(layer_type)
+        head_dim = next(layer.head_dim for layer in facts.layers if layer.layer_type == layer_type)
         feats.add(f"{layer_type} layers")
         feats.add(f"{'no' if rope is None else rope.rope_type} RoPE on {layer_type}"
                   + (" (interleaved)" if rope is not None and rope.interleaved else "")
-                  + (" (partial)" if rope is not None and rope.rotary_dim < facts.head_dim else ""))
+                  + (" (partial)" if rope is not None and rope.rotary_dim < head_dim else ""))
     feats.add("tied head" if facts.tie_word_embeddings else "untied head")
     for label, value in (("logit scale", facts.logit_scale), ("final soft-cap", facts.final_softcap),
                          ("attention soft-cap", facts.attn_softcap), ("embedding scale", facts.embed_scale)):
@@ -326,9 +327,14 @@ def config_features(family: Family, name: str) -> set[str]:
             feats.add(label)
     if facts.qk_norm:
         feats.add(f"Q/K norm per {facts.qk_norm}")
+    sparse = {layer.sparse for layer in facts.layers}
+    if True in sparse:
+        feats.add("mixture-of-experts feed-forward")
+    if sparse == {True, False}:
+        feats.add("dense and mixture-of-experts layers")
     if getattr(hf_config, "attention_bias", False):
         feats.add("attention bias")
-    return feats | family.config_features(name)
+    return feats | set(facts.features) | family.config_features(name)
 
 
 def config_holes(family: Family) -> list[str]:

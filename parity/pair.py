@@ -32,7 +32,15 @@ class NodeSpec:
     reference tensor back into our layout (given our tensor, so a fused projection can write only its
     part), which isolated mode needs to substitute that node (without it the node is compared but
     not substituted). ``layer`` and ``kind`` are filled from the facts
-    (:meth:`ArchFacts.locate`) unless given.
+    (:meth:`ArchFacts.locate`) unless given. ``reference_transform`` (optional) makes the node a
+    view of what the reference module computes, recorded when it runs: a part the reference
+    splits off its output outside any module (the gate half of a fused ``q_proj``), taken with the
+    reference's own view ops, so no arithmetic is added.
+
+    A module path (either side) may end in ``#n``: the ``n``-th tensor of the module's output (a
+    router returning logits, weights and chosen experts). An integer node (indices) is compared
+    exactly; ``chosen_from`` names the node whose scores the indices were chosen from (top-k), so a
+    different choice is reported with the reference's margin there.
     """
 
     name: str
@@ -42,6 +50,8 @@ class NodeSpec:
     inverse: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     layer: int | None = None
     kind: str = ""
+    reference_transform: Callable[[torch.Tensor], torch.Tensor] | None = None
+    chosen_from: str | None = None
 
     @property
     def reference_path(self) -> str:
@@ -99,6 +109,10 @@ class Pair:
     #: ours is bit-identical to the reference when correct (its family claims it for this dtype):
     #: checks default to atol = rtol = 0
     exact: bool = False
+    #: how to run ours with its KV cache in a decode check (None: our families' protocol, see parity.decode)
+    cache_protocol: object | None = None
+    #: what the weights are, for reports: parity's probe weights (see parity.probes) or a checkpoint's
+    probe: str = "probe weights (parity.probes: per-token embedding RMS 1e-3..10, norm weights 1 + 0.1 N(0, 1))"
     #: where each of our parameters lived right after loading (loader coverage tells a replaced
     #: Parameter, a fault injected by hand, from a loader's gap)
     built_storage: dict = field(default_factory=dict, repr=False)

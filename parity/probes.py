@@ -8,8 +8,15 @@ for a kind of field:
   A token whose hidden state has an RMS of 1e-3 makes ``eps`` dominate ``mean(x^2)`` in the norms
   that read it (RMSNorm / LayerNorm eps, eps inside vs outside the square root, the Q/K norms), and a
   token with RMS 10 makes a missing normalisation obvious. Random token ids hit every scale.
+* **Learned position embeddings N(0, 0.01^2)** (GPT-2's ``wpe``): small beside the token scales, so
+  the small-RMS tokens stay small after the positions are added (a unit-scale table would give every
+  token an RMS near 1 and hide the eps again), yet a shifted or unloaded position table still changes
+  every position.
 * **Norm weights away from 1** (``1 + N(0, 0.1^2)``; also for ``(1 + w)`` norms, whose ``w`` is then
-  away from 0): ``w`` vs ``1 + w`` and a swapped or unloaded norm weight change every output.
+  away from 0): ``w`` vs ``1 + w`` and a swapped or unloaded norm weight change every output. Other
+  1-D multipliers (a tensor whose own name says ``scale``/``scalar``, e.g. Gemma 4's per-layer
+  ``layer_scalar``) are drawn the same way: near 1, so depth neither explodes nor vanishes, and
+  not 1, so a multiplier left out shows.
 * **Every tensor distinct** (one seeded generator, drawn in checkpoint order): two weights of the
   same shape never hold equal values, so swapped, duplicated or transposed loads show, and a user's
   model can be aligned to the reference by the values it holds.
@@ -41,18 +48,22 @@ def token_scales(vocab_size: int) -> torch.Tensor:
 
 def probe_weights(shapes: Mapping[str, tuple[int, ...]], seed: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Seeded probe weights in checkpoint naming (see the module docstring), created once and shared by
-    both models. Keys are read for what a tensor is: ``embed`` in the name and 2-D is a token
-    embedding (the first one; any other embedding table is N(0, 1)), ``norm`` and 1-D is a norm
-    weight, other 1-D tensors are biases, everything else a linear weight ``(out, in, ...)``."""
+    both models. Keys are read for what a tensor is: ``embed`` (or GPT-2's ``wte``) in the name and 2-D
+    is a token embedding (the first one; any other embedding table is N(0, 1)), ``wpe`` or
+    ``position`` and 2-D a learned position table, ``norm`` (or GPT-2's ``ln_``) and 1-D a norm weight
+    (``.bias`` excepted), 1-D with ``scal`` in its own name a multiplier (drawn like a norm weight),
+    other 1-D tensors are biases, everything else a linear weight ``(out, in, ...)``."""
     gen = torch.Generator().manual_seed(seed)
     out = {}
     scaled_embedding = False
     for name, shape in shapes.items():
-        if len(shape) == 1 and "norm" in name:
+        if len(shape) == 1 and not name.endswith(".bias") and ("norm" in name or "ln_" in name or "scal" in name.rsplit(".", 1)[-1]):
             t = 1.0 + 0.1 * torch.randn(shape, generator=gen)
         elif len(shape) == 1:
             t = 0.02 * torch.randn(shape, generator=gen)
-        elif "embed" in name and len(shape) == 2:
+        elif len(shape) == 2 and ("wpe" in name or "position" in name):
+            t = 0.01 * torch.randn(shape, generator=gen)
+        elif len(shape) == 2 and ("embed" in name or "wte" in name):
             t = torch.randn(shape, generator=gen)
             if not scaled_embedding:  # the token embedding: per-token RMS over orders of magnitude
                 t.mul_(token_scales(shape[0])[:, None])

@@ -86,13 +86,14 @@ def _per_layer(facts: ArchFacts) -> tuple[int, int, int]:
     return heads, ffn, max(facts.num_layers, 1)
 
 
-def trace_bytes(facts: ArchFacts, batch: int, seq: int, element_size: int) -> int:
+def one_trace_bytes(facts: ArchFacts, batch: int, seq: int, element_size: int) -> int:
     """Bytes of one model's full trace: per layer the attention scores and probabilities, ~24
     hidden-size and 3 FFN-size tensors per token (nodes and the module inputs kept for diagnosis),
-    plus the embeddings and the logits."""
+    one hidden-size tensor per expert of a MoE layer, plus the embeddings and the logits."""
     heads, ffn, layers = _per_layer(facts)
     per_token_layer = 2 * heads * seq + 24 * facts.hidden_size + 3 * ffn
-    per_token = layers * per_token_layer + 3 * facts.hidden_size + facts.vocab_size
+    experts = sum(layer.num_experts for layer in facts.layers) * facts.hidden_size
+    per_token = layers * per_token_layer + experts + 3 * facts.hidden_size + facts.vocab_size
     return element_size * batch * seq * per_token
 
 
@@ -127,9 +128,24 @@ class Footprint:
 
 def check_footprint(facts: ArchFacts, batch: int, seq: int, element_size: int, budget: int | None) -> Footprint:
     """The memory model above, for one check (one forward at a time; ``budget`` None: no spilling)."""
-    reference = trace_bytes(facts, batch, seq, element_size)
+    reference = one_trace_bytes(facts, batch, seq, element_size)
     kept_ours = 3 * largest_node_bytes(facts, batch, seq, element_size)  # a failing node, its input, its context
     in_memory = reference if budget is None else min(reference, budget)
     kept_memory = kept_ours if budget is None else min(kept_ours, budget)
     disk = 0 if budget is None else max(0, reference - budget) + max(0, kept_ours - budget)
     return Footprint(memory=forward_bytes(facts, batch, seq, element_size, budget) + in_memory + kept_memory, disk=disk)
+
+
+def trace_bytes(facts: ArchFacts, batch: int, seq: int, element_size: int) -> int:
+    """Rough peak of a check holding both traces whole (a trace recorded to a folder, :mod:`parity.traces`):
+    both traces (per layer the attention scores and probabilities plus ~17
+    hidden-size and 3 FFN-size tensors per token, one hidden-size tensor per expert of a MoE layer,
+    plus the logits) and the float64 working copies comparing the largest node takes (about six of it)."""
+    heads, vocab = max(facts.num_heads, 1), facts.vocab_size
+    ffn = facts.intermediate_size or 4 * facts.hidden_size
+    per_token_layer = 2 * heads * seq + 17 * facts.hidden_size + 3 * ffn
+    experts = sum(layer.num_experts for layer in facts.layers) * facts.hidden_size
+    per_token = max(facts.num_layers, 1) * per_token_layer + experts + 2 * vocab
+    traces = 2 * element_size * batch * seq * per_token
+    largest = batch * seq * max(heads * seq, vocab, ffn)
+    return traces + 6 * 8 * largest

@@ -60,6 +60,8 @@ class CheckResult:
     origin: NodeResult | None = None
     origin_reason: str = ""
     alignment: tuple = field(default_factory=tuple)
+    #: a KV-cache run's summary (parity.decode.DecodeOutcome.to_dict): consistency and greedy tokens
+    decode: Mapping | None = None
 
     @property
     def first_mismatch(self) -> NodeResult | None:

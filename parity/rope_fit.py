@@ -112,6 +112,9 @@ def identify(
     if rope is not None:
         offsets = []
         for row in range(angle.shape[0]):
+            if not bool(keep[row].any()):  # nothing to judge in this row (all padding): no offset to read
+                offsets.append(0)
+                continue
             best = None
             for delta in range(-angle.shape[1], angle.shape[1] + 1):
                 worst = _fits(angle[row : row + 1], keep[row : row + 1], rope.inv_freq, positions[row : row + 1] + delta, tol)

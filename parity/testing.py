@@ -89,3 +89,19 @@ def assert_parity(pair_or_result: Pair | CheckResult, **check_kwargs) -> CheckRe
     if not result.passed:
         raise ParityAssertionError("parity failed\n" + mismatch_table(result), result)
     return result
+
+
+def assert_bit_exact(pair_or_result: Pair | CheckResult, **check_kwargs) -> CheckResult:
+    """:func:`assert_parity` at atol = rtol = 0, and then every node identical to the last bit
+    (``max_abs == 0.0``; ``exact=True`` is passed to :func:`parity.check` unless given) and none
+    untapped: what a pair that follows the reference's rounding order promises. Returns the result;
+    raises :class:`ParityAssertionError` naming the first nodes that differ."""
+    if isinstance(pair_or_result, CheckResult):
+        result = assert_parity(pair_or_result, **check_kwargs)
+    else:
+        result = assert_parity(pair_or_result, **{"exact": True, **check_kwargs})
+    off = [(n.name, n.status, n.max_abs) for n in result.nodes if n.status != "ok" or n.max_abs != 0.0]
+    if off:
+        raise ParityAssertionError(f"not bit-exact at {len(off)} node(s): {off[:6]}", result)
+    return result
+

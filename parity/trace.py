@@ -1,7 +1,9 @@
 """Record named intermediates of a model with forward hooks, detached to CPU, in execution order.
 
 A point is ``(node name, module path)``; a path ending in ``@input`` records the module's first
-input through a forward pre-hook, any other path its output. Tensors computed outside modules
+input through a forward pre-hook, ``@<name>`` the argument of its ``forward`` called ``name``
+(positional or keyword: Gemma 4's decoder layers receive ``per_layer_input`` beside the hidden
+states), any other path its output. Tensors computed outside modules
 are recorded through taps: our models' ``Tap`` modules (ordinary hooks), :func:`tap` calls in a
 user's forward (recorded under the module that is running), and, for Transformers,
 :mod:`parity.hf_capture` writing into the active trace.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import inspect
 import json
 import math
 import os
@@ -29,6 +32,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from .errors import ParityError
 
 _ACTIVE: contextvars.ContextVar[_Recording | None] = contextvars.ContextVar("parity_active_recording", default=None)
 
@@ -44,6 +49,51 @@ def _replace_first_tensor(value, new: torch.Tensor):
                 items[i] = _replace_first_tensor(item, new)
                 return type(value)(items)
     return value
+
+
+def _argument_slot(module: nn.Module, name: str, args: tuple, kwargs: dict) -> tuple[str, int | str] | None:
+    """Where the ``forward`` argument ``name`` of this call is: ``("kwargs", name)``, ``("args", index)``,
+    or None when the call leaves it at its default."""
+    if name in kwargs:
+        return "kwargs", name
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if name in positional and positional.index(name) < len(args):
+        return "args", positional.index(name)
+    return None
+
+
+def _item(value, n: int | None):
+    """``value`` itself (``n`` None), or the ``n``-th item of a tuple/list output (``path#n``)."""
+    if n is None:
+        return value
+    if isinstance(value, (tuple, list)):
+        return value[n] if n < len(value) else None
+    return value if n == 0 else None
+
+
+def _replace_item(value, n: int | None, new: torch.Tensor):
+    """``value`` with its ``n``-th item (or, ``n`` None, its first tensor) replaced by ``new``."""
+    if n is None or not isinstance(value, (tuple, list)):
+        return _replace_first_tensor(value, new)
+    items = list(value)
+    items[n] = _replace_first_tensor(items[n], new)
+    return type(value)(items)
+
+
+def split_path(path: str) -> tuple[str, bool, int | None]:
+    """``(module path, is_input, output item)`` of a node path: ``a.b@input`` -> ``("a.b", True, None)``,
+    ``a.b#2`` -> ``("a.b", False, 2)`` (the module's third output), ``a.b`` -> ``("a.b", False, None)``.
+    A named forward argument, ``a.b@name``, comes back whole (see :func:`recording`)."""
+    if path.endswith("@input"):
+        return path[: -len("@input")], True, None
+    head, sep, tail = path.rpartition("#")
+    if sep and tail.isdigit():
+        return head, False, int(tail)
+    return path, False, None
 
 
 def _first_tensor(value) -> torch.Tensor | None:
@@ -183,6 +233,9 @@ class SpilledTensor:
     def dim(self) -> int:
         return len(self.shape)
 
+    def is_floating_point(self) -> bool:
+        return self.dtype.is_floating_point
+
     def load(self) -> torch.Tensor:
         item = self.item
         return map_safetensors(item.path, item.dtype, item.shape, item.offset)
@@ -312,10 +365,12 @@ class Trace:
     A module that runs more than once in one forward keeps its first tensor; ``calls`` counts
     every call so a repeated module is visible. ``inputs`` (first input) and ``weights``/``biases``
     (the module's own parameters, referenced, not copied) of selected nodes are kept for diagnosis
-    only, never compared. ``tensors`` and ``inputs`` share one :class:`Spill` (``spill``): past its
-    budget they live on disk. ``sink(name, tensor) -> bool``, when set, sees each node's first
-    tensor before it is stored and returns True when it consumed it (nothing is stored); it may
-    fill ``results`` (the node's comparison, made as it was produced) and ``summaries``.
+    only, never compared (``weights``: 1-D and 2-D ones; ``biases``: of projections and of norms); so
+    are ``extras``, records a capture function leaves for a node (one expert's weights and tokens,
+    see :mod:`parity.hf_capture`). ``tensors`` and ``inputs`` share one :class:`Spill` (``spill``):
+    past its budget they live on disk. ``sink(name, tensor) -> bool``, when set, sees each node's
+    first tensor before it is stored and returns True when it consumed it (nothing is stored); it
+    may fill ``results`` (the node's comparison, made as it was produced) and ``watched``.
     """
 
     tensors: MutableMapping[str, torch.Tensor] = field(default_factory=dict)
@@ -324,12 +379,13 @@ class Trace:
     inputs: MutableMapping[str, torch.Tensor] = field(default_factory=dict)
     weights: dict[str, torch.Tensor] = field(default_factory=OnCpu)
     biases: dict[str, torch.Tensor] = field(default_factory=OnCpu)
+    extras: dict[str, object] = field(default_factory=dict)
     spill: Spill | None = None
     sink: Callable[[str, torch.Tensor], bool] | None = None
     #: node name -> NodeResult, for nodes compared while they were produced
     results: dict = field(default_factory=dict)
     #: what a sink computed from tensors it did not keep (``{output node: logits effect}``)
-    summaries: dict = field(default_factory=dict)
+    watched: dict = field(default_factory=dict)
     #: module inputs are held by reference until :meth:`keep_input` or :meth:`drop_input` (a sink
     #: that keeps only a failing node's input copies that one alone)
     defer_inputs: bool = False
@@ -430,12 +486,26 @@ def active_trace() -> Trace | None:
     return rec.trace if rec is not None else None
 
 
-def tap(tensor: torch.Tensor, name: str) -> torch.Tensor:
+def running_module() -> str | None:
+    """The path of the innermost module running now in the model being recorded, when the recording
+    keeps the module stack (``taps``, or ``module_stack=True``); None otherwise. Used by
+    :mod:`parity.hf_kernels` to name what a function computes after the module that called it."""
+    rec = _ACTIVE.get()
+    return rec.stack[-1] if rec is not None and rec.stack else None
+
+
+def tap(tensor: torch.Tensor, name: str, *, layout: str | None = None) -> torch.Tensor:
     """Name a tensor computed outside any module, inside a model's forward: ``q = parity.tap(q, "q_rot")``.
 
     Recorded as ``<path of the module that is running>.<name>`` while parity traces the model; in
     isolated mode the reference's tensor for that node comes back instead, so the rest of the
     forward continues from it. Free when nothing is being traced: returns ``tensor`` unchanged.
+    ``layout`` ("bhsd", "bshd" or "bsf": batch, heads, seq, head_dim in that order, or heads
+    flattened) says how a ``q_rot``/``k_rot``/``context`` tensor is laid out; without it the layout is
+    read from the shape (a 4-D shape whose sequence length equals the head count cannot tell, and is
+    read as this tap's earlier calls were, else as ``(batch, heads, seq, head_dim)``). Raises
+    :class:`parity.ParityError` for another layout name, a shape that cannot hold the declared
+    layout, or ``layout`` on a tap other than those three.
     """
     rec = _ACTIVE.get()
     if rec is None or not rec.tap_names:
@@ -447,8 +517,13 @@ def tap(tensor: torch.Tensor, name: str) -> torch.Tensor:
             break
     if node is None:
         return tensor
-    rec.trace.add(node, tensor, rec.transforms.get(node))
-    new = rec.replacement(node, tensor)
+    transform = rec.transforms.get(node)
+    if layout is not None:
+        if not hasattr(transform, "with_layout"):
+            raise ParityError(f"parity.tap(..., {name!r}, layout={layout!r}): layout applies to q_rot, k_rot and context taps only")
+        transform = transform.with_layout(layout)
+    rec.trace.add(node, tensor, transform)
+    new = rec.replacement(node, tensor, transform if layout is not None else None)
     return tensor if new is None else new.to(dtype=tensor.dtype, device=tensor.device)
 
 
@@ -478,7 +553,8 @@ def recording(
     inverses: dict[str, Callable[[torch.Tensor], torch.Tensor]] | None = None,
     keep_inputs: frozenset[str] = frozenset(),
     taps: dict[str, str] | None = None,
-    trace: Trace | None = None,
+    into: Trace | None = None,
+    module_stack: bool = False,
 ) -> Iterator[Trace]:
     """Hook ``model`` for the duration of the block and yield the Trace being filled.
 
@@ -495,14 +571,18 @@ def recording(
     ``inverses`` maps the reference tensor back into our layout (``inverse(ref, ours) -> ours``:
     a fused projection writes the reference's part into our tensor), and only where the shapes agree.
     Only a module's first call is substituted. ``keep_inputs``: node names whose module input (and
-    2-D weight and bias, by reference) are also kept for diagnosis. ``trace``: the (empty) Trace to
-    fill, e.g. one that spills (:meth:`Trace.spilling`) or has a sink; by default a new in-memory one.
+    1-D or 2-D weight and bias, by reference) are also kept for diagnosis. ``into``: the (empty) Trace to
+    fill, e.g. one that spills (:meth:`Trace.spilling`), has a sink, or whose ``add`` keeps statistics
+    instead of tensors (:mod:`parity.traces`); by default a new in-memory one. ``module_stack``: keep the
+    paths of the running modules (:func:`running_module`) even without ``taps``.
     """
     transforms, inverses = transforms or {}, inverses or {}
-    trace = Trace() if trace is None else trace
+    trace = Trace() if into is None else into
     trace.wanted = frozenset([name for name, _ in points] + list(captured) + list((taps or {}).values()))
 
-    def replacement(name: str, current) -> torch.Tensor | None:
+    def replacement(name: str, current, declared=None) -> torch.Tensor | None:
+        """The reference's tensor for ``name`` in ``current``'s layout; ``declared``: a tap's own
+        transform (its declared layout), whose inverse then replaces the node's."""
         if substitute is None or trace.calls.get(name, 0) != 1 or name not in substitute.tensors:
             return None
         ref = substitute.tensors[name]
@@ -510,17 +590,18 @@ def recording(
         if mine is None:
             return None
         if name in transforms:
-            ref = inverses[name](ref, mine) if name in inverses else None
+            inverse = getattr(declared, "inverse", None) or inverses.get(name)
+            ref = inverse(ref, mine) if inverse is not None else None
         if ref is None or ref.shape != mine.shape:
             return None  # a node of another shape is reported as such; ours keeps its own tensor
         return ref
 
     rec = _Recording(trace, replacement, tap_names=dict(taps or {}), transforms=transforms)
-    handles = _module_stack_hooks(model, rec) if taps else []
+    handles = _module_stack_hooks(model, rec) if taps or module_stack else []
     modules = dict(model.named_modules())
     for name, path in points:
-        is_input = path.endswith("@input")
-        module_path = path[: -len("@input")] if is_input else path
+        module_path, is_input, item = split_path(path)
+        module_path, at, argument = module_path.partition("@")  # a named forward argument: a.b@name
         module = modules.get(module_path)
         if module is None:
             continue
@@ -538,12 +619,29 @@ def recording(
                 return args, {**kwargs, key: _replace_first_tensor(kwargs[key], new)}
 
             handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+        elif at:
+
+            def argument_hook(mod, args, kwargs, _name=name, _t=transform, _arg=argument):
+                slot = _argument_slot(mod, _arg, args, kwargs)
+                if slot is None:
+                    return None
+                where, key = slot
+                value = kwargs[key] if where == "kwargs" else args[key]
+                trace.add(_name, value, _t)
+                new = replacement(_name, value)
+                if new is None:
+                    return None
+                if where == "kwargs":
+                    return args, {**kwargs, key: _replace_first_tensor(value, new)}
+                return (*args[:key], _replace_first_tensor(value, new), *args[key + 1:]), kwargs
+
+            handles.append(module.register_forward_pre_hook(argument_hook, with_kwargs=True))
         else:
 
-            def hook(mod, args, output, _name=name, _t=transform):
-                trace.add(_name, output, _t)
-                new = replacement(_name, output)
-                return None if new is None else _replace_first_tensor(output, new)
+            def hook(mod, args, output, _name=name, _t=transform, _n=item):
+                trace.add(_name, _item(output, _n), _t)
+                new = replacement(_name, _item(output, _n))
+                return None if new is None else _replace_item(output, _n, new)
 
             handles.append(module.register_forward_hook(hook))
             if name in keep_inputs:
@@ -553,10 +651,10 @@ def recording(
                     if tensor is not None and not trace.calls.get(_name) and _name not in trace.inputs:
                         trace.hold_input(_name, tensor)
                         weight, bias = getattr(mod, "weight", None), getattr(mod, "bias", None)
-                        if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+                        if isinstance(weight, torch.Tensor) and weight.dim() in (1, 2):  # linear or norm weight
                             trace.weights[_name] = weight.detach()
-                            if isinstance(bias, torch.Tensor):
-                                trace.biases[_name] = bias.detach()
+                        if isinstance(bias, torch.Tensor):  # a projection's, or a LayerNorm's shift
+                            trace.biases[_name] = bias.detach()
 
                 handles.append(module.register_forward_pre_hook(keep, with_kwargs=True))
     token = _ACTIVE.set(rec)

@@ -20,7 +20,9 @@ import torch
 from torch import nn
 
 from .align import Aligned, align
-from .build import Reference, build_reference, default_seq_len, make_reference, one_line, random_weights, read_weights
+from .build import (
+    Reference, build_reference, default_seq_len, make_reference, model_naming, one_line, random_weights, read_weights,
+)
 from .check import check
 from .coverage import loader_coverage
 from .devices import Placement
@@ -81,6 +83,8 @@ def resolve_reference(reference, dtype: torch.dtype = torch.float32, seed: int =
         ckpt, state_dict, conversions = read_weights(reference, dtype, None)
         hf_config = _config_from_dict(ckpt.config, str(Path(reference) / "config.json"))
         _validated(hf_config, str(reference))
+        state_dict, merged = model_naming(_causal_lm_class(hf_config), hf_config, state_dict)
+        conversions = conversions + merged
         model = build_reference(_causal_lm_class(hf_config), hf_config, state_dict)
         ref = Reference(model, hf_config, derive_facts(model.config, model), state_dict, str(reference),
                         checkpoint=str(reference), checkpoint_hash=ckpt.content_hash(), conversions=conversions)
@@ -157,7 +161,8 @@ def build_ours(ours, ref: Reference) -> nn.Module:
 
 
 def build_user_pair(ours, reference="olmo3", *, dtype: torch.dtype = torch.float32, seed: int = 0,
-                    node_map: dict[str, str] | None = None, device=None, device_map: str | None = None) -> Pair:
+                    node_map: dict[str, str] | None = None, cache_protocol=None, device=None,
+                    device_map: str | None = None) -> Pair:
     """The Pair of a user's model and the reference, nodes aligned by shared weights. Raises
     ParityError for bad input (see :func:`check_model`)."""
     placement = Placement.of(device, device_map)
@@ -197,7 +202,9 @@ def build_user_pair(ours, reference="olmo3", *, dtype: torch.dtype = torch.float
         tied_keys=ref.tied_keys,
         alignment=rows,
         coverage=coverage,
+        cache_protocol=cache_protocol,
         device=placement.label,
+        **({"probe": f"the weights of {ref.config_name}"} if ref.checkpoint or isinstance(reference, torch.nn.Module) else {}),
     )
 
 
@@ -208,6 +215,7 @@ def check_model(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     node_map: dict[str, str] | None = None,
+    cache_protocol=None,
     device=None,
     device_map: str | None = None,
     **check_kwargs,
@@ -219,10 +227,12 @@ def check_model(
     already holds the weights. ``reference``: ``"family[:config]"`` (e.g. ``"olmo3:yarn"``: a
     registered family's reference with parity's random weights), a checkpoint folder, a config.json,
     a ``PretrainedConfig`` or a ``PreTrainedModel``. ``node_map``: ``{reference node or glob: your
-    module path}`` overrides of the automatic alignment. ``device`` / ``device_map``: where both
-    models run (see :func:`parity.build.build_pair`); ``build`` receives the reference's tensors
-    already there. ``check_kwargs``: every option of
-    :func:`parity.check` (``seq_len``, ``batch_size``, ``mode``, ``atol``, ``exact``...).
+    module path}`` overrides of the automatic alignment. ``check_kwargs``: every option of
+    :func:`parity.check` (``seq_len``, ``batch_size``, ``mode``, ``atol``, ``exact``, ``decode``...).
+    ``cache_protocol``: how to run your model with its KV cache for ``decode=`` checks when its API is
+    not ``new_cache()`` / ``forward(..., cache=)`` (a :class:`parity.decode.CacheProtocol`).
+    ``device`` / ``device_map``: where both models run (see :func:`parity.build.build_pair`);
+    ``build`` receives the reference's tensors already there.
 
     Functional nodes (after RoPE, scores, probabilities, context) need ``parity.tap(tensor, name)``
     in your forward; a node without a tap is ``untapped``: shown and counted, never a pass or a
@@ -233,7 +243,8 @@ def check_model(
             leaves a reference tensor unused or keeps a parameter on the meta device; nothing could
             be aligned; a bad reference or bad check arguments (see :func:`parity.check`).
     """
-    pair = build_user_pair(ours, reference, dtype=dtype, seed=seed, node_map=node_map, device=device, device_map=device_map)
+    pair = build_user_pair(ours, reference, dtype=dtype, seed=seed, node_map=node_map, cache_protocol=cache_protocol,
+                           device=device, device_map=device_map)
     return check(pair, **check_kwargs)
 
 

@@ -3,7 +3,8 @@
 
 A family's loader is a table ``{checkpoint key template: our parameter path}`` with ``{i}`` for the
 layer index (the litgpt convention). An entry may instead say what the loader does to the tensor on
-the way (:class:`Transposed`), so loader coverage and the alignment of a user's model can read it.
+the way (:class:`Transposed`) or that one fused checkpoint tensor feeds several of our parameters
+(:class:`Split`), so loader coverage and the alignment of a user's model can read it.
 
 :func:`apply_weight_table` needs nothing but the table, the model and the checkpoint:
 
@@ -41,12 +42,64 @@ class Transposed:
         return f"{key}: transposed into {self.target}"
 
 
+@dataclass(frozen=True)
+class Split:
+    """A table entry whose checkpoint tensor is several of our parameters fused: each target gets a
+    view of its part (no copy, so the storage stays shared and loader coverage can account for every
+    slice exactly once).
+
+    ``targets``: our parameter paths in the order their parts are stored (``("...fc1.weight",
+    "...fc2.weight")`` for a ``gate_up_proj`` whose first half is the gate). The tensor (or, with
+    ``{e}`` in the targets, each ``tensor[e]``: the first dimension indexes experts, one set of
+    targets per ``e``) is cut into ``len(targets)`` equal chunks along ``dim``. Transformers 5 stores
+    MoE experts so: ``experts.gate_up_proj`` ``(E, 2I, H)`` -> ``Split((gate_e, up_e))``,
+    ``experts.down_proj`` ``(E, H, I)`` -> ``Split((down_e,))``.
+    """
+
+    targets: tuple[str, ...]
+    dim: int = 0
+
+    @property
+    def target(self) -> str:
+        return self.targets[0]
+
+    @property
+    def per_index(self) -> bool:
+        return "{e}" in self.targets[0]
+
+    def parts(self, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """``[(concrete target, view)]`` in storage order; ValueError when the tensor does not cut evenly."""
+        groups = [(e, tensor[e]) for e in range(tensor.shape[0])] if self.per_index else [(None, tensor)]
+        out = []
+        for e, t in groups:
+            if t.dim() <= self.dim or t.shape[self.dim] % len(self.targets):
+                raise ValueError(f"cannot cut {tuple(t.shape)} into {len(self.targets)} equal parts along dim {self.dim}")
+            for target, part in zip(self.targets, t.chunk(len(self.targets), dim=self.dim)):
+                out.append((target if e is None else target.replace("{e}", str(e)), part))
+        return out
+
+    def describe(self, key: str) -> str:
+        per = " per index of dim 0" if self.per_index else ""
+        return f"{key}: split{per} into {', '.join(self.targets)}"
+
+
 def _target(entry) -> str:
     return entry if isinstance(entry, str) else entry.target
 
 
+def _concrete(entry, i: str):
+    """``entry`` with ``{i}`` filled in (``{e}`` stays for :class:`Split`)."""
+    if isinstance(entry, str):
+        return entry.format(i=i)
+    if isinstance(entry, Split):
+        return Split(tuple(t.replace("{i}", i) for t in entry.targets), entry.dim)
+    return type(entry)(_target(entry).format(i=i))
+
+
 def _indices(template: str, names) -> set[str]:
-    pattern = re.compile("^" + re.escape(template).replace(re.escape("{i}"), r"(\d+)") + "$")
+    pattern = re.compile(
+        "^" + re.escape(template).replace(re.escape("{i}"), r"(\d+)").replace(re.escape("{e}"), r"\d+") + "$"
+    )
     return {m.group(1) for m in map(pattern.match, names) if m}
 
 
@@ -60,9 +113,7 @@ def expand_table(table: Mapping[str, object], checkpoint_keys, our_names) -> dic
             continue
         indices = _indices(src, checkpoint_keys) | _indices(_target(entry), our_names)
         for i in sorted(indices, key=int):
-            expanded[src.format(i=i)] = _target(entry).format(i=i) if isinstance(entry, str) else type(entry)(
-                _target(entry).format(i=i)
-            )
+            expanded[src.format(i=i)] = _concrete(entry, i)
     return expanded
 
 
@@ -70,11 +121,33 @@ def _summary(items: list[str], n: int = 6) -> str:
     return ", ".join(items[:n]) + (f", ... ({len(items)} in all)" if len(items) > n else "")
 
 
+def _split_problems(src: str, entry: Split, tensor: torch.Tensor, ours: dict) -> tuple[list, list, list, list]:
+    """``(plan items, unknown, shape problems, mismatched parameter ids)`` of one :class:`Split` entry."""
+    try:
+        parts = entry.parts(tensor)
+    except ValueError as e:
+        pattern = re.compile("^(?:" + "|".join(re.escape(t).replace(re.escape("{e}"), r"\d+") for t in entry.targets) + ")$")
+        targets = [id(p) for name, p in ours.items() if pattern.match(name)]  # named here, not again as "never written"
+        return [], [], [f"{src}: checkpoint {tuple(tensor.shape)}: {e} ({', '.join(entry.targets)})"], targets
+    items, unknown, shapes, mismatched = [], [], [], []
+    for n, (dst, view) in enumerate(parts):
+        label = f"{src}[{n // len(entry.targets)}]" if entry.per_index else src
+        if dst not in ours:
+            unknown.append(f"{label} -> {dst}")
+        elif tuple(view.shape) != tuple(ours[dst].shape):
+            shapes.append(f"{label}: checkpoint part {tuple(view.shape)}, expected {tuple(ours[dst].shape)} ({dst})")
+            mismatched.append(id(ours[dst]))
+        else:
+            items.append((src, dst, view))
+    return items, unknown, shapes, mismatched
+
+
 def apply_weight_table(model: nn.Module, state_dict: Mapping[str, torch.Tensor], table: Mapping[str, object]) -> dict[str, str]:
     """Assign the checkpoint's tensors to ``model``'s parameters as the table says, without copying.
 
     Tensors are wrapped, not copied, so a model loaded from the same state dict as another shares
-    its storage. Returns the consumed checkpoint keys -> our parameter paths.
+    its storage (a :class:`Split` entry assigns views of one tensor). Returns the consumed
+    checkpoint keys -> our parameter paths (a split key: its first and last target and how many).
 
     Raises:
         LoaderError: naming every missing key, unused key, shape mismatch (key, checkpoint shape,
@@ -87,9 +160,23 @@ def apply_weight_table(model: nn.Module, state_dict: Mapping[str, torch.Tensor],
     group_of = {name: groups[id(p)] for name, p in ours.items()}
     expanded = expand_table(table, state_dict.keys(), ours)
 
-    problems, plan = [], {}
+    problems, plan = [], []  # plan: (checkpoint key, our parameter, tensor or view)
     missing, unknown, shapes, mismatched = [], [], [], set()
     for src, entry in expanded.items():
+        if isinstance(entry, Split):
+            in_ckpt = src in state_dict
+            in_ours = any(_indices(t.replace("{e}", "{i}"), ours) for t in entry.targets) if entry.per_index else any(
+                t in ours for t in entry.targets
+            )
+            if not in_ckpt and in_ours:
+                missing.append(src)
+            elif in_ckpt:
+                items, bad_targets, bad_shapes, bad_ids = _split_problems(src, entry, state_dict[src], ours)
+                plan += items
+                unknown += bad_targets
+                shapes += bad_shapes
+                mismatched.update(bad_ids)
+            continue
         dst = _target(entry)
         in_ckpt, in_ours = src in state_dict, dst in ours
         if not in_ckpt and not in_ours:
@@ -102,28 +189,32 @@ def apply_weight_table(model: nn.Module, state_dict: Mapping[str, torch.Tensor],
             continue
         tensor = state_dict[src] if isinstance(entry, str) else entry.apply(state_dict[src])
         if tuple(tensor.shape) != tuple(ours[dst].shape):
+            moved = "" if isinstance(entry, str) else f" ({type(entry).__name__.lower()}: {tuple(tensor.shape)})"
             shapes.append(
-                f"{src}: checkpoint {tuple(state_dict[src].shape)}, expected {tuple(ours[dst].shape)} ({dst})"
+                f"{src}: checkpoint {tuple(state_dict[src].shape)}{moved}, expected {tuple(ours[dst].shape)} ({dst})"
             )
             mismatched.add(id(ours[dst]))  # named here already, not again as "never written"
             continue
-        plan[src] = (dst, tensor)
+        plan.append((src, dst, tensor))
     # a tie in ours: one group may be written from two keys only when they hold the same values
-    written: dict[int, str] = {}
-    for src, (dst, tensor) in list(plan.items()):
+    written: dict[int, int] = {}
+    for n, (src, dst, tensor) in enumerate(plan):
         gid = id(ours[dst])
         if gid in written:
-            first = written[gid]
-            if not torch.equal(plan[first][1], tensor):
-                problems.append(f"{src} differs from {first} but ours ties {dst} to {plan[first][0]} (one Parameter)")
-            plan[src] = (dst, None)  # consumed, not assigned twice
+            first_src, first_dst, first_tensor = plan[written[gid]]
+            if not torch.equal(first_tensor, tensor):
+                problems.append(f"{src} differs from {first_src} but ours ties {dst} to {first_dst} (one Parameter)")
+            plan[n] = (src, dst, None)  # consumed, not assigned twice
         else:
-            written[gid] = src
+            written[gid] = n
     if shapes:  # a wrong width mismatches every tensor: the first few say it, the count says how far it goes
         shapes.sort(key=lambda entry: tuple(int(n) for n in re.findall(r"\.(\d+)\.", entry.split(":", 1)[0])))
         shown = "; ".join(shapes[:3]) + (f"; ... ({len(shapes)} keys in all)" if len(shapes) > 3 else "")
         problems.insert(0, f"shape mismatch for {shown}")
-    missing = [k for k in missing if id(ours[_target(expanded[k])]) not in written]  # a tied name is written through its group
+    missing = [
+        k for k in missing
+        if isinstance(expanded[k], Split) or id(ours[_target(expanded[k])]) not in written  # a tied name is written through its group
+    ]
     if missing:
         problems.append(f"missing checkpoint keys: {_summary(missing)}")
     if unknown:
@@ -138,11 +229,13 @@ def apply_weight_table(model: nn.Module, state_dict: Mapping[str, torch.Tensor],
     if problems:
         raise LoaderError("; ".join(problems))
 
-    for src, (dst, tensor) in plan.items():
+    consumed: dict[str, list[str]] = {}
+    for src, dst, tensor in plan:
+        consumed.setdefault(src, []).append(dst)
         if tensor is None:
             continue
         param = nn.Parameter(tensor, requires_grad=False)
         for name in group_of[dst]:
             module_path, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(module_path) if module_path else model, leaf, param)
-    return {src: dst for src, (dst, _) in plan.items()}
+    return {src: dsts[0] if len(dsts) == 1 else f"{dsts[0]} .. {dsts[-1]} ({len(dsts)} views)" for src, dsts in consumed.items()}

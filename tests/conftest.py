@@ -9,6 +9,15 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from hypothesis import settings  # noqa: E402
+
+# Property tests (tests/test_properties.py): examples per family and test. `default` keeps every
+# test run within its budget; `.ci/run` uses `ci`; `nightly` is for a long run by hand.
+settings.register_profile("default", max_examples=20)
+settings.register_profile("ci", max_examples=200)
+settings.register_profile("nightly", max_examples=3000)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
 pytest_plugins = ["pytester"]
 
 

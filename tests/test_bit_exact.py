@@ -1,23 +1,27 @@
-"""Every node of every clean built-in tiny config is bit-identical to Transformers (atol = rtol = 0),
-in float32 and bfloat16, in chained mode: the shared blocks round as each reference rounds."""
+"""Every node of every clean CI config of every registered family is bit-identical to Transformers
+(atol = rtol = 0) in each dtype its family claims (``Family.exact_dtypes``), in chained mode: the
+shared blocks round as each reference rounds."""
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
-import torch
 
 import parity
+from parity.registry import families
 
-CONFIGS = [("olmo3", "tiny"), ("olmo3", "yarn"), ("olmo3", "mha"), ("tiny_aya", "tiny"), ("llama3", "tiny")]
+CASES = [
+    (name, config, dtype)
+    for name, fam in families().items()
+    for config in fam.ci_configs
+    for dtype in fam.exact_dtypes
+]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("family, config", CONFIGS, ids=[f"{f}-{c}" for f, c in CONFIGS])
+@pytest.mark.parametrize(
+    "family, config, dtype", CASES, ids=[f"{f}-{c}-{str(d).replace('torch.', '')}" for f, c, d in CASES]
+)
 def test_every_node_is_bit_identical(family, config, dtype):
-    build_pair = importlib.import_module(f"reference_pairs.{family}").build_pair
-    res = parity.check(build_pair(config, dtype=dtype), batch_size=2, atol=0, rtol=0)
+    res = parity.check(families()[family].build_pair(config, dtype=dtype), batch_size=2, atol=0, rtol=0)
     assert res.passed, res.verdict()
     assert all(n.max_abs == 0.0 for n in res.nodes), [(n.name, n.max_abs) for n in res.nodes if n.max_abs]
 

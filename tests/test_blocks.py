@@ -325,6 +325,25 @@ def test_layer_without_rope_leaves_q_and_k_unrotated():
     assert torch.equal(taps["q_rot"], taps["W_query"].unflatten(-1, (2, 8)).transpose(1, 2))
 
 
+def test_fused_qkv_is_the_three_projections_side_by_side():
+    """``fused_qkv``: one ``W_qkv`` whose rows are W_query's, W_key's and W_value's, in that order (GQA
+    widths too); the same attention as three projections holding those rows, and no output gate."""
+    fused = randomize(GroupedQueryAttention(16, 4, 2, 8, fused_qkv=True, bias=True))
+    split = GroupedQueryAttention(16, 4, 2, 8, bias=True)
+    weights, biases = fused.W_qkv.weight.split([32, 16, 16]), fused.W_qkv.bias.split([32, 16, 16])
+    state = {}
+    for name, w, b in zip(("W_query", "W_key", "W_value"), weights, biases):
+        state |= {f"{name}.weight": w, f"{name}.bias": b}
+    split.load_state_dict({**state, "out_proj.weight": fused.out_proj.weight, "out_proj.bias": fused.out_proj.bias})
+    x = inputs((2, 6, 16), torch.float32)
+    cos, sin = rope_cos_sin(rope_init({"rope_type": "default", "rope_theta": 100.0}, 8)[0], 6)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x, cos, sin), split(x, cos, sin), atol=0, rtol=0)
+    assert not hasattr(fused, "W_query")
+    with pytest.raises(ValueError, match="fused_qkv with an output gate"):
+        GroupedQueryAttention(16, 4, 2, 8, fused_qkv=True, output_gate=True)
+
+
 # --- block layouts ------------------------------------------------------------------------------
 
 
@@ -398,7 +417,7 @@ class Branch(nn.Module):
         super().__init__()
         self.scale, self.shift, self.head_dim = scale, shift, 8
 
-    def forward(self, x, cos=None, sin=None, padding_mask=None):
+    def forward(self, x, cos=None, sin=None, padding_mask=None, cache=None):
         return self.scale * x + self.shift
 
 

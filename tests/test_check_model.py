@@ -15,6 +15,7 @@ from torch import nn
 
 import parity
 from parity.cli import main
+from parity.user_model import build_user_pair
 
 USER_MODELS = Path(__file__).parent / "user_models"
 sys.path.insert(0, str(USER_MODELS))
@@ -124,6 +125,40 @@ def test_meta_tiny_aya_rotating_its_nope_layer_is_found_at_that_layers_q_rot(mon
     assert isolated and all(n.startswith("model.layers.3.self_attn.") for n in isolated)
 
 
+def test_a_tap_whose_sequence_length_equals_the_head_count_is_read_as_declared(monkeypatch):
+    """(batch, seq, heads, head_dim) and (batch, heads, seq, head_dim) have one shape when seq = heads
+    (the tiny config has 4 query heads): a declared layout is compared as declared; an undeclared one
+    as (batch, heads, seq, head_dim), which fails a (batch, seq, heads, head_dim) tap with a hint that
+    names the fix, unless the tap showed its layout on an earlier call of another length."""
+    declared = parity.check_model(meta_tiny_aya.build, "tiny_aya", seq_len=4, mode="both")
+    assert declared.passed, declared.verdict()
+    assert next(n for n in declared.nodes if n.name == "model.layers.0.self_attn.q_rot").status == "ok"
+
+    tap = parity.tap
+    monkeypatch.setattr(meta_tiny_aya.parity, "tap", lambda t, name, layout=None: tap(t, name))
+    undeclared = parity.check_model(meta_tiny_aya.build, "tiny_aya", seq_len=4)
+    bad = undeclared.first_mismatch
+    assert bad.name == "model.layers.0.self_attn.q_rot" and bad.hint.kind == "tap_layout"
+    assert "layout='bshd'" in bad.hint.text
+    # any other length is read from the shape; after one, the same pair reads seq_len = heads alike
+    pair = build_user_pair(meta_tiny_aya.build, "tiny_aya")
+    assert parity.check(pair, seq_len=5).passed
+    assert parity.check(pair, seq_len=4).passed
+
+    # a wrong declaration is compared as declared (q: heads and positions swap places), or refused
+    # where the shape cannot hold it (k has 2 heads, not 4 positions)
+    wrong_q = lambda t, name, layout=None: tap(t, name, layout="bhsd" if name == "q_rot" else "bshd")
+    monkeypatch.setattr(meta_tiny_aya.parity, "tap", wrong_q)
+    wrong = parity.check_model(meta_tiny_aya.build, "tiny_aya", seq_len=4)
+    assert wrong.first_mismatch.name == "model.layers.0.self_attn.q_rot" and wrong.first_mismatch.hint.kind == "tap_layout"
+    monkeypatch.setattr(meta_tiny_aya.parity, "tap", lambda t, name, layout=None: tap(t, name, layout="bhsd"))
+    with pytest.raises(parity.ParityError, match=r"'k_rot', layout='bhsd'\): shape \(1, 4, 2, 8\) does not fit bhsd with 2 heads"):
+        parity.check_model(meta_tiny_aya.build, "tiny_aya", seq_len=4)
+    monkeypatch.setattr(meta_tiny_aya.parity, "tap", lambda t, name, layout=None: tap(t, name, layout="sbhd"))
+    with pytest.raises(parity.ParityError, match="layout must be one of bhsd, bshd, bsf"):
+        parity.check_model(meta_tiny_aya.build, "tiny_aya", seq_len=4)
+
+
 def test_node_map_overrides_the_alignment():
     """No context tap in the litgpt model: compare it as the input of the output projection instead."""
     res = parity.check_model(litgpt_llama.build, "llama3",
@@ -220,3 +255,16 @@ def test_cli_bad_user_model_input_exit_2(argv, message, capsys):
 
 def test_parity_model_fixture(parity_model):
     parity.assert_parity(parity_model(meta_tiny_aya.build, "tiny_aya", mode="both"))
+
+
+def test_assert_bit_exact_holds_our_pairs_to_the_last_bit_and_a_user_model_to_its_tolerance():
+    """A model in another rounding order passes at float32 tolerance but is not bit-exact; our pair is."""
+    res = parity.check_model(litgpt_llama.build, "llama3")
+    assert parity.assert_parity(res) is res
+    assert any((n.max_abs or 0.0) > 0 for n in res.nodes)
+    with pytest.raises(AssertionError, match="not bit-exact at"):
+        parity.assert_bit_exact(res)
+    from parity.registry import get_family
+
+    exact = parity.assert_bit_exact(get_family("llama3").build_pair())
+    assert all(n.max_abs == 0.0 and n.atol == 0.0 for n in exact.nodes)

@@ -24,10 +24,13 @@ import reference_pairs.olmo3 as olmo3
 import reference_pairs.olmo3.loader as olmo3_loader
 from parity.cli import main
 from parity.gate import BUDGET, DTYPES, SOURCES, GateRun, Project, choose_families, read_baseline, write_baseline
+from parity.registry import families
 from reference_pairs.common import norms as layers
 
 ROOT = Path(__file__).resolve().parents[1]
 BASELINE = ROOT / "parity-baseline.json"
+#: gate cases of the llama3 family (every CI config, from every source, in every dtype)
+LLAMA3_CASES = len(llama3.FAMILY.ci_configs) * len(SOURCES) * len(DTYPES)
 
 
 def digest(path: Path) -> str:
@@ -57,7 +60,7 @@ def test_the_committed_baseline_covers_every_case_with_both_dtypes():
     assert {c.id for c in run.cases} == set(data["cases"])
     assert {c.dtype for c in run.cases} == {"float32", "bfloat16"}
     assert {c.source for c in run.cases} == set(SOURCES)
-    assert {c.family for c in run.cases} == {"olmo3", "tiny_aya", "llama3"}
+    assert {c.family for c in run.cases} == set(families())
 
 
 def test_loader_dropping_a_key_fails(baseline, replace_table):
@@ -211,7 +214,7 @@ def test_update_refuses_to_record_a_failing_state(baseline, capsys, replace_tabl
     replace_table(llama3_loader.WEIGHT_MAP, template)
     before = digest(baseline)
     assert main(["gate", "--family", "llama3", "--baseline", str(baseline), "--update-baseline", "--no-reports"]) == 2
-    assert "not updating the baseline: 6 case(s) fail" in capsys.readouterr().err
+    assert f"not updating the baseline: {LLAMA3_CASES} case(s) fail" in capsys.readouterr().err
     assert digest(baseline) == before
 
 
@@ -246,11 +249,16 @@ def test_bad_baseline_is_bad_input(tmp_path, capsys, content, message):
 def test_changed_paths_choose_families_and_say_why():
     project = Project.load(ROOT)
     shared = project.shared(BASELINE)
-    assert choose_families(["reference_pairs/llama3/loader.py", "README.md"], project.folders, shared) == (
-        ["llama3"], ["llama3: reference_pairs/llama3/loader.py changed"]
+    assert choose_families(["reference_pairs/olmo3/loader.py", "README.md"], project.folders, shared) == (
+        ["olmo3"], ["olmo3: reference_pairs/olmo3/loader.py changed"]
     )
+    # llama2 and mistral are data on the llama3 family's model and loader: its folder runs all three
+    chosen, why = choose_families(["reference_pairs/llama3/loader.py"], project.folders, shared)
+    assert chosen == ["llama2", "llama3", "mistral"] and "llama3: reference_pairs/llama3/loader.py changed" in why
+    assert choose_families(["reference_pairs/mistral/faults.py"], project.folders, shared)[0] == ["mistral"]
     chosen, why = choose_families(["parity/compare.py"], project.folders, shared)
-    assert chosen == ["llama3", "olmo3", "tiny_aya"] and "shared code changed (parity/compare.py)" in why[0]
+    assert chosen == sorted(project.folders) and "shared code changed (parity/compare.py)" in why[0]
+    assert {"llama3", "olmo3", "tiny_aya"} <= set(chosen)
     assert choose_families(["reference_pairs/common/rope.py"], project.folders, shared)[0] == chosen
     assert choose_families(["parity-baseline.json"], project.folders, shared)[0] == chosen
     assert choose_families(["docs/x.md"], project.folders, shared) == ([], ["no family or shared file changed (1 other path(s))"])
@@ -284,19 +292,20 @@ def test_gate_reports_junit_from_pytest_and_one_line_per_failing_case(tmp_path, 
     capsys.readouterr()
     assert main(["gate", "--family", "llama3", "--report-dir", str(tmp_path)]) == 1
     out = capsys.readouterr().out
-    failing = [line for line in out.splitlines() if line.startswith("llama3/tiny/")]
-    assert len(failing) == 6 and all("model.layers.0.mlp.gate_proj: mismatch" in line for line in failing), out
-    assert "gate: 0 of 6 cases pass, 6 failure(s)" in out
+    failing = [line for line in out.splitlines() if line.startswith("llama3/tiny")]
+    n = LLAMA3_CASES
+    assert len(failing) == n and all("model.layers.0.mlp.gate_proj: mismatch" in line for line in failing), out
+    assert f"gate: 0 of {n} cases pass, {n} failure(s)" in out
     (folder,) = tmp_path.iterdir()
     assert folder.name.startswith("gate-") and f"reports: {folder}" in out
     junit = (folder / "junit.xml").read_text()
-    assert 'name="parity-gate"' in junit and junit.count("<testcase") == 7 and 'failures="6"' in junit
+    assert 'name="parity-gate"' in junit and junit.count("<testcase") == n + 1 and f'failures="{n}"' in junit
     assert 'name="test_gate[llama3/tiny/checkpoint-sharded/bfloat16]"' in junit
     assert 'name="test_config_coverage[llama3]"' in junit
     summary = json.loads((folder / "summary.json").read_text())
-    assert summary["passed"] is False and len(summary["cases"]) == 6
+    assert summary["passed"] is False and len(summary["cases"]) == n
     assert all(c["report"].endswith(".html") and (folder / c["report"]).is_file() for c in summary["cases"])
-    assert len(list(folder.glob("*.html"))) == 6
+    assert len(list(folder.glob("*.html"))) == n
 
 
 def test_budget_summary_is_one_line_per_case_and_the_report_has_every_node(tmp_path, capsys, monkeypatch):
@@ -347,7 +356,7 @@ def test_pytest_options_run_and_update_the_gate(tmp_path, capsys, monkeypatch):
             "--parity-no-reports", "--parity-gate", "--parity-gate-family", "llama3", "--parity-gate-baseline", str(path)]
     assert pytest.main([*argv, "--parity-gate-update-baseline"]) == pytest.ExitCode.OK
     out = capsys.readouterr().out
-    assert "7 passed" in out and f"parity gate: baseline written: {path}" in out
+    assert f"{LLAMA3_CASES + 1} passed" in out and f"parity gate: baseline written: {path}" in out
     assert sorted(read_baseline(path)["cases"]) == sorted(c for c in read_baseline(BASELINE)["cases"] if c.startswith("llama3/"))
     path.write_text(path.read_text().replace('"max_abs": 0.0', '"max_abs": -1.0', 1))
     assert pytest.main(argv) == pytest.ExitCode.USAGE_ERROR
@@ -356,15 +365,15 @@ def test_pytest_options_run_and_update_the_gate(tmp_path, capsys, monkeypatch):
 
 def test_parity_gate_ignores_pytest_addopts(monkeypatch, capsys):
     monkeypatch.setenv("PYTEST_ADDOPTS", "-q --no-such-option")
-    assert main(["gate", "reference_pairs/llama3/configs.py", "--no-reports"]) == 0
+    assert main(["gate", "reference_pairs/tiny_aya/configs.py", "--no-reports"]) == 0
     assert "gate: 6 of 6 cases pass" in capsys.readouterr().out
 
 
 def test_paths_from_a_subfolder_are_the_projects(monkeypatch, capsys):
     monkeypatch.chdir(ROOT / "reference_pairs")
-    run = GateRun.prepare(".", changed=["llama3/loader.py"])
-    assert run.project.root == ROOT and run.names == ["llama3"]
-    assert run.selection == ["llama3: reference_pairs/llama3/loader.py changed"]
+    run = GateRun.prepare(".", changed=["olmo3/loader.py"])
+    assert run.project.root == ROOT and run.names == ["olmo3"]
+    assert run.selection == ["olmo3: reference_pairs/olmo3/loader.py changed"]
 
 
 @pytest.mark.parametrize(

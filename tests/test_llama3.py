@@ -62,10 +62,18 @@ RELEASED_1B = {
     "transformers_version": "4.45.0.dev0", "use_cache": True, "vocab_size": 128256,
 }
 RELEASED_3B = {**RELEASED_1B, "head_dim": 128, "hidden_size": 3072, "num_attention_heads": 24, "num_hidden_layers": 28}
+# meta-llama/Llama-3.1-8B: no head_dim key (4096 / 32), an untied head, llama3 factor 8
+RELEASED_8B = {
+    **{k: v for k, v in RELEASED_1B.items() if k != "head_dim"}, "hidden_size": 4096, "intermediate_size": 14336,
+    "num_attention_heads": 32, "num_hidden_layers": 32, "tie_word_embeddings": False,
+    "rope_scaling": {**RELEASED_1B["rope_scaling"], "factor": 8.0}, "transformers_version": "4.43.0.dev0",
+}
 
 
 @pytest.mark.parametrize(
-    "released, name, n_layers", [(RELEASED_1B, "1b-shape", 16), (RELEASED_3B, "3b-shape", 28)], ids=["1b", "3b"]
+    "released, name, n_layers",
+    [(RELEASED_1B, "1b-shape", 16), (RELEASED_3B, "3b-shape", 28), (RELEASED_8B, "8b-shape", 32)],
+    ids=["1b", "3b", "8b"],
 )
 def test_shape_configs_are_the_released_config_json(released, name, n_layers):
     from transformers import LlamaConfig
@@ -80,7 +88,8 @@ def test_family_is_registered():
     from parity.registry import get_family
 
     assert get_family("llama3") is FAMILY
-    assert set(FAMILY.configs) == {"tiny", "1b-shape", "3b-shape"} and FAMILY.ci_configs == ("tiny",)
+    assert set(FAMILY.configs) == {"tiny", "tiny-untied", "1b-shape", "3b-shape", "8b-shape"}
+    assert FAMILY.ci_configs == ("tiny", "tiny-untied")  # 8b-shape's untied head needs a CI config too
 
 
 # --- Llama 3 frequency scaling
@@ -383,14 +392,28 @@ def test_cli_check_passes(tmp_path, capsys):
     assert json.loads((folder / "result.json").read_text())["passed"] is True
 
 
-# --- real widths (slow: about 1.5 and 2.5 GB of float32 weights)
+# --- real widths (slow: about 1.5, 2.5 and 6 GB of float32 weights; run under the memory lock)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, emb, head_dim", [("1b-shape", 2048, 64), ("3b-shape", 3072, 128)])
+@pytest.mark.parametrize("name, emb, head_dim", [("1b-shape", 2048, 64), ("3b-shape", 3072, 128), ("8b-shape", 4096, 128)])
 def test_parity_at_real_widths(name, emb, head_dim):
     pair = build_pair(name)
     assert (pair.cfg["emb_dim"], pair.cfg["head_dim"], pair.cfg["n_layers"]) == (emb, head_dim, 2)
     assert pair.cfg["vocab_size"] == 128_256
-    assert_head_tied(pair.ours)
+    if name == "8b-shape":  # Llama 3.1 8B: untied, llama3 factor 8
+        assert pair.ours.out_head.weight is not pair.ours.tok_emb.weight
+        assert pair.reference.config.rope_parameters["factor"] == 8.0
+    else:
+        assert_head_tied(pair.ours)
     assert_holds(pair)
+
+
+def test_tiny_untied_is_the_8b_layout_at_tiny_width():
+    """The CI config that covers 8b-shape's untied head (the gate fails a real-config feature no CI config has)."""
+    cfg, big = CONFIGS["tiny-untied"](), CONFIGS["8b-shape"]()
+    assert cfg["tie_word_embeddings"] is big["tie_word_embeddings"] is False
+    assert cfg["rope_freq"]["factor"] == big["rope_freq"]["factor"] == 8.0
+    pair = build_pair("tiny-untied", dtype=torch.bfloat16)
+    assert pair.ours.out_head.weight is not pair.ours.tok_emb.weight
+    assert parity.check(pair, batch_size=2).passed

@@ -59,8 +59,8 @@ def test_dropped_yarn_attention_factor_is_found_at_first_yarn_q_rot(monkeypatch)
 def test_pre_norm_block_is_found_at_that_layers_q_proj():
     pair = build_pair("tiny")
 
-    def pre_norm(self, x, cos, sin, padding_mask=None):
-        x = x + self.att(self.post_attention_layernorm(x), cos, sin, padding_mask)
+    def pre_norm(self, x, cos, sin, padding_mask=None, cache=None):
+        x = x + self.att(self.post_attention_layernorm(x), cos, sin, padding_mask, cache)
         return x + self.ff(self.post_feedforward_layernorm(x))
 
     block = pair.ours.blocks[2]

@@ -21,7 +21,7 @@ from parity.check import plan, trace_ours, trace_reference
 from parity.cli import main
 from parity.compare import tensor_metrics
 from parity.errors import ConfigError, ParityError
-from parity.resources import available_bytes, trace_bytes
+from parity.resources import available_bytes, one_trace_bytes
 from parity.trace import Spill, TensorStore
 from reference_pairs.llama3 import build_pair as llama3_pair
 from reference_pairs.olmo3 import build_pair as olmo3_pair
@@ -75,7 +75,7 @@ def test_ours_keeps_only_the_first_failure_and_what_its_diagnosis_reads():
         assert first.name == "model.layers.1.self_attn.q_proj"
         assert set(ours.tensors) == {first.name}  # its input for the diagnosis, nothing else of ours
         assert set(ours.inputs) == {first.name}
-        assert len(ours.results) == len(ref.tensors) and "lm_head" in ours.summaries
+        assert len(ours.results) == len(ref.tensors) and "lm_head" in ours.watched
     finally:
         ref.close()
         ours.close()
@@ -256,7 +256,7 @@ def test_the_trace_estimate_covers_the_traces_actually_recorded(build):
     ref = trace_reference(pair, run)
     recorded = sum(t.numel() * t.element_size() for store in (ref.tensors, ref.inputs) for t in store.values())
     ref.close()
-    estimate = trace_bytes(pair.facts, 2, 24, 4)
+    estimate = one_trace_bytes(pair.facts, 2, 24, 4)
     assert recorded <= estimate <= 4 * recorded
 
 

@@ -33,9 +33,9 @@ def first_bad(pair) -> parity.NodeResult:
     return res.first_mismatch
 
 
-def sequential_forward(self, x, cos, sin, padding_mask=None):
+def sequential_forward(self, x, cos, sin, padding_mask=None, cache=None):
     """The fault: a Llama-style sequential block, x' = x + A(N(x)), y = x' + F(N(x'))."""
-    x = x + self.att(self.input_layernorm(x), cos, sin, padding_mask)
+    x = x + self.att(self.input_layernorm(x), cos, sin, padding_mask, cache)
     return x + self.ff(self.input_layernorm(x))
 
 

@@ -122,6 +122,7 @@ def _facts(result) -> list[dict]:
         ("seq len", f"{meta.get('seq_len')} tokens" + (f" x batch {meta['batch_size']}" if meta.get("batch_size", 1) != 1 else "")),
         ("seed", meta.get("seed")),
         ("mode", meta.get("mode")),
+        ("probe", meta.get("probe")),
         *_tolerance_facts(result),
         ("torch", versions.get("torch")),
         ("transformers", versions.get("transformers")),
@@ -253,6 +254,7 @@ def render_html(result) -> str:
     mode = result.meta.get("mode", "chained")
     depth_summary = _depth_summary(result)
     exact = bad is None and depth_summary["exact"]  # nothing to plot
+    decode = result.decode is not None  # steps x layers replaces the layer x kind picture
     return _env.get_template("report.html.j2").render(
         r=result,
         d=result_dict(result),
@@ -261,7 +263,8 @@ def render_html(result) -> str:
         depth_summary=depth_summary,
         logits_agree=_logits_agree(result.logits),
         card=card,
-        heatmap_svg=None if exact else _svg(plots.depth_heatmap_svg(result.nodes, bad.index if bad else None)),
+        heatmap_svg=None if exact or decode else _svg(plots.depth_heatmap_svg(result.nodes, bad.index if bad else None)),
+        decode_svg=_svg(plots.decode_heatmap_svg(result.nodes, bad.index if bad else None)) if decode else None,
         depth_svg=None if exact else _svg(plots.depth_line_svg(
             result.nodes, result.isolated if mode != "isolated" else None, bad.index if bad else None,
             label="isolated" if mode == "isolated" else "chained",

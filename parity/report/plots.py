@@ -37,7 +37,7 @@ RATIO_CMAP = LinearSegmentedColormap.from_list(
      (1.0, "#5e0016")],
 )
 NO_METRICS = "#d9dce1"
-STATUS_MARK = {"shape": "S", "missing": "M", "nonfinite": "N"}
+STATUS_MARK = {"shape": "S", "missing": "M", "nonfinite": "N", "choice": "C"}
 BAR_LIMIT = 160  # above this many values, draw a step line instead of bars
 STEP_POINTS = 1024  # at most this many steps in a line
 
@@ -190,7 +190,9 @@ def profile_svg(values: Sequence[float | None] | None, threshold: float | None, 
 def _layer_grid(nodes) -> tuple[list, list[str], dict[tuple, object]]:
     """Rows (layer indices, with each node outside the layers as a row of its own: the embedding
     on top, the final norm and the head below), the node kinds of the layers (columns, execution
-    order) and the node of each cell (``(row, kind)``; an outside node's kind is None)."""
+    order) and the node of each cell (``(row, kind)``; an outside node's kind is None). Several nodes
+    of one kind in one layer (the experts of a MoE layer) share a cell: it shows the earliest failing
+    one, else the one nearest its tolerance."""
     layers = sorted({n.layer for n in nodes if n.layer is not None})
     first = min((n.index for n in nodes if n.layer is not None), default=None)
     kinds: list[str] = []
@@ -203,6 +205,9 @@ def _layer_grid(nodes) -> tuple[list, list[str], dict[tuple, object]]:
             continue
         if n.kind not in kinds:
             kinds.append(n.kind)
+        held = cells.get((n.layer, n.kind))
+        if held is not None and (held.failed or (not n.failed and (_log_ratio(n) or -math.inf) <= (_log_ratio(held) or -math.inf))):
+            continue
         cells[(n.layer, n.kind)] = n
     return before + layers + after, kinds, cells
 
@@ -386,3 +391,63 @@ def logits_svg(logits: dict | None, batch_size: int = 1) -> str | None:
         ax.grid(axis="x", visible=False)
         ax.set_xlim(-0.7, n - 0.3)
     return to_svg(fig, "logits")
+
+
+def _badness(node) -> tuple:
+    """Order nodes by how badly they fail: failing first, then by max_abs / tolerance (inf when the
+    tolerance is 0 or the node has no metrics)."""
+    value = _log_ratio(node)
+    return (node.failed, value if value is not None else (math.inf if node.failed else -math.inf))
+
+
+@_styled
+def decode_heatmap_svg(nodes, first_index: int | None) -> str | None:
+    """A KV-cache run: log10(max_abs / tolerance) of the worst node per decode step (rows) and layer
+    (columns; ``out`` for the nodes outside the layers). Each cell links to that worst node and names
+    it on hover; the cell of the first mismatch is outlined."""
+    cells: dict[tuple[int, object], object] = {}
+    for n in nodes:
+        if "/" not in n.name or not n.name.startswith("step"):
+            continue
+        step = int(n.name.split("/", 1)[0][len("step"):])
+        key = (step, n.layer if n.layer is not None else "out")
+        worst = cells.get(key)
+        if worst is None or _badness(n) > _badness(worst):
+            cells[key] = n
+    if not cells:
+        return None
+    steps = sorted({s for s, _ in cells})
+    layers = sorted({c for _, c in cells if c != "out"}) + (["out"] if any(c == "out" for _, c in cells) else [])
+    logs = [v for v in (_log_ratio(n) for n in cells.values()) if v is not None]
+    vmax = max([1.0] + [math.ceil(v) for v in logs])
+    norm = TwoSlopeNorm(vmin=LOG_FLOOR, vcenter=0.0, vmax=vmax)
+    fig = _figure(max(4.5, 2.0 + 0.4 * len(layers)), max(2.6, 1.5 + 0.24 * len(steps)))
+    ax = fig.add_subplot()
+    ax.grid(False)
+    patches, faces, urls, titles = [], [], [], {}
+    for (step, layer), node in cells.items():
+        r, c = steps.index(step), layers.index(layer)
+        value = _log_ratio(node)
+        face = RATIO_CMAP(1.0) if node.status == "nonfinite" or (value is None and node.failed) else (
+            NO_METRICS if value is None else RATIO_CMAP(norm(value)))
+        patches.append(Rectangle((c, r), 1, 1))
+        faces.append(face)
+        urls.append(f"#node-{node.index}")
+        titles[f"#node-{node.index}"] = cell_title(node)
+        if first_index is not None and node.index == first_index:
+            ax.add_patch(Rectangle((c + 0.05, r + 0.05), 0.9, 0.9, fill=False, edgecolor="black", linewidth=1.8, zorder=3))
+    grid = PatchCollection(patches, facecolors=faces, edgecolors="white", linewidths=0.5)
+    grid.set_urls(urls)
+    ax.add_collection(grid)
+    ax.set_xlim(0, len(layers))
+    ax.set_ylim(len(steps), 0)
+    ax.set_xticks([c + 0.5 for c in range(len(layers))], [str(x) for x in layers])
+    ax.set_yticks([r + 0.5 for r in range(len(steps))], [str(s) for s in steps])
+    ax.set_xlabel("layer")
+    ax.set_ylabel("step")
+    ax.tick_params(length=0)
+    mappable = mpl.cm.ScalarMappable(norm=norm, cmap=RATIO_CMAP)
+    bar = fig.colorbar(mappable, ax=ax, fraction=0.05, pad=0.02)
+    bar.set_label("max_abs / tolerance (worst node)")
+    bar.ax.yaxis.set_major_formatter(FuncFormatter(_pow10))
+    return _add_titles(to_svg(fig, "decode"), titles)

@@ -7,7 +7,7 @@ order      position in the reference's execution order (0-based)
 name       canonical node name (Transformers module path, ``@input``, attention suffix)
 layer      decoder layer index, empty for embed/norm/head
 kind       node kind without the layer prefix (``q_proj``, ``probs``, ``layer``...)
-status     ok | mismatch | shape | missing | nonfinite | untapped
+status     ok | mismatch | choice | shape | missing | nonfinite | untapped
 shape_ours / shape_ref   shapes as ``AxBxC``
 dtype      reference tensor dtype
 max_abs, mean_abs        max and mean of ``|ours - ref|``
@@ -125,6 +125,9 @@ def result_dict(result) -> dict:
         "passed": result.passed,
         "verdict": result.verdict(),
         "first_mismatch": bad.to_dict() if bad is not None else None,
+        "first_divergence": result.first_divergence.to_dict() if result.first_divergence is not None else None,
+        "origin": result.origin.to_dict() if result.origin is not None else None,
+        "origin_reason": result.origin_reason,
         "meta": result.meta,
         "notes": result.notes,
         "counts": dict(sorted(result.counts.items())),

@@ -32,8 +32,8 @@ class PreNormBlock(nn.Module):
         self.layer_type = layer_type
         self.norm1, self.att, self.norm2, self.ff = norm(), att, norm(), ff
 
-    def forward(self, x: torch.Tensor, cos=None, sin=None, padding_mask=None) -> torch.Tensor:
-        x = x + self.att(self.norm1(x), cos, sin, padding_mask)
+    def forward(self, x: torch.Tensor, cos=None, sin=None, padding_mask=None, cache=None) -> torch.Tensor:
+        x = x + self.att(self.norm1(x), cos, sin, padding_mask, cache)
         x = x + self.ff(self.norm2(x))
         return x
 
@@ -48,15 +48,16 @@ class PostNormBlock(nn.Module):
         self.att, self.post_attention_layernorm = att, norm()
         self.ff, self.post_feedforward_layernorm = ff, norm()
 
-    def forward(self, x: torch.Tensor, cos=None, sin=None, padding_mask=None) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.att(x, cos, sin, padding_mask))
+    def forward(self, x: torch.Tensor, cos=None, sin=None, padding_mask=None, cache=None) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.att(x, cos, sin, padding_mask, cache))
         x = x + self.post_feedforward_layernorm(self.ff(x))
         return x
 
 
 class SandwichBlock(nn.Module):
     """Four norms, before and after each branch: ``h = x + N_post_att(att(N_in(x)))``,
-    ``y = h + N_post_ff(ff(N_pre_ff(h)))`` (Gemma 2 report, arXiv:2408.00118; ``Gemma3DecoderLayer``)."""
+    ``y = h + N_post_ff(ff(N_pre_ff(h)))`` (Gemma 2 report, arXiv:2408.00118; ``Gemma3DecoderLayer``).
+    Keyword arguments beyond ``padding_mask`` go to the attention (Gemma 4's ``shared_kv``)."""
 
     def __init__(self, att: nn.Module, ff: nn.Module, norm: Norm, layer_type: str = FULL):
         super().__init__()
@@ -64,8 +65,8 @@ class SandwichBlock(nn.Module):
         self.input_layernorm, self.att, self.post_attention_layernorm = norm(), att, norm()
         self.pre_feedforward_layernorm, self.ff, self.post_feedforward_layernorm = norm(), ff, norm()
 
-    def forward(self, x: torch.Tensor, cos=None, sin=None, padding_mask=None) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.att(self.input_layernorm(x), cos, sin, padding_mask))
+    def forward(self, x: torch.Tensor, cos=None, sin=None, padding_mask=None, cache=None, **att_kwargs) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.att(self.input_layernorm(x), cos, sin, padding_mask, cache, **att_kwargs))
         x = x + self.post_feedforward_layernorm(self.ff(self.pre_feedforward_layernorm(x)))
         return x
 
@@ -80,6 +81,6 @@ class ParallelBlock(nn.Module):
         self.layer_type = layer_type
         self.input_layernorm, self.att, self.ff = norm(), att, ff
 
-    def forward(self, x: torch.Tensor, cos=None, sin=None, padding_mask=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos=None, sin=None, padding_mask=None, cache=None) -> torch.Tensor:
         h = self.input_layernorm(x)
-        return x + self.att(h, cos, sin, padding_mask) + self.ff(h)
+        return x + self.att(h, cos, sin, padding_mask, cache) + self.ff(h)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .attention import soft_cap
+from .cache import KVCache
 from .rope import rope_cos_sin, rope_init
 
 
@@ -92,14 +93,16 @@ class DecoderModel(nn.Module):
         every forward, so an edited ``cfg`` takes effect)."""
         raise NotImplementedError
 
-    def _layer_ropes(self) -> list[tuple[str, dict | None, int]]:
-        """(layer type, rope dict or None, head_dim of its attention) for each layer type present."""
+    def _layer_ropes(self) -> list[tuple[str, dict | None, int | None]]:
+        """(layer type, rope dict or None, head_dim of its attention, None without RoPE) for each
+        layer type present (a token mixer without RoPE, e.g. linear attention, need not have a head_dim)."""
         params, seen = self.rope_parameters(), {}
         for block in self.blocks:
             if block.layer_type not in seen:
                 if block.layer_type not in params:
                     raise ValueError(f"rope_parameters has no entry for layer type {block.layer_type!r}")
-                seen[block.layer_type] = (block.layer_type, params[block.layer_type], block.att.head_dim)
+                rope = params[block.layer_type]
+                seen[block.layer_type] = (block.layer_type, rope, None if rope is None else block.att.head_dim)
         return list(seen.values())
 
     def rope_tables(self, positions: int | torch.Tensor, device: torch.device, dtype: torch.dtype) -> dict[str, tuple]:
@@ -119,19 +122,32 @@ class DecoderModel(nn.Module):
             tables[layer_type] = (cos.to(table_dtype), sin.to(table_dtype))
         return tables
 
+    def new_cache(self) -> KVCache:
+        """An empty KV cache for this model (each layer's window from its attention)."""
+        return KVCache([block.att.sliding_window for block in self.blocks])
+
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
-        """``attention_mask``: ``(batch, seq)`` 1 for real tokens, 0 for padding (keys only are masked);
-        ``position_ids``: ``(batch, seq)`` positions (default ``0 .. seq - 1``; a left-padded batch
-        counts real tokens only, as generation does)."""
+        """``attention_mask``: ``(batch, tokens so far)`` 1 for real tokens, 0 for padding (keys only are
+        masked); ``position_ids``: ``(batch, seq)`` positions of this call's tokens (default: their
+        sequence indices; a left-padded batch counts real tokens only, as generation does); ``cache``:
+        a :meth:`new_cache` carried across calls (prefill, chunks, decode steps), or None."""
         x = self.tok_emb(input_ids)
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device) if position_ids is None else position_ids.to(x.device)
-        if self.pos_emb is not None:
-            x = x + self.pos_emb(positions)
+        if position_ids is None:
+            start = cache.seen if cache is not None else 0
+            position_ids = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
+        positions = position_ids.to(x.device)
+        if self.pos_emb is not None:  # (batch, seq, emb_dim) as the reference's wpe(position_ids) gives it
+            x = x + self.pos_emb(positions.expand(input_ids.shape))
         tables = self.rope_tables(positions, x.device, x.dtype)
-        for block in self.blocks:
-            x = block(x, *tables[block.layer_type], padding_mask=attention_mask)
+        for i, block in enumerate(self.blocks):
+            layer_cache = cache.layers[i] if cache is not None else None
+            x = block(x, *tables[block.layer_type], padding_mask=attention_mask, cache=layer_cache)
         logits = self.out_head(self.final_norm(x))
         if self.logit_scale is not None:
             logits = logits * self.logit_scale

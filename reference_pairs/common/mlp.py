@@ -45,23 +45,36 @@ class GatedMLP(nn.Module):
     (Transformers ``gate_proj``), ``fc2`` the up projection (``up_proj``), ``fc3`` the down
     projection (``down_proj``). Shapes: ``(batch, seq, emb_dim)`` -> ``(batch, seq, emb_dim)``,
     ``hidden_dim`` wide inside.
+
+    ``fused_gate_up``: gate and up in one matrix product over ``[fc1; fc2]`` (the weights stacked),
+    then split, as Transformers' fused MoE experts compute it (``Qwen3MoeExperts``: one ``F.linear``
+    with ``gate_up_proj[e]``, then ``chunk``); the same values as two products, but in bfloat16 the
+    CPU's GEMM may round a column block differently from the whole (seen from 128 tokens at real
+    widths), so a bit-exact port rounds as the reference does. ``fc1``/``fc2`` stay the book's two
+    Linears (their forward hooks do not fire then).
     """
 
     def __init__(
         self, emb_dim: int, hidden_dim: int, *, activation: str = "silu", bias: bool = False,
-        dtype: torch.dtype | None = None,
+        fused_gate_up: bool = False, dtype: torch.dtype | None = None,
     ):
         super().__init__()
         self.act_name, self.act = activation, get_activation(activation)
+        self.fused_gate_up = fused_gate_up
         self.fc1 = nn.Linear(emb_dim, hidden_dim, bias=bias, dtype=dtype)
         self.fc2 = nn.Linear(emb_dim, hidden_dim, bias=bias, dtype=dtype)
         self.fc3 = nn.Linear(hidden_dim, emb_dim, bias=bias, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc3(self.act(self.fc1(x)) * self.fc2(x))
+        if not self.fused_gate_up:
+            return self.fc3(self.act(self.fc1(x)) * self.fc2(x))
+        weight = torch.cat([self.fc1.weight, self.fc2.weight])
+        bias = None if self.fc1.bias is None else torch.cat([self.fc1.bias, self.fc2.bias])
+        gate, up = F.linear(x, weight, bias).chunk(2, dim=-1)
+        return self.fc3(self.act(gate) * up)
 
     def extra_repr(self) -> str:
-        return f"activation={self.act_name}"
+        return f"activation={self.act_name}" + (", fused_gate_up" if self.fused_gate_up else "")
 
 
 class MLP(nn.Module):

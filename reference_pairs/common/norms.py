@@ -24,25 +24,36 @@ class RMSNorm(nn.Module):
     * ``cast_first``: ``w * x_hat.to(dtype)``, the multiply in the input dtype (``LlamaRMSNorm``,
       ``Qwen3RMSNorm``, ``MistralRMSNorm``);
     * ``unit_offset``: ``scale = 1 + w`` in float32, ``w`` initialised to zeros, cast last
-      (``Gemma3RMSNorm``, ``Qwen3_5RMSNorm``).
+      (``Gemma3RMSNorm``, ``Qwen3_5RMSNorm``);
+    * ``weight=False``: no weight at all, ``x_hat.to(dtype)`` (Gemma 4's ``v_norm``,
+      ``Gemma4RMSNorm(with_scale=False)``).
 
-    All three are the same function in float32 and differ in bfloat16.
+    All three weighted variants are the same function in float32 and differ in bfloat16.
+    ``Gemma4RMSNorm`` writes ``pow(ms + eps, -0.5)`` where the others write ``rsqrt``: torch computes
+    that power with ``rsqrt`` (the same bits; tests/test_blocks.py).
     Shapes: ``x`` is ``(..., dim)``; the output has the shape and dtype of ``x``.
     """
 
     def __init__(
         self, dim: int, eps: float = 1e-6, *, unit_offset: bool = False, cast_first: bool = False,
-        dtype: torch.dtype | None = None,
+        weight: bool = True, dtype: torch.dtype | None = None,
     ):
         super().__init__()
         if unit_offset and cast_first:
             raise ValueError("unit_offset and cast_first together: no reference rounds that way")
-        self.eps, self.unit_offset, self.cast_first = eps, unit_offset, cast_first
-        self.weight = nn.Parameter((torch.zeros if unit_offset else torch.ones)(dim, dtype=dtype))
+        if not weight and (unit_offset or cast_first):
+            raise ValueError("unit_offset and cast_first describe a weight; weight=False has none")
+        self.eps, self.unit_offset, self.cast_first, self.dim = eps, unit_offset, cast_first, dim
+        if weight:
+            self.weight = nn.Parameter((torch.zeros if unit_offset else torch.ones)(dim, dtype=dtype))
+        else:
+            self.register_parameter("weight", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        if self.weight is None:
+            return normed.to(x.dtype)
         if self.cast_first:
             return self.weight * normed.to(x.dtype)
         if self.unit_offset:
@@ -51,7 +62,8 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         options = [name for name in ("unit_offset", "cast_first") if getattr(self, name)]
-        return ", ".join([f"{self.weight.shape[0]}", f"eps={self.eps}", *options])
+        options += ["weight=False"] if self.weight is None else []
+        return ", ".join([f"{self.dim}", f"eps={self.eps}", *options])
 
 
 class LayerNorm(nn.Module):
@@ -85,3 +97,27 @@ class LayerNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, bias={self.bias is not None}, fused={self.fused}"
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm, then times ``silu(gate)``: ``y = (w * x_hat.to(dtype)) * silu(gate)``, norm before gate.
+
+    The output norm of Gated DeltaNet layers (``Qwen3_5RMSNormGated``, FLA's ``FusedRMSNormGated``
+    with ``norm_before_gate``): ``x_hat`` in float32, cast to the input dtype, multiplied by ``w``
+    (initialised to ones) in that dtype (Llama's order), then by ``silu(gate)`` computed in
+    float32, and cast back last. Shapes: ``x`` and ``gate`` ``(..., dim)``; the output has ``x``'s
+    shape and dtype.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, *, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return (self.weight * normed.to(x.dtype) * F.silu(gate.float())).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -11,7 +11,16 @@ from torch import nn
 
 from parity.faults import Fault
 
-from ..common.faults import LEFT_PADDED, expand_kv_with_repeat, mask_with_neg_inf, untie_head
+from ..common.faults import (
+    DECODE,
+    LEFT_PADDED,
+    cached_mask_sees_one_ahead,
+    expand_kv_with_repeat,
+    mask_with_neg_inf,
+    to_half_split_rows,
+    to_interleaved_rows,
+    untie_head,
+)
 
 ATT = "model.layers.{}.self_attn"
 
@@ -20,23 +29,12 @@ def _skip_llama3_scaling(pair):
     pair.ours.cfg = {**pair.ours.cfg, "rope_freq": None}
 
 
-def _to_half_split(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Meta's interleaved q/k rows -> Transformers' half-split rows, grouping rows in ``n_heads`` heads."""
-    out, d_in = w.shape
-    return w.view(n_heads, out // n_heads // 2, 2, d_in).transpose(1, 2).reshape(out, d_in)
-
-
-def _to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    out, d_in = w.shape
-    return w.view(n_heads, 2, out // n_heads // 2, d_in).transpose(1, 2).reshape(out, d_in)
-
-
 def _k_permuted_by_query_heads(pair):
     """A converter that un-permutes k_proj correctly (KV heads) but re-permutes it grouping by query
     heads (transformers #31788): rows move, values stay."""
     cfg, att = pair.cfg, pair.ours.blocks[0].att
-    meta = _to_interleaved(att.W_key.weight.detach(), cfg["n_kv_heads"])
-    att.W_key.weight = nn.Parameter(_to_half_split(meta, cfg["n_heads"]), requires_grad=False)
+    meta = to_interleaved_rows(att.W_key.weight.detach(), cfg["n_kv_heads"])
+    att.W_key.weight = nn.Parameter(to_half_split_rows(meta, cfg["n_heads"]), requires_grad=False)
 
 
 def _reference_norms(pair):
@@ -116,4 +114,6 @@ FAULTS = (
     Fault("F16", "positions 0..S-1 in every row of a left-padded batch instead of positions from the mask", "tiny",
           _positions_not_from_mask, f"{ATT.format(0)}.q_rot", "position_offset", scope=f"{ATT.format('*')}.[qk]_rot",
           source="unsloth #3795", check_kwargs=LEFT_PADDED),
+    Fault("decode-mask-one-ahead", "with a cache, each query of a chunk also sees the next key", "tiny",
+          cached_mask_sees_one_ahead, f"step1/{ATT.format(0)}.probs", "causal_mask", check_kwargs=DECODE),
 )

@@ -12,7 +12,8 @@ FIELDS = (
     Field("n_kv_heads", ints(1, 3)),
     Field("n_heads", multiple_of("n_kv_heads", 1, 3)),
     Field("head_dim", choice(2, 4, 8, 16, 32)),
-    Field("emb_dim", choice(8, 16, 24, 48)),
+    # LlamaConfig requires hidden_size to be a multiple of the heads, even with an explicit head_dim
+    Field("emb_dim", multiple_of("n_heads", 1, 8)),
     Field("hidden_dim", ints(8, 96)),
     Field("vocab_size", ints(16, 300)),
     Field("tie_word_embeddings", choice(False, True)),

@@ -1,4 +1,6 @@
-"""The Llama 3.2 family: our :class:`Llama3Model` against ``transformers.LlamaForCausalLM``."""
+"""The Llama 3 family (3.1 and 3.2): our :class:`Llama3Model` against ``transformers.LlamaForCausalLM``.
+
+Its node map, weight table and config mapping serve the ``llama2`` and ``mistral`` families too."""
 
 from __future__ import annotations
 
@@ -78,11 +80,11 @@ def from_hf(hc, dtype: torch.dtype) -> dict:
     ``mlp_bias``, an activation other than SiLU.
     """
     if hc.hidden_act != "silu":
-        raise ConfigError(f"hidden_act {hc.hidden_act!r} is not supported (Llama 3 uses 'silu')")
-    if hc.attention_bias:
-        raise ConfigError("attention_bias true is not supported (Llama 3 has no attention biases)")
-    if hc.mlp_bias:
-        raise ConfigError("mlp_bias true is not supported (Llama 3 has no MLP biases)")
+        raise ConfigError(f"hidden_act {hc.hidden_act!r} is not supported (Llama uses 'silu')")
+    if getattr(hc, "attention_bias", False):  # a LlamaConfig field; MistralConfig has none
+        raise ConfigError("attention_bias true is not supported (Llama has no attention biases)")
+    if getattr(hc, "mlp_bias", False):
+        raise ConfigError("mlp_bias true is not supported (Llama has no MLP biases)")
     rope = dict(hc.rope_parameters or {})
     rope_type = rope.get("rope_type", "default")
     if rope_type not in _ROPE_KEYS:
@@ -123,7 +125,7 @@ FAMILY = Family(
     faults=FAULTS,
     exact_dtypes=(torch.float32, torch.bfloat16),
     fields=FIELDS,
-    ci_configs=("tiny",),
-    real_configs=("1b-shape", "3b-shape"),
+    ci_configs=("tiny", "tiny-untied"),
+    real_configs=("1b-shape", "3b-shape", "8b-shape"),
 )
 build_pair = FAMILY.build_pair

@@ -8,7 +8,16 @@ from torch import nn
 
 from parity.faults import Fault
 
-from ..common.faults import LEFT_PADDED, PerHeadRMSNorm, expand_kv_with_repeat, mask_with_neg_inf
+from ..common.faults import (
+    DECODE,
+    LEFT_PADDED,
+    PerHeadRMSNorm,
+    cached_mask_sees_one_ahead,
+    cached_positions_off_by_one,
+    expand_kv_with_repeat,
+    mask_with_neg_inf,
+    sliding_cache_trimmed_as_if_one_token,
+)
 from .model import SLIDING
 
 FIRST_YARN = 3  # the full-attention layer of the tiny configs
@@ -44,8 +53,8 @@ def _unrounded_yarn_band(pair):
 
 def _pre_norm(layer):
     def inject(pair):
-        def forward(self, x, cos, sin, padding_mask=None):
-            x = x + self.att(self.post_attention_layernorm(x), cos, sin, padding_mask)
+        def forward(self, x, cos, sin, padding_mask=None, cache=None):
+            x = x + self.att(self.post_attention_layernorm(x), cos, sin, padding_mask, cache)
             return x + self.ff(self.post_feedforward_layernorm(x))
 
         block = pair.ours.blocks[layer]
@@ -105,4 +114,11 @@ FAULTS = (
           source="unsloth #9848", check_kwargs=LEFT_PADDED),
     Fault("F17", "a loader transposes the square o_proj weight of layer 1", "tiny", _transposed_o_proj(1),
           f"{ATT.format(1)}.o_proj", "transposed_weight"),
+    Fault("F11", "a sliding layer's cache trimmed as if one token arrived when a chunk of 4 does", "tiny",
+          sliding_cache_trimmed_as_if_one_token, f"step0/{ATT.format(0)}.cache.keys", "cache_length",
+          source="mlx-lm #1914", check_kwargs=DECODE),
+    Fault("cache-position-off-by-one", "from layer 1 up, cached steps rotate new tokens one position too far", "tiny",
+          cached_positions_off_by_one(1), f"step1/{ATT.format(1)}.q_rot", "position_offset", check_kwargs=DECODE),
+    Fault("decode-mask-one-ahead", "with a cache, each query of a chunk also sees the next key", "tiny",
+          cached_mask_sees_one_ahead, f"step1/{ATT.format(0)}.probs", "causal_mask", check_kwargs=DECODE),
 )

@@ -6,7 +6,14 @@ import types
 
 from parity.faults import Fault
 
-from ..common.faults import LEFT_PADDED, expand_kv_with_repeat, mask_with_neg_inf, rms_instead_of
+from ..common.faults import (
+    DECODE,
+    LEFT_PADDED,
+    expand_kv_with_repeat,
+    mask_with_neg_inf,
+    rms_instead_of,
+    sliding_cache_trimmed_as_if_one_token,
+)
 from ..common.layer_types import FULL, SLIDING
 
 ATT = "model.layers.{}.self_attn"
@@ -15,8 +22,8 @@ FULL_LAYER = 3  # the tiny config's full-attention (NoPE) layer
 
 def _sequential(layer):
     def inject(pair):
-        def forward(self, x, cos, sin, padding_mask=None):
-            x = x + self.att(self.input_layernorm(x), cos, sin, padding_mask)
+        def forward(self, x, cos, sin, padding_mask=None, cache=None):
+            x = x + self.att(self.input_layernorm(x), cos, sin, padding_mask, cache)
             return x + self.ff(self.input_layernorm(x))
 
         block = pair.ours.blocks[layer]
@@ -62,4 +69,7 @@ FAULTS = (
     Fault("F10", "masked scores filled with -inf: fully masked (left-pad) query rows give NaN", "tiny",
           mask_with_neg_inf, f"{ATT.format(0)}.probs", "nonfinite", scope=f"{ATT.format('*')}.probs",
           source="unsloth #9848", check_kwargs=LEFT_PADDED),
+    Fault("F11", "a sliding layer's cache trimmed as if one token arrived when a chunk of 4 does", "tiny",
+          sliding_cache_trimmed_as_if_one_token, f"step0/{ATT.format(0)}.cache.keys", "cache_length",
+          source="mlx-lm #1914", check_kwargs=DECODE),
 )

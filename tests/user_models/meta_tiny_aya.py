@@ -88,7 +88,8 @@ class Attention(nn.Module):
 
         if self.use_rope:
             xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
-        xq, xk = parity.tap(xq, "q_rot"), parity.tap(xk, "k_rot")  # (bs, seq, heads, hd): parity transposes
+        xq = parity.tap(xq, "q_rot", layout="bshd")  # (bs, seq, heads, hd): parity transposes
+        xk = parity.tap(xk, "k_rot", layout="bshd")
 
         # GQA: kv head k serves query heads k*n_rep .. k*n_rep + n_rep - 1
         xk = torch.repeat_interleave(xk, self.n_rep, dim=2)

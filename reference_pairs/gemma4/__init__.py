@@ -1,0 +1,9 @@
+"""Gemma 4 (dense text: E2B, E4B): from-scratch model, Transformers-format loader, and its pair with
+``Gemma4ForCausalLM``."""
+
+from .configs import CONFIGS
+from .loader import load_weights_into_gemma4
+from .model import Gemma4Model
+from .pair import FAMILY, build_pair
+
+__all__ = ["CONFIGS", "FAMILY", "Gemma4Model", "build_pair", "load_weights_into_gemma4"]
