@@ -176,10 +176,8 @@ class _Work:
 
 
 def _sum(x: torch.Tensor) -> float:
-    """Sum of one chunk: pairwise in the chunk's precision (relative error ~1e-8 at CHUNK elements),
-    accumulated across chunks in float64 by the caller; float64 here where float32 would overflow."""
-    s = float(x.sum())
-    return s if math.isfinite(s) else float(x.sum(dtype=torch.float64))
+    """Sum of one chunk, accumulated in float64 (the caller adds the chunks' sums in float64)."""
+    return float(x.sum(dtype=torch.float64))
 
 
 def chunks(x, n: int):
@@ -205,9 +203,9 @@ def tensor_metrics(ours: torch.Tensor, ref: torch.Tensor, atol: float, rtol: flo
     One chunk of :data:`CHUNK` elements at a time, in preallocated buffers (no copy of the whole
     tensor, no mask indexing). The status, ``max_abs``, ``max_rel`` and the two ``*_needed`` are
     exact (maxima of per-element values computed in the inputs' precision); the sums behind
-    ``mean_abs``, ``cosine`` and ``rel_l2`` are pairwise within a chunk and float64 across chunks.
-    Two bitwise-equal tensors (a correct port's usual node) cost one comparison and one norm; a
-    chunk whose two sides are bitwise equal, one comparison and one dot product. ``ref``
+    ``mean_abs``, ``cosine`` and ``rel_l2`` are products in the inputs' precision summed in float64.
+    A chunk whose two sides are bitwise equal (a correct port's usual node) costs one comparison,
+    one product and one sum. ``ref``
     may also be a spilled tensor (:class:`parity.trace.SpilledTensor`), read chunk by chunk.
     """
     work = torch.float64 if torch.float64 in (ours.dtype, ref.dtype) else torch.float32
@@ -216,12 +214,6 @@ def tensor_metrics(ours: torch.Tensor, ref: torch.Tensor, atol: float, rtol: flo
         nan = math.nan
         return dict(status=OK, max_abs=nan, mean_abs=nan, max_rel=nan, cosine=nan, detail="",
                     rel_l2=nan, atol_needed=nan, rtol_needed=nan)
-    if isinstance(ref, torch.Tensor) and torch.equal(ours, ref):  # a correct port's usual node: two passes
-        flat = ours.detach().reshape(-1)
-        squares = float(torch.linalg.vector_norm(flat, dtype=work)) ** 2  # finite iff every element is
-        if math.isfinite(squares):
-            return dict(status=OK, max_abs=0.0, mean_abs=0.0, max_rel=0.0, cosine=1.0, detail="",
-                        rel_l2=0.0, atol_needed=0.0, rtol_needed=0.0)
     w = _Work(min(n, CHUNK), work)
     max_abs = max_rel = atol_needed = rtol_needed = 0.0
     sum_abs = dot = na2 = nb2 = nd2 = 0.0
@@ -232,9 +224,8 @@ def tensor_metrics(ours: torch.Tensor, ref: torch.Tensor, atol: float, rtol: flo
         b = b if b.dtype == work else w.cast("b", b)
         d, babs, tmp, e = w.d[:m], w.babs[:m], w.tmp[:m], w.e[:m]
         if torch.equal(a, b):  # NaN is never equal: non-finite chunks take the long way
-            # one BLAS pass: its float32 accumulation (~1e-6 relative) enters the dot product and both
-            # norms alike, so the cosine of equal chunks stays 1 and rel_l2 moves by ~1e-6 relative
-            squares = float(torch.dot(a, a))
+            # the dot product and both norms are one sum here, the same one the long way takes
+            squares = _sum(torch.mul(a, a, out=w.tmp[:m]))
             if math.isfinite(squares):  # every element finite: no difference to account for
                 dot, na2, nb2 = dot + squares, na2 + squares, nb2 + squares
                 continue
@@ -268,8 +259,10 @@ def tensor_metrics(ours: torch.Tensor, ref: torch.Tensor, atol: float, rtol: flo
             # (|a-b| - atol) / |b| over the elements past atol; x/0 -> inf, 0/0 (not past atol) -> 0
             ratio = torch.sub(d, atol, out=e).clamp_min_(0.0).div_(babs).nan_to_num_(nan=0.0, posinf=math.inf)
             rtol_needed = max(rtol_needed, float(ratio.max()))
-    na, nb, nd = math.sqrt(na2), math.sqrt(nb2), math.sqrt(nd2)
-    if (na == 0 and nb == 0) or nd2 == 0:  # no difference at all: exactly 1, whatever the sums' rounding
+    # torch's square root, not math.sqrt: the two can differ in the last bit, and parity's numbers
+    # have always been torch's
+    na, nb, nd = (float(torch.tensor(x, dtype=torch.float64).sqrt()) for x in (na2, nb2, nd2))
+    if na == 0 and nb == 0:
         cosine = 1.0
     elif na == 0 or nb == 0:
         cosine = 0.0
