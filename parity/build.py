@@ -22,7 +22,7 @@ from torch import nn
 from .checkpoint import read_checkpoint, read_config
 from .devices import Placement
 from .errors import ConfigError, LoaderError, ParityError
-from .facts import ArchFacts, derive_facts, validate_facts
+from .facts import ArchFacts, derive_facts, rope_problem_of, validate_facts
 from .family import Family
 from .pair import Pair
 from .resources import require
@@ -75,7 +75,7 @@ def to_reference_config(family: Family, cfg: dict):
     except ParityError:
         raise
     except Exception as e:  # KeyError, TypeError, ValueError, strict-dataclass validation errors
-        raise ConfigError(f"{family.config_class} rejects the config: {one_line(e)}") from None
+        raise ConfigError(f"{family.config_class} rejects the config: {rope_problem_of(e) or one_line(e)}") from None
 
 
 def config_from_dict(family: Family, raw: dict):
@@ -83,7 +83,7 @@ def config_from_dict(family: Family, raw: dict):
     try:
         return family.config_cls().from_dict(raw)
     except Exception as e:  # its strict validators raise their own types: all mean bad input
-        raise ConfigError(f"config.json rejected by {family.config_class}: {one_line(e)}") from None
+        raise ConfigError(f"config.json rejected by {family.config_class}: {rope_problem_of(e) or one_line(e)}") from None
 
 
 def validated(family: Family, hf_config, dtype: torch.dtype) -> tuple[dict, ArchFacts]:

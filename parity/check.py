@@ -137,6 +137,23 @@ def _chunk_notes(pair: Pair, seq_len: int) -> list[str]:
     return []
 
 
+def _decode_chunk_notes(pair: Pair, run_notes, decode_plan) -> list[str]:
+    """A decode run's notes: the chunk note speaks of its longest call (each call continues the state
+    from the cache; only a call longer than a chunk carries it from chunk to chunk inside the rule)."""
+    calls = decode_plan.schedule()
+    longest, chunk = max(b - a for a, b in calls), pair.facts.chunk_size
+    if len(calls) == 1 or not chunk:
+        return list(run_notes)
+    notes = [n for n in run_notes if n not in _chunk_notes(pair, decode_plan.prefill)]
+    if longest <= chunk:
+        notes.append(
+            f"no call of decode plan {decode_plan.describe()} exceeds the linear-attention chunk ({chunk} tokens): the "
+            f"state is carried from call to call through the cache, never from one chunk to the next inside a call; a "
+            f"prefill chunk of {chunk + 1} or more tokens exercises that too"
+        )
+    return notes
+
+
 def _position_notes(pair: Pair, seq_len: int) -> list[str]:
     limit = pair.facts.max_position_embeddings
     if limit and seq_len > limit:
@@ -494,7 +511,7 @@ def _check_decode(pair, decode, input_ids, seq_len, batch_size, mode, atol, rtol
     if seq_len is not None and seq_len != plan_.prefill:
         raise ParityError(f"seq_len {seq_len} and the decode plan's prefill {plan_.prefill} disagree: the prefill is the prompt")
     run = plan(pair, input_ids, plan_.prefill, batch_size, mode, atol, rtol, tolerances, False, attention_mask, left_pad, exact)
-    notes = list(run.notes)
+    notes = _decode_chunk_notes(pair, run.notes, plan_)
     _refuse_changed_weights(pair, "before the check")
     start = time.perf_counter()
     nodes, outcome = run_decode(pair, run.input_ids, run.attention_mask, plan_, run.tolerances)

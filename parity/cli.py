@@ -94,6 +94,10 @@ def _report_parent(path: str) -> Path:
     parent = Path(path)
     if parent.exists() and not parent.is_dir():
         raise ParityError(f"--report-dir {parent} is a file, not a folder")
+    if os.path.islink(parent) and not parent.exists():  # a loop or a dangling link: mkdir would say "File exists"
+        from .checkpoint import unreachable
+
+        raise ParityError(unreachable(parent, "--report-dir") or f"--report-dir {parent} is a broken symbolic link")
     try:
         parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -465,9 +469,9 @@ def _check_placement(args) -> None:
                           .replace(f"unknown device {args.device!r}", f"unknown --device {args.device!r}", 1)) from None
 
 
-def _check_left_pad(args, pair) -> None:
-    """--left-pad against the default sequence length, which only the built pair knows."""
-    seq_len = args.seq_len or pair.default_seq_len
+def _check_left_pad(args, default_seq_len: int) -> None:
+    """--left-pad against the sequence: --seq-len, the decode plan's prefill, or the config's default."""
+    seq_len = args.seq_len or default_seq_len
     if args.decode is not None:
         from .decode import DecodePlan
 
@@ -498,12 +502,17 @@ def cmd_check(args, console: Console) -> int:
         dtype = getattr(torch, args.dtype)
         overrides = {"n_layers": args.layers} if args.layers is not None else {}
         config = None if args.checkpoint else (args.config or family.default_config)
+        if config is not None and args.left_pad and args.seq_len is None and args.decode is None:
+            from .build import default_seq_len, resolve_config
+
+            # the default length comes from the config's facts: judge --left-pad before minutes of building
+            _check_left_pad(args, default_seq_len(resolve_config(family, config, dtype, overrides)[2]))
         what = args.checkpoint or config
         if args.device is not None or args.device_map is not None:
             overrides.update(device=args.device, device_map=args.device_map)
         with console.status(f"building {family.name} pair ({what}, {args.dtype}): ours and {family.reference_class}"):
             pair = family.build_pair(config=config, checkpoint=args.checkpoint, dtype=dtype, seed=args.seed, **overrides)
-    _check_left_pad(args, pair)
+    _check_left_pad(args, pair.default_seq_len)
     with console.status("tracing both models and comparing every node"):
         result = check(
             pair, seq_len=args.seq_len, batch_size=args.batch, mode=args.mode, atol=args.atol, rtol=args.rtol,

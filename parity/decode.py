@@ -2,18 +2,21 @@
 at every step, with the caches themselves compared after each step.
 
 The reference runs exactly as ``generate`` drives it: one Transformers ``DynamicCache`` (sliding
-layers keep ``window - 1`` tokens), the attention mask over every token so far, ``position_ids``
-counted over each row's real tokens. Ours runs the same schedule with its own cache: a model exposes
-``new_cache()`` (whose ``layers[i].keys`` / ``.values`` are the keys after RoPE and the values,
-``(batch, kv_heads, tokens held, head_dim)``) and takes ``cache=`` in its forward; that is the whole
-protocol, for our families and for a user's model alike.
+layers keep ``window - 1`` tokens; linear-attention layers a ``LinearAttentionLayer``: the short
+conv's last ``K`` inputs and the recurrent state), the attention mask over every token so far,
+``position_ids`` counted over each row's real tokens. Ours runs the same schedule with its own cache:
+a model exposes ``new_cache()`` (whose ``layers[i].keys`` / ``.values`` are the keys after RoPE and
+the values, ``(batch, kv_heads, tokens held, head_dim)``; a linear-attention layer's
+``layers[i].conv_state`` / ``.recurrent_state`` instead, see :data:`CACHE_PARTS`) and takes
+``cache=`` in its forward; that is the whole protocol, for our families and for a user's model alike.
 
 A user's model with another cache API is driven through a :class:`CacheProtocol` (three small
 functions) given to :func:`parity.check_model` as ``cache_protocol=``.
 
 Nodes are named per step: ``step3/model.layers.0.self_attn.k_rot`` (after the cache update: the keys
 attention reads, past and new), and ``step3/model.layers.0.self_attn.cache.keys`` / ``.values`` after
-the step. Decode steps feed the reference's greedy token to both models (teacher forcing), so every
+the step (``step3/model.layers.0.linear_attn.cache.conv_state`` / ``.recurrent_state`` for a
+linear-attention layer). Decode steps feed the reference's greedy token to both models (teacher forcing), so every
 step compares the same inputs; whether ours would have chosen the same token, and by what margin, is
 reported beside (``greedy``), as is the agreement of ours' cached logits with ours' own full
 forward of the same prefix (``consistency``: a cache bug shows there even without a reference).
@@ -22,12 +25,12 @@ forward of the same prefix (``consistency``: a cache bug shows there even withou
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 import torch
 
-from . import hf_capture
+from . import hf_capture, hf_kernels
 from .compare import SHAPE, NodeResult, Tolerances, compare_traces, first_mismatch
 from .diagnose import diagnose
 from .errors import ParityError
@@ -48,8 +51,10 @@ class DecodePlan:
     chunk: int | None = None
 
     def __post_init__(self):
-        if self.prefill < 1 or self.steps < 0 or (self.chunk is not None and self.chunk < 1):
-            raise ParityError(f"decode plan needs prefill >= 1, steps >= 0 and chunk >= 1, got {self.describe()}")
+        for part, value, least in (("prefill", self.prefill, 1), ("steps", self.steps, 0), ("chunk", self.chunk, 1)):
+            if value is not None and value < least:
+                raise ParityError(f"decode plan {self.describe()} (PREFILL[:CHUNK]xSTEPS): {part} is {value}; "
+                                  f"it must be at least {least}")
 
     @classmethod
     def parse(cls, text: str) -> DecodePlan:
@@ -61,7 +66,7 @@ class DecodePlan:
         return cls(prefill, steps, int(chunk) if chunk is not None else None)
 
     def describe(self) -> str:
-        return f"{self.prefill}{f':{self.chunk}' if self.chunk else ''}x{self.steps}"
+        return f"{self.prefill}{f':{self.chunk}' if self.chunk is not None else ''}x{self.steps}"
 
     @property
     def total(self) -> int:
@@ -124,6 +129,12 @@ class CacheProtocol:
     ``(keys, values)``, each ``(batch, kv_heads, held, head_dim)`` with the oldest token first (keys
     after RoPE), or ``(None, None)`` for a layer without a cache. A sliding layer should hold the last
     ``window - 1`` tokens, as Transformers does; one that holds more is reported (``cache_length``).
+
+    A layer whose cache is not keys and values gives a mapping of its parts instead (see
+    :data:`CACHE_PARTS`): a linear-attention layer ``{"conv_state": (batch, channels, K) the short
+    conv's last K inputs, oldest first, "recurrent_state": (batch, v_heads, d_k, d_v)}``. A pair
+    ``(keys, values)`` stands for ``{"keys": keys, "values": values}``, so a protocol written for
+    attention-only models needs no change.
     """
 
     new_cache: Callable
@@ -131,12 +142,27 @@ class CacheProtocol:
     layers: Callable
 
 
+#: what a layer's cache holds, by the node that names its module (``<module>.<anchor>``): the parts
+#: compared after every step as ``<module>.cache.<part>``. Keys (after RoPE) and values ``(batch,
+#: kv_heads, held, head_dim)``; a linear-attention layer's short-conv inputs ``(batch, channels, K)``
+#: and recurrent state ``(batch, v_heads, d_k, d_v)`` (Transformers' ``LinearAttentionLayer``).
+CACHE_PARTS = {"k_rot": ("keys", "values"), "recurrent_state": ("conv_state", "recurrent_state")}
+#: the axis of each part that counts tokens held (a cache of another length: ``cache_length``)
+HELD_AXIS = {"keys": -2, "values": -2, "conv_state": -1}
+
+
+def _our_layers(cache) -> list[dict]:
+    """Per layer, the parts of :data:`CACHE_PARTS` it holds as attributes (None: not held)."""
+    parts = {p for ps in CACHE_PARTS.values() for p in ps}
+    return [{p: getattr(layer, p, None) for p in parts} for layer in cache.layers]
+
+
 #: our families' protocol: ``model.new_cache()``, ``model(ids, attention_mask=, position_ids=, cache=)``,
-#: ``cache.layers[i].keys`` / ``.values``
+#: ``cache.layers[i].keys`` / ``.values`` (``.conv_state`` / ``.recurrent_state``)
 DEFAULT_PROTOCOL = CacheProtocol(
     new_cache=lambda model: model.new_cache(),
     forward=lambda model, ids, mask, positions, cache: model(ids, attention_mask=mask, position_ids=positions, cache=cache),
-    layers=lambda cache: [(getattr(layer, "keys", None), getattr(layer, "values", None)) for layer in cache.layers],
+    layers=_our_layers,
 )
 
 
@@ -144,30 +170,50 @@ def _step(k: int, name: str) -> str:
     return f"step{k}/{name}"
 
 
-def _attention_stems(pair: Pair) -> dict[int, str]:
-    """Layer index -> the attention module's canonical path (from its ``k_rot`` node), for the layers
-    that keep a cache of their own (a KV-shared layer reads its source layer's)."""
+def _cache_stems(pair: Pair) -> dict[int, tuple[str, tuple[str, ...]]]:
+    """Layer index -> (the canonical path of the module whose cache it is, the parts that cache holds),
+    for the layers that keep a cache of their own (a KV-shared layer reads its source layer's): an
+    attention module from its ``k_rot`` node, a linear-attention module from its ``recurrent_state``."""
     def own(i: int) -> bool:
         layer = pair.facts.layer(i)
         return layer is None or layer.kv_source is None
 
-    return {n.layer: n.name[: -len(".k_rot")] for n in pair.nodes if n.kind == "k_rot" and n.layer is not None and own(n.layer)}
+    return {n.layer: (n.name[: -len(n.kind) - 1], CACHE_PARTS[n.kind]) for n in pair.nodes
+            if n.kind in CACHE_PARTS and n.layer is not None and own(n.layer)}
 
 
-def _cache_tensors(layers: list, stems: dict[int, str]) -> dict[str, torch.Tensor]:
-    """``{<attention path>.cache.keys|values: tensor}`` from ``[(keys, values)]`` per layer."""
+def _parts(entry) -> dict:
+    """One layer's entry of ``CacheProtocol.layers``: a mapping of parts, or the pair ``(keys, values)``."""
+    if entry is None:
+        return {}
+    if isinstance(entry, Mapping):
+        return dict(entry)
+    keys, values = entry
+    return {"keys": keys, "values": values}
+
+
+def _cache_tensors(layers: list, stems: dict[int, tuple[str, tuple[str, ...]]]) -> dict[str, torch.Tensor]:
+    """``{<module path>.cache.<part>: tensor}`` from the per-layer entries of ``CacheProtocol.layers``
+    (a part a layer does not hold is left out: its node is then missing on that side)."""
     out = {}
-    for i, stem in stems.items():
-        keys, values = layers[i] if i < len(layers) else (None, None)
-        if keys is None:
-            continue
-        out[f"{stem}.cache.keys"] = keys.detach().to("cpu", copy=True)
-        out[f"{stem}.cache.values"] = values.detach().to("cpu", copy=True)
+    for i, (stem, parts) in stems.items():
+        held = _parts(layers[i]) if i < len(layers) else {}
+        for part in parts:
+            if held.get(part) is not None:
+                out[f"{stem}.cache.{part}"] = held[part].detach().to("cpu", copy=True)
     return out
 
 
-def _reference_layers(cache) -> list:
-    return [(getattr(layer, "keys", None), getattr(layer, "values", None)) for layer in cache.layers]
+def _reference_layers(cache) -> list[dict]:
+    """Per layer of a Transformers cache: its keys and values, and a linear-attention layer's conv and
+    recurrent state (``LinearAttentionLayer`` keeps one of each here: state index 0)."""
+    out = []
+    for layer in cache.layers:
+        parts = {"keys": getattr(layer, "keys", None), "values": getattr(layer, "values", None)}
+        if hasattr(layer, "conv_states"):
+            parts.update(conv_state=layer.conv_states.get(0), recurrent_state=layer.recurrent_states.get(0))
+        out.append(parts)
+    return out
 
 
 def _prefixed(trace: Trace, k: int) -> Trace:
@@ -188,7 +234,10 @@ def _inputs_for_trace(pair: Pair) -> frozenset[str]:
 def _trace_reference_step(pair: Pair, ids, mask, positions, cache) -> tuple[Trace, torch.Tensor]:
     captured = [n.name for n in pair.nodes if hf_capture.is_captured(n.name)]
     points = [(n.name, n.reference_path) for n in pair.nodes if n.name not in captured]
-    with torch.inference_mode(), recording(pair.reference, points, captured=captured, keep_inputs=_inputs_for_trace(pair)) as trace:
+    views = {n.name: n.reference_transform for n in pair.nodes if n.reference_transform is not None}
+    kernels = any(hf_kernels.is_kernel_node(name) for name in captured)  # named after the module that calls them
+    with torch.inference_mode(), recording(pair.reference, points, transforms=views, captured=captured,
+                                           keep_inputs=_inputs_for_trace(pair), module_stack=kernels) as trace:
         try:
             out = pair.reference(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
         except (RuntimeError, ValueError, TypeError, IndexError, AttributeError) as e:
@@ -207,8 +256,10 @@ def _trace_ours_step(pair: Pair, protocol: CacheProtocol, ids, mask, positions, 
     return trace, logits
 
 
-#: layer types whose cache is keys and values (what a decode check steps and compares)
+#: layer types whose cache is keys and values
 KV_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+#: layer types a decode check steps and compares (keys and values, or a linear-attention state)
+CACHED_LAYER_TYPES = KV_LAYER_TYPES | {"linear_attention"}
 
 
 def new_caches(pair: Pair, protocol: CacheProtocol):
@@ -221,20 +272,33 @@ def new_caches(pair: Pair, protocol: CacheProtocol):
             "(new_cache() -> object with layers[i].keys / .values, and forward(..., cache=)), or a "
             "parity.decode.CacheProtocol given to check_model(cache_protocol=...)"
         )
-    recurrent = [i for i, layer in enumerate(pair.facts.layers) if layer.layer_type not in KV_LAYER_TYPES]
-    if recurrent:
-        kinds = sorted({pair.facts.layers[i].layer_type for i in recurrent})
+    uncached = [i for i, layer in enumerate(pair.facts.layers) if layer.layer_type not in CACHED_LAYER_TYPES]
+    if uncached:
+        kinds = sorted({pair.facts.layers[i].layer_type for i in uncached})
         raise ParityError(
-            f"decode checks compare KV caches; layers {recurrent[:8]} are {', '.join(kinds)} (a recurrent state, "
-            "not keys and values), which parity's decode does not step yet: check without --decode"
+            f"decode checks compare caches of {', '.join(sorted(CACHED_LAYER_TYPES))} layers; layers {uncached[:8]} "
+            f"are {', '.join(kinds)}, whose cache parity's decode does not step yet: check without --decode"
         )
     return DynamicCache(config=pair.reference.config), protocol.new_cache(pair.ours)
 
 
 def _cache_hint(result: NodeResult, ours: torch.Tensor | None, ref: torch.Tensor | None, window: int | None) -> Hint | None:
-    if ours is None or ref is None or ours.dim() != 4 or ref.dim() != 4 or ours.shape[-2] == ref.shape[-2]:
+    """A cache part of another length than the reference's (the same shape but along the axis that
+    counts tokens): a ``cache_length`` hint."""
+    part = result.kind.split(".", 1)[-1]
+    axis = HELD_AXIS.get(part)
+    if axis is None or ours is None or ref is None or ours.dim() != ref.dim() or ours.shape[axis] == ref.shape[axis]:
         return None
-    held, expected = ours.shape[-2], ref.shape[-2]
+    if [n for d, n in enumerate(ours.shape) if d != ours.dim() + axis] != [n for d, n in enumerate(ref.shape) if d != ref.dim() + axis]:
+        return None
+    held, expected = ours.shape[axis], ref.shape[axis]
+    if part == "conv_state":
+        return Hint(
+            "cache_length",
+            f"likely the conv state's length: ours keeps the last {held} inputs of the short convolution at this "
+            f"layer, the reference {expected} (the kernel's width: one more than the next output reads)",
+            {"ours": held, "reference": expected, "window": None},
+        )
     what = f" (a sliding layer with window {window} keeps window - 1 = {window - 1} tokens)" if window else ""
     return Hint(
         "cache_length",
@@ -258,7 +322,7 @@ def run_decode(pair: Pair, input_ids: torch.Tensor, attention_mask: torch.Tensor
     positions = generation_positions(mask if attention_mask is not None else None, batch, plan.total)
     protocol = pair.cache_protocol or DEFAULT_PROTOCOL
     ref_cache, our_cache = new_caches(pair, protocol)
-    stems = _attention_stems(pair)
+    stems = _cache_stems(pair)
     outcome = DecodeOutcome(plan, plan.schedule())
     results: list[NodeResult] = []
     traces: list[tuple[Trace, Trace, torch.Tensor]] = []
@@ -271,7 +335,7 @@ def run_decode(pair: Pair, input_ids: torch.Tensor, attention_mask: torch.Tensor
         our_trace.tensors.update(_cache_tensors(protocol.layers(our_cache), stems))
         specs = [replace(n, name=_step(k, n.name)) for n in pair.nodes]
         specs += [NodeSpec(_step(k, f"{stem}.cache.{part}"), "", layer=i, kind=f"cache.{part}")
-                  for i, stem in stems.items() for part in ("keys", "values")]
+                  for i, (stem, parts) in stems.items() for part in parts]
         step_results = compare_traces(_prefixed(our_trace, k), _prefixed(ref_trace, k), specs, tolerances,
                                       frozenset(_step(k, n) for n in untapped))
         results += [replace(r, index=len(results) + j) for j, r in enumerate(step_results)]

@@ -10,6 +10,7 @@ node itself shows: no hint is better than a wrong one.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,7 +18,7 @@ import torch
 
 from .analysis import HEAD_MAJOR, HEAD_MERGED
 from .compare import CHOICE, MISSING, NONFINITE, SHAPE, NodeResult, choice_margins
-from .facts import ArchFacts
+from .facts import LINEAR, ArchFacts
 from .hints import Hint
 from .pair import NodeSpec
 from .trace import Trace
@@ -1204,6 +1205,145 @@ def chunk_boundary(e: Evidence) -> Hint | None:
     )
 
 
+# --- calls continuing a cache (decode checks) -------------------------------------------------------
+
+
+def _call_index(name: str) -> int | None:
+    """The step of a decode check's node (``step3/...``: 3), None outside a decode check. Step 0 is the
+    first call of a sequence; every later one continues from the cache."""
+    m = re.match(r"^step(\d+)/", name)
+    return int(m.group(1)) if m else None
+
+
+def _linear_layer(e: Evidence) -> bool:
+    layer = e.facts.layer(e.result.layer)
+    return layer is not None and layer.layer_type == LINEAR
+
+
+def padding(e: Evidence) -> Hint | None:
+    """Every differing position is padding (the run's ``attention_mask`` is 0 there) and some padding
+    differs: the two sides treat padding differently. A linear-attention layer must zero its padding
+    before anything reads it, in every call: padding in a chunk that continues a cache leaks into the
+    state otherwise (the reference's mask covers each call's own tokens)."""
+    axis = _positions_axis(e)
+    if axis is None or e.attention_mask is None or tuple(e.attention_mask.shape) != tuple(e.positions.shape):
+        return None
+    diff = (e.ours.double() - e.ref.double()).abs().movedim(axis, 1)
+    bad = diff.reshape(*diff.shape[:2], -1).amax(-1) > e.noise  # (batch, seq)
+    pad = e.attention_mask.to(bad.device) == 0
+    if not bool(bad.any()) or bool((bad & ~pad).any()):
+        return None
+    rows, cols = bad.nonzero(as_tuple=True)
+    zero = bool((e.ref.movedim(axis, 1)[pad] == 0).all())
+    where = f"padding tokens at batch rows {_fmt_list(sorted(set(rows.tolist())))}, positions {_fmt_list(sorted(set(cols.tolist())))}"
+    call = _call_index(e.name)
+    continuing = f" (a call continuing the cache: step {call})" if call else ""
+    treat = "zeroes them" if zero else "treats them otherwise"
+    return Hint(
+        "padding",
+        f"likely padding that is not masked: only padding tokens differ ({where}{continuing}); the reference {treat}. "
+        "A linear-attention layer must zero its padding in every call, a chunk continuing a cache included, "
+        "or the padding writes into the conv and the recurrent state",
+        {"batch_rows": sorted(set(rows.tolist())), "positions": sorted(set(cols.tolist())), "reference_zero": zero,
+         "step": call},
+    )
+
+
+def conv_context(e: Evidence) -> Hint | None:
+    """In a call continuing a cache, only the first ``conv_kernel - 1`` positions of a linear-attention
+    layer differ, later ones agree: those are the outputs whose window reaches back into the previous
+    call's inputs (the conv state). The cached inputs are not carried, or the wrong ones are read."""
+    k, axis = e.facts.conv_kernel, _positions_axis(e)
+    if not k or axis is None or not _call_index(e.name) or not _linear_layer(e) or e.ours.shape[axis] < k:
+        return None
+    per_pos = _by_position(e.ours, e.ref, axis)
+    bad = (per_pos > e.noise).nonzero().flatten().tolist()
+    if not bad or bad[-1] >= k - 1:
+        return None
+    return Hint(
+        "conv_state",
+        f"likely the short conv's cached inputs: in this call (step {_call_index(e.name)}, continuing the cache) "
+        f"positions {_fmt_list(bad)} differ and positions {k - 1}.. agree; with kernel {k} the first {k - 1} outputs "
+        f"read the previous call's last {k - 1} inputs (the conv state): not carried, or the wrong ones taken from it",
+        {"conv_kernel": k, "positions": bad, "step": _call_index(e.name)},
+    )
+
+
+def _conv_shift(e: Evidence) -> Hint | None:
+    """A cached conv state ``(batch, channels, K)`` holding the reference's inputs shifted along the
+    last axis (``d`` tokens older or newer), or no inputs at all (zeros)."""
+    ours, ref = e.ours.double(), e.ref.double()
+    held = ours.shape[-1]
+    if not bool((ours == 0).all()):
+        for d in sorted((d for d in range(-(held - 1), held) if d), key=lambda d: (abs(d), d)):
+            # d > 0: ours' slot j holds the reference's slot j - d (ours is d tokens older)
+            mine, theirs = (ours[..., d:], ref[..., : held - d]) if d > 0 else (ours[..., : held + d], ref[..., -d:])
+            if e.close(mine, theirs):
+                older = f"{abs(d)} token{'s' if abs(d) > 1 else ''} {'older' if d > 0 else 'newer'}"
+                return Hint(
+                    "conv_state",
+                    f"likely the conv state cut at the wrong place: ours holds the reference's conv inputs {older} (on "
+                    f"the {held - abs(d)} of {held} slots both hold); the state after a call is its last {held} inputs",
+                    {"shift": d, "held": held},
+                )
+        return None
+    return Hint("conv_state", "likely the conv state never stored: ours holds zeros where the reference holds the last "
+                f"{held} conv inputs", {"shift": None, "held": held})
+
+
+def cached_state(e: Evidence) -> Hint | None:
+    """A linear-attention layer's cache after a step: a conv state shifted or empty (see
+    :func:`_conv_shift`), a recurrent state that is zeros where the reference's is not."""
+    if e.kind == "cache.conv_state" and e.ours.dim() == 3:
+        return _conv_shift(e)
+    if e.kind == "cache.recurrent_state" and bool((e.ours == 0).all()) and bool((e.ref != 0).any()):
+        return Hint("state_not_carried", "likely the recurrent state never stored: ours holds zeros after the step, "
+                    "the reference the state after its last token", {})
+    return None
+
+
+def _replay_from_zero(e: Evidence, stem: str) -> torch.Tensor | None:
+    """The gated delta rule on this call's inputs as the reference traced them (L2-normalised q and k,
+    v from the conv's output, g, beta), from a zero state, in float64: ``(batch, seq, v_heads, d_v)``."""
+    t = e.ref_trace.tensors
+    names = [f"{stem}.{s}" for s in ("q_l2norm", "k_l2norm", "conv_out", "g", "beta")]
+    if not all(n in t for n in names):
+        return None
+    q, k, mixed, g, beta = (t[n].double() for n in names)
+    b, s, h, d_v = e.ref.shape
+    if q.shape[:3] != (b, s, h) or mixed.shape[:2] != (b, s) or mixed.shape[-1] < h * d_v or g.shape != (b, s, h):
+        return None
+    v = mixed[..., -h * d_v:].reshape(b, s, h, d_v)
+    state = torch.zeros(b, h, q.shape[-1], d_v, dtype=torch.float64)
+    out = torch.empty(b, s, h, d_v, dtype=torch.float64)
+    for i in range(s):
+        state = state * g[:, i].exp()[..., None, None]
+        predicted = (state * k[:, i, :, :, None]).sum(-2)
+        state = state + k[:, i, :, :, None] * ((v[:, i] - predicted) * beta[:, i, :, None])[:, :, None, :]
+        out[:, i] = (state * q[:, i, :, :, None]).sum(-2) / q.shape[-1] ** 0.5
+    return out
+
+
+def state_not_carried(e: Evidence) -> Hint | None:
+    """In a call continuing a cache, the rule's output of ours equals the rule replayed from a zero state
+    on this call's inputs, the reference's does not: ours' state was not carried into this call."""
+    if e.kind != "delta_out" or not _call_index(e.name) or e.ours.dim() != 4:
+        return None
+    zero = _replay_from_zero(e, e.name[: -len(".delta_out")])
+    if zero is None:
+        return None
+    ours_gap, ref_gap = _rel(e.ours, zero), _rel(e.ref, zero)
+    if not (ours_gap < 2e-2 and ours_gap * 10 < ref_gap):
+        return None
+    return Hint(
+        "state_not_carried",
+        f"likely the recurrent state not carried into this call (step {_call_index(e.name)}, continuing the cache): "
+        f"ours equals the delta rule run from a zero state on this call's inputs (relative difference {ours_gap:.2g}), "
+        f"the reference does not ({ref_gap:.2g}: it continues from the state after the previous call)",
+        {"ours_vs_zero_start": ours_gap, "reference_vs_zero_start": ref_gap, "step": _call_index(e.name)},
+    )
+
+
 #: element-wise functions a swapped activation may involve (applied in float64)
 _ELEMENTWISE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "sigmoid": torch.sigmoid,
@@ -1305,6 +1445,10 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     transposed_weight,
     expert_weights,
     rounding_order,
+    padding,
+    cached_state,
+    conv_context,
+    state_not_carried,
     activation_function,
     soft_capping,
     norm_eps,

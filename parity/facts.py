@@ -116,6 +116,8 @@ class ArchFacts:
     ``"projection"`` (over the whole projection, OLMo 2/3). ``chunk_size``: linear-attention
     layers run their recurrence over the sequence in chunks of this many tokens (None: no such
     layers); only a sequence longer than one chunk exercises the state carried between chunks.
+    ``conv_kernel``: the width of those layers' short causal convolution (a call continuing a cache
+    reads the previous call's last ``conv_kernel - 1`` inputs).
     """
 
     model_type: str
@@ -141,6 +143,7 @@ class ArchFacts:
     tie_word_embeddings: bool = False
     max_position_embeddings: int | None = None
     chunk_size: int | None = None
+    conv_kernel: int | None = None
     #: named constants a constant ratio may equal (see :meth:`named_constants`)
     extra_constants: Mapping[str, float] = field(default_factory=dict)
     #: named parts of the architecture beyond the fields above (Gemma 4: "per-layer inputs", "KV
@@ -309,9 +312,10 @@ def derive_facts(config, model=None) -> ArchFacts:
     """
     hidden = int(_get(config, "hidden_size", "n_embd", default=0))
     heads = int(_get(config, "num_attention_heads", "n_head", default=0))
-    kv = int(_get(config, "num_key_value_heads", default=heads) or heads)
+    kv = _get(config, "num_key_value_heads", default=None)
+    kv = heads if kv is None else int(kv)  # null means MHA; an explicit 0 is kept for validate_facts to refuse
     head_dim = _get(config, "head_dim")
-    head_dim = int(head_dim) if head_dim else (hidden // heads if heads else 0)
+    head_dim = int(head_dim) if head_dim is not None else (hidden // heads if heads else 0)
     n_layers = int(_get(config, "num_hidden_layers", "n_layer", default=0))
     layer_types = tuple(_get(config, "layer_types", default=None) or [FULL] * n_layers)
     head_dims = [int(d) for d in _per_layer(config, "head_dim", n_layers, head_dim)]
@@ -440,12 +444,13 @@ def _qwen3(config, facts: ArchFacts) -> ArchFacts:
 @rule("qwen3_5_text")
 def _qwen3_5(config, facts: ArchFacts) -> ArchFacts:
     # Qwen3_5DecoderLayer: linear_attention layers are Gated DeltaNet (no RoPE; the delta rule in chunks
-    # of 64, torch_chunk_gated_delta_rule's default); full_attention layers norm Q/K per head; every
-    # RMSNorm but the DeltaNet's gated one scales by (1 + w).
+    # of 64, torch_chunk_gated_delta_rule's default; a causal conv of linear_conv_kernel_dim before it);
+    # full_attention layers norm Q/K per head; every RMSNorm but the DeltaNet's gated one scales by (1 + w).
     def rope(layer: LayerFacts):
         return None if layer.layer_type == LINEAR else layer.rope
 
-    return replace(with_layers(facts, rope=rope), qk_norm="head", norm_weight_offset=1.0, chunk_size=64)
+    return replace(with_layers(facts, rope=rope), qk_norm="head", norm_weight_offset=1.0, chunk_size=64,
+                   conv_kernel=int(config.linear_conv_kernel_dim))
 
 
 @rule("mistral")
@@ -555,10 +560,64 @@ def validate_facts(facts: ArchFacts) -> list[str]:
             value = "null" if layer.window is None else repr(layer.window)
             problems.append(f"layer {layer.index} is sliding_attention but sliding_window is {value}; it must be >= 1")
             break
+    if facts.max_position_embeddings is not None and (
+        not isinstance(facts.max_position_embeddings, int) or facts.max_position_embeddings < 1
+    ):
+        problems.append(f"max_position_embeddings is {facts.max_position_embeddings!r}; it must be at least 1")
     for layer_type in sorted(set(facts.layer_types)):
         rope = facts.rope_of_type(layer_type)
+        if rope is not None:
+            problems += [f"{problem} ({layer_type} layers)" for problem in rope_problems(rope.parameters)]
         if rope is not None and rope.rotary_dim % 2:
             problems.append(f"RoPE on {layer_type} layers rotates {rope.rotary_dim} dims of each head; it must be even")
         if rope is not None and not (math.isfinite(rope.theta) and rope.theta > 0):
             problems.append(f"rope_theta of {layer_type} layers is {rope.theta!r}; it must be > 0")
     return problems
+
+
+#: RoPE parameters that are numbers, with the least value Transformers' RoPE functions can use
+#: (``modeling_rope_utils``: a scaling ``factor`` below 1 only logs a warning there, then shrinks or
+#: inverts the frequencies; an ``original_max_position_embeddings`` of 0 divides by zero)
+_ROPE_MINIMUMS = {
+    "factor": (1.0, True),
+    "original_max_position_embeddings": (1, True),
+    "attention_factor": (0.0, False),
+    "beta_fast": (0.0, True),  # 0 (or null) means the default, 32 / 1, in Transformers' YaRN
+    "beta_slow": (0.0, True),
+    "low_freq_factor": (0.0, False),
+    "high_freq_factor": (0.0, False),
+    "partial_rotary_factor": (0.0, False),
+}
+
+
+def rope_problems(params) -> list[str]:
+    """One line per RoPE parameter (``rope_parameters`` / ``rope_scaling`` of one layer type) that no
+    RoPE can be computed from: a scaling ``factor`` below 1, an ``original_max_position_embeddings``
+    below 1, a negative ``beta_fast``/``beta_slow``, an ``attention_factor`` or frequency factor that is
+    not positive, any of them not a finite number; each line names the key. Bounds follow Transformers' ``_validate_*_rope_parameters`` (modeling_rope_utils)."""
+    problems = []
+    for key, (minimum, inclusive) in _ROPE_MINIMUMS.items():
+        value = params.get(key) if isinstance(params, Mapping) else None
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            problems.append(f"rope_parameters {key} is {value!r}; it must be a finite number")
+        elif value < minimum or (value == minimum and not inclusive):
+            bound = f">= {minimum:g}" if inclusive else f"> {minimum:g}"
+            problems.append(f"rope_parameters {key} is {value!r}; it must be {bound}")
+    return problems
+
+
+def rope_problem_of(error: BaseException) -> str | None:
+    """The named RoPE field behind an error a Transformers config raised while validating its RoPE
+    parameters (a bare ``division by zero`` from ``_validate_yarn_rope_parameters``): the frames of
+    its traceback hold the parameters it was checking. None when the error did not come from there."""
+    tb = error.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name.startswith("_validate") and isinstance(frame.f_locals.get("rope_parameters"), Mapping):
+            found = rope_problems(frame.f_locals["rope_parameters"])
+            if found:
+                return found[0]
+        tb = tb.tb_next
+    return None

@@ -11,7 +11,11 @@ arguments and, while a trace is recorded, writes what it read and returned under
 module that called it (:func:`parity.trace.running_module`):
 
 * ``<path>.conv_out`` ``(batch, seq, channels)``: the conv's output after its activation (the
-  function's ``(batch, channels, seq)``, transposed: channels last like every other node);
+  function's ``(batch, channels, seq)``, transposed: channels last like every other node), for this
+  call's tokens. With a cache, ``causal_conv1d_fn`` convolves the cached inputs and the new ones
+  together and the layer keeps the last ``seq`` outputs; the wrapper cannot tell ``seq`` from its
+  arguments, so where the delta rule follows (it can) the conv's output waits for it and is cut to
+  the rule's length there (recorded before ``beta``: the order is the reference's);
 * ``<path>.beta``, ``<path>.g`` ``(batch, seq, v_heads)``: the rule's write strength and log decay,
   as passed to it;
 * ``<path>.q_l2norm``, ``<path>.k_l2norm`` ``(batch, seq, v_heads, d_k)`` float32: q and k after
@@ -45,6 +49,8 @@ SUFFIXES = ("conv_out", "beta", "g", "q_l2norm", "k_l2norm", "delta_out", "recur
 
 #: the ``l2norm`` outputs seen inside the delta rule running now (None outside one)
 _L2NORMS: contextvars.ContextVar[list | None] = contextvars.ContextVar("parity_l2norms", default=None)
+#: conv outputs waiting for the delta rule of the same module to say how many tokens the call has
+_CONV_OUT: contextvars.ContextVar[dict | None] = contextvars.ContextVar("parity_conv_out", default=None)
 
 
 def _wanted(path: str | None) -> dict[str, str]:
@@ -61,10 +67,23 @@ def _conv(original):
         out = original(*args, **kwargs)
         wanted = _wanted(running_module())
         if "conv_out" in wanted:
-            active_trace().add(wanted["conv_out"], out.transpose(1, 2))
+            if wanted.keys() & {"beta", "g", "delta_out"}:  # the rule follows: it knows this call's length
+                pending = _CONV_OUT.get() or {}
+                pending[wanted["conv_out"]] = out
+                _CONV_OUT.set(pending)
+            else:
+                active_trace().add(wanted["conv_out"], out.transpose(1, 2))
         return out
 
     return conv
+
+
+def _record_conv_out(trace, name: str, seq: int) -> None:
+    """The conv output waiting for this rule, cut to the rule's ``seq`` tokens (the layer keeps those)."""
+    pending = _CONV_OUT.get()
+    out = pending.pop(name, None) if pending else None
+    if out is not None:
+        trace.add(name, out[..., -seq:].transpose(1, 2))
 
 
 def _delta_rule(original):
@@ -78,6 +97,8 @@ def _delta_rule(original):
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         trace, given = active_trace(), bound.arguments
+        if "conv_out" in wanted:
+            _record_conv_out(trace, wanted["conv_out"], given["g"].shape[1])  # g: (batch, seq, v_heads)
         for suffix in ("beta", "g"):
             if suffix in wanted:
                 trace.add(wanted[suffix], given[suffix])

@@ -27,7 +27,7 @@ from .check import check
 from .coverage import loader_coverage
 from .devices import Placement
 from .errors import ConfigError, ParityError
-from .facts import derive_facts, validate_facts
+from .facts import derive_facts, rope_problem_of, validate_facts
 from .nodes import reference_nodes
 from .pair import Pair
 from .result import CheckResult
@@ -51,7 +51,7 @@ def _config_from_dict(raw: dict, where: str):
     try:
         return AutoConfig.for_model(**raw)
     except Exception as e:  # an unknown model_type or a field its validators reject
-        raise ConfigError(f"{where} rejected by Transformers ({model_type}): {one_line(e)}") from None
+        raise ConfigError(f"{where} rejected by Transformers ({model_type}): {rope_problem_of(e) or one_line(e)}") from None
 
 
 def _validated(hf_config, where: str):

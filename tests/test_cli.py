@@ -198,6 +198,8 @@ def test_bad_options_exit_2_in_cli_words_before_any_model_is_built(tmp_path, cap
     monkeypatch.setattr("parity.family.Family.build_pair", no_build)
     blocker = tmp_path / "a-file"
     blocker.write_text("")
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
     for argv, message in [
         (["--report-dir", str(blocker)], "is a file, not a folder"),
         (["--seed", "99999999999999999999"], "must be an integer in [0, 2^63)"),
@@ -207,7 +209,11 @@ def test_bad_options_exit_2_in_cli_words_before_any_model_is_built(tmp_path, cap
         (["--exact", "--rtol", "0"], "--exact sets atol = rtol = 0 on every node; drop --atol/--rtol/--calibrate"),
         (["--left-pad", "3"], "--left-pad 3 pads every batch row after the first, so it needs --batch 2 or more"),
         (["--left-pad", "9", "--batch", "2", "--seq-len", "9"], "--left-pad 9 must be shorter than --seq-len 9"),
+        (["--config", "7b-shape", "--left-pad", "64", "--batch", "2"],  # past the config's default length
+         "--left-pad 64 must be shorter than the sequence (64 tokens by default"),
         (["--checkpoint", str(tmp_path), "--layers", "2"], "do not combine it with --config or --layers"),
+        (["--decode", "12:0x8"], "decode plan 12:0x8 (PREFILL[:CHUNK]xSTEPS): chunk is 0; it must be at least 1"),
+        (["--report-dir", str(loop)], f"--report-dir {loop} is a symbolic link loop"),
     ]:
         assert main(["check", "olmo3", *argv]) == 2, argv
         err = capsys.readouterr().err.strip()
@@ -216,7 +222,7 @@ def test_bad_options_exit_2_in_cli_words_before_any_model_is_built(tmp_path, cap
 
 
 def test_left_pad_past_the_default_sequence_is_an_error_in_cli_words(tmp_path, capsys):
-    # tiny's default sequence is 16 tokens; only the built pair knows that
+    # tiny's default sequence is 16 tokens, known from its config before anything is built
     assert run(["--left-pad", "16", "--batch", "2"], tmp_path) == 2
     err = capsys.readouterr().err.strip()
     assert "--left-pad 16 must be shorter than the sequence (16 tokens by default" in err, err

@@ -14,9 +14,11 @@ from parity.decode import DecodePlan
 from reference_pairs.common import faults as common_faults
 from reference_pairs.llama3 import build_pair as llama3_pair
 from reference_pairs.olmo3 import build_pair as olmo3_pair
+from reference_pairs.qwen3_5 import build_pair as qwen3_5_pair
 from reference_pairs.tiny_aya import build_pair as tiny_aya_pair
 
-PAIRS = {"olmo3:yarn": (olmo3_pair, "yarn"), "tiny_aya": (tiny_aya_pair, "tiny"), "llama3": (llama3_pair, "tiny")}
+PAIRS = {"olmo3:yarn": (olmo3_pair, "yarn"), "tiny_aya": (tiny_aya_pair, "tiny"), "llama3": (llama3_pair, "tiny"),
+         "qwen3_5": (qwen3_5_pair, "tiny")}  # qwen3_5: Gated DeltaNet layers, their cache compared too (test_qwen3_5.py)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -105,6 +107,21 @@ def test_a_model_without_a_cache_is_told_what_the_protocol_is():
     pair.ours.new_cache = None
     with pytest.raises(parity.ParityError, match=r"has no new_cache\(\): a decode check needs"):
         parity.check(pair, decode="8x2")
+
+
+def test_layers_whose_cache_decode_does_not_step_are_refused_in_one_line():
+    """A layer type with a cache of neither kind (LFM2's short-conv layers, a Mamba layer) is refused
+    naming the layers, rather than stepped with half its cache compared. No built-in family has one:
+    the facts of a qwen3_5 pair are given such a layer type here."""
+    from dataclasses import replace
+
+    pair = qwen3_5_pair("tiny")
+    layers = tuple(replace(layer, layer_type="conv") if layer.index in (0, 2) else layer for layer in pair.facts.layers)
+    pair.facts = replace(pair.facts, layers=layers)
+    with pytest.raises(parity.ParityError) as info:
+        parity.check(pair, decode="8x2")
+    message = str(info.value)
+    assert "\n" not in message and "layers [0, 2] are conv" in message and "check without --decode" in message
 
 
 def test_cli_decode_and_its_report(tmp_path, capsys):

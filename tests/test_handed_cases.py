@@ -6,6 +6,7 @@ run them, with the default `parity.check`."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -110,6 +111,44 @@ def test_f21_cfg_dict_and_config_json_validate_alike(tmp_path):
     with pytest.raises(parity.ConfigError) as from_json:
         olmo3_pair(config=str(path))
     assert str(from_dict.value) == str(from_json.value)
+
+
+def _yarn_rope(config: dict, **changes) -> dict:
+    config["rope_parameters"] = {t: ({**p, **changes} if p.get("rope_type") == "yarn" else p)
+                                 for t, p in config["rope_parameters"].items()}
+    return config
+
+
+# the same kind as F21, found by a breaker: fields that divided by zero, crashed the reference or ran
+# silently; each now refused in one line naming the field, through our cfg dict and a config.json alike
+ZERO_OR_BELOW_ONE = [
+    ("n_kv_heads", 0, lambda c: c.update(num_key_value_heads=0), "num_key_value_heads is 0; it must be at least 1"),
+    ("head_dim", 0, None, "head_dim is 0; it must be at least 1"),  # Olmo3Config has no head_dim: cfg only
+    ("rope_factor", 0.0, lambda c: _yarn_rope(c, factor=0.0), "rope_parameters factor is 0.0; it must be >= 1"),
+    ("rope_factor", -2.0, lambda c: _yarn_rope(c, factor=-2.0), "rope_parameters factor is -2.0; it must be >= 1"),
+    ("rope_orig_max", 0, lambda c: _yarn_rope(c, original_max_position_embeddings=0),
+     "rope_parameters original_max_position_embeddings is 0; it must be >= 1"),
+    ("context_length", 0, lambda c: c.update(max_position_embeddings=0), "max_position_embeddings is 0; it must be at least 1"),
+]
+
+
+@pytest.mark.parametrize("key,value,change,message", ZERO_OR_BELOW_ONE, ids=[f"{k}={v}" for k, v, _, _ in ZERO_OR_BELOW_ONE])
+def test_f21_kind_fields_that_divide_by_zero_are_refused_alike_from_cfg_and_config_json(key, value, change, message, tmp_path, capsys):
+    base = olmo3_pair("yarn")
+    assert key in base.cfg
+    with pytest.raises(parity.ConfigError, match=re.escape(message)):
+        olmo3_pair(config="yarn", **{key: value})
+    if change is None:
+        return
+    config = base.reference.config.to_dict()
+    change(config)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(parity.ConfigError, match=re.escape(message)):
+        olmo3_pair(config=str(path))
+    assert main(["check", "olmo3", "--config", str(path), "--report-dir", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
 
 
 @pytest.mark.parametrize("build", [olmo3_pair, tiny_aya_pair], ids=["olmo3", "tiny_aya"])

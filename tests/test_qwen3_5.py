@@ -1,6 +1,7 @@
 """Qwen3.5: bit-exact parity with transformers.Qwen3_5ForCausalLM (prompt, padded batch, checkpoints),
-the Gated DeltaNet's recurrent decode path and carried state against the reference's cache, what
-parity captures inside the reference's kernels, config translation and refusals, loader errors."""
+the Gated DeltaNet's recurrent decode path and carried state against the reference's cache, decode
+checks with the DeltaNet cache compared node by node, what parity captures inside the reference's
+kernels, config translation and refusals, loader errors."""
 
 from __future__ import annotations
 
@@ -174,6 +175,95 @@ def test_chunk_padding_never_reaches_the_state():
             torch.testing.assert_close(torch.cat([oa, ob], 2), o1, atol=1e-5, rtol=1e-5)
 
 
+# --- decode checks: the DeltaNet cache ------------------------------------------------------------
+
+DECODE_PLANS = {  # plan, check kwargs
+    "prompt-shorter-than-the-conv-then-steps": ("3x6", {}),
+    "chunked-prompt-then-steps": ("12:4x8", {}),
+    "calls-longer-than-a-delta-rule-chunk": ("140:70x2", {}),
+    "left-padded-batch-padding-in-the-second-call": ("80:40x2", {"batch_size": 2, "left_pad": 45}),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("plan", DECODE_PLANS)
+def test_decode_is_bit_exact_with_every_cache_part_compared(plan, dtype):
+    """Every node of every call, and after every call every layer's cache: keys and values of the
+    full-attention layer, conv inputs and recurrent state of each Gated DeltaNet layer, equal to the bit."""
+    decode, kwargs = DECODE_PLANS[plan]
+    pair = build_pair("tiny", dtype=dtype)
+    res = parity.check(pair, decode=decode, **kwargs)
+    assert res.passed, res.verdict()
+    assert all(n.max_abs == 0.0 for n in res.nodes), [(n.name, n.max_abs) for n in res.nodes if n.max_abs]
+    calls = parity.decode.DecodePlan.parse(decode).schedule()
+    batch = kwargs.get("batch_size", 1)
+    d = pair.cfg
+    channels = 2 * d["linear_num_key_heads"] * d["linear_key_head_dim"] + d["linear_num_value_heads"] * d["linear_value_head_dim"]
+    shapes = {
+        "cache.conv_state": (batch, channels, d["linear_conv_kernel_dim"]),
+        "cache.recurrent_state": (batch, d["linear_num_value_heads"], d["linear_key_head_dim"], d["linear_value_head_dim"]),
+    }
+    for k, (_, end) in enumerate(calls):
+        cache = {n.name: n for n in res.nodes if n.name.startswith(f"step{k}/") and n.kind.startswith("cache.")}
+        want = {f"step{k}/model.layers.{i}.{'linear_attn.cache.' + p if t == LINEAR else 'self_attn.cache.' + p}"
+                for i, t in enumerate(d["layer_types"])
+                for p in (("conv_state", "recurrent_state") if t == LINEAR else ("keys", "values"))}
+        assert set(cache) == want, k
+        assert len([n for n in res.nodes if n.name.startswith(f"step{k}/")]) == len(pair.nodes) + len(want)
+        for n in cache.values():
+            expected = shapes.get(n.kind) or (batch, d["n_kv_heads"], end, d["head_dim"])
+            assert tuple(n.shape_ref) == tuple(n.shape_ours) == expected, (n.name, n.shape_ref)
+            assert n.status == "ok" and n.max_abs == 0.0
+
+
+def test_a_decode_plan_that_never_crosses_a_chunk_says_so():
+    """The chunk note speaks of the longest call: calls of 4 tokens never carry the state from one chunk
+    to the next inside the rule (only through the cache); a call of 70 does, and gets no note."""
+    short = parity.check(build_pair("tiny"), decode="12:4x2")
+    assert any("no call of decode plan 12:4x2 exceeds the linear-attention chunk (64 tokens)" in n for n in short.notes)
+    long = parity.check(build_pair("tiny"), decode="70:70x1")
+    assert not any("chunk" in n for n in long.notes), long.notes
+
+
+def test_a_conv_state_of_another_length_is_named_as_such(monkeypatch):
+    """A conv that keeps K + 1 inputs after a call: the cache part's shape differs along its token axis."""
+    from reference_pairs.common.linear_attention import CausalConv1d
+
+    forward = CausalConv1d.forward
+
+    def keeps_one_more(self, x, state=None):
+        y, kept = forward(self, x, state if state is None else state[..., 1:])
+        window = x if state is None else torch.cat([state.to(x.dtype), x], dim=-1)
+        return y, torch.nn.functional.pad(window, (max(self.kernel_size + 1 - window.shape[-1], 0), 0))[..., -self.kernel_size - 1:]
+
+    monkeypatch.setattr(CausalConv1d, "forward", keeps_one_more)
+    bad = parity.check(build_pair("tiny"), decode="6:3x1").first_mismatch
+    assert bad.name == "step0/model.layers.0.linear_attn.cache.conv_state" and bad.status == "shape"
+    assert bad.hint.kind == "cache_length" and bad.hint.evidence["ours"] == 5 and bad.hint.evidence["reference"] == 4
+    assert "conv state's length" in bad.hint.text
+
+
+def test_cli_decode_runs_and_reports_the_deltanet_cache(tmp_path, capsys):
+    assert main(["check", "qwen3_5", "--decode", "8:2x4", "--report-dir", str(tmp_path), "--format", "json"]) == 0
+    out = capsys.readouterr().out
+    assert "cached vs full forward" in out and "greedy tokens" in out
+    (folder,) = [p for p in tmp_path.iterdir() if not p.name.startswith(".")]
+    nodes = {n["name"] for n in json.loads((folder / "result.json").read_text())["nodes"]}
+    assert {"step5/model.layers.0.linear_attn.cache.conv_state", "step5/model.layers.2.linear_attn.cache.recurrent_state",
+            "step5/model.layers.3.self_attn.cache.keys"} <= nodes
+
+
+def test_the_catalogue_covers_the_deltanet_cache_in_decode():
+    """The cache faults (run by `parity selftest`, tests/test_selftest.py) cover both cache parts,
+    the three decode hints, and a padded continued call."""
+    decode = [f for f in FAMILY.faults if "decode" in dict(f.check_kwargs)]
+    assert {f.hint for f in decode} == {"state_not_carried", "conv_state", "padding"}
+    assert any(f.expected.endswith(".cache.conv_state") for f in decode)
+    assert any(f.expected.endswith(".cache.recurrent_state") for f in decode)
+    assert any(f.expected.startswith("step1/") and not f.expected.split("/", 1)[1].count("cache") for f in decode)
+    assert any(dict(f.check_kwargs).get("left_pad") for f in decode)
+
+
 # --- configs -------------------------------------------------------------------------------------
 
 RELEASED_0_8B = {  # Qwen/Qwen3.5-0.8B config.json, text_config
@@ -280,13 +370,3 @@ def test_0_8b_shape_is_bit_exact(dtype):
     assert pair.cfg["layer_types"] == [LINEAR, LINEAR, LINEAR, FULL]
     res = parity.check(pair)
     assert_bit_exact(res, pair)
-
-
-def test_decode_is_refused_in_one_line_for_linear_attention_layers(tmp_path, capsys):
-    """The decode check steps KV caches; a Gated DeltaNet layer's cache is a recurrent state, so
-    `--decode` is refused naming the layers, exit 2, rather than crash or compare half the model."""
-    from parity.cli import main
-
-    assert main(["check", "qwen3_5", "--decode", "8:2x4", "--report-dir", str(tmp_path)]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "layers [0, 1, 2] are linear_attention" in err and "without --decode" in err

@@ -18,6 +18,8 @@ def test_every_family_has_a_catalogue_with_the_handed_cases():
     assert {"F03", "F04", "F06", "F07", "F10"} <= ids["olmo3"]
     assert {"F01", "F05", "F07", "F10"} <= ids["tiny_aya"]
     assert {"F02", "F07", "F08", "F10"} <= ids["llama3"]
+    assert {"state-not-carried", "conv-state-not-carried", "conv-state-oldest-inputs", "conv-state-kept-one-early",
+            "recurrent-state-not-stored", "chunk-padding-leaks"} <= ids["qwen3_5"]  # the DeltaNet cache in decode
 
 
 @pytest.mark.parametrize("family, fault", CASES, ids=[f"{n}-{f.id}" for n, f in CASES])

@@ -1,5 +1,5 @@
-"""A KV cache for the from-scratch models: per layer, the keys after RoPE and the values, as
-generation keeps them.
+"""A cache for the from-scratch models: per layer, what generation keeps between calls. An attention
+layer keeps its keys after RoPE and its values; a linear-attention layer keeps a state instead.
 
 Semantics of Transformers 5's ``DynamicCache`` (``DynamicLayer`` / ``DynamicSlidingWindowLayer``):
 a layer's new keys are appended to what it holds and attention reads the whole (past + new); a full
@@ -8,11 +8,18 @@ query can see: itself plus ``window - 1`` earlier keys), also when a chunk of se
 at once. Each layer counts the tokens it has seen, so the attention knows the sequence index of its
 queries and of the keys it reads (masks are built from indices, not from positions: a left-padded
 row's positions start later than its indices).
+
+A ``linear_attention`` layer (Gated DeltaNet) holds what ``LinearAttentionLayer`` holds: the last
+``K`` inputs of its short causal convolution (``K`` the kernel: the next output reads ``K - 1`` of
+them) and the delta rule's recurrent state ``S``, both replaced after every call
+(:class:`LinearAttentionCacheLayer`). Its length never grows.
 """
 
 from __future__ import annotations
 
 import torch
+
+from .layer_types import LINEAR
 
 
 class CacheLayer:
@@ -48,11 +55,32 @@ class CacheLayer:
         self.keys, self.values = keys, values
 
 
-class KVCache:
-    """Every layer's :class:`CacheLayer`; ``layers[i]`` is layer ``i``'s."""
+class LinearAttentionCacheLayer:
+    """One linear-attention layer's cache: ``conv_state`` ``(batch, channels, K)``, the last ``K``
+    inputs of the short conv (zeros on the left while fewer have been seen), and ``recurrent_state``
+    ``(batch, v_heads, d_k, d_v)`` float32, the delta rule's ``S`` after the last token; both None
+    before the first call. ``seen``: tokens seen (the layer has no keys: ``keys``/``values`` stay None)."""
 
-    def __init__(self, windows):
-        self.layers = [CacheLayer(w) for w in windows]
+    keys = values = None
+
+    def __init__(self):
+        self.conv_state: torch.Tensor | None = None
+        self.recurrent_state: torch.Tensor | None = None
+        self.seen = 0
+
+    def update(self, conv_state: torch.Tensor, recurrent_state: torch.Tensor, tokens: int) -> None:
+        """Replace the state with the one after this call's ``tokens`` tokens."""
+        self.conv_state, self.recurrent_state = conv_state, recurrent_state
+        self.seen += tokens
+
+
+class KVCache:
+    """Every layer's cache; ``layers[i]`` is layer ``i``'s: a :class:`CacheLayer` with that layer's
+    window, or a :class:`LinearAttentionCacheLayer` where ``layer_types[i]`` is ``linear_attention``."""
+
+    def __init__(self, windows, layer_types=None):
+        layer_types = list(layer_types) if layer_types is not None else [None] * len(windows)
+        self.layers = [LinearAttentionCacheLayer() if t == LINEAR else CacheLayer(w) for w, t in zip(windows, layer_types)]
 
     @property
     def seen(self) -> int:

@@ -25,8 +25,9 @@ fallbacks (``torch_chunk_gated_delta_rule``, ``torch_recurrent_gated_delta_rule`
 included, so ours rounds where the reference rounds: the same algebra in another order differs in
 the last bits, and a float32 reduction even depends on the memory layout it runs over.
 
-The state after a call is :class:`DeltaNetState`: what a KV cache of this layer holds (the last
-``K`` conv inputs and ``S``, as Transformers' ``LinearAttentionLayer`` holds them).
+The state after a call is :class:`DeltaNetState`: what this layer's cache holds between calls (the
+last ``K`` conv inputs and ``S``, as Transformers' ``LinearAttentionLayer`` holds them;
+:class:`~reference_pairs.common.cache.LinearAttentionCacheLayer`).
 
 Taps (see :class:`~reference_pairs.common.taps.Tap`): ``conv_out`` ``(batch, seq, channels)`` after
 the conv and SiLU; ``beta`` and ``g`` ``(batch, seq, v_heads)``; ``q_l2norm``/``k_l2norm``
@@ -231,18 +232,28 @@ class GatedDeltaNet(nn.Module):
         state: DeltaNetState | None = None, return_state: bool = False,
     ):
         """``x``: ``(batch, seq, d_in)``; ``cos``/``sin`` are ignored (no RoPE in this layer; a block
-        passes its layer type's tables, None); ``padding_mask`` ``(batch, seq)``, 1 for real tokens:
-        padding is zeroed before anything reads it, so it neither writes the state nor reaches the conv.
-        ``state``: this layer's :class:`DeltaNetState` after earlier tokens (None: a new sequence).
-        ``cache``: the slot a block passes its attention's per-layer KV cache in; this layer's cache
-        is its ``state`` (not a key/value cache), so only None is accepted there.
+        passes its layer type's tables, None); ``padding_mask`` ``(batch, seq)`` (with a cache: ``(batch,
+        tokens so far)``, of which this call's are the last ``seq``), 1 for real tokens: padding is
+        zeroed before anything reads it, so it neither writes the state nor reaches the conv, in a
+        chunk continuing a cache as in a prompt.
+
+        ``cache``: this layer's :class:`~reference_pairs.common.cache.LinearAttentionCacheLayer` (the
+        slot a block passes its attention's cache in), or None. The call continues from what it holds
+        (the conv's last inputs and the recurrent state; nothing before the first call), a single
+        token through the recurrence, several through the chunked rule, and leaves the state after
+        its last token there. ``state``: the same without a cache object (this layer's
+        :class:`DeltaNetState` after earlier tokens; None: a new sequence).
 
         Returns ``y`` ``(batch, seq, d_in)``, or ``(y, state after these tokens)`` with ``return_state``.
         """
         if cache is not None:
-            raise ValueError("a Gated DeltaNet layer carries a DeltaNetState (state=, return_state=True), not a KV cache")
+            if not hasattr(cache, "recurrent_state"):
+                raise ValueError(f"a Gated DeltaNet layer keeps a LinearAttentionCacheLayer, not a {type(cache).__name__}")
+            if state is not None:
+                raise ValueError("give a Gated DeltaNet its state through cache= or state=, not both")
+            state = self.cached_state(cache)
         if padding_mask is not None:
-            x = (x * padding_mask[:, :, None]).to(x.dtype)
+            x = (x * padding_mask[:, -x.shape[1]:, None]).to(x.dtype)
         batch, seq, _ = x.shape
         mixed, conv_state = self.conv1d(self.in_proj_qkv(x).transpose(1, 2), None if state is None else state.conv)
         mixed = self.conv_out(mixed.transpose(1, 2))
@@ -268,4 +279,11 @@ class GatedDeltaNet(nn.Module):
 
         o = self.norm(o.reshape(-1, self.d_v), z.reshape(-1, self.d_v)).reshape(batch, seq, -1)
         y = self.out_proj(o)
+        if cache is not None:
+            cache.update(conv_state, recurrent, seq)
         return (y, DeltaNetState(conv_state, recurrent)) if return_state else y
+
+    def cached_state(self, cache) -> DeltaNetState | None:
+        """The state a call continues from: what ``cache`` holds, None before its first call (an
+        overridable method: a fault injection replaces it)."""
+        return None if cache.recurrent_state is None else DeltaNetState(cache.conv_state, cache.recurrent_state)

@@ -1,6 +1,7 @@
 """Qwen3.5 fault catalogue for ``parity selftest qwen3_5``: the issue's list (gate split, partial
-rotary, ``(1 + w)``, conv causality, beta/g activations, L2 norms, the chunk boundary) and the shared
-GQA and padding faults on the full-attention layer."""
+rotary, ``(1 + w)``, conv causality, beta/g activations, L2 norms, the chunk boundary), the shared
+GQA and padding faults on the full-attention layer, and the Gated DeltaNet's cache in decode checks
+(the recurrent state and the conv inputs carried from call to call, padding in a continued chunk)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from torch.nn import functional as F
 
 from parity.faults import Fault
 
+from ..common.cache import LinearAttentionCacheLayer
 from ..common.faults import LEFT_PADDED, expand_kv_with_repeat, mask_with_neg_inf
 from ..common.linear_attention import l2norm
 
@@ -96,6 +98,82 @@ def _state_misses_chunk_end(pair):
     att.delta_rule = delta_rule
 
 
+# --- the cache of a linear-attention layer (decode checks) -----------------------------------------
+
+
+def _deltanets(pair):
+    return [block.att for block in pair.ours.blocks if hasattr(block.att, "delta_rule")]
+
+
+def _state_not_carried(pair):
+    """Every prefill chunk runs the chunked rule from a zero state (a chunked rule written without an
+    initial state); single-token steps carry it."""
+    for att in _deltanets(pair):
+        rule = att.delta_rule
+        att.delta_rule = lambda q, k, v, g, beta, state, _rule=rule: _rule(q, k, v, g, beta, state if q.shape[2] == 1 else None)
+
+
+def _conv_reads(pick):
+    """The conv of a call continuing the cache reads ``pick(cached inputs)`` instead of the cached inputs."""
+
+    def inject(pair):
+        for att in _deltanets(pair):
+            conv = att.conv1d
+            forward = conv.forward
+            conv.forward = lambda x, state=None, _forward=forward: _forward(x, None if state is None else pick(x, state))
+
+    return inject
+
+
+def _conv_state_kept_one_early(pair):
+    """The conv state kept after a call is the ``K`` inputs ending one token before its last."""
+    for att in _deltanets(pair):
+        conv = att.conv1d
+        forward = conv.forward
+
+        def kept_early(x, state=None, _forward=forward, _conv=conv):
+            y, _ = _forward(x, state)
+            window = x if state is None else torch.cat([state.to(x.dtype), x], dim=-1)
+            k = _conv.kernel_size
+            return y, F.pad(window, (max(k + 1 - window.shape[-1], 0), 0))[..., -k - 1 : -1]
+
+        conv.forward = kept_early
+
+
+def _recurrent_state_not_stored(pair):
+    """The cache's recurrent state written as zeros after every call (a state slot allocated and never
+    filled): the call itself computes right, the next one starts from nothing."""
+    new_cache = pair.ours.new_cache
+
+    def cache_keeping_zeros():
+        cache = new_cache()
+        for layer in cache.layers:
+            if isinstance(layer, LinearAttentionCacheLayer):
+                update = layer.update
+                layer.update = lambda conv, state, tokens, _update=update: _update(conv, torch.zeros_like(state), tokens)
+        return cache
+
+    pair.ours.new_cache = cache_keeping_zeros
+
+
+def _padding_zeroed_in_first_call_only(pair):
+    """Padding zeroed only in a sequence's first call: left padding that falls in a later prefill chunk
+    reaches the projections, the conv and the state."""
+    for att in _deltanets(pair):
+        forward = att.forward
+
+        def first_call_masked(x, cos=None, sin=None, padding_mask=None, cache=None, _forward=forward, **kwargs):
+            return _forward(x, cos, sin, None if cache is not None and cache.seen else padding_mask, cache, **kwargs)
+
+        att.forward = first_call_masked
+
+
+#: the decode schedule of the cache faults: a prompt of 8 in two calls of 4 (the second continues the
+#: cache through the chunked rule and reads the conv's cached inputs), then 2 single-token steps
+DECODE = (("decode", "8:4x2"),)
+#: the same with padding in the second prefill call: rows 1 and 2 start with 5 padding tokens
+DECODE_PADDED = (*DECODE, *LEFT_PADDED)
+
 FAULTS = (
     Fault("gate-split-flat", "q_proj's output split in two flat halves (queries | gates) instead of per head",
           "tiny", _flat_gate_split, f"{ATT.format(FULL_LAYER)}.gate", "head_mapping", scope=ATT.format(FULL_LAYER)),
@@ -121,4 +199,21 @@ FAULTS = (
     Fault("F10", "masked scores filled with -inf: fully masked (left-pad) query rows give NaN", "tiny",
           mask_with_neg_inf, f"{ATT.format(FULL_LAYER)}.probs", "nonfinite", scope=f"{ATT.format(FULL_LAYER)}.probs",
           source="unsloth #9848", check_kwargs=LEFT_PADDED),
+    Fault("state-not-carried", "every prefill chunk runs the delta rule from a zero state (decode steps carry it)",
+          "tiny", _state_not_carried, f"step1/{LIN.format(0)}.delta_out", "state_not_carried", check_kwargs=DECODE),
+    Fault("conv-state-not-carried", "the conv of a call continuing the cache starts from zeros, not the cached inputs",
+          "tiny", _conv_reads(lambda x, state: torch.zeros_like(state)), f"step1/{LIN.format(0)}.conv_out", "conv_state",
+          check_kwargs=DECODE),
+    Fault("conv-state-oldest-inputs", "a call continuing the cache reads the oldest K - 1 of the K cached conv inputs, "
+          "not the newest", "tiny", _conv_reads(lambda x, state: state[..., :-1]), f"step1/{LIN.format(0)}.conv_out",
+          "conv_state", check_kwargs=DECODE),
+    Fault("conv-state-kept-one-early", "the conv state kept after a call ends one input before the call's last",
+          "tiny", _conv_state_kept_one_early, f"step0/{LIN.format(0)}.cache.conv_state", "conv_state",
+          check_kwargs=DECODE),
+    Fault("recurrent-state-not-stored", "the cache keeps zeros for the recurrent state after every call (the slot "
+          "never written)", "tiny", _recurrent_state_not_stored, f"step0/{LIN.format(0)}.cache.recurrent_state",
+          "state_not_carried", check_kwargs=DECODE),
+    Fault("chunk-padding-leaks", "padding zeroed in a sequence's first call only: left padding in a later prefill "
+          "chunk leaks into the conv and the recurrent state", "tiny", _padding_zeroed_in_first_call_only,
+          f"step1/{LIN.format(0)}.in_proj_qkv", "padding", check_kwargs=DECODE_PADDED),
 )
