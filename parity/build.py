@@ -23,7 +23,7 @@ from .checkpoint import read_checkpoint, read_config
 from .devices import Placement
 from .errors import ConfigError, LoaderError, ParityError
 from .facts import ArchFacts, derive_facts, rope_problem_of, validate_facts
-from .family import Family
+from .family import Composite, Family
 from .pair import Pair
 from .resources import require
 from .probes import probe_weights
@@ -124,7 +124,9 @@ def resolve_config(family: Family, config, dtype: torch.dtype, overrides: dict):
     elif isinstance(config, (str, Path)) and (Path(config).is_file() or str(config).endswith(".json")):
         raw = read_config(config)
         if raw.get("model_type") != family.model_type:
-            raise ConfigError(f"{config} has model_type {raw.get('model_type')!r}, expected {family.model_type!r}")
+            multimodal = family.composite_for(raw.get("model_type")) is not None
+            how = " (a multimodal config: pass its checkpoint folder, or its text_config as a config.json)" if multimodal else ""
+            raise ConfigError(f"{config} has model_type {raw.get('model_type')!r}, expected {family.model_type!r}{how}")
         cfg = family.from_hf(config_from_dict(family, raw), dtype)
     else:
         known = ", ".join(family.configs)
@@ -213,11 +215,66 @@ def nonfinite_notes(state_dict: Mapping[str, torch.Tensor], chunk: int = 1 << 24
     return notes
 
 
-def load_ours(family: Family, model: nn.Module, cfg: dict, state_dict: Mapping[str, torch.Tensor]) -> dict[str, str]:
-    """Our model loaded from the checkpoint-named state dict: the family's loader, else its table."""
+def load_ours(
+    family: Family, model: nn.Module, cfg: dict, state_dict: Mapping[str, torch.Tensor], composite: Composite | None = None
+) -> dict[str, str]:
+    """Our model loaded from the checkpoint-named state dict: the family's loader, else its table.
+
+    From a multimodal checkpoint (``composite``; ``state_dict`` already without the parts outside the
+    text model, see :func:`outside_text_model`) the table is read with its ``model.`` keys under the
+    text model's prefix, so a missing or misnamed key is named as the checkpoint names it; a loader
+    of the family's own gets the keys as a text-only checkpoint names them.
+    """
+    if composite is None:
+        return family.load(model, cfg, state_dict) if family.load is not None else apply_weight_table(model, state_dict, family.weights)
+    prefix = composite.text_prefix
+
+    def as_text(key: str) -> str:
+        return "model." + key[len(prefix):] if key.startswith(prefix) else key
+
     if family.load is not None:
-        return family.load(model, cfg, state_dict)
-    return apply_weight_table(model, state_dict, family.weights)
+        by_text = {as_text(k): k for k in state_dict}
+        loaded = family.load(model, cfg, {as_text(k): v for k, v in state_dict.items()})
+        return {by_text.get(k, k): v for k, v in loaded.items()}
+    table = {(prefix + k[len("model."):] if k.startswith("model.") else k): v for k, v in family.weights.items()}
+    return apply_weight_table(model, state_dict, table)
+
+
+def _refuse_split_tie(hf_config, composite: Composite) -> None:
+    """A multimodal config whose two ``tie_word_embeddings`` disagree: the multimodal model ties its
+    head by its own, a text model by its text_config's, so the two sides would differ. ConfigError."""
+    outer, text = bool(hf_config.tie_word_embeddings), bool(text_config_of(hf_config).tie_word_embeddings)
+    if outer != text:
+        raise ConfigError(
+            f"config.json has tie_word_embeddings={outer} but text_config.tie_word_embeddings={text}: "
+            f"{composite.reference_class} ties its head by the first, the text model by the second; make them agree"
+        )
+
+
+def text_config_of(hf_config):
+    """The text config of a multimodal config (its ``text_config``), else the config itself."""
+    return hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+
+
+def outside_text_model(expected, text_prefix: str, state_dict: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """Checkpoint key -> the module it belongs to (``model.vision_tower``, ``model.embed_audio``), for every
+    key of ``state_dict`` that the multimodal reference holds (``expected``: its state dict's keys) outside
+    its text model (``text_prefix``: ``model.language_model.``) and head: what a text-only check leaves
+    unused by design. Keys the reference does not hold are not among them (our loader names those)."""
+    parent = text_prefix.rstrip(".").rpartition(".")[0]
+    lead = parent + "." if parent else ""
+
+    def part(key: str) -> str:
+        rest = key[len(lead):] if key.startswith(lead) else key
+        return lead + rest.partition(".")[0]
+
+    return {k: part(k) for k in state_dict if k in expected and not k.startswith(text_prefix) and not k.startswith("lm_head.")}
+
+
+def meta_keys(reference_cls, hf_config) -> set[str]:
+    """The state dict keys of ``reference_cls(hf_config)``, built on the meta device."""
+    with torch.device("meta"):
+        return set(reference_cls(hf_config).state_dict())
 
 
 def _check_dtype(dtype) -> None:
@@ -240,6 +297,10 @@ class Reference:
     checkpoint: str | None = None
     checkpoint_hash: str | None = None
     conversions: list = field(default_factory=list)
+    #: a multimodal checkpoint's model (``...ForConditionalGeneration``), when the checkpoint is one
+    composite: Composite | None = None
+    #: checkpoint key -> module, for the keys outside the text model (a multimodal checkpoint's towers)
+    by_design: dict = field(default_factory=dict)
 
     @property
     def tied_keys(self) -> dict[str, str]:
@@ -292,17 +353,24 @@ def model_naming(reference_cls, hf_config, state_dict: dict[str, torch.Tensor]) 
     by_pattern = {p: c for c in converters for p in c.source_patterns}
     out: dict[str, torch.Tensor] = {}
     pending: dict[str, tuple[object, list[str]]] = {}
+    moved: list[tuple[str, str]] = []
     for key in sorted(state_dict, key=dot_natural_key):
         renamed, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
         if renamed not in meta and key in meta:
             renamed, pattern = key, None
         if pattern is None:
             out[renamed] = state_dict[key]
+            if renamed != key:
+                moved.append((key, renamed))
             continue
         converter, sources = pending.setdefault(renamed, (copy.deepcopy(by_pattern[pattern]), []))  # one per target
         converter.add_tensor(renamed, key, pattern, state_dict[key])
         sources.append(key)
     notes = []
+    if moved:  # e.g. a Gemma 3 multimodal file's language_model.model.* read as model.language_model.*
+        (first, to), n = moved[0], len(moved)
+        notes.append(f"{first} -> {to}{f' and {n - 1} more keys' if n > 1 else ''}: renamed as from_pretrained renames "
+                     "them (Transformers' checkpoint conversion)")
     for target, (converter, sources) in pending.items():
         converted = converter.convert(target, model=model, config=hf_config)
         for name, value in converted.items():
@@ -313,7 +381,7 @@ def model_naming(reference_cls, hf_config, state_dict: dict[str, torch.Tensor]) 
     return out, notes
 
 
-def read_weights(checkpoint, dtype: torch.dtype, model_type: str | None):
+def read_weights(checkpoint, dtype: torch.dtype, model_type: str | tuple[str, ...] | None):
     """``(checkpoint, state dict in dtype, conversions)`` of a safetensors checkpoint directory."""
     ckpt = read_checkpoint(checkpoint, model_type=model_type)
     _check_tensor_dtypes(ckpt.state_dict, f"checkpoint {checkpoint}")
@@ -368,7 +436,8 @@ def make_reference(
 
 def _with_model(family: Family, ref: Reference) -> Reference:
     """``ref`` (still without its model) with the Transformers model built over its state dict."""
-    ref.model = build_reference(family.reference_cls(), ref.hf_config, ref.state_dict)
+    reference_cls = ref.composite.reference_cls() if ref.composite is not None else family.reference_cls()
+    ref.model = build_reference(reference_cls, ref.hf_config, ref.state_dict)
     ref.facts = derive_facts(ref.model.config, ref.model)
     return ref
 
@@ -378,17 +447,24 @@ def _source(family: Family, config, checkpoint, dtype, seed, overrides) -> Refer
     _check_dtype(dtype)
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
         raise ConfigError(f"seed must be an integer in [0, 2^63), got {seed!r}")
-    ckpt = None
+    ckpt, composite, by_design = None, None, {}
     if checkpoint is not None:
         if config is not None or overrides:
             raise ConfigError("a checkpoint brings its own config.json; do not pass a config or overrides with it")
-        ckpt, state_dict, conversions = read_weights(checkpoint, dtype, family.model_type)
-        hf_config = config_from_dict(family, ckpt.config)
-        cfg, facts = validated(family, hf_config, dtype)
-        state_dict, renamed = as_reference_keys(family.reference_cls(), hf_config, state_dict)
+        types = (family.model_type,) + ((family.composite.model_type,) if family.composite is not None else ())
+        ckpt, state_dict, conversions = read_weights(checkpoint, dtype, types)
+        composite = family.composite_for(ckpt.config.get("model_type"))
+        reference_cls = composite.reference_cls() if composite is not None else family.reference_cls()
+        hf_config = config_from_dict(composite or family, ckpt.config)
+        if composite is not None:
+            _refuse_split_tie(hf_config, composite)
+        cfg, facts = validated(family, text_config_of(hf_config), dtype)
+        state_dict, renamed = as_reference_keys(reference_cls, hf_config, state_dict)
         conversions = renamed + conversions
-        state_dict, merged = model_naming(family.reference_cls(), hf_config, state_dict)
+        state_dict, merged = model_naming(reference_cls, hf_config, state_dict)
         conversions += merged
+        if composite is not None:
+            by_design = outside_text_model(meta_keys(reference_cls, hf_config), composite.text_prefix, state_dict)
         config_name = str(Path(checkpoint))
     else:
         config = family.default_config if config is None else config
@@ -406,6 +482,8 @@ def _source(family: Family, config, checkpoint, dtype, seed, overrides) -> Refer
         checkpoint=str(checkpoint) if checkpoint is not None else None,
         checkpoint_hash=ckpt.content_hash() if ckpt is not None else None,
         conversions=conversions,
+        composite=composite,
+        by_design=by_design,
     )
 
 
@@ -451,18 +529,20 @@ def build_pair(
         ref = _source(family, changed, None, dtype, seed, {})
         ref.config_name = config_name_of(family.default_config if config is None else config)
     notes = list(family.notes(cfg)) if family.notes is not None else []
-    if checkpoint is not None:  # after the cast: a float16 cast can overflow to inf
-        notes += nonfinite_notes(ref.state_dict)
+    if checkpoint is not None:  # after the cast: a float16 cast can overflow to inf; only what the nodes can read
+        notes += nonfinite_notes({k: v for k, v in ref.state_dict.items() if k not in ref.by_design})
     plan = None
     if not placement.is_cpu:
-        plan = placement.plan(family.reference_cls(), ref.hf_config, dtype)
+        reference_cls = ref.composite.reference_cls() if ref.composite is not None else family.reference_cls()
+        plan = placement.plan(reference_cls, ref.hf_config, dtype)
         ref.state_dict = placement.place(ref.state_dict, plan)
     try:
         with torch.device("meta"):
             ours = family.model_class(cfg)
     except (ValueError, TypeError, KeyError) as e:
         raise ConfigError(f"{getattr(family.model_class, '__name__', 'our model')} rejects the config: {one_line(e)}") from None
-    loaded = load_ours(family, ours, cfg, ref.state_dict)  # first: its errors name the checkpoint key
+    text_weights = {k: v for k, v in ref.state_dict.items() if k not in ref.by_design}
+    loaded = load_ours(family, ours, cfg, text_weights, ref.composite)  # first: its errors name the checkpoint key
     ref = _with_model(family, ref)
     if not placement.is_cpu:
         ours, ref.model = placement.dispatch(ours), placement.dispatch(ref.model, plan)
@@ -481,10 +561,11 @@ def build_pair(
         default_seq_len=default_seq_len(ref.facts),
         notes=notes,
         loaded_keys=loaded,
-        reference_cfg=family.from_hf(ref.model.config, dtype),
+        reference_cfg=family.from_hf(text_config_of(ref.model.config), dtype),
         state_dict=ref.state_dict,
         conversions=ref.conversions,
         tied_keys=ref.tied_keys,
+        by_design=ref.by_design,
         exact=dtype in family.exact_dtypes,
         device=placement.label,
         **({"probe": f"checkpoint weights ({ref.checkpoint})"} if ref.checkpoint else {}),

@@ -94,6 +94,12 @@ def _inputs(pair: Pair, input_ids, seq_len, batch_size, attention_mask, left_pad
         raise ParityError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
     if int(input_ids.min()) < 0 or int(input_ids.max()) >= pair.vocab_size:
         raise ParityError(f"input_ids must lie in [0, {pair.vocab_size}), got [{int(input_ids.min())}, {int(input_ids.max())}]")
+    swapped = [t for t in pair.facts.placeholder_tokens if bool((input_ids == t).any())]
+    if swapped:
+        raise ParityError(
+            f"input_ids hold token {swapped[0]}, a multimodal placeholder the reference ({type(pair.reference).__name__}) "
+            "replaces before its text model; a text-only check cannot compare it (leave it out of input_ids)"
+        )
     if left_pad:
         if attention_mask is not None or input_ids.shape[0] < 2 or not 0 < left_pad < input_ids.shape[1]:
             raise ParityError(
@@ -491,6 +497,8 @@ def _meta(pair: Pair, run: Run, diffs: list[dict], seconds: float, atol, rtol, t
         "device": pair.device,
         "trace_memory": run.trace_memory,
         "ours_class": f"{type(pair.ours).__module__}.{type(pair.ours).__qualname__}",
+        # the Transformers class compared against (a multimodal checkpoint: ...ForConditionalGeneration)
+        "reference_class": f"{type(pair.reference).__module__}.{type(pair.reference).__qualname__}",
         "aligned": bool(pair.alignment),
         "probe": pair.probe + (f"; inputs: seeded random token ids, {int(run.input_ids.shape[0])} x {int(run.input_ids.shape[1])}"
                                + (", left-padded, positions from the mask" if run.attention_mask is not None else "")),
@@ -519,7 +527,7 @@ def _check_decode(pair, decode, input_ids, seq_len, batch_size, mode, atol, rtol
     notes += outcome.lines()
     coverage = pair.coverage
     if coverage is None and pair.state_dict:
-        coverage = loader_coverage(pair.ours, pair.state_dict, pair.tied_keys, pair.conversions, pair.built_storage)
+        coverage = loader_coverage(pair.ours, pair.state_dict, pair.tied_keys, pair.conversions, pair.built_storage, pair.by_design)
     meta = _meta(pair, run, config_diff(pair), time.perf_counter() - start, atol, rtol, tolerances, False)
     meta["decode"] = plan_.describe()
     return CheckResult(nodes=tuple(nodes), meta=meta, notes=tuple(notes), coverage=coverage,
@@ -622,7 +630,7 @@ def check(
     notes += [note for results in (nodes, isolated or []) if (note := _undiagnosed_note(results))]
     coverage = pair.coverage
     if coverage is None and pair.state_dict:
-        coverage = loader_coverage(pair.ours, pair.state_dict, pair.tied_keys, pair.conversions, pair.built_storage)
+        coverage = loader_coverage(pair.ours, pair.state_dict, pair.tied_keys, pair.conversions, pair.built_storage, pair.by_design)
     meta = _meta(pair, run, diffs, time.perf_counter() - start, atol, rtol, tolerances, calibrate)
     meta["trace_spilled_bytes"] = spilled
     return CheckResult(

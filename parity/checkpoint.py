@@ -96,12 +96,12 @@ def read_config(path: str | Path) -> dict:
     return _read_json(config_path)
 
 
-def read_checkpoint(directory: str | Path, model_type: str | None = None) -> Checkpoint:
+def read_checkpoint(directory: str | Path, model_type: str | tuple[str, ...] | None = None) -> Checkpoint:
     """Read ``directory``'s config.json and safetensors weights.
 
     Raises:
         CheckpointError: the directory or config.json is missing (or not a JSON object);
-            ``model_type`` differs from the expected one; no safetensors weights (pickle files are
+            ``model_type`` differs from the expected one (or ones); no safetensors weights (pickle files are
             refused, not opened); an index names a missing shard, a shard outside the directory or a
             key its shard lacks; a key stands in two shards; a file is corrupt or truncated.
     """
@@ -113,8 +113,11 @@ def read_checkpoint(directory: str | Path, model_type: str | None = None) -> Che
         raise CheckpointError(f"checkpoint {directory} is a file; pass the directory that holds config.json")
     config = read_config(directory)
     found = config.get("model_type")
-    if model_type is not None and found != model_type:
-        raise CheckpointError(f"{directory / 'config.json'} has model_type {found!r}, expected {model_type!r}")
+    expected = (model_type,) if isinstance(model_type, str) else tuple(model_type or ())
+    if expected and found not in expected:
+        raise CheckpointError(
+            f"{directory / 'config.json'} has model_type {found!r}, expected {' or '.join(map(repr, expected))}"
+        )
     weights = [directory / SINGLE] if (directory / SINGLE).is_file() else sorted(directory.glob("*.safetensors"))
     require(sum(f.stat().st_size for f in weights), f"checkpoint {directory}", "check a smaller checkpoint")
     # Like Transformers, a complete single file wins over an index lying next to it.

@@ -404,8 +404,9 @@ def _print_coverage(coverage, console: Console) -> None:
     if len(conversions) > 5:  # a cast checkpoint converts every tensor the same way: say it once
         kinds = sorted({c.split(": ", 1)[-1] for c in conversions})
         conversions = [f"{len(coverage.conversions)} tensors: {', '.join(kinds)}"] if len(kinds) <= 3 else conversions
+    skipped = [coverage.skipped_note()] if getattr(coverage, "skipped", None) else []
     for label, lines in (("tied", coverage.tied), ("conversion", conversions), ("copy", coverage.copies),
-                         ("gap", coverage.gaps)):
+                         ("skipped", skipped), ("gap", coverage.gaps)):
         for line in lines:
             style = "red" if label == "gap" else "dim"
             console.print(f"  [{style}]{label}:[/] {line}", highlight=False, soft_wrap=True)
@@ -502,6 +503,9 @@ def cmd_check(args, console: Console) -> int:
         dtype = getattr(torch, args.dtype)
         overrides = {"n_layers": args.layers} if args.layers is not None else {}
         config = None if args.checkpoint else (args.config or family.default_config)
+        if config is not None and config not in family.configs and Path(config).is_dir():
+            raise ParityError(f"--config {config} is a folder: pass a checkpoint folder with --checkpoint, "
+                              "or the config.json inside it with --config")
         if config is not None and args.left_pad and args.seq_len is None and args.decode is None:
             from .build import default_seq_len, resolve_config
 

@@ -63,6 +63,9 @@ class Coverage:
     sources: dict[str, list[Source]] = field(default_factory=dict, repr=False)
     #: our parameters replaced after the pair was built (a fault injected by hand): not a loader gap
     replaced: list[str] = field(default_factory=list)
+    #: checkpoint keys outside the text model that ours leaves unused by design (a multimodal
+    #: checkpoint's vision and audio towers and projectors), key -> the module it belongs to
+    skipped: dict[str, str] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -79,7 +82,19 @@ class Coverage:
             "copies": self.copies,
             "tied": self.tied,
             "replaced": self.replaced,
+            "skipped": self.skipped_note(),
         }
+
+    def skipped_note(self) -> str | None:
+        """One line naming and counting the checkpoint tensors not used by design, per module, or None."""
+        if not self.skipped:
+            return None
+        per: dict[str, int] = {}
+        for module in self.skipped.values():
+            per[module] = per.get(module, 0) + 1
+        parts = ", ".join(f"{module} {n}" for module, n in sorted(per.items(), key=lambda kv: (-kv[1], kv[0])))
+        n = len(self.skipped)
+        return f"{n} checkpoint tensor{'s' if n != 1 else ''} outside the text model, not used by design ({parts})"
 
     def replaced_note(self) -> str | None:
         """One sentence for every parameter replaced after loading, or None."""
@@ -194,6 +209,7 @@ def loader_coverage(
     tied_keys: dict[str, str] | None = None,
     conversions: list[str] | None = None,
     built: dict[str, tuple] | None = None,
+    by_design: dict[str, str] | None = None,
 ) -> Coverage:
     """Trace every parameter of ``model`` back to ``state_dict`` (the tensors it was loaded from).
 
@@ -202,6 +218,9 @@ def loader_coverage(
     both. ``conversions``: casts already applied to the state dict, reported as they are.
     ``built``: :func:`parameter_storages` taken right after loading; a parameter that held a
     checkpoint tensor then and another tensor now was replaced by hand, and lands in ``replaced``.
+    ``by_design``: checkpoint key -> module, for keys ours is not meant to use (a multimodal checkpoint's
+    parts outside the text model); left unused they land in ``skipped``, not in the gaps (one ours
+    does use is judged like any other key).
     """
     cov = Coverage(conversions=list(conversions or []))
     # checkpoint keys that alias one storage (state_dict() of a tied model) form one source
@@ -301,7 +320,11 @@ def loader_coverage(
     for storage_keys in sources.values():
         used = [k for k in storage_keys if k in cov.consumed or k in set_aside]
         if not used:
-            cov.unused.extend(k for k in storage_keys if not (tied_keys and k in tied_keys))
+            for k in storage_keys:
+                if by_design and k in by_design:
+                    cov.skipped[k] = by_design[k]
+                elif not (tied_keys and k in tied_keys):
+                    cov.unused.append(k)
     for key, targets in cov.consumed.items():
         whole = len(targets) - len(sliced.get(key, []))
         if key in sliced and whole:

@@ -166,6 +166,15 @@ DEFAULT_PROTOCOL = CacheProtocol(
 )
 
 
+def fed_token(logits: torch.Tensor, placeholders: tuple[int, ...] = ()) -> torch.Tensor:
+    """The greedy token of ``logits`` ``(batch, vocab)`` among those the text model can be fed: a
+    multimodal placeholder (``ArchFacts.placeholder_tokens``, which the reference swaps out) never is."""
+    if placeholders:
+        logits = logits.clone()
+        logits[:, list(placeholders)] = float("-inf")
+    return logits.argmax(-1)
+
+
 def _step(k: int, name: str) -> str:
     return f"step{k}/{name}"
 
@@ -353,7 +362,7 @@ def run_decode(pair: Pair, input_ids: torch.Tensor, attention_mask: torch.Tensor
             margin = float((top2[:, 0] - top2[:, 1]).min())
             outcome.first_divergent_step, outcome.margin, outcome.near_tie = k, margin, margin < NEAR_TIE
         if plan.prefill <= b < plan.total:  # the next decode step feeds the reference's greedy choice to both
-            ids[:, b] = ref_next
+            ids[:, b] = fed_token(ref_logits[:, -1], pair.facts.placeholder_tokens)
     bad = first_mismatch(results)
     if bad is not None:
         step = int(bad.name.split("/", 1)[0][len("step"):])

@@ -149,6 +149,15 @@ class ArchFacts:
     #: named parts of the architecture beyond the fields above (Gemma 4: "per-layer inputs", "KV
     #: sharing", "K = V", "double-wide MLP"): a node map's ``when`` and the gate's config coverage read them
     features: frozenset[str] = frozenset()
+    #: token ids the reference swaps out before its text model sees them (a multimodal model's image,
+    #: video and audio placeholders: Gemma 4 embeds pad in their place); random inputs avoid them
+    placeholder_tokens: tuple[int, ...] = ()
+
+    @property
+    def text_model(self) -> str:
+        """The module path of the text model that holds the decoder layers: ``model``, ``transformer``, or
+        ``model.language_model`` in a multimodal checkpoint's model (``...ForConditionalGeneration``)."""
+        return self.layer_prefix.rpartition(".")[0]
 
     # --- per layer -----------------------------------------------------------------------------
 
@@ -309,7 +318,14 @@ def derive_facts(config, model=None) -> ArchFacts:
 
     Raises nothing for unusual configs: missing fields become None or their Transformers defaults;
     :func:`validate_facts` judges whether a check can run.
+
+    A multimodal config (one whose ``get_text_config()`` is its ``text_config``: Gemma 3 and 4's
+    ``...ForConditionalGeneration``) gives the facts of its text config, located where the model holds
+    the text model (``model.language_model``).
     """
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if text_config is not config:
+        return _composite_facts(config, text_config, model)
     hidden = int(_get(config, "hidden_size", "n_embd", default=0))
     heads = int(_get(config, "num_attention_heads", "n_head", default=0))
     kv = _get(config, "num_key_value_heads", default=None)
@@ -387,6 +403,32 @@ def derive_facts(config, model=None) -> ArchFacts:
         if prefix is not None and prefix != facts.layer_prefix:
             facts = replace(facts, layer_prefix=prefix)
     return facts
+
+
+#: multimodal model_type -> the config fields naming token ids its model swaps out before the text model
+#: (Gemma4Model.forward embeds pad in place of image, video and audio placeholders; Gemma3Model swaps an
+#: image placeholder only when it lies past the vocabulary, where no input can hold it)
+PLACEHOLDERS: dict[str, tuple[str, ...]] = {"gemma4": ("image_token_id", "video_token_id", "audio_token_id")}
+
+
+def _composite_facts(config, text_config, model=None) -> ArchFacts:
+    """The text config's facts, located in the multimodal model: the text model is the module whose
+    config is ``text_config`` (shortest path; ``model.language_model`` without a model to look in)."""
+    from transformers import PreTrainedModel
+
+    facts = derive_facts(text_config)
+    path = "model.language_model"
+    if model is not None:
+        found = [
+            name for name, m in model.named_modules()
+            if name and isinstance(m, PreTrainedModel) and getattr(m, "config", None) is text_config
+        ]
+        path = min(found, key=lambda n: (n.count("."), len(n))) if found else path
+    tail = facts.layer_prefix.partition(".")[2] or "layers"
+    ids = (getattr(config, name, None) for name in PLACEHOLDERS.get(getattr(config, "model_type", ""), ()))
+    placeholders = tuple(sorted({int(i) for i in ids if isinstance(i, int) and 0 <= i < facts.vocab_size}))
+    return replace(facts, layer_prefix=f"{path}.{tail}", embed_module=f"{path}.{facts.embed_module.partition('.')[2]}",
+                   placeholder_tokens=placeholders)
 
 
 def find_layer_prefix(model, num_layers: int) -> str | None:

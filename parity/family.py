@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -114,6 +114,48 @@ def _first_line(fn) -> str:
     return plain_text((fn.__doc__ or "").strip().splitlines()[0]) if fn.__doc__ else ""
 
 
+def reroot(nodes: list[NodeSpec], text_model: str) -> list[NodeSpec]:
+    """``nodes`` of a node map written for a text model at ``model`` (``model.layers.3``,
+    ``model.embed_tokens``), named where ``text_model`` holds it (``model.language_model.layers.3``);
+    names outside it (``lm_head``, ``logits``) stay as they are."""
+    if not text_model.startswith("model."):  # "model" itself, or a model that names it otherwise (transformer.h)
+        return nodes
+
+    def moved(path: str | None) -> str | None:
+        return f"{text_model}.{path[len('model.'):]}" if path and path.startswith("model.") else path
+
+    return [replace(n, name=moved(n.name), reference=moved(n.reference), chosen_from=moved(n.chosen_from)) for n in nodes]
+
+
+@dataclass(frozen=True)
+class Composite:
+    """A multimodal model that holds a family's text model (Gemma 3 and 4: ``...ForConditionalGeneration``,
+    with vision and audio towers and their projectors next to ``model.language_model``).
+
+    A checkpoint whose config.json has this ``model_type`` is checked as the family's text model: our
+    side is built from its ``text_config`` and loaded from the keys under ``text_prefix`` (after
+    Transformers' own checkpoint conversion, so older ``language_model.model.*`` files read the same),
+    plus the head; the reference is ``reference_class`` built from the whole checkpoint, so node names
+    are the checkpoint's own (``model.language_model.layers.3...``). The rest of the checkpoint is
+    reported by loader coverage as not used by design, under the module it belongs to.
+    """
+
+    model_type: str
+    reference_class: str
+    config_class: str
+    text_prefix: str = "model.language_model."
+
+    def reference_cls(self):
+        import transformers
+
+        return getattr(transformers, self.reference_class)
+
+    def config_cls(self):
+        import transformers
+
+        return getattr(transformers, self.config_class)
+
+
 @dataclass(frozen=True)
 class Family:
     """A registered family (see the module docstring).
@@ -128,6 +170,7 @@ class Family:
     feature no CI config has); ``notes(cfg)`` warns what a cfg cannot show; ``fields`` declares the
     config fields the sensitivity audit and the property tests draw (:mod:`parity.fields`);
     ``exact_dtypes``: the dtypes in which the family claims bit-exactness (tests hold it to that).
+    ``composite``: the multimodal model whose checkpoints hold this text model (:class:`Composite`).
     """
 
     name: str
@@ -151,6 +194,8 @@ class Family:
     #: compute dtypes in which our model is bit-identical to the reference when correct (on the CPU):
     #: checks of such pairs default to atol = rtol = 0, so the first node with any difference is the fault
     exact_dtypes: tuple[torch.dtype, ...] = ()
+    #: the multimodal model a checkpoint of this family's text model may come in (see :class:`Composite`)
+    composite: Composite | None = None
 
     def build_pair(self, config=None, checkpoint=None, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides) -> Pair:
         """A Pair from a built-in config name, a cfg dict, a config.json path, or a checkpoint
@@ -160,7 +205,13 @@ class Family:
         return build_pair(self, config, checkpoint, dtype, seed, **overrides)
 
     def node_specs(self, facts: ArchFacts) -> list[NodeSpec]:
-        return self.nodes.expand(facts) if isinstance(self.nodes, NodeMap) else list(self.nodes(facts))
+        """The node map expanded for ``facts``, named where the reference holds the text model."""
+        nodes = self.nodes.expand(facts) if isinstance(self.nodes, NodeMap) else list(self.nodes(facts))
+        return reroot(nodes, facts.text_model)
+
+    def composite_for(self, model_type: str | None) -> Composite | None:
+        """This family's :class:`Composite` when ``model_type`` is its model_type, else None."""
+        return self.composite if self.composite is not None and model_type == self.composite.model_type else None
 
     def reference_cls(self):
         import transformers

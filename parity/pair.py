@@ -100,6 +100,9 @@ class Pair:
     conversions: list[str] = field(default_factory=list)
     #: checkpoint key -> key it must be tied to (from the reference, when its config ties them)
     tied_keys: dict[str, str] = field(default_factory=dict)
+    #: checkpoint key -> the module it belongs to, for a multimodal checkpoint's keys outside the text
+    #: model (vision and audio towers, projectors): ours leaves them unused by design, and loader coverage says so
+    by_design: dict[str, str] = field(default_factory=dict)
     #: per checkpoint tensor, its version counter and a sample of its bits at build time
     fingerprint: dict = field(default_factory=dict, repr=False)
     #: reference node -> how our node was found (check_model's alignment), empty for families
@@ -149,9 +152,14 @@ class Pair:
         return names.get("", names.get(self.facts.head_module))
 
     def make_inputs(self, seq_len: int | None = None, batch_size: int = 1, seed: int | None = None) -> torch.Tensor:
-        """Seeded random token ids ``(batch_size, seq_len)`` in ``[0, vocab_size)``, int64."""
+        """Seeded random token ids ``(batch_size, seq_len)`` in ``[0, vocab_size)``, int64, none of them a
+        placeholder the reference swaps out (``facts.placeholder_tokens``; without any, the same ids as ever)."""
         gen = torch.Generator().manual_seed(self.seed if seed is None else seed)
-        return torch.randint(0, self.vocab_size, (batch_size, seq_len or self.default_seq_len), generator=gen)
+        skip = self.facts.placeholder_tokens
+        ids = torch.randint(0, self.vocab_size - len(skip), (batch_size, seq_len or self.default_seq_len), generator=gen)
+        for token in sorted(skip):  # ascending: each shift moves the ids at or past it one up, over it
+            ids = ids + (ids >= token).long()
+        return ids
 
 
 #: elements sampled per tensor for the fingerprint (spread evenly, first and last included)

@@ -45,13 +45,14 @@ def get_family(name: str) -> Family:
 
 
 def family_for_model_type(model_type: str) -> Family | None:
-    """The registered family whose reference has this ``model_type`` (the first by name), or None.
+    """The registered family whose reference has this ``model_type`` (the first by name), or whose
+    multimodal model does (``gemma4`` -> the gemma4 family, checked as its text model), or None.
     Families that cannot be imported are skipped here (``parity list`` reports them)."""
     for ep in sorted(entry_points(group=GROUP), key=lambda ep: ep.name):
         try:
             family = _load(ep)
         except ParityError:
             continue
-        if family.model_type == model_type:
+        if family.model_type == model_type or family.composite_for(model_type) is not None:
             return family
     return None

@@ -21,7 +21,8 @@ from torch import nn
 
 from .align import Aligned, align
 from .build import (
-    Reference, build_reference, default_seq_len, make_reference, model_naming, one_line, random_weights, read_weights,
+    Reference, build_reference, default_seq_len, make_reference, model_naming, one_line, outside_text_model, random_weights,
+    read_weights, text_config_of,
 )
 from .check import check
 from .coverage import loader_coverage
@@ -62,11 +63,26 @@ def _validated(hf_config, where: str):
     return facts
 
 
+def _by_design(ref: Reference) -> Reference:
+    """``ref`` with its multimodal model's tensors outside the text model marked as unused by design
+    (``build`` gets them all, with the whole config: a text model of yours need not hold them)."""
+    if ref.model is not None and text_config_of(ref.hf_config) is not ref.hf_config:
+        ref.by_design = outside_text_model(set(ref.model.state_dict()), ref.facts.text_model + ".", ref.state_dict)
+    return ref
+
+
 def resolve_reference(reference, dtype: torch.dtype = torch.float32, seed: int = 0) -> tuple[Reference, str]:
     """``(Reference, family name)`` for ``reference``: ``"family[:config]"`` (a registered family's
     reference with parity's random weights), a checkpoint directory, a config.json path (random
     weights), a Transformers ``PretrainedConfig`` (random weights) or ``PreTrainedModel`` (used as it
-    is, in its own dtype). Raises ParityError (ConfigError, CheckpointError) naming the problem."""
+    is, in its own dtype). A multimodal one (Gemma 3/4 ``...ForConditionalGeneration``) is checked as
+    its text model: its other tensors are unused by design. Raises ParityError (ConfigError,
+    CheckpointError) naming the problem."""
+    ref, family = _resolve_reference(reference, dtype, seed)
+    return _by_design(ref), family
+
+
+def _resolve_reference(reference, dtype: torch.dtype, seed: int) -> tuple[Reference, str]:
     from transformers import PretrainedConfig, PreTrainedModel
 
     from .registry import get_family
@@ -174,7 +190,7 @@ def build_user_pair(ours, reference="olmo3", *, dtype: torch.dtype = torch.float
     model = build_ours(ours, ref)
     if not placement.is_cpu:
         model = placement.dispatch(model)
-    coverage = loader_coverage(model, ref.state_dict, ref.tied_keys, ref.conversions)
+    coverage = loader_coverage(model, ref.state_dict, ref.tied_keys, ref.conversions, by_design=ref.by_design)
     if coverage.unused:
         shown = ", ".join(coverage.unused[:4]) + (f", ... ({len(coverage.unused)} in all)" if len(coverage.unused) > 4 else "")
         raise ParityError(f"your model holds no copy of reference tensor(s) {shown}: build() left them unused")
@@ -200,6 +216,7 @@ def build_user_pair(ours, reference="olmo3", *, dtype: torch.dtype = torch.float
         state_dict=ref.state_dict,
         conversions=ref.conversions,
         tied_keys=ref.tied_keys,
+        by_design=ref.by_design,
         alignment=rows,
         coverage=coverage,
         cache_protocol=cache_protocol,

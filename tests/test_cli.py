@@ -212,6 +212,7 @@ def test_bad_options_exit_2_in_cli_words_before_any_model_is_built(tmp_path, cap
         (["--config", "7b-shape", "--left-pad", "64", "--batch", "2"],  # past the config's default length
          "--left-pad 64 must be shorter than the sequence (64 tokens by default"),
         (["--checkpoint", str(tmp_path), "--layers", "2"], "do not combine it with --config or --layers"),
+        (["--config", str(tmp_path)], f"--config {tmp_path} is a folder: pass a checkpoint folder with --checkpoint"),
         (["--decode", "12:0x8"], "decode plan 12:0x8 (PREFILL[:CHUNK]xSTEPS): chunk is 0; it must be at least 1"),
         (["--report-dir", str(loop)], f"--report-dir {loop} is a symbolic link loop"),
     ]:

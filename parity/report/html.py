@@ -96,7 +96,8 @@ def _coverage(result) -> dict | None:
         f"{len(d['gaps'])} gap{'s' if len(d['gaps']) != 1 else ''}"
     )
     return {"ok": coverage.ok, "summary": summary, "gaps": list(d["gaps"]),
-            "info": [f"{k}: {v}" for k in ("tied", "conversions", "copies") for v in d.get(k) or []],
+            "info": [f"{k}: {v}" for k in ("tied", "conversions", "copies") for v in d.get(k) or []]
+            + ([f"skipped: {d['skipped']}"] if d.get("skipped") else []),
             "replaced": coverage.replaced_note() if hasattr(coverage, "replaced_note") else None}
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from parity.errors import ConfigError
-from parity.family import Family, Node, NodeMap
+from parity.family import Composite, Family, Node, NodeMap
 
 from ..common.config import shared_from_hf, shared_to_hf
 from ..common.mlp import ACTIVATIONS
@@ -128,5 +128,7 @@ FAMILY = Family(
     ci_configs=("tiny", "linear"),
     real_configs=("270m-shape", "1b-shape"),
     notes=notes,
+    # the released multimodal checkpoints: their text model, checked under its own node names
+    composite=Composite("gemma3", "Gemma3ForConditionalGeneration", "Gemma3Config"),
 )
 build_pair = FAMILY.build_pair

@@ -6,7 +6,7 @@ import torch
 
 from parity.errors import ConfigError
 from parity.facts import kv_sources
-from parity.family import Family, Node, NodeMap
+from parity.family import Composite, Family, Node, NodeMap
 
 from ..common.config import shared_to_hf
 from ..common.mlp import ACTIVATIONS
@@ -230,5 +230,7 @@ FAMILY = Family(
     ci_configs=("tiny", "k-eq-v"),
     real_configs=("e2b-shape", "e4b-shape"),
     notes=notes,
+    # the released multimodal checkpoints: their text model, checked under its own node names
+    composite=Composite("gemma4", "Gemma4ForConditionalGeneration", "Gemma4Config"),
 )
 build_pair = FAMILY.build_pair
