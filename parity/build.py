@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from .checkpoint import read_checkpoint, read_config
+from .devices import Placement
 from .errors import ConfigError, LoaderError, ParityError
 from .facts import ArchFacts, derive_facts, rope_problem_of, validate_facts
 from .family import Composite, Family
@@ -493,6 +494,8 @@ def build_pair(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     reference_changes: dict | None = None,
+    device=None,
+    device_map: str | None = None,
     **overrides,
 ) -> Pair:
     """Build ours and the reference with identical, shared weights.
@@ -505,9 +508,14 @@ def build_pair(
     applied to the reference's config only, ours keeping the config's values (what the sensitivity
     audit does: would parity see a port that got this field wrong?).
 
+    ``device`` (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"mps"``) or ``device_map="auto"`` (through
+    accelerate, spread over the GPUs): where the weights live and both forward passes run; the
+    weights move there before either model is built, so they still exist once.
+
     Raises:
         ConfigError, CheckpointError, LoaderError: one line naming the key, file or field.
     """
+    placement = Placement.of(device, device_map)
     ref = _source(family, config, checkpoint, dtype, seed, overrides)
     cfg = ref.cfg
     if reference_changes:
@@ -523,6 +531,11 @@ def build_pair(
     notes = list(family.notes(cfg)) if family.notes is not None else []
     if checkpoint is not None:  # after the cast: a float16 cast can overflow to inf; only what the nodes can read
         notes += nonfinite_notes({k: v for k, v in ref.state_dict.items() if k not in ref.by_design})
+    plan = None
+    if not placement.is_cpu:
+        reference_cls = ref.composite.reference_cls() if ref.composite is not None else family.reference_cls()
+        plan = placement.plan(reference_cls, ref.hf_config, dtype)
+        ref.state_dict = placement.place(ref.state_dict, plan)
     try:
         with torch.device("meta"):
             ours = family.model_class(cfg)
@@ -531,6 +544,8 @@ def build_pair(
     text_weights = {k: v for k, v in ref.state_dict.items() if k not in ref.by_design}
     loaded = load_ours(family, ours, cfg, text_weights, ref.composite)  # first: its errors name the checkpoint key
     ref = _with_model(family, ref)
+    if not placement.is_cpu:
+        ours, ref.model = placement.dispatch(ours), placement.dispatch(ref.model, plan)
     return Pair(
         ours=ours.eval(),
         reference=ref.model,
@@ -552,5 +567,6 @@ def build_pair(
         tied_keys=ref.tied_keys,
         by_design=ref.by_design,
         exact=dtype in family.exact_dtypes,
+        device=placement.label,
         **({"probe": f"checkpoint weights ({ref.checkpoint})"} if ref.checkpoint else {}),
     )

@@ -22,13 +22,14 @@ import torch
 
 from . import hf_capture, hf_kernels
 from .analysis import error_profile, logits_effect
-from .compare import NodeResult, Tolerances, compare_traces, first_mismatch
+from .compare import CHUNK, NodeResult, NodeStream, Tolerances, chunks, compare_traces, first_mismatch
 from .coverage import loader_coverage
 from .diagnose import diagnose
 from .errors import ParityError
 from .origin import find_origin
 from .pair import Pair
-from .resources import require, trace_bytes
+from .resources import BUDGET as RESOURCE_BUDGET
+from .resources import GIB, TRACE_MEMORY, available_bytes, check_footprint, require, require_disk
 from .result import CheckResult
 from .trace import Trace, recording
 
@@ -38,6 +39,9 @@ _DIAGNOSIS_INPUT_KINDS = (
     "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "norm", "layernorm",
     "c_attn", "c_proj", "c_fc", "ln_",  # GPT-2's Conv1D projections and LayerNorms
 )
+#: node kinds of ours the diagnosis of a later node of the same attention reads (softmax temperature
+#: needs q and k to agree); everything else of ours is dropped once compared
+_DIAGNOSIS_CONTEXT_KINDS = ("q_rot", "k_rot")
 #: calibrated atol = SAFETY_FACTOR x |reference - reference in float64|, at least the floor
 SAFETY_FACTOR = 10.0
 CALIBRATION_FLOOR = {torch.float32: 1e-6, torch.bfloat16: 1e-3, torch.float16: 1e-4}
@@ -61,6 +65,8 @@ class Run:
     tolerances: Tolerances
     calibrate: bool
     notes: tuple[str, ...]
+    #: bytes of each trace kept in memory before it spills to disk (None: never spill)
+    trace_memory: int | None = TRACE_MEMORY
 
 
 def _check_tolerance_args(pair: Pair, atol, rtol, tolerances, calibrate: bool, exact: bool) -> None:
@@ -178,18 +184,17 @@ def plan(
     attention_mask=None,
     left_pad=0,
     exact=False,
+    trace_memory=TRACE_MEMORY,
 ) -> Run:
     """Validate a check's arguments against the pair and build its inputs. Raises ParityError."""
     if mode not in MODES:
         raise ParityError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
     _check_tolerance_args(pair, atol, rtol, tolerances, calibrate, exact)
+    if trace_memory is not None and (isinstance(trace_memory, bool) or not isinstance(trace_memory, int) or trace_memory < 0):
+        raise ParityError(f"trace_memory must be a number of bytes >= 0 (or None: never spill), got {trace_memory!r}")
     input_ids, attention_mask = _inputs(pair, input_ids, seq_len, batch_size, attention_mask, left_pad)
     batch, seq = input_ids.shape
-    require(
-        trace_bytes(pair.facts, batch, seq, torch.finfo(pair.dtype).bits // 8) * (2 if mode == "both" else 1),
-        f"tracing {batch} x {seq} tokens",
-        "use a shorter --seq-len, a smaller --batch or fewer layers",
-    )
+    _require_room(pair, batch, seq, trace_memory, calibrate)
     return Run(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -198,29 +203,75 @@ def plan(
         tolerances=Tolerances(pair.dtype, atol, rtol, dict(tolerances or {}), exact=exact),
         calibrate=calibrate,
         notes=tuple(pair.notes) + tuple(_window_notes(pair, seq)) + tuple(_chunk_notes(pair, seq)) + tuple(_position_notes(pair, seq)),
+        trace_memory=trace_memory,
     )
+
+
+def _weight_bytes(pair: Pair) -> int:
+    seen, total = set(), 0
+    for tensor in pair.state_dict.values():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if key not in seen:
+            seen.add(key)
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def _require_room(pair: Pair, batch: int, seq: int, trace_memory: int | None, calibrate: bool) -> None:
+    """Refuse a check whose traces and forward passes would not fit (see :mod:`parity.resources`)."""
+    size = torch.finfo(pair.dtype).bits // 8
+    need = check_footprint(pair.facts, batch, seq, size, trace_memory)
+    memory = need.memory
+    if calibrate:  # a float64 copy of the reference runs too
+        memory += _weight_bytes(pair) * 8 // size + check_footprint(pair.facts, batch, seq, 8, trace_memory).memory
+    advice = "use a shorter --seq-len, a smaller --batch or fewer layers"
+    require(memory, f"tracing {batch} x {seq} tokens" + (" (and a float64 copy to calibrate)" if calibrate else ""),
+            advice + (" (or a smaller --trace-memory)" if trace_memory and trace_memory > GIB else ""))
+    require_disk(need.disk, f"spilling the traces of {batch} x {seq} tokens past --trace-memory",
+                 f"{advice}, or point TMPDIR to a larger disk")
 
 
 def _keep_inputs(pair: Pair) -> frozenset[str]:
     return frozenset(n.name for n in pair.nodes if any(k in n.kind for k in _DIAGNOSIS_INPUT_KINDS) and "@" not in n.kind)
 
 
-def trace_reference(pair: Pair, run: Run, model=None, into: Trace | None = None) -> Trace:
+def _device_of(model) -> torch.device:
+    """Where a model takes its inputs: the device of its first parameter (the embedding, also under a
+    device map, whose hooks move activations on from there)."""
+    param = next(iter(model.parameters()), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
+def _on(device: torch.device, tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return tensor if tensor is None or tensor.device == device else tensor.to(device)
+
+
+def trace_reference(pair: Pair, run: Run, model=None, sink=None, into: Trace | None = None) -> Trace:
     """Run the reference (or ``model``, a copy of it) on the run's inputs; attention internals
-    come through :mod:`parity.hf_capture`; ``into``: the Trace to fill (see :func:`parity.trace.recording`). Raises ParityError when the reference itself cannot run
-    the config (a config Transformers accepts but its forward rejects is bad input, not a bug)."""
+    come through :mod:`parity.hf_capture`. The trace spills to disk past ``run.trace_memory``.
+    ``sink`` (see :class:`~parity.trace.Trace`) sees each node instead of the trace storing it;
+    ``into``: the Trace to fill instead (see :func:`parity.trace.recording`). Raises ParityError
+    when the reference itself cannot run the config (a config Transformers accepts but its forward
+    rejects is bad input, not a bug)."""
     model = pair.reference if model is None else model
     hf_capture.install(model)
     captured = [n.name for n in pair.nodes if hf_capture.is_captured(n.name)]
     points = [(n.name, n.reference_path) for n in pair.nodes if n.name not in captured]
     views = {n.name: n.reference_transform for n in pair.nodes if n.reference_transform is not None}
     kernels = any(hf_kernels.is_kernel_node(name) for name in captured)  # named after the module that calls them
-    with torch.inference_mode(), recording(
-        model, points, transforms=views, captured=captured, keep_inputs=_keep_inputs(pair), module_stack=kernels, into=into,
-    ) as trace:
+    trace = Trace.spilling(run.trace_memory, sink=sink) if into is None else into
+    keep = _keep_inputs(pair) if sink is None else frozenset()
+    device = _device_of(model)
+    # no_grad, not inference_mode: tensors keep their version counters (an unchanged tensor recorded
+    # twice is stored once, an in-place edit is seen)
+    with torch.no_grad(), recording(
+        model, points, transforms=views, captured=captured, keep_inputs=keep, module_stack=kernels, into=trace,
+    ):
         try:
-            model(input_ids=run.input_ids, attention_mask=run.attention_mask, position_ids=run.position_ids, use_cache=False)
+            model(input_ids=_on(device, run.input_ids), attention_mask=_on(device, run.attention_mask),
+                  position_ids=_on(device, run.position_ids), use_cache=False)
         except (RuntimeError, ValueError, TypeError, IndexError, AttributeError) as e:
+            trace.close()
             reason = " ".join(str(e).split()) or type(e).__name__
             raise ParityError(f"the reference ({type(model).__name__}) cannot run this config: {reason[:300]}") from None
     return trace
@@ -234,23 +285,44 @@ def _accepts(model, name: str) -> bool:
     return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
-def trace_ours(pair: Pair, run: Run, substitute: Trace | None = None) -> Trace:
-    """Run our model; with ``substitute`` (isolated mode) every node continues from the reference's tensor."""
+def _untapped(pair: Pair) -> frozenset[str]:
+    return frozenset(n.name for n in pair.nodes if n.ours.startswith(("tap:", "unaligned:")))
+
+
+def trace_ours(pair: Pair, run: Run, substitute: Trace | None = None, *, reference: Trace | None = None,
+               tolerances: Tolerances | None = None) -> Trace:
+    """Run our model; with ``substitute`` (isolated mode) every node continues from the reference's tensor.
+
+    With ``reference`` (the reference's trace), every node is compared as ours produces it
+    (:class:`~parity.compare.NodeStream`, on ``tolerances``, by default the run's) and dropped: the
+    trace returned holds the results, the first failure with what its diagnosis reads, and the
+    logits effect (``watched``). Without it, every tensor of ours is kept.
+    """
     tapped = {n.ours: n.name for n in pair.nodes if n.ours.startswith("tap:")}
     points = [(n.name, n.ours) for n in pair.nodes if not n.ours.startswith(("tap:", "unaligned:"))]
     transforms = {n.name: n.transform for n in pair.nodes if n.transform is not None}
     inverses = {n.name: n.inverse for n in pair.nodes if n.inverse is not None}
     taps = {path[len("tap:"):]: name for path, name in tapped.items()}
+    device = _device_of(pair.ours)
     kwargs = {}
     if run.attention_mask is not None:
-        kwargs["attention_mask"] = run.attention_mask
+        kwargs["attention_mask"] = _on(device, run.attention_mask)
         if _accepts(pair.ours, "position_ids"):
-            kwargs["position_ids"] = run.position_ids
-    with torch.inference_mode(), recording(
+            kwargs["position_ids"] = _on(device, run.position_ids)
+    trace = Trace.spilling(run.trace_memory)
+    stream = None
+    if reference is not None:
+        output = pair.output_node
+        stream = NodeStream(pair.nodes, reference, tolerances or run.tolerances, _untapped(pair), _DIAGNOSIS_CONTEXT_KINDS,
+                            watch={output: logits_effect} if output is not None else None)
+        stream.attach(trace)
+    with torch.no_grad(), recording(
         pair.ours, points, transforms=transforms, substitute=substitute, inverses=inverses,
-        keep_inputs=_keep_inputs(pair), taps=taps,
-    ) as trace:
-        pair.ours(run.input_ids, **kwargs)
+        keep_inputs=_keep_inputs(pair), taps=taps, into=trace,
+    ):
+        pair.ours(_on(device, run.input_ids), **kwargs)
+    if stream is not None:
+        stream.finish()
     return trace
 
 
@@ -262,23 +334,26 @@ def trace_pair(pair: Pair, input_ids: torch.Tensor, attention_mask: torch.Tensor
 
 def reference_noise(pair: Pair, run: Run, ref_trace: Trace) -> dict[str, float]:
     """Per node, the reference's own max |error| against a float64 copy of itself (same weights, same
-    inputs): the rounding noise of the run's dtype. Costs a float64 copy of the weights (refused up
+    inputs): the rounding noise of the run's dtype. Each float64 node is compared as it is produced
+    and dropped (nothing of the float64 run is kept). Costs a float64 copy of the weights (refused up
     front when it would not fit)."""
     n_params = sum(p.numel() for p in pair.reference.parameters())
     require(8 * n_params, "a float64 copy of the reference (calibration, origin)", "use mode chained without calibrate")
+    noise = {}
+
+    def measure(name: str, exact: torch.Tensor) -> bool:
+        store = ref_trace.tensors
+        tensor = store.lazy(name) if hasattr(store, "lazy") else store.get(name)
+        if tensor is not None and tensor.shape == exact.shape:
+            noise[name] = _max_error(tensor, exact.to("cpu"))
+        return True
+
     ref64 = copy.deepcopy(pair.reference).to(torch.float64)
     try:
-        trace64 = trace_reference(pair, run, model=ref64)
+        trace_reference(pair, run, model=ref64, sink=measure).close()
     finally:
         del ref64
-    noise = {}
-    for name, tensor in ref_trace.tensors.items():
-        exact = trace64.tensors.get(name)
-        if exact is None or exact.shape != tensor.shape:
-            continue
-        err = (tensor.double() - exact).abs().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
-        noise[name] = float(err.max()) if err.numel() else 0.0
-    return noise
+    return {name: noise[name] for name in ref_trace.tensors if name in noise}
 
 
 def calibrate_tolerances(pair: Pair, run: Run, ref_trace: Trace, safety: float = SAFETY_FACTOR,
@@ -291,15 +366,50 @@ def calibrate_tolerances(pair: Pair, run: Run, ref_trace: Trace, safety: float =
     return {name: (max(safety * err, floor), 0.0) for name, err in noise.items()}
 
 
+def _max_error(tensor, exact: torch.Tensor) -> float:
+    """max |tensor - exact| in float64 over finite differences (0 for an empty tensor), a chunk at a
+    time (``tensor`` may be a spilled one)."""
+    worst = 0.0
+    for a, b in zip(chunks(tensor, CHUNK), chunks(exact, CHUNK)):
+        err = (a.double() - b.double()).abs().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+        worst = max(worst, float(err.max()))
+    return worst
+
+
 def compare_run(pair: Pair, run: Run, ours: Trace, ref: Trace, tolerances: Tolerances) -> list[NodeResult]:
-    """Every node compared; the first judged failure carries its hint."""
-    untapped = frozenset(n.name for n in pair.nodes if n.ours.startswith(("tap:", "unaligned:")))
-    results = compare_traces(ours, ref, pair.nodes, tolerances, untapped)
+    """Every node compared; the first judged failure carries its hint (unless it is too large to
+    diagnose in the memory available: :func:`undiagnosed`)."""
+    results = compare_traces(ours, ref, pair.nodes, tolerances, _untapped(pair))
     bad = first_mismatch(results)
-    if bad is not None:
+    if bad is not None and undiagnosed(bad) is None:
         spec = next((n for n in pair.nodes if n.name == bad.name), None)
         results[bad.index] = replace(bad, hint=diagnose(bad, ours, ref, pair.facts, run.position_ids, run.attention_mask, spec))
     return results
+
+
+#: float64 copies of a node the hint detectors may hold at once
+_DIAGNOSIS_COPIES = 10
+
+
+def undiagnosed(bad: NodeResult) -> str | None:
+    """Why the failing node ``bad`` gets no diagnosis (a note), or None: its detectors work on float64
+    copies of it, and a node of GiBs (the probabilities of a 4096-token window) would not fit."""
+    shape = bad.shape_ref or bad.shape_ours
+    available = available_bytes()
+    if not shape or available is None:
+        return None
+    need = math.prod(shape) * 8 * _DIAGNOSIS_COPIES
+    if need <= RESOURCE_BUDGET * available:
+        return None
+    return (f"{bad.name} was not diagnosed (no hint): its detectors would need about {need / GIB:.1f} GiB and "
+            f"{available / GIB:.1f} GiB are available; its metrics, error profile and logits effect stand")
+
+
+def _undiagnosed_note(results: list[NodeResult]) -> str | None:
+    bad = first_mismatch(results)
+    if bad is None or bad.hint is not None or bad.status in ("missing", "shape"):
+        return None
+    return undiagnosed(bad)
 
 
 def config_diff(pair: Pair) -> list[dict]:
@@ -353,7 +463,9 @@ def analyse(pair: Pair, nodes: list[NodeResult], ours: Trace | None, ref: Trace)
             head_dim = layer.head_dim if layer is not None else pair.facts.head_dim
             profile = {"node": bad.name, **error_profile(ours_t, ref_t, bad.kind, head_dim)}
     output = pair.output_node
-    if output is not None and output in ours.tensors and output in ref.tensors:
+    if output is not None and output in ours.watched:  # computed while ours ran (a NodeStream)
+        logits = {"node": output, **ours.watched[output]}
+    elif output is not None and output in ours.tensors and output in ref.tensors:
         if ours.tensors[output].shape == ref.tensors[output].shape:
             logits = {"node": output, **logits_effect(ours.tensors[output], ref.tensors[output])}
     return profile, logits
@@ -382,6 +494,8 @@ def _meta(pair: Pair, run: Run, diffs: list[dict], seconds: float, atol, rtol, t
         "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "seconds": round(seconds, 3),
         "model_type": pair.facts.model_type,
+        "device": pair.device,
+        "trace_memory": run.trace_memory,
         "ours_class": f"{type(pair.ours).__module__}.{type(pair.ours).__qualname__}",
         # the Transformers class compared against (a multimodal checkpoint: ...ForConditionalGeneration)
         "reference_class": f"{type(pair.reference).__module__}.{type(pair.reference).__qualname__}",
@@ -434,6 +548,7 @@ def check(
     left_pad: int = 0,
     exact: bool | None = None,
     decode=None,
+    trace_memory: int | None = TRACE_MEMORY,
 ) -> CheckResult:
     """Compare ``pair.ours`` with ``pair.reference`` node by node.
 
@@ -453,6 +568,11 @@ def check(
     ``left_pad`` builds one instead: every batch row after the first starts with that many padding
     tokens (the rows whose queries see no real key are where masking bugs turn into NaN).
 
+    ``trace_memory``: bytes of the reference's trace (and of what is kept of ours) held in memory;
+    past it they spill to a temporary folder and are memory-mapped back (None: never spill). Ours
+    is compared node by node as it runs, so only its first failure and that node's neighbourhood
+    are kept (see :mod:`parity.resources` for the memory model).
+
     ``decode``: a :class:`parity.decode.DecodePlan` (or its text, ``"12:4x8"``) runs both models with
     their KV caches instead: prefill (``seq_len`` is the prefill length), chunks, decode steps, every
     node and both caches compared at every step (chained mode only; see :mod:`parity.decode`).
@@ -461,14 +581,16 @@ def check(
         ParityError: unknown ``mode``; ``input_ids`` not 2-D or out of the vocabulary; a mask of
             another shape; ``left_pad`` without a second row or not shorter than the sequence;
             invalid tolerances; weights shared by both models edited in place (before or during the
-            check); a run that would not fit in memory; a config the reference cannot run.
+            check); a run that would not fit in memory (or its spilled traces on disk); a config the
+            reference cannot run.
     """
     if exact is None:
         exact = pair.exact and atol is None and rtol is None and not calibrate
     if decode is not None:
         return _check_decode(pair, decode, input_ids, seq_len, batch_size, mode, atol, rtol, tolerances, calibrate,
                              attention_mask, left_pad, exact)
-    run = plan(pair, input_ids, seq_len, batch_size, mode, atol, rtol, tolerances, calibrate, attention_mask, left_pad, exact)
+    run = plan(pair, input_ids, seq_len, batch_size, mode, atol, rtol, tolerances, calibrate, attention_mask, left_pad, exact,
+               trace_memory)
     diffs = config_diff(pair)
     notes = list(run.notes)
     if run.attention_mask is not None and not _accepts(pair.ours, "position_ids"):
@@ -479,7 +601,7 @@ def check(
     ]
     _refuse_changed_weights(pair, "before the check")
     start = time.perf_counter()
-    ref_trace = trace_reference(pair, run)
+    ref_trace = trace_reference(pair, run)  # spills to disk past run.trace_memory; freed when dropped
     tolerance = run.tolerances
     noise = None
     if run.calibrate:
@@ -487,12 +609,13 @@ def check(
         tolerance = replace(tolerance, calibrated=calibrate_tolerances(pair, run, ref_trace, noise=noise))
     isolated = None
     if run.mode in ("isolated", "both"):
-        isolated = compare_run(pair, run, trace_ours(pair, run, ref_trace), ref_trace, tolerance)
+        isolated = compare_run(pair, run, trace_ours(pair, run, ref_trace, reference=ref_trace, tolerances=tolerance),
+                               ref_trace, tolerance)
     our_trace = None
     if run.mode == "isolated":
         nodes = isolated
     else:
-        our_trace = trace_ours(pair, run)
+        our_trace = trace_ours(pair, run, reference=ref_trace, tolerances=tolerance)  # compared as it runs
         nodes = compare_run(pair, run, our_trace, ref_trace, tolerance)
     _refuse_changed_weights(pair, "during the forward passes")
     origin, origin_reason = None, ""
@@ -500,12 +623,19 @@ def check(
         noise = reference_noise(pair, run, ref_trace) if noise is None else noise
         origin, origin_reason = find_origin(nodes, isolated, noise)
     profile, logits = analyse(pair, nodes, our_trace, ref_trace)
+    spilled = ref_trace.spilled_bytes + (our_trace.spilled_bytes if our_trace is not None else 0)
+    for trace in (ref_trace, our_trace):
+        if trace is not None:
+            trace.close()
+    notes += [note for results in (nodes, isolated or []) if (note := _undiagnosed_note(results))]
     coverage = pair.coverage
     if coverage is None and pair.state_dict:
         coverage = loader_coverage(pair.ours, pair.state_dict, pair.tied_keys, pair.conversions, pair.built_storage, pair.by_design)
+    meta = _meta(pair, run, diffs, time.perf_counter() - start, atol, rtol, tolerances, calibrate)
+    meta["trace_spilled_bytes"] = spilled
     return CheckResult(
         nodes=tuple(nodes),
-        meta=_meta(pair, run, diffs, time.perf_counter() - start, atol, rtol, tolerances, calibrate),
+        meta=meta,
         notes=tuple(notes),
         profile=profile,
         logits=logits,

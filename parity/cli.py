@@ -78,6 +78,17 @@ def _path(reserve: int):
     return parse
 
 
+def _gib(text: str) -> int:
+    """argparse type: a size in GiB (``0.5``, ``4``) -> bytes."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a size in GiB >= 0, got {text!r}")
+    return int(value * 1024**3)
+
+
 def _report_parent(path: str) -> Path:
     """The report folder's parent, created now, so a bad --report-dir fails before any model is built."""
     parent = Path(path)
@@ -139,6 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--calibrate", action="store_true",
         help="set each node's atol from the reference's own float32-vs-float64 error (x10) instead of fixed defaults",
     )
+    check.add_argument("--device", help="where both models run: cpu (default), cuda, cuda:N or mps; traces come back to the CPU")
+    check.add_argument("--device-map", choices=("auto",),
+                       help="auto: spread the weights over the GPUs through accelerate (a model larger than one GPU)")
+    check.add_argument("--trace-memory", type=_gib, metavar="GIB",
+                       help="GiB of each trace held in memory before it spills to a temporary folder (default 1)")
     check.add_argument("--report-dir", type=_path(RESERVED), default="reports", help="parent folder of the run's new report folder")
     check.add_argument("--format", type=_formats, default=["html", "csv", "json"], help="comma list of html,csv,json,junit")
     align = sub.add_parser("align", help="show how your model's modules align to the reference's nodes")
@@ -265,8 +281,9 @@ def _user_pair(args, console: Console):
     build = load_callable(args.ours)
     reference = args.reference or args.family or "olmo3"
     node_map = _node_map(args.node_map)
+    placement = dict(device=getattr(args, "device", None), device_map=getattr(args, "device_map", None))
     with console.status(f"building the reference ({reference}) and your model ({args.ours})"):
-        return build_user_pair(build, reference, dtype=getattr(torch, args.dtype), seed=args.seed, node_map=node_map)
+        return build_user_pair(build, reference, dtype=getattr(torch, args.dtype), seed=args.seed, node_map=node_map, **placement)
 
 
 def _print_alignment(pair, console: Console) -> None:
@@ -435,6 +452,22 @@ def check_options(args) -> None:
             )
         if args.seq_len is not None and args.left_pad >= args.seq_len:
             raise ParityError(f"--left-pad {args.left_pad} must be shorter than --seq-len {args.seq_len}")
+    _check_placement(args)
+
+
+def _check_placement(args) -> None:
+    """--device / --device-map, in the options' words, before anything is built."""
+    from .devices import Placement
+    from .errors import ConfigError
+
+    if args.device is not None and args.device_map is not None:
+        raise ParityError("--device and --device-map both place the models; give one")
+    try:
+        Placement.of(args.device, args.device_map)
+    except ConfigError as e:
+        text = str(e).replace("a device map needs", "--device-map needs").replace("device map must", "--device-map must")
+        raise ParityError(text.replace(f"device {args.device} cannot", f"--device {args.device} cannot", 1)
+                          .replace(f"unknown device {args.device!r}", f"unknown --device {args.device!r}", 1)) from None
 
 
 def _check_left_pad(args, default_seq_len: int) -> None:
@@ -479,6 +512,8 @@ def cmd_check(args, console: Console) -> int:
             # the default length comes from the config's facts: judge --left-pad before minutes of building
             _check_left_pad(args, default_seq_len(resolve_config(family, config, dtype, overrides)[2]))
         what = args.checkpoint or config
+        if args.device is not None or args.device_map is not None:
+            overrides.update(device=args.device, device_map=args.device_map)
         with console.status(f"building {family.name} pair ({what}, {args.dtype}): ours and {family.reference_class}"):
             pair = family.build_pair(config=config, checkpoint=args.checkpoint, dtype=dtype, seed=args.seed, **overrides)
     _check_left_pad(args, pair.default_seq_len)
@@ -486,6 +521,7 @@ def cmd_check(args, console: Console) -> int:
         result = check(
             pair, seq_len=args.seq_len, batch_size=args.batch, mode=args.mode, atol=args.atol, rtol=args.rtol,
             calibrate=args.calibrate, left_pad=args.left_pad, exact=True if args.exact else None, decode=args.decode,
+            **({"trace_memory": args.trace_memory} if args.trace_memory is not None else {}),
         )
     console.print(_node_table(result, console))
     _print_coverage(result.coverage, console)

@@ -20,6 +20,7 @@ import torch
 
 from .hints import Hint
 from .pair import NodeSpec
+from .trace import one_thread
 
 OK, MISMATCH, SHAPE, MISSING, NONFINITE, UNTAPPED = "ok", "mismatch", "shape", "missing", "nonfinite", "untapped"
 CHOICE = "choice"
@@ -34,7 +35,8 @@ DEFAULT_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     torch.float16: (2e-2, 2e-2),
     torch.bfloat16: (5e-2, 5e-2),
 }
-#: elements per chunk when comparing (a few MiB of working memory per tensor)
+#: elements per chunk when comparing (4 MiB of float32 per buffer): few enough torch calls per node
+#: that a machine whose cores are busy with other work does not make each call wait its turn
 CHUNK = 1 << 20
 
 
@@ -157,6 +159,37 @@ def _nonfinite_detail(a: torch.Tensor, b: torch.Tensor, shape) -> str:
     return f"first non-finite value at index {index} ({side}); {n_a} in ours, {n_b} in reference, {both} in both"
 
 
+class _Work:
+    """Scratch buffers for :func:`tensor_metrics`, reused from chunk to chunk (a fresh tensor per op
+    would cost more in page faults than the arithmetic)."""
+
+    def __init__(self, n: int, dtype: torch.dtype):
+        self.d, self.babs, self.tmp, self.e = (torch.empty(n, dtype=dtype) for _ in range(4))
+        self.a = self.b = None  # casts of a lower-precision input, made when needed
+
+    def cast(self, which: str, x: torch.Tensor) -> torch.Tensor:
+        buf = getattr(self, which)
+        if buf is None:
+            buf = torch.empty(self.d.numel(), dtype=self.d.dtype)
+            setattr(self, which, buf)
+        return buf[: x.numel()].copy_(x)
+
+
+def _sum(x: torch.Tensor) -> float:
+    """Sum of one chunk, accumulated in float64 (the caller adds the chunks' sums in float64)."""
+    return float(x.sum(dtype=torch.float64))
+
+
+def chunks(x, n: int):
+    """1-D slices of ``x`` of at most ``n`` elements: a tensor's views, or a spilled tensor's reads."""
+    if isinstance(x, torch.Tensor):
+        flat = x.detach().reshape(-1)
+        for start in range(0, flat.numel(), n):
+            yield flat[start : start + n]
+    else:
+        yield from x.chunks(n)
+
+
 def tensor_metrics(ours: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float) -> dict:
     """Compare two same-shaped tensors.
 
@@ -166,60 +199,79 @@ def tensor_metrics(ours: torch.Tensor, ref: torch.Tensor, atol: float, rtol: flo
     passes with this rtol), ``rtol_needed`` (smallest rtol that passes with this atol; inf when an
     element with ``b == 0`` exceeds atol) and, for non-finite values, ``detail`` naming the first
     position; a non-finite node gets ``max_abs`` inf and NaN agreement numbers (written as null).
+
+    One chunk of :data:`CHUNK` elements at a time, in preallocated buffers (no copy of the whole
+    tensor, no mask indexing). The status, ``max_abs``, ``max_rel`` and the two ``*_needed`` are
+    exact (maxima of per-element values computed in the inputs' precision); the sums behind
+    ``mean_abs``, ``cosine`` and ``rel_l2`` are products in the inputs' precision summed in float64.
+    A chunk whose two sides are bitwise equal (a correct port's usual node) costs one comparison,
+    one product and one sum. ``ref``
+    may also be a spilled tensor (:class:`parity.trace.SpilledTensor`), read chunk by chunk.
     """
     work = torch.float64 if torch.float64 in (ours.dtype, ref.dtype) else torch.float32
-    a_all, b_all = ours.detach().reshape(-1), ref.detach().reshape(-1)
-    n = a_all.numel()
-    f64 = torch.float64
-    max_abs = max_rel = atol_needed = 0.0
-    rtol_needed = 0.0
-    sum_abs = dot = na2 = nb2 = nd2 = torch.zeros((), dtype=f64)
-    failed = False
-    for start in range(0, n, CHUNK):
-        a = a_all[start : start + CHUNK].to(work)
-        b = b_all[start : start + CHUNK].to(work)
-        d = a - b
-        if not bool(torch.isfinite(d).all()):
-            if not bool(torch.isfinite(a).all() and torch.isfinite(b).all()):
-                inf, nan = math.inf, math.nan
-                return dict(status=NONFINITE, max_abs=inf, mean_abs=nan, max_rel=inf, cosine=nan,
-                            detail=_nonfinite_detail(ours.detach(), ref.detach(), tuple(ours.shape)),
-                            rel_l2=nan, atol_needed=inf, rtol_needed=inf)
-        d = d.abs_()
-        babs = b.abs()
-        max_abs = max(max_abs, float(d.max()))
-        sum_abs = sum_abs + d.sum(dtype=f64)
-        nd2 = nd2 + d.pow(2).sum(dtype=f64)
-        dot = dot + (a * b).sum(dtype=f64)
-        na2 = na2 + a.pow(2).sum(dtype=f64)
-        nb2 = nb2 + babs.pow(2).sum(dtype=f64)
-        rel = torch.where(babs > 0, d / babs, 0.0)
-        max_rel = max(max_rel, float(rel.max()))
-        allowed = babs.mul(rtol)
-        atol_needed = max(atol_needed, float((d - allowed).max()))
-        failed = failed or bool((d > allowed.add_(atol)).any())
-        excess = d.sub_(atol)  # d is not needed after this
-        over = excess > 0
-        if bool(over.any()):
-            if bool((babs[over] == 0).any()):
-                rtol_needed = math.inf
-            elif rtol_needed != math.inf:
-                rtol_needed = max(rtol_needed, float((excess[over] / babs[over]).max()))
+    n = ours.numel()
     if n == 0:
         nan = math.nan
         return dict(status=OK, max_abs=nan, mean_abs=nan, max_rel=nan, cosine=nan, detail="",
                     rel_l2=nan, atol_needed=nan, rtol_needed=nan)
-    na, nb, nd = float(na2.sqrt()), float(nb2.sqrt()), float(nd2.sqrt())
+    w = _Work(min(n, CHUNK), work)
+    max_abs = max_rel = atol_needed = rtol_needed = 0.0
+    sum_abs = dot = na2 = nb2 = nd2 = 0.0
+    failed = False
+    for a, b in zip(chunks(ours, CHUNK), chunks(ref, CHUNK)):
+        m = a.numel()
+        a = a if a.dtype == work else w.cast("a", a)
+        b = b if b.dtype == work else w.cast("b", b)
+        d, babs, tmp, e = w.d[:m], w.babs[:m], w.tmp[:m], w.e[:m]
+        if torch.equal(a, b):  # NaN is never equal: non-finite chunks take the long way
+            # the dot product and both norms are one sum here, the same one the long way takes
+            squares = _sum(torch.mul(a, a, out=w.tmp[:m]))
+            if math.isfinite(squares):  # every element finite: no difference to account for
+                dot, na2, nb2 = dot + squares, na2 + squares, nb2 + squares
+                continue
+        torch.sub(a, b, out=d).abs_()
+        chunk_max = float(d.max())
+        if not math.isfinite(chunk_max) and not bool(torch.isfinite(a).all() and torch.isfinite(b).all()):
+            inf, nan = math.inf, math.nan
+            whole = ref if isinstance(ref, torch.Tensor) else ref.load()
+            return dict(status=NONFINITE, max_abs=inf, mean_abs=nan, max_rel=inf, cosine=nan,
+                        detail=_nonfinite_detail(ours.detach(), whole.detach(), tuple(ours.shape)),
+                        rel_l2=nan, atol_needed=inf, rtol_needed=inf)
+        max_abs = max(max_abs, chunk_max)
+        sum_abs += _sum(d)
+        nd2 += _sum(torch.mul(d, d, out=tmp))
+        dot += _sum(torch.mul(a, b, out=tmp))
+        na2 += _sum(torch.mul(a, a, out=tmp))
+        torch.abs(b, out=babs)
+        nb2 += _sum(torch.mul(babs, babs, out=tmp))
+        rel = float(torch.div(d, babs, out=tmp).max())
+        if not math.isfinite(rel):  # elements with b == 0 are left out (0/0, x/0)
+            rel = float(tmp.masked_fill_(babs == 0, 0.0).max())
+        max_rel = max(max_rel, rel)
+        allowed = torch.mul(babs, rtol, out=tmp)
+        over_rtol = float(torch.sub(d, allowed, out=e).max())
+        atol_needed = max(atol_needed, over_rtol)
+        if not failed and not over_rtol <= 0:  # some |a-b| > rtol|b|: does any pass atol + rtol|b| too?
+            bound = allowed.add_(atol)
+            excess = float(torch.sub(d, bound, out=e).max())
+            failed = excess > 0 if not math.isnan(excess) else bool(torch.gt(d, bound).any())
+        if chunk_max > atol and rtol_needed != math.inf:
+            # (|a-b| - atol) / |b| over the elements past atol; x/0 -> inf, 0/0 (not past atol) -> 0
+            ratio = torch.sub(d, atol, out=e).clamp_min_(0.0).div_(babs).nan_to_num_(nan=0.0, posinf=math.inf)
+            rtol_needed = max(rtol_needed, float(ratio.max()))
+    # torch's square root, not math.sqrt: the two can differ in the last bit, and parity's numbers
+    # have always been torch's
+    na, nb, nd = (float(torch.tensor(x, dtype=torch.float64).sqrt()) for x in (na2, nb2, nd2))
     if na == 0 and nb == 0:
         cosine = 1.0
     elif na == 0 or nb == 0:
         cosine = 0.0
     else:
-        cosine = max(-1.0, min(1.0, float(dot) / (na * nb)))
+        cosine = max(-1.0, min(1.0, dot / (na * nb)))
     return dict(
         status=MISMATCH if failed else OK,
         max_abs=max_abs,
-        mean_abs=float(sum_abs) / n,
+        mean_abs=sum_abs / n,
         max_rel=max_rel,
         cosine=cosine,
         detail="",
@@ -295,24 +347,106 @@ def compare_node(
         return NodeResult(**base, **shapes, **empty, status=SHAPE,
                           detail=f"ours {tuple(our_t.shape)} vs reference {tuple(ref_t.shape)}")
     if not ref_t.is_floating_point() and not our_t.is_floating_point():
+        ref_t = ref_t if isinstance(ref_t, torch.Tensor) else ref_t.load()  # a spilled integer node: small
         return NodeResult(**base, **shapes, **_choice_result(our_t, ref_t, scores))
     return NodeResult(**base, **shapes, **tensor_metrics(our_t, ref_t, n_atol, n_rtol))
+
+
+def node_order(reference, nodes: Sequence[NodeSpec]) -> list[str]:
+    """Node names in the reference's execution order, then the nodes it never produced."""
+    names = {n.name for n in nodes}
+    order = [name for name in reference.order if name in names]
+    return order + [n.name for n in nodes if n.name not in reference.tensors]
 
 
 def compare_traces(ours, reference, nodes: Sequence[NodeSpec], tolerances: Tolerances, untapped: frozenset[str] = frozenset()) -> list[NodeResult]:
     """One NodeResult per node, in the reference's execution order.
 
     Nodes the reference never produced come last, as ``missing``: a node that cannot be compared
-    is reported, never counted as agreeing.
+    is reported, never counted as agreeing. A node ``ours`` already compared while it ran
+    (:class:`NodeStream`, in ``ours.results``) is taken from there.
     """
     by_name = {n.name: n for n in nodes}
-    order = [name for name in reference.order if name in by_name]
-    order += [n.name for n in nodes if n.name not in reference.tensors]
-    return [
-        compare_node(by_name[name], index, ours.tensors.get(name), reference.tensors.get(name), tolerances, name in untapped,
-                     reference.tensors.get(by_name[name].chosen_from) if by_name[name].chosen_from else None)
-        for index, name in enumerate(order)
-    ]
+    done = getattr(ours, "results", {})
+    with one_thread():
+        return [
+            done[name] if name in done else
+            compare_node(by_name[name], index, ours.tensors.get(name), reference.tensors.get(name), tolerances, name in untapped,
+                         reference.tensors.get(by_name[name].chosen_from) if by_name[name].chosen_from else None)
+            for index, name in enumerate(node_order(reference, nodes))
+        ]
+
+
+class NodeStream:
+    """A trace sink that compares each node of ours with the stored reference as ours produces it.
+
+    The result goes to ``trace.results`` and ours' tensor is dropped at once, except what a report
+    of the first failure needs: the earliest failing node (in the reference's order) with its
+    module input (held by reference until the node is judged, copied only if it fails), and the
+    ``context`` nodes (by kind, e.g. ``q_rot``) of its stem (the part of the name before the last
+    dot) produced before it. While nothing has failed, the context nodes of the
+    latest stem are held, since a later node of that stem may still fail. ``watch``: ``{node: f(ours,
+    ref)}`` run on a node as it is compared (same shapes; ``ref`` may be a spilled tensor), its value
+    kept in ``trace.watched``.
+    """
+
+    def __init__(self, nodes: Sequence[NodeSpec], reference, tolerances: Tolerances,
+                 untapped: frozenset[str] = frozenset(), context: Sequence[str] = (), watch: Mapping | None = None):
+        self.specs = {n.name: n for n in nodes}
+        self.index = {name: i for i, name in enumerate(node_order(reference, nodes))}
+        self.reference, self.tolerances, self.untapped = reference, tolerances, untapped
+        self.context = frozenset(context)
+        self.watch = dict(watch or {})
+        self.trace = None
+        self.first: NodeResult | None = None
+        #: names of ours' tensors held: the first failure and its context, and the latest stem's context
+        self.failure_keep: set[str] = set()
+        self.stem_keep: set[str] = set()
+
+    def attach(self, trace) -> None:
+        trace.sink, trace.defer_inputs, self.trace = self, True, trace
+
+    def __call__(self, name: str, tensor: torch.Tensor) -> bool:
+        spec = self.specs.get(name)
+        if spec is None:
+            return False
+        ours = tensor if tensor.device.type == "cpu" else tensor.to("cpu")
+        store = self.reference.tensors
+        ref = store.lazy(name) if hasattr(store, "lazy") else store.get(name)  # a spilled node is read, not mapped
+        scores = store.get(spec.chosen_from) if spec.chosen_from and not ours.is_floating_point() else None
+        result = compare_node(spec, self.index[name], ours, ref, self.tolerances, name in self.untapped, scores)
+        self.trace.results[name] = result
+        if name in self.watch and ref is not None and ref.shape == ours.shape:
+            self.trace.watched[name] = self.watch[name](ours, ref)
+        del ref, scores
+        stem = name.rsplit(".", 1)[0]
+        if spec.kind in self.context:
+            old, self.stem_keep = self.stem_keep, {n for n in self.stem_keep if n.rsplit(".", 1)[0] == stem} | {name}
+            self._release(old - self.stem_keep)
+        if result.failed and (self.first is None or result.index < self.first.index):
+            old, self.first = self.failure_keep, result
+            self.failure_keep = {name} | {n for n in self.stem_keep if n.rsplit(".", 1)[0] == stem}
+            self._release(old - self.failure_keep)
+            self.trace.keep_input(name)  # held by reference since the module's pre-hook: copied now
+            return False  # kept: the trace stores it
+        self.trace.drop_input(name)
+        return name not in self.stem_keep  # a context node is kept (stored by the trace)
+
+    def finish(self) -> None:
+        """After the forward: drop the context nodes no failure needs, and stop consuming."""
+        old, self.stem_keep = self.stem_keep, set()
+        self._release(old)
+        self.trace.sink, self.trace.defer_inputs = None, False
+        self.trace.pending.clear()
+
+    def _release(self, names: set[str]) -> None:
+        """Drop ours' tensors (and kept inputs) of ``names`` that nothing holds any more."""
+        for name in names:
+            if name in self.failure_keep or name in self.stem_keep:
+                continue
+            if name in self.trace.tensors:
+                del self.trace.tensors[name]
+            self.trace.drop_input(name)
 
 
 def first_mismatch(results: Sequence[NodeResult]) -> NodeResult | None:

@@ -65,7 +65,7 @@ def _scores(module, query, key, scaling) -> torch.Tensor:
     if groups > 1:
         b, kv, s, d = key.shape
         key = key[:, :, None].expand(b, kv, groups, s, d).reshape(b, kv * groups, s, d)
-    return torch.matmul(query, key.transpose(2, 3)) * scaling
+    return torch.matmul(query, key.transpose(2, 3)).mul_(scaling)  # in place: one matrix, not two, at a time
 
 
 def parity_attention(module, query, key, value, attention_mask, **kwargs):

@@ -119,6 +119,8 @@ class Pair:
     #: where each of our parameters lived right after loading (loader coverage tells a replaced
     #: Parameter, a fault injected by hand, from a loader's gap)
     built_storage: dict = field(default_factory=dict, repr=False)
+    #: where both models run: ``cpu``, ``cuda:0``, ``mps``, or ``device_map=auto``
+    device: str = "cpu"
 
     def __post_init__(self):
         self.nodes = annotate(self.nodes, self.facts)

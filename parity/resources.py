@@ -1,6 +1,24 @@
-"""Refuse, with numbers, work that cannot fit in this machine's memory, instead of being OOM-killed."""
+"""Refuse, with numbers, work that cannot fit in this machine's memory (or disk), instead of being
+OOM-killed halfway.
+
+The memory model of a check (weights are counted when the pair is built; these are the bytes a
+check adds on top of them):
+
+    memory = forward working set + min(reference trace, budget) + min(ours kept, budget)
+    disk   = max(0, reference trace - budget) + max(0, ours kept - budget)
+
+The reference's trace is stored (it is what ours is compared with); past the trace budget
+(:data:`TRACE_MEMORY`, ``check(trace_memory=...)``, ``--trace-memory``) it goes to disk, and a
+node on disk is compared by reading it in chunks. Ours is compared node by node while it runs and
+only the first failure and its neighbourhood are kept. No term grows with depth: the forward
+working set is one layer's (a model runs layer by layer) and the kept terms are capped.
+"""
 
 from __future__ import annotations
+
+import shutil
+import tempfile
+from dataclasses import dataclass
 
 from .errors import ParityError
 from .facts import ArchFacts
@@ -8,15 +26,36 @@ from .facts import ArchFacts
 GIB = 1024**3
 #: share of the available memory a run may plan to use (forward passes need room beyond what is counted)
 BUDGET = 0.8
+#: bytes of a trace kept in memory before it spills to disk (per trace: the reference's, ours' kept)
+TRACE_MEMORY = 1 * GIB
+#: bytes of disk a spilling run leaves free for everyone else
+DISK_RESERVE = 1 * GIB
 
 
 def available_bytes() -> int | None:
-    """Memory available to new allocations (psutil's ``available``), or None where that is unknown."""
+    """Memory available to new allocations (psutil's ``available``, else the kernel's
+    ``MemAvailable``), or None where neither can be read."""
     try:
         import psutil
 
         return int(psutil.virtual_memory().available)
-    except Exception:  # no psutil support on this platform: do not guess
+    except Exception:  # no psutil, or no support on this platform
+        pass
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def disk_free_bytes(folder: str | None = None) -> int | None:
+    """Free bytes on the file system of ``folder`` (default: the temporary folder spills go to)."""
+    try:
+        return shutil.disk_usage(folder or tempfile.gettempdir()).free
+    except OSError:
         return None
 
 
@@ -29,8 +68,77 @@ def require(needed: int, what: str, advice: str) -> None:
         )
 
 
+def require_disk(needed: int, what: str, advice: str) -> None:
+    """Raise ParityError if ``needed`` bytes do not fit on the temporary folder's file system."""
+    if needed <= 0:
+        return
+    free = disk_free_bytes()
+    if free is not None and needed + DISK_RESERVE > free:
+        raise ParityError(
+            f"{what} needs about {needed / GIB:.1f} GiB of disk in {tempfile.gettempdir()} but "
+            f"{free / GIB:.1f} GiB are free: {advice}"
+        )
+
+
+def _per_layer(facts: ArchFacts) -> tuple[int, int, int]:
+    heads = max(facts.num_heads, 1)
+    ffn = facts.intermediate_size or 4 * facts.hidden_size
+    return heads, ffn, max(facts.num_layers, 1)
+
+
+def one_trace_bytes(facts: ArchFacts, batch: int, seq: int, element_size: int) -> int:
+    """Bytes of one model's full trace: per layer the attention scores and probabilities, ~24
+    hidden-size and 3 FFN-size tensors per token (nodes and the module inputs kept for diagnosis),
+    one hidden-size tensor per expert of a MoE layer, plus the embeddings and the logits."""
+    heads, ffn, layers = _per_layer(facts)
+    per_token_layer = 2 * heads * seq + 24 * facts.hidden_size + 3 * ffn
+    experts = sum(layer.num_experts for layer in facts.layers) * facts.hidden_size
+    per_token = layers * per_token_layer + experts + 3 * facts.hidden_size + facts.vocab_size
+    return element_size * batch * seq * per_token
+
+
+def largest_node_bytes(facts: ArchFacts, batch: int, seq: int, element_size: int) -> int:
+    """Bytes of the largest single node: an attention matrix, an FFN activation or the logits."""
+    heads, ffn, _ = _per_layer(facts)
+    return element_size * batch * seq * max(heads * seq, ffn, facts.vocab_size, facts.hidden_size)
+
+
+def forward_bytes(facts: ArchFacts, batch: int, seq: int, element_size: int, budget: int | None = TRACE_MEMORY) -> int:
+    """Working set of a check's forward passes beyond the weights, at their widest. In a layer's
+    attention: two attention-matrix-sized tensors (eager attention keeps two alive at a time, and a
+    node being compared is read from disk in chunks, not held) and a few FFN- and hidden-width
+    activations. At the head: ours' logits, and the reference's while they are recorded (a copy
+    when they fit the trace budget, else written straight to disk). One layer at a time: depth does
+    not add to it."""
+    heads, ffn, _ = _per_layer(facts)
+    attention = 2 * heads * seq * seq + seq * (4 * ffn + 8 * facts.hidden_size)
+    logits = seq * facts.vocab_size
+    head = logits + (logits if budget is None else min(logits, budget // max(element_size * batch, 1)))
+    head += seq * 4 * facts.hidden_size
+    return element_size * batch * max(attention, head) + 64 * 1024**2  # + the comparison's chunk buffers
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """What a check adds to the weights: bytes of memory and of disk (spilled traces)."""
+
+    memory: int
+    disk: int
+
+
+def check_footprint(facts: ArchFacts, batch: int, seq: int, element_size: int, budget: int | None) -> Footprint:
+    """The memory model above, for one check (one forward at a time; ``budget`` None: no spilling)."""
+    reference = one_trace_bytes(facts, batch, seq, element_size)
+    kept_ours = 3 * largest_node_bytes(facts, batch, seq, element_size)  # a failing node, its input, its context
+    in_memory = reference if budget is None else min(reference, budget)
+    kept_memory = kept_ours if budget is None else min(kept_ours, budget)
+    disk = 0 if budget is None else max(0, reference - budget) + max(0, kept_ours - budget)
+    return Footprint(memory=forward_bytes(facts, batch, seq, element_size, budget) + in_memory + kept_memory, disk=disk)
+
+
 def trace_bytes(facts: ArchFacts, batch: int, seq: int, element_size: int) -> int:
-    """Rough peak of a check: both traces (per layer the attention scores and probabilities plus ~17
+    """Rough peak of a check holding both traces whole (a trace recorded to a folder, :mod:`parity.traces`):
+    both traces (per layer the attention scores and probabilities plus ~17
     hidden-size and 3 FFN-size tensors per token, one hidden-size tensor per expert of a MoE layer,
     plus the logits) and the float64 working copies comparing the largest node takes (about six of it)."""
     heads, vocab = max(facts.num_heads, 1), facts.vocab_size

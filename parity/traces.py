@@ -450,7 +450,15 @@ def _shards(items: list[tuple[str, dict[str, torch.Tensor]]], shard_bytes: int) 
 def _save(tensors: dict[str, torch.Tensor]) -> bytes:
     from safetensors.torch import save
 
-    return save({k: v.detach().contiguous() for k, v in tensors.items()}, metadata={"format": "pt", "writer": FORMAT})
+    out, seen = {}, set()
+    for k, v in tensors.items():
+        v = v.detach().contiguous()
+        key = (v.untyped_storage().data_ptr(), v.storage_offset())
+        # a trace stores an unchanged tensor recorded under two names once (Gemma 4's shared KV):
+        # safetensors writes each name's own bytes
+        out[k] = v.clone() if key in seen else v
+        seen.add(key)
+    return save(out, metadata={"format": "pt", "writer": FORMAT})
 
 
 def _copy_checkpoint(source: Path, target: Path) -> None:

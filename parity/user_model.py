@@ -26,6 +26,7 @@ from .build import (
 )
 from .check import check
 from .coverage import loader_coverage
+from .devices import Placement
 from .errors import ConfigError, ParityError
 from .facts import derive_facts, rope_problem_of, validate_facts
 from .nodes import reference_nodes
@@ -176,11 +177,19 @@ def build_ours(ours, ref: Reference) -> nn.Module:
 
 
 def build_user_pair(ours, reference="olmo3", *, dtype: torch.dtype = torch.float32, seed: int = 0,
-                    node_map: dict[str, str] | None = None, cache_protocol=None) -> Pair:
+                    node_map: dict[str, str] | None = None, cache_protocol=None, device=None,
+                    device_map: str | None = None) -> Pair:
     """The Pair of a user's model and the reference, nodes aligned by shared weights. Raises
     ParityError for bad input (see :func:`check_model`)."""
+    placement = Placement.of(device, device_map)
     ref, family = resolve_reference(reference, dtype, seed)
+    if not placement.is_cpu:  # the reference on its device(s) first; build() then receives those tensors
+        ref.model = placement.dispatch(ref.model, placement.plan(type(ref.model), ref.hf_config, dtype))
+        on_device = ref.model.state_dict()
+        ref.state_dict = {k: on_device.get(k, v) for k, v in ref.state_dict.items()}
     model = build_ours(ours, ref)
+    if not placement.is_cpu:
+        model = placement.dispatch(model)
     coverage = loader_coverage(model, ref.state_dict, ref.tied_keys, ref.conversions, by_design=ref.by_design)
     if coverage.unused:
         shown = ", ".join(coverage.unused[:4]) + (f", ... ({len(coverage.unused)} in all)" if len(coverage.unused) > 4 else "")
@@ -211,6 +220,7 @@ def build_user_pair(ours, reference="olmo3", *, dtype: torch.dtype = torch.float
         alignment=rows,
         coverage=coverage,
         cache_protocol=cache_protocol,
+        device=placement.label,
         **({"probe": f"the weights of {ref.config_name}"} if ref.checkpoint or isinstance(reference, torch.nn.Module) else {}),
     )
 
@@ -223,6 +233,8 @@ def check_model(
     seed: int = 0,
     node_map: dict[str, str] | None = None,
     cache_protocol=None,
+    device=None,
+    device_map: str | None = None,
     **check_kwargs,
 ) -> CheckResult:
     """Check your own model against a Transformers reference, node by node.
@@ -236,6 +248,8 @@ def check_model(
     :func:`parity.check` (``seq_len``, ``batch_size``, ``mode``, ``atol``, ``exact``, ``decode``...).
     ``cache_protocol``: how to run your model with its KV cache for ``decode=`` checks when its API is
     not ``new_cache()`` / ``forward(..., cache=)`` (a :class:`parity.decode.CacheProtocol`).
+    ``device`` / ``device_map``: where both models run (see :func:`parity.build.build_pair`);
+    ``build`` receives the reference's tensors already there.
 
     Functional nodes (after RoPE, scores, probabilities, context) need ``parity.tap(tensor, name)``
     in your forward; a node without a tap is ``untapped``: shown and counted, never a pass or a
@@ -246,7 +260,8 @@ def check_model(
             leaves a reference tensor unused or keeps a parameter on the meta device; nothing could
             be aligned; a bad reference or bad check arguments (see :func:`parity.check`).
     """
-    pair = build_user_pair(ours, reference, dtype=dtype, seed=seed, node_map=node_map, cache_protocol=cache_protocol)
+    pair = build_user_pair(ours, reference, dtype=dtype, seed=seed, node_map=node_map, cache_protocol=cache_protocol,
+                           device=device, device_map=device_map)
     return check(pair, **check_kwargs)
 
 
