@@ -111,6 +111,18 @@ def test_a_fused_projection_keeps_the_reference_rounding_where_three_would_not()
     assert not torch.equal(torch.cat(blocks, -1), fused)
 
 
+def test_the_softmax_runs_in_the_activation_dtype_as_gpt2s_does():
+    """Found by the property tests: unscaled scores in bfloat16 (``scale_attn_weights`` false) where a
+    float32 softmax cast back rounds some probabilities one ulp away from GPT-2's bfloat16 softmax."""
+    cfg = {"vocab_size": 195, "context_length": 56, "layer_norm_eps": 2.3924081791079507e-05, "activation": "gelu_new",
+           "tie_word_embeddings": True, "scale_attn_weights": False, "scale_attn_by_inverse_layer_idx": False,
+           "emb_dim": 15, "n_heads": 3, "n_layers": 1, "hidden_dim": 8}
+    pair = build_pair(config=cfg, dtype=torch.bfloat16)
+    assert_exact(pair, seq_len=4)
+    pair.ours.blocks[0].att.softmax_in_activation_dtype = False  # Llama's way: float32, then cast
+    assert parity.check(pair, seq_len=4).first_mismatch.name == "transformer.h.0.attn.probs"
+
+
 @pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
 def test_parity_from_saved_checkpoint_lists_the_transposes(sharded, checkpoint_of):
     original = build_pair("tiny", seed=3)

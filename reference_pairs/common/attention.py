@@ -71,6 +71,10 @@ class GroupedQueryAttention(nn.Module):
       ``keep_kv``: after each forward, ``self.kv`` holds this layer's ``(keys, values, k_start)``
       (after norm, RoPE and the cache update, before GQA expansion; ``k_start`` the sequence index
       of the first key) for the layers that share them;
+    * ``softmax_in_activation_dtype``: the softmax runs on the scores in their own dtype (GPT-2's
+      eager attention, ``softmax(w)`` then ``.type(v.dtype)``) instead of in float32 then cast back
+      (``softmax(w, dtype=float32).to(q.dtype)``, Llama and the rest): in bfloat16 torch's two
+      kernels round some probabilities one ulp apart;
     * RoPE: a layer without it gets ``cos = sin = None``. ``cos``/``sin`` narrower than ``head_dim / 2``
       rotate only the first dims (partial rotary); ``interleaved_rope`` pairs ``2i`` with ``2i + 1``
       instead of ``i`` with ``i + d/2``; ``rotate_in_float32`` upcasts q/k for the rotation
@@ -109,6 +113,7 @@ class GroupedQueryAttention(nn.Module):
         fused_qkv: bool = False,
         interleaved_rope: bool = False,
         rotate_in_float32: bool = False,
+        softmax_in_activation_dtype: bool = False,
         bias: bool = False,
         dtype: torch.dtype | None = None,
     ):
@@ -132,6 +137,7 @@ class GroupedQueryAttention(nn.Module):
         self.qk_norm_heads_first, self.k_eq_v, self.kv_shared, self.keep_kv = qk_norm_heads_first, k_eq_v, kv_shared, keep_kv
         self.sliding_window = sliding_window
         self.interleaved_rope, self.rotate_in_float32 = interleaved_rope, rotate_in_float32
+        self.softmax_in_activation_dtype = softmax_in_activation_dtype
         self.kv: tuple[torch.Tensor, torch.Tensor] | None = None
         q_width = n_heads * head_dim * (2 if output_gate else 1)
         whole = qk_norm == "projection"
@@ -234,7 +240,10 @@ class GroupedQueryAttention(nn.Module):
         if padding_mask is not None:
             allowed = allowed & padding_mask.bool()[:, None, None, k_start : k_start + k_len]
         scores = self.mask_scores(scores, allowed)
-        probs = self.probs(torch.softmax(scores.float(), dim=-1).to(queries.dtype))
+        if self.softmax_in_activation_dtype:
+            probs = self.probs(torch.softmax(scores, dim=-1).to(queries.dtype))
+        else:
+            probs = self.probs(torch.softmax(scores.float(), dim=-1).to(queries.dtype))
         context = self.context((probs @ values).transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim))
         if self.output_gate:
             context = context * torch.sigmoid(gate)

@@ -10,7 +10,8 @@ every block is
 then ``final_norm`` and ``out_head``, the *same* Parameter as ``tok_emb.weight``. The norms are
 LayerNorms with bias, computed by torch's kernel in the activation dtype (``nn.LayerNorm``); the
 activation is GELU's tanh approximation written op by op (``gelu_new``); the softmax runs in the
-activation dtype (the same bits as float32 rounded once). Transformers stores the projections as
+activation dtype, as GPT-2's eager attention runs it (in bfloat16 torch's kernel for it rounds some
+probabilities one ulp away from a float32 softmax cast back). Transformers stores the projections as
 ``Conv1D`` ``(in, out)`` matrices; ours are ``nn.Linear``, which the loader fills with transposed
 views. The fused projection ``W_qkv`` (``c_attn``) keeps GPT-2's one matrix product: three
 products over its column blocks round differently in bfloat16 at the released widths.
@@ -46,7 +47,7 @@ def transformer_block(cfg: dict, layer: int) -> PreNormBlock:
     dtype, emb_dim, n_heads = cfg["dtype"], cfg["emb_dim"], cfg["n_heads"]
     att = GroupedQueryAttention(
         emb_dim, n_heads, n_heads, emb_dim // n_heads, scale=attention_scale(cfg, layer), fused_qkv=True, bias=True,
-        dtype=dtype,
+        softmax_in_activation_dtype=True, dtype=dtype,
     )
     ff = MLP(emb_dim, cfg["hidden_dim"], activation=cfg["activation"], dtype=dtype)
     norm = partial(LayerNorm, emb_dim, eps=cfg["layer_norm_eps"], bias=True, fused=True, dtype=dtype)
