@@ -195,6 +195,7 @@ def test_budget_rule_numbers():
     assert read_baseline(BASELINE)["budget"] == BUDGET.describe()
 
 
+@pytest.mark.slow  # a subprocess run of pytest/git (10-30 s): in .ci/run's `pytest -m slow`
 def test_baseline_changes_only_when_asked(baseline, capsys):
     data = json.loads(baseline.read_text())
     data["cases"]["llama3/tiny/config/float32"]["nodes"]["lm_head"] = {"max_abs": 123.0, "mean_abs": 1.0}  # stale
@@ -287,6 +288,7 @@ def test_changed_since_a_missing_ref_is_one_line_in_cli_words(capsys):
                    "or commit; in CI fetch the history, e.g. actions/checkout with fetch-depth: 0)")
 
 
+@pytest.mark.slow  # a subprocess run of pytest/git (10-30 s): in .ci/run's `pytest -m slow`
 def test_gate_reports_junit_from_pytest_and_one_line_per_failing_case(tmp_path, capsys, monkeypatch):
     """A loader fault in llama3: junit.xml is pytest's (one test case per case, one per family's config
     coverage), summary.json holds every problem, an HTML report per failing case, and the console

@@ -128,6 +128,7 @@ def user_project(tmp_path):
 # --- pre-commit ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a subprocess run of pytest/git (10-30 s): in .ci/run's `pytest -m slow`
 def test_pre_commit_refuses_a_broken_loader_in_a_users_repository(tmp_path, user_project):
     """The documented setup: a repository of one's own, parity's hook by repo and rev. The first
     commit (no HEAD yet) runs the gate and passes; swapping gate/up in the loader is refused."""
@@ -200,6 +201,7 @@ def test_pre_commit_in_paritys_own_repository(tmp_path):
 # --- a project's own pytest runs the gate -------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a subprocess run of pytest/git (10-30 s): in .ci/run's `pytest -m slow`
 def test_a_projects_pytest_runs_the_gate_with_junit_and_reports(user_project, tmp_path):
     """`pytest` in the user's repository (parity_gate = true, no paths): the gate's cases are its tests,
     JUnit is pytest's --junitxml, and a failing case names its report folder."""
@@ -318,6 +320,7 @@ def _wait_for(predicate, timeout=120.0):
     return False
 
 
+@pytest.mark.slow  # a subprocess run of pytest/git (10-30 s): in .ci/run's `pytest -m slow`
 def test_sigterm_leaves_no_staging_or_temporary_folder(tmp_path):
     """What CI sends on cancel: `parity gate` removes its report staging folder and its temporary
     checkpoints, then ends as SIGTERM ends a process."""

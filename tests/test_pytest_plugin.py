@@ -35,6 +35,7 @@ def test_failure_message_is_the_first_mismatch_table(parity_pair):
     assert "hint (sliding_window): likely the sliding window size or mask" in message
 
 
+@pytest.mark.slow  # a subprocess run of pytest/git (10-30 s): in .ci/run's `pytest -m slow`
 def test_plugin_is_registered_for_other_projects(pytester):
     """A project that installs parity gets the fixture with no conftest of its own."""
     pytester.makepyfile(
@@ -68,6 +69,7 @@ def run_pytest(path, *args) -> int:
                         "-p", "no:cacheprovider", *args])
 
 
+@pytest.mark.slow  # a subprocess run of pytest/git (10-30 s): in .ci/run's `pytest -m slow`
 def test_a_failing_parity_test_leaves_its_report_and_names_it(tmp_path, capsys):
     """The plugin writes report.html and result.json for a failing test, into a folder the failure
     message names; a passing test writes nothing unless --parity-keep-reports."""
