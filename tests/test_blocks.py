@@ -41,17 +41,27 @@ def randomize(module: nn.Module, seed: int = 0) -> nn.Module:
 
 def transplant(ours: nn.Module, theirs: nn.Module, renames: dict[str, str], transpose: tuple[str, ...] = ()) -> None:
     """Load ``theirs``' parameters into ``ours``: key substrings renamed, listed keys transposed
-    (Conv1D), every key of both used (strict)."""
+    (Conv1D), every key of both used (strict). A transposed weight is assigned as a view of theirs,
+    as the GPT-2 loader assigns it: ``nn.Linear`` then multiplies by the same ``(in, out)`` memory
+    Conv1D's ``addmm`` reads (a packed copy of the transpose takes another BLAS kernel, which rounds
+    otherwise on some CPUs). The rest is copied."""
     state = {}
+    views = set()
     for key, value in theirs.state_dict().items():
         if key.endswith("embed_scale"):
             continue
-        if any(key.startswith(t) for t in transpose) and value.dim() == 2:
-            value = value.t().contiguous()
+        transposed = any(key.startswith(t) for t in transpose) and value.dim() == 2
         for old, new in renames.items():
             key = key.replace(old, new)
-        state[key] = value
-    ours.load_state_dict(state, strict=True)
+        state[key] = value.t() if transposed else value
+        if transposed:
+            views.add(key)
+    ours.load_state_dict({k: v for k, v in state.items() if k not in views}, strict=False)
+    for key in views:
+        module, _, name = key.rpartition(".")
+        setattr(ours.get_submodule(module), name, nn.Parameter(state[key], requires_grad=False))
+    missing = set(ours.state_dict()) - set(state)
+    assert not missing, f"transplant left {sorted(missing)} unwritten"
 
 
 def inputs(shape, dtype, seed=1) -> torch.Tensor:

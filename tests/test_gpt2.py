@@ -98,17 +98,18 @@ def test_parity_with_every_option(overrides):
         assert scales == [12**-0.5, 12**-0.5 / 2, 12**-0.5 / 3] == [b.att.scale for b in pair.ours.blocks]
 
 
-def test_a_fused_projection_keeps_the_reference_rounding_where_three_would_not():
-    """Why ``W_qkv`` is one Linear: at GPT-2's width, three products over the column blocks of c_attn
-    round differently in bfloat16 from the one product the reference computes (same weights)."""
+def test_a_fused_projection_computes_the_one_product_the_reference_computes():
+    """Why ``W_qkv`` is one Linear: the reference computes ``c_attn`` as one product, and ours must
+    round as that product does, in bfloat16 at GPT-2's width. Three products over the column blocks
+    of the same matrix are another computation: on Intel CPUs (MKL) they round differently at this
+    width, on AMD EPYC they happen to agree, so their difference is not asserted (it is a property
+    of the CPU's kernels, not of the port)."""
     pair = build_pair("tiny", dtype=torch.bfloat16, emb_dim=768, n_heads=12, hidden_dim=64, n_layers=1)
     att = pair.ours.blocks[0].att
     x = torch.randn(2, 16, 768, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    fused = att.W_qkv(x)
     with torch.no_grad():
-        assert torch.equal(fused, pair.reference.transformer.h[0].attn.c_attn(x))
-        blocks = [torch.nn.functional.linear(x, w, b) for w, b in zip(att.W_qkv.weight.split(768), att.W_qkv.bias.split(768))]
-    assert not torch.equal(torch.cat(blocks, -1), fused)
+        assert torch.equal(att.W_qkv(x), pair.reference.transformer.h[0].attn.c_attn(x))
+    assert isinstance(att.W_qkv, torch.nn.Linear) and not hasattr(att, "W_query")
 
 
 def test_the_softmax_runs_in_the_activation_dtype_as_gpt2s_does():

@@ -80,8 +80,10 @@ class GroupedQueryAttention(nn.Module):
       instead of ``i`` with ``i + d/2``; ``rotate_in_float32`` upcasts q/k for the rotation
       (Cohere 2) — see :func:`~reference_pairs.common.rope.apply_rope`;
 
-    KV heads are expanded with ``repeat_interleave`` so query head ``h`` reads KV head
-    ``h // group``, as Transformers' ``repeat_kv`` does. ``split_qkv``, ``expand_kv``, ``mask_scores``
+    KV heads are expanded as Transformers' ``repeat_kv`` expands them, so query head ``h`` reads KV
+    head ``h // group`` (``repeat_interleave``'s order, not ``repeat``'s), in ``repeat_kv``'s memory
+    layout too: a stride-0 view for one KV head, a packed copy otherwise (a matrix product over
+    another layout takes another CPU kernel, which rounds otherwise on some CPUs). ``split_qkv``, ``expand_kv``, ``mask_scores``
     and ``split_gate`` are methods so a fault injection can replace them.
 
     Taps (see :class:`~reference_pairs.common.taps.Tap`): ``q_rot``/``k_rot`` after RoPE (the
@@ -175,8 +177,13 @@ class GroupedQueryAttention(nn.Module):
 
     def expand_kv(self, t: torch.Tensor) -> torch.Tensor:
         """``(batch, n_kv_heads, seq, head_dim)`` -> ``(batch, n_heads, seq, head_dim)``: KV head ``g``
-        serves query heads ``g * group .. (g + 1) * group - 1`` (``repeat_interleave``, not ``repeat``)."""
-        return t.repeat_interleave(self.group_size, dim=1)
+        serves query heads ``g * group .. (g + 1) * group - 1`` (``repeat_interleave``'s order, not
+        ``repeat``'s). Expanded then reshaped, as ``repeat_kv`` does: the same memory layout, so the
+        matrix products that read it take the reference's kernel (one KV head stays a stride-0 view)."""
+        if self.group_size == 1:
+            return t
+        b, kv, s, d = t.shape
+        return t[:, :, None].expand(b, kv, self.group_size, s, d).reshape(b, kv * self.group_size, s, d)
 
     def mask_scores(self, scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
         """Disallowed positions get the dtype's lowest finite value, as Transformers' eager masks do:
