@@ -6,6 +6,8 @@
     res.first_mismatch   # NodeResult | None
 """
 
+from importlib import metadata as _metadata
+
 from . import report  # noqa: F401  (registers the report writers)
 from .check import check
 from .compare import DEFAULT_TOLERANCES, NodeResult, first_divergence, first_mismatch
@@ -19,7 +21,10 @@ from .testing import assert_bit_exact, assert_parity
 from .trace import tap
 from .user_model import check_model
 
-__version__ = "0.2.0"
+try:  # one version number: the installed distribution's (pyproject.toml)
+    __version__ = _metadata.version("parity")
+except _metadata.PackageNotFoundError:  # a source tree on sys.path, never installed
+    __version__ = "0+unknown"
 __all__ = [
     "DEFAULT_TOLERANCES",
     "ArchFacts",

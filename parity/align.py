@@ -94,7 +94,7 @@ class Layout:
     #: the layout the tap declared: "bhsd" (batch, heads, seq, head_dim), "bshd" or "bsf" (heads flattened)
     declared: str = ""
 
-    def with_layout(self, layout: str) -> "Layout":
+    def with_layout(self, layout: str) -> Layout:
         """This layout with the tap's declared ``layout``; raises ParityError for an unknown one."""
         if layout not in LAYOUTS:
             raise ParityError(f"parity.tap(..., {self.kind!r}, layout={layout!r}): layout must be one of {', '.join(LAYOUTS)}")
@@ -264,7 +264,6 @@ class _Aligner:
 
     def place(self, spec: NodeSpec) -> tuple[NodeSpec, Aligned]:
         name, ref_path = spec.name, spec.reference_path
-        kind = spec.kind
         if ref_path == "":
             return replace(spec, ours=""), Aligned(name, "", "output", "the whole model's output")
         suffix = name.rsplit(".", 1)[-1]

@@ -25,8 +25,8 @@ from .errors import ConfigError, LoaderError, ParityError
 from .facts import ArchFacts, derive_facts, rope_problem_of, validate_facts
 from .family import Composite, Family
 from .pair import Pair
-from .resources import require
 from .probes import probe_weights
+from .resources import require
 from .weights import apply_weight_table
 
 #: compute dtypes both models can run in

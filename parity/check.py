@@ -465,8 +465,8 @@ def analyse(pair: Pair, nodes: list[NodeResult], ours: Trace | None, ref: Trace)
     output = pair.output_node
     if output is not None and output in ours.watched:  # computed while ours ran (a NodeStream)
         logits = {"node": output, **ours.watched[output]}
-    elif output is not None and output in ours.tensors and output in ref.tensors:
-        if ours.tensors[output].shape == ref.tensors[output].shape:
+    elif (output is not None and output in ours.tensors and output in ref.tensors
+          and ours.tensors[output].shape == ref.tensors[output].shape):
             logits = {"node": output, **logits_effect(ours.tensors[output], ref.tensors[output])}
     return profile, logits
 

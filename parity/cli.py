@@ -364,7 +364,7 @@ def _node_table(result, console: Console) -> Table:
     colors = {"ok": "green", "mismatch": "red", "choice": "red", "shape": "magenta", "missing": "magenta",
               "nonfinite": "red", "untapped": "dim"}
     isolated = {r.name: r for r in result.isolated or []} if result.isolated is not result.nodes else {}
-    fmt = lambda v, spec=".3g": "" if v is None else format(v, spec)  # noqa: E731
+    fmt = lambda v, spec=".3g": "" if v is None else format(v, spec)
     columns = [
         ("#", dict(justify="right", no_wrap=True), 5),
         ("node", dict(no_wrap=True), None),
@@ -414,7 +414,6 @@ def _print_coverage(coverage, console: Console) -> None:
 
 def _write_reports(result, parent: Path, formats: list[str]) -> Path:
     from .report.atomic import publish_folder, run_stem, staging_folder
-
     from .result import WRITERS
 
     staging = staging_folder(parent)

@@ -254,7 +254,7 @@ def loader_coverage(
             lo, hi = _span(whole)
             part = t is not None and lo <= _span(t)[0] and _span(t)[1] <= hi and t.dtype == whole.dtype
             # all of it in the same element order (one expert of one, a reshape) is a part too; not a transpose
-            if t is None or part and (t.numel() < whole.numel() or t.is_contiguous() and whole.is_contiguous()):
+            if t is None or (part and (t.numel() < whole.numel() or (t.is_contiguous() and whole.is_contiguous()))):
                 return key
         return None
 

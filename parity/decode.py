@@ -112,7 +112,7 @@ class DecodeOutcome:
         if self.first_divergent_step is None:
             out.append(f"greedy tokens: ours chooses the reference's token at every one of {len(self.tokens_reference)} steps")
         else:
-            tie = " (a near-tie: the reference's top two logits are within %g)" % NEAR_TIE if self.near_tie else ""
+            tie = f" (a near-tie: the reference's top two logits are within {NEAR_TIE:g})" if self.near_tie else ""
             out.append(f"greedy tokens: ours first chooses another token at step {self.first_divergent_step}, where the "
                        f"reference's margin between its top two logits is {self.margin:.3g}{tie}")
         return out

@@ -38,7 +38,7 @@ def _available(device: torch.device) -> str | None:
 class Placement:
     """One device, or a device map (``"auto"``) computed for the reference when the pair is built."""
 
-    device: torch.device = torch.device("cpu")
+    device: torch.device = torch.device("cpu")  # noqa: RUF009 (a torch.device is immutable)
     device_map: str | None = None
 
     @classmethod

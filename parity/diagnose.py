@@ -615,7 +615,7 @@ def choice(e: Evidence, spec: NodeSpec | None) -> Hint:
     rows = found["rows"]
     where = f"rows {_fmt_list(rows, 8)}"
     if e.positions is not None and e.positions.numel() == found["total"]:
-        batch, seq = e.positions.shape
+        seq = e.positions.shape[1]
         where = "tokens " + _fmt_list([f"(row {r // seq}, position {r % seq})" for r in rows], 6)
     evidence: dict = {"rows": rows[:64], "same_set": found["same_set"][:64]}
     if found["same_set"] and len(found["same_set"]) == len(rows):
@@ -824,7 +824,7 @@ def position_table_offset(e: Evidence) -> Hint | None:
     reference at ``p + k`` for every ``p`` both have (``k`` != 0): a learned position table indexed with
     ``position + k``. Other nodes shifted along the sequence are :func:`sequence_shift`'s."""
     axis = _seq_axis(e.kind)
-    if "pos" not in e.kind and e.kind != "wpe" or e.ours.dim() <= axis or e.ours.shape[axis] < 4:
+    if ("pos" not in e.kind and e.kind != "wpe") or e.ours.dim() <= axis or e.ours.shape[axis] < 4:
         return None
     n = e.ours.shape[axis]
     for k in (1, -1, 2, -2):
@@ -1127,7 +1127,7 @@ def window_pattern(e: Evidence) -> Hint | None:
     if e.kind == "probs" and e.ours.dim() == 4 and e.ours.shape[-1] == e.ours.shape[-2]:
         ours_w, ref_w = _window_of(e.ours, e.attention_mask), _window_of(e.ref, e.attention_mask)
         if ours_w != ref_w:
-            show = lambda w: "full causal attention" if w is None else f"a window of {w}"  # noqa: E731
+            show = lambda w: "full causal attention" if w is None else f"a window of {w}"
             return Hint(
                 "sliding_window",
                 f"likely the sliding window size or mask: ours attends with {show(ours_w)}, the reference with "

@@ -46,13 +46,13 @@ KINDS: dict[str, str] = {
     "rope_scaling": "ours rotates with the unscaled frequencies where the reference scales them (llama3, YaRN, linear)",
     "position_offset": "positions shifted: each padded row rotated by its pad count (positions not from the mask), or "
                        "ours at position p equals the reference at p + k (a learned position table read off by k)",
-    "activation": "ours equals the reference's pre-activation through another activation (exact vs tanh GELU, SiLU)",
     "cache_length": "a cache holds another number of tokens than the reference's (a sliding layer keeps window - 1, a "
                     "linear-attention layer's conv state the kernel's width)",
     "causal_mask": "ours gives weight to keys the reference masks, later than the query (a query sees the future)",
     "rounding_order": "every difference is within one or two units in the last place of the dtype (cast order)",
     "row_scale": "ours / ref is one factor per row (token, head), another for each row: a per-vector norm on one side only",
-    "activation": "ours is a monotone function of the reference value by value: another element-wise activation",
+    "activation": "another element-wise activation: ours equals the reference's pre-activation through another "
+                  "function (exact vs tanh GELU, SiLU), or is a monotone function of the reference value by value",
     "sequence_shift": "ours at position t equals the reference at t + d (a conv padded on the wrong side, a token shift)",
     "chunk_boundary": "positions before the first chunk boundary agree, later ones differ: the state carried between chunks",
     "padding": "only padding positions differ: padding treated otherwise than the reference treats it (a recurrent "

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .check import check
-from .faults import Fault, in_scope
 from .family import Family
+from .faults import Fault, in_scope
 
 
 @dataclass

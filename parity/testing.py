@@ -31,7 +31,7 @@ def mismatch_table(result: CheckResult, context: int = 3) -> str:
     table = Table(box=None, pad_edge=False)
     for col in ("#", "node", "status", "max_abs", "mean_abs", "cosine", "atol", "rtol"):
         table.add_column(col)
-    fmt = lambda v, spec=".3g": "" if v is None else format(v, spec)  # noqa: E731
+    fmt = lambda v, spec=".3g": "" if v is None else format(v, spec)
     for r in rows:
         marker = ">" if bad is not None and r.index == bad.index else " "
         table.add_row(f"{marker}{r.index}", r.name, r.status, fmt(r.max_abs), fmt(r.mean_abs), fmt(r.cosine, ".6f"),

@@ -355,7 +355,7 @@ class OnCpu(dict):
         return super().__getitem__(key).to("cpu")
 
     def get(self, key, default=None):
-        return self[key] if key in self else default
+        return self[key] if key in self else default  # noqa: SIM401 (dict.get would skip the CPU copy)
 
 
 @dataclass

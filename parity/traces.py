@@ -66,7 +66,7 @@ from pathlib import Path
 import torch
 
 from .compare import MISSING, NodeResult, Tolerances, compare_node, default_tolerance
-from .dumps import map_dump, read_dump, read_name_map
+from .dumps import NameRule, map_dump, read_dump, read_name_map
 from .errors import ParityError
 from .hints import Hint
 from .pair import NodeSpec, Pair

@@ -21,8 +21,16 @@ from torch import nn
 
 from .align import Aligned, align
 from .build import (
-    Reference, build_reference, default_seq_len, make_reference, model_naming, one_line, outside_text_model, random_weights,
-    read_weights, text_config_of,
+    Reference,
+    build_reference,
+    default_seq_len,
+    make_reference,
+    model_naming,
+    one_line,
+    outside_text_model,
+    random_weights,
+    read_weights,
+    text_config_of,
 )
 from .check import check
 from .coverage import loader_coverage

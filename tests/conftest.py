@@ -9,7 +9,7 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from hypothesis import settings  # noqa: E402
+from hypothesis import settings
 
 # Property tests (tests/test_properties.py): examples per family and test. `default` keeps every
 # test run within its budget; `.ci/run` uses `ci`. Both draw the same examples on every run

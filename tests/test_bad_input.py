@@ -192,7 +192,7 @@ def test_a_symlink_loop_is_named_as_one(tmp_path, capsys):
     assert "does not exist" not in one_line_error(capsys)
     dangling = tmp_path / "dangling"
     os.symlink(tmp_path / "nowhere", dangling)
-    with pytest.raises(CheckpointError, match="is a symbolic link to .*nowhere, which does not exist"):
+    with pytest.raises(CheckpointError, match=r"is a symbolic link to .*nowhere, which does not exist"):
         build_pair(checkpoint=dangling)
 
 

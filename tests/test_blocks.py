@@ -30,7 +30,7 @@ def randomize(module: nn.Module, seed: int = 0) -> nn.Module:
     with torch.no_grad():
         for name, p in module.named_parameters():
             noise = torch.randn(p.shape, generator=gen)
-            if p.dim() == 1 and "norm" in name or "ln_" in name:
+            if (p.dim() == 1 and "norm" in name) or "ln_" in name:
                 p.copy_(p + 0.1 * noise)  # ones stay near one, zeros near zero
             elif p.dim() == 1:
                 p.copy_(0.02 * noise)
@@ -402,7 +402,7 @@ def test_pre_norm_layernorm_gelu_block_matches_gpt2_block(dtype):
     block = PreNormBlock(att, MLP(32, 128, activation="gelu_new"), partial(LayerNorm, 32, bias=True, fused=True))
     state = {}
     for key, value in theirs.state_dict().items():
-        if "attn.bias" in key and value.dim() > 1 or "masked_bias" in key:
+        if ("attn.bias" in key and value.dim() > 1) or "masked_bias" in key:
             continue
         if key.startswith("attn.c_attn."):  # fused q, k, v (Conv1D: (in, out))
             for name, part in zip(("W_query", "W_key", "W_value"), value.split(32, dim=-1)):

@@ -190,7 +190,7 @@ def test_build_that_raises_is_bad_input():
 
 
 def test_build_returning_something_else_is_bad_input():
-    with pytest.raises(parity.ParityError, match="returned dict, not a torch.nn.Module"):
+    with pytest.raises(parity.ParityError, match=r"returned dict, not a torch\.nn\.Module"):
         parity.check_model(lambda sd, cfg: {}, "llama3")
 
 

@@ -103,7 +103,7 @@ def test_tiny_exercises_what_the_released_models_use():
     assert cfg["layer_types"] == [SLIDING] * 5 + [FULL]
     assert cfg["query_pre_attn_scalar"] ** -0.5 != cfg["head_dim"] ** -0.5  # a wrong scale cannot hide
     assert cfg["rope_local_base"] != cfg["rope_base"]
-    assert 1 < cfg["n_heads"] // cfg["n_kv_heads"] and cfg["emb_dim"] != cfg["n_heads"] * cfg["head_dim"]
+    assert cfg["n_heads"] // cfg["n_kv_heads"] > 1 and cfg["emb_dim"] != cfg["n_heads"] * cfg["head_dim"]
     assert CONFIGS["linear"]()["rope_scaling_factor"] == 8.0 and CONFIGS["linear"]()["final_logit_softcap"] == 30.0
 
 

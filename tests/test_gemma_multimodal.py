@@ -304,7 +304,7 @@ def test_multimodal_config_whose_two_ties_disagree_is_refused_naming_both(checkp
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_untied_multimodal_checkpoint(family, tmp_path):
-    model, text_pair = multimodal_model(family, tie_word_embeddings=False)
+    model, _ = multimodal_model(family, tie_word_embeddings=False)
     pair = FAMILIES[family].build_pair(checkpoint=save(model, tmp_path / family))
     assert "lm_head.weight" in pair.state_dict and pair.ours.out_head.weight is not pair.ours.tok_emb.weight
     res = parity.assert_bit_exact(pair)

@@ -5,9 +5,9 @@ conv's cached inputs, the recurrent state not carried, padding in a continued ch
 
 from __future__ import annotations
 
-import torch
 from dataclasses import replace
 
+import torch
 from torch.nn import functional as F
 
 from parity.compare import Tolerances, compare_traces, first_mismatch

@@ -250,7 +250,7 @@ def test_real_loader_keeps_the_head_tied_with_or_without_lm_head_key():
 
 def test_a_copying_loader_fails_the_identity_check_and_loader_coverage():
     pair = dataclasses.replace(FAMILY, load=copying_loader).build_pair("tiny")
-    with pytest.raises(AssertionError, match="out_head.weight is not tok_emb.weight"):
+    with pytest.raises(AssertionError, match=r"out_head\.weight is not tok_emb\.weight"):
         assert_head_tied(pair.ours)
     res = parity.check(pair)
     assert res.first_mismatch is None  # equal values: a single forward cannot tell a copy from a tie...

@@ -78,7 +78,6 @@ def test_calibrated_tolerances_still_catch_a_small_fault():
 )
 def test_cfg_round_trips_through_the_reference_config(family, config):
     """from_hf(to_hf(cfg)) == cfg for every built-in config: a clean pair has no config diff."""
-    import importlib
 
     spec = families()[family]
     cfg = spec.configs[config](1 if "shape" in config else None)

@@ -112,5 +112,5 @@ def test_config_json_path_with_fewer_layers(tmp_path):
     pair = build_pair(str(tmp_path / "config.json"), n_layers=2)
     assert pair.cfg["n_layers"] == 2 and pair.cfg["layer_types"] == [SLIDING, SLIDING]
     assert_holds(pair)
-    with pytest.raises(parity.ConfigError, match="9 layers asked for, but the config.s layer_types lists 4"):
+    with pytest.raises(parity.ConfigError, match=r"9 layers asked for, but the config.s layer_types lists 4"):
         build_pair(str(tmp_path / "config.json"), n_layers=9)

@@ -7,7 +7,6 @@ import json
 import pytest
 
 import parity
-
 from parity import assert_parity
 
 

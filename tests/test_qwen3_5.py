@@ -232,7 +232,7 @@ def test_a_conv_state_of_another_length_is_named_as_such(monkeypatch):
     forward = CausalConv1d.forward
 
     def keeps_one_more(self, x, state=None):
-        y, kept = forward(self, x, state if state is None else state[..., 1:])
+        y, _ = forward(self, x, state if state is None else state[..., 1:])
         window = x if state is None else torch.cat([state.to(x.dtype), x], dim=-1)
         return y, torch.nn.functional.pad(window, (max(self.kernel_size + 1 - window.shape[-1], 0), 0))[..., -self.kernel_size - 1:]
 

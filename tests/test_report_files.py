@@ -11,13 +11,12 @@ import xml.etree.ElementTree as ET
 import jsonschema
 import pandas as pd
 import pytest
-
-from parity.hints import Hint
 import torch
 
 import parity
 from parity.check import CheckResult
 from parity.cli import main
+from parity.hints import Hint
 from parity.report import tables
 from parity.report.junit import write_junit
 from parity.report.tables import COLUMNS, RESULT_VERSION, result_dict, result_schema

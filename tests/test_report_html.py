@@ -22,10 +22,10 @@ import pytest
 
 from parity.check import CheckResult
 from parity.compare import NodeResult
-from parity.report import plots
-from parity.report.html import render_html
 from parity.facts import derive_facts
 from parity.pair import annotate
+from parity.report import plots
+from parity.report.html import render_html
 from reference_pairs.olmo3 import CONFIGS, FAMILY
 
 BAD_NODE = "model.layers.0.self_attn.probs"
@@ -186,7 +186,7 @@ def test_exact_tolerance_plots_and_colours_the_error_itself(fault):
     assert plots._pow10(10.0**high) in ticks and plots._pow10(10.0**low) in ticks
     fills = _cell_fills(heatmap)
     fail_fills = {fills[n.index] for n in failing if n.index in fills}
-    saturated = "#%02x%02x%02x" % tuple(round(255 * c) for c in plots.ERROR_CMAP(1.0)[:3])
+    saturated = "#" + "".join(f"{round(255 * c):02x}" for c in plots.ERROR_CMAP(1.0)[:3])
     assert len(fail_fills) >= 5 and fail_fills != {saturated}  # graded by the size of the error
     largest = max(failing, key=lambda n: n.max_abs)
     darkness = {f: -sum(int(f[i:i + 2], 16) for i in (1, 3, 5)) for f in fail_fills}
@@ -335,7 +335,7 @@ def browser():
     with sync_api.sync_playwright() as pw:
         try:  # playwright gives every launch a fresh temporary profile (--user-data-dir)
             b = pw.chromium.launch(executable_path=path, args=CHROMIUM_ARGS, timeout=60_000)
-        except Exception as e:  # noqa: BLE001 - the reason is the message
+        except Exception as e:
             pytest.skip(f"chromium at {path} does not start: {str(e).splitlines()[0]}")
         yield b
         b.close()

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from reference_pairs.common.rope import (
     apply_rope,
     default_inv_freq,
-    rope_cos_sin,
     pair_layout,
+    rope_cos_sin,
     rope_init,
     yarn_correction_range,
     yarn_inv_freq,

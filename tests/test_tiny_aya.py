@@ -11,10 +11,10 @@ import torch
 import parity
 from parity.cli import main
 from parity.errors import ConfigError, LoaderError
+from reference_pairs.common.blocks import ParallelBlock
 from reference_pairs.common.norms import LayerNorm, RMSNorm
 from reference_pairs.tiny_aya import CONFIGS, FAMILY, TinyAyaModel, build_pair, load_weights_into_tiny_aya
 from reference_pairs.tiny_aya.configs import FULL, SLIDING
-from reference_pairs.common.blocks import ParallelBlock
 from reference_pairs.tiny_aya.pair import to_hf
 
 NODES_PER_LAYER = len(FAMILY.nodes.per_layer)

@@ -154,7 +154,7 @@ def test_numpy_runtime_fault_is_located_with_a_hint(golden, tmp_path, capsys, fa
     dump = dump_of(golden, tmp_path / "dump", "--fault", fault)
     assert compare(tmp_path, str(golden), "--dump", str(dump), "--format", "json") == 1
     out = capsys.readouterr().out
-    assert f"first mismatch at node" in out and f"{node}: mismatch" in out and f"hint ({hint})" in out
+    assert "first mismatch at node" in out and f"{node}: mismatch" in out and f"hint ({hint})" in out
     result = json.loads((only_report(tmp_path) / "result.json").read_text())
     assert result["first_mismatch"]["name"] == node and result["first_mismatch"]["hint_kind"] == hint
     assert result["profile"]["node"] == node and result["logits"]["node"] == "lm_head"
@@ -270,7 +270,7 @@ def test_summaries_stay_small_and_the_schema_accepts_them(summaries, tmp_path):
     assert main(["record", "llama3:tiny", "--out", str(whole), "--seq-len", "48", "--layers", "4"]) == 0
     manifest = json.loads((summaries / "manifest.json").read_text())
     jsonschema.validate(manifest, traces.trace_schema())
-    size = lambda folder: sum(p.stat().st_size for p in folder.glob("nodes-*.safetensors"))  # noqa: E731
+    size = lambda folder: sum(p.stat().st_size for p in folder.glob("nodes-*.safetensors"))
     assert size(summaries) * 5 < size(whole)
     probs = next(n for n in manifest["nodes"] if n["name"] == "model.layers.0.self_attn.probs")
     assert probs["stats"]["numel"] == 4 * 48 * 48 and probs["stats"]["max"] <= 1.0

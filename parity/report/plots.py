@@ -255,7 +255,7 @@ def cell_title(node) -> str:
     """The hover text of a node's cell: name, status and the size of its error."""
     ratio = tolerance_ratio(node)
     numbers = "" if node.max_abs is None else f", max_abs {node.max_abs:.3g}"
-    if ratio is not None and (math.isinf(ratio) or node.atol == 0 and node.rtol == 0):
+    if ratio is not None and (math.isinf(ratio) or (node.atol == 0 and node.rtol == 0)):
         numbers += ", tolerance 0 (atol 0, rtol 0)"
     elif ratio is not None:
         numbers += f", {ratio:.3g} x tolerance"

@@ -69,7 +69,7 @@ class Experts(nn.ModuleList):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
         for e, expert in enumerate(self):  # ascending expert index: the reference's summation order
-            slot, tokens = torch.where(chosen.T == e)  # first-choice tokens first, as the reference gathers
+            slot, tokens = torch.where(e == chosen.T)  # first-choice tokens first, as the reference gathers
             y = expert(x, tokens)[tokens]
             out.index_add_(0, tokens, y * weights[tokens, slot, None])
         return out

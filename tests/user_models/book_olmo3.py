@@ -4,10 +4,10 @@
 
 import math
 
-import parity
 import torch
 import torch.nn as nn
 
+import parity
 
 # A tiny example config (same keys that `build()` fills in from a real checkpoint).
 OLMO3_CONFIG_TINY = {

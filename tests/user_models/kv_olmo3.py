@@ -58,7 +58,7 @@ class Olmo3Args:
     max_seq_len: int
 
     @classmethod
-    def from_hf(cls, cfg) -> "Olmo3Args":
+    def from_hf(cls, cfg) -> Olmo3Args:
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise NotImplementedError(f"only SiLU MLPs are implemented, got {cfg.hidden_act!r}")
         n_heads = cfg.num_attention_heads

@@ -13,12 +13,12 @@ The fused `attn.qkv` weight stacks rows as [all q heads; all k groups; all v gro
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
 
-import parity
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+import parity
 
 
 @dataclass
@@ -33,7 +33,7 @@ class Config:
     norm_eps: float = 1e-5
     rope_base: float = 500000.0
     # llama3 frequency scaling: factor, low_freq_factor, high_freq_factor, original_max_seq_len
-    rope_adjustments: Optional[dict] = field(default=None)
+    rope_adjustments: dict | None = field(default=None)
     tie_embeddings: bool = True
 
 
@@ -63,8 +63,8 @@ def build_rope_cache(
     seq_len: int,
     n_elem: int,
     base: float = 10000.0,
-    adjustments: Optional[dict] = None,
-    device: Optional[torch.device] = None,
+    adjustments: dict | None = None,
+    device: torch.device | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return (cos, sin), each (seq_len, n_elem), in float32, half-split layout."""
     exponent = torch.arange(0, n_elem, 2, device=device).float() / n_elem
@@ -184,7 +184,7 @@ class GPT(nn.Module):
         blocked = torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=device)
         return torch.where(allowed, zero, blocked)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None):
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
         c = self.config
         T = input_ids.size(1)
         x = self.transformer.wte(input_ids)

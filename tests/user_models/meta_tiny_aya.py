@@ -8,12 +8,12 @@
 
 import math
 from dataclasses import dataclass, field
-from typing import List, Optional
 
-import parity
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+import parity
 
 
 @dataclass
@@ -28,7 +28,7 @@ class ModelArgs:
     norm_eps: float = 1e-5
     rope_theta: float = 50000.0
     sliding_window: int = 4096
-    layer_types: List[str] = field(default_factory=list)
+    layer_types: list[str] = field(default_factory=list)
     logit_scale: float = 1.0
     tie_embeddings: bool = True
 
@@ -159,7 +159,7 @@ class Transformer(nn.Module):
             "sliding_attention": to_add(sliding & keys),
         }
 
-    def forward(self, tokens: torch.Tensor, attention_mask: Optional[torch.Tensor] = None):
+    def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None):
         bsz, seqlen = tokens.shape
         h = self.tok_embeddings(tokens)
         freqs_cis = precompute_freqs_cis(
@@ -190,7 +190,7 @@ RENAMES = {
 }
 
 
-def _rename(key: str) -> Optional[str]:
+def _rename(key: str) -> str | None:
     parts = key.split(".")
     if key.startswith("model.layers.") and len(parts) > 3:
         idx = parts[2]
