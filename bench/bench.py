@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import parity.build
+
 ROOT = Path(__file__).resolve().parent.parent
 GIB = 1024**3
 
@@ -58,15 +60,15 @@ def child(spec: dict) -> dict:
     import torch
 
     import parity
-    from parity import hf_capture
-    from parity.registry import get_family
+    from parity.model.registry import get_family
+    from parity.record import hf_capture
 
     family = get_family(spec["family"])
     start = time.perf_counter()
     if spec.get("checkpoint"):
-        pair = family.build_pair(checkpoint=spec["checkpoint"])
+        pair = parity.build.build_pair(family, checkpoint=spec["checkpoint"])
     else:
-        pair = family.build_pair(config=spec["config"], **({"n_layers": spec["layers"]} if spec.get("layers") else {}))
+        pair = parity.build.build_pair(family, config=spec["config"], **({"n_layers": spec["layers"]} if spec.get("layers") else {}))
     build = time.perf_counter() - start
     hf_capture.install(pair.reference)  # the bare reference runs the same eager attention as the check
     ids = pair.make_inputs(spec["seq"])
@@ -92,7 +94,7 @@ def child(spec: dict) -> dict:
         "check_s": checks,
         "ratio": statistics.median(checks) / statistics.median(bare),
         "ratio_best": min(checks) / min(bare),
-        "weights": _weight_bytes(pair.state_dict),
+        "weights": _weight_bytes(pair.loading.state_dict),
         "peak_rss": _peak_rss(),
         "spilled": result.meta.get("trace_spilled_bytes", 0),
         "verdict": result.verdict().splitlines()[0],
@@ -102,9 +104,9 @@ def child(spec: dict) -> dict:
 
 def write_checkpoint(spec: dict) -> dict:
     """Write ``spec``'s random weights as a sharded checkpoint folder (``save_pretrained``)."""
-    from parity.registry import get_family
+    from parity.model.registry import get_family
 
-    pair = get_family(spec["family"]).build_pair(config=spec["config"], n_layers=spec["layers"])
+    pair = parity.build.build_pair(get_family(spec["family"]), config=spec["config"], n_layers=spec["layers"])
     pair.reference.save_pretrained(spec["checkpoint"], max_shard_size="2GB")
     return {"shards": len(list(Path(spec["checkpoint"]).glob("*.safetensors")))}
 
@@ -144,7 +146,7 @@ def run_child(spec: dict, timeout: float, lock: str | None = None, mode: str = "
 
 
 def shape_cases(seq_lens: list[int], repeats: dict[int, int]) -> list[dict]:
-    from parity.registry import family_names, get_family
+    from parity.model.registry import family_names, get_family
 
     cases = []
     for name in family_names():

@@ -19,6 +19,8 @@ import math
 import sys
 import warnings
 
+import parity.build
+
 FIELDS = ("name", "status", "max_abs", "mean_abs", "max_rel", "cosine", "rel_l2", "atol_needed", "rtol_needed",
           "hint", "detail")
 
@@ -34,8 +36,8 @@ def _rows(result) -> dict:
 
 
 def dump(path: str, only: str | None = None) -> None:
-    from parity.check import check
-    from parity.registry import family_names, get_family
+    from parity.model.registry import family_names, get_family
+    from parity.run.check import check
 
     warnings.filterwarnings("ignore")
     out = {}
@@ -44,12 +46,12 @@ def dump(path: str, only: str | None = None) -> None:
         for config in family.configs:
             if not config.endswith("-shape"):
                 try:
-                    out[f"{name}:{config}"] = _rows(check(family.build_pair(config=config), mode="both"))
+                    out[f"{name}:{config}"] = _rows(check(parity.build.build_pair(family, config=config), mode="both"))
                 except Exception as e:  # a refusal is a result too
                     out[f"{name}:{config}"] = f"error {type(e).__name__}: {e}"
         for fault in family.faults:
             try:
-                pair = family.build_pair(config=fault.config, **dict(fault.overrides))
+                pair = parity.build.build_pair(family, config=fault.config, **dict(fault.overrides))
                 kwargs = dict(fault.check_kwargs)
                 fault.inject(pair)
                 out[f"{name}:fault:{fault.id}"] = _rows(check(pair, mode="chained" if "decode" in kwargs else "both", **kwargs))

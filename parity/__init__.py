@@ -6,31 +6,33 @@
     res.first_mismatch   # NodeResult | None
 """
 
-from importlib import metadata as _metadata
+from parity import report  # noqa: F401  (registers the report writers)
+from parity.compare.results import NodeResult, first_divergence, first_mismatch
+from parity.compare.tolerances import DEFAULT_TOLERANCES
+from parity.diagnose.hints import Hint
+from parity.model.derive import derive_facts
+from parity.model.facts import ArchFacts
+from parity.model.family import Family, Node, NodeMap
+from parity.model.pair import NodeSpec, Pair
+from parity.record.hooks import tap
+from parity.report.result import CheckResult
+from parity.run.check import check
+from parity.run.decode import CacheProtocol
+from parity.run.options import CheckOptions, DecodePlan
+from parity.testing import assert_bit_exact, assert_parity
+from parity.user.check_model import check_model
+from parity.util.errors import CheckpointError, ConfigError, LoaderError, ParityError
+from parity.util.version import VERSION as __version__
 
-from . import report  # noqa: F401  (registers the report writers)
-from .check import check
-from .compare import DEFAULT_TOLERANCES, NodeResult, first_divergence, first_mismatch
-from .errors import CheckpointError, ConfigError, LoaderError, ParityError
-from .facts import ArchFacts, derive_facts
-from .family import Family, Node, NodeMap
-from .hints import Hint
-from .pair import NodeSpec, Pair
-from .result import CheckResult
-from .testing import assert_bit_exact, assert_parity
-from .trace import tap
-from .user_model import check_model
-
-try:  # one version number: the installed distribution's (pyproject.toml)
-    __version__ = _metadata.version("parity")
-except _metadata.PackageNotFoundError:  # a source tree on sys.path, never installed
-    __version__ = "0+unknown"
 __all__ = [
     "DEFAULT_TOLERANCES",
     "ArchFacts",
+    "CacheProtocol",
+    "CheckOptions",
     "CheckResult",
     "CheckpointError",
     "ConfigError",
+    "DecodePlan",
     "Family",
     "Hint",
     "LoaderError",
@@ -40,6 +42,7 @@ __all__ = [
     "NodeSpec",
     "Pair",
     "ParityError",
+    "__version__",
     "assert_bit_exact",
     "assert_parity",
     "check",

@@ -7,6 +7,6 @@ being committed), not a copy installed elsewhere.
 
 import sys
 
-from .cli import main
+from parity.cli import main
 
 sys.exit(main())

@@ -15,12 +15,16 @@ import shutil
 import sys
 import traceback
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
 
-from .errors import ParityError
-from .report.atomic import RESERVED
+from parity.util.errors import ParityError
+from parity.util.files import RESERVED
+
+if TYPE_CHECKING:
+    from parity.run.options import CheckOptions
 
 DTYPES = ("float32", "bfloat16")
 FORMATS = ("html", "csv", "json", "junit")
@@ -66,7 +70,7 @@ def _nonnegative_float(text: str) -> float:
 def _path(reserve: int):
     """argparse type: a path with ``~`` expanded, refused (exit 2, one line) when it or what is written
     below it (``reserve`` bytes: a report folder and its files) would pass the system's path limits."""
-    from .report.atomic import path_problem
+    from parity.util.files import path_problem
 
     def parse(text: str) -> str:
         path = os.path.expanduser(text)
@@ -95,7 +99,7 @@ def _report_parent(path: str) -> Path:
     if parent.exists() and not parent.is_dir():
         raise ParityError(f"--report-dir {parent} is a file, not a folder")
     if os.path.islink(parent) and not parent.exists():  # a loop or a dangling link: mkdir would say "File exists"
-        from .checkpoint import unreachable
+        from parity.build.checkpoint import unreachable
 
         raise ParityError(unreachable(parent, "--report-dir") or f"--report-dir {parent} is a broken symbolic link")
     try:
@@ -164,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("list", help="registered families and their configs")
     gate = sub.add_parser(
         "gate", help="CI gate: the project's families' CI cases, as pytest tests, against the committed baseline",
-        description="Runs parity.pytest_gate under pytest: one test per family/config/source/dtype, judged by its "
+        description="Runs parity.gate.pytest_gate under pytest: one test per family/config/source/dtype, judged by its "
         "checks and against the baseline, and one config-coverage test per family. Given PATHS (what a pre-commit "
         "hook passes) or --changed-since, only the families whose files changed.",
     )
@@ -187,12 +191,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_trace_commands(sub) -> None:
-    """``parity record`` and ``parity compare`` (golden traces, :mod:`parity.traces`). Options default
+    """``parity record`` and ``parity compare`` (golden traces, :mod:`parity.golden`). Options default
     to None so that the commands can tell which were given."""
     record = sub.add_parser(
         "record", help="run the reference once and write a golden trace (node tensors, inputs, manifest)",
         description="Writes a golden trace of the reference to --out: node tensors (or --summaries), the inputs and a "
-        "versioned manifest.json (see parity/traces.schema.json). --verify TRACE_DIR re-runs a trace's reference instead.",
+        "versioned manifest.json (see parity/golden/trace.schema.json). --verify TRACE_DIR re-runs a trace's reference instead.",
     )
     record.add_argument("target", nargs="?", metavar="FAMILY[:CONFIG]", help="a registered family and one of its configs")
     record.add_argument("--reference", metavar="DIR|config.json", help="a checkpoint folder or a config.json instead of a family")
@@ -271,7 +275,7 @@ def _user_pair(args, console: Console):
     """The Pair of --ours against --reference (or the family argument)."""
     import torch
 
-    from .user_model import build_user_pair, load_callable
+    from parity.user.check_model import build_user_pair, load_callable
 
     if args.family is not None and args.reference is not None:
         raise ParityError("give the reference once: the family argument or --reference, not both")
@@ -413,8 +417,8 @@ def _print_coverage(coverage, console: Console) -> None:
 
 
 def _write_reports(result, parent: Path, formats: list[str]) -> Path:
-    from .report.atomic import publish_folder, run_stem, staging_folder
-    from .result import WRITERS
+    from parity.report.result import WRITERS
+    from parity.util.files import publish_folder, run_stem, staging_folder
 
     staging = staging_folder(parent)
     try:
@@ -426,9 +430,10 @@ def _write_reports(result, parent: Path, formats: list[str]) -> Path:
         raise
 
 
-def check_options(args) -> None:
+def check_options(args) -> CheckOptions:
     """Everything about ``parity check``'s options that needs no model, in the options' own words,
-    before anything is built. Raises ParityError."""
+    before anything is built, and the :class:`~parity.run.options.CheckOptions` they make. Raises
+    ParityError."""
     if args.checkpoint is not None and (args.config is not None or args.layers is not None):
         raise ParityError("--checkpoint brings its own config.json; do not combine it with --config or --layers")
     if args.calibrate and (args.atol is not None or args.rtol is not None):
@@ -436,7 +441,7 @@ def check_options(args) -> None:
     if args.exact and (args.atol is not None or args.rtol is not None or args.calibrate):
         raise ParityError("--exact sets atol = rtol = 0 on every node; drop --atol/--rtol/--calibrate, or drop --exact")
     if args.decode is not None:
-        from .decode import DecodePlan
+        from parity.run.options import DecodePlan
 
         plan = DecodePlan.parse(args.decode)
         if args.mode != "chained" or args.calibrate:
@@ -452,12 +457,19 @@ def check_options(args) -> None:
         if args.seq_len is not None and args.left_pad >= args.seq_len:
             raise ParityError(f"--left-pad {args.left_pad} must be shorter than --seq-len {args.seq_len}")
     _check_placement(args)
+    from parity.run.options import CheckOptions
+
+    return CheckOptions(
+        seq_len=args.seq_len, batch_size=args.batch, left_pad=args.left_pad, mode=args.mode, atol=args.atol,
+        rtol=args.rtol, calibrate=args.calibrate, exact=True if args.exact else None, decode=args.decode,
+        **({"trace_memory": args.trace_memory} if args.trace_memory is not None else {}),
+    )
 
 
 def _check_placement(args) -> None:
     """--device / --device-map, in the options' words, before anything is built."""
-    from .devices import Placement
-    from .errors import ConfigError
+    from parity.util.devices import Placement
+    from parity.util.errors import ConfigError
 
     if args.device is not None and args.device_map is not None:
         raise ParityError("--device and --device-map both place the models; give one")
@@ -473,7 +485,7 @@ def _check_left_pad(args, default_seq_len: int) -> None:
     """--left-pad against the sequence: --seq-len, the decode plan's prefill, or the config's default."""
     seq_len = args.seq_len or default_seq_len
     if args.decode is not None:
-        from .decode import DecodePlan
+        from parity.run.options import DecodePlan
 
         seq_len = DecodePlan.parse(args.decode).prefill
     if args.left_pad and args.left_pad >= seq_len:
@@ -486,14 +498,15 @@ def _check_left_pad(args, default_seq_len: int) -> None:
 def cmd_check(args, console: Console) -> int:
     import torch
 
-    from .check import check
-    from .registry import get_family
+    from parity import build as build_stage
+    from parity.model.registry import get_family
+    from parity.run.check import check
 
     if args.ours is None and args.family is None:
         raise ParityError("name a family (see `parity list`), or check your own model with --ours module:build")
     if args.ours is None and (args.reference is not None or args.node_map is not None):
         raise ParityError("--reference and --node-map go with --ours")
-    check_options(args)
+    options = check_options(args)
     report_parent = _report_parent(args.report_dir)
     if args.ours is not None:
         pair = _user_pair(args, console)
@@ -506,7 +519,7 @@ def cmd_check(args, console: Console) -> int:
             raise ParityError(f"--config {config} is a folder: pass a checkpoint folder with --checkpoint, "
                               "or the config.json inside it with --config")
         if config is not None and args.left_pad and args.seq_len is None and args.decode is None:
-            from .build import default_seq_len, resolve_config
+            from parity.build.builder import default_seq_len, resolve_config
 
             # the default length comes from the config's facts: judge --left-pad before minutes of building
             _check_left_pad(args, default_seq_len(resolve_config(family, config, dtype, overrides)[2]))
@@ -514,14 +527,10 @@ def cmd_check(args, console: Console) -> int:
         if args.device is not None or args.device_map is not None:
             overrides.update(device=args.device, device_map=args.device_map)
         with console.status(f"building {family.name} pair ({what}, {args.dtype}): ours and {family.reference_class}"):
-            pair = family.build_pair(config=config, checkpoint=args.checkpoint, dtype=dtype, seed=args.seed, **overrides)
+            pair = build_stage.build_pair(family, config=config, checkpoint=args.checkpoint, dtype=dtype, seed=args.seed, **overrides)
     _check_left_pad(args, pair.default_seq_len)
     with console.status("tracing both models and comparing every node"):
-        result = check(
-            pair, seq_len=args.seq_len, batch_size=args.batch, mode=args.mode, atol=args.atol, rtol=args.rtol,
-            calibrate=args.calibrate, left_pad=args.left_pad, exact=True if args.exact else None, decode=args.decode,
-            **({"trace_memory": args.trace_memory} if args.trace_memory is not None else {}),
-        )
+        result = check(pair, options=options)
     console.print(_node_table(result, console))
     _print_coverage(result.coverage, console)
     for note in result.notes:
@@ -562,7 +571,9 @@ def cmd_record(args, console: Console) -> int:
     when --verify finds it no longer reproduces, 2 on bad input."""
     import torch
 
-    from .traces import DEFAULT_SAMPLE, parse_size, record
+    from parity.golden.record import record
+    from parity.golden.summaries import DEFAULT_SAMPLE
+    from parity.golden.trace_file import parse_size
 
     given = [d for d in _RECORD_OPTIONS if getattr(args, d) is not None]
     if args.verify is not None:
@@ -593,12 +604,15 @@ def cmd_record(args, console: Console) -> int:
     shard_bytes = parse_size(args.shard_size) if args.shard_size is not None else None
     source = args.target if args.target is not None else Path(args.reference).expanduser()
     dtype = args.dtype or "float32"
+    from parity.run.options import CheckOptions
+
+    options = CheckOptions(seq_len=args.seq_len, batch_size=batch, left_pad=args.left_pad or 0, atol=args.atol,
+                           rtol=args.rtol, calibrate=bool(args.calibrate))
     with console.status(f"recording the reference of {source} ({dtype})"):
         trace = record(
-            source, args.out, n_layers=args.layers, seq_len=args.seq_len, batch_size=batch, left_pad=args.left_pad or 0,
-            dtype=getattr(torch, dtype), seed=args.seed or 0, atol=args.atol, rtol=args.rtol, calibrate=bool(args.calibrate),
+            source, args.out, n_layers=args.layers, dtype=getattr(torch, dtype), seed=args.seed or 0,
             summaries=bool(args.summaries), sample=args.sample or DEFAULT_SAMPLE, save_weights=bool(args.save_weights),
-            **({"shard_bytes": shard_bytes} if shard_bytes is not None else {}),
+            options=options, **({"shard_bytes": shard_bytes} if shard_bytes is not None else {}),
         )
     m = trace.manifest
     for note in m.get("notes") or []:
@@ -634,7 +648,8 @@ def _print_compared(result, console: Console) -> None:
 
 
 def _verify(args, console: Console) -> int:
-    from .traces import read_trace, verify
+    from parity.golden.trace_file import read_trace
+    from parity.golden.verdict import verify
 
     report_parent = _report_parent(args.report_dir or "reports")
     trace = read_trace(args.verify)
@@ -661,7 +676,8 @@ def _verify(args, console: Console) -> int:
 
 def cmd_compare(args, console: Console) -> int:
     """Exit codes as parity check: 0 every node agrees with the trace, 1 a node fails, 2 bad input."""
-    from .traces import compare_dump, compare_model, read_trace
+    from parity.golden.trace_file import read_trace
+    from parity.golden.verdict import compare_dump, compare_model
 
     if (args.dump is None) == (args.ours is None):
         raise ParityError("compare what: --dump DIR (another runtime's dump) or --ours MODULE:BUILD (a PyTorch model), one of them")
@@ -676,18 +692,21 @@ def cmd_compare(args, console: Console) -> int:
         raise ParityError("--name-map goes with --dump; with --ours, --node-map overrides the alignment")
     if args.exact and (args.atol is not None or args.rtol is not None):
         raise ParityError("--exact sets atol = rtol = 0 on every node; drop --atol/--rtol, or drop --exact")
+    from parity.run.options import CheckOptions
+
+    options = CheckOptions(mode=args.mode or "chained", atol=args.atol, rtol=args.rtol, exact=bool(args.exact))
     report_parent = _report_parent(args.report_dir)
     trace = read_trace(args.trace)
     if args.dump is not None:
         with console.status(f"comparing {args.dump} with {trace.path}"):
-            result = compare_dump(trace, args.dump, args.name_map, atol=args.atol, rtol=args.rtol, exact=args.exact)
+            result = compare_dump(trace, args.dump, args.name_map, options=options)
     else:
-        from .user_model import load_callable
+        from parity.user.check_model import load_callable
 
         build = load_callable(args.ours)
         with console.status(f"tracing {args.ours} on the trace's inputs"):
-            result = compare_model(trace, build, node_map=_node_map(args.node_map), mode=args.mode or "chained",
-                                   atol=args.atol, rtol=args.rtol, exact=args.exact, checkpoint=args.checkpoint)
+            result = compare_model(trace, build, node_map=_node_map(args.node_map), checkpoint=args.checkpoint,
+                                   options=options)
     _print_compared(result, console)
     console.print(("[bold green]" if result.passed else "[bold red]") + result.verdict() + "[/]", highlight=False)
     replaced = result.coverage.replaced_note() if result.coverage is not None else None
@@ -743,8 +762,8 @@ def selftest_output(family, rows, console: Console) -> list:
 
 def cmd_selftest(args, console: Console) -> int:
     """Every fault of the family's catalogue, injected into a fresh pair: exit 1 if any is missed."""
-    from .registry import get_family
-    from .selftest import run_fault
+    from parity.model.registry import get_family
+    from parity.selftest.run import run_fault
 
     family = get_family(args.family)
     if args.fields:
@@ -768,7 +787,7 @@ def cmd_selftest(args, console: Console) -> int:
 
 def _selftest_fields(family, console: Console) -> int:
     """``parity selftest <family> --fields``: exit 1 if a field's change goes unseen or shows elsewhere."""
-    from .fields import audit_field
+    from parity.selftest.fields import audit_field
 
     fields = [f for f in family.fields if f.audited]
     if not fields:
@@ -813,11 +832,11 @@ class _GateErrors:
 
 
 def _gate_pytest(run, junit: Path | None, console: Console) -> tuple[int, _GateErrors]:
-    """Run parity.pytest_gate under pytest, in this process, on ``run``'s cases."""
+    """Run parity.gate.pytest_gate under pytest, in this process, on ``run``'s cases."""
     import pytest
 
-    from . import pytest_plugin
-    from .gate import gate_module_path
+    from parity.gate import pytest_plugin
+    from parity.gate.run import gate_module_path
 
     module = gate_module_path()
     errors = _GateErrors()
@@ -839,8 +858,9 @@ def _gate_pytest(run, junit: Path | None, console: Console) -> tuple[int, _GateE
 def cmd_gate(args, console: Console) -> int:
     """Exit 0 when every case passes and nothing grew past its budget, 1 otherwise (2: bad input,
     130: interrupted, 3: a case broke with an error that is parity's bug)."""
-    from .gate import GateRun, changed_since, write_reports
-    from .report.atomic import discard, publish_folder, run_stem, staging_folder
+    from parity.gate.project import changed_since
+    from parity.gate.run import GateRun, write_reports
+    from parity.util.files import discard, publish_folder, run_stem, staging_folder
 
     if args.paths and args.changed_since:
         raise ParityError("give changed PATHs or --changed-since, not both")
@@ -909,7 +929,7 @@ def _print_gate(run, console: Console) -> None:
 
 def cmd_list(console: Console) -> int:
     """Every registered family; one that cannot be loaded is listed with its error (exit 2)."""
-    from .registry import family_names, get_family
+    from parity.model.registry import family_names, get_family
 
     table = Table(title="registered families")
     for col in ("family", "reference", "config", "description"):

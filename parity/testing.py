@@ -14,9 +14,9 @@ import contextlib
 import contextvars
 import io
 
-from .check import check
-from .pair import Pair
-from .result import CheckResult
+from parity.model.pair import Pair
+from parity.report.result import CheckResult
+from parity.run.check import check
 
 
 def mismatch_table(result: CheckResult, context: int = 3) -> str:

@@ -15,8 +15,8 @@ from torch import nn
 
 import parity
 from parity.cli import main
-from parity.errors import CheckpointError, ConfigError, LoaderError
-from parity.pair import fingerprints
+from parity.model.pair import fingerprints
+from parity.util.errors import CheckpointError, ConfigError, LoaderError
 from reference_pairs.olmo3 import CONFIGS, build_pair
 
 
@@ -223,17 +223,17 @@ def test_a_replaced_parameter_is_said_once_below_the_verdict(tmp_path, capsys, m
     assert res.coverage.ok and not res.coverage.gaps
     assert res.coverage.replaced == ["blocks.0.ff.fc1.weight (held model.layers.0.mlp.gate_proj.weight; now a tensor of its own)"]
 
-    from parity.family import Family
+    from parity import build as build_stage
 
-    build = Family.build_pair
+    build = build_stage.build_pair
 
-    def build_and_inject(self, *args, **kwargs):
-        built = build(self, *args, **kwargs)
+    def build_and_inject(*args, **kwargs):
+        built = build(*args, **kwargs)
         w = built.ours.blocks[0].ff.fc1
         w.weight = nn.Parameter(w.weight.detach() * 2, requires_grad=False)
         return built
 
-    monkeypatch.setattr(Family, "build_pair", build_and_inject)
+    monkeypatch.setattr(build_stage, "build_pair", build_and_inject)
     assert main(["check", "olmo3", "--report-dir", str(tmp_path)]) == 1
     out = " ".join(capsys.readouterr().out.split())
     assert "gap" not in out

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 import parity
-from parity.registry import families
+import parity.build
+from parity.model.registry import families
 
 CASES = [
     (name, config, dtype)
@@ -21,7 +22,7 @@ CASES = [
     "family, config, dtype", CASES, ids=[f"{f}-{c}-{str(d).replace('torch.', '')}" for f, c, d in CASES]
 )
 def test_every_node_is_bit_identical(family, config, dtype):
-    res = parity.check(families()[family].build_pair(config, dtype=dtype), batch_size=2, atol=0, rtol=0)
+    res = parity.check(parity.build.build_pair(families()[family], config, dtype=dtype), batch_size=2, atol=0, rtol=0)
     assert res.passed, res.verdict()
     assert all(n.max_abs == 0.0 for n in res.nodes), [(n.name, n.max_abs) for n in res.nodes if n.max_abs]
 

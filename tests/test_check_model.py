@@ -14,8 +14,9 @@ import torch
 from torch import nn
 
 import parity
+import parity.build
 from parity.cli import main
-from parity.user_model import build_user_pair
+from parity.user.check_model import build_user_pair
 
 USER_MODELS = Path(__file__).parent / "user_models"
 sys.path.insert(0, str(USER_MODELS))
@@ -46,7 +47,7 @@ def test_user_model_passes_chained_and_isolated(name):
     assert res.coverage.ok, res.coverage.gaps
 
 
-def rows(res) -> dict[str, parity.user_model.Aligned]:
+def rows(res) -> dict[str, parity.user.check_model.Aligned]:
     return {r.node: r for r in res.alignment}
 
 
@@ -264,7 +265,7 @@ def test_assert_bit_exact_holds_our_pairs_to_the_last_bit_and_a_user_model_to_it
     assert any((n.max_abs or 0.0) > 0 for n in res.nodes)
     with pytest.raises(AssertionError, match="not bit-exact at"):
         parity.assert_bit_exact(res)
-    from parity.registry import get_family
+    from parity.model.registry import get_family
 
-    exact = parity.assert_bit_exact(get_family("llama3").build_pair())
+    exact = parity.assert_bit_exact(parity.build.build_pair(get_family("llama3")))
     assert all(n.max_abs == 0.0 and n.atol == 0.0 for n in exact.nodes)

@@ -63,12 +63,20 @@ def test_fault_exit_1_and_reports_name_the_node(tmp_path, monkeypatch, capsys, r
     assert 'id="first-mismatch"' in html and "model.layers.0.mlp.gate_proj" in html
 
 
-def test_reports_never_overwrite(tmp_path):
+def test_reports_never_overwrite(tmp_path, monkeypatch):
+    """Every run gets a new folder even when two runs name theirs alike (the same second, the same
+    stem): a fixed stem makes every run collide, so the path that picks the next free name runs."""
+    monkeypatch.setattr("parity.util.files.run_stem", lambda family, config: "olmo3-tiny-fixed")
+    reports = tmp_path / "reports"
+    (reports / "olmo3-tiny-fixed").mkdir(parents=True)  # an empty folder of that name: os.rename would replace it
     assert run(["--format", "json"], tmp_path) == 0
+    first = (reports / "olmo3-tiny-fixed-2" / "result.json").read_bytes()
     assert run(["--format", "json,junit"], tmp_path) == 0
-    folders = sorted(p for p in (tmp_path / "reports").iterdir())
-    assert len(folders) == 2 and all((f / "result.json").is_file() for f in folders)
-    assert not [p for p in (tmp_path / "reports").iterdir() if p.name.startswith(".staging")]
+    assert sorted(p.name for p in reports.iterdir()) == ["olmo3-tiny-fixed", "olmo3-tiny-fixed-2", "olmo3-tiny-fixed-3"]
+    assert not any((reports / "olmo3-tiny-fixed").iterdir())  # still empty: never replaced
+    assert (reports / "olmo3-tiny-fixed-2" / "result.json").read_bytes() == first  # the first report untouched
+    assert sorted(p.name for p in (reports / "olmo3-tiny-fixed-3").iterdir()) == ["junit.xml", "result.json"]
+    assert not [p for p in reports.iterdir() if p.name.startswith(".staging")]
 
 
 def test_layers_and_dtype_options(tmp_path):
@@ -150,7 +158,7 @@ def test_list_describes_every_config_in_whole_sentences(capsys):
     registered family stops mid-sentence (a docstring's first physical line often does)."""
     import inspect
 
-    from parity.registry import family_names, get_family
+    from parity.model.registry import family_names, get_family
 
     assert main(["list"]) == 0
     # the table as one line, borders dropped: a wrapped description reads as one text again
@@ -170,7 +178,7 @@ def test_list_describes_every_config_in_whole_sentences(capsys):
 
 
 def test_summary_joins_the_first_paragraph_and_drops_markup():
-    from parity.family import summary
+    from parity.model.family import summary
 
     doc = """``tiny`` with GQA (4 query / 2 KV heads) and
         :func:`linear` RoPE, as in
@@ -233,7 +241,7 @@ def test_bad_options_exit_2_in_cli_words_before_any_model_is_built(tmp_path, cap
     def no_build(*args, **kwargs):
         raise AssertionError("a model was built before the options were checked")
 
-    monkeypatch.setattr("parity.family.Family.build_pair", no_build)
+    monkeypatch.setattr("parity.build.build_pair", no_build)
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     loop = tmp_path / "loop"
@@ -269,7 +277,7 @@ def test_left_pad_past_the_default_sequence_is_an_error_in_cli_words(tmp_path, c
 
 
 def test_a_model_that_cannot_fit_is_refused_with_numbers(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("parity.resources.available_bytes", lambda: 8 * 1024**3)  # any machine: 8 GiB free
+    monkeypatch.setattr("parity.util.resources.available_bytes", lambda: 8 * 1024**3)  # any machine: 8 GiB free
     (tmp_path / "config.json").write_text('{"model_type": "olmo3"}')  # Transformers' default: 32 layers of 7B
     assert main(["check", "olmo3", "--config", str(tmp_path / "config.json"), "--report-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err

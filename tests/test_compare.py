@@ -9,16 +9,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parity.compare import (
-    DEFAULT_TOLERANCES,
-    Tolerances,
-    compare_traces,
-    first_mismatch,
-    tensor_metrics,
-    tolerance_for,
-)
-from parity.pair import NodeSpec
-from parity.trace import Trace
+from parity.compare.metrics import tensor_metrics
+from parity.compare.results import compare_traces, first_mismatch
+from parity.compare.tolerances import DEFAULT_TOLERANCES, Tolerances, tolerance_for
+from parity.model.pair import NodeSpec
+from parity.record.trace import Trace
 
 shapes = st.lists(st.integers(1, 6), min_size=1, max_size=3)
 
@@ -32,8 +27,8 @@ def rand(shape, seed):
 def test_identical_tensors_pass_exactly(shape, seed):
     t = rand(shape, seed)
     m = tensor_metrics(t, t.clone(), atol=0.0, rtol=0.0)
-    assert m["status"] == "ok" and m["max_abs"] == 0 and m["mean_abs"] == 0
-    assert m["cosine"] == pytest.approx(1.0) or float(t.norm()) == 0
+    assert m.status == "ok" and m.max_abs == 0 and m.mean_abs == 0
+    assert m.cosine == pytest.approx(1.0) or float(t.norm()) == 0
 
 
 @settings(max_examples=50, deadline=None)
@@ -43,23 +38,23 @@ def test_a_perturbation_past_atol_is_a_mismatch_and_max_abs_is_exact(shape, seed
     ours = ref.clone()
     ours.view(-1)[-1] += eps
     m = tensor_metrics(ours, ref, atol=eps / 2, rtol=0.0)
-    assert m["status"] == "mismatch"
-    assert m["max_abs"] == pytest.approx(eps, rel=1e-5)
-    assert tensor_metrics(ours, ref, atol=eps * 1.01, rtol=0.0)["status"] == "ok"
+    assert m.status == "mismatch"
+    assert m.max_abs == pytest.approx(eps, rel=1e-5)
+    assert tensor_metrics(ours, ref, atol=eps * 1.01, rtol=0.0).status == "ok"
 
 
 def test_rtol_scales_with_the_reference_magnitude():
     ref = torch.tensor([1000.0, 1.0])
     ours = torch.tensor([1000.5, 1.0])
-    assert tensor_metrics(ours, ref, atol=0.0, rtol=1e-3)["status"] == "ok"
-    assert tensor_metrics(ours, ref, atol=0.0, rtol=1e-4)["status"] == "mismatch"
+    assert tensor_metrics(ours, ref, atol=0.0, rtol=1e-3).status == "ok"
+    assert tensor_metrics(ours, ref, atol=0.0, rtol=1e-4).status == "mismatch"
 
 
 def test_cosine_is_blind_to_scale_but_max_rel_is_not():
     ref = torch.tensor([1.0, -2.0, 3.0])
     m = tensor_metrics(ref * 1.5, ref, atol=1e-6, rtol=1e-6)
-    assert m["cosine"] == pytest.approx(1.0) and m["max_rel"] == pytest.approx(0.5)
-    assert m["status"] == "mismatch"
+    assert m.cosine == pytest.approx(1.0) and m.max_rel == pytest.approx(0.5)
+    assert m.status == "mismatch"
 
 
 def test_first_nan_is_its_own_status_with_its_position():
@@ -67,8 +62,8 @@ def test_first_nan_is_its_own_status_with_its_position():
     ours = ref.clone()
     ours[1, 2] = math.nan
     m = tensor_metrics(ours, ref, 1e-4, 1e-4)
-    assert m["status"] == "nonfinite" and "(1, 2) (ours)" in m["detail"]
-    assert m["max_abs"] == math.inf and math.isnan(m["cosine"])  # never reads as a match
+    assert m.status == "nonfinite" and "(1, 2) (ours)" in m.detail
+    assert m.max_abs == math.inf and math.isnan(m.cosine)  # never reads as a match
 
 
 def test_tolerance_resolution_order():

@@ -10,7 +10,7 @@ import torch
 
 import parity
 from parity.cli import main
-from parity.decode import DecodePlan
+from parity.run.decode import DecodePlan
 from reference_pairs.common import faults as common_faults
 from reference_pairs.llama3 import build_pair as llama3_pair
 from reference_pairs.olmo3 import build_pair as olmo3_pair

@@ -9,8 +9,9 @@ import random
 import pytest
 
 from parity.cli import main
-from parity.fields import audit_field, draw_config, get_value, set_value
-from parity.registry import families
+from parity.model.fields import draw_config, get_value, set_value
+from parity.model.registry import families
+from parity.selftest.fields import audit_field
 
 AUDITED = [(name, f) for name, fam in sorted(families().items()) for f in fam.fields if f.audited]
 

@@ -23,8 +23,10 @@ import reference_pairs.llama3.loader as llama3_loader
 import reference_pairs.olmo3 as olmo3
 import reference_pairs.olmo3.loader as olmo3_loader
 from parity.cli import main
-from parity.gate import BUDGET, DTYPES, SOURCES, GateRun, Project, choose_families, read_baseline, write_baseline
-from parity.registry import families
+from parity.gate.baseline import BUDGET, read_baseline, write_baseline
+from parity.gate.project import Project, choose_families
+from parity.gate.run import DTYPES, SOURCES, GateRun
+from parity.model.registry import families
 from reference_pairs.common import norms as layers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -357,7 +359,7 @@ def test_config_coverage_hole_fails_the_gate(baseline, monkeypatch):
 def test_pytest_options_run_and_update_the_gate(tmp_path, capsys, monkeypatch):
     """`pytest --parity-gate ...` is the gate: its cases are the session's tests, and
     --parity-gate-update-baseline writes the baseline at the end of a passing session."""
-    from parity.gate import gate_module_path
+    from parity.gate.run import gate_module_path
 
     monkeypatch.setenv("PYTEST_ADDOPTS", "-x")  # a CI's own options reach a plain pytest run
     path = tmp_path / "b.json"

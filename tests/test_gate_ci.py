@@ -21,9 +21,9 @@ import pytest
 import yaml
 
 from parity.cli import build_parser, main
-from parity.gate import GateRun
-from parity.gate import plan as gate_plan
-from parity.registry import families, family_names
+from parity.gate.run import GateRun
+from parity.gate.run import plan as gate_plan
+from parity.model.registry import families, family_names
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -347,7 +347,7 @@ def test_folders_left_by_sigkill_are_swept_on_the_next_run(tmp_path):
     tmp.mkdir()
     env["TMPDIR"] = str(tmp)
     reports = tmp_path / "reports"
-    script = ("import sys, time\nfrom pathlib import Path\nfrom parity.report.atomic import staging_folder, temporary_folder\n"
+    script = ("import sys, time\nfrom pathlib import Path\nfrom parity.util.files import staging_folder, temporary_folder\n"
               "staging_folder(Path(sys.argv[1])); temporary_folder('parity-gate-')\nprint('ready', flush=True)\ntime.sleep(600)\n")
     proc = subprocess.Popen([sys.executable, "-c", script, str(reports)], env=env, stdout=subprocess.PIPE, text=True)
     try:
@@ -362,7 +362,7 @@ def test_folders_left_by_sigkill_are_swept_on_the_next_run(tmp_path):
     assert not left_staging.exists() and not any(reports.glob(".staging-*"))
     import tempfile
 
-    from parity.report.atomic import discard, temporary_folder
+    from parity.util.files import discard, temporary_folder
 
     saved, tempfile.tempdir = tempfile.tempdir, str(tmp)  # the next gate run's temporary folder
     try:

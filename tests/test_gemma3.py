@@ -12,11 +12,11 @@ import torch
 
 import parity
 from parity.cli import main
-from parity.errors import ConfigError, LoaderError
-from parity.fields import draw_config
+from parity.model.fields import draw_config
+from parity.util.errors import ConfigError, LoaderError
 from reference_pairs.gemma3 import CONFIGS, FAMILY, Gemma3Model, build_pair, load_weights_into_gemma3
 from reference_pairs.gemma3.configs import FULL, SLIDING
-from reference_pairs.gemma3.pair import from_hf, to_hf
+from reference_pairs.gemma3.family import from_hf, to_hf
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -76,7 +76,7 @@ def test_every_built_in_config_reads_back_from_its_transformers_config(name):
 
 
 def test_family_is_registered_with_its_configs():
-    from parity.registry import get_family
+    from parity.model.registry import get_family
 
     assert get_family("gemma3") is FAMILY
     assert set(FAMILY.configs) == {"tiny", "linear", "270m-shape", "1b-shape"}
@@ -95,7 +95,7 @@ def test_every_node_is_bit_identical_chained_and_isolated(config, dtype):
     res = assert_exact(pair, batch_size=2, mode="both")
     assert all(n.max_abs == 0.0 for n in res.isolated)
     assert pair.ours.out_head.weight is pair.ours.tok_emb.weight
-    assert res.meta["seq_len"] > pair.cfg["sliding_window"]
+    assert res.meta["seq_len"] > pair.source.cfg["sliding_window"]
 
 
 def test_tiny_exercises_what_the_released_models_use():
@@ -120,8 +120,8 @@ def test_parity_from_saved_checkpoint(sharded, dtype, checkpoint_of):
     directory = checkpoint_of(original, sharded=sharded)
     assert (len(list(directory.glob("*.safetensors"))) > 1) == sharded
     pair = build_pair(checkpoint=directory, dtype=dtype)
-    assert without_dtype(pair.cfg) == without_dtype(original.cfg)
-    assert "lm_head.weight" not in pair.loaded_keys  # save_pretrained drops the tied head
+    assert without_dtype(pair.source.cfg) == without_dtype(original.source.cfg)
+    assert "lm_head.weight" not in pair.loading.loaded_keys  # save_pretrained drops the tied head
     assert_exact(pair)
     ours, ref = pair.ours.blocks[5].att.q_norm.weight, pair.reference.model.layers[5].self_attn.q_norm.weight
     assert ours.data_ptr() == ref.data_ptr()
@@ -137,7 +137,7 @@ def test_legacy_rope_scaling_lands_on_full_layers_only(checkpoint_of):
                   rope_scaling={"rope_type": "linear", "factor": 8.0})
     (directory / "config.json").write_text(json.dumps(config))
     pair = build_pair(checkpoint=directory)
-    assert pair.cfg["rope_scaling_factor"] == 8.0 and pair.cfg["rope_local_base"] == 10_000.0
+    assert pair.source.cfg["rope_scaling_factor"] == 8.0 and pair.source.cfg["rope_local_base"] == 10_000.0
     assert pair.facts.rope_of_type(SLIDING).rope_type == "default"
     assert pair.facts.rope_of_type(FULL).rope_type == "linear"
     assert_exact(pair)
@@ -147,7 +147,7 @@ def test_config_json_path(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(to_hf(CONFIGS["linear"]()).to_json_string())
     pair = build_pair(str(path))
-    assert without_dtype(pair.cfg) == without_dtype(CONFIGS["linear"]())
+    assert without_dtype(pair.source.cfg) == without_dtype(CONFIGS["linear"]())
     assert_exact(pair)
 
 
@@ -169,7 +169,7 @@ def test_embedding_normaliser_is_rounded_to_bfloat16():
     """sqrt(1152) = 33.94 is 34.0 in bfloat16: Gemma multiplies by the rounded factor (its
     Gemma3TextScaledWordEmbedding), so ours must, or every bf16 embedding is off by 0.2%."""
     pair = build_pair("tiny", n_layers=1, emb_dim=1152, dtype=torch.bfloat16)  # Gemma 3 1B's width
-    ids = torch.arange(pair.cfg["vocab_size"])[None]
+    ids = torch.arange(pair.source.cfg["vocab_size"])[None]
     with torch.no_grad():
         ours, ref = pair.ours.tok_emb(ids), pair.reference.model.embed_tokens(ids)
         assert torch.equal(ours, ref)
@@ -192,8 +192,8 @@ def test_attention_logit_softcapping_is_not_applied_by_the_reference():
 def loader_case():
     pair = build_pair("tiny")
     with torch.device("meta"):
-        model = Gemma3Model(pair.cfg)
-    return model, pair.cfg, dict(pair.reference.state_dict())
+        model = Gemma3Model(pair.source.cfg)
+    return model, pair.source.cfg, dict(pair.reference.state_dict())
 
 
 def test_dropped_key_raises_naming_it(loader_case):
@@ -261,5 +261,5 @@ def test_cli_check_passes(tmp_path, capsys):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 def test_parity_at_real_widths(name, emb, dtype):
     pair = build_pair(name, dtype=dtype)
-    assert (pair.cfg["emb_dim"], pair.cfg["head_dim"], pair.cfg["vocab_size"]) == (emb, 256, 262_144)
+    assert (pair.source.cfg["emb_dim"], pair.source.cfg["head_dim"], pair.source.cfg["vocab_size"]) == (emb, 256, 262_144)
     assert_exact(pair)

@@ -13,11 +13,11 @@ import torch
 
 import parity
 from parity.cli import main
-from parity.errors import ConfigError, LoaderError
-from parity.fields import draw_config
+from parity.model.fields import draw_config
+from parity.util.errors import ConfigError, LoaderError
 from reference_pairs.gemma4 import CONFIGS, FAMILY, Gemma4Model, build_pair, load_weights_into_gemma4
 from reference_pairs.gemma4.configs import FULL, SLIDING
-from reference_pairs.gemma4.pair import from_hf, to_hf
+from reference_pairs.gemma4.family import from_hf, to_hf
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -76,7 +76,7 @@ def test_every_built_in_config_reads_back_from_its_transformers_config(name):
 
 
 def test_family_is_registered_with_its_configs():
-    from parity.registry import get_family
+    from parity.model.registry import get_family
 
     assert get_family("gemma4") is FAMILY
     assert set(FAMILY.configs) == {"tiny", "k-eq-v", "e2b-shape", "e4b-shape"}
@@ -114,7 +114,7 @@ def test_node_map_follows_kv_sharing_and_per_layer_inputs():
 
 def test_random_weights_carry_the_persistent_layer_scalar():
     pair = build_pair("tiny")
-    scalars = [pair.state_dict[f"model.layers.{i}.layer_scalar"] for i in range(6)]
+    scalars = [pair.loading.state_dict[f"model.layers.{i}.layer_scalar"] for i in range(6)]
     assert all(s.shape == (1,) and s.item() != 1.0 for s in scalars)  # drawn near 1, not 1: a dropped one shows
     assert pair.ours.blocks[0].layer_scalar.data_ptr() == pair.reference.model.layers[0].layer_scalar.data_ptr()
 
@@ -144,8 +144,8 @@ def test_parity_from_saved_checkpoint(sharded, dtype, checkpoint_of):
     directory = checkpoint_of(original, sharded=sharded)
     assert (len(list(directory.glob("*.safetensors"))) > 1) == sharded
     pair = build_pair(checkpoint=directory, dtype=dtype)
-    assert without_dtype(pair.cfg) == without_dtype(original.cfg)
-    assert "model.layers.0.layer_scalar" in pair.loaded_keys and "model.layers.3.self_attn.k_proj.weight" not in pair.state_dict
+    assert without_dtype(pair.source.cfg) == without_dtype(original.source.cfg)
+    assert "model.layers.0.layer_scalar" in pair.loading.loaded_keys and "model.layers.3.self_attn.k_proj.weight" not in pair.loading.state_dict
     assert_exact(pair)
 
 
@@ -153,7 +153,7 @@ def test_config_json_path_with_k_eq_v(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(to_hf(CONFIGS["k-eq-v"]()).to_json_string())
     pair = build_pair(str(path))
-    assert without_dtype(pair.cfg) == without_dtype(CONFIGS["k-eq-v"]())
+    assert without_dtype(pair.source.cfg) == without_dtype(CONFIGS["k-eq-v"]())
     assert_exact(pair)
 
 
@@ -183,8 +183,8 @@ def test_generated_configs_agree_or_are_refused_in_one_line():
 def loader_case():
     pair = build_pair("tiny")
     with torch.device("meta"):
-        model = Gemma4Model(pair.cfg)
-    return model, pair.cfg, dict(pair.reference.state_dict())
+        model = Gemma4Model(pair.source.cfg)
+    return model, pair.source.cfg, dict(pair.reference.state_dict())
 
 
 def test_dropped_layer_scalar_raises_naming_it(loader_case):
@@ -270,7 +270,7 @@ def test_cli_check_passes(tmp_path, capsys):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 def test_parity_at_real_widths(name, emb, n_layers, dtype):
     pair = build_pair(name, n_layers=n_layers, dtype=dtype)
-    assert (pair.cfg["emb_dim"], pair.cfg["global_head_dim"], pair.cfg["vocab_size"]) == (emb, 512, 262_144)
+    assert (pair.source.cfg["emb_dim"], pair.source.cfg["global_head_dim"], pair.source.cfg["vocab_size"]) == (emb, 512, 262_144)
     assert ("KV sharing" in pair.facts.features) == (n_layers > 15)
     assert_exact(pair)
 
@@ -295,7 +295,8 @@ class _Caller(torch.nn.Module):
 
 @pytest.mark.parametrize("positional", [True, False], ids=["positional", "keyword"])
 def test_argument_nodes_record_and_substitute_a_named_forward_argument(positional):
-    from parity.trace import Trace, recording
+    from parity.record.hooks import recording
+    from parity.record.trace import Trace
 
     x = torch.arange(6.0).reshape(1, 2, 3)
     model = _Caller(positional)

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 import parity
+import parity.build
 from parity.cli import main
-from parity.errors import CheckpointError, ConfigError, LoaderError, ParityError
-from parity.registry import family_for_model_type
+from parity.model.registry import family_for_model_type
+from parity.util.errors import CheckpointError, ConfigError, LoaderError, ParityError
 from reference_pairs import gemma3, gemma4
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -30,7 +31,7 @@ def multimodal_model(family: str, seed: int = 3, dtype=torch.float32, config: st
     import transformers
 
     text_pair = FAMILIES[family].build_pair(config, seed=seed, dtype=dtype, **overrides)
-    tie = text_pair.cfg["tie_word_embeddings"]
+    tie = text_pair.source.cfg["tie_word_embeddings"]
     image, audio, video = placeholders
     text = text_pair.reference.config
     text.pad_token_id = 0  # the released text configs' pad id (Gemma 4 embeds it in place of placeholders)
@@ -87,7 +88,7 @@ def test_multimodal_checkpoint_is_bit_exact_under_its_own_names(family, dtype, s
     assert (len(list(directory.glob("*.safetensors"))) > 1) == sharded
     pair = FAMILIES[family].build_pair(checkpoint=directory, dtype=dtype)
     assert type(pair.reference).__name__ == f"{family.capitalize()}ForConditionalGeneration"
-    assert pair.cfg == text_pair.cfg and pair.exact
+    assert pair.source.cfg == text_pair.source.cfg and pair.exact
     res = parity.assert_bit_exact(pair)
     # the text-only pair's nodes, each under the checkpoint's prefix; the head and the output as they were
     text_names = [n.name for n in text_pair.nodes]
@@ -101,11 +102,11 @@ def test_multimodal_checkpoint_is_bit_exact_under_its_own_names(family, dtype, s
     cov = res.coverage
     assert cov.ok and not cov.unused and not cov.unwritten
     assert all(k.startswith("model.language_model.") for k in cov.consumed)
-    assert len(cov.consumed) == len(text_pair.state_dict)
+    assert len(cov.consumed) == len(text_pair.loading.state_dict)
     towers = {"model.vision_tower", "model.embed_vision", "model.audio_tower", "model.embed_audio"} if family == "gemma4" else {
         "model.vision_tower", "model.multi_modal_projector"}
     assert set(cov.skipped.values()) == towers
-    assert len(cov.consumed) + len(cov.skipped) == len(pair.state_dict)
+    assert len(cov.consumed) + len(cov.skipped) == len(pair.loading.state_dict)
     note = cov.skipped_note()
     assert note.startswith(f"{len(cov.skipped)} checkpoint tensors outside the text model, not used by design (")
     assert "model.vision_tower " in note and cov.to_dict()["skipped"] == note
@@ -122,12 +123,12 @@ def test_gemma3_checkpoint_in_the_released_layout_is_read_through_transformers_c
         keys = list(f.keys())
     assert "language_model.model.layers.0.mlp.up_proj.weight" in keys
     pair = gemma3.build_pair(checkpoint=directory)
-    assert "model.language_model.layers.0.mlp.up_proj.weight" in pair.loaded_keys
-    renamed = [c for c in pair.conversions if "renamed as from_pretrained renames them" in c]
+    assert "model.language_model.layers.0.mlp.up_proj.weight" in pair.loading.loaded_keys
+    renamed = [c for c in pair.loading.conversions if "renamed as from_pretrained renames them" in c]
     assert renamed == [f"language_model.model.embed_tokens.weight -> model.language_model.embed_tokens.weight and "
                        f"{sum(k.startswith('language_model.model.') for k in keys) - 1} more keys: renamed as from_pretrained renames them (Transformers' checkpoint conversion)"]
     # a Gemma 4 file is already in the model's naming: nothing renamed
-    assert not any("renamed" in c for c in gemma4.build_pair(checkpoint=checkpoints[0]["gemma4", torch.float32, False]).conversions)
+    assert not any("renamed" in c for c in gemma4.build_pair(checkpoint=checkpoints[0]["gemma4", torch.float32, False]).loading.conversions)
 
 
 def test_isolated_mode_and_decode_on_a_multimodal_checkpoint(checkpoints):
@@ -232,8 +233,8 @@ def test_a_fault_in_ours_is_found_at_the_checkpoints_node_name(family, fault_id,
 def test_nonfinite_note_only_for_tensors_the_text_model_reads(checkpoints):
     """Gemma 4's audio clip bounds are saved as +-inf by a fresh model: not a note, since no node reads them."""
     pair = gemma4.build_pair(checkpoint=checkpoints[0]["gemma4", torch.float32, False])
-    inf = [k for k, v in pair.state_dict.items() if not bool(torch.isfinite(v).all())]
-    assert inf and all(pair.by_design.get(k) == "model.audio_tower" for k in inf)
+    inf = [k for k, v in pair.loading.state_dict.items() if not bool(torch.isfinite(v).all())]
+    assert inf and all(pair.loading.by_design.get(k) == "model.audio_tower" for k in inf)
     assert not any("non-finite" in note for note in pair.notes)
 
 
@@ -272,7 +273,7 @@ def test_e2b_shape_multimodal_checkpoint_with_the_released_placeholders(tmp_path
     directory = save(model, tmp_path / "e2b", sharded=False)
     del model
     pair = gemma4.build_pair(checkpoint=directory, dtype=torch.bfloat16)
-    assert pair.cfg == text_pair.cfg and pair.facts.placeholder_tokens == released
+    assert pair.source.cfg == text_pair.source.cfg and pair.facts.placeholder_tokens == released
     del text_pair
     res = parity.assert_bit_exact(pair)
     assert res.nodes[0].name == "model.language_model.embed_tokens" and res.coverage.ok and res.coverage.skipped
@@ -281,7 +282,7 @@ def test_e2b_shape_multimodal_checkpoint_with_the_released_placeholders(tmp_path
 def test_decode_never_feeds_a_placeholder():
     """The reference's greedy choice is fed to both models in a decode check; a placeholder never is
     (Gemma4Model would swap it for pad and ours would not), so the next best token goes in its place."""
-    from parity.decode import fed_token
+    from parity.run.decode import fed_token
 
     logits = torch.tensor([[0.0, 1.0, 5.0, 3.0], [4.0, 0.0, 0.0, 0.0]])
     assert fed_token(logits).tolist() == [2, 0]
@@ -306,7 +307,7 @@ def test_multimodal_config_whose_two_ties_disagree_is_refused_naming_both(checkp
 def test_untied_multimodal_checkpoint(family, tmp_path):
     model, _ = multimodal_model(family, tie_word_embeddings=False)
     pair = FAMILIES[family].build_pair(checkpoint=save(model, tmp_path / family))
-    assert "lm_head.weight" in pair.state_dict and pair.ours.out_head.weight is not pair.ours.tok_emb.weight
+    assert "lm_head.weight" in pair.loading.state_dict and pair.ours.out_head.weight is not pair.ours.tok_emb.weight
     res = parity.assert_bit_exact(pair)
     assert res.coverage.ok and res.coverage.consumed["lm_head.weight"] == ["out_head.weight"] and not res.coverage.tied
 

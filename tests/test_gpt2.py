@@ -12,9 +12,9 @@ from safetensors.torch import load_file, save_file
 
 import parity
 from parity.cli import main
-from parity.errors import ConfigError, LoaderError
+from parity.util.errors import ConfigError, LoaderError
 from reference_pairs.gpt2 import CONFIGS, FAMILY, GPTModel, build_pair, load_weights_into_gpt
-from reference_pairs.gpt2.pair import from_hf, to_hf
+from reference_pairs.gpt2.family import from_hf, to_hf
 
 NODES_PER_LAYER = len(FAMILY.nodes.per_layer)
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -23,7 +23,7 @@ DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=[
 def assert_exact(pair, **kw):
     """Every node bit-identical (the family claims both dtypes)."""
     res = parity.assert_bit_exact(pair, **kw)
-    n_nodes = len(FAMILY.nodes.before) + NODES_PER_LAYER * pair.cfg["n_layers"] + len(FAMILY.nodes.after)
+    n_nodes = len(FAMILY.nodes.before) + NODES_PER_LAYER * pair.source.cfg["n_layers"] + len(FAMILY.nodes.after)
     assert len(res.nodes) == len(pair.nodes) == n_nodes
     return res
 
@@ -59,7 +59,7 @@ def test_shape_configs_are_the_released_config_json(released, name, n_layers):
 
 
 def test_family_is_registered():
-    from parity.registry import get_family
+    from parity.model.registry import get_family
 
     assert get_family("gpt2") is FAMILY
     assert set(FAMILY.configs) == {"tiny", "124m-shape", "355m-shape"} and FAMILY.ci_configs == ("tiny",)
@@ -130,11 +130,11 @@ def test_parity_from_saved_checkpoint_lists_the_transposes(sharded, checkpoint_o
     directory = checkpoint_of(original, sharded=sharded)
     assert (len(list(directory.glob("*.safetensors"))) > 1) == sharded
     pair = build_pair(checkpoint=directory)
-    assert without_dtype(pair.cfg) == without_dtype(original.cfg)
-    assert "lm_head.weight" not in pair.loaded_keys  # save_pretrained drops the tied head
+    assert without_dtype(pair.source.cfg) == without_dtype(original.source.cfg)
+    assert "lm_head.weight" not in pair.loading.loaded_keys  # save_pretrained drops the tied head
     res = assert_exact(pair)
     transposed = [c for c in res.coverage.conversions if "transposed into" in c]
-    assert len(transposed) == 4 * pair.cfg["n_layers"]  # c_attn, attn.c_proj, c_fc, mlp.c_proj
+    assert len(transposed) == 4 * pair.source.cfg["n_layers"]  # c_attn, attn.c_proj, c_fc, mlp.c_proj
     assert "transformer.h.1.mlp.c_fc.weight: transposed into blocks.1.ff.fc1.weight" in transposed
     # a transposed view of the checkpoint tensor, not a copy
     assert pair.ours.blocks[0].att.W_qkv.weight.data_ptr() == pair.reference.transformer.h[0].attn.c_attn.weight.data_ptr()
@@ -143,7 +143,7 @@ def test_parity_from_saved_checkpoint_lists_the_transposes(sharded, checkpoint_o
 @DTYPES
 def test_parity_from_checkpoint_in_bfloat16(dtype, checkpoint_of):
     pair = build_pair(checkpoint=checkpoint_of(build_pair("tiny", dtype=dtype, tie_word_embeddings=False)), dtype=dtype)
-    assert pair.loaded_keys["lm_head.weight"] == "out_head.weight"
+    assert pair.loading.loaded_keys["lm_head.weight"] == "out_head.weight"
     assert_exact(pair, batch_size=2)
 
 
@@ -165,16 +165,16 @@ def test_config_json_path_round_trip(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(to_hf(CONFIGS["tiny"]()).to_json_string())
     pair = build_pair(config=str(path))
-    assert without_dtype(pair.cfg) == without_dtype(CONFIGS["tiny"]())
+    assert without_dtype(pair.source.cfg) == without_dtype(CONFIGS["tiny"]())
     assert_exact(pair)
 
 
 def test_probe_weights_read_gpt2_names_for_what_they_are():
     """``ln_*.weight`` near 1 and ``ln_*.bias`` small (norm weight vs shift), ``wte`` the token embedding
     with per-token scales, ``wpe`` small learned positions, so the norm eps stays observable."""
-    from parity.probes import token_scales
+    from parity.build.probes import token_scales
 
-    sd = build_pair("tiny").state_dict
+    sd = build_pair("tiny").loading.state_dict
     ln_w, ln_b = sd["transformer.h.0.ln_1.weight"], sd["transformer.h.0.ln_1.bias"]
     assert (ln_w - 1).abs().max() < 0.5 and ln_b.abs().max() < 0.1
     rms = sd["transformer.wte.weight"].pow(2).mean(-1).sqrt()
@@ -190,8 +190,8 @@ def test_probe_weights_read_gpt2_names_for_what_they_are():
 def loader_case():
     pair = build_pair("tiny")
     with torch.device("meta"):
-        model = GPTModel(pair.cfg)
-    return model, pair.cfg, dict(pair.reference.state_dict())
+        model = GPTModel(pair.source.cfg)
+    return model, pair.source.cfg, dict(pair.reference.state_dict())
 
 
 def test_a_conv1d_weight_in_linear_layout_is_a_shape_error_naming_the_key(loader_case):
@@ -262,5 +262,5 @@ def test_cli_check_passes(tmp_path, capsys):
 @DTYPES
 def test_parity_at_real_widths(name, emb, dtype):
     pair = build_pair(name, dtype=dtype)
-    assert (pair.cfg["emb_dim"], pair.cfg["n_layers"], pair.cfg["vocab_size"]) == (emb, 2, 50_257)
+    assert (pair.source.cfg["emb_dim"], pair.source.cfg["n_layers"], pair.source.cfg["vocab_size"]) == (emb, 2, 50_257)
     assert_exact(pair, batch_size=2)

@@ -12,12 +12,14 @@ import pytest
 import torch
 
 import parity
+import parity.build
 from parity.cli import main
-from parity.compare import Tolerances, compare_node
-from parity.diagnose import diagnose
-from parity.pair import NodeSpec
-from parity.registry import get_family
-from parity.trace import Trace
+from parity.compare.results import compare_node
+from parity.compare.tolerances import Tolerances
+from parity.diagnose.detectors import diagnose
+from parity.model.pair import NodeSpec
+from parity.model.registry import get_family
+from parity.record.trace import Trace
 from reference_pairs.llama3.faults import FAULTS as LLAMA3_FAULTS
 from reference_pairs.olmo3 import build_pair as olmo3_pair
 from reference_pairs.olmo3.faults import FAULTS as OLMO3_FAULTS
@@ -32,7 +34,7 @@ def test_handed_fault_is_located_by_the_default_check(case):
     """F12-F17: the node and hint kind the case names, with `parity.check(pair)` as it comes."""
     fault = HANDED[case]
     family = get_family("llama3" if fault in LLAMA3_FAULTS else "olmo3")
-    pair = family.build_pair(config=fault.config, **dict(fault.overrides))
+    pair = parity.build.build_pair(family, config=fault.config, **dict(fault.overrides))
     fault.inject(pair)
     bad = parity.check(pair, **dict(fault.check_kwargs)).first_mismatch
     assert bad is not None and bad.name == fault.expected, bad
@@ -42,7 +44,7 @@ def test_handed_fault_is_located_by_the_default_check(case):
 def test_f14_is_invisible_to_fixed_bf16_tolerances_but_not_to_the_exact_default():
     """The fault is one ulp: a 5e-2 tolerance hides it, the bit-exact pair's default does not."""
     fault = HANDED["F14"]
-    pair = get_family("llama3").build_pair(config="tiny", dtype=torch.bfloat16)
+    pair = parity.build.build_pair(get_family("llama3"), config="tiny", dtype=torch.bfloat16)
     fault.inject(pair)
     hidden = parity.check(pair, atol=5e-2, rtol=5e-2).first_mismatch
     assert hidden is None or hidden.name != "model.layers.0.input_layernorm"  # fixed tolerances hide the fault's node
@@ -55,7 +57,7 @@ def test_f14_under_a_user_tolerance_gets_no_activation_hint():
     """With atol 5e-2 the rounding fault first shows on the residual stream after attention, grown to a
     few ulps; rounding is monotone, but no activation sits there and the bend is noise (F20)."""
     fault = HANDED["F14"]
-    pair = get_family("llama3").build_pair(config="tiny", dtype=torch.bfloat16)
+    pair = parity.build.build_pair(get_family("llama3"), config="tiny", dtype=torch.bfloat16)
     fault.inject(pair)
     bad = parity.check(pair, seq_len=16, atol=5e-2, rtol=0).first_mismatch
     assert bad is not None and bad.name == "model.layers.0.post_attention_layernorm@input", bad
@@ -101,7 +103,7 @@ def test_f21_cfg_values_transformers_normalises_are_normalised_alike(override):
     """beta 0 means Transformers' default (32, 1); a missing factor is max / original positions."""
     pair = olmo3_pair(config="yarn", **override)
     key = next(iter(override))
-    assert pair.cfg[key] == {"beta_fast": 32.0, "beta_slow": 1.0, "rope_factor": 65536 / 8192}[key]
+    assert pair.source.cfg[key] == {"beta_fast": 32.0, "beta_slow": 1.0, "rope_factor": 65536 / 8192}[key]
     assert parity.check(pair).passed
 
 
@@ -111,7 +113,7 @@ def test_f21_a_zero_width_is_one_line_naming_the_field():
 
 
 def test_f21_cfg_dict_and_config_json_validate_alike(tmp_path):
-    cfg = olmo3_pair("tiny").cfg
+    cfg = olmo3_pair("tiny").source.cfg
     bad = {**cfg, "hidden_dim": 0}
     with pytest.raises(parity.ConfigError) as from_dict:
         olmo3_pair(config=bad)
@@ -146,7 +148,7 @@ ZERO_OR_BELOW_ONE = [
 @pytest.mark.parametrize("key,value,change,message", ZERO_OR_BELOW_ONE, ids=[f"{k}={v}" for k, v, _, _ in ZERO_OR_BELOW_ONE])
 def test_f21_kind_fields_that_divide_by_zero_are_refused_alike_from_cfg_and_config_json(key, value, change, message, tmp_path, capsys):
     base = olmo3_pair("yarn")
-    assert key in base.cfg
+    assert key in base.source.cfg
     with pytest.raises(parity.ConfigError, match=re.escape(message)):
         olmo3_pair(config="yarn", **{key: value})
     if change is None:

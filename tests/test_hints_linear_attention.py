@@ -10,11 +10,14 @@ from dataclasses import replace
 import torch
 from torch.nn import functional as F
 
-from parity.compare import Tolerances, compare_traces, first_mismatch
-from parity.diagnose import Evidence, activation, diagnose
-from parity.facts import FULL, LINEAR, ArchFacts, LayerFacts
-from parity.pair import NodeSpec, annotate
-from parity.trace import Trace
+from parity.compare.results import compare_traces, first_mismatch
+from parity.compare.tolerances import Tolerances
+from parity.diagnose.detectors import diagnose
+from parity.diagnose.elementwise import activation
+from parity.diagnose.evidence import Evidence
+from parity.model.facts import FULL, LINEAR, ArchFacts, LayerFacts
+from parity.model.pair import NodeSpec, annotate
+from parity.record.trace import Trace
 from reference_pairs.common.linear_attention import l2norm, recurrent_gated_delta_rule
 
 FACTS = ArchFacts(

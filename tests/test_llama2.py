@@ -10,10 +10,10 @@ import torch
 
 import parity
 from parity.cli import main
-from parity.errors import ConfigError
+from parity.util.errors import ConfigError
 from reference_pairs.llama2 import CONFIGS, FAMILY, build_pair
 from reference_pairs.llama3 import FAMILY as LLAMA3
-from reference_pairs.llama3.pair import from_hf, to_hf
+from reference_pairs.llama3.family import from_hf, to_hf
 
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 
@@ -25,7 +25,7 @@ def n_nodes(family, n_layers: int) -> int:
 
 def assert_exact(pair, **kw):
     res = parity.assert_bit_exact(pair, **kw)
-    assert len(res.nodes) == n_nodes(FAMILY, pair.cfg["n_layers"])
+    assert len(res.nodes) == n_nodes(FAMILY, pair.source.cfg["n_layers"])
     return res
 
 
@@ -44,7 +44,7 @@ RELEASED_7B = {
 
 
 def test_llama2_is_data_on_the_llama3_family():
-    from parity.registry import get_family
+    from parity.model.registry import get_family
 
     assert get_family("llama2") is FAMILY
     assert (FAMILY.model_class, FAMILY.weights, FAMILY.nodes, FAMILY.from_hf) == (
@@ -75,8 +75,8 @@ def test_parity_is_bit_exact_chained_isolated_and_left_padded(dtype):
 def test_parity_from_saved_checkpoint(sharded, checkpoint_of):
     original = build_pair("tiny", seed=5)
     pair = build_pair(checkpoint=checkpoint_of(original, sharded=sharded))
-    assert without_dtype(pair.cfg) == without_dtype(original.cfg)
-    assert pair.loaded_keys["lm_head.weight"] == "out_head.weight"
+    assert without_dtype(pair.source.cfg) == without_dtype(original.source.cfg)
+    assert pair.loading.loaded_keys["lm_head.weight"] == "out_head.weight"
     assert_exact(pair)
 
 
@@ -86,7 +86,7 @@ def test_released_config_json_with_legacy_rope_fields(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     pair = build_pair(config=str(path))
-    assert pair.cfg["head_dim"] == 12 and pair.cfg["rope_base"] == 10_000.0
+    assert pair.source.cfg["head_dim"] == 12 and pair.source.cfg["rope_base"] == 10_000.0
     assert_exact(pair)
 
 
@@ -109,5 +109,5 @@ def test_cli_check_passes(tmp_path, capsys):
 def test_parity_at_7b_widths():
     """About 2.7 GB of float32 weights for 2 layers: run under the memory lock."""
     pair = build_pair("7b-shape")
-    assert (pair.cfg["emb_dim"], pair.cfg["n_heads"], pair.cfg["n_kv_heads"], pair.cfg["hidden_dim"]) == (4096, 32, 32, 11_008)
+    assert (pair.source.cfg["emb_dim"], pair.source.cfg["n_heads"], pair.source.cfg["n_kv_heads"], pair.source.cfg["hidden_dim"]) == (4096, 32, 32, 11_008)
     assert_exact(pair)

@@ -13,13 +13,14 @@ from hypothesis import strategies as st
 from torch import nn
 
 import parity
+import parity.build
 import reference_pairs.llama3.model as llama3_model
 from parity.cli import main
-from parity.errors import ConfigError, LoaderError
+from parity.util.errors import ConfigError, LoaderError
 from reference_pairs.common.norms import RMSNorm
 from reference_pairs.common.rope import default_inv_freq, llama3_inv_freq, rope_init
 from reference_pairs.llama3 import CONFIGS, FAMILY, Llama3Model, build_pair, load_weights_into_llama3
-from reference_pairs.llama3.pair import from_hf, to_hf
+from reference_pairs.llama3.family import from_hf, to_hf
 
 NODES_PER_LAYER = len(FAMILY.nodes.per_layer)
 
@@ -27,7 +28,7 @@ NODES_PER_LAYER = len(FAMILY.nodes.per_layer)
 def assert_holds(pair, **kw):
     res = parity.check(pair, **kw)
     assert res.first_mismatch is None, res.verdict()
-    assert len(res.nodes) == len(pair.nodes) == 1 + NODES_PER_LAYER * pair.cfg["n_layers"] + 2
+    assert len(res.nodes) == len(pair.nodes) == 1 + NODES_PER_LAYER * pair.source.cfg["n_layers"] + 2
     assert all(n.status == "ok" for n in res.nodes)
     return res
 
@@ -85,7 +86,7 @@ def test_shape_configs_are_the_released_config_json(released, name, n_layers):
 
 
 def test_family_is_registered():
-    from parity.registry import get_family
+    from parity.model.registry import get_family
 
     assert get_family("llama3") is FAMILY
     assert set(FAMILY.configs) == {"tiny", "tiny-untied", "1b-shape", "3b-shape", "8b-shape"}
@@ -121,7 +122,7 @@ def test_tiny_puts_frequencies_in_the_scaled_band_within_the_default_seq_len():
     """The fault test below is only meaningful if skipping the scaling visibly moves q_rot at the
     default sequence length: some frequency must be blended or divided, and turn far enough."""
     pair = build_pair("tiny")
-    cfg, seq_len = pair.cfg, pair.default_seq_len
+    cfg, seq_len = pair.source.cfg, pair.default_seq_len
     plain = default_inv_freq(cfg["head_dim"], cfg["rope_base"])
     scaled, _ = rope_init(llama3_model.rope_parameters(cfg)["full_attention"], cfg["head_dim"])
     ratio = scaled / plain
@@ -140,8 +141,8 @@ def test_parity_from_random_config():
     res = assert_holds(pair)
     assert not res.notes
     assert_head_tied(pair.ours)
-    assert pair.cfg["n_heads"] // pair.cfg["n_kv_heads"] >= 2 and pair.cfg["n_kv_heads"] >= 2
-    assert pair.cfg["emb_dim"] != pair.cfg["n_heads"] * pair.cfg["head_dim"]
+    assert pair.source.cfg["n_heads"] // pair.source.cfg["n_kv_heads"] >= 2 and pair.source.cfg["n_kv_heads"] >= 2
+    assert pair.source.cfg["emb_dim"] != pair.source.cfg["n_heads"] * pair.source.cfg["head_dim"]
 
 
 def test_parity_with_untied_head_plain_rope_and_a_batch():
@@ -157,8 +158,8 @@ def test_parity_from_saved_checkpoint(sharded, checkpoint_of):
     directory = checkpoint_of(original, sharded=sharded)
     assert (len(list(directory.glob("*.safetensors"))) > 1) == sharded
     pair = build_pair(checkpoint=directory)
-    assert without_dtype(pair.cfg) == without_dtype(original.cfg)
-    assert "lm_head.weight" not in pair.loaded_keys  # save_pretrained drops the tied head
+    assert without_dtype(pair.source.cfg) == without_dtype(original.source.cfg)
+    assert "lm_head.weight" not in pair.loading.loaded_keys  # save_pretrained drops the tied head
     assert_head_tied(pair.ours)
     assert_holds(pair)
     ours, ref = pair.ours.blocks[1].att.W_key.weight, pair.reference.model.layers[1].self_attn.k_proj.weight
@@ -167,7 +168,7 @@ def test_parity_from_saved_checkpoint(sharded, checkpoint_of):
 
 def test_parity_from_untied_checkpoint(checkpoint_of):
     pair = build_pair(checkpoint=checkpoint_of(build_pair("tiny", tie_word_embeddings=False)))
-    assert pair.loaded_keys["lm_head.weight"] == "out_head.weight"
+    assert pair.loading.loaded_keys["lm_head.weight"] == "out_head.weight"
     assert_holds(pair)
 
 
@@ -182,7 +183,7 @@ def test_legacy_rope_scaling_config_json_as_meta_ships_it(checkpoint_of):
     config["rope_scaling"] = rope
     (directory / "config.json").write_text(json.dumps(config))
     pair = build_pair(checkpoint=directory)
-    assert pair.cfg["rope_freq"] == original.cfg["rope_freq"] and pair.cfg["rope_base"] == 500_000.0
+    assert pair.source.cfg["rope_freq"] == original.source.cfg["rope_freq"] and pair.source.cfg["rope_base"] == 500_000.0
     assert_holds(pair)
 
 
@@ -241,15 +242,15 @@ def test_real_loader_keeps_the_head_tied_with_or_without_lm_head_key():
     state_dict = pair.reference.state_dict()  # keeps lm_head.weight (the same tensor)
     assert "lm_head.weight" in state_dict
     with torch.device("meta"):
-        model = Llama3Model(pair.cfg)
-    loaded = load_weights_into_llama3(model, pair.cfg, state_dict)
+        model = Llama3Model(pair.source.cfg)
+    loaded = load_weights_into_llama3(model, pair.source.cfg, state_dict)
     assert loaded["lm_head.weight"] == "out_head.weight"
     assert_head_tied(model)
     assert model.tok_emb.weight.data_ptr() == pair.reference.model.embed_tokens.weight.data_ptr()
 
 
 def test_a_copying_loader_fails_the_identity_check_and_loader_coverage():
-    pair = dataclasses.replace(FAMILY, load=copying_loader).build_pair("tiny")
+    pair = parity.build.build_pair(dataclasses.replace(FAMILY, load=copying_loader), "tiny")
     with pytest.raises(AssertionError, match=r"out_head\.weight is not tok_emb\.weight"):
         assert_head_tied(pair.ours)
     res = parity.check(pair)
@@ -274,8 +275,8 @@ def test_in_place_edit_of_a_shared_weight_is_refused():
 def loader_case():
     pair = build_pair("tiny")
     with torch.device("meta"):
-        model = Llama3Model(pair.cfg)
-    return model, pair.cfg, dict(pair.reference.state_dict())
+        model = Llama3Model(pair.source.cfg)
+    return model, pair.source.cfg, dict(pair.reference.state_dict())
 
 
 def test_dropped_key_raises_naming_it(loader_case):
@@ -357,7 +358,7 @@ def test_config_json_path_round_trip(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(to_hf(CONFIGS["tiny"]()).to_json_string())
     pair = build_pair(config=str(path))
-    assert without_dtype(pair.cfg) == without_dtype(CONFIGS["tiny"]())
+    assert without_dtype(pair.source.cfg) == without_dtype(CONFIGS["tiny"]())
     assert_holds(pair)
 
 
@@ -399,8 +400,8 @@ def test_cli_check_passes(tmp_path, capsys):
 @pytest.mark.parametrize("name, emb, head_dim", [("1b-shape", 2048, 64), ("3b-shape", 3072, 128), ("8b-shape", 4096, 128)])
 def test_parity_at_real_widths(name, emb, head_dim):
     pair = build_pair(name)
-    assert (pair.cfg["emb_dim"], pair.cfg["head_dim"], pair.cfg["n_layers"]) == (emb, head_dim, 2)
-    assert pair.cfg["vocab_size"] == 128_256
+    assert (pair.source.cfg["emb_dim"], pair.source.cfg["head_dim"], pair.source.cfg["n_layers"]) == (emb, head_dim, 2)
+    assert pair.source.cfg["vocab_size"] == 128_256
     if name == "8b-shape":  # Llama 3.1 8B: untied, llama3 factor 8
         assert pair.ours.out_head.weight is not pair.ours.tok_emb.weight
         assert pair.reference.config.rope_parameters["factor"] == 8.0

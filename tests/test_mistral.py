@@ -11,11 +11,11 @@ import torch
 
 import parity
 from parity.cli import main
-from parity.errors import ConfigError
+from parity.util.errors import ConfigError
 from reference_pairs.common.layer_types import FULL, SLIDING
 from reference_pairs.llama3 import FAMILY as LLAMA3
 from reference_pairs.mistral import CONFIGS, FAMILY, build_pair
-from reference_pairs.mistral.pair import from_hf, to_hf
+from reference_pairs.mistral.family import from_hf, to_hf
 
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 
@@ -27,7 +27,7 @@ def n_nodes(n_layers: int) -> int:
 
 def assert_exact(pair, **kw):
     res = parity.assert_bit_exact(pair, **kw)
-    assert len(res.nodes) == n_nodes(pair.cfg["n_layers"])
+    assert len(res.nodes) == n_nodes(pair.source.cfg["n_layers"])
     return res
 
 
@@ -46,7 +46,7 @@ RELEASED_7B = {
 
 
 def test_mistral_is_data_on_the_llama3_family():
-    from parity.registry import get_family
+    from parity.model.registry import get_family
 
     assert get_family("mistral") is FAMILY
     assert (FAMILY.model_class, FAMILY.weights, FAMILY.nodes) == (LLAMA3.model_class, LLAMA3.weights, LLAMA3.nodes)
@@ -64,9 +64,9 @@ def test_7b_shape_is_the_released_config_json():
 @DTYPES
 def test_parity_is_bit_exact_past_the_window_chained_isolated_and_left_padded(dtype):
     pair = build_pair("tiny", dtype=dtype)
-    window = pair.cfg["sliding_window"]
+    window = pair.source.cfg["sliding_window"]
     assert pair.default_seq_len > window and all(layer.window == window for layer in pair.facts.layers)
-    assert [b.att.sliding_window for b in pair.ours.blocks] == [window] * pair.cfg["n_layers"]
+    assert [b.att.sliding_window for b in pair.ours.blocks] == [window] * pair.source.cfg["n_layers"]
     res = assert_exact(pair, batch_size=2, mode="both")
     assert all(n.max_abs == 0.0 for n in res.isolated)
     assert not res.notes
@@ -75,13 +75,13 @@ def test_parity_is_bit_exact_past_the_window_chained_isolated_and_left_padded(dt
 
 def test_the_reference_attends_through_the_window_on_every_layer():
     """What makes Mistral a family of its own: no query sees a key window or more positions back."""
-    from parity.check import trace_pair
+    from parity.run.stages import trace_pair
 
     pair = build_pair("tiny")
     ref, _ = trace_pair(pair, pair.make_inputs())
-    window, seq = pair.cfg["sliding_window"], pair.default_seq_len
+    window, seq = pair.source.cfg["sliding_window"], pair.default_seq_len
     back = torch.arange(seq)[:, None] - torch.arange(seq)[None, :]  # how far back each key is
-    for i in range(pair.cfg["n_layers"]):
+    for i in range(pair.source.cfg["n_layers"]):
         probs = ref.tensors[f"model.layers.{i}.self_attn.probs"]
         assert bool((probs[..., back >= window] == 0).all())
         assert bool((probs[..., (back >= 0) & (back < window)] > 0).all())
@@ -90,7 +90,7 @@ def test_the_reference_attends_through_the_window_on_every_layer():
 def test_without_a_window_every_layer_is_full_attention(checkpoint_of):
     """Mistral 7B v0.2 / v0.3: ``sliding_window`` null, theta 1e6."""
     pair = build_pair("tiny", sliding_window=None, rope_base=1_000_000.0)
-    assert pair.cfg["layer_types"] == [FULL, FULL] and all(layer.window is None for layer in pair.facts.layers)
+    assert pair.source.cfg["layer_types"] == [FULL, FULL] and all(layer.window is None for layer in pair.facts.layers)
     assert_exact(pair)
     assert_exact(build_pair(checkpoint=checkpoint_of(pair)))
 
@@ -99,7 +99,7 @@ def test_without_a_window_every_layer_is_full_attention(checkpoint_of):
 def test_parity_from_saved_checkpoint(sharded, checkpoint_of):
     original = build_pair("tiny", seed=7)
     pair = build_pair(checkpoint=checkpoint_of(original, sharded=sharded))
-    assert without_dtype(pair.cfg) == without_dtype(original.cfg)
+    assert without_dtype(pair.source.cfg) == without_dtype(original.source.cfg)
     assert_exact(pair)
 
 
@@ -133,6 +133,6 @@ def test_parity_at_7b_widths():
     """About 2.8 GB of float32 weights for 2 layers: run under the memory lock. 64 tokens do not reach
     the 4096 window (the check says so in a note); the tiny config exercises it."""
     pair = build_pair("7b-shape")
-    assert (pair.cfg["emb_dim"], pair.cfg["n_kv_heads"], pair.cfg["sliding_window"]) == (4096, 8, 4096)
+    assert (pair.source.cfg["emb_dim"], pair.source.cfg["n_kv_heads"], pair.source.cfg["sliding_window"]) == (4096, 8, 4096)
     res = assert_exact(pair)
     assert any("window" in note for note in res.notes)

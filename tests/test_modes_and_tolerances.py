@@ -9,8 +9,9 @@ import pytest
 import torch
 
 import parity
+import parity.build
 from parity.cli import main
-from parity.registry import families
+from parity.model.registry import families
 from reference_pairs.olmo3 import build_pair
 
 
@@ -148,7 +149,7 @@ QWEN3_5_ONE_HEAD = {
 def test_isolated_mode_keeps_ours_memory_layout_and_changes_values_only(dtype):
     """A reference tensor substituted into ours takes ours' strides (a strided view's gaps too), so
     isolated mode is exactly as bit-exact as chained."""
-    pair = families()["qwen3_5"].build_pair(config=QWEN3_5_ONE_HEAD, dtype=dtype)
+    pair = parity.build.build_pair(families()["qwen3_5"], config=QWEN3_5_ONE_HEAD, dtype=dtype)
     for mode in ("chained", "isolated"):
         res = parity.check(pair, seq_len=8, mode=mode)
         assert res.passed and all(n.max_abs == 0 for n in res.nodes), (mode, res.verdict())

@@ -8,16 +8,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from parity.analysis import error_profile
-from parity.compare import CHOICE, OK, Tolerances, choice_margins, compare_node
-from parity.coverage import loader_coverage, parameter_storages
-from parity.diagnose import Evidence, choice, row_normalisation
-from parity.errors import LoaderError
-from parity.facts import derive_facts
-from parity.family import Node, NodeMap
-from parity.pair import NodeSpec
-from parity.trace import Trace, recording, split_path
-from parity.weights import Split, apply_weight_table
+from parity.build.coverage import loader_coverage
+from parity.compare.metrics import CHOICE, OK, choice_margins
+from parity.compare.results import compare_node
+from parity.compare.tolerances import Tolerances
+from parity.diagnose.evidence import Evidence
+from parity.diagnose.moe import choice, row_normalisation
+from parity.diagnose.profile import error_profile
+from parity.model.derive import derive_facts
+from parity.model.family import Node, NodeMap
+from parity.model.pair import NodeSpec
+from parity.model.weights import Split, apply_weight_table, parameter_storages
+from parity.record.hooks import recording, split_path
+from parity.record.trace import Trace
+from parity.util.errors import LoaderError
 from reference_pairs.common.mlp import GatedMLP
 from reference_pairs.common.moe import SparseMoE
 
@@ -208,7 +212,8 @@ def test_each_expert_node_is_the_references_own_expert_on_its_tokens():
     pair = build_pair("tiny-moe")
     res = parity.check(pair)
     assert pair.reference.config._experts_implementation == "parity_eager"
-    from parity.check import plan, trace_reference
+    from parity.run.plan import plan
+    from parity.run.stages import trace_reference
 
     trace = trace_reference(pair, plan(pair))
     experts = pair.reference.model.layers[0].mlp.experts
@@ -231,7 +236,7 @@ def test_each_expert_node_is_the_references_own_expert_on_its_tokens():
 def test_checkpoint_conversion_merges_per_expert_tensors_into_the_models_layout():
     from transformers import Qwen3MoeForCausalLM
 
-    from parity.build import model_naming
+    from parity.build.builder import model_naming
 
     config = moe_config(num_experts=3, num_experts_per_tok=2, num_hidden_layers=1)
     gate = [torch.randn(16, 32) for _ in range(3)]

@@ -51,7 +51,7 @@ def test_dropped_yarn_attention_factor_is_found_at_first_yarn_q_rot(monkeypatch)
 
     monkeypatch.setattr(olmo3_model, "rope_parameters", factor_dropped)
     bad = first_bad(pair)
-    first_yarn = pair.cfg["layer_types"].index("full_attention")
+    first_yarn = pair.source.cfg["layer_types"].index("full_attention")
     assert bad.name == f"model.layers.{first_yarn}.self_attn.q_rot"
     assert bad.hint.kind == "rope_attention_factor" and "1.20794" in bad.hint.text
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parity.errors import LoaderError
+from parity.util.errors import LoaderError
 from reference_pairs.olmo3 import Olmo3Model, build_pair, load_weights_into_olmo3
 
 
 def fresh(pair):
     with torch.device("meta"):
-        return Olmo3Model(pair.cfg)
+        return Olmo3Model(pair.source.cfg)
 
 
 def state_dict(pair):
@@ -21,7 +21,7 @@ def state_dict(pair):
 def test_loader_writes_every_parameter_without_copying():
     pair = build_pair("tiny")
     model, sd = fresh(pair), state_dict(pair)
-    consumed = load_weights_into_olmo3(model, pair.cfg, sd)
+    consumed = load_weights_into_olmo3(model, pair.source.cfg, sd)
     assert set(consumed) == set(sd)
     assert not [n for n, p in model.named_parameters() if p.is_meta]
     assert model.blocks[1].att.q_norm.weight.data_ptr() == sd["model.layers.1.self_attn.q_norm.weight"].data_ptr()
@@ -44,7 +44,7 @@ def test_loader_errors_name_the_key(edit, message):
     sd = state_dict(pair)
     edit(sd)
     with pytest.raises(LoaderError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        load_weights_into_olmo3(fresh(pair), pair.cfg, sd)
+        load_weights_into_olmo3(fresh(pair), pair.source.cfg, sd)
 
 
 def test_a_parameter_the_map_never_writes_is_an_error(monkeypatch, replace_table):
@@ -55,7 +55,7 @@ def test_a_parameter_the_map_never_writes_is_an_error(monkeypatch, replace_table
     replace_table(loader.WEIGHT_MAP, template)
     sd = {k: v for k, v in state_dict(pair).items() if "post_feedforward" not in k}
     with pytest.raises(LoaderError, match=r"never written: blocks\.0\.post_feedforward_layernorm\.weight"):
-        load_weights_into_olmo3(fresh(pair), pair.cfg, sd)
+        load_weights_into_olmo3(fresh(pair), pair.source.cfg, sd)
 
 
 def test_tied_head_stays_one_parameter_and_rejects_a_different_copy():
@@ -64,8 +64,8 @@ def test_tied_head_stays_one_parameter_and_rejects_a_different_copy():
     assert pair.reference.lm_head.weight is pair.reference.model.embed_tokens.weight
     sd = state_dict(pair)  # state_dict() keeps lm_head.weight, equal to the embedding: accepted
     model = fresh(pair)
-    load_weights_into_olmo3(model, pair.cfg, sd)
+    load_weights_into_olmo3(model, pair.source.cfg, sd)
     assert model.out_head.weight is model.tok_emb.weight
     sd["lm_head.weight"] = sd["lm_head.weight"] + 1
     with pytest.raises(LoaderError, match=r"lm_head\.weight differs from model\.embed_tokens\.weight"):
-        load_weights_into_olmo3(fresh(pair), pair.cfg, sd)
+        load_weights_into_olmo3(fresh(pair), pair.source.cfg, sd)

@@ -22,8 +22,8 @@ def test_parity_from_random_config(config):
     pair = build_pair(config)
     res = assert_holds(pair)
     # Every declared node was compared, none silently skipped, and the window was exercised.
-    assert len(res.nodes) == len(pair.nodes) == 1 + len(FAMILY.nodes.per_layer) * pair.cfg["n_layers"] + 2
-    assert res.meta["seq_len"] > pair.cfg["sliding_window"]
+    assert len(res.nodes) == len(pair.nodes) == 1 + len(FAMILY.nodes.per_layer) * pair.source.cfg["n_layers"] + 2
+    assert res.meta["seq_len"] > pair.source.cfg["sliding_window"]
     assert not res.notes
 
 
@@ -34,7 +34,7 @@ def test_parity_from_saved_checkpoint(config, sharded, checkpoint_of):
     shards = list(directory.glob("*.safetensors"))
     assert (len(shards) > 1) == sharded
     pair = build_pair(checkpoint=directory)
-    assert pair.cfg["rope_type"] == ("yarn" if config == "yarn" else "default")
+    assert pair.source.cfg["rope_type"] == ("yarn" if config == "yarn" else "default")
     assert_holds(pair)
 
 
@@ -47,7 +47,7 @@ def test_checkpoint_models_share_one_storage(checkpoint_of):
 
 def test_yarn_applies_to_full_layers_only_as_transformers_decides():
     pair = build_pair("yarn")
-    assert pair.cfg["layer_types"] == [SLIDING, SLIDING, SLIDING, FULL]
+    assert pair.source.cfg["layer_types"] == [SLIDING, SLIDING, SLIDING, FULL]
     rope = pair.reference.config.rope_parameters
     assert rope[FULL]["rope_type"] == "yarn" and rope[SLIDING]["rope_type"] == "default"
     assert pair.reference.model.rotary_emb.full_attention_attention_scaling == pytest.approx(1.2079441541679836)
@@ -64,7 +64,7 @@ def test_legacy_rope_scaling_in_config_json_lands_on_full_layers(tmp_path, check
     config["rope_scaling"] = full
     (directory / "config.json").write_text(json.dumps(config))
     pair = build_pair(checkpoint=directory)
-    assert pair.cfg["rope_type"] == "yarn" and pair.cfg["rope_scaled_layer_types"] == [FULL]
+    assert pair.source.cfg["rope_type"] == "yarn" and pair.source.cfg["rope_scaled_layer_types"] == [FULL]
     assert_holds(pair)
 
 
@@ -88,7 +88,7 @@ def test_sliding_window_mask_reaches_the_reference():
     pair = build_pair("tiny")
     res = parity.check(pair)
     assert res.passed
-    from parity.check import trace_pair
+    from parity.run.stages import trace_pair
 
     ref_trace, _ = trace_pair(pair, pair.make_inputs(16))
     probs = ref_trace.tensors["model.layers.0.self_attn.probs"][0, 0]
@@ -102,7 +102,7 @@ def test_sliding_window_mask_reaches_the_reference():
 @pytest.mark.slow
 def test_parity_7b_shape_one_layer():
     pair = build_pair("7b-shape", n_layers=1)
-    assert pair.cfg["emb_dim"] == 4096 and pair.cfg["n_heads"] == pair.cfg["n_kv_heads"] == 32
+    assert pair.source.cfg["emb_dim"] == 4096 and pair.source.cfg["n_heads"] == pair.source.cfg["n_kv_heads"] == 32
     assert_holds(pair)
 
 
@@ -110,7 +110,7 @@ def test_config_json_path_with_fewer_layers(tmp_path):
     """--config path/config.json --layers N keeps the first N layers of that config."""
     build_pair("yarn").reference.config.save_pretrained(tmp_path)
     pair = build_pair(str(tmp_path / "config.json"), n_layers=2)
-    assert pair.cfg["n_layers"] == 2 and pair.cfg["layer_types"] == [SLIDING, SLIDING]
+    assert pair.source.cfg["n_layers"] == 2 and pair.source.cfg["layer_types"] == [SLIDING, SLIDING]
     assert_holds(pair)
     with pytest.raises(parity.ConfigError, match=r"9 layers asked for, but the config.s layer_types lists 4"):
         build_pair(str(tmp_path / "config.json"), n_layers=9)

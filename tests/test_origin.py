@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 import parity
+import parity.build
 from reference_pairs.llama3 import FAMILY as LLAMA3
 from reference_pairs.llama3.faults import FAULTS as LLAMA3_FAULTS
 from reference_pairs.olmo3 import build_pair
@@ -31,7 +32,7 @@ def test_origin_names_the_node_where_a_downstream_failure_starts(tmp_path):
 def test_compounded_rounding_has_no_origin_and_says_so():
     """F14 under fixed bf16 tolerances: every node's own error is a rounding; nothing stands out."""
     fault = next(f for f in LLAMA3_FAULTS if f.id == "F14")
-    pair = LLAMA3.build_pair("tiny", dtype=torch.bfloat16)
+    pair = parity.build.build_pair(LLAMA3, "tiny", dtype=torch.bfloat16)
     fault.inject(pair)
     res = parity.check(pair, mode="both", atol=5e-2, rtol=5e-2)
     assert res.first_mismatch is not None and res.origin is None
@@ -41,4 +42,4 @@ def test_compounded_rounding_has_no_origin_and_says_so():
 
 def test_the_report_names_the_probe():
     res = parity.check(build_pair("tiny"))
-    assert "parity.probes" in res.meta["probe"] and "16" in res.meta["probe"]
+    assert "parity.build.probes" in res.meta["probe"] and "16" in res.meta["probe"]

@@ -13,8 +13,8 @@ from torch import nn
 
 import parity
 from parity.cli import _node_table, main, selftest_output
-from parity.registry import get_family
-from parity.selftest import SelftestRow
+from parity.model.registry import get_family
+from parity.selftest.run import SelftestRow
 from reference_pairs.olmo3 import build_pair
 
 

@@ -21,15 +21,16 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 import parity
-from parity.fields import draw_config
-from parity.registry import families
+import parity.build
+from parity.model.fields import draw_config
+from parity.model.registry import families
 
 FAMILIES = sorted(families())
 
 
 def _call(family: str, cfg: dict, dtype: torch.dtype, source: str, check_kwargs: dict) -> str:
     shown = {k: v for k, v in cfg.items() if k != "dtype"}
-    build = (f"parity.registry.get_family({family!r}).build_pair(config={shown!r}, dtype=torch.{str(dtype)[6:]})")
+    build = (f"parity.build.build_pair(parity.model.registry.get_family({family!r}), config={shown!r}, dtype=torch.{str(dtype)[6:]})")
     if source != "config":
         shard = ', max_shard_size="20KB"' if source == "sharded" else ""
         build += f"  # then pair.reference.save_pretrained(dir{shard}) and build_pair(checkpoint=dir, dtype=...)"
@@ -59,11 +60,11 @@ def test_generated_config_is_bit_exact_or_refused(family, data, tmp_path):
     check_kwargs = dict(seq_len=seq_len, batch_size=batch, mode=mode, **({"left_pad": left_pad} if left_pad else {}))
     note(_call(family, cfg, dtype, source, check_kwargs))
     try:
-        pair = fam.build_pair(config=copy.deepcopy(cfg), dtype=dtype)
+        pair = parity.build.build_pair(fam, config=copy.deepcopy(cfg), dtype=dtype)
         if source != "config":
             directory = tmp_path / f"ckpt-{rng.randrange(1 << 30)}"
             pair.reference.save_pretrained(directory, **({"max_shard_size": "20KB"} if source == "sharded" else {}))
-            pair = fam.build_pair(checkpoint=directory, dtype=dtype)
+            pair = parity.build.build_pair(fam, checkpoint=directory, dtype=dtype)
         result = parity.check(pair, **check_kwargs)
     except parity.ParityError as e:  # a clear refusal: the config (or the run) is bad input
         _refusal_is_one_line(e)
@@ -80,7 +81,7 @@ def test_the_generator_draws_valid_configs_more_often_than_not():
         fam = families()["llama3"]
         cfg = draw_config(fam.fields, fam.configs["tiny"](None), random.Random(seed))
         try:
-            fam.build_pair(config=cfg)
+            parity.build.build_pair(fam, config=cfg)
             built += 1
         except parity.ParityError:
             pass
@@ -113,7 +114,7 @@ def test_user_models_hold_on_generated_configs(user_model, data):
     seq_len = data.draw(st.integers(2, 16), label="seq_len")
     note(f"{fam.name} cfg {cfg!r}; check_model({user_model}.build, reference=FAMILY.to_hf(cfg), seq_len={seq_len}, batch_size={batch})")
     try:
-        from parity.build import to_reference_config, validated
+        from parity.build.builder import to_reference_config, validated
 
         hf_config = to_reference_config(fam, {**cfg, "dtype": torch.float32})
         validated(fam, hf_config, torch.float32)

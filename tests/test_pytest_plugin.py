@@ -17,7 +17,7 @@ def test_three_line_parity_test(parity_pair, family):
 
 def test_fixture_passes_config_and_overrides(parity_pair):
     pair = parity_pair("olmo3", "yarn", n_layers=2)
-    assert pair.cfg["n_layers"] == 2 and pair.cfg["rope_type"] == "yarn"
+    assert pair.source.cfg["n_layers"] == 2 and pair.source.cfg["rope_type"] == "yarn"
     assert assert_parity(pair, mode="both").isolated is not None
 
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import parity
-from parity.errors import ConfigError, LoaderError
+from parity.util.errors import ConfigError, LoaderError
 from reference_pairs.common.layer_types import FULL, SLIDING
 from reference_pairs.qwen3 import CONFIGS, FAMILY, Qwen3Model, build_pair, load_weights_into_qwen3
-from reference_pairs.qwen3.pair import from_hf, to_hf
+from reference_pairs.qwen3.family import from_hf, to_hf
 
 
 def n_nodes(pair) -> int:
@@ -60,7 +60,7 @@ def test_shape_configs_are_the_released_config_json(released, name, n_layers):
 
 
 def test_family_is_registered():
-    from parity.registry import get_family
+    from parity.model.registry import get_family
 
     assert get_family("qwen3") is FAMILY
     assert FAMILY.ci_configs == ("tiny", "yarn") and FAMILY.real_configs == ("0.6b-shape", "8b-shape")
@@ -103,16 +103,16 @@ def test_parity_from_saved_checkpoint(sharded, dtype, checkpoint_of):
     directory = checkpoint_of(original, sharded=sharded)
     assert (len(list(directory.glob("*.safetensors"))) > 1) == sharded
     pair = build_pair(checkpoint=directory, dtype=dtype)
-    assert without_dtype(pair.cfg) == without_dtype(original.cfg)
-    assert "lm_head.weight" not in pair.loaded_keys  # save_pretrained drops the tied head
+    assert without_dtype(pair.source.cfg) == without_dtype(original.source.cfg)
+    assert "lm_head.weight" not in pair.loading.loaded_keys  # save_pretrained drops the tied head
     assert pair.ours.out_head.weight is pair.ours.tok_emb.weight
     assert_bit_exact(pair)
 
 
 def test_parity_from_untied_yarn_checkpoint(checkpoint_of):
     pair = build_pair(checkpoint=checkpoint_of(build_pair("yarn")))
-    assert pair.loaded_keys["lm_head.weight"] == "out_head.weight"
-    assert pair.cfg["rope_yarn"] == CONFIGS["yarn"]()["rope_yarn"]
+    assert pair.loading.loaded_keys["lm_head.weight"] == "out_head.weight"
+    assert pair.source.cfg["rope_yarn"] == CONFIGS["yarn"]()["rope_yarn"]
     assert_bit_exact(pair)
 
 
@@ -130,7 +130,7 @@ def test_model_card_yarn_as_rope_scaling(tmp_path):
               "hidden_size": 32, "intermediate_size": 48, "num_attention_heads": 4, "num_key_value_heads": 2,
               "head_dim": 16, "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
     pair = build_pair(config=write_config(tmp_path, config))
-    assert pair.cfg["rope_yarn"] == dict(factor=4.0, original_context_length=32768, beta_fast=32.0, beta_slow=1.0,
+    assert pair.source.cfg["rope_yarn"] == dict(factor=4.0, original_context_length=32768, beta_fast=32.0, beta_slow=1.0,
                                          attention_factor=None)
     assert pair.reference.model.rotary_emb.attention_scaling == pytest.approx(0.1 * torch.log(torch.tensor(4.0)).item() + 1)
 
@@ -142,13 +142,13 @@ def test_use_sliding_window_and_max_window_layers_as_transformers_resolves_them(
     base.pop("layer_types")
     windowed = build_pair(config=write_config(tmp_path, {**base, "use_sliding_window": True, "sliding_window": 4,
                                                           "max_window_layers": 1}))
-    assert windowed.cfg["layer_types"] == [FULL, SLIDING, SLIDING] and windowed.cfg["sliding_window"] == 4
+    assert windowed.source.cfg["layer_types"] == [FULL, SLIDING, SLIDING] and windowed.source.cfg["sliding_window"] == 4
     assert windowed.facts.windows == (None, 4, 4)
     assert [b.att.sliding_window for b in windowed.ours.blocks] == [None, 4, 4]
     assert_bit_exact(windowed, seq_len=12)
     ignored = build_pair(config=write_config(tmp_path, {**base, "use_sliding_window": False, "sliding_window": 4,
                                                          "max_window_layers": 1}))
-    assert ignored.cfg["sliding_window"] is None and ignored.cfg["layer_types"] == [FULL] * 3
+    assert ignored.source.cfg["sliding_window"] is None and ignored.source.cfg["layer_types"] == [FULL] * 3
 
 
 @pytest.mark.parametrize(
@@ -209,8 +209,8 @@ def test_norms_round_like_qwen3_in_bfloat16():
 def loader_case():
     pair = build_pair("yarn")
     with torch.device("meta"):
-        model = Qwen3Model(pair.cfg)
-    return model, pair.cfg, dict(pair.reference.state_dict())
+        model = Qwen3Model(pair.source.cfg)
+    return model, pair.source.cfg, dict(pair.reference.state_dict())
 
 
 def test_dropped_q_norm_key_raises_naming_it(loader_case):
@@ -241,6 +241,6 @@ def test_extra_layer_raises_naming_it(loader_case):
 @pytest.mark.parametrize("name, emb, tied", [("0.6b-shape", 1024, True), ("8b-shape", 4096, False)])
 def test_parity_at_real_widths(name, emb, tied):
     pair = build_pair(name)
-    assert (pair.cfg["emb_dim"], pair.cfg["head_dim"], pair.cfg["n_layers"]) == (emb, 128, 2)
+    assert (pair.source.cfg["emb_dim"], pair.source.cfg["head_dim"], pair.source.cfg["n_layers"]) == (emb, 128, 2)
     assert (pair.ours.out_head.weight is pair.ours.tok_emb.weight) == tied
     assert_bit_exact(pair)

@@ -12,11 +12,11 @@ import torch
 
 import parity
 from parity.cli import main
-from parity.errors import ConfigError, LoaderError
+from parity.util.errors import ConfigError, LoaderError
 from reference_pairs.common.linear_attention import chunk_gated_delta_rule, l2norm, recurrent_gated_delta_rule
 from reference_pairs.qwen3_5 import CONFIGS, FAMILY, build_pair
 from reference_pairs.qwen3_5.configs import FULL, LINEAR
-from reference_pairs.qwen3_5.pair import from_hf, node_map, per_head_gate
+from reference_pairs.qwen3_5.family import from_hf, node_map, per_head_gate
 
 
 def node_count(pair) -> int:
@@ -26,7 +26,7 @@ def node_count(pair) -> int:
         t: sum(1 for n in nm.per_layer if getattr(n, "layer_types", None) in (None, (t,)))
         for t in (LINEAR, FULL)
     }
-    return len(nm.before) + sum(per_type[t] for t in pair.cfg["layer_types"]) + len(nm.after)
+    return len(nm.before) + sum(per_type[t] for t in pair.source.cfg["layer_types"]) + len(nm.after)
 
 
 def assert_bit_exact(res, pair) -> None:
@@ -57,7 +57,7 @@ def test_save_pretrained_checkpoints_load_into_both(dtype, sharded, checkpoint_o
     pair = build_pair(checkpoint=directory, dtype=dtype)
     res = parity.check(pair, seq_len=20)
     assert_bit_exact(res, pair)
-    assert res.coverage.ok and "lm_head.weight" not in pair.loaded_keys  # tied: saved once
+    assert res.coverage.ok and "lm_head.weight" not in pair.loading.loaded_keys  # tied: saved once
 
 
 def test_every_linear_layer_node_is_captured_on_the_reference():
@@ -84,10 +84,12 @@ def test_captured_l2norms_are_the_rules_own(monkeypatch):
     """q_l2norm and k_l2norm are the outputs of the rule's own l2norm calls, observed, not recomputed."""
     import transformers.models.qwen3_5.modeling_qwen3_5 as modeling
 
-    from parity.check import plan, trace_reference
+    from parity.run.options import CheckOptions
+    from parity.run.plan import plan
+    from parity.run.stages import trace_reference
 
     pair = build_pair("tiny", n_layers=1)
-    run = plan(pair, seq_len=70)
+    run = plan(pair, CheckOptions(seq_len=70))
     trace_reference(pair, run)  # installs the capture
     seen, inner = [], modeling.l2norm
 
@@ -99,7 +101,7 @@ def test_captured_l2norms_are_the_rules_own(monkeypatch):
     monkeypatch.setattr(modeling, "l2norm", spy)
     trace = trace_reference(pair, run)
     node = "model.layers.0.linear_attn.{}"
-    assert len(seen) == 2 and seen[0].shape[1] == pair.cfg["linear_num_value_heads"]  # after the GVA repeat
+    assert len(seen) == 2 and seen[0].shape[1] == pair.source.cfg["linear_num_value_heads"]  # after the GVA repeat
     assert torch.equal(trace.tensors[node.format("q_l2norm")], seen[0].transpose(1, 2))
     assert torch.equal(trace.tensors[node.format("k_l2norm")], seen[1].transpose(1, 2))
     state = trace.tensors[node.format("recurrent_state")]
@@ -108,10 +110,12 @@ def test_captured_l2norms_are_the_rules_own(monkeypatch):
 
 def test_reference_outputs_are_unchanged_by_the_capture():
     """Recording (the state asked for, l2norms observed) changes nothing the reference computes."""
-    from parity.check import plan, trace_reference
+    from parity.run.options import CheckOptions
+    from parity.run.plan import plan
+    from parity.run.stages import trace_reference
 
     pair = build_pair("tiny")
-    run = plan(pair, seq_len=80)
+    run = plan(pair, CheckOptions(seq_len=80))
     recorded = trace_reference(pair, run).tensors["lm_head"]  # installs parity_eager and the kernel wrappers
     with torch.inference_mode():
         plain = pair.reference(input_ids=run.input_ids, position_ids=run.position_ids, use_cache=False).logits
@@ -140,7 +144,7 @@ def test_decode_steps_and_continued_prompts_match_the_reference_cache_bit_for_bi
 
     pair = build_pair("tiny", dtype=dtype)
     ref, ours = pair.reference.model.layers[0].linear_attn, pair.ours.blocks[0].att
-    x = torch.randn(2, 90, pair.cfg["emb_dim"], generator=torch.Generator().manual_seed(0)).to(dtype)
+    x = torch.randn(2, 90, pair.source.cfg["emb_dim"], generator=torch.Generator().manual_seed(0)).to(dtype)
     for pieces in ([(0, 60), (60, 61), (61, 62), (62, 72), (72, 73)], [(0, 2), (2, 3), (3, 90)]):
         cache, state = DynamicCache(config=pair.reference.config), None
         with torch.inference_mode():
@@ -195,9 +199,9 @@ def test_decode_is_bit_exact_with_every_cache_part_compared(plan, dtype):
     res = parity.check(pair, decode=decode, **kwargs)
     assert res.passed, res.verdict()
     assert all(n.max_abs == 0.0 for n in res.nodes), [(n.name, n.max_abs) for n in res.nodes if n.max_abs]
-    calls = parity.decode.DecodePlan.parse(decode).schedule()
+    calls = parity.run.decode.DecodePlan.parse(decode).schedule()
     batch = kwargs.get("batch_size", 1)
-    d = pair.cfg
+    d = pair.source.cfg
     channels = 2 * d["linear_num_key_heads"] * d["linear_key_head_dim"] + d["linear_num_value_heads"] * d["linear_value_head_dim"]
     shapes = {
         "cache.conv_state": (batch, channels, d["linear_conv_kernel_dim"]),
@@ -313,7 +317,7 @@ def test_mrope_sections_of_a_text_config_are_accepted():
     """mrope_section places image and video tokens; text positions are equal on every axis."""
     from transformers import Qwen3_5TextConfig
 
-    cfg = build_pair("tiny").cfg
+    cfg = build_pair("tiny").source.cfg
     hc = FAMILY.to_hf(cfg)
     hc.rope_parameters = {**hc.rope_parameters, "mrope_section": [1, 1, 0], "mrope_interleaved": True}
     assert without_dtype(from_hf(Qwen3_5TextConfig.from_dict(hc.to_dict()), torch.float32)) == without_dtype(cfg)
@@ -367,6 +371,6 @@ def test_config_errors_from_our_model_are_one_line():
 def test_0_8b_shape_is_bit_exact(dtype):
     """Released widths (3 GiB peak in float32: run under the memory lock)."""
     pair = build_pair("0.8b-shape", dtype=dtype)
-    assert pair.cfg["layer_types"] == [LINEAR, LINEAR, LINEAR, FULL]
+    assert pair.source.cfg["layer_types"] == [LINEAR, LINEAR, LINEAR, FULL]
     res = parity.check(pair)
     assert_bit_exact(res, pair)

@@ -12,11 +12,12 @@ import torch
 from torch import nn
 
 import parity
-from parity.errors import ConfigError, LoaderError
+import parity.build
+from parity.util.errors import ConfigError, LoaderError
 from reference_pairs.common.mlp import GatedMLP
 from reference_pairs.common.moe import SparseMoE
 from reference_pairs.qwen3_moe import CONFIGS, FAMILY, Qwen3MoeModel, build_pair, load_weights_into_qwen3_moe
-from reference_pairs.qwen3_moe.pair import from_hf, to_hf
+from reference_pairs.qwen3_moe.family import from_hf, to_hf
 
 
 def assert_bit_exact(pair, **kw):
@@ -53,7 +54,7 @@ def test_shape_config_is_the_released_config_json():
 
 
 def test_family_is_registered():
-    from parity.registry import get_family
+    from parity.model.registry import get_family
 
     assert get_family("qwen3_moe") is FAMILY
     assert FAMILY.ci_configs == ("tiny-moe",) and FAMILY.default_config == "tiny-moe"
@@ -101,7 +102,7 @@ def test_parity_from_saved_checkpoint(sharded, dtype, checkpoint_of):
     directory = checkpoint_of(original, sharded=sharded)
     assert (len(list(directory.glob("*.safetensors"))) > 1) == sharded
     pair = build_pair(checkpoint=directory, dtype=dtype)
-    assert without_dtype(pair.cfg) == without_dtype(original.cfg)
+    assert without_dtype(pair.source.cfg) == without_dtype(original.source.cfg)
     res = assert_bit_exact(pair)
     assert res.coverage.ok and not res.coverage.unused and not res.coverage.unwritten
     conversions = " ".join(res.coverage.conversions)
@@ -119,9 +120,9 @@ def test_parity_from_a_checkpoint_in_the_fused_layout(checkpoint_of):
     for f in directory.glob("*.safetensors"):
         f.unlink()
     original = build_pair("tiny-moe", seed=2)
-    save_file({k: v.contiguous() for k, v in original.state_dict.items()}, directory / "model.safetensors", metadata={"format": "pt"})
+    save_file({k: v.contiguous() for k, v in original.loading.state_dict.items()}, directory / "model.safetensors", metadata={"format": "pt"})
     pair = build_pair(checkpoint=directory)
-    assert not [c for c in pair.conversions if "merged" in c]
+    assert not [c for c in pair.loading.conversions if "merged" in c]
     assert_bit_exact(pair)
 
 
@@ -130,8 +131,8 @@ def test_parity_from_a_checkpoint_in_the_fused_layout(checkpoint_of):
 
 def test_loader_splits_gate_before_up_as_views_of_the_checkpoint():
     pair = build_pair("tiny-moe")
-    fused = pair.state_dict["model.layers.2.mlp.experts.gate_up_proj"]  # (E, 2I, H)
-    down = pair.state_dict["model.layers.2.mlp.experts.down_proj"]  # (E, H, I)
+    fused = pair.loading.state_dict["model.layers.2.mlp.experts.gate_up_proj"]  # (E, 2I, H)
+    down = pair.loading.state_dict["model.layers.2.mlp.experts.down_proj"]  # (E, H, I)
     expert = pair.ours.blocks[2].ff.experts[5]
     assert torch.equal(expert.fc1.weight, fused[5, :16]) and torch.equal(expert.fc2.weight, fused[5, 16:])
     assert torch.equal(expert.fc3.weight, down[5])
@@ -159,10 +160,10 @@ def overlapping_loader(model, cfg, state_dict):
 
 
 def test_coverage_accounts_for_every_slice_exactly_once():
-    copied = parity.check(dataclasses.replace(FAMILY, load=copying_loader).build_pair("tiny-moe"))
+    copied = parity.check(parity.build.build_pair(dataclasses.replace(FAMILY, load=copying_loader), "tiny-moe"))
     assert copied.first_mismatch is None and not copied.passed  # equal values, but a copy is not a view
     assert "model.layers.0.mlp.experts.gate_up_proj: 512 of 8192 elements land in no parameter of ours" in copied.verdict()
-    overlapping = parity.check(dataclasses.replace(FAMILY, load=overlapping_loader).build_pair("tiny-moe"))
+    overlapping = parity.check(parity.build.build_pair(dataclasses.replace(FAMILY, load=overlapping_loader), "tiny-moe"))
     gaps = " ".join(overlapping.coverage.gaps)
     assert "model.layers.0.mlp.experts.gate_up_proj: elements 3072..3583 land in two parameters" in gaps
     assert "512 of 8192 elements land in no parameter" in gaps
@@ -173,8 +174,8 @@ def test_coverage_accounts_for_every_slice_exactly_once():
 def loader_case():
     pair = build_pair("tiny-moe")
     with torch.device("meta"):
-        model = Qwen3MoeModel(pair.cfg)
-    return model, pair.cfg, dict(pair.reference.state_dict())
+        model = Qwen3MoeModel(pair.source.cfg)
+    return model, pair.source.cfg, dict(pair.reference.state_dict())
 
 
 def test_fewer_experts_in_the_checkpoint_names_ours_left_unwritten(loader_case):
@@ -265,5 +266,5 @@ def test_a_different_expert_choice_is_its_own_status_with_the_margin():
 @pytest.mark.slow
 def test_parity_at_real_widths():
     pair = build_pair("30b-a3b-shape")
-    assert (pair.cfg["emb_dim"], pair.cfg["num_experts"], pair.cfg["num_experts_per_tok"], pair.cfg["n_layers"]) == (2048, 128, 8, 2)
+    assert (pair.source.cfg["emb_dim"], pair.source.cfg["num_experts"], pair.source.cfg["num_experts_per_tok"], pair.source.cfg["n_layers"]) == (2048, 128, 8, 2)
     assert_bit_exact(pair)

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 import parity
-from parity.check import CheckResult
 from parity.cli import main
-from parity.hints import Hint
+from parity.diagnose.hints import Hint
 from parity.report import tables
 from parity.report.junit import write_junit
+from parity.report.result import CheckResult
 from parity.report.tables import COLUMNS, RESULT_VERSION, result_dict, result_schema
 from reference_pairs.olmo3 import build_pair
 

@@ -20,12 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from parity.check import CheckResult
-from parity.compare import NodeResult
-from parity.facts import derive_facts
-from parity.pair import annotate
+from parity.compare.results import NodeResult
+from parity.model.derive import derive_facts
+from parity.model.pair import annotate
 from parity.report import plots
 from parity.report.html import render_html
+from parity.report.result import CheckResult
 from reference_pairs.olmo3 import CONFIGS, FAMILY
 
 BAD_NODE = "model.layers.0.self_attn.probs"

@@ -16,13 +16,16 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 
 import parity
-import parity.compare as compare
-from parity.check import plan, trace_ours, trace_reference
+import parity.compare.metrics as metrics
 from parity.cli import main
-from parity.compare import tensor_metrics
-from parity.errors import ConfigError, ParityError
-from parity.resources import available_bytes, one_trace_bytes
-from parity.trace import Spill, TensorStore
+from parity.compare.metrics import tensor_metrics
+from parity.record.store import Spill, TensorStore
+from parity.run.memory import one_trace_bytes
+from parity.run.options import CheckOptions
+from parity.run.plan import plan
+from parity.run.stages import trace_ours, trace_reference
+from parity.util.errors import ConfigError, ParityError
+from parity.util.resources import available_bytes
 from reference_pairs.llama3 import build_pair as llama3_pair
 from reference_pairs.olmo3 import build_pair as olmo3_pair
 
@@ -67,7 +70,7 @@ def test_a_check_whose_traces_all_spill_to_disk_gives_the_same_result_and_leaves
 def test_ours_keeps_only_the_first_failure_and_what_its_diagnosis_reads():
     pair = olmo3_pair("tiny")
     scale_q(pair)
-    run = plan(pair, seq_len=16)
+    run = plan(pair, CheckOptions(seq_len=16))
     ref = trace_reference(pair, run)
     ours = trace_ours(pair, run, reference=ref)
     try:
@@ -86,7 +89,7 @@ def test_a_failing_attention_node_keeps_q_and_k_of_its_own_attention():
     pair = olmo3_pair("tiny")
     att = pair.ours.blocks[2].att
     att.scale = att.scale * 1.1
-    run = plan(pair, seq_len=16)
+    run = plan(pair, CheckOptions(seq_len=16))
     ref = trace_reference(pair, run)
     ours = trace_ours(pair, run, reference=ref)
     try:
@@ -185,8 +188,8 @@ def test_chunked_metrics_match_the_whole_tensor_computation(n, seed, kind, dtype
         ref, ours = torch.where(torch.rand(n, generator=g) > 0.5, ref, 0.0), ours  # noqa: PLW0127 (ours unchanged, said)
     ours, ref = ours.to(dtype), ref.to(dtype)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(compare, "CHUNK", 7)  # many chunks, and a short last one
-        got = tensor_metrics(ours, ref, *tol)
+        patch.setattr(metrics, "CHUNK", 7)  # many chunks, and a short last one
+        got = tensor_metrics(ours, ref, *tol).fields()
     want = oracle(ours, ref, *tol)
     for key in ("status", "max_abs", "max_rel", "atol_needed", "rtol_needed"):  # exact: they decide and bound
         assert got[key] == want[key], key
@@ -195,15 +198,15 @@ def test_chunked_metrics_match_the_whole_tensor_computation(n, seed, kind, dtype
 
 
 def test_a_non_finite_value_in_any_chunk_is_reported_as_such(monkeypatch):
-    monkeypatch.setattr(compare, "CHUNK", 4)
+    monkeypatch.setattr(metrics, "CHUNK", 4)
     ref = torch.arange(10.0)
     ours = ref.clone()
     ours[9] = float("inf")
     m = tensor_metrics(ours, ref, 1e-4, 1e-4)
-    assert m["status"] == "nonfinite" and "index (9,)" in m["detail"]
+    assert m.status == "nonfinite" and "index (9,)" in m.detail
     both = ref.clone()
     both[5] = float("nan")
-    assert tensor_metrics(both, both.clone(), 0.0, 0.0)["status"] == "nonfinite"  # NaN never equals itself
+    assert tensor_metrics(both, both.clone(), 0.0, 0.0).status == "nonfinite"  # NaN never equals itself
 
 
 # --- weights: memory-mapped from the checkpoint; in-place edits still refused ----------------------
@@ -225,9 +228,9 @@ def test_checkpoint_weights_are_memory_mapped_from_their_shards_not_copied(check
     folder = checkpoint_of(olmo3_pair("tiny"), sharded=True)
     pair = olmo3_pair(checkpoint=str(folder))
     key = "model.layers.1.mlp.up_proj.weight"
-    mapped = _mapped_file(pair.state_dict[key])
+    mapped = _mapped_file(pair.loading.state_dict[key])
     assert mapped is not None and Path(mapped).parent == folder.resolve() and mapped.endswith(".safetensors")
-    assert pair.ours.blocks[1].ff.fc2.weight.untyped_storage().data_ptr() == pair.state_dict[key].untyped_storage().data_ptr()
+    assert pair.ours.blocks[1].ff.fc2.weight.untyped_storage().data_ptr() == pair.loading.state_dict[key].untyped_storage().data_ptr()
     assert parity.check(pair).passed
 
 
@@ -252,7 +255,7 @@ def test_an_in_place_edit_during_the_forward_is_refused():
 @pytest.mark.parametrize("build", [olmo3_pair, llama3_pair])
 def test_the_trace_estimate_covers_the_traces_actually_recorded(build):
     pair = build("tiny")
-    run = plan(pair, seq_len=24, batch_size=2)
+    run = plan(pair, CheckOptions(seq_len=24, batch_size=2))
     ref = trace_reference(pair, run)
     recorded = sum(t.numel() * t.element_size() for store in (ref.tensors, ref.inputs) for t in store.values())
     ref.close()
@@ -262,11 +265,11 @@ def test_the_trace_estimate_covers_the_traces_actually_recorded(build):
 
 def test_a_check_past_memory_or_disk_is_refused_with_numbers(monkeypatch):
     pair = olmo3_pair("tiny")
-    monkeypatch.setattr("parity.resources.available_bytes", lambda: 64 * 1024**2)
+    monkeypatch.setattr("parity.util.resources.available_bytes", lambda: 64 * 1024**2)
     with pytest.raises(ParityError, match=r"tracing 1 x 4000 tokens needs about [\d.]+ GiB but 0\.1 GiB are available"):
         parity.check(pair, seq_len=4000)
-    monkeypatch.setattr("parity.resources.available_bytes", lambda: 1024**4)
-    monkeypatch.setattr("parity.resources.disk_free_bytes", lambda folder=None: 2 * 1024**3)
+    monkeypatch.setattr("parity.util.resources.available_bytes", lambda: 1024**4)
+    monkeypatch.setattr("parity.util.resources.disk_free_bytes", lambda folder=None: 2 * 1024**3)
     with pytest.raises(ParityError, match=r"needs about [\d.]+ GiB of disk in .* but 2\.0 GiB are free"):
         parity.check(pair, seq_len=4000, trace_memory=0)
 
@@ -295,14 +298,14 @@ def test_a_device_that_is_not_there_is_one_line_of_bad_input(tmp_path, capsys):
 def test_device_cpu_runs_the_check(tmp_path):
     assert main(["check", "olmo3", "--device", "cpu", "--report-dir", str(tmp_path)]) == 0
     pair = olmo3_pair("tiny", device="cpu")
-    assert pair.device == "cpu" and parity.check(pair).meta["device"] == "cpu"
+    assert pair.source.device == "cpu" and parity.check(pair).meta["device"] == "cpu"
 
 
 @needs_accelerate
 def test_device_map_auto_runs_through_accelerate_and_still_shares_one_copy(tmp_path):
     pair = olmo3_pair("yarn", device_map="auto")
     assert hasattr(pair.reference, "_hf_hook") and hasattr(pair.ours, "_hf_hook")  # accelerate's dispatch hooks
-    assert pair.device == "device_map=auto"
+    assert pair.source.device == "device_map=auto"
     res = parity.check(pair, mode="both")
     assert res.passed and res.coverage.ok
     scale_q(pair)
@@ -330,7 +333,7 @@ def test_check_model_runs_a_users_model_where_it_is_placed(placement):
 def test_a_failing_node_too_large_to_diagnose_is_reported_without_a_hint(monkeypatch):
     pair = olmo3_pair("tiny")
     scale_q(pair)
-    monkeypatch.setattr(sys.modules["parity.check"], "available_bytes", lambda: 1024)  # the run fits; its diagnosis not
+    monkeypatch.setattr(sys.modules["parity.run.stages"], "available_bytes", lambda: 1024)  # the run fits; its diagnosis not
     res = parity.check(pair)
     assert res.first_mismatch.name == "model.layers.1.self_attn.q_proj" and res.first_mismatch.hint is None
     assert any(note.startswith("model.layers.1.self_attn.q_proj was not diagnosed (no hint)") for note in res.notes)

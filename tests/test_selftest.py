@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 
 from parity.cli import main
-from parity.registry import families, get_family
-from parity.selftest import run_fault
+from parity.model.registry import families, get_family
+from parity.selftest.run import run_fault
 
 CASES = [(name, fault) for name, fam in families().items() for fault in fam.faults]
 
@@ -43,6 +43,6 @@ def test_selftest_fails_when_a_fault_is_mislocated(monkeypatch, capsys):
     """A catalogue entry expecting the wrong node must turn the selftest red (exit 1)."""
     fam = get_family("olmo3")
     wrong = dataclasses.replace(fam.faults[0], expected="model.layers.1.self_attn.q_norm")
-    monkeypatch.setattr("parity.registry.get_family", lambda name: dataclasses.replace(fam, faults=(wrong,)))
+    monkeypatch.setattr("parity.model.registry.get_family", lambda name: dataclasses.replace(fam, faults=(wrong,)))
     assert main(["selftest", "olmo3"]) == 1
     assert "chained: expected model.layers.1.self_attn.q_norm, found model.layers.0.self_attn.q_norm" in capsys.readouterr().out

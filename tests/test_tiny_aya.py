@@ -10,12 +10,12 @@ import torch
 
 import parity
 from parity.cli import main
-from parity.errors import ConfigError, LoaderError
+from parity.util.errors import ConfigError, LoaderError
 from reference_pairs.common.blocks import ParallelBlock
 from reference_pairs.common.norms import LayerNorm, RMSNorm
 from reference_pairs.tiny_aya import CONFIGS, FAMILY, TinyAyaModel, build_pair, load_weights_into_tiny_aya
 from reference_pairs.tiny_aya.configs import FULL, SLIDING
-from reference_pairs.tiny_aya.pair import to_hf
+from reference_pairs.tiny_aya.family import to_hf
 
 NODES_PER_LAYER = len(FAMILY.nodes.per_layer)
 
@@ -50,9 +50,9 @@ def sequential_forward(self, x, cos, sin, padding_mask=None, cache=None):
 def test_parity_from_random_config(overrides):
     pair = build_pair("tiny", seed=len(overrides), **overrides)
     res = assert_holds(pair)
-    assert pair.cfg["layer_types"] == [SLIDING, SLIDING, SLIDING, FULL]
+    assert pair.source.cfg["layer_types"] == [SLIDING, SLIDING, SLIDING, FULL]
     assert len(res.nodes) == len(pair.nodes) == 1 + NODES_PER_LAYER * 4 + 3
-    assert res.meta["seq_len"] > pair.cfg["sliding_window"]
+    assert res.meta["seq_len"] > pair.source.cfg["sliding_window"]
     assert not res.notes
 
 
@@ -61,7 +61,7 @@ def test_parity_from_saved_checkpoint(sharded, checkpoint_of):
     directory = checkpoint_of(build_pair("tiny", seed=3), sharded=sharded)
     assert (len(list(directory.glob("*.safetensors"))) > 1) == sharded
     pair = build_pair(checkpoint=directory)
-    assert pair.cfg == CONFIGS["tiny"]()
+    assert pair.source.cfg == CONFIGS["tiny"]()
     assert_holds(pair)
     assert pair.ours.out_head.weight is pair.ours.tok_emb.weight
     assert pair.ours.blocks[1].ff.fc1.weight.data_ptr() == pair.reference.model.layers[1].mlp.gate_proj.weight.data_ptr()
@@ -89,7 +89,7 @@ def test_parity_in_bfloat16_with_a_batch():
 def test_reference_semantics_parallel_block_nope_full_layers_and_window():
     """mlp@input is the normalized input; full layers' q_rot is the unrotated q_proj; sliding
     layers see a window of 4, the full layer is causal only."""
-    from parity.check import trace_pair
+    from parity.run.stages import trace_pair
 
     pair = build_pair("tiny")
     ref, _ = trace_pair(pair, pair.make_inputs(16))
@@ -124,7 +124,7 @@ def test_sequential_residual_is_found_at_mlp_input():
 def test_rmsnorm_instead_of_layernorm_is_found_at_input_layernorm():
     pair = build_pair("tiny")
     norm = pair.ours.blocks[0].input_layernorm
-    rms = RMSNorm(pair.cfg["emb_dim"], eps=norm.eps)
+    rms = RMSNorm(pair.source.cfg["emb_dim"], eps=norm.eps)
     rms.weight = norm.weight
     pair.ours.blocks[0].input_layernorm = rms
     assert first_bad(pair).name == "model.layers.0.input_layernorm"
@@ -134,13 +134,13 @@ def test_half_split_rope_is_found_at_first_sliding_q_rot():
     pair = build_pair("tiny")
     for block in pair.ours.blocks:
         block.att.interleaved_rope = False  # Llama's rotate-half and concatenated tables
-    first_sliding = pair.cfg["layer_types"].index(SLIDING)
+    first_sliding = pair.source.cfg["layer_types"].index(SLIDING)
     assert first_bad(pair).name == f"model.layers.{first_sliding}.self_attn.q_rot"
 
 
 def test_rope_on_the_full_layer_is_found_at_its_q_rot():
     pair = build_pair("tiny")
-    full = pair.cfg["layer_types"].index(FULL)
+    full = pair.source.cfg["layer_types"].index(FULL)
     params = pair.ours.rope_parameters()
     pair.ours.rope_parameters = lambda: {**params, FULL: params[SLIDING]}  # full layers rotate too
     assert first_bad(pair).name == f"model.layers.{full}.self_attn.q_rot"
@@ -166,7 +166,7 @@ def fresh(cfg):
 
 def test_loader_keeps_tied_embeddings_one_parameter():
     pair = build_pair("tiny")
-    cfg, sd = pair.cfg, dict(pair.reference.state_dict())
+    cfg, sd = pair.source.cfg, dict(pair.reference.state_dict())
     model = fresh(cfg)
     loaded = load_weights_into_tiny_aya(model, cfg, sd)
     assert model.out_head.weight is model.tok_emb.weight
@@ -190,7 +190,7 @@ def test_loader_rejects_bad_state_dict_naming_the_key(damage, key):
     sd = dict(pair.reference.state_dict())
     damage(sd)
     with pytest.raises(LoaderError, match=key.replace(".", r"\.")):
-        load_weights_into_tiny_aya(fresh(pair.cfg), pair.cfg, sd)
+        load_weights_into_tiny_aya(fresh(pair.source.cfg), pair.source.cfg, sd)
 
 
 # --- configs ------------------------------------------------------------------------------------
@@ -241,7 +241,7 @@ def test_legacy_config_json_form_is_read_as_transformers_reads_it(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     pair = build_pair(str(path))
-    assert pair.cfg == CONFIGS["tiny"]()
+    assert pair.source.cfg == CONFIGS["tiny"]()
     assert_holds(pair)
 
 
@@ -272,6 +272,6 @@ def test_cli_fault_exit_1(tmp_path, monkeypatch, capsys):
 @pytest.mark.slow
 def test_parity_3b_shape():
     pair = build_pair("3b-shape")
-    assert (pair.cfg["emb_dim"], pair.cfg["n_heads"], pair.cfg["n_kv_heads"], pair.cfg["vocab_size"]) == (2048, 16, 4, 262_144)
+    assert (pair.source.cfg["emb_dim"], pair.source.cfg["n_heads"], pair.source.cfg["n_kv_heads"], pair.source.cfg["vocab_size"]) == (2048, 16, 4, 262_144)
     res = assert_holds(pair)
     assert any("logit_scale is 1.0" in note for note in res.notes)

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from parity import traces
+from parity import golden as traces
 from parity.cli import main
 from parity.report.tables import result_schema
 
@@ -101,7 +101,8 @@ def test_trace_is_versioned_schema_valid_and_readable_without_parity(golden):
 
 def test_trace_holds_what_parity_check_traces(golden):
     """The same nodes, the same bits, as the reference trace of `parity check llama3`."""
-    from parity.check import plan, trace_reference
+    from parity.run.plan import plan
+    from parity.run.stages import trace_reference
     from reference_pairs.llama3 import build_pair
 
     pair = build_pair("tiny")

@@ -20,10 +20,11 @@ from pathlib import Path
 from jinja2 import Environment, PackageLoader, select_autoescape
 from markupsafe import Markup
 
-from ..compare import STATUSES, first_mismatch
-from . import plots
-from .atomic import atomic_write
-from .tables import result_dict, tolerance_ratio
+from parity.compare.metrics import STATUSES
+from parity.compare.results import first_mismatch
+from parity.report import plots
+from parity.report.tables import result_dict, tolerance_ratio
+from parity.util.files import atomic_write
 
 _env = Environment(
     loader=PackageLoader("parity.report", "templates"),

@@ -22,7 +22,7 @@ import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
 
-from .atomic import atomic_write
+from parity.util.files import atomic_write
 
 #: characters XML 1.0 cannot hold at all (a name or message with them would make the file unreadable)
 _NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")

@@ -25,7 +25,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-from .tables import tolerance_ratio
+from parity.report.tables import tolerance_ratio
 
 #: log10(max_abs / tolerance) below this is drawn at the floor (an exact match is -inf)
 LOG_FLOOR = -6.0

@@ -19,7 +19,7 @@ detail     why a node could not be compared, or where non-finite values are
 rel_l2     ``||ours - ref|| / ||ref||``
 atol_needed / rtol_needed   smallest atol (at this rtol) / rtol (at this atol) that would pass
 tol_source where atol/rtol came from: default:<dtype>, run, pattern:<glob>, calibrated, exact
-hint_kind  the hint's kind (see parity.hints.KINDS), empty without a hint
+hint_kind  the hint's kind (see parity.diagnose.hints.KINDS), empty without a hint
 =========  ==============================================================
 
 Empty cells: a metric that does not exist for the node (missing, shape mismatch, all non-finite).
@@ -28,8 +28,8 @@ result.json is ``result_dict``: ``version`` (:data:`RESULT_VERSION`), ``passed``
 ``first_mismatch``, ``meta`` (the run: family, config, checkpoint and its sha256, dtype, sizes,
 seed, mode, tolerances, torch/transformers versions, time), ``notes``, ``counts`` (nodes per
 status), ``nodes`` (NodeResult fields; ``index`` is the CSV's ``order``, shapes are lists),
-``isolated``, ``profile`` and ``logits`` (see :mod:`parity.analysis`), ``coverage`` (what the
-loader did with the checkpoint, see :mod:`parity.coverage`; null without a checkpoint). It is strict JSON: a
+``isolated``, ``profile`` and ``logits`` (see :mod:`parity.diagnose.profile`), ``coverage`` (what the
+loader did with the checkpoint, see :mod:`parity.build.coverage`; null without a checkpoint). It is strict JSON: a
 non-finite number (an infinite ``rtol_needed``, an error profile entry at a NaN) is written as
 ``null``. ``result.schema.json`` next to this module is its JSON Schema (:func:`result_schema`).
 """
@@ -44,7 +44,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from .atomic import atomic_write
+from parity.util.files import atomic_write
 
 COLUMNS = [
     "order", "name", "layer", "kind", "status", "shape_ours", "shape_ref", "dtype",

@@ -1,12 +1,13 @@
 """Fault injections shared by families (GQA head expansion, norm swaps...). Each mutates one pair's
-own objects only; see :class:`parity.faults.Fault`."""
+own objects only; see :class:`parity.selftest.faults.Fault`."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from parity.pair import Pair
+from parity.model.pair import Pair
+from parity.selftest.faults import Fault
 
 from .norms import RMSNorm
 
@@ -83,6 +84,31 @@ def mask_with_neg_inf(pair: Pair) -> None:
 
 #: the padded batch F10 needs: rows after the first start with 5 padding tokens
 LEFT_PADDED = (("batch_size", 3), ("left_pad", 5))
+
+
+# --- catalogue entries every family with that part has (one per handed case) -------------------------
+
+
+def f07_repeat_kv(attention: str, config: str = "tiny", layer: int | str = 0, scope: str = "*") -> Fault:
+    """F07: K/V heads tiled instead of repeat-interleaved, first seen at ``attention``'s ``scores``
+    (``attention`` a template with ``{}`` for the layer: ``model.layers.{}.self_attn``)."""
+    return Fault("F07", "K/V heads expanded with repeat instead of repeat_interleave", config, expand_kv_with_repeat,
+                 f"{attention.format(layer)}.scores", "head_mapping", scope=attention.format(scope), source="onnx #7274")
+
+
+def f08_untied_head(config: str = "tiny", why: str = "") -> Fault:
+    """F08: the output head its own Parameter, never loaded or tied (``why``: what the family's real
+    models do, said in the description)."""
+    return Fault("F08", "output head its own Parameter, never loaded or tied" + (f" ({why})" if why else ""), config,
+                 untie_head, "lm_head", "untied_head", source="tinygrad #13796")
+
+
+def f10_masked_neg_inf(attention: str, config: str = "tiny", layer: int | str = 0, scope: str = "*") -> Fault:
+    """F10: masked scores filled with -inf, so a left-padded row with no real key gives NaN at
+    ``attention``'s ``probs`` (a padded batch)."""
+    return Fault("F10", "masked scores filled with -inf: fully masked (left-pad) query rows give NaN", config,
+                 mask_with_neg_inf, f"{attention.format(layer)}.probs", "nonfinite", scope=f"{attention.format(scope)}.probs",
+                 source="unsloth #9848", check_kwargs=LEFT_PADDED)
 
 
 # --- KV-cache faults (decode checks) ----------------------------------------------------------------

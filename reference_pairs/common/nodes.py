@@ -4,7 +4,7 @@ own). Order within a list does not matter: nodes are compared in the reference's
 
 from __future__ import annotations
 
-from parity.family import Node
+from parity.model.family import Node
 
 EMBED = [("model.embed_tokens", "tok_emb")]
 #: :class:`~reference_pairs.common.attention.GroupedQueryAttention` and its taps
@@ -45,7 +45,7 @@ FINAL = [("model.norm", "final_norm"), ("lm_head", "out_head")]
 #: :class:`~reference_pairs.common.linear_attention.GatedDeltaNet`: the projections, the gated norm
 #: and ``out_proj`` are modules on both sides; what the reference computes inside its kernel
 #: functions (conv output, beta, g, q/k after the L2 norm, the delta rule's output and final state)
-#: is captured by :mod:`parity.hf_kernels`, ours by taps of the same names
+#: is captured by :mod:`parity.record.hf_kernels`, ours by taps of the same names
 GATED_DELTANET = [
     (f"model.layers.{{i}}.linear_attn.{name}", f"blocks.{{i}}.att.{name}")
     for name in (
@@ -58,7 +58,7 @@ GATED_DELTANET = [
 #: are the module's node, the chosen experts (compared exactly, a different choice reported with the
 #: reference's logit margin) and their weights its outputs 2 and 1. ``mlp.experts.{e}`` is expert
 #: ``e``'s unweighted output on the tokens routed to it (zero elsewhere; captured by
-#: :mod:`parity.hf_capture`), ``mlp.experts`` the weighted sum.
+#: :mod:`parity.record.hf_capture`), ``mlp.experts`` the weighted sum.
 MOE = [
     Node("model.layers.{i}.mlp.gate", "blocks.{i}.ff.gate", sparse=True),
     Node("model.layers.{i}.mlp.router.experts", "blocks.{i}.ff.router.experts", reference="model.layers.{i}.mlp.gate#2",

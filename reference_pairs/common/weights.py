@@ -1,11 +1,11 @@
 """Weight-table entries every family shares: checkpoint key template -> our parameter path (``{i}`` =
-layer), applied by :func:`parity.weights.apply_weight_table`. A family's table is these plus what
+layer), applied by :func:`parity.model.weights.apply_weight_table`. A family's table is these plus what
 differs (its norms); entries for parts a config may lack (biases, an untied head) are harmless when
 both sides lack them."""
 
 from __future__ import annotations
 
-from parity.weights import Split
+from parity.model.weights import Split
 
 EMBED = {"model.embed_tokens.weight": "tok_emb.weight"}
 #: :class:`~reference_pairs.common.attention.GroupedQueryAttention` (biases only where the config has them)

@@ -7,9 +7,13 @@ import types
 
 import torch
 
-from parity.faults import Fault
+from parity.selftest.faults import Fault
 
-from ..common.faults import LEFT_PADDED, expand_kv_with_repeat, mask_with_neg_inf, untie_head
+from ..common.faults import (
+    f07_repeat_kv,
+    f08_untied_head,
+    f10_masked_neg_inf,
+)
 from ..common.norms import RMSNorm
 from .model import FULL, SLIDING
 
@@ -116,11 +120,7 @@ FAULTS = (
           f"{ATT.format(0)}.probs", "sliding_window", scope=f"{ATT.format('[0-4]')}.probs"),
     Fault("final-softcap-dropped", "final logit soft-cap (30) not applied", "linear", _no_final_softcap, "logits",
           "softcap"),
-    Fault("F07", "K/V heads expanded with repeat instead of repeat_interleave", "linear", expand_kv_with_repeat,
-          f"{ATT.format(0)}.scores", "head_mapping", scope=ATT.format("*"), source="onnx #7274"),
-    Fault("F08", "output head its own Parameter, never loaded or tied", "tiny", untie_head, "lm_head", "untied_head",
-          source="tinygrad #13796"),
-    Fault("F10", "masked scores filled with -inf: fully masked (left-pad) query rows give NaN", "tiny",
-          mask_with_neg_inf, f"{ATT.format(0)}.probs", "nonfinite", scope=f"{ATT.format('*')}.probs",
-          source="unsloth #9848", check_kwargs=LEFT_PADDED),
+    f07_repeat_kv(ATT, "linear"),
+    f08_untied_head(),
+    f10_masked_neg_inf(ATT),
 )

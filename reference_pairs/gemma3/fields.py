@@ -1,9 +1,9 @@
 """Gemma 3 config fields: the values generated configs draw, and where a wrong value must show
-(``parity selftest gemma3 --fields``; see :mod:`parity.fields`)."""
+(``parity selftest gemma3 --fields``; see :mod:`parity.model.fields`)."""
 
 from __future__ import annotations
 
-from parity.fields import Field, choice, floats, ints, multiple_of, pattern
+from parity.model.fields import Field, choice, floats, ints, multiple_of, pattern
 
 from ..common.layer_types import FULL, SLIDING
 

@@ -2,8 +2,8 @@
 ``Gemma4ForCausalLM``."""
 
 from .configs import CONFIGS
+from .family import FAMILY, build_pair
 from .loader import load_weights_into_gemma4
 from .model import Gemma4Model
-from .pair import FAMILY, build_pair
 
 __all__ = ["CONFIGS", "FAMILY", "Gemma4Model", "build_pair", "load_weights_into_gemma4"]

@@ -7,9 +7,13 @@ import types
 
 import torch
 
-from parity.faults import Fault
+from parity.selftest.faults import Fault
 
-from ..common.faults import LEFT_PADDED, expand_kv_with_repeat, mask_with_neg_inf, untie_head
+from ..common.faults import (
+    f07_repeat_kv,
+    f08_untied_head,
+    f10_masked_neg_inf,
+)
 from ..common.norms import RMSNorm
 from .model import FULL
 
@@ -39,7 +43,7 @@ def _embedding_scale_in_float32(pair):
 def _full_layers_rope(params: dict):
     def inject(pair):
         correct = pair.ours.rope_parameters
-        pair.ours.rope_parameters = lambda: {**correct(), FULL: {**params, "rope_theta": pair.cfg["rope_base"]}}
+        pair.ours.rope_parameters = lambda: {**correct(), FULL: {**params, "rope_theta": pair.source.cfg["rope_base"]}}
 
     return inject
 
@@ -48,7 +52,7 @@ def _rotary_dims_paired_among_themselves(pair):
     """Full layers rotate their first ``partial * head_dim`` dims as a head of their own, pairing
     ``(i, i + rotary_dim/2)``, with the right frequencies: proportional RoPE built as ordinary partial
     rotary, its frequency table not padded with zeros to head_dim / 2 (Megatron-Bridge #4195)."""
-    ours, n = pair.ours, int(pair.cfg["rope_global_partial_rotary_factor"] * pair.cfg["global_head_dim"] // 2)
+    ours, n = pair.ours, int(pair.source.cfg["rope_global_partial_rotary_factor"] * pair.source.cfg["global_head_dim"] // 2)
     tables = ours.rope_tables
 
     def rope_tables(positions, device, dtype):
@@ -161,11 +165,7 @@ FAULTS = (
           "model.layers.0", "scale", scope="model.layers.[0-9]"),
     Fault("final-softcap-dropped", "final logit soft-cap (30) not applied", "tiny", _no_final_softcap, "logits",
           "softcap"),
-    Fault("F07", "K/V heads expanded with repeat instead of repeat_interleave", "k-eq-v", expand_kv_with_repeat,
-          f"{ATT.format(0)}.scores", "head_mapping", scope=ATT.format("*"), source="onnx #7274"),
-    Fault("F08", "output head its own Parameter, never loaded or tied", "tiny", untie_head, "lm_head", "untied_head",
-          source="tinygrad #13796"),
-    Fault("F10", "masked scores filled with -inf: fully masked (left-pad) query rows give NaN", "tiny",
-          mask_with_neg_inf, f"{ATT.format(0)}.probs", "nonfinite", scope=f"{ATT.format('*')}.probs",
-          source="unsloth #9848", check_kwargs=LEFT_PADDED),
+    f07_repeat_kv(ATT, "k-eq-v"),
+    f08_untied_head(),
+    f10_masked_neg_inf(ATT),
 )

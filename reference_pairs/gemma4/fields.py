@@ -1,11 +1,11 @@
 """Gemma 4 config fields: the values generated configs draw, and where a wrong value must show
-(``parity selftest gemma4 --fields``; see :mod:`parity.fields`). Fields that change a weight's shape
+(``parity selftest gemma4 --fields``; see :mod:`parity.model.fields`). Fields that change a weight's shape
 or drop a weight (per-layer head_dim, KV sharing, K = V, the double-wide FFN, per-layer inputs) can
 only be seen by the loader: ours and the reference's checkpoint no longer fit."""
 
 from __future__ import annotations
 
-from parity.fields import Domain, Field, choice, floats, ints, multiple_of, relative
+from parity.model.fields import Domain, Field, choice, floats, ints, multiple_of, relative
 
 from ..common.layer_types import FULL, SLIDING
 from .model import kv_sources

@@ -7,14 +7,8 @@ K = V layer no ``v_proj``, a model without per-layer inputs none of their tensor
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
-import torch
-
-from parity.weights import apply_weight_table
-
+from ..common.builders import table_loader
 from ..common.weights import ATTENTION, EMBED, FINAL, MLP, QK_NORM, SANDWICH_NORMS
-from .model import Gemma4Model
 
 PER_LAYER_INPUTS = {
     "model.embed_tokens_per_layer.weight": "embed_tokens_per_layer.weight",
@@ -36,13 +30,4 @@ WEIGHT_MAP = {
 }
 
 
-def load_weights_into_gemma4(model: Gemma4Model, cfg: dict, state_dict: Mapping[str, torch.Tensor]) -> dict[str, str]:
-    """Assign Transformers-named tensors to ``model`` without copying (the tied head stays tied).
-
-    Returns the consumed checkpoint keys -> our parameter paths.
-
-    Raises:
-        LoaderError: naming every missing, unused or mis-shaped key and every parameter of ours left
-            unwritten.
-    """
-    return apply_weight_table(model, state_dict, WEIGHT_MAP)
+load_weights_into_gemma4 = table_loader("gemma4", WEIGHT_MAP)

@@ -2,8 +2,8 @@
 with ``GPT2LMHeadModel``."""
 
 from .configs import CONFIGS
+from .family import FAMILY, build_pair
 from .loader import load_weights_into_gpt
 from .model import GPTModel
-from .pair import FAMILY, build_pair
 
 __all__ = ["CONFIGS", "FAMILY", "GPTModel", "build_pair", "load_weights_into_gpt"]

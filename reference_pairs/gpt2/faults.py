@@ -9,9 +9,9 @@ import types
 from torch import nn
 from torch.nn import functional as F
 
-from parity.faults import Fault
+from parity.selftest.faults import Fault
 
-from ..common.faults import LEFT_PADDED, mask_with_neg_inf, rms_instead_of, untie_head
+from ..common.faults import f08_untied_head, f10_masked_neg_inf, rms_instead_of
 
 H = "transformer.h.{}"
 
@@ -20,7 +20,7 @@ def _untransposed_c_proj(pair):
     """A loader that forgets to transpose the attention's ``c_proj`` (Conv1D ``(in, out)``): square,
     so it loads without a shape error (the non-square c_attn, c_fc and mlp.c_proj would not)."""
     for i, block in enumerate(pair.ours.blocks):
-        stored = pair.state_dict[f"{H.format(i)}.attn.c_proj.weight"]
+        stored = pair.loading.state_dict[f"{H.format(i)}.attn.c_proj.weight"]
         block.att.out_proj.weight = nn.Parameter(stored, requires_grad=False)
 
 
@@ -71,9 +71,6 @@ FAULTS = (
           "transformer.wpe", "position_offset"),
     Fault("rmsnorm-for-layernorm", "ln_1 of layer 1 computed as RMSNorm (no mean subtraction, no bias)", "tiny",
           _rmsnorm_for_layernorm(1), f"{H.format(1)}.ln_1", "norm_kind"),
-    Fault("F08", "output head its own Parameter, never loaded or tied", "tiny", untie_head, "lm_head", "untied_head",
-          source="tinygrad #13796"),
-    Fault("F10", "masked scores filled with -inf: fully masked (left-pad) query rows give NaN", "tiny",
-          mask_with_neg_inf, f"{H.format(0)}.attn.probs", "nonfinite", scope=f"{H.format('*')}.attn.probs",
-          source="unsloth #9848", check_kwargs=LEFT_PADDED),
+    f08_untied_head(),
+    f10_masked_neg_inf(H + ".attn"),
 )

@@ -1,9 +1,9 @@
 """GPT-2 config fields: the values generated configs draw, and where a wrong value must show
-(``parity selftest gpt2 --fields``; see :mod:`parity.fields`)."""
+(``parity selftest gpt2 --fields``; see :mod:`parity.model.fields`)."""
 
 from __future__ import annotations
 
-from parity.fields import Field, choice, floats, ints, multiple_of
+from parity.model.fields import Field, choice, floats, ints, multiple_of
 
 H = "transformer.h.{}"
 

@@ -2,7 +2,7 @@
 
 The map is data: checkpoint key template -> our parameter path template (``{i}`` = layer). Every
 projection of GPT-2 is a Transformers ``Conv1D`` whose weight is stored ``(in, out)``, the
-transpose of ``nn.Linear``'s ``(out, in)``: those entries are :class:`~parity.weights.Transposed`
+transpose of ``nn.Linear``'s ``(out, in)``: those entries are :class:`~parity.model.weights.Transposed`
 (ours gets a transposed view, no copy; loader coverage lists each transpose). The fused ``c_attn``
 (q, k, v side by side) lands whole in ``W_qkv``. The book (ch. 5.5) splits it into ``W_query``,
 ``W_key``, ``W_value`` instead; see ``GPTModel`` for why ours keeps it fused.
@@ -10,13 +10,9 @@ transpose of ``nn.Linear``'s ``(out, in)``: those entries are :class:`~parity.we
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from parity.model.weights import Transposed
 
-import torch
-
-from parity.weights import Transposed, apply_weight_table
-
-from .model import GPTModel
+from ..common.builders import table_loader
 
 BLOCK = "transformer.h.{i}"
 WEIGHT_MAP = {
@@ -37,12 +33,4 @@ WEIGHT_MAP = {
 }
 
 
-def load_weights_into_gpt(model: GPTModel, cfg: dict, state_dict: Mapping[str, torch.Tensor]) -> dict[str, str]:
-    """Assign Transformers-named tensors to ``model`` without copying (Conv1D weights as transposed
-    views; the tied head stays ``tok_emb.weight``). Returns the consumed keys -> our parameter paths.
-
-    Raises:
-        LoaderError: naming every missing, unused or mis-shaped key and every parameter of ours left
-            unwritten (a Conv1D weight loaded untransposed into a non-square Linear is a shape mismatch).
-    """
-    return apply_weight_table(model, state_dict, WEIGHT_MAP)
+load_weights_into_gpt = table_loader("gpt", WEIGHT_MAP)

@@ -1,6 +1,6 @@
 """Llama 2: the llama3 family's model and loader with Llama 2's configs (MHA, plain RoPE, untied head)."""
 
 from .configs import CONFIGS
-from .pair import FAMILY, build_pair
+from .family import FAMILY, build_pair
 
 __all__ = ["CONFIGS", "FAMILY", "build_pair"]

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from parity.faults import Fault
+from parity.selftest.faults import Fault
 
-from ..common.faults import LEFT_PADDED, mask_with_neg_inf, to_interleaved_rows, untie_head
+from ..common.faults import f08_untied_head, f10_masked_neg_inf, to_interleaved_rows
 
 ATT = "model.layers.{}.self_attn"
 
@@ -16,7 +16,7 @@ ATT = "model.layers.{}.self_attn"
 def _meta_qk_layout(pair):
     """q_proj and k_proj in Meta's original layout (RoPE pairs interleaved, 2i with 2i + 1), loaded
     without the un-permute ``convert_llama_weights_to_hf.py`` applies: rows move within each head."""
-    cfg = pair.cfg
+    cfg = pair.source.cfg
     for block in pair.ours.blocks:
         att = block.att
         for name, heads in (("W_query", cfg["n_heads"]), ("W_key", cfg["n_kv_heads"])):
@@ -35,9 +35,6 @@ FAULTS = (
           scope=f"{ATT.format('*')}.[qk]_proj"),
     Fault("llama3-theta", "rope_theta 500000 (Llama 3's) instead of Llama 2's 10000", "tiny", _llama3_theta,
           f"{ATT.format(0)}.q_rot", "rope_theta", scope=f"{ATT.format('*')}.[qk]_rot"),
-    Fault("F08", "output head its own Parameter, never loaded", "tiny", untie_head, "lm_head", "untied_head",
-          source="tinygrad #13796"),
-    Fault("F10", "masked scores filled with -inf: fully masked (left-pad) query rows give NaN", "tiny",
-          mask_with_neg_inf, f"{ATT.format(0)}.probs", "nonfinite", scope=f"{ATT.format('*')}.probs",
-          source="unsloth #9848", check_kwargs=LEFT_PADDED),
+    f08_untied_head(),
+    f10_masked_neg_inf(ATT),
 )

@@ -9,17 +9,17 @@ import types
 import torch
 from torch import nn
 
-from parity.faults import Fault
+from parity.selftest.faults import Fault
 
 from ..common.faults import (
     DECODE,
     LEFT_PADDED,
     cached_mask_sees_one_ahead,
-    expand_kv_with_repeat,
-    mask_with_neg_inf,
+    f07_repeat_kv,
+    f08_untied_head,
+    f10_masked_neg_inf,
     to_half_split_rows,
     to_interleaved_rows,
-    untie_head,
 )
 
 ATT = "model.layers.{}.self_attn"
@@ -32,7 +32,7 @@ def _skip_llama3_scaling(pair):
 def _k_permuted_by_query_heads(pair):
     """A converter that un-permutes k_proj correctly (KV heads) but re-permutes it grouping by query
     heads (transformers #31788): rows move, values stay."""
-    cfg, att = pair.cfg, pair.ours.blocks[0].att
+    cfg, att = pair.source.cfg, pair.ours.blocks[0].att
     meta = to_interleaved_rows(att.W_key.weight.detach(), cfg["n_kv_heads"])
     att.W_key.weight = nn.Parameter(to_half_split_rows(meta, cfg["n_heads"]), requires_grad=False)
 
@@ -93,13 +93,9 @@ FAULTS = (
           f"{ATT.format(0)}.q_rot", "rope_scaling", scope=f"{ATT.format('*')}.[qk]_rot"),
     Fault("F02", "k_proj rows (un)permuted for RoPE grouped by query heads instead of KV heads", "tiny",
           _k_permuted_by_query_heads, f"{ATT.format(0)}.k_proj", "weight_permutation", source="transformers #31788"),
-    Fault("F07", "K/V heads expanded with repeat instead of repeat_interleave", "tiny", expand_kv_with_repeat,
-          f"{ATT.format(0)}.scores", "head_mapping", scope=ATT.format("*"), source="onnx #7274"),
-    Fault("F08", "output head its own Parameter, never loaded or tied", "tiny", untie_head, "lm_head",
-          "untied_head", source="tinygrad #13796"),
-    Fault("F10", "masked scores filled with -inf: fully masked (left-pad) query rows give NaN", "tiny",
-          mask_with_neg_inf, f"{ATT.format(0)}.probs", "nonfinite", scope=f"{ATT.format('*')}.probs",
-          source="unsloth #9848", check_kwargs=LEFT_PADDED),
+    f07_repeat_kv(ATT),
+    f08_untied_head(),
+    f10_masked_neg_inf(ATT),
     Fault("F12", "every RMSNorm's variance_epsilon 1e-6 while the config says 1e-5", "tiny", _reference_eps(1e-6),
           "model.layers.0.input_layernorm", "norm_eps", scope="model.*norm", source="candle #271"),
     Fault("F13", "RoPE inverse frequencies rounded to bfloat16 (bfloat16 pair)", "tiny", _reference_inv_freq_in_bf16,

@@ -6,14 +6,8 @@ keys are those of ``LlamaForCausalLM`` and of Meta's Hugging Face checkpoints (t
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
-import torch
-
-from parity.weights import apply_weight_table
-
+from ..common.builders import table_loader
 from ..common.weights import ATTENTION, EMBED, FINAL, MLP
-from .model import Llama3Model
 
 WEIGHT_MAP = {
     **EMBED,
@@ -25,14 +19,4 @@ WEIGHT_MAP = {
 }
 
 
-def load_weights_into_llama3(model: Llama3Model, cfg: dict, state_dict: Mapping[str, torch.Tensor]) -> dict[str, str]:
-    """Assign Transformers-named tensors to ``model`` without copying; with a tied head,
-    ``model.out_head.weight`` stays the same Parameter as ``model.tok_emb.weight``.
-
-    Returns the consumed checkpoint keys -> our parameter paths.
-
-    Raises:
-        LoaderError: naming every missing, unused or mis-shaped key and every parameter of ours left
-            unwritten.
-    """
-    return apply_weight_table(model, state_dict, WEIGHT_MAP)
+load_weights_into_llama3 = table_loader("llama3", WEIGHT_MAP)

@@ -2,6 +2,6 @@
 ``MistralForCausalLM``."""
 
 from .configs import CONFIGS
-from .pair import FAMILY, build_pair
+from .family import FAMILY, build_pair
 
 __all__ = ["CONFIGS", "FAMILY", "build_pair"]

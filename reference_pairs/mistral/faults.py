@@ -3,9 +3,9 @@ Llama port that has none) and shared/cases F07, F10. Each fault changes our modu
 
 from __future__ import annotations
 
-from parity.faults import Fault
+from parity.selftest.faults import Fault
 
-from ..common.faults import LEFT_PADDED, expand_kv_with_repeat, mask_with_neg_inf
+from ..common.faults import f07_repeat_kv, f10_masked_neg_inf
 
 ATT = "model.layers.{}.self_attn"
 
@@ -27,9 +27,6 @@ FAULTS = (
           f"{ATT.format(0)}.probs", "sliding_window", scope=f"{ATT.format('*')}.probs"),
     Fault("no-window", "no sliding window: full causal attention (Mistral run as a Llama)", "tiny", _no_window,
           f"{ATT.format(0)}.probs", "sliding_window", scope=f"{ATT.format('*')}.probs"),
-    Fault("F07", "K/V heads expanded with repeat instead of repeat_interleave", "tiny", expand_kv_with_repeat,
-          f"{ATT.format(0)}.scores", "head_mapping", scope=ATT.format("*"), source="onnx #7274"),
-    Fault("F10", "masked scores filled with -inf: fully masked (left-pad) query rows give NaN", "tiny",
-          mask_with_neg_inf, f"{ATT.format(0)}.probs", "nonfinite", scope=f"{ATT.format('*')}.probs",
-          source="unsloth #9848", check_kwargs=LEFT_PADDED),
+    f07_repeat_kv(ATT),
+    f10_masked_neg_inf(ATT),
 )

@@ -1,9 +1,9 @@
 """Mistral config fields: the values generated configs draw, and where a wrong value must show
-(``parity selftest mistral --fields``; see :mod:`parity.fields`)."""
+(``parity selftest mistral --fields``; see :mod:`parity.model.fields`)."""
 
 from __future__ import annotations
 
-from parity.fields import Field, choice, floats, ints, multiple_of
+from parity.model.fields import Field, choice, floats, ints, multiple_of
 
 ATT = "model.layers.{}.self_attn"
 

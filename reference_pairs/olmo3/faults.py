@@ -6,16 +6,15 @@ import types
 
 from torch import nn
 
-from parity.faults import Fault
+from parity.selftest.faults import Fault
 
 from ..common.faults import (
     DECODE,
-    LEFT_PADDED,
     PerHeadRMSNorm,
     cached_mask_sees_one_ahead,
     cached_positions_off_by_one,
-    expand_kv_with_repeat,
-    mask_with_neg_inf,
+    f07_repeat_kv,
+    f10_masked_neg_inf,
     sliding_cache_trimmed_as_if_one_token,
 )
 from .model import SLIDING
@@ -36,7 +35,7 @@ def _per_head_q_norm(pair):
 
 
 def _yarn_factor_twice(pair):
-    f = pair.cfg["rope_attention_factor"]
+    f = pair.source.cfg["rope_attention_factor"]
     pair.ours.cfg = {**pair.ours.cfg, "rope_attention_factor": f * f}
 
 
@@ -107,11 +106,8 @@ FAULTS = (
           f"{ATT.format(0)}.probs", "sliding_window", scope=f"{ATT.format('[012]')}.probs"),
     Fault("gate-up-swapped", "gate and up weights swapped in layer 1", "tiny", _swap_gate_up(1),
           "model.layers.1.mlp.gate_proj", "swapped_weights", scope="model.layers.1.mlp"),
-    Fault("F07", "K/V heads expanded with repeat instead of repeat_interleave", "tiny", expand_kv_with_repeat,
-          f"{ATT.format(0)}.scores", "head_mapping", scope=ATT.format("*"), source="onnx #7274"),
-    Fault("F10", "masked scores filled with -inf: fully masked (left-pad) query rows give NaN", "tiny",
-          mask_with_neg_inf, f"{ATT.format(0)}.probs", "nonfinite", scope=f"{ATT.format('*')}.probs",
-          source="unsloth #9848", check_kwargs=LEFT_PADDED),
+    f07_repeat_kv(ATT),
+    f10_masked_neg_inf(ATT),
     Fault("F17", "a loader transposes the square o_proj weight of layer 1", "tiny", _transposed_o_proj(1),
           f"{ATT.format(1)}.o_proj", "transposed_weight"),
     Fault("F11", "a sliding layer's cache trimmed as if one token arrived when a chunk of 4 does", "tiny",

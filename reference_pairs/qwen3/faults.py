@@ -3,9 +3,14 @@ reported in public projects (each naming its source)."""
 
 from __future__ import annotations
 
-from parity.faults import Fault
+from parity.selftest.faults import Fault
 
-from ..common.faults import LEFT_PADDED, WholeProjectionRMSNorm, expand_kv_with_repeat, mask_with_neg_inf, untie_head
+from ..common.faults import (
+    WholeProjectionRMSNorm,
+    f07_repeat_kv,
+    f08_untied_head,
+    f10_masked_neg_inf,
+)
 from ..common.layer_types import FULL, SLIDING
 
 ATT = "model.layers.{}.self_attn"
@@ -85,11 +90,7 @@ FAULTS = (
           f"{ATT.format(FIRST_SLIDING)}.probs", "sliding_window", scope=f"{ATT.format('*')}.probs"),
     Fault("gate-up-swapped", "gate and up weights swapped in layer 1", "tiny", _swap_gate_up(1),
           "model.layers.1.mlp.gate_proj", "swapped_weights", scope="model.layers.1.mlp"),
-    Fault("F07", "K/V heads expanded with repeat instead of repeat_interleave", "tiny", expand_kv_with_repeat,
-          f"{ATT.format(0)}.scores", "head_mapping", scope=ATT.format("*"), source="onnx #7274"),
-    Fault("F08", "output head its own Parameter, never loaded or tied (0.6B ties it)", "tiny", untie_head, "lm_head",
-          "untied_head", source="tinygrad #13796"),
-    Fault("F10", "masked scores filled with -inf: fully masked (left-pad) query rows give NaN", "tiny",
-          mask_with_neg_inf, f"{ATT.format(0)}.probs", "nonfinite", scope=f"{ATT.format('*')}.probs",
-          source="unsloth #9848", check_kwargs=LEFT_PADDED),
+    f07_repeat_kv(ATT),
+    f08_untied_head(why="0.6B ties it"),
+    f10_masked_neg_inf(ATT),
 )

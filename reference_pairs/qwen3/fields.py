@@ -1,9 +1,9 @@
 """Qwen3 (dense) config fields: the values generated configs draw, and where a wrong value must show
-(``parity selftest qwen3 --fields``; see :mod:`parity.fields`)."""
+(``parity selftest qwen3 --fields``; see :mod:`parity.model.fields`)."""
 
 from __future__ import annotations
 
-from parity.fields import Domain, Field, choice, floats, ints, multiple_of
+from parity.model.fields import Domain, Field, choice, floats, ints, multiple_of
 
 from ..common.layer_types import FULL, SLIDING
 from .configs import QWEN3_YARN

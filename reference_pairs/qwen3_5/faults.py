@@ -10,10 +10,10 @@ import types
 import torch
 from torch.nn import functional as F
 
-from parity.faults import Fault
+from parity.selftest.faults import Fault
 
 from ..common.cache import LinearAttentionCacheLayer
-from ..common.faults import LEFT_PADDED, expand_kv_with_repeat, mask_with_neg_inf
+from ..common.faults import LEFT_PADDED, f07_repeat_kv, f10_masked_neg_inf
 from ..common.linear_attention import l2norm
 
 FULL_LAYER = 3  # the full-attention layer of the tiny config
@@ -194,11 +194,8 @@ FAULTS = (
           f"{LIN.format(0)}.k_l2norm", "row_scale", scope=LIN.format(0)),
     Fault("chunk-state-off-by-one", "the state carried out of the first chunk misses the chunk's last token",
           "tiny", _state_misses_chunk_end, f"{LIN.format(0)}.delta_out", "chunk_boundary", scope=LIN.format(0)),
-    Fault("F07", "K/V heads expanded with repeat instead of repeat_interleave", "tiny", expand_kv_with_repeat,
-          f"{ATT.format(FULL_LAYER)}.scores", "head_mapping", scope=ATT.format(FULL_LAYER), source="onnx #7274"),
-    Fault("F10", "masked scores filled with -inf: fully masked (left-pad) query rows give NaN", "tiny",
-          mask_with_neg_inf, f"{ATT.format(FULL_LAYER)}.probs", "nonfinite", scope=f"{ATT.format(FULL_LAYER)}.probs",
-          source="unsloth #9848", check_kwargs=LEFT_PADDED),
+    f07_repeat_kv(ATT, config="tiny", layer=FULL_LAYER, scope=FULL_LAYER),
+    f10_masked_neg_inf(ATT, layer=FULL_LAYER, scope=FULL_LAYER),
     Fault("state-not-carried", "every prefill chunk runs the delta rule from a zero state (decode steps carry it)",
           "tiny", _state_not_carried, f"step1/{LIN.format(0)}.delta_out", "state_not_carried", check_kwargs=DECODE),
     Fault("conv-state-not-carried", "the conv of a call continuing the cache starts from zeros, not the cached inputs",

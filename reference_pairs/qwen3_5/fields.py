@@ -1,9 +1,9 @@
 """Qwen3.5 config fields: the values generated configs draw, and where a wrong value must show
-(``parity selftest qwen3_5 --fields``; see :mod:`parity.fields`)."""
+(``parity selftest qwen3_5 --fields``; see :mod:`parity.model.fields`)."""
 
 from __future__ import annotations
 
-from parity.fields import Field, choice, floats, ints, multiple_of, pattern
+from parity.model.fields import Field, choice, floats, ints, multiple_of, pattern
 
 from ..common.layer_types import FULL, LINEAR
 

@@ -7,14 +7,8 @@ neither side and are skipped.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
-import torch
-
-from parity.weights import apply_weight_table
-
+from ..common.builders import table_loader
 from ..common.weights import ATTENTION, EMBED, FINAL, GATED_DELTANET, MLP, QK_NORM
-from .model import Qwen3_5Model
 
 WEIGHT_MAP = {
     **EMBED,
@@ -28,13 +22,4 @@ WEIGHT_MAP = {
 }
 
 
-def load_weights_into_qwen3_5(model: Qwen3_5Model, cfg: dict, state_dict: Mapping[str, torch.Tensor]) -> dict[str, str]:
-    """Assign Transformers-named tensors to ``model`` without copying (a tied head stays tied).
-
-    Returns the consumed checkpoint keys -> our parameter paths.
-
-    Raises:
-        LoaderError: naming every missing, unused or mis-shaped key and every parameter of ours left
-            unwritten.
-    """
-    return apply_weight_table(model, state_dict, WEIGHT_MAP)
+load_weights_into_qwen3_5 = table_loader("qwen3_5", WEIGHT_MAP)

@@ -8,9 +8,9 @@ import types
 import torch
 from torch import nn
 
-from parity.faults import Fault
+from parity.selftest.faults import Fault
 
-from ..common.faults import expand_kv_with_repeat
+from ..common.faults import f07_repeat_kv
 from ..common.moe import Experts
 
 ATT = "model.layers.{}.self_attn"
@@ -100,6 +100,5 @@ FAULTS = (
           f"{MLP.format(0)}.router.experts", "routing", scope=f"{MLP.format('*')}.router.*"),
     Fault("router-rows-reversed", "the router's rows (one per expert) of layer 0 loaded in reverse order", "tiny-moe",
           _router_rows_reversed(0), f"{MLP.format(0)}.gate", "weight_permutation"),
-    Fault("F07", "K/V heads expanded with repeat instead of repeat_interleave", "tiny-moe", expand_kv_with_repeat,
-          f"{ATT.format(0)}.scores", "head_mapping", scope=ATT.format("*"), source="onnx #7274"),
+    f07_repeat_kv(ATT, "tiny-moe"),
 )

@@ -1,9 +1,9 @@
 """Qwen3-MoE config fields: the values generated configs draw, and where a wrong value must show
-(``parity selftest qwen3_moe --fields``; see :mod:`parity.fields`)."""
+(``parity selftest qwen3_moe --fields``; see :mod:`parity.model.fields`)."""
 
 from __future__ import annotations
 
-from parity.fields import Domain, Field, choice, ints
+from parity.model.fields import Domain, Field, choice, ints
 
 from ..qwen3.fields import shared_fields
 

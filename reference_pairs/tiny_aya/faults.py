@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import types
 
-from parity.faults import Fault
+from parity.selftest.faults import Fault
 
 from ..common.faults import (
     DECODE,
-    LEFT_PADDED,
-    expand_kv_with_repeat,
-    mask_with_neg_inf,
+    f07_repeat_kv,
+    f10_masked_neg_inf,
     rms_instead_of,
     sliding_cache_trimmed_as_if_one_token,
 )
@@ -64,11 +63,8 @@ FAULTS = (
           f"{ATT.format(FULL_LAYER)}.q_rot", "rope_unexpected", scope=f"{ATT.format(FULL_LAYER)}.[qk]_rot"),
     Fault("logit-scale-missing", "logits not multiplied by logit_scale", "tiny", _no_logit_scale,
           "logits", "logit_scale"),
-    Fault("F07", "K/V heads expanded with repeat instead of repeat_interleave", "tiny", expand_kv_with_repeat,
-          f"{ATT.format(0)}.scores", "head_mapping", scope=ATT.format("*"), source="onnx #7274"),
-    Fault("F10", "masked scores filled with -inf: fully masked (left-pad) query rows give NaN", "tiny",
-          mask_with_neg_inf, f"{ATT.format(0)}.probs", "nonfinite", scope=f"{ATT.format('*')}.probs",
-          source="unsloth #9848", check_kwargs=LEFT_PADDED),
+    f07_repeat_kv(ATT),
+    f10_masked_neg_inf(ATT),
     Fault("F11", "a sliding layer's cache trimmed as if one token arrived when a chunk of 4 does", "tiny",
           sliding_cache_trimmed_as_if_one_token, f"step0/{ATT.format(0)}.cache.keys", "cache_length",
           source="mlx-lm #1914", check_kwargs=DECODE),

@@ -6,14 +6,8 @@ Cohere 2 layer has a single norm (``input_layernorm``) feeding both branches, an
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
-import torch
-
-from parity.weights import apply_weight_table
-
+from ..common.builders import table_loader
 from ..common.weights import ATTENTION, EMBED, FINAL, MLP
-from .model import TinyAyaModel
 
 WEIGHT_MAP = {
     **EMBED,
@@ -24,14 +18,4 @@ WEIGHT_MAP = {
 }
 
 
-def load_weights_into_tiny_aya(model: TinyAyaModel, cfg: dict, state_dict: Mapping[str, torch.Tensor]) -> dict[str, str]:
-    """Assign Transformers-named tensors to ``model`` without copying; a tied head stays the very
-    Parameter ``tok_emb.weight``.
-
-    Returns the consumed checkpoint keys -> our parameter paths.
-
-    Raises:
-        LoaderError: naming every missing, unused or mis-shaped key and every parameter of ours left
-            unwritten.
-    """
-    return apply_weight_table(model, state_dict, WEIGHT_MAP)
+load_weights_into_tiny_aya = table_loader("tiny_aya", WEIGHT_MAP)

@@ -34,7 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import parity
-from parity.decode import CacheProtocol
+from parity.run.decode import CacheProtocol
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"

@@ -1,0 +1,378 @@
+"""Loader coverage: did every checkpoint tensor land in exactly one parameter of ours, and nothing else?
+
+Judged from the loaded model itself, not from a loader's table, so it holds for any loader (an
+assigning one, a copying one, a user's own): each of our parameters is traced back to the
+checkpoint tensor it came from, by shared storage (the whole tensor, or a view of part of it: a
+fused tensor split into several parameters, e.g. MoE ``experts.gate_up_proj`` into one gate and one
+up projection per expert, where every element must land in exactly one parameter), else by value
+(a copy, a transpose, or the rows of several checkpoint tensors fused into one, e.g. ``qkv`` or
+``gate_up``, in any row order). The :class:`Source` records say how, which is also what aligns a
+user's model to the reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from parity.model.weights import storage_key
+
+SHARED, COPY, TRANSPOSED, ROWS, SLICE = "shared", "copy", "transposed", "rows", "slice"
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where (part of) one of our parameters comes from.
+
+    ``param``: our parameter name (the first name of its Parameter); ``key``: the checkpoint key;
+    ``how``: ``shared`` (same storage), ``copy`` (equal values), ``transposed`` (ours is the key's
+    transpose), ``rows`` (ours holds the key's rows at ``rows[j]`` for the key's row ``j``) or
+    ``slice`` (ours is a view of part of the key: ``region`` says which, e.g. ``[3, 0:16, :]``).
+    """
+
+    param: str
+    key: str
+    how: str
+    rows: tuple[int, ...] | None = None
+    region: str | None = None
+
+
+@dataclass
+class Coverage:
+    """What the loader did with a checkpoint. ``gaps`` are failures; the rest is information.
+
+    ``consumed``: checkpoint key -> our parameter labels (a tied group counts once, as
+    ``a = b``). ``unused``: checkpoint keys no parameter came from. ``unwritten``: our parameters
+    that hold no checkpoint tensor. ``conversions``: dtype casts and layout changes on the way
+    (``key: float32 -> bfloat16``, ``key: transposed into p``, ``key: rows ... of p``). ``copies``:
+    parameters equal to a checkpoint tensor by value but not sharing its storage. ``tied``: one line
+    per tie the reference's config asks for, saying whether ours keeps one Parameter. ``sources``:
+    per our parameter name (every name of a tied Parameter), where its values came from.
+    ``replaced``: parameters of ours that held a checkpoint tensor when the pair was built and were
+    replaced since (``module.weight = nn.Parameter(...)``, how a fault is injected by hand): the
+    loader did its part, so they are named here once and judged by the nodes, not as gaps.
+    """
+
+    consumed: dict[str, list[str]] = field(default_factory=dict)
+    unused: list[str] = field(default_factory=list)
+    unwritten: list[str] = field(default_factory=list)
+    conversions: list[str] = field(default_factory=list)
+    copies: list[str] = field(default_factory=list)
+    tied: list[str] = field(default_factory=list)
+    gaps: list[str] = field(default_factory=list)
+    sources: dict[str, list[Source]] = field(default_factory=dict, repr=False)
+    #: our parameters replaced after the pair was built (a fault injected by hand): not a loader gap
+    replaced: list[str] = field(default_factory=list)
+    #: checkpoint keys outside the text model that ours leaves unused by design (a multimodal
+    #: checkpoint's vision and audio towers and projectors), key -> the module it belongs to
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.gaps
+
+    def to_dict(self) -> dict:
+        return {
+            "ok": self.ok,
+            "gaps": self.gaps,
+            "consumed": len(self.consumed),
+            "unused": self.unused,
+            "unwritten": self.unwritten,
+            "conversions": self.conversions,
+            "copies": self.copies,
+            "tied": self.tied,
+            "replaced": self.replaced,
+            "skipped": self.skipped_note(),
+        }
+
+    def skipped_note(self) -> str | None:
+        """One line naming and counting the checkpoint tensors not used by design, per module, or None."""
+        if not self.skipped:
+            return None
+        per: dict[str, int] = {}
+        for module in self.skipped.values():
+            per[module] = per.get(module, 0) + 1
+        parts = ", ".join(f"{module} {n}" for module, n in sorted(per.items(), key=lambda kv: (-kv[1], kv[0])))
+        n = len(self.skipped)
+        return f"{n} checkpoint tensor{'s' if n != 1 else ''} outside the text model, not used by design ({parts})"
+
+    def replaced_note(self) -> str | None:
+        """One sentence for every parameter replaced after loading, or None."""
+        if not self.replaced:
+            return None
+        shown = "; ".join(self.replaced[:3]) + (f"; ... ({len(self.replaced)} in all)" if len(self.replaced) > 3 else "")
+        return (
+            f"ours no longer holds the checkpoint tensor of {len(self.replaced)} parameter"
+            f"{'s' if len(self.replaced) != 1 else ''} replaced after the pair was built ({shown}); "
+            "loader coverage does not judge them, the nodes do"
+        )
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """First and one-past-last element offset ``t`` touches in its storage."""
+    if t.numel() == 0:
+        return t.storage_offset(), t.storage_offset()
+    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return t.storage_offset(), last + 1
+
+
+def _runs(t: torch.Tensor) -> list[tuple[int, int]]:
+    """The storage intervals ``[start, end)`` a strided view covers (one per contiguous run)."""
+    if t.numel() == 0:
+        return []
+    if t.is_contiguous():
+        return [(t.storage_offset(), t.storage_offset() + t.numel())]
+    shape, stride = list(t.shape), list(t.stride())
+    inner = shape[-1] if stride[-1] == 1 else 1
+    outer_shape, outer_stride = (shape[:-1], stride[:-1]) if stride[-1] == 1 else (shape, stride)
+    starts = torch.zeros((), dtype=torch.int64) + t.storage_offset()
+    for n, s in zip(outer_shape, outer_stride):
+        starts = (starts[..., None] + torch.arange(n, dtype=torch.int64) * s)
+    return [(int(a), int(a) + inner) for a in starts.reshape(-1).tolist()]
+
+
+def _region(view: torch.Tensor, whole: torch.Tensor) -> str:
+    """``view``'s place in ``whole`` as an index expression (``[3, 0:16, :]``) when it is a block of
+    it with ``whole``'s strides, else its element range."""
+    offset = view.storage_offset() - whole.storage_offset()
+    if whole.is_contiguous() and view.dim() <= whole.dim() and tuple(view.stride()) == tuple(whole.stride()[whole.dim() - view.dim():]):
+        start = [int(i) for i in torch.unravel_index(torch.tensor(offset), tuple(whole.shape))] if whole.numel() else []
+        sizes = [1] * (whole.dim() - view.dim()) + list(view.shape)
+        parts = []
+        for d, (a, n) in enumerate(zip(start, sizes)):
+            lead = d < whole.dim() - view.dim()
+            parts.append(str(a) if lead else ":" if n == whole.shape[d] else f"{a}:{a + n}")
+        return "[" + ", ".join(parts) + "]"
+    return f"[elements {offset}..{offset + view.numel() - 1}]"
+
+
+def _row_bytes(t: torch.Tensor) -> list[bytes]:
+    flat = t.detach().reshape(t.shape[0], -1).contiguous()
+    raw = flat.view(torch.int16) if flat.dtype == torch.bfloat16 else flat
+    return [row.numpy().tobytes() for row in raw.cpu()]
+
+
+def _fused_rows(p: torch.Tensor, candidates: dict[str, torch.Tensor]) -> list[tuple[str, tuple[int, ...]]] | None:
+    """The checkpoint tensors whose rows, all of them, make up every row of ``p`` (in any order), as
+    ``[(key, our row of each of its rows)]``; None unless they explain ``p`` exactly."""
+    if p.dim() < 2 or p.shape[0] < 2:
+        return None
+    where: dict[bytes, list[int]] = {}
+    for r, b in enumerate(_row_bytes(p)):
+        where.setdefault(b, []).append(r)
+    taken: set[int] = set()
+    parts = []
+    for key, t in candidates.items():
+        if t.dim() != p.dim() or tuple(t.shape[1:]) != tuple(p.shape[1:]) or t.shape[0] >= p.shape[0]:
+            continue
+        rows = []
+        for b in _row_bytes(t.to(p.dtype)):
+            free = [r for r in where.get(b, []) if r not in taken and r not in rows]
+            if not free:
+                break
+            rows.append(free[0])
+        else:
+            taken.update(rows)
+            parts.append((key, tuple(rows)))
+    return parts if len(parts) >= 2 and len(taken) == p.shape[0] else None
+
+
+def _fused_slices(p: torch.Tensor, candidates: dict[str, torch.Tensor]) -> list[tuple[str, tuple[int, ...]]] | None:
+    """1-D ``p`` as consecutive 1-D checkpoint tensors (fused biases); None unless exact."""
+    if p.dim() != 1:
+        return None
+    parts, start, n = [], 0, p.shape[0]
+    remaining = {k: t for k, t in candidates.items() if t.dim() == 1 and t.shape[0] < n}
+    while start < n:
+        hit = next((k for k, t in remaining.items() if start + t.shape[0] <= n and torch.equal(p[start:start + t.shape[0]], t.to(p.dtype))), None)
+        if hit is None:
+            return None
+        size = remaining.pop(hit).shape[0]
+        parts.append((hit, tuple(range(start, start + size))))
+        start += size
+    return parts if len(parts) >= 2 else None
+
+
+def loader_coverage(
+    model: nn.Module,
+    state_dict: dict[str, torch.Tensor],
+    tied_keys: dict[str, str] | None = None,
+    conversions: list[str] | None = None,
+    built: dict[str, tuple] | None = None,
+    by_design: dict[str, str] | None = None,
+) -> Coverage:
+    """Trace every parameter of ``model`` back to ``state_dict`` (the tensors it was loaded from).
+
+    ``tied_keys``: checkpoint key -> the key it must be tied to (Transformers'
+    ``_tied_weights_keys`` when the config ties embeddings); ours must then hold one Parameter for
+    both. ``conversions``: casts already applied to the state dict, reported as they are.
+    ``built``: :func:`parameter_storages` taken right after loading; a parameter that held a
+    checkpoint tensor then and another tensor now was replaced by hand, and lands in ``replaced``.
+    ``by_design``: checkpoint key -> module, for keys ours is not meant to use (a multimodal checkpoint's
+    parts outside the text model); left unused they land in ``skipped``, not in the gaps (one ours
+    does use is judged like any other key).
+    """
+    cov = Coverage(conversions=list(conversions or []))
+    # checkpoint keys that alias one storage (state_dict() of a tied model) form one source
+    sources: dict[tuple, list[str]] = {}
+    for key, tensor in state_dict.items():
+        sources.setdefault(storage_key(tensor), []).append(key)
+    by_shape: dict[tuple, list[str]] = {}
+    for key, tensor in state_dict.items():
+        by_shape.setdefault(tuple(tensor.shape), []).append(key)
+
+    params: dict[int, tuple[nn.Parameter, list[str]]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        params.setdefault(id(p), (p, []))[1].append(name)
+
+    def record(names: list[str], key: str, how: str, rows=None, region=None) -> None:
+        label = " = ".join(names)
+        cov.consumed.setdefault(key, []).append(label)
+        for n in names:
+            cov.sources.setdefault(n, []).append(Source(names[0], key, how, rows, region))
+
+    # checkpoint tensors by the storage they live in, for parameters that are views of part of one
+    by_ptr: dict[tuple, list[str]] = {}
+    for st, keys in sources.items():
+        by_ptr.setdefault(st[:2], []).append(keys[0])
+
+    def owner(st: tuple, t: torch.Tensor | None = None) -> str | None:
+        """The checkpoint key whose tensor holds storage tuple ``st``: ``t`` a view of a proper part of it
+        (a whole tensor in another layout, a transpose, is judged by value below)."""
+        for key in by_ptr.get(st[:2], []):
+            whole = state_dict[key]
+            lo, hi = _span(whole)
+            part = t is not None and lo <= _span(t)[0] and _span(t)[1] <= hi and t.dtype == whole.dtype
+            # all of it in the same element order (one expert of one, a reshape) is a part too; not a transpose
+            if t is None or (part and (t.numel() < whole.numel() or (t.is_contiguous() and whole.is_contiguous()))):
+                return key
+        return None
+
+    sliced: dict[str, list[tuple[list[tuple[int, int]], str]]] = {}
+
+    unexplained = []
+    set_aside: set[str] = set()  # checkpoint keys whose parameter was replaced after loading
+    for p, names in params.values():
+        label = " = ".join(names)
+        was = [
+            built[n] for n in names
+            if built and n in built and built[n] != storage_key(p.data) and (built[n] in sources or owner(built[n]) is not None)
+        ]
+        if was:
+            before = sources.get(was[0]) or [owner(was[0])]
+            now = sources.get(storage_key(p.data)) or ([owner(storage_key(p.data), p.data)] if owner(storage_key(p.data), p.data) else None)
+            holds = f"now shares {now[0]}" if now else "now a tensor of its own"
+            cov.replaced.append(f"{label} (held {before[0]}; {holds})")
+            set_aside.update(before)
+            continue
+        keys = sources.get(storage_key(p.data))
+        if keys:
+            for key in keys:
+                record(names, key, SHARED)
+            continue
+        key = owner(storage_key(p.data), p.data) if not p.is_meta else None
+        if key is not None:  # a view of part of a fused checkpoint tensor
+            record(names, key, SLICE, region=_region(p.data, state_dict[key]))
+            sliced.setdefault(key, []).append((_runs(p.data), label))
+            continue
+        if p.is_meta:
+            cov.unwritten.append(f"{label} (never written: still on the meta device)")
+            continue
+        match = next((k for k in by_shape.get(tuple(p.shape), []) if torch.equal(p.data, state_dict[k].to(p.dtype))), None)
+        if match is not None:
+            record(names, match, COPY)
+            cov.copies.append(f"{label} is a copy of {match}")
+            continue
+        if p.dim() == 2:
+            match = next(
+                (k for k in by_shape.get(tuple(p.shape[::-1]), []) if torch.equal(p.data, state_dict[k].to(p.dtype).T)),
+                None,
+            )
+            if match is not None:
+                record(names, match, TRANSPOSED)
+                cov.conversions.append(f"{match}: transposed into {label}")
+                continue
+        unexplained.append((p, names))
+    if unexplained:  # fused tensors: only now, and only against what nothing else consumed
+        free = {k: t for k, t in state_dict.items() if k not in cov.consumed}
+        for p, names in unexplained:
+            label = " = ".join(names)
+            parts = _fused_rows(p.data, free) or _fused_slices(p.data, free)
+            if parts is None:
+                cov.unwritten.append(f"{label} (holds no checkpoint tensor)")
+                continue
+            for key, rows in parts:
+                record(names, key, ROWS, rows)
+                span = f"{rows[0]}..{rows[-1]}" if list(rows) == list(range(rows[0], rows[-1] + 1)) else f"{len(rows)} rows"
+                cov.conversions.append(f"{key}: rows {span} of {label}")
+                free.pop(key, None)
+
+    for storage_keys in sources.values():
+        used = [k for k in storage_keys if k in cov.consumed or k in set_aside]
+        if not used:
+            for k in storage_keys:
+                if by_design and k in by_design:
+                    cov.skipped[k] = by_design[k]
+                elif not (tied_keys and k in tied_keys):
+                    cov.unused.append(k)
+    for key, targets in cov.consumed.items():
+        whole = len(targets) - len(sliced.get(key, []))
+        if key in sliced and whole:
+            cov.gaps.append(f"{key} consumed whole and in {len(sliced[key])} parts: {', '.join(targets[:4])}")
+        elif whole > 1:
+            cov.gaps.append(f"{key} consumed {len(targets)} times: {', '.join(targets)}")
+    for key, parts in sliced.items():
+        if key in set_aside:
+            continue
+        cov.gaps += _slice_gaps(key, state_dict[key], parts)
+        labels = [label for _, label in parts]
+        shown = labels[0] if len(labels) == 1 else f"{labels[0]} .. {labels[-1]}"
+        cov.conversions.append(f"{key}: split into {len(labels)} view{'s' if len(labels) != 1 else ''} ({shown})")
+
+    def consumers(key: str) -> list[str]:
+        aliases = sources.get(storage_key(state_dict[key]), [key]) if key in state_dict else []
+        return [label for k in aliases for label in cov.consumed.get(k, [])]
+
+    for target, source in (tied_keys or {}).items():
+        if {target, source} & set_aside:
+            cov.tied.append(f"{target} -> {source}: not judged (a parameter of the tie was replaced after loading)")
+            continue
+        labels = consumers(source)
+        if len(labels) == 1 and " = " in labels[0]:  # one Parameter reachable under several names
+            cov.tied.append(f"{target} -> {source}: one Parameter ({labels[0]})")
+        else:
+            found = ", ".join(labels) or "no parameter"
+            cov.tied.append(f"{target} -> {source}: not tied in ours ({found})")
+            cov.gaps.append(f"tied weights {target} and {source} are not the same Parameter in ours: {found}")
+    if cov.unused:
+        cov.gaps.append(f"checkpoint keys never used: {_summary(cov.unused)}")
+    if cov.unwritten:
+        cov.gaps.append(f"parameters of ours holding no checkpoint tensor: {_summary(cov.unwritten)}")
+    return cov
+
+
+def _slice_gaps(key: str, whole: torch.Tensor, parts: list[tuple[list[tuple[int, int]], str]]) -> list[str]:
+    """Every element of a fused checkpoint tensor in exactly one parameter: overlaps and holes, one line each."""
+    runs = sorted((a, b, label) for intervals, label in parts for a, b in intervals)
+    lo, hi = _span(whole)
+    gaps, reach, last = [], lo, None
+    holes = overlaps = 0
+    for a, b, label in runs:
+        if a < reach:
+            overlaps += 1
+            if overlaps == 1:
+                gaps.append(f"{key}: elements {a - lo}..{min(b, reach) - lo - 1} land in two parameters ({last}, {label})")
+        elif a > reach:
+            holes += a - reach
+        if b > reach:
+            reach, last = b, label
+    holes += max(0, hi - reach)
+    if holes:
+        gaps.append(f"{key}: {holes} of {whole.numel()} elements land in no parameter of ours")
+    return gaps
+
+
+def _summary(items: list[str], n: int = 6) -> str:
+    return ", ".join(items[:n]) + (f", ... ({len(items)} in all)" if len(items) > n else "")

@@ -1,0 +1,115 @@
+"""The reference of a model that is not a family's: ``family[:config]``, a checkpoint folder, a
+config.json, a Transformers config or model, built as :func:`parity.check_model` and golden traces
+need it (random probe weights unless a checkpoint or a model is given)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from parity.build.builder import (
+    Reference,
+    build_reference,
+    make_reference,
+    model_naming,
+    outside_text_model,
+    random_weights,
+    read_weights,
+    text_config_of,
+)
+from parity.model.derive import derive_facts, rope_problem_of, validate_facts
+from parity.util.errors import ConfigError, ParityError
+from parity.util.text import one_line
+
+
+def causal_lm_class(hf_config):
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]
+    except KeyError:
+        raise ConfigError(f"no Transformers causal LM class for model_type {hf_config.model_type!r}") from None
+
+
+def config_from_raw(raw: dict, where: str):
+    from transformers import AutoConfig
+
+    model_type = raw.get("model_type")
+    if not model_type:
+        raise ConfigError(f"{where} has no model_type")
+    try:
+        return AutoConfig.for_model(**raw)
+    except Exception as e:  # an unknown model_type or a field its validators reject
+        raise ConfigError(f"{where} rejected by Transformers ({model_type}): {rope_problem_of(e) or one_line(e)}") from None
+
+
+def validated_facts(hf_config, where: str):
+    facts = derive_facts(hf_config)
+    problems = validate_facts(facts)
+    if problems:
+        raise ConfigError(f"{where}: {problems[0]}")
+    return facts
+
+
+def mark_by_design(ref: Reference) -> Reference:
+    """``ref`` with its multimodal model's tensors outside the text model marked as unused by design
+    (``build`` gets them all, with the whole config: a text model of yours need not hold them)."""
+    if ref.model is not None and text_config_of(ref.hf_config) is not ref.hf_config:
+        ref.by_design = outside_text_model(set(ref.model.state_dict()), ref.facts.text_model + ".", ref.state_dict)
+    return ref
+
+
+def resolve_reference(reference, dtype: torch.dtype = torch.float32, seed: int = 0) -> tuple[Reference, str]:
+    """``(Reference, family name)`` for ``reference``: ``"family[:config]"`` (a registered family's
+    reference with parity's random weights), a checkpoint directory, a config.json path (random
+    weights), a Transformers ``PretrainedConfig`` (random weights) or ``PreTrainedModel`` (used as it
+    is, in its own dtype). A multimodal one (Gemma 3/4 ``...ForConditionalGeneration``) is checked as
+    its text model: its other tensors are unused by design. Raises ParityError (ConfigError,
+    CheckpointError) naming the problem."""
+    ref, family = _resolve_reference(reference, dtype, seed)
+    return mark_by_design(ref), family
+
+
+def _resolve_reference(reference, dtype: torch.dtype, seed: int) -> tuple[Reference, str]:
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    from parity.model.registry import get_family
+
+    if isinstance(reference, PreTrainedModel):
+        model = reference.eval()
+        facts = validated_facts(model.config, type(model).__name__)
+        state_dict = dict(model.state_dict())
+        return Reference(model, model.config, derive_facts(model.config, model), state_dict, type(model).__name__), facts.model_type
+    if isinstance(reference, PretrainedConfig):
+        hf_config = reference
+        where = f"{type(reference).__name__}"
+    elif isinstance(reference, (str, Path)) and Path(reference).is_dir():
+        ckpt, state_dict, conversions = read_weights(reference, dtype, None)
+        hf_config = config_from_raw(ckpt.config, str(Path(reference) / "config.json"))
+        validated_facts(hf_config, str(reference))
+        state_dict, merged = model_naming(causal_lm_class(hf_config), hf_config, state_dict)
+        conversions = conversions + merged
+        model = build_reference(causal_lm_class(hf_config), hf_config, state_dict)
+        ref = Reference(model, hf_config, derive_facts(model.config, model), state_dict, str(reference),
+                        checkpoint=str(reference), checkpoint_hash=ckpt.content_hash(), conversions=conversions)
+        return ref, hf_config.model_type
+    elif isinstance(reference, (str, Path)) and (Path(reference).is_file() or str(reference).endswith(".json")):
+        from parity.build.checkpoint import read_config
+
+        hf_config = config_from_raw(read_config(reference), str(reference))
+        where = str(reference)
+    elif isinstance(reference, str):
+        name, _, config = reference.partition(":")
+        family = get_family(name)
+        return make_reference(family, config or None, dtype=dtype, seed=seed), family.name
+    else:
+        raise ParityError(
+            f"reference must be 'family[:config]', a checkpoint folder, a config.json, a PretrainedConfig or a "
+            f"PreTrainedModel, got {type(reference).__name__}"
+        )
+    validated_facts(hf_config, where)
+    cls = causal_lm_class(hf_config)
+    state_dict = random_weights(cls, hf_config, seed, dtype, f"{hf_config.model_type} reference")
+    model = build_reference(cls, hf_config, state_dict)
+    return Reference(model, hf_config, derive_facts(model.config, model), state_dict, Path(str(where)).name), hf_config.model_type

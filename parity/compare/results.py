@@ -1,0 +1,251 @@
+"""Compare two tensors, and two traces node by node, against dtype-aware tolerances.
+
+A node passes when every element satisfies ``|ours - ref| <= atol + rtol * |ref|`` (the
+``torch.isclose`` rule). An integer node (the experts a router chose) is compared exactly: a
+different choice is its own status, ``choice``, with the rows that differ and, when the node says
+which scores it was chosen from, the reference's margin there (a near-tie is a numerical accident,
+a wide margin a real difference upstream). Metrics are computed chunk by chunk (a bounded working set, however large
+the node), differences in the inputs' precision (float32 for float32 and lower, float64 for
+float64) and every sum accumulated in float64, so the metrics add no error of their own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from parity.compare.metrics import (
+    CHOICE,
+    MISSING,
+    NONFINITE,
+    OK,
+    SHAPE,
+    UNTAPPED,
+    Metrics,
+    choice_result,
+    tensor_metrics,
+)
+from parity.compare.tolerances import Tolerances
+from parity.model.pair import NodeSpec
+from parity.record.trace import Trace, one_thread
+
+if TYPE_CHECKING:  # a hint is diagnose's output; comparing only carries it
+    from parity.diagnose.hints import Hint
+
+
+@dataclass(frozen=True)
+class NodeResult:
+    """The comparison of one node. Absent metrics (missing node, shape mismatch) are None."""
+
+    name: str
+    index: int
+    status: str
+    layer: int | None
+    kind: str
+    shape_ours: tuple[int, ...] | None
+    shape_ref: tuple[int, ...] | None
+    dtype: str | None
+    max_abs: float | None
+    mean_abs: float | None
+    max_rel: float | None
+    cosine: float | None
+    atol: float
+    rtol: float
+    hint: Hint | None = None
+    detail: str = ""
+    #: ||ours - ref|| / ||ref|| (cosine is blind to scale; this is not)
+    rel_l2: float | None = None
+    #: smallest atol that passes with this rtol, and smallest rtol that passes with this atol
+    atol_needed: float | None = None
+    rtol_needed: float | None = None
+    #: where atol/rtol came from: "default:<dtype>", "run", "pattern:<glob>", "calibrated" or "exact"
+    tol_source: str = ""
+
+    @property
+    def passed(self) -> bool:
+        """True when the node agrees. An ``untapped`` node (a user model without that tap) is
+        neither a pass nor a failure: it is not part of the verdict (see :attr:`judged`)."""
+        return self.status == OK
+
+    @property
+    def judged(self) -> bool:
+        return self.status != UNTAPPED
+
+    @property
+    def failed(self) -> bool:
+        """Judged and not ok (an ``untapped`` node never fails)."""
+        return self.judged and not self.passed
+
+    @property
+    def differs(self) -> bool:
+        """Any difference at all (the first divergence of a pair that is bit-exact when correct)."""
+        return self.judged and (self.status != OK or bool(self.max_abs))
+
+    @property
+    def hint_text(self) -> str:
+        return self.hint.text if self.hint is not None else ""
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        for key in ("shape_ours", "shape_ref"):
+            d[key] = list(d[key]) if d[key] is not None else None
+        d["hint"] = self.hint_text
+        d["hint_kind"] = self.hint.kind if self.hint is not None else None
+        d["hint_evidence"] = dict(self.hint.evidence) if self.hint is not None else None
+        return d
+
+    def line(self) -> str:
+        """One line for logs, JUnit and error messages."""
+        if self.max_abs is None or self.status in (NONFINITE, CHOICE):
+            return f"{self.name}: {self.status} ({self.detail})"
+        return (
+            f"{self.name}: {self.status} max_abs={self.max_abs:.3g} mean_abs={self.mean_abs:.3g} "
+            f"cosine={self.cosine:.6f} (atol={self.atol:g}, rtol={self.rtol:g})"
+        )
+
+
+def compare_node(
+    spec: NodeSpec, index: int, our_t, ref_t, tolerances: Tolerances, untapped: bool = False, scores=None
+) -> NodeResult:
+    """One node's NodeResult. ``untapped``: ours has no tap for it (a user model): not judged.
+    ``scores``: for an integer node, the reference's tensor of ``spec.chosen_from``."""
+    atol, rtol, source = tolerances.for_node(spec.name)
+    if untapped and our_t is None:
+        if spec.ours.startswith("unaligned:"):
+            detail = "not aligned: " + spec.ours[len("unaligned:"):]
+        else:
+            module = spec.ours[len("tap:"):].rsplit(".", 1)[0]
+            detail = f"no tap in ours: add parity.tap(tensor, {spec.name.rsplit('.', 1)[-1]!r}) in {module}'s forward"
+        metrics = Metrics(status=UNTAPPED, detail=detail)
+    elif ref_t is None or our_t is None:
+        side = "reference" if ref_t is None else "ours"
+        where = spec.name if ref_t is None else spec.ours
+        metrics = Metrics(status=MISSING, detail=f"{side} produced no tensor at {where}")
+    elif ref_t.shape != our_t.shape:
+        metrics = Metrics(status=SHAPE, detail=f"ours {tuple(our_t.shape)} vs reference {tuple(ref_t.shape)}")
+    elif not ref_t.is_floating_point() and not our_t.is_floating_point():
+        ref_t = ref_t if isinstance(ref_t, torch.Tensor) else ref_t.load()  # a spilled integer node: small
+        metrics = choice_result(our_t, ref_t, scores)
+    else:
+        metrics = tensor_metrics(our_t, ref_t, atol, rtol)
+    dtype = ref_t.dtype if ref_t is not None else our_t.dtype if our_t is not None else None
+    return NodeResult(
+        name=spec.name, index=index, status=metrics.status, layer=spec.layer, kind=spec.kind,
+        shape_ours=tuple(our_t.shape) if our_t is not None else None,
+        shape_ref=tuple(ref_t.shape) if ref_t is not None else None,
+        dtype=str(dtype).replace("torch.", "") if dtype is not None else None,
+        max_abs=metrics.max_abs, mean_abs=metrics.mean_abs, max_rel=metrics.max_rel, cosine=metrics.cosine,
+        atol=atol, rtol=rtol, detail=metrics.detail, rel_l2=metrics.rel_l2, atol_needed=metrics.atol_needed,
+        rtol_needed=metrics.rtol_needed, tol_source=source,
+    )
+
+
+def node_order(reference, nodes: Sequence[NodeSpec]) -> list[str]:
+    """Node names in the reference's execution order, then the nodes it never produced."""
+    names = {n.name for n in nodes}
+    order = [name for name in reference.order if name in names]
+    return order + [n.name for n in nodes if n.name not in reference.tensors]
+
+
+def compare_traces(ours, reference, nodes: Sequence[NodeSpec], tolerances: Tolerances, untapped: frozenset[str] = frozenset()) -> list[NodeResult]:
+    """One NodeResult per node, in the reference's execution order.
+
+    Nodes the reference never produced come last, as ``missing``: a node that cannot be compared
+    is reported, never counted as agreeing. A node ``ours`` already compared while it ran
+    (:class:`NodeStream`, in ``ours.results``) is taken from there.
+    """
+    by_name = {n.name: n for n in nodes}
+    done = getattr(ours, "results", {})
+    with one_thread():
+        return [
+            done[name] if name in done else
+            compare_node(by_name[name], index, ours.tensors.get(name), reference.tensors.get(name), tolerances, name in untapped,
+                         reference.tensors.get(by_name[name].chosen_from) if by_name[name].chosen_from else None)
+            for index, name in enumerate(node_order(reference, nodes))
+        ]
+
+
+class NodeStream:
+    """A trace sink that compares each node of ours with the stored reference as ours produces it.
+
+    The result goes to ``trace.results`` and ours' tensor is dropped at once, except what a report
+    of the first failure needs: the earliest failing node (in the reference's order) with its
+    module input (held by reference until the node is judged, copied only if it fails), and the
+    ``context`` nodes (by kind, e.g. ``q_rot``) of its stem (the part of the name before the last
+    dot) produced before it. While nothing has failed, the context nodes of the
+    latest stem are held, since a later node of that stem may still fail. ``watch``: ``{node: f(ours,
+    ref)}`` run on a node as it is compared (same shapes; ``ref`` may be a spilled tensor), its value
+    kept in ``trace.watched``.
+    """
+
+    def __init__(self, nodes: Sequence[NodeSpec], reference, tolerances: Tolerances,
+                 untapped: frozenset[str] = frozenset(), context: Sequence[str] = (), watch: Mapping | None = None):
+        self.specs = {n.name: n for n in nodes}
+        self.index = {name: i for i, name in enumerate(node_order(reference, nodes))}
+        self.reference, self.tolerances, self.untapped = reference, tolerances, untapped
+        self.context = frozenset(context)
+        self.watch = dict(watch or {})
+        self.trace: Trace = None  # type: ignore[assignment]  # set by attach(), before any node arrives
+        self.first: NodeResult | None = None
+        #: names of ours' tensors held: the first failure and its context, and the latest stem's context
+        self.failure_keep: set[str] = set()
+        self.stem_keep: set[str] = set()
+
+    def attach(self, trace) -> None:
+        trace.sink, trace.defer_inputs, self.trace = self, True, trace
+
+    def __call__(self, name: str, tensor: torch.Tensor) -> bool:
+        spec = self.specs.get(name)
+        if spec is None:
+            return False
+        ours = tensor if tensor.device.type == "cpu" else tensor.to("cpu")
+        store = self.reference.tensors
+        ref = store.lazy(name) if hasattr(store, "lazy") else store.get(name)  # a spilled node is read, not mapped
+        scores = store.get(spec.chosen_from) if spec.chosen_from and not ours.is_floating_point() else None
+        result = compare_node(spec, self.index[name], ours, ref, self.tolerances, name in self.untapped, scores)
+        self.trace.results[name] = result
+        if name in self.watch and ref is not None and ref.shape == ours.shape:
+            self.trace.watched[name] = self.watch[name](ours, ref)
+        del ref, scores
+        stem = name.rsplit(".", 1)[0]
+        if spec.kind in self.context:
+            old, self.stem_keep = self.stem_keep, {n for n in self.stem_keep if n.rsplit(".", 1)[0] == stem} | {name}
+            self._release(old - self.stem_keep)
+        if result.failed and (self.first is None or result.index < self.first.index):
+            old, self.first = self.failure_keep, result
+            self.failure_keep = {name} | {n for n in self.stem_keep if n.rsplit(".", 1)[0] == stem}
+            self._release(old - self.failure_keep)
+            self.trace.keep_input(name)  # held by reference since the module's pre-hook: copied now
+            return False  # kept: the trace stores it
+        self.trace.drop_input(name)
+        return name not in self.stem_keep  # a context node is kept (stored by the trace)
+
+    def finish(self) -> None:
+        """After the forward: drop the context nodes no failure needs, and stop consuming."""
+        old, self.stem_keep = self.stem_keep, set()
+        self._release(old)
+        self.trace.sink, self.trace.defer_inputs = None, False
+        self.trace.pending.clear()
+
+    def _release(self, names: set[str]) -> None:
+        """Drop ours' tensors (and kept inputs) of ``names`` that nothing holds any more."""
+        for name in names:
+            if name in self.failure_keep or name in self.stem_keep:
+                continue
+            if name in self.trace.tensors:
+                del self.trace.tensors[name]
+            self.trace.drop_input(name)
+
+
+def first_mismatch(results: Sequence[NodeResult]) -> NodeResult | None:
+    """The earliest judged node in execution order whose status is not ``ok``, or None if all agree."""
+    return next((r for r in results if r.judged and not r.passed), None)
+
+
+def first_divergence(results: Sequence[NodeResult]) -> NodeResult | None:
+    """The earliest node with any difference at all (max_abs > 0 or a failing status), or None
+    when the two traces are bit-identical on every judged node."""
+    return next((r for r in results if r.differs), None)

@@ -1,0 +1,193 @@
+"""Detectors of element-wise functions: another activation, a soft-cap, a cast order (differences
+of one or two ulps), the first non-finite value."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from parity.diagnose.evidence import ELEMENTWISE, EXPLAINS, Evidence, fmt_list, rel, seq_axis
+from parity.diagnose.hints import Hint
+
+
+def soft_capping(e: Evidence) -> Hint | None:
+    """The logits of one side are the other's soft-capped, ``cap * tanh(x / cap)``: the final soft-cap
+    missing in ours, or applied where the reference applies none (or twice)."""
+    cap = e.facts.final_softcap
+    if e.kind != "logits" or not cap:
+        return None
+    a, b = e.ours.double(), e.ref.double()
+    tol = max(EXPLAINS, 4 * torch.finfo(e.ref.dtype).eps)
+    if rel(b, cap * torch.tanh(a / cap)) < tol:
+        return Hint("softcap", f"likely the final logit soft-cap is missing: the reference's logits are ours "
+                    f"soft-capped, {cap:g} * tanh(x / {cap:g})", {"cap": cap, "ours": "uncapped"})
+    if rel(a, cap * torch.tanh(b / cap)) < tol:
+        return Hint("softcap", f"likely an extra soft-cap: ours are the reference's logits soft-capped again, "
+                    f"{cap:g} * tanh(x / {cap:g})", {"cap": cap, "ours": "capped twice"})
+    return None
+
+
+def rounding_order(e: Evidence) -> Hint | None:
+    """Every difference within two units in the last place of the node's dtype: the same formula
+    rounded in another order (cast before or after a multiply, fused or separate operations)."""
+    dtype = e.ref.dtype
+    if not dtype.is_floating_point:
+        return None
+    a, b = e.ours.double(), e.ref.double()
+    diff = (a - b).abs()
+    if not bool((diff > 0).any()):
+        return None
+    mantissa = -round(math.log2(torch.finfo(dtype).eps))  # explicit mantissa bits: 23 float32, 7 bfloat16
+    magnitude = torch.maximum(a.abs(), b.abs()).clamp_min(torch.finfo(dtype).tiny)
+    ulp = torch.pow(2.0, torch.floor(torch.log2(magnitude)) - mantissa)
+    units = diff / ulp
+    worst = float(units.max())
+    if worst > 2.0:
+        return None
+    count = int((diff > 0).sum())
+    return Hint(
+        "rounding_order",
+        f"likely a rounding-order difference: {count} of {diff.numel()} elements differ, none by more than "
+        f"{worst:.0f} unit(s) in the last place of {str(dtype).replace('torch.', '')} (the same formula with a cast "
+        "before instead of after a multiply, or ops fused differently); the reference's order is the one the "
+        "checkpoint was trained with",
+        {"elements": count, "max_ulps": worst},
+    )
+
+
+def _activations() -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """Activations a port may use instead of the reference's, by Transformers name, computed as the
+    references compute them (in the tensor's own dtype)."""
+    F = torch.nn.functional
+
+    def gelu_new(x):
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+    return {
+        "gelu (exact, erf)": F.gelu,
+        "gelu_new (tanh approximation, op by op)": gelu_new,
+        "gelu_pytorch_tanh (torch's fused tanh approximation)": lambda x: F.gelu(x, approximate="tanh"),
+        "silu": F.silu,
+        "relu": F.relu,
+        "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+    }
+
+
+def activation_function(e: Evidence) -> Hint | None:
+    """Ours equals an earlier reference node of the same layer and shape (the pre-activation, e.g.
+    GPT-2's ``c_fc`` output) through another activation than the reference's: exact vs tanh GELU,
+    SiLU for GELU."""
+    if e.result.layer is None:
+        return None
+    acts = _activations()
+    for name, pre in e.ref_trace.tensors.items():
+        if name == e.name:
+            break  # only nodes the reference computed before this one
+        if pre.shape != e.ref.shape or not pre.is_floating_point() or e.facts.locate(name)[0] != e.result.layer:
+            continue
+        values = {label: fn(pre) for label, fn in acts.items()}
+        ours_is = next((label for label, y in values.items() if e.close(e.ours, y) and not e.close(e.ref, y)), None)
+        if ours_is is None:
+            continue
+        ref_is = next((label for label, y in values.items() if e.close(e.ref, y)), None)
+        theirs = f"the reference {ref_is}" if ref_is else "the reference another function"
+        return Hint(
+            "activation",
+            f"likely the activation function: ours equals {ours_is} of the reference's {name}, {theirs}",
+            {"ours": ours_is, "reference": ref_is, "input": name},
+        )
+    return None
+
+
+def _elementwise_of(e: Evidence, y: torch.Tensor, x: torch.Tensor) -> str | None:
+    for name, fn in ELEMENTWISE.items():
+        if e.close(y, fn(x.double())):
+            return name
+    return None
+
+
+#: the fewest distinct reference values per channel on which a monotone curve is evidence of a function
+ACTIVATION_MIN_POINTS = 8
+#: how far the curve must bend away from a straight line, in multiples of the noise (the node's
+#: tolerance, or the most the rising/falling order is broken by) and of the dtype's rounding (eps)
+ACTIVATION_MARGIN = 10.0
+ACTIVATION_EPS_MARGIN = 8.0
+
+
+def _dtype_eps(dtype: str | None) -> float:
+    """Machine epsilon of a dtype named like ``bfloat16``; float32's when unknown."""
+    value = getattr(torch, str(dtype or "float32").removeprefix("torch."), None)
+    try:
+        return float(torch.finfo(value).eps)
+    except TypeError:
+        return float(torch.finfo(torch.float32).eps)
+
+
+def activation(e: Evidence) -> Hint | None:
+    """Ours is a monotone, non-affine function of the reference, value by value in each channel (the
+    last axis): the same pre-activation through another element-wise function (sigmoid vs softplus).
+    Both functions are named when an earlier node of the layer is the input of both.
+
+    Rounding is monotone too (two roundings of one value stay in order), so a rounding fault (a norm
+    that multiplies in float32, then casts) looks like "a monotone function" within a loose tolerance.
+    The curve is evidence only where it clearly exceeds noise: at least :data:`ACTIVATION_MIN_POINTS`
+    distinct reference values in every channel, a departure from the best straight line per channel
+    at least :data:`ACTIVATION_MARGIN` times the node's tolerance and the largest break of the order,
+    and, relative to ours, :data:`ACTIVATION_EPS_MARGIN` times the dtype's eps (F14, F20)."""
+    a, b = e.ours.double().flatten(0, -2), e.ref.double().flatten(0, -2)
+    if a.shape[0] < ACTIVATION_MIN_POINTS or not bool(torch.isfinite(a).all() and torch.isfinite(b).all()):
+        return None
+    order = b.argsort(dim=0)
+    da, db = a.gather(0, order).diff(dim=0), b.gather(0, order).diff(dim=0)
+    if int((db > 0).sum(0).min()) + 1 < ACTIVATION_MIN_POINTS:
+        return None  # too few distinct values in some channel to see a curve
+    tol = e.noise + 1e-6 * float(a.abs().max())
+    rising, falling = (da >= -tol).all(0), (da <= tol).all(0)
+    if not bool((rising | falling).all()) or bool((da.abs() > tol)[db == 0].any()):
+        return None  # not a function of the reference value, channel by channel
+    broken = float(torch.minimum((-da).clamp_min(0).amax(0), da.clamp_min(0).amax(0)).max())
+    centred = b - b.mean(0)
+    slope = (centred * a).sum(0) / centred.pow(2).sum(0).clamp_min(1e-300)
+    affine = a.mean(0) + slope * centred
+    bend = float((a - affine).abs().max())
+    if rel(affine, a) < max(1e-3, ACTIVATION_EPS_MARGIN * _dtype_eps(e.result.dtype)):
+        return None  # a scale or an offset per channel (up to rounding): not an activation
+    if bend < ACTIVATION_MARGIN * max(tol, broken):
+        return None  # the bend is within the noise: rounding, not another function
+    names = None
+    for name, x in e.ref_trace.tensors.items():
+        if name == e.name:
+            break
+        if x.shape == e.ref.shape and e.facts.locate(name)[0] == e.result.layer and name != e.name:
+            ref_fn, ours_fn = _elementwise_of(e, e.ref, x), _elementwise_of(e, e.ours, x)
+            if ref_fn and ours_fn and ref_fn != ours_fn:
+                names = (ours_fn, ref_fn, name)
+    if names:
+        ours_fn, ref_fn, source = names
+        return Hint("activation", f"likely the activation: ours applies {ours_fn} to {source}, the reference {ref_fn}",
+                    {"ours": ours_fn, "reference": ref_fn, "input": source})
+    return Hint(
+        "activation",
+        "likely an element-wise function (activation) that differs: in every channel ours is a monotone, non-linear "
+        "function of the reference's value (the same input through e.g. sigmoid vs softplus)",
+        {},
+    )
+
+
+def nonfinite(e: Evidence) -> Hint:
+    result = e.result
+    bad = ~torch.isfinite(e.ours) | ~torch.isfinite(e.ref)
+    axis = seq_axis(e.kind)
+    where, evidence = [], {}
+    if bad.dim() > axis:
+        rows = bad.movedim(axis, 0).flatten(1).any(1).nonzero().flatten().tolist()
+        where.append(f"positions {fmt_list(rows, 10)}")
+        evidence["positions"] = rows[:64]
+    if bad.dim() > 1:
+        batch = bad.flatten(1).any(1).nonzero().flatten().tolist()
+        where.append(f"batch rows {fmt_list(batch)}")
+        evidence["batch_rows"] = batch
+    return Hint("nonfinite", f"non-finite values appear first here: {result.detail}; at {', '.join(where)} (masked or padded rows?)",
+                evidence)

@@ -1,0 +1,123 @@
+"""What a detector may look at (:class:`Evidence`: the failing node, both tensors, both traces, the
+architecture's facts) and the helpers detectors share.
+
+Each detector is a small function of one Evidence returning a :class:`~parity.diagnose.hints.Hint`
+or None, and stays silent unless its evidence clearly exceeds the noise the node itself shows: no
+hint is better than a wrong one.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from parity.compare.results import NodeResult
+from parity.diagnose.profile import HEAD_MAJOR
+from parity.model.facts import ArchFacts
+from parity.record.trace import Trace
+
+#: relative residual below which an explanation "reproduces" a tensor
+EXPLAINS = 1e-3
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """What a detector may look at: the failing node, its two tensors and everything traced."""
+
+    result: NodeResult
+    ours: torch.Tensor
+    ref: torch.Tensor
+    ours_trace: Trace
+    ref_trace: Trace
+    facts: ArchFacts
+    #: the position of every token, ``(batch, seq)`` (what RoPE rotates by)
+    positions: torch.Tensor | None = None
+    #: ``(batch, seq)`` 1 for real tokens, 0 for padding, when the run is padded
+    attention_mask: torch.Tensor | None = None
+
+    @property
+    def kind(self) -> str:
+        return self.result.kind
+
+    @property
+    def name(self) -> str:
+        return self.result.name
+
+    def close(self, a: torch.Tensor, b: torch.Tensor) -> bool:
+        """Equal within this node's tolerance (and a little slack when the tolerance is exact)."""
+        atol = max(self.result.atol, 1e-6 * float(b.abs().max()) if b.numel() else 0.0)
+        return a.shape == b.shape and bool(torch.allclose(a.double(), b.double(), atol=atol, rtol=self.result.rtol))
+
+    @property
+    def noise(self) -> float:
+        """The node's tolerance at its largest reference value: errors below it are noise."""
+        return self.result.atol + self.result.rtol * float(self.ref.abs().max())
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    nb = float(b.double().norm())
+    return float((a.double() - b.double()).norm()) / nb if nb > 0 else math.inf
+
+
+def fmt_list(xs, n=6) -> str:
+    xs = list(xs)
+    body = ", ".join(str(x) for x in xs[:n])
+    return body + (", ..." if len(xs) > n else "")
+
+
+# --- exact matches with something else ---------------------------------------------------------
+
+
+def reads_stream(kind: str) -> bool:
+    """A node that is a point of the residual stream: a module's input, or a layer's output."""
+    return "@input" in kind or kind == "layer"
+
+
+# --- positions -----------------------------------------------------------------------------------
+
+
+def seq_axis(kind: str) -> int:
+    return 2 if kind in HEAD_MAJOR else 1
+
+
+def by_position(ours: torch.Tensor, ref: torch.Tensor, axis: int) -> torch.Tensor:
+    diff = (ours.double() - ref.double()).abs().movedim(axis, 0)
+    return diff.reshape(diff.shape[0], -1).amax(dim=1)
+
+
+def positions_axis(e: Evidence) -> int | None:
+    """The sequence axis of the failing node when its layout is ``(batch, seq, ...)`` or ``(batch,
+    heads, seq, ...)`` for this run's tokens; None for nodes without one (a recurrent state)."""
+    if e.positions is None:
+        return None
+    axis = seq_axis(e.kind)
+    batch, seq = e.positions.shape
+    return axis if e.ours.dim() > axis and e.ours.shape[0] == batch and e.ours.shape[axis] == seq else None
+
+
+# --- calls continuing a cache (decode checks) -------------------------------------------------------
+
+
+def call_index(name: str) -> int | None:
+    """The step of a decode check's node (``step3/...``: 3), None outside a decode check. Step 0 is the
+    first call of a sequence; every later one continues from the cache."""
+    m = re.match(r"^step(\d+)/", name)
+    return int(m.group(1)) if m else None
+
+
+#: element-wise functions a swapped activation may involve (applied in float64)
+ELEMENTWISE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "sigmoid": torch.sigmoid,
+    "softplus": torch.nn.functional.softplus,
+    "silu": torch.nn.functional.silu,
+    "gelu": torch.nn.functional.gelu,
+    "gelu (tanh)": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
+    "relu": torch.relu,
+    "tanh": torch.tanh,
+    "exp": torch.exp,
+    "identity": lambda x: x,
+}

@@ -1,0 +1,132 @@
+"""Detectors of what attention may see: future keys, the sliding window, padding, a sequence
+shifted by d positions."""
+
+from __future__ import annotations
+
+import torch
+
+from parity.diagnose.evidence import Evidence, by_position, call_index, fmt_list, positions_axis, seq_axis
+from parity.diagnose.hints import Hint
+
+
+def _window_of(probs: torch.Tensor, valid: torch.Tensor | None) -> int | None:
+    """The attention window ``probs`` ``(b, h, q, k)`` keeps: the longest span from a query back to
+    the earliest key it gives any weight (None: every query sees all earlier keys). Padded rows are
+    skipped (their keys are masked by padding, not by a window)."""
+    seen = probs.abs() > 0
+    if valid is not None:
+        seen = seen[valid.bool().all(-1)]
+    if seen.numel() == 0:
+        return None
+    q = torch.arange(seen.shape[-2])[:, None]
+    k = torch.arange(seen.shape[-1])[None, :]
+    span = torch.where(seen, q - k + 1, torch.zeros_like(q - k)).amax(dim=-1)  # (..., q)
+    full = (span == q.flatten() + 1).all()
+    return None if bool(full) else int(span.amax())
+
+
+def future_keys(e: Evidence) -> Hint | None:
+    """Ours gives weight to keys the reference masks, later than the last key the reference lets each
+    query see: the causal mask lets a query see the future (a decode-time mask off by one, a chunk
+    attending to all of itself)."""
+    if e.kind != "probs" or e.ours.dim() != 4:
+        return None
+    seen_ref, seen_ours = e.ref.abs() > 0, e.ours.abs() > 0
+    keys = torch.arange(e.ref.shape[-1])
+    last = torch.where(seen_ref, keys, torch.full_like(keys, -1)).amax(-1, keepdim=True)  # per query row
+    future = seen_ours & ~seen_ref & (keys > last)
+    if not bool(future.any()):
+        return None
+    rows = future.any(-1).flatten(0, 1).any(0).nonzero().flatten().tolist()
+    return Hint(
+        "causal_mask",
+        f"likely the causal mask: ours gives weight to keys after the last one the reference lets a query see "
+        f"({int(future.sum())} entries; queries {fmt_list(rows)}), so a query reads the future",
+        {"entries": int(future.sum()), "queries": rows[:32]},
+    )
+
+
+def window_pattern(e: Evidence) -> Hint | None:
+    """Only the query positions from some point up to the window on differ: the first position
+    that can see a key the window decides about (the smaller of ours' and the reference's window)."""
+    if e.kind not in ("probs", "context", "scores"):
+        return None
+    if e.kind == "probs" and e.ours.dim() == 4 and e.ours.shape[-1] == e.ours.shape[-2]:
+        ours_w, ref_w = _window_of(e.ours, e.attention_mask), _window_of(e.ref, e.attention_mask)
+        if ours_w != ref_w:
+            show = lambda w: "full causal attention" if w is None else f"a window of {w}"
+            return Hint(
+                "sliding_window",
+                f"likely the sliding window size or mask: ours attends with {show(ours_w)}, the reference with "
+                f"{show(ref_w)} (read from which keys get any weight)",
+                {"ours": ours_w, "reference": ref_w},
+            )
+    layer = e.facts.layer(e.result.layer)
+    window = (layer.window if layer is not None else None) or e.facts.sliding_window
+    axis = seq_axis(e.kind)
+    if not window or e.ours.dim() <= axis or e.ours.shape[axis] <= window:
+        return None
+    per_pos = by_position(e.ours, e.ref, axis)
+    bad = (per_pos > e.noise).nonzero().flatten().tolist()
+    if bad and 1 <= min(bad) <= window:
+        mine = layer.window if layer is not None else None
+        ref = f"the reference's window here is {mine}" if mine else "the reference attends to every earlier key here"
+        return Hint(
+            "sliding_window",
+            f"likely the sliding window size or mask: positions < {bad[0]} agree, positions {bad[0]}..{bad[-1]} "
+            f"differ (max error {float(per_pos.max()):.3g}); {ref}",
+            {"window": mine, "first_bad_position": bad[0]},
+        )
+    return None
+
+
+def sequence_shift(e: Evidence) -> Hint | None:
+    """Ours at position ``t`` holds the reference's value at ``t + d`` (``d != 0``) wherever both
+    exist: a causal convolution padded on the wrong side (it reads the future), a token shift, an
+    off-by-one in the sequence."""
+    axis = positions_axis(e)
+    if axis is None or e.ours.shape[axis] < 3:
+        return None
+    ours, ref = e.ours.movedim(axis, 0), e.ref.movedim(axis, 0)
+    seq = ours.shape[0]
+    for d in sorted((d for d in range(-min(8, seq - 2), min(8, seq - 2) + 1) if d), key=lambda d: (abs(d), d < 0)):
+        mine, theirs = ours[max(0, -d): seq - max(0, d)], ref[max(0, d): seq + min(0, d)]
+        if e.close(mine, theirs):
+            later = f"{d} position{'s' if abs(d) > 1 else ''} later" if d > 0 else f"{-d} position{'s' if -d > 1 else ''} earlier"
+            return Hint(
+                "sequence_shift",
+                f"likely a shift along the sequence: ours at each position equals the reference {later} (on the "
+                f"{mine.shape[0]} of {seq} positions both have); a causal convolution padded on the wrong side reads "
+                "the future, or a token shift / position off by one",
+                {"shift": d, "positions": int(mine.shape[0])},
+            )
+    return None
+
+
+def padding(e: Evidence) -> Hint | None:
+    """Every differing position is padding (the run's ``attention_mask`` is 0 there) and some padding
+    differs: the two sides treat padding differently. A linear-attention layer must zero its padding
+    before anything reads it, in every call: padding in a chunk that continues a cache leaks into the
+    state otherwise (the reference's mask covers each call's own tokens)."""
+    axis = positions_axis(e)
+    if axis is None or e.attention_mask is None or tuple(e.attention_mask.shape) != tuple(e.positions.shape):
+        return None
+    diff = (e.ours.double() - e.ref.double()).abs().movedim(axis, 1)
+    bad = diff.reshape(*diff.shape[:2], -1).amax(-1) > e.noise  # (batch, seq)
+    pad = e.attention_mask.to(bad.device) == 0
+    if not bool(bad.any()) or bool((bad & ~pad).any()):
+        return None
+    rows, cols = bad.nonzero(as_tuple=True)
+    zero = bool((e.ref.movedim(axis, 1)[pad] == 0).all())
+    where = f"padding tokens at batch rows {fmt_list(sorted(set(rows.tolist())))}, positions {fmt_list(sorted(set(cols.tolist())))}"
+    call = call_index(e.name)
+    continuing = f" (a call continuing the cache: step {call})" if call else ""
+    treat = "zeroes them" if zero else "treats them otherwise"
+    return Hint(
+        "padding",
+        f"likely padding that is not masked: only padding tokens differ ({where}{continuing}); the reference {treat}. "
+        "A linear-attention layer must zero its padding in every call, a chunk continuing a cache included, "
+        "or the padding writes into the conv and the recurrent state",
+        {"batch_rows": sorted(set(rows.tolist())), "positions": sorted(set(cols.tolist())), "reference_zero": zero,
+         "step": call},
+    )

@@ -1,0 +1,215 @@
+"""Detectors of normalisation: eps, ``w`` vs ``1 + w``, RMSNorm vs LayerNorm, per head vs the whole
+projection, pre- vs post-norm, a parallel block run sequentially."""
+
+from __future__ import annotations
+
+import torch
+
+from parity.diagnose.evidence import EXPLAINS, Evidence, fmt_list, rel
+from parity.diagnose.hints import Hint
+
+
+def _ms(x: torch.Tensor, centered: bool) -> torch.Tensor:
+    x = x.double()
+    if centered:
+        x = x - x.mean(-1, keepdim=True)
+    return x.pow(2).mean(-1)
+
+
+def _is_norm(kind: str) -> bool:
+    """A norm node's kind: ``*norm*`` (Llama, OLMo, Gemma...) or GPT-2's ``ln_1``, ``ln_2``, ``ln_f``."""
+    return "norm" in kind or kind.startswith("ln_")
+
+
+def norm_eps(e: Evidence) -> Hint | None:
+    """A norm whose inputs agree, and whose ours/ref ratio is constant over channels but varies per
+    token with the token's mean square: another eps (or eps outside the square root)."""
+    if not _is_norm(e.kind) or e.name not in e.ref_trace.inputs or e.name not in e.ours_trace.inputs:
+        return None
+    x_ref, x_ours = e.ref_trace.inputs[e.name], e.ours_trace.inputs[e.name]
+    if x_ref.shape != e.ref.shape or not e.close(x_ours, x_ref):
+        return None
+    a, b = e.ours.double().flatten(0, -2), e.ref.double().flatten(0, -2)
+    shift = e.ref_trace.biases.get(e.name)  # a LayerNorm's bias: the ratio holds for w * x_hat alone
+    if shift is not None and shift.shape == a.shape[-1:]:
+        a, b = a - shift.double(), b - shift.double()
+    keep = b.abs() > 1e-3 * b.abs().amax(-1, keepdim=True)
+    ratio = torch.where(keep, a / b.where(keep, torch.ones_like(b)), torch.nan)
+    r = ratio.nanmean(-1)
+    spread = ((ratio - r[:, None]).abs().nan_to_num(0.0).amax(-1) / r.abs()).max()
+    if not bool(torch.isfinite(r).all()) or float(spread) > 1e-3 or float((r - 1).abs().max()) < 1e-4:
+        return None  # not a per-token factor, or no factor at all
+    centered = e.facts.norm_kind == "layernorm"
+    ms = _ms(x_ref, centered).flatten()
+    r2 = r.pow(2)
+    # r^2 = (ms + eps_ref) / (ms + eps_ours)  <=>  r^2 * eps_ours - eps_ref = ms * (1 - r^2): least squares,
+    # each token's equation divided by its ms + eps so large-RMS tokens (where eps is invisible) add no noise
+    weight = 1.0 / (ms + (e.facts.norm_eps or 1e-6))
+    design = torch.stack([r2, -torch.ones_like(r2)], 1) * weight[:, None]
+    solution = torch.linalg.lstsq(design, (ms * (1 - r2) * weight)[:, None]).solution.flatten()
+    eps_ours, eps_ref = float(solution[0]), float(solution[1])
+    predicted = ((ms + eps_ref) / (ms + eps_ours)).sqrt()
+    if min(eps_ours, eps_ref) >= -1e-12 and float(((predicted - r).abs() / r).max()) < 1e-3:
+        return Hint(
+            "norm_eps",
+            f"likely the norm's eps: ours / reference varies per token with the token's mean square (ratio "
+            f"{float(r.min()):.4g}..{float(r.max()):.4g}), as eps {eps_ours:.3g} in ours and {eps_ref:.3g} in the reference "
+            f"give (the config says {e.facts.norm_eps:g})",
+            {"eps_ours": eps_ours, "eps_reference": eps_ref, "config_eps": e.facts.norm_eps},
+        )
+    eps = e.facts.norm_eps or 0.0
+    outside = ((ms + eps).sqrt() / r - ms.sqrt())  # ours = x / (sqrt(ms) + eps'): one eps' for every token
+    if float(outside.std()) <= 1e-3 * max(float(outside.abs().mean()), 1e-30):
+        return Hint(
+            "norm_eps",
+            f"likely eps outside the square root: ours behaves like x / (sqrt(mean(x^2)) + {float(outside.mean()):.3g}), "
+            f"the reference like x / sqrt(mean(x^2) + {eps:g})",
+            {"eps_outside": float(outside.mean()), "config_eps": eps},
+        )
+    return None
+
+
+# --- norms ---------------------------------------------------------------------------------------
+
+
+def norm_weight_offset(e: Evidence) -> Hint | None:
+    """A norm whose inputs agree and whose output is the reference's times ``(w + 1 - o) / (w + o)``
+    per channel, ``w`` the stored weight and ``o`` the reference's offset: ours multiplies by ``w``
+    where the reference multiplies by ``1 + w`` (Gemma 3), or the reverse (a Gemma 3 norm in Gemma 4)."""
+    if "norm" not in e.kind or e.name not in e.ref_trace.inputs or e.name not in e.ours_trace.inputs:
+        return None
+    w = e.ref_trace.weights.get(e.name)
+    x_ref, x_ours = e.ref_trace.inputs[e.name], e.ours_trace.inputs[e.name]
+    if w is None or w.dim() != 1 or w.shape[0] != e.ref.shape[-1] or not e.close(x_ours, x_ref):
+        return None
+    offset, w = e.facts.norm_weight_offset, w.double()
+    if bool(((w + offset).abs() < 1e-6).any()):
+        return None
+    predicted = e.ref.double() * (w + 1 - offset) / (w + offset)
+    if rel(e.ours, predicted) >= max(EXPLAINS, 4 * torch.finfo(e.ref.dtype).eps):
+        return None
+    ours, ref = ("w", "1 + w") if offset == 1.0 else ("1 + w", "w")
+    return Hint(
+        "norm_weight_offset",
+        f"likely the norm weight offset: ours multiplies by {ours}, the reference by {ref} (ours / reference = "
+        f"({ours}) / ({ref}) per channel, constant over tokens, e.g. {fmt_list(f'{v:.4g}' for v in ((w + 1 - offset) / (w + offset))[:4].tolist())})",
+        {"ours": ours, "reference": ref},
+    )
+
+
+def _normalisers(x: torch.Tensor, head_dim: int | None, eps: float = 0.0) -> dict[str, torch.Tensor]:
+    """``x`` normalised each way a norm might (``eps``: the architecture's norm eps)."""
+    x = x.double()
+    centered = x - x.mean(-1, keepdim=True)
+    out = {
+        "RMSNorm over the last axis": x / (x.pow(2).mean(-1, keepdim=True) + eps).sqrt(),
+        "LayerNorm (mean-subtracting)": centered / (centered.pow(2).mean(-1, keepdim=True) + eps).sqrt(),
+    }
+    if head_dim and x.shape[-1] % head_dim == 0 and x.shape[-1] > head_dim:
+        h = x.unflatten(-1, (-1, head_dim))
+        out["RMSNorm per head"] = (h / (h.pow(2).mean(-1, keepdim=True) + eps).sqrt()).flatten(-2)
+    if head_dim and x.dim() >= 3 and x.shape[-1] == head_dim and x.shape[-2] > 1:  # (..., heads, head_dim)
+        out["RMSNorm over the whole projection"] = x / (x.pow(2).mean((-2, -1), keepdim=True) + eps).sqrt()
+    return out
+
+
+def _explained_by(y: torch.Tensor, candidates: dict[str, torch.Tensor]) -> str | None:
+    """The candidate n with y ~= n * w for a per-channel w (least squares), or y ~= n * w + b with a
+    per-channel bias too (a LayerNorm with bias, GPT-2), if any."""
+    y = y.double().flatten(0, -2)
+    for name, n in candidates.items():
+        n = n.flatten(0, -2)
+        w = (y * n).sum(0) / n.pow(2).sum(0).clamp_min(1e-30)
+        if rel(n * w, y) < EXPLAINS:
+            return name
+        if n.shape[0] > 2:
+            nc, yc = n - n.mean(0), y - y.mean(0)
+            w = (yc * nc).sum(0) / nc.pow(2).sum(0).clamp_min(1e-30)
+            if rel(nc * w, yc) < EXPLAINS:
+                return name
+    return None
+
+
+def norm_kind(e: Evidence) -> Hint | None:
+    """A norm node whose output is explained by another normaliser than the reference's."""
+    if not _is_norm(e.kind) or e.name not in e.ref_trace.inputs or e.name not in e.ours_trace.inputs:
+        return None
+    x_ref, x_ours = e.ref_trace.inputs[e.name], e.ours_trace.inputs[e.name]
+    if not e.close(x_ours, x_ref):
+        return None  # the input already differs: not this norm's own fault
+    candidates = _normalisers(x_ref, e.facts.head_dim, e.facts.norm_eps or 0.0)
+    ours_is, ref_is = _explained_by(e.ours, candidates), _explained_by(e.ref, candidates)
+    if ours_is is None or ref_is is None or ours_is == ref_is:
+        return None
+    evidence = ""
+    if "LayerNorm" in ref_is or "LayerNorm" in ours_is:
+        means = x_ref.double().mean(-1).flatten()
+        evidence = f"; the difference tracks each token's mean (input means {fmt_list(f'{m:.3g}' for m in means[:4].tolist())}): mean subtraction"
+    if any(w in label for w in ("per head", "whole projection") for label in (ours_is, ref_is)):
+        evidence = "; per-head vs whole-projection Q/K norm"
+    return Hint("norm_kind", f"likely the wrong norm: ours behaves like {ours_is}, the reference like {ref_is}{evidence}",
+                {"ours": ours_is, "reference": ref_is})
+
+
+def norm_placement(e: Evidence) -> Hint | None:
+    """A projection whose input is the reference's input after a norm (pre-norm vs post-norm)."""
+    if e.name not in e.ref_trace.inputs or e.name not in e.ours_trace.inputs:
+        return None
+    x_ref, x_ours = e.ref_trace.inputs[e.name], e.ours_trace.inputs[e.name]
+    if x_ref.shape != x_ours.shape or e.close(x_ours, x_ref):
+        return None
+    ours_is = _explained_by(x_ours, _normalisers(x_ref, None, e.facts.norm_eps or 0.0))
+    if ours_is is not None:
+        return Hint(
+            "norm_placement",
+            f"likely norm placement: the input of {e.kind} in ours equals the reference's input after a "
+            f"{ours_is} (pre-norm vs post-norm)",
+            {"normaliser": ours_is},
+        )
+    return None
+
+
+def _layer_node(e: Evidence, layer: int, kind: str) -> torch.Tensor | None:
+    """The reference's tensor of the node of that kind in that layer, if traced."""
+    for name, tensor in e.ref_trace.tensors.items():
+        if e.facts.locate(name) == (layer, kind):
+            return tensor
+    return None
+
+
+def _residual_into(e: Evidence, layer: int) -> torch.Tensor | None:
+    """The reference's residual stream entering ``layer``: the previous layer's output, or the
+    (scaled) token embedding before layer 0."""
+    if layer > 0:
+        return _layer_node(e, layer - 1, "layer")
+    x = e.ref_trace.tensors.get(e.facts.embed_module)
+    return x * e.facts.embed_scale if x is not None and e.facts.embed_scale else x
+
+
+def block_layout(e: Evidence) -> Hint | None:
+    """The MLP branch reads the residual after attention on one side and the layer's input on the
+    other: a parallel block (``x + attn(N(x)) + mlp(N(x))``) run sequentially, or the reverse."""
+    if e.result.layer is None or not (e.kind.endswith("@input") or _is_norm(e.kind)):
+        return None
+    x, attn = _residual_into(e, e.result.layer), _layer_node(e, e.result.layer, "o_proj")
+    if x is None or attn is None or x.shape != e.ref.shape or attn.shape != x.shape:
+        return None
+    candidates = {
+        "the residual after attention (sequential block)": x.double() + attn.double(),
+        "the layer's input (parallel block)": x.double(),
+    }
+
+    def explained(y: torch.Tensor) -> str | None:
+        for label, u in candidates.items():
+            if rel(y, u) < EXPLAINS or _explained_by(y, _normalisers(u, None, e.facts.norm_eps or 0.0)) is not None:
+                return label
+        return None
+
+    ours_is, ref_is = explained(e.ours), explained(e.ref)
+    if ours_is is None or ref_is is None or ours_is == ref_is:
+        return None
+    return Hint(
+        "block_layout",
+        f"likely the block layout: the {e.kind} of ours is computed from {ours_is}, the reference's from {ref_is}",
+        {"ours": ours_is, "reference": ref_is},
+    )

@@ -1,0 +1,272 @@
+"""Detectors of positions: RoPE read back from its rotation (theta, scaling, pairing, partial rotary,
+per-layer type) and a learned position table read off by k."""
+
+from __future__ import annotations
+
+import torch
+
+from parity.diagnose.evidence import Evidence, by_position, fmt_list, seq_axis
+from parity.diagnose.hints import Hint
+
+
+def position_table_offset(e: Evidence) -> Hint | None:
+    """A position embedding node (``wpe``, ``embed_positions``) where ours at position ``p`` equals the
+    reference at ``p + k`` for every ``p`` both have (``k`` != 0): a learned position table indexed with
+    ``position + k``. Other nodes shifted along the sequence are :func:`sequence_shift`'s."""
+    axis = seq_axis(e.kind)
+    if ("pos" not in e.kind and e.kind != "wpe") or e.ours.dim() <= axis or e.ours.shape[axis] < 4:
+        return None
+    n = e.ours.shape[axis]
+    for k in (1, -1, 2, -2):
+        ours, ref = e.ours.narrow(axis, max(0, -k), n - abs(k)), e.ref.narrow(axis, max(0, k), n - abs(k))
+        if e.close(ours, ref):
+            sign = "+" if k > 0 else "-"
+            return Hint(
+                "position_offset",
+                f"likely positions off by {k}: ours at position p equals the reference at position p {sign} {abs(k)} "
+                f"(for p = {max(0, -k)}..{n - 1 - max(0, k)}; a position table or position ids shifted by {k})",
+                {"offset": k},
+            )
+    return None
+
+
+def _pre_rope(e: Evidence, n_heads: int) -> torch.Tensor | None:
+    """The reference's q (or k) before RoPE as (batch, heads, seq, head_dim), from the q_norm/q_proj node
+    (a per-head norm's output is ``(batch, seq, heads, head_dim)`` where Transformers normalises
+    before moving heads first, Qwen3 and Gemma 4, and ``(batch, heads, seq, head_dim)`` where it
+    normalises after, Gemma 3). When the sequence length equals the head count the shape cannot
+    tell: the layout that equals the reference's rotated tensor at position 0 (no rotation) wins."""
+    stem = e.name.rsplit(".", 1)[0]
+    letter = e.kind[0]
+    head_dim = e.ref.shape[-1]
+    seq = e.ref.shape[2] if e.ref.dim() == 4 else None
+    for kind in (f"{letter}_norm", f"{letter}_proj"):
+        t = e.ref_trace.tensors.get(f"{stem}.{kind}")
+        if t is None:
+            continue
+        if t.dim() == 3 and t.shape[-1] == n_heads * head_dim:
+            return t.unflatten(-1, (n_heads, head_dim)).transpose(1, 2)
+        if t.dim() != 4:
+            continue
+        candidates = []
+        if t.shape[1:3] == (n_heads, seq):
+            candidates.append(t)
+        if t.shape[1:3] == (seq, n_heads):
+            candidates.append(t.transpose(1, 2))
+        if len(candidates) > 1 and e.positions is not None and e.positions.shape == (t.shape[0], seq):
+            start = e.positions == 0  # (batch, seq): tokens RoPE leaves as they are
+            if bool(start.any()):
+                at_start = [c for c in candidates if e.close(c.transpose(1, 2)[start], e.ref.transpose(1, 2)[start])]
+                candidates = at_start or candidates
+        if candidates:
+            return candidates[0]
+    return None
+
+
+def _rotated_dims(e: Evidence, rotated: torch.Tensor, x: torch.Tensor) -> int:
+    """How many leading dims of each head ``rotated`` changes: the rest equal the unrotated ``x``
+    (partial rotary passes them through)."""
+    n = x.shape[-1]
+    while n > 0 and e.close(rotated[..., n - 1], x[..., n - 1]):
+        n -= 1
+    return n
+
+
+def _pairing(rotated: torch.Tensor, x: torch.Tensor) -> str | None:
+    """Which RoPE pairing ``rotated`` preserves (pair norms equal to the input's, up to one scale)."""
+    d = x.shape[-1]
+    layouts = {
+        "half-split (i, i + d/2)": (torch.arange(d // 2), torch.arange(d // 2) + d // 2),
+        "interleaved (2i, 2i + 1)": (torch.arange(0, d, 2), torch.arange(1, d, 2)),
+    }
+    for name, (i, j) in layouts.items():
+        rn = rotated.double()[..., i].pow(2) + rotated.double()[..., j].pow(2)
+        xn = x.double()[..., i].pow(2) + x.double()[..., j].pow(2)
+        keep = xn > 1e-6 * xn.max()
+        ratio = rn[keep] / xn[keep]
+        if ratio.numel() and float(ratio.std()) / float(ratio.mean()) < 1e-4:
+            return name
+    return None
+
+
+def rope_fit(e: Evidence) -> Hint | None:
+    """Read ours' rotation back (angles and amplitude per frequency and position) and name the RoPE
+    that reproduces it: another layer type's, the unscaled one, another theta, shifted positions."""
+    from parity.diagnose.rope_fit import identify
+
+    if e.kind not in ("q_rot", "k_rot") or e.ours.dim() != 4 or e.positions is None:
+        return None
+    layer = e.facts.layer(e.result.layer)
+    x = _pre_rope(e, e.ours.shape[1])
+    if layer is None or x is None or x.shape != e.ours.shape or e.positions.shape != (e.ours.shape[0], e.ours.shape[2]):
+        return None
+    ropes = {t: e.facts.rope_of_type(t) for t in sorted(set(e.facts.layer_types))}
+    tol = 1e-2 if e.ours.dtype in (torch.bfloat16, torch.float16) else 1e-4
+    fit = identify(x, e.ours, layer, ropes, e.positions, tol, e.attention_mask, e.facts.max_position_embeddings)
+    if fit is None:
+        return None
+    own = layer.rope.attention_factor if layer.rope is not None else 1.0
+    amp = f"cos/sin scaled by {fit.amplitude:.6g} (the reference: {own:.6g})"
+    evidence = {"ours": fit.label, "amplitude": fit.amplitude, "reference_amplitude": own, "layer_type": layer.layer_type}
+    if fit.offsets:
+        pads = [0] * len(fit.offsets) if e.attention_mask is None else [int(n) for n in (e.attention_mask == 0).sum(1)]
+        same = list(fit.offsets) == pads
+        because = ("each row's offset equals its pad count: ours counts positions 0..S-1 over the padding, the "
+                   "reference (as generation does) from each row's first real token") if same else "positions are shifted"
+        return Hint(
+            "position_offset",
+            f"likely positions not derived from the attention mask: ours rotates each batch row by this layer's RoPE "
+            f"at its position + {list(fit.offsets)} (pad counts {pads}); {because}",
+            {**evidence, "offsets": list(fit.offsets), "pad_counts": pads},
+        )
+    if fit.label.startswith("this layer's RoPE"):
+        if abs(fit.amplitude / own - 1) < 1e-3:
+            return None  # ours is this layer's RoPE: the error is not in the rotation
+        named = [(n, v) for n, v in e.facts.named_constants().items() if "attention factor" in n and abs(fit.amplitude / own / v - 1) < 1e-3]
+        detail = f" ({named[0][0]})" if named else ""
+        return Hint("rope_attention_factor",
+                    f"likely the RoPE attention factor: ours rotates with this layer's frequencies but {amp}{detail}", evidence)
+    if fit.label.startswith("the RoPE of") and layer.rope is None:
+        return Hint(
+            "rope_unexpected",
+            f"likely RoPE where the reference applies none: this {layer.layer_type} layer is NoPE in the reference, "
+            f"ours rotates it with {fit.label}, {amp}",
+            evidence,
+        )
+    if fit.label.startswith("the RoPE of"):
+        return Hint(
+            "rope_layer_type",
+            f"likely RoPE per layer type: this {layer.layer_type} layer of ours uses {fit.label}, {amp}; "
+            "in Transformers 5 each layer type has its own rope_parameters (e.g. YaRN on full_attention only)",
+            evidence,
+        )
+    if fit.label.startswith("the unscaled RoPE"):
+        return Hint("rope_scaling", f"likely the RoPE scaling is not applied: ours rotates with {fit.label}, {amp}", evidence)
+    return Hint("rope_theta", f"likely a different rope theta: ours rotates like {fit.label}, {amp} (the reference: theta "
+                f"{layer.rope.theta:g})", evidence)
+
+
+def _unrotated_dims(t: torch.Tensor, x: torch.Tensor, moved: torch.Tensor) -> torch.Tensor:
+    """``(head_dim,)`` bool: the dims ``t`` leaves exactly as ``x`` at every token whose position is
+    past 0 (``moved``, ``(batch, seq)``)."""
+    a, b = t.transpose(1, 2)[moved], x.transpose(1, 2)[moved]  # (tokens, heads, head_dim)
+    return (a != b).sum(dim=(0, 1)) == 0
+
+
+def rope_partial(e: Evidence) -> Hint | None:
+    """Ours rotates other dims of each head than the reference: partial rotary over the whole head,
+    or over the first dims where the reference pairs ``(i, i + head_dim/2)`` (Gemma 4's
+    proportional RoPE), or the reverse. Dims with a zero frequency come through RoPE bit for bit."""
+    if e.kind not in ("q_rot", "k_rot") or e.ours.dim() != 4 or e.positions is None:
+        return None
+    x = _pre_rope(e, e.ours.shape[1])
+    moved = e.positions > 0
+    if x is None or x.shape != e.ours.shape or moved.shape != (e.ours.shape[0], e.ours.shape[2]) or not bool(moved.any()):
+        return None
+    ours_still, ref_still = _unrotated_dims(e.ours, x, moved), _unrotated_dims(e.ref, x, moved)
+    if torch.equal(ours_still, ref_still) or bool(ref_still.all()) or bool(ours_still.all()):  # no RoPE: rope_pattern
+        return None
+    d = e.ours.shape[-1]
+
+    def rotated(still: torch.Tensor) -> str:
+        dims = (~still).nonzero().flatten().tolist()
+        return f"{len(dims)} of {d} dims ({fmt_list(dims, 8)})" if dims else "no dims"
+
+    return Hint(
+        "rope_partial",
+        f"likely partial rotary: the reference rotates {rotated(ref_still)} of each head and leaves the rest as they "
+        f"are, ours rotates {rotated(ours_still)} (how many dims rotate, and which pairs: (i, i + d/2) over the whole "
+        "head, or within the first dims)",
+        {"reference_rotated": (~ref_still).nonzero().flatten().tolist(), "ours_rotated": (~ours_still).nonzero().flatten().tolist()},
+    )
+
+
+def rope_pattern(e: Evidence) -> Hint | None:
+    """Position 0 agrees and the error grows with position: RoPE (frequencies, scaling, pairing, offset)."""
+    ours, ref = e.ours, e.ref
+    # Only where RoPE acts: after attention, position 0 agrees trivially (it sees one key).
+    if e.kind not in ("q_rot", "k_rot") or ours.dim() != 4 or ours.shape[2] < 3:
+        return None
+    per_pos = by_position(ours, ref, 2)
+    tol = e.noise
+    if float(per_pos[0]) > tol or float(per_pos.max()) <= tol:
+        return None
+    numbers = (
+        f"position 0 agrees (error {float(per_pos[0]):.2g}), later positions differ "
+        f"(pos 1: {float(per_pos[1]):.3g}, pos {len(per_pos) - 1}: {float(per_pos[-1]):.3g})"
+    )
+    evidence = {"position_0": float(per_pos[0]), "last_position": float(per_pos[-1])}
+    x = _pre_rope(e, ours.shape[1])
+    ref_pairs = None
+    if x is not None and x.shape == ours.shape:
+        if e.close(ref, x):
+            return Hint("rope_unexpected",
+                        f"likely RoPE where the reference applies no rotation (a NoPE layer): the reference's {e.kind} is its unrotated input; {numbers}",
+                        evidence)
+        if e.close(ours, x):
+            return Hint("rope_missing", f"likely a missing RoPE: ours applies no rotation here, the reference does; {numbers}", evidence)
+        ours_dims, ref_dims = _rotated_dims(e, ours, x), _rotated_dims(e, ref, x)
+        here = e.facts.layer(e.result.layer)
+        declared = here.rope.rotary_dim if here is not None and here.rope is not None else None
+        if ours_dims != ref_dims and ref_dims == declared:
+            d = ours.shape[-1]
+            return Hint(
+                "rope_partial",
+                f"likely the rotary share of each head (partial_rotary_factor): ours rotates its first {ours_dims} of "
+                f"{d} dims ({ours_dims / d:g}), the reference its first {ref_dims} ({ref_dims / d:g}) and passes the "
+                f"rest through; {numbers}",
+                {**evidence, "ours_rotated_dims": ours_dims, "reference_rotated_dims": ref_dims},
+            )
+        ours_pairs, ref_pairs = _pairing(ours, x), _pairing(ref, x)
+        if ours_pairs and ref_pairs and ours_pairs != ref_pairs:
+            return Hint("rope_pairing", f"likely RoPE pairing layout: ours rotates {ours_pairs} pairs, the reference {ref_pairs}; {numbers}",
+                        {**evidence, "ours": ours_pairs, "reference": ref_pairs})
+    d = ours.shape[-1]
+    by_dim = (ours.double() - ref.double()).abs().amax(dim=(0, 1, 2))
+    if ref_pairs is not None and ref_pairs.startswith("interleaved"):
+        freq_err = torch.maximum(by_dim[0::2], by_dim[1::2])  # frequency i rotates dims 2i, 2i + 1
+    else:
+        freq_err = torch.maximum(by_dim[: d // 2], by_dim[d // 2 :])  # frequency i rotates dims i, i + d/2
+    bad = (freq_err > tol).nonzero().flatten().tolist()
+    layer = e.facts.layer(e.result.layer)
+    rope_type = layer.rope.rope_type if layer is not None and layer.rope is not None else None
+    precision = _frequency_precision(e, x, ref_pairs) if x is not None and x.shape == ours.shape else None
+    if precision is not None:
+        return Hint(
+            "rope_frequencies",
+            f"likely RoPE frequencies off in their last bits: ours' rotation angles differ from the reference's by "
+            f"{precision:.2g} relative (bfloat16 rounding is 4e-3): inverse frequencies computed or rounded in a lower "
+            f"precision than the reference's float32; {numbers}",
+            {**evidence, "relative": precision},
+        )
+    # a band: the highest and the lowest frequency agree, the error sits between (a YaRN / llama3 ramp)
+    if bad and bad[0] > 0 and bad[-1] < d // 2 - 1:
+        band = f" (a {rope_type} correction range / ramp band: rounding or clamping)" if rope_type in ("yarn", "llama3") else ""
+        return Hint(
+            "rope_band",
+            f"likely RoPE frequencies{band}: error confined to a band of rotary frequencies "
+            f"{fmt_list(bad)} of {d // 2}; {numbers}",
+            {**evidence, "band": bad},
+        )
+    return Hint("rope_frequencies", f"likely RoPE frequencies, scaling or offset: {numbers}", evidence)
+
+
+def _frequency_precision(e: Evidence, x: torch.Tensor, pairing: str | None) -> float | None:
+    """The largest relative difference of ours' rotation angles from the reference's, when every
+    frequency is off by under 1% (a precision problem, not a different formula), else None."""
+    from parity.diagnose.rope_fit import rotation
+
+    layer = e.facts.layer(e.result.layer)
+    if layer is None or layer.rope is None or e.positions is None:
+        return None
+    interleaved = pairing is not None and pairing.startswith("interleaved")
+    ours_r, _ = rotation(x, e.ours, interleaved, layer.rope.rotary_dim)
+    ref_r, weight = rotation(x, e.ref, interleaved, layer.rope.rotary_dim)
+    last = int(e.positions[0].argmax())
+    angle_ref = ref_r[0, last].angle().abs()
+    delta = (ours_r[0, last] / ref_r[0, last]).angle().abs()
+    keep = (angle_ref > 1e-3) & (angle_ref < 3.0) & (weight[0, last] > 0)  # unwrapped angles only
+    if not bool(keep.any()) or not bool((delta[keep] > 0).any()):
+        return None
+    relative = float((delta[keep] / angle_ref[keep]).max())
+    return relative if relative < 1e-2 else None

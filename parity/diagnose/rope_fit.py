@@ -1,0 +1,155 @@
+"""Read a RoPE back from its effect: the rotation angle and amplitude of every frequency at every
+position, and which known RoPE (or which position offset) reproduces ours.
+
+RoPE turns each pair of dims ``(a, b)`` of a head into ``(a + i b) * A e^{i w p}`` at position ``p``
+(Su et al. 2021, arXiv:2104.09864; ``A`` is 1, or the YaRN attention factor). Given the unrotated
+q (or k) and a rotated one, the complex ratio per (row, position, frequency), pooled over heads by
+least squares, recovers ``A`` and ``w p`` without knowing how the rotation was written. Comparing
+those with the frequencies of every RoPE the architecture knows (:class:`~parity.model.facts.RopeFacts`
+per layer type, the same RoPE without its scaling) names the mistake.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from parity.model.facts import LayerFacts, RopeFacts
+
+
+def _pairs(t: torch.Tensor, interleaved: bool, rotary_dim: int) -> torch.Tensor:
+    """``(b, h, s, d)`` -> complex ``(b, h, s, rotary_dim / 2)`` of the rotated pairs."""
+    t = t.double()[..., :rotary_dim]
+    if interleaved:
+        return torch.complex(t[..., 0::2], t[..., 1::2])
+    half = rotary_dim // 2
+    return torch.complex(t[..., :half], t[..., half:])
+
+
+def rotation(x: torch.Tensor, y: torch.Tensor, interleaved: bool, rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ratio, weight)``: the complex factor taking ``x``'s pairs to ``y``'s, ``(b, s, f)``, pooled over
+    heads by least squares (``sum y conj(x) / sum |x|^2``), and the pooled ``sum |x|^2``."""
+    zx, zy = _pairs(x, interleaved, rotary_dim), _pairs(y, interleaved, rotary_dim)
+    weight = zx.abs().pow(2).sum(1)
+    ratio = (zy * zx.conj()).sum(1) / weight.clamp_min(1e-300)
+    return ratio, weight
+
+
+def _wrap(angle: torch.Tensor) -> torch.Tensor:
+    return torch.remainder(angle + math.pi, 2 * math.pi) - math.pi
+
+
+@dataclass(frozen=True)
+class Fit:
+    """What ours' rotation is: ``label`` names the RoPE (or offset) that reproduces it, ``amplitude``
+    the cos/sin factor it applies, ``offsets`` per batch row when positions are shifted."""
+
+    label: str
+    amplitude: float
+    residual: float
+    offsets: tuple[int, ...] = ()
+    inv_freq: tuple[float, ...] = ()
+
+
+def _fits(angle: torch.Tensor, keep: torch.Tensor, inv_freq, positions: torch.Tensor, tol: float) -> float | None:
+    """Largest angle error (radians) of ``inv_freq x positions`` against ``angle`` where ``keep``; None if above ``tol``."""
+    if len(inv_freq) != angle.shape[-1]:
+        return None
+    w = torch.tensor(inv_freq, dtype=torch.float64)
+    predicted = positions.double()[..., None] * w
+    err = _wrap(angle - predicted).abs()[keep]
+    worst = float(err.max()) if err.numel() else 0.0
+    return worst if worst <= tol else None
+
+
+def identify(
+    x: torch.Tensor,
+    ours: torch.Tensor,
+    layer: LayerFacts,
+    ropes: dict[str, RopeFacts | None],
+    positions: torch.Tensor,
+    tol: float,
+    valid: torch.Tensor | None = None,
+    max_position_embeddings: int | None = None,
+) -> Fit | None:
+    """Which RoPE turns the unrotated ``x`` into ``ours`` (both ``(b, h, s, d)``), at ``positions``
+    ``(b, s)``: this layer's own RoPE, another layer type's, this one without its scaling, default
+    RoPE with another theta, or this one at positions shifted per row. ``valid`` ``(b, s)``: the
+    tokens to judge (padding excluded). None when nothing fits or ``ours`` is no rotation of ``x`` at
+    all (pair norms not kept up to one factor)."""
+    rope = layer.rope
+    probe = rope if rope is not None else next((r for r in ropes.values() if r is not None), None)
+    if probe is None or x.shape != ours.shape:
+        return None
+    ratio, weight = rotation(x, ours, probe.interleaved, probe.rotary_dim)
+    keep = weight > 1e-6 * weight.max()
+    if valid is not None:
+        keep = keep & valid.bool()[..., None]
+    amp = ratio.abs()[keep]
+    if amp.numel() == 0 or float(amp.std()) > 1e-2 * float(amp.mean()):
+        return None  # not one rotation with one amplitude: something else changed q/k
+    amplitude = float(amp.mean())
+    angle = ratio.angle()
+    candidates: list[tuple[str, tuple[float, ...]]] = []
+    if rope is not None:
+        candidates.append((f"this layer's RoPE ({layer.layer_type}: {rope.rope_type}, theta {rope.theta:g})", rope.inv_freq))
+        if rope.rope_type != "default":
+            candidates.append((f"the unscaled RoPE (theta {rope.theta:g}, no {rope.rope_type} scaling)", rope.unscaled_inv_freq()))
+    for layer_type, other in ropes.items():
+        if other is None or layer_type == layer.layer_type:
+            continue
+        if rope is not None and other.rope_type == rope.rope_type and other.attention_factor == rope.attention_factor:
+            # the same kind of RoPE with another theta: a theta mistake, whichever layer type has it
+            candidates.append((f"{other.rope_type} RoPE with theta {other.theta:g} (the theta of {layer_type} layers)", other.inv_freq))
+        else:
+            candidates.append((f"the RoPE of {layer_type} layers ({other.rope_type}, theta {other.theta:g})", other.inv_freq))
+    for label, inv_freq in candidates:
+        worst = _fits(angle, keep, inv_freq, positions, tol)
+        if worst is not None:
+            return Fit(label, amplitude, worst, inv_freq=tuple(inv_freq))
+    if rope is not None:
+        offsets = []
+        for row in range(angle.shape[0]):
+            if not bool(keep[row].any()):  # nothing to judge in this row (all padding): no offset to read
+                offsets.append(0)
+                continue
+            best = None
+            for delta in range(-angle.shape[1], angle.shape[1] + 1):
+                worst = _fits(angle[row : row + 1], keep[row : row + 1], rope.inv_freq, positions[row : row + 1] + delta, tol)
+                if worst is not None:
+                    best = delta
+                    break
+            if best is None:
+                break
+            offsets.append(best)
+        else:
+            if any(offsets):
+                return Fit("this layer's RoPE at shifted positions", amplitude, 0.0, offsets=tuple(offsets), inv_freq=rope.inv_freq)
+        theta = _fit_theta(angle, keep, positions, probe.rotary_dim)
+        if theta is not None and abs(theta / rope.theta - 1) > 1e-3:
+            from parity.model.facts import default_inv_freq
+
+            for label, inv_freq in (
+                (f"{rope.rope_type} RoPE with theta {theta:.6g}", rope.with_theta(theta, layer.head_dim, max_position_embeddings)),
+                (f"default RoPE with theta {theta:.6g}", default_inv_freq(theta, probe.rotary_dim)),
+            ):
+                worst = _fits(angle, keep, inv_freq, positions, tol)
+                if worst is not None:
+                    return Fit(label, amplitude, worst, inv_freq=inv_freq)
+    return None
+
+
+def _fit_theta(angle: torch.Tensor, keep: torch.Tensor, positions: torch.Tensor, rotary_dim: int) -> float | None:
+    """Theta of a default RoPE from the rotation of frequency 1 between the first two positions of a row."""
+    if angle.shape[-1] < 2 or angle.shape[1] < 2:
+        return None
+    step = positions[0, 1] - positions[0, 0]
+    if int(step) != 1 or not bool(keep[0, :2, 1].all()):
+        return None
+    w1 = float(_wrap(angle[0, 1, 1] - angle[0, 0, 1]))
+    if w1 <= 0:
+        return None
+    theta = w1 ** (-rotary_dim / 2)  # w_1 = theta^(-2/d)
+    return float(f"{theta:.4g}")  # a theta is a round number; the fit's last digits are noise

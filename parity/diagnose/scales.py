@@ -1,0 +1,156 @@
+"""Detectors of scale: one constant (named when it equals a constant of the architecture), one
+factor per row or per channel, the softmax temperature."""
+
+from __future__ import annotations
+
+import torch
+
+from parity.diagnose.evidence import EXPLAINS, Evidence, fmt_list, rel
+from parity.diagnose.hints import Hint
+
+
+def _qk_agree(e: Evidence) -> bool:
+    stem = e.name.rsplit(".", 1)[0]
+    for kind in ("q_rot", "k_rot"):
+        a, b = e.ours_trace.tensors.get(f"{stem}.{kind}"), e.ref_trace.tensors.get(f"{stem}.{kind}")
+        if a is None or b is None or a.shape != b.shape or not e.close(a, b):
+            return False
+    return True
+
+
+def softmax_temperature(e: Evidence) -> Hint | None:
+    """Attention probabilities that are the reference's scores times one constant, softmaxed: the
+    attention scale (softmax temperature), with q and k agreeing."""
+    if e.kind != "probs" or not _qk_agree(e):
+        return None
+    scores = e.ref_trace.tensors.get(e.name.rsplit(".", 1)[0] + ".scores")
+    if scores is None or scores.shape != e.ref.shape:
+        return None
+    p_o, p_r, s = e.ours.double(), e.ref.double(), scores.double()
+    keep = (p_o > 1e-6) & (p_r > 1e-6)
+    # log p_o - log p_r = (c - 1) s - const per row: c from the slope over kept entries
+    d = (p_o.log() - p_r.log()).where(keep, torch.zeros_like(p_o))
+    n = keep.sum(-1, keepdim=True).clamp_min(1)
+    s_c = (s.where(keep, torch.zeros_like(s)) - (s * keep).sum(-1, keepdim=True) / n) * keep
+    d_c = (d - d.sum(-1, keepdim=True) / n) * keep
+    denom = float(s_c.pow(2).sum())
+    if denom == 0:
+        return None
+    slope = float((s_c * d_c).sum()) / denom
+    if abs(slope) < 1e-3 or float((d_c - slope * s_c).pow(2).sum()) > 1e-6 * float(d_c.pow(2).sum()) + 1e-18:
+        return None
+    c = 1 + slope
+    return Hint(
+        "attention_scale",
+        f"likely the attention scale (softmax temperature): q and k agree, and ours' probabilities are the "
+        f"softmax of the reference's scores times {c:.6g}",
+        {"factor": c},
+    )
+
+
+# --- scales --------------------------------------------------------------------------------------
+
+
+def constant_ratio(e: Evidence) -> Hint | None:
+    """ours / reference is one constant everywhere: a missing or extra scale (named when it equals
+    a known constant of the architecture)."""
+    a, b = e.ours.double().flatten(), e.ref.double().flatten()
+    keep = b.abs() > 1e-3 * b.abs().max()
+    if int(keep.sum()) < 4:
+        return None
+    ratio = a[keep] / b[keep]
+    mean = float(ratio.mean())
+    if abs(mean) < 1e-12 or float(ratio.std()) / abs(mean) > 1e-3:
+        return None
+    # the ratio must stand out from the node's own noise, not be a rounding drift (F20)
+    if abs(mean - 1) * float(b.abs().max()) <= 10 * e.noise or abs(mean - 1) < 1e-3:
+        return None
+    r = max(mean, 1 / mean)  # compare magnitudes >= 1, whichever side carries the extra factor
+    bigger = "ours / reference" if mean > 1 else "reference / ours"
+    matched = [
+        (name, value) for name, value in e.facts.named_constants().items()
+        if value > 0 and abs(r / max(value, 1 / value) - 1) < 1e-3
+    ]
+    known = ""
+    kind = "attention_scale" if e.kind == "scores" and _qk_agree(e) else "scale"
+    if e.kind == "logits" and e.facts.logit_scale not in (None, 1.0):
+        return Hint("logit_scale", f"likely logit_scale: the logits differ by one factor, ours / reference = {mean:.6g} "
+                    f"(the reference's logit_scale is {e.facts.logit_scale:g})", {"ratio": mean})
+    if matched and kind == "scale":
+        name, value = matched[0]
+        known = f"; matches {bigger} = {name} ({max(value, 1 / value):.6g})"
+        if "attention factor" in name:
+            kind = "rope_attention_factor"
+        elif name == "logit_scale":
+            kind = "logit_scale"
+    if kind == "attention_scale":
+        named = f"; matches {matched[0][0]}" if matched else ""
+        return Hint(kind, f"likely the attention scale (softmax temperature): q and k agree, the pre-softmax scores "
+                    f"differ by one factor, ours / reference = {mean:.6g}{named}", {"ratio": mean, "matches": matched[0][0] if matched else None})
+    return Hint(
+        kind,
+        f"likely a missing or extra scale: ours / reference = {mean:.6g} at every position including 0 "
+        f"(reference / ours = {1 / mean:.6g}){known}",
+        {"ratio": mean, "matches": matched[0][0] if matched else None},
+    )
+
+
+def row_scale(e: Evidence) -> Hint | None:
+    """ours / reference is one factor per row (the last axis: a token's or a head's vector), another
+    factor for other rows: a per-vector normalisation (L2, RMS) that one side applies and the other
+    does not, e.g. a missing L2 norm of q or k before linear attention."""
+    a, b = e.ours.double().flatten(0, -2), e.ref.double().flatten(0, -2)
+    if a.shape[0] < 2 or a.shape[-1] < 2:
+        return None
+    keep = b.abs() > 1e-3 * b.abs().amax(-1, keepdim=True)
+    ratio = torch.where(keep, a / b.where(keep, torch.ones_like(b)), torch.nan)
+    r = ratio.nanmean(-1)
+    rows = (keep.sum(-1) >= 2) & torch.isfinite(r) & (r != 0)
+    if int(rows.sum()) < 2:
+        return None
+    spread = ((ratio[rows] - r[rows, None]).abs().nan_to_num(0.0).amax(-1) / r[rows].abs()).max()
+    factors = r[rows]
+    if float(spread) > 1e-3 or float(factors.max() / factors.min()) < 1.01 or bool((factors < 0).any()):
+        return None  # not one factor per row, or the same factor everywhere (a scale)
+    if rel(b[rows] * factors[:, None], a[rows]) > EXPLAINS:
+        return None  # the factors miss what ours holds where the reference is ~0 (a key the window adds)
+    evidence: dict = {"row_factors": factors[:8].tolist()}
+    cause = "a per-vector normalisation applied on one side only"
+    for label, size in (("unit L2 length", a[rows].norm(dim=-1)), ("unit RMS", a[rows].pow(2).mean(-1).sqrt())):
+        ref_size = size / factors
+        ours_unit, ref_unit = bool(((size - 1).abs() < 1e-3).all()), bool(((ref_size - 1).abs() < 1e-3).all())
+        if ref_unit != ours_unit:
+            side = ("the reference's rows have" if ref_unit else "ours have")
+            cause = f"{side} {label}, the other side's do not: a missing {'L2' if 'L2' in label else 'RMS'} normalisation"
+            evidence["unit"] = {"reference" if ref_unit else "ours": label}
+            break
+    return Hint(
+        "row_scale",
+        f"likely {cause}: ours / reference is one factor per row (along the last axis), a different one for each "
+        f"row ({fmt_list(f'{v:.4g}' for v in factors[:4].tolist())})",
+        evidence,
+    )
+
+
+def channel_ratio(e: Evidence) -> Hint | None:
+    """ours / reference constant over tokens for each channel, different across channels."""
+    ours, ref = e.ours, e.ref
+    if ours.dim() < 2 or ours.shape[-1] < 2:
+        return None
+    a, b = ours.double().flatten(0, -2), ref.double().flatten(0, -2)
+    if a.shape[0] < 2 or bool((b.abs() < 1e-6).any()):
+        return None
+    ratio = a / b
+    spread = float((ratio.std(0) / ratio.mean(0).abs().clamp_min(1e-12)).max())
+    if spread > 1e-3:
+        return None
+    per_channel = ratio.mean(0)
+    if float((per_channel - 1).abs().max()) < 1e-3:
+        return None
+    return Hint(
+        "channel_scale",
+        "likely a per-channel weight difference (a norm weight used as w instead of 1 + w, or a wrong norm "
+        f"weight): ours / reference is constant over tokens per channel, e.g. "
+        f"{fmt_list(f'{v:.4g}' for v in per_channel[:4].tolist())}",
+        {"per_channel": per_channel[:16].tolist()},
+    )

@@ -1,0 +1,214 @@
+"""Detectors of wiring: ours equals another tensor of the reference (a sibling projection, another
+layer, another head, a transposed weight, the unloaded head, a tap declared in another layout)."""
+
+from __future__ import annotations
+
+import torch
+
+from parity.diagnose.evidence import EXPLAINS, Evidence, fmt_list, reads_stream, rel
+from parity.diagnose.hints import Hint
+from parity.diagnose.profile import HEAD_MAJOR, HEAD_MERGED
+
+
+def sibling_match(e: Evidence) -> Hint | None:
+    """Ours reproduces another reference node of the same layer (gate vs up, k vs v); for a branch's
+    input, another point of the residual stream (the branch reads the stream at the wrong place)."""
+    prefix = e.name.rsplit(".", 1)[0]
+    for name, tensor in e.ref_trace.tensors.items():
+        if name == e.name or not name.startswith(prefix) or tensor.shape != e.ours.shape:
+            continue
+        layer, kind = e.facts.locate(name)
+        if e.result.layer is not None and layer != e.result.layer:
+            continue  # another layer's node: see other_layer
+        if not e.close(e.ours, tensor):
+            continue
+        if reads_stream(e.kind) and reads_stream(kind):
+            return Hint(
+                "block_layout",
+                f"likely the block layout: the {e.kind} of ours is the reference's {name}, another point of the "
+                "residual stream (this branch reads the stream before or after the wrong sub-layer)",
+                {"matches": name},
+            )
+        return Hint(
+            "swapped_weights",
+            f"likely swapped or misassigned weights: ours matches the reference's {name} instead",
+            {"matches": name},
+        )
+    return None
+
+
+def _same_kind_elsewhere(e: Evidence) -> list[tuple[int, str, torch.Tensor]]:
+    """``(layer, name, tensor)`` of the reference's nodes of this node's kind in every other layer."""
+    out = []
+    for name, tensor in e.ref_trace.tensors.items():
+        layer, kind = e.facts.locate(name)
+        if kind == e.kind and layer is not None and layer != e.result.layer and tensor.shape == e.ours.shape:
+            out.append((layer, name, tensor))
+    return out
+
+
+def kv_sharing(e: Evidence) -> Hint | None:
+    """The keys of a layer that reads another layer's keys and values (cross-layer KV sharing): ours
+    are some other layer's, or computed here."""
+    layer = e.facts.layer(e.result.layer)
+    if e.kind != "k_rot" or layer is None or layer.kv_source is None:
+        return None
+    own = [(i, name, t) for i, name, t in _same_kind_elsewhere(e) if e.facts.layer(i).kv_source is None]
+    match = next(((i, name) for i, name, t in own if i != layer.kv_source and e.close(e.ours, t)), None)
+    source = f"layer {layer.index} reads the keys and values of layer {layer.kv_source} in the reference (KV sharing)"
+    if match is not None:
+        return Hint("kv_sharing", f"likely the wrong layer's keys: {source}; ours are layer {match[0]}'s ({match[1]})",
+                    {"reference_source": layer.kv_source, "ours_source": match[0]})
+    return Hint("kv_sharing", f"likely KV sharing not applied: {source}; ours equal no layer's keys (computed here, "
+                "e.g. by projecting this layer's own input)", {"reference_source": layer.kv_source, "ours_source": None})
+
+
+def other_layer(e: Evidence) -> Hint | None:
+    """Ours equals the reference's node of the same kind in another layer (a per-layer input, weight
+    or cache slot taken from the wrong layer)."""
+    for layer, name, tensor in _same_kind_elsewhere(e):
+        if e.close(e.ours, tensor):
+            return Hint("layer_offset", f"likely a per-layer tensor from the wrong layer: ours equals the reference's "
+                        f"{name} (layer {layer}, not {e.result.layer})", {"matches": name, "layer": layer})
+    return None
+
+
+def transposed_weight(e: Evidence) -> Hint | None:
+    """A linear node whose output equals the reference's input times the transposed weight.
+
+    The reference's weight may be stored ``(out, in)`` (``nn.Linear``: ``x W^T``) or ``(in, out)``
+    (Transformers' ``Conv1D``, GPT-2: ``x W``); of the two products, the one that reproduces the
+    reference's own output is its layout, and ours matching the other is a transposed load."""
+    x = e.ref_trace.inputs.get(e.name)
+    weight = e.ref_trace.weights.get(e.name)
+    if x is None or weight is None or weight.dim() != 2 or weight.shape[0] != weight.shape[1]:
+        return None
+    xs = e.ours_trace.inputs.get(e.name)
+    if xs is None or not e.close(xs, x):
+        return None  # the input already differs: not this node's own fault
+    bias = e.ref_trace.biases.get(e.name)
+    for w in (weight.double().T, weight.double()):
+        y = torch.nn.functional.linear(x.double(), w)
+        if bias is not None:
+            y = y + bias.double()
+        if rel(e.ref, y) < EXPLAINS:
+            continue  # the reference's own layout
+        if rel(e.ours, y) < EXPLAINS:
+            return Hint(
+                "transposed_weight",
+                f"likely a transposed weight: ours equals the reference's input times the transposed {e.kind} "
+                f"weight (a Conv1D-style or transposed load; residual {rel(e.ours, y):.1e})",
+                {"residual": rel(e.ours, y)},
+            )
+    return None
+
+
+def tap_layout(e: Evidence) -> Hint | None:
+    """Ours is the reference with the heads and positions axes swapped: a tap whose sequence length
+    equals its head count, read in the other layout (the shape cannot tell them apart)."""
+    if e.kind not in ("q_rot", "k_rot", "context") or e.ours is None or e.ours.shape != e.ref.shape:
+        return None
+    ours = e.ours
+    if e.kind == "context" and ours.dim() == 3:
+        layer = e.facts.layer(e.result.layer)
+        head_dim = layer.head_dim if layer is not None else e.facts.head_dim
+        if not head_dim or ours.shape[-1] % head_dim or ours.shape[-1] // head_dim != ours.shape[1]:
+            return None
+        swapped = ours.unflatten(-1, (-1, head_dim)).transpose(1, 2).flatten(-2)
+    elif ours.dim() == 4 and ours.shape[1] == ours.shape[2] > 1:
+        swapped = ours.transpose(1, 2)
+    else:
+        return None
+    if not e.close(swapped, e.ref):
+        return None
+    return Hint(
+        "tap_layout",
+        f"ours equals the reference with heads and positions swapped: with seq_len = {ours.shape[1]} heads the "
+        f"shape cannot tell (batch, seq, heads, head_dim) from (batch, heads, seq, head_dim); declare it, "
+        f"parity.tap(tensor, {e.kind!r}, layout='bshd') or layout='bhsd', or check at another seq_len",
+        {"seq_len": int(ours.shape[1])},
+    )
+
+
+def _heads(t: torch.Tensor, kind: str, head_dim: int | None) -> torch.Tensor | None:
+    """(heads, rest...) view of an attention node, or None."""
+    if kind in HEAD_MAJOR and t.dim() == 4:
+        return t.transpose(0, 1)
+    if kind in HEAD_MERGED and head_dim and t.dim() == 3 and t.shape[-1] % head_dim == 0 and t.shape[-1] > head_dim:
+        return t.unflatten(-1, (-1, head_dim)).movedim(-2, 0)
+    return None
+
+
+def head_mapping(e: Evidence) -> Hint | None:
+    """Some heads agree and others do not, or ours' heads are the reference's in another order."""
+    head_dim = e.facts.layer(e.result.layer).head_dim if e.facts.layer(e.result.layer) else e.facts.head_dim
+    a, b = _heads(e.ours, e.kind, head_dim), _heads(e.ref, e.kind, head_dim)
+    if a is None or a.shape[0] < 2:
+        return None
+    n = a.shape[0]
+    same = [i for i in range(n) if e.close(a[i], b[i])]
+    moved = {i: j for i in range(n) if i not in same for j in range(n) if j != i and e.close(a[i], b[j])}
+    if not moved and (not same or len(same) == n):
+        return None  # no head equals another: nothing here says "mapping"
+    # K/V heads meet the query heads from the scores on: a head mix-up before that is not GQA's
+    gqa = e.facts.num_kv_heads != e.facts.num_heads and e.kind in ("scores", "probs", "context")
+    cause = (
+        "GQA head mapping (K/V heads expanded with repeat instead of repeat_interleave, or grouped wrongly)"
+        if gqa else "a head permutation in the weights or the head split (a fused projection cut in flat halves "
+        "instead of per head)"
+    )
+    parts = [f"heads {fmt_list(same)} agree" if same else "no head agrees in place"]
+    if moved:
+        parts.append("ours " + ", ".join(f"head {i} = reference head {j}" for i, j in list(moved.items())[:6]))
+    differ = [i for i in range(n) if i not in same]
+    parts.append(f"heads {fmt_list(differ)} differ")
+    return Hint("head_mapping", f"likely {cause}: " + "; ".join(parts),
+                {"agree": same, "moved": {str(k): v for k, v in moved.items()}, "differ": differ})
+
+
+def last_dim_permutation(e: Evidence) -> Hint | None:
+    """Same values, other order along the last axis: a row permutation of a weight (RoPE layout
+    permutation with a wrong head count, half-split vs interleaved Q/K rows). The identity is never
+    a permutation."""
+    ours, ref = e.ours, e.ref
+    if ours.dim() < 2 or ours.shape[-1] < 4:
+        return None
+    a, b = ours.double().flatten(0, -2), ref.double().flatten(0, -2)
+    if not torch.allclose(a.sort(-1).values, b.sort(-1).values, atol=max(e.result.atol, 1e-12), rtol=e.result.rtol):
+        return None
+    perm = [int((b[0] - a[0, j]).abs().argmin()) for j in range(a.shape[-1])]
+    moved = [j for j, k in enumerate(perm) if j != k]
+    if not moved or len(set(perm)) != len(perm):
+        return None
+    if rel(a, b[:, perm]) > EXPLAINS:  # ours[..., j] = reference[..., perm[j]] on every token
+        return None
+    evidence: dict = {"permutation": perm[:64], "moved": len(moved)}
+    within = ""
+    head_dim = e.facts.head_dim
+    if e.kind in HEAD_MERGED and head_dim and ours.shape[-1] % head_dim == 0:
+        crossing = sum(1 for j, k in enumerate(perm) if j // head_dim != k // head_dim)
+        evidence["crosses_heads"] = crossing
+        within = (
+            "; every element stays in its head (a permutation within heads: RoPE rows in Meta's interleaved "
+            "layout, not un-permuted or un-permuted with the wrong head count)"
+            if crossing == 0 else f"; {crossing} positions cross head boundaries"
+        )
+    return Hint(
+        "weight_permutation",
+        f"likely a permutation of weight rows: same values per token, other order along the last axis "
+        f"(ours[j] = reference[{fmt_list(perm, 8)}]){within}",
+        evidence,
+    )
+
+
+def untied_head(e: Evidence) -> Hint | None:
+    """Everything before the output agrees but the logits are uncorrelated: an unloaded or untied head."""
+    if e.kind not in (e.facts.head_module.rsplit(".", 1)[-1], "logits") or e.result.cosine is None or abs(e.result.cosine) > 0.3:
+        return None
+    tied = " (the config ties it to the embedding)" if e.facts.tie_word_embeddings else ""
+    return Hint(
+        "untied_head",
+        f"likely an output head that was never loaded or tied{tied}: every hidden node before it agrees, "
+        f"the logits are uncorrelated (cosine {e.result.cosine:.3f})",
+        {"cosine": e.result.cosine},
+    )

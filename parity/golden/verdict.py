@@ -1,0 +1,278 @@
+"""``parity compare`` and ``parity record --verify``: a runtime's dump, a live model, or the installed
+reference judged against a golden trace by the stages a check uses."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from parity.compare.metrics import MISSING
+from parity.compare.results import NodeResult, compare_node
+from parity.compare.tolerances import Tolerances
+from parity.diagnose.hints import Hint
+from parity.golden.dumps import map_dump, read_dump, read_name_map
+from parity.golden.summaries import (
+    SummaryTrace,
+    compare_summary,
+    summarise,
+)
+from parity.golden.trace_file import GoldenTrace, read_trace, recording_versions, utc_now
+from parity.model.pair import NodeSpec, Pair, PairSource
+from parity.record.trace import Trace
+from parity.report.result import CheckResult
+from parity.run.options import CheckOptions
+from parity.run.plan import Run
+from parity.util.errors import ParityError
+
+# --- comparing ---------------------------------------------------------------------------------------
+
+
+#: what a comparison with a trace may change: the trace fixes the inputs, the dtype and the weights
+TRACE_OPTIONS = ("mode", "atol", "rtol", "exact", "tolerances")
+
+
+def trace_options(options: CheckOptions | None, option_values: dict, dump: bool) -> CheckOptions:
+    """The options of a comparison with a trace; one that the trace fixes (its inputs) is refused by
+    name, and so is a mode other than chained for a dump (a runtime parity does not drive)."""
+    options = CheckOptions.of(options, **option_values)
+    fixed = [f for f in ("seq_len", "batch_size", "left_pad", "calibrate", "decode")
+             if getattr(options, f) != getattr(CheckOptions(), f)]
+    if fixed:
+        raise ParityError(f"{', '.join(fixed)} cannot be changed when comparing with a trace: the trace fixes its inputs "
+                          "and tolerances (record another trace instead)")
+    if dump and options.mode != "chained":
+        raise ParityError("isolated mode is not possible from a dump (each node of ours would have to continue from the "
+                          "reference's tensor): compare a live model with --ours, or use mode chained")
+    return options
+
+
+def _run_of(trace: GoldenTrace, options: CheckOptions, tolerances: Tolerances) -> Run:
+    inputs = trace.inputs()
+    return Run(input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask"),
+               position_ids=inputs["position_ids"], options=options, tolerances=tolerances, notes=())
+
+
+def _trace_pair(trace: GoldenTrace, nodes: list[NodeSpec]) -> Pair:
+    """A Pair with no models: what compare_run and analyse read (nodes, facts, the output node)."""
+    ref = trace.manifest["reference"]
+    source = PairSource(family=ref.get("family") or ref["model_type"], config_name=ref.get("config_name") or "",
+                        seed=trace.manifest["probe"].get("seed", 0))
+    return Pair(ours=None, reference=None, nodes=nodes, facts=trace.facts(), dtype=trace.dtype, source=source)
+
+
+def judge(trace: GoldenTrace, pair: Pair, run, ours: Trace, tolerances: Tolerances):
+    """``(node results, profile, logits)`` of ours against the trace: whole tensors through
+    :func:`parity.run.stages.compare_run` and :func:`parity.run.stages.analyse` (metrics, the first failure's
+    hint, where its error sits, its effect on the logits), summaries through :func:`compare_summary`."""
+    from parity.run.stages import analyse, compare_run
+
+    if trace.kind == "tensors":
+        ref = trace.reference_trace()
+        results = compare_run(pair, run, ours, ref, tolerances)
+        profile, logits = analyse(pair, results, ours, ref)
+        return results, profile, logits
+    stored = trace.summaries()
+    untapped = frozenset(n.name for n in pair.nodes if n.ours.startswith(("tap:", "unaligned:")))
+    by_name = {n.name: n for n in pair.nodes}
+    order = [name for name in trace.names if name in by_name] + [n.name for n in pair.nodes if n.name not in stored]
+    results = []
+    for index, name in enumerate(order):
+        spec, theirs = by_name[name], stored.get(name)
+        mine = ours.summaries.get(name) if isinstance(ours, SummaryTrace) else None
+        tensor = ours.tensors.get(name)
+        if theirs is None or (mine is None and tensor is None) or (mine is None and tuple(tensor.shape) != theirs.shape):
+            # not comparable (missing on a side, or another shape): judged as parity check judges it;
+            # the reference's tensor stands in as an empty meta tensor of its shape and dtype
+            placeholder = None if theirs is None else torch.empty(theirs.shape, dtype=getattr(torch, theirs.dtype), device="meta")
+            results.append(compare_node(spec, index, tensor, placeholder, tolerances, name in untapped))
+            continue
+        if mine is None:
+            mine = summarise(tensor, spec.kind, index=theirs.sample_index)
+        results.append(compare_summary(spec, index, mine, theirs, tolerances))
+    bad = next((r for r in results if r.failed), None)
+    if bad is not None and bad.status in (MISSING, "shape"):
+        from parity.diagnose.detectors import diagnose
+
+        results[bad.index] = replace(bad, hint=diagnose(bad, Trace(), Trace(), pair.facts))
+    return results, None, None
+
+
+def _meta(trace: GoldenTrace, compared: str, what: str, run: Run, seconds: float, ours_class: str,
+          aligned: bool = False) -> dict:
+    tolerances = run.tolerances
+    m = trace.manifest
+    ref, probe, weights = m["reference"], m["probe"], m["weights"]
+    return {
+        "family": ref.get("family") or ref["model_type"],
+        "config": ref.get("config_name"),
+        "checkpoint": weights.get("checkpoint"),
+        "checkpoint_sha256": weights.get("checkpoint_sha256"),
+        "dtype": probe["dtype"],
+        "batch_size": probe["batch_size"],
+        "seq_len": probe["seq_len"],
+        "padding": probe.get("left_pad"),
+        "seed": probe.get("seed"),
+        "mode": run.mode,
+        "atol": run.options.atol,
+        "rtol": run.options.rtol,
+        "exact": tolerances.exact,
+        "calibrated": tolerances.calibrated is not None,
+        "safety_factor": None,
+        "tolerances": {k: list(v) for k, v in tolerances.per_node.items()},
+        "config_diff": [],
+        #: the versions that computed the reference (the trace's); installed_versions: this run's
+        "versions": {"torch": m["versions"].get("torch"), "transformers": m["versions"].get("transformers")},
+        "installed_versions": recording_versions(),
+        "time": utc_now(),
+        "seconds": round(seconds, 3),
+        "model_type": ref["model_type"],
+        "ours_class": ours_class,
+        "aligned": aligned,
+        "cfg": {},
+        "compared": compared,
+        "compared_with": what,
+        "trace": {"path": str(trace.path), "version": m["version"], "kind": m["kind"], "created": m.get("created"),
+                  "config_sha256": ref.get("config_sha256"), "stale": bool(trace.stale())},
+    }
+
+
+def _notes(trace: GoldenTrace, extra: list[str], verifying: bool = False) -> tuple[str, ...]:
+    notes = [n for n in (trace.stale_note(verifying),) if n] + list(trace.manifest.get("notes") or []) + extra
+    if trace.kind == "summaries":
+        notes.append("judged on summaries: a statistic or sampled element past its bound proves a node fails; a node "
+                     "that passes is only consistent with agreement (an error in a few elements can escape the sample)")
+    return tuple(notes)
+
+
+def _missing_in_dump(results: list[NodeResult], names: Mapping[str, str]) -> list[NodeResult]:
+    """Missing nodes of a dump, said in the dump's words (which key or file it looked for)."""
+    out = []
+    for r in results:
+        if r.status == MISSING and r.shape_ref is not None and r.shape_ours is None:
+            looked = names.get(r.name, r.name)
+            detail = f"the dump has no tensor {looked!r} (a key of a .safetensors file or {looked}.npy)"
+            hint = Hint("missing", f"likely a name-map problem or a node the runtime does not dump: {detail}") if r.hint else None
+            r = replace(r, detail=detail, hint=hint)
+        out.append(r)
+    return out
+
+
+def compare_dump(trace, dump, name_map=None, *, options: CheckOptions | None = None, **option_values) -> CheckResult:
+    """Compare another runtime's dump (see :func:`read_dump`, :func:`read_name_map`) with a trace.
+    ``options`` / option keywords: ``atol``, ``rtol``, ``exact``, ``tolerances`` override the trace's
+    (see :meth:`GoldenTrace.tolerances`). Raises ParityError for an unreadable trace, dump or name map,
+    or an option the trace fixes."""
+    options = trace_options(options, option_values, dump=True)
+    start = time.perf_counter()
+    trace = read_trace(trace)
+    rules = read_name_map(name_map)
+    shapes = {n["name"]: tuple(n["shape"]) for n in trace.node_entries}
+    shapes.update({u["name"]: None for u in trace.manifest.get("unrecorded", [])})
+    tensors, keys, notes = map_dump(read_dump(dump), rules, shapes)
+    # what the dump would be looked up under, for a node it lacks: the runtime's name when one rule gives it
+    names = {}
+    for rule in rules:
+        if "{i}" not in rule.runtime:
+            names[rule.node] = rule.runtime
+    for node in trace.names:
+        for rule in rules:
+            if "{i}" in rule.runtime:
+                m = re.fullmatch(re.escape(rule.node).replace(re.escape("{i}"), r"(\d+)"), node)
+                if m:
+                    names.setdefault(node, rule.runtime.replace("{i}", m.group(1)))
+    tolerance = trace.tolerances(options)
+    nodes = trace.node_specs({n: keys.get(n, names.get(n, n)) for n in trace.names})
+    pair = _trace_pair(trace, nodes)
+    ours = Trace(tensors=tensors, wanted=frozenset(tensors))
+    run = _run_of(trace, options, tolerance)
+    results, profile, logits = judge(trace, pair, run, ours, tolerance)
+    results = _missing_in_dump(results, names)
+    notes.append("isolated mode is not possible from a dump (each node of ours would have to continue from the "
+                 "reference's tensor): errors compound, so the first failing node is where the error first shows")
+    return CheckResult(
+        nodes=tuple(results),
+        meta=_meta(trace, "dump", str(Path(dump)), run, time.perf_counter() - start, f"dump:{Path(dump).name}"),
+        notes=_notes(trace, notes),
+        profile=profile,
+        logits=logits,
+    )
+
+
+def compare_model(trace, ours, *, node_map: dict | None = None, checkpoint=None, options: CheckOptions | None = None,
+                  **option_values) -> CheckResult:
+    """Compare a live PyTorch model with a trace: ``ours`` is ``build(state_dict, hf_config)`` (as
+    :func:`parity.check_model`), given the weights the trace was recorded with, and aligned to its
+    nodes by them. ``options`` / option keywords: ``mode`` (``isolated``/``both`` continue every node
+    from the trace's tensors: a ``tensors`` trace), ``atol``, ``rtol``, ``exact``, ``tolerances``.
+    Raises ParityError."""
+    from parity.run.stages import trace_ours
+    from parity.user.check_model import build_user_pair
+
+    options = trace_options(options, option_values, dump=False)
+    mode = options.mode
+    start = time.perf_counter()
+    trace = read_trace(trace)
+    if mode != "chained" and trace.kind != "tensors":
+        raise ParityError("isolated mode continues every node from the reference's tensor, which a summaries trace does not hold")
+    ref = trace.rebuild_reference(checkpoint)
+    pair = build_user_pair(ours, ref.model, dtype=trace.dtype, seed=trace.manifest["probe"].get("seed", 0), node_map=node_map)
+    tolerance = trace.tolerances(options)
+    run = _run_of(trace, options, tolerance)
+    isolated = None
+    if mode in ("isolated", "both"):
+        substitute = trace.reference_trace()
+        iso_trace = trace_ours(pair, run, substitute)
+        isolated, _, _ = judge(trace, pair, run, iso_trace, tolerance)
+    if mode == "isolated":
+        results, profile, logits = isolated, None, None
+    else:
+        ours_trace = trace_ours(pair, run)
+        results, profile, logits = judge(trace, pair, run, ours_trace, tolerance)
+    ours_class = f"{type(pair.ours).__module__}.{type(pair.ours).__qualname__}"
+    return CheckResult(
+        nodes=tuple(results),
+        meta=_meta(trace, "model", ours_class, run, time.perf_counter() - start, ours_class, True),
+        notes=_notes(trace, []),
+        profile=profile,
+        logits=logits,
+        isolated=tuple(isolated) if isolated is not None else None,
+        coverage=pair.loading.coverage,
+        alignment=tuple(pair.alignment),
+    )
+
+
+def verify(trace, checkpoint=None) -> CheckResult:
+    """Re-run the reference the trace was recorded from, with the installed torch and Transformers, on
+    the trace's inputs, and judge it against the trace with the trace's tolerances (``passed``: it
+    still reproduces; ``first_divergence`` None: bit for bit). Raises ParityError."""
+    from parity.run.stages import trace_reference
+
+    start = time.perf_counter()
+    trace = read_trace(trace)
+    ref = trace.rebuild_reference(checkpoint)
+    nodes = trace.node_specs()
+    pair = Pair(ours=ref.model, reference=ref.model, nodes=nodes, facts=trace.facts(), dtype=trace.dtype,
+                source=PairSource(family=ref.facts.model_type, config_name=ref.config_name))
+    tolerance = trace.tolerances()
+    run = _run_of(trace, CheckOptions(), tolerance)
+    into = None
+    if trace.kind == "summaries":
+        indices = {k: s.sample_index for k, s in trace.summaries().items()}
+        into = SummaryTrace({n.name: n.kind for n in pair.nodes}, indices=indices)
+    fresh = trace_reference(pair, run, into=into)
+    results, profile, logits = judge(trace, _trace_pair(trace, nodes), run, fresh, tolerance)
+    import transformers
+
+    what = f"{ref.facts.model_type} reference re-run with torch {torch.__version__}, Transformers {transformers.__version__}"
+    return CheckResult(
+        nodes=tuple(results),
+        meta=_meta(trace, "verify", what, run, time.perf_counter() - start, type(ref.model).__name__),
+        notes=_notes(trace, [], verifying=True),
+        profile=profile,
+        logits=logits,
+    )

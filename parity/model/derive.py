@@ -1,0 +1,268 @@
+"""ArchFacts from a Transformers config: the standard fields first, then the ``model_type``'s rule
+(:mod:`parity.model.facts_rules`); and :func:`validate_facts`, the reasons no check can run on them."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import replace
+from types import MappingProxyType
+
+from parity.model.facts import FULL, SLIDING, ArchFacts, LayerFacts, RopeFacts, rope_init
+from parity.model.facts_rules import RULES
+
+
+def _get(config, *names, default=None):
+    for name in names:
+        value = _attr(config, name)
+        if value is not None:
+            return value
+    return default
+
+
+def _attr(config, name: str, layer: int = 0):
+    """``config.name``; for an attribute that varies per layer in a heterogeneous config (Transformers'
+    ``per_layer_config``, where reading it globally raises), its value at ``layer``."""
+    try:
+        return getattr(config, name, None)
+    except RuntimeError:  # AmbiguousGlobalPerLayerAttributeError: read it per layer
+        return getattr(config.per_layer_config[layer], name, None)
+
+
+def _per_layer(config, name: str, n_layers: int, default):
+    """The value of ``name`` at each layer (``default`` where a layer does not set it)."""
+    if not getattr(config, "is_heterogeneous", False) or name not in (config.per_layer_attributes or ()):
+        return [default] * n_layers
+    return [getattr(config.per_layer_config[i], name, None) or default for i in range(n_layers)]
+
+
+def _rope_by_type(config, layer_types: tuple[str, ...]) -> dict[str, dict | None]:
+    params = getattr(config, "rope_parameters", None)
+    if not params:
+        return {t: None for t in set(layer_types)}
+    if isinstance(params, Mapping) and set(params) & set(layer_types) and all(isinstance(v, Mapping) for v in params.values()):
+        return {t: (dict(params[t]) if params.get(t) is not None else None) for t in set(layer_types)}
+    return {t: dict(params) for t in set(layer_types)}
+
+
+def derive_facts(config, model=None) -> ArchFacts:
+    """ArchFacts from a Transformers ``PretrainedConfig`` (and, when given, the reference model,
+    whose module tree fixes the layer prefix). Standard fields first, then the ``model_type``'s rule.
+
+    Raises nothing for unusual configs: missing fields become None or their Transformers defaults;
+    :func:`validate_facts` judges whether a check can run.
+
+    A multimodal config (one whose ``get_text_config()`` is its ``text_config``: Gemma 3 and 4's
+    ``...ForConditionalGeneration``) gives the facts of its text config, located where the model holds
+    the text model (``model.language_model``).
+    """
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if text_config is not config:
+        return _composite_facts(config, text_config, model)
+    hidden = int(_get(config, "hidden_size", "n_embd", default=0))
+    heads = int(_get(config, "num_attention_heads", "n_head", default=0))
+    kv = _get(config, "num_key_value_heads", default=None)
+    kv = heads if kv is None else int(kv)  # null means MHA; an explicit 0 is kept for validate_facts to refuse
+    head_dim = _get(config, "head_dim")
+    head_dim = int(head_dim) if head_dim is not None else (hidden // heads if heads else 0)
+    n_layers = int(_get(config, "num_hidden_layers", "n_layer", default=0))
+    layer_types = tuple(_get(config, "layer_types", default=None) or [FULL] * n_layers)
+    head_dims = [int(d) for d in _per_layer(config, "head_dim", n_layers, head_dim)]
+    kv_heads = [int(k) for k in _per_layer(config, "num_key_value_heads", n_layers, kv)]
+    window = _get(config, "sliding_window")
+    ropes = _rope_by_type(config, layer_types)
+    per_type = bool(getattr(config, "rope_parameters", None)) and set(config.rope_parameters) & set(layer_types) != set()
+    rope_facts: dict[str, RopeFacts | None] = {}
+    for layer_type, params in ropes.items():
+        if params is None:
+            rope_facts[layer_type] = None
+            continue
+        partial = float(params.get("partial_rotary_factor", _get(config, "partial_rotary_factor", default=1.0)))
+        theta = float(params.get("rope_theta", getattr(config, "default_theta", 10_000.0)))
+        type_head_dim = head_dims[layer_types.index(layer_type)] if layer_type in layer_types else head_dim
+        # proportional RoPE (Gemma 4) spans the whole head, pairs (i, i + d/2), zero frequencies past the partial part
+        rotary_dim = type_head_dim if params.get("rope_type") == "proportional" else int(type_head_dim * partial)
+        inv_freq, attention_factor = rope_init(config, layer_type, params, per_type, theta, rotary_dim)
+        rope_facts[layer_type] = RopeFacts(
+            rope_type=str(params.get("rope_type", "default")),
+            theta=theta,
+            parameters=MappingProxyType(params),
+            attention_factor=attention_factor,
+            rotary_dim=rotary_dim,
+            inv_freq=inv_freq,
+        )
+    num_experts = int(_get(config, "num_experts", "num_local_experts", default=0) or 0)
+    experts_per_token = int(_get(config, "num_experts_per_tok", default=0) or 0) if num_experts else 0
+    scalar = _get(config, "query_pre_attn_scalar")
+    scalar = float(scalar) if scalar else None
+    layers = tuple(
+        LayerFacts(
+            index=i,
+            layer_type=t,
+            window=int(window) if window is not None and t == SLIDING else None,
+            rope=rope_facts.get(t),
+            head_dim=head_dims[i],
+            num_kv_heads=kv_heads[i],
+            attention_scale=scalar ** -0.5 if scalar else (head_dims[i] ** -0.5 if head_dims[i] else 1.0),
+            num_experts=num_experts,  # every layer, unless the model_type's rule says otherwise
+            experts_per_token=experts_per_token,
+        )
+        for i, t in enumerate(layer_types)
+    )
+    eps = _get(config, "rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon")
+    facts = ArchFacts(
+        model_type=str(getattr(config, "model_type", "") or ""),
+        vocab_size=int(_get(config, "vocab_size", default=0)),
+        hidden_size=hidden,
+        intermediate_size=_get(config, "intermediate_size", "n_inner"),
+        num_layers=n_layers,
+        num_heads=heads,
+        num_kv_heads=kv,
+        head_dim=head_dim,
+        layers=layers,
+        norm_kind="layernorm" if _get(config, "layer_norm_eps", "layer_norm_epsilon") is not None and _get(config, "rms_norm_eps") is None else "rmsnorm",
+        norm_eps=float(eps) if eps is not None else None,
+        logit_scale=_get(config, "logit_scale"),
+        final_softcap=_get(config, "final_logit_softcapping"),
+        attn_softcap=_get(config, "attn_logit_softcapping"),
+        tie_word_embeddings=bool(_get(config, "tie_word_embeddings", default=False)),
+        max_position_embeddings=_get(config, "max_position_embeddings"),
+    )
+    adjust = RULES.get(facts.model_type)
+    if adjust is not None:
+        facts = adjust(config, facts)
+    if model is not None:
+        prefix = find_layer_prefix(model, facts.num_layers)
+        if prefix is not None and prefix != facts.layer_prefix:
+            facts = replace(facts, layer_prefix=prefix)
+    return facts
+
+
+#: multimodal model_type -> the config fields naming token ids its model swaps out before the text model
+#: (Gemma4Model.forward embeds pad in place of image, video and audio placeholders; Gemma3Model swaps an
+#: image placeholder only when it lies past the vocabulary, where no input can hold it)
+PLACEHOLDERS: dict[str, tuple[str, ...]] = {"gemma4": ("image_token_id", "video_token_id", "audio_token_id")}
+
+
+def _composite_facts(config, text_config, model=None) -> ArchFacts:
+    """The text config's facts, located in the multimodal model: the text model is the module whose
+    config is ``text_config`` (shortest path; ``model.language_model`` without a model to look in)."""
+    from transformers import PreTrainedModel
+
+    facts = derive_facts(text_config)
+    path = "model.language_model"
+    if model is not None:
+        found = [
+            name for name, m in model.named_modules()
+            if name and isinstance(m, PreTrainedModel) and getattr(m, "config", None) is text_config
+        ]
+        path = min(found, key=lambda n: (n.count("."), len(n))) if found else path
+    tail = facts.layer_prefix.partition(".")[2] or "layers"
+    ids = (getattr(config, name, None) for name in PLACEHOLDERS.get(getattr(config, "model_type", ""), ()))
+    placeholders = tuple(sorted({int(i) for i in ids if isinstance(i, int) and 0 <= i < facts.vocab_size}))
+    return replace(facts, layer_prefix=f"{path}.{tail}", embed_module=f"{path}.{facts.embed_module.partition('.')[2]}",
+                   placeholder_tokens=placeholders)
+
+
+def find_layer_prefix(model, num_layers: int) -> str | None:
+    """The path of the ModuleList holding ``num_layers`` decoder layers (the shortest such path)."""
+    from torch import nn
+
+    found = [
+        name for name, module in model.named_modules()
+        if isinstance(module, nn.ModuleList) and len(module) == num_layers and num_layers > 0 and name
+    ]
+    return min(found, key=lambda n: (n.count("."), len(n))) if found else None
+
+
+# --- validation ---------------------------------------------------------------------------------
+
+
+def validate_facts(facts: ArchFacts) -> list[str]:
+    """Reasons these facts describe a model no check can run on (one line each, naming the
+    Transformers field); empty when the shapes make sense."""
+    problems = []
+    for label, value, minimum in (
+        ("num_hidden_layers", facts.num_layers, 1),
+        ("num_attention_heads", facts.num_heads, 1),
+        ("num_key_value_heads", facts.num_kv_heads, 1),
+        ("hidden_size", facts.hidden_size, 1),
+        ("vocab_size", facts.vocab_size, 2),
+        ("head_dim", facts.head_dim, 1),
+    ):
+        if not isinstance(value, int) or value < minimum:
+            problems.append(f"{label} is {value!r}; it must be at least {minimum}")
+    if facts.intermediate_size is not None and facts.intermediate_size < 1:
+        problems.append(f"intermediate_size is {facts.intermediate_size!r}; it must be at least 1")
+    if facts.num_heads >= 1 and facts.num_kv_heads >= 1 and facts.num_heads % facts.num_kv_heads:
+        problems.append(
+            f"num_attention_heads ({facts.num_heads}) is not a multiple of num_key_value_heads ({facts.num_kv_heads})"
+        )
+    if facts.norm_eps is not None and not (math.isfinite(facts.norm_eps) and facts.norm_eps >= 0):
+        problems.append(f"the norm eps is {facts.norm_eps!r}; it must be a finite number >= 0")
+    for layer in facts.layers:
+        if layer.layer_type == SLIDING and (layer.window is None or layer.window < 1):
+            value = "null" if layer.window is None else repr(layer.window)
+            problems.append(f"layer {layer.index} is sliding_attention but sliding_window is {value}; it must be >= 1")
+            break
+    if facts.max_position_embeddings is not None and (
+        not isinstance(facts.max_position_embeddings, int) or facts.max_position_embeddings < 1
+    ):
+        problems.append(f"max_position_embeddings is {facts.max_position_embeddings!r}; it must be at least 1")
+    for layer_type in sorted(set(facts.layer_types)):
+        rope = facts.rope_of_type(layer_type)
+        if rope is not None:
+            problems += [f"{problem} ({layer_type} layers)" for problem in rope_problems(rope.parameters)]
+        if rope is not None and rope.rotary_dim % 2:
+            problems.append(f"RoPE on {layer_type} layers rotates {rope.rotary_dim} dims of each head; it must be even")
+        if rope is not None and not (math.isfinite(rope.theta) and rope.theta > 0):
+            problems.append(f"rope_theta of {layer_type} layers is {rope.theta!r}; it must be > 0")
+    return problems
+
+
+#: RoPE parameters that are numbers, with the least value Transformers' RoPE functions can use
+#: (``modeling_rope_utils``: a scaling ``factor`` below 1 only logs a warning there, then shrinks or
+#: inverts the frequencies; an ``original_max_position_embeddings`` of 0 divides by zero)
+_ROPE_MINIMUMS = {
+    "factor": (1.0, True),
+    "original_max_position_embeddings": (1, True),
+    "attention_factor": (0.0, False),
+    "beta_fast": (0.0, True),  # 0 (or null) means the default, 32 / 1, in Transformers' YaRN
+    "beta_slow": (0.0, True),
+    "low_freq_factor": (0.0, False),
+    "high_freq_factor": (0.0, False),
+    "partial_rotary_factor": (0.0, False),
+}
+
+
+def rope_problems(params) -> list[str]:
+    """One line per RoPE parameter (``rope_parameters`` / ``rope_scaling`` of one layer type) that no
+    RoPE can be computed from: a scaling ``factor`` below 1, an ``original_max_position_embeddings``
+    below 1, a negative ``beta_fast``/``beta_slow``, an ``attention_factor`` or frequency factor that is
+    not positive, any of them not a finite number; each line names the key. Bounds follow Transformers' ``_validate_*_rope_parameters`` (modeling_rope_utils)."""
+    problems = []
+    for key, (minimum, inclusive) in _ROPE_MINIMUMS.items():
+        value = params.get(key) if isinstance(params, Mapping) else None
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            problems.append(f"rope_parameters {key} is {value!r}; it must be a finite number")
+        elif value < minimum or (value == minimum and not inclusive):
+            bound = f">= {minimum:g}" if inclusive else f"> {minimum:g}"
+            problems.append(f"rope_parameters {key} is {value!r}; it must be {bound}")
+    return problems
+
+
+def rope_problem_of(error: BaseException) -> str | None:
+    """The named RoPE field behind an error a Transformers config raised while validating its RoPE
+    parameters (a bare ``division by zero`` from ``_validate_yarn_rope_parameters``): the frames of
+    its traceback hold the parameters it was checking. None when the error did not come from there."""
+    tb = error.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name.startswith("_validate") and isinstance(frame.f_locals.get("rope_parameters"), Mapping):
+            found = rope_problems(frame.f_locals["rope_parameters"])
+            if found:
+                return found[0]
+        tb = tb.tb_next
+    return None

@@ -1,0 +1,155 @@
+"""Per-``model_type`` rules: what a model decides that its config does not say (Cohere 2 rotates
+only on sliding layers, GPT-2 keeps its layers under ``transformer.h``, Qwen3-MoE's sparse layers).
+
+A rule is ``f(config, facts) -> facts``, registered with :func:`rule` for one or more model types;
+:func:`parity.model.derive.derive_facts` applies it after the generic derivation. A new family needs
+a rule only where the generic facts are wrong for it (see docs/adding-a-family.md)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import replace
+
+from parity.model.facts import FULL, LINEAR, SLIDING, ArchFacts, LayerFacts, with_layers
+
+# --- derivation ---------------------------------------------------------------------------------
+
+#: model_type -> rule that adjusts the generic facts for what that model decides itself
+RULES: dict[str, Callable[[object, ArchFacts], ArchFacts]] = {}
+
+
+def rule(*model_types: str):
+    """Register a per-``model_type`` adjustment of the generic facts."""
+
+    def register(fn):
+        for model_type in model_types:
+            RULES[model_type] = fn
+        return fn
+
+    return register
+
+
+@rule("olmo2", "olmo3")
+def _olmo(config, facts: ArchFacts) -> ArchFacts:
+    return replace(facts, qk_norm="projection")
+
+
+@rule("cohere", "cohere2")
+def _cohere(config, facts: ArchFacts) -> ArchFacts:
+    # Cohere2Attention rotates only on sliding layers (full layers are NoPE), with interleaved pairs.
+    def rope(layer: LayerFacts):
+        if layer.rope is None or (facts.model_type == "cohere2" and layer.layer_type != SLIDING):
+            return None
+        return replace(layer.rope, interleaved=True)
+
+    return replace(with_layers(facts, rope=rope), norm_kind="layernorm")
+
+
+@rule("qwen3", "qwen3_moe")
+def _qwen3(config, facts: ArchFacts) -> ArchFacts:
+    facts = replace(facts, qk_norm="head")
+    if facts.model_type != "qwen3_moe":
+        return facts
+    # Qwen3MoeDecoderLayer: layer i is sparse unless listed in mlp_only_layers, and only every
+    # decoder_sparse_step-th layer ((i + 1) % step == 0) is
+    dense_only = set(getattr(config, "mlp_only_layers", None) or [])
+    step = int(getattr(config, "decoder_sparse_step", 1) or 1)
+
+    def sparse(layer: LayerFacts) -> bool:
+        return layer.num_experts > 0 and layer.index not in dense_only and (layer.index + 1) % step == 0
+
+    return with_layers(
+        facts,
+        num_experts=lambda layer: layer.num_experts if sparse(layer) else 0,
+        experts_per_token=lambda layer: layer.experts_per_token if sparse(layer) else 0,
+    )
+
+
+@rule("qwen3_5_text")
+def _qwen3_5(config, facts: ArchFacts) -> ArchFacts:
+    # Qwen3_5DecoderLayer: linear_attention layers are Gated DeltaNet (no RoPE; the delta rule in chunks
+    # of 64, torch_chunk_gated_delta_rule's default; a causal conv of linear_conv_kernel_dim before it);
+    # full_attention layers norm Q/K per head; every RMSNorm but the DeltaNet's gated one scales by (1 + w).
+    def rope(layer: LayerFacts):
+        return None if layer.layer_type == LINEAR else layer.rope
+
+    return replace(with_layers(facts, rope=rope), qk_norm="head", norm_weight_offset=1.0, chunk_size=64,
+                   conv_kernel=int(config.linear_conv_kernel_dim))
+
+
+@rule("mistral")
+def _mistral(config, facts: ArchFacts) -> ArchFacts:
+    # MistralModel builds a sliding-window mask for every layer whenever sliding_window is set.
+    # A window of 0 is a window too (MistralModel tests `is None`): validate_facts refuses it by name.
+    window = getattr(config, "sliding_window", None)
+    if window is None:
+        return facts
+    return with_layers(facts, layer_type=lambda layer: SLIDING, window=lambda layer: int(window))
+
+
+@rule("gemma3_text", "gemma3")
+def _gemma3(config, facts: ArchFacts) -> ArchFacts:
+    # Gemma3Attention (Transformers 5.24) keeps attn_logit_softcapping but never applies it
+    return replace(facts, qk_norm="head", norm_weight_offset=1.0, embed_scale=math.sqrt(facts.hidden_size), attn_softcap=None)
+
+
+def kv_sources(config) -> dict[int, int]:
+    """Gemma 4 KV sharing: ``{consumer layer: layer whose keys and values it reads}``. The last
+    ``num_kv_shared_layers`` layers compute none; each reads the last earlier layer of its own type
+    (``Gemma4TextConfig.kv_sharing_modes``: that layer "stores", the consumers "reuse"). Empty when
+    the config shares nothing or cannot (a layer type without an earlier producer)."""
+    n, shared = int(getattr(config, "num_hidden_layers", 0)), int(getattr(config, "num_kv_shared_layers", 0) or 0)
+    types = list(getattr(config, "layer_types", None) or [])
+    first = n - shared
+    if not shared or first <= 0 or len(types) != n:
+        return {}
+    producers = {t: i for i, t in enumerate(types[:first])}  # the last producer of each type
+    if any(t not in producers for t in types[first:]):
+        return {}
+    return {i: producers[types[i]] for i in range(first, n)}
+
+
+@rule("gemma4_text")
+def _gemma4(config, facts: ArchFacts) -> ArchFacts:
+    # Gemma4TextAttention: scaling 1.0 (q and k are RMS-normalised per head), K = V on full layers
+    # with attention_k_eq_v, keys and values of the last num_kv_shared_layers read from an earlier layer
+    sources, k_eq_v = kv_sources(config), bool(getattr(config, "attention_k_eq_v", False))
+    facts = with_layers(
+        facts,
+        attention_scale=lambda layer: 1.0,
+        kv_source=lambda layer: sources.get(layer.index),
+        k_eq_v=lambda layer: k_eq_v and layer.layer_type == FULL and layer.index not in sources,
+    )
+    per_layer_inputs = bool(getattr(config, "hidden_size_per_layer_input", 0))
+    constants = {"the per-layer input scale 1/sqrt(2)": 2**-0.5} if per_layer_inputs else {}
+    features = {
+        "per-layer inputs": per_layer_inputs,
+        "KV sharing": bool(sources),
+        "K = V": any(layer.k_eq_v for layer in facts.layers),
+        "double-wide MLP": bool(sources) and bool(getattr(config, "use_double_wide_mlp", False)),
+        "per-layer head_dim": len({layer.head_dim for layer in facts.layers}) > 1,
+    }
+    return replace(facts, qk_norm="head", embed_scale=math.sqrt(facts.hidden_size), attn_softcap=None,
+                   extra_constants={**facts.extra_constants, **constants},
+                   features=facts.features | {name for name, present in features.items() if present})
+
+
+def _gpt2_scale(config, layer: LayerFacts) -> float:
+    """``GPT2Attention.scaling``: ``head_dim**-0.5`` (1.0 without ``scale_attn_weights``), divided by
+    ``layer + 1`` with ``scale_attn_by_inverse_layer_idx``, in that order of operations."""
+    scaling = layer.head_dim**-0.5 if getattr(config, "scale_attn_weights", True) else 1.0
+    if getattr(config, "scale_attn_by_inverse_layer_idx", False):
+        scaling /= float(layer.index + 1)
+    return scaling
+
+
+@rule("gpt2")
+def _gpt2(config, facts: ArchFacts) -> ArchFacts:
+    return replace(
+        with_layers(facts, rope=lambda layer: None, attention_scale=lambda layer: _gpt2_scale(config, layer)),
+        layer_prefix="transformer.h",
+        embed_module="transformer.wte",
+        norm_kind="layernorm",
+        intermediate_size=facts.intermediate_size or 4 * facts.hidden_size,
+    )

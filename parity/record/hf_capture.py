@@ -1,0 +1,183 @@
+"""Capture what Transformers computes outside nn.Modules: post-RoPE q/k, attention probabilities,
+context, and each MoE expert's output.
+
+Transformers models dispatch attention through ``AttentionInterface``. We register one function,
+``parity_eager``, that calls the model's *own* ``eager_attention_forward`` (the reference math,
+unchanged) and writes its inputs and outputs into the active trace. Transformers only builds a
+mask for implementations it knows, so the same name is registered in ``AttentionMaskInterface``
+with the eager mask; without that the function would receive ``attention_mask=None`` and the
+reference would silently attend to every position.
+
+Mixture-of-experts models (``@use_experts_implementation``) dispatch their fused experts through
+``ExpertsInterface``; the default on a CPU is ``grouped_mm``, which sums an expert's contributions
+in another order than the experts class's own eager loop. We register ``parity_eager`` there too:
+the class's eager forward (the loop over experts, each a gated MLP on the tokens routed to it,
+accumulated with ``index_add_`` in expert order), so the reference is the model's own reference
+math, as with attention. Expert ``e``'s output node ``<experts path>.<e>`` is that same eager
+forward run with every choice but ``e`` replaced by the sentinel index ``num_experts`` (which the
+loop skips) and the routing weights set to 1: the expert's unweighted output on the tokens routed
+to it, zero elsewhere, ``(tokens, hidden)``.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from parity.record import hf_kernels
+from parity.record.hooks import active_trace
+from parity.util.errors import ParityError
+
+ATTN_IMPLEMENTATION = "parity_eager"
+EXPERTS_IMPLEMENTATION = "parity_eager"
+SUFFIXES = ("q_rot", "k_rot", "scores", "probs", "context")
+#: a node that is one expert of an experts module: ``...mlp.experts.<e>``
+_EXPERT_NODE = re.compile(r"\.experts\.\d+$")
+
+
+def is_captured(name: str) -> bool:
+    """Whether the reference's node ``name`` is recorded by a capture function (attention internals
+    and one expert's output here, kernel internals in :mod:`parity.record.hf_kernels`) rather than by a
+    module hook."""
+    return name.rsplit(".", 1)[-1] in SUFFIXES or bool(_EXPERT_NODE.search(name)) or hf_kernels.is_kernel_node(name)
+
+
+_paths: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+
+
+def _eager_for(module: nn.Module):
+    modeling = sys.modules[type(module).__module__]
+    eager = getattr(modeling, "eager_attention_forward", None)
+    if eager is None:
+        raise ParityError(f"{type(module).__name__} has no eager_attention_forward in {modeling.__name__}")
+    return eager
+
+
+def _scores(module, query, key, scaling) -> torch.Tensor:
+    """``(q @ k^T) * scaling`` before soft-cap and mask, with the ops eager attention uses (so the
+    same bits): K heads expanded as ``repeat_kv`` does (each KV head repeated for its group)."""
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        b, kv, s, d = key.shape
+        key = key[:, :, None].expand(b, kv, groups, s, d).reshape(b, kv * groups, s, d)
+    return torch.matmul(query, key.transpose(2, 3)).mul_(scaling)  # in place: one matrix, not two, at a time
+
+
+def parity_attention(module, query, key, value, attention_mask, **kwargs):
+    """AttentionInterface function: the model's eager attention, recorded.
+
+    Records ``<path>.q_rot`` ``(batch, heads, seq, head_dim)``, ``<path>.k_rot`` ``(batch, kv_heads,
+    seq, head_dim)``, ``<path>.scores`` and ``<path>.probs`` ``(batch, heads, q_len, kv_len)`` (scores:
+    ``q k^T * scaling`` before soft-cap and mask) and ``<path>.context`` ``(batch, seq, heads * head_dim)``.
+    """
+    output, weights = _eager_for(module)(module, query, key, value, attention_mask, **kwargs)
+    trace = active_trace()
+    path = _paths.get(module)
+    if trace is not None and path is not None:
+        context = output.reshape(*output.shape[:2], -1)
+        for suffix, tensor in zip(SUFFIXES, (query, key, None, weights, context)):
+            name = f"{path}.{suffix}"
+            if name in trace.wanted:
+                if suffix == "scores":
+                    tensor = _scores(module, query, key, kwargs.get("scaling", getattr(module, "scaling", 1.0)))
+                trace.add(name, tensor)
+    return output, weights
+
+
+@dataclass(frozen=True)
+class ExpertEvidence:
+    """What diagnosis may ask of one expert node of the reference: the experts module (its weights,
+    referenced), this expert's index, the experts' input ``(tokens, hidden)`` and the tokens routed
+    to this expert. Never compared."""
+
+    module: nn.Module
+    index: int
+    x: torch.Tensor
+    rows: torch.Tensor
+
+    def output(self, j: int, swap_halves: bool = False) -> torch.Tensor | None:
+        """Expert ``j`` of the reference (with its gate and up halves swapped, when asked) on this
+        expert's tokens, in float64, ``(len(rows), hidden)``; None for a layout other than
+        Transformers' default (gate then up concatenated, ``(E, 2I, H)``, no bias)."""
+        m = self.module
+        if getattr(m, "is_transposed", False) or not getattr(m, "is_concatenated", True) or getattr(m, "has_bias", False) \
+                or not getattr(m, "has_gate", True):
+            return None
+        gate, up = m.gate_up_proj[j].detach().double().chunk(2, dim=0)
+        if swap_halves:
+            gate, up = up, gate
+        x = self.x[self.rows].double()
+        return nn.functional.linear(m.act_fn(x @ gate.T) * (x @ up.T), m.down_proj[j].detach().double())
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.module.num_experts)
+
+
+def _eager_experts(module: nn.Module):
+    """The experts class's own forward, before ``use_experts_implementation`` wrapped it."""
+    forward = type(module).forward
+    eager = getattr(forward, "__wrapped__", None)
+    if eager is None:
+        raise ParityError(f"{type(module).__name__} has no eager forward under its experts implementation")
+    return eager
+
+
+def parity_experts(module, hidden_states, top_k_index, top_k_weights):
+    """ExpertsInterface function: the experts class's eager forward, and each wanted expert's output.
+
+    Records ``<path>.<e>`` ``(tokens, hidden)``: expert ``e`` on the tokens routed to it, unweighted,
+    zero on the others (see the module docstring).
+    """
+    eager = _eager_experts(module)
+    output = eager(module, hidden_states, top_k_index, top_k_weights)
+    trace = active_trace()
+    path = _paths.get(module)
+    if trace is not None and path is not None:
+        sentinel = module.num_experts
+        ones = torch.ones_like(top_k_weights)
+        x = None  # one CPU copy of the input, shared by every expert's evidence
+        for e in range(module.num_experts):
+            name = f"{path}.{e}"
+            if name in trace.wanted:
+                chosen = top_k_index == e
+                only = torch.where(chosen, top_k_index, torch.full_like(top_k_index, sentinel))
+                trace.add(name, eager(module, hidden_states, only, ones))
+                if name not in trace.extras:
+                    x = hidden_states.detach().to("cpu", copy=True) if x is None else x
+                    trace.extras[name] = ExpertEvidence(module, e, x, chosen.any(-1).nonzero().flatten().cpu())
+    return output
+
+
+def install(reference: nn.Module) -> None:
+    """Register ``parity_eager`` (attention + mask) and switch ``reference`` to it (once per model);
+    wrap the kernel functions its linear-attention layers call (:mod:`parity.record.hf_kernels`).
+
+    Raises ParityError if the model does not dispatch attention through AttentionInterface.
+    """
+    hf_kernels.install(reference)
+    if getattr(reference.config, "_attn_implementation", None) == ATTN_IMPLEMENTATION and reference in _paths:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, parity_attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, eager_mask)
+    # Transformers' own test: the flag, or (models without it, e.g. Qwen3.5) its attention modules
+    # calling ALL_ATTENTION_FUNCTIONS.get_interface, which is what set_attn_implementation accepts
+    can_set = getattr(type(reference), "_can_set_attn_implementation", lambda: False)
+    if not (getattr(reference, "_supports_attention_backend", False) or can_set()):
+        raise ParityError(f"{type(reference).__name__} does not dispatch attention through AttentionInterface")
+    reference.set_attn_implementation(ATTN_IMPLEMENTATION)
+    if reference._can_set_experts_implementation() and getattr(reference.config, "_experts_implementation", None):
+        from transformers.integrations.moe import ExpertsInterface
+
+        ExpertsInterface.register(EXPERTS_IMPLEMENTATION, parity_experts)
+        reference.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+    for name, module in reference.named_modules():
+        _paths[module] = name

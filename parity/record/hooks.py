@@ -1,0 +1,294 @@
+"""Record named intermediates of a model with forward hooks, detached to CPU, in execution order.
+
+A point is ``(node name, module path)``; a path ending in ``@input`` records the module's first
+input through a forward pre-hook, ``@<name>`` the argument of its ``forward`` called ``name``
+(positional or keyword: Gemma 4's decoder layers receive ``per_layer_input`` beside the hidden
+states), any other path its output. Tensors computed outside modules
+are recorded through taps: our models' ``Tap`` modules (ordinary hooks), :func:`tap` calls in a
+user's forward (recorded under the module that is running), and, for Transformers,
+:mod:`parity.record.hf_capture` writing into the active trace.
+
+A trace holds its tensors in a :class:`TensorStore`: in memory up to a byte budget, past it in
+safetensors files in a temporary folder, read back in chunks or memory-mapped (so a trace costs
+disk, not memory, beyond its budget, whatever the depth). A ``sink`` sees every tensor as it is produced and
+may consume it instead of storing it: that is how ours is compared against the stored reference
+node by node while it runs, keeping only what a report needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import inspect
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from parity.record.trace import Trace, first_tensor
+from parity.util.errors import ParityError
+
+_ACTIVE: contextvars.ContextVar[_Recording | None] = contextvars.ContextVar("parity_active_recording", default=None)
+
+
+def _replace_first_tensor(value, new: torch.Tensor):
+    """``value`` with its first tensor replaced by ``new`` (cast to that tensor's dtype and device)."""
+    if isinstance(value, torch.Tensor):
+        return new.to(dtype=value.dtype, device=value.device)
+    if isinstance(value, (tuple, list)):
+        items = list(value)
+        for i, item in enumerate(items):
+            if first_tensor(item) is not None:
+                items[i] = _replace_first_tensor(item, new)
+                return type(value)(items)
+    return value
+
+
+def _argument_slot(module: nn.Module, name: str, args: tuple, kwargs: dict) -> tuple[str, int | str] | None:
+    """Where the ``forward`` argument ``name`` of this call is: ``("kwargs", name)``, ``("args", index)``,
+    or None when the call leaves it at its default."""
+    if name in kwargs:
+        return "kwargs", name
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if name in positional and positional.index(name) < len(args):
+        return "args", positional.index(name)
+    return None
+
+
+def _item(value, n: int | None):
+    """``value`` itself (``n`` None), or the ``n``-th item of a tuple/list output (``path#n``)."""
+    if n is None:
+        return value
+    if isinstance(value, (tuple, list)):
+        return value[n] if n < len(value) else None
+    return value if n == 0 else None
+
+
+def _replace_item(value, n: int | None, new: torch.Tensor):
+    """``value`` with its ``n``-th item (or, ``n`` None, its first tensor) replaced by ``new``."""
+    if n is None or not isinstance(value, (tuple, list)):
+        return _replace_first_tensor(value, new)
+    items = list(value)
+    items[n] = _replace_first_tensor(items[n], new)
+    return type(value)(items)
+
+
+def split_path(path: str) -> tuple[str, bool, int | None]:
+    """``(module path, is_input, output item)`` of a node path: ``a.b@input`` -> ``("a.b", True, None)``,
+    ``a.b#2`` -> ``("a.b", False, 2)`` (the module's third output), ``a.b`` -> ``("a.b", False, None)``.
+    A named forward argument, ``a.b@name``, comes back whole (see :func:`recording`)."""
+    if path.endswith("@input"):
+        return path[: -len("@input")], True, None
+    head, sep, tail = path.rpartition("#")
+    if sep and tail.isdigit():
+        return head, False, int(tail)
+    return path, False, None
+
+
+@dataclass
+class _Recording:
+    trace: Trace
+    replacement: Callable[[str, object], torch.Tensor | None]
+    #: module paths of the modules running now (innermost last), for :func:`tap`
+    stack: list[str] = field(default_factory=list)
+    #: functional node name -> canonical node name, for taps recorded in a user's model
+    tap_names: dict[str, str] = field(default_factory=dict)
+    #: node name -> transform into the reference's layout (applied to tapped tensors too)
+    transforms: dict = field(default_factory=dict)
+
+
+def active_trace() -> Trace | None:
+    """The trace being recorded in this context, if any (used by :mod:`parity.record.hf_capture`)."""
+    rec = _ACTIVE.get()
+    return rec.trace if rec is not None else None
+
+
+def running_module() -> str | None:
+    """The path of the innermost module running now in the model being recorded, when the recording
+    keeps the module stack (``taps``, or ``module_stack=True``); None otherwise. Used by
+    :mod:`parity.record.hf_kernels` to name what a function computes after the module that called it."""
+    rec = _ACTIVE.get()
+    return rec.stack[-1] if rec is not None and rec.stack else None
+
+
+def tap(tensor: torch.Tensor, name: str, *, layout: str | None = None) -> torch.Tensor:
+    """Name a tensor computed outside any module, inside a model's forward: ``q = parity.tap(q, "q_rot")``.
+
+    Recorded as ``<path of the module that is running>.<name>`` while parity traces the model; in
+    isolated mode the reference's tensor for that node comes back instead, so the rest of the
+    forward continues from it. Free when nothing is being traced: returns ``tensor`` unchanged.
+    ``layout`` ("bhsd", "bshd" or "bsf": batch, heads, seq, head_dim in that order, or heads
+    flattened) says how a ``q_rot``/``k_rot``/``context`` tensor is laid out; without it the layout is
+    read from the shape (a 4-D shape whose sequence length equals the head count cannot tell, and is
+    read as this tap's earlier calls were, else as ``(batch, heads, seq, head_dim)``). Raises
+    :class:`parity.ParityError` for another layout name, a shape that cannot hold the declared
+    layout, or ``layout`` on a tap other than those three.
+    """
+    rec = _ACTIVE.get()
+    if rec is None or not rec.tap_names:
+        return tensor
+    node = None
+    for path in reversed(rec.stack):  # the innermost running module first, then its parents
+        node = rec.tap_names.get(f"{path}.{name}" if path else name)
+        if node is not None:
+            break
+    if node is None:
+        return tensor
+    transform = rec.transforms.get(node)
+    if layout is not None:
+        if not hasattr(transform, "with_layout"):
+            raise ParityError(f"parity.tap(..., {name!r}, layout={layout!r}): layout applies to q_rot, k_rot and context taps only")
+        transform = transform.with_layout(layout)
+    rec.trace.add(node, tensor, transform)
+    new = rec.replacement(node, tensor, transform if layout is not None else None)
+    return tensor if new is None else new.to(dtype=tensor.dtype, device=tensor.device)
+
+
+def _module_stack_hooks(model: nn.Module, rec: _Recording) -> list:
+    """Hooks that keep ``rec.stack`` = the paths of the modules running now (for :func:`tap`)."""
+    handles = []
+    for path, module in model.named_modules():
+        def push(mod, args, _p=path):
+            rec.stack.append(_p)
+
+        def pop(mod, args, output, _p=path):
+            if rec.stack and rec.stack[-1] == _p:
+                rec.stack.pop()
+
+        handles.append(module.register_forward_pre_hook(push))
+        handles.append(module.register_forward_hook(pop, always_call=True))
+    return handles
+
+
+@contextlib.contextmanager
+def recording(
+    model: nn.Module,
+    points: Sequence[tuple[str, str]],
+    transforms: dict[str, Callable[[torch.Tensor], torch.Tensor]] | None = None,
+    captured: Sequence[str] = (),
+    substitute: Trace | None = None,
+    inverses: dict[str, Callable[[torch.Tensor], torch.Tensor]] | None = None,
+    keep_inputs: frozenset[str] = frozenset(),
+    taps: dict[str, str] | None = None,
+    into: Trace | None = None,
+    module_stack: bool = False,
+) -> Iterator[Trace]:
+    """Hook ``model`` for the duration of the block and yield the Trace being filled.
+
+    ``points``: ``(node name, module path)`` pairs; a path that does not resolve records nothing
+    (compare reports that node as missing), so a partial model can still be compared. Node names
+    that are not module paths (attention internals of a Transformers model) go in ``captured``:
+    they are ``wanted`` and filled by a capture function through :func:`active_trace`. ``taps``:
+    ``{path as tap() computes it: node name}`` for functional nodes of a user's model.
+
+    ``substitute`` (isolated mode): after a node's own tensor is recorded, the model continues
+    with ``substitute``'s tensor for that node instead (outputs through the forward hook's return
+    value, ``@input`` nodes through the pre-hook's), so every later node reads the reference's
+    values and is judged on its own error. A node with a ``transform`` is substituted only if
+    ``inverses`` maps the reference tensor back into our layout (``inverse(ref, ours) -> ours``:
+    a fused projection writes the reference's part into our tensor), and only where the shapes agree.
+    Only a module's first call is substituted. ``keep_inputs``: node names whose module input (and
+    1-D or 2-D weight and bias, by reference) are also kept for diagnosis. ``into``: the (empty) Trace to
+    fill, e.g. one that spills (:meth:`Trace.spilling`), has a sink, or whose ``add`` keeps statistics
+    instead of tensors (:mod:`parity.golden`); by default a new in-memory one. ``module_stack``: keep the
+    paths of the running modules (:func:`running_module`) even without ``taps``.
+    """
+    transforms, inverses = transforms or {}, inverses or {}
+    trace = Trace() if into is None else into
+    trace.wanted = frozenset([name for name, _ in points] + list(captured) + list((taps or {}).values()))
+
+    def replacement(name: str, current, declared=None) -> torch.Tensor | None:
+        """The reference's tensor for ``name`` in ``current``'s layout; ``declared``: a tap's own
+        transform (its declared layout), whose inverse then replaces the node's."""
+        if substitute is None or trace.calls.get(name, 0) != 1 or name not in substitute.tensors:
+            return None
+        ref = substitute.tensors[name]
+        mine = first_tensor(current)
+        if mine is None:
+            return None
+        if name in transforms:
+            inverse = getattr(declared, "inverse", None) or inverses.get(name)
+            ref = inverse(ref, mine) if inverse is not None else None
+        if ref is None or ref.shape != mine.shape:
+            return None  # a node of another shape is reported as such; ours keeps its own tensor
+        # the values are the reference's, the memory layout ours' (a view's gaps included): CPU kernels
+        # take another path, with another rounding, for another layout (a sigmoid of a strided view
+        # differs by an ulp from the same values packed), and isolated mode must change values only
+        try:
+            return torch.empty_strided(mine.shape, mine.stride(), dtype=mine.dtype, device=mine.device).copy_(ref)
+        except RuntimeError:  # an expanded (overlapping) view cannot be written: packed is the best
+            return torch.empty_like(mine, memory_format=torch.contiguous_format).copy_(ref)
+
+    rec = _Recording(trace, replacement, tap_names=dict(taps or {}), transforms=transforms)
+    handles = _module_stack_hooks(model, rec) if taps or module_stack else []
+    modules = dict(model.named_modules())
+    for name, path in points:
+        module_path, is_input, item = split_path(path)
+        module_path, at, argument = module_path.partition("@")  # a named forward argument: a.b@name
+        module = modules.get(module_path)
+        if module is None:
+            continue
+        transform = transforms.get(name)
+        if is_input:
+
+            def pre_hook(mod, args, kwargs, _name=name, _t=transform):
+                trace.add(_name, args if args else kwargs, _t)
+                new = replacement(_name, args if args else kwargs)
+                if new is None:
+                    return None
+                if args:
+                    return _replace_first_tensor(args, new), kwargs
+                key = next(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
+                return args, {**kwargs, key: _replace_first_tensor(kwargs[key], new)}
+
+            handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+        elif at:
+
+            def argument_hook(mod, args, kwargs, _name=name, _t=transform, _arg=argument):
+                slot = _argument_slot(mod, _arg, args, kwargs)
+                if slot is None:
+                    return None
+                where, key = slot
+                value = kwargs[key] if where == "kwargs" else args[key]
+                trace.add(_name, value, _t)
+                new = replacement(_name, value)
+                if new is None:
+                    return None
+                if where == "kwargs":
+                    return args, {**kwargs, key: _replace_first_tensor(value, new)}
+                return (*args[:key], _replace_first_tensor(value, new), *args[key + 1:]), kwargs
+
+            handles.append(module.register_forward_pre_hook(argument_hook, with_kwargs=True))
+        else:
+
+            def hook(mod, args, output, _name=name, _t=transform, _n=item):
+                trace.add(_name, _item(output, _n), _t)
+                new = replacement(_name, _item(output, _n))
+                return None if new is None else _replace_item(output, _n, new)
+
+            handles.append(module.register_forward_hook(hook))
+            if name in keep_inputs:
+
+                def keep(mod, args, kwargs, _name=name):
+                    tensor = first_tensor(args if args else kwargs)
+                    if tensor is not None and not trace.calls.get(_name) and _name not in trace.inputs:
+                        trace.hold_input(_name, tensor)
+                        weight, bias = getattr(mod, "weight", None), getattr(mod, "bias", None)
+                        if isinstance(weight, torch.Tensor) and weight.dim() in (1, 2):  # linear or norm weight
+                            trace.weights[_name] = weight.detach()
+                        if isinstance(bias, torch.Tensor):  # a projection's, or a LayerNorm's shift
+                            trace.biases[_name] = bias.detach()
+
+                handles.append(module.register_forward_pre_hook(keep, with_kwargs=True))
+    token = _ACTIVE.set(rec)
+    try:
+        yield trace
+    finally:
+        _ACTIVE.reset(token)
+        for handle in handles:
+            handle.remove()

@@ -1,0 +1,164 @@
+"""A Trace: the recorded tensors of one forward, by node name, in the order they were produced,
+plus what diagnosis needs beside them (module inputs and weights of selected nodes)."""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator, MutableMapping
+from dataclasses import dataclass, field
+
+import torch
+
+from parity.record.store import OnCpu, Spill, TensorStore
+
+
+def first_tensor(value) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)):
+        for item in value:
+            found = first_tensor(item)
+            if found is not None:
+                return found
+    if isinstance(value, dict):
+        return first_tensor(list(value.values()))
+    if hasattr(value, "to_tuple"):  # Transformers ModelOutput
+        return first_tensor(value.to_tuple())
+    return None
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Run the block on one intra-op thread. Recording and comparing are many memory-bound calls;
+    with several threads each call waits until every thread has a core, which on a machine whose
+    cores are busy with other work costs more than the call (measured: a comparison 1.1 to 5x
+    slower with 2 threads than with 1 on 2 loaded cores). The forward passes keep every thread."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    """The tensor's version counter (bumped by every in-place op), None for an inference-mode tensor
+    (which has none: it is then never taken as unchanged)."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return None
+
+
+@dataclass
+class Trace:
+    """Recorded tensors by node name, in the order they were produced.
+
+    A module that runs more than once in one forward keeps its first tensor; ``calls`` counts
+    every call so a repeated module is visible. ``inputs`` (first input) and ``weights``/``biases``
+    (the module's own parameters, referenced, not copied) of selected nodes are kept for diagnosis
+    only, never compared (``weights``: 1-D and 2-D ones; ``biases``: of projections and of norms); so
+    are ``extras``, records a capture function leaves for a node (one expert's weights and tokens,
+    see :mod:`parity.record.hf_capture`). ``tensors`` and ``inputs`` share one :class:`Spill` (``spill``):
+    past its budget they live on disk. ``sink(name, tensor) -> bool``, when set, sees each node's
+    first tensor before it is stored and returns True when it consumed it (nothing is stored); it
+    may fill ``results`` (the node's comparison, made as it was produced) and ``watched``.
+    """
+
+    tensors: MutableMapping[str, torch.Tensor] = field(default_factory=dict)
+    calls: dict[str, int] = field(default_factory=dict)
+    wanted: frozenset[str] = frozenset()
+    inputs: MutableMapping[str, torch.Tensor] = field(default_factory=dict)
+    weights: dict[str, torch.Tensor] = field(default_factory=OnCpu)
+    biases: dict[str, torch.Tensor] = field(default_factory=OnCpu)
+    extras: dict[str, object] = field(default_factory=dict)
+    spill: Spill | None = None
+    sink: Callable[[str, torch.Tensor], bool] | None = None
+    #: node name -> NodeResult, for nodes compared while they were produced
+    results: dict = field(default_factory=dict)
+    #: what a sink computed from tensors it did not keep (``{output node: logits effect}``)
+    watched: dict = field(default_factory=dict)
+    #: module inputs are held by reference until :meth:`keep_input` or :meth:`drop_input` (a sink
+    #: that keeps only a failing node's input copies that one alone)
+    defer_inputs: bool = False
+    pending: dict = field(default_factory=dict, repr=False)
+    #: id of a live tensor already stored -> (weakref, version, stored in inputs?, name): the same
+    #: unchanged tensor recorded twice (q/k/v's shared input, a node that is the next one's input) is
+    #: stored once
+    _stored: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def spilling(cls, budget: int | None, **kwargs) -> Trace:
+        """An empty trace whose tensors and inputs spill to disk past ``budget`` bytes."""
+        spill = Spill(budget)
+        return cls(tensors=TensorStore(spill), inputs=TensorStore(spill), spill=spill, **kwargs)
+
+    def add(self, name: str, value, transform: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        tensor = first_tensor(value)
+        if tensor is None:
+            return
+        self.calls[name] = self.calls.get(name, 0) + 1
+        if self.calls[name] > 1 or name in self.tensors:
+            return
+        live = tensor
+        tensor = tensor.detach()
+        if transform is not None:
+            tensor = live = transform(tensor)
+        with one_thread():
+            if self.sink is not None and self.sink(name, tensor):
+                return
+            self.keep(name, live)
+
+    def keep(self, name: str, tensor: torch.Tensor, inputs: bool = False) -> None:
+        """Store a CPU copy of ``tensor`` (in ``inputs`` with ``inputs=True``); a tensor this trace
+        already stored, unchanged since (same object, same version), is stored once."""
+        store = self.inputs if inputs else self.tensors
+        if not isinstance(store, TensorStore):
+            store[name] = tensor.detach().to("cpu", copy=True)
+            return
+        seen = self._stored.get(id(tensor))
+        if seen is not None and seen[0]() is tensor and seen[1] is not None and seen[1] == _version(tensor):
+            source = self.inputs if seen[2] else self.tensors
+            if seen[3] in source:
+                store.alias(name, source, seen[3])
+                return
+        store.put(name, tensor.detach())
+        self._stored[id(tensor)] = (weakref.ref(tensor), _version(tensor), inputs, name)
+
+    def hold_input(self, name: str, tensor: torch.Tensor) -> None:
+        """A module input for diagnosis: copied now, or held by reference when inputs are deferred."""
+        if self.defer_inputs:
+            self.pending[name] = (tensor, _version(tensor))
+        else:
+            with one_thread():
+                self.keep(name, tensor, inputs=True)
+
+    def keep_input(self, name: str) -> None:
+        """Copy a deferred input now, if its tensor was not changed in place since it was held."""
+        held = self.pending.pop(name, None)
+        if held is not None and held[1] is not None and _version(held[0]) == held[1]:
+            self.keep(name, held[0], inputs=True)
+
+    def drop_input(self, name: str) -> None:
+        self.pending.pop(name, None)
+        if name in self.inputs:
+            del self.inputs[name]
+
+    @property
+    def order(self) -> list[str]:
+        return list(self.tensors)
+
+    @property
+    def spilled_bytes(self) -> int:
+        """Bytes this trace wrote to disk."""
+        return self.spill.written if self.spill is not None else 0
+
+    def close(self) -> None:
+        """Free the disk this trace spilled to."""
+        self.pending.clear()
+        if self.spill is not None:
+            self.spill.close()

@@ -1,0 +1,162 @@
+""":func:`parity.check`: trace both models of a Pair on the same input and compare every node.
+
+The run is a few small stages, each a function of what the previous ones produced:
+:func:`~parity.run.plan.plan` (validate, build the inputs) -> :func:`~parity.run.stages.trace_reference`
+-> :func:`~parity.run.stages.calibrate_tolerances` (optional) -> :func:`~parity.run.stages.trace_ours`
+(chained and/or isolated) -> :func:`~parity.run.stages.compare_run` (compare, diagnose the first
+failure) -> :func:`~parity.run.stages.analyse` (where the error sits, what it does to the logits) ->
+an immutable :class:`~parity.report.result.CheckResult`. With a decode plan, :mod:`parity.run.decode`
+runs instead."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import torch
+
+from parity.build.coverage import loader_coverage
+from parity.compare.results import first_mismatch
+from parity.diagnose.origin import find_origin
+from parity.model.pair import Pair
+from parity.report.result import CheckResult
+from parity.run.options import CheckOptions
+from parity.run.plan import Run, decode_chunk_notes, plan
+from parity.run.stages import (
+    analyse,
+    calibrate_tolerances,
+    compare_run,
+    config_diff,
+    forward_accepts,
+    reference_noise,
+    refuse_changed_weights,
+    run_meta,
+    trace_ours,
+    trace_reference,
+    undiagnosed_note,
+)
+
+
+def _check_decode(pair: Pair, run: Run) -> CheckResult:
+    """The KV-cache run of :func:`check` (see :mod:`parity.run.decode`)."""
+    from parity.run.decode import run_decode
+
+    decode = run.options.decode
+    notes = decode_chunk_notes(pair, run.notes, decode)
+    refuse_changed_weights(pair, "before the check")
+    start = time.perf_counter()
+    nodes, outcome = run_decode(pair, run.input_ids, run.attention_mask, decode, run.tolerances)
+    refuse_changed_weights(pair, "during the forward passes")
+    notes += outcome.lines()
+    meta = run_meta(pair, run, config_diff(pair), time.perf_counter() - start)
+    meta["decode"] = decode.describe()
+    return CheckResult(nodes=tuple(nodes), meta=meta, notes=tuple(notes), coverage=_coverage(pair),
+                       alignment=tuple(pair.alignment), decode=outcome.to_dict())
+
+
+def _coverage(pair: Pair):
+    """Loader coverage: computed while building (check_model), else now."""
+    loading = pair.loading
+    if loading.coverage is None and loading.state_dict:
+        return loader_coverage(pair.ours, loading.state_dict, loading.tied_keys, loading.conversions,
+                               loading.built_storage, loading.by_design)
+    return loading.coverage
+
+
+def check(
+    pair: Pair,
+    input_ids: torch.Tensor | None = None,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    options: CheckOptions | None = None,
+    **option_values,
+) -> CheckResult:
+    """Compare ``pair.ours`` with ``pair.reference`` node by node.
+
+    ``input_ids``: ``(batch, seq)`` int64; by default seeded random tokens of ``seq_len``
+    (``pair.default_seq_len``, which passes the sliding window of small configs) and ``batch_size``.
+    ``attention_mask``: ``(batch, seq)``, 1 for real tokens and 0 for padding, given to both models
+    (or ``left_pad=N`` builds one: every row after the first starts with N padding tokens, the rows
+    whose queries see no real key being where masking bugs turn into NaN).
+
+    How it runs and judges: a :class:`parity.CheckOptions` (``options=``) and/or its fields as
+    keywords, which win: ``seq_len``, ``batch_size``, ``left_pad``, ``mode`` (``chained``: both
+    models run on their own and errors compound; ``isolated``: every node of ours continues from
+    the reference's tensors, so the first failing node is the fault; ``both``: the verdict from
+    chained, ``result.isolated`` filled too), ``atol``/``rtol`` (default: the dtype's,
+    :data:`parity.compare.tolerances.DEFAULT_TOLERANCES`), ``exact`` (atol = rtol = 0; by default
+    what the pair's family claims for its dtype, unless a tolerance is given), ``calibrate`` (each
+    node's atol from the reference's own error against float64), ``tolerances`` (``{node glob:
+    (atol, rtol)}``, winning over all), ``decode`` (a :class:`parity.DecodePlan` or ``"12:4x8"``:
+    prefill, chunks and decode steps through both KV caches, every node and both caches compared
+    at every step; chained only, see :mod:`parity.run.decode`) and ``trace_memory`` (bytes of a
+    trace held in memory before it spills to a temporary folder; see :mod:`parity.run.memory`).
+
+    Returns an immutable :class:`parity.CheckResult` (``.passed``, ``.first_mismatch``, ``.nodes``...).
+
+    Raises:
+        ParityError: an unknown or invalid option; ``input_ids`` not 2-D integer ids in the
+            vocabulary; a mask of another shape; ``left_pad`` without a second row or not shorter
+            than the sequence; a tolerance pattern matching no node; weights shared by both models
+            edited in place (before or during the check); a run that would not fit in memory (or its
+            spilled traces on disk); a config the reference cannot run.
+    """
+    run = plan(pair, CheckOptions.of(options, **option_values), input_ids, attention_mask)
+    if run.options.decode is not None:
+        return _check_decode(pair, run)
+    return _check_forward(pair, run)
+
+
+def _check_forward(pair: Pair, run: Run) -> CheckResult:
+    """The plain (no cache) run of :func:`check`: chained and/or isolated."""
+    diffs = config_diff(pair)
+    notes = list(run.notes)
+    if run.attention_mask is not None and not forward_accepts(pair.ours, "position_ids"):
+        notes.append("ours takes no position_ids: it gets the mask only, while the reference rotates each padded row "
+                     "by positions counted over its real tokens (as generation does)")
+    notes += [
+        f"config differs: {d['key']} is {d['ours']!r} in ours, {d['reference']!r} in the reference" for d in diffs
+    ]
+    refuse_changed_weights(pair, "before the check")
+    start = time.perf_counter()
+    ref_trace = trace_reference(pair, run)  # spills to disk past run.trace_memory; freed when dropped
+    tolerance = run.tolerances
+    noise = None
+    if run.calibrate:
+        noise = reference_noise(pair, run, ref_trace)
+        tolerance = replace(tolerance, calibrated=calibrate_tolerances(pair, run, ref_trace, noise=noise))
+    isolated = None
+    if run.mode in ("isolated", "both"):
+        isolated = compare_run(pair, run, trace_ours(pair, run, ref_trace, reference=ref_trace, tolerances=tolerance),
+                               ref_trace, tolerance)
+    our_trace = None
+    if run.mode == "isolated":
+        nodes = isolated
+    else:
+        our_trace = trace_ours(pair, run, reference=ref_trace, tolerances=tolerance)  # compared as it runs
+        nodes = compare_run(pair, run, our_trace, ref_trace, tolerance)
+    refuse_changed_weights(pair, "during the forward passes")
+    origin, origin_reason = None, ""
+    if isolated is not None and run.mode == "both" and not run.tolerances.exact and first_mismatch(nodes) is not None:
+        noise = reference_noise(pair, run, ref_trace) if noise is None else noise
+        origin, origin_reason = find_origin(nodes, isolated, noise)
+    profile, logits = analyse(pair, nodes, our_trace, ref_trace)
+    spilled = ref_trace.spilled_bytes + (our_trace.spilled_bytes if our_trace is not None else 0)
+    for trace in (ref_trace, our_trace):
+        if trace is not None:
+            trace.close()
+    notes += [note for results in (nodes, isolated or []) if (note := undiagnosed_note(results))]
+    meta = run_meta(pair, run, diffs, time.perf_counter() - start)
+    meta["trace_spilled_bytes"] = spilled
+    return CheckResult(
+        nodes=tuple(nodes),
+        meta=meta,
+        notes=tuple(notes),
+        profile=profile,
+        logits=logits,
+        isolated=tuple(isolated) if isolated is not None else None,
+        coverage=_coverage(pair),
+        origin=origin,
+        origin_reason=origin_reason,
+        alignment=tuple(pair.alignment),
+    )

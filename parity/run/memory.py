@@ -1,0 +1,80 @@
+"""The memory model of a check: what one trace, the largest node and a forward pass cost, and what
+the guard must find free before a check starts (see the README's Speed and memory)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from parity.model.facts import ArchFacts
+from parity.util.resources import TRACE_MEMORY
+
+
+def _per_layer(facts: ArchFacts) -> tuple[int, int, int]:
+    heads = max(facts.num_heads, 1)
+    ffn = facts.intermediate_size or 4 * facts.hidden_size
+    return heads, ffn, max(facts.num_layers, 1)
+
+
+def one_trace_bytes(facts: ArchFacts, batch: int, seq: int, element_size: int) -> int:
+    """Bytes of one model's full trace: per layer the attention scores and probabilities, ~24
+    hidden-size and 3 FFN-size tensors per token (nodes and the module inputs kept for diagnosis),
+    one hidden-size tensor per expert of a MoE layer, plus the embeddings and the logits."""
+    heads, ffn, layers = _per_layer(facts)
+    per_token_layer = 2 * heads * seq + 24 * facts.hidden_size + 3 * ffn
+    experts = sum(layer.num_experts for layer in facts.layers) * facts.hidden_size
+    per_token = layers * per_token_layer + experts + 3 * facts.hidden_size + facts.vocab_size
+    return element_size * batch * seq * per_token
+
+
+def largest_node_bytes(facts: ArchFacts, batch: int, seq: int, element_size: int) -> int:
+    """Bytes of the largest single node: an attention matrix, an FFN activation or the logits."""
+    heads, ffn, _ = _per_layer(facts)
+    return element_size * batch * seq * max(heads * seq, ffn, facts.vocab_size, facts.hidden_size)
+
+
+def forward_bytes(facts: ArchFacts, batch: int, seq: int, element_size: int, budget: int | None = TRACE_MEMORY) -> int:
+    """Working set of a check's forward passes beyond the weights, at their widest. In a layer's
+    attention: two attention-matrix-sized tensors (eager attention keeps two alive at a time, and a
+    node being compared is read from disk in chunks, not held) and a few FFN- and hidden-width
+    activations. At the head: ours' logits, and the reference's while they are recorded (a copy
+    when they fit the trace budget, else written straight to disk). One layer at a time: depth does
+    not add to it."""
+    heads, ffn, _ = _per_layer(facts)
+    attention = 2 * heads * seq * seq + seq * (4 * ffn + 8 * facts.hidden_size)
+    logits = seq * facts.vocab_size
+    head = logits + (logits if budget is None else min(logits, budget // max(element_size * batch, 1)))
+    head += seq * 4 * facts.hidden_size
+    return element_size * batch * max(attention, head) + 64 * 1024**2  # + the comparison's chunk buffers
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """What a check adds to the weights: bytes of memory and of disk (spilled traces)."""
+
+    memory: int
+    disk: int
+
+
+def check_footprint(facts: ArchFacts, batch: int, seq: int, element_size: int, budget: int | None) -> Footprint:
+    """The memory model above, for one check (one forward at a time; ``budget`` None: no spilling)."""
+    reference = one_trace_bytes(facts, batch, seq, element_size)
+    kept_ours = 3 * largest_node_bytes(facts, batch, seq, element_size)  # a failing node, its input, its context
+    in_memory = reference if budget is None else min(reference, budget)
+    kept_memory = kept_ours if budget is None else min(kept_ours, budget)
+    disk = 0 if budget is None else max(0, reference - budget) + max(0, kept_ours - budget)
+    return Footprint(memory=forward_bytes(facts, batch, seq, element_size, budget) + in_memory + kept_memory, disk=disk)
+
+
+def trace_bytes(facts: ArchFacts, batch: int, seq: int, element_size: int) -> int:
+    """Rough peak of a check holding both traces whole (a trace recorded to a folder, :mod:`parity.golden`):
+    both traces (per layer the attention scores and probabilities plus ~17
+    hidden-size and 3 FFN-size tensors per token, one hidden-size tensor per expert of a MoE layer,
+    plus the logits) and the float64 working copies comparing the largest node takes (about six of it)."""
+    heads, vocab = max(facts.num_heads, 1), facts.vocab_size
+    ffn = facts.intermediate_size or 4 * facts.hidden_size
+    per_token_layer = 2 * heads * seq + 17 * facts.hidden_size + 3 * ffn
+    experts = sum(layer.num_experts for layer in facts.layers) * facts.hidden_size
+    per_token = max(facts.num_layers, 1) * per_token_layer + experts + 2 * vocab
+    traces = 2 * element_size * batch * seq * per_token
+    largest = batch * seq * max(heads * seq, vocab, ffn)
+    return traces + 6 * 8 * largest

@@ -1,0 +1,171 @@
+"""How a check runs and judges, as one frozen, validated value shared by every entry point.
+
+:class:`CheckOptions` is what :func:`parity.check`, :func:`parity.check_model`, golden traces
+(``record``, ``compare``), the command line and the pytest plugin pass down: the probe's shape
+(``seq_len``, ``batch_size``, ``left_pad``), the mode, the tolerance rule (``atol``/``rtol``, node
+patterns, ``calibrate`` or ``exact``), a decode plan and the trace's memory budget. What needs the
+pair (a tolerance pattern that matches no node, a left pad longer than the sequence) is checked
+by :func:`parity.run.plan.plan`; everything else here, when the value is made, so a bad option is
+one :class:`~parity.util.errors.ParityError` before any model runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+import torch
+
+from parity.compare.tolerances import Tolerances
+from parity.util.errors import ParityError
+from parity.util.resources import TRACE_MEMORY
+
+MODES = ("chained", "isolated", "both")
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """``prefill`` tokens (in ``chunk``-token pieces, or at once), then ``steps`` single tokens (at
+    least one: a plan without steps is a plain check of the prompt)."""
+
+    prefill: int
+    steps: int = 1
+    chunk: int | None = None
+
+    def __post_init__(self):
+        for part, value, least in (("prefill", self.prefill, 1), ("steps", self.steps, 1), ("chunk", self.chunk, 1)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+                extra = "; without decode steps it checks the prompt only: run a plain check" if part == "steps" else ""
+                raise ParityError(f"decode plan {self.describe()} (PREFILL[:CHUNK]xSTEPS): {part} is {value}; "
+                                  f"it must be at least {least}{extra}")
+
+    @classmethod
+    def parse(cls, text: str) -> DecodePlan:
+        """``PREFILL[:CHUNK]xSTEPS`` (``12:4x8``: prefill 12 tokens in chunks of 4, then 8 steps)."""
+        m = re.fullmatch(r"\s*(\d+)(?::(\d+))?\s*x\s*(\d+)\s*", text)
+        if not m:
+            raise ParityError(f"--decode {text!r} must be PREFILL[:CHUNK]xSTEPS, e.g. 12:4x8 or 16x4")
+        prefill, chunk, steps = int(m.group(1)), m.group(2), int(m.group(3))
+        return cls(prefill, steps, int(chunk) if chunk is not None else None)
+
+    def describe(self) -> str:
+        return f"{self.prefill}{f':{self.chunk}' if self.chunk is not None else ''}x{self.steps}"
+
+    @property
+    def total(self) -> int:
+        return self.prefill + self.steps
+
+    def schedule(self) -> list[tuple[int, int]]:
+        """``(start, end)`` token ranges, one per step: the prefill chunks, then one per decode step."""
+        size = self.chunk or self.prefill
+        spans = [(a, min(a + size, self.prefill)) for a in range(0, self.prefill, size)]
+        return spans + [(t, t + 1) for t in range(self.prefill, self.total)]
+
+
+def _number(label: str, value, *, integer: bool = False, least: float = 0, allow_none: bool = True):
+    if value is None and allow_none:
+        return
+    kind = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kind) or (not integer and not math.isfinite(value)) or value < least:
+        what = "an integer" if integer else "a finite number"
+        raise ParityError(f"{label} must be {what} >= {least:g}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class CheckOptions:
+    """How a check runs and judges its nodes (everything but the pair and its inputs).
+
+    * ``seq_len`` (tokens, default the pair's ``default_seq_len``), ``batch_size``, ``left_pad``
+      (every row after the first starts with that many padding tokens; needs ``batch_size >= 2``);
+    * ``mode``: ``chained`` (both models run on their own), ``isolated`` (each node of ours
+      continues from the reference's input for it) or ``both``;
+    * the tolerance rule, ``|ours - ref| <= atol + rtol * |ref|`` per element: ``atol``/``rtol``
+      run-wide (default: the dtype's, :data:`parity.compare.tolerances.DEFAULT_TOLERANCES`),
+      ``tolerances`` ``{node glob: (atol, rtol)}`` winning over everything, ``calibrate`` (each
+      node's atol = 10x the reference's own error against float64) or ``exact`` (atol = rtol = 0;
+      None: what the pair's family claims for its dtype, unless a tolerance is given);
+    * ``decode``: a :class:`DecodePlan` (or its text ``"12:4x8"``): run both models through their KV
+      caches instead (chained, fixed tolerances);
+    * ``trace_memory``: bytes of a trace held in memory before it spills to disk (None: never).
+
+    Raises ParityError, naming the option, for a value no check could use.
+    """
+
+    seq_len: int | None = None
+    batch_size: int = 1
+    left_pad: int = 0
+    mode: str = "chained"
+    atol: float | None = None
+    rtol: float | None = None
+    tolerances: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    calibrate: bool = False
+    exact: bool | None = None
+    decode: DecodePlan | None = None
+    trace_memory: int | None = TRACE_MEMORY
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ParityError(f"unknown mode {self.mode!r}; choose from {', '.join(MODES)}")
+        _number("seq_len", self.seq_len, integer=True, least=1)
+        _number("batch_size", self.batch_size, integer=True, least=1, allow_none=False)
+        _number("left_pad", self.left_pad, integer=True, least=0, allow_none=False)
+        _number("atol", self.atol)
+        _number("rtol", self.rtol)
+        _number("trace_memory", self.trace_memory, integer=True, least=0)
+        for flag in ("calibrate",):
+            if not isinstance(getattr(self, flag), bool):
+                raise ParityError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
+        if self.exact is not None and not isinstance(self.exact, bool):
+            raise ParityError(f"exact must be True, False or None, got {self.exact!r}")
+        if not isinstance(self.tolerances, Mapping):
+            raise ParityError(f"tolerances must map node patterns to (atol, rtol), got {type(self.tolerances).__name__}")
+        for pattern, tol in self.tolerances.items():
+            if not (isinstance(tol, (tuple, list)) and len(tol) == 2
+                    and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+                            for v in tol)):
+                raise ParityError(f"tolerances[{pattern!r}] must be (atol, rtol), finite and >= 0, got {tol!r}")
+        object.__setattr__(self, "tolerances", MappingProxyType({p: (float(a), float(r)) for p, (a, r) in self.tolerances.items()}))
+        if self.calibrate and (self.atol is not None or self.rtol is not None):
+            raise ParityError("calibrate sets each node's atol (rtol 0); drop atol/rtol, or override nodes with tolerances=")
+        if self.exact and (self.atol is not None or self.rtol is not None or self.calibrate):
+            raise ParityError("exact sets atol = rtol = 0 on every node; drop atol/rtol/calibrate")
+        if isinstance(self.decode, str):
+            object.__setattr__(self, "decode", DecodePlan.parse(self.decode))
+        if self.decode is not None:
+            if not isinstance(self.decode, DecodePlan):
+                raise ParityError(f"decode must be a DecodePlan or PREFILL[:CHUNK]xSTEPS, got {type(self.decode).__name__}")
+            if self.mode != "chained" or self.calibrate:
+                raise ParityError("a decode check runs chained, with fixed tolerances (no isolated mode, no calibration)")
+            if self.seq_len is not None and self.seq_len != self.decode.prefill:
+                raise ParityError(f"seq_len {self.seq_len} and the decode plan's prefill {self.decode.prefill} disagree: "
+                                  "the prefill is the prompt")
+            object.__setattr__(self, "seq_len", self.decode.prefill)  # the prompt is the prefill
+
+    @classmethod
+    def of(cls, options: CheckOptions | None = None, **changes) -> CheckOptions:
+        """``options`` (or the defaults) with ``changes``; an unknown option is one ParityError naming it
+        and the known ones (no bare ``TypeError``)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(changes) - known)
+        if unknown:
+            raise ParityError(f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+                              f"the options are {', '.join(sorted(known))}")
+        base = options if options is not None else cls()
+        if not isinstance(base, CheckOptions):
+            raise ParityError(f"options must be a parity.CheckOptions, got {type(base).__name__}")
+        return dataclasses.replace(base, **changes) if changes else base
+
+    def resolved_exact(self, pair_exact: bool) -> bool:
+        """Whether nodes are judged with atol = rtol = 0: ``exact`` when given, else the pair's claim,
+        unless a tolerance rule was given."""
+        if self.exact is not None:
+            return self.exact
+        return pair_exact and self.atol is None and self.rtol is None and not self.calibrate
+
+    def tolerance_rule(self, dtype: torch.dtype, exact: bool) -> Tolerances:
+        """The :class:`~parity.compare.tolerances.Tolerances` these options give nodes of ``dtype``."""
+        return Tolerances(dtype, self.atol, self.rtol, dict(self.tolerances), exact=exact)

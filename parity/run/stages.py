@@ -1,0 +1,321 @@
+"""The stages of a check after planning: trace the reference, calibrate, trace ours (chained or
+isolated, compared as it runs), compare and diagnose, analyse; and the run's metadata.
+
+Each is a function of what the earlier ones produced; :mod:`parity.run.check` strings them together
+and golden traces (:mod:`parity.golden`) reuse them, so a dump is judged exactly as a check is.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime as _dt
+import inspect
+import math
+from collections.abc import Mapping
+from dataclasses import replace
+
+import torch
+
+from parity.compare.metrics import CHUNK, chunks
+from parity.compare.results import NodeResult, NodeStream, compare_traces, first_mismatch
+from parity.compare.tolerances import Tolerances
+from parity.diagnose.detectors import diagnose
+from parity.diagnose.profile import error_profile, logits_effect
+from parity.model.pair import Pair
+from parity.record import hf_capture, hf_kernels
+from parity.record.hooks import recording
+from parity.record.trace import Trace
+from parity.run.options import CheckOptions
+from parity.run.plan import Run, plan, versions
+from parity.util.errors import ParityError
+from parity.util.resources import BUDGET as RESOURCE_BUDGET
+from parity.util.resources import GIB, available_bytes, require
+
+#: node kinds whose module input (and weight) is kept for diagnosis (norm placement, norm kind, transposes)
+DIAGNOSIS_INPUT_KINDS = (
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "norm", "layernorm",
+    "c_attn", "c_proj", "c_fc", "ln_",  # GPT-2's Conv1D projections and LayerNorms
+)
+#: node kinds of ours the diagnosis of a later node of the same attention reads (softmax temperature
+#: needs q and k to agree); everything else of ours is dropped once compared
+DIAGNOSIS_CONTEXT_KINDS = ("q_rot", "k_rot")
+#: calibrated atol = SAFETY_FACTOR x |reference - reference in float64|, at least the floor
+SAFETY_FACTOR = 10.0
+CALIBRATION_FLOOR = {torch.float32: 1e-6, torch.bfloat16: 1e-3, torch.float16: 1e-4}
+
+
+def diagnosis_inputs(pair: Pair) -> frozenset[str]:
+    return frozenset(n.name for n in pair.nodes if any(k in n.kind for k in DIAGNOSIS_INPUT_KINDS) and "@" not in n.kind)
+
+
+def device_of(model) -> torch.device:
+    """Where a model takes its inputs: the device of its first parameter (the embedding, also under a
+    device map, whose hooks move activations on from there)."""
+    param = next(iter(model.parameters()), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
+def on_device(device: torch.device, tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return tensor if tensor is None or tensor.device == device else tensor.to(device)
+
+
+def trace_reference(pair: Pair, run: Run, model=None, sink=None, into: Trace | None = None) -> Trace:
+    """Run the reference (or ``model``, a copy of it) on the run's inputs; attention internals
+    come through :mod:`parity.record.hf_capture`. The trace spills to disk past ``run.trace_memory``.
+    ``sink`` (see :class:`~parity.record.trace.Trace`) sees each node instead of the trace storing it;
+    ``into``: the Trace to fill instead (see :func:`parity.record.hooks.recording`). Raises ParityError
+    when the reference itself cannot run the config (a config Transformers accepts but its forward
+    rejects is bad input, not a bug)."""
+    model = pair.reference if model is None else model
+    hf_capture.install(model)
+    captured = [n.name for n in pair.nodes if hf_capture.is_captured(n.name)]
+    points = [(n.name, n.reference_path) for n in pair.nodes if n.name not in captured]
+    views = {n.name: n.reference_transform for n in pair.nodes if n.reference_transform is not None}
+    kernels = any(hf_kernels.is_kernel_node(name) for name in captured)  # named after the module that calls them
+    trace = Trace.spilling(run.trace_memory, sink=sink) if into is None else into
+    keep = diagnosis_inputs(pair) if sink is None else frozenset()
+    device = device_of(model)
+    # no_grad, not inference_mode: tensors keep their version counters (an unchanged tensor recorded
+    # twice is stored once, an in-place edit is seen)
+    with torch.no_grad(), recording(
+        model, points, transforms=views, captured=captured, keep_inputs=keep, module_stack=kernels, into=trace,
+    ):
+        try:
+            model(input_ids=on_device(device, run.input_ids), attention_mask=on_device(device, run.attention_mask),
+                  position_ids=on_device(device, run.position_ids), use_cache=False)
+        except (RuntimeError, ValueError, TypeError, IndexError, AttributeError) as e:
+            trace.close()
+            reason = " ".join(str(e).split()) or type(e).__name__
+            raise ParityError(f"the reference ({type(model).__name__}) cannot run this config: {reason[:300]}") from None
+    return trace
+
+
+def forward_accepts(model, name: str) -> bool:
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def untapped_nodes(pair: Pair) -> frozenset[str]:
+    return frozenset(n.name for n in pair.nodes if n.ours.startswith(("tap:", "unaligned:")))
+
+
+def trace_ours(pair: Pair, run: Run, substitute: Trace | None = None, *, reference: Trace | None = None,
+               tolerances: Tolerances | None = None) -> Trace:
+    """Run our model; with ``substitute`` (isolated mode) every node continues from the reference's tensor.
+
+    With ``reference`` (the reference's trace), every node is compared as ours produces it
+    (:class:`~parity.compare.results.NodeStream`, on ``tolerances``, by default the run's) and dropped: the
+    trace returned holds the results, the first failure with what its diagnosis reads, and the
+    logits effect (``watched``). Without it, every tensor of ours is kept.
+    """
+    tapped = {n.ours: n.name for n in pair.nodes if n.ours.startswith("tap:")}
+    points = [(n.name, n.ours) for n in pair.nodes if not n.ours.startswith(("tap:", "unaligned:"))]
+    transforms = {n.name: n.transform for n in pair.nodes if n.transform is not None}
+    inverses = {n.name: n.inverse for n in pair.nodes if n.inverse is not None}
+    taps = {path[len("tap:"):]: name for path, name in tapped.items()}
+    device = device_of(pair.ours)
+    kwargs = {}
+    if run.attention_mask is not None:
+        kwargs["attention_mask"] = on_device(device, run.attention_mask)
+        if forward_accepts(pair.ours, "position_ids"):
+            kwargs["position_ids"] = on_device(device, run.position_ids)
+    trace = Trace.spilling(run.trace_memory)
+    stream = None
+    if reference is not None:
+        output = pair.output_node
+        stream = NodeStream(pair.nodes, reference, tolerances or run.tolerances, untapped_nodes(pair), DIAGNOSIS_CONTEXT_KINDS,
+                            watch={output: logits_effect} if output is not None else None)
+        stream.attach(trace)
+    with torch.no_grad(), recording(
+        pair.ours, points, transforms=transforms, substitute=substitute, inverses=inverses,
+        keep_inputs=diagnosis_inputs(pair), taps=taps, into=trace,
+    ):
+        pair.ours(on_device(device, run.input_ids), **kwargs)
+    if stream is not None:
+        stream.finish()
+    return trace
+
+
+def trace_pair(pair: Pair, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> tuple[Trace, Trace]:
+    """Run the reference, then ours, on ``input_ids`` and return their traces (reference, ours)."""
+    run = plan(pair, CheckOptions(), input_ids, attention_mask)
+    return trace_reference(pair, run), trace_ours(pair, run)
+
+
+def reference_noise(pair: Pair, run: Run, ref_trace: Trace) -> dict[str, float]:
+    """Per node, the reference's own max |error| against a float64 copy of itself (same weights, same
+    inputs): the rounding noise of the run's dtype. Each float64 node is compared as it is produced
+    and dropped (nothing of the float64 run is kept). Costs a float64 copy of the weights (refused up
+    front when it would not fit)."""
+    n_params = sum(p.numel() for p in pair.reference.parameters())
+    require(8 * n_params, "a float64 copy of the reference (calibration, origin)", "use mode chained without calibrate")
+    noise = {}
+
+    def measure(name: str, exact: torch.Tensor) -> bool:
+        store = ref_trace.tensors
+        tensor = store.lazy(name) if hasattr(store, "lazy") else store.get(name)
+        if tensor is not None and tensor.shape == exact.shape:
+            noise[name] = max_error(tensor, exact.to("cpu"))
+        return True
+
+    ref64 = copy.deepcopy(pair.reference).to(torch.float64)
+    try:
+        trace_reference(pair, run, model=ref64, sink=measure).close()
+    finally:
+        del ref64
+    return {name: noise[name] for name in ref_trace.tensors if name in noise}
+
+
+def calibrate_tolerances(pair: Pair, run: Run, ref_trace: Trace, safety: float = SAFETY_FACTOR,
+                         noise: dict[str, float] | None = None) -> dict:
+    """Per-node ``(atol, 0.0)``: ``safety`` times the reference's own error against itself in float64
+    (:func:`reference_noise`), floored (:data:`CALIBRATION_FLOOR`) so that an exactly representable
+    node does not demand bit-exactness."""
+    noise = reference_noise(pair, run, ref_trace) if noise is None else noise
+    floor = CALIBRATION_FLOOR.get(pair.dtype, 1e-6)
+    return {name: (max(safety * err, floor), 0.0) for name, err in noise.items()}
+
+
+def max_error(tensor, exact: torch.Tensor) -> float:
+    """max |tensor - exact| in float64 over finite differences (0 for an empty tensor), a chunk at a
+    time (``tensor`` may be a spilled one)."""
+    worst = 0.0
+    for a, b in zip(chunks(tensor, CHUNK), chunks(exact, CHUNK)):
+        err = (a.double() - b.double()).abs().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+        worst = max(worst, float(err.max()))
+    return worst
+
+
+def compare_run(pair: Pair, run: Run, ours: Trace, ref: Trace, tolerances: Tolerances) -> list[NodeResult]:
+    """Every node compared; the first judged failure carries its hint (unless it is too large to
+    diagnose in the memory available: :func:`undiagnosed`)."""
+    results = compare_traces(ours, ref, pair.nodes, tolerances, untapped_nodes(pair))
+    bad = first_mismatch(results)
+    if bad is not None and undiagnosed(bad) is None:
+        spec = next((n for n in pair.nodes if n.name == bad.name), None)
+        results[bad.index] = replace(bad, hint=diagnose(bad, ours, ref, pair.facts, run.position_ids, run.attention_mask, spec))
+    return results
+
+
+#: float64 copies of a node the hint detectors may hold at once
+_DIAGNOSIS_COPIES = 10
+
+
+def undiagnosed(bad: NodeResult) -> str | None:
+    """Why the failing node ``bad`` gets no diagnosis (a note), or None: its detectors work on float64
+    copies of it, and a node of GiBs (the probabilities of a 4096-token window) would not fit."""
+    shape = bad.shape_ref or bad.shape_ours
+    available = available_bytes()
+    if not shape or available is None:
+        return None
+    need = math.prod(shape) * 8 * _DIAGNOSIS_COPIES
+    if need <= RESOURCE_BUDGET * available:
+        return None
+    return (f"{bad.name} was not diagnosed (no hint): its detectors would need about {need / GIB:.1f} GiB and "
+            f"{available / GIB:.1f} GiB are available; its metrics, error profile and logits effect stand")
+
+
+def undiagnosed_note(results: list[NodeResult]) -> str | None:
+    bad = first_mismatch(results)
+    if bad is None or bad.hint is not None or bad.status in ("missing", "shape"):
+        return None
+    return undiagnosed(bad)
+
+
+def config_diff(pair: Pair) -> list[dict]:
+    """Hyperparameters where the cfg our model runs with differs from the reference's config.
+
+    Our side: ``pair.ours.cfg`` (the dict our model was built with, which a user may have edited);
+    reference side: ``pair.source.reference_cfg``, the reference config read back through the family's
+    mapping. Compared key by key, whatever the keys are. Returns ``[{"key", "ours", "reference"}]``;
+    keys missing on one side are listed too.
+    """
+    ours = getattr(pair.ours, "cfg", None) or pair.source.cfg
+    ref = pair.source.reference_cfg
+    if not isinstance(ours, Mapping) or ref is None:
+        return []
+    diffs = []
+    for key in sorted(set(ours) | set(ref)):
+        a, b = ours.get(key, "<absent>"), ref.get(key, "<absent>")
+        if isinstance(a, torch.dtype) or isinstance(b, torch.dtype):
+            continue
+        if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+            same = list(a) == list(b)
+        elif isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+            same = a == b or abs(a - b) <= 1e-9 * max(abs(a), abs(b))
+        else:
+            same = a == b
+        if not same:
+            diffs.append({"key": key, "ours": a, "reference": b})
+    return diffs
+
+
+def refuse_changed_weights(pair: Pair, when: str) -> None:
+    changed = pair.changed_weights()
+    if changed:
+        raise ParityError(
+            f"{len(changed)} weight tensor(s) changed in place {when} ({', '.join(changed[:3])}"
+            f"{', ...' if len(changed) > 3 else ''}): ours and the reference share that storage, so both changed; "
+            "replace a Parameter (module.weight = nn.Parameter(...)) instead of editing it in place"
+        )
+
+
+def analyse(pair: Pair, nodes: list[NodeResult], ours: Trace | None, ref: Trace) -> tuple[dict | None, dict | None]:
+    """Error profile of the first failing node and the logits effect at the output node."""
+    if ours is None:
+        return None, None
+    profile = logits = None
+    bad = first_mismatch(nodes)
+    if bad is not None:
+        ours_t, ref_t = ours.tensors.get(bad.name), ref.tensors.get(bad.name)
+        if ours_t is not None and ref_t is not None and ours_t.shape == ref_t.shape:
+            layer = pair.facts.layer(bad.layer)
+            head_dim = layer.head_dim if layer is not None else pair.facts.head_dim
+            profile = {"node": bad.name, **error_profile(ours_t, ref_t, bad.kind, head_dim)}
+    output = pair.output_node
+    if output is not None and output in ours.watched:  # computed while ours ran (a NodeStream)
+        logits = {"node": output, **ours.watched[output]}
+    elif (output is not None and output in ours.tensors and output in ref.tensors
+          and ours.tensors[output].shape == ref.tensors[output].shape):
+            logits = {"node": output, **logits_effect(ours.tensors[output], ref.tensors[output])}
+    return profile, logits
+
+
+def run_meta(pair: Pair, run: Run, diffs: list[dict], seconds: float) -> dict:
+    """The run's metadata for results and reports (``result.meta``)."""
+    options = run.options
+    return {
+        "family": pair.source.family,
+        "config": pair.source.config_name,
+        "checkpoint": pair.source.checkpoint,
+        "checkpoint_sha256": pair.source.checkpoint_hash,
+        "dtype": str(pair.dtype).replace("torch.", ""),
+        "batch_size": int(run.input_ids.shape[0]),
+        "seq_len": int(run.input_ids.shape[1]),
+        "padding": None if run.attention_mask is None else [int(n) for n in (run.attention_mask == 0).sum(1)],
+        "seed": pair.source.seed,
+        "mode": run.mode,
+        "atol": options.atol,
+        "rtol": options.rtol,
+        "exact": run.tolerances.exact,
+        "calibrated": options.calibrate,
+        "safety_factor": SAFETY_FACTOR if options.calibrate else None,
+        "tolerances": {pattern: list(tol) for pattern, tol in options.tolerances.items()},
+        "config_diff": diffs,
+        "versions": versions(),
+        "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "seconds": round(seconds, 3),
+        "model_type": pair.facts.model_type,
+        "device": pair.source.device,
+        "trace_memory": run.trace_memory,
+        "ours_class": f"{type(pair.ours).__module__}.{type(pair.ours).__qualname__}",
+        # the Transformers class compared against (a multimodal checkpoint: ...ForConditionalGeneration)
+        "reference_class": f"{type(pair.reference).__module__}.{type(pair.reference).__qualname__}",
+        "aligned": bool(pair.alignment),
+        "probe": pair.source.probe + (f"; inputs: seeded random token ids, {int(run.input_ids.shape[0])} x {int(run.input_ids.shape[1])}"
+                               + (", left-padded, positions from the mask" if run.attention_mask is not None else "")),
+        "cfg": {k: str(v) if isinstance(v, torch.dtype) else v for k, v in pair.source.cfg.items()},
+    }

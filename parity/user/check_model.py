@@ -1,0 +1,179 @@
+"""``parity.check_model``: check a model you wrote yourself against a Transformers reference.
+
+    res = parity.check_model(ours=build, reference="olmo3:yarn")
+
+parity builds (or loads) the reference, hands its state dict and Transformers config to your
+``build(state_dict, hf_config) -> nn.Module`` (a loader that assigns or copies, your names, your
+layout), traces every reference tensor into your model (:mod:`parity.build.coverage`), aligns your modules
+to the reference's nodes by those weights (:mod:`parity.user.align`), and runs :func:`parity.check`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from parity.build.builder import (
+    Reference,
+    default_seq_len,
+)
+from parity.build.coverage import loader_coverage
+from parity.build.reference import resolve_reference
+from parity.model.pair import Loading, Pair, PairSource
+from parity.report.result import CheckResult
+from parity.run.check import check
+from parity.run.options import CheckOptions
+from parity.user.align import Aligned, align
+from parity.user.reference_nodes import reference_nodes
+from parity.util.devices import Placement
+from parity.util.errors import ParityError
+from parity.util.text import one_line
+
+
+def load_callable(spec: str) -> Callable:
+    """``"package.module:build"`` or ``"path/to/file.py:build"`` -> the callable. Raises ParityError."""
+    target, sep, attr = spec.rpartition(":")
+    if not sep or not target or not attr:
+        raise ParityError(f"--ours {spec!r} must be module:function or path/to/file.py:function")
+    try:
+        if target.endswith(".py") or "/" in target:
+            path = Path(target).expanduser()
+            if not path.is_file():
+                raise ParityError(f"--ours: {path} does not exist")
+            module_spec = importlib.util.spec_from_file_location(path.stem, path)
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules.setdefault(path.stem, module)
+            module_spec.loader.exec_module(module)
+        else:
+            if "" not in sys.path:
+                sys.path.insert(0, "")  # the folder it runs in, as `python -c` would
+            module = importlib.import_module(target)
+    except ParityError:
+        raise
+    except Exception as e:  # ImportError, SyntaxError, anything the module raises on import
+        raise ParityError(f"--ours: cannot import {target}: {type(e).__name__}: {one_line(e)}") from None
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise ParityError(f"--ours: {target} has no attribute {attr!r}")
+    return fn
+
+
+def build_ours(ours, ref: Reference) -> nn.Module:
+    """Call the user's ``build(state_dict, hf_config)`` (or take the module as it is). Raises
+    ParityError when it raises, returns something else than an nn.Module, or leaves weights on the
+    meta device."""
+    if isinstance(ours, nn.Module):
+        model = ours
+    elif callable(ours):
+        name = getattr(ours, "__qualname__", repr(ours))
+        try:
+            model = ours(ref.state_dict, ref.hf_config)
+        except Exception as e:
+            raise ParityError(f"build {name}(state_dict, hf_config) raised {type(e).__name__}: {one_line(e)}") from None
+        if not isinstance(model, nn.Module):
+            raise ParityError(f"build {name}(state_dict, hf_config) returned {type(model).__name__}, not a torch.nn.Module")
+    else:
+        raise ParityError(f"ours must be a build(state_dict, hf_config) callable or an nn.Module, got {type(ours).__name__}")
+    meta = [n for n, p in model.named_parameters() if p.is_meta]
+    if meta:
+        raise ParityError(f"your model still has {len(meta)} parameter(s) on the meta device ({', '.join(meta[:3])}): load them")
+    return model.eval()
+
+
+def build_user_pair(ours, reference="olmo3", *, dtype: torch.dtype = torch.float32, seed: int = 0,
+                    node_map: dict[str, str] | None = None, cache_protocol=None, device=None,
+                    device_map: str | None = None) -> Pair:
+    """The Pair of a user's model and the reference, nodes aligned by shared weights. Raises
+    ParityError for bad input (see :func:`check_model`)."""
+    placement = Placement.of(device, device_map)
+    ref, family = resolve_reference(reference, dtype, seed)
+    if not placement.is_cpu:  # the reference on its device(s) first; build() then receives those tensors
+        ref.model = placement.dispatch(ref.model, placement.plan(type(ref.model), ref.hf_config, dtype))
+        on_device = ref.model.state_dict()
+        ref.state_dict = {k: on_device.get(k, v) for k, v in ref.state_dict.items()}
+    model = build_ours(ours, ref)
+    if not placement.is_cpu:
+        model = placement.dispatch(model)
+    coverage = loader_coverage(model, ref.state_dict, ref.tied_keys, ref.conversions, by_design=ref.by_design)
+    if coverage.unused:
+        shown = ", ".join(coverage.unused[:4]) + (f", ... ({len(coverage.unused)} in all)" if len(coverage.unused) > 4 else "")
+        raise ParityError(f"your model holds no copy of reference tensor(s) {shown}: build() left them unused")
+    nodes, _ = reference_nodes(ref.model, ref.facts)
+    probe = Pair(ours=model, reference=ref.model, nodes=nodes, facts=ref.facts,
+                 source=PairSource(family=family, config_name=ref.config_name))
+    specs, rows = align(ref.model, model, probe.nodes, coverage, ref.state_dict, ref.facts, node_map)
+    if not any(r.ours is not None and not r.ours.startswith("tap:") for r in rows):
+        reasons = "; ".join(f"{r.node}: {r.detail}" for r in rows[:3])
+        raise ParityError(f"no node of the reference could be aligned to your model ({reasons}, ...)")
+    return Pair(
+        ours=model,
+        reference=ref.model,
+        nodes=specs,
+        facts=ref.facts,
+        dtype=dtype,
+        source=PairSource(
+            family=family, config_name=ref.config_name, seed=seed, checkpoint=ref.checkpoint,
+            checkpoint_hash=ref.checkpoint_hash, device=placement.label,
+            **({"probe": f"the weights of {ref.config_name}"} if ref.checkpoint or isinstance(reference, torch.nn.Module) else {}),
+        ),
+        loading=Loading(state_dict=ref.state_dict, conversions=ref.conversions, tied_keys=ref.tied_keys,
+                        by_design=ref.by_design, coverage=coverage),
+        default_seq_len=default_seq_len(ref.facts),
+        alignment=rows,
+        cache_protocol=cache_protocol,
+    )
+
+
+def check_model(
+    ours,
+    reference="olmo3",
+    *,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    node_map: dict[str, str] | None = None,
+    cache_protocol=None,
+    device=None,
+    device_map: str | None = None,
+    input_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    options: CheckOptions | None = None,
+    **option_values,
+) -> CheckResult:
+    """Check your own model against a Transformers reference, node by node.
+
+    ``ours``: ``build(state_dict, hf_config) -> nn.Module`` (assigning or copying the reference's
+    tensors, in any naming and layout: fused ``qkv``, Conv1D-style transposes), or an nn.Module that
+    already holds the weights. ``reference``: ``"family[:config]"`` (e.g. ``"olmo3:yarn"``: a
+    registered family's reference with parity's random weights), a checkpoint folder, a config.json,
+    a ``PretrainedConfig`` or a ``PreTrainedModel``. ``node_map``: ``{reference node or glob: your
+    module path}`` overrides of the automatic alignment. ``input_ids``, ``attention_mask``,
+    ``options`` and option keywords: as :func:`parity.check` (``seq_len``, ``batch_size``, ``mode``,
+    ``atol``, ``exact``, ``decode``...: a :class:`parity.CheckOptions`), checked before anything is
+    built.
+    ``cache_protocol``: how to run your model with its KV cache for ``decode=`` checks when its API is
+    not ``new_cache()`` / ``forward(..., cache=)`` (a :class:`parity.run.decode.CacheProtocol`).
+    ``device`` / ``device_map``: where both models run (see :func:`parity.build.build_pair`);
+    ``build`` receives the reference's tensors already there.
+
+    Functional nodes (after RoPE, scores, probabilities, context) need ``parity.tap(tensor, name)``
+    in your forward; a node without a tap is ``untapped``: shown and counted, never a pass or a
+    failure. ``result.alignment`` says how each reference node was found in your model.
+
+    Raises:
+        ParityError: ``build`` raised or returned something else than an nn.Module; your model
+            leaves a reference tensor unused or keeps a parameter on the meta device; nothing could
+            be aligned; a bad reference or bad check arguments (see :func:`parity.check`).
+    """
+    options = CheckOptions.of(options, **option_values)  # bad options fail before anything is built
+    pair = build_user_pair(ours, reference, dtype=dtype, seed=seed, node_map=node_map, cache_protocol=cache_protocol,
+                           device=device, device_map=device_map)
+    return check(pair, input_ids, attention_mask=attention_mask, options=options)
+
+
+__all__ = ["Aligned", "build_user_pair", "check_model", "load_callable", "resolve_reference"]
