@@ -68,7 +68,9 @@ def child(spec: dict) -> dict:
     if spec.get("checkpoint"):
         pair = parity.build.build_pair(family, checkpoint=spec["checkpoint"])
     else:
-        pair = parity.build.build_pair(family, config=spec["config"], **({"n_layers": spec["layers"]} if spec.get("layers") else {}))
+        pair = parity.build.build_pair(
+            family, config=spec["config"], **({"n_layers": spec["layers"]} if spec.get("layers") else {})
+        )
     build = time.perf_counter() - start
     hf_capture.install(pair.reference)  # the bare reference runs the same eager attention as the check
     ids = pair.make_inputs(spec["seq"])
@@ -80,7 +82,9 @@ def child(spec: dict) -> dict:
             pair.reference(input_ids=ids, use_cache=False)
         bare.append(time.perf_counter() - start)
         start = time.perf_counter()
-        result = parity.check(pair, seq_len=spec["seq"], **({"trace_memory": spec["trace_memory"]} if "trace_memory" in spec else {}))
+        result = parity.check(
+            pair, seq_len=spec["seq"], **({"trace_memory": spec["trace_memory"]} if "trace_memory" in spec else {})
+        )
         checks.append(time.perf_counter() - start)
     start = time.perf_counter()
     pair.changed_weights()  # the in-place edit check a check runs twice
@@ -135,8 +139,14 @@ def run_child(spec: dict, timeout: float, lock: str | None = None, mode: str = "
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     try:
         with _Lock(lock):
-            done = subprocess.run([sys.executable, __file__, mode, json.dumps(spec)], capture_output=True, text=True,
-                                  timeout=timeout, env=env, cwd=ROOT)
+            done = subprocess.run(
+                [sys.executable, __file__, mode, json.dumps(spec)],
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                env=env,
+                cwd=ROOT,
+            )
     except subprocess.TimeoutExpired:
         return {**spec, "error": f"timed out after {timeout:.0f} s"}
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
@@ -158,8 +168,13 @@ def shape_cases(seq_lens: list[int], repeats: dict[int, int]) -> list[dict]:
 
 def suite_seconds() -> dict:
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"], capture_output=True, text=True,
-                          cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     tail = (done.stdout.strip().splitlines() or ["?"])[-1]
     return {"seconds": time.perf_counter() - start, "summary": tail.strip("= "), "exit": done.returncode}
 
@@ -178,8 +193,10 @@ def machine() -> str:
         total = 0
     import torch
 
-    return (f"{cpu}, {os.cpu_count()} cores, {total / GIB:.0f} GiB, Python {platform.python_version()}, "
-            f"torch {torch.__version__} ({torch.get_num_threads()} threads)")
+    return (
+        f"{cpu}, {os.cpu_count()} cores, {total / GIB:.0f} GiB, Python {platform.python_version()}, "
+        f"torch {torch.__version__} ({torch.get_num_threads()} threads)"
+    )
 
 
 def load() -> str:
@@ -190,8 +207,10 @@ def load() -> str:
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| case | tokens | layers | check / bare | check s | bare s | peak RSS / weights | weights GiB | spilled GiB | verdict |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        "| case | tokens | layers | check / bare | check s | bare s | peak RSS / weights | weights GiB | spilled GiB | verdict |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         case = f"{r['family']} {r.get('label') or r['config']}"
         if "error" in r:
@@ -210,14 +229,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--write-checkpoint", help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="only OLMo 3 at 7B widths, 2 layers, 128 tokens")
-    parser.add_argument("--cases", help="only these cases: comma list of family:config:tokens (no sharded case, no suite)")
+    parser.add_argument(
+        "--cases", help="only these cases: comma list of family:config:tokens (no sharded case, no suite)"
+    )
     parser.add_argument("--seq-lens", default="128,4097", help="comma list of sequence lengths (default 128,4097)")
-    parser.add_argument("--repeats", type=int, default=3, help="check and bare-forward repeats at 128 tokens (default 3; 1 past it)")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="check and bare-forward repeats at 128 tokens (default 3; 1 past it)"
+    )
     parser.add_argument("--no-sharded", action="store_true", help="skip the 8-layer sharded checkpoint case")
     parser.add_argument("--no-suite", action="store_true", help="skip the test suite's wall time")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per case (default 3600)")
     parser.add_argument("--json", help="also write every measurement to this file")
-    parser.add_argument("--lock", metavar="FILE", help="hold an flock on FILE around each case (a machine shared with others)")
+    parser.add_argument(
+        "--lock", metavar="FILE", help="hold an flock on FILE around each case (a machine shared with others)"
+    )
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(child(json.loads(args.child))), flush=True)
@@ -230,13 +255,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {machine()}\nload average at start: {load()}", flush=True)
     seqs = [int(s) for s in args.seq_lens.split(",")]
     if args.cases:
-        cases = [dict(family=f, config=c, seq=int(t), repeats=args.repeats if int(t) <= 128 else 1)
-                 for f, c, t in (item.split(":") for item in args.cases.split(","))]
+        cases = [
+            dict(family=f, config=c, seq=int(t), repeats=args.repeats if int(t) <= 128 else 1)
+            for f, c, t in (item.split(":") for item in args.cases.split(","))
+        ]
     elif args.quick:
         cases = [dict(family="olmo3", config="7b-shape", seq=128, repeats=args.repeats)]
     else:
         cases = shape_cases(seqs, {128: args.repeats})
-        cases.insert(0, dict(family="olmo3", config="7b-shape", layers=1, seq=128, repeats=1, label="7b-shape (1 layer)"))
+        cases.insert(
+            0, dict(family="olmo3", config="7b-shape", layers=1, seq=128, repeats=1, label="7b-shape (1 layer)")
+        )
     rows = []
     for spec in cases:
         print(f"running {spec}", file=sys.stderr, flush=True)
@@ -249,7 +278,9 @@ def main(argv: list[str] | None = None) -> int:
             written = run_child(spec, args.timeout, args.lock, mode="--write-checkpoint")
             shards = written.get("shards", 0)
             label = f"7b-shape (8 layers, checkpoint in {shards} shards)"
-            case = dict(family="olmo3", config="7b-shape", checkpoint=spec["checkpoint"], seq=128, repeats=1, label=label)
+            case = dict(
+                family="olmo3", config="7b-shape", checkpoint=spec["checkpoint"], seq=128, repeats=1, label=label
+            )
             print(f"running {case}", file=sys.stderr, flush=True)
             rows.append(run_child(case, args.timeout, args.lock) if shards else {**case, "error": written.get("error")})
         finally:

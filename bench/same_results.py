@@ -21,8 +21,19 @@ import warnings
 
 import parity.build
 
-FIELDS = ("name", "status", "max_abs", "mean_abs", "max_rel", "cosine", "rel_l2", "atol_needed", "rtol_needed",
-          "hint", "detail")
+FIELDS = (
+    "name",
+    "status",
+    "max_abs",
+    "mean_abs",
+    "max_rel",
+    "cosine",
+    "rel_l2",
+    "atol_needed",
+    "rtol_needed",
+    "hint",
+    "detail",
+)
 
 
 def _num(x):
@@ -30,8 +41,10 @@ def _num(x):
 
 
 def _rows(result) -> dict:
-    groups = [[[n.hint_text if f == "hint" else _num(getattr(n, f)) for f in FIELDS] for n in group]
-              for group in (result.nodes, result.isolated or ())]
+    groups = [
+        [[n.hint_text if f == "hint" else _num(getattr(n, f)) for f in FIELDS] for n in group]
+        for group in (result.nodes, result.isolated or ())
+    ]
     return {"nodes": groups, "logits": result.logits, "profile": result.profile, "notes": list(result.notes)}
 
 
@@ -54,7 +67,9 @@ def dump(path: str, only: str | None = None) -> None:
                 pair = parity.build.build_pair(family, config=fault.config, **dict(fault.overrides))
                 kwargs = dict(fault.check_kwargs)
                 fault.inject(pair)
-                out[f"{name}:fault:{fault.id}"] = _rows(check(pair, mode="chained" if "decode" in kwargs else "both", **kwargs))
+                out[f"{name}:fault:{fault.id}"] = _rows(
+                    check(pair, mode="chained" if "decode" in kwargs else "both", **kwargs)
+                )
             except Exception as e:
                 out[f"{name}:fault:{fault.id}"] = f"error {type(e).__name__}: {e}"
         print(name, file=sys.stderr, flush=True)

@@ -1,9 +1,9 @@
 """parity: where, exactly, does a from-scratch LLM stop agreeing with its Transformers reference?
 
-    import parity
-    from reference_pairs.olmo3 import build_pair
-    res = parity.check(build_pair("tiny"))
-    res.first_mismatch   # NodeResult | None
+import parity
+from reference_pairs.olmo3 import build_pair
+res = parity.check(build_pair("tiny"))
+res.first_mismatch   # NodeResult | None
 """
 
 from parity import report  # noqa: F401  (registers the report writers)

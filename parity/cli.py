@@ -115,7 +115,9 @@ def _formats(text: str) -> list[str]:
     items = [f.strip() for f in text.split(",") if f.strip()]
     unknown = [f for f in items if f not in FORMATS]
     if unknown or not items:
-        raise argparse.ArgumentTypeError(f"unknown format {', '.join(unknown) or text!r}; choose from {', '.join(FORMATS)}")
+        raise argparse.ArgumentTypeError(
+            f"unknown format {', '.join(unknown) or text!r}; choose from {', '.join(FORMATS)}"
+        )
     return items
 
 
@@ -127,66 +129,110 @@ def build_parser() -> argparse.ArgumentParser:
     _add_user_model_args(check)
     check.add_argument("--config", help="built-in config name or a config.json path (default: the family's)")
     check.add_argument("--layers", type=_positive, help="number of layers for built-in configs")
-    check.add_argument("--checkpoint", type=_path(CHECKPOINT_FILE), help="Transformers-format directory (config.json + safetensors)")
+    check.add_argument(
+        "--checkpoint", type=_path(CHECKPOINT_FILE), help="Transformers-format directory (config.json + safetensors)"
+    )
     check.add_argument("--seq-len", type=_positive, help="tokens per sequence (default: past the sliding window)")
     check.add_argument("--batch", type=_positive, default=1, help="sequences per batch (default 1)")
     check.add_argument("--seed", type=_nonnegative, default=0, help="seed for random weights and input tokens")
-    check.add_argument("--left-pad", type=_nonnegative, default=0, metavar="N",
-                       help="left-pad every batch row after the first with N padding tokens (needs --batch 2+)")
+    check.add_argument(
+        "--left-pad",
+        type=_nonnegative,
+        default=0,
+        metavar="N",
+        help="left-pad every batch row after the first with N padding tokens (needs --batch 2+)",
+    )
     check.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype of both models")
     check.add_argument("--atol", type=_nonnegative_float, help="absolute tolerance (default by dtype)")
     check.add_argument("--rtol", type=_nonnegative_float, help="relative tolerance (default by dtype)")
     check.add_argument(
-        "--mode", choices=("chained", "isolated", "both"), default="chained",
+        "--mode",
+        choices=("chained", "isolated", "both"),
+        default="chained",
         help="chained: both models run on their own; isolated: each node of ours continues from the "
         "reference's tensors (the first failing node is the fault); both: the two side by side",
     )
     check.add_argument(
-        "--decode", metavar="PREFILL[:CHUNK]xSTEPS",
+        "--decode",
+        metavar="PREFILL[:CHUNK]xSTEPS",
         help="KV-cache run: prefill PREFILL tokens (in CHUNK-token pieces), then STEPS decode steps; every node and "
         "both caches compared at each step (e.g. 12:4x8)",
     )
     check.add_argument(
-        "--exact", action="store_true",
+        "--exact",
+        action="store_true",
         help="atol = rtol = 0 on every node (for pairs that are bit-identical when correct, e.g. our bf16 pairs)",
     )
     check.add_argument(
-        "--calibrate", action="store_true",
+        "--calibrate",
+        action="store_true",
         help="set each node's atol from the reference's own float32-vs-float64 error (x10) instead of fixed defaults",
     )
-    check.add_argument("--device", help="where both models run: cpu (default), cuda, cuda:N or mps; traces come back to the CPU")
-    check.add_argument("--device-map", choices=("auto",),
-                       help="auto: spread the weights over the GPUs through accelerate (a model larger than one GPU)")
-    check.add_argument("--trace-memory", type=_gib, metavar="GIB",
-                       help="GiB of each trace held in memory before it spills to a temporary folder (default 1)")
-    check.add_argument("--report-dir", type=_path(RESERVED), default="reports", help="parent folder of the run's new report folder")
-    check.add_argument("--format", type=_formats, default=["html", "csv", "json"], help="comma list of html,csv,json,junit")
+    check.add_argument(
+        "--device", help="where both models run: cpu (default), cuda, cuda:N or mps; traces come back to the CPU"
+    )
+    check.add_argument(
+        "--device-map",
+        choices=("auto",),
+        help="auto: spread the weights over the GPUs through accelerate (a model larger than one GPU)",
+    )
+    check.add_argument(
+        "--trace-memory",
+        type=_gib,
+        metavar="GIB",
+        help="GiB of each trace held in memory before it spills to a temporary folder (default 1)",
+    )
+    check.add_argument(
+        "--report-dir", type=_path(RESERVED), default="reports", help="parent folder of the run's new report folder"
+    )
+    check.add_argument(
+        "--format", type=_formats, default=["html", "csv", "json"], help="comma list of html,csv,json,junit"
+    )
     align = sub.add_parser("align", help="show how your model's modules align to the reference's nodes")
     _add_user_model_args(align, required=True)
     align.add_argument("--dtype", choices=DTYPES, default="float32", help="dtype of the reference's weights")
     align.add_argument("--seed", type=_nonnegative, default=0, help="seed for the reference's random weights")
     sub.add_parser("list", help="registered families and their configs")
     gate = sub.add_parser(
-        "gate", help="CI gate: the project's families' CI cases, as pytest tests, against the committed baseline",
+        "gate",
+        help="CI gate: the project's families' CI cases, as pytest tests, against the committed baseline",
         description="Runs parity.gate.pytest_gate under pytest: one test per family/config/source/dtype, judged by its "
         "checks and against the baseline, and one config-coverage test per family. Given PATHS (what a pre-commit "
         "hook passes) or --changed-since, only the families whose files changed.",
     )
-    gate.add_argument("paths", nargs="*", metavar="PATH",
-                      help="changed files (relative to the project): run only the families they touch")
-    gate.add_argument("--family", action="append", help="only this family (repeatable; default: the project's families)")
-    gate.add_argument("--baseline", type=_path(0),
-                      help="baseline file (default: [tool.parity] baseline in pyproject.toml, else parity-baseline.json)")
-    gate.add_argument("--update-baseline", action="store_true", help="rewrite the baseline from this run (only if it passes)")
-    gate.add_argument("--changed-since", metavar="REF", help="run only families whose files changed since this git commit")
-    gate.add_argument("--report-dir", type=_path(RESERVED), help="parent folder of the gate's report folder (default reports)")
+    gate.add_argument(
+        "paths",
+        nargs="*",
+        metavar="PATH",
+        help="changed files (relative to the project): run only the families they touch",
+    )
+    gate.add_argument(
+        "--family", action="append", help="only this family (repeatable; default: the project's families)"
+    )
+    gate.add_argument(
+        "--baseline",
+        type=_path(0),
+        help="baseline file (default: [tool.parity] baseline in pyproject.toml, else parity-baseline.json)",
+    )
+    gate.add_argument(
+        "--update-baseline", action="store_true", help="rewrite the baseline from this run (only if it passes)"
+    )
+    gate.add_argument(
+        "--changed-since", metavar="REF", help="run only families whose files changed since this git commit"
+    )
+    gate.add_argument(
+        "--report-dir", type=_path(RESERVED), help="parent folder of the gate's report folder (default reports)"
+    )
     gate.add_argument("--no-reports", action="store_true", help="write no report files")
     _add_trace_commands(sub)
     selftest = sub.add_parser("selftest", help="inject every known fault and check parity locates it")
     selftest.add_argument("family", help="a registered family (see `parity list`)")
-    selftest.add_argument("--fields", action="store_true",
-                          help="audit the config fields instead: change each on the reference side only and require "
-                          "parity to see it at the node where it first acts")
+    selftest.add_argument(
+        "--fields",
+        action="store_true",
+        help="audit the config fields instead: change each on the reference side only and require "
+        "parity to see it at the node where it first acts",
+    )
     return parser
 
 
@@ -194,67 +240,136 @@ def _add_trace_commands(sub) -> None:
     """``parity record`` and ``parity compare`` (golden traces, :mod:`parity.golden`). Options default
     to None so that the commands can tell which were given."""
     record = sub.add_parser(
-        "record", help="run the reference once and write a golden trace (node tensors, inputs, manifest)",
+        "record",
+        help="run the reference once and write a golden trace (node tensors, inputs, manifest)",
         description="Writes a golden trace of the reference to --out: node tensors (or --summaries), the inputs and a "
         "versioned manifest.json (see parity/golden/trace.schema.json). --verify TRACE_DIR re-runs a trace's reference instead.",
     )
-    record.add_argument("target", nargs="?", metavar="FAMILY[:CONFIG]", help="a registered family and one of its configs")
-    record.add_argument("--reference", metavar="DIR|config.json", help="a checkpoint folder or a config.json instead of a family")
+    record.add_argument(
+        "target", nargs="?", metavar="FAMILY[:CONFIG]", help="a registered family and one of its configs"
+    )
+    record.add_argument(
+        "--reference", metavar="DIR|config.json", help="a checkpoint folder or a config.json instead of a family"
+    )
     record.add_argument("--out", type=_path(RESERVED), metavar="TRACE_DIR", help="the trace folder to create")
     record.add_argument("--layers", type=_positive, help="number of layers for a family's built-in config")
     record.add_argument("--seq-len", type=_positive, help="tokens per sequence (default: past the sliding window)")
     record.add_argument("--batch", type=_positive, help="sequences per batch (default 1)")
-    record.add_argument("--left-pad", type=_nonnegative, metavar="N", help="left-pad every batch row after the first (needs --batch 2+)")
+    record.add_argument(
+        "--left-pad", type=_nonnegative, metavar="N", help="left-pad every batch row after the first (needs --batch 2+)"
+    )
     record.add_argument("--seed", type=_nonnegative, help="seed of the random weights and input tokens (default 0)")
     record.add_argument("--dtype", choices=DTYPES, help="compute dtype of the reference (default float32)")
-    record.add_argument("--atol", type=_nonnegative_float, help="absolute tolerance the trace carries (default by dtype)")
-    record.add_argument("--rtol", type=_nonnegative_float, help="relative tolerance the trace carries (default by dtype)")
-    record.add_argument("--calibrate", action="store_true", default=None,
-                        help="carry per-node atol = 10x the reference's own error against float64 (recommended for other runtimes)")
-    record.add_argument("--summaries", action="store_true", default=None,
-                        help="per-node statistics, a seeded sample and per-position norms instead of whole tensors (deep models)")
-    record.add_argument("--sample", type=_positive, metavar="N", help="elements sampled per node with --summaries (default 1024)")
-    record.add_argument("--save-weights", action="store_true", default=None,
-                        help="copy the weights into TRACE_DIR/weights (a Transformers checkpoint) for other runtimes to load")
-    record.add_argument("--shard-size", metavar="SIZE", help="largest nodes-*.safetensors file, e.g. 500MB (default 1GB)")
-    record.add_argument("--verify", type=_path(0), metavar="TRACE_DIR",
-                        help="re-run the reference of an existing trace and say whether the installed versions reproduce it")
-    record.add_argument("--checkpoint", type=_path(CHECKPOINT_FILE), metavar="DIR",
-                        help="with --verify: the trace's checkpoint, when it is no longer where it was recorded")
-    record.add_argument("--report-dir", type=_path(RESERVED), help="with --verify: parent folder of its report folder (default reports)")
-    record.add_argument("--format", type=_formats, help="with --verify: comma list of html,csv,json,junit (default html,csv,json)")
+    record.add_argument(
+        "--atol", type=_nonnegative_float, help="absolute tolerance the trace carries (default by dtype)"
+    )
+    record.add_argument(
+        "--rtol", type=_nonnegative_float, help="relative tolerance the trace carries (default by dtype)"
+    )
+    record.add_argument(
+        "--calibrate",
+        action="store_true",
+        default=None,
+        help="carry per-node atol = 10x the reference's own error against float64 (recommended for other runtimes)",
+    )
+    record.add_argument(
+        "--summaries",
+        action="store_true",
+        default=None,
+        help="per-node statistics, a seeded sample and per-position norms instead of whole tensors (deep models)",
+    )
+    record.add_argument(
+        "--sample", type=_positive, metavar="N", help="elements sampled per node with --summaries (default 1024)"
+    )
+    record.add_argument(
+        "--save-weights",
+        action="store_true",
+        default=None,
+        help="copy the weights into TRACE_DIR/weights (a Transformers checkpoint) for other runtimes to load",
+    )
+    record.add_argument(
+        "--shard-size", metavar="SIZE", help="largest nodes-*.safetensors file, e.g. 500MB (default 1GB)"
+    )
+    record.add_argument(
+        "--verify",
+        type=_path(0),
+        metavar="TRACE_DIR",
+        help="re-run the reference of an existing trace and say whether the installed versions reproduce it",
+    )
+    record.add_argument(
+        "--checkpoint",
+        type=_path(CHECKPOINT_FILE),
+        metavar="DIR",
+        help="with --verify: the trace's checkpoint, when it is no longer where it was recorded",
+    )
+    record.add_argument(
+        "--report-dir", type=_path(RESERVED), help="with --verify: parent folder of its report folder (default reports)"
+    )
+    record.add_argument(
+        "--format", type=_formats, help="with --verify: comma list of html,csv,json,junit (default html,csv,json)"
+    )
     compare = sub.add_parser(
-        "compare", help="compare another runtime's dump, or a live PyTorch model, with a golden trace",
+        "compare",
+        help="compare another runtime's dump, or a live PyTorch model, with a golden trace",
         description="Judges a dump (a folder of .safetensors files keyed by node name or .npy files named by node) or "
         "your model (--ours) against a trace made by `parity record`, with the metrics, hints, reports and exit codes "
         "of `parity check`.",
     )
     compare.add_argument("trace", metavar="TRACE_DIR", help="a folder written by parity record")
-    compare.add_argument("--dump", type=_path(0), metavar="DIR", help="the runtime's dump: a folder (or one file) of .safetensors/.npy")
-    compare.add_argument("--name-map", metavar="FILE",
-                         help="with --dump: JSON {runtime name: node name or {node, permute, reshape}}; {i} is a layer index")
-    compare.add_argument("--ours", metavar="MODULE:BUILD",
-                         help="your model instead of a dump: build(state_dict, hf_config) -> nn.Module, given the trace's weights")
+    compare.add_argument(
+        "--dump", type=_path(0), metavar="DIR", help="the runtime's dump: a folder (or one file) of .safetensors/.npy"
+    )
+    compare.add_argument(
+        "--name-map",
+        metavar="FILE",
+        help="with --dump: JSON {runtime name: node name or {node, permute, reshape}}; {i} is a layer index",
+    )
+    compare.add_argument(
+        "--ours",
+        metavar="MODULE:BUILD",
+        help="your model instead of a dump: build(state_dict, hf_config) -> nn.Module, given the trace's weights",
+    )
     compare.add_argument("--node-map", metavar="JSON", help="with --ours: {reference node or glob: your module path}")
-    compare.add_argument("--checkpoint", type=_path(CHECKPOINT_FILE), metavar="DIR",
-                         help="with --ours: the trace's checkpoint, when it is no longer where it was recorded")
-    compare.add_argument("--mode", choices=("chained", "isolated", "both"),
-                         help="with --ours (a dump cannot continue from the reference's tensors): as parity check --mode")
+    compare.add_argument(
+        "--checkpoint",
+        type=_path(CHECKPOINT_FILE),
+        metavar="DIR",
+        help="with --ours: the trace's checkpoint, when it is no longer where it was recorded",
+    )
+    compare.add_argument(
+        "--mode",
+        choices=("chained", "isolated", "both"),
+        help="with --ours (a dump cannot continue from the reference's tensors): as parity check --mode",
+    )
     compare.add_argument("--atol", type=_nonnegative_float, help="absolute tolerance instead of the trace's")
     compare.add_argument("--rtol", type=_nonnegative_float, help="relative tolerance instead of the trace's")
     compare.add_argument("--exact", action="store_true", help="atol = rtol = 0 on every node")
-    compare.add_argument("--report-dir", type=_path(RESERVED), default="reports", help="parent folder of the run's new report folder")
-    compare.add_argument("--format", type=_formats, default=["html", "csv", "json"], help="comma list of html,csv,json,junit")
+    compare.add_argument(
+        "--report-dir", type=_path(RESERVED), default="reports", help="parent folder of the run's new report folder"
+    )
+    compare.add_argument(
+        "--format", type=_formats, default=["html", "csv", "json"], help="comma list of html,csv,json,junit"
+    )
 
 
 def _add_user_model_args(parser, required: bool = False) -> None:
-    parser.add_argument("--ours", required=required, metavar="MODULE:BUILD",
-                        help="your model: build(state_dict, hf_config) -> nn.Module, as module:function or file.py:function")
-    parser.add_argument("--reference", metavar="REF",
-                        help="with --ours: family[:config] (random weights), a checkpoint folder or a config.json "
-                        "(default: the family argument, or olmo3)")
-    parser.add_argument("--node-map", metavar="JSON",
-                        help="with --ours: a JSON file {reference node or glob: your module path} overriding the alignment")
+    parser.add_argument(
+        "--ours",
+        required=required,
+        metavar="MODULE:BUILD",
+        help="your model: build(state_dict, hf_config) -> nn.Module, as module:function or file.py:function",
+    )
+    parser.add_argument(
+        "--reference",
+        metavar="REF",
+        help="with --ours: family[:config] (random weights), a checkpoint folder or a config.json "
+        "(default: the family argument, or olmo3)",
+    )
+    parser.add_argument(
+        "--node-map",
+        metavar="JSON",
+        help="with --ours: a JSON file {reference node or glob: your module path} overriding the alignment",
+    )
 
 
 def _node_map(path: str | None) -> dict | None:
@@ -265,7 +380,9 @@ def _node_map(path: str | None) -> dict | None:
     try:
         data = json.loads(Path(path).expanduser().read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise ParityError(f"--node-map {path}: {getattr(e, 'msg', None) or getattr(e, 'strerror', None) or e}") from None
+        raise ParityError(
+            f"--node-map {path}: {getattr(e, 'msg', None) or getattr(e, 'strerror', None) or e}"
+        ) from None
     if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in data.items()):
         raise ParityError(f"--node-map {path} must hold a JSON object of reference node -> your module path")
     return data
@@ -281,17 +398,23 @@ def _user_pair(args, console: Console):
         raise ParityError("give the reference once: the family argument or --reference, not both")
     for flag in ("config", "checkpoint", "layers"):
         if getattr(args, flag, None) is not None:
-            raise ParityError(f"--{flag} does not apply with --ours; pass the reference as --reference family:config or a folder")
+            raise ParityError(
+                f"--{flag} does not apply with --ours; pass the reference as --reference family:config or a folder"
+            )
     build = load_callable(args.ours)
     reference = args.reference or args.family or "olmo3"
     node_map = _node_map(args.node_map)
     placement = dict(device=getattr(args, "device", None), device_map=getattr(args, "device_map", None))
     with console.status(f"building the reference ({reference}) and your model ({args.ours})"):
-        return build_user_pair(build, reference, dtype=getattr(torch, args.dtype), seed=args.seed, node_map=node_map, **placement)
+        return build_user_pair(
+            build, reference, dtype=getattr(torch, args.dtype), seed=args.seed, node_map=node_map, **placement
+        )
 
 
 def _print_alignment(pair, console: Console) -> None:
-    table = Table(title=f"alignment: {sum(r.ours is not None for r in pair.alignment)} of {len(pair.alignment)} reference nodes")
+    table = Table(
+        title=f"alignment: {sum(r.ours is not None for r in pair.alignment)} of {len(pair.alignment)} reference nodes"
+    )
     table.add_column("reference node", no_wrap=True, overflow="fold")
     table.add_column("your model", overflow="fold")
     table.add_column("how")
@@ -311,12 +434,16 @@ def cmd_align(args, console: Console) -> int:
     for r in unaligned:
         console.print(f"[red]unaligned:[/] {r.node}: {r.detail}", highlight=False, soft_wrap=True)
     taps = sum(r.how == "tap" for r in pair.alignment)
-    console.print(f"{len(pair.alignment) - len(unaligned)} aligned ({taps} expect a parity.tap call), {len(unaligned)} unaligned",
-                  highlight=False)
+    console.print(
+        f"{len(pair.alignment) - len(unaligned)} aligned ({taps} expect a parity.tap call), {len(unaligned)} unaligned",
+        highlight=False,
+    )
     return 1 if unaligned else 0
 
 
-def fit_table(columns: list[tuple], rows: list[tuple[list[str], str | None]], console: Console, **table_kwargs) -> Table | None:
+def fit_table(
+    columns: list[tuple], rows: list[tuple[list[str], str | None]], console: Console, **table_kwargs
+) -> Table | None:
     """A Table of the columns that fit ``console``'s width, dropping optional columns first.
 
     ``columns``: ``(header, options, drop_rank)`` where ``drop_rank`` is None for a column that is
@@ -365,8 +492,15 @@ def _fix_widths(table: Table, console: Console, wide) -> Table:
 def _node_table(result, console: Console) -> Table:
     """Every node: index, name (whole), status and the metrics that fit the console's width."""
     bad = result.first_mismatch
-    colors = {"ok": "green", "mismatch": "red", "choice": "red", "shape": "magenta", "missing": "magenta",
-              "nonfinite": "red", "untapped": "dim"}
+    colors = {
+        "ok": "green",
+        "mismatch": "red",
+        "choice": "red",
+        "shape": "magenta",
+        "missing": "magenta",
+        "nonfinite": "red",
+        "untapped": "dim",
+    }
     isolated = {r.name: r for r in result.isolated or []} if result.isolated is not result.nodes else {}
     fmt = lambda v, spec=".3g": "" if v is None else format(v, spec)
     columns = [
@@ -382,8 +516,14 @@ def _node_table(result, console: Console) -> Table:
     rows = []
     for r in result.nodes:
         style = "bold reverse red" if bad is not None and r.index == bad.index else None
-        cells = [str(r.index), r.name, f"[{colors.get(r.status, 'red')}]{r.status}[/]", fmt(r.max_abs),
-                 fmt(r.mean_abs), fmt(r.cosine, ".6f")]
+        cells = [
+            str(r.index),
+            r.name,
+            f"[{colors.get(r.status, 'red')}]{r.status}[/]",
+            fmt(r.max_abs),
+            fmt(r.mean_abs),
+            fmt(r.cosine, ".6f"),
+        ]
         if isolated:
             iso = isolated.get(r.name)
             cells.append(f"[{colors.get(iso.status, 'red')}]{iso.status}[/] {fmt(iso.max_abs)}" if iso else "")
@@ -403,14 +543,21 @@ def _print_coverage(coverage, console: Console) -> None:
     if coverage is None:
         return
     head = "[green]complete[/]" if coverage.ok else f"[red]{len(coverage.gaps)} gap(s)[/]"
-    console.print(f"[bold]loader coverage:[/] {head}; {len(coverage.consumed)} checkpoint tensors consumed", highlight=False)
+    console.print(
+        f"[bold]loader coverage:[/] {head}; {len(coverage.consumed)} checkpoint tensors consumed", highlight=False
+    )
     conversions = coverage.conversions
     if len(conversions) > 5:  # a cast checkpoint converts every tensor the same way: say it once
         kinds = sorted({c.split(": ", 1)[-1] for c in conversions})
         conversions = [f"{len(coverage.conversions)} tensors: {', '.join(kinds)}"] if len(kinds) <= 3 else conversions
     skipped = [coverage.skipped_note()] if getattr(coverage, "skipped", None) else []
-    for label, lines in (("tied", coverage.tied), ("conversion", conversions), ("copy", coverage.copies),
-                         ("skipped", skipped), ("gap", coverage.gaps)):
+    for label, lines in (
+        ("tied", coverage.tied),
+        ("conversion", conversions),
+        ("copy", coverage.copies),
+        ("skipped", skipped),
+        ("gap", coverage.gaps),
+    ):
         for line in lines:
             style = "red" if label == "gap" else "dim"
             console.print(f"  [{style}]{label}:[/] {line}", highlight=False, soft_wrap=True)
@@ -447,7 +594,9 @@ def check_options(args) -> CheckOptions:
         if args.mode != "chained" or args.calibrate:
             raise ParityError("--decode runs chained with fixed tolerances: drop --mode/--calibrate")
         if args.seq_len is not None and args.seq_len != plan.prefill:
-            raise ParityError(f"--seq-len {args.seq_len} and --decode's prefill {plan.prefill} disagree: the prefill is the prompt")
+            raise ParityError(
+                f"--seq-len {args.seq_len} and --decode's prefill {plan.prefill} disagree: the prefill is the prompt"
+            )
     if args.left_pad:
         if args.batch < 2:
             raise ParityError(
@@ -460,8 +609,15 @@ def check_options(args) -> CheckOptions:
     from parity.run.options import CheckOptions
 
     return CheckOptions(
-        seq_len=args.seq_len, batch_size=args.batch, left_pad=args.left_pad, mode=args.mode, atol=args.atol,
-        rtol=args.rtol, calibrate=args.calibrate, exact=True if args.exact else None, decode=args.decode,
+        seq_len=args.seq_len,
+        batch_size=args.batch,
+        left_pad=args.left_pad,
+        mode=args.mode,
+        atol=args.atol,
+        rtol=args.rtol,
+        calibrate=args.calibrate,
+        exact=True if args.exact else None,
+        decode=args.decode,
         **({"trace_memory": args.trace_memory} if args.trace_memory is not None else {}),
     )
 
@@ -476,9 +632,14 @@ def _check_placement(args) -> None:
     try:
         Placement.of(args.device, args.device_map)
     except ConfigError as e:
-        text = str(e).replace("a device map needs", "--device-map needs").replace("device map must", "--device-map must")
-        raise ParityError(text.replace(f"device {args.device} cannot", f"--device {args.device} cannot", 1)
-                          .replace(f"unknown device {args.device!r}", f"unknown --device {args.device!r}", 1)) from None
+        text = (
+            str(e).replace("a device map needs", "--device-map needs").replace("device map must", "--device-map must")
+        )
+        raise ParityError(
+            text.replace(f"device {args.device} cannot", f"--device {args.device} cannot", 1).replace(
+                f"unknown device {args.device!r}", f"unknown --device {args.device!r}", 1
+            )
+        ) from None
 
 
 def _check_left_pad(args, default_seq_len: int) -> None:
@@ -516,8 +677,10 @@ def cmd_check(args, console: Console) -> int:
         overrides = {"n_layers": args.layers} if args.layers is not None else {}
         config = None if args.checkpoint else (args.config or family.default_config)
         if config is not None and config not in family.configs and Path(config).is_dir():
-            raise ParityError(f"--config {config} is a folder: pass a checkpoint folder with --checkpoint, "
-                              "or the config.json inside it with --config")
+            raise ParityError(
+                f"--config {config} is a folder: pass a checkpoint folder with --checkpoint, "
+                "or the config.json inside it with --config"
+            )
         if config is not None and args.left_pad and args.seq_len is None and args.decode is None:
             from parity.build.builder import default_seq_len, resolve_config
 
@@ -527,7 +690,9 @@ def cmd_check(args, console: Console) -> int:
         if args.device is not None or args.device_map is not None:
             overrides.update(device=args.device, device_map=args.device_map)
         with console.status(f"building {family.name} pair ({what}, {args.dtype}): ours and {family.reference_class}"):
-            pair = build_stage.build_pair(family, config=config, checkpoint=args.checkpoint, dtype=dtype, seed=args.seed, **overrides)
+            pair = build_stage.build_pair(
+                family, config=config, checkpoint=args.checkpoint, dtype=dtype, seed=args.seed, **overrides
+            )
     _check_left_pad(args, pair.default_seq_len)
     with console.status("tracing both models and comparing every node"):
         result = check(pair, options=options)
@@ -544,8 +709,11 @@ def cmd_check(args, console: Console) -> int:
         console.print(f"[bold]isolated:[/] {line}", highlight=False)
     divergence = result.first_divergence
     if divergence is not None and (bad is None or divergence.name != bad.name):
-        console.print(f"[bold]first divergence:[/] {divergence.name} (max_abs {divergence.max_abs:.3g}): the first node "
-                      "with any difference at all", highlight=False)
+        console.print(
+            f"[bold]first divergence:[/] {divergence.name} (max_abs {divergence.max_abs:.3g}): the first node "
+            "with any difference at all",
+            highlight=False,
+        )
     if result.origin_reason:
         console.print(f"[bold]origin:[/] {result.origin_reason}", highlight=False, soft_wrap=True)
     console.print(("[bold green]" if result.passed else "[bold red]") + result.verdict() + "[/]", highlight=False)
@@ -558,8 +726,24 @@ def cmd_check(args, console: Console) -> int:
 
 
 #: parity record's options that describe a new recording (none applies with --verify)
-_RECORD_OPTIONS = ("target", "reference", "out", "layers", "seq_len", "batch", "left_pad", "seed", "dtype", "atol", "rtol",
-                   "calibrate", "summaries", "sample", "save_weights", "shard_size")
+_RECORD_OPTIONS = (
+    "target",
+    "reference",
+    "out",
+    "layers",
+    "seq_len",
+    "batch",
+    "left_pad",
+    "seed",
+    "dtype",
+    "atol",
+    "rtol",
+    "calibrate",
+    "summaries",
+    "sample",
+    "save_weights",
+    "shard_size",
+)
 
 
 def _flag(dest: str) -> str:
@@ -598,7 +782,9 @@ def cmd_record(args, console: Console) -> int:
     batch = args.batch or 1
     if args.left_pad:
         if batch < 2:
-            raise ParityError(f"--left-pad {args.left_pad} pads every batch row after the first, so it needs --batch 2 or more")
+            raise ParityError(
+                f"--left-pad {args.left_pad} pads every batch row after the first, so it needs --batch 2 or more"
+            )
         if args.seq_len is not None and args.left_pad >= args.seq_len:
             raise ParityError(f"--left-pad {args.left_pad} must be shorter than --seq-len {args.seq_len}")
     shard_bytes = parse_size(args.shard_size) if args.shard_size is not None else None
@@ -606,13 +792,26 @@ def cmd_record(args, console: Console) -> int:
     dtype = args.dtype or "float32"
     from parity.run.options import CheckOptions
 
-    options = CheckOptions(seq_len=args.seq_len, batch_size=batch, left_pad=args.left_pad or 0, atol=args.atol,
-                           rtol=args.rtol, calibrate=bool(args.calibrate))
+    options = CheckOptions(
+        seq_len=args.seq_len,
+        batch_size=batch,
+        left_pad=args.left_pad or 0,
+        atol=args.atol,
+        rtol=args.rtol,
+        calibrate=bool(args.calibrate),
+    )
     with console.status(f"recording the reference of {source} ({dtype})"):
         trace = record(
-            source, args.out, n_layers=args.layers, dtype=getattr(torch, dtype), seed=args.seed or 0,
-            summaries=bool(args.summaries), sample=args.sample or DEFAULT_SAMPLE, save_weights=bool(args.save_weights),
-            options=options, **({"shard_bytes": shard_bytes} if shard_bytes is not None else {}),
+            source,
+            args.out,
+            n_layers=args.layers,
+            dtype=getattr(torch, dtype),
+            seed=args.seed or 0,
+            summaries=bool(args.summaries),
+            sample=args.sample or DEFAULT_SAMPLE,
+            save_weights=bool(args.save_weights),
+            options=options,
+            **({"shard_bytes": shard_bytes} if shard_bytes is not None else {}),
         )
     m = trace.manifest
     for note in m.get("notes") or []:
@@ -623,7 +822,9 @@ def cmd_record(args, console: Console) -> int:
     console.print(
         f"recorded {m['reference']['source']} ({probe['dtype']}, {probe['batch_size']} x {probe['seq_len']} tokens): "
         f"{len(m['nodes'])} nodes as {m['kind']} in {len(files)} file(s), {size / 1e6:.3g} MB"
-        + (f", weights in {trace.path / m['weights']['saved']}" if m["weights"].get("saved") else ""), highlight=False)
+        + (f", weights in {trace.path / m['weights']['saved']}" if m["weights"].get("saved") else ""),
+        highlight=False,
+    )
     console.print(f"trace: {trace.path} (format {m['format']} version {m['version']})", highlight=False)
     return 0
 
@@ -635,7 +836,7 @@ def _print_compared(result, console: Console) -> None:
     _print_coverage(result.coverage, console)
     for note in result.notes:
         if note.startswith("stale reference:"):
-            console.print(f"[bold yellow]stale reference:[/] {note[len('stale reference: '):]}", highlight=False)
+            console.print(f"[bold yellow]stale reference:[/] {note[len('stale reference: ') :]}", highlight=False)
         else:
             console.print(f"[yellow]note:[/] {note}", highlight=False)
     bad = result.first_mismatch
@@ -658,16 +859,21 @@ def _verify(args, console: Console) -> int:
         result = verify(trace, args.checkpoint)
     _print_compared(result, console)
     now = result.meta["installed_versions"]
-    console.print(f"recorded with torch {recorded.get('torch')}, Transformers {recorded.get('transformers')}; "
-                  f"re-run with torch {now['torch']}, Transformers {now['transformers']}", highlight=False)
+    console.print(
+        f"recorded with torch {recorded.get('torch')}, Transformers {recorded.get('transformers')}; "
+        f"re-run with torch {now['torch']}, Transformers {now['transformers']}",
+        highlight=False,
+    )
     if not result.passed:
         line = f"[bold red]does not reproduce: {result.verdict()}[/]"
     elif result.first_divergence is None:
         line = "[bold green]reproduces: every node bit for bit[/]"
     else:
         worst = max((n for n in result.nodes if n.max_abs is not None), key=lambda n: n.max_abs / max(n.atol, 1e-300))
-        line = (f"[bold green]reproduces within the trace's tolerances[/] (not bit for bit: the largest difference is "
-                f"max_abs {worst.max_abs:.3g} at {worst.name}, atol {worst.atol:g})")
+        line = (
+            f"[bold green]reproduces within the trace's tolerances[/] (not bit for bit: the largest difference is "
+            f"max_abs {worst.max_abs:.3g} at {worst.name}, atol {worst.atol:g})"
+        )
     console.print(line, highlight=False)
     folder = _write_reports(result, report_parent, args.format or ["html", "csv", "json"])
     console.print(f"reports: {folder}", highlight=False)
@@ -680,14 +886,18 @@ def cmd_compare(args, console: Console) -> int:
     from parity.golden.verdict import compare_dump, compare_model
 
     if (args.dump is None) == (args.ours is None):
-        raise ParityError("compare what: --dump DIR (another runtime's dump) or --ours MODULE:BUILD (a PyTorch model), one of them")
+        raise ParityError(
+            "compare what: --dump DIR (another runtime's dump) or --ours MODULE:BUILD (a PyTorch model), one of them"
+        )
     if args.dump is not None:
         for dest in ("node_map", "checkpoint"):
             if getattr(args, dest) is not None:
                 raise ParityError(f"{_flag(dest)} goes with --ours; a dump is matched by name (--name-map)")
         if args.mode not in (None, "chained"):
-            raise ParityError(f"--mode {args.mode} is not possible from a dump: isolated mode continues each node of ours "
-                              "from the reference's tensor, which needs a runtime parity drives (--ours)")
+            raise ParityError(
+                f"--mode {args.mode} is not possible from a dump: isolated mode continues each node of ours "
+                "from the reference's tensor, which needs a runtime parity drives (--ours)"
+            )
     if args.ours is not None and args.name_map is not None:
         raise ParityError("--name-map goes with --dump; with --ours, --node-map overrides the alignment")
     if args.exact and (args.atol is not None or args.rtol is not None):
@@ -705,8 +915,9 @@ def cmd_compare(args, console: Console) -> int:
 
         build = load_callable(args.ours)
         with console.status(f"tracing {args.ours} on the trace's inputs"):
-            result = compare_model(trace, build, node_map=_node_map(args.node_map), checkpoint=args.checkpoint,
-                                   options=options)
+            result = compare_model(
+                trace, build, node_map=_node_map(args.node_map), checkpoint=args.checkpoint, options=options
+            )
     _print_compared(result, console)
     console.print(("[bold green]" if result.passed else "[bold red]") + result.verdict() + "[/]", highlight=False)
     replaced = result.coverage.replaced_note() if result.coverage is not None else None
@@ -737,11 +948,20 @@ def selftest_output(family, rows, console: Console) -> list:
     cells = []
     for row in rows:
         fault = row.fault
-        cells.append(([
-            f"{fault.id}\n{fault.description}" + (f"\n({fault.source})" if fault.source else ""),
-            fault.expected, found(row.chained, fault.expected), found(row.isolated, fault.isolated_expected),
-            row.hint_kind or "-", row.hint or "-", "[green]pass[/]" if row.passed else "[red]FAIL[/]",
-        ], None))
+        cells.append(
+            (
+                [
+                    f"{fault.id}\n{fault.description}" + (f"\n({fault.source})" if fault.source else ""),
+                    fault.expected,
+                    found(row.chained, fault.expected),
+                    found(row.isolated, fault.isolated_expected),
+                    row.hint_kind or "-",
+                    row.hint or "-",
+                    "[green]pass[/]" if row.passed else "[red]FAIL[/]",
+                ],
+                None,
+            )
+        )
     title = f"parity selftest {family.name}: {len(rows)} faults"
     table = fit_table(columns, cells, console, title=title, show_lines=True)
     if table is not None:
@@ -750,7 +970,9 @@ def selftest_output(family, rows, console: Console) -> list:
     for row in rows:
         fault = row.fault
         verdict = "[green]pass[/]" if row.passed else "[red]FAIL[/]"
-        out.append(f"{verdict} [bold]{fault.id}[/] {fault.description}" + (f" ({fault.source})" if fault.source else ""))
+        out.append(
+            f"{verdict} [bold]{fault.id}[/] {fault.description}" + (f" ({fault.source})" if fault.source else "")
+        )
         out.append(f"  expected  {fault.expected}")
         if fault.isolated_expected != fault.expected:
             out.append(f"  expected  {fault.isolated_expected} (isolated)")
@@ -803,16 +1025,29 @@ def _selftest_fields(family, console: Console) -> int:
         ("hint", dict(no_wrap=True), None),
         ("result", dict(no_wrap=True), None),
     ]
-    cells = [([r.field.key, f"{r.ours!r} -> {r.reference!r}", r.found or "unseen", r.hint_kind or "-",
-               "[green]pass[/]" if r.passed else "[red]FAIL[/]"], None) for r in rows]
+    cells = [
+        (
+            [
+                r.field.key,
+                f"{r.ours!r} -> {r.reference!r}",
+                r.found or "unseen",
+                r.hint_kind or "-",
+                "[green]pass[/]" if r.passed else "[red]FAIL[/]",
+            ],
+            None,
+        )
+        for r in rows
+    ]
     table = fit_table(columns, cells, console, title=f"parity selftest {family.name} --fields: {len(rows)} fields")
     console.print(table if table is not None else "\n".join(" ".join(c[:4]) for c, _ in cells), highlight=False)
     for r in rows:
         for problem in r.problems:
             console.print(f"{r.field.key}: {problem}", highlight=False, soft_wrap=True)
     failed = [r for r in rows if not r.passed]
-    console.print(("[bold green]" if not failed else "[bold red]") + f"{len(rows) - len(failed)} passed, {len(failed)} failed[/]",
-                  highlight=False)
+    console.print(
+        ("[bold green]" if not failed else "[bold red]") + f"{len(rows) - len(failed)} passed, {len(failed)} failed[/]",
+        highlight=False,
+    )
     return 1 if failed else 0
 
 
@@ -841,11 +1076,24 @@ def _gate_pytest(run, junit: Path | None, console: Console) -> tuple[int, _GateE
     module = gate_module_path()
     errors = _GateErrors()
     argv = [
-        str(module), "-c", os.devnull, f"--rootdir={module.parent.parent}", f"--confcutdir={module.parent}",
-        "--disable-plugin-autoload", "-p", "no:cacheprovider", "-p", "no:terminal", "-s", "--parity-no-reports",
-        "-o", "junit_suite_name=parity-gate",
+        str(module),
+        "-c",
+        os.devnull,
+        f"--rootdir={module.parent.parent}",
+        f"--confcutdir={module.parent}",
+        "--disable-plugin-autoload",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "no:terminal",
+        "-s",
+        "--parity-no-reports",
+        "-o",
+        "junit_suite_name=parity-gate",
     ] + ([f"--junitxml={junit}"] if junit is not None else [])
-    saved = {k: os.environ.pop(k) for k in ("PYTEST_ADDOPTS", "PYTEST_PLUGINS") if k in os.environ}  # the gate's own run
+    saved = {
+        k: os.environ.pop(k) for k in ("PYTEST_ADDOPTS", "PYTEST_PLUGINS") if k in os.environ
+    }  # the gate's own run
     try:
         with console.status("running the gate") as status:
             run.on_case = lambda case: status.update(f"gate: {case.id}")
@@ -883,7 +1131,10 @@ def cmd_gate(args, console: Console) -> int:
         if code not in (0, 1) or broken:
             for nodeid, text in errors.failures.items():
                 print(f"{nodeid}\n{text}", file=sys.stderr)
-            print(f"parity gate: {len(broken)} test(s) broke instead of giving a verdict (pytest exit {code})", file=sys.stderr)
+            print(
+                f"parity gate: {len(broken)} test(s) broke instead of giving a verdict (pytest exit {code})",
+                file=sys.stderr,
+            )
             return 3
         _print_gate(run, console)
         if run.update:
@@ -901,7 +1152,10 @@ def cmd_gate(args, console: Console) -> int:
     failed = sum(not o.passed for o in run.outcomes.values())
     holes = sum(len(h) for h in run.holes.values())
     style = "[bold green]" if run.passed else "[bold red]"
-    console.print(f"{style}gate: {len(run.cases) - failed} of {len(run.cases)} cases pass, {failed + holes} failure(s)[/]", highlight=False)
+    console.print(
+        f"{style}gate: {len(run.cases) - failed} of {len(run.cases)} cases pass, {failed + holes} failure(s)[/]",
+        highlight=False,
+    )
     return 0 if run.passed else 1
 
 
@@ -914,9 +1168,18 @@ def _print_gate(run, console: Console) -> None:
         outcome = run.outcomes[case.id]
         r = outcome.result
         worst = max((n.max_abs or 0.0 for n in r.nodes), default=0.0) if r else None
-        coverage = "-" if r is None or r.coverage is None else ("complete" if r.coverage.ok else f"{len(r.coverage.gaps)} gap(s)")
-        table.add_row(case.id, str(len(r.nodes)) if r else "-", "-" if worst is None else f"{worst:.3g}", coverage,
-                      "[green]pass[/]" if outcome.passed else "[red]FAIL[/]")
+        coverage = (
+            "-"
+            if r is None or r.coverage is None
+            else ("complete" if r.coverage.ok else f"{len(r.coverage.gaps)} gap(s)")
+        )
+        table.add_row(
+            case.id,
+            str(len(r.nodes)) if r else "-",
+            "-" if worst is None else f"{worst:.3g}",
+            coverage,
+            "[green]pass[/]" if outcome.passed else "[red]FAIL[/]",
+        )
     console.print(table)
     for outcome in run.outcomes.values():
         for line in outcome.summary():

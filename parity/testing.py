@@ -34,8 +34,16 @@ def mismatch_table(result: CheckResult, context: int = 3) -> str:
     fmt = lambda v, spec=".3g": "" if v is None else format(v, spec)
     for r in rows:
         marker = ">" if bad is not None and r.index == bad.index else " "
-        table.add_row(f"{marker}{r.index}", r.name, r.status, fmt(r.max_abs), fmt(r.mean_abs), fmt(r.cosine, ".6f"),
-                      f"{r.atol:g}", f"{r.rtol:g}")
+        table.add_row(
+            f"{marker}{r.index}",
+            r.name,
+            r.status,
+            fmt(r.max_abs),
+            fmt(r.mean_abs),
+            fmt(r.cosine, ".6f"),
+            f"{r.atol:g}",
+            f"{r.rtol:g}",
+        )
     buffer = io.StringIO()
     console = Console(file=buffer, width=160, color_system=None)
     console.print(result.verdict(), soft_wrap=True, highlight=False)
@@ -104,4 +112,3 @@ def assert_bit_exact(pair_or_result: Pair | CheckResult, **check_kwargs) -> Chec
     if off:
         raise ParityAssertionError(f"not bit-exact at {len(off)} node(s): {off[:6]}", result)
     return result
-

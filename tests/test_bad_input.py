@@ -72,7 +72,9 @@ def test_a_nan_weight_that_a_node_reads_is_reported_as_nonfinite_there(checkpoin
     res = parity.check(pair)  # not refused as "changed in place": NaN bits equal themselves
     bad = res.first_mismatch
     assert (bad.name, bad.status) == ("model.layers.1.mlp.up_proj", "nonfinite")
-    assert any("model.layers.1.mlp.up_proj.weight holds 1 non-finite value (first at index (2, 3))" in n for n in res.notes)
+    assert any(
+        "model.layers.1.mlp.up_proj.weight holds 1 non-finite value (first at index (2, 3))" in n for n in res.notes
+    )
 
 
 def test_a_nan_weight_no_token_reads_is_a_visible_note_not_a_refusal(checkpoint, capsys, tmp_path):
@@ -110,7 +112,12 @@ FIELDS = [
     ("sliding_window", "sliding_window", None, "sliding_attention but sliding_window is null; it must be >= 1"),
     ("n_kv_heads", "num_key_value_heads", 3, "num_attention_heads (4) is not a multiple of num_key_value_heads (3)"),
     ("emb_dim", "hidden_size", 0, "hidden_size is 0; it must be at least 1"),
-    ("layer_types", "layer_types", ["full_attention"] * 3, "`num_hidden_layers` (4) must be equal to the number of `layer_types` (3)"),
+    (
+        "layer_types",
+        "layer_types",
+        ["full_attention"] * 3,
+        "`num_hidden_layers` (4) must be equal to the number of `layer_types` (3)",
+    ),
 ]
 
 
@@ -221,7 +228,9 @@ def test_a_replaced_parameter_is_said_once_below_the_verdict(tmp_path, capsys, m
     res = parity.check(pair)
     assert res.first_mismatch.name == "model.layers.0.mlp.gate_proj"
     assert res.coverage.ok and not res.coverage.gaps
-    assert res.coverage.replaced == ["blocks.0.ff.fc1.weight (held model.layers.0.mlp.gate_proj.weight; now a tensor of its own)"]
+    assert res.coverage.replaced == [
+        "blocks.0.ff.fc1.weight (held model.layers.0.mlp.gate_proj.weight; now a tensor of its own)"
+    ]
 
     from parity import build as build_stage
 

@@ -229,9 +229,17 @@ def test_soft_capped_scaled_attention_matches_gemma2(dtype, window):
     from transformers.models.gemma2.modeling_gemma2 import Gemma2Attention
 
     layer_type = SLIDING if window else FULL
-    config = Gemma2Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                          query_pre_attn_scalar=7, attn_logit_softcapping=2.0, sliding_window=window or 4096,
-                          num_hidden_layers=1, layer_types=[layer_type])
+    config = Gemma2Config(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=7,
+        attn_logit_softcapping=2.0,
+        sliding_window=window or 4096,
+        num_hidden_layers=1,
+        layer_types=[layer_type],
+    )
     config._attn_implementation = "eager"
     theirs = randomize(Gemma2Attention(config, 0)).to(dtype)
     ours = GroupedQueryAttention(32, 4, 2, 16, scale=7**-0.5, softcap=2.0, sliding_window=window)
@@ -253,8 +261,15 @@ def test_per_head_unit_offset_qk_norm_matches_gemma3_attention(dtype):
     from transformers import Gemma3TextConfig
     from transformers.models.gemma3.modeling_gemma3 import Gemma3Attention
 
-    config = Gemma3TextConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
-                              query_pre_attn_scalar=24, num_hidden_layers=1, layer_types=[FULL])
+    config = Gemma3TextConfig(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        num_hidden_layers=1,
+        layer_types=[FULL],
+    )
     config._attn_implementation = "eager"
     theirs = randomize(Gemma3Attention(config, 0)).to(dtype)
     norm = partial(RMSNorm, eps=config.rms_norm_eps, unit_offset=True)
@@ -275,8 +290,9 @@ def test_output_gate_and_partial_rotary_match_qwen3_5_attention(dtype):
     from transformers import Qwen3_5TextConfig
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Attention
 
-    config = Qwen3_5TextConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                               num_hidden_layers=1)
+    config = Qwen3_5TextConfig(
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=1
+    )
     config._attn_implementation = "eager"
     theirs = randomize(Qwen3_5Attention(config, 0)).to(dtype)
     norm = partial(RMSNorm, eps=config.rms_norm_eps, unit_offset=True)
@@ -360,9 +376,18 @@ def test_fused_qkv_is_the_three_projections_side_by_side():
 def gemma3_config(**kw):
     from transformers import Gemma3TextConfig
 
-    config = Gemma3TextConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                              intermediate_size=64, query_pre_attn_scalar=16, sliding_window=4,
-                              num_hidden_layers=1, layer_types=[SLIDING], **kw)
+    config = Gemma3TextConfig(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        query_pre_attn_scalar=16,
+        sliding_window=4,
+        num_hidden_layers=1,
+        layer_types=[SLIDING],
+        **kw,
+    )
     config._attn_implementation = "eager"
     return config
 
@@ -377,8 +402,13 @@ def test_sandwich_block_matches_gemma3_decoder_layer(dtype):
     norm = partial(RMSNorm, eps=config.rms_norm_eps, unit_offset=True)
     att = GroupedQueryAttention(32, 4, 2, 8, scale=16**-0.5, qk_norm="head", norm=norm, sliding_window=4)
     block = SandwichBlock(att, GatedMLP(32, 64, activation="gelu_pytorch_tanh"), partial(norm, 32), SLIDING)
-    renames = {"self_attn.": "att.", **ATTENTION_NAMES, "mlp.gate_proj": "ff.fc1", "mlp.up_proj": "ff.fc2",
-               "mlp.down_proj": "ff.fc3"}
+    renames = {
+        "self_attn.": "att.",
+        **ATTENTION_NAMES,
+        "mlp.gate_proj": "ff.fc1",
+        "mlp.up_proj": "ff.fc2",
+        "mlp.down_proj": "ff.fc3",
+    }
     transplant(block, theirs, renames)
     block = block.to(dtype)
     (cos, sin), ref_tables = half_split_tables({"rope_type": "default", "rope_theta": 10_000.0}, 8, dtype)
@@ -477,15 +507,29 @@ class TinyDecoder(DecoderModel):
             att = GroupedQueryAttention(16, 2, 1, 8, qk_norm="head", norm=norm, output_gate=True, dtype=cfg["dtype"])
             return SandwichBlock(att, GatedMLP(16, 32, dtype=cfg["dtype"]), partial(norm, 16), layer_type)
 
-        super().__init__(cfg, [block(t) for t in cfg["layer_types"]], LayerNorm(16, bias=True, dtype=cfg["dtype"]),
-                         emb_scale=4.0, learned_positions=True, logit_scale=0.5, final_softcap=3.0)
+        super().__init__(
+            cfg,
+            [block(t) for t in cfg["layer_types"]],
+            LayerNorm(16, bias=True, dtype=cfg["dtype"]),
+            emb_scale=4.0,
+            learned_positions=True,
+            logit_scale=0.5,
+            final_softcap=3.0,
+        )
 
     def rope_parameters(self):
         return {SLIDING: {"rope_type": "default", "rope_theta": 100.0, "partial_rotary_factor": 0.5}, FULL: None}
 
 
-TINY_CFG = dict(vocab_size=30, emb_dim=16, n_layers=2, context_length=12, tie_word_embeddings=True,
-                layer_types=[SLIDING, FULL], dtype=torch.float32)
+TINY_CFG = dict(
+    vocab_size=30,
+    emb_dim=16,
+    n_layers=2,
+    context_length=12,
+    tie_word_embeddings=True,
+    layer_types=[SLIDING, FULL],
+    dtype=torch.float32,
+)
 
 
 def test_skeleton_builds_on_meta_without_buffers_and_ties_the_head():

@@ -31,7 +31,11 @@ MODELS = {
     "meta_tiny_aya": (meta_tiny_aya, "tiny_aya"),
 }
 #: functional nodes each model does not tap (the verdict covers the rest)
-UNTAPPED_KINDS = {"book_olmo3": set(), "litgpt_llama": {"scores", "probs", "context"}, "meta_tiny_aya": {"scores", "context"}}
+UNTAPPED_KINDS = {
+    "book_olmo3": set(),
+    "litgpt_llama": {"scores", "probs", "context"},
+    "meta_tiny_aya": {"scores", "context"},
+}
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -54,7 +58,10 @@ def rows(res) -> dict[str, parity.user.check_model.Aligned]:
 def test_book_model_aligns_by_copied_weights_and_taps():
     res = parity.check_model(book_olmo3.build, "olmo3:yarn")
     a = rows(res)
-    assert a["model.layers.3.self_attn.q_proj"].ours == "trf_blocks.3.att.W_query" and a["model.layers.3.self_attn.q_proj"].how == "weights"
+    assert (
+        a["model.layers.3.self_attn.q_proj"].ours == "trf_blocks.3.att.W_query"
+        and a["model.layers.3.self_attn.q_proj"].how == "weights"
+    )
     assert "copy" in a["model.layers.3.self_attn.q_proj"].detail  # a copying loader, found by value
     assert a["model.layers.3.post_attention_layernorm"].ours == "trf_blocks.3.norm1"  # norms by their weight vectors
     assert a["model.layers.3.mlp@input"].ours == "trf_blocks.3.ff@input"  # containers through their children
@@ -151,9 +158,13 @@ def test_a_tap_whose_sequence_length_equals_the_head_count_is_read_as_declared(m
     wrong_q = lambda t, name, layout=None: tap(t, name, layout="bhsd" if name == "q_rot" else "bshd")
     monkeypatch.setattr(meta_tiny_aya.parity, "tap", wrong_q)
     wrong = parity.check_model(meta_tiny_aya.build, "tiny_aya", seq_len=4)
-    assert wrong.first_mismatch.name == "model.layers.0.self_attn.q_rot" and wrong.first_mismatch.hint.kind == "tap_layout"
+    assert (
+        wrong.first_mismatch.name == "model.layers.0.self_attn.q_rot" and wrong.first_mismatch.hint.kind == "tap_layout"
+    )
     monkeypatch.setattr(meta_tiny_aya.parity, "tap", lambda t, name, layout=None: tap(t, name, layout="bhsd"))
-    with pytest.raises(parity.ParityError, match=r"'k_rot', layout='bhsd'\): shape \(1, 4, 2, 8\) does not fit bhsd with 2 heads"):
+    with pytest.raises(
+        parity.ParityError, match=r"'k_rot', layout='bhsd'\): shape \(1, 4, 2, 8\) does not fit bhsd with 2 heads"
+    ):
         parity.check_model(meta_tiny_aya.build, "tiny_aya", seq_len=4)
     monkeypatch.setattr(meta_tiny_aya.parity, "tap", lambda t, name, layout=None: tap(t, name, layout="sbhd"))
     with pytest.raises(parity.ParityError, match="layout must be one of bhsd, bshd, bsf"):
@@ -162,8 +173,9 @@ def test_a_tap_whose_sequence_length_equals_the_head_count_is_read_as_declared(m
 
 def test_node_map_overrides_the_alignment():
     """No context tap in the litgpt model: compare it as the input of the output projection instead."""
-    res = parity.check_model(litgpt_llama.build, "llama3",
-                             node_map={"model.layers.0.self_attn.context": "transformer.h.0.attn.proj@input"})
+    res = parity.check_model(
+        litgpt_llama.build, "llama3", node_map={"model.layers.0.self_attn.context": "transformer.h.0.attn.proj@input"}
+    )
     row = rows(res)["model.layers.0.self_attn.context"]
     assert row.how == "override"
     assert next(n for n in res.nodes if n.name == row.node).status == "ok"
@@ -186,7 +198,9 @@ def test_build_that_raises_is_bad_input():
     def build(state_dict, hf_config):
         raise KeyError("model.norm.weight")
 
-    with pytest.raises(parity.ParityError, match=r"build .*build\(state_dict, hf_config\) raised KeyError: model.norm.weight"):
+    with pytest.raises(
+        parity.ParityError, match=r"build .*build\(state_dict, hf_config\) raised KeyError: model.norm.weight"
+    ):
         parity.check_model(build, "llama3")
 
 
@@ -217,7 +231,10 @@ class Flat(nn.Module):
 
 
 def test_an_unalignable_model_says_what_could_not_be_aligned_and_why():
-    with pytest.raises(parity.ParityError, match=r"no node of the reference could be aligned to your model \(model.embed_tokens: no module of ours holds"):
+    with pytest.raises(
+        parity.ParityError,
+        match=r"no node of the reference could be aligned to your model \(model.embed_tokens: no module of ours holds",
+    ):
         parity.check_model(lambda sd, cfg: Flat(sd), "llama3")
 
 
@@ -226,7 +243,9 @@ def test_an_unalignable_model_says_what_could_not_be_aligned_and_why():
 
 def test_cli_check_ours_and_align(tmp_path, capsys):
     spec = f"{USER_MODELS / 'litgpt_llama.py'}:build"
-    assert main(["check", "--ours", spec, "--reference", "llama3", "--report-dir", str(tmp_path), "--format", "json"]) == 0
+    assert (
+        main(["check", "--ours", spec, "--reference", "llama3", "--report-dir", str(tmp_path), "--format", "json"]) == 0
+    )
     out = capsys.readouterr().out
     assert "PASS: all 29 nodes agree" in out and "6 of 35 reference nodes untapped" in out
     (folder,) = [p for p in tmp_path.iterdir() if not p.name.startswith(".")]
@@ -234,7 +253,11 @@ def test_cli_check_ours_and_align(tmp_path, capsys):
     assert result["counts"] == {"ok": 29, "untapped": 6}
     assert main(["align", "--ours", spec, "--reference", "llama3"]) == 0
     out = capsys.readouterr().out
-    assert "transformer.h.0.attn.qkv" in out and "fused rows" in out and "35 aligned (10 expect a parity.tap call), 0 unaligned" in out
+    assert (
+        "transformer.h.0.attn.qkv" in out
+        and "fused rows" in out
+        and "35 aligned (10 expect a parity.tap call), 0 unaligned" in out
+    )
 
 
 @pytest.mark.parametrize(
@@ -243,8 +266,14 @@ def test_cli_check_ours_and_align(tmp_path, capsys):
         (["check", "--ours", "nosuchmodule_xyz:build"], "--ours: cannot import nosuchmodule_xyz: ModuleNotFoundError"),
         (["check", "--ours", "no_colon"], "must be module:function or path/to/file.py:function"),
         (["check", "--ours", f"{USER_MODELS / 'litgpt_llama.py'}:nope"], "has no attribute 'nope'"),
-        (["check", "--ours", f"{USER_MODELS / 'litgpt_llama.py'}:build", "--reference", "nosuch"], "unknown family 'nosuch'"),
-        (["check", "--ours", f"{USER_MODELS / 'litgpt_llama.py'}:build", "--config", "tiny"], "--config does not apply with --ours"),
+        (
+            ["check", "--ours", f"{USER_MODELS / 'litgpt_llama.py'}:build", "--reference", "nosuch"],
+            "unknown family 'nosuch'",
+        ),
+        (
+            ["check", "--ours", f"{USER_MODELS / 'litgpt_llama.py'}:build", "--config", "tiny"],
+            "--config does not apply with --ours",
+        ),
         (["check"], "name a family"),
     ],
 )

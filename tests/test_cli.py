@@ -80,7 +80,10 @@ def test_reports_never_overwrite(tmp_path, monkeypatch):
 
 
 def test_layers_and_dtype_options(tmp_path):
-    assert run(["--config", "yarn", "--layers", "2", "--dtype", "bfloat16", "--seq-len", "9", "--batch", "2"], tmp_path) == 0
+    assert (
+        run(["--config", "yarn", "--layers", "2", "--dtype", "bfloat16", "--seq-len", "9", "--batch", "2"], tmp_path)
+        == 0
+    )
     meta = json.loads((only_report(tmp_path) / "result.json").read_text())["meta"]
     assert (meta["dtype"], meta["seq_len"], meta["batch_size"], meta["cfg"]["n_layers"]) == ("bfloat16", 9, 2, 2)
 
@@ -125,7 +128,10 @@ def test_bad_checkpoint_exit_2_one_line(make, message, tmp_path, capsys, checkpo
     "argv, message",
     [
         (["check", "gpt5"], "unknown family 'gpt5'"),
-        (["check", "olmo3", "--checkpoint", "/nonexistent/ckpt"], "checkpoint directory /nonexistent/ckpt does not exist"),
+        (
+            ["check", "olmo3", "--checkpoint", "/nonexistent/ckpt"],
+            "checkpoint directory /nonexistent/ckpt does not exist",
+        ),
         (["check", "olmo3", "--config", "huge"], "unknown olmo3 config 'huge'"),
         (["check", "olmo3", "--seq-len", "0"], "must be a positive integer"),
         (["check", "olmo3", "--dtype", "int8"], "invalid choice: 'int8'"),
@@ -204,7 +210,10 @@ def edit_config(directory, **changes):
         (lambda d: (d / "config.json").write_bytes(b"\xff\xfe{") and d, "config.json is not UTF-8 text"),
         (lambda d: edit_config(d, vocab_size="257"), "config.json rejected by Olmo3Config"),
         (lambda d: edit_config(d, layer_types=["full_attention"]), "config.json rejected by Olmo3Config"),
-        (lambda d: edit_config(d, num_key_value_heads=3), "num_attention_heads (4) is not a multiple of num_key_value_heads (3)"),
+        (
+            lambda d: edit_config(d, num_key_value_heads=3),
+            "num_attention_heads (4) is not a multiple of num_key_value_heads (3)",
+        ),
         (lambda d: d / "config.json", "is a file; pass the directory that holds config.json"),
     ],
     ids=["json-list", "not-utf8", "typed-field", "layer-types", "kv-heads", "file"],
@@ -255,8 +264,10 @@ def test_bad_options_exit_2_in_cli_words_before_any_model_is_built(tmp_path, cap
         (["--exact", "--rtol", "0"], "--exact sets atol = rtol = 0 on every node; drop --atol/--rtol/--calibrate"),
         (["--left-pad", "3"], "--left-pad 3 pads every batch row after the first, so it needs --batch 2 or more"),
         (["--left-pad", "9", "--batch", "2", "--seq-len", "9"], "--left-pad 9 must be shorter than --seq-len 9"),
-        (["--config", "7b-shape", "--left-pad", "64", "--batch", "2"],  # past the config's default length
-         "--left-pad 64 must be shorter than the sequence (64 tokens by default"),
+        (
+            ["--config", "7b-shape", "--left-pad", "64", "--batch", "2"],  # past the config's default length
+            "--left-pad 64 must be shorter than the sequence (64 tokens by default",
+        ),
         (["--checkpoint", str(tmp_path), "--layers", "2"], "do not combine it with --config or --layers"),
         (["--config", str(tmp_path)], f"--config {tmp_path} is a folder: pass a checkpoint folder with --checkpoint"),
         (["--decode", "12:0x8"], "decode plan 12:0x8 (PREFILL[:CHUNK]xSTEPS): chunk is 0; it must be at least 1"),

@@ -17,8 +17,12 @@ from reference_pairs.olmo3 import build_pair as olmo3_pair
 from reference_pairs.qwen3_5 import build_pair as qwen3_5_pair
 from reference_pairs.tiny_aya import build_pair as tiny_aya_pair
 
-PAIRS = {"olmo3:yarn": (olmo3_pair, "yarn"), "tiny_aya": (tiny_aya_pair, "tiny"), "llama3": (llama3_pair, "tiny"),
-         "qwen3_5": (qwen3_5_pair, "tiny")}  # qwen3_5: Gated DeltaNet layers, their cache compared too (test_qwen3_5.py)
+PAIRS = {
+    "olmo3:yarn": (olmo3_pair, "yarn"),
+    "tiny_aya": (tiny_aya_pair, "tiny"),
+    "llama3": (llama3_pair, "tiny"),
+    "qwen3_5": (qwen3_5_pair, "tiny"),
+}  # qwen3_5: Gated DeltaNet layers, their cache compared too (test_qwen3_5.py)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -82,8 +86,12 @@ def test_f16_left_padded_decode_with_positions_not_from_the_mask():
 
     def ignore_positions(self, input_ids, attention_mask=None, position_ids=None, cache=None):
         start = cache.seen if cache is not None else 0
-        return forward(input_ids, attention_mask=attention_mask, cache=cache,
-                       position_ids=torch.arange(start, start + input_ids.shape[1]))
+        return forward(
+            input_ids,
+            attention_mask=attention_mask,
+            cache=cache,
+            position_ids=torch.arange(start, start + input_ids.shape[1]),
+        )
 
     pair.ours.forward = types.MethodType(ignore_positions, pair.ours)
     bad = parity.check(pair, decode="12:4x2", batch_size=3, left_pad=3).first_mismatch
@@ -140,11 +148,14 @@ def test_a_failing_decode_report_plots_steps_by_layers(tmp_path):
     assert 'id="plot-decode"' in html and "step1/model.layers.1.self_attn.q_rot" in html
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--decode", "12x"], "must be PREFILL[:CHUNK]xSTEPS"),
-    (["--decode", "12x2", "--mode", "both"], "--decode runs chained"),
-    (["--decode", "12x2", "--seq-len", "8"], "disagree"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--decode", "12x"], "must be PREFILL[:CHUNK]xSTEPS"),
+        (["--decode", "12x2", "--mode", "both"], "--decode runs chained"),
+        (["--decode", "12x2", "--seq-len", "8"], "disagree"),
+    ],
+)
 def test_cli_bad_decode_is_one_line(argv, message, tmp_path, capsys):
     assert main(["check", "olmo3", *argv, "--report-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
@@ -167,8 +178,9 @@ def _kv_olmo3():
 @pytest.mark.parametrize("plan", ["12:4x4", "12:6x3", "4:1x6"])
 def test_user_model_with_a_ring_buffer_cache_passes_through_its_protocol(plan):
     kv = _kv_olmo3()
-    res = parity.check_model(kv.build, "olmo3:tiny", decode=plan, batch_size=3, left_pad=2,
-                             cache_protocol=kv.cache_protocol())
+    res = parity.check_model(
+        kv.build, "olmo3:tiny", decode=plan, batch_size=3, left_pad=2, cache_protocol=kv.cache_protocol()
+    )
     assert res.passed, res.verdict()
     assert any(n.kind == "cache.keys" and n.status == "ok" for n in res.nodes)
 
@@ -185,8 +197,8 @@ def test_user_ring_buffer_writing_a_long_chunk_into_the_wrong_slots_is_found_in_
         if n > w:  # rewrite the kept tail from the chunk's first slot on
             keep = min(n, w)
             dst = self._slots(start, start + keep)
-            self.k.index_copy_(2, dst, k[:, :, n - keep:])
-            self.v.index_copy_(2, dst, v[:, :, n - keep:])
+            self.k.index_copy_(2, dst, k[:, :, n - keep :])
+            self.v.index_copy_(2, dst, v[:, :, n - keep :])
         return keys, vals
 
     monkeypatch.setattr(kv.RingKV, "update", wrong_slots)

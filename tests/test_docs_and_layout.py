@@ -25,8 +25,11 @@ def _prose(text: str) -> str:
 def test_docs_point_only_at_files_that_exist(doc):
     text = doc.read_text()
     links = [t for t in re.findall(r"\]\(([^)#\s]+)", text) if "://" not in t]
-    paths = [t for t in re.findall(r"`([^`\s<>*]+/[^`\s<>*]*)`", _prose(text))
-             if not t.startswith(("-", "http")) and not re.match(r"step\d+/", t) and re.search(r"\.\w+$|/$", t)]
+    paths = [
+        t
+        for t in re.findall(r"`([^`\s<>*]+/[^`\s<>*]*)`", _prose(text))
+        if not t.startswith(("-", "http")) and not re.match(r"step\d+/", t) and re.search(r"\.\w+$|/$", t)
+    ]
     for target in links:
         assert (doc.parent / target).exists(), f"{doc.name} links {target}, which does not exist"
     for target in paths:
@@ -45,7 +48,7 @@ def _options_in(line: str) -> set[str]:
 
 def test_readme_synopsis_lists_every_option():
     readme = (ROOT / "README.md").read_text()
-    synopsis = readme[readme.index("## Commands"):].split("```")[1]
+    synopsis = readme[readme.index("## Commands") :].split("```")[1]
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     for name, parser in sub.choices.items():
         line = next((s for s in synopsis.split("\nparity ")[1:] if s.startswith(name)), None)
@@ -66,5 +69,6 @@ def test_synopsis_check_matches_whole_option_tokens():
 
 def _python(code: str, cwd: Path, *flags: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    return subprocess.run([sys.executable, *flags, "-c", code], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, *flags, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+    )

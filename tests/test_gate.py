@@ -78,7 +78,8 @@ def test_loader_dropping_a_key_fails(baseline, replace_table):
 def test_loader_swapping_two_same_shaped_tensors_fails(baseline, replace_table):
     template = dict(olmo3_loader.WEIGHT_MAP)
     template["model.layers.{i}.self_attn.v_proj.weight"], template["model.layers.{i}.self_attn.k_proj.weight"] = (
-        template["model.layers.{i}.self_attn.k_proj.weight"], template["model.layers.{i}.self_attn.v_proj.weight"]
+        template["model.layers.{i}.self_attn.k_proj.weight"],
+        template["model.layers.{i}.self_attn.v_proj.weight"],
     )
     replace_table(olmo3_loader.WEIGHT_MAP, template)
     outcomes = gate(baseline, "olmo3")
@@ -103,7 +104,9 @@ def test_loader_copying_the_tied_head_fails_on_coverage(baseline, monkeypatch):
     assert all(not c.passed for c in outcomes)
     gaps = outcomes[0].problems
     assert "loader coverage: model.embed_tokens.weight consumed 2 times: tok_emb.weight, out_head.weight" in gaps
-    assert any("tied weights lm_head.weight and model.embed_tokens.weight are not the same Parameter" in g for g in gaps)
+    assert any(
+        "tied weights lm_head.weight and model.embed_tokens.weight are not the same Parameter" in g for g in gaps
+    )
 
 
 def test_loader_transposing_a_square_matrix_fails(baseline, monkeypatch):
@@ -177,7 +180,9 @@ def test_budget_for_a_family_with_real_bf16_error(tmp_path, monkeypatch):
     path = tmp_path / "baseline.json"
     monkeypatch.setattr(layers.RMSNorm, "forward", _cast_first)
     (recorded,) = gate(path, "olmo3", sources=("config",), dtypes=("bfloat16",), update=True)
-    assert recorded.passed and max(n.mean_abs for n in recorded.result.nodes) > 1e-3  # real error, calibrated check passes
+    assert (
+        recorded.passed and max(n.mean_abs for n in recorded.result.nodes) > 1e-3
+    )  # real error, calibrated check passes
     write_baseline(path, {}, [recorded], ["olmo3"])
 
     monkeypatch.setattr(layers.RMSNorm, "forward", _cast_first_div)
@@ -225,18 +230,26 @@ def test_missing_baseline_entry_fails(tmp_path):
     empty = tmp_path / "empty.json"
     empty.write_text(json.dumps({"version": 2, "cases": {}}))
     (outcome,) = gate(empty, "llama3", sources=("config",), dtypes=("float32",))
-    assert not outcome.passed and outcome.problems[0].startswith("no baseline for llama3/tiny/config/float32 in empty.json")
+    assert not outcome.passed and outcome.problems[0].startswith(
+        "no baseline for llama3/tiny/config/float32 in empty.json"
+    )
 
 
 @pytest.mark.parametrize(
     "content, message",
     [
         (None, "does not exist: create it with `parity gate --update-baseline --baseline"),
-        ("[]", "holds an array, not the JSON object a parity baseline is: rewrite it with `parity gate --update-baseline"),
+        (
+            "[]",
+            "holds an array, not the JSON object a parity baseline is: rewrite it with `parity gate --update-baseline",
+        ),
         ('{"version": 1, "cases": {}}', "has version 1; this parity reads version 2: rewrite it with"),
         ("{not json", "is not valid JSON"),
         ('{"version": 2}', 'has no "cases" object'),
-        ('{"version": 2, "cases": {"a/b/c/d": {"nodes": {"lm_head": {"max_abs": -1, "mean_abs": 0}}}}}', "node lm_head has max_abs -1"),
+        (
+            '{"version": 2, "cases": {"a/b/c/d": {"nodes": {"lm_head": {"max_abs": -1, "mean_abs": 0}}}}}',
+            "node lm_head has max_abs -1",
+        ),
         ('{"version": 2, "cases": {"a/b/c/d": {"nodes": {"lm_head": 0.0}}}}', "node lm_head has max_abs None"),
     ],
 )
@@ -253,7 +266,8 @@ def test_changed_paths_choose_families_and_say_why():
     project = Project.load(ROOT)
     shared = project.shared(BASELINE)
     assert choose_families(["reference_pairs/olmo3/loader.py", "README.md"], project.folders, shared) == (
-        ["olmo3"], ["olmo3: reference_pairs/olmo3/loader.py changed"]
+        ["olmo3"],
+        ["olmo3: reference_pairs/olmo3/loader.py changed"],
     )
     # llama2 and mistral are data on the llama3 family's model and loader: its folder runs all three
     chosen, why = choose_families(["reference_pairs/llama3/loader.py"], project.folders, shared)
@@ -264,7 +278,10 @@ def test_changed_paths_choose_families_and_say_why():
     assert {"llama3", "olmo3", "tiny_aya"} <= set(chosen)
     assert choose_families(["reference_pairs/common/rope.py"], project.folders, shared)[0] == chosen
     assert choose_families(["parity-baseline.json"], project.folders, shared)[0] == chosen
-    assert choose_families(["docs/x.md"], project.folders, shared) == ([], ["no family or shared file changed (1 other path(s))"])
+    assert choose_families(["docs/x.md"], project.folders, shared) == (
+        [],
+        ["no family or shared file changed (1 other path(s))"],
+    )
 
 
 def test_paths_on_the_command_line_pick_families(capsys):
@@ -286,8 +303,10 @@ def test_no_reports_with_a_report_dir_is_refused_before_anything_runs(capsys, tm
 def test_changed_since_a_missing_ref_is_one_line_in_cli_words(capsys):
     assert main(["gate", "--changed-since", "no-such-ref-xyz", "--no-reports"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == ("parity: error: --changed-since no-such-ref-xyz: no such commit in this repository (a branch, tag "
-                   "or commit; in CI fetch the history, e.g. actions/checkout with fetch-depth: 0)")
+    assert err == (
+        "parity: error: --changed-since no-such-ref-xyz: no such commit in this repository (a branch, tag "
+        "or commit; in CI fetch the history, e.g. actions/checkout with fetch-depth: 0)"
+    )
 
 
 @pytest.mark.slow  # a subprocess run of pytest/git (10-30 s): in .ci/run's `pytest -m slow`
@@ -342,7 +361,10 @@ def test_budget_summary_is_one_line_per_case_and_the_report_has_every_node(tmp_p
     assert line.startswith("model.layers.0.post_feedforward_layernorm: mismatch")
     assert line.endswith(f"[+{len(nodes)} node(s) past their budget]")
     # the full list (the mismatch, then every excess) goes to the report
-    assert len(outcome.lines()) == 1 + len(outcome.excess) and outcome.to_dict()["over_budget"][0]["node"] == outcome.excess[0].node
+    assert (
+        len(outcome.lines()) == 1 + len(outcome.excess)
+        and outcome.to_dict()["over_budget"][0]["node"] == outcome.excess[0].node
+    )
 
 
 def test_config_coverage_hole_fails_the_gate(baseline, monkeypatch):
@@ -363,12 +385,26 @@ def test_pytest_options_run_and_update_the_gate(tmp_path, capsys, monkeypatch):
 
     monkeypatch.setenv("PYTEST_ADDOPTS", "-x")  # a CI's own options reach a plain pytest run
     path = tmp_path / "b.json"
-    argv = [str(gate_module_path()), f"--rootdir={ROOT}", "-c", str(ROOT / "pyproject.toml"), "-p", "no:cacheprovider",
-            "--parity-no-reports", "--parity-gate", "--parity-gate-family", "llama3", "--parity-gate-baseline", str(path)]
+    argv = [
+        str(gate_module_path()),
+        f"--rootdir={ROOT}",
+        "-c",
+        str(ROOT / "pyproject.toml"),
+        "-p",
+        "no:cacheprovider",
+        "--parity-no-reports",
+        "--parity-gate",
+        "--parity-gate-family",
+        "llama3",
+        "--parity-gate-baseline",
+        str(path),
+    ]
     assert pytest.main([*argv, "--parity-gate-update-baseline"]) == pytest.ExitCode.OK
     out = capsys.readouterr().out
     assert f"{LLAMA3_CASES + 1} passed" in out and f"parity gate: baseline written: {path}" in out
-    assert sorted(read_baseline(path)["cases"]) == sorted(c for c in read_baseline(BASELINE)["cases"] if c.startswith("llama3/"))
+    assert sorted(read_baseline(path)["cases"]) == sorted(
+        c for c in read_baseline(BASELINE)["cases"] if c.startswith("llama3/")
+    )
     path.write_text(path.read_text().replace('"max_abs": 0.0', '"max_abs": -1.0', 1))
     assert pytest.main(argv) == pytest.ExitCode.USAGE_ERROR
     assert "ERROR: parity gate: baseline" in capsys.readouterr().err
@@ -390,7 +426,10 @@ def test_paths_from_a_subfolder_are_the_projects(monkeypatch, capsys):
 @pytest.mark.parametrize(
     "table, message",
     [
-        ("[tool.parity]\nbaselin = 'x.json'\n", "unknown [tool.parity] setting(s) baselin; known: baseline, pythonpath, shared"),
+        (
+            "[tool.parity]\nbaselin = 'x.json'\n",
+            "unknown [tool.parity] setting(s) baselin; known: baseline, pythonpath, shared",
+        ),
         ("[tool.parity]\nshared = 'src/common'\n", "[tool.parity] shared must be a list of paths, got 'src/common'"),
         ("[tool.parity\n", "pyproject.toml cannot be read"),
     ],

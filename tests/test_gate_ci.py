@@ -61,7 +61,11 @@ FAMILY = dataclasses.replace(LLAMA3, name="mini_llama", model_class=MiniLlama, w
 def break_loader(path: Path) -> None:
     """Swap the gate and up targets, the fault of issue 21."""
     text = path.read_text()
-    swapped = text.replace("ff.fc1.weight", "ff.FC_A").replace("ff.fc2.weight", "ff.fc1.weight").replace("ff.FC_A", "ff.fc2.weight")
+    swapped = (
+        text.replace("ff.fc1.weight", "ff.FC_A")
+        .replace("ff.fc2.weight", "ff.fc1.weight")
+        .replace("ff.FC_A", "ff.fc2.weight")
+    )
     assert swapped != text
     path.write_text(swapped)
 
@@ -78,9 +82,15 @@ def tool_env(tmp_path: Path) -> dict:
     """This venv's tools first on PATH (the hook is language: system), offline, a private pre-commit home."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "PRE_COMMIT"))}
     env.update(
-        PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}", HF_HUB_OFFLINE="1",
-        PRE_COMMIT_HOME=str(tmp_path / "pre-commit-home"), GIT_CONFIG_NOSYSTEM="1", HOME=str(tmp_path / "home"),
-        GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@example.com", GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@example.com",
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
+        HF_HUB_OFFLINE="1",
+        PRE_COMMIT_HOME=str(tmp_path / "pre-commit-home"),
+        GIT_CONFIG_NOSYSTEM="1",
+        HOME=str(tmp_path / "home"),
+        GIT_AUTHOR_NAME="t",
+        GIT_AUTHOR_EMAIL="t@example.com",
+        GIT_COMMITTER_NAME="t",
+        GIT_COMMITTER_EMAIL="t@example.com",
     )
     (tmp_path / "home").mkdir(exist_ok=True)
     return env
@@ -171,7 +181,9 @@ def test_pre_commit_in_paritys_own_repository(tmp_path):
     `pre-commit run --all-files` runs every family."""
     env = tool_env(tmp_path)
     repo = tmp_path / "parity"
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    files = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.split()
     for name in files:
         if (ROOT / name).is_file():
             (repo / name).parent.mkdir(parents=True, exist_ok=True)
@@ -181,10 +193,13 @@ def test_pre_commit_in_paritys_own_repository(tmp_path):
     sh(["git", "commit", "-qm", "copy"], repo, env)
     sh([sys.executable, "-m", "pre_commit", "install"], repo, env)
     loader = repo / "reference_pairs" / "llama3" / "loader.py"
-    loader.write_text(loader.read_text() + textwrap.dedent('''
+    loader.write_text(
+        loader.read_text()
+        + textwrap.dedent("""
         G, U = "model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"
         WEIGHT_MAP[G], WEIGHT_MAP[U] = WEIGHT_MAP[U], WEIGHT_MAP[G]
-    '''))
+    """)
+    )
     sh(["git", "add", "-A"], repo, env)
     broken = sh(["git", "commit", "-m", "swap gate/up"], repo, env, check=False)
     out = broken.stdout + broken.stderr
@@ -195,7 +210,9 @@ def test_pre_commit_in_paritys_own_repository(tmp_path):
     every = sh([sys.executable, "-m", "pre_commit", "run", "--all-files"], repo, env, check=False)
     out = every.stdout + every.stderr
     n = len(gate_plan(family_names(), families()))  # every registered family's cases, however many ship
-    assert every.returncode == 0 and "all families: shared code changed" in out and f"gate: {n} of {n} cases pass" in out, out
+    assert (
+        every.returncode == 0 and "all families: shared code changed" in out and f"gate: {n} of {n} cases pass" in out
+    ), out
 
 
 # --- a project's own pytest runs the gate -------------------------------------------------------------------
@@ -212,8 +229,22 @@ def test_a_projects_pytest_runs_the_gate_with_junit_and_reports(user_project, tm
         fh.write("\n" + ini)
     break_loader(user_project / "mymodels" / "loader.py")
     junit = tmp_path / "junit.xml"
-    proc = sh([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", f"--junitxml={junit}", "-k", "float32 or coverage"],
-              user_project, env, check=False)
+    proc = sh(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            f"--junitxml={junit}",
+            "-k",
+            "float32 or coverage",
+        ],
+        user_project,
+        env,
+        check=False,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
     assert "3 failed, 1 passed, 3 deselected" in out, out  # the float32 cases, and the config-coverage test
@@ -230,8 +261,17 @@ def test_gate_in_a_project_without_families_is_a_usage_error(tmp_path, capsys):
     (tmp_path / "pyproject.toml").write_text('[project]\nname = "empty"\n')
     saved = list(sys.path)
     try:
-        code = pytest.main([f"--rootdir={tmp_path}", "-c", str(tmp_path / "pyproject.toml"), "-p", "no:cacheprovider",
-                            "--parity-gate", str(tmp_path)])
+        code = pytest.main(
+            [
+                f"--rootdir={tmp_path}",
+                "-c",
+                str(tmp_path / "pyproject.toml"),
+                "-p",
+                "no:cacheprovider",
+                "--parity-gate",
+                str(tmp_path),
+            ]
+        )
     finally:
         sys.path[:] = saved
     assert code == pytest.ExitCode.USAGE_ERROR
@@ -257,10 +297,14 @@ def load_workflow(path: Path) -> dict:
 def workflow_schemas() -> list[dict]:
     """SchemaStore's GitHub workflow schema and the require-timeout one, as check-jsonschema ships them
     (actionlint has no wheel on the package index, so the workflows are validated against these)."""
-    check_jsonschema = pytest.importorskip("check_jsonschema", reason="pip install -e '.[test]' installs check-jsonschema")
+    check_jsonschema = pytest.importorskip(
+        "check_jsonschema", reason="pip install -e '.[test]' installs check-jsonschema"
+    )
     base = Path(check_jsonschema.__file__).parent / "builtin_schemas"
-    return [json.loads((base / "vendor" / "github-workflows.json").read_text()),
-            json.loads((base / "custom" / "github-workflows-require-timeout.json").read_text())]
+    return [
+        json.loads((base / "vendor" / "github-workflows.json").read_text()),
+        json.loads((base / "custom" / "github-workflows-require-timeout.json").read_text()),
+    ]
 
 
 def run_lines(data: dict) -> list[str]:
@@ -329,8 +373,13 @@ def test_sigterm_leaves_no_staging_or_temporary_folder(tmp_path):
     tmp.mkdir()
     env["TMPDIR"] = str(tmp)
     reports = tmp_path / "reports"
-    proc = subprocess.Popen([sys.executable, "-m", "parity", "gate", "--family", "llama3", "--report-dir", str(reports)],
-                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "parity", "gate", "--family", "llama3", "--report-dir", str(reports)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
         assert _wait_for(lambda: any(tmp.glob("parity-gate-*")) and any(reports.glob(".staging-*"))), proc.stderr.read()
         proc.send_signal(signal.SIGTERM)
@@ -347,8 +396,10 @@ def test_folders_left_by_sigkill_are_swept_on_the_next_run(tmp_path):
     tmp.mkdir()
     env["TMPDIR"] = str(tmp)
     reports = tmp_path / "reports"
-    script = ("import sys, time\nfrom pathlib import Path\nfrom parity.util.files import staging_folder, temporary_folder\n"
-              "staging_folder(Path(sys.argv[1])); temporary_folder('parity-gate-')\nprint('ready', flush=True)\ntime.sleep(600)\n")
+    script = (
+        "import sys, time\nfrom pathlib import Path\nfrom parity.util.files import staging_folder, temporary_folder\n"
+        "staging_folder(Path(sys.argv[1])); temporary_folder('parity-gate-')\nprint('ready', flush=True)\ntime.sleep(600)\n"
+    )
     proc = subprocess.Popen([sys.executable, "-c", script, str(reports)], env=env, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline() == "ready\n"

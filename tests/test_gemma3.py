@@ -40,25 +40,51 @@ def without_dtype(cfg: dict) -> dict:
 # --- the released configs (config.json of google/gemma-3-270m and google/gemma-3-1b-pt, Transformers 4.5x form)
 
 RELEASED_270M = {
-    "architectures": ["Gemma3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-    "attn_logit_softcapping": None, "bos_token_id": 2, "eos_token_id": 1, "final_logit_softcapping": None,
-    "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 640, "initializer_range": 0.02,
-    "intermediate_size": 2048, "max_position_embeddings": 32768, "model_type": "gemma3_text",
-    "num_attention_heads": 4, "num_hidden_layers": 18, "num_key_value_heads": 1, "pad_token_id": 0,
-    "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000.0, "rope_scaling": None,
-    "rope_theta": 1000000.0, "sliding_window": 512, "torch_dtype": "bfloat16", "use_bidirectional_attention": False,
-    "use_cache": True, "vocab_size": 262144,
+    "architectures": ["Gemma3ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "attn_logit_softcapping": None,
+    "bos_token_id": 2,
+    "eos_token_id": 1,
+    "final_logit_softcapping": None,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "hidden_size": 640,
+    "initializer_range": 0.02,
+    "intermediate_size": 2048,
+    "max_position_embeddings": 32768,
+    "model_type": "gemma3_text",
+    "num_attention_heads": 4,
+    "num_hidden_layers": 18,
+    "num_key_value_heads": 1,
+    "pad_token_id": 0,
+    "query_pre_attn_scalar": 256,
+    "rms_norm_eps": 1e-06,
+    "rope_local_base_freq": 10000.0,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "sliding_window": 512,
+    "torch_dtype": "bfloat16",
+    "use_bidirectional_attention": False,
+    "use_cache": True,
+    "vocab_size": 262144,
     "layer_types": [FULL if (i + 1) % 6 == 0 else SLIDING for i in range(18)],
 }
 RELEASED_1B = {
     **{k: v for k, v in RELEASED_270M.items() if k not in ("layer_types", "use_bidirectional_attention")},
-    "hidden_size": 1152, "intermediate_size": 6912, "num_hidden_layers": 26, "rope_local_base_freq": 10000,
-    "rope_theta": 1000000, "sliding_window_pattern": 6, "cache_implementation": "hybrid",
+    "hidden_size": 1152,
+    "intermediate_size": 6912,
+    "num_hidden_layers": 26,
+    "rope_local_base_freq": 10000,
+    "rope_theta": 1000000,
+    "sliding_window_pattern": 6,
+    "cache_implementation": "hybrid",
 }
 
 
-@pytest.mark.parametrize("released, name, n_layers", [(RELEASED_270M, "270m-shape", 18), (RELEASED_1B, "1b-shape", 26)],
-                         ids=["270m", "1b"])
+@pytest.mark.parametrize(
+    "released, name, n_layers", [(RELEASED_270M, "270m-shape", 18), (RELEASED_1B, "1b-shape", 26)], ids=["270m", "1b"]
+)
 def test_shape_configs_are_the_released_config_json(released, name, n_layers):
     from transformers import Gemma3TextConfig
 
@@ -133,8 +159,11 @@ def test_legacy_rope_scaling_lands_on_full_layers_only(checkpoint_of):
     directory = checkpoint_of(build_pair("linear"))
     config = json.loads((directory / "config.json").read_text())
     rope = config.pop("rope_parameters")
-    config.update(rope_theta=rope[FULL]["rope_theta"], rope_local_base_freq=rope[SLIDING]["rope_theta"],
-                  rope_scaling={"rope_type": "linear", "factor": 8.0})
+    config.update(
+        rope_theta=rope[FULL]["rope_theta"],
+        rope_local_base_freq=rope[SLIDING]["rope_theta"],
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
+    )
     (directory / "config.json").write_text(json.dumps(config))
     pair = build_pair(checkpoint=directory)
     assert pair.source.cfg["rope_scaling_factor"] == 8.0 and pair.source.cfg["rope_local_base"] == 10_000.0
@@ -199,7 +228,9 @@ def loader_case():
 def test_dropped_key_raises_naming_it(loader_case):
     model, cfg, sd = loader_case
     del sd["model.layers.2.pre_feedforward_layernorm.weight"]
-    with pytest.raises(LoaderError, match=r"missing checkpoint keys: model\.layers\.2\.pre_feedforward_layernorm\.weight"):
+    with pytest.raises(
+        LoaderError, match=r"missing checkpoint keys: model\.layers\.2\.pre_feedforward_layernorm\.weight"
+    ):
         load_weights_into_gemma3(model, cfg, sd)
 
 
@@ -213,7 +244,9 @@ def test_extra_key_raises_naming_it(loader_case):
 def test_wrong_shape_raises_naming_the_key_and_both_shapes(loader_case):
     model, cfg, sd = loader_case
     sd["model.layers.1.self_attn.q_norm.weight"] = torch.zeros(32)  # a whole-projection norm
-    with pytest.raises(LoaderError, match=r"model\.layers\.1\.self_attn\.q_norm\.weight: checkpoint \(32,\), expected \(16,\)"):
+    with pytest.raises(
+        LoaderError, match=r"model\.layers\.1\.self_attn\.q_norm\.weight: checkpoint \(32,\), expected \(16,\)"
+    ):
         load_weights_into_gemma3(model, cfg, sd)
 
 
@@ -226,13 +259,38 @@ def test_wrong_shape_raises_naming_the_key_and_both_shapes(loader_case):
         ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0 is not supported"),
         ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
         ({"hidden_activation": "relu"}, "hidden_activation 'relu'"),
-        ({"rope_parameters": {FULL: {"rope_type": "yarn", "rope_theta": 1e6, "factor": 8.0,
-                                     "original_max_position_embeddings": 512},
-                              SLIDING: {"rope_type": "default", "rope_theta": 1e4}}}, "rope_parameters.full_attention.rope_type 'yarn'"),
-        ({"rope_parameters": {FULL: {"rope_type": "default", "rope_theta": 1e6},
-                              SLIDING: {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}}, "rope_parameters.sliding_attention.rope_type 'linear'"),
-        ({"rope_parameters": {FULL: {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5},
-                              SLIDING: {"rope_type": "default", "rope_theta": 1e4}}}, "rope_parameters.full_attention has unsupported fields: partial_rotary_factor"),
+        (
+            {
+                "rope_parameters": {
+                    FULL: {
+                        "rope_type": "yarn",
+                        "rope_theta": 1e6,
+                        "factor": 8.0,
+                        "original_max_position_embeddings": 512,
+                    },
+                    SLIDING: {"rope_type": "default", "rope_theta": 1e4},
+                }
+            },
+            "rope_parameters.full_attention.rope_type 'yarn'",
+        ),
+        (
+            {
+                "rope_parameters": {
+                    FULL: {"rope_type": "default", "rope_theta": 1e6},
+                    SLIDING: {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0},
+                }
+            },
+            "rope_parameters.sliding_attention.rope_type 'linear'",
+        ),
+        (
+            {
+                "rope_parameters": {
+                    FULL: {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5},
+                    SLIDING: {"rope_type": "default", "rope_theta": 1e4},
+                }
+            },
+            "rope_parameters.full_attention has unsupported fields: partial_rotary_factor",
+        ),
     ],
     ids=["attn-softcap", "bidirectional", "relu", "yarn", "linear-sliding", "partial-rotary"],
 )
@@ -261,5 +319,9 @@ def test_cli_check_passes(tmp_path, capsys):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 def test_parity_at_real_widths(name, emb, dtype):
     pair = build_pair(name, dtype=dtype)
-    assert (pair.source.cfg["emb_dim"], pair.source.cfg["head_dim"], pair.source.cfg["vocab_size"]) == (emb, 256, 262_144)
+    assert (pair.source.cfg["emb_dim"], pair.source.cfg["head_dim"], pair.source.cfg["vocab_size"]) == (
+        emb,
+        256,
+        262_144,
+    )
     assert_exact(pair)

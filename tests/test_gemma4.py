@@ -39,26 +39,54 @@ def without_dtype(cfg: dict) -> dict:
 
 # --- the released text configs (text_config of google/gemma-4-E2B and -E4B config.json)
 
-ROPE = {"full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0, "rope_type": "proportional"},
-        "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}}
+ROPE = {
+    "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0, "rope_type": "proportional"},
+    "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
+}
 RELEASED_E2B = {
-    "model_type": "gemma4_text", "hidden_size": 1536, "num_hidden_layers": 35, "num_attention_heads": 8,
-    "num_key_value_heads": 1, "head_dim": 256, "global_head_dim": 512, "num_global_key_value_heads": None,
-    "attention_k_eq_v": False, "sliding_window": 512, "vocab_size": 262144, "vocab_size_per_layer_input": 262144,
-    "hidden_size_per_layer_input": 256, "num_kv_shared_layers": 20, "use_double_wide_mlp": True,
-    "intermediate_size": 6144, "max_position_embeddings": 131072, "rms_norm_eps": 1e-6,
-    "hidden_activation": "gelu_pytorch_tanh", "final_logit_softcapping": 30.0, "pad_token_id": 0, "bos_token_id": 2,
-    "eos_token_id": 1, "tie_word_embeddings": True, "enable_moe_block": False, "rope_parameters": ROPE,
+    "model_type": "gemma4_text",
+    "hidden_size": 1536,
+    "num_hidden_layers": 35,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 1,
+    "head_dim": 256,
+    "global_head_dim": 512,
+    "num_global_key_value_heads": None,
+    "attention_k_eq_v": False,
+    "sliding_window": 512,
+    "vocab_size": 262144,
+    "vocab_size_per_layer_input": 262144,
+    "hidden_size_per_layer_input": 256,
+    "num_kv_shared_layers": 20,
+    "use_double_wide_mlp": True,
+    "intermediate_size": 6144,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-6,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "final_logit_softcapping": 30.0,
+    "pad_token_id": 0,
+    "bos_token_id": 2,
+    "eos_token_id": 1,
+    "tie_word_embeddings": True,
+    "enable_moe_block": False,
+    "rope_parameters": ROPE,
     "layer_types": ([SLIDING] * 4 + [FULL]) * 7,
 }
 RELEASED_E4B = {
-    **RELEASED_E2B, "hidden_size": 2560, "num_hidden_layers": 42, "num_key_value_heads": 2, "intermediate_size": 10240,
-    "num_kv_shared_layers": 18, "use_double_wide_mlp": False, "layer_types": ([SLIDING] * 5 + [FULL]) * 7,
+    **RELEASED_E2B,
+    "hidden_size": 2560,
+    "num_hidden_layers": 42,
+    "num_key_value_heads": 2,
+    "intermediate_size": 10240,
+    "num_kv_shared_layers": 18,
+    "use_double_wide_mlp": False,
+    "layer_types": ([SLIDING] * 5 + [FULL]) * 7,
 }
 
 
-@pytest.mark.parametrize("released, name, n_layers", [(RELEASED_E2B, "e2b-shape", 35), (RELEASED_E4B, "e4b-shape", 42)],
-                         ids=["e2b", "e4b"])
+@pytest.mark.parametrize(
+    "released, name, n_layers", [(RELEASED_E2B, "e2b-shape", 35), (RELEASED_E4B, "e4b-shape", 42)], ids=["e2b", "e4b"]
+)
 def test_shape_configs_are_the_released_config_json(released, name, n_layers):
     from transformers import Gemma4TextConfig
 
@@ -145,7 +173,10 @@ def test_parity_from_saved_checkpoint(sharded, dtype, checkpoint_of):
     assert (len(list(directory.glob("*.safetensors"))) > 1) == sharded
     pair = build_pair(checkpoint=directory, dtype=dtype)
     assert without_dtype(pair.source.cfg) == without_dtype(original.source.cfg)
-    assert "model.layers.0.layer_scalar" in pair.loading.loaded_keys and "model.layers.3.self_attn.k_proj.weight" not in pair.loading.state_dict
+    assert (
+        "model.layers.0.layer_scalar" in pair.loading.loaded_keys
+        and "model.layers.3.self_attn.k_proj.weight" not in pair.loading.state_dict
+    )
     assert_exact(pair)
 
 
@@ -198,14 +229,18 @@ def test_projection_of_a_kv_shared_layer_raises_naming_it(loader_case):
     """A checkpoint whose shared layer still has a k_proj: ours has nowhere to put it."""
     model, cfg, sd = loader_case
     sd["model.layers.3.self_attn.k_proj.weight"] = sd["model.layers.1.self_attn.k_proj.weight"]
-    with pytest.raises(LoaderError, match=r"model\.layers\.3\.self_attn\.k_proj\.weight -> blocks\.3\.att\.W_key\.weight"):
+    with pytest.raises(
+        LoaderError, match=r"model\.layers\.3\.self_attn\.k_proj\.weight -> blocks\.3\.att\.W_key\.weight"
+    ):
         load_weights_into_gemma4(model, cfg, sd)
 
 
 def test_single_wide_ffn_on_a_shared_layer_raises_naming_the_shapes(loader_case):
     model, cfg, sd = loader_case
     sd["model.layers.5.mlp.up_proj.weight"] = sd["model.layers.0.mlp.up_proj.weight"]
-    with pytest.raises(LoaderError, match=r"model\.layers\.5\.mlp\.up_proj\.weight: checkpoint \(64, 32\), expected \(128, 32\)"):
+    with pytest.raises(
+        LoaderError, match=r"model\.layers\.5\.mlp\.up_proj\.weight: checkpoint \(64, 32\), expected \(128, 32\)"
+    ):
         load_weights_into_gemma4(model, cfg, sd)
 
 
@@ -219,20 +254,51 @@ def _config(**change) -> dict:
 @pytest.mark.parametrize(
     "change, field",
     [
-        ({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 16}, "enable_moe_block"),
+        (
+            {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 16},
+            "enable_moe_block",
+        ),
         ({"use_bidirectional_attention": "vision"}, "use_bidirectional_attention"),
         ({"hidden_activation": "relu"}, "hidden_activation 'relu'"),
         ({"num_kv_shared_layers": 5}, "num_kv_shared_layers=5 leaves a shared layer type"),
         ({"hidden_size_per_layer_input": 0}, "num_kv_shared_layers=3 with hidden_size_per_layer_input=0"),
         ({"vocab_size_per_layer_input": 100}, "vocab_size_per_layer_input=100 is smaller than vocab_size=257"),
-        ({"rope_parameters": {**ROPE, FULL: {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
-                                             "original_max_position_embeddings": 256}}}, "rope_parameters.full_attention.rope_type 'yarn'"),
-        ({"rope_parameters": {**ROPE, SLIDING: {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}}},
-         "rope_parameters.sliding_attention has unsupported fields: partial_rotary_factor"),
+        (
+            {
+                "rope_parameters": {
+                    **ROPE,
+                    FULL: {
+                        "rope_type": "yarn",
+                        "rope_theta": 1e6,
+                        "factor": 4.0,
+                        "original_max_position_embeddings": 256,
+                    },
+                }
+            },
+            "rope_parameters.full_attention.rope_type 'yarn'",
+        ),
+        (
+            {
+                "rope_parameters": {
+                    **ROPE,
+                    SLIDING: {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+                }
+            },
+            "rope_parameters.sliding_attention has unsupported fields: partial_rotary_factor",
+        ),
         ({"per_layer_config": {"0": {"intermediate_size": 32}}}, "per_layer_config overrides intermediate_size"),
     ],
-    ids=["moe", "bidirectional", "relu", "no-producer", "sharing-without-ple", "small-ple-vocab", "yarn",
-         "partial-sliding", "per-layer-ffn"],
+    ids=[
+        "moe",
+        "bidirectional",
+        "relu",
+        "no-producer",
+        "sharing-without-ple",
+        "small-ple-vocab",
+        "yarn",
+        "partial-sliding",
+        "per-layer-ffn",
+    ],
 )
 def test_config_json_the_pair_cannot_honour_is_refused_naming_the_field(change, field, tmp_path):
     path = tmp_path / "config.json"
@@ -243,8 +309,10 @@ def test_config_json_the_pair_cannot_honour_is_refused_naming_the_field(change, 
 
 @pytest.mark.parametrize(
     "change, field",
-    [({"layer_types": [FULL, SLIDING, FULL, SLIDING, FULL, SLIDING]}, "layer_types must end with full_attention"),
-     ({"num_global_kv_heads": 1}, "num_global_kv_heads is read only with attention_k_eq_v")],
+    [
+        ({"layer_types": [FULL, SLIDING, FULL, SLIDING, FULL, SLIDING]}, "layer_types must end with full_attention"),
+        ({"num_global_kv_heads": 1}, "num_global_kv_heads is read only with attention_k_eq_v"),
+    ],
     ids=["last-sliding", "global-kv-without-k-eq-v"],
 )
 def test_cfg_that_gemma4_would_change_silently_is_refused(change, field):
@@ -265,12 +333,19 @@ def test_cli_check_passes(tmp_path, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, emb, n_layers", [("e2b-shape", 1536, 2), ("e4b-shape", 2560, 2), ("e2b-shape", 1536, 16)],
-                         ids=["e2b", "e4b", "e2b-kv-shared"])
+@pytest.mark.parametrize(
+    "name, emb, n_layers",
+    [("e2b-shape", 1536, 2), ("e4b-shape", 2560, 2), ("e2b-shape", 1536, 16)],
+    ids=["e2b", "e4b", "e2b-kv-shared"],
+)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 def test_parity_at_real_widths(name, emb, n_layers, dtype):
     pair = build_pair(name, n_layers=n_layers, dtype=dtype)
-    assert (pair.source.cfg["emb_dim"], pair.source.cfg["global_head_dim"], pair.source.cfg["vocab_size"]) == (emb, 512, 262_144)
+    assert (pair.source.cfg["emb_dim"], pair.source.cfg["global_head_dim"], pair.source.cfg["vocab_size"]) == (
+        emb,
+        512,
+        262_144,
+    )
     assert ("KV sharing" in pair.facts.features) == (n_layers > 15)
     assert_exact(pair)
 

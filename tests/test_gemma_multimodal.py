@@ -24,8 +24,14 @@ FAMILIES = {"gemma3": gemma3, "gemma4": gemma4}
 IMAGE, AUDIO, VIDEO = 250, 251, 252
 
 
-def multimodal_model(family: str, seed: int = 3, dtype=torch.float32, config: str = "tiny", placeholders=(IMAGE, AUDIO, VIDEO),
-                     **overrides):
+def multimodal_model(
+    family: str,
+    seed: int = 3,
+    dtype=torch.float32,
+    config: str = "tiny",
+    placeholders=(IMAGE, AUDIO, VIDEO),
+    **overrides,
+):
     """A Gemma{3,4}ForConditionalGeneration with tiny towers (vision; Gemma 4 audio too) whose text model
     holds the probe weights of the family's ``config`` pair; ``(model, text-only pair)``."""
     import transformers
@@ -36,21 +42,46 @@ def multimodal_model(family: str, seed: int = 3, dtype=torch.float32, config: st
     text = text_pair.reference.config
     text.pad_token_id = 0  # the released text configs' pad id (Gemma 4 embeds it in place of placeholders)
     if family == "gemma4":
-        vision = transformers.Gemma4VisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                                 num_attention_heads=2, num_key_value_heads=2, head_dim=8,
-                                                 position_embedding_size=64, patch_size=4)
-        audio_config = transformers.Gemma4AudioConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, output_proj_dims=16)
-        config = transformers.Gemma4Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
-                                           audio_config=audio_config.to_dict(), image_token_id=image, audio_token_id=audio,
-                                           video_token_id=video, boi_token_id=253, eoi_token_id=254, boa_token_id=255,
-                                           eoa_token_index=256, tie_word_embeddings=tie)
+        vision = transformers.Gemma4VisionConfig(
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=8,
+            position_embedding_size=64,
+            patch_size=4,
+        )
+        audio_config = transformers.Gemma4AudioConfig(
+            hidden_size=16, num_hidden_layers=1, num_attention_heads=2, output_proj_dims=16
+        )
+        config = transformers.Gemma4Config(
+            text_config=text.to_dict(),
+            vision_config=vision.to_dict(),
+            audio_config=audio_config.to_dict(),
+            image_token_id=image,
+            audio_token_id=audio,
+            video_token_id=video,
+            boi_token_id=253,
+            eoi_token_id=254,
+            boa_token_id=255,
+            eoa_token_index=256,
+            tie_word_embeddings=tie,
+        )
         cls = transformers.Gemma4ForConditionalGeneration
     else:
-        vision = transformers.SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                                 num_attention_heads=2, image_size=8, patch_size=4)
-        config = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=1,
-                                           image_token_id=256, boi_token_index=254, eoi_token_index=255,
-                                           tie_word_embeddings=tie)
+        vision = transformers.SiglipVisionConfig(
+            hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=8, patch_size=4
+        )
+        config = transformers.Gemma3Config(
+            text_config=text.to_dict(),
+            vision_config=vision.to_dict(),
+            mm_tokens_per_image=1,
+            image_token_id=256,
+            boi_token_index=254,
+            eoi_token_index=255,
+            tie_word_embeddings=tie,
+        )
         cls = transformers.Gemma3ForConditionalGeneration
     torch.manual_seed(seed)
     model = cls(config).to(dtype)
@@ -103,14 +134,19 @@ def test_multimodal_checkpoint_is_bit_exact_under_its_own_names(family, dtype, s
     assert cov.ok and not cov.unused and not cov.unwritten
     assert all(k.startswith("model.language_model.") for k in cov.consumed)
     assert len(cov.consumed) == len(text_pair.loading.state_dict)
-    towers = {"model.vision_tower", "model.embed_vision", "model.audio_tower", "model.embed_audio"} if family == "gemma4" else {
-        "model.vision_tower", "model.multi_modal_projector"}
+    towers = (
+        {"model.vision_tower", "model.embed_vision", "model.audio_tower", "model.embed_audio"}
+        if family == "gemma4"
+        else {"model.vision_tower", "model.multi_modal_projector"}
+    )
     assert set(cov.skipped.values()) == towers
     assert len(cov.consumed) + len(cov.skipped) == len(pair.loading.state_dict)
     note = cov.skipped_note()
     assert note.startswith(f"{len(cov.skipped)} checkpoint tensors outside the text model, not used by design (")
     assert "model.vision_tower " in note and cov.to_dict()["skipped"] == note
-    assert cov.tied == ["lm_head.weight -> model.language_model.embed_tokens.weight: one Parameter (tok_emb.weight = out_head.weight)"]
+    assert cov.tied == [
+        "lm_head.weight -> model.language_model.embed_tokens.weight: one Parameter (tok_emb.weight = out_head.weight)"
+    ]
 
 
 def test_gemma3_checkpoint_in_the_released_layout_is_read_through_transformers_conversion(checkpoints):
@@ -125,10 +161,15 @@ def test_gemma3_checkpoint_in_the_released_layout_is_read_through_transformers_c
     pair = gemma3.build_pair(checkpoint=directory)
     assert "model.language_model.layers.0.mlp.up_proj.weight" in pair.loading.loaded_keys
     renamed = [c for c in pair.loading.conversions if "renamed as from_pretrained renames them" in c]
-    assert renamed == [f"language_model.model.embed_tokens.weight -> model.language_model.embed_tokens.weight and "
-                       f"{sum(k.startswith('language_model.model.') for k in keys) - 1} more keys: renamed as from_pretrained renames them (Transformers' checkpoint conversion)"]
+    assert renamed == [
+        f"language_model.model.embed_tokens.weight -> model.language_model.embed_tokens.weight and "
+        f"{sum(k.startswith('language_model.model.') for k in keys) - 1} more keys: renamed as from_pretrained renames them (Transformers' checkpoint conversion)"
+    ]
     # a Gemma 4 file is already in the model's naming: nothing renamed
-    assert not any("renamed" in c for c in gemma4.build_pair(checkpoint=checkpoints[0]["gemma4", torch.float32, False]).loading.conversions)
+    assert not any(
+        "renamed" in c
+        for c in gemma4.build_pair(checkpoint=checkpoints[0]["gemma4", torch.float32, False]).loading.conversions
+    )
 
 
 def test_isolated_mode_and_decode_on_a_multimodal_checkpoint(checkpoints):
@@ -141,16 +182,23 @@ def test_isolated_mode_and_decode_on_a_multimodal_checkpoint(checkpoints):
 
 def test_cli_check_of_a_multimodal_checkpoint(checkpoints, tmp_path, capsys):
     directory = checkpoints[0]["gemma4", torch.float32, True]
-    assert main(["check", "gemma4", "--checkpoint", str(directory), "--report-dir", str(tmp_path), "--format", "json"]) == 0
+    assert (
+        main(["check", "gemma4", "--checkpoint", str(directory), "--report-dir", str(tmp_path), "--format", "json"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "PASS: all" in out and "model.language_model.layers.5" in out
     assert "skipped: " in out and "outside the text model, not used by design (model.audio_tower" in out
 
 
-@pytest.mark.parametrize("change, key", [
-    ("drop", "model.language_model.layers.2.mlp.up_proj.weight"),
-    ("rename", "model.language_model.layers.0.self_attn.q_proj.weight"),
-], ids=["missing", "misnamed"])
+@pytest.mark.parametrize(
+    "change, key",
+    [
+        ("drop", "model.language_model.layers.2.mlp.up_proj.weight"),
+        ("rename", "model.language_model.layers.0.self_attn.q_proj.weight"),
+    ],
+    ids=["missing", "misnamed"],
+)
 def test_missing_or_misnamed_text_weight_is_refused_in_one_line_naming_it(change, key, checkpoints, tmp_path):
     from safetensors.torch import load_file, save_file
 
@@ -180,7 +228,9 @@ def test_missing_text_weight_of_a_gemma3_file_is_named_as_transformers_reads_it(
     weights = load_file(source / "model.safetensors")
     del weights["language_model.model.layers.2.mlp.up_proj.weight"]
     save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(LoaderError, match=r"^missing checkpoint keys: model\.language_model\.layers\.2\.mlp\.up_proj\.weight;"):
+    with pytest.raises(
+        LoaderError, match=r"^missing checkpoint keys: model\.language_model\.layers\.2\.mlp\.up_proj\.weight;"
+    ):
         gemma3.build_pair(checkpoint=tmp_path)
 
 
@@ -217,7 +267,9 @@ def test_registry_finds_the_family_of_a_multimodal_model_type():
     assert family_for_model_type("gemma4_text").name == "gemma4"
 
 
-@pytest.mark.parametrize("family, fault_id", [("gemma4", "gemma3-norm"), ("gemma4", "kv-wrong-layer"), ("gemma3", "F09")])
+@pytest.mark.parametrize(
+    "family, fault_id", [("gemma4", "gemma3-norm"), ("gemma4", "kv-wrong-layer"), ("gemma3", "F09")]
+)
 def test_a_fault_in_ours_is_found_at_the_checkpoints_node_name(family, fault_id, checkpoints):
     """A fault of the family's catalogue (its tiny config) on a multimodal pair: found at the node the
     catalogue expects, named as the checkpoint names it."""
@@ -239,8 +291,11 @@ def test_nonfinite_note_only_for_tensors_the_text_model_reads(checkpoints):
 
 
 def test_multimodal_config_without_weights_is_refused_saying_what_to_pass(checkpoints):
-    with pytest.raises(ConfigError, match=r"has model_type 'gemma4', expected 'gemma4_text' \(a multimodal config: pass its "
-                                          r"checkpoint folder, or its text_config as a config.json\)$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"has model_type 'gemma4', expected 'gemma4_text' \(a multimodal config: pass its "
+        r"checkpoint folder, or its text_config as a config.json\)$",
+    ):
         gemma4.build_pair(str(checkpoints[0]["gemma4", torch.float32, False] / "config.json"))
 
 
@@ -253,12 +308,16 @@ def test_check_model_against_a_multimodal_checkpoint(checkpoints):
         cfg = gemma4.FAMILY.from_hf(hf_config.get_text_config(), torch.float32)
         with torch.device("meta"):
             model = gemma4.Gemma4Model(cfg)
-        text = {"model." + k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+        text = {"model." + k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
         gemma4.load_weights_into_gemma4(model, cfg, text)
         return model
 
     res = parity.check_model(build, reference=str(checkpoints[0]["gemma4", torch.float32, False]), exact=True)
-    assert res.passed and res.coverage.ok and set(res.coverage.skipped.values()) >= {"model.vision_tower", "model.audio_tower"}
+    assert (
+        res.passed
+        and res.coverage.ok
+        and set(res.coverage.skipped.values()) >= {"model.vision_tower", "model.audio_tower"}
+    )
     judged = [n for n in res.nodes if n.status == "ok"]
     assert len(judged) > 100 and all(n.max_abs == 0.0 for n in judged)
     assert all(n.name.startswith(prefix) or n.name in ("lm_head", "logits") for n in res.nodes)
@@ -298,8 +357,11 @@ def test_multimodal_config_whose_two_ties_disagree_is_refused_naming_both(checkp
     raw["tie_word_embeddings"] = False
     (tmp_path / "config.json").write_text(json.dumps(raw))
     (tmp_path / "model.safetensors").write_bytes((source / "model.safetensors").read_bytes())
-    with pytest.raises(ConfigError, match=r"^config.json has tie_word_embeddings=False but text_config.tie_word_embeddings=True: "
-                                          r"Gemma4ForConditionalGeneration ties its head by the first"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^config.json has tie_word_embeddings=False but text_config.tie_word_embeddings=True: "
+        r"Gemma4ForConditionalGeneration ties its head by the first",
+    ):
         gemma4.build_pair(checkpoint=tmp_path)
 
 

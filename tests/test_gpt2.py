@@ -35,19 +35,43 @@ def without_dtype(cfg: dict) -> dict:
 # --- the released configs (openai-community/gpt2 and gpt2-medium config.json, keys as shipped)
 
 RELEASED_124M = {
-    "activation_function": "gelu_new", "architectures": ["GPT2LMHeadModel"], "attn_pdrop": 0.1,
-    "bos_token_id": 50256, "embd_pdrop": 0.1, "eos_token_id": 50256, "initializer_range": 0.02,
-    "layer_norm_epsilon": 1e-05, "model_type": "gpt2", "n_ctx": 1024, "n_embd": 768, "n_head": 12,
-    "n_layer": 12, "n_positions": 1024, "resid_pdrop": 0.1, "summary_activation": None,
-    "summary_first_dropout": 0.1, "summary_proj_to_labels": True, "summary_type": "cls_index",
-    "summary_use_proj": True, "task_specific_params": {"text-generation": {"do_sample": True, "max_length": 50}},
+    "activation_function": "gelu_new",
+    "architectures": ["GPT2LMHeadModel"],
+    "attn_pdrop": 0.1,
+    "bos_token_id": 50256,
+    "embd_pdrop": 0.1,
+    "eos_token_id": 50256,
+    "initializer_range": 0.02,
+    "layer_norm_epsilon": 1e-05,
+    "model_type": "gpt2",
+    "n_ctx": 1024,
+    "n_embd": 768,
+    "n_head": 12,
+    "n_layer": 12,
+    "n_positions": 1024,
+    "resid_pdrop": 0.1,
+    "summary_activation": None,
+    "summary_first_dropout": 0.1,
+    "summary_proj_to_labels": True,
+    "summary_type": "cls_index",
+    "summary_use_proj": True,
+    "task_specific_params": {"text-generation": {"do_sample": True, "max_length": 50}},
     "vocab_size": 50257,
 }
-RELEASED_355M = {**RELEASED_124M, "n_embd": 1024, "n_head": 16, "n_layer": 24, "n_special": 0, "predict_special_tokens": True}
+RELEASED_355M = {
+    **RELEASED_124M,
+    "n_embd": 1024,
+    "n_head": 16,
+    "n_layer": 24,
+    "n_special": 0,
+    "predict_special_tokens": True,
+}
 
 
 @pytest.mark.parametrize(
-    "released, name, n_layers", [(RELEASED_124M, "124m-shape", 12), (RELEASED_355M, "355m-shape", 24)], ids=["124m", "355m"]
+    "released, name, n_layers",
+    [(RELEASED_124M, "124m-shape", 12), (RELEASED_355M, "355m-shape", 24)],
+    ids=["124m", "355m"],
 )
 def test_shape_configs_are_the_released_config_json(released, name, n_layers):
     from transformers import GPT2Config
@@ -115,9 +139,19 @@ def test_a_fused_projection_computes_the_one_product_the_reference_computes():
 def test_the_softmax_runs_in_the_activation_dtype_as_gpt2s_does():
     """Found by the property tests: unscaled scores in bfloat16 (``scale_attn_weights`` false) where a
     float32 softmax cast back rounds some probabilities one ulp away from GPT-2's bfloat16 softmax."""
-    cfg = {"vocab_size": 195, "context_length": 56, "layer_norm_eps": 2.3924081791079507e-05, "activation": "gelu_new",
-           "tie_word_embeddings": True, "scale_attn_weights": False, "scale_attn_by_inverse_layer_idx": False,
-           "emb_dim": 15, "n_heads": 3, "n_layers": 1, "hidden_dim": 8}
+    cfg = {
+        "vocab_size": 195,
+        "context_length": 56,
+        "layer_norm_eps": 2.3924081791079507e-05,
+        "activation": "gelu_new",
+        "tie_word_embeddings": True,
+        "scale_attn_weights": False,
+        "scale_attn_by_inverse_layer_idx": False,
+        "emb_dim": 15,
+        "n_heads": 3,
+        "n_layers": 1,
+        "hidden_dim": 8,
+    }
     pair = build_pair(config=cfg, dtype=torch.bfloat16)
     assert_exact(pair, seq_len=4)
     pair.ours.blocks[0].att.softmax_in_activation_dtype = False  # Llama's way: float32, then cast
@@ -137,7 +171,9 @@ def test_parity_from_saved_checkpoint_lists_the_transposes(sharded, checkpoint_o
     assert len(transposed) == 4 * pair.source.cfg["n_layers"]  # c_attn, attn.c_proj, c_fc, mlp.c_proj
     assert "transformer.h.1.mlp.c_fc.weight: transposed into blocks.1.ff.fc1.weight" in transposed
     # a transposed view of the checkpoint tensor, not a copy
-    assert pair.ours.blocks[0].att.W_qkv.weight.data_ptr() == pair.reference.transformer.h[0].attn.c_attn.weight.data_ptr()
+    assert (
+        pair.ours.blocks[0].att.W_qkv.weight.data_ptr() == pair.reference.transformer.h[0].attn.c_attn.weight.data_ptr()
+    )
 
 
 @DTYPES
@@ -197,8 +233,11 @@ def loader_case():
 def test_a_conv1d_weight_in_linear_layout_is_a_shape_error_naming_the_key(loader_case):
     model, cfg, sd = loader_case
     sd["transformer.h.1.mlp.c_fc.weight"] = sd["transformer.h.1.mlp.c_fc.weight"].T  # (out, in): already nn.Linear's
-    with pytest.raises(LoaderError, match=r"transformer\.h\.1\.mlp\.c_fc\.weight: checkpoint \(192, 48\) "
-                                          r"\(transposed: \(48, 192\)\), expected \(192, 48\) \(blocks\.1\.ff\.fc1\.weight\)"):
+    with pytest.raises(
+        LoaderError,
+        match=r"transformer\.h\.1\.mlp\.c_fc\.weight: checkpoint \(192, 48\) "
+        r"\(transposed: \(48, 192\)\), expected \(192, 48\) \(blocks\.1\.ff\.fc1\.weight\)",
+    ):
         load_weights_into_gpt(model, cfg, sd)
 
 

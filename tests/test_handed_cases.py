@@ -65,15 +65,44 @@ def test_f14_under_a_user_tolerance_gets_no_activation_hint():
 
 
 def test_f18_yarn_with_a_factor_not_a_power_of_two_is_bit_identical():
-    pair = olmo3_pair(config="tiny", n_layers=1, emb_dim=2, n_heads=1, n_kv_heads=1, head_dim=32, hidden_dim=16,
-                      vocab_size=64, rope_type="yarn", rope_scaled_layer_types=["sliding_attention"], rope_factor=12.0,
-                      rope_orig_max=64, rope_local_base=10000.0, rope_attention_factor=2.0, seed=8564)
+    pair = olmo3_pair(
+        config="tiny",
+        n_layers=1,
+        emb_dim=2,
+        n_heads=1,
+        n_kv_heads=1,
+        head_dim=32,
+        hidden_dim=16,
+        vocab_size=64,
+        rope_type="yarn",
+        rope_scaled_layer_types=["sliding_attention"],
+        rope_factor=12.0,
+        rope_orig_max=64,
+        rope_local_base=10000.0,
+        rope_attention_factor=2.0,
+        seed=8564,
+    )
     res = parity.check(pair, seq_len=22, mode="both")
     assert res.passed and res.first_isolated_mismatch is None
     assert all(n.max_abs == 0 for n in res.nodes) and all(n.max_abs == 0 for n in res.isolated)
-    bf16 = olmo3_pair(config="tiny", n_layers=1, emb_dim=2, n_heads=1, n_kv_heads=1, head_dim=32, hidden_dim=16,
-                      vocab_size=64, rope_type="yarn", rope_scaled_layer_types=["sliding_attention"], rope_factor=12.0,
-                      rope_orig_max=64, rope_local_base=10000.0, rope_attention_factor=2.0, seed=8564, dtype=torch.bfloat16)
+    bf16 = olmo3_pair(
+        config="tiny",
+        n_layers=1,
+        emb_dim=2,
+        n_heads=1,
+        n_kv_heads=1,
+        head_dim=32,
+        hidden_dim=16,
+        vocab_size=64,
+        rope_type="yarn",
+        rope_scaled_layer_types=["sliding_attention"],
+        rope_factor=12.0,
+        rope_orig_max=64,
+        rope_local_base=10000.0,
+        rope_attention_factor=2.0,
+        seed=8564,
+        dtype=torch.bfloat16,
+    )
     assert all(n.max_abs == 0 for n in parity.check(bf16, seq_len=22).nodes)
 
 
@@ -95,7 +124,10 @@ def test_f20_no_hint_from_noise_and_the_identity_is_never_a_permutation():
     hint = diagnose(result, ours, ref, facts)
     assert hint is None or hint.kind not in ("scale", "weight_permutation")
     identical, ours_i, ref_i = _near_noise_case(1.0)
-    assert diagnose(identical, ours_i, ref_i, facts) is None or diagnose(identical, ours_i, ref_i, facts).kind != "weight_permutation"
+    assert (
+        diagnose(identical, ours_i, ref_i, facts) is None
+        or diagnose(identical, ours_i, ref_i, facts).kind != "weight_permutation"
+    )
 
 
 @pytest.mark.parametrize("override", [dict(beta_fast=0.0), dict(beta_slow=0.0), dict(rope_factor=None)])
@@ -127,8 +159,9 @@ def test_f21_cfg_dict_and_config_json_validate_alike(tmp_path):
 
 
 def _yarn_rope(config: dict, **changes) -> dict:
-    config["rope_parameters"] = {t: ({**p, **changes} if p.get("rope_type") == "yarn" else p)
-                                 for t, p in config["rope_parameters"].items()}
+    config["rope_parameters"] = {
+        t: ({**p, **changes} if p.get("rope_type") == "yarn" else p) for t, p in config["rope_parameters"].items()
+    }
     return config
 
 
@@ -139,14 +172,27 @@ ZERO_OR_BELOW_ONE = [
     ("head_dim", 0, None, "head_dim is 0; it must be at least 1"),  # Olmo3Config has no head_dim: cfg only
     ("rope_factor", 0.0, lambda c: _yarn_rope(c, factor=0.0), "rope_parameters factor is 0.0; it must be >= 1"),
     ("rope_factor", -2.0, lambda c: _yarn_rope(c, factor=-2.0), "rope_parameters factor is -2.0; it must be >= 1"),
-    ("rope_orig_max", 0, lambda c: _yarn_rope(c, original_max_position_embeddings=0),
-     "rope_parameters original_max_position_embeddings is 0; it must be >= 1"),
-    ("context_length", 0, lambda c: c.update(max_position_embeddings=0), "max_position_embeddings is 0; it must be at least 1"),
+    (
+        "rope_orig_max",
+        0,
+        lambda c: _yarn_rope(c, original_max_position_embeddings=0),
+        "rope_parameters original_max_position_embeddings is 0; it must be >= 1",
+    ),
+    (
+        "context_length",
+        0,
+        lambda c: c.update(max_position_embeddings=0),
+        "max_position_embeddings is 0; it must be at least 1",
+    ),
 ]
 
 
-@pytest.mark.parametrize("key,value,change,message", ZERO_OR_BELOW_ONE, ids=[f"{k}={v}" for k, v, _, _ in ZERO_OR_BELOW_ONE])
-def test_f21_kind_fields_that_divide_by_zero_are_refused_alike_from_cfg_and_config_json(key, value, change, message, tmp_path, capsys):
+@pytest.mark.parametrize(
+    "key,value,change,message", ZERO_OR_BELOW_ONE, ids=[f"{k}={v}" for k, v, _, _ in ZERO_OR_BELOW_ONE]
+)
+def test_f21_kind_fields_that_divide_by_zero_are_refused_alike_from_cfg_and_config_json(
+    key, value, change, message, tmp_path, capsys
+):
     base = olmo3_pair("yarn")
     assert key in base.source.cfg
     with pytest.raises(parity.ConfigError, match=re.escape(message)):
@@ -167,7 +213,9 @@ def test_f21_kind_fields_that_divide_by_zero_are_refused_alike_from_cfg_and_conf
 @pytest.mark.parametrize("build", [olmo3_pair, tiny_aya_pair], ids=["olmo3", "tiny_aya"])
 def test_f22_a_config_the_reference_cannot_run_is_bad_input(build):
     pair = build("tiny", sliding_window=None, layer_types=[FULL] * 4)
-    with pytest.raises(parity.ParityError, match=r"the reference \(\w+ForCausalLM\) cannot run this config: .*sliding_window"):
+    with pytest.raises(
+        parity.ParityError, match=r"the reference \(\w+ForCausalLM\) cannot run this config: .*sliding_window"
+    ):
         parity.check(pair)
 
 

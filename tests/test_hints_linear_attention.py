@@ -21,8 +21,15 @@ from parity.record.trace import Trace
 from reference_pairs.common.linear_attention import l2norm, recurrent_gated_delta_rule
 
 FACTS = ArchFacts(
-    model_type="synthetic", vocab_size=16, hidden_size=8, intermediate_size=16, num_layers=2, num_heads=2,
-    num_kv_heads=2, head_dim=4, chunk_size=8,
+    model_type="synthetic",
+    vocab_size=16,
+    hidden_size=8,
+    intermediate_size=16,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=2,
+    head_dim=4,
+    chunk_size=8,
     layers=tuple(LayerFacts(i, t, None, None, 4, 2, 0.5) for i, t in enumerate((LINEAR, FULL))),
 )
 GEN = torch.Generator().manual_seed(0)
@@ -32,8 +39,15 @@ GEN = torch.Generator().manual_seed(0)
 CONV_FACTS = replace(FACTS, conv_kernel=4)
 
 
-def hint(ours: dict, ref: dict, batch: int = 2, seq: int = 12, facts: ArchFacts = FACTS, attention_mask=None,
-         kinds: dict | None = None):
+def hint(
+    ours: dict,
+    ref: dict,
+    batch: int = 2,
+    seq: int = 12,
+    facts: ArchFacts = FACTS,
+    attention_mask=None,
+    kinds: dict | None = None,
+):
     """The hint of the first failing node; ``ours``/``ref``: node name -> tensor, in execution order;
     ``kinds``: node name -> kind where the name does not say it (a decode check's cache parts)."""
     nodes = annotate([NodeSpec(name, name, kind=(kinds or {}).get(name, "")) for name in ref], facts)
@@ -57,7 +71,9 @@ def test_a_shifted_sequence_is_named_with_its_shift():
 def test_no_shift_is_read_into_a_node_without_a_sequence_axis():
     state = torch.randn(2, 2, 12, 4, generator=GEN)  # (batch, heads, d_k, d_v): axis 2 is not the sequence
     ours = torch.cat([state[:, 1:], state[:, :1]], dim=1)  # heads rotated: ours[h] = ref[h + 1]
-    h = hint({"model.layers.0.linear_attn.recurrent_state": ours}, {"model.layers.0.linear_attn.recurrent_state": state})
+    h = hint(
+        {"model.layers.0.linear_attn.recurrent_state": ours}, {"model.layers.0.linear_attn.recurrent_state": state}
+    )
     assert h is None or h.kind != "sequence_shift"
 
 
@@ -89,12 +105,18 @@ def test_a_swapped_activation_is_named_from_its_input():
     ref = {"model.layers.0.linear_attn.in_proj_b": b, "model.layers.0.linear_attn.beta": torch.sigmoid(b)}
     h = hint({"model.layers.0.linear_attn.beta": F.softplus(b)}, ref)
     assert h.kind == "activation" and h.evidence == {
-        "ours": "softplus", "reference": "sigmoid", "input": "model.layers.0.linear_attn.in_proj_b"}
+        "ours": "softplus",
+        "reference": "sigmoid",
+        "input": "model.layers.0.linear_attn.in_proj_b",
+    }
 
 
 def test_an_affine_change_is_not_an_activation():
     b = torch.randn(2, 12, 3, generator=GEN)
-    h = hint({"model.layers.0.linear_attn.beta": torch.sigmoid(b) + 0.25}, {"model.layers.0.linear_attn.beta": torch.sigmoid(b)})
+    h = hint(
+        {"model.layers.0.linear_attn.beta": torch.sigmoid(b) + 0.25},
+        {"model.layers.0.linear_attn.beta": torch.sigmoid(b)},
+    )
     assert h is None or h.kind != "activation"
 
 
@@ -105,11 +127,18 @@ def test_only_the_first_kernel_minus_one_positions_of_a_continued_call_are_the_c
     x = torch.randn(2, 6, 8, generator=GEN)
     ours = x.clone()
     ours[:, :3] += 0.1  # the outputs whose window reaches into the previous call's inputs
-    h = hint({"step2/model.layers.0.linear_attn.conv_out": ours}, {"step2/model.layers.0.linear_attn.conv_out": x},
-             seq=6, facts=CONV_FACTS)
+    h = hint(
+        {"step2/model.layers.0.linear_attn.conv_out": ours},
+        {"step2/model.layers.0.linear_attn.conv_out": x},
+        seq=6,
+        facts=CONV_FACTS,
+    )
     assert h.kind == "conv_state" and h.evidence == {"conv_kernel": 4, "positions": [0, 1, 2], "step": 2}
     # the first call of a sequence has no cached inputs; an error reaching position 3 is not the cache's
-    for name, bad in (("step0/model.layers.0.linear_attn.conv_out", 3), ("step2/model.layers.0.linear_attn.conv_out", 4)):
+    for name, bad in (
+        ("step0/model.layers.0.linear_attn.conv_out", 3),
+        ("step2/model.layers.0.linear_attn.conv_out", 4),
+    ):
         ours = x.clone()
         ours[:, :bad] += 0.1
         h = hint({name: ours}, {name: x}, seq=6, facts=CONV_FACTS)
@@ -117,15 +146,24 @@ def test_only_the_first_kernel_minus_one_positions_of_a_continued_call_are_the_c
     # nor on a full-attention layer's node
     ours = x.clone()
     ours[:, :3] += 0.1
-    h = hint({"step2/model.layers.1.self_attn.o_proj": ours}, {"step2/model.layers.1.self_attn.o_proj": x}, seq=6,
-             facts=CONV_FACTS)
+    h = hint(
+        {"step2/model.layers.1.self_attn.o_proj": ours},
+        {"step2/model.layers.1.self_attn.o_proj": x},
+        seq=6,
+        facts=CONV_FACTS,
+    )
     assert h is None or h.kind != "conv_state"
 
 
 def test_a_cached_conv_state_shifted_or_never_stored_is_named():
-    name, kinds = "step0/model.layers.0.linear_attn.cache.conv_state", {"step0/model.layers.0.linear_attn.cache.conv_state": "cache.conv_state"}
+    name, kinds = (
+        "step0/model.layers.0.linear_attn.cache.conv_state",
+        {"step0/model.layers.0.linear_attn.cache.conv_state": "cache.conv_state"},
+    )
     ref = torch.randn(2, 8, 4, generator=GEN)  # (batch, channels, K)
-    older = torch.cat([torch.randn(2, 8, 1, generator=GEN), ref[..., :-1]], dim=-1)  # slot j holds the reference's j - 1
+    older = torch.cat(
+        [torch.randn(2, 8, 1, generator=GEN), ref[..., :-1]], dim=-1
+    )  # slot j holds the reference's j - 1
     h = hint({name: older}, {name: ref}, facts=CONV_FACTS, kinds=kinds)
     assert h.kind == "conv_state" and h.evidence == {"shift": 1, "held": 4} and "1 token older" in h.text
     newer = torch.cat([ref[..., 2:], torch.randn(2, 8, 2, generator=GEN)], dim=-1)
@@ -157,15 +195,23 @@ def _rule_inputs(b=2, s=5, h=2, d_k=4, d_v=4):
 
 def _rule(q, k, mixed, g, beta, state):
     b, s, h, _ = q.shape
-    v = mixed[..., -h * 4:].reshape(b, s, h, 4)
-    o, _ = recurrent_gated_delta_rule(*(t.transpose(1, 2) for t in (q, k, v)), g.transpose(1, 2), beta.transpose(1, 2), state)
+    v = mixed[..., -h * 4 :].reshape(b, s, h, 4)
+    o, _ = recurrent_gated_delta_rule(
+        *(t.transpose(1, 2) for t in (q, k, v)), g.transpose(1, 2), beta.transpose(1, 2), state
+    )
     return o.transpose(1, 2)  # (b, s, h, d_v): the layout of delta_out
 
 
 def test_a_continued_call_computed_from_a_zero_state_is_the_state_not_carried():
     q, k, mixed, g, beta = _rule_inputs()
     stem = "step1/model.layers.0.linear_attn"
-    inputs = {f"{stem}.q_l2norm": q, f"{stem}.k_l2norm": k, f"{stem}.conv_out": mixed, f"{stem}.g": g, f"{stem}.beta": beta}
+    inputs = {
+        f"{stem}.q_l2norm": q,
+        f"{stem}.k_l2norm": k,
+        f"{stem}.conv_out": mixed,
+        f"{stem}.g": g,
+        f"{stem}.beta": beta,
+    }
     carried = _rule(q, k, mixed, g, beta, torch.randn(2, 2, 4, 4, generator=GEN))
     from_zero = _rule(q, k, mixed, g, beta, None)
     h = hint({f"{stem}.delta_out": from_zero}, {**inputs, f"{stem}.delta_out": carried}, seq=5, facts=CONV_FACTS)
@@ -174,8 +220,12 @@ def test_a_continued_call_computed_from_a_zero_state_is_the_state_not_carried():
     h = hint({f"{stem}.delta_out": carried * 1.1}, {**inputs, f"{stem}.delta_out": carried}, seq=5, facts=CONV_FACTS)
     assert h is None or h.kind != "state_not_carried"
     first = {name.replace("step1/", "step0/"): t for name, t in inputs.items()}
-    h = hint({"step0/model.layers.0.linear_attn.delta_out": from_zero},
-             {**first, "step0/model.layers.0.linear_attn.delta_out": carried}, seq=5, facts=CONV_FACTS)
+    h = hint(
+        {"step0/model.layers.0.linear_attn.delta_out": from_zero},
+        {**first, "step0/model.layers.0.linear_attn.delta_out": carried},
+        seq=5,
+        facts=CONV_FACTS,
+    )
     assert h is None or h.kind != "state_not_carried"
 
 
@@ -187,14 +237,18 @@ def test_only_padding_differing_in_a_continued_chunk_is_padding():
     ref[1, :2] = 0  # the reference zeroes its padding
     name = "step1/model.layers.0.linear_attn.in_proj_qkv"
     h = hint({name: x}, {name: ref}, seq=4, facts=CONV_FACTS, attention_mask=mask)
-    assert h.kind == "padding" and h.evidence == {"batch_rows": [1], "positions": [0, 1], "reference_zero": True, "step": 1}
+    assert h.kind == "padding" and h.evidence == {
+        "batch_rows": [1],
+        "positions": [0, 1],
+        "reference_zero": True,
+        "step": 1,
+    }
     ours = x.clone()
     ours[0, 3] += 1.0  # a real token differs too: not (only) padding
     h = hint({name: ours}, {name: ref}, seq=4, facts=CONV_FACTS, attention_mask=mask)
     assert h is None or h.kind != "padding"
     h = hint({name: x}, {name: ref}, seq=4, facts=CONV_FACTS, attention_mask=None)  # no padding in the run
     assert h is None or h.kind != "padding"
-
 
 
 def _rounding_evidence(atol: float | None, bend: float = 0.0):

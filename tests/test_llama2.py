@@ -35,11 +35,26 @@ def without_dtype(cfg: dict) -> dict:
 
 # meta-llama/Llama-2-7b-hf config.json as shipped (legacy rope fields, no head_dim)
 RELEASED_7B = {
-    "architectures": ["LlamaForCausalLM"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
-    "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 11008, "max_position_embeddings": 4096,
-    "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 32,
-    "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_scaling": None, "tie_word_embeddings": False,
-    "torch_dtype": "float16", "transformers_version": "4.31.0.dev0", "use_cache": True, "vocab_size": 32000,
+    "architectures": ["LlamaForCausalLM"],
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 11008,
+    "max_position_embeddings": 4096,
+    "model_type": "llama",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 32,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float16",
+    "transformers_version": "4.31.0.dev0",
+    "use_cache": True,
+    "vocab_size": 32000,
 }
 
 
@@ -48,7 +63,11 @@ def test_llama2_is_data_on_the_llama3_family():
 
     assert get_family("llama2") is FAMILY
     assert (FAMILY.model_class, FAMILY.weights, FAMILY.nodes, FAMILY.from_hf) == (
-        LLAMA3.model_class, LLAMA3.weights, LLAMA3.nodes, LLAMA3.from_hf)
+        LLAMA3.model_class,
+        LLAMA3.weights,
+        LLAMA3.nodes,
+        LLAMA3.from_hf,
+    )
     assert set(FAMILY.configs) == {"tiny", "7b-shape"} and FAMILY.real_configs == ("7b-shape",)
     assert FAMILY.exact_dtypes == (torch.float32, torch.bfloat16)
 
@@ -56,7 +75,9 @@ def test_llama2_is_data_on_the_llama3_family():
 def test_7b_shape_is_the_released_config_json():
     from transformers import LlamaConfig
 
-    assert without_dtype(from_hf(LlamaConfig.from_dict(dict(RELEASED_7B)), torch.float32)) == without_dtype(CONFIGS["7b-shape"](32))
+    assert without_dtype(from_hf(LlamaConfig.from_dict(dict(RELEASED_7B)), torch.float32)) == without_dtype(
+        CONFIGS["7b-shape"](32)
+    )
     cfg = CONFIGS["7b-shape"]()
     assert cfg["n_layers"] == 2 and cfg["n_kv_heads"] == cfg["n_heads"] and cfg["rope_freq"] is None
 
@@ -81,8 +102,16 @@ def test_parity_from_saved_checkpoint(sharded, checkpoint_of):
 
 
 def test_released_config_json_with_legacy_rope_fields(tmp_path):
-    config = {**RELEASED_7B, "hidden_size": 48, "intermediate_size": 96, "num_attention_heads": 4,
-              "num_key_value_heads": 4, "num_hidden_layers": 2, "vocab_size": 257, "rope_theta": 10000.0}
+    config = {
+        **RELEASED_7B,
+        "hidden_size": 48,
+        "intermediate_size": 96,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "num_hidden_layers": 2,
+        "vocab_size": 257,
+        "rope_theta": 10000.0,
+    }
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     pair = build_pair(config=str(path))
@@ -91,7 +120,10 @@ def test_released_config_json_with_legacy_rope_fields(tmp_path):
 
 
 def test_linear_rope_scaling_is_refused_by_name(tmp_path, capsys):
-    config = {**to_hf(CONFIGS["tiny"]()).to_dict(), "rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}
+    config = {
+        **to_hf(CONFIGS["tiny"]()).to_dict(),
+        "rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0},
+    }
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     with pytest.raises(ConfigError, match="rope_type 'linear'"):
@@ -109,5 +141,10 @@ def test_cli_check_passes(tmp_path, capsys):
 def test_parity_at_7b_widths():
     """About 2.7 GB of float32 weights for 2 layers: run under the memory lock."""
     pair = build_pair("7b-shape")
-    assert (pair.source.cfg["emb_dim"], pair.source.cfg["n_heads"], pair.source.cfg["n_kv_heads"], pair.source.cfg["hidden_dim"]) == (4096, 32, 32, 11_008)
+    assert (
+        pair.source.cfg["emb_dim"],
+        pair.source.cfg["n_heads"],
+        pair.source.cfg["n_kv_heads"],
+        pair.source.cfg["hidden_dim"],
+    ) == (4096, 32, 32, 11_008)
     assert_exact(pair)

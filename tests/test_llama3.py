@@ -51,23 +51,49 @@ def without_dtype(cfg: dict) -> dict:
 # --- the released configs (meta-llama/Llama-3.2-1B and -3B config.json, legacy rope_scaling form)
 
 RELEASED_1B = {
-    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-    "bos_token_id": 128000, "eos_token_id": 128001, "head_dim": 64, "hidden_act": "silu",
-    "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 8192,
-    "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama",
-    "num_attention_heads": 32, "num_hidden_layers": 16, "num_key_value_heads": 8, "pretraining_tp": 1,
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 8192,
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "model_type": "llama",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 16,
+    "num_key_value_heads": 8,
+    "pretraining_tp": 1,
     "rms_norm_eps": 1e-05,
-    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-    "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
-    "transformers_version": "4.45.0.dev0", "use_cache": True, "vocab_size": 128256,
+    "rope_scaling": {
+        "factor": 32.0,
+        "high_freq_factor": 4.0,
+        "low_freq_factor": 1.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.45.0.dev0",
+    "use_cache": True,
+    "vocab_size": 128256,
 }
 RELEASED_3B = {**RELEASED_1B, "head_dim": 128, "hidden_size": 3072, "num_attention_heads": 24, "num_hidden_layers": 28}
 # meta-llama/Llama-3.1-8B: no head_dim key (4096 / 32), an untied head, llama3 factor 8
 RELEASED_8B = {
-    **{k: v for k, v in RELEASED_1B.items() if k != "head_dim"}, "hidden_size": 4096, "intermediate_size": 14336,
-    "num_attention_heads": 32, "num_hidden_layers": 32, "tie_word_embeddings": False,
-    "rope_scaling": {**RELEASED_1B["rope_scaling"], "factor": 8.0}, "transformers_version": "4.43.0.dev0",
+    **{k: v for k, v in RELEASED_1B.items() if k != "head_dim"},
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "tie_word_embeddings": False,
+    "rope_scaling": {**RELEASED_1B["rope_scaling"], "factor": 8.0},
+    "transformers_version": "4.43.0.dev0",
 }
 
 
@@ -109,10 +135,21 @@ def test_llama3_inv_freq_matches_transformers_bitwise(head_dim, base, factor, lo
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    params = dict(rope_type="llama3", rope_theta=base, factor=factor, low_freq_factor=low, high_freq_factor=high,
-                  original_max_position_embeddings=orig)
-    config = LlamaConfig(hidden_size=2 * head_dim, num_attention_heads=2, head_dim=head_dim,
-                         max_position_embeddings=int(orig * factor), rope_parameters=params)
+    params = dict(
+        rope_type="llama3",
+        rope_theta=base,
+        factor=factor,
+        low_freq_factor=low,
+        high_freq_factor=high,
+        original_max_position_embeddings=orig,
+    )
+    config = LlamaConfig(
+        hidden_size=2 * head_dim,
+        num_attention_heads=2,
+        head_dim=head_dim,
+        max_position_embeddings=int(orig * factor),
+        rope_parameters=params,
+    )
     theirs, scaling = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
     assert scaling == 1.0
     torch.testing.assert_close(llama3_inv_freq(head_dim, base, factor, low, high, orig), theirs, atol=0, rtol=0)
@@ -183,7 +220,9 @@ def test_legacy_rope_scaling_config_json_as_meta_ships_it(checkpoint_of):
     config["rope_scaling"] = rope
     (directory / "config.json").write_text(json.dumps(config))
     pair = build_pair(checkpoint=directory)
-    assert pair.source.cfg["rope_freq"] == original.source.cfg["rope_freq"] and pair.source.cfg["rope_base"] == 500_000.0
+    assert (
+        pair.source.cfg["rope_freq"] == original.source.cfg["rope_freq"] and pair.source.cfg["rope_base"] == 500_000.0
+    )
     assert_holds(pair)
 
 
@@ -193,7 +232,9 @@ def test_legacy_rope_scaling_config_json_as_meta_ships_it(checkpoint_of):
 def test_skipped_llama3_frequency_scaling_is_found_at_layer0_q_rot(monkeypatch):
     pair = build_pair("tiny")
     monkeypatch.setattr(
-        llama3_model, "rope_parameters", lambda cfg: {"full_attention": {"rope_type": "default", "rope_theta": cfg["rope_base"]}}
+        llama3_model,
+        "rope_parameters",
+        lambda cfg: {"full_attention": {"rope_type": "default", "rope_theta": cfg["rope_base"]}},
     )
     bad = first_bad(pair)
     assert bad.name == "model.layers.0.self_attn.q_rot"
@@ -289,14 +330,19 @@ def test_dropped_key_raises_naming_it(loader_case):
 def test_extra_key_raises_naming_it(loader_case):
     model, cfg, sd = loader_case
     sd["model.layers.2.mlp.up_proj.weight"] = sd["model.layers.1.mlp.up_proj.weight"]  # a deeper checkpoint
-    with pytest.raises(LoaderError, match=r"checkpoint keys mapped to no parameter of ours: model\.layers\.2\.mlp\.up_proj\.weight -> blocks\.2\.ff\.fc2\.weight"):
+    with pytest.raises(
+        LoaderError,
+        match=r"checkpoint keys mapped to no parameter of ours: model\.layers\.2\.mlp\.up_proj\.weight -> blocks\.2\.ff\.fc2\.weight",
+    ):
         load_weights_into_llama3(model, cfg, sd)
 
 
 def test_wrong_shape_raises_naming_the_key_and_both_shapes(loader_case):
     model, cfg, sd = loader_case
     sd["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(64, 48)  # MHA-sized K: 4 heads instead of 2
-    with pytest.raises(LoaderError, match=r"model\.layers\.0\.self_attn\.k_proj\.weight: checkpoint \(64, 48\), expected \(32, 48\)"):
+    with pytest.raises(
+        LoaderError, match=r"model\.layers\.0\.self_attn\.k_proj\.weight: checkpoint \(64, 48\), expected \(32, 48\)"
+    ):
         load_weights_into_llama3(model, cfg, sd)
 
 
@@ -334,12 +380,23 @@ def test_dropped_key_in_a_checkpoint_raises_through_build_pair(checkpoint_of):
 @pytest.mark.parametrize(
     "change, field",
     [
-        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0,
-                              "original_max_position_embeddings": 256}}, "rope_type 'yarn'"),
+        (
+            {
+                "rope_parameters": {
+                    "rope_type": "yarn",
+                    "rope_theta": 5e5,
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 256,
+                }
+            },
+            "rope_type 'yarn'",
+        ),
         ({"rope_parameters": {"rope_type": "linear", "rope_theta": 5e5, "factor": 4.0}}, "rope_type 'linear'"),
         ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 5e5, "factor": 4.0}}, "rope_type 'dynamic'"),
-        ({"rope_parameters": {"rope_type": "default", "rope_theta": 5e5, "partial_rotary_factor": 0.5}},
-         "partial_rotary_factor"),
+        (
+            {"rope_parameters": {"rope_type": "default", "rope_theta": 5e5, "partial_rotary_factor": 0.5}},
+            "partial_rotary_factor",
+        ),
         ({"attention_bias": True}, "attention_bias"),
         ({"mlp_bias": True}, "mlp_bias"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
@@ -397,7 +454,9 @@ def test_cli_check_passes(tmp_path, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, emb, head_dim", [("1b-shape", 2048, 64), ("3b-shape", 3072, 128), ("8b-shape", 4096, 128)])
+@pytest.mark.parametrize(
+    "name, emb, head_dim", [("1b-shape", 2048, 64), ("3b-shape", 3072, 128), ("8b-shape", 4096, 128)]
+)
 def test_parity_at_real_widths(name, emb, head_dim):
     pair = build_pair(name)
     assert (pair.source.cfg["emb_dim"], pair.source.cfg["head_dim"], pair.source.cfg["n_layers"]) == (emb, head_dim, 2)

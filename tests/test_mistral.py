@@ -37,11 +37,26 @@ def without_dtype(cfg: dict) -> dict:
 
 # mistralai/Mistral-7B-v0.1 config.json as shipped
 RELEASED_7B = {
-    "architectures": ["MistralForCausalLM"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
-    "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 32768,
-    "model_type": "mistral", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
-    "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "sliding_window": 4096, "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16", "transformers_version": "4.34.0.dev0", "use_cache": True, "vocab_size": 32000,
+    "architectures": ["MistralForCausalLM"],
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 32768,
+    "model_type": "mistral",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 10000.0,
+    "sliding_window": 4096,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.34.0.dev0",
+    "use_cache": True,
+    "vocab_size": 32000,
 }
 
 
@@ -56,7 +71,9 @@ def test_mistral_is_data_on_the_llama3_family():
 def test_7b_shape_is_the_released_config_json():
     from transformers import MistralConfig
 
-    assert without_dtype(from_hf(MistralConfig.from_dict(dict(RELEASED_7B)), torch.float32)) == without_dtype(CONFIGS["7b-shape"](32))
+    assert without_dtype(from_hf(MistralConfig.from_dict(dict(RELEASED_7B)), torch.float32)) == without_dtype(
+        CONFIGS["7b-shape"](32)
+    )
     cfg = CONFIGS["7b-shape"]()
     assert cfg["n_layers"] == 2 and cfg["layer_types"] == [SLIDING, SLIDING] and cfg["sliding_window"] == 4096
 
@@ -108,8 +125,17 @@ def test_parity_from_saved_checkpoint(sharded, checkpoint_of):
     [
         ({"sliding_window": 0}, "sliding_window is 0"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
-        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
-                              "original_max_position_embeddings": 64}}, "rope_type 'yarn'"),
+        (
+            {
+                "rope_parameters": {
+                    "rope_type": "yarn",
+                    "rope_theta": 1e4,
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                }
+            },
+            "rope_type 'yarn'",
+        ),
     ],
     ids=["window-0", "gelu", "yarn"],
 )
@@ -133,6 +159,10 @@ def test_parity_at_7b_widths():
     """About 2.8 GB of float32 weights for 2 layers: run under the memory lock. 64 tokens do not reach
     the 4096 window (the check says so in a note); the tiny config exercises it."""
     pair = build_pair("7b-shape")
-    assert (pair.source.cfg["emb_dim"], pair.source.cfg["n_kv_heads"], pair.source.cfg["sliding_window"]) == (4096, 8, 4096)
+    assert (pair.source.cfg["emb_dim"], pair.source.cfg["n_kv_heads"], pair.source.cfg["sliding_window"]) == (
+        4096,
+        8,
+        4096,
+    )
     res = assert_exact(pair)
     assert any("window" in note for note in res.notes)

@@ -137,10 +137,25 @@ def test_isolated_mode_survives_a_node_of_another_shape():
 # found by the property tests: qwen3_5's output gate is a per-head chunk of q_proj (a strided view);
 # substituted packed, ours' sigmoid took CPU's other kernel and o_proj was one ulp off in isolated mode only
 QWEN3_5_ONE_HEAD = {
-    "rms_norm_eps": 4.5399929762484854e-05, "activation": "silu", "attention_bias": False, "tie_word_embeddings": False,
-    "rope_base": 1096.6331584284585, "partial_rotary_factor": 0.25, "linear_conv_kernel_dim": 2, "vocab_size": 16,
-    "context_length": 4096, "emb_dim": 8, "n_heads": 1, "n_kv_heads": 1, "head_dim": 8, "hidden_dim": 8, "n_layers": 1,
-    "linear_num_key_heads": 1, "linear_num_value_heads": 1, "linear_key_head_dim": 2, "linear_value_head_dim": 2,
+    "rms_norm_eps": 4.5399929762484854e-05,
+    "activation": "silu",
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+    "rope_base": 1096.6331584284585,
+    "partial_rotary_factor": 0.25,
+    "linear_conv_kernel_dim": 2,
+    "vocab_size": 16,
+    "context_length": 4096,
+    "emb_dim": 8,
+    "n_heads": 1,
+    "n_kv_heads": 1,
+    "head_dim": 8,
+    "hidden_dim": 8,
+    "n_layers": 1,
+    "linear_num_key_heads": 1,
+    "linear_num_value_heads": 1,
+    "linear_key_head_dim": 2,
+    "linear_value_head_dim": 2,
     "layer_types": ["full_attention"],
 }
 

@@ -29,9 +29,24 @@ from reference_pairs.common.moe import SparseMoE
 def moe_config(**kw):
     from transformers import Qwen3MoeConfig
 
-    return Qwen3MoeConfig(**{**dict(hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=4,
-                                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=16,
-                                    num_experts_per_tok=8, norm_topk_prob=True, vocab_size=64), **kw})
+    return Qwen3MoeConfig(
+        **{
+            **dict(
+                hidden_size=32,
+                intermediate_size=48,
+                moe_intermediate_size=16,
+                num_hidden_layers=4,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=8,
+                num_experts=16,
+                num_experts_per_tok=8,
+                norm_topk_prob=True,
+                vocab_size=64,
+            ),
+            **kw,
+        }
+    )
 
 
 # --- the block, against Transformers' own
@@ -49,9 +64,15 @@ def _block_pair(dtype, norm_topk_prob=True):
             p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
     ours = SparseMoE(32, 16, 16, 8, norm_topk_prob=norm_topk_prob, dtype=dtype)
     sd = {"gate.weight": ref.gate.weight, "gate_up": ref.experts.gate_up_proj, "down": ref.experts.down_proj}
-    apply_weight_table(ours, sd, {"gate.weight": "gate.weight",
-                                  "gate_up": Split(("experts.{e}.fc1.weight", "experts.{e}.fc2.weight")),
-                                  "down": Split(("experts.{e}.fc3.weight",))})
+    apply_weight_table(
+        ours,
+        sd,
+        {
+            "gate.weight": "gate.weight",
+            "gate_up": Split(("experts.{e}.fc1.weight", "experts.{e}.fc2.weight")),
+            "down": Split(("experts.{e}.fc3.weight",)),
+        },
+    )
     return ours, ref
 
 
@@ -89,8 +110,13 @@ class _Fused(nn.Module):
 def test_split_without_experts_assigns_views_and_coverage_sees_every_element_once():
     model = _Fused()
     qk = torch.randn(6, 4)
-    assert apply_weight_table(model, {"qk": qk}, {"qk": Split(("q.weight", "k.weight"))}) == {"qk": "q.weight .. k.weight (2 views)"}
-    assert torch.equal(model.k.weight, qk[3:]) and model.k.weight.untyped_storage().data_ptr() == qk.untyped_storage().data_ptr()
+    assert apply_weight_table(model, {"qk": qk}, {"qk": Split(("q.weight", "k.weight"))}) == {
+        "qk": "q.weight .. k.weight (2 views)"
+    }
+    assert (
+        torch.equal(model.k.weight, qk[3:])
+        and model.k.weight.untyped_storage().data_ptr() == qk.untyped_storage().data_ptr()
+    )
     built = parameter_storages(model)
     cov = loader_coverage(model, {"qk": qk}, built=built)
     assert cov.ok and [s.region for s in cov.sources["k.weight"]] == ["[3:6, :]"]
@@ -124,7 +150,9 @@ def test_a_path_may_name_an_output_item():
     x = torch.randn(3, 5)
     with recording(model, [("whole", "0"), ("chosen", "0#1"), ("total", "0#2")]) as trace:
         model(x)
-    assert torch.equal(trace.tensors["whole"], x * 2) and torch.equal(trace.tensors["chosen"], x.argmax(-1, keepdim=True))
+    assert torch.equal(trace.tensors["whole"], x * 2) and torch.equal(
+        trace.tensors["chosen"], x.argmax(-1, keepdim=True)
+    )
     assert torch.equal(trace.tensors["total"], x.sum(-1))
     substitute = Trace(tensors={"chosen": torch.zeros(3, 1, dtype=torch.int64)})
     with recording(model, [("chosen", "0#1")], substitute=substitute):
@@ -141,10 +169,14 @@ def test_integer_nodes_are_compared_exactly():
     other = torch.tensor([[0, 1], [2, 1], [0, 1]])
     res = compare_node(spec, 0, other, chosen, Tolerances(atol=1.0), scores=scores)
     assert res.status == CHOICE and res.failed and res.max_abs is None
-    assert res.detail.startswith("2 of 3 rows choose differently (rows 1, 2); 1 of them the same values in another order")
+    assert res.detail.startswith(
+        "2 of 3 rows choose differently (rows 1, 2); 1 of them the same values in another order"
+    )
     found = choice_margins(other, chosen, scores)
     assert found["rows"] == [1, 2] and found["same_set"] == [2]
-    assert found["margins"][0] < 1e-6 and found["margins"][1] == 1.0  # row 1: a near-tie between experts 3 and 1 (row 2: a swap)
+    assert (
+        found["margins"][0] < 1e-6 and found["margins"][1] == 1.0
+    )  # row 1: a near-tie between experts 3 and 1 (row 2: a swap)
 
 
 def test_choice_hint_tells_a_near_tie_from_a_real_difference():
@@ -152,7 +184,9 @@ def test_choice_hint_tells_a_near_tie_from_a_real_difference():
     ref, ours = torch.tensor([[2, 3]]), torch.tensor([[2, 1]])
     trace_ref = Trace(tensors={"g": scores, "c": ref})
     result = compare_node(NodeSpec("c", "c", chosen_from="g"), 0, ours, ref, Tolerances(), scores=scores)
-    e = Evidence(result, ours, ref, Trace(tensors={"c": ours}), trace_ref, derive_facts(moe_config()), torch.arange(1)[None])
+    e = Evidence(
+        result, ours, ref, Trace(tensors={"c": ours}), trace_ref, derive_facts(moe_config()), torch.arange(1)[None]
+    )
     hint = choice(e, NodeSpec("c", "c", chosen_from="g"))
     assert hint.kind == "routing" and "near-ties" in hint.text and "(row 0, position 0)" in hint.text
     far = torch.tensor([[0.0, 1.0, 5.0, 4.0]])
@@ -165,7 +199,11 @@ def test_renormalised_rows_are_named():
     renormalised = probs / probs.sum(-1, keepdim=True)
     result = compare_node(NodeSpec("w", "w"), 0, renormalised, probs, Tolerances())
     hint = row_normalisation(Evidence(result, renormalised, probs, Trace(), Trace(), derive_facts(moe_config())))
-    assert hint.kind == "renormalisation" and hint.evidence["ours_sums_to_one"] and not hint.evidence["reference_sums_to_one"]
+    assert (
+        hint.kind == "renormalisation"
+        and hint.evidence["ours_sums_to_one"]
+        and not hint.evidence["reference_sums_to_one"]
+    )
     constant = probs * 2  # one factor everywhere is a scale, not a normalisation
     assert row_normalisation(Evidence(result, constant, probs, Trace(), Trace(), derive_facts(moe_config()))) is None
 
@@ -189,12 +227,19 @@ def test_facts_know_which_layers_are_sparse():
 
 
 def test_node_map_expands_experts_on_sparse_layers_only():
-    nodes = NodeMap(per_layer=[
-        Node("model.layers.{i}.mlp.experts.{e}", "blocks.{i}.ff.experts.{e}", sparse=True, kind="expert"),
-        Node("model.layers.{i}.mlp.down_proj", "blocks.{i}.ff.fc3", sparse=False),
-        Node("model.layers.{i}.mlp.router.experts", "blocks.{i}.ff.router.experts", reference="model.layers.{i}.mlp.gate#2",
-             sparse=True, chosen_from="model.layers.{i}.mlp.gate"),
-    ]).expand(derive_facts(moe_config(num_experts=3, num_experts_per_tok=2, mlp_only_layers=[0, 2])))
+    nodes = NodeMap(
+        per_layer=[
+            Node("model.layers.{i}.mlp.experts.{e}", "blocks.{i}.ff.experts.{e}", sparse=True, kind="expert"),
+            Node("model.layers.{i}.mlp.down_proj", "blocks.{i}.ff.fc3", sparse=False),
+            Node(
+                "model.layers.{i}.mlp.router.experts",
+                "blocks.{i}.ff.router.experts",
+                reference="model.layers.{i}.mlp.gate#2",
+                sparse=True,
+                chosen_from="model.layers.{i}.mlp.gate",
+            ),
+        ]
+    ).expand(derive_facts(moe_config(num_experts=3, num_experts_per_tok=2, mlp_only_layers=[0, 2])))
     names = [n.name for n in nodes]
     assert names[:2] == ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.experts.0"]
     assert names.count("model.layers.3.mlp.experts.2") == 1 and "model.layers.2.mlp.experts.0" not in names
@@ -228,7 +273,9 @@ def test_each_expert_node_is_the_references_own_expert_on_its_tokens():
         # rows in another order are another computation
         _, tokens = torch.where((chosen == e).T)
         gate, up = nn.functional.linear(x[tokens], experts.gate_up_proj[e]).chunk(2, -1)
-        expected = torch.zeros_like(out).index_add_(0, tokens, nn.functional.linear(experts.act_fn(gate) * up, experts.down_proj[e]))
+        expected = torch.zeros_like(out).index_add_(
+            0, tokens, nn.functional.linear(experts.act_fn(gate) * up, experts.down_proj[e])
+        )
         assert torch.equal(out, expected)
     assert res.passed
 
@@ -241,8 +288,14 @@ def test_checkpoint_conversion_merges_per_expert_tensors_into_the_models_layout(
     config = moe_config(num_experts=3, num_experts_per_tok=2, num_hidden_layers=1)
     gate = [torch.randn(16, 32) for _ in range(3)]
     up = [torch.randn(16, 32) for _ in range(3)]
-    sd = {f"model.layers.0.mlp.experts.{e}.{name}.weight": t[e] for e in range(3) for name, t in (("gate_proj", gate), ("up_proj", up))}
+    sd = {
+        f"model.layers.0.mlp.experts.{e}.{name}.weight": t[e]
+        for e in range(3)
+        for name, t in (("gate_proj", gate), ("up_proj", up))
+    }
     sd["model.norm.weight"] = norm = torch.ones(32)
     out, notes = model_naming(Qwen3MoeForCausalLM, config, sd)
-    assert torch.equal(out["model.layers.0.mlp.experts.gate_up_proj"], torch.stack([torch.cat([g, u]) for g, u in zip(gate, up)]))
+    assert torch.equal(
+        out["model.layers.0.mlp.experts.gate_up_proj"], torch.stack([torch.cat([g, u]) for g, u in zip(gate, up)])
+    )
     assert out["model.norm.weight"] is norm and len(notes) == 1 and "(6 tensors): merged into" in notes[0]

@@ -30,8 +30,14 @@ def test_loader_writes_every_parameter_without_copying():
 @pytest.mark.parametrize(
     "edit, message",
     [
-        (lambda sd: sd.pop("model.layers.2.mlp.up_proj.weight"), "missing checkpoint keys: model.layers.2.mlp.up_proj.weight"),
-        (lambda sd: sd.__setitem__("model.layers.9.extra.weight", torch.zeros(1)), "unused checkpoint keys: model.layers.9.extra.weight"),
+        (
+            lambda sd: sd.pop("model.layers.2.mlp.up_proj.weight"),
+            "missing checkpoint keys: model.layers.2.mlp.up_proj.weight",
+        ),
+        (
+            lambda sd: sd.__setitem__("model.layers.9.extra.weight", torch.zeros(1)),
+            "unused checkpoint keys: model.layers.9.extra.weight",
+        ),
         (
             lambda sd: sd.__setitem__("model.layers.0.self_attn.k_norm.weight", torch.ones(32)),
             "shape mismatch for model.layers.0.self_attn.k_norm.weight: checkpoint (32,), expected (16,)",

@@ -54,9 +54,15 @@ def _faulty_pair():
 def test_selftest_output_keeps_every_name_whole(width):
     family = get_family("llama3")
     rows = [
-        SelftestRow(f, f.expected if i else "model.layers.1.self_attn.k_proj", f.isolated_expected, [],
-                    "likely swapped or misassigned weights: ours matches the reference's model.layers.0.mlp.up_proj instead",
-                    f.hint, [] if i else ["chained: expected x"])
+        SelftestRow(
+            f,
+            f.expected if i else "model.layers.1.self_attn.k_proj",
+            f.isolated_expected,
+            [],
+            "likely swapped or misassigned weights: ours matches the reference's model.layers.0.mlp.up_proj instead",
+            f.hint,
+            [] if i else ["chained: expected x"],
+        )
         for i, f in enumerate(family.faults)
     ]
     text = rendered(selftest_output(family, rows, Console(width=width, file=io.StringIO())), width)

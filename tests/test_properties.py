@@ -30,7 +30,7 @@ FAMILIES = sorted(families())
 
 def _call(family: str, cfg: dict, dtype: torch.dtype, source: str, check_kwargs: dict) -> str:
     shown = {k: v for k, v in cfg.items() if k != "dtype"}
-    build = (f"parity.build.build_pair(parity.model.registry.get_family({family!r}), config={shown!r}, dtype=torch.{str(dtype)[6:]})")
+    build = f"parity.build.build_pair(parity.model.registry.get_family({family!r}), config={shown!r}, dtype=torch.{str(dtype)[6:]})"
     if source != "config":
         shard = ', max_shard_size="20KB"' if source == "sharded" else ""
         build += f"  # then pair.reference.save_pretrained(dir{shard}) and build_pair(checkpoint=dir, dtype=...)"
@@ -43,8 +43,10 @@ def _refusal_is_one_line(error: Exception) -> None:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
-                                                HealthCheck.data_too_large])
+@settings(
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large],
+)
 @given(data=st.data())
 def test_generated_config_is_bit_exact_or_refused(family, data, tmp_path):
     fam = families()[family]
@@ -112,14 +114,17 @@ def test_user_models_hold_on_generated_configs(user_model, data):
     cfg = draw_config(fam.fields, fam.configs[fam.default_config](None), rng)
     batch = data.draw(st.integers(1, 2), label="batch")
     seq_len = data.draw(st.integers(2, 16), label="seq_len")
-    note(f"{fam.name} cfg {cfg!r}; check_model({user_model}.build, reference=FAMILY.to_hf(cfg), seq_len={seq_len}, batch_size={batch})")
+    note(
+        f"{fam.name} cfg {cfg!r}; check_model({user_model}.build, reference=FAMILY.to_hf(cfg), seq_len={seq_len}, batch_size={batch})"
+    )
     try:
         from parity.build.builder import to_reference_config, validated
 
         hf_config = to_reference_config(fam, {**cfg, "dtype": torch.float32})
         validated(fam, hf_config, torch.float32)
-        result = parity.check_model(module.build, reference=hf_config, seq_len=seq_len, batch_size=batch,
-                                    mode="both", calibrate=True)
+        result = parity.check_model(
+            module.build, reference=hf_config, seq_len=seq_len, batch_size=batch, mode="both", calibrate=True
+        )
     except parity.ParityError as e:
         _refusal_is_one_line(e)
         return

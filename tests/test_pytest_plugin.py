@@ -27,7 +27,9 @@ def test_failure_message_is_the_first_mismatch_table(parity_pair):
     with pytest.raises(AssertionError) as info:
         assert_parity(pair)
     message = str(info.value)
-    probs = next(n.index for n in parity.check(parity_pair("olmo3")).nodes if n.name == "model.layers.0.self_attn.probs")
+    probs = next(
+        n.index for n in parity.check(parity_pair("olmo3")).nodes if n.name == "model.layers.0.self_attn.probs"
+    )
     assert f"FAIL: first mismatch at node {probs} of {len(pair.nodes)}, model.layers.0.self_attn.probs" in message
     assert f">{probs}   model.layers.0.self_attn.probs" in message  # the failing row, marked, with its neighbours
     assert "model.layers.0.self_attn.k_rot" in message and "model.layers.0.self_attn.context" in message
@@ -64,8 +66,18 @@ def test_fine(parity_pair):
 
 def run_pytest(path, *args) -> int:
     """pytest in this process (no second interpreter to start) on the project at ``path``."""
-    return pytest.main([str(path), f"--rootdir={path}", "-c", str(path / "pytest.ini"), "--import-mode=importlib",
-                        "-p", "no:cacheprovider", *args])
+    return pytest.main(
+        [
+            str(path),
+            f"--rootdir={path}",
+            "-c",
+            str(path / "pytest.ini"),
+            "--import-mode=importlib",
+            "-p",
+            "no:cacheprovider",
+            *args,
+        ]
+    )
 
 
 @pytest.mark.slow  # a subprocess run of pytest/git (10-30 s): in .ci/run's `pytest -m slow`
@@ -82,7 +94,9 @@ def test_a_failing_parity_test_leaves_its_report_and_names_it(tmp_path, capsys):
     assert f"parity report: {folder}" in out and "1 failed, 1 passed" in out
 
     kept = tmp_path / "kept"
-    assert run_pytest(tmp_path, f"--parity-report-dir={kept}", "--parity-keep-reports", "-k", "fine") == pytest.ExitCode.OK
+    assert (
+        run_pytest(tmp_path, f"--parity-report-dir={kept}", "--parity-keep-reports", "-k", "fine") == pytest.ExitCode.OK
+    )
     (folder,) = kept.iterdir()
     assert folder.name.startswith("test_models-test_fine-") and (folder / "report.html").is_file()
 

@@ -36,26 +36,53 @@ def without_dtype(cfg: dict) -> dict:
 # --- the released configs (Qwen/Qwen3-0.6B and Qwen/Qwen3-8B config.json, pre-5.0 form)
 
 RELEASED_0_6B = {
-    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-    "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 1024,
-    "initializer_range": 0.02, "intermediate_size": 3072, "max_position_embeddings": 40960, "max_window_layers": 28,
-    "model_type": "qwen3", "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8,
-    "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
-    "tie_word_embeddings": True, "torch_dtype": "bfloat16", "transformers_version": "4.51.0", "use_cache": True,
-    "use_sliding_window": False, "vocab_size": 151936,
+    "architectures": ["Qwen3ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 1024,
+    "initializer_range": 0.02,
+    "intermediate_size": 3072,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 28,
+    "model_type": "qwen3",
+    "num_attention_heads": 16,
+    "num_hidden_layers": 28,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": None,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.51.0",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
 }
 RELEASED_8B = {
-    **RELEASED_0_6B, "hidden_size": 4096, "intermediate_size": 12288, "max_window_layers": 36,
-    "num_attention_heads": 32, "num_hidden_layers": 36, "tie_word_embeddings": False,
+    **RELEASED_0_6B,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "max_window_layers": 36,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 36,
+    "tie_word_embeddings": False,
 }
 
 
-@pytest.mark.parametrize("released, name, n_layers", [(RELEASED_0_6B, "0.6b-shape", 28), (RELEASED_8B, "8b-shape", 36)],
-                         ids=["0.6b", "8b"])
+@pytest.mark.parametrize(
+    "released, name, n_layers", [(RELEASED_0_6B, "0.6b-shape", 28), (RELEASED_8B, "8b-shape", 36)], ids=["0.6b", "8b"]
+)
 def test_shape_configs_are_the_released_config_json(released, name, n_layers):
     from transformers import Qwen3Config
 
-    assert without_dtype(from_hf(Qwen3Config.from_dict(dict(released)), torch.float32)) == without_dtype(CONFIGS[name](n_layers))
+    assert without_dtype(from_hf(Qwen3Config.from_dict(dict(released)), torch.float32)) == without_dtype(
+        CONFIGS[name](n_layers)
+    )
     assert CONFIGS[name]()["n_layers"] == 2  # the --layers default
 
 
@@ -96,7 +123,9 @@ def test_left_padded_batch_is_bit_identical():
     assert_bit_exact(build_pair("swa"), batch_size=3, left_pad=5)
 
 
-@pytest.mark.parametrize("sharded, dtype", [(False, torch.float32), (True, torch.bfloat16)], ids=["single-fp32", "sharded-bf16"])
+@pytest.mark.parametrize(
+    "sharded, dtype", [(False, torch.float32), (True, torch.bfloat16)], ids=["single-fp32", "sharded-bf16"]
+)
 def test_parity_from_saved_checkpoint(sharded, dtype, checkpoint_of):
     """(The gate runs every CI config from single and sharded checkpoints in both dtypes.)"""
     original = build_pair("tiny", seed=3, dtype=dtype)
@@ -126,13 +155,25 @@ def test_model_card_yarn_as_rope_scaling(tmp_path):
     """The model cards enable YaRN with a pre-5.0 ``rope_scaling`` block; Transformers 5 turns it into
     ``rope_parameters`` and we read the same values (beta_fast/beta_slow and the factor's attention
     scale from Transformers' defaults)."""
-    config = {**RELEASED_0_6B, "num_hidden_layers": 1, "max_position_embeddings": 131072, "vocab_size": 257,
-              "hidden_size": 32, "intermediate_size": 48, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "head_dim": 16, "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
+    config = {
+        **RELEASED_0_6B,
+        "num_hidden_layers": 1,
+        "max_position_embeddings": 131072,
+        "vocab_size": 257,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+    }
     pair = build_pair(config=write_config(tmp_path, config))
-    assert pair.source.cfg["rope_yarn"] == dict(factor=4.0, original_context_length=32768, beta_fast=32.0, beta_slow=1.0,
-                                         attention_factor=None)
-    assert pair.reference.model.rotary_emb.attention_scaling == pytest.approx(0.1 * torch.log(torch.tensor(4.0)).item() + 1)
+    assert pair.source.cfg["rope_yarn"] == dict(
+        factor=4.0, original_context_length=32768, beta_fast=32.0, beta_slow=1.0, attention_factor=None
+    )
+    assert pair.reference.model.rotary_emb.attention_scaling == pytest.approx(
+        0.1 * torch.log(torch.tensor(4.0)).item() + 1
+    )
 
 
 def test_use_sliding_window_and_max_window_layers_as_transformers_resolves_them(tmp_path):
@@ -140,14 +181,18 @@ def test_use_sliding_window_and_max_window_layers_as_transformers_resolves_them(
     (the name reads the other way round); without ``use_sliding_window`` the window is ignored."""
     base = {**to_hf(CONFIGS["tiny"]()).to_dict()}
     base.pop("layer_types")
-    windowed = build_pair(config=write_config(tmp_path, {**base, "use_sliding_window": True, "sliding_window": 4,
-                                                          "max_window_layers": 1}))
+    windowed = build_pair(
+        config=write_config(tmp_path, {**base, "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1})
+    )
     assert windowed.source.cfg["layer_types"] == [FULL, SLIDING, SLIDING] and windowed.source.cfg["sliding_window"] == 4
     assert windowed.facts.windows == (None, 4, 4)
     assert [b.att.sliding_window for b in windowed.ours.blocks] == [None, 4, 4]
     assert_bit_exact(windowed, seq_len=12)
-    ignored = build_pair(config=write_config(tmp_path, {**base, "use_sliding_window": False, "sliding_window": 4,
-                                                         "max_window_layers": 1}))
+    ignored = build_pair(
+        config=write_config(
+            tmp_path, {**base, "use_sliding_window": False, "sliding_window": 4, "max_window_layers": 1}
+        )
+    )
     assert ignored.source.cfg["sliding_window"] is None and ignored.source.cfg["layer_types"] == [FULL] * 3
 
 
@@ -156,14 +201,48 @@ def test_use_sliding_window_and_max_window_layers_as_transformers_resolves_them(
     [
         ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e6, "factor": 4.0}}, "rope_type 'linear'"),
         ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e6, "factor": 4.0}}, "rope_type 'dynamic'"),
-        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e6, "factor": 8.0, "low_freq_factor": 1.0,
-                              "high_freq_factor": 4.0, "original_max_position_embeddings": 256}}, "rope_type 'llama3'"),
-        ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5}},
-         "partial_rotary_factor"),
-        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 64,
-                              "mscale": 1.0, "mscale_all_dim": 1.0}}, "mscale"),
-        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 64,
-                              "truncate": False}}, "truncate"),
+        (
+            {
+                "rope_parameters": {
+                    "rope_type": "llama3",
+                    "rope_theta": 1e6,
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 256,
+                }
+            },
+            "rope_type 'llama3'",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5}},
+            "partial_rotary_factor",
+        ),
+        (
+            {
+                "rope_parameters": {
+                    "rope_type": "yarn",
+                    "rope_theta": 1e6,
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                    "mscale": 1.0,
+                    "mscale_all_dim": 1.0,
+                }
+            },
+            "mscale",
+        ),
+        (
+            {
+                "rope_parameters": {
+                    "rope_type": "yarn",
+                    "rope_theta": 1e6,
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                    "truncate": False,
+                }
+            },
+            "truncate",
+        ),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
         ({"layer_types": ["full_attention", "chunked_attention", "full_attention"]}, "layer_types"),
     ],
@@ -188,7 +267,10 @@ def test_q_norm_is_per_head_and_differs_from_a_whole_projection_norm():
     pair = build_pair("tiny")
     att, ref = pair.ours.blocks[0].att, pair.reference.model.layers[0].self_attn
     assert att.qk_norm == "head" and tuple(att.q_norm.weight.shape) == (16,) and att.q_norm.weight is not None
-    x = torch.randn(2, 5, 4, 16, generator=torch.Generator().manual_seed(0)) * torch.tensor([1e-2, 1.0, 10.0, 0.1])[:, None]
+    x = (
+        torch.randn(2, 5, 4, 16, generator=torch.Generator().manual_seed(0))
+        * torch.tensor([1e-2, 1.0, 10.0, 0.1])[:, None]
+    )
     with torch.no_grad():
         assert torch.equal(att.q_norm(x), ref.q_norm(x))
         whole = x / x.pow(2).mean((-2, -1), keepdim=True).add(1e-6).sqrt() * att.q_norm.weight
@@ -223,7 +305,9 @@ def test_dropped_q_norm_key_raises_naming_it(loader_case):
 def test_whole_projection_q_norm_weight_is_a_shape_error_naming_the_key(loader_case):
     model, cfg, sd = loader_case
     sd["model.layers.0.self_attn.q_norm.weight"] = torch.ones(64)  # n_heads * head_dim: OLMo's layout
-    with pytest.raises(LoaderError, match=r"model\.layers\.0\.self_attn\.q_norm\.weight: checkpoint \(64,\), expected \(16,\)"):
+    with pytest.raises(
+        LoaderError, match=r"model\.layers\.0\.self_attn\.q_norm\.weight: checkpoint \(64,\), expected \(16,\)"
+    ):
         load_weights_into_qwen3(model, cfg, sd)
 
 

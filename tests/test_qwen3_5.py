@@ -23,8 +23,7 @@ def node_count(pair) -> int:
     """Nodes the map gives this pair's layers (counted from the map, never by hand)."""
     nm = node_map(pair.facts.head_dim)
     per_type = {
-        t: sum(1 for n in nm.per_layer if getattr(n, "layer_types", None) in (None, (t,)))
-        for t in (LINEAR, FULL)
+        t: sum(1 for n in nm.per_layer if getattr(n, "layer_types", None) in (None, (t,))) for t in (LINEAR, FULL)
     }
     return len(nm.before) + sum(per_type[t] for t in pair.source.cfg["layer_types"]) + len(nm.after)
 
@@ -51,7 +50,9 @@ def test_tiny_is_bit_exact_on_a_padded_batch_past_the_first_chunk(dtype):
     assert_bit_exact(parity.check(pair, batch_size=3, left_pad=5), pair)
 
 
-@pytest.mark.parametrize("dtype, sharded", [(torch.float32, False), (torch.bfloat16, True)], ids=["fp32", "bf16-sharded"])
+@pytest.mark.parametrize(
+    "dtype, sharded", [(torch.float32, False), (torch.bfloat16, True)], ids=["fp32", "bf16-sharded"]
+)
 def test_save_pretrained_checkpoints_load_into_both(dtype, sharded, checkpoint_of):
     directory = checkpoint_of(build_pair("tiny", dtype=dtype, seed=3), sharded=sharded)
     pair = build_pair(checkpoint=directory, dtype=dtype)
@@ -173,8 +174,12 @@ def test_chunk_padding_never_reaches_the_state():
         torch.testing.assert_close(o1, o2, atol=1e-5, rtol=1e-5)
         if s > 1:  # two calls with the state carried = one call
             cut = s // 2
-            oa, sa = chunk_gated_delta_rule(q[:, :, :cut], k[:, :, :cut], v[:, :, :cut], g[:, :, :cut], beta[:, :, :cut], 64, start)
-            ob, sb = chunk_gated_delta_rule(q[:, :, cut:], k[:, :, cut:], v[:, :, cut:], g[:, :, cut:], beta[:, :, cut:], 64, sa)
+            oa, sa = chunk_gated_delta_rule(
+                q[:, :, :cut], k[:, :, :cut], v[:, :, :cut], g[:, :, :cut], beta[:, :, :cut], 64, start
+            )
+            ob, sb = chunk_gated_delta_rule(
+                q[:, :, cut:], k[:, :, cut:], v[:, :, cut:], g[:, :, cut:], beta[:, :, cut:], 64, sa
+            )
             torch.testing.assert_close(sb, s1, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(torch.cat([oa, ob], 2), o1, atol=1e-5, rtol=1e-5)
 
@@ -202,16 +207,26 @@ def test_decode_is_bit_exact_with_every_cache_part_compared(plan, dtype):
     calls = parity.run.decode.DecodePlan.parse(decode).schedule()
     batch = kwargs.get("batch_size", 1)
     d = pair.source.cfg
-    channels = 2 * d["linear_num_key_heads"] * d["linear_key_head_dim"] + d["linear_num_value_heads"] * d["linear_value_head_dim"]
+    channels = (
+        2 * d["linear_num_key_heads"] * d["linear_key_head_dim"]
+        + d["linear_num_value_heads"] * d["linear_value_head_dim"]
+    )
     shapes = {
         "cache.conv_state": (batch, channels, d["linear_conv_kernel_dim"]),
-        "cache.recurrent_state": (batch, d["linear_num_value_heads"], d["linear_key_head_dim"], d["linear_value_head_dim"]),
+        "cache.recurrent_state": (
+            batch,
+            d["linear_num_value_heads"],
+            d["linear_key_head_dim"],
+            d["linear_value_head_dim"],
+        ),
     }
     for k, (_, end) in enumerate(calls):
         cache = {n.name: n for n in res.nodes if n.name.startswith(f"step{k}/") and n.kind.startswith("cache.")}
-        want = {f"step{k}/model.layers.{i}.{'linear_attn.cache.' + p if t == LINEAR else 'self_attn.cache.' + p}"
-                for i, t in enumerate(d["layer_types"])
-                for p in (("conv_state", "recurrent_state") if t == LINEAR else ("keys", "values"))}
+        want = {
+            f"step{k}/model.layers.{i}.{'linear_attn.cache.' + p if t == LINEAR else 'self_attn.cache.' + p}"
+            for i, t in enumerate(d["layer_types"])
+            for p in (("conv_state", "recurrent_state") if t == LINEAR else ("keys", "values"))
+        }
         assert set(cache) == want, k
         assert len([n for n in res.nodes if n.name.startswith(f"step{k}/")]) == len(pair.nodes) + len(want)
         for n in cache.values():
@@ -238,7 +253,9 @@ def test_a_conv_state_of_another_length_is_named_as_such(monkeypatch):
     def keeps_one_more(self, x, state=None):
         y, _ = forward(self, x, state if state is None else state[..., 1:])
         window = x if state is None else torch.cat([state.to(x.dtype), x], dim=-1)
-        return y, torch.nn.functional.pad(window, (max(self.kernel_size + 1 - window.shape[-1], 0), 0))[..., -self.kernel_size - 1:]
+        return y, torch.nn.functional.pad(window, (max(self.kernel_size + 1 - window.shape[-1], 0), 0))[
+            ..., -self.kernel_size - 1 :
+        ]
 
     monkeypatch.setattr(CausalConv1d, "forward", keeps_one_more)
     bad = parity.check(build_pair("tiny"), decode="6:3x1").first_mismatch
@@ -253,8 +270,11 @@ def test_cli_decode_runs_and_reports_the_deltanet_cache(tmp_path, capsys):
     assert "cached vs full forward" in out and "greedy tokens" in out
     (folder,) = [p for p in tmp_path.iterdir() if not p.name.startswith(".")]
     nodes = {n["name"] for n in json.loads((folder / "result.json").read_text())["nodes"]}
-    assert {"step5/model.layers.0.linear_attn.cache.conv_state", "step5/model.layers.2.linear_attn.cache.recurrent_state",
-            "step5/model.layers.3.self_attn.cache.keys"} <= nodes
+    assert {
+        "step5/model.layers.0.linear_attn.cache.conv_state",
+        "step5/model.layers.2.linear_attn.cache.recurrent_state",
+        "step5/model.layers.3.self_attn.cache.keys",
+    } <= nodes
 
 
 def test_the_catalogue_covers_the_deltanet_cache_in_decode():
@@ -271,14 +291,35 @@ def test_the_catalogue_covers_the_deltanet_cache_in_decode():
 # --- configs -------------------------------------------------------------------------------------
 
 RELEASED_0_8B = {  # Qwen/Qwen3.5-0.8B config.json, text_config
-    "model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 1024, "intermediate_size": 3584,
-    "num_hidden_layers": 24, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256,
-    "attention_bias": False, "attn_output_gate": True, "linear_num_key_heads": 16, "linear_num_value_heads": 16,
-    "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "rms_norm_eps": 1e-6,
-    "full_attention_interval": 4, "max_position_embeddings": 262144, "tie_word_embeddings": True,
-    "mtp_num_hidden_layers": 1, "hidden_act": "silu", "eos_token_id": 248044,
-    "rope_parameters": {"mrope_interleaved": True, "mrope_section": [11, 11, 10], "rope_type": "default",
-                        "rope_theta": 10000000, "partial_rotary_factor": 0.25},
+    "model_type": "qwen3_5_text",
+    "vocab_size": 248320,
+    "hidden_size": 1024,
+    "intermediate_size": 3584,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "attention_bias": False,
+    "attn_output_gate": True,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 16,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "rms_norm_eps": 1e-6,
+    "full_attention_interval": 4,
+    "max_position_embeddings": 262144,
+    "tie_word_embeddings": True,
+    "mtp_num_hidden_layers": 1,
+    "hidden_act": "silu",
+    "eos_token_id": 248044,
+    "rope_parameters": {
+        "mrope_interleaved": True,
+        "mrope_section": [11, 11, 10],
+        "rope_type": "default",
+        "rope_theta": 10000000,
+        "partial_rotary_factor": 0.25,
+    },
 }
 
 
@@ -294,12 +335,24 @@ def test_the_shape_config_is_the_released_config_json():
 @pytest.mark.parametrize(
     "change, field",
     [
-        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e7, "factor": 4.0, "original_max_position_embeddings": 4096}},
-         "rope_parameters.rope_type"),
+        (
+            {
+                "rope_parameters": {
+                    "rope_type": "yarn",
+                    "rope_theta": 1e7,
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 4096,
+                }
+            },
+            "rope_parameters.rope_type",
+        ),
         ({"attn_output_gate": False}, "attn_output_gate"),
         ({"linear_num_key_heads": 3}, "linear_num_value_heads (4) is not a multiple of linear_num_key_heads (3)"),
         ({"hidden_act": "relu"}, "hidden_act 'relu'"),
-        ({"layer_types": ["linear_attention", "chunked_attention", "linear_attention", "full_attention"]}, "layer_types"),
+        (
+            {"layer_types": ["linear_attention", "chunked_attention", "linear_attention", "full_attention"]},
+            "layer_types",
+        ),
     ],
     ids=["yarn", "ungated", "heads", "act", "layer-type"],
 )
@@ -332,7 +385,9 @@ def test_loader_errors_name_the_key(checkpoint_of):
     directory = checkpoint_of(build_pair("tiny"))
     weights = load_file(directory / "model.safetensors")
     weights.pop("model.layers.1.linear_attn.A_log")
-    weights["model.layers.2.linear_attn.conv1d.weight"] = weights["model.layers.2.linear_attn.conv1d.weight"][..., :3].contiguous()
+    weights["model.layers.2.linear_attn.conv1d.weight"] = weights["model.layers.2.linear_attn.conv1d.weight"][
+        ..., :3
+    ].contiguous()
     save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(LoaderError) as err:
         build_pair(checkpoint=directory)
@@ -350,10 +405,16 @@ def test_the_unit_offset_norms_and_the_gated_norm_are_the_references():
     gen = torch.Generator().manual_seed(2)
     x, z = (torch.randn(4, 7, 16, generator=gen).to(torch.bfloat16) * 3 for _ in range(2))
     w = (torch.randn(16, generator=gen) * 0.3).to(torch.bfloat16)
-    theirs, mine = Qwen3_5RMSNorm(16, eps=1e-6).to(torch.bfloat16), RMSNorm(16, eps=1e-6, unit_offset=True, dtype=torch.bfloat16)
+    theirs, mine = (
+        Qwen3_5RMSNorm(16, eps=1e-6).to(torch.bfloat16),
+        RMSNorm(16, eps=1e-6, unit_offset=True, dtype=torch.bfloat16),
+    )
     theirs.weight.data.copy_(w), mine.weight.data.copy_(w)
     assert torch.equal(theirs(x), mine(x))
-    theirs, mine = Qwen3_5RMSNormGated(16, eps=1e-6).to(torch.bfloat16), GatedRMSNorm(16, eps=1e-6, dtype=torch.bfloat16)
+    theirs, mine = (
+        Qwen3_5RMSNormGated(16, eps=1e-6).to(torch.bfloat16),
+        GatedRMSNorm(16, eps=1e-6, dtype=torch.bfloat16),
+    )
     theirs.weight.data.copy_(w + 1), mine.weight.data.copy_(w + 1)
     assert torch.equal(theirs(x.reshape(-1, 16), z.reshape(-1, 16)), mine(x.reshape(-1, 16), z.reshape(-1, 16)))
 

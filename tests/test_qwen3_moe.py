@@ -33,15 +33,40 @@ def without_dtype(cfg: dict) -> dict:
 
 
 RELEASED_30B_A3B = {  # Qwen/Qwen3-30B-A3B config.json
-    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
-    "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144, "max_position_embeddings": 40960,
-    "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768,
-    "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8,
-    "num_hidden_layers": 48, "num_key_value_heads": 4, "output_router_logits": False, "rms_norm_eps": 1e-06,
-    "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.51.0", "use_cache": True,
-    "use_sliding_window": False, "vocab_size": 151936,
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "decoder_sparse_step": 1,
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 6144,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 48,
+    "mlp_only_layers": [],
+    "model_type": "qwen3_moe",
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": True,
+    "num_attention_heads": 32,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 4,
+    "output_router_logits": False,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.001,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.51.0",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
 }
 
 
@@ -92,10 +117,14 @@ def test_parity_with_top_k_weights_as_probabilities_and_a_sparse_step():
 
 def test_every_expert_chosen_top_8_of_16_in_bfloat16():
     """Eight experts per token, as the 30B model: bf16 sums their contributions in expert order."""
-    assert_bit_exact(build_pair("tiny-moe", num_experts=16, num_experts_per_tok=8, n_layers=1, dtype=torch.bfloat16), batch_size=2)
+    assert_bit_exact(
+        build_pair("tiny-moe", num_experts=16, num_experts_per_tok=8, n_layers=1, dtype=torch.bfloat16), batch_size=2
+    )
 
 
-@pytest.mark.parametrize("sharded, dtype", [(False, torch.float32), (True, torch.bfloat16)], ids=["single-fp32", "sharded-bf16"])
+@pytest.mark.parametrize(
+    "sharded, dtype", [(False, torch.float32), (True, torch.bfloat16)], ids=["single-fp32", "sharded-bf16"]
+)
 def test_parity_from_saved_checkpoint(sharded, dtype, checkpoint_of):
     """(The gate runs every CI config from single and sharded checkpoints in both dtypes.)"""
     original = build_pair("tiny-moe", seed=5, dtype=dtype)
@@ -107,8 +136,10 @@ def test_parity_from_saved_checkpoint(sharded, dtype, checkpoint_of):
     assert res.coverage.ok and not res.coverage.unused and not res.coverage.unwritten
     conversions = " ".join(res.coverage.conversions)
     # save_pretrained writes one module per expert (the released format); Transformers fuses them on load
-    assert "model.layers.0.mlp.experts.0.gate_proj.weight .. model.layers.0.mlp.experts.7.up_proj.weight (16 tensors): " \
-           "merged into model.layers.0.mlp.experts.gate_up_proj" in conversions
+    assert (
+        "model.layers.0.mlp.experts.0.gate_proj.weight .. model.layers.0.mlp.experts.7.up_proj.weight (16 tensors): "
+        "merged into model.layers.0.mlp.experts.gate_up_proj" in conversions
+    )
     assert "model.layers.0.mlp.experts.gate_up_proj: split into 16 views" in conversions
 
 
@@ -120,7 +151,11 @@ def test_parity_from_a_checkpoint_in_the_fused_layout(checkpoint_of):
     for f in directory.glob("*.safetensors"):
         f.unlink()
     original = build_pair("tiny-moe", seed=2)
-    save_file({k: v.contiguous() for k, v in original.loading.state_dict.items()}, directory / "model.safetensors", metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in original.loading.state_dict.items()},
+        directory / "model.safetensors",
+        metadata={"format": "pt"},
+    )
     pair = build_pair(checkpoint=directory)
     assert not [c for c in pair.loading.conversions if "merged" in c]
     assert_bit_exact(pair)
@@ -162,8 +197,12 @@ def overlapping_loader(model, cfg, state_dict):
 def test_coverage_accounts_for_every_slice_exactly_once():
     copied = parity.check(parity.build.build_pair(dataclasses.replace(FAMILY, load=copying_loader), "tiny-moe"))
     assert copied.first_mismatch is None and not copied.passed  # equal values, but a copy is not a view
-    assert "model.layers.0.mlp.experts.gate_up_proj: 512 of 8192 elements land in no parameter of ours" in copied.verdict()
-    overlapping = parity.check(parity.build.build_pair(dataclasses.replace(FAMILY, load=overlapping_loader), "tiny-moe"))
+    assert (
+        "model.layers.0.mlp.experts.gate_up_proj: 512 of 8192 elements land in no parameter of ours" in copied.verdict()
+    )
+    overlapping = parity.check(
+        parity.build.build_pair(dataclasses.replace(FAMILY, load=overlapping_loader), "tiny-moe")
+    )
     gaps = " ".join(overlapping.coverage.gaps)
     assert "model.layers.0.mlp.experts.gate_up_proj: elements 3072..3583 land in two parameters" in gaps
     assert "512 of 8192 elements land in no parameter" in gaps
@@ -189,14 +228,18 @@ def test_more_experts_in_the_checkpoint_names_the_slice(loader_case):
     model, cfg, sd = loader_case
     down = sd["model.layers.2.mlp.experts.down_proj"]
     sd["model.layers.2.mlp.experts.down_proj"] = torch.cat([down, down[:1]])
-    with pytest.raises(LoaderError, match=r"model\.layers\.2\.mlp\.experts\.down_proj\[8\] -> blocks\.2\.ff\.experts\.8\.fc3\.weight"):
+    with pytest.raises(
+        LoaderError, match=r"model\.layers\.2\.mlp\.experts\.down_proj\[8\] -> blocks\.2\.ff\.experts\.8\.fc3\.weight"
+    ):
         load_weights_into_qwen3_moe(model, cfg, sd)
 
 
 def test_a_fused_tensor_that_does_not_split_names_the_key(loader_case):
     model, cfg, sd = loader_case
     sd["model.layers.0.mlp.experts.gate_up_proj"] = torch.zeros(8, 33, 32)
-    with pytest.raises(LoaderError, match=r"model\.layers\.0\.mlp\.experts\.gate_up_proj: checkpoint \(8, 33, 32\): cannot cut"):
+    with pytest.raises(
+        LoaderError, match=r"model\.layers\.0\.mlp\.experts\.gate_up_proj: checkpoint \(8, 33, 32\): cannot cut"
+    ):
         load_weights_into_qwen3_moe(model, cfg, sd)
 
 
@@ -226,9 +269,11 @@ def test_sparse_layers_from_a_config_json(tmp_path):
 
 @pytest.mark.parametrize(
     "change, field",
-    [({"use_sliding_window": True, "sliding_window": 4}, "use_sliding_window"),
-     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
-     ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e6, "factor": 2.0}}, "rope_type 'linear'")],
+    [
+        ({"use_sliding_window": True, "sliding_window": 4}, "use_sliding_window"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+        ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e6, "factor": 2.0}}, "rope_type 'linear'"),
+    ],
     ids=["sliding-window", "gelu", "linear-rope"],
 )
 def test_from_hf_refuses_what_it_cannot_honour(change, field, tmp_path):
@@ -245,7 +290,9 @@ def test_a_different_expert_choice_is_its_own_status_with_the_margin():
     router = pair.ours.blocks[2].ff.router
 
     def least_probable(logits):
-        weights, chosen = torch.topk(torch.softmax(logits, -1, dtype=torch.float32), router.top_k, dim=-1, largest=False)
+        weights, chosen = torch.topk(
+            torch.softmax(logits, -1, dtype=torch.float32), router.top_k, dim=-1, largest=False
+        )
         return router.weights((weights / weights.sum(-1, keepdim=True)).to(logits.dtype)), router.experts(chosen)
 
     router.forward = least_probable
@@ -266,5 +313,10 @@ def test_a_different_expert_choice_is_its_own_status_with_the_margin():
 @pytest.mark.slow
 def test_parity_at_real_widths():
     pair = build_pair("30b-a3b-shape")
-    assert (pair.source.cfg["emb_dim"], pair.source.cfg["num_experts"], pair.source.cfg["num_experts_per_tok"], pair.source.cfg["n_layers"]) == (2048, 128, 8, 2)
+    assert (
+        pair.source.cfg["emb_dim"],
+        pair.source.cfg["num_experts"],
+        pair.source.cfg["num_experts_per_tok"],
+        pair.source.cfg["n_layers"],
+    ) == (2048, 128, 8, 2)
     assert_bit_exact(pair)

@@ -24,9 +24,26 @@ from reference_pairs.olmo3 import build_pair
 
 #: the columns nodes.csv has had since its first release, in order; new ones are only appended
 FROZEN_COLUMNS = [
-    "order", "name", "layer", "kind", "status", "shape_ours", "shape_ref", "dtype",
-    "max_abs", "mean_abs", "max_rel", "cosine", "atol", "rtol", "hint", "detail",
-    "rel_l2", "atol_needed", "rtol_needed", "tol_source",
+    "order",
+    "name",
+    "layer",
+    "kind",
+    "status",
+    "shape_ours",
+    "shape_ref",
+    "dtype",
+    "max_abs",
+    "mean_abs",
+    "max_rel",
+    "cosine",
+    "atol",
+    "rtol",
+    "hint",
+    "detail",
+    "rel_l2",
+    "atol_needed",
+    "rtol_needed",
+    "tol_source",
 ]
 
 
@@ -44,9 +61,19 @@ def nonfinite():
 def with_missing_node(result: CheckResult) -> CheckResult:
     """A copy where one node is missing (no metrics) and one needs an infinite rtol."""
     nodes = list(result.nodes)
-    nodes[3] = dataclasses.replace(nodes[3], status="missing", max_abs=None, mean_abs=None, max_rel=None,
-                                   cosine=None, rel_l2=None, atol_needed=None, rtol_needed=None,
-                                   shape_ours=None, detail="ours produced no tensor at blocks.0.att.x")
+    nodes[3] = dataclasses.replace(
+        nodes[3],
+        status="missing",
+        max_abs=None,
+        mean_abs=None,
+        max_rel=None,
+        cosine=None,
+        rel_l2=None,
+        atol_needed=None,
+        rtol_needed=None,
+        shape_ours=None,
+        detail="ours produced no tensor at blocks.0.att.x",
+    )
     nodes[5] = dataclasses.replace(nodes[5], rtol_needed=math.inf)
     return dataclasses.replace(result, nodes=nodes, profile=None)
 
@@ -90,7 +117,9 @@ def test_csv_has_one_row_per_node_with_its_values(fault, tmp_path):
 def test_csv_leaves_absent_metrics_empty(passing, tmp_path):
     text = with_missing_node(passing).write_csv(tmp_path / "nodes.csv").read_text()
     frame = pd.read_csv(tmp_path / "nodes.csv")
-    assert frame.loc[3, "status"] == "missing" and pd.isna(frame.loc[3, "max_abs"]) and pd.isna(frame.loc[3, "shape_ours"])
+    assert (
+        frame.loc[3, "status"] == "missing" and pd.isna(frame.loc[3, "max_abs"]) and pd.isna(frame.loc[3, "shape_ours"])
+    )
     assert frame.loc[3, "detail"].startswith("ours produced no tensor")
     assert math.isinf(frame.loc[5, "rtol_needed"])
     assert "\n" not in text.splitlines()[0]

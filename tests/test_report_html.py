@@ -30,15 +30,19 @@ from reference_pairs.olmo3 import CONFIGS, FAMILY
 
 BAD_NODE = "model.layers.0.self_attn.probs"
 #: any reference that would make the page fetch something: src/href/url() to a URL, or a protocol-relative one
-EXTERNAL = re.compile(r"""(?:\b(?:src|href|xlink:href|action)\s*=\s*["']?\s*(?:https?:)?//|url\(\s*["']?\s*(?:https?:)?//|@import)""", re.I)
+EXTERNAL = re.compile(
+    r"""(?:\b(?:src|href|xlink:href|action)\s*=\s*["']?\s*(?:https?:)?//|url\(\s*["']?\s*(?:https?:)?//|@import)""",
+    re.I,
+)
 EVIL = "<script>alert(1)</script>"
 
 
 # --- results to render
 
 
-def synthetic_7b(n_layers: int = 32, seq: int = 64, width: int = 4096,
-                 bad_name: str = "model.layers.17.mlp.down_proj") -> CheckResult:
+def synthetic_7b(
+    n_layers: int = 32, seq: int = 64, width: int = 4096, bad_name: str = "model.layers.17.mlp.down_proj"
+) -> CheckResult:
     """A CheckResult shaped like an OLMo 3 7B run in bfloat16: the real node list (1 + per-layer nodes x 32 + 2),
     real widths in the error profile, chained and isolated results (no 7B model is built)."""
     rng = random.Random(0)
@@ -49,35 +53,96 @@ def synthetic_7b(n_layers: int = 32, seq: int = 64, width: int = 4096,
     for i, spec in enumerate(specs):
         failing = i >= bad_index
         max_abs = 10 ** rng.uniform(-0.5, 1) if failing else 10 ** rng.uniform(-4, -2)
-        common = dict(name=spec.name, index=i, layer=spec.layer, kind=spec.kind, shape_ours=(1, seq, width),
-                      shape_ref=(1, seq, width), dtype="bfloat16", mean_abs=max_abs / 10, max_rel=max_abs * 3,
-                      cosine=1 - max_abs / 100, atol=5e-2, rtol=5e-2, rel_l2=max_abs / 20,
-                      tol_source="default:bfloat16", rtol_needed=0.0)
-        nodes.append(NodeResult(**common, status="mismatch" if failing else "ok", max_abs=max_abs,
-                                atol_needed=0.9 * max_abs if failing else 0.0))
+        common = dict(
+            name=spec.name,
+            index=i,
+            layer=spec.layer,
+            kind=spec.kind,
+            shape_ours=(1, seq, width),
+            shape_ref=(1, seq, width),
+            dtype="bfloat16",
+            mean_abs=max_abs / 10,
+            max_rel=max_abs * 3,
+            cosine=1 - max_abs / 100,
+            atol=5e-2,
+            rtol=5e-2,
+            rel_l2=max_abs / 20,
+            tol_source="default:bfloat16",
+            rtol_needed=0.0,
+        )
+        nodes.append(
+            NodeResult(
+                **common,
+                status="mismatch" if failing else "ok",
+                max_abs=max_abs,
+                atol_needed=0.9 * max_abs if failing else 0.0,
+            )
+        )
         own = max_abs if i == bad_index else max_abs / 1000
-        isolated.append(NodeResult(**common, status="mismatch" if i == bad_index else "ok", max_abs=own,
-                                   atol_needed=0.9 * own if i == bad_index else 0.0))
-    meta = {"family": "olmo3", "config": "7b-shape", "checkpoint": None, "checkpoint_sha256": None,
-            "dtype": "bfloat16", "batch_size": 1, "seq_len": seq, "seed": 0, "mode": "both", "atol": None,
-            "rtol": None, "tolerances": {}, "versions": {"torch": "2.13.0+cpu", "transformers": "5.24.0"},
-            "time": "2026-11-30T00:00:00+00:00", "seconds": 12.5, "cfg": {"n_layers": n_layers, "emb_dim": width}}
-    profile = {"node": bad_name, "by_position": [rng.uniform(0, 5) for _ in range(seq)], "by_head": None,
-               "by_channel": [rng.uniform(0, 5) for _ in range(width)]}
+        isolated.append(
+            NodeResult(
+                **common,
+                status="mismatch" if i == bad_index else "ok",
+                max_abs=own,
+                atol_needed=0.9 * own if i == bad_index else 0.0,
+            )
+        )
+    meta = {
+        "family": "olmo3",
+        "config": "7b-shape",
+        "checkpoint": None,
+        "checkpoint_sha256": None,
+        "dtype": "bfloat16",
+        "batch_size": 1,
+        "seq_len": seq,
+        "seed": 0,
+        "mode": "both",
+        "atol": None,
+        "rtol": None,
+        "tolerances": {},
+        "versions": {"torch": "2.13.0+cpu", "transformers": "5.24.0"},
+        "time": "2026-11-30T00:00:00+00:00",
+        "seconds": 12.5,
+        "cfg": {"n_layers": n_layers, "emb_dim": width},
+    }
+    profile = {
+        "node": bad_name,
+        "by_position": [rng.uniform(0, 5) for _ in range(seq)],
+        "by_head": None,
+        "by_channel": [rng.uniform(0, 5) for _ in range(width)],
+    }
     top1 = [float(rng.random() < 0.7) for _ in range(seq)]
-    logits = {"node": "lm_head", "k": 5, "top1_agree": top1, "topk_overlap": [rng.uniform(0.4, 1) for _ in range(seq)],
-              "kl": [rng.uniform(0, 0.5) for _ in range(seq)], "top1_agreement": sum(top1) / seq,
-              "mean_topk_overlap": 0.7, "mean_kl": 0.25}
+    logits = {
+        "node": "lm_head",
+        "k": 5,
+        "top1_agree": top1,
+        "topk_overlap": [rng.uniform(0.4, 1) for _ in range(seq)],
+        "kl": [rng.uniform(0, 0.5) for _ in range(seq)],
+        "top1_agreement": sum(top1) / seq,
+        "mean_topk_overlap": 0.7,
+        "mean_kl": 0.25,
+    }
     return CheckResult(nodes=nodes, meta=meta, notes=[], profile=profile, logits=logits, isolated=isolated)
 
 
 def evil(result: CheckResult) -> CheckResult:
     """Markup in every name a config or a module path can bring: family, config, checkpoint, node names."""
-    nodes = [dataclasses.replace(n, name=n.name.replace("self_attn", 'self_attn<img src=x onerror="alert(2)">'),
-                                 kind=n.kind if n.kind != "probs" else "probs<b>$x$"
-                                 ) for n in result.nodes]
-    meta = {**result.meta, "family": EVIL, "config": '"><svg onload=alert(3)>', "checkpoint": "/c/<i>ckpt</i> & co",
-            "checkpoint_sha256": "ab" * 32, "cfg": {**result.meta["cfg"], "name": "</pre><script>alert(4)</script>"}}
+    nodes = [
+        dataclasses.replace(
+            n,
+            name=n.name.replace("self_attn", 'self_attn<img src=x onerror="alert(2)">'),
+            kind=n.kind if n.kind != "probs" else "probs<b>$x$",
+        )
+        for n in result.nodes
+    ]
+    meta = {
+        **result.meta,
+        "family": EVIL,
+        "config": '"><svg onload=alert(3)>',
+        "checkpoint": "/c/<i>ckpt</i> & co",
+        "checkpoint_sha256": "ab" * 32,
+        "cfg": {**result.meta["cfg"], "name": "</pre><script>alert(4)</script>"},
+    }
     notes = [*result.notes, "note with <u>markup</u>"]
     profile = {**result.profile, "node": nodes[result.first_mismatch.index].name} if result.profile else None
     return dataclasses.replace(result, nodes=nodes, meta=meta, notes=notes, profile=profile)
@@ -94,7 +159,7 @@ def test_fault_report_has_every_section(fault, tmp_path):
     html = html_of(fault, tmp_path).read_text()
     bad = fault.first_mismatch
     assert bad.name == BAD_NODE
-    card = html[html.index('id="first-mismatch"'):html.index('id="depth"')]
+    card = html[html.index('id="first-mismatch"') : html.index('id="depth"')]
     assert f'data-node="{BAD_NODE}"' in html and BAD_NODE in card
     assert "likely the sliding window" in card and bad.hint.text.split(":")[0] in card
     for metric in ("max_abs", "mean_abs", "max_rel", "cosine", "rel_l2", "atol needed", "x tolerance"):
@@ -104,11 +169,28 @@ def test_fault_report_has_every_section(fault, tmp_path):
     assert html.count('<svg class="plot"') == 6
     meta = fault.meta
     header = html[: html.index("<main>")]
-    for fact in ("family", "config", "checkpoint", "dtype", "seq len", "seed", "mode", "tolerance", "torch",
-                 "transformers", "time"):
+    for fact in (
+        "family",
+        "config",
+        "checkpoint",
+        "dtype",
+        "seq len",
+        "seed",
+        "mode",
+        "tolerance",
+        "torch",
+        "transformers",
+        "time",
+    ):
         assert f"<dt>{fact}</dt>" in header, fact
-    for value in (meta["versions"]["torch"], meta["versions"]["transformers"], meta["time"], "float32", "16 tokens",
-                  "atol 0, rtol 0 (exact: the pair is bit-identical when correct)"):
+    for value in (
+        meta["versions"]["torch"],
+        meta["versions"]["transformers"],
+        meta["time"],
+        "float32",
+        "16 tokens",
+        "atol 0, rtol 0 (exact: the pair is bit-identical when correct)",
+    ):
         assert value in header, value
     assert "top-1 agreement" in html and "KL(reference || ours)" in html
     assert html.count('<tr id="node-') == len(fault.nodes)
@@ -118,10 +200,15 @@ def test_report_is_self_contained(fault, passing, tmp_path):
     for result in (fault, passing, synthetic_7b()):
         html = render_html(result)
         assert not EXTERNAL.search(html), EXTERNAL.search(html).group(0)
-        assert "<link rel=\"stylesheet\"" not in html and "<script src" not in html
+        assert '<link rel="stylesheet"' not in html and "<script src" not in html
         assert "<metadata>" not in html and "<!DOCTYPE svg" not in html  # SVG made fit for inlining
     # the pattern does catch what it is meant to catch
-    for bad in ('<img src="https://x/y.png">', "<a href='//cdn.x/z'>", "background: url(http://x)", '<use xlink:href="http://x#a"/>'):
+    for bad in (
+        '<img src="https://x/y.png">',
+        "<a href='//cdn.x/z'>",
+        "background: url(http://x)",
+        '<use xlink:href="http://x#a"/>',
+    ):
         assert EXTERNAL.search(bad)
 
 
@@ -147,9 +234,16 @@ def _cell_fills(svg: str) -> dict[int, str]:
 
 def _tolerant(result, atol: float = 1e-3, rtol: float = 0.0):
     """``result`` as if judged with a nonzero tolerance (statuses and ratios follow it)."""
-    nodes = [dataclasses.replace(n, atol=atol, rtol=rtol, atol_needed=n.max_abs,
-                                 status=("mismatch" if n.max_abs > atol else "ok") if n.status in ("ok", "mismatch") else n.status)
-             for n in result.nodes]
+    nodes = [
+        dataclasses.replace(
+            n,
+            atol=atol,
+            rtol=rtol,
+            atol_needed=n.max_abs,
+            status=("mismatch" if n.max_abs > atol else "ok") if n.status in ("ok", "mismatch") else n.status,
+        )
+        for n in result.nodes
+    ]
     return dataclasses.replace(result, nodes=nodes, isolated=[])
 
 
@@ -181,7 +275,10 @@ def test_exact_tolerance_plots_and_colours_the_error_itself(fault):
     heatmap, depth = _plot(html, "heatmap"), _plot(html, "depth")
     assert "max_abs (tolerance 0)" in heatmap and "max_abs / tolerance" not in heatmap
     # the colour bar spans the decades of the errors, numbered
-    low, high = (math.floor(math.log10(min(n.max_abs for n in failing))), math.ceil(math.log10(max(n.max_abs for n in failing))))
+    low, high = (
+        math.floor(math.log10(min(n.max_abs for n in failing))),
+        math.ceil(math.log10(max(n.max_abs for n in failing))),
+    )
     ticks = re.findall(r"<text[^>]*>([^<]+)</text>", heatmap)
     assert plots._pow10(10.0**high) in ticks and plots._pow10(10.0**low) in ticks
     fills = _cell_fills(heatmap)
@@ -189,18 +286,18 @@ def test_exact_tolerance_plots_and_colours_the_error_itself(fault):
     saturated = "#" + "".join(f"{round(255 * c):02x}" for c in plots.ERROR_CMAP(1.0)[:3])
     assert len(fail_fills) >= 5 and fail_fills != {saturated}  # graded by the size of the error
     largest = max(failing, key=lambda n: n.max_abs)
-    darkness = {f: -sum(int(f[i:i + 2], 16) for i in (1, 3, 5)) for f in fail_fills}
+    darkness = {f: -sum(int(f[i : i + 2], 16) for i in (1, 3, 5)) for f in fail_fills}
     assert darkness[fills[largest.index]] == max(darkness.values())  # the largest error is the darkest
     exact = [n for n in fault.nodes if n.max_abs == 0]
     assert exact and {fills[n.index] for n in exact} == {plots.EXACT}
     # the hover text says why there is no ratio
     assert "tolerance 0 (atol 0, rtol 0)" in heatmap and "inf x tolerance" not in html
-    card = html[html.index('id="first-mismatch"'):html.index('id="depth"')]
+    card = html[html.index('id="first-mismatch"') : html.index('id="depth"')]
     assert "<td>inf (tolerance 0: any nonzero error fails)</td>" in card
     # the depth plot: max_abs on its y axis, no "non-finite" / "not comparable" marks for finite errors
     assert "max_abs (tolerance 0)" in depth and "non-finite" not in depth and "not comparable" not in depth
     assert "every point above the floor fails" in depth
-    caption = html[html.index('id="plot-heatmap"'):html.index("</figure>", html.index('id="plot-heatmap"'))]
+    caption = html[html.index('id="plot-heatmap"') : html.index("</figure>", html.index('id="plot-heatmap"'))]
     assert "The tolerance is 0" in caption and "pale blue: exact" in caption
     assert "the error itself is plotted" in html
 
@@ -210,7 +307,9 @@ def test_depth_plot_names_why_a_node_has_no_value(fault):
     or a missing node is "not comparable"; a zero tolerance among nonzero ones "fails a zero tolerance"."""
     result = _tolerant(fault)
     nodes = list(result.nodes)
-    empty = dict(max_abs=None, mean_abs=None, max_rel=None, cosine=None, rel_l2=None, atol_needed=None, rtol_needed=None)
+    empty = dict(
+        max_abs=None, mean_abs=None, max_rel=None, cosine=None, rel_l2=None, atol_needed=None, rtol_needed=None
+    )
     nodes[-3] = dataclasses.replace(nodes[-3], status="nonfinite", max_abs=float("nan"))
     nodes[-4] = dataclasses.replace(nodes[-4], status="shape", shape_ours=(1, 16, 8), **empty)
     nodes[-5] = dataclasses.replace(nodes[-5], status="mismatch", atol=0.0, rtol=0.0, max_abs=0.5, atol_needed=0.5)
@@ -222,8 +321,11 @@ def test_depth_plot_names_why_a_node_has_no_value(fault):
 
 
 def test_decode_heatmap_under_exact_tolerance_is_numbered_in_max_abs(fault):
-    steps = [dataclasses.replace(n, name=f"step{s}/{n.name}", max_abs=n.max_abs * (s + 1))
-             for s in range(3) for n in fault.nodes]
+    steps = [
+        dataclasses.replace(n, name=f"step{s}/{n.name}", max_abs=n.max_abs * (s + 1))
+        for s in range(3)
+        for n in fault.nodes
+    ]
     svg = plots.decode_heatmap_svg(steps, None)
     assert "max_abs (tolerance 0)" in svg and len(set(_cell_fills(svg).values())) >= 3
 
@@ -250,17 +352,25 @@ def test_near_tolerance_pass_names_the_closest_node_and_keeps_the_plots_folded(p
     nodes = list(passing.nodes)
     nodes[30] = dataclasses.replace(nodes[30], max_abs=5e-5, mean_abs=1e-5, atol_needed=5e-5, atol=1e-4, rtol=1e-4)
     html = render_html(dataclasses.replace(passing, nodes=nodes))
-    summary = html[html.index('id="depth-summary"'):html.index("</details>", html.index('id="depth-summary"'))]
+    summary = html[html.index('id="depth-summary"') : html.index("</details>", html.index('id="depth-summary"'))]
     assert nodes[30].name in summary and "0.5 of its tolerance" in summary
     assert '<details class="plots-more">' in summary and 'id="plot-heatmap"' in summary
 
 
 def test_missing_shape_and_nonfinite_nodes_render(passing):
     nodes = list(passing.nodes)
-    empty = dict(max_abs=None, mean_abs=None, max_rel=None, cosine=None, rel_l2=None, atol_needed=None, rtol_needed=None)
-    nodes[5] = dataclasses.replace(nodes[5], status="shape", shape_ours=(1, 16, 8), detail="ours (1, 16, 8) vs reference (1, 16, 16)", **empty)
-    nodes[30] = dataclasses.replace(nodes[30], status="missing", shape_ours=None, detail="ours produced no tensor at x", **empty)
-    nodes[40] = dataclasses.replace(nodes[40], status="nonfinite", max_abs=float("nan"), detail="first non-finite value at index (0, 1, 2)")
+    empty = dict(
+        max_abs=None, mean_abs=None, max_rel=None, cosine=None, rel_l2=None, atol_needed=None, rtol_needed=None
+    )
+    nodes[5] = dataclasses.replace(
+        nodes[5], status="shape", shape_ours=(1, 16, 8), detail="ours (1, 16, 8) vs reference (1, 16, 16)", **empty
+    )
+    nodes[30] = dataclasses.replace(
+        nodes[30], status="missing", shape_ours=None, detail="ours produced no tensor at x", **empty
+    )
+    nodes[40] = dataclasses.replace(
+        nodes[40], status="nonfinite", max_abs=float("nan"), detail="first non-finite value at index (0, 1, 2)"
+    )
     html = render_html(dataclasses.replace(passing, nodes=nodes))
     assert 'data-node="model.layers.0.self_attn.v_proj"' in html and "No error profile" in html
     assert "ours (1, 16, 8) vs reference (1, 16, 16)" in html
@@ -313,8 +423,15 @@ def test_no_browser_means_a_skip_that_says_how_to_get_one_and_nothing_installed(
     assert "apt-get install chromium" in why and "PARITY_CHROMIUM" in why and ".ci/run" in why
 
 
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync", "--no-first-run", "--disable-dev-shm-usage"]
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-dev-shm-usage",
+]
 
 
 @pytest.fixture(scope="session")
@@ -328,7 +445,9 @@ def artifacts(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def browser():
-    sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed (pip install -e '.[test]')")
+    sync_api = pytest.importorskip(
+        "playwright.sync_api", reason="the playwright package is not installed (pip install -e '.[test]')"
+    )
     path, why = _chromium()
     if path is None:
         pytest.skip(why)
@@ -349,7 +468,10 @@ class Page:
         self.errors: list[str] = []
         self.dialogs: list[str] = []
         self.requests: list[str] = []
-        self.page.on("console", lambda m: self.errors.append(f"console.{m.type}: {m.text}") if m.type in ("error", "warning") else None)
+        self.page.on(
+            "console",
+            lambda m: self.errors.append(f"console.{m.type}: {m.text}") if m.type in ("error", "warning") else None,
+        )
         self.page.on("pageerror", lambda e: self.errors.append(f"pageerror: {e}"))
         self.page.on("dialog", lambda d: (self.dialogs.append(d.message), d.dismiss()))
         self.page.on("request", lambda r: self.requests.append(r.url))
@@ -385,7 +507,10 @@ def test_browser_fault_report(browser, fault, tmp_path, artifacts):
     # the card names the node, and every figure drew something
     assert page.inner_text("#first-mismatch .node-name") == BAD_NODE
     assert "likely the sliding window" in page.inner_text("#first-mismatch")
-    sizes = page.eval_on_selector_all("svg.plot", "svgs => svgs.map(s => [s.dataset.plot, s.getBoundingClientRect().width, s.getBoundingClientRect().height])")
+    sizes = page.eval_on_selector_all(
+        "svg.plot",
+        "svgs => svgs.map(s => [s.dataset.plot, s.getBoundingClientRect().width, s.getBoundingClientRect().height])",
+    )
     assert len(sizes) == 6 and all(w > 100 and h > 50 for _, w, h in sizes), sizes
     page.screenshot(path=str(artifacts / "report-mismatch.png"), full_page=True)
     page.screenshot(path=str(artifacts / "report-mismatch-top.png"))
@@ -402,11 +527,17 @@ def test_browser_fault_report(browser, fault, tmp_path, artifacts):
     _sorted_ok([r["max_abs"] for r in p.visible_rows()], descending=False)
     page.click("#nodes thead th:nth-child(2) button")  # by name
     names = page.eval_on_selector_all("#nodes tbody tr.node", "rs => rs.map(r => r.dataset.name)")
-    assert names[0] == "lm_head" and names[-1] == "model.norm" and names.index("model.layers.0") < names.index("model.layers.1")
+    assert (
+        names[0] == "lm_head"
+        and names[-1] == "model.norm"
+        and names.index("model.layers.0") < names.index("model.layers.1")
+    )
     page.click("#nodes thead th:nth-child(1) button")
     assert [r["index"] for r in p.visible_rows()] == list(range(len(fault.nodes)))
     # each details row stays right after its node through the sorting
-    pairs = page.eval_on_selector_all("#nodes tbody tr.node", "rs => rs.every(r => r.nextElementSibling.id === 'details-' + r.id.slice(5))")
+    pairs = page.eval_on_selector_all(
+        "#nodes tbody tr.node", "rs => rs.every(r => r.nextElementSibling.id === 'details-' + r.id.slice(5))"
+    )
     assert pairs
 
     # filter by status, layer, kind and name
@@ -422,7 +553,9 @@ def test_browser_fault_report(browser, fault, tmp_path, artifacts):
     rows = p.visible_rows()
     assert len(rows) == len(FAMILY.nodes.per_layer) and {r["layer"] for r in rows} == {"2"}
     page.select_option("#f-kind", "probs")
-    assert [r["index"] for r in p.visible_rows()] == [n.index for n in fault.nodes if n.name == "model.layers.2.self_attn.probs"]
+    assert [r["index"] for r in p.visible_rows()] == [
+        n.index for n in fault.nodes if n.name == "model.layers.2.self_attn.probs"
+    ]
     page.select_option("#f-layer", "")
     assert len(p.visible_rows()) == 4
     page.select_option("#f-kind", "")
@@ -472,9 +605,13 @@ def test_browser_runs_no_script_from_names(browser, fault, tmp_path):
     p.assert_clean()
 
 
-def test_browser_page_fits_the_window_and_keeps_names_and_the_timestamp_on_one_line(browser, fault, passing, tmp_path, artifacts):
-    pages = {name: html_of(result, tmp_path, f"{name}.html")
-             for name, result in (("7b-shape", synthetic_7b()), ("mismatch", fault), ("pass", passing))}
+def test_browser_page_fits_the_window_and_keeps_names_and_the_timestamp_on_one_line(
+    browser, fault, passing, tmp_path, artifacts
+):
+    pages = {
+        name: html_of(result, tmp_path, f"{name}.html")
+        for name, result in (("7b-shape", synthetic_7b()), ("mismatch", fault), ("pass", passing))
+    }
     for width, names in ((1400, pages), (1024, ["7b-shape"])):
         for name in names:
             p = Page(browser, width=width)
@@ -486,7 +623,9 @@ def test_browser_page_fits_the_window_and_keeps_names_and_the_timestamp_on_one_l
             )
             assert page_width <= width and table_right <= room, (name, width, page_width, table_right, room)
             assert time_lines == 1, (name, width)
-            lines = p.page.eval_on_selector_all("#nodes tr.node td:nth-child(2) code", "cs => cs.map(c => c.getClientRects().length)")
+            lines = p.page.eval_on_selector_all(
+                "#nodes tr.node td:nth-child(2) code", "cs => cs.map(c => c.getClientRects().length)"
+            )
             assert set(lines) == {1}, (name, width)  # every node name on one line
             p.page.screenshot(path=str(artifacts / f"report-{name}-{width}.png"))
             p.assert_clean()

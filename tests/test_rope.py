@@ -27,8 +27,12 @@ from reference_pairs.common.rope import (
 def hf_config(params: dict, head_dim: int, max_position_embeddings: int = 4096) -> SimpleNamespace:
     """The few config attributes ``ROPE_INIT_FUNCTIONS`` read, without a config class's own validation."""
     return SimpleNamespace(
-        rope_parameters=dict(params), head_dim=head_dim, hidden_size=2 * head_dim, num_attention_heads=2,
-        max_position_embeddings=max_position_embeddings, standardize_rope_params=lambda: None,
+        rope_parameters=dict(params),
+        head_dim=head_dim,
+        hidden_size=2 * head_dim,
+        num_attention_heads=2,
+        max_position_embeddings=max_position_embeddings,
+        standardize_rope_params=lambda: None,
     )
 
 
@@ -78,19 +82,32 @@ def test_linear_matches_transformers_bitwise(head_dim, base, factor, partial):
 
 @settings(max_examples=150, deadline=None)
 @given(
-    head_dim=HEAD_DIMS, base=BASES, factor=FACTORS, partial=PARTIAL,
-    low=st.sampled_from([0.5, 1.0, 2.0]), high=st.sampled_from([2.0, 4.0, 8.0]),
+    head_dim=HEAD_DIMS,
+    base=BASES,
+    factor=FACTORS,
+    partial=PARTIAL,
+    low=st.sampled_from([0.5, 1.0, 2.0]),
+    high=st.sampled_from([2.0, 4.0, 8.0]),
     orig=st.sampled_from([64, 256, 2048, 8192]),
 )
 def test_llama3_matches_transformers_bitwise(head_dim, base, factor, partial, low, high, orig):
-    params = {"rope_type": "llama3", "rope_theta": base, "factor": factor, "low_freq_factor": low,
-              "high_freq_factor": high, "original_max_position_embeddings": orig}
+    params = {
+        "rope_type": "llama3",
+        "rope_theta": base,
+        "factor": factor,
+        "low_freq_factor": low,
+        "high_freq_factor": high,
+        "original_max_position_embeddings": orig,
+    }
     assert_bitwise(with_partial(params, partial), head_dim)
 
 
 @settings(max_examples=400, deadline=None)
 @given(
-    head_dim=HEAD_DIMS, base=BASES, factor=st.one_of(FACTORS, st.none()), partial=PARTIAL,
+    head_dim=HEAD_DIMS,
+    base=BASES,
+    factor=st.one_of(FACTORS, st.none()),
+    partial=PARTIAL,
     orig=st.sampled_from([32, 64, 2048, 4096, 8192]),
     beta_fast=st.one_of(st.none(), st.sampled_from([0.0, 16.0, 32.0]), st.floats(2.0, 64.0)),
     beta_slow=st.one_of(st.none(), st.sampled_from([0.0, 1.0, 2.0]), st.floats(0.25, 2.0)),
@@ -103,8 +120,14 @@ def test_yarn_matches_transformers_bitwise(
     head_dim, base, factor, partial, orig, beta_fast, beta_slow, attention_factor, truncate, mscale, mscale_all_dim
 ):
     params = {"rope_type": "yarn", "rope_theta": base, "factor": factor, "original_max_position_embeddings": orig}
-    optional = dict(beta_fast=beta_fast, beta_slow=beta_slow, attention_factor=attention_factor, truncate=truncate,
-                    mscale=mscale, mscale_all_dim=mscale_all_dim)
+    optional = dict(
+        beta_fast=beta_fast,
+        beta_slow=beta_slow,
+        attention_factor=attention_factor,
+        truncate=truncate,
+        mscale=mscale,
+        mscale_all_dim=mscale_all_dim,
+    )
     params.update({k: v for k, v in optional.items() if v is not None})
     assert_bitwise(with_partial(params, partial), head_dim, max_position_embeddings=orig * 16)
 
@@ -123,8 +146,13 @@ def test_proportional_matches_transformers_bitwise(head_dim, base, factor, parti
 def test_f18_yarn_interpolation_rounds_as_one_over_factor_times_power():
     """F18: ``(1 / base^e) / factor`` and ``1 / (factor * base^e)`` differ by an ulp at factor 12;
     the reference computes the second."""
-    params = {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 12.0, "original_max_position_embeddings": 64,
-              "attention_factor": 2.0}
+    params = {
+        "rope_type": "yarn",
+        "rope_theta": 10_000.0,
+        "factor": 12.0,
+        "original_max_position_embeddings": 64,
+        "attention_factor": 2.0,
+    }
     assert_bitwise(params, 32)
     pos = 10_000.0 ** (torch.arange(0, 32, 2, dtype=torch.float32) / 32)
     assert not torch.equal((1.0 / pos) / 12.0, 1.0 / (12.0 * pos))  # the order matters at this factor
@@ -148,8 +176,16 @@ def test_yarn_band_is_the_rounded_clamped_range():
         ({"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}, "rope_type 'dynamic' is not supported"),
         ({"rope_type": "longrope", "rope_theta": 1e4}, "rope_type 'longrope' is not supported"),
         ({"rope_type": "default", "rope_theta": 1e4, "factor": 2.0}, "does not read factor"),
-        ({"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0, "original_max_position_embeddings": 64,
-          "mrope_section": [1, 2]}, "does not read mrope_section"),
+        (
+            {
+                "rope_type": "yarn",
+                "rope_theta": 1e4,
+                "factor": 2.0,
+                "original_max_position_embeddings": 64,
+                "mrope_section": [1, 2],
+            },
+            "does not read mrope_section",
+        ),
         ({"rope_type": "llama3", "rope_theta": 1e4, "factor": 2.0}, "needs 'low_freq_factor'"),
         ({"rope_type": "linear"}, "needs 'rope_theta'"),
     ],
@@ -174,12 +210,22 @@ def reference_tables(model_type: str, params: dict, head_dim: int, seq_len: int,
     import transformers
 
     modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
-    config_cls = {"llama": transformers.LlamaConfig, "olmo3": transformers.Olmo3Config,
-                  "cohere2": transformers.Cohere2Config}[model_type]
+    config_cls = {
+        "llama": transformers.LlamaConfig,
+        "olmo3": transformers.Olmo3Config,
+        "cohere2": transformers.Cohere2Config,
+    }[model_type]
     layer_types = {"layer_types": ["full_attention"]} if model_type != "llama" else {}
     rope = {"full_attention": dict(params)} if model_type == "olmo3" else dict(params)
-    config = config_cls(hidden_size=2 * head_dim, num_attention_heads=2, head_dim=head_dim, num_hidden_layers=1,
-                        rope_parameters=rope, max_position_embeddings=8192, **layer_types)
+    config = config_cls(
+        hidden_size=2 * head_dim,
+        num_attention_heads=2,
+        head_dim=head_dim,
+        num_hidden_layers=1,
+        rope_parameters=rope,
+        max_position_embeddings=8192,
+        **layer_types,
+    )
     rotary = next(v for k, v in vars(modeling).items() if k.endswith("RotaryEmbedding") and "Vision" not in k)(config)
     x = torch.zeros(1, dtype=dtype)
     positions = torch.arange(seq_len)[None]
@@ -193,9 +239,16 @@ ROTATIONS = {"llama": (False, False, False), "olmo3": (False, True, False), "coh
 @pytest.mark.parametrize("model_type", ROTATIONS)
 @pytest.mark.parametrize(
     "params",
-    [{"rope_type": "default", "rope_theta": 10_000.0},
-     {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 12.0, "original_max_position_embeddings": 64,
-      "attention_factor": 1.5}],
+    [
+        {"rope_type": "default", "rope_theta": 10_000.0},
+        {
+            "rope_type": "yarn",
+            "rope_theta": 10_000.0,
+            "factor": 12.0,
+            "original_max_position_embeddings": 64,
+            "attention_factor": 1.5,
+        },
+    ],
     ids=["default", "yarn"],
 )
 def test_tables_and_rotation_match_the_reference_in_bfloat16(model_type, params):

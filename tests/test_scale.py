@@ -41,8 +41,21 @@ def spill_folders() -> set[str]:
 
 def results(res) -> list[tuple]:
     """Every number and word of every node, chained and isolated (what a report shows)."""
-    return [(n.name, n.status, n.max_abs, n.mean_abs, n.max_rel, n.cosine, n.rel_l2, n.atol_needed, n.rtol_needed,
-             n.hint_text) for n in (*res.nodes, *(res.isolated or ()))]
+    return [
+        (
+            n.name,
+            n.status,
+            n.max_abs,
+            n.mean_abs,
+            n.max_rel,
+            n.cosine,
+            n.rel_l2,
+            n.atol_needed,
+            n.rtol_needed,
+            n.hint_text,
+        )
+        for n in (*res.nodes, *(res.isolated or ()))
+    ]
 
 
 def scale_q(pair):
@@ -230,7 +243,10 @@ def test_checkpoint_weights_are_memory_mapped_from_their_shards_not_copied(check
     key = "model.layers.1.mlp.up_proj.weight"
     mapped = _mapped_file(pair.loading.state_dict[key])
     assert mapped is not None and Path(mapped).parent == folder.resolve() and mapped.endswith(".safetensors")
-    assert pair.ours.blocks[1].ff.fc2.weight.untyped_storage().data_ptr() == pair.loading.state_dict[key].untyped_storage().data_ptr()
+    assert (
+        pair.ours.blocks[1].ff.fc2.weight.untyped_storage().data_ptr()
+        == pair.loading.state_dict[key].untyped_storage().data_ptr()
+    )
     assert parity.check(pair).passed
 
 
@@ -333,7 +349,9 @@ def test_check_model_runs_a_users_model_where_it_is_placed(placement):
 def test_a_failing_node_too_large_to_diagnose_is_reported_without_a_hint(monkeypatch):
     pair = olmo3_pair("tiny")
     scale_q(pair)
-    monkeypatch.setattr(sys.modules["parity.run.stages"], "available_bytes", lambda: 1024)  # the run fits; its diagnosis not
+    monkeypatch.setattr(
+        sys.modules["parity.run.stages"], "available_bytes", lambda: 1024
+    )  # the run fits; its diagnosis not
     res = parity.check(pair)
     assert res.first_mismatch.name == "model.layers.1.self_attn.q_proj" and res.first_mismatch.hint is None
     assert any(note.startswith("model.layers.1.self_attn.q_proj was not diagnosed (no hint)") for note in res.notes)

@@ -18,8 +18,14 @@ def test_every_family_has_a_catalogue_with_the_handed_cases():
     assert {"F03", "F04", "F06", "F07", "F10"} <= ids["olmo3"]
     assert {"F01", "F05", "F07", "F10"} <= ids["tiny_aya"]
     assert {"F02", "F07", "F08", "F10"} <= ids["llama3"]
-    assert {"state-not-carried", "conv-state-not-carried", "conv-state-oldest-inputs", "conv-state-kept-one-early",
-            "recurrent-state-not-stored", "chunk-padding-leaks"} <= ids["qwen3_5"]  # the DeltaNet cache in decode
+    assert {
+        "state-not-carried",
+        "conv-state-not-carried",
+        "conv-state-oldest-inputs",
+        "conv-state-kept-one-early",
+        "recurrent-state-not-stored",
+        "chunk-padding-leaks",
+    } <= ids["qwen3_5"]  # the DeltaNet cache in decode
 
 
 @pytest.mark.parametrize("family, fault", CASES, ids=[f"{n}-{f.id}" for n, f in CASES])
@@ -35,7 +41,7 @@ def test_fault_is_located_chained_and_isolated_with_its_hint(family, fault):
 def test_selftest_command_passes_and_reports_each_fault(capsys):
     assert main(["selftest", "llama3"]) == 0
     out = capsys.readouterr().out
-    n = len(families()['llama3'].faults)
+    n = len(families()["llama3"].faults)
     assert f"{n} passed, 0 failed" in out and "F08" in out and "transformers #31788" in out
 
 
@@ -45,4 +51,7 @@ def test_selftest_fails_when_a_fault_is_mislocated(monkeypatch, capsys):
     wrong = dataclasses.replace(fam.faults[0], expected="model.layers.1.self_attn.q_norm")
     monkeypatch.setattr("parity.model.registry.get_family", lambda name: dataclasses.replace(fam, faults=(wrong,)))
     assert main(["selftest", "olmo3"]) == 1
-    assert "chained: expected model.layers.1.self_attn.q_norm, found model.layers.0.self_attn.q_norm" in capsys.readouterr().out
+    assert (
+        "chained: expected model.layers.1.self_attn.q_norm, found model.layers.0.self_attn.q_norm"
+        in capsys.readouterr().out
+    )

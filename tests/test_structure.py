@@ -39,8 +39,12 @@ def _runtime_imports(path: Path):
     """Every ``parity`` module a file imports at run time, at any depth (lazy imports included),
     leaving out ``if TYPE_CHECKING:`` blocks (annotations only)."""
     tree = ast.parse(path.read_text())
-    typing_only = {id(sub) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-                   for sub in ast.walk(node)}
+    typing_only = {
+        id(sub)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for sub in ast.walk(node)
+    }
     for node in ast.walk(tree):
         if id(node) in typing_only:
             continue
@@ -72,15 +76,21 @@ def test_every_package_of_the_engine_has_a_floor():
 
 
 def test_imports_only_go_down_the_floors():
-    upward = sorted(f"{where}: {a} (floor {FLOOR[a]}) imports {b} (floor {FLOOR[b]})"
-                    for a, b, where in _edges() if FLOOR[b] >= FLOOR[a])
+    upward = sorted(
+        f"{where}: {a} (floor {FLOOR[a]}) imports {b} (floor {FLOOR[b]})"
+        for a, b, where in _edges()
+        if FLOOR[b] >= FLOOR[a]
+    )
     assert not upward, "\n".join(upward)
 
 
 def test_no_module_imports_parity_relatively():
     """Absolute imports only: the floor a module reads from is visible on its import lines."""
-    relative = [str(p.relative_to(ROOT)) for p in PARITY.rglob("*.py")
-                if any(isinstance(n, ast.ImportFrom) and n.level for n in ast.walk(ast.parse(p.read_text())))]
+    relative = [
+        str(p.relative_to(ROOT))
+        for p in PARITY.rglob("*.py")
+        if any(isinstance(n, ast.ImportFrom) and n.level for n in ast.walk(ast.parse(p.read_text())))
+    ]
     assert not relative
 
 
@@ -97,11 +107,26 @@ def test_every_import_the_readme_shows_works(line):
     exec(line, {})
 
 
-@pytest.mark.parametrize("path", ["parity.check", "parity.check_model", "parity.tap", "parity.CheckOptions",
-                                  "parity.DecodePlan", "parity.CacheProtocol", "parity.testing.assert_parity",
-                                  "parity.testing.assert_bit_exact", "parity.golden.record", "parity.golden.compare_dump",
-                                  "parity.golden.compare_model", "parity.golden.verify", "parity.golden.read_trace",
-                                  "reference_pairs.olmo3.build_pair", "reference_pairs.llama3.build_pair"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "parity.check",
+        "parity.check_model",
+        "parity.tap",
+        "parity.CheckOptions",
+        "parity.DecodePlan",
+        "parity.CacheProtocol",
+        "parity.testing.assert_parity",
+        "parity.testing.assert_bit_exact",
+        "parity.golden.record",
+        "parity.golden.compare_dump",
+        "parity.golden.compare_model",
+        "parity.golden.verify",
+        "parity.golden.read_trace",
+        "reference_pairs.olmo3.build_pair",
+        "reference_pairs.llama3.build_pair",
+    ],
+)
 def test_public_names_resolve(path):
     module, _, name = path.rpartition(".")
     assert callable(getattr(importlib.import_module(module), name))

@@ -44,7 +44,13 @@ def sequential_forward(self, x, cos, sin, padding_mask=None, cache=None):
 
 @pytest.mark.parametrize(
     "overrides",
-    [{}, {"tie_word_embeddings": False}, {"attention_bias": True}, {"n_kv_heads": 4}, {"n_kv_heads": 1, "head_dim": 16}],
+    [
+        {},
+        {"tie_word_embeddings": False},
+        {"attention_bias": True},
+        {"n_kv_heads": 4},
+        {"n_kv_heads": 1, "head_dim": 16},
+    ],
     ids=["tiny", "untied", "bias", "mha", "mqa-wide-heads"],
 )
 def test_parity_from_random_config(overrides):
@@ -64,7 +70,9 @@ def test_parity_from_saved_checkpoint(sharded, checkpoint_of):
     assert pair.source.cfg == CONFIGS["tiny"]()
     assert_holds(pair)
     assert pair.ours.out_head.weight is pair.ours.tok_emb.weight
-    assert pair.ours.blocks[1].ff.fc1.weight.data_ptr() == pair.reference.model.layers[1].mlp.gate_proj.weight.data_ptr()
+    assert (
+        pair.ours.blocks[1].ff.fc1.weight.data_ptr() == pair.reference.model.layers[1].mlp.gate_proj.weight.data_ptr()
+    )
 
 
 def test_untied_checkpoint_keeps_its_own_head(checkpoint_of):
@@ -178,10 +186,14 @@ def test_loader_keeps_tied_embeddings_one_parameter():
     "damage, key",
     [
         (lambda sd: sd.pop("model.layers.2.mlp.up_proj.weight"), "model.layers.2.mlp.up_proj.weight"),
-        (lambda sd: sd.__setitem__("model.layers.1.post_attention_layernorm.weight", torch.ones(32)),
-         "model.layers.1.post_attention_layernorm.weight"),
-        (lambda sd: sd.__setitem__("model.layers.3.self_attn.k_proj.weight", torch.zeros(32, 32)),
-         "model.layers.3.self_attn.k_proj.weight"),
+        (
+            lambda sd: sd.__setitem__("model.layers.1.post_attention_layernorm.weight", torch.ones(32)),
+            "model.layers.1.post_attention_layernorm.weight",
+        ),
+        (
+            lambda sd: sd.__setitem__("model.layers.3.self_attn.k_proj.weight", torch.zeros(32, 32)),
+            "model.layers.3.self_attn.k_proj.weight",
+        ),
     ],
     ids=["dropped", "extra", "shape"],
 )
@@ -217,8 +229,10 @@ def json_config(tmp_path, **changes):
     "changes, message",
     [
         ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0}}, "rope_type 'linear'"),
-        ({"rope_parameters": {"rope_type": "default", "rope_theta": 5e4, "partial_rotary_factor": 0.5}},
-         "partial_rotary_factor"),
+        (
+            {"rope_parameters": {"rope_type": "default", "rope_theta": 5e4, "partial_rotary_factor": 0.5}},
+            "partial_rotary_factor",
+        ),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
         ({"use_qk_norm": True}, "use_qk_norm=True"),
         ({"use_parallel_block": False}, "use_parallel_block=False"),
@@ -272,6 +286,11 @@ def test_cli_fault_exit_1(tmp_path, monkeypatch, capsys):
 @pytest.mark.slow
 def test_parity_3b_shape():
     pair = build_pair("3b-shape")
-    assert (pair.source.cfg["emb_dim"], pair.source.cfg["n_heads"], pair.source.cfg["n_kv_heads"], pair.source.cfg["vocab_size"]) == (2048, 16, 4, 262_144)
+    assert (
+        pair.source.cfg["emb_dim"],
+        pair.source.cfg["n_heads"],
+        pair.source.cfg["n_kv_heads"],
+        pair.source.cfg["vocab_size"],
+    ) == (2048, 16, 4, 262_144)
     res = assert_holds(pair)
     assert any("logit_scale is 1.0" in note for note in res.notes)

@@ -50,8 +50,20 @@ def golden(tmp_path_factory) -> Path:
 
 def dump_of(trace: Path, out: Path, *extra: str) -> Path:
     """The NumPy runtime's dump of ``trace``'s inputs, with the weights the trace saved."""
-    assert numpy_llama.main(["--weights", str(trace / "weights"), "--inputs", str(trace / "inputs.safetensors"),
-                             "--out", str(out), *extra]) == 0
+    assert (
+        numpy_llama.main(
+            [
+                "--weights",
+                str(trace / "weights"),
+                "--inputs",
+                str(trace / "inputs.safetensors"),
+                "--out",
+                str(out),
+                *extra,
+            ]
+        )
+        == 0
+    )
     return out
 
 
@@ -133,8 +145,20 @@ def test_shards_are_cut_by_size_and_read_back(tmp_path):
 def test_numpy_runtime_passes_clean_through_the_cli(golden, tmp_path, capsys):
     """The runtime runs as its own program (NumPy only); its .npy dump agrees with every node."""
     dump = tmp_path / "dump"
-    subprocess.run([sys.executable, str(RUNTIMES / "numpy_llama.py"), "--weights", str(golden / "weights"),
-                    "--inputs", str(golden / "inputs.safetensors"), "--out", str(dump)], check=True, timeout=120)
+    subprocess.run(
+        [
+            sys.executable,
+            str(RUNTIMES / "numpy_llama.py"),
+            "--weights",
+            str(golden / "weights"),
+            "--inputs",
+            str(golden / "inputs.safetensors"),
+            "--out",
+            str(dump),
+        ],
+        check=True,
+        timeout=120,
+    )
     assert len(list(dump.glob("*.npy"))) == 35
     assert compare(tmp_path, str(golden), "--dump", str(dump)) == 0
     out = capsys.readouterr().out
@@ -146,11 +170,14 @@ def test_numpy_runtime_passes_clean_through_the_cli(golden, tmp_path, capsys):
     assert result["passed"] and result["meta"]["compared"] == "dump" and result["meta"]["trace"]["stale"] is False
 
 
-@pytest.mark.parametrize(("fault", "node", "hint"), [
-    ("rope-interleaved", "model.layers.0.self_attn.q_rot", "rope_pairing"),
-    ("rope-unscaled", "model.layers.0.self_attn.q_rot", "rope_scaling"),
-    ("gate-up-swapped", "model.layers.1.mlp.gate_proj", "swapped_weights"),
-])
+@pytest.mark.parametrize(
+    ("fault", "node", "hint"),
+    [
+        ("rope-interleaved", "model.layers.0.self_attn.q_rot", "rope_pairing"),
+        ("rope-unscaled", "model.layers.0.self_attn.q_rot", "rope_scaling"),
+        ("gate-up-swapped", "model.layers.1.mlp.gate_proj", "swapped_weights"),
+    ],
+)
 def test_numpy_runtime_fault_is_located_with_a_hint(golden, tmp_path, capsys, fault, node, hint):
     dump = dump_of(golden, tmp_path / "dump", "--fault", fault)
     assert compare(tmp_path, str(golden), "--dump", str(dump), "--format", "json") == 1
@@ -261,8 +288,25 @@ def test_verify_finds_a_reference_that_computes_differently_now(golden, tmp_path
 @pytest.fixture(scope="module")
 def summaries(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("summaries") / "trace"
-    assert main(["record", "llama3:tiny", "--out", str(out), "--summaries", "--sample", "64", "--save-weights",
-                 "--seq-len", "48", "--layers", "4"]) == 0
+    assert (
+        main(
+            [
+                "record",
+                "llama3:tiny",
+                "--out",
+                str(out),
+                "--summaries",
+                "--sample",
+                "64",
+                "--save-weights",
+                "--seq-len",
+                "48",
+                "--layers",
+                "4",
+            ]
+        )
+        == 0
+    )
     return out
 
 
@@ -330,22 +374,25 @@ def test_record_a_checkpoint_with_padding_and_verify_it_after_it_moved(tmp_path,
 # --- bad input: one line, exit 2 -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["record", "llama3:tiny"], "--out TRACE_DIR is required"),
-    (["record", "llama3:tiny", "--reference", "x.json", "--out", "o"], "not both"),
-    (["record", "llama3:tiny", "--out", "o", "--sample", "8"], "--sample goes with --summaries"),
-    (["record", "llama3:tiny", "--out", "o", "--summaries", "--calibrate"], "--calibrate needs whole tensors"),
-    (["record", "llama3:tiny", "--out", "o", "--left-pad", "2"], "needs --batch 2 or more"),
-    (["record", "llama3:tiny", "--out", "o", "--shard-size", "big"], "shard size 'big'"),
-    (["record", "llama3:tiny", "--out", "o", "--checkpoint", "c"], "--checkpoint goes with --verify"),
-    (["record", "--verify", "t", "--layers", "2"], "--layers does not apply"),
-    (["record", "nosuch:tiny", "--out", "o"], "unknown family 'nosuch'"),
-    (["compare", "t"], "--dump DIR"),
-    (["compare", "t", "--dump", "d", "--mode", "isolated"], "not possible from a dump"),
-    (["compare", "t", "--dump", "d", "--node-map", "m.json"], "--node-map goes with --ours"),
-    (["compare", "t", "--ours", "m.py:build", "--name-map", "n.json"], "--name-map goes with --dump"),
-    (["compare", "nowhere", "--dump", "d"], "trace folder nowhere does not exist"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["record", "llama3:tiny"], "--out TRACE_DIR is required"),
+        (["record", "llama3:tiny", "--reference", "x.json", "--out", "o"], "not both"),
+        (["record", "llama3:tiny", "--out", "o", "--sample", "8"], "--sample goes with --summaries"),
+        (["record", "llama3:tiny", "--out", "o", "--summaries", "--calibrate"], "--calibrate needs whole tensors"),
+        (["record", "llama3:tiny", "--out", "o", "--left-pad", "2"], "needs --batch 2 or more"),
+        (["record", "llama3:tiny", "--out", "o", "--shard-size", "big"], "shard size 'big'"),
+        (["record", "llama3:tiny", "--out", "o", "--checkpoint", "c"], "--checkpoint goes with --verify"),
+        (["record", "--verify", "t", "--layers", "2"], "--layers does not apply"),
+        (["record", "nosuch:tiny", "--out", "o"], "unknown family 'nosuch'"),
+        (["compare", "t"], "--dump DIR"),
+        (["compare", "t", "--dump", "d", "--mode", "isolated"], "not possible from a dump"),
+        (["compare", "t", "--dump", "d", "--node-map", "m.json"], "--node-map goes with --ours"),
+        (["compare", "t", "--ours", "m.py:build", "--name-map", "n.json"], "--name-map goes with --dump"),
+        (["compare", "nowhere", "--dump", "d"], "trace folder nowhere does not exist"),
+    ],
+)
 def test_bad_options_are_one_line_exit_2(args, message, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert main(args) == 2
@@ -363,7 +410,9 @@ def test_bad_traces_dumps_and_name_maps_are_one_line_exit_2(golden, tmp_path, ca
     newer = tmp_path / "newer"
     shutil.copytree(golden, newer)
     rewrite_manifest(newer, lambda m: m.update(version=traces.VERSION + 1))
-    refused([str(newer), "--dump", str(dump)], f"trace format version {traces.VERSION + 1}, newer than this parity reads")
+    refused(
+        [str(newer), "--dump", str(dump)], f"trace format version {traces.VERSION + 1}, newer than this parity reads"
+    )
     changed = tmp_path / "changed"
     shutil.copytree(golden, changed)
     shard = next(changed.glob("nodes-*.safetensors"))
@@ -378,7 +427,9 @@ def test_bad_traces_dumps_and_name_maps_are_one_line_exit_2(golden, tmp_path, ca
     refused([str(golden), "--dump", str(pickled)], "pickled objects are never loaded")
     bad_map = tmp_path / "map.json"
     bad_map.write_text('{"Qrope-{i}": {"node": "model.layers.{i}.self_attn.q_rot", "permute": [0, 0, 1]}}')
-    refused([str(golden), "--dump", str(dump), "--name-map", str(bad_map)], "permute [0, 0, 1] is not an order of the axes")
+    refused(
+        [str(golden), "--dump", str(dump), "--name-map", str(bad_map)], "permute [0, 0, 1] is not an order of the axes"
+    )
     bad_map.write_text("[1, 2]")
     refused([str(golden), "--dump", str(dump), "--name-map", str(bad_map)], "must hold a JSON object")
     assert not (tmp_path / "reports").exists() or not list((tmp_path / "reports").iterdir())

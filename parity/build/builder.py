@@ -64,7 +64,9 @@ def config_from_dict(family: Family, raw: dict):
     try:
         return family.config_cls().from_dict(raw)
     except Exception as e:  # its strict validators raise their own types: all mean bad input
-        raise ConfigError(f"config.json rejected by {family.config_class}: {rope_problem_of(e) or one_line(e)}") from None
+        raise ConfigError(
+            f"config.json rejected by {family.config_class}: {rope_problem_of(e) or one_line(e)}"
+        ) from None
 
 
 def validated(family: Family, hf_config, dtype: torch.dtype) -> tuple[dict, ArchFacts]:
@@ -106,7 +108,11 @@ def resolve_config(family: Family, config, dtype: torch.dtype, overrides: dict):
         raw = read_config(config)
         if raw.get("model_type") != family.model_type:
             multimodal = family.composite_for(raw.get("model_type")) is not None
-            how = " (a multimodal config: pass its checkpoint folder, or its text_config as a config.json)" if multimodal else ""
+            how = (
+                " (a multimodal config: pass its checkpoint folder, or its text_config as a config.json)"
+                if multimodal
+                else ""
+            )
             raise ConfigError(f"{config} has model_type {raw.get('model_type')!r}, expected {family.model_type!r}{how}")
         cfg = family.from_hf(config_from_dict(family, raw), dtype)
     else:
@@ -114,7 +120,9 @@ def resolve_config(family: Family, config, dtype: torch.dtype, overrides: dict):
         raise ConfigError(f"unknown {family.name} config {config!r}; built-in configs: {known}, or a config.json path")
     for key, value in overrides.items():
         if key not in cfg:
-            raise ConfigError(f"unknown cfg key {key!r} for {family.name}; known keys: {', '.join(sorted(k for k in cfg if k != 'dtype'))}")
+            raise ConfigError(
+                f"unknown cfg key {key!r} for {family.name}; known keys: {', '.join(sorted(k for k in cfg if k != 'dtype'))}"
+            )
         cfg[key] = value
     cfg.update(dtype=dtype)  # the compute dtype both models run in
     hf_config = to_reference_config(family, cfg)
@@ -145,8 +153,7 @@ def build_reference(reference_cls, hf_config, state_dict: Mapping[str, torch.Ten
     missing = [k for k in result.missing_keys if k not in tied_targets]
     if missing or result.unexpected_keys:
         raise LoaderError(
-            f"{name} rejects the state dict: missing {_keys(missing)}; "
-            f"unexpected {_keys(list(result.unexpected_keys))}"
+            f"{name} rejects the state dict: missing {_keys(missing)}; unexpected {_keys(list(result.unexpected_keys))}"
         )
     if hf_config.tie_word_embeddings:
         reference.tie_weights()
@@ -197,7 +204,11 @@ def nonfinite_notes(state_dict: Mapping[str, torch.Tensor], chunk: int = 1 << 24
 
 
 def load_ours(
-    family: Family, model: nn.Module, cfg: dict, state_dict: Mapping[str, torch.Tensor], composite: Composite | None = None
+    family: Family,
+    model: nn.Module,
+    cfg: dict,
+    state_dict: Mapping[str, torch.Tensor],
+    composite: Composite | None = None,
 ) -> dict[str, str]:
     """Our model loaded from the checkpoint-named state dict: the family's loader, else its table.
 
@@ -207,17 +218,21 @@ def load_ours(
     of the family's own gets the keys as a text-only checkpoint names them.
     """
     if composite is None:
-        return family.load(model, cfg, state_dict) if family.load is not None else apply_weight_table(model, state_dict, family.weights)
+        return (
+            family.load(model, cfg, state_dict)
+            if family.load is not None
+            else apply_weight_table(model, state_dict, family.weights)
+        )
     prefix = composite.text_prefix
 
     def as_text(key: str) -> str:
-        return "model." + key[len(prefix):] if key.startswith(prefix) else key
+        return "model." + key[len(prefix) :] if key.startswith(prefix) else key
 
     if family.load is not None:
         by_text = {as_text(k): k for k in state_dict}
         loaded = family.load(model, cfg, {as_text(k): v for k, v in state_dict.items()})
         return {by_text.get(k, k): v for k, v in loaded.items()}
-    table = {(prefix + k[len("model."):] if k.startswith("model.") else k): v for k, v in family.weights.items()}
+    table = {(prefix + k[len("model.") :] if k.startswith("model.") else k): v for k, v in family.weights.items()}
     return apply_weight_table(model, state_dict, table)
 
 
@@ -246,10 +261,14 @@ def outside_text_model(expected, text_prefix: str, state_dict: Mapping[str, torc
     lead = parent + "." if parent else ""
 
     def part(key: str) -> str:
-        rest = key[len(lead):] if key.startswith(lead) else key
+        rest = key[len(lead) :] if key.startswith(lead) else key
         return lead + rest.partition(".")[0]
 
-    return {k: part(k) for k in state_dict if k in expected and not k.startswith(text_prefix) and not k.startswith("lm_head.")}
+    return {
+        k: part(k)
+        for k in state_dict
+        if k in expected and not k.startswith(text_prefix) and not k.startswith("lm_head.")
+    }
 
 
 def meta_keys(reference_cls, hf_config) -> set[str]:
@@ -306,7 +325,9 @@ def random_weights(reference_cls, hf_config, seed: int, dtype: torch.dtype, what
     return probe_weights(shapes, seed, dtype)
 
 
-def model_naming(reference_cls, hf_config, state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
+def model_naming(
+    reference_cls, hf_config, state_dict: dict[str, torch.Tensor]
+) -> tuple[dict[str, torch.Tensor], list[str]]:
     """``state_dict`` in the reference model's own naming and layout, and one line per conversion.
 
     A checkpoint may be stored in another layout than the model holds its weights in: Transformers 5
@@ -350,15 +371,19 @@ def model_naming(reference_cls, hf_config, state_dict: dict[str, torch.Tensor]) 
     notes = []
     if moved:  # e.g. a Gemma 3 multimodal file's language_model.model.* read as model.language_model.*
         (first, to), n = moved[0], len(moved)
-        notes.append(f"{first} -> {to}{f' and {n - 1} more keys' if n > 1 else ''}: renamed as from_pretrained renames "
-                     "them (Transformers' checkpoint conversion)")
+        notes.append(
+            f"{first} -> {to}{f' and {n - 1} more keys' if n > 1 else ''}: renamed as from_pretrained renames "
+            "them (Transformers' checkpoint conversion)"
+        )
     for target, (converter, sources) in pending.items():
         converted = converter.convert(target, model=model, config=hf_config)
         for name, value in converted.items():
             out[name] = value[0] if isinstance(value, list) else value
         names = list(converted)
         shown = f"{sources[0]} .. {sources[-1]}" if len(sources) > 1 else sources[0]
-        notes.append(f"{shown} ({len(sources)} tensors): merged into {', '.join(names)} (Transformers' checkpoint conversion)")
+        notes.append(
+            f"{shown} ({len(sources)} tensors): merged into {', '.join(names)} (Transformers' checkpoint conversion)"
+        )
     return out, notes
 
 
@@ -396,8 +421,10 @@ def as_reference_keys(reference_cls, hf_config, state_dict: dict) -> tuple[dict,
         out[key] = tensor
     lines = []
     if prefixed:
-        lines.append(f"{len(prefixed)} keys without the base-model prefix ({prefixed[0]}, ...): read as {prefix}.<key>, "
-                     "as from_pretrained reads them")
+        lines.append(
+            f"{len(prefixed)} keys without the base-model prefix ({prefixed[0]}, ...): read as {prefix}.<key>, "
+            "as from_pretrained reads them"
+        )
     if ignored:
         lines.append(f"{len(ignored)} keys the reference ignores on load ({_keys(ignored, 3)}): left out")
     return out, lines
@@ -521,7 +548,9 @@ def build_pair(
         with torch.device("meta"):
             ours = family.model_class(cfg)
     except (ValueError, TypeError, KeyError) as e:
-        raise ConfigError(f"{getattr(family.model_class, '__name__', 'our model')} rejects the config: {one_line(e)}") from None
+        raise ConfigError(
+            f"{getattr(family.model_class, '__name__', 'our model')} rejects the config: {one_line(e)}"
+        ) from None
     text_weights = {k: v for k, v in ref.state_dict.items() if k not in ref.by_design}
     loaded = load_ours(family, ours, cfg, text_weights, ref.composite)  # first: its errors name the checkpoint key
     ref = _with_model(family, ref)
@@ -534,13 +563,23 @@ def build_pair(
         facts=ref.facts,
         dtype=dtype,
         source=PairSource(
-            family=family.name, config_name=ref.config_name, cfg=cfg,
-            reference_cfg=family.from_hf(text_config_of(ref.model.config), dtype), seed=seed,
-            checkpoint=ref.checkpoint, checkpoint_hash=ref.checkpoint_hash, device=placement.label,
+            family=family.name,
+            config_name=ref.config_name,
+            cfg=cfg,
+            reference_cfg=family.from_hf(text_config_of(ref.model.config), dtype),
+            seed=seed,
+            checkpoint=ref.checkpoint,
+            checkpoint_hash=ref.checkpoint_hash,
+            device=placement.label,
             **({"probe": f"checkpoint weights ({ref.checkpoint})"} if ref.checkpoint else {}),
         ),
-        loading=Loading(state_dict=ref.state_dict, loaded_keys=loaded, conversions=ref.conversions,
-                        tied_keys=ref.tied_keys, by_design=ref.by_design),
+        loading=Loading(
+            state_dict=ref.state_dict,
+            loaded_keys=loaded,
+            conversions=ref.conversions,
+            tied_keys=ref.tied_keys,
+            by_design=ref.by_design,
+        ),
         default_seq_len=default_seq_len(ref.facts),
         notes=notes,
         exact=dtype in family.exact_dtypes,

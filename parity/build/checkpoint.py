@@ -140,7 +140,9 @@ def read_checkpoint(directory: str | Path, model_type: str | tuple[str, ...] | N
             shard = _load(f)
             expected = {k for k, v in weight_map.items() if directory / v == f}
             if expected - shard.keys():
-                raise CheckpointError(f"shard {f} lacks keys listed in {INDEX}: {', '.join(sorted(expected - shard.keys()))}")
+                raise CheckpointError(
+                    f"shard {f} lacks keys listed in {INDEX}: {', '.join(sorted(expected - shard.keys()))}"
+                )
             twice = sorted(k for k in shard if k in found_in)
             if twice:
                 raise CheckpointError(f"key {twice[0]} is in two shards: {found_in[twice[0]].name} and {f.name}")

@@ -102,7 +102,9 @@ class Coverage:
         """One sentence for every parameter replaced after loading, or None."""
         if not self.replaced:
             return None
-        shown = "; ".join(self.replaced[:3]) + (f"; ... ({len(self.replaced)} in all)" if len(self.replaced) > 3 else "")
+        shown = "; ".join(self.replaced[:3]) + (
+            f"; ... ({len(self.replaced)} in all)" if len(self.replaced) > 3 else ""
+        )
         return (
             f"ours no longer holds the checkpoint tensor of {len(self.replaced)} parameter"
             f"{'s' if len(self.replaced) != 1 else ''} replaced after the pair was built ({shown}); "
@@ -129,7 +131,7 @@ def _runs(t: torch.Tensor) -> list[tuple[int, int]]:
     outer_shape, outer_stride = (shape[:-1], stride[:-1]) if stride[-1] == 1 else (shape, stride)
     starts = torch.zeros((), dtype=torch.int64) + t.storage_offset()
     for n, s in zip(outer_shape, outer_stride):
-        starts = (starts[..., None] + torch.arange(n, dtype=torch.int64) * s)
+        starts = starts[..., None] + torch.arange(n, dtype=torch.int64) * s
     return [(int(a), int(a) + inner) for a in starts.reshape(-1).tolist()]
 
 
@@ -137,7 +139,11 @@ def _region(view: torch.Tensor, whole: torch.Tensor) -> str:
     """``view``'s place in ``whole`` as an index expression (``[3, 0:16, :]``) when it is a block of
     it with ``whole``'s strides, else its element range."""
     offset = view.storage_offset() - whole.storage_offset()
-    if whole.is_contiguous() and view.dim() <= whole.dim() and tuple(view.stride()) == tuple(whole.stride()[whole.dim() - view.dim():]):
+    if (
+        whole.is_contiguous()
+        and view.dim() <= whole.dim()
+        and tuple(view.stride()) == tuple(whole.stride()[whole.dim() - view.dim() :])
+    ):
         start = [int(i) for i in torch.unravel_index(torch.tensor(offset), tuple(whole.shape))] if whole.numel() else []
         sizes = [1] * (whole.dim() - view.dim()) + list(view.shape)
         parts = []
@@ -186,7 +192,14 @@ def _fused_slices(p: torch.Tensor, candidates: dict[str, torch.Tensor]) -> list[
     parts, start, n = [], 0, p.shape[0]
     remaining = {k: t for k, t in candidates.items() if t.dim() == 1 and t.shape[0] < n}
     while start < n:
-        hit = next((k for k, t in remaining.items() if start + t.shape[0] <= n and torch.equal(p[start:start + t.shape[0]], t.to(p.dtype))), None)
+        hit = next(
+            (
+                k
+                for k, t in remaining.items()
+                if start + t.shape[0] <= n and torch.equal(p[start : start + t.shape[0]], t.to(p.dtype))
+            ),
+            None,
+        )
         if hit is None:
             return None
         size = remaining.pop(hit).shape[0]
@@ -257,12 +270,18 @@ def loader_coverage(
     for p, names in params.values():
         label = " = ".join(names)
         was = [
-            built[n] for n in names
-            if built and n in built and built[n] != storage_key(p.data) and (built[n] in sources or owner(built[n]) is not None)
+            built[n]
+            for n in names
+            if built
+            and n in built
+            and built[n] != storage_key(p.data)
+            and (built[n] in sources or owner(built[n]) is not None)
         ]
         if was:
             before = sources.get(was[0]) or [owner(was[0])]
-            now = sources.get(storage_key(p.data)) or ([owner(storage_key(p.data), p.data)] if owner(storage_key(p.data), p.data) else None)
+            now = sources.get(storage_key(p.data)) or (
+                [owner(storage_key(p.data), p.data)] if owner(storage_key(p.data), p.data) else None
+            )
             holds = f"now shares {now[0]}" if now else "now a tensor of its own"
             cov.replaced.append(f"{label} (held {before[0]}; {holds})")
             set_aside.update(before)
@@ -280,7 +299,9 @@ def loader_coverage(
         if p.is_meta:
             cov.unwritten.append(f"{label} (never written: still on the meta device)")
             continue
-        match = next((k for k in by_shape.get(tuple(p.shape), []) if torch.equal(p.data, state_dict[k].to(p.dtype))), None)
+        match = next(
+            (k for k in by_shape.get(tuple(p.shape), []) if torch.equal(p.data, state_dict[k].to(p.dtype))), None
+        )
         if match is not None:
             record(names, match, COPY)
             cov.copies.append(f"{label} is a copy of {match}")
@@ -305,7 +326,11 @@ def loader_coverage(
                 continue
             for key, rows in parts:
                 record(names, key, ROWS, rows)
-                span = f"{rows[0]}..{rows[-1]}" if list(rows) == list(range(rows[0], rows[-1] + 1)) else f"{len(rows)} rows"
+                span = (
+                    f"{rows[0]}..{rows[-1]}"
+                    if list(rows) == list(range(rows[0], rows[-1] + 1))
+                    else f"{len(rows)} rows"
+                )
                 cov.conversions.append(f"{key}: rows {span} of {label}")
                 free.pop(key, None)
 
@@ -363,7 +388,9 @@ def _slice_gaps(key: str, whole: torch.Tensor, parts: list[tuple[list[tuple[int,
         if a < reach:
             overlaps += 1
             if overlaps == 1:
-                gaps.append(f"{key}: elements {a - lo}..{min(b, reach) - lo - 1} land in two parameters ({last}, {label})")
+                gaps.append(
+                    f"{key}: elements {a - lo}..{min(b, reach) - lo - 1} land in two parameters ({last}, {label})"
+                )
         elif a > reach:
             holes += a - reach
         if b > reach:

@@ -46,7 +46,9 @@ def token_scales(vocab_size: int) -> torch.Tensor:
     return torch.pow(10.0, exponents[torch.arange(vocab_size) % len(exponents)])
 
 
-def probe_weights(shapes: Mapping[str, tuple[int, ...]], seed: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def probe_weights(
+    shapes: Mapping[str, tuple[int, ...]], seed: int, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
     """Seeded probe weights in checkpoint naming (see the module docstring), created once and shared by
     both models. Keys are read for what a tensor is: ``embed`` (or GPT-2's ``wte``) in the name and 2-D
     is a token embedding (the first one; any other embedding table is N(0, 1)), ``wpe`` or
@@ -57,7 +59,11 @@ def probe_weights(shapes: Mapping[str, tuple[int, ...]], seed: int, dtype: torch
     out = {}
     scaled_embedding = False
     for name, shape in shapes.items():
-        if len(shape) == 1 and not name.endswith(".bias") and ("norm" in name or "ln_" in name or "scal" in name.rsplit(".", 1)[-1]):
+        if (
+            len(shape) == 1
+            and not name.endswith(".bias")
+            and ("norm" in name or "ln_" in name or "scal" in name.rsplit(".", 1)[-1])
+        ):
             t = 1.0 + 0.1 * torch.randn(shape, generator=gen)
         elif len(shape) == 1:
             t = 0.02 * torch.randn(shape, generator=gen)

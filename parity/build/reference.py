@@ -41,7 +41,9 @@ def config_from_raw(raw: dict, where: str):
     try:
         return AutoConfig.for_model(**raw)
     except Exception as e:  # an unknown model_type or a field its validators reject
-        raise ConfigError(f"{where} rejected by Transformers ({model_type}): {rope_problem_of(e) or one_line(e)}") from None
+        raise ConfigError(
+            f"{where} rejected by Transformers ({model_type}): {rope_problem_of(e) or one_line(e)}"
+        ) from None
 
 
 def validated_facts(hf_config, where: str):
@@ -80,7 +82,9 @@ def _resolve_reference(reference, dtype: torch.dtype, seed: int) -> tuple[Refere
         model = reference.eval()
         facts = validated_facts(model.config, type(model).__name__)
         state_dict = dict(model.state_dict())
-        return Reference(model, model.config, derive_facts(model.config, model), state_dict, type(model).__name__), facts.model_type
+        return Reference(
+            model, model.config, derive_facts(model.config, model), state_dict, type(model).__name__
+        ), facts.model_type
     if isinstance(reference, PretrainedConfig):
         hf_config = reference
         where = f"{type(reference).__name__}"
@@ -91,8 +95,16 @@ def _resolve_reference(reference, dtype: torch.dtype, seed: int) -> tuple[Refere
         state_dict, merged = model_naming(causal_lm_class(hf_config), hf_config, state_dict)
         conversions = conversions + merged
         model = build_reference(causal_lm_class(hf_config), hf_config, state_dict)
-        ref = Reference(model, hf_config, derive_facts(model.config, model), state_dict, str(reference),
-                        checkpoint=str(reference), checkpoint_hash=ckpt.content_hash(), conversions=conversions)
+        ref = Reference(
+            model,
+            hf_config,
+            derive_facts(model.config, model),
+            state_dict,
+            str(reference),
+            checkpoint=str(reference),
+            checkpoint_hash=ckpt.content_hash(),
+            conversions=conversions,
+        )
         return ref, hf_config.model_type
     elif isinstance(reference, (str, Path)) and (Path(reference).is_file() or str(reference).endswith(".json")):
         from parity.build.checkpoint import read_config
@@ -112,4 +124,6 @@ def _resolve_reference(reference, dtype: torch.dtype, seed: int) -> tuple[Refere
     cls = causal_lm_class(hf_config)
     state_dict = random_weights(cls, hf_config, seed, dtype, f"{hf_config.model_type} reference")
     model = build_reference(cls, hf_config, state_dict)
-    return Reference(model, hf_config, derive_facts(model.config, model), state_dict, Path(str(where)).name), hf_config.model_type
+    return Reference(
+        model, hf_config, derive_facts(model.config, model), state_dict, Path(str(where)).name
+    ), hf_config.model_type

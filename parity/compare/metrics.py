@@ -104,8 +104,17 @@ def tensor_metrics(ours: torch.Tensor, ref: torch.Tensor, atol: float, rtol: flo
     n = ours.numel()
     if n == 0:
         nan = math.nan
-        return Metrics(status=OK, max_abs=nan, mean_abs=nan, max_rel=nan, cosine=nan, detail="",
-                    rel_l2=nan, atol_needed=nan, rtol_needed=nan)
+        return Metrics(
+            status=OK,
+            max_abs=nan,
+            mean_abs=nan,
+            max_rel=nan,
+            cosine=nan,
+            detail="",
+            rel_l2=nan,
+            atol_needed=nan,
+            rtol_needed=nan,
+        )
     w = _Work(min(n, CHUNK), work)
     max_abs = max_rel = atol_needed = rtol_needed = 0.0
     sum_abs = dot = na2 = nb2 = nd2 = 0.0
@@ -126,9 +135,17 @@ def tensor_metrics(ours: torch.Tensor, ref: torch.Tensor, atol: float, rtol: flo
         if not math.isfinite(chunk_max) and not bool(torch.isfinite(a).all() and torch.isfinite(b).all()):
             inf, nan = math.inf, math.nan
             whole = ref if isinstance(ref, torch.Tensor) else ref.load()
-            return Metrics(status=NONFINITE, max_abs=inf, mean_abs=nan, max_rel=inf, cosine=nan,
-                        detail=_nonfinite_detail(ours.detach(), whole.detach(), tuple(ours.shape)),
-                        rel_l2=nan, atol_needed=inf, rtol_needed=inf)
+            return Metrics(
+                status=NONFINITE,
+                max_abs=inf,
+                mean_abs=nan,
+                max_rel=inf,
+                cosine=nan,
+                detail=_nonfinite_detail(ours.detach(), whole.detach(), tuple(ours.shape)),
+                rel_l2=nan,
+                atol_needed=inf,
+                rtol_needed=inf,
+            )
         max_abs = max(max_abs, chunk_max)
         sum_abs += _sum(d)
         nd2 += _sum(torch.mul(d, d, out=tmp))
@@ -197,8 +214,17 @@ def choice_margins(ours: torch.Tensor, ref: torch.Tensor, scores: torch.Tensor |
 def choice_result(our_t: torch.Tensor, ref_t: torch.Tensor, scores: torch.Tensor | None) -> Metrics:
     """Metrics of an integer node: exact equality (``ok``) or ``choice`` with the rows and margins."""
     if torch.equal(our_t, ref_t):
-        return Metrics(status=OK, max_abs=0.0, mean_abs=0.0, max_rel=0.0, cosine=1.0, detail="", rel_l2=0.0,
-                    atol_needed=0.0, rtol_needed=0.0)
+        return Metrics(
+            status=OK,
+            max_abs=0.0,
+            mean_abs=0.0,
+            max_rel=0.0,
+            cosine=1.0,
+            detail="",
+            rel_l2=0.0,
+            atol_needed=0.0,
+            rtol_needed=0.0,
+        )
     found = choice_margins(our_t, ref_t, scores)
     rows = found["rows"]
     detail = f"{len(rows)} of {found['total']} rows choose differently (rows {', '.join(map(str, rows[:8]))}{', ...' if len(rows) > 8 else ''})"

@@ -115,9 +115,9 @@ def compare_node(
     atol, rtol, source = tolerances.for_node(spec.name)
     if untapped and our_t is None:
         if spec.ours.startswith("unaligned:"):
-            detail = "not aligned: " + spec.ours[len("unaligned:"):]
+            detail = "not aligned: " + spec.ours[len("unaligned:") :]
         else:
-            module = spec.ours[len("tap:"):].rsplit(".", 1)[0]
+            module = spec.ours[len("tap:") :].rsplit(".", 1)[0]
             detail = f"no tap in ours: add parity.tap(tensor, {spec.name.rsplit('.', 1)[-1]!r}) in {module}'s forward"
         metrics = Metrics(status=UNTAPPED, detail=detail)
     elif ref_t is None or our_t is None:
@@ -133,13 +133,25 @@ def compare_node(
         metrics = tensor_metrics(our_t, ref_t, atol, rtol)
     dtype = ref_t.dtype if ref_t is not None else our_t.dtype if our_t is not None else None
     return NodeResult(
-        name=spec.name, index=index, status=metrics.status, layer=spec.layer, kind=spec.kind,
+        name=spec.name,
+        index=index,
+        status=metrics.status,
+        layer=spec.layer,
+        kind=spec.kind,
         shape_ours=tuple(our_t.shape) if our_t is not None else None,
         shape_ref=tuple(ref_t.shape) if ref_t is not None else None,
         dtype=str(dtype).replace("torch.", "") if dtype is not None else None,
-        max_abs=metrics.max_abs, mean_abs=metrics.mean_abs, max_rel=metrics.max_rel, cosine=metrics.cosine,
-        atol=atol, rtol=rtol, detail=metrics.detail, rel_l2=metrics.rel_l2, atol_needed=metrics.atol_needed,
-        rtol_needed=metrics.rtol_needed, tol_source=source,
+        max_abs=metrics.max_abs,
+        mean_abs=metrics.mean_abs,
+        max_rel=metrics.max_rel,
+        cosine=metrics.cosine,
+        atol=atol,
+        rtol=rtol,
+        detail=metrics.detail,
+        rel_l2=metrics.rel_l2,
+        atol_needed=metrics.atol_needed,
+        rtol_needed=metrics.rtol_needed,
+        tol_source=source,
     )
 
 
@@ -150,7 +162,9 @@ def node_order(reference, nodes: Sequence[NodeSpec]) -> list[str]:
     return order + [n.name for n in nodes if n.name not in reference.tensors]
 
 
-def compare_traces(ours, reference, nodes: Sequence[NodeSpec], tolerances: Tolerances, untapped: frozenset[str] = frozenset()) -> list[NodeResult]:
+def compare_traces(
+    ours, reference, nodes: Sequence[NodeSpec], tolerances: Tolerances, untapped: frozenset[str] = frozenset()
+) -> list[NodeResult]:
     """One NodeResult per node, in the reference's execution order.
 
     Nodes the reference never produced come last, as ``missing``: a node that cannot be compared
@@ -161,9 +175,17 @@ def compare_traces(ours, reference, nodes: Sequence[NodeSpec], tolerances: Toler
     done = getattr(ours, "results", {})
     with one_thread():
         return [
-            done[name] if name in done else
-            compare_node(by_name[name], index, ours.tensors.get(name), reference.tensors.get(name), tolerances, name in untapped,
-                         reference.tensors.get(by_name[name].chosen_from) if by_name[name].chosen_from else None)
+            done[name]
+            if name in done
+            else compare_node(
+                by_name[name],
+                index,
+                ours.tensors.get(name),
+                reference.tensors.get(name),
+                tolerances,
+                name in untapped,
+                reference.tensors.get(by_name[name].chosen_from) if by_name[name].chosen_from else None,
+            )
             for index, name in enumerate(node_order(reference, nodes))
         ]
 
@@ -181,8 +203,15 @@ class NodeStream:
     kept in ``trace.watched``.
     """
 
-    def __init__(self, nodes: Sequence[NodeSpec], reference, tolerances: Tolerances,
-                 untapped: frozenset[str] = frozenset(), context: Sequence[str] = (), watch: Mapping | None = None):
+    def __init__(
+        self,
+        nodes: Sequence[NodeSpec],
+        reference,
+        tolerances: Tolerances,
+        untapped: frozenset[str] = frozenset(),
+        context: Sequence[str] = (),
+        watch: Mapping | None = None,
+    ):
         self.specs = {n.name: n for n in nodes}
         self.index = {name: i for i, name in enumerate(node_order(reference, nodes))}
         self.reference, self.tolerances, self.untapped = reference, tolerances, untapped

@@ -48,7 +48,11 @@ class Tolerances:
         if self.calibrated and name in self.calibrated:
             return float(self.calibrated[name][0]), float(self.calibrated[name][1]), "calibrated"
         d_atol, d_rtol = default_tolerance(self.dtype)
-        source = "run" if self.atol is not None or self.rtol is not None else f"default:{str(self.dtype).replace('torch.', '')}"
+        source = (
+            "run"
+            if self.atol is not None or self.rtol is not None
+            else f"default:{str(self.dtype).replace('torch.', '')}"
+        )
         return (d_atol if self.atol is None else self.atol, d_rtol if self.rtol is None else self.rtol, source)
 
 

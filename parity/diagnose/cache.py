@@ -72,8 +72,11 @@ def _conv_shift(e: Evidence) -> Hint | None:
                     {"shift": d, "held": held},
                 )
         return None
-    return Hint("conv_state", "likely the conv state never stored: ours holds zeros where the reference holds the last "
-                f"{held} conv inputs", {"shift": None, "held": held})
+    return Hint(
+        "conv_state",
+        f"likely the conv state never stored: ours holds zeros where the reference holds the last {held} conv inputs",
+        {"shift": None, "held": held},
+    )
 
 
 def cached_state(e: Evidence) -> Hint | None:
@@ -82,8 +85,12 @@ def cached_state(e: Evidence) -> Hint | None:
     if e.kind == "cache.conv_state" and e.ours.dim() == 3:
         return _conv_shift(e)
     if e.kind == "cache.recurrent_state" and bool((e.ours == 0).all()) and bool((e.ref != 0).any()):
-        return Hint("state_not_carried", "likely the recurrent state never stored: ours holds zeros after the step, "
-                    "the reference the state after its last token", {})
+        return Hint(
+            "state_not_carried",
+            "likely the recurrent state never stored: ours holds zeros after the step, "
+            "the reference the state after its last token",
+            {},
+        )
     return None
 
 
@@ -98,7 +105,7 @@ def _replay_from_zero(e: Evidence, stem: str) -> torch.Tensor | None:
     b, s, h, d_v = e.ref.shape
     if q.shape[:3] != (b, s, h) or mixed.shape[:2] != (b, s) or mixed.shape[-1] < h * d_v or g.shape != (b, s, h):
         return None
-    v = mixed[..., -h * d_v:].reshape(b, s, h, d_v)
+    v = mixed[..., -h * d_v :].reshape(b, s, h, d_v)
     state = torch.zeros(b, h, q.shape[-1], d_v, dtype=torch.float64)
     out = torch.empty(b, s, h, d_v, dtype=torch.float64)
     for i in range(s):

@@ -72,9 +72,15 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
 )
 
 
-def diagnose(result: NodeResult, ours_trace: Trace, ref_trace: Trace, facts: ArchFacts,
-             positions: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-             spec: NodeSpec | None = None) -> Hint | None:
+def diagnose(
+    result: NodeResult,
+    ours_trace: Trace,
+    ref_trace: Trace,
+    facts: ArchFacts,
+    positions: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    spec: NodeSpec | None = None,
+) -> Hint | None:
     """A likely cause for a failing node, with its evidence; None if no pattern is recognised.
     ``positions``: ``(batch, seq)`` token positions of the run and ``attention_mask`` its padding
     (RoPE hints need them); ``spec``: the node's NodeSpec (which scores a choice was made from)."""
@@ -84,7 +90,11 @@ def diagnose(result: NodeResult, ours_trace: Trace, ref_trace: Trace, facts: Arc
         return Hint("shape", f"likely a layout or head-count difference: {result.detail}")
     ours, ref = ours_trace.tensors.get(result.name), ref_trace.tensors.get(result.name)
     if ours is None or ref is None:  # a node compared as it ran and not kept: its metrics stand, no hint
-        return Hint("nonfinite", f"non-finite values appear first here: {result.detail}") if result.status == NONFINITE else None
+        return (
+            Hint("nonfinite", f"non-finite values appear first here: {result.detail}")
+            if result.status == NONFINITE
+            else None
+        )
     e = Evidence(result, ours, ref, ours_trace, ref_trace, facts, positions, attention_mask)
     if result.status == NONFINITE:
         return nonfinite(e)

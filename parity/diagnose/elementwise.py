@@ -21,11 +21,18 @@ def soft_capping(e: Evidence) -> Hint | None:
     a, b = e.ours.double(), e.ref.double()
     tol = max(EXPLAINS, 4 * torch.finfo(e.ref.dtype).eps)
     if rel(b, cap * torch.tanh(a / cap)) < tol:
-        return Hint("softcap", f"likely the final logit soft-cap is missing: the reference's logits are ours "
-                    f"soft-capped, {cap:g} * tanh(x / {cap:g})", {"cap": cap, "ours": "uncapped"})
+        return Hint(
+            "softcap",
+            f"likely the final logit soft-cap is missing: the reference's logits are ours "
+            f"soft-capped, {cap:g} * tanh(x / {cap:g})",
+            {"cap": cap, "ours": "uncapped"},
+        )
     if rel(a, cap * torch.tanh(b / cap)) < tol:
-        return Hint("softcap", f"likely an extra soft-cap: ours are the reference's logits soft-capped again, "
-                    f"{cap:g} * tanh(x / {cap:g})", {"cap": cap, "ours": "capped twice"})
+        return Hint(
+            "softcap",
+            f"likely an extra soft-cap: ours are the reference's logits soft-capped again, {cap:g} * tanh(x / {cap:g})",
+            {"cap": cap, "ours": "capped twice"},
+        )
     return None
 
 
@@ -166,8 +173,11 @@ def activation(e: Evidence) -> Hint | None:
                 names = (ours_fn, ref_fn, name)
     if names:
         ours_fn, ref_fn, source = names
-        return Hint("activation", f"likely the activation: ours applies {ours_fn} to {source}, the reference {ref_fn}",
-                    {"ours": ours_fn, "reference": ref_fn, "input": source})
+        return Hint(
+            "activation",
+            f"likely the activation: ours applies {ours_fn} to {source}, the reference {ref_fn}",
+            {"ours": ours_fn, "reference": ref_fn, "input": source},
+        )
     return Hint(
         "activation",
         "likely an element-wise function (activation) that differs: in every channel ours is a monotone, non-linear "
@@ -189,5 +199,8 @@ def nonfinite(e: Evidence) -> Hint:
         batch = bad.flatten(1).any(1).nonzero().flatten().tolist()
         where.append(f"batch rows {fmt_list(batch)}")
         evidence["batch_rows"] = batch
-    return Hint("nonfinite", f"non-finite values appear first here: {result.detail}; at {', '.join(where)} (masked or padded rows?)",
-                evidence)
+    return Hint(
+        "nonfinite",
+        f"non-finite values appear first here: {result.detail}; at {', '.join(where)} (masked or padded rows?)",
+        evidence,
+    )

@@ -45,22 +45,22 @@ KINDS: dict[str, str] = {
     "rope_theta": "the rotation equals RoPE with another theta (a fallback theta)",
     "rope_scaling": "ours rotates with the unscaled frequencies where the reference scales them (llama3, YaRN, linear)",
     "position_offset": "positions shifted: each padded row rotated by its pad count (positions not from the mask), or "
-                       "ours at position p equals the reference at p + k (a learned position table read off by k)",
+    "ours at position p equals the reference at p + k (a learned position table read off by k)",
     "cache_length": "a cache holds another number of tokens than the reference's (a sliding layer keeps window - 1, a "
-                    "linear-attention layer's conv state the kernel's width)",
+    "linear-attention layer's conv state the kernel's width)",
     "causal_mask": "ours gives weight to keys the reference masks, later than the query (a query sees the future)",
     "rounding_order": "every difference is within one or two units in the last place of the dtype (cast order)",
     "row_scale": "ours / ref is one factor per row (token, head), another for each row: a per-vector norm on one side only",
     "activation": "another element-wise activation: ours equals the reference's pre-activation through another "
-                  "function (exact vs tanh GELU, SiLU), or is a monotone function of the reference value by value",
+    "function (exact vs tanh GELU, SiLU), or is a monotone function of the reference value by value",
     "sequence_shift": "ours at position t equals the reference at t + d (a conv padded on the wrong side, a token shift)",
     "chunk_boundary": "positions before the first chunk boundary agree, later ones differ: the state carried between chunks",
     "padding": "only padding positions differ: padding treated otherwise than the reference treats it (a recurrent "
-               "layer that does not zero it in every call writes it into its state)",
+    "layer that does not zero it in every call writes it into its state)",
     "conv_state": "a short causal conv continues from other cached inputs than the reference's: in a call continuing "
-                  "a cache only the first kernel - 1 positions differ, or the cached inputs themselves are shifted",
+    "a cache only the first kernel - 1 positions differ, or the cached inputs themselves are shifted",
     "state_not_carried": "a call continuing a cache computes as if from a zero recurrent state (ours equals the rule "
-                         "replayed from zeros on this call's inputs): the state not carried across calls",
+    "replayed from zeros on this call's inputs): the state not carried across calls",
     "softcap": "one side equals the other soft-capped, cap * tanh(x / cap) (a soft-cap missing or extra)",
     "kv_sharing": "a layer that reads another layer's keys reads other keys (another layer's, or its own projection)",
     "layer_offset": "ours equals the reference's same node in another layer (a per-layer tensor taken from the wrong layer)",

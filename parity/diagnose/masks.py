@@ -90,9 +90,13 @@ def sequence_shift(e: Evidence) -> Hint | None:
     ours, ref = e.ours.movedim(axis, 0), e.ref.movedim(axis, 0)
     seq = ours.shape[0]
     for d in sorted((d for d in range(-min(8, seq - 2), min(8, seq - 2) + 1) if d), key=lambda d: (abs(d), d < 0)):
-        mine, theirs = ours[max(0, -d): seq - max(0, d)], ref[max(0, d): seq + min(0, d)]
+        mine, theirs = ours[max(0, -d) : seq - max(0, d)], ref[max(0, d) : seq + min(0, d)]
         if e.close(mine, theirs):
-            later = f"{d} position{'s' if abs(d) > 1 else ''} later" if d > 0 else f"{-d} position{'s' if -d > 1 else ''} earlier"
+            later = (
+                f"{d} position{'s' if abs(d) > 1 else ''} later"
+                if d > 0
+                else f"{-d} position{'s' if -d > 1 else ''} earlier"
+            )
             return Hint(
                 "sequence_shift",
                 f"likely a shift along the sequence: ours at each position equals the reference {later} (on the "
@@ -127,6 +131,10 @@ def padding(e: Evidence) -> Hint | None:
         f"likely padding that is not masked: only padding tokens differ ({where}{continuing}); the reference {treat}. "
         "A linear-attention layer must zero its padding in every call, a chunk continuing a cache included, "
         "or the padding writes into the conv and the recurrent state",
-        {"batch_rows": sorted(set(rows.tolist())), "positions": sorted(set(cols.tolist())), "reference_zero": zero,
-         "step": call},
+        {
+            "batch_rows": sorted(set(rows.tolist())),
+            "positions": sorted(set(cols.tolist())),
+            "reference_zero": zero,
+            "step": call,
+        },
     )

@@ -35,8 +35,12 @@ def row_normalisation(e: Evidence) -> Hint | None:
         f"not, and ours / reference is one factor per row ({float(per_row.min()):.4g}..{float(per_row.max()):.4g}); "
         "for top-k routing weights: renormalised over the chosen experts where the config says not, or the reverse "
         "(norm_topk_prob)",
-        {"ours_sums_to_one": ours_one, "reference_sums_to_one": ref_one,
-         "ratio_min": float(per_row.min()), "ratio_max": float(per_row.max())},
+        {
+            "ours_sums_to_one": ours_one,
+            "reference_sums_to_one": ref_one,
+            "ratio_min": float(per_row.min()),
+            "ratio_max": float(per_row.max()),
+        },
     )
 
 
@@ -87,8 +91,12 @@ def choice(e: Evidence, spec: NodeSpec | None) -> Hint:
         where = "tokens " + fmt_list([f"(row {r // seq}, position {r % seq})" for r in rows], 6)
     evidence: dict = {"rows": rows[:64], "same_set": found["same_set"][:64]}
     if found["same_set"] and len(found["same_set"]) == len(rows):
-        return Hint("routing", f"likely the same experts chosen in another order (top-k sorted differently) at {where}; "
-                    "the combined output is unaffected unless the order is used", evidence)
+        return Hint(
+            "routing",
+            f"likely the same experts chosen in another order (top-k sorted differently) at {where}; "
+            "the combined output is unaffected unless the order is used",
+            evidence,
+        )
     text = f"likely a different expert choice at {where} ({len(rows)} of {found['total']} tokens)"
     margins = found["margins"]
     if margins:
@@ -97,9 +105,13 @@ def choice(e: Evidence, spec: NodeSpec | None) -> Hint:
         floor = 8 * float(torch.finfo(scores.dtype).eps) * float(s.abs().max()) if scores.is_floating_point() else 0.0
         near = [m for m in margins if m <= floor]
         if len(near) == len(margins):
-            text += (f": the reference's scores there are near-ties (margin {max(margins):.2g} between its last chosen and "
-                     f"first unchosen expert, within rounding): a numerical accident upstream decides, not a routing bug")
+            text += (
+                f": the reference's scores there are near-ties (margin {max(margins):.2g} between its last chosen and "
+                f"first unchosen expert, within rounding): a numerical accident upstream decides, not a routing bug"
+            )
         else:
-            text += (f": the reference's margin between its last chosen and first unchosen score there is "
-                     f"{min(margins):.3g}..{max(margins):.3g}, not a near-tie: the router scores or the top-k differ")
+            text += (
+                f": the reference's margin between its last chosen and first unchosen score there is "
+                f"{min(margins):.3g}..{max(margins):.3g}, not a near-tie: the router scores or the top-k differ"
+            )
     return Hint("routing", text, evidence)

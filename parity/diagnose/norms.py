@@ -58,7 +58,7 @@ def norm_eps(e: Evidence) -> Hint | None:
             {"eps_ours": eps_ours, "eps_reference": eps_ref, "config_eps": e.facts.norm_eps},
         )
     eps = e.facts.norm_eps or 0.0
-    outside = ((ms + eps).sqrt() / r - ms.sqrt())  # ours = x / (sqrt(ms) + eps'): one eps' for every token
+    outside = (ms + eps).sqrt() / r - ms.sqrt()  # ours = x / (sqrt(ms) + eps'): one eps' for every token
     if float(outside.std()) <= 1e-3 * max(float(outside.abs().mean()), 1e-30):
         return Hint(
             "norm_eps",
@@ -147,8 +147,11 @@ def norm_kind(e: Evidence) -> Hint | None:
         evidence = f"; the difference tracks each token's mean (input means {fmt_list(f'{m:.3g}' for m in means[:4].tolist())}): mean subtraction"
     if any(w in label for w in ("per head", "whole projection") for label in (ours_is, ref_is)):
         evidence = "; per-head vs whole-projection Q/K norm"
-    return Hint("norm_kind", f"likely the wrong norm: ours behaves like {ours_is}, the reference like {ref_is}{evidence}",
-                {"ours": ours_is, "reference": ref_is})
+    return Hint(
+        "norm_kind",
+        f"likely the wrong norm: ours behaves like {ours_is}, the reference like {ref_is}{evidence}",
+        {"ours": ours_is, "reference": ref_is},
+    )
 
 
 def norm_placement(e: Evidence) -> Hint | None:

@@ -46,11 +46,17 @@ def error_profile(ours: torch.Tensor, ref: torch.Tensor, kind: str, head_dim: in
     step = max(1, SLICE * ours.shape[axis] // max(ours.numel(), 1))  # slices of positions
     by_position, by_head, by_channel = [], None, None
     for start in range(0, ours.shape[axis], step):
-        a, b = ours.narrow(axis, start, min(step, ours.shape[axis] - start)), ref.narrow(axis, start, min(step, ours.shape[axis] - start))
+        a, b = (
+            ours.narrow(axis, start, min(step, ours.shape[axis] - start)),
+            ref.narrow(axis, start, min(step, ours.shape[axis] - start)),
+        )
         diff = (a.double() - b.double()).abs().nan_to_num(nan=float("inf"))
         by_position.append(_amax_over_all_but(diff, axis))
-        head = _amax_over_all_but(diff, 1) if head_major else (
-            _amax_over_all_but(diff.unflatten(-1, (-1, head_dim)), -2) if split else None)
+        head = (
+            _amax_over_all_but(diff, 1)
+            if head_major
+            else (_amax_over_all_but(diff.unflatten(-1, (-1, head_dim)), -2) if split else None)
+        )
         if head is not None:
             by_head = head if by_head is None else torch.maximum(by_head, head)
         if diff.shape[-1] <= 4096:
@@ -87,11 +93,18 @@ def logits_effect(ours: torch.Tensor, ref: torch.Tensor, k: int = 5) -> dict:
     width = ours.shape[-1]
     k = min(k, width)
     rows = max(1, SLICE // max(width, 1))
-    if isinstance(ref, torch.Tensor) and ours.numel() and torch.equal(ours, ref) and all(
-        math.isfinite(float(v)) for v in ours.aminmax()
+    if (
+        isinstance(ref, torch.Tensor)
+        and ours.numel()
+        and torch.equal(ours, ref)
+        and all(math.isfinite(float(v)) for v in ours.aminmax())
     ):  # equal logits agree everywhere: top-1 and top-k overlap 1, KL 0
         n = ours.numel() // max(width, 1)
-        top1, overlap, kl = torch.ones(n, dtype=torch.float64), torch.ones(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
+        top1, overlap, kl = (
+            torch.ones(n, dtype=torch.float64),
+            torch.ones(n, dtype=torch.float64),
+            torch.zeros(n, dtype=torch.float64),
+        )
         return _effect(k, top1, overlap, kl)
     top1s, overlaps, kls = [], [], []
     for a, b in zip(_row_blocks(ours, rows, width), _row_blocks(ref, rows, width)):

@@ -107,12 +107,23 @@ def rope_fit(e: Evidence) -> Hint | None:
         return None
     own = layer.rope.attention_factor if layer.rope is not None else 1.0
     amp = f"cos/sin scaled by {fit.amplitude:.6g} (the reference: {own:.6g})"
-    evidence = {"ours": fit.label, "amplitude": fit.amplitude, "reference_amplitude": own, "layer_type": layer.layer_type}
+    evidence = {
+        "ours": fit.label,
+        "amplitude": fit.amplitude,
+        "reference_amplitude": own,
+        "layer_type": layer.layer_type,
+    }
     if fit.offsets:
         pads = [0] * len(fit.offsets) if e.attention_mask is None else [int(n) for n in (e.attention_mask == 0).sum(1)]
         same = list(fit.offsets) == pads
-        because = ("each row's offset equals its pad count: ours counts positions 0..S-1 over the padding, the "
-                   "reference (as generation does) from each row's first real token") if same else "positions are shifted"
+        because = (
+            (
+                "each row's offset equals its pad count: ours counts positions 0..S-1 over the padding, the "
+                "reference (as generation does) from each row's first real token"
+            )
+            if same
+            else "positions are shifted"
+        )
         return Hint(
             "position_offset",
             f"likely positions not derived from the attention mask: ours rotates each batch row by this layer's RoPE "
@@ -122,10 +133,17 @@ def rope_fit(e: Evidence) -> Hint | None:
     if fit.label.startswith("this layer's RoPE"):
         if abs(fit.amplitude / own - 1) < 1e-3:
             return None  # ours is this layer's RoPE: the error is not in the rotation
-        named = [(n, v) for n, v in e.facts.named_constants().items() if "attention factor" in n and abs(fit.amplitude / own / v - 1) < 1e-3]
+        named = [
+            (n, v)
+            for n, v in e.facts.named_constants().items()
+            if "attention factor" in n and abs(fit.amplitude / own / v - 1) < 1e-3
+        ]
         detail = f" ({named[0][0]})" if named else ""
-        return Hint("rope_attention_factor",
-                    f"likely the RoPE attention factor: ours rotates with this layer's frequencies but {amp}{detail}", evidence)
+        return Hint(
+            "rope_attention_factor",
+            f"likely the RoPE attention factor: ours rotates with this layer's frequencies but {amp}{detail}",
+            evidence,
+        )
     if fit.label.startswith("the RoPE of") and layer.rope is None:
         return Hint(
             "rope_unexpected",
@@ -141,9 +159,15 @@ def rope_fit(e: Evidence) -> Hint | None:
             evidence,
         )
     if fit.label.startswith("the unscaled RoPE"):
-        return Hint("rope_scaling", f"likely the RoPE scaling is not applied: ours rotates with {fit.label}, {amp}", evidence)
-    return Hint("rope_theta", f"likely a different rope theta: ours rotates like {fit.label}, {amp} (the reference: theta "
-                f"{layer.rope.theta:g})", evidence)
+        return Hint(
+            "rope_scaling", f"likely the RoPE scaling is not applied: ours rotates with {fit.label}, {amp}", evidence
+        )
+    return Hint(
+        "rope_theta",
+        f"likely a different rope theta: ours rotates like {fit.label}, {amp} (the reference: theta "
+        f"{layer.rope.theta:g})",
+        evidence,
+    )
 
 
 def _unrotated_dims(t: torch.Tensor, x: torch.Tensor, moved: torch.Tensor) -> torch.Tensor:
@@ -161,7 +185,12 @@ def rope_partial(e: Evidence) -> Hint | None:
         return None
     x = _pre_rope(e, e.ours.shape[1])
     moved = e.positions > 0
-    if x is None or x.shape != e.ours.shape or moved.shape != (e.ours.shape[0], e.ours.shape[2]) or not bool(moved.any()):
+    if (
+        x is None
+        or x.shape != e.ours.shape
+        or moved.shape != (e.ours.shape[0], e.ours.shape[2])
+        or not bool(moved.any())
+    ):
         return None
     ours_still, ref_still = _unrotated_dims(e.ours, x, moved), _unrotated_dims(e.ref, x, moved)
     if torch.equal(ours_still, ref_still) or bool(ref_still.all()) or bool(ours_still.all()):  # no RoPE: rope_pattern
@@ -177,7 +206,10 @@ def rope_partial(e: Evidence) -> Hint | None:
         f"likely partial rotary: the reference rotates {rotated(ref_still)} of each head and leaves the rest as they "
         f"are, ours rotates {rotated(ours_still)} (how many dims rotate, and which pairs: (i, i + d/2) over the whole "
         "head, or within the first dims)",
-        {"reference_rotated": (~ref_still).nonzero().flatten().tolist(), "ours_rotated": (~ours_still).nonzero().flatten().tolist()},
+        {
+            "reference_rotated": (~ref_still).nonzero().flatten().tolist(),
+            "ours_rotated": (~ours_still).nonzero().flatten().tolist(),
+        },
     )
 
 
@@ -200,11 +232,17 @@ def rope_pattern(e: Evidence) -> Hint | None:
     ref_pairs = None
     if x is not None and x.shape == ours.shape:
         if e.close(ref, x):
-            return Hint("rope_unexpected",
-                        f"likely RoPE where the reference applies no rotation (a NoPE layer): the reference's {e.kind} is its unrotated input; {numbers}",
-                        evidence)
+            return Hint(
+                "rope_unexpected",
+                f"likely RoPE where the reference applies no rotation (a NoPE layer): the reference's {e.kind} is its unrotated input; {numbers}",
+                evidence,
+            )
         if e.close(ours, x):
-            return Hint("rope_missing", f"likely a missing RoPE: ours applies no rotation here, the reference does; {numbers}", evidence)
+            return Hint(
+                "rope_missing",
+                f"likely a missing RoPE: ours applies no rotation here, the reference does; {numbers}",
+                evidence,
+            )
         ours_dims, ref_dims = _rotated_dims(e, ours, x), _rotated_dims(e, ref, x)
         here = e.facts.layer(e.result.layer)
         declared = here.rope.rotary_dim if here is not None and here.rope is not None else None
@@ -219,8 +257,11 @@ def rope_pattern(e: Evidence) -> Hint | None:
             )
         ours_pairs, ref_pairs = _pairing(ours, x), _pairing(ref, x)
         if ours_pairs and ref_pairs and ours_pairs != ref_pairs:
-            return Hint("rope_pairing", f"likely RoPE pairing layout: ours rotates {ours_pairs} pairs, the reference {ref_pairs}; {numbers}",
-                        {**evidence, "ours": ours_pairs, "reference": ref_pairs})
+            return Hint(
+                "rope_pairing",
+                f"likely RoPE pairing layout: ours rotates {ours_pairs} pairs, the reference {ref_pairs}; {numbers}",
+                {**evidence, "ours": ours_pairs, "reference": ref_pairs},
+            )
     d = ours.shape[-1]
     by_dim = (ours.double() - ref.double()).abs().amax(dim=(0, 1, 2))
     if ref_pairs is not None and ref_pairs.startswith("interleaved"):
@@ -241,7 +282,11 @@ def rope_pattern(e: Evidence) -> Hint | None:
         )
     # a band: the highest and the lowest frequency agree, the error sits between (a YaRN / llama3 ramp)
     if bad and bad[0] > 0 and bad[-1] < d // 2 - 1:
-        band = f" (a {rope_type} correction range / ramp band: rounding or clamping)" if rope_type in ("yarn", "llama3") else ""
+        band = (
+            f" (a {rope_type} correction range / ramp band: rounding or clamping)"
+            if rope_type in ("yarn", "llama3")
+            else ""
+        )
         return Hint(
             "rope_band",
             f"likely RoPE frequencies{band}: error confined to a band of rotary frequencies "

@@ -94,17 +94,28 @@ def identify(
     angle = ratio.angle()
     candidates: list[tuple[str, tuple[float, ...]]] = []
     if rope is not None:
-        candidates.append((f"this layer's RoPE ({layer.layer_type}: {rope.rope_type}, theta {rope.theta:g})", rope.inv_freq))
+        candidates.append(
+            (f"this layer's RoPE ({layer.layer_type}: {rope.rope_type}, theta {rope.theta:g})", rope.inv_freq)
+        )
         if rope.rope_type != "default":
-            candidates.append((f"the unscaled RoPE (theta {rope.theta:g}, no {rope.rope_type} scaling)", rope.unscaled_inv_freq()))
+            candidates.append(
+                (f"the unscaled RoPE (theta {rope.theta:g}, no {rope.rope_type} scaling)", rope.unscaled_inv_freq())
+            )
     for layer_type, other in ropes.items():
         if other is None or layer_type == layer.layer_type:
             continue
         if rope is not None and other.rope_type == rope.rope_type and other.attention_factor == rope.attention_factor:
             # the same kind of RoPE with another theta: a theta mistake, whichever layer type has it
-            candidates.append((f"{other.rope_type} RoPE with theta {other.theta:g} (the theta of {layer_type} layers)", other.inv_freq))
+            candidates.append(
+                (
+                    f"{other.rope_type} RoPE with theta {other.theta:g} (the theta of {layer_type} layers)",
+                    other.inv_freq,
+                )
+            )
         else:
-            candidates.append((f"the RoPE of {layer_type} layers ({other.rope_type}, theta {other.theta:g})", other.inv_freq))
+            candidates.append(
+                (f"the RoPE of {layer_type} layers ({other.rope_type}, theta {other.theta:g})", other.inv_freq)
+            )
     for label, inv_freq in candidates:
         worst = _fits(angle, keep, inv_freq, positions, tol)
         if worst is not None:
@@ -117,7 +128,9 @@ def identify(
                 continue
             best = None
             for delta in range(-angle.shape[1], angle.shape[1] + 1):
-                worst = _fits(angle[row : row + 1], keep[row : row + 1], rope.inv_freq, positions[row : row + 1] + delta, tol)
+                worst = _fits(
+                    angle[row : row + 1], keep[row : row + 1], rope.inv_freq, positions[row : row + 1] + delta, tol
+                )
                 if worst is not None:
                     best = delta
                     break
@@ -126,13 +139,22 @@ def identify(
             offsets.append(best)
         else:
             if any(offsets):
-                return Fit("this layer's RoPE at shifted positions", amplitude, 0.0, offsets=tuple(offsets), inv_freq=rope.inv_freq)
+                return Fit(
+                    "this layer's RoPE at shifted positions",
+                    amplitude,
+                    0.0,
+                    offsets=tuple(offsets),
+                    inv_freq=rope.inv_freq,
+                )
         theta = _fit_theta(angle, keep, positions, probe.rotary_dim)
         if theta is not None and abs(theta / rope.theta - 1) > 1e-3:
             from parity.model.facts import default_inv_freq
 
             for label, inv_freq in (
-                (f"{rope.rope_type} RoPE with theta {theta:.6g}", rope.with_theta(theta, layer.head_dim, max_position_embeddings)),
+                (
+                    f"{rope.rope_type} RoPE with theta {theta:.6g}",
+                    rope.with_theta(theta, layer.head_dim, max_position_embeddings),
+                ),
                 (f"default RoPE with theta {theta:.6g}", default_inv_freq(theta, probe.rotary_dim)),
             ):
                 worst = _fits(angle, keep, inv_freq, positions, tol)

@@ -68,14 +68,19 @@ def constant_ratio(e: Evidence) -> Hint | None:
     r = max(mean, 1 / mean)  # compare magnitudes >= 1, whichever side carries the extra factor
     bigger = "ours / reference" if mean > 1 else "reference / ours"
     matched = [
-        (name, value) for name, value in e.facts.named_constants().items()
+        (name, value)
+        for name, value in e.facts.named_constants().items()
         if value > 0 and abs(r / max(value, 1 / value) - 1) < 1e-3
     ]
     known = ""
     kind = "attention_scale" if e.kind == "scores" and _qk_agree(e) else "scale"
     if e.kind == "logits" and e.facts.logit_scale not in (None, 1.0):
-        return Hint("logit_scale", f"likely logit_scale: the logits differ by one factor, ours / reference = {mean:.6g} "
-                    f"(the reference's logit_scale is {e.facts.logit_scale:g})", {"ratio": mean})
+        return Hint(
+            "logit_scale",
+            f"likely logit_scale: the logits differ by one factor, ours / reference = {mean:.6g} "
+            f"(the reference's logit_scale is {e.facts.logit_scale:g})",
+            {"ratio": mean},
+        )
     if matched and kind == "scale":
         name, value = matched[0]
         known = f"; matches {bigger} = {name} ({max(value, 1 / value):.6g})"
@@ -85,8 +90,12 @@ def constant_ratio(e: Evidence) -> Hint | None:
             kind = "logit_scale"
     if kind == "attention_scale":
         named = f"; matches {matched[0][0]}" if matched else ""
-        return Hint(kind, f"likely the attention scale (softmax temperature): q and k agree, the pre-softmax scores "
-                    f"differ by one factor, ours / reference = {mean:.6g}{named}", {"ratio": mean, "matches": matched[0][0] if matched else None})
+        return Hint(
+            kind,
+            f"likely the attention scale (softmax temperature): q and k agree, the pre-softmax scores "
+            f"differ by one factor, ours / reference = {mean:.6g}{named}",
+            {"ratio": mean, "matches": matched[0][0] if matched else None},
+        )
     return Hint(
         kind,
         f"likely a missing or extra scale: ours / reference = {mean:.6g} at every position including 0 "
@@ -120,8 +129,10 @@ def row_scale(e: Evidence) -> Hint | None:
         ref_size = size / factors
         ours_unit, ref_unit = bool(((size - 1).abs() < 1e-3).all()), bool(((ref_size - 1).abs() < 1e-3).all())
         if ref_unit != ours_unit:
-            side = ("the reference's rows have" if ref_unit else "ours have")
-            cause = f"{side} {label}, the other side's do not: a missing {'L2' if 'L2' in label else 'RMS'} normalisation"
+            side = "the reference's rows have" if ref_unit else "ours have"
+            cause = (
+                f"{side} {label}, the other side's do not: a missing {'L2' if 'L2' in label else 'RMS'} normalisation"
+            )
             evidence["unit"] = {"reference" if ref_unit else "ours": label}
             break
     return Hint(

@@ -57,10 +57,17 @@ def kv_sharing(e: Evidence) -> Hint | None:
     match = next(((i, name) for i, name, t in own if i != layer.kv_source and e.close(e.ours, t)), None)
     source = f"layer {layer.index} reads the keys and values of layer {layer.kv_source} in the reference (KV sharing)"
     if match is not None:
-        return Hint("kv_sharing", f"likely the wrong layer's keys: {source}; ours are layer {match[0]}'s ({match[1]})",
-                    {"reference_source": layer.kv_source, "ours_source": match[0]})
-    return Hint("kv_sharing", f"likely KV sharing not applied: {source}; ours equal no layer's keys (computed here, "
-                "e.g. by projecting this layer's own input)", {"reference_source": layer.kv_source, "ours_source": None})
+        return Hint(
+            "kv_sharing",
+            f"likely the wrong layer's keys: {source}; ours are layer {match[0]}'s ({match[1]})",
+            {"reference_source": layer.kv_source, "ours_source": match[0]},
+        )
+    return Hint(
+        "kv_sharing",
+        f"likely KV sharing not applied: {source}; ours equal no layer's keys (computed here, "
+        "e.g. by projecting this layer's own input)",
+        {"reference_source": layer.kv_source, "ours_source": None},
+    )
 
 
 def other_layer(e: Evidence) -> Hint | None:
@@ -68,8 +75,12 @@ def other_layer(e: Evidence) -> Hint | None:
     or cache slot taken from the wrong layer)."""
     for layer, name, tensor in _same_kind_elsewhere(e):
         if e.close(e.ours, tensor):
-            return Hint("layer_offset", f"likely a per-layer tensor from the wrong layer: ours equals the reference's "
-                        f"{name} (layer {layer}, not {e.result.layer})", {"matches": name, "layer": layer})
+            return Hint(
+                "layer_offset",
+                f"likely a per-layer tensor from the wrong layer: ours equals the reference's "
+                f"{name} (layer {layer}, not {e.result.layer})",
+                {"matches": name, "layer": layer},
+            )
     return None
 
 
@@ -154,7 +165,8 @@ def head_mapping(e: Evidence) -> Hint | None:
     gqa = e.facts.num_kv_heads != e.facts.num_heads and e.kind in ("scores", "probs", "context")
     cause = (
         "GQA head mapping (K/V heads expanded with repeat instead of repeat_interleave, or grouped wrongly)"
-        if gqa else "a head permutation in the weights or the head split (a fused projection cut in flat halves "
+        if gqa
+        else "a head permutation in the weights or the head split (a fused projection cut in flat halves "
         "instead of per head)"
     )
     parts = [f"heads {fmt_list(same)} agree" if same else "no head agrees in place"]
@@ -162,8 +174,11 @@ def head_mapping(e: Evidence) -> Hint | None:
         parts.append("ours " + ", ".join(f"head {i} = reference head {j}" for i, j in list(moved.items())[:6]))
     differ = [i for i in range(n) if i not in same]
     parts.append(f"heads {fmt_list(differ)} differ")
-    return Hint("head_mapping", f"likely {cause}: " + "; ".join(parts),
-                {"agree": same, "moved": {str(k): v for k, v in moved.items()}, "differ": differ})
+    return Hint(
+        "head_mapping",
+        f"likely {cause}: " + "; ".join(parts),
+        {"agree": same, "moved": {str(k): v for k, v in moved.items()}, "differ": differ},
+    )
 
 
 def last_dim_permutation(e: Evidence) -> Hint | None:
@@ -191,7 +206,8 @@ def last_dim_permutation(e: Evidence) -> Hint | None:
         within = (
             "; every element stays in its head (a permutation within heads: RoPE rows in Meta's interleaved "
             "layout, not un-permuted or un-permuted with the wrong head count)"
-            if crossing == 0 else f"; {crossing} positions cross head boundaries"
+            if crossing == 0
+            else f"; {crossing} positions cross head boundaries"
         )
     return Hint(
         "weight_permutation",
@@ -203,7 +219,11 @@ def last_dim_permutation(e: Evidence) -> Hint | None:
 
 def untied_head(e: Evidence) -> Hint | None:
     """Everything before the output agrees but the logits are uncorrelated: an unloaded or untied head."""
-    if e.kind not in (e.facts.head_module.rsplit(".", 1)[-1], "logits") or e.result.cosine is None or abs(e.result.cosine) > 0.3:
+    if (
+        e.kind not in (e.facts.head_module.rsplit(".", 1)[-1], "logits")
+        or e.result.cosine is None
+        or abs(e.result.cosine) > 0.3
+    ):
         return None
     tied = " (the config ties it to the embedding)" if e.facts.tie_word_embeddings else ""
     return Hint(

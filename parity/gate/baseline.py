@@ -48,13 +48,14 @@ class Budget:
         return max(dict(self.growth)[stat] * before, self.floor(dtype))
 
     def describe(self) -> dict:
-        return {"growth": dict(self.growth), "floor": {d: self.floor(d) for d in DTYPES},
-                "floor_fraction_of_atol": self.floor_fraction}
+        return {
+            "growth": dict(self.growth),
+            "floor": {d: self.floor(d) for d in DTYPES},
+            "floor_fraction_of_atol": self.floor_fraction,
+        }
 
 
 BUDGET = Budget()
-
-
 
 
 # --- baseline -----------------------------------------------------------------------------------------
@@ -83,33 +84,39 @@ def read_baseline(path: str | Path, missing_ok: bool = False) -> dict:
     if not path.exists():
         if missing_ok:
             return empty_baseline()
-        raise ParityError(f"baseline {path} does not exist: create it with `parity gate --update-baseline --baseline {path}` "
-                          "and commit it (or point --baseline / [tool.parity] baseline at yours)")
+        raise ParityError(
+            f"baseline {path} does not exist: create it with `parity gate --update-baseline --baseline {path}` "
+            "and commit it (or point --baseline / [tool.parity] baseline at yours)"
+        )
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ParityError(f"baseline {path} is not valid JSON ({getattr(e, 'msg', None) or e}): {redo}") from None
     if not isinstance(data, dict):
-        kind = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean"}.get(type(data), "null")
+        kind = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean"}.get(
+            type(data), "null"
+        )
         raise ParityError(f"baseline {path} holds {kind}, not the JSON object a parity baseline is: {redo}")
     version = data.get("version")
     if version != BASELINE_VERSION and missing_ok:
         return empty_baseline()
     if version != BASELINE_VERSION:
-        what = "has no \"version\"" if version is None else f"has version {version!r}"
+        what = 'has no "version"' if version is None else f"has version {version!r}"
         raise ParityError(f"baseline {path} {what}; this parity reads version {BASELINE_VERSION}: {redo}")
     if not isinstance(data.get("cases"), dict):
-        raise ParityError(f"baseline {path} has no \"cases\" object: {redo}")
+        raise ParityError(f'baseline {path} has no "cases" object: {redo}')
     for case, entry in data["cases"].items():
         nodes = entry.get("nodes") if isinstance(entry, dict) else None
         if not isinstance(nodes, dict):
-            raise ParityError(f"baseline {path}: case {case} has no \"nodes\" object")
+            raise ParityError(f'baseline {path}: case {case} has no "nodes" object')
         for name, value in nodes.items():
             stats = value if isinstance(value, dict) else {}
             for stat in ("max_abs", "mean_abs"):
                 v = stats.get(stat)
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v >= 0):
-                    raise ParityError(f"baseline {path}: {case} node {name} has {stat} {v!r}, expected a finite number >= 0")
+                    raise ParityError(
+                        f"baseline {path}: {case} node {name} has {stat} {v!r}, expected a finite number >= 0"
+                    )
     return data
 
 
@@ -120,11 +127,15 @@ def budget_excess(result, recorded: dict, dtype: str, budget: Budget = BUDGET) -
     problems = []
     new = [name for name in now if name not in recorded]
     if new:
-        problems.append(f"{len(new)} node(s) not in the baseline ({', '.join(new[:3])}{', ...' if len(new) > 3 else ''}): "
-                        "review and run `parity gate --update-baseline`")
+        problems.append(
+            f"{len(new)} node(s) not in the baseline ({', '.join(new[:3])}{', ...' if len(new) > 3 else ''}): "
+            "review and run `parity gate --update-baseline`"
+        )
     gone = [name for name in recorded if name not in now]
     if gone:
-        problems.append(f"{len(gone)} baseline node(s) no longer compared ({', '.join(gone[:3])}{', ...' if len(gone) > 3 else ''})")
+        problems.append(
+            f"{len(gone)} baseline node(s) no longer compared ({', '.join(gone[:3])}{', ...' if len(gone) > 3 else ''})"
+        )
     excess = []
     for name, before in recorded.items():
         node = now.get(name)
@@ -144,7 +155,7 @@ def _baseline_text(data: dict) -> str:
     lines = ["{"] + [f" {json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()] + [' "cases": {']
     cases = list(data["cases"].items())
     for i, (case, entry) in enumerate(cases):
-        lines.append(f"  {json.dumps(case)}: {{\"nodes\": {{")
+        lines.append(f'  {json.dumps(case)}: {{"nodes": {{')
         nodes = list(entry["nodes"].items())
         for j, (name, stats) in enumerate(nodes):
             lines.append(f"   {json.dumps(name)}: {json.dumps(stats)}" + ("," if j < len(nodes) - 1 else ""))
@@ -152,7 +163,9 @@ def _baseline_text(data: dict) -> str:
     return "\n".join(lines + [" }", "}"]) + "\n"
 
 
-def write_baseline(path: str | Path, baseline: dict, outcomes: Iterable[CaseResult], families_run: Iterable[str]) -> None:
+def write_baseline(
+    path: str | Path, baseline: dict, outcomes: Iterable[CaseResult], families_run: Iterable[str]
+) -> None:
     """Record every case of ``outcomes``; entries of the families run that no case produced any more
     are dropped; other families' entries are kept."""
     from parity.util.files import atomic_write
@@ -160,7 +173,15 @@ def write_baseline(path: str | Path, baseline: dict, outcomes: Iterable[CaseResu
     run = set(families_run)
     cases = {k: v for k, v in baseline.get("cases", {}).items() if k.split("/")[0] not in run}
     for c in outcomes:
-        cases[c.case.id] = {"nodes": {n.name: {"max_abs": n.max_abs, "mean_abs": n.mean_abs} for n in c.result.nodes
-                                      if n.max_abs is not None}}
-    data = {"version": BASELINE_VERSION, "versions": baseline_versions(), "budget": BUDGET.describe(), "cases": dict(sorted(cases.items()))}
+        cases[c.case.id] = {
+            "nodes": {
+                n.name: {"max_abs": n.max_abs, "mean_abs": n.mean_abs} for n in c.result.nodes if n.max_abs is not None
+            }
+        }
+    data = {
+        "version": BASELINE_VERSION,
+        "versions": baseline_versions(),
+        "budget": BUDGET.describe(),
+        "cases": dict(sorted(cases.items())),
+    }
     atomic_write(path, _baseline_text(data))

@@ -69,10 +69,17 @@ class CaseResult:
         return []
 
     def to_dict(self) -> dict:
-        out = {"case": self.case.id, "passed": self.passed, "problems": self.problems,
-               "over_budget": [vars(e) for e in self.excess]}
+        out = {
+            "case": self.case.id,
+            "passed": self.passed,
+            "problems": self.problems,
+            "over_budget": [vars(e) for e in self.excess],
+        }
         if self.result is not None:
             stats = [n for n in self.result.nodes if n.max_abs is not None]
-            out.update(nodes=len(self.result.nodes), max_abs=max((n.max_abs for n in stats), default=None),
-                       mean_abs=max((n.mean_abs for n in stats), default=None))
+            out.update(
+                nodes=len(self.result.nodes),
+                max_abs=max((n.max_abs for n in stats), default=None),
+                mean_abs=max((n.mean_abs for n in stats), default=None),
+            )
         return out

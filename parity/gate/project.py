@@ -64,11 +64,19 @@ class Project:
         settings = dict(data.get("tool", {}).get("parity", {}))
         unknown = sorted(set(settings) - set(SETTINGS))
         if unknown:
-            raise ParityError(f"{root / 'pyproject.toml'}: unknown [tool.parity] setting(s) {', '.join(unknown)}; known: {', '.join(SETTINGS)}")
+            raise ParityError(
+                f"{root / 'pyproject.toml'}: unknown [tool.parity] setting(s) {', '.join(unknown)}; known: {', '.join(SETTINGS)}"
+            )
         for key, value in settings.items():
-            ok = isinstance(value, str) if key == "baseline" else isinstance(value, list) and all(isinstance(v, str) for v in value)
+            ok = (
+                isinstance(value, str)
+                if key == "baseline"
+                else isinstance(value, list) and all(isinstance(v, str) for v in value)
+            )
             if not ok:
-                raise ParityError(f"{root / 'pyproject.toml'}: [tool.parity] {key} must be {'a path' if key == 'baseline' else 'a list of paths'}, got {value!r}")
+                raise ParityError(
+                    f"{root / 'pyproject.toml'}: [tool.parity] {key} must be {'a path' if key == 'baseline' else 'a list of paths'}, got {value!r}"
+                )
         for path in reversed([root, *(root / p for p in settings.get("pythonpath", []))]):
             if str(path) in sys.path:
                 sys.path.remove(str(path))
@@ -82,7 +90,9 @@ class Project:
                 for part in attr.split(".") if attr else []:
                     obj = getattr(obj, part)
             except Exception as e:  # an import error in a family is the project's bad input
-                raise ParityError(f"family {name} ({target}, pyproject.toml) cannot be imported: {type(e).__name__}: {e}") from None
+                raise ParityError(
+                    f"family {name} ({target}, pyproject.toml) cannot be imported: {type(e).__name__}: {e}"
+                ) from None
             if not isinstance(obj, Family):
                 raise ParityError(f"family {name} ({target}, pyproject.toml) is not a parity.Family")
             families[name] = obj
@@ -99,8 +109,15 @@ class Project:
         folders = {}
         for name, fam in families.items():
             files = [_module_file(fam.model_class), _module_file(fam.load) if fam.load else None, entry_files.get(name)]
-            folders[name] = tuple(sorted({f.parent.relative_to(root).as_posix() + "/" for f in files
-                                          if f is not None and f.is_relative_to(root)}))
+            folders[name] = tuple(
+                sorted(
+                    {
+                        f.parent.relative_to(root).as_posix() + "/"
+                        for f in files
+                        if f is not None and f.is_relative_to(root)
+                    }
+                )
+            )
         return cls(root, families, installed, settings, folders)
 
     @property
@@ -113,7 +130,9 @@ class Project:
             rel = Path(baseline).resolve().relative_to(self.root).as_posix()
         except ValueError:
             rel = None
-        folders = [p if p.endswith("/") or not (self.root / p).is_dir() else p + "/" for p in self.settings.get("shared", [])]
+        folders = [
+            p if p.endswith("/") or not (self.root / p).is_dir() else p + "/" for p in self.settings.get("shared", [])
+        ]
         return tuple(p for p in ("pyproject.toml", rel, *folders) if p)
 
     def family(self, name: str) -> Family:
@@ -124,14 +143,18 @@ class Project:
         return fam
 
 
-def choose_families(changed: Iterable[str], folders: dict[str, tuple[str, ...]], shared: Iterable[str]) -> tuple[list[str], list[str]]:
+def choose_families(
+    changed: Iterable[str], folders: dict[str, tuple[str, ...]], shared: Iterable[str]
+) -> tuple[list[str], list[str]]:
     """Families to run for a list of changed paths (relative to the project root), with one reason
     line each: a shared path runs all, a family's folder runs that family."""
     changed = sorted({Path(p).as_posix().removeprefix("./") for p in changed})
     shared = tuple(shared)
     hits = [p for p in changed if any(p == s or (s.endswith("/") and p.startswith(s)) for s in shared)]
     if hits:
-        return sorted(folders), [f"all families: shared code changed ({', '.join(hits[:5])}{', ...' if len(hits) > 5 else ''})"]
+        return sorted(folders), [
+            f"all families: shared code changed ({', '.join(hits[:5])}{', ...' if len(hits) > 5 else ''})"
+        ]
     chosen, reasons = [], []
     for name, dirs in sorted(folders.items()):
         mine = [p for p in changed if p.startswith(dirs)] if dirs else []
@@ -146,6 +169,7 @@ def choose_families(changed: Iterable[str], folders: dict[str, tuple[str, ...]],
 def changed_since(ref: str, cwd: str | Path = ".") -> list[str]:
     """Paths changed between ``ref`` and the working tree (committed or not), plus untracked files,
     relative to the repository's top. Raises ParityError (one line) if ``ref`` is not a commit here."""
+
     def git(*args) -> subprocess.CompletedProcess:
         try:
             return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
@@ -155,13 +179,17 @@ def changed_since(ref: str, cwd: str | Path = ".") -> list[str]:
     if git("rev-parse", "--git-dir").returncode:
         raise ParityError(f"--changed-since {ref}: {Path(cwd).resolve()} is not in a git repository")
     if git("rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}").returncode:
-        raise ParityError(f"--changed-since {ref}: no such commit in this repository (a branch, tag or commit; "
-                          "in CI fetch the history, e.g. actions/checkout with fetch-depth: 0)")
+        raise ParityError(
+            f"--changed-since {ref}: no such commit in this repository (a branch, tag or commit; "
+            "in CI fetch the history, e.g. actions/checkout with fetch-depth: 0)"
+        )
     diff = git("diff", "--name-only", "--relative", ref, "--")
     untracked = git("ls-files", "--others", "--exclude-standard")
     if diff.returncode or untracked.returncode:
         reason = (diff.stderr or untracked.stderr).strip().splitlines()
-        raise ParityError(f"--changed-since {ref}: git cannot list the changes ({reason[0] if reason else 'no reason given'})")
+        raise ParityError(
+            f"--changed-since {ref}: git cannot list the changes ({reason[0] if reason else 'no reason given'})"
+        )
     return sorted({line for line in (diff.stdout + untracked.stdout).splitlines() if line})
 
 
@@ -184,12 +212,18 @@ def config_features(family: Family, name: str) -> set[str]:
         rope = facts.rope_of_type(layer_type)
         head_dim = next(layer.head_dim for layer in facts.layers if layer.layer_type == layer_type)
         feats.add(f"{layer_type} layers")
-        feats.add(f"{'no' if rope is None else rope.rope_type} RoPE on {layer_type}"
-                  + (" (interleaved)" if rope is not None and rope.interleaved else "")
-                  + (" (partial)" if rope is not None and rope.rotary_dim < head_dim else ""))
+        feats.add(
+            f"{'no' if rope is None else rope.rope_type} RoPE on {layer_type}"
+            + (" (interleaved)" if rope is not None and rope.interleaved else "")
+            + (" (partial)" if rope is not None and rope.rotary_dim < head_dim else "")
+        )
     feats.add("tied head" if facts.tie_word_embeddings else "untied head")
-    for label, value in (("logit scale", facts.logit_scale), ("final soft-cap", facts.final_softcap),
-                         ("attention soft-cap", facts.attn_softcap), ("embedding scale", facts.embed_scale)):
+    for label, value in (
+        ("logit scale", facts.logit_scale),
+        ("final soft-cap", facts.final_softcap),
+        ("attention soft-cap", facts.attn_softcap),
+        ("embedding scale", facts.embed_scale),
+    ):
         if value not in (None, 1.0):
             feats.add(label)
     if facts.qk_norm:
@@ -211,5 +245,7 @@ def config_holes(family: Family) -> list[str]:
     for real in family.real_configs:
         missing = sorted(config_features(family, real) - covered)
         if missing:
-            holes.append(f"{family.name}: {real} uses {', '.join(missing)}, which no CI config ({', '.join(family.ci_configs)}) exercises")
+            holes.append(
+                f"{family.name}: {real} uses {', '.join(missing)}, which no CI config ({', '.join(family.ci_configs)}) exercises"
+            )
     return holes

@@ -36,21 +36,45 @@ _RESULTS = pytest.StashKey[list]()
 
 def pytest_addoption(parser):
     group = parser.getgroup("parity", "parity: reports of failing parity tests, and the parity gate")
-    group.addoption("--parity-report-dir", metavar="DIR", default=None,
-                    help="folder for the reports of failing parity tests (default: ini parity_report_dir, else reports)")
+    group.addoption(
+        "--parity-report-dir",
+        metavar="DIR",
+        default=None,
+        help="folder for the reports of failing parity tests (default: ini parity_report_dir, else reports)",
+    )
     group.addoption("--parity-keep-reports", action="store_true", help="write reports for passing parity tests too")
     group.addoption("--parity-no-reports", action="store_true", help="write no parity reports")
     group.addoption("--parity-gate", action="store_true", help="also run the parity gate's cases in this session")
-    group.addoption("--parity-gate-family", metavar="NAME", action="append", default=None,
-                    help="gate only this family (repeatable; default: the project's families)")
-    group.addoption("--parity-gate-baseline", metavar="PATH", default=None,
-                    help="gate baseline (default: [tool.parity] baseline, else parity-baseline.json)")
-    group.addoption("--parity-gate-changed-since", metavar="REF", default=None,
-                    help="gate only the families whose files changed since this git commit")
-    group.addoption("--parity-gate-update-baseline", action="store_true",
-                    help="rewrite the gate baseline from this session (only if every gate test passes)")
-    parser.addini("parity_gate", type="bool", default=False,
-                  help="run the parity gate's cases whenever pytest runs without paths (default false)")
+    group.addoption(
+        "--parity-gate-family",
+        metavar="NAME",
+        action="append",
+        default=None,
+        help="gate only this family (repeatable; default: the project's families)",
+    )
+    group.addoption(
+        "--parity-gate-baseline",
+        metavar="PATH",
+        default=None,
+        help="gate baseline (default: [tool.parity] baseline, else parity-baseline.json)",
+    )
+    group.addoption(
+        "--parity-gate-changed-since",
+        metavar="REF",
+        default=None,
+        help="gate only the families whose files changed since this git commit",
+    )
+    group.addoption(
+        "--parity-gate-update-baseline",
+        action="store_true",
+        help="rewrite the gate baseline from this session (only if every gate test passes)",
+    )
+    parser.addini(
+        "parity_gate",
+        type="bool",
+        default=False,
+        help="run the parity gate's cases whenever pytest runs without paths (default false)",
+    )
     parser.addini("parity_report_dir", default="reports", help="folder for the reports of failing parity tests")
 
 
@@ -189,7 +213,8 @@ def gate_run(config):
         try:
             ref = config.getoption("parity_gate_changed_since")
             run = GateRun.prepare(
-                root=config.rootpath, baseline=config.getoption("parity_gate_baseline"),
+                root=config.rootpath,
+                baseline=config.getoption("parity_gate_baseline"),
                 families=config.getoption("parity_gate_family"),
                 changed=changed_since(ref, config.rootpath) if ref else None,
                 update=config.getoption("parity_gate_update_baseline"),

@@ -55,8 +55,16 @@ class GateRun:
     :meth:`finish` (writes the baseline when updating) and :meth:`close` at the end.
     """
 
-    def __init__(self, project: Project, names: list[str], cases: list[Case], selection: list[str],
-                 baseline_path: Path, baseline: dict, update: bool):
+    def __init__(
+        self,
+        project: Project,
+        names: list[str],
+        cases: list[Case],
+        selection: list[str],
+        baseline_path: Path,
+        baseline: dict,
+        update: bool,
+    ):
         self.project = project
         self.names = names
         self.cases = cases
@@ -72,12 +80,19 @@ class GateRun:
         recorded = baseline.get("versions") or {}
         self.version_notes = [
             f"baseline recorded with {tool} {recorded[tool]}, running {now}: the reference may have changed"
-            for tool, now in (baseline_versions().items() if cases else ()) if recorded.get(tool) not in (None, now)
+            for tool, now in (baseline_versions().items() if cases else ())
+            if recorded.get(tool) not in (None, now)
         ]
 
     @classmethod
-    def prepare(cls, root: str | Path = ".", baseline: str | Path | None = None, families: list[str] | None = None,
-                changed: list[str] | None = None, update: bool = False) -> GateRun:
+    def prepare(
+        cls,
+        root: str | Path = ".",
+        baseline: str | Path | None = None,
+        families: list[str] | None = None,
+        changed: list[str] | None = None,
+        update: bool = False,
+    ) -> GateRun:
         """Choose the cases: ``families`` (default: the project's), narrowed by ``changed`` (paths
         relative to ``root``, e.g. what a commit touches) when given. The project is the nearest
         folder from ``root`` up that holds a pyproject.toml. Reads the baseline when there is anything
@@ -95,7 +110,7 @@ class GateRun:
             if not names:
                 raise ParityError(
                     f"no parity family is defined in {project.root}: declare yours under "
-                    "[project.entry-points.\"parity.pairs\"] in pyproject.toml, or name an installed one with --family"
+                    '[project.entry-points."parity.pairs"] in pyproject.toml, or name an installed one with --family'
                     + (f" ({', '.join(sorted(project.installed))})" if project.installed else "")
                 )
         known = {n: project.family(n) for n in names}
@@ -103,7 +118,9 @@ class GateRun:
         if not baseline_path.is_absolute():
             baseline_path = project.root / baseline_path if baseline is None else Path.cwd() / baseline_path
         if changed is not None:
-            names, selection = choose_families(changed, {n: project.folders.get(n, ()) for n in names}, project.shared(baseline_path))
+            names, selection = choose_families(
+                changed, {n: project.folders.get(n, ()) for n in names}, project.shared(baseline_path)
+            )
         else:
             selection = [f"families: {', '.join(names)}" + ("" if families else " (all of this project)")]
         cases = plan(names, known)
@@ -159,8 +176,10 @@ class GateRun:
             if not self.update:
                 recorded = self.baseline["cases"].get(case.id)
                 if recorded is None:
-                    outcome.problems.append(f"no baseline for {case.id} in {self.baseline_path.name}: run "
-                                            "`parity gate --update-baseline` and commit it")
+                    outcome.problems.append(
+                        f"no baseline for {case.id} in {self.baseline_path.name}: run "
+                        "`parity gate --update-baseline` and commit it"
+                    )
                 else:
                     outcome.excess, entry_problems = budget_excess(result, recorded["nodes"], case.dtype)
                     outcome.problems += entry_problems
@@ -175,8 +194,11 @@ class GateRun:
 
     @property
     def passed(self) -> bool:
-        return (len(self.outcomes) == len(self.cases) and all(o.passed for o in self.outcomes.values())
-                and not any(self.holes.values()))
+        return (
+            len(self.outcomes) == len(self.cases)
+            and all(o.passed for o in self.outcomes.values())
+            and not any(self.holes.values())
+        )
 
     def finish(self) -> bool:
         """With ``update``: write the baseline for the families run, only if every case ran and passes
@@ -189,7 +211,9 @@ class GateRun:
         missing = len(self.cases) - len(self.outcomes)
         if failing or missing:
             more = f"; {missing} case(s) did not run" if missing else ""
-            raise ParityError(f"not updating the baseline: {len(failing)} case(s) fail ({'; '.join(failing[:3])}){more}")
+            raise ParityError(
+                f"not updating the baseline: {len(failing)} case(s) fail ({'; '.join(failing[:3])}){more}"
+            )
         write_baseline(self.baseline_path, self.baseline, self.outcomes.values(), self.names)
         return True
 

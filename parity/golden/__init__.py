@@ -14,7 +14,23 @@ from parity.golden.trace_file import FORMAT, VERSION, GoldenTrace, TraceError, r
 from parity.golden.verdict import compare_dump, compare_model, judge, verify
 
 __all__ = [
-    "FORMAT", "VERSION", "GoldenTrace", "NameRule", "Summary", "SummaryTrace", "TraceError", "compare_dump",
-    "compare_model", "compare_summary", "judge", "map_dump", "read_dump", "read_name_map", "read_trace", "record",
-    "summarise", "trace_schema", "verify",
+    "FORMAT",
+    "VERSION",
+    "GoldenTrace",
+    "NameRule",
+    "Summary",
+    "SummaryTrace",
+    "TraceError",
+    "compare_dump",
+    "compare_model",
+    "compare_summary",
+    "judge",
+    "map_dump",
+    "read_dump",
+    "read_name_map",
+    "read_trace",
+    "record",
+    "summarise",
+    "trace_schema",
+    "verify",
 ]

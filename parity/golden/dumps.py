@@ -70,14 +70,19 @@ def read_name_map(source) -> list[NameRule]:
     for key, value in data.items():
         spec = {"node": value} if isinstance(value, str) else value
         if not isinstance(key, str) or not isinstance(spec, Mapping) or not isinstance(spec.get("node"), str):
-            raise ParityError(f"{where}: entry {key!r} must map to a node name or to "
-                              '{"node": ..., "permute": [...], "reshape": [...]}')
+            raise ParityError(
+                f"{where}: entry {key!r} must map to a node name or to "
+                '{"node": ..., "permute": [...], "reshape": [...]}'
+            )
         unknown = set(spec) - {"node", "permute", "reshape"}
         if unknown:
-            raise ParityError(f"{where}: entry {key!r} has unknown field(s) {', '.join(sorted(unknown))} "
-                              "(node, permute, reshape)")
+            raise ParityError(
+                f"{where}: entry {key!r} has unknown field(s) {', '.join(sorted(unknown))} (node, permute, reshape)"
+            )
         if "{i}" in spec["node"] and "{i}" not in key:
-            raise ParityError(f"{where}: entry {key!r} maps to {spec['node']!r}, whose {{i}} the runtime name does not give")
+            raise ParityError(
+                f"{where}: entry {key!r} maps to {spec['node']!r}, whose {{i}} the runtime name does not give"
+            )
         layout = {}
         for field_name in ("permute", "reshape"):
             v = spec.get(field_name)
@@ -87,7 +92,9 @@ def read_name_map(source) -> list[NameRule]:
             layout[field_name] = tuple(v) if v is not None else None
         if layout["permute"] is not None and sorted(layout["permute"]) != list(range(len(layout["permute"]))):
             order = list(layout["permute"])
-            raise ParityError(f"{where}: entry {key!r}: permute {order} is not an order of the axes 0..{len(order) - 1}")
+            raise ParityError(
+                f"{where}: entry {key!r}: permute {order} is not an order of the axes 0..{len(order) - 1}"
+            )
         rules.append(NameRule(key, spec["node"], **layout))
     return rules
 
@@ -100,7 +107,9 @@ def _load_dump_file(path: Path) -> dict[str, torch.Tensor]:
             array = np.load(path, allow_pickle=False)
         except (ValueError, OSError) as e:
             reason = str(e).splitlines()[0]
-            raise ParityError(f"dump file {path} cannot be read as .npy (pickled objects are never loaded): {reason}") from None
+            raise ParityError(
+                f"dump file {path} cannot be read as .npy (pickled objects are never loaded): {reason}"
+            ) from None
         if array.dtype.kind not in "fiub":
             raise ParityError(f"dump file {path} holds {array.dtype}, not numbers")
         return {path.name[: -len(".npy")]: torch.from_numpy(np.ascontiguousarray(array).copy())}
@@ -143,10 +152,14 @@ def _layout(tensor: torch.Tensor, rule: NameRule, key: str) -> torch.Tensor:
         if rule.permute is not None:
             tensor = tensor.permute(*rule.permute)
         if rule.reshape is not None:  # 0 keeps that axis, as ONNX Reshape does
-            tensor = tensor.reshape(*(tensor.shape[i] if d == 0 and i < tensor.dim() else d for i, d in enumerate(rule.reshape)))
+            tensor = tensor.reshape(
+                *(tensor.shape[i] if d == 0 and i < tensor.dim() else d for i, d in enumerate(rule.reshape))
+            )
     except RuntimeError as e:
-        raise ParityError(f"name map entry {rule.runtime!r} cannot be applied to dump tensor {key!r} of shape "
-                          f"{tuple(tensor.shape)}: {str(e).splitlines()[0]}") from None
+        raise ParityError(
+            f"name map entry {rule.runtime!r} cannot be applied to dump tensor {key!r} of shape "
+            f"{tuple(tensor.shape)}: {str(e).splitlines()[0]}"
+        ) from None
     return tensor
 
 
@@ -174,9 +187,13 @@ def map_dump(dump: Mapping[str, torch.Tensor], rules: list[NameRule], shapes: Ma
     notes = []
     if unmatched:
         shown = ", ".join(unmatched[:5]) + (f", ... ({len(unmatched)} in all)" if len(unmatched) > 5 else "")
-        notes.append(f"{len(unmatched)} dump tensor(s) match no node of the trace ({shown}); a --name-map entry "
-                     "translates a runtime's own names")
+        notes.append(
+            f"{len(unmatched)} dump tensor(s) match no node of the trace ({shown}); a --name-map entry "
+            "translates a runtime's own names"
+        )
     if batchless:
-        notes.append(f"{len(batchless)} dump tensor(s) had no batch axis ({', '.join(batchless[:3])}"
-                     f"{', ...' if len(batchless) > 3 else ''}); read as batch 1")
+        notes.append(
+            f"{len(batchless)} dump tensor(s) had no batch axis ({', '.join(batchless[:3])}"
+            f"{', ...' if len(batchless) > 3 else ''}); read as batch 1"
+        )
     return tensors, keys, notes

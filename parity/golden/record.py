@@ -59,7 +59,9 @@ def _source(source, n_layers, dtype, seed):
         ref = make_reference(family, config or None, dtype=dtype, seed=seed, **overrides)
         return ref, family.name, f"{family.name}:{ref.config_name}", family.node_specs(ref.facts)
     if n_layers is not None:
-        raise ParityError("the number of layers goes with a family (family:config); a checkpoint or config.json brings its own")
+        raise ParityError(
+            "the number of layers goes with a family (family:config); a checkpoint or config.json brings its own"
+        )
     ref, _ = resolve_reference(source, dtype, seed)
     nodes, family = reference_nodes(ref.model, ref.facts)
     return ref, family, text, nodes
@@ -77,13 +79,24 @@ def _plan(pair: Pair, options: CheckOptions, tolerances: Tolerances, summaries: 
     batch, seq = input_ids.shape
     size = torch.finfo(pair.dtype).bits // 8
     facts = pair.facts
-    largest = batch * seq * max(max(facts.num_heads, 1) * seq, facts.vocab_size, facts.intermediate_size or 0, facts.hidden_size)
+    largest = (
+        batch
+        * seq
+        * max(max(facts.num_heads, 1) * seq, facts.vocab_size, facts.intermediate_size or 0, facts.hidden_size)
+    )
     needed = 8 * 8 * largest if summaries else trace_bytes(facts, batch, seq, size) // 2
-    require(needed, f"recording {batch} x {seq} tokens",
-            "use a shorter --seq-len, a smaller --batch, fewer layers or --summaries")
+    require(
+        needed,
+        f"recording {batch} x {seq} tokens",
+        "use a shorter --seq-len, a smaller --batch, fewer layers or --summaries",
+    )
     return Run(
-        input_ids=input_ids, attention_mask=mask, position_ids=generation_positions(mask, batch, seq), options=options,
-        tolerances=tolerances, notes=tuple(window_notes(pair, seq)) + tuple(position_notes(pair, seq)),
+        input_ids=input_ids,
+        attention_mask=mask,
+        position_ids=generation_positions(mask, batch, seq),
+        options=options,
+        tolerances=tolerances,
+        notes=tuple(window_notes(pair, seq)) + tuple(position_notes(pair, seq)),
     )
 
 
@@ -149,7 +162,9 @@ def _out_folder(out) -> tuple[Path, Path]:
     """``(out, its parent)``, refusing an existing non-empty folder (a trace is never overwritten)."""
     out = Path(out).expanduser()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ParityError(f"--out {out} already exists; a trace is written to a new folder (an earlier one is never replaced)")
+        raise ParityError(
+            f"--out {out} already exists; a trace is written to a new folder (an earlier one is never replaced)"
+        )
     parent = out.parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
@@ -192,19 +207,34 @@ def record(
 
     options = CheckOptions.of(options, **option_values)
     if options.mode != "chained" or options.decode is not None or options.exact:
-        raise ParityError("a trace records the reference alone, once: no mode, decode plan or exact (give those to compare)")
+        raise ParityError(
+            "a trace records the reference alone, once: no mode, decode plan or exact (give those to compare)"
+        )
     calibrate = options.calibrate
     if summaries and calibrate:
-        raise ParityError("calibration needs whole tensors (a float64 trace beside this one): drop --calibrate or --summaries")
+        raise ParityError(
+            "calibration needs whole tensors (a float64 trace beside this one): drop --calibrate or --summaries"
+        )
     if isinstance(sample, bool) or not isinstance(sample, int) or sample < 1:
         raise ParityError(f"the sample size must be a positive integer, got {sample!r}")
     out, parent = _out_folder(out)
     start = time.perf_counter()
     ref, family, described, nodes = _source(source, n_layers, dtype, seed)
-    pair = Pair(ours=ref.model, reference=ref.model, nodes=nodes, facts=ref.facts, dtype=dtype,
-                source=PairSource(family=family or ref.facts.model_type, config_name=ref.config_name, seed=seed,
-                                  checkpoint=ref.checkpoint, checkpoint_hash=ref.checkpoint_hash),
-                default_seq_len=default_seq_len(ref.facts))
+    pair = Pair(
+        ours=ref.model,
+        reference=ref.model,
+        nodes=nodes,
+        facts=ref.facts,
+        dtype=dtype,
+        source=PairSource(
+            family=family or ref.facts.model_type,
+            config_name=ref.config_name,
+            seed=seed,
+            checkpoint=ref.checkpoint,
+            checkpoint_hash=ref.checkpoint_hash,
+        ),
+        default_seq_len=default_seq_len(ref.facts),
+    )
     tol = options.tolerance_rule(dtype, exact=False)
     run = _plan(pair, options, tol, summaries)
     config_text, config_hash = _config_json(ref.hf_config)
@@ -226,8 +256,21 @@ def record(
             from parity.build.checkpoint import read_checkpoint
 
             checkpoint_hash = read_checkpoint(staging / WEIGHTS).content_hash()
-        manifest = _manifest(pair, run, ref, described, family, tol, trace, summaries, sample, config_hash,
-                             saved, checkpoint_hash, time.perf_counter() - start)
+        manifest = _manifest(
+            pair,
+            run,
+            ref,
+            described,
+            family,
+            tol,
+            trace,
+            summaries,
+            sample,
+            config_hash,
+            saved,
+            checkpoint_hash,
+            time.perf_counter() - start,
+        )
         _write(staging, manifest, pair, run, trace, summaries, shard_bytes, config_text)
         try:
             os.rename(staging, out)
@@ -240,8 +283,21 @@ def record(
     return read_trace(out)
 
 
-def _manifest(pair, run, ref, described, family, tol: Tolerances, trace, summaries, sample, config_hash, saved,
-              checkpoint_hash, seconds) -> dict:
+def _manifest(
+    pair,
+    run,
+    ref,
+    described,
+    family,
+    tol: Tolerances,
+    trace,
+    summaries,
+    sample,
+    config_hash,
+    saved,
+    checkpoint_hash,
+    seconds,
+) -> dict:
     specs = {n.name: n for n in pair.nodes}
     order = trace.order
     nodes = []
@@ -251,15 +307,21 @@ def _manifest(pair, run, ref, described, family, tol: Tolerances, trace, summari
         entry = {"name": name, "index": index, "layer": spec.layer, "kind": spec.kind, "module": spec.reference_path}
         if summaries:
             s = trace.summaries[name]
-            entry.update(shape=list(s.shape), dtype=s.dtype,
-                         stats={k: (v if isinstance(v, int) or math.isfinite(v) else None) for k, v in s.stats.items()})
+            entry.update(
+                shape=list(s.shape),
+                dtype=s.dtype,
+                stats={k: (v if isinstance(v, int) or math.isfinite(v) else None) for k, v in s.stats.items()},
+            )
         else:
             t = trace.tensors[name]
             entry.update(shape=list(t.shape), dtype=dtype_name(t.dtype))
         entry.update(atol=atol, rtol=rtol, tol_source=source)
         nodes.append(entry)
-    unrecorded = [{"name": n.name, "layer": n.layer, "kind": n.kind, "module": n.reference_path}
-                  for n in pair.nodes if n.name not in set(order)]
+    unrecorded = [
+        {"name": n.name, "layer": n.layer, "kind": n.kind, "module": n.reference_path}
+        for n in pair.nodes
+        if n.name not in set(order)
+    ]
     default = default_tolerance(pair.dtype)
     inputs = {"input_ids": run.input_ids, "position_ids": run.position_ids}
     if run.attention_mask is not None:
@@ -286,7 +348,8 @@ def _manifest(pair, run, ref, described, family, tol: Tolerances, trace, summari
             "source": "random" if random else "checkpoint",
             "seed": pair.source.seed if random else None,
             "description": "parity's seeded probe weights (parity.build.probes), regenerated from the config and the seed"
-            if random else "the checkpoint's safetensors, cast to the probe dtype",
+            if random
+            else "the checkpoint's safetensors, cast to the probe dtype",
             "checkpoint": None if random else str(Path(ref.checkpoint).resolve()),
             "checkpoint_sha256": checkpoint_hash,
             "saved": saved,
@@ -299,8 +362,10 @@ def _manifest(pair, run, ref, described, family, tol: Tolerances, trace, summari
             "seed": pair.source.seed,
             "tokens": "torch.randint(0, vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))",
         },
-        "inputs": {"file": INPUTS,
-                   "tensors": {k: {"shape": list(v.shape), "dtype": dtype_name(v.dtype)} for k, v in inputs.items()}},
+        "inputs": {
+            "file": INPUTS,
+            "tensors": {k: {"shape": list(v.shape), "dtype": dtype_name(v.dtype)} for k, v in inputs.items()},
+        },
         "tolerances": {
             "rule": RULE,
             "dtype": dtype_name(pair.dtype),
@@ -316,9 +381,14 @@ def _manifest(pair, run, ref, described, family, tol: Tolerances, trace, summari
             "sample_size": sample,
             "sample_seed": SAMPLE_SEED,
             "statistics": list(STATISTICS),
-            "keys": {"sample": f"<node>{SEP}sample", "sample_index": f"<node>{SEP}sample_index",
-                     "position_norm": f"<node>{SEP}position_norm"},
-        } if summaries else None,
+            "keys": {
+                "sample": f"<node>{SEP}sample",
+                "sample_index": f"<node>{SEP}sample_index",
+                "position_norm": f"<node>{SEP}position_norm",
+            },
+        }
+        if summaries
+        else None,
         "nodes": nodes,
         "unrecorded": unrecorded,
         "files": [],
@@ -326,7 +396,9 @@ def _manifest(pair, run, ref, described, family, tol: Tolerances, trace, summari
     }
 
 
-def _write(staging: Path, manifest: dict, pair, run, trace, summaries: bool, shard_bytes: int, config_text: str) -> None:
+def _write(
+    staging: Path, manifest: dict, pair, run, trace, summaries: bool, shard_bytes: int, config_text: str
+) -> None:
     files = []
 
     def put(name: str, data: bytes) -> None:

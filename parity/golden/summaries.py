@@ -83,7 +83,9 @@ class Summary:
     position_norm: torch.Tensor | None
 
 
-def summarise(tensor: torch.Tensor, kind: str, sample: int = DEFAULT_SAMPLE, index: torch.Tensor | None = None) -> Summary:
+def summarise(
+    tensor: torch.Tensor, kind: str, sample: int = DEFAULT_SAMPLE, index: torch.Tensor | None = None
+) -> Summary:
     """The :class:`Summary` of one node's tensor; ``index`` fixes the sampled elements (those of the
     summary it will be compared with)."""
     flat = tensor.detach().reshape(-1)
@@ -123,7 +125,9 @@ class SummaryTrace(Trace):
     deep model holds one node at a time. ``kinds``: node name -> kind (the position axis);
     ``indices``: sampled elements to use per node (those of a stored summary)."""
 
-    def __init__(self, kinds: Mapping[str, str], sample: int = DEFAULT_SAMPLE, indices: Mapping[str, torch.Tensor] | None = None):
+    def __init__(
+        self, kinds: Mapping[str, str], sample: int = DEFAULT_SAMPLE, indices: Mapping[str, torch.Tensor] | None = None
+    ):
         super().__init__()
         self.kinds, self.sample, self.indices = dict(kinds), sample, dict(indices or {})
         self.summaries: dict[str, Summary] = {}
@@ -155,29 +159,67 @@ def compare_summary(spec: NodeSpec, index: int, ours: Summary, ref: Summary, tol
     sampled indices). A sampled element past its tolerance or a statistic past the bound that
     element-wise agreement implies makes the node fail (see the module docstring)."""
     atol, rtol, source = tolerances.for_node(spec.name)
-    base: dict[str, Any] = dict(name=spec.name, index=index, layer=spec.layer, kind=spec.kind, atol=atol, rtol=rtol, tol_source=source,
-                shape_ours=ours.shape, shape_ref=ref.shape, dtype=ref.dtype)
+    base: dict[str, Any] = dict(
+        name=spec.name,
+        index=index,
+        layer=spec.layer,
+        kind=spec.kind,
+        atol=atol,
+        rtol=rtol,
+        tol_source=source,
+        shape_ours=ours.shape,
+        shape_ref=ref.shape,
+        dtype=ref.dtype,
+    )
     if ours.shape != ref.shape:
-        return NodeResult(**base, status="shape", max_abs=None, mean_abs=None, max_rel=None, cosine=None,
-                          detail=f"ours {ours.shape} vs reference {ref.shape}")
+        return NodeResult(
+            **base,
+            status="shape",
+            max_abs=None,
+            mean_abs=None,
+            max_rel=None,
+            cosine=None,
+            detail=f"ours {ours.shape} vs reference {ref.shape}",
+        )
     n = ref.stats["numel"]
     where = f"judged on summaries: {ref.sample.numel()} of {n} elements sampled"
     m = tensor_metrics(ours.sample, ref.sample, atol, rtol)
     if m.status == NONFINITE or ours.stats["nonfinite"] or ref.stats["nonfinite"]:
-        detail = (f"{ours.stats['nonfinite']} non-finite values in ours, {ref.stats['nonfinite']} in the reference"
-                  + (f"; in the sample: {m.detail}" if m.detail else ""))
+        detail = f"{ours.stats['nonfinite']} non-finite values in ours, {ref.stats['nonfinite']} in the reference" + (
+            f"; in the sample: {m.detail}" if m.detail else ""
+        )
         inf, nan = math.inf, math.nan
-        return NodeResult(**base, status=NONFINITE, max_abs=inf, mean_abs=nan, max_rel=inf, cosine=nan,
-                          detail=f"{detail} ({where})", rel_l2=nan, atol_needed=inf, rtol_needed=inf)
+        return NodeResult(
+            **base,
+            status=NONFINITE,
+            max_abs=inf,
+            mean_abs=nan,
+            max_rel=inf,
+            cosine=nan,
+            detail=f"{detail} ({where})",
+            rel_l2=nan,
+            atol_needed=inf,
+            rtol_needed=inf,
+        )
     o, r = ours.stats, ref.stats
     violated, lower, needed = [], [m.max_abs], [m.atol_needed]
-    for stat, scale in (("mean", "mean_abs"), ("rms", "rms"), ("min", "max_abs"), ("max", "max_abs"), ("max_abs", "max_abs")):
+    for stat, scale in (
+        ("mean", "mean_abs"),
+        ("rms", "rms"),
+        ("min", "max_abs"),
+        ("max", "max_abs"),
+        ("max_abs", "max_abs"),
+    ):
         diff = abs(o[stat] - r[stat])
         lower.append(diff)
         needed.append(diff - rtol * r[scale])
         if not _within(o[stat], r[stat], atol + rtol * r[scale]):
             violated.append(f"{stat} {o[stat]:.6g} vs {r[stat]:.6g}")
-    if ours.position_norm is not None and ref.position_norm is not None and ours.position_norm.shape == ref.position_norm.shape:
+    if (
+        ours.position_norm is not None
+        and ref.position_norm is not None
+        and ours.position_norm.shape == ref.position_norm.shape
+    ):
         per_position = n // max(ref.position_norm.numel(), 1)
         root = math.sqrt(per_position)
         a, b = ours.position_norm, ref.position_norm
@@ -194,6 +236,14 @@ def compare_summary(spec: NodeSpec, index: int, ours: Summary, ref: Summary, tol
     status = MISMATCH if violated or m.status == MISMATCH else OK
     detail = where + (f"; past what agreement allows: {'; '.join(violated)}" if violated else "")
     return NodeResult(
-        **base, status=status, max_abs=max(lower), mean_abs=m.mean_abs, max_rel=m.max_rel, cosine=m.cosine,
-        detail=detail, rel_l2=m.rel_l2, atol_needed=max(0.0, *needed), rtol_needed=m.rtol_needed,
+        **base,
+        status=status,
+        max_abs=max(lower),
+        mean_abs=m.mean_abs,
+        max_rel=m.max_rel,
+        cosine=m.cosine,
+        detail=detail,
+        rel_l2=m.rel_l2,
+        atol_needed=max(0.0, *needed),
+        rtol_needed=m.rtol_needed,
     )

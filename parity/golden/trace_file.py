@@ -107,7 +107,12 @@ def recording_versions() -> dict:
     from parity.run.plan import versions
     from parity.util.version import VERSION as __version__
 
-    return {**versions(), "parity": __version__, "safetensors": safetensors.__version__, "python": platform.python_version()}
+    return {
+        **versions(),
+        "parity": __version__,
+        "safetensors": safetensors.__version__,
+        "python": platform.python_version(),
+    }
 
 
 def utc_now() -> str:
@@ -134,8 +139,17 @@ def _read_json(path: Path, what: str):
 
 #: manifest keys a reader needs, with their JSON types
 _REQUIRED = {
-    "format": str, "version": int, "kind": str, "versions": dict, "reference": dict, "weights": dict, "probe": dict,
-    "inputs": dict, "tolerances": dict, "nodes": list, "files": list,
+    "format": str,
+    "version": int,
+    "kind": str,
+    "versions": dict,
+    "reference": dict,
+    "weights": dict,
+    "probe": dict,
+    "inputs": dict,
+    "tolerances": dict,
+    "nodes": list,
+    "files": list,
 }
 
 
@@ -147,7 +161,9 @@ def _check_manifest(m, path: Path) -> dict:
         raise TraceError(f"{where} is not a parity trace (format {m.get('format')!r}, expected {FORMAT!r})")
     version = m.get("version")
     if isinstance(version, int) and version > VERSION:
-        raise TraceError(f"{where} has trace format version {version}, newer than this parity reads ({VERSION}): upgrade parity")
+        raise TraceError(
+            f"{where} has trace format version {version}, newer than this parity reads ({VERSION}): upgrade parity"
+        )
     if version != VERSION:
         raise TraceError(f"{where} has an invalid trace format version {version!r} (this parity reads {VERSION})")
     for key, kind in _REQUIRED.items():
@@ -156,11 +172,17 @@ def _check_manifest(m, path: Path) -> dict:
     if m["kind"] not in KINDS:
         raise TraceError(f"{where} has kind {m['kind']!r}; expected one of {', '.join(KINDS)}")
     for i, node in enumerate(m["nodes"]):
-        if not (isinstance(node, dict) and isinstance(node.get("name"), str) and isinstance(node.get("shape"), list)
-                and isinstance(node.get("file"), str)):
+        if not (
+            isinstance(node, dict)
+            and isinstance(node.get("name"), str)
+            and isinstance(node.get("shape"), list)
+            and isinstance(node.get("file"), str)
+        ):
             raise TraceError(f"{where}: nodes[{i}] needs a name, a shape and a file")
     for entry in m["files"]:
-        if not (isinstance(entry, dict) and isinstance(entry.get("name"), str) and isinstance(entry.get("sha256"), str)):
+        if not (
+            isinstance(entry, dict) and isinstance(entry.get("name"), str) and isinstance(entry.get("sha256"), str)
+        ):
             raise TraceError(f"{where}: every files entry needs a name and a sha256")
         name = entry["name"]
         if "/" in name or "\\" in name or name.startswith("."):
@@ -200,9 +222,15 @@ class GoldenTrace:
         the name ours holds it under (a dump's key), for messages."""
         ours = ours or {}
         entries = [(n["name"], n.get("module"), n.get("layer"), n.get("kind", "")) for n in self.node_entries]
-        entries += [(u["name"], u.get("module"), u.get("layer"), u.get("kind", "")) for u in self.manifest.get("unrecorded", [])]
-        return [NodeSpec(name, ours.get(name, name), reference=module if module != name else None, layer=layer, kind=kind or "")
-                for name, module, layer, kind in entries]
+        entries += [
+            (u["name"], u.get("module"), u.get("layer"), u.get("kind", "")) for u in self.manifest.get("unrecorded", [])
+        ]
+        return [
+            NodeSpec(
+                name, ours.get(name, name), reference=module if module != name else None, layer=layer, kind=kind or ""
+            )
+            for name, module, layer, kind in entries
+        ]
 
     def _file(self, name: str) -> bytes:
         entry = next((f for f in self.manifest["files"] if f["name"] == name), None)
@@ -210,7 +238,9 @@ class GoldenTrace:
             raise TraceError(f"{self.path / MANIFEST} does not list {name}")
         data = (self.path / name).read_bytes()
         if _sha256(data) != entry["sha256"]:
-            raise TraceError(f"{self.path / name} does not match the sha256 in {MANIFEST}: the file changed or is corrupt")
+            raise TraceError(
+                f"{self.path / name} does not match the sha256 in {MANIFEST}: the file changed or is corrupt"
+            )
         return data
 
     def _tensors(self, name: str) -> dict[str, torch.Tensor]:
@@ -242,8 +272,10 @@ class GoldenTrace:
             if tensor is None:
                 raise TraceError(f"{self.path / node['file']} lacks node {node['name']}")
             if list(tensor.shape) != list(node["shape"]):
-                raise TraceError(f"{self.path / node['file']} holds node {node['name']} as {tuple(tensor.shape)}, "
-                                 f"{MANIFEST} says {tuple(node['shape'])}")
+                raise TraceError(
+                    f"{self.path / node['file']} holds node {node['name']} as {tuple(tensor.shape)}, "
+                    f"{MANIFEST} says {tuple(node['shape'])}"
+                )
             trace.tensors[node["name"]] = tensor
         trace.wanted = frozenset(trace.tensors)
         return trace
@@ -257,16 +289,26 @@ class GoldenTrace:
             tensors, name = self._tensors(node["file"]), node["name"]
             sample, index = tensors.get(f"{name}{SEP}sample"), tensors.get(f"{name}{SEP}sample_index")
             if sample is None or index is None or not isinstance(node.get("stats"), dict):
-                raise TraceError(f"{self.path / node['file']} lacks the sample of node {name} (or {MANIFEST} its stats)")
+                raise TraceError(
+                    f"{self.path / node['file']} lacks the sample of node {name} (or {MANIFEST} its stats)"
+                )
             index = index.long()
             numel = math.prod(node["shape"])
             fits = index.dim() == 1 and index.shape == sample.shape
             if not fits or (index.numel() and not 0 <= int(index.min()) <= int(index.max()) < numel):
-                raise TraceError(f"{self.path / node['file']}: the sample of node {name} does not fit its shape "
-                                 f"{tuple(node['shape'])}")
+                raise TraceError(
+                    f"{self.path / node['file']}: the sample of node {name} does not fit its shape "
+                    f"{tuple(node['shape'])}"
+                )
             stats = {k: (math.nan if v is None else v) for k, v in node["stats"].items()}
-            out[name] = Summary(tuple(node["shape"]), node.get("dtype", ""), stats, index, sample,
-                                tensors.get(f"{name}{SEP}position_norm"))
+            out[name] = Summary(
+                tuple(node["shape"]),
+                node.get("dtype", ""),
+                stats,
+                index,
+                sample,
+                tensors.get(f"{name}{SEP}position_norm"),
+            )
         return out
 
     def hf_config(self):
@@ -322,10 +364,15 @@ class GoldenTrace:
         if not diffs:
             return None
         what = ", ".join(f"{k} {a} (installed: {b})" for k, a, b in diffs)
-        then = ("this run re-runs it with the installed versions" if verifying else
-                f"`parity record --verify {self.path}` re-runs it and says whether it still reproduces")
-        return (f"stale reference: this trace was recorded with {what}; the installed versions may compute the "
-                f"reference differently; {then}")
+        then = (
+            "this run re-runs it with the installed versions"
+            if verifying
+            else f"`parity record --verify {self.path}` re-runs it and says whether it still reproduces"
+        )
+        return (
+            f"stale reference: this trace was recorded with {what}; the installed versions may compute the "
+            f"reference differently; {then}"
+        )
 
     def rebuild_reference(self, checkpoint: str | Path | None = None):
         """The Transformers model the trace was recorded from, with the same weights: regenerated from
@@ -335,16 +382,24 @@ class GoldenTrace:
 
         w = self.manifest["weights"]
         if w.get("source") == "checkpoint":
-            candidates = [Path(checkpoint)] if checkpoint is not None else (
-                ([self.path / w["saved"]] if w.get("saved") else []) + ([Path(w["checkpoint"])] if w.get("checkpoint") else []))
+            candidates = (
+                [Path(checkpoint)]
+                if checkpoint is not None
+                else (
+                    ([self.path / w["saved"]] if w.get("saved") else [])
+                    + ([Path(w["checkpoint"])] if w.get("checkpoint") else [])
+                )
+            )
             found = next((c for c in candidates if c.is_dir()), None)
             if found is None:
                 shown = " or ".join(str(c) for c in candidates) or "(none recorded)"
                 raise TraceError(f"the trace's checkpoint is not at {shown}: pass its folder with --checkpoint")
             ref, _ = resolve_reference(found, self.dtype, 0)
             if w.get("checkpoint_sha256") and ref.checkpoint_hash != w["checkpoint_sha256"]:
-                raise TraceError(f"checkpoint {found} has sha256 {ref.checkpoint_hash[:16]}..., the trace was recorded from "
-                                 f"{w['checkpoint_sha256'][:16]}...: not the same weights")
+                raise TraceError(
+                    f"checkpoint {found} has sha256 {ref.checkpoint_hash[:16]}..., the trace was recorded from "
+                    f"{w['checkpoint_sha256'][:16]}...: not the same weights"
+                )
             return ref
         if checkpoint is not None:
             raise TraceError("this trace was recorded with random weights (from its seed): it takes no --checkpoint")

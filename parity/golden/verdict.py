@@ -40,28 +40,44 @@ def trace_options(options: CheckOptions | None, option_values: dict, dump: bool)
     """The options of a comparison with a trace; one that the trace fixes (its inputs) is refused by
     name, and so is a mode other than chained for a dump (a runtime parity does not drive)."""
     options = CheckOptions.of(options, **option_values)
-    fixed = [f for f in ("seq_len", "batch_size", "left_pad", "calibrate", "decode")
-             if getattr(options, f) != getattr(CheckOptions(), f)]
+    fixed = [
+        f
+        for f in ("seq_len", "batch_size", "left_pad", "calibrate", "decode")
+        if getattr(options, f) != getattr(CheckOptions(), f)
+    ]
     if fixed:
-        raise ParityError(f"{', '.join(fixed)} cannot be changed when comparing with a trace: the trace fixes its inputs "
-                          "and tolerances (record another trace instead)")
+        raise ParityError(
+            f"{', '.join(fixed)} cannot be changed when comparing with a trace: the trace fixes its inputs "
+            "and tolerances (record another trace instead)"
+        )
     if dump and options.mode != "chained":
-        raise ParityError("isolated mode is not possible from a dump (each node of ours would have to continue from the "
-                          "reference's tensor): compare a live model with --ours, or use mode chained")
+        raise ParityError(
+            "isolated mode is not possible from a dump (each node of ours would have to continue from the "
+            "reference's tensor): compare a live model with --ours, or use mode chained"
+        )
     return options
 
 
 def _run_of(trace: GoldenTrace, options: CheckOptions, tolerances: Tolerances) -> Run:
     inputs = trace.inputs()
-    return Run(input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask"),
-               position_ids=inputs["position_ids"], options=options, tolerances=tolerances, notes=())
+    return Run(
+        input_ids=inputs["input_ids"],
+        attention_mask=inputs.get("attention_mask"),
+        position_ids=inputs["position_ids"],
+        options=options,
+        tolerances=tolerances,
+        notes=(),
+    )
 
 
 def _trace_pair(trace: GoldenTrace, nodes: list[NodeSpec]) -> Pair:
     """A Pair with no models: what compare_run and analyse read (nodes, facts, the output node)."""
     ref = trace.manifest["reference"]
-    source = PairSource(family=ref.get("family") or ref["model_type"], config_name=ref.get("config_name") or "",
-                        seed=trace.manifest["probe"].get("seed", 0))
+    source = PairSource(
+        family=ref.get("family") or ref["model_type"],
+        config_name=ref.get("config_name") or "",
+        seed=trace.manifest["probe"].get("seed", 0),
+    )
     return Pair(ours=None, reference=None, nodes=nodes, facts=trace.facts(), dtype=trace.dtype, source=source)
 
 
@@ -85,10 +101,16 @@ def judge(trace: GoldenTrace, pair: Pair, run, ours: Trace, tolerances: Toleranc
         spec, theirs = by_name[name], stored.get(name)
         mine = ours.summaries.get(name) if isinstance(ours, SummaryTrace) else None
         tensor = ours.tensors.get(name)
-        if theirs is None or (mine is None and tensor is None) or (mine is None and tuple(tensor.shape) != theirs.shape):
+        if (
+            theirs is None
+            or (mine is None and tensor is None)
+            or (mine is None and tuple(tensor.shape) != theirs.shape)
+        ):
             # not comparable (missing on a side, or another shape): judged as parity check judges it;
             # the reference's tensor stands in as an empty meta tensor of its shape and dtype
-            placeholder = None if theirs is None else torch.empty(theirs.shape, dtype=getattr(torch, theirs.dtype), device="meta")
+            placeholder = (
+                None if theirs is None else torch.empty(theirs.shape, dtype=getattr(torch, theirs.dtype), device="meta")
+            )
             results.append(compare_node(spec, index, tensor, placeholder, tolerances, name in untapped))
             continue
         if mine is None:
@@ -102,8 +124,9 @@ def judge(trace: GoldenTrace, pair: Pair, run, ours: Trace, tolerances: Toleranc
     return results, None, None
 
 
-def _meta(trace: GoldenTrace, compared: str, what: str, run: Run, seconds: float, ours_class: str,
-          aligned: bool = False) -> dict:
+def _meta(
+    trace: GoldenTrace, compared: str, what: str, run: Run, seconds: float, ours_class: str, aligned: bool = False
+) -> dict:
     tolerances = run.tolerances
     m = trace.manifest
     ref, probe, weights = m["reference"], m["probe"], m["weights"]
@@ -136,16 +159,24 @@ def _meta(trace: GoldenTrace, compared: str, what: str, run: Run, seconds: float
         "cfg": {},
         "compared": compared,
         "compared_with": what,
-        "trace": {"path": str(trace.path), "version": m["version"], "kind": m["kind"], "created": m.get("created"),
-                  "config_sha256": ref.get("config_sha256"), "stale": bool(trace.stale())},
+        "trace": {
+            "path": str(trace.path),
+            "version": m["version"],
+            "kind": m["kind"],
+            "created": m.get("created"),
+            "config_sha256": ref.get("config_sha256"),
+            "stale": bool(trace.stale()),
+        },
     }
 
 
 def _notes(trace: GoldenTrace, extra: list[str], verifying: bool = False) -> tuple[str, ...]:
     notes = [n for n in (trace.stale_note(verifying),) if n] + list(trace.manifest.get("notes") or []) + extra
     if trace.kind == "summaries":
-        notes.append("judged on summaries: a statistic or sampled element past its bound proves a node fails; a node "
-                     "that passes is only consistent with agreement (an error in a few elements can escape the sample)")
+        notes.append(
+            "judged on summaries: a statistic or sampled element past its bound proves a node fails; a node "
+            "that passes is only consistent with agreement (an error in a few elements can escape the sample)"
+        )
     return tuple(notes)
 
 
@@ -156,7 +187,11 @@ def _missing_in_dump(results: list[NodeResult], names: Mapping[str, str]) -> lis
         if r.status == MISSING and r.shape_ref is not None and r.shape_ours is None:
             looked = names.get(r.name, r.name)
             detail = f"the dump has no tensor {looked!r} (a key of a .safetensors file or {looked}.npy)"
-            hint = Hint("missing", f"likely a name-map problem or a node the runtime does not dump: {detail}") if r.hint else None
+            hint = (
+                Hint("missing", f"likely a name-map problem or a node the runtime does not dump: {detail}")
+                if r.hint
+                else None
+            )
             r = replace(r, detail=detail, hint=hint)
         out.append(r)
     return out
@@ -192,8 +227,10 @@ def compare_dump(trace, dump, name_map=None, *, options: CheckOptions | None = N
     run = _run_of(trace, options, tolerance)
     results, profile, logits = judge(trace, pair, run, ours, tolerance)
     results = _missing_in_dump(results, names)
-    notes.append("isolated mode is not possible from a dump (each node of ours would have to continue from the "
-                 "reference's tensor): errors compound, so the first failing node is where the error first shows")
+    notes.append(
+        "isolated mode is not possible from a dump (each node of ours would have to continue from the "
+        "reference's tensor): errors compound, so the first failing node is where the error first shows"
+    )
     return CheckResult(
         nodes=tuple(results),
         meta=_meta(trace, "dump", str(Path(dump)), run, time.perf_counter() - start, f"dump:{Path(dump).name}"),
@@ -203,8 +240,9 @@ def compare_dump(trace, dump, name_map=None, *, options: CheckOptions | None = N
     )
 
 
-def compare_model(trace, ours, *, node_map: dict | None = None, checkpoint=None, options: CheckOptions | None = None,
-                  **option_values) -> CheckResult:
+def compare_model(
+    trace, ours, *, node_map: dict | None = None, checkpoint=None, options: CheckOptions | None = None, **option_values
+) -> CheckResult:
     """Compare a live PyTorch model with a trace: ``ours`` is ``build(state_dict, hf_config)`` (as
     :func:`parity.check_model`), given the weights the trace was recorded with, and aligned to its
     nodes by them. ``options`` / option keywords: ``mode`` (``isolated``/``both`` continue every node
@@ -218,9 +256,13 @@ def compare_model(trace, ours, *, node_map: dict | None = None, checkpoint=None,
     start = time.perf_counter()
     trace = read_trace(trace)
     if mode != "chained" and trace.kind != "tensors":
-        raise ParityError("isolated mode continues every node from the reference's tensor, which a summaries trace does not hold")
+        raise ParityError(
+            "isolated mode continues every node from the reference's tensor, which a summaries trace does not hold"
+        )
     ref = trace.rebuild_reference(checkpoint)
-    pair = build_user_pair(ours, ref.model, dtype=trace.dtype, seed=trace.manifest["probe"].get("seed", 0), node_map=node_map)
+    pair = build_user_pair(
+        ours, ref.model, dtype=trace.dtype, seed=trace.manifest["probe"].get("seed", 0), node_map=node_map
+    )
     tolerance = trace.tolerances(options)
     run = _run_of(trace, options, tolerance)
     isolated = None
@@ -256,8 +298,14 @@ def verify(trace, checkpoint=None) -> CheckResult:
     trace = read_trace(trace)
     ref = trace.rebuild_reference(checkpoint)
     nodes = trace.node_specs()
-    pair = Pair(ours=ref.model, reference=ref.model, nodes=nodes, facts=trace.facts(), dtype=trace.dtype,
-                source=PairSource(family=ref.facts.model_type, config_name=ref.config_name))
+    pair = Pair(
+        ours=ref.model,
+        reference=ref.model,
+        nodes=nodes,
+        facts=trace.facts(),
+        dtype=trace.dtype,
+        source=PairSource(family=ref.facts.model_type, config_name=ref.config_name),
+    )
     tolerance = trace.tolerances()
     run = _run_of(trace, CheckOptions(), tolerance)
     into = None

@@ -40,7 +40,11 @@ def _rope_by_type(config, layer_types: tuple[str, ...]) -> dict[str, dict | None
     params = getattr(config, "rope_parameters", None)
     if not params:
         return {t: None for t in set(layer_types)}
-    if isinstance(params, Mapping) and set(params) & set(layer_types) and all(isinstance(v, Mapping) for v in params.values()):
+    if (
+        isinstance(params, Mapping)
+        and set(params) & set(layer_types)
+        and all(isinstance(v, Mapping) for v in params.values())
+    ):
         return {t: (dict(params[t]) if params.get(t) is not None else None) for t in set(layer_types)}
     return {t: dict(params) for t in set(layer_types)}
 
@@ -71,7 +75,9 @@ def derive_facts(config, model=None) -> ArchFacts:
     kv_heads = [int(k) for k in _per_layer(config, "num_key_value_heads", n_layers, kv)]
     window = _get(config, "sliding_window")
     ropes = _rope_by_type(config, layer_types)
-    per_type = bool(getattr(config, "rope_parameters", None)) and set(config.rope_parameters) & set(layer_types) != set()
+    per_type = (
+        bool(getattr(config, "rope_parameters", None)) and set(config.rope_parameters) & set(layer_types) != set()
+    )
     rope_facts: dict[str, RopeFacts | None] = {}
     for layer_type, params in ropes.items():
         if params is None:
@@ -103,7 +109,7 @@ def derive_facts(config, model=None) -> ArchFacts:
             rope=rope_facts.get(t),
             head_dim=head_dims[i],
             num_kv_heads=kv_heads[i],
-            attention_scale=scalar ** -0.5 if scalar else (head_dims[i] ** -0.5 if head_dims[i] else 1.0),
+            attention_scale=scalar**-0.5 if scalar else (head_dims[i] ** -0.5 if head_dims[i] else 1.0),
             num_experts=num_experts,  # every layer, unless the model_type's rule says otherwise
             experts_per_token=experts_per_token,
         )
@@ -120,7 +126,9 @@ def derive_facts(config, model=None) -> ArchFacts:
         num_kv_heads=kv,
         head_dim=head_dim,
         layers=layers,
-        norm_kind="layernorm" if _get(config, "layer_norm_eps", "layer_norm_epsilon") is not None and _get(config, "rms_norm_eps") is None else "rmsnorm",
+        norm_kind="layernorm"
+        if _get(config, "layer_norm_eps", "layer_norm_epsilon") is not None and _get(config, "rms_norm_eps") is None
+        else "rmsnorm",
         norm_eps=float(eps) if eps is not None else None,
         logit_scale=_get(config, "logit_scale"),
         final_softcap=_get(config, "final_logit_softcapping"),
@@ -153,15 +161,20 @@ def _composite_facts(config, text_config, model=None) -> ArchFacts:
     path = "model.language_model"
     if model is not None:
         found = [
-            name for name, m in model.named_modules()
+            name
+            for name, m in model.named_modules()
             if name and isinstance(m, PreTrainedModel) and getattr(m, "config", None) is text_config
         ]
         path = min(found, key=lambda n: (n.count("."), len(n))) if found else path
     tail = facts.layer_prefix.partition(".")[2] or "layers"
     ids = (getattr(config, name, None) for name in PLACEHOLDERS.get(getattr(config, "model_type", ""), ()))
     placeholders = tuple(sorted({int(i) for i in ids if isinstance(i, int) and 0 <= i < facts.vocab_size}))
-    return replace(facts, layer_prefix=f"{path}.{tail}", embed_module=f"{path}.{facts.embed_module.partition('.')[2]}",
-                   placeholder_tokens=placeholders)
+    return replace(
+        facts,
+        layer_prefix=f"{path}.{tail}",
+        embed_module=f"{path}.{facts.embed_module.partition('.')[2]}",
+        placeholder_tokens=placeholders,
+    )
 
 
 def find_layer_prefix(model, num_layers: int) -> str | None:
@@ -169,7 +182,8 @@ def find_layer_prefix(model, num_layers: int) -> str | None:
     from torch import nn
 
     found = [
-        name for name, module in model.named_modules()
+        name
+        for name, module in model.named_modules()
         if isinstance(module, nn.ModuleList) and len(module) == num_layers and num_layers > 0 and name
     ]
     return min(found, key=lambda n: (n.count("."), len(n))) if found else None

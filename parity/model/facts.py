@@ -52,9 +52,10 @@ class RopeFacts:
         if self.rope_type == "default":
             return default_inv_freq(theta, self.rotary_dim)
         params = {**self.parameters, "rope_theta": theta}
-        inv_freq, _ = rope_init(RopeConfig(params, head_dim, max_position_embeddings), None, params, False, theta, self.rotary_dim)
+        inv_freq, _ = rope_init(
+            RopeConfig(params, head_dim, max_position_embeddings), None, params, False, theta, self.rotary_dim
+        )
         return inv_freq
-
 
     def get(self, key: str, default=None):
         return self.parameters.get(key, default)
@@ -71,6 +72,7 @@ class RopeConfig:
 
     def standardize_rope_params(self) -> None:
         """Already standard: one rope dict."""
+
 
 @dataclass(frozen=True)
 class LayerFacts:
@@ -193,7 +195,7 @@ class ArchFacts:
         bare = name.split("/", 1)[1] if re.match(r"^step\d+/", name) else name
         prefix = self.layer_prefix + "."
         if bare.startswith(prefix):
-            head, _, rest = bare[len(prefix):].partition(".")
+            head, _, rest = bare[len(prefix) :].partition(".")
             layer_part, at, after_at = head.partition("@")
             if layer_part.isdigit():
                 index = int(layer_part)
@@ -220,17 +222,27 @@ class ArchFacts:
                 named.setdefault(f"the {rope.rope_type} attention factor of {layer.layer_type} layers", f)
                 named.setdefault(f"the {rope.rope_type} attention factor of {layer.layer_type} layers, squared", f * f)
             factor = rope.get("factor") if rope is not None and rope.rope_type == "yarn" else None
-            if isinstance(factor, (int, float)) and factor > 1:  # YaRN's default, 0.1 ln(s) + 1 (arXiv:2309.00071 eq. 22)
-                named.setdefault(f"the default YaRN attention factor 0.1 ln({factor:g}) + 1", 0.1 * math.log(factor) + 1)
+            if (
+                isinstance(factor, (int, float)) and factor > 1
+            ):  # YaRN's default, 0.1 ln(s) + 1 (arXiv:2309.00071 eq. 22)
+                named.setdefault(
+                    f"the default YaRN attention factor 0.1 ln({factor:g}) + 1", 0.1 * math.log(factor) + 1
+                )
         if self.logit_scale not in (None, 1.0):
             named["logit_scale"] = float(self.logit_scale)
         if self.embed_scale not in (None, 1.0):
             named["the embedding scale"] = float(self.embed_scale)
         named[f"sqrt(hidden_size={self.hidden_size})"] = math.sqrt(self.hidden_size)
         named[f"sqrt(head_dim={self.head_dim})"] = math.sqrt(self.head_dim)
-        if self.num_heads and self.hidden_size % self.num_heads == 0 and self.hidden_size // self.num_heads != self.head_dim:
+        if (
+            self.num_heads
+            and self.hidden_size % self.num_heads == 0
+            and self.hidden_size // self.num_heads != self.head_dim
+        ):
             alt = self.hidden_size // self.num_heads
-            named[f"sqrt(head_dim / (hidden_size / num_heads)) = sqrt({self.head_dim}/{alt})"] = math.sqrt(self.head_dim / alt)
+            named[f"sqrt(head_dim / (hidden_size / num_heads)) = sqrt({self.head_dim}/{alt})"] = math.sqrt(
+                self.head_dim / alt
+            )
         named.update(self.extra_constants)
         return named
 
@@ -245,7 +257,9 @@ def default_inv_freq(theta: float, rotary_dim: int) -> tuple[float, ...]:
     return tuple((1.0 / (theta**exponents)).tolist())
 
 
-def rope_init(config, layer_type: str, params: dict, per_type: bool, theta: float, rotary_dim: int) -> tuple[tuple, float]:
+def rope_init(
+    config, layer_type: str, params: dict, per_type: bool, theta: float, rotary_dim: int
+) -> tuple[tuple, float]:
     """``(inverse frequencies, cos/sin scale)`` as Transformers computes them for these parameters."""
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
@@ -263,4 +277,6 @@ def rope_init(config, layer_type: str, params: dict, per_type: bool, theta: floa
 
 def with_layers(facts: ArchFacts, **changes) -> ArchFacts:
     """``facts`` with every LayerFacts updated by ``fn(layer)`` for the given fields."""
-    return replace(facts, layers=tuple(replace(layer, **{k: fn(layer) for k, fn in changes.items()}) for layer in facts.layers))
+    return replace(
+        facts, layers=tuple(replace(layer, **{k: fn(layer) for k, fn in changes.items()}) for layer in facts.layers)
+    )

@@ -74,8 +74,13 @@ def _qwen3_5(config, facts: ArchFacts) -> ArchFacts:
     def rope(layer: LayerFacts):
         return None if layer.layer_type == LINEAR else layer.rope
 
-    return replace(with_layers(facts, rope=rope), qk_norm="head", norm_weight_offset=1.0, chunk_size=64,
-                   conv_kernel=int(config.linear_conv_kernel_dim))
+    return replace(
+        with_layers(facts, rope=rope),
+        qk_norm="head",
+        norm_weight_offset=1.0,
+        chunk_size=64,
+        conv_kernel=int(config.linear_conv_kernel_dim),
+    )
 
 
 @rule("mistral")
@@ -91,7 +96,9 @@ def _mistral(config, facts: ArchFacts) -> ArchFacts:
 @rule("gemma3_text", "gemma3")
 def _gemma3(config, facts: ArchFacts) -> ArchFacts:
     # Gemma3Attention (Transformers 5.24) keeps attn_logit_softcapping but never applies it
-    return replace(facts, qk_norm="head", norm_weight_offset=1.0, embed_scale=math.sqrt(facts.hidden_size), attn_softcap=None)
+    return replace(
+        facts, qk_norm="head", norm_weight_offset=1.0, embed_scale=math.sqrt(facts.hidden_size), attn_softcap=None
+    )
 
 
 def kv_sources(config) -> dict[int, int]:
@@ -130,9 +137,14 @@ def _gemma4(config, facts: ArchFacts) -> ArchFacts:
         "double-wide MLP": bool(sources) and bool(getattr(config, "use_double_wide_mlp", False)),
         "per-layer head_dim": len({layer.head_dim for layer in facts.layers}) > 1,
     }
-    return replace(facts, qk_norm="head", embed_scale=math.sqrt(facts.hidden_size), attn_softcap=None,
-                   extra_constants={**facts.extra_constants, **constants},
-                   features=facts.features | {name for name, present in features.items() if present})
+    return replace(
+        facts,
+        qk_norm="head",
+        embed_scale=math.sqrt(facts.hidden_size),
+        attn_softcap=None,
+        extra_constants={**facts.extra_constants, **constants},
+        features=facts.features | {name for name, present in features.items() if present},
+    )
 
 
 def _gpt2_scale(config, layer: LayerFacts) -> float:

@@ -57,8 +57,14 @@ class Node:
             return s if e is None else s.replace("{e}", str(e))
 
         return NodeSpec(
-            fmt(self.name), fmt(self.ours), self.transform, fmt(self.reference), self.inverse, kind=self.kind,
-            reference_transform=self.reference_transform, chosen_from=fmt(self.chosen_from),
+            fmt(self.name),
+            fmt(self.ours),
+            self.transform,
+            fmt(self.reference),
+            self.inverse,
+            kind=self.kind,
+            reference_transform=self.reference_transform,
+            chosen_from=fmt(self.chosen_from),
         )
 
     def applies_to(self, layer) -> bool:
@@ -132,9 +138,11 @@ def reroot(nodes: list[NodeSpec], text_model: str) -> list[NodeSpec]:
         return nodes
 
     def moved(path: str | None) -> str | None:
-        return f"{text_model}.{path[len('model.'):]}" if path and path.startswith("model.") else path
+        return f"{text_model}.{path[len('model.') :]}" if path and path.startswith("model.") else path
 
-    return [replace(n, name=moved(n.name), reference=moved(n.reference), chosen_from=moved(n.chosen_from)) for n in nodes]
+    return [
+        replace(n, name=moved(n.name), reference=moved(n.reference), chosen_from=moved(n.chosen_from)) for n in nodes
+    ]
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,9 @@ def multiple_of(key: str, low: int, high: int) -> Domain:
 
 def pattern(length_key: str, *values) -> Domain:
     """A list of ``cfg[length_key]`` entries, each one of ``values`` (layer types)."""
-    return Domain(f"[{' | '.join(values)}] x {length_key}", lambda rng, cfg: [rng.choice(values) for _ in range(cfg[length_key])])
+    return Domain(
+        f"[{' | '.join(values)}] x {length_key}", lambda rng, cfg: [rng.choice(values) for _ in range(cfg[length_key])]
+    )
 
 
 def relative(key: str, low: int, high: int) -> Domain:

@@ -180,7 +180,9 @@ class Pair:
         placeholder the reference swaps out (``facts.placeholder_tokens``; without any, the same ids as ever)."""
         gen = torch.Generator().manual_seed(self.source.seed if seed is None else seed)
         skip = self.facts.placeholder_tokens
-        ids = torch.randint(0, self.vocab_size - len(skip), (batch_size, seq_len or self.default_seq_len), generator=gen)
+        ids = torch.randint(
+            0, self.vocab_size - len(skip), (batch_size, seq_len or self.default_seq_len), generator=gen
+        )
         for token in sorted(skip):  # ascending: each shift moves the ids at or past it one up, over it
             ids = ids + (ids >= token).long()
         return ids
@@ -197,11 +199,14 @@ def _bits(t: torch.Tensor) -> bytes:
     k = min(_SAMPLE, flat.numel())
     # integer arithmetic: a float linspace rounds past the last index of a tensor of 2^24+ elements
     idx = torch.arange(k, dtype=torch.int64) * (flat.numel() - 1) // max(k - 1, 1)
-    return flat[idx].cpu().numpy().tobytes() if flat.dtype != torch.bfloat16 else flat[idx].view(torch.int16).cpu().numpy().tobytes()
+    return (
+        flat[idx].cpu().numpy().tobytes()
+        if flat.dtype != torch.bfloat16
+        else flat[idx].view(torch.int16).cpu().numpy().tobytes()
+    )
 
 
 def fingerprints(state_dict) -> dict[str, tuple[int, bytes]]:
     """Per tensor: its version counter (every in-place op bumps it) and a fixed sample of its bits."""
     with torch.no_grad():
         return {key: (t._version, _bits(t)) for key, t in state_dict.items()}
-

@@ -73,7 +73,9 @@ class Split:
         out = []
         for e, t in groups:
             if t.dim() <= self.dim or t.shape[self.dim] % len(self.targets):
-                raise ValueError(f"cannot cut {tuple(t.shape)} into {len(self.targets)} equal parts along dim {self.dim}")
+                raise ValueError(
+                    f"cannot cut {tuple(t.shape)} into {len(self.targets)} equal parts along dim {self.dim}"
+                )
             for target, part in zip(self.targets, t.chunk(len(self.targets), dim=self.dim)):
                 out.append((target if e is None else target.replace("{e}", str(e)), part))
         return out
@@ -126,7 +128,9 @@ def _split_problems(src: str, entry: Split, tensor: torch.Tensor, ours: dict) ->
     try:
         parts = entry.parts(tensor)
     except ValueError as e:
-        pattern = re.compile("^(?:" + "|".join(re.escape(t).replace(re.escape("{e}"), r"\d+") for t in entry.targets) + ")$")
+        pattern = re.compile(
+            "^(?:" + "|".join(re.escape(t).replace(re.escape("{e}"), r"\d+") for t in entry.targets) + ")$"
+        )
         targets = [id(p) for name, p in ours.items() if pattern.match(name)]  # named here, not again as "never written"
         return [], [], [f"{src}: checkpoint {tuple(tensor.shape)}: {e} ({', '.join(entry.targets)})"], targets
     items, unknown, shapes, mismatched = [], [], [], []
@@ -142,7 +146,9 @@ def _split_problems(src: str, entry: Split, tensor: torch.Tensor, ours: dict) ->
     return items, unknown, shapes, mismatched
 
 
-def apply_weight_table(model: nn.Module, state_dict: Mapping[str, torch.Tensor], table: Mapping[str, object]) -> dict[str, str]:
+def apply_weight_table(
+    model: nn.Module, state_dict: Mapping[str, torch.Tensor], table: Mapping[str, object]
+) -> dict[str, str]:
     """Assign the checkpoint's tensors to ``model``'s parameters as the table says, without copying.
 
     Tensors are wrapped, not copied, so a model loaded from the same state dict as another shares
@@ -165,8 +171,10 @@ def apply_weight_table(model: nn.Module, state_dict: Mapping[str, torch.Tensor],
     for src, entry in expanded.items():
         if isinstance(entry, Split):
             in_ckpt = src in state_dict
-            in_ours = any(_indices(t.replace("{e}", "{i}"), ours) for t in entry.targets) if entry.per_index else any(
-                t in ours for t in entry.targets
+            in_ours = (
+                any(_indices(t.replace("{e}", "{i}"), ours) for t in entry.targets)
+                if entry.per_index
+                else any(t in ours for t in entry.targets)
             )
             if not in_ckpt and in_ours:
                 missing.append(src)
@@ -212,8 +220,10 @@ def apply_weight_table(model: nn.Module, state_dict: Mapping[str, torch.Tensor],
         shown = "; ".join(shapes[:3]) + (f"; ... ({len(shapes)} keys in all)" if len(shapes) > 3 else "")
         problems.insert(0, f"shape mismatch for {shown}")
     missing = [
-        k for k in missing
-        if isinstance(expanded[k], Split) or id(ours[_target(expanded[k])]) not in written  # a tied name is written through its group
+        k
+        for k in missing
+        if isinstance(expanded[k], Split)
+        or id(ours[_target(expanded[k])]) not in written  # a tied name is written through its group
     ]
     if missing:
         problems.append(f"missing checkpoint keys: {_summary(missing)}")
@@ -238,11 +248,21 @@ def apply_weight_table(model: nn.Module, state_dict: Mapping[str, torch.Tensor],
         for name in group_of[dst]:
             module_path, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(module_path) if module_path else model, leaf, param)
-    return {src: dsts[0] if len(dsts) == 1 else f"{dsts[0]} .. {dsts[-1]} ({len(dsts)} views)" for src, dsts in consumed.items()}
+    return {
+        src: dsts[0] if len(dsts) == 1 else f"{dsts[0]} .. {dsts[-1]} ({len(dsts)} views)"
+        for src, dsts in consumed.items()
+    }
 
 
 def storage_key(t: torch.Tensor) -> tuple:
-    return (t.device.type, t.untyped_storage().data_ptr() if not t.is_meta else id(t), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+    return (
+        t.device.type,
+        t.untyped_storage().data_ptr() if not t.is_meta else id(t),
+        t.storage_offset(),
+        tuple(t.shape),
+        t.stride(),
+        t.dtype,
+    )
 
 
 def parameter_storages(model: nn.Module) -> dict[str, tuple]:

@@ -105,8 +105,12 @@ class ExpertEvidence:
         expert's tokens, in float64, ``(len(rows), hidden)``; None for a layout other than
         Transformers' default (gate then up concatenated, ``(E, 2I, H)``, no bias)."""
         m = self.module
-        if getattr(m, "is_transposed", False) or not getattr(m, "is_concatenated", True) or getattr(m, "has_bias", False) \
-                or not getattr(m, "has_gate", True):
+        if (
+            getattr(m, "is_transposed", False)
+            or not getattr(m, "is_concatenated", True)
+            or getattr(m, "has_bias", False)
+            or not getattr(m, "has_gate", True)
+        ):
             return None
         gate, up = m.gate_up_proj[j].detach().double().chunk(2, dim=0)
         if swap_halves:

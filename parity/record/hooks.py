@@ -142,7 +142,9 @@ def tap(tensor: torch.Tensor, name: str, *, layout: str | None = None) -> torch.
     transform = rec.transforms.get(node)
     if layout is not None:
         if not hasattr(transform, "with_layout"):
-            raise ParityError(f"parity.tap(..., {name!r}, layout={layout!r}): layout applies to q_rot, k_rot and context taps only")
+            raise ParityError(
+                f"parity.tap(..., {name!r}, layout={layout!r}): layout applies to q_rot, k_rot and context taps only"
+            )
         transform = transform.with_layout(layout)
     rec.trace.add(node, tensor, transform)
     new = rec.replacement(node, tensor, transform if layout is not None else None)
@@ -153,6 +155,7 @@ def _module_stack_hooks(model: nn.Module, rec: _Recording) -> list:
     """Hooks that keep ``rec.stack`` = the paths of the modules running now (for :func:`tap`)."""
     handles = []
     for path, module in model.named_modules():
+
         def push(mod, args, _p=path):
             rec.stack.append(_p)
 
@@ -261,7 +264,7 @@ def recording(
                     return None
                 if where == "kwargs":
                     return args, {**kwargs, key: _replace_first_tensor(value, new)}
-                return (*args[:key], _replace_first_tensor(value, new), *args[key + 1:]), kwargs
+                return (*args[:key], _replace_first_tensor(value, new), *args[key + 1 :]), kwargs
 
             handles.append(module.register_forward_pre_hook(argument_hook, with_kwargs=True))
         else:

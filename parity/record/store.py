@@ -18,9 +18,18 @@ from pathlib import Path
 import torch
 
 #: safetensors dtype codes of the dtypes a trace may hold
-_CODES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-          torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-          torch.bool: "BOOL"}
+_CODES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 #: bytes written per call when spilling (a bounded slice of a large tensor at a time)
 _WRITE = 64 << 20
 
@@ -30,8 +39,10 @@ def write_safetensors(path: Path, name: str, tensor: torch.Tensor) -> int:
     (no serialised copy of it in memory). Returns the byte offset of its data in the file."""
     tensor = tensor.contiguous()
     nbytes = tensor.numel() * tensor.element_size()
-    header = json.dumps({name: {"dtype": _CODES[tensor.dtype], "shape": list(tensor.shape),
-                                "data_offsets": [0, nbytes]}}, separators=(",", ":")).encode()
+    header = json.dumps(
+        {name: {"dtype": _CODES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [0, nbytes]}},
+        separators=(",", ":"),
+    ).encode()
     header += b" " * (-len(header) % 8)  # data starts 8-byte aligned, so it maps back as any dtype
     raw = tensor.reshape(-1).view(torch.uint8).numpy() if nbytes else b""
     with open(path, "wb") as fh:

@@ -83,7 +83,8 @@ def _tolerance_facts(result) -> list[tuple[str, str]]:
     facts = []
     if base is not None:
         where = {"run": "set for this run", "exact": "exact: the pair is bit-identical when correct"}.get(
-            base.tol_source, base.tol_source.replace("default:", "defaults for "))
+            base.tol_source, base.tol_source.replace("default:", "defaults for ")
+        )
         facts.append(("tolerance", f"atol {base.atol:g}, rtol {base.rtol:g} ({where})"))
     elif meta.get("atol") is not None or meta.get("rtol") is not None:
         facts.append(("tolerance", f"atol {meta.get('atol')}, rtol {meta.get('rtol')} (set for this run)"))
@@ -101,20 +102,28 @@ def _coverage(result) -> dict | None:
     if coverage is None:
         return None
     d = coverage.to_dict()
-    summary = f"complete: {d.get('consumed', 0)} checkpoint tensors, each in one parameter" if coverage.ok else (
-        f"{len(d['gaps'])} gap{'s' if len(d['gaps']) != 1 else ''}"
+    summary = (
+        f"complete: {d.get('consumed', 0)} checkpoint tensors, each in one parameter"
+        if coverage.ok
+        else (f"{len(d['gaps'])} gap{'s' if len(d['gaps']) != 1 else ''}")
     )
-    return {"ok": coverage.ok, "summary": summary, "gaps": list(d["gaps"]),
-            "info": [f"{k}: {v}" for k in ("tied", "conversions", "copies") for v in d.get(k) or []]
-            + ([f"skipped: {d['skipped']}"] if d.get("skipped") else []),
-            "replaced": coverage.replaced_note() if hasattr(coverage, "replaced_note") else None}
+    return {
+        "ok": coverage.ok,
+        "summary": summary,
+        "gaps": list(d["gaps"]),
+        "info": [f"{k}: {v}" for k in ("tied", "conversions", "copies") for v in d.get(k) or []]
+        + ([f"skipped: {d['skipped']}"] if d.get("skipped") else []),
+        "replaced": coverage.replaced_note() if hasattr(coverage, "replaced_note") else None,
+    }
 
 
 def _time(stamp) -> str | None:
     """``2026-11-30T09:26:29+00:00`` -> ``2026-11-30 09:26:29 UTC`` (other offsets kept as they are)."""
     if not isinstance(stamp, str):
         return stamp
-    return stamp.replace("T", " ", 1).replace("+00:00", " UTC") if stamp.endswith("+00:00") else stamp.replace("T", " ", 1)
+    return (
+        stamp.replace("T", " ", 1).replace("+00:00", " UTC") if stamp.endswith("+00:00") else stamp.replace("T", " ", 1)
+    )
 
 
 def _facts(result) -> list[dict]:
@@ -129,7 +138,11 @@ def _facts(result) -> list[dict]:
         facts.append(("checkpoint sha256", meta["checkpoint_sha256"]))
     facts += [
         ("dtype", meta.get("dtype")),
-        ("seq len", f"{meta.get('seq_len')} tokens" + (f" x batch {meta['batch_size']}" if meta.get("batch_size", 1) != 1 else "")),
+        (
+            "seq len",
+            f"{meta.get('seq_len')} tokens"
+            + (f" x batch {meta['batch_size']}" if meta.get("batch_size", 1) != 1 else ""),
+        ),
         ("seed", meta.get("seed")),
         ("mode", meta.get("mode")),
         ("probe", meta.get("probe")),
@@ -162,10 +175,10 @@ def _card(result, bad) -> dict | None:
     if result.isolated is not None and result.meta.get("mode") != "isolated":
         card["isolated_first"] = first_mismatch(result.isolated)
     if profile:
-        card["position_svg"] = _svg(plots.profile_svg(profile.get("by_position"), bad.atol, "token position", "position"))
-        card["head_svg"] = _svg(
-            plots.profile_svg(profile.get("by_head"), bad.atol, "head", "head", width=3.6)
+        card["position_svg"] = _svg(
+            plots.profile_svg(profile.get("by_position"), bad.atol, "token position", "position")
         )
+        card["head_svg"] = _svg(plots.profile_svg(profile.get("by_head"), bad.atol, "head", "head", width=3.6))
     return card
 
 
@@ -178,15 +191,21 @@ def _where(result, bad, card) -> dict:
         where["channel_svg"] = _svg(
             plots.profile_svg(profile.get("by_channel"), bad.atol, where["channel_label"], "channel", width=9.0)
         )
-        for label, key in (("token positions", "by_position"), ("heads", "by_head"), (where["channel_label"], "by_channel")):
+        for label, key in (
+            ("token positions", "by_position"),
+            ("heads", "by_head"),
+            (where["channel_label"], "by_channel"),
+        ):
             values = profile.get(key)
             if values:
-                where["tops"].append({
-                    "label": label,
-                    "n": len(values),
-                    "top": [{"i": i, "v": values[i]} for i in _top(values)],
-                    "over": sum(1 for v in values if v is None or not math.isfinite(v) or v > bad.atol),
-                })
+                where["tops"].append(
+                    {
+                        "label": label,
+                        "n": len(values),
+                        "top": [{"i": i, "v": values[i]} for i in _top(values)],
+                        "over": sum(1 for v in values if v is None or not math.isfinite(v) or v > bad.atol),
+                    }
+                )
     if result.logits and _logits_agree(result.logits) is None:
         where["logits_svg"] = _svg(plots.logits_svg(result.logits, int(result.meta.get("batch_size") or 1)))
     return where
@@ -203,15 +222,17 @@ def _rows(result) -> list[dict]:
     rows = []
     for n in result.nodes:
         ratio = tolerance_ratio(n)
-        rows.append({
-            "n": n,
-            "ratio": ratio,
-            "shape": _shape(n.shape_ref or n.shape_ours),
-            "shape_ours": _shape(n.shape_ours) or "-",
-            "shape_ref": _shape(n.shape_ref) or "-",
-            "iso": isolated.get(n.name),
-            "iso_ratio": tolerance_ratio(isolated[n.name]) if n.name in isolated else None,
-        })
+        rows.append(
+            {
+                "n": n,
+                "ratio": ratio,
+                "shape": _shape(n.shape_ref or n.shape_ours),
+                "shape_ours": _shape(n.shape_ours) or "-",
+                "shape_ref": _shape(n.shape_ref) or "-",
+                "iso": isolated.get(n.name),
+                "iso_ratio": tolerance_ratio(isolated[n.name]) if n.name in isolated else None,
+            }
+        )
     return rows
 
 
@@ -236,8 +257,12 @@ def _depth_summary(result) -> dict:
     judged = [n for n in result.nodes if n.judged and tolerance_ratio(n) is not None]
     worst = max(judged, key=tolerance_ratio, default=None)
     exact = all(n.max_abs == 0 for n in judged)
-    return {"exact": exact, "worst": worst, "ratio": tolerance_ratio(worst) if worst is not None else None,
-            "n": len(judged)}
+    return {
+        "exact": exact,
+        "worst": worst,
+        "ratio": tolerance_ratio(worst) if worst is not None else None,
+        "n": len(judged),
+    }
 
 
 def _logits_agree(logits) -> dict | None:
@@ -246,8 +271,12 @@ def _logits_agree(logits) -> dict | None:
     if not logits:
         return None
     kl = logits.get("kl") or []
-    if (logits.get("top1_agreement") == 1 and logits.get("mean_topk_overlap") == 1 and kl
-            and all(v is not None and math.isfinite(v) and abs(v) < 1e-6 for v in kl)):
+    if (
+        logits.get("top1_agreement") == 1
+        and logits.get("mean_topk_overlap") == 1
+        and kl
+        and all(v is not None and math.isfinite(v) and abs(v) < 1e-6 for v in kl)
+    ):
         return {"kl": max(kl)}
     return None
 
@@ -275,12 +304,21 @@ def render_html(result) -> str:
         depth_summary=depth_summary,
         logits_agree=_logits_agree(result.logits),
         card=card,
-        heatmap_svg=None if exact or decode else _svg(plots.depth_heatmap_svg(result.nodes, bad.index if bad else None, scale)),
+        heatmap_svg=None
+        if exact or decode
+        else _svg(plots.depth_heatmap_svg(result.nodes, bad.index if bad else None, scale)),
         decode_svg=_svg(plots.decode_heatmap_svg(result.nodes, bad.index if bad else None, scale)) if decode else None,
-        depth_svg=None if exact else _svg(plots.depth_line_svg(
-            result.nodes, result.isolated if separate else None, bad.index if bad else None,
-            label="isolated" if mode == "isolated" else "chained", scale=scale,
-        )),
+        depth_svg=None
+        if exact
+        else _svg(
+            plots.depth_line_svg(
+                result.nodes,
+                result.isolated if separate else None,
+                bad.index if bad else None,
+                label="isolated" if mode == "isolated" else "chained",
+                scale=scale,
+            )
+        ),
         scale=scale,
         where=_where(result, bad, card),
         rows=_rows(result),

@@ -75,7 +75,10 @@ def junit_tree(results) -> ET.ElementTree:
         if used[(meta.get("family"), name)] > 1:
             name += f" #{used[(meta.get('family'), name)]}"
         case = ET.SubElement(
-            suite, "testcase", classname=xml_text(f"parity.{meta.get('family')}"), name=xml_text(name),
+            suite,
+            "testcase",
+            classname=xml_text(f"parity.{meta.get('family')}"),
+            name=xml_text(name),
             time=f"{float(meta.get('seconds') or 0):.3f}",
         )
         if not result.passed:

@@ -33,12 +33,20 @@ OVER, UNDER, NEUTRAL, ISOLATED = "#c62828", "#1e88e5", "#9aa0aa", "#ef6c00"
 #: quiet (pale blue) far below tolerance, pale yellow at it, orange to dark red above: failing cells stand out
 RATIO_CMAP = LinearSegmentedColormap.from_list(
     "parity_ratio",
-    [(0.0, "#e4ecf5"), (0.3, "#bcd3ea"), (0.46, "#eef0d0"), (0.5, "#ffe58a"), (0.6, "#fdae61"), (0.8, "#d73027"),
-     (1.0, "#5e0016")],
+    [
+        (0.0, "#e4ecf5"),
+        (0.3, "#bcd3ea"),
+        (0.46, "#eef0d0"),
+        (0.5, "#ffe58a"),
+        (0.6, "#fdae61"),
+        (0.8, "#d73027"),
+        (1.0, "#5e0016"),
+    ],
 )
 #: under a zero tolerance every nonzero error fails: pale yellow (smallest error) to dark red (largest)
 ERROR_CMAP = LinearSegmentedColormap.from_list(
-    "parity_error", [(0.0, "#ffe58a"), (0.25, "#fdae61"), (0.65, "#d73027"), (1.0, "#5e0016")],
+    "parity_error",
+    [(0.0, "#ffe58a"), (0.25, "#fdae61"), (0.65, "#d73027"), (1.0, "#5e0016")],
 )
 EXACT = "#e4ecf5"  # a cell with max_abs 0 under a zero tolerance
 NO_METRICS = "#d9dce1"
@@ -83,7 +91,7 @@ def to_svg(fig: Figure, salt: str) -> str:
     with mpl.rc_context({**_RC, "svg.hashsalt": f"parity-{salt}"}):
         fig.savefig(buf, format="svg", metadata={"Date": None})
     text = buf.getvalue()
-    text = text[text.index("<svg"):]
+    text = text[text.index("<svg") :]
     text = re.sub(r"\s*<metadata>.*?</metadata>", "", text, count=1, flags=re.S)
     # collections mark their links target="_blank"; links here are in-page anchors
     text = re.sub(r'(<a xlink:href="#[^"]*") target="_blank"', r"\1", text)
@@ -184,15 +192,13 @@ def _error_bars(ax, values: Sequence[float | None], threshold: float | None, xla
     shown = [max(v, floor) for v in vals]
     for i in bad:
         shown[i] = top * 3
-    colors = [
-        OVER if (i in bad or (threshold is not None and v > threshold)) else NEUTRAL for i, v in enumerate(vals)
-    ]
+    colors = [OVER if (i in bad or (threshold is not None and v > threshold)) else NEUTRAL for i, v in enumerate(vals)]
     x = list(range(len(vals)))
     if len(vals) <= BAR_LIMIT:
         ax.bar(x, [s - floor for s in shown], bottom=floor, color=colors, width=0.8, linewidth=0)
     else:  # one step line; long series as the max of each bin (peaks are what matter)
         size = math.ceil(len(vals) / STEP_POINTS)
-        bins = [max(shown[i:i + size]) for i in range(0, len(shown), size)]
+        bins = [max(shown[i : i + size]) for i in range(0, len(shown), size)]
         edges = [i * size - 0.5 for i in range(len(bins))] + [len(vals) - 0.5]
         label = f"max over {size} consecutive" if size > 1 else None
         ax.stairs(bins, edges, baseline=None, color=UNDER, linewidth=0.8, label=label)
@@ -203,8 +209,16 @@ def _error_bars(ax, values: Sequence[float | None], threshold: float | None, xla
         ax.legend(loc="upper left", fontsize=8, frameon=False)
     if threshold:
         ax.axhline(threshold, color=OVER, linestyle="--", linewidth=0.9)
-        ax.annotate("atol", (1, threshold), xycoords=("axes fraction", "data"), xytext=(2, 0),
-                    textcoords="offset points", va="center", fontsize=8, color=OVER)
+        ax.annotate(
+            "atol",
+            (1, threshold),
+            xycoords=("axes fraction", "data"),
+            xytext=(2, 0),
+            textcoords="offset points",
+            va="center",
+            fontsize=8,
+            color=OVER,
+        )
     _log_y(ax)
     ax.set_ylim(floor, top * 6)
     ax.set_xlim(-0.7, len(vals) - 0.3)
@@ -216,8 +230,9 @@ def _error_bars(ax, values: Sequence[float | None], threshold: float | None, xla
 
 
 @_styled
-def profile_svg(values: Sequence[float | None] | None, threshold: float | None, xlabel: str, salt: str,
-                width: float = 5.2) -> str | None:
+def profile_svg(
+    values: Sequence[float | None] | None, threshold: float | None, xlabel: str, salt: str, width: float = 5.2
+) -> str | None:
     """Error per token position / head / channel of one node."""
     if not values:
         return None
@@ -245,7 +260,9 @@ def _layer_grid(nodes) -> tuple[list, list[str], dict[tuple, object]]:
         if n.kind not in kinds:
             kinds.append(n.kind)
         held = cells.get((n.layer, n.kind))
-        if held is not None and (held.failed or (not n.failed and (_log_ratio(n) or -math.inf) <= (_log_ratio(held) or -math.inf))):
+        if held is not None and (
+            held.failed or (not n.failed and (_log_ratio(n) or -math.inf) <= (_log_ratio(held) or -math.inf))
+        ):
             continue
         cells[(n.layer, n.kind)] = n
     return before + layers + after, kinds, cells
@@ -348,11 +365,21 @@ def depth_heatmap_svg(nodes, first_index: int | None, scale: str | None = None) 
         titles[f"#node-{node.index}"] = cell_title(node)
         mark = STATUS_MARK.get(node.status)
         if mark:
-            ax.text(c + width / 2, r + 0.5, mark, ha="center", va="center", fontsize=7,
-                    color="black" if face == NO_METRICS else "white")
+            ax.text(
+                c + width / 2,
+                r + 0.5,
+                mark,
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="black" if face == NO_METRICS else "white",
+            )
         if first_index is not None and node.index == first_index:
-            ax.add_patch(Rectangle((c + 0.04, r + 0.04), width - 0.08, 0.92, fill=False, edgecolor="black",
-                                   linewidth=1.8, zorder=3))
+            ax.add_patch(
+                Rectangle(
+                    (c + 0.04, r + 0.04), width - 0.08, 0.92, fill=False, edgecolor="black", linewidth=1.8, zorder=3
+                )
+            )
     grid = PatchCollection(patches, facecolors=faces, edgecolors="white", linewidths=0.5)
     grid.set_urls(urls)
     ax.add_collection(grid)
@@ -373,8 +400,9 @@ def depth_heatmap_svg(nodes, first_index: int | None, scale: str | None = None) 
 
 
 @_styled
-def depth_line_svg(nodes, isolated, first_index: int | None, label: str = "chained",
-                   scale: str | None = None) -> str | None:
+def depth_line_svg(
+    nodes, isolated, first_index: int | None, label: str = "chained", scale: str | None = None
+) -> str | None:
     """max_abs / tolerance along execution order (log): ``nodes`` (drawn as ``label``) and, when
     given, ``isolated``; 1 is the tolerance. On the ``max_abs`` scale (every tolerance 0, see
     :func:`error_scale`) the y axis is max_abs itself, every point above the floor fails and exact
@@ -401,17 +429,22 @@ def depth_line_svg(nodes, isolated, first_index: int | None, label: str = "chain
             value = None if n.status == "nonfinite" else _log_value(n, scale)
             if value is None:
                 if n.failed:
-                    why = ("not comparable" if n.max_abs is None and n.status != "nonfinite"
-                           else "non-finite" if n.status == "nonfinite" or not math.isfinite(n.max_abs)
-                           else "fails a zero tolerance")  # max_abs / 0 in a run of nonzero tolerances
+                    why = (
+                        "not comparable"
+                        if n.max_abs is None and n.status != "nonfinite"
+                        else "non-finite"
+                        if n.status == "nonfinite" or not math.isfinite(n.max_abs)
+                        else "fails a zero tolerance"
+                    )  # max_abs / 0 in a run of nonzero tolerances
                     marks.append((n.index, name, why))
                 continue
             y = floor if value == -math.inf else max(10.0**value, floor)
             xs.append(n.index)
             ys.append(y)
             top = max(top, y * 3)
-        ax.plot(xs, ys, color=color, linewidth=1.1, marker="o" if len(group) <= 120 else None, markersize=2.5,
-                label=name)
+        ax.plot(
+            xs, ys, color=color, linewidth=1.1, marker="o" if len(group) <= 120 else None, markersize=2.5, label=name
+        )
         line = 1.0 if scale == "ratio" else floor
         fails = [(x, y) for x, y in zip(xs, ys) if y > line]
         if fails and group is nodes:
@@ -421,16 +454,35 @@ def depth_line_svg(nodes, isolated, first_index: int | None, label: str = "chain
         ax.scatter(xs, [top] * len(xs), marker=marker, color="black", s=18, zorder=4, label=f"{name}: {why}")
     if scale == "ratio":
         ax.axhline(1.0, color=OVER, linestyle="--", linewidth=0.9)
-        ax.annotate("tolerance", (0, 1.0), xycoords=("axes fraction", "data"), xytext=(2, 3),
-                    textcoords="offset points", fontsize=8, color=OVER)
+        ax.annotate(
+            "tolerance",
+            (0, 1.0),
+            xycoords=("axes fraction", "data"),
+            xytext=(2, 3),
+            textcoords="offset points",
+            fontsize=8,
+            color=OVER,
+        )
     else:
-        ax.annotate("tolerance 0: every point above the floor fails; exact = floor", (0, floor),
-                    xycoords=("axes fraction", "data"), xytext=(2, 3), textcoords="offset points", fontsize=8,
-                    color=OVER)
+        ax.annotate(
+            "tolerance 0: every point above the floor fails; exact = floor",
+            (0, floor),
+            xycoords=("axes fraction", "data"),
+            xytext=(2, 3),
+            textcoords="offset points",
+            fontsize=8,
+            color=OVER,
+        )
     if first_index is not None:
         ax.axvline(first_index, color="black", linewidth=0.8, linestyle=":")
-        ax.annotate(f"first mismatch (#{first_index})", (first_index, 1), xycoords=("data", "axes fraction"),
-                    xytext=(3, -10), textcoords="offset points", fontsize=8)
+        ax.annotate(
+            f"first mismatch (#{first_index})",
+            (first_index, 1),
+            xycoords=("data", "axes fraction"),
+            xytext=(3, -10),
+            textcoords="offset points",
+            fontsize=8,
+        )
     starts: dict[int, int] = {}
     for n in nodes:
         if n.layer is not None:
@@ -463,8 +515,11 @@ def logits_svg(logits: dict | None, batch_size: int = 1) -> str | None:
     fig = _figure(9.0, 3.9)
     axes = fig.subplots(3, 1, sharex=True)
     bars = n <= BAR_LIMIT
-    draw = (lambda ax, ys, colors: ax.bar(x, ys, color=colors, width=0.85, linewidth=0)) if bars else (
-        lambda ax, ys, colors: ax.step(x, ys, where="mid", color=UNDER, linewidth=0.8))
+    draw = (
+        (lambda ax, ys, colors: ax.bar(x, ys, color=colors, width=0.85, linewidth=0))
+        if bars
+        else (lambda ax, ys, colors: ax.step(x, ys, where="mid", color=UNDER, linewidth=0.8))
+    )
     draw(axes[0], [1.0] * n, ["#43a047" if v >= 1 else OVER for v in top1])
     axes[0].set_yticks([])
     axes[0].set_ylabel("top-1\nagrees", rotation=0, ha="right", va="center")
@@ -477,7 +532,9 @@ def logits_svg(logits: dict | None, batch_size: int = 1) -> str | None:
         axes[2].scatter(kl_bad, [max(kl + [1e-12])] * len(kl_bad), marker="x", color="black", s=16)
     axes[2].set_ylim(min(0.0, min(kl)), max(max(kl), 1e-6) * 1.15)
     axes[2].set_ylabel("KL(ref||ours)\nnats", rotation=0, ha="right", va="center")
-    axes[2].set_xlabel("token position" + (f" (the {batch_size} batch rows one after another)" if batch_size > 1 else ""))
+    axes[2].set_xlabel(
+        "token position" + (f" (the {batch_size} batch rows one after another)" if batch_size > 1 else "")
+    )
     if n <= 32:
         axes[2].set_xticks(x)
     for ax in axes:
@@ -504,7 +561,7 @@ def decode_heatmap_svg(nodes, first_index: int | None, scale: str | None = None)
     for n in nodes:
         if "/" not in n.name or not n.name.startswith("step"):
             continue
-        step = int(n.name.split("/", 1)[0][len("step"):])
+        step = int(n.name.split("/", 1)[0][len("step") :])
         key = (step, n.layer if n.layer is not None else "out")
         worst = cells.get(key)
         if worst is None or _badness(n, scale) > _badness(worst, scale):
@@ -526,7 +583,9 @@ def decode_heatmap_svg(nodes, first_index: int | None, scale: str | None = None)
         urls.append(f"#node-{node.index}")
         titles[f"#node-{node.index}"] = cell_title(node)
         if first_index is not None and node.index == first_index:
-            ax.add_patch(Rectangle((c + 0.05, r + 0.05), 0.9, 0.9, fill=False, edgecolor="black", linewidth=1.8, zorder=3))
+            ax.add_patch(
+                Rectangle((c + 0.05, r + 0.05), 0.9, 0.9, fill=False, edgecolor="black", linewidth=1.8, zorder=3)
+            )
     grid = PatchCollection(patches, facecolors=faces, edgecolors="white", linewidths=0.5)
     grid.set_urls(urls)
     ax.add_collection(grid)

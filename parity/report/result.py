@@ -100,7 +100,9 @@ class CheckResult:
         if bad is None:
             return f"PASS: all {len(judged)} nodes agree within tolerance{cover}"
         failing = sum(not r.passed for r in judged)
-        return f"FAIL: first mismatch at node {bad.index} of {len(self.nodes)}, {bad.line()} [{failing} nodes fail]{cover}"
+        return (
+            f"FAIL: first mismatch at node {bad.index} of {len(self.nodes)}, {bad.line()} [{failing} nodes fail]{cover}"
+        )
 
     def to_frame(self):
         """pandas DataFrame, one row per node (columns documented in parity.report.tables)."""

@@ -47,9 +47,27 @@ import pandas as pd
 from parity.util.files import atomic_write
 
 COLUMNS = [
-    "order", "name", "layer", "kind", "status", "shape_ours", "shape_ref", "dtype",
-    "max_abs", "mean_abs", "max_rel", "cosine", "atol", "rtol", "hint", "detail",
-    "rel_l2", "atol_needed", "rtol_needed", "tol_source", "hint_kind",
+    "order",
+    "name",
+    "layer",
+    "kind",
+    "status",
+    "shape_ours",
+    "shape_ref",
+    "dtype",
+    "max_abs",
+    "mean_abs",
+    "max_rel",
+    "cosine",
+    "atol",
+    "rtol",
+    "hint",
+    "detail",
+    "rel_l2",
+    "atol_needed",
+    "rtol_needed",
+    "tol_source",
+    "hint_kind",
 ]
 RESULT_VERSION = 2
 SCHEMA_FILE = "result.schema.json"
@@ -120,23 +138,25 @@ def _clean(value):
 def result_dict(result) -> dict:
     """The content of result.json (see the module docstring and result.schema.json)."""
     bad = result.first_mismatch
-    return _clean({
-        "version": RESULT_VERSION,
-        "passed": result.passed,
-        "verdict": result.verdict(),
-        "first_mismatch": bad.to_dict() if bad is not None else None,
-        "first_divergence": result.first_divergence.to_dict() if result.first_divergence is not None else None,
-        "origin": result.origin.to_dict() if result.origin is not None else None,
-        "origin_reason": result.origin_reason,
-        "meta": result.meta,
-        "notes": result.notes,
-        "counts": dict(sorted(result.counts.items())),
-        "nodes": [r.to_dict() for r in result.nodes],
-        "isolated": [r.to_dict() for r in result.isolated] if result.isolated is not None else None,
-        "profile": result.profile,
-        "logits": result.logits,
-        "coverage": _coverage(result),
-    })
+    return _clean(
+        {
+            "version": RESULT_VERSION,
+            "passed": result.passed,
+            "verdict": result.verdict(),
+            "first_mismatch": bad.to_dict() if bad is not None else None,
+            "first_divergence": result.first_divergence.to_dict() if result.first_divergence is not None else None,
+            "origin": result.origin.to_dict() if result.origin is not None else None,
+            "origin_reason": result.origin_reason,
+            "meta": result.meta,
+            "notes": result.notes,
+            "counts": dict(sorted(result.counts.items())),
+            "nodes": [r.to_dict() for r in result.nodes],
+            "isolated": [r.to_dict() for r in result.isolated] if result.isolated is not None else None,
+            "profile": result.profile,
+            "logits": result.logits,
+            "coverage": _coverage(result),
+        }
+    )
 
 
 def _coverage(result) -> dict | None:

@@ -50,16 +50,28 @@ def _check_decode(pair: Pair, run: Run) -> CheckResult:
     notes += outcome.lines()
     meta = run_meta(pair, run, config_diff(pair), time.perf_counter() - start)
     meta["decode"] = decode.describe()
-    return CheckResult(nodes=tuple(nodes), meta=meta, notes=tuple(notes), coverage=_coverage(pair),
-                       alignment=tuple(pair.alignment), decode=outcome.to_dict())
+    return CheckResult(
+        nodes=tuple(nodes),
+        meta=meta,
+        notes=tuple(notes),
+        coverage=_coverage(pair),
+        alignment=tuple(pair.alignment),
+        decode=outcome.to_dict(),
+    )
 
 
 def _coverage(pair: Pair):
     """Loader coverage: computed while building (check_model), else now."""
     loading = pair.loading
     if loading.coverage is None and loading.state_dict:
-        return loader_coverage(pair.ours, loading.state_dict, loading.tied_keys, loading.conversions,
-                               loading.built_storage, loading.by_design)
+        return loader_coverage(
+            pair.ours,
+            loading.state_dict,
+            loading.tied_keys,
+            loading.conversions,
+            loading.built_storage,
+            loading.by_design,
+        )
     return loading.coverage
 
 
@@ -112,8 +124,10 @@ def _check_forward(pair: Pair, run: Run) -> CheckResult:
     diffs = config_diff(pair)
     notes = list(run.notes)
     if run.attention_mask is not None and not forward_accepts(pair.ours, "position_ids"):
-        notes.append("ours takes no position_ids: it gets the mask only, while the reference rotates each padded row "
-                     "by positions counted over its real tokens (as generation does)")
+        notes.append(
+            "ours takes no position_ids: it gets the mask only, while the reference rotates each padded row "
+            "by positions counted over its real tokens (as generation does)"
+        )
     notes += [
         f"config differs: {d['key']} is {d['ours']!r} in ours, {d['reference']!r} in the reference" for d in diffs
     ]
@@ -127,8 +141,9 @@ def _check_forward(pair: Pair, run: Run) -> CheckResult:
         tolerance = replace(tolerance, calibrated=calibrate_tolerances(pair, run, ref_trace, noise=noise))
     isolated = None
     if run.mode in ("isolated", "both"):
-        isolated = compare_run(pair, run, trace_ours(pair, run, ref_trace, reference=ref_trace, tolerances=tolerance),
-                               ref_trace, tolerance)
+        isolated = compare_run(
+            pair, run, trace_ours(pair, run, ref_trace, reference=ref_trace, tolerances=tolerance), ref_trace, tolerance
+        )
     our_trace = None
     if run.mode == "isolated":
         nodes = isolated

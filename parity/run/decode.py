@@ -45,8 +45,6 @@ from parity.util.errors import ParityError
 NEAR_TIE = 1e-2
 
 
-
-
 @dataclass
 class DecodeOutcome:
     """What a decode check found beside the nodes: per step, ours' cached logits against ours' own
@@ -76,13 +74,19 @@ class DecodeOutcome:
     def lines(self) -> list[str]:
         out = []
         worst = max(self.consistency, default=0.0)
-        out.append(f"cached vs full forward (ours alone): max |difference| {worst:.3g} over {len(self.consistency)} steps")
+        out.append(
+            f"cached vs full forward (ours alone): max |difference| {worst:.3g} over {len(self.consistency)} steps"
+        )
         if self.first_divergent_step is None:
-            out.append(f"greedy tokens: ours chooses the reference's token at every one of {len(self.tokens_reference)} steps")
+            out.append(
+                f"greedy tokens: ours chooses the reference's token at every one of {len(self.tokens_reference)} steps"
+            )
         else:
             tie = f" (a near-tie: the reference's top two logits are within {NEAR_TIE:g})" if self.near_tie else ""
-            out.append(f"greedy tokens: ours first chooses another token at step {self.first_divergent_step}, where the "
-                       f"reference's margin between its top two logits is {self.margin:.3g}{tie}")
+            out.append(
+                f"greedy tokens: ours first chooses another token at step {self.first_divergent_step}, where the "
+                f"reference's margin between its top two logits is {self.margin:.3g}{tie}"
+            )
         return out
 
 
@@ -129,7 +133,9 @@ def _our_layers(cache) -> list[dict]:
 #: ``cache.layers[i].keys`` / ``.values`` (``.conv_state`` / ``.recurrent_state``)
 DEFAULT_PROTOCOL = CacheProtocol(
     new_cache=lambda model: model.new_cache(),
-    forward=lambda model, ids, mask, positions, cache: model(ids, attention_mask=mask, position_ids=positions, cache=cache),
+    forward=lambda model, ids, mask, positions, cache: model(
+        ids, attention_mask=mask, position_ids=positions, cache=cache
+    ),
     layers=_our_layers,
 )
 
@@ -151,12 +157,16 @@ def _cache_stems(pair: Pair) -> dict[int, tuple[str, tuple[str, ...]]]:
     """Layer index -> (the canonical path of the module whose cache it is, the parts that cache holds),
     for the layers that keep a cache of their own (a KV-shared layer reads its source layer's): an
     attention module from its ``k_rot`` node, a linear-attention module from its ``recurrent_state``."""
+
     def own(i: int) -> bool:
         layer = pair.facts.layer(i)
         return layer is None or layer.kv_source is None
 
-    return {n.layer: (n.name[: -len(n.kind) - 1], CACHE_PARTS[n.kind]) for n in pair.nodes
-            if n.kind in CACHE_PARTS and n.layer is not None and own(n.layer)}
+    return {
+        n.layer: (n.name[: -len(n.kind) - 1], CACHE_PARTS[n.kind])
+        for n in pair.nodes
+        if n.kind in CACHE_PARTS and n.layer is not None and own(n.layer)
+    }
 
 
 def _parts(entry) -> dict:
@@ -213,22 +223,37 @@ def _trace_reference_step(pair: Pair, ids, mask, positions, cache) -> tuple[Trac
     points = [(n.name, n.reference_path) for n in pair.nodes if n.name not in captured]
     views = {n.name: n.reference_transform for n in pair.nodes if n.reference_transform is not None}
     kernels = any(hf_kernels.is_kernel_node(name) for name in captured)  # named after the module that calls them
-    with torch.inference_mode(), recording(pair.reference, points, transforms=views, captured=captured,
-                                           keep_inputs=_inputs_for_trace(pair), module_stack=kernels) as trace:
+    with (
+        torch.inference_mode(),
+        recording(
+            pair.reference,
+            points,
+            transforms=views,
+            captured=captured,
+            keep_inputs=_inputs_for_trace(pair),
+            module_stack=kernels,
+        ) as trace,
+    ):
         try:
-            out = pair.reference(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+            out = pair.reference(
+                input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True
+            )
         except (RuntimeError, ValueError, TypeError, IndexError, AttributeError) as e:
             reason = " ".join(str(e).split()) or type(e).__name__
-            raise ParityError(f"the reference ({type(pair.reference).__name__}) cannot decode this config: {reason[:300]}") from None
+            raise ParityError(
+                f"the reference ({type(pair.reference).__name__}) cannot decode this config: {reason[:300]}"
+            ) from None
     return trace, out.logits
 
 
 def _trace_ours_step(pair: Pair, protocol: CacheProtocol, ids, mask, positions, cache) -> tuple[Trace, torch.Tensor]:
-    tapped = {n.ours[len("tap:"):]: n.name for n in pair.nodes if n.ours.startswith("tap:")}
+    tapped = {n.ours[len("tap:") :]: n.name for n in pair.nodes if n.ours.startswith("tap:")}
     points = [(n.name, n.ours) for n in pair.nodes if not n.ours.startswith(("tap:", "unaligned:"))]
     transforms = {n.name: n.transform for n in pair.nodes if n.transform is not None}
-    with torch.inference_mode(), recording(pair.ours, points, transforms=transforms, keep_inputs=_inputs_for_trace(pair),
-                                           taps=tapped) as trace:
+    with (
+        torch.inference_mode(),
+        recording(pair.ours, points, transforms=transforms, keep_inputs=_inputs_for_trace(pair), taps=tapped) as trace,
+    ):
         logits = protocol.forward(pair.ours, ids, mask, positions, cache)
     return trace, logits
 
@@ -259,14 +284,18 @@ def new_caches(pair: Pair, protocol: CacheProtocol):
     return DynamicCache(config=pair.reference.config), protocol.new_cache(pair.ours)
 
 
-def _cache_hint(result: NodeResult, ours: torch.Tensor | None, ref: torch.Tensor | None, window: int | None) -> Hint | None:
+def _cache_hint(
+    result: NodeResult, ours: torch.Tensor | None, ref: torch.Tensor | None, window: int | None
+) -> Hint | None:
     """A cache part of another length than the reference's (the same shape but along the axis that
     counts tokens): a ``cache_length`` hint."""
     part = result.kind.split(".", 1)[-1]
     axis = HELD_AXIS.get(part)
     if axis is None or ours is None or ref is None or ours.dim() != ref.dim() or ours.shape[axis] == ref.shape[axis]:
         return None
-    if [n for d, n in enumerate(ours.shape) if d != ours.dim() + axis] != [n for d, n in enumerate(ref.shape) if d != ref.dim() + axis]:
+    if [n for d, n in enumerate(ours.shape) if d != ours.dim() + axis] != [
+        n for d, n in enumerate(ref.shape) if d != ref.dim() + axis
+    ]:
         return None
     held, expected = ours.shape[axis], ref.shape[axis]
     if part == "conv_state":
@@ -285,8 +314,9 @@ def _cache_hint(result: NodeResult, ours: torch.Tensor | None, ref: torch.Tensor
     )
 
 
-def run_decode(pair: Pair, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, plan: DecodePlan,
-               tolerances: Tolerances) -> tuple[list[NodeResult], DecodeOutcome]:
+def run_decode(
+    pair: Pair, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, plan: DecodePlan, tolerances: Tolerances
+) -> tuple[list[NodeResult], DecodeOutcome]:
     """Every step's nodes compared (step order, then the reference's execution order within a step),
     the first failure diagnosed, and the step-wise consistency and greedy summaries."""
     from parity.run.plan import generation_positions
@@ -294,8 +324,11 @@ def run_decode(pair: Pair, input_ids: torch.Tensor, attention_mask: torch.Tensor
     hf_capture.install(pair.reference)
     batch = input_ids.shape[0]
     ids = torch.cat([input_ids, torch.zeros(batch, plan.steps, dtype=input_ids.dtype)], dim=1)
-    mask = torch.ones(batch, plan.total, dtype=torch.long) if attention_mask is None else torch.cat(
-        [attention_mask.long(), torch.ones(batch, plan.steps, dtype=torch.long)], dim=1)
+    mask = (
+        torch.ones(batch, plan.total, dtype=torch.long)
+        if attention_mask is None
+        else torch.cat([attention_mask.long(), torch.ones(batch, plan.steps, dtype=torch.long)], dim=1)
+    )
     positions = generation_positions(mask if attention_mask is not None else None, batch, plan.total)
     protocol = pair.cache_protocol or DEFAULT_PROTOCOL
     ref_cache, our_cache = new_caches(pair, protocol)
@@ -311,16 +344,29 @@ def run_decode(pair: Pair, input_ids: torch.Tensor, attention_mask: torch.Tensor
         ref_trace.tensors.update(_cache_tensors(_reference_layers(ref_cache), stems))
         our_trace.tensors.update(_cache_tensors(protocol.layers(our_cache), stems))
         specs = [replace(n, name=_step(k, n.name)) for n in pair.nodes]
-        specs += [NodeSpec(_step(k, f"{stem}.cache.{part}"), "", layer=i, kind=f"cache.{part}")
-                  for i, (stem, parts) in stems.items() for part in parts]
-        step_results = compare_traces(_prefixed(our_trace, k), _prefixed(ref_trace, k), specs, tolerances,
-                                      frozenset(_step(k, n) for n in untapped))
+        specs += [
+            NodeSpec(_step(k, f"{stem}.cache.{part}"), "", layer=i, kind=f"cache.{part}")
+            for i, (stem, parts) in stems.items()
+            for part in parts
+        ]
+        step_results = compare_traces(
+            _prefixed(our_trace, k),
+            _prefixed(ref_trace, k),
+            specs,
+            tolerances,
+            frozenset(_step(k, n) for n in untapped),
+        )
         results += [replace(r, index=len(results) + j) for j, r in enumerate(step_results)]
         traces.append((_prefixed(our_trace, k), _prefixed(ref_trace, k), positions[:, a:b]))
         # beside the nodes: ours against its own full forward, and the greedy choice of each model
         with torch.inference_mode():  # the same prefix through a fresh cache, in one call
-            full = protocol.forward(pair.ours, ids[:, :b], mask[:, :b] if attention_mask is not None else None,
-                                    positions[:, :b], protocol.new_cache(pair.ours))
+            full = protocol.forward(
+                pair.ours,
+                ids[:, :b],
+                mask[:, :b] if attention_mask is not None else None,
+                positions[:, :b],
+                protocol.new_cache(pair.ours),
+            )
         outcome.consistency.append(float((full[:, a:b].double() - our_logits.double()).abs().max()))
         ref_next, our_next = ref_logits[:, -1].argmax(-1), our_logits[:, -1].argmax(-1)
         outcome.tokens_reference.append(ref_next.tolist())
@@ -333,15 +379,18 @@ def run_decode(pair: Pair, input_ids: torch.Tensor, attention_mask: torch.Tensor
             ids[:, b] = fed_token(ref_logits[:, -1], pair.facts.placeholder_tokens)
     bad = first_mismatch(results)
     if bad is not None:
-        step = int(bad.name.split("/", 1)[0][len("step"):])
+        step = int(bad.name.split("/", 1)[0][len("step") :])
         ours_t, ref_t, step_positions = traces[step]
         hint = None
         if bad.kind.startswith("cache.") and bad.status == SHAPE:
             layer = pair.facts.layer(bad.layer)
-            hint = _cache_hint(bad, ours_t.tensors.get(bad.name), ref_t.tensors.get(bad.name), layer.window if layer else None)
+            hint = _cache_hint(
+                bad, ours_t.tensors.get(bad.name), ref_t.tensors.get(bad.name), layer.window if layer else None
+            )
         if hint is None:
             a, b = outcome.steps[step]
-            hint = diagnose(bad, ours_t, ref_t, pair.facts, step_positions,
-                            mask[:, a:b] if attention_mask is not None else None)
+            hint = diagnose(
+                bad, ours_t, ref_t, pair.facts, step_positions, mask[:, a:b] if attention_mask is not None else None
+            )
         results[bad.index] = replace(bad, hint=hint)
     return results, outcome

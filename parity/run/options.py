@@ -40,8 +40,10 @@ class DecodePlan:
         for part, value, least in (("prefill", self.prefill, 1), ("steps", self.steps, 1), ("chunk", self.chunk, 1)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
                 extra = "; without decode steps it checks the prompt only: run a plain check" if part == "steps" else ""
-                raise ParityError(f"decode plan {self.describe()} (PREFILL[:CHUNK]xSTEPS): {part} is {value}; "
-                                  f"it must be at least {least}{extra}")
+                raise ParityError(
+                    f"decode plan {self.describe()} (PREFILL[:CHUNK]xSTEPS): {part} is {value}; "
+                    f"it must be at least {least}{extra}"
+                )
 
     @classmethod
     def parse(cls, text: str) -> DecodePlan:
@@ -70,7 +72,12 @@ def _number(label: str, value, *, integer: bool = False, least: float = 0, allow
     if value is None and allow_none:
         return
     kind = int if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kind) or (not integer and not math.isfinite(value)) or value < least:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, kind)
+        or (not integer and not math.isfinite(value))
+        or value < least
+    ):
         what = "an integer" if integer else "a finite number"
         raise ParityError(f"{label} must be {what} >= {least:g}, got {value!r}")
 
@@ -122,27 +129,43 @@ class CheckOptions:
         if self.exact is not None and not isinstance(self.exact, bool):
             raise ParityError(f"exact must be True, False or None, got {self.exact!r}")
         if not isinstance(self.tolerances, Mapping):
-            raise ParityError(f"tolerances must map node patterns to (atol, rtol), got {type(self.tolerances).__name__}")
+            raise ParityError(
+                f"tolerances must map node patterns to (atol, rtol), got {type(self.tolerances).__name__}"
+            )
         for pattern, tol in self.tolerances.items():
-            if not (isinstance(tol, (tuple, list)) and len(tol) == 2
-                    and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
-                            for v in tol)):
+            if not (
+                isinstance(tol, (tuple, list))
+                and len(tol) == 2
+                and all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0 for v in tol
+                )
+            ):
                 raise ParityError(f"tolerances[{pattern!r}] must be (atol, rtol), finite and >= 0, got {tol!r}")
-        object.__setattr__(self, "tolerances", MappingProxyType({p: (float(a), float(r)) for p, (a, r) in self.tolerances.items()}))
+        object.__setattr__(
+            self, "tolerances", MappingProxyType({p: (float(a), float(r)) for p, (a, r) in self.tolerances.items()})
+        )
         if self.calibrate and (self.atol is not None or self.rtol is not None):
-            raise ParityError("calibrate sets each node's atol (rtol 0); drop atol/rtol, or override nodes with tolerances=")
+            raise ParityError(
+                "calibrate sets each node's atol (rtol 0); drop atol/rtol, or override nodes with tolerances="
+            )
         if self.exact and (self.atol is not None or self.rtol is not None or self.calibrate):
             raise ParityError("exact sets atol = rtol = 0 on every node; drop atol/rtol/calibrate")
         if isinstance(self.decode, str):
             object.__setattr__(self, "decode", DecodePlan.parse(self.decode))
         if self.decode is not None:
             if not isinstance(self.decode, DecodePlan):
-                raise ParityError(f"decode must be a DecodePlan or PREFILL[:CHUNK]xSTEPS, got {type(self.decode).__name__}")
+                raise ParityError(
+                    f"decode must be a DecodePlan or PREFILL[:CHUNK]xSTEPS, got {type(self.decode).__name__}"
+                )
             if self.mode != "chained" or self.calibrate:
-                raise ParityError("a decode check runs chained, with fixed tolerances (no isolated mode, no calibration)")
+                raise ParityError(
+                    "a decode check runs chained, with fixed tolerances (no isolated mode, no calibration)"
+                )
             if self.seq_len is not None and self.seq_len != self.decode.prefill:
-                raise ParityError(f"seq_len {self.seq_len} and the decode plan's prefill {self.decode.prefill} disagree: "
-                                  "the prefill is the prompt")
+                raise ParityError(
+                    f"seq_len {self.seq_len} and the decode plan's prefill {self.decode.prefill} disagree: "
+                    "the prefill is the prompt"
+                )
             object.__setattr__(self, "seq_len", self.decode.prefill)  # the prompt is the prefill
 
     @classmethod
@@ -152,8 +175,10 @@ class CheckOptions:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(changes) - known)
         if unknown:
-            raise ParityError(f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
-                              f"the options are {', '.join(sorted(known))}")
+            raise ParityError(
+                f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+                f"the options are {', '.join(sorted(known))}"
+            )
         base = options if options is not None else cls()
         if not isinstance(base, CheckOptions):
             raise ParityError(f"options must be a parity.CheckOptions, got {type(base).__name__}")

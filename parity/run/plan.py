@@ -62,13 +62,20 @@ def run_inputs(pair: Pair, options: CheckOptions, input_ids=None, attention_mask
     left_pad = options.left_pad
     if input_ids is None:
         input_ids = pair.make_inputs(options.seq_len, options.batch_size)
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.uint8,
+    ):
         got = f"{input_ids.dtype} tensor" if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
         raise ParityError(f"input_ids must be an integer tensor of token ids (batch, seq), got a {got}")
     if input_ids.dim() != 2:
         raise ParityError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
     if int(input_ids.min()) < 0 or int(input_ids.max()) >= pair.vocab_size:
-        raise ParityError(f"input_ids must lie in [0, {pair.vocab_size}), got [{int(input_ids.min())}, {int(input_ids.max())}]")
+        raise ParityError(
+            f"input_ids must lie in [0, {pair.vocab_size}), got [{int(input_ids.min())}, {int(input_ids.max())}]"
+        )
     swapped = [t for t in pair.facts.placeholder_tokens if bool((input_ids == t).any())]
     if swapped:
         raise ParityError(
@@ -160,7 +167,10 @@ def plan(pair: Pair, options: CheckOptions | None = None, input_ids=None, attent
         position_ids=generation_positions(attention_mask, batch, seq),
         options=options,
         tolerances=options.tolerance_rule(pair.dtype, options.resolved_exact(pair.exact)),
-        notes=tuple(pair.notes) + tuple(window_notes(pair, seq)) + tuple(chunk_notes(pair, seq)) + tuple(position_notes(pair, seq)),
+        notes=tuple(pair.notes)
+        + tuple(window_notes(pair, seq))
+        + tuple(chunk_notes(pair, seq))
+        + tuple(position_notes(pair, seq)),
     )
 
 
@@ -182,7 +192,13 @@ def _require_room(pair: Pair, batch: int, seq: int, trace_memory: int | None, ca
     if calibrate:  # a float64 copy of the reference runs too
         memory += weight_bytes(pair) * 8 // size + check_footprint(pair.facts, batch, seq, 8, trace_memory).memory
     advice = "use a shorter --seq-len, a smaller --batch or fewer layers"
-    require(memory, f"tracing {batch} x {seq} tokens" + (" (and a float64 copy to calibrate)" if calibrate else ""),
-            advice + (" (or a smaller --trace-memory)" if trace_memory and trace_memory > GIB else ""))
-    require_disk(need.disk, f"spilling the traces of {batch} x {seq} tokens past --trace-memory",
-                 f"{advice}, or point TMPDIR to a larger disk")
+    require(
+        memory,
+        f"tracing {batch} x {seq} tokens" + (" (and a float64 copy to calibrate)" if calibrate else ""),
+        advice + (" (or a smaller --trace-memory)" if trace_memory and trace_memory > GIB else ""),
+    )
+    require_disk(
+        need.disk,
+        f"spilling the traces of {batch} x {seq} tokens past --trace-memory",
+        f"{advice}, or point TMPDIR to a larger disk",
+    )

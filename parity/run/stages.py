@@ -33,8 +33,19 @@ from parity.util.resources import GIB, available_bytes, require
 
 #: node kinds whose module input (and weight) is kept for diagnosis (norm placement, norm kind, transposes)
 DIAGNOSIS_INPUT_KINDS = (
-    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "norm", "layernorm",
-    "c_attn", "c_proj", "c_fc", "ln_",  # GPT-2's Conv1D projections and LayerNorms
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "norm",
+    "layernorm",
+    "c_attn",
+    "c_proj",
+    "c_fc",
+    "ln_",  # GPT-2's Conv1D projections and LayerNorms
 )
 #: node kinds of ours the diagnosis of a later node of the same attention reads (softmax temperature
 #: needs q and k to agree); everything else of ours is dropped once compared
@@ -45,7 +56,9 @@ CALIBRATION_FLOOR = {torch.float32: 1e-6, torch.bfloat16: 1e-3, torch.float16: 1
 
 
 def diagnosis_inputs(pair: Pair) -> frozenset[str]:
-    return frozenset(n.name for n in pair.nodes if any(k in n.kind for k in DIAGNOSIS_INPUT_KINDS) and "@" not in n.kind)
+    return frozenset(
+        n.name for n in pair.nodes if any(k in n.kind for k in DIAGNOSIS_INPUT_KINDS) and "@" not in n.kind
+    )
 
 
 def device_of(model) -> torch.device:
@@ -77,16 +90,31 @@ def trace_reference(pair: Pair, run: Run, model=None, sink=None, into: Trace | N
     device = device_of(model)
     # no_grad, not inference_mode: tensors keep their version counters (an unchanged tensor recorded
     # twice is stored once, an in-place edit is seen)
-    with torch.no_grad(), recording(
-        model, points, transforms=views, captured=captured, keep_inputs=keep, module_stack=kernels, into=trace,
+    with (
+        torch.no_grad(),
+        recording(
+            model,
+            points,
+            transforms=views,
+            captured=captured,
+            keep_inputs=keep,
+            module_stack=kernels,
+            into=trace,
+        ),
     ):
         try:
-            model(input_ids=on_device(device, run.input_ids), attention_mask=on_device(device, run.attention_mask),
-                  position_ids=on_device(device, run.position_ids), use_cache=False)
+            model(
+                input_ids=on_device(device, run.input_ids),
+                attention_mask=on_device(device, run.attention_mask),
+                position_ids=on_device(device, run.position_ids),
+                use_cache=False,
+            )
         except (RuntimeError, ValueError, TypeError, IndexError, AttributeError) as e:
             trace.close()
             reason = " ".join(str(e).split()) or type(e).__name__
-            raise ParityError(f"the reference ({type(model).__name__}) cannot run this config: {reason[:300]}") from None
+            raise ParityError(
+                f"the reference ({type(model).__name__}) cannot run this config: {reason[:300]}"
+            ) from None
     return trace
 
 
@@ -102,8 +130,14 @@ def untapped_nodes(pair: Pair) -> frozenset[str]:
     return frozenset(n.name for n in pair.nodes if n.ours.startswith(("tap:", "unaligned:")))
 
 
-def trace_ours(pair: Pair, run: Run, substitute: Trace | None = None, *, reference: Trace | None = None,
-               tolerances: Tolerances | None = None) -> Trace:
+def trace_ours(
+    pair: Pair,
+    run: Run,
+    substitute: Trace | None = None,
+    *,
+    reference: Trace | None = None,
+    tolerances: Tolerances | None = None,
+) -> Trace:
     """Run our model; with ``substitute`` (isolated mode) every node continues from the reference's tensor.
 
     With ``reference`` (the reference's trace), every node is compared as ours produces it
@@ -115,7 +149,7 @@ def trace_ours(pair: Pair, run: Run, substitute: Trace | None = None, *, referen
     points = [(n.name, n.ours) for n in pair.nodes if not n.ours.startswith(("tap:", "unaligned:"))]
     transforms = {n.name: n.transform for n in pair.nodes if n.transform is not None}
     inverses = {n.name: n.inverse for n in pair.nodes if n.inverse is not None}
-    taps = {path[len("tap:"):]: name for path, name in tapped.items()}
+    taps = {path[len("tap:") :]: name for path, name in tapped.items()}
     device = device_of(pair.ours)
     kwargs = {}
     if run.attention_mask is not None:
@@ -126,12 +160,27 @@ def trace_ours(pair: Pair, run: Run, substitute: Trace | None = None, *, referen
     stream = None
     if reference is not None:
         output = pair.output_node
-        stream = NodeStream(pair.nodes, reference, tolerances or run.tolerances, untapped_nodes(pair), DIAGNOSIS_CONTEXT_KINDS,
-                            watch={output: logits_effect} if output is not None else None)
+        stream = NodeStream(
+            pair.nodes,
+            reference,
+            tolerances or run.tolerances,
+            untapped_nodes(pair),
+            DIAGNOSIS_CONTEXT_KINDS,
+            watch={output: logits_effect} if output is not None else None,
+        )
         stream.attach(trace)
-    with torch.no_grad(), recording(
-        pair.ours, points, transforms=transforms, substitute=substitute, inverses=inverses,
-        keep_inputs=diagnosis_inputs(pair), taps=taps, into=trace,
+    with (
+        torch.no_grad(),
+        recording(
+            pair.ours,
+            points,
+            transforms=transforms,
+            substitute=substitute,
+            inverses=inverses,
+            keep_inputs=diagnosis_inputs(pair),
+            taps=taps,
+            into=trace,
+        ),
     ):
         pair.ours(on_device(device, run.input_ids), **kwargs)
     if stream is not None:
@@ -169,8 +218,9 @@ def reference_noise(pair: Pair, run: Run, ref_trace: Trace) -> dict[str, float]:
     return {name: noise[name] for name in ref_trace.tensors if name in noise}
 
 
-def calibrate_tolerances(pair: Pair, run: Run, ref_trace: Trace, safety: float = SAFETY_FACTOR,
-                         noise: dict[str, float] | None = None) -> dict:
+def calibrate_tolerances(
+    pair: Pair, run: Run, ref_trace: Trace, safety: float = SAFETY_FACTOR, noise: dict[str, float] | None = None
+) -> dict:
     """Per-node ``(atol, 0.0)``: ``safety`` times the reference's own error against itself in float64
     (:func:`reference_noise`), floored (:data:`CALIBRATION_FLOOR`) so that an exactly representable
     node does not demand bit-exactness."""
@@ -196,7 +246,9 @@ def compare_run(pair: Pair, run: Run, ours: Trace, ref: Trace, tolerances: Toler
     bad = first_mismatch(results)
     if bad is not None and undiagnosed(bad) is None:
         spec = next((n for n in pair.nodes if n.name == bad.name), None)
-        results[bad.index] = replace(bad, hint=diagnose(bad, ours, ref, pair.facts, run.position_ids, run.attention_mask, spec))
+        results[bad.index] = replace(
+            bad, hint=diagnose(bad, ours, ref, pair.facts, run.position_ids, run.attention_mask, spec)
+        )
     return results
 
 
@@ -214,8 +266,10 @@ def undiagnosed(bad: NodeResult) -> str | None:
     need = math.prod(shape) * 8 * _DIAGNOSIS_COPIES
     if need <= RESOURCE_BUDGET * available:
         return None
-    return (f"{bad.name} was not diagnosed (no hint): its detectors would need about {need / GIB:.1f} GiB and "
-            f"{available / GIB:.1f} GiB are available; its metrics, error profile and logits effect stand")
+    return (
+        f"{bad.name} was not diagnosed (no hint): its detectors would need about {need / GIB:.1f} GiB and "
+        f"{available / GIB:.1f} GiB are available; its metrics, error profile and logits effect stand"
+    )
 
 
 def undiagnosed_note(results: list[NodeResult]) -> str | None:
@@ -278,9 +332,13 @@ def analyse(pair: Pair, nodes: list[NodeResult], ours: Trace | None, ref: Trace)
     output = pair.output_node
     if output is not None and output in ours.watched:  # computed while ours ran (a NodeStream)
         logits = {"node": output, **ours.watched[output]}
-    elif (output is not None and output in ours.tensors and output in ref.tensors
-          and ours.tensors[output].shape == ref.tensors[output].shape):
-            logits = {"node": output, **logits_effect(ours.tensors[output], ref.tensors[output])}
+    elif (
+        output is not None
+        and output in ours.tensors
+        and output in ref.tensors
+        and ours.tensors[output].shape == ref.tensors[output].shape
+    ):
+        logits = {"node": output, **logits_effect(ours.tensors[output], ref.tensors[output])}
     return profile, logits
 
 
@@ -315,7 +373,10 @@ def run_meta(pair: Pair, run: Run, diffs: list[dict], seconds: float) -> dict:
         # the Transformers class compared against (a multimodal checkpoint: ...ForConditionalGeneration)
         "reference_class": f"{type(pair.reference).__module__}.{type(pair.reference).__qualname__}",
         "aligned": bool(pair.alignment),
-        "probe": pair.source.probe + (f"; inputs: seeded random token ids, {int(run.input_ids.shape[0])} x {int(run.input_ids.shape[1])}"
-                               + (", left-padded, positions from the mask" if run.attention_mask is not None else "")),
+        "probe": pair.source.probe
+        + (
+            f"; inputs: seeded random token ids, {int(run.input_ids.shape[0])} x {int(run.input_ids.shape[1])}"
+            + (", left-padded, positions from the mask" if run.attention_mask is not None else "")
+        ),
         "cfg": {k: str(v) if isinstance(v, torch.dtype) else v for k, v in pair.source.cfg.items()},
     }

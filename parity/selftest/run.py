@@ -42,7 +42,9 @@ def run_fault(family: Family, fault: Fault) -> SelftestRow:
     if chained is None or chained.name != fault.expected:
         problems.append(f"chained: expected {fault.expected}, found {chained.name if chained else 'no mismatch'}")
     if not decode and (isolated is None or isolated.name != fault.isolated_expected):
-        problems.append(f"isolated: expected {fault.isolated_expected}, found {isolated.name if isolated else 'no mismatch'}")
+        problems.append(
+            f"isolated: expected {fault.isolated_expected}, found {isolated.name if isolated else 'no mismatch'}"
+        )
     outside = [n for n in failing if not in_scope(n, fault.isolated_scope)]
     if outside:
         problems.append(f"isolated: {len(outside)} failing nodes outside {fault.isolated_scope}, first {outside[0]}")
@@ -50,5 +52,12 @@ def run_fault(family: Family, fault: Fault) -> SelftestRow:
     kind = hint.kind if hint is not None else None
     if kind != fault.hint:
         problems.append(f"hint kind: expected {fault.hint}, found {kind or 'no hint'}")
-    return SelftestRow(fault, chained.name if chained else None, isolated.name if isolated else None, failing,
-                       hint.text if hint is not None else "", kind, problems)
+    return SelftestRow(
+        fault,
+        chained.name if chained else None,
+        isolated.name if isolated else None,
+        failing,
+        hint.text if hint is not None else "",
+        kind,
+        problems,
+    )

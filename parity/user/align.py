@@ -97,7 +97,9 @@ class Layout:
     def with_layout(self, layout: str) -> Layout:
         """This layout with the tap's declared ``layout``; raises ParityError for an unknown one."""
         if layout not in LAYOUTS:
-            raise ParityError(f"parity.tap(..., {self.kind!r}, layout={layout!r}): layout must be one of {', '.join(LAYOUTS)}")
+            raise ParityError(
+                f"parity.tap(..., {self.kind!r}, layout={layout!r}): layout must be one of {', '.join(LAYOUTS)}"
+            )
         return replace(self, declared=layout)
 
     def _steps(self, t: torch.Tensor) -> tuple[bool, str]:
@@ -301,8 +303,12 @@ class _Aligner:
             our_path = self.container(base)
             if our_path is not None:
                 ours = our_path + ("@input" if is_input else "")
-                return replace(spec, ours=ours), Aligned(name, ours, "input" if is_input else "container",
-                                                         f"common ancestor of the modules aligned under {base}")
+                return replace(spec, ours=ours), Aligned(
+                    name,
+                    ours,
+                    "input" if is_input else "container",
+                    f"common ancestor of the modules aligned under {base}",
+                )
         return self._unaligned(spec, self.why.get(base, f"{base} is not a module of the reference"))
 
     @staticmethod

@@ -77,18 +77,32 @@ def build_ours(ours, ref: Reference) -> nn.Module:
         except Exception as e:
             raise ParityError(f"build {name}(state_dict, hf_config) raised {type(e).__name__}: {one_line(e)}") from None
         if not isinstance(model, nn.Module):
-            raise ParityError(f"build {name}(state_dict, hf_config) returned {type(model).__name__}, not a torch.nn.Module")
+            raise ParityError(
+                f"build {name}(state_dict, hf_config) returned {type(model).__name__}, not a torch.nn.Module"
+            )
     else:
-        raise ParityError(f"ours must be a build(state_dict, hf_config) callable or an nn.Module, got {type(ours).__name__}")
+        raise ParityError(
+            f"ours must be a build(state_dict, hf_config) callable or an nn.Module, got {type(ours).__name__}"
+        )
     meta = [n for n, p in model.named_parameters() if p.is_meta]
     if meta:
-        raise ParityError(f"your model still has {len(meta)} parameter(s) on the meta device ({', '.join(meta[:3])}): load them")
+        raise ParityError(
+            f"your model still has {len(meta)} parameter(s) on the meta device ({', '.join(meta[:3])}): load them"
+        )
     return model.eval()
 
 
-def build_user_pair(ours, reference="olmo3", *, dtype: torch.dtype = torch.float32, seed: int = 0,
-                    node_map: dict[str, str] | None = None, cache_protocol=None, device=None,
-                    device_map: str | None = None) -> Pair:
+def build_user_pair(
+    ours,
+    reference="olmo3",
+    *,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    node_map: dict[str, str] | None = None,
+    cache_protocol=None,
+    device=None,
+    device_map: str | None = None,
+) -> Pair:
     """The Pair of a user's model and the reference, nodes aligned by shared weights. Raises
     ParityError for bad input (see :func:`check_model`)."""
     placement = Placement.of(device, device_map)
@@ -102,11 +116,18 @@ def build_user_pair(ours, reference="olmo3", *, dtype: torch.dtype = torch.float
         model = placement.dispatch(model)
     coverage = loader_coverage(model, ref.state_dict, ref.tied_keys, ref.conversions, by_design=ref.by_design)
     if coverage.unused:
-        shown = ", ".join(coverage.unused[:4]) + (f", ... ({len(coverage.unused)} in all)" if len(coverage.unused) > 4 else "")
+        shown = ", ".join(coverage.unused[:4]) + (
+            f", ... ({len(coverage.unused)} in all)" if len(coverage.unused) > 4 else ""
+        )
         raise ParityError(f"your model holds no copy of reference tensor(s) {shown}: build() left them unused")
     nodes, _ = reference_nodes(ref.model, ref.facts)
-    probe = Pair(ours=model, reference=ref.model, nodes=nodes, facts=ref.facts,
-                 source=PairSource(family=family, config_name=ref.config_name))
+    probe = Pair(
+        ours=model,
+        reference=ref.model,
+        nodes=nodes,
+        facts=ref.facts,
+        source=PairSource(family=family, config_name=ref.config_name),
+    )
     specs, rows = align(ref.model, model, probe.nodes, coverage, ref.state_dict, ref.facts, node_map)
     if not any(r.ours is not None and not r.ours.startswith("tap:") for r in rows):
         reasons = "; ".join(f"{r.node}: {r.detail}" for r in rows[:3])
@@ -118,12 +139,25 @@ def build_user_pair(ours, reference="olmo3", *, dtype: torch.dtype = torch.float
         facts=ref.facts,
         dtype=dtype,
         source=PairSource(
-            family=family, config_name=ref.config_name, seed=seed, checkpoint=ref.checkpoint,
-            checkpoint_hash=ref.checkpoint_hash, device=placement.label,
-            **({"probe": f"the weights of {ref.config_name}"} if ref.checkpoint or isinstance(reference, torch.nn.Module) else {}),
+            family=family,
+            config_name=ref.config_name,
+            seed=seed,
+            checkpoint=ref.checkpoint,
+            checkpoint_hash=ref.checkpoint_hash,
+            device=placement.label,
+            **(
+                {"probe": f"the weights of {ref.config_name}"}
+                if ref.checkpoint or isinstance(reference, torch.nn.Module)
+                else {}
+            ),
         ),
-        loading=Loading(state_dict=ref.state_dict, conversions=ref.conversions, tied_keys=ref.tied_keys,
-                        by_design=ref.by_design, coverage=coverage),
+        loading=Loading(
+            state_dict=ref.state_dict,
+            conversions=ref.conversions,
+            tied_keys=ref.tied_keys,
+            by_design=ref.by_design,
+            coverage=coverage,
+        ),
         default_seq_len=default_seq_len(ref.facts),
         alignment=rows,
         cache_protocol=cache_protocol,
@@ -171,8 +205,16 @@ def check_model(
             be aligned; a bad reference or bad check arguments (see :func:`parity.check`).
     """
     options = CheckOptions.of(options, **option_values)  # bad options fail before anything is built
-    pair = build_user_pair(ours, reference, dtype=dtype, seed=seed, node_map=node_map, cache_protocol=cache_protocol,
-                           device=device, device_map=device_map)
+    pair = build_user_pair(
+        ours,
+        reference,
+        dtype=dtype,
+        seed=seed,
+        node_map=node_map,
+        cache_protocol=cache_protocol,
+        device=device,
+        device_map=device_map,
+    )
     return check(pair, input_ids, attention_mask=attention_mask, options=options)
 
 

@@ -70,7 +70,7 @@ def short_name(name: str, limit: int = MAX_NAME) -> str:
     digest = hashlib.sha256(name.encode()).hexdigest()[:8]
     keep = limit - len(digest) - 2
     head, tail = keep - keep // 3, keep // 3
-    return f"{name[:head]}~{digest}~{name[len(name) - tail:]}"
+    return f"{name[:head]}~{digest}~{name[len(name) - tail :]}"
 
 
 def _limits(path: Path) -> tuple[int, int]:

@@ -129,14 +129,21 @@ class GroupedQueryAttention(nn.Module):
         if qk_norm_heads_first and qk_norm != "head":
             raise ValueError("qk_norm_heads_first is a layout of the per-head Q/K norm (qk_norm='head')")
         if kv_shared and (k_eq_v or keep_kv):
-            raise ValueError("a kv_shared layer computes no keys or values (k_eq_v and keep_kv describe those it computes)")
+            raise ValueError(
+                "a kv_shared layer computes no keys or values (k_eq_v and keep_kv describe those it computes)"
+            )
         if fused_qkv and (output_gate or k_eq_v or kv_shared):
             raise ValueError("fused_qkv with an output gate, K = V or shared K/V: no reference model does this")
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.group_size = n_heads // n_kv_heads
         self.scale = head_dim**-0.5 if scale is None else scale
         self.softcap, self.qk_norm, self.output_gate = softcap, qk_norm, output_gate
-        self.qk_norm_heads_first, self.k_eq_v, self.kv_shared, self.keep_kv = qk_norm_heads_first, k_eq_v, kv_shared, keep_kv
+        self.qk_norm_heads_first, self.k_eq_v, self.kv_shared, self.keep_kv = (
+            qk_norm_heads_first,
+            k_eq_v,
+            kv_shared,
+            keep_kv,
+        )
         self.sliding_window = sliding_window
         self.interleaved_rope, self.rotate_in_float32 = interleaved_rope, rotate_in_float32
         self.softmax_in_activation_dtype = softmax_in_activation_dtype

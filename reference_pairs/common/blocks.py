@@ -66,7 +66,9 @@ class SandwichBlock(nn.Module):
         self.pre_feedforward_layernorm, self.ff, self.post_feedforward_layernorm = norm(), ff, norm()
 
     def forward(self, x: torch.Tensor, cos=None, sin=None, padding_mask=None, cache=None, **att_kwargs) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.att(self.input_layernorm(x), cos, sin, padding_mask, cache, **att_kwargs))
+        x = x + self.post_attention_layernorm(
+            self.att(self.input_layernorm(x), cos, sin, padding_mask, cache, **att_kwargs)
+        )
         x = x + self.post_feedforward_layernorm(self.ff(self.pre_feedforward_layernorm(x)))
         return x
 

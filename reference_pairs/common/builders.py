@@ -18,7 +18,9 @@ def pair_builder(family: Family) -> Callable[..., Pair]:
     """``build_pair(config=None, checkpoint=None, dtype=torch.float32, seed=0, **overrides)`` for
     ``family``: :func:`parity.build.build_pair` with the family bound."""
 
-    def build_pair(config=None, checkpoint=None, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides) -> Pair:
+    def build_pair(
+        config=None, checkpoint=None, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides
+    ) -> Pair:
         return build_any_pair(family, config, checkpoint, dtype, seed, **overrides)
 
     build_pair.__doc__ = (
@@ -30,7 +32,9 @@ def pair_builder(family: Family) -> Callable[..., Pair]:
     return build_pair
 
 
-def table_loader(name: str, table: Mapping[str, object]) -> Callable[[nn.Module, dict, Mapping[str, torch.Tensor]], dict[str, str]]:
+def table_loader(
+    name: str, table: Mapping[str, object]
+) -> Callable[[nn.Module, dict, Mapping[str, torch.Tensor]], dict[str, str]]:
     """``load_weights_into_<name>(model, cfg, state_dict) -> {checkpoint key: our parameter path}``:
     the weight ``table`` applied by :func:`parity.model.weights.apply_weight_table` (tensors assigned
     without copying, a tied head kept tied). Raises LoaderError naming every missing, unused or

@@ -51,7 +51,7 @@ class CacheLayer:
         (an overridable method: a fault injection replaces it)."""
         if self.window is not None:
             n = min(keys.shape[-2], self.window - 1)
-            keys, values = keys[:, :, keys.shape[-2] - n:], values[:, :, values.shape[-2] - n:]
+            keys, values = keys[:, :, keys.shape[-2] - n :], values[:, :, values.shape[-2] - n :]
         self.keys, self.values = keys, values
 
 
@@ -80,7 +80,9 @@ class KVCache:
 
     def __init__(self, windows, layer_types=None):
         layer_types = list(layer_types) if layer_types is not None else [None] * len(windows)
-        self.layers = [LinearAttentionCacheLayer() if t == LINEAR else CacheLayer(w) for w, t in zip(windows, layer_types)]
+        self.layers = [
+            LinearAttentionCacheLayer() if t == LINEAR else CacheLayer(w) for w, t in zip(windows, layer_types)
+        ]
 
     @property
     def seen(self) -> int:

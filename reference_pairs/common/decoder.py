@@ -125,8 +125,10 @@ class DecoderModel(nn.Module):
     def new_cache(self) -> KVCache:
         """An empty cache for this model, a layer per block by its layer type: keys and values (with the
         window of its attention), or a linear-attention layer's state."""
-        return KVCache([getattr(block.att, "sliding_window", None) for block in self.blocks],
-                       [block.layer_type for block in self.blocks])
+        return KVCache(
+            [getattr(block.att, "sliding_window", None) for block in self.blocks],
+            [block.layer_type for block in self.blocks],
+        )
 
     def forward(
         self,

@@ -92,23 +92,46 @@ LEFT_PADDED = (("batch_size", 3), ("left_pad", 5))
 def f07_repeat_kv(attention: str, config: str = "tiny", layer: int | str = 0, scope: str = "*") -> Fault:
     """F07: K/V heads tiled instead of repeat-interleaved, first seen at ``attention``'s ``scores``
     (``attention`` a template with ``{}`` for the layer: ``model.layers.{}.self_attn``)."""
-    return Fault("F07", "K/V heads expanded with repeat instead of repeat_interleave", config, expand_kv_with_repeat,
-                 f"{attention.format(layer)}.scores", "head_mapping", scope=attention.format(scope), source="onnx #7274")
+    return Fault(
+        "F07",
+        "K/V heads expanded with repeat instead of repeat_interleave",
+        config,
+        expand_kv_with_repeat,
+        f"{attention.format(layer)}.scores",
+        "head_mapping",
+        scope=attention.format(scope),
+        source="onnx #7274",
+    )
 
 
 def f08_untied_head(config: str = "tiny", why: str = "") -> Fault:
     """F08: the output head its own Parameter, never loaded or tied (``why``: what the family's real
     models do, said in the description)."""
-    return Fault("F08", "output head its own Parameter, never loaded or tied" + (f" ({why})" if why else ""), config,
-                 untie_head, "lm_head", "untied_head", source="tinygrad #13796")
+    return Fault(
+        "F08",
+        "output head its own Parameter, never loaded or tied" + (f" ({why})" if why else ""),
+        config,
+        untie_head,
+        "lm_head",
+        "untied_head",
+        source="tinygrad #13796",
+    )
 
 
 def f10_masked_neg_inf(attention: str, config: str = "tiny", layer: int | str = 0, scope: str = "*") -> Fault:
     """F10: masked scores filled with -inf, so a left-padded row with no real key gives NaN at
     ``attention``'s ``probs`` (a padded batch)."""
-    return Fault("F10", "masked scores filled with -inf: fully masked (left-pad) query rows give NaN", config,
-                 mask_with_neg_inf, f"{attention.format(layer)}.probs", "nonfinite", scope=f"{attention.format(scope)}.probs",
-                 source="unsloth #9848", check_kwargs=LEFT_PADDED)
+    return Fault(
+        "F10",
+        "masked scores filled with -inf: fully masked (left-pad) query rows give NaN",
+        config,
+        mask_with_neg_inf,
+        f"{attention.format(layer)}.probs",
+        "nonfinite",
+        scope=f"{attention.format(scope)}.probs",
+        source="unsloth #9848",
+        check_kwargs=LEFT_PADDED,
+    )
 
 
 # --- KV-cache faults (decode checks) ----------------------------------------------------------------

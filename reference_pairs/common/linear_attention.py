@@ -102,8 +102,13 @@ class CausalConv1d(nn.Module):
 
 
 def chunk_gated_delta_rule(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    chunk_size: int = CHUNK_SIZE, state: torch.Tensor | None = None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    chunk_size: int = CHUNK_SIZE,
+    state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule over a sequence, ``chunk_size`` tokens at a time.
 
@@ -154,7 +159,11 @@ def chunk_gated_delta_rule(
 
 
 def recurrent_gated_delta_rule(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
     state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule token by token, as the module docstring writes it (decode steps).
@@ -189,8 +198,18 @@ class GatedDeltaNet(nn.Module):
     """
 
     def __init__(
-        self, d_in: int, n_k_heads: int, n_v_heads: int, d_k: int, d_v: int, kernel_size: int, *,
-        eps: float = 1e-6, activation: str = "silu", chunk_size: int = CHUNK_SIZE, dtype: torch.dtype | None = None,
+        self,
+        d_in: int,
+        n_k_heads: int,
+        n_v_heads: int,
+        d_k: int,
+        d_v: int,
+        kernel_size: int,
+        *,
+        eps: float = 1e-6,
+        activation: str = "silu",
+        chunk_size: int = CHUNK_SIZE,
+        dtype: torch.dtype | None = None,
     ):
         super().__init__()
         if n_v_heads % n_k_heads:
@@ -228,8 +247,15 @@ class GatedDeltaNet(nn.Module):
         return chunk_gated_delta_rule(q, k, v, g, beta, self.chunk_size, state)
 
     def forward(
-        self, x: torch.Tensor, cos=None, sin=None, padding_mask: torch.Tensor | None = None, cache=None, *,
-        state: DeltaNetState | None = None, return_state: bool = False,
+        self,
+        x: torch.Tensor,
+        cos=None,
+        sin=None,
+        padding_mask: torch.Tensor | None = None,
+        cache=None,
+        *,
+        state: DeltaNetState | None = None,
+        return_state: bool = False,
     ):
         """``x``: ``(batch, seq, d_in)``; ``cos``/``sin`` are ignored (no RoPE in this layer; a block
         passes its layer type's tables, None); ``padding_mask`` ``(batch, seq)`` (with a cache: ``(batch,
@@ -248,12 +274,14 @@ class GatedDeltaNet(nn.Module):
         """
         if cache is not None:
             if not hasattr(cache, "recurrent_state"):
-                raise ValueError(f"a Gated DeltaNet layer keeps a LinearAttentionCacheLayer, not a {type(cache).__name__}")
+                raise ValueError(
+                    f"a Gated DeltaNet layer keeps a LinearAttentionCacheLayer, not a {type(cache).__name__}"
+                )
             if state is not None:
                 raise ValueError("give a Gated DeltaNet its state through cache= or state=, not both")
             state = self.cached_state(cache)
         if padding_mask is not None:
-            x = (x * padding_mask[:, -x.shape[1]:, None]).to(x.dtype)
+            x = (x * padding_mask[:, -x.shape[1] :, None]).to(x.dtype)
         batch, seq, _ = x.shape
         mixed, conv_state = self.conv1d(self.in_proj_qkv(x).transpose(1, 2), None if state is None else state.conv)
         mixed = self.conv_out(mixed.transpose(1, 2))

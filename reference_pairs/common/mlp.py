@@ -55,8 +55,14 @@ class GatedMLP(nn.Module):
     """
 
     def __init__(
-        self, emb_dim: int, hidden_dim: int, *, activation: str = "silu", bias: bool = False,
-        fused_gate_up: bool = False, dtype: torch.dtype | None = None,
+        self,
+        emb_dim: int,
+        hidden_dim: int,
+        *,
+        activation: str = "silu",
+        bias: bool = False,
+        fused_gate_up: bool = False,
+        dtype: torch.dtype | None = None,
     ):
         super().__init__()
         self.act_name, self.act = activation, get_activation(activation)
@@ -86,7 +92,12 @@ class MLP(nn.Module):
     """
 
     def __init__(
-        self, emb_dim: int, hidden_dim: int, *, activation: str = "gelu_new", bias: bool = True,
+        self,
+        emb_dim: int,
+        hidden_dim: int,
+        *,
+        activation: str = "gelu_new",
+        bias: bool = True,
         dtype: torch.dtype | None = None,
     ):
         super().__init__()
@@ -99,4 +110,3 @@ class MLP(nn.Module):
 
     def extra_repr(self) -> str:
         return f"activation={self.act_name}"
-

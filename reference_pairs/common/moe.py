@@ -81,8 +81,15 @@ class SparseMoE(nn.Module):
     (``Qwen3MoeSparseMoeBlock``). ``hidden_dim`` is each expert's width (``moe_intermediate_size``)."""
 
     def __init__(
-        self, emb_dim: int, hidden_dim: int, n_experts: int, top_k: int, *, norm_topk_prob: bool,
-        activation: str = "silu", dtype: torch.dtype | None = None,
+        self,
+        emb_dim: int,
+        hidden_dim: int,
+        n_experts: int,
+        top_k: int,
+        *,
+        norm_topk_prob: bool,
+        activation: str = "silu",
+        dtype: torch.dtype | None = None,
     ):
         super().__init__()
         if not 1 <= top_k <= n_experts:
@@ -90,7 +97,8 @@ class SparseMoE(nn.Module):
         self.gate = nn.Linear(emb_dim, n_experts, bias=False, dtype=dtype)
         self.router = TopKRouter(top_k, norm_topk_prob)
         self.experts = Experts(
-            Expert(emb_dim, hidden_dim, activation=activation, fused_gate_up=True, dtype=dtype) for _ in range(n_experts)
+            Expert(emb_dim, hidden_dim, activation=activation, fused_gate_up=True, dtype=dtype)
+            for _ in range(n_experts)
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

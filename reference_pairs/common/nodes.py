@@ -49,8 +49,19 @@ FINAL = [("model.norm", "final_norm"), ("lm_head", "out_head")]
 GATED_DELTANET = [
     (f"model.layers.{{i}}.linear_attn.{name}", f"blocks.{{i}}.att.{name}")
     for name in (
-        "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv_out", "beta", "g", "q_l2norm", "k_l2norm",
-        "delta_out", "recurrent_state", "norm", "out_proj",
+        "in_proj_qkv",
+        "in_proj_z",
+        "in_proj_b",
+        "in_proj_a",
+        "conv_out",
+        "beta",
+        "g",
+        "q_l2norm",
+        "k_l2norm",
+        "delta_out",
+        "recurrent_state",
+        "norm",
+        "out_proj",
     )
 ]
 #: :class:`~reference_pairs.common.moe.SparseMoE`, on the layers whose feed-forward is a mixture of
@@ -61,10 +72,21 @@ GATED_DELTANET = [
 #: :mod:`parity.record.hf_capture`), ``mlp.experts`` the weighted sum.
 MOE = [
     Node("model.layers.{i}.mlp.gate", "blocks.{i}.ff.gate", sparse=True),
-    Node("model.layers.{i}.mlp.router.experts", "blocks.{i}.ff.router.experts", reference="model.layers.{i}.mlp.gate#2",
-         kind="router.experts", sparse=True, chosen_from="model.layers.{i}.mlp.gate"),
-    Node("model.layers.{i}.mlp.router.weights", "blocks.{i}.ff.router.weights", reference="model.layers.{i}.mlp.gate#1",
-         kind="router.weights", sparse=True),
+    Node(
+        "model.layers.{i}.mlp.router.experts",
+        "blocks.{i}.ff.router.experts",
+        reference="model.layers.{i}.mlp.gate#2",
+        kind="router.experts",
+        sparse=True,
+        chosen_from="model.layers.{i}.mlp.gate",
+    ),
+    Node(
+        "model.layers.{i}.mlp.router.weights",
+        "blocks.{i}.ff.router.weights",
+        reference="model.layers.{i}.mlp.gate#1",
+        kind="router.weights",
+        sparse=True,
+    ),
     Node("model.layers.{i}.mlp.experts.{e}", "blocks.{i}.ff.experts.{e}", kind="expert", sparse=True),
     Node("model.layers.{i}.mlp.experts", "blocks.{i}.ff.experts", kind="experts", sparse=True),
 ]

@@ -35,8 +35,14 @@ class RMSNorm(nn.Module):
     """
 
     def __init__(
-        self, dim: int, eps: float = 1e-6, *, unit_offset: bool = False, cast_first: bool = False,
-        weight: bool = True, dtype: torch.dtype | None = None,
+        self,
+        dim: int,
+        eps: float = 1e-6,
+        *,
+        unit_offset: bool = False,
+        cast_first: bool = False,
+        weight: bool = True,
+        dtype: torch.dtype | None = None,
     ):
         super().__init__()
         if unit_offset and cast_first:

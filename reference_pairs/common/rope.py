@@ -30,11 +30,22 @@ ROPE_KEYS = {
     "default": {"partial_rotary_factor"},
     "linear": {"factor", "partial_rotary_factor"},
     "llama3": {
-        "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings", "partial_rotary_factor",
+        "factor",
+        "low_freq_factor",
+        "high_freq_factor",
+        "original_max_position_embeddings",
+        "partial_rotary_factor",
     },
     "yarn": {
-        "factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "truncate",
-        "mscale", "mscale_all_dim", "partial_rotary_factor",
+        "factor",
+        "original_max_position_embeddings",
+        "attention_factor",
+        "beta_fast",
+        "beta_slow",
+        "truncate",
+        "mscale",
+        "mscale_all_dim",
+        "partial_rotary_factor",
     },
     "proportional": {"factor", "partial_rotary_factor"},
 }
@@ -151,9 +162,7 @@ def yarn_attention_factor(factor: float, mscale: float | None = None, mscale_all
     return g(factor)
 
 
-def rope_init(
-    params: Mapping, head_dim: int, max_position_embeddings: int | None = None
-) -> tuple[torch.Tensor, float]:
+def rope_init(params: Mapping, head_dim: int, max_position_embeddings: int | None = None) -> tuple[torch.Tensor, float]:
     """Inverse frequencies ``(rotary_dim // 2,)`` float32 and the cos/sin attention factor of one rope dict.
 
     ``params``: Transformers 5 ``rope_parameters`` of one layer type, e.g. ``{"rope_type": "yarn",

@@ -21,7 +21,12 @@ QK_NORM = {
 #: :class:`~reference_pairs.common.blocks.SandwichBlock`'s four norms, under the same names on both sides
 SANDWICH_NORMS = {
     f"model.layers.{{i}}.{name}.weight": f"blocks.{{i}}.{name}.weight"
-    for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+    for name in (
+        "input_layernorm",
+        "post_attention_layernorm",
+        "pre_feedforward_layernorm",
+        "post_feedforward_layernorm",
+    )
 }
 #: the gated feed-forward (``fc1`` gate, ``fc2`` up, ``fc3`` down)
 MLP = {
@@ -37,8 +42,15 @@ FINAL = {"model.norm.weight": "final_norm.weight", "lm_head.weight": "out_head.w
 GATED_DELTANET = {
     f"model.layers.{{i}}.linear_attn.{name}": f"blocks.{{i}}.att.{name}"
     for name in (
-        "in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight", "conv1d.weight",
-        "A_log", "dt_bias", "norm.weight", "out_proj.weight",
+        "in_proj_qkv.weight",
+        "in_proj_z.weight",
+        "in_proj_b.weight",
+        "in_proj_a.weight",
+        "conv1d.weight",
+        "A_log",
+        "dt_bias",
+        "norm.weight",
+        "out_proj.weight",
     )
 }
 #: :class:`~reference_pairs.common.moe.SparseMoE`: the router, and Transformers 5's fused 3-D experts

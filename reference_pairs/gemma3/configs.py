@@ -39,8 +39,16 @@ def tiny(n_layers: int | None = None) -> dict:
     """6 layers (5 sliding + 1 full), window 4, 4 query heads on 1 KV head (MQA, as in 270M and
     1B), head_dim 16 with query_pre_attn_scalar 24 (a scale that is not head_dim's, as in 27B)."""
     return _base(
-        vocab_size=257, context_length=4096, emb_dim=32, n_heads=4, n_kv_heads=1, n_layers=n_layers or 6,
-        hidden_dim=64, head_dim=16, query_pre_attn_scalar=24, sliding_window=4,
+        vocab_size=257,
+        context_length=4096,
+        emb_dim=32,
+        n_heads=4,
+        n_kv_heads=1,
+        n_layers=n_layers or 6,
+        hidden_dim=64,
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=4,
     )
 
 
@@ -52,14 +60,16 @@ def linear(n_layers: int | None = None) -> dict:
 
 def shape_270m(n_layers: int | None = None) -> dict:
     """Gemma 3 270M widths: emb 640, 4 query / 1 KV heads (MQA), head_dim 256, FFN 2048; ``n_layers`` default 2."""
-    return _base(emb_dim=640, n_heads=4, n_kv_heads=1, n_layers=n_layers or 2, hidden_dim=2048, head_dim=256,
-                 sliding_window=512)
+    return _base(
+        emb_dim=640, n_heads=4, n_kv_heads=1, n_layers=n_layers or 2, hidden_dim=2048, head_dim=256, sliding_window=512
+    )
 
 
 def shape_1b(n_layers: int | None = None) -> dict:
     """Gemma 3 1B widths: emb 1152, 4 query / 1 KV heads (MQA), head_dim 256, FFN 6912; ``n_layers`` default 2."""
-    return _base(emb_dim=1152, n_heads=4, n_kv_heads=1, n_layers=n_layers or 2, hidden_dim=6912, head_dim=256,
-                 sliding_window=512)
+    return _base(
+        emb_dim=1152, n_heads=4, n_kv_heads=1, n_layers=n_layers or 2, hidden_dim=6912, head_dim=256, sliding_window=512
+    )
 
 
 CONFIGS = {"tiny": tiny, "linear": linear, "270m-shape": shape_270m, "1b-shape": shape_1b}

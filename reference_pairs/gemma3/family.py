@@ -53,7 +53,9 @@ def _rope(hc, layer_type: str) -> dict:
     rope_type = params.get("rope_type", "default")
     allowed = _ROPE_KEYS[layer_type]
     if rope_type not in allowed:
-        raise ConfigError(f"rope_parameters.{layer_type}.rope_type {rope_type!r} is not supported ({', '.join(allowed)})")
+        raise ConfigError(
+            f"rope_parameters.{layer_type}.rope_type {rope_type!r} is not supported ({', '.join(allowed)})"
+        )
     if float(params.get("partial_rotary_factor", 1.0)) == 1.0:
         params.pop("partial_rotary_factor", None)
     extra = set(params) - allowed[rope_type] - {"rope_type", "rope_theta"}

@@ -54,10 +54,17 @@ def transformer_block(cfg: dict, layer_type: str) -> SandwichBlock:
     """One sandwich block; ``layer_type`` decides the window (and, through its RoPE table, the RoPE)."""
     dtype, emb_dim, norm = cfg["dtype"], cfg["emb_dim"], gemma_norm(cfg)
     att = GroupedQueryAttention(
-        emb_dim, cfg["n_heads"], cfg["n_kv_heads"], cfg["head_dim"],
-        scale=cfg["query_pre_attn_scalar"] ** -0.5, qk_norm="head", qk_norm_heads_first=True, norm=norm,
+        emb_dim,
+        cfg["n_heads"],
+        cfg["n_kv_heads"],
+        cfg["head_dim"],
+        scale=cfg["query_pre_attn_scalar"] ** -0.5,
+        qk_norm="head",
+        qk_norm_heads_first=True,
+        norm=norm,
         sliding_window=cfg["sliding_window"] if layer_type == SLIDING else None,
-        bias=cfg["attention_bias"], dtype=dtype,
+        bias=cfg["attention_bias"],
+        dtype=dtype,
     )
     ff = GatedMLP(emb_dim, cfg["hidden_dim"], activation=cfg["hidden_activation"], dtype=dtype)
     return SandwichBlock(att, ff, partial(norm, emb_dim), layer_type)
@@ -69,7 +76,9 @@ class Gemma3Model(DecoderModel):
     def __init__(self, cfg: dict):
         blocks = [transformer_block(cfg, t) for t in cfg["layer_types"]]
         final_norm = gemma_norm(cfg)(cfg["emb_dim"])
-        super().__init__(cfg, blocks, final_norm, emb_scale=cfg["emb_dim"] ** 0.5, final_softcap=cfg["final_logit_softcap"])
+        super().__init__(
+            cfg, blocks, final_norm, emb_scale=cfg["emb_dim"] ** 0.5, final_softcap=cfg["final_logit_softcap"]
+        )
 
     def rope_parameters(self) -> dict[str, dict]:
         return rope_parameters(self.cfg)

@@ -56,9 +56,21 @@ def tiny(n_layers: int | None = None) -> dict:
     on sliding and 16 on full layers, per-layer inputs of width 8."""
     n = n_layers or 6
     return _base(
-        vocab_size=257, vocab_size_per_layer_input=257, context_length=4096, emb_dim=32, n_heads=4, n_kv_heads=1,
-        n_layers=n, hidden_dim=64, head_dim=8, global_head_dim=16, sliding_window=4, layer_types=layer_types(n, 3),
-        hidden_size_per_layer_input=8, num_kv_shared_layers=n // 2, use_double_wide_mlp=True,
+        vocab_size=257,
+        vocab_size_per_layer_input=257,
+        context_length=4096,
+        emb_dim=32,
+        n_heads=4,
+        n_kv_heads=1,
+        n_layers=n,
+        hidden_dim=64,
+        head_dim=8,
+        global_head_dim=16,
+        sliding_window=4,
+        layer_types=layer_types(n, 3),
+        hidden_size_per_layer_input=8,
+        num_kv_shared_layers=n // 2,
+        use_double_wide_mlp=True,
     )
 
 
@@ -78,15 +90,26 @@ def _shape(n_layers: int | None, first_shared: int, period: int, **kw) -> dict:
 def shape_e2b(n_layers: int | None = None) -> dict:
     """Gemma 4 E2B widths: emb 1536, 8 query / 1 KV heads (MQA), head_dim 256/512, FFN 6144 (12288 on
     KV-shared layers); ``n_layers`` default 2 (layers 15+ share KV: ``--layers 16``)."""
-    return _shape(n_layers, 15, 5, emb_dim=1536, n_heads=8, n_kv_heads=1, hidden_dim=6144, head_dim=256,
-                  global_head_dim=512, use_double_wide_mlp=True)
+    return _shape(
+        n_layers,
+        15,
+        5,
+        emb_dim=1536,
+        n_heads=8,
+        n_kv_heads=1,
+        hidden_dim=6144,
+        head_dim=256,
+        global_head_dim=512,
+        use_double_wide_mlp=True,
+    )
 
 
 def shape_e4b(n_layers: int | None = None) -> dict:
     """Gemma 4 E4B widths: emb 2560, 8 query / 2 KV heads, head_dim 256/512, FFN 10240; ``n_layers``
     default 2 (layers 24+ share KV: ``--layers 25``)."""
-    return _shape(n_layers, 24, 6, emb_dim=2560, n_heads=8, n_kv_heads=2, hidden_dim=10_240, head_dim=256,
-                  global_head_dim=512)
+    return _shape(
+        n_layers, 24, 6, emb_dim=2560, n_heads=8, n_kv_heads=2, hidden_dim=10_240, head_dim=256, global_head_dim=512
+    )
 
 
 CONFIGS = {"tiny": tiny, "k-eq-v": k_eq_v, "e2b-shape": shape_e2b, "e4b-shape": shape_e4b}

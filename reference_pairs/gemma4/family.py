@@ -68,7 +68,9 @@ def to_hf(cfg: dict):
     if cfg["layer_types"] and cfg["layer_types"][-1] != FULL:
         raise ConfigError("layer_types must end with full_attention (Gemma4TextConfig makes the last layer full)")
     if cfg["num_global_kv_heads"] is not None and not cfg["attention_k_eq_v"]:
-        raise ConfigError("num_global_kv_heads is read only with attention_k_eq_v (Gemma4TextConfig ignores it otherwise)")
+        raise ConfigError(
+            "num_global_kv_heads is read only with attention_k_eq_v (Gemma4TextConfig ignores it otherwise)"
+        )
     return Gemma4TextConfig(
         **shared_to_hf(cfg),
         global_head_dim=cfg["global_head_dim"],
@@ -94,12 +96,18 @@ def _rope(hc, layer_type: str) -> dict:
     rope_type = params.get("rope_type", "default")
     allowed = ("default", "proportional") if layer_type == FULL else ("default",)
     if rope_type not in allowed:
-        raise ConfigError(f"rope_parameters.{layer_type}.rope_type {rope_type!r} is not supported ({', '.join(allowed)})")
+        raise ConfigError(
+            f"rope_parameters.{layer_type}.rope_type {rope_type!r} is not supported ({', '.join(allowed)})"
+        )
     if float(params.get("factor", 1.0)) == 1.0:
         params.pop("factor", None)
     if rope_type == "default" and float(params.get("partial_rotary_factor", 1.0)) == 1.0:
         params.pop("partial_rotary_factor", None)  # Gemma 4's default RoPE ignores it: only 1.0 means what it says
-    extra = set(params) - {"rope_type", "rope_theta"} - ({"partial_rotary_factor"} if rope_type == "proportional" else set())
+    extra = (
+        set(params)
+        - {"rope_type", "rope_theta"}
+        - ({"partial_rotary_factor"} if rope_type == "proportional" else set())
+    )
     if extra:
         raise ConfigError(f"rope_parameters.{layer_type} has unsupported fields: {', '.join(sorted(extra))}")
     return params
@@ -117,7 +125,9 @@ def _refuse_what_we_cannot_honour(hc) -> None:
     if hc.enable_moe_block:
         raise ConfigError("enable_moe_block=True is not supported (the dense Gemma 4 text model only; no MoE block)")
     if hc.use_bidirectional_attention is not None:
-        raise ConfigError(f"use_bidirectional_attention={hc.use_bidirectional_attention!r} is not supported (causal text model only)")
+        raise ConfigError(
+            f"use_bidirectional_attention={hc.use_bidirectional_attention!r} is not supported (causal text model only)"
+        )
     if hc.hidden_activation not in ACTIVATIONS:
         raise ConfigError(f"hidden_activation {hc.hidden_activation!r} is not supported ({', '.join(ACTIVATIONS)})")
     unknown_types = set(hc.layer_types) - {SLIDING, FULL}
@@ -125,7 +135,9 @@ def _refuse_what_we_cannot_honour(hc) -> None:
         raise ConfigError(f"layer_types has unsupported entries: {', '.join(sorted(unknown_types))}")
     per_layer = set(hc.per_layer_attributes or ()) - {"head_dim", "num_key_value_heads"}
     if per_layer:
-        raise ConfigError(f"per_layer_config overrides {', '.join(sorted(per_layer))}: not supported (head_dim and KV heads of full layers only)")
+        raise ConfigError(
+            f"per_layer_config overrides {', '.join(sorted(per_layer))}: not supported (head_dim and KV heads of full layers only)"
+        )
     shared = int(hc.num_kv_shared_layers or 0)
     if shared and not kv_sources(hc):
         raise ConfigError(
@@ -163,7 +175,9 @@ def from_hf(hc, dtype: torch.dtype) -> dict:
     kv_heads = _per_layer(hc, "num_key_value_heads", SLIDING, globals_["num_key_value_heads"])
     full_kv = _per_layer(hc, "num_key_value_heads", FULL, kv_heads)
     if full_kv != kv_heads and not hc.attention_k_eq_v:
-        raise ConfigError(f"per_layer_config gives full layers {full_kv} KV heads without attention_k_eq_v (ours: {kv_heads})")
+        raise ConfigError(
+            f"per_layer_config gives full layers {full_kv} KV heads without attention_k_eq_v (ours: {kv_heads})"
+        )
     sliding, full = _rope(hc, SLIDING), _rope(hc, FULL)
     return dict(
         vocab_size=hc.vocab_size,
@@ -204,8 +218,10 @@ def notes(cfg: dict) -> list[str]:
     sources = sources_of(cfg)
     if sources:
         pairs = ", ".join(f"{i} <- {j}" for i, j in sources.items())
-        notes.append(f"KV sharing: layers read the keys and values of earlier layers ({pairs}); a shared layer's k_rot "
-                     "node is the keys it reads, and it has no k_proj, v_proj, k_norm or v_norm nodes")
+        notes.append(
+            f"KV sharing: layers read the keys and values of earlier layers ({pairs}); a shared layer's k_rot "
+            "node is the keys it reads, and it has no k_proj, v_proj, k_norm or v_norm nodes"
+        )
     elif cfg["use_double_wide_mlp"]:
         notes.append("use_double_wide_mlp widens only KV-shared layers, and this config has none: it is not exercised")
     types = set(cfg["layer_types"])

@@ -52,7 +52,10 @@ def _rotary_dims_paired_among_themselves(pair):
     """Full layers rotate their first ``partial * head_dim`` dims as a head of their own, pairing
     ``(i, i + rotary_dim/2)``, with the right frequencies: proportional RoPE built as ordinary partial
     rotary, its frequency table not padded with zeros to head_dim / 2 (Megatron-Bridge #4195)."""
-    ours, n = pair.ours, int(pair.source.cfg["rope_global_partial_rotary_factor"] * pair.source.cfg["global_head_dim"] // 2)
+    ours, n = (
+        pair.ours,
+        int(pair.source.cfg["rope_global_partial_rotary_factor"] * pair.source.cfg["global_head_dim"] // 2),
+    )
     tables = ours.rope_tables
 
     def rope_tables(positions, device, dtype):
@@ -80,7 +83,9 @@ def _shared_layers_project_their_own_kv(pair):
         att, source = block.att, pair.ours.blocks[block.kv_source].att
         forward = att.forward
 
-        def own_kv(self, x, cos=None, sin=None, padding_mask=None, cache=None, shared_kv=None, _src=source, _fwd=forward):
+        def own_kv(
+            self, x, cos=None, sin=None, padding_mask=None, cache=None, shared_kv=None, _src=source, _fwd=forward
+        ):
             rope = dict(interleaved=_src.interleaved_rope, upcast=_src.rotate_in_float32)
             return _fwd(x, cos, sin, padding_mask, cache, shared_kv=_src._keys_values(x, cos, sin, rope))
 
@@ -92,8 +97,12 @@ def _per_layer_branch_before_mlp(pair):
     after the FFN; its output is still added at the end of the block."""
 
     def forward(self, x, cos=None, sin=None, padding_mask=None, cache=None, per_layer_input=None, shared_kv=None):
-        x = x + self.post_attention_layernorm(self.att(self.input_layernorm(x), cos, sin, padding_mask, cache, shared_kv=shared_kv))
-        branch = self.post_per_layer_input_norm(self.per_layer_projection(self.act(self.per_layer_input_gate(x)) * per_layer_input))
+        x = x + self.post_attention_layernorm(
+            self.att(self.input_layernorm(x), cos, sin, padding_mask, cache, shared_kv=shared_kv)
+        )
+        branch = self.post_per_layer_input_norm(
+            self.per_layer_projection(self.act(self.per_layer_input_gate(x)) * per_layer_input)
+        )
         x = x + self.post_feedforward_layernorm(self.ff(self.pre_feedforward_layernorm(x)))
         return (x + branch) * self.layer_scalar
 
@@ -133,38 +142,111 @@ def _no_final_softcap(pair):
 
 
 FAULTS = (
-    Fault("gemma3-norm", "every weighted RMSNorm multiplies by 1 + w (Gemma 3's) instead of w", "tiny", _gemma3_norms,
-          "model.per_layer_projection_norm", "norm_weight_offset", scope="model.*norm"),
-    Fault("embed-scale-float32", "embedding normaliser sqrt(emb_dim) kept in float32 instead of rounded to bfloat16 "
-          "(bfloat16 pair)", "tiny", _embedding_scale_in_float32, "model.embed_tokens", "rounding_order",
-          source="transformers #29402", overrides=BF16),
-    Fault("partial-rotary-whole-head", "full layers rotate every pair of the head (default RoPE) instead of the first "
-          "25% (proportional)", "tiny", _full_layers_rope({"rope_type": "default"}),
-          f"{ATT.format(FIRST_FULL)}.q_rot", "rope_partial", scope=f"{ATT.format('*')}.[qk]_rot"),
-    Fault("proportional-as-partial", "proportional RoPE built as ordinary partial rotary: the first 25% of dims "
-          "rotate as a head of their own", "tiny", _rotary_dims_paired_among_themselves,
-          f"{ATT.format(FIRST_FULL)}.q_rot", "rope_partial", scope=f"{ATT.format('*')}.[qk]_rot",
-          source="Megatron-Bridge #4195"),
-    Fault("kv-wrong-layer", "layer 3 reads the keys and values of layer 0 instead of layer 1", "tiny",
-          _kv_from_layer(FIRST_SHARED, 0), f"{ATT.format(FIRST_SHARED)}.k_rot", "kv_sharing",
-          scope=ATT.format(FIRST_SHARED)),
-    Fault("kv-own-projection", "KV-shared layers project their own keys and values instead of reusing their source "
-          "layer's", "tiny", _shared_layers_project_their_own_kv, f"{ATT.format(FIRST_SHARED)}.k_rot", "kv_sharing",
-          scope=f"{ATT.format('[345]')}", source="mlx-swift-lm #333, mlx-lm #1702"),
-    Fault("per-layer-branch-before-mlp", "the per-layer input branch reads the residual stream before the FFN instead of "
-          "after it", "tiny", _per_layer_branch_before_mlp, "model.layers.0.per_layer_input_gate@input", "block_layout",
-          scope="model.layers.*.per_layer_input_gate"),
-    Fault("per-layer-inputs-unscaled", "per-layer inputs summed without the 1/sqrt(2) scale", "tiny",
-          _per_layer_inputs_unscaled, "model.layers.0@per_layer_input", "scale", scope="model.layers.*@per_layer_input"),
-    Fault("per-layer-inputs-one-layer-off", "layer i reads the per-layer input of layer i + 1", "tiny",
-          _per_layer_inputs_one_layer_off, "model.layers.0@per_layer_input", "layer_offset",
-          scope="model.layers.*@per_layer_input"),
-    Fault("scale-from-head-dim", "attention scale head_dim ** -0.5 instead of Gemma 4's 1.0", "tiny",
-          _scale_from_head_dim, f"{ATT.format(0)}.scores", "attention_scale", scope=f"{ATT.format('*')}.scores"),
-    Fault("layer-scalar-dropped", "each layer's output not multiplied by its layer_scalar", "tiny", _no_layer_scalar,
-          "model.layers.0", "scale", scope="model.layers.[0-9]"),
-    Fault("final-softcap-dropped", "final logit soft-cap (30) not applied", "tiny", _no_final_softcap, "logits",
-          "softcap"),
+    Fault(
+        "gemma3-norm",
+        "every weighted RMSNorm multiplies by 1 + w (Gemma 3's) instead of w",
+        "tiny",
+        _gemma3_norms,
+        "model.per_layer_projection_norm",
+        "norm_weight_offset",
+        scope="model.*norm",
+    ),
+    Fault(
+        "embed-scale-float32",
+        "embedding normaliser sqrt(emb_dim) kept in float32 instead of rounded to bfloat16 (bfloat16 pair)",
+        "tiny",
+        _embedding_scale_in_float32,
+        "model.embed_tokens",
+        "rounding_order",
+        source="transformers #29402",
+        overrides=BF16,
+    ),
+    Fault(
+        "partial-rotary-whole-head",
+        "full layers rotate every pair of the head (default RoPE) instead of the first 25% (proportional)",
+        "tiny",
+        _full_layers_rope({"rope_type": "default"}),
+        f"{ATT.format(FIRST_FULL)}.q_rot",
+        "rope_partial",
+        scope=f"{ATT.format('*')}.[qk]_rot",
+    ),
+    Fault(
+        "proportional-as-partial",
+        "proportional RoPE built as ordinary partial rotary: the first 25% of dims rotate as a head of their own",
+        "tiny",
+        _rotary_dims_paired_among_themselves,
+        f"{ATT.format(FIRST_FULL)}.q_rot",
+        "rope_partial",
+        scope=f"{ATT.format('*')}.[qk]_rot",
+        source="Megatron-Bridge #4195",
+    ),
+    Fault(
+        "kv-wrong-layer",
+        "layer 3 reads the keys and values of layer 0 instead of layer 1",
+        "tiny",
+        _kv_from_layer(FIRST_SHARED, 0),
+        f"{ATT.format(FIRST_SHARED)}.k_rot",
+        "kv_sharing",
+        scope=ATT.format(FIRST_SHARED),
+    ),
+    Fault(
+        "kv-own-projection",
+        "KV-shared layers project their own keys and values instead of reusing their source layer's",
+        "tiny",
+        _shared_layers_project_their_own_kv,
+        f"{ATT.format(FIRST_SHARED)}.k_rot",
+        "kv_sharing",
+        scope=f"{ATT.format('[345]')}",
+        source="mlx-swift-lm #333, mlx-lm #1702",
+    ),
+    Fault(
+        "per-layer-branch-before-mlp",
+        "the per-layer input branch reads the residual stream before the FFN instead of after it",
+        "tiny",
+        _per_layer_branch_before_mlp,
+        "model.layers.0.per_layer_input_gate@input",
+        "block_layout",
+        scope="model.layers.*.per_layer_input_gate",
+    ),
+    Fault(
+        "per-layer-inputs-unscaled",
+        "per-layer inputs summed without the 1/sqrt(2) scale",
+        "tiny",
+        _per_layer_inputs_unscaled,
+        "model.layers.0@per_layer_input",
+        "scale",
+        scope="model.layers.*@per_layer_input",
+    ),
+    Fault(
+        "per-layer-inputs-one-layer-off",
+        "layer i reads the per-layer input of layer i + 1",
+        "tiny",
+        _per_layer_inputs_one_layer_off,
+        "model.layers.0@per_layer_input",
+        "layer_offset",
+        scope="model.layers.*@per_layer_input",
+    ),
+    Fault(
+        "scale-from-head-dim",
+        "attention scale head_dim ** -0.5 instead of Gemma 4's 1.0",
+        "tiny",
+        _scale_from_head_dim,
+        f"{ATT.format(0)}.scores",
+        "attention_scale",
+        scope=f"{ATT.format('*')}.scores",
+    ),
+    Fault(
+        "layer-scalar-dropped",
+        "each layer's output not multiplied by its layer_scalar",
+        "tiny",
+        _no_layer_scalar,
+        "model.layers.0",
+        "scale",
+        scope="model.layers.[0-9]",
+    ),
+    Fault(
+        "final-softcap-dropped", "final logit soft-cap (30) not applied", "tiny", _no_final_softcap, "logits", "softcap"
+    ),
     f07_repeat_kv(ATT, "k-eq-v"),
     f08_untied_head(),
     f10_masked_neg_inf(ATT),

@@ -32,13 +32,18 @@ def _shareable(cfg: dict) -> list[int]:
     return counts
 
 
-KV_SHARED = Domain("0 .. n_layers - 1, leaving each shared layer type an earlier layer (0 without per-layer inputs)",
-                   lambda rng, cfg: rng.choice(_shareable(cfg)) if cfg["hidden_size_per_layer_input"] else 0)
+KV_SHARED = Domain(
+    "0 .. n_layers - 1, leaving each shared layer type an earlier layer (0 without per-layer inputs)",
+    lambda rng, cfg: rng.choice(_shareable(cfg)) if cfg["hidden_size_per_layer_input"] else 0,
+)
 #: K = V full layers may have their own KV head count (a divisor of n_heads); otherwise none
 GLOBAL_KV_HEADS = Domain(
     "None, or with attention_k_eq_v a divisor of n_heads",
-    lambda rng, cfg: rng.choice([None] + [d for d in range(1, cfg["n_heads"] + 1) if cfg["n_heads"] % d == 0])
-    if cfg["attention_k_eq_v"] else None,
+    lambda rng, cfg: (
+        rng.choice([None] + [d for d in range(1, cfg["n_heads"] + 1) if cfg["n_heads"] % d == 0])
+        if cfg["attention_k_eq_v"]
+        else None
+    ),
 )
 
 FIELDS = (
@@ -67,9 +72,19 @@ FIELDS = (
     Field("sliding_window", ints(1, 24), 5, f"{ATT.format(0)}.probs", "sliding_window"),
     Field("rope_local_base", floats(1e3, 1e6, log=True), 100_000.0, f"{ATT.format(0)}.q_rot", "rope_theta"),
     Field("rope_base", floats(1e3, 1e7, log=True), 100_000.0, f"{ATT.format(FIRST_FULL)}.q_rot", "rope_theta"),
-    Field("rope_global_type", choice("proportional", "default"), "default", f"{ATT.format(FIRST_FULL)}.q_rot",
-          "rope_partial"),
-    Field("rope_global_partial_rotary_factor", choice(0.25, 0.5, 1.0), 0.5, f"{ATT.format(FIRST_FULL)}.q_rot",
-          "rope_partial"),
+    Field(
+        "rope_global_type",
+        choice("proportional", "default"),
+        "default",
+        f"{ATT.format(FIRST_FULL)}.q_rot",
+        "rope_partial",
+    ),
+    Field(
+        "rope_global_partial_rotary_factor",
+        choice(0.25, 0.5, 1.0),
+        0.5,
+        f"{ATT.format(FIRST_FULL)}.q_rot",
+        "rope_partial",
+    ),
     Field("final_logit_softcap", choice(None, 30.0, 50.0), 50.0, "logits", why="cap 30 in ours, 50 in the reference"),
 )

@@ -14,8 +14,10 @@ PER_LAYER_INPUTS = {
     "model.embed_tokens_per_layer.weight": "embed_tokens_per_layer.weight",
     "model.per_layer_model_projection.weight": "per_layer_model_projection.weight",
     "model.per_layer_projection_norm.weight": "per_layer_projection_norm.weight",
-    **{f"model.layers.{{i}}.{name}.weight": f"blocks.{{i}}.{name}.weight"
-       for name in ("per_layer_input_gate", "per_layer_projection", "post_per_layer_input_norm")},
+    **{
+        f"model.layers.{{i}}.{name}.weight": f"blocks.{{i}}.{name}.weight"
+        for name in ("per_layer_input_gate", "per_layer_projection", "post_per_layer_input_norm")
+    },
 }
 WEIGHT_MAP = {
     **EMBED,

@@ -87,7 +87,9 @@ class Gemma4Block(SandwichBlock):
             self.post_per_layer_input_norm = norm()
         self.layer_scalar = nn.Parameter(torch.ones(1, dtype=dtype))
 
-    def forward(self, x, cos=None, sin=None, padding_mask=None, cache=None, per_layer_input=None, shared_kv=None) -> torch.Tensor:
+    def forward(
+        self, x, cos=None, sin=None, padding_mask=None, cache=None, per_layer_input=None, shared_kv=None
+    ) -> torch.Tensor:
         x = super().forward(x, cos, sin, padding_mask, cache, shared_kv=shared_kv)
         if per_layer_input is not None:
             gated = self.act(self.per_layer_input_gate(x)) * per_layer_input
@@ -103,11 +105,20 @@ def transformer_block(cfg: dict, index: int, sources: dict[int, int]) -> Gemma4B
     k_eq_v = cfg["attention_k_eq_v"] and full  # K = V full layers have their own KV head count
     norm = partial(RMSNorm, eps=cfg["rms_norm_eps"], dtype=dtype)
     att = GroupedQueryAttention(
-        emb_dim, cfg["n_heads"], (k_eq_v and cfg["num_global_kv_heads"]) or cfg["n_kv_heads"],
+        emb_dim,
+        cfg["n_heads"],
+        (k_eq_v and cfg["num_global_kv_heads"]) or cfg["n_kv_heads"],
         cfg["global_head_dim"] if full else cfg["head_dim"],
-        scale=1.0, qk_norm="head", norm=norm, v_norm=partial(norm, weight=False),
-        k_eq_v=k_eq_v and not shared, kv_shared=shared, keep_kv=index in sources.values(),
-        sliding_window=None if full else cfg["sliding_window"], bias=cfg["attention_bias"], dtype=dtype,
+        scale=1.0,
+        qk_norm="head",
+        norm=norm,
+        v_norm=partial(norm, weight=False),
+        k_eq_v=k_eq_v and not shared,
+        kv_shared=shared,
+        keep_kv=index in sources.values(),
+        sliding_window=None if full else cfg["sliding_window"],
+        bias=cfg["attention_bias"],
+        dtype=dtype,
     )
     wide = 2 if cfg["use_double_wide_mlp"] and shared else 1
     ff = GatedMLP(emb_dim, cfg["hidden_dim"] * wide, activation=cfg["hidden_activation"], dtype=dtype)
@@ -122,10 +133,14 @@ class Gemma4Model(DecoderModel):
         blocks = [transformer_block(cfg, i, sources) for i in range(cfg["n_layers"])]
         dtype, eps, width = cfg["dtype"], cfg["rms_norm_eps"], cfg["hidden_size_per_layer_input"]
         final_norm = RMSNorm(cfg["emb_dim"], eps=eps, dtype=dtype)
-        super().__init__(cfg, blocks, final_norm, emb_scale=cfg["emb_dim"] ** 0.5, final_softcap=cfg["final_logit_softcap"])
+        super().__init__(
+            cfg, blocks, final_norm, emb_scale=cfg["emb_dim"] ** 0.5, final_softcap=cfg["final_logit_softcap"]
+        )
         if width:
             packed = cfg["n_layers"] * width
-            self.embed_tokens_per_layer = TokenEmbedding(cfg["vocab_size_per_layer_input"], packed, scale=width**0.5, dtype=dtype)
+            self.embed_tokens_per_layer = TokenEmbedding(
+                cfg["vocab_size_per_layer_input"], packed, scale=width**0.5, dtype=dtype
+            )
             self.per_layer_model_projection = nn.Linear(cfg["emb_dim"], packed, bias=False, dtype=dtype)
             self.per_layer_projection_norm = RMSNorm(width, eps=eps, dtype=dtype)
 
@@ -162,8 +177,14 @@ class Gemma4Model(DecoderModel):
         for i, block in enumerate(self.blocks):
             shared = None if block.kv_source is None else self.blocks[block.kv_source].att.kv
             layer_cache = cache.layers[i] if cache is not None and block.kv_source is None else None
-            x = block(x, *tables[block.layer_type], padding_mask=attention_mask, cache=layer_cache,
-                      per_layer_input=None if per_layer is None else per_layer[:, :, i], shared_kv=shared)
+            x = block(
+                x,
+                *tables[block.layer_type],
+                padding_mask=attention_mask,
+                cache=layer_cache,
+                per_layer_input=None if per_layer is None else per_layer[:, :, i],
+                shared_kv=shared,
+            )
         for block in self.blocks:
             block.att.kv = None  # kept only for this forward's consumers
         logits = self.out_head(self.final_norm(x))

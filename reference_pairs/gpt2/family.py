@@ -69,9 +69,7 @@ def from_hf(hc, dtype: torch.dtype) -> dict:
     ``n_embd`` not a multiple of ``n_head``.
     """
     if hc.activation_function not in ACTIVATIONS:
-        raise ConfigError(
-            f"activation_function {hc.activation_function!r} is not supported ({', '.join(ACTIVATIONS)})"
-        )
+        raise ConfigError(f"activation_function {hc.activation_function!r} is not supported ({', '.join(ACTIVATIONS)})")
     if hc.add_cross_attention:
         raise ConfigError("add_cross_attention true is not supported (a decoder-only GPT-2 has no cross-attention)")
     if hc.reorder_and_upcast_attn:

@@ -18,9 +18,20 @@ FIELDS = (
     Field("tie_word_embeddings", choice(True, False)),
     # numbers and choices: drawn and audited
     Field("layer_norm_eps", floats(1e-7, 1e-4, log=True), 1e-6, f"{H.format(0)}.ln_1", "norm_eps"),
-    Field("activation", choice("gelu_new", "gelu", "gelu_pytorch_tanh", "silu"), "gelu",
-          f"{H.format(0)}.mlp.c_proj@input", "activation"),
+    Field(
+        "activation",
+        choice("gelu_new", "gelu", "gelu_pytorch_tanh", "silu"),
+        "gelu",
+        f"{H.format(0)}.mlp.c_proj@input",
+        "activation",
+    ),
     Field("scale_attn_weights", choice(True, False), False, f"{H.format(0)}.attn.scores", "attention_scale"),
-    Field("scale_attn_by_inverse_layer_idx", choice(False, True), True, f"{H.format(1)}.attn.scores", "attention_scale",
-          why="layer 0 divides by 1: the first layer it changes is layer 1"),
+    Field(
+        "scale_attn_by_inverse_layer_idx",
+        choice(False, True),
+        True,
+        f"{H.format(1)}.attn.scores",
+        "attention_scale",
+        why="layer 0 divides by 1: the first layer it changes is layer 1",
+    ),
 )

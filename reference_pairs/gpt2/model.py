@@ -46,8 +46,15 @@ def transformer_block(cfg: dict, layer: int) -> PreNormBlock:
     """One pre-norm block: ``x + att(norm1(x))``, then ``+ ff(norm2(.))``."""
     dtype, emb_dim, n_heads = cfg["dtype"], cfg["emb_dim"], cfg["n_heads"]
     att = GroupedQueryAttention(
-        emb_dim, n_heads, n_heads, emb_dim // n_heads, scale=attention_scale(cfg, layer), fused_qkv=True, bias=True,
-        softmax_in_activation_dtype=True, dtype=dtype,
+        emb_dim,
+        n_heads,
+        n_heads,
+        emb_dim // n_heads,
+        scale=attention_scale(cfg, layer),
+        fused_qkv=True,
+        bias=True,
+        softmax_in_activation_dtype=True,
+        dtype=dtype,
     )
     ff = MLP(emb_dim, cfg["hidden_dim"], activation=cfg["activation"], dtype=dtype)
     norm = partial(LayerNorm, emb_dim, eps=cfg["layer_norm_eps"], bias=True, fused=True, dtype=dtype)

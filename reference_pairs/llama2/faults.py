@@ -30,11 +30,24 @@ def _llama3_theta(pair):
 
 
 FAULTS = (
-    Fault("meta-qk-layout", "q/k weights in Meta's interleaved RoPE layout, loaded without un-permuting (F02's family)",
-          "tiny", _meta_qk_layout, f"{ATT.format(0)}.q_proj", "weight_permutation",
-          scope=f"{ATT.format('*')}.[qk]_proj"),
-    Fault("llama3-theta", "rope_theta 500000 (Llama 3's) instead of Llama 2's 10000", "tiny", _llama3_theta,
-          f"{ATT.format(0)}.q_rot", "rope_theta", scope=f"{ATT.format('*')}.[qk]_rot"),
+    Fault(
+        "meta-qk-layout",
+        "q/k weights in Meta's interleaved RoPE layout, loaded without un-permuting (F02's family)",
+        "tiny",
+        _meta_qk_layout,
+        f"{ATT.format(0)}.q_proj",
+        "weight_permutation",
+        scope=f"{ATT.format('*')}.[qk]_proj",
+    ),
+    Fault(
+        "llama3-theta",
+        "rope_theta 500000 (Llama 3's) instead of Llama 2's 10000",
+        "tiny",
+        _llama3_theta,
+        f"{ATT.format(0)}.q_rot",
+        "rope_theta",
+        scope=f"{ATT.format('*')}.[qk]_rot",
+    ),
     f08_untied_head(),
     f10_masked_neg_inf(ATT),
 )

@@ -18,7 +18,12 @@ FIELDS = (
     Field("tie_word_embeddings", choice(False, True)),
     Field("rms_norm_eps", floats(1e-7, 1e-4, log=True), 1e-6, "model.layers.0.input_layernorm", "norm_eps"),
     Field("rope_base", floats(1e3, 1e6, log=True), 500_000.0, f"{ATT.format(0)}.q_rot", "rope_theta"),
-    Field("rope_freq", None,
-          dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_context_length=256),
-          f"{ATT.format(0)}.q_rot", "rope_scaling", why="Llama 3.1's frequency scaling on the reference only"),
+    Field(
+        "rope_freq",
+        None,
+        dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_context_length=256),
+        f"{ATT.format(0)}.q_rot",
+        "rope_scaling",
+        why="Llama 3.1's frequency scaling on the reference only",
+    ),
 )

@@ -55,8 +55,14 @@ def tiny(n_layers: int | None = None) -> dict:
     so the two cannot be confused.
     """
     return _base(
-        vocab_size=257, context_length=8192, emb_dim=48, n_heads=4, n_kv_heads=2, n_layers=n_layers or 2,
-        hidden_dim=96, head_dim=16,
+        vocab_size=257,
+        context_length=8192,
+        emb_dim=48,
+        n_heads=4,
+        n_kv_heads=2,
+        n_layers=n_layers or 2,
+        hidden_dim=96,
+        head_dim=16,
         rope_freq=dict(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_context_length=256),
     )
 
@@ -81,8 +87,14 @@ def shape_3b(n_layers: int | None = None) -> dict:
 def shape_8b(n_layers: int | None = None) -> dict:
     """Llama 3.1 8B widths: emb 4096, 32 query / 8 KV heads, head_dim 128, FFN 14336, untied head, llama3 factor 8; ``n_layers`` default 2 (32 released)."""
     return _base(
-        emb_dim=4096, n_heads=32, n_kv_heads=8, n_layers=n_layers or 2, hidden_dim=14_336, head_dim=128,
-        rope_freq=dict(LLAMA31_ROPE_FREQ), tie_word_embeddings=False,
+        emb_dim=4096,
+        n_heads=32,
+        n_kv_heads=8,
+        n_layers=n_layers or 2,
+        hidden_dim=14_336,
+        head_dim=128,
+        rope_freq=dict(LLAMA31_ROPE_FREQ),
+        tie_word_embeddings=False,
     )
 
 

@@ -68,7 +68,10 @@ _FREQ_KEYS = {
     "high_freq_factor": "high_freq_factor",
     "original_max_position_embeddings": "original_context_length",
 }
-_ROPE_KEYS = {"default": {"rope_type", "rope_theta", "type"}, "llama3": {"rope_type", "rope_theta", "type", *_FREQ_KEYS}}
+_ROPE_KEYS = {
+    "default": {"rope_type", "rope_theta", "type"},
+    "llama3": {"rope_type", "rope_theta", "type", *_FREQ_KEYS},
+}
 
 
 def from_hf(hc, dtype: torch.dtype) -> dict:
@@ -94,7 +97,9 @@ def from_hf(hc, dtype: torch.dtype) -> dict:
         rope.pop("partial_rotary_factor", None)
     extra = set(rope) - _ROPE_KEYS[rope_type]
     if extra:
-        raise ConfigError(f"rope_parameters has unsupported fields for rope_type {rope_type!r}: {', '.join(sorted(extra))}")
+        raise ConfigError(
+            f"rope_parameters has unsupported fields for rope_type {rope_type!r}: {', '.join(sorted(extra))}"
+        )
     rope_freq = None
     if rope_type == "llama3":
         missing = [key for key in _FREQ_KEYS if rope.get(key) is None]

@@ -39,8 +39,11 @@ def rope_parameters(cfg: dict) -> dict[str, dict]:
         rope = {"rope_type": "default", "rope_theta": cfg["rope_base"]}
     else:
         rope = {
-            "rope_type": "llama3", "rope_theta": cfg["rope_base"], "factor": float(freq["factor"]),
-            "low_freq_factor": float(freq["low_freq_factor"]), "high_freq_factor": float(freq["high_freq_factor"]),
+            "rope_type": "llama3",
+            "rope_theta": cfg["rope_base"],
+            "factor": float(freq["factor"]),
+            "low_freq_factor": float(freq["low_freq_factor"]),
+            "high_freq_factor": float(freq["high_freq_factor"]),
             "original_max_position_embeddings": int(freq["original_context_length"]),
         }
     return {FULL: rope, SLIDING: rope}

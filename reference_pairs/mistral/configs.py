@@ -36,8 +36,17 @@ def _base(**kw) -> dict:
 
 def tiny(n_layers: int | None = None) -> dict:
     """2 layers, emb 48, GQA 4 query / 2 KV heads of 16, FFN 96, window 5 on every layer (20 tokens by default), untied head."""
-    return _base(vocab_size=257, context_length=4096, emb_dim=48, n_heads=4, n_kv_heads=2, n_layers=n_layers or 2,
-                 hidden_dim=96, head_dim=16, sliding_window=5)
+    return _base(
+        vocab_size=257,
+        context_length=4096,
+        emb_dim=48,
+        n_heads=4,
+        n_kv_heads=2,
+        n_layers=n_layers or 2,
+        hidden_dim=96,
+        head_dim=16,
+        sliding_window=5,
+    )
 
 
 def shape_7b(n_layers: int | None = None) -> dict:

@@ -23,10 +23,24 @@ def _no_window(pair):
 
 
 FAULTS = (
-    Fault("window-off-by-one", "sliding window one key too wide on every layer", "tiny", _window_plus_one,
-          f"{ATT.format(0)}.probs", "sliding_window", scope=f"{ATT.format('*')}.probs"),
-    Fault("no-window", "no sliding window: full causal attention (Mistral run as a Llama)", "tiny", _no_window,
-          f"{ATT.format(0)}.probs", "sliding_window", scope=f"{ATT.format('*')}.probs"),
+    Fault(
+        "window-off-by-one",
+        "sliding window one key too wide on every layer",
+        "tiny",
+        _window_plus_one,
+        f"{ATT.format(0)}.probs",
+        "sliding_window",
+        scope=f"{ATT.format('*')}.probs",
+    ),
+    Fault(
+        "no-window",
+        "no sliding window: full causal attention (Mistral run as a Llama)",
+        "tiny",
+        _no_window,
+        f"{ATT.format(0)}.probs",
+        "sliding_window",
+        scope=f"{ATT.format('*')}.probs",
+    ),
     f07_repeat_kv(ATT),
     f10_masked_neg_inf(ATT),
 )

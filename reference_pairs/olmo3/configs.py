@@ -47,8 +47,15 @@ def tiny(n_layers: int | None = None) -> dict:
     """4 layers (3 sliding + 1 full), window 4, GQA 4 query / 2 KV heads, head_dim 8, default RoPE."""
     n = n_layers or 4
     return _base(
-        vocab_size=257, context_length=4096, emb_dim=32, n_heads=4, n_kv_heads=2, n_layers=n,
-        hidden_dim=64, head_dim=8, sliding_window=4,
+        vocab_size=257,
+        context_length=4096,
+        emb_dim=32,
+        n_heads=4,
+        n_kv_heads=2,
+        n_layers=n,
+        hidden_dim=64,
+        head_dim=8,
+        sliding_window=4,
     )
 
 
@@ -65,16 +72,32 @@ def mha(n_layers: int | None = None) -> dict:
 def shape_7b(n_layers: int | None = None) -> dict:
     """OLMo 3 7B widths: emb 4096, 32 heads (MHA), head_dim 128, FFN 11008; ``n_layers`` default 2."""
     return _base(
-        vocab_size=100_278, context_length=65_536, emb_dim=4096, n_heads=32, n_kv_heads=32,
-        n_layers=n_layers or 2, hidden_dim=11_008, head_dim=128, sliding_window=4096, **YARN,
+        vocab_size=100_278,
+        context_length=65_536,
+        emb_dim=4096,
+        n_heads=32,
+        n_kv_heads=32,
+        n_layers=n_layers or 2,
+        hidden_dim=11_008,
+        head_dim=128,
+        sliding_window=4096,
+        **YARN,
     )
 
 
 def shape_32b(n_layers: int | None = None) -> dict:
     """OLMo 3 32B widths: emb 5120, 40 query / 8 KV heads, head_dim 128, FFN 27648; ``n_layers`` default 2."""
     return _base(
-        vocab_size=100_278, context_length=65_536, emb_dim=5120, n_heads=40, n_kv_heads=8,
-        n_layers=n_layers or 2, hidden_dim=27_648, head_dim=128, sliding_window=4096, **YARN,
+        vocab_size=100_278,
+        context_length=65_536,
+        emb_dim=5120,
+        n_heads=40,
+        n_kv_heads=8,
+        n_layers=n_layers or 2,
+        hidden_dim=27_648,
+        head_dim=128,
+        sliding_window=4096,
+        **YARN,
     )
 
 

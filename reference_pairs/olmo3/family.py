@@ -111,7 +111,9 @@ def from_hf(hc, dtype: torch.dtype) -> dict:
             these["beta_fast"] = these["beta_fast"] or 32.0  # Transformers: `or 32`, so 0 means the default too
             these["beta_slow"] = these["beta_slow"] or 1.0
             if yarn_params is not None and these != yarn_params:
-                raise ConfigError(f"rope_parameters: YaRN parameters differ between layer types: {yarn_params} vs {these}")
+                raise ConfigError(
+                    f"rope_parameters: YaRN parameters differ between layer types: {yarn_params} vs {these}"
+                )
             yarn_params = these
             scaled.append(layer_type)
     cfg = dict(

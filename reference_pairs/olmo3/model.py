@@ -36,9 +36,12 @@ def rope_parameters(cfg: dict) -> dict[str, dict]:
         params[layer_type] = {"rope_type": "default", "rope_theta": base}
         if cfg["rope_type"] == "yarn" and layer_type in cfg["rope_scaled_layer_types"]:
             params[layer_type] = {
-                "rope_type": "yarn", "rope_theta": base, "factor": cfg["rope_factor"],
+                "rope_type": "yarn",
+                "rope_theta": base,
+                "factor": cfg["rope_factor"],
                 "original_max_position_embeddings": cfg["rope_orig_max"],
-                "beta_fast": cfg["beta_fast"], "beta_slow": cfg["beta_slow"],
+                "beta_fast": cfg["beta_fast"],
+                "beta_slow": cfg["beta_slow"],
             }
             if cfg["rope_attention_factor"] is not None:
                 params[layer_type]["attention_factor"] = cfg["rope_attention_factor"]
@@ -49,10 +52,15 @@ def transformer_block(cfg: dict, layer_type: str) -> PostNormBlock:
     """One post-norm block; ``layer_type`` decides the window (and, through its RoPE table, the RoPE)."""
     dtype, emb_dim = cfg["dtype"], cfg["emb_dim"]
     att = GroupedQueryAttention(
-        emb_dim, cfg["n_heads"], cfg["n_kv_heads"], cfg["head_dim"],
-        qk_norm="projection", norm=partial(RMSNorm, eps=cfg["rms_norm_eps"], dtype=dtype),
+        emb_dim,
+        cfg["n_heads"],
+        cfg["n_kv_heads"],
+        cfg["head_dim"],
+        qk_norm="projection",
+        norm=partial(RMSNorm, eps=cfg["rms_norm_eps"], dtype=dtype),
         sliding_window=cfg["sliding_window"] if layer_type == SLIDING else None,
-        bias=cfg["attention_bias"], dtype=dtype,
+        bias=cfg["attention_bias"],
+        dtype=dtype,
     )
     ff = GatedMLP(emb_dim, cfg["hidden_dim"], activation="silu", dtype=dtype)
     return PostNormBlock(att, ff, partial(RMSNorm, emb_dim, eps=cfg["rms_norm_eps"], dtype=dtype), layer_type)

@@ -45,8 +45,15 @@ def _base(**kw) -> dict:
 def tiny(n_layers: int | None = None) -> dict:
     """3 layers, emb 32, GQA 4 query / 2 KV heads, head_dim 16 (not emb/heads = 8), tied head, plain RoPE."""
     return _base(
-        vocab_size=257, context_length=4096, emb_dim=32, n_heads=4, n_kv_heads=2, n_layers=n_layers or 3,
-        hidden_dim=48, head_dim=16, tie_word_embeddings=True,
+        vocab_size=257,
+        context_length=4096,
+        emb_dim=32,
+        n_heads=4,
+        n_kv_heads=2,
+        n_layers=n_layers or 3,
+        hidden_dim=48,
+        head_dim=16,
+        tie_word_embeddings=True,
     )
 
 
@@ -58,7 +65,9 @@ def yarn(n_layers: int | None = None) -> dict:
     only frequencies turning by a hundredth of a radian would move: visible in float32, no margin).
     """
     return {
-        **tiny(n_layers), "tie_word_embeddings": False, "context_length": 256,
+        **tiny(n_layers),
+        "tie_word_embeddings": False,
+        "context_length": 256,
         "rope_yarn": {**QWEN3_YARN, "original_context_length": 64},
     }
 
@@ -71,8 +80,15 @@ def swa(n_layers: int | None = None) -> dict:
 
 def shape_0_6b(n_layers: int | None = None) -> dict:
     """Qwen3 0.6B widths: emb 1024, 16 query / 8 KV heads, head_dim 128, FFN 3072, tied; ``n_layers`` default 2 (28 released)."""
-    return _base(emb_dim=1024, n_heads=16, n_kv_heads=8, n_layers=n_layers or 2, hidden_dim=3072, head_dim=128,
-                 tie_word_embeddings=True)
+    return _base(
+        emb_dim=1024,
+        n_heads=16,
+        n_kv_heads=8,
+        n_layers=n_layers or 2,
+        hidden_dim=3072,
+        head_dim=128,
+        tie_word_embeddings=True,
+    )
 
 
 def shape_8b(n_layers: int | None = None) -> dict:

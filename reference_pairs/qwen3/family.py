@@ -81,7 +81,9 @@ def rope_from_hf(hc) -> tuple[float, dict | None]:
         rope.pop("truncate", None)
     extra = set(rope) - _ROPE_KEYS[rope_type]
     if extra:
-        raise ConfigError(f"rope_parameters has unsupported fields for rope_type {rope_type!r}: {', '.join(sorted(extra))}")
+        raise ConfigError(
+            f"rope_parameters has unsupported fields for rope_type {rope_type!r}: {', '.join(sorted(extra))}"
+        )
     base = float(rope.get("rope_theta", hc.default_theta))
     if rope_type == "default":
         return base, None

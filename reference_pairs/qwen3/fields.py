@@ -16,10 +16,19 @@ WINDOW = Domain("None | 1..24", lambda rng, cfg: None if rng.random() < 0.5 else
 #: Transformers' layer types for a window: full up to max_window_layers, sliding from there
 LAYER_TYPES = Domain(
     "full x max_window_layers + sliding (with a window)",
-    lambda rng, cfg: [FULL] * cfg["n_layers"] if cfg["sliding_window"] is None else (
-        lambda k: [FULL] * k + [SLIDING] * (cfg["n_layers"] - k))(rng.randint(0, cfg["n_layers"])),
+    lambda rng, cfg: (
+        [FULL] * cfg["n_layers"]
+        if cfg["sliding_window"] is None
+        else (lambda k: [FULL] * k + [SLIDING] * (cfg["n_layers"] - k))(rng.randint(0, cfg["n_layers"]))
+    ),
 )
-YARN = Domain("None | YaRN", lambda rng, cfg: None if rng.random() < 0.5 else {**QWEN3_YARN, "original_context_length": rng.choice([16, 64, 256])})
+YARN = Domain(
+    "None | YaRN",
+    lambda rng, cfg: (
+        None if rng.random() < 0.5 else {**QWEN3_YARN, "original_context_length": rng.choice([16, 64, 256])}
+    ),
+)
+
 
 def shared_fields(config: str = "tiny", yarn_config: str | None = "yarn") -> tuple[Field, ...]:
     """The fields every Qwen3 (dense and MoE) shares; ``config``/``yarn_config``: the built-in configs
@@ -34,7 +43,14 @@ def shared_fields(config: str = "tiny", yarn_config: str | None = "yarn") -> tup
         Field("vocab_size", ints(16, 300)),
         Field("tie_word_embeddings", choice(False, True)),
         Field("attention_bias", choice(False, True)),
-        Field("rms_norm_eps", floats(1e-7, 1e-4, log=True), 1e-5, "model.layers.0.input_layernorm", "norm_eps", config=config),
+        Field(
+            "rms_norm_eps",
+            floats(1e-7, 1e-4, log=True),
+            1e-5,
+            "model.layers.0.input_layernorm",
+            "norm_eps",
+            config=config,
+        ),
         Field("rope_base", floats(1e3, 1e7, log=True), 10_000.0, f"{ATT.format(0)}.q_rot", "rope_theta", config=config),
         Field("rope_yarn", YARN),
     )
@@ -52,6 +68,13 @@ def shared_fields(config: str = "tiny", yarn_config: str | None = "yarn") -> tup
 
 FIELDS = shared_fields() + (
     Field("sliding_window", WINDOW, 5, f"{ATT.format(FIRST_SLIDING)}.probs", "sliding_window", config="swa"),
-    Field("layer_types", LAYER_TYPES, lambda cfg: [FULL] * cfg["n_layers"], f"{ATT.format(FIRST_SLIDING)}.probs",
-          "sliding_window", config="swa", why="max_window_layers past the last layer: no layer windowed"),
+    Field(
+        "layer_types",
+        LAYER_TYPES,
+        lambda cfg: [FULL] * cfg["n_layers"],
+        f"{ATT.format(FIRST_SLIDING)}.probs",
+        "sliding_window",
+        config="swa",
+        why="max_window_layers past the last layer: no layer windowed",
+    ),
 )

@@ -37,9 +37,12 @@ def rope_parameters(cfg: dict) -> dict[str, dict]:
     yarn = cfg["rope_yarn"]
     if yarn is not None:
         params = {
-            "rope_type": "yarn", "rope_theta": cfg["rope_base"], "factor": yarn["factor"],
+            "rope_type": "yarn",
+            "rope_theta": cfg["rope_base"],
+            "factor": yarn["factor"],
             "original_max_position_embeddings": yarn["original_context_length"],
-            "beta_fast": yarn["beta_fast"], "beta_slow": yarn["beta_slow"],
+            "beta_fast": yarn["beta_fast"],
+            "beta_slow": yarn["beta_slow"],
         }
         if yarn["attention_factor"] is not None:
             params["attention_factor"] = yarn["attention_factor"]
@@ -49,10 +52,15 @@ def rope_parameters(cfg: dict) -> dict[str, dict]:
 def attention(cfg: dict, layer_type: str) -> GroupedQueryAttention:
     """GQA with Qwen3's per-head Q/K RMSNorm; the window on ``sliding_attention`` layers."""
     return GroupedQueryAttention(
-        cfg["emb_dim"], cfg["n_heads"], cfg["n_kv_heads"], cfg["head_dim"],
-        qk_norm="head", norm=partial(RMSNorm, eps=cfg["rms_norm_eps"], cast_first=True, dtype=cfg["dtype"]),
+        cfg["emb_dim"],
+        cfg["n_heads"],
+        cfg["n_kv_heads"],
+        cfg["head_dim"],
+        qk_norm="head",
+        norm=partial(RMSNorm, eps=cfg["rms_norm_eps"], cast_first=True, dtype=cfg["dtype"]),
         sliding_window=cfg["sliding_window"] if layer_type == SLIDING else None,
-        bias=cfg["attention_bias"], dtype=cfg["dtype"],
+        bias=cfg["attention_bias"],
+        dtype=cfg["dtype"],
     )
 
 

@@ -39,8 +39,17 @@ def tiny(n_layers: int | None = None) -> dict:
     The default 80 tokens pass the delta rule's first 64-token chunk.
     """
     return _base(
-        vocab_size=257, context_length=4096, emb_dim=32, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=64,
-        n_layers=n_layers or 4, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        vocab_size=257,
+        context_length=4096,
+        emb_dim=32,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        hidden_dim=64,
+        n_layers=n_layers or 4,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
         linear_value_head_dim=8,
     )
 
@@ -51,9 +60,18 @@ def shape_0_8b(n_layers: int | None = None) -> dict:
     Vocabulary 248320; ``n_layers`` default 4 (3 linear + 1 full) of the released 24.
     """
     return _base(
-        vocab_size=248_320, context_length=262_144, emb_dim=1024, n_heads=8, n_kv_heads=2, head_dim=256,
-        hidden_dim=3584, n_layers=n_layers or 4, linear_num_key_heads=16, linear_num_value_heads=16,
-        linear_key_head_dim=128, linear_value_head_dim=128,
+        vocab_size=248_320,
+        context_length=262_144,
+        emb_dim=1024,
+        n_heads=8,
+        n_kv_heads=2,
+        head_dim=256,
+        hidden_dim=3584,
+        n_layers=n_layers or 4,
+        linear_num_key_heads=16,
+        linear_num_value_heads=16,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
     )
 
 

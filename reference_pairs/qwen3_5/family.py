@@ -37,8 +37,11 @@ def node_map(head_dim: int) -> NodeMap:
         return [Node(name, ours, layer_types=(layer_type,)) for name, ours in entries]
 
     gate = Node(
-        "model.layers.{i}.self_attn.gate", "blocks.{i}.att.gate", layer_types=(FULL,),
-        reference="model.layers.{i}.self_attn.q_proj", reference_transform=per_head_gate(head_dim),
+        "model.layers.{i}.self_attn.gate",
+        "blocks.{i}.att.gate",
+        layer_types=(FULL,),
+        reference="model.layers.{i}.self_attn.q_proj",
+        reference_transform=per_head_gate(head_dim),
     )
     return NodeMap(
         before=EMBED,
@@ -77,7 +80,9 @@ def to_hf(cfg: dict):
         linear_value_head_dim=cfg["linear_value_head_dim"],
         linear_conv_kernel_dim=cfg["linear_conv_kernel_dim"],
         rope_parameters={
-            "rope_type": "default", "rope_theta": cfg["rope_base"], "partial_rotary_factor": cfg["partial_rotary_factor"],
+            "rope_type": "default",
+            "rope_theta": cfg["rope_base"],
+            "partial_rotary_factor": cfg["partial_rotary_factor"],
         },
     )
 
@@ -86,7 +91,10 @@ def to_hf(cfg: dict):
 #: same position on every M-RoPE axis, so for text they change nothing
 _ROPE_KEYS = {"rope_type", "rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved"}
 _LINEAR_FIELDS = (
-    "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
     "linear_conv_kernel_dim",
 )
 

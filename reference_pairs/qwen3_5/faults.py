@@ -50,7 +50,7 @@ def _conv_padded_right(layer):
         def forward(self, x, state=None):
             window = F.pad(x, (0, self.kernel_size - 1))
             y = self.act(F.conv1d(window.to(self.weight.dtype), self.weight, groups=x.shape[1])).to(x.dtype)
-            return y, window[..., -self.kernel_size:]
+            return y, window[..., -self.kernel_size :]
 
         conv.forward = types.MethodType(forward, conv)
 
@@ -91,7 +91,9 @@ def _state_misses_chunk_end(pair):
         if q.shape[2] <= c:
             return rule(q, k, v, g, beta, state)
         first, _ = rule(q[:, :, :c], k[:, :, :c], v[:, :, :c], g[:, :, :c], beta[:, :, :c], state)
-        _, carried = rule(q[:, :, : c - 1], k[:, :, : c - 1], v[:, :, : c - 1], g[:, :, : c - 1], beta[:, :, : c - 1], state)
+        _, carried = rule(
+            q[:, :, : c - 1], k[:, :, : c - 1], v[:, :, : c - 1], g[:, :, : c - 1], beta[:, :, : c - 1], state
+        )
         rest, final = rule(q[:, :, c:], k[:, :, c:], v[:, :, c:], g[:, :, c:], beta[:, :, c:], carried)
         return torch.cat([first, rest], dim=2), final
 
@@ -110,7 +112,9 @@ def _state_not_carried(pair):
     initial state); single-token steps carry it."""
     for att in _deltanets(pair):
         rule = att.delta_rule
-        att.delta_rule = lambda q, k, v, g, beta, state, _rule=rule: _rule(q, k, v, g, beta, state if q.shape[2] == 1 else None)
+        att.delta_rule = lambda q, k, v, g, beta, state, _rule=rule: _rule(
+            q, k, v, g, beta, state if q.shape[2] == 1 else None
+        )
 
 
 def _conv_reads(pick):
@@ -120,7 +124,9 @@ def _conv_reads(pick):
         for att in _deltanets(pair):
             conv = att.conv1d
             forward = conv.forward
-            conv.forward = lambda x, state=None, _forward=forward: _forward(x, None if state is None else pick(x, state))
+            conv.forward = lambda x, state=None, _forward=forward: _forward(
+                x, None if state is None else pick(x, state)
+            )
 
     return inject
 
@@ -150,7 +156,9 @@ def _recurrent_state_not_stored(pair):
         for layer in cache.layers:
             if isinstance(layer, LinearAttentionCacheLayer):
                 update = layer.update
-                layer.update = lambda conv, state, tokens, _update=update: _update(conv, torch.zeros_like(state), tokens)
+                layer.update = lambda conv, state, tokens, _update=update: _update(
+                    conv, torch.zeros_like(state), tokens
+                )
         return cache
 
     pair.ours.new_cache = cache_keeping_zeros
@@ -175,42 +183,138 @@ DECODE = (("decode", "8:4x2"),)
 DECODE_PADDED = (*DECODE, *LEFT_PADDED)
 
 FAULTS = (
-    Fault("gate-split-flat", "q_proj's output split in two flat halves (queries | gates) instead of per head",
-          "tiny", _flat_gate_split, f"{ATT.format(FULL_LAYER)}.gate", "head_mapping", scope=ATT.format(FULL_LAYER)),
-    Fault("rotary-whole-head", "RoPE over the whole head instead of its first partial_rotary_factor (1/4)",
-          "tiny", _whole_head_rotary, f"{ATT.format(FULL_LAYER)}.q_rot", "rope_partial",
-          scope=f"{ATT.format(FULL_LAYER)}.[qk]_rot"),
-    Fault("norm-w-not-1-plus-w", "input_layernorm of layer 0 scaled by w instead of 1 + w", "tiny",
-          _norm_without_unit_offset, "model.layers.0.input_layernorm", "norm_weight_offset"),
-    Fault("conv-padded-right", "the short conv padded on the right (anti-causal: reads K - 1 future tokens)",
-          "tiny", _conv_padded_right(0), f"{LIN.format(0)}.conv_out", "sequence_shift"),
-    Fault("beta-softplus", "beta = softplus(b) instead of sigmoid(b)", "tiny", _gates(beta_act=F.softplus),
-          f"{LIN.format(0)}.beta", "activation"),
-    Fault("g-sigmoid", "g = -exp(A_log) sigmoid(a + dt_bias) instead of softplus", "tiny",
-          _gates(decay_act=torch.sigmoid), f"{LIN.format(0)}.g", "activation"),
-    Fault("q-l2norm-missing", "q not L2-normalised before the delta rule", "tiny", _q_not_normalized,
-          f"{LIN.format(0)}.q_l2norm", "row_scale", scope=LIN.format(0)),
-    Fault("k-l2norm-missing", "k not L2-normalised before the delta rule", "tiny", _k_not_normalized,
-          f"{LIN.format(0)}.k_l2norm", "row_scale", scope=LIN.format(0)),
-    Fault("chunk-state-off-by-one", "the state carried out of the first chunk misses the chunk's last token",
-          "tiny", _state_misses_chunk_end, f"{LIN.format(0)}.delta_out", "chunk_boundary", scope=LIN.format(0)),
+    Fault(
+        "gate-split-flat",
+        "q_proj's output split in two flat halves (queries | gates) instead of per head",
+        "tiny",
+        _flat_gate_split,
+        f"{ATT.format(FULL_LAYER)}.gate",
+        "head_mapping",
+        scope=ATT.format(FULL_LAYER),
+    ),
+    Fault(
+        "rotary-whole-head",
+        "RoPE over the whole head instead of its first partial_rotary_factor (1/4)",
+        "tiny",
+        _whole_head_rotary,
+        f"{ATT.format(FULL_LAYER)}.q_rot",
+        "rope_partial",
+        scope=f"{ATT.format(FULL_LAYER)}.[qk]_rot",
+    ),
+    Fault(
+        "norm-w-not-1-plus-w",
+        "input_layernorm of layer 0 scaled by w instead of 1 + w",
+        "tiny",
+        _norm_without_unit_offset,
+        "model.layers.0.input_layernorm",
+        "norm_weight_offset",
+    ),
+    Fault(
+        "conv-padded-right",
+        "the short conv padded on the right (anti-causal: reads K - 1 future tokens)",
+        "tiny",
+        _conv_padded_right(0),
+        f"{LIN.format(0)}.conv_out",
+        "sequence_shift",
+    ),
+    Fault(
+        "beta-softplus",
+        "beta = softplus(b) instead of sigmoid(b)",
+        "tiny",
+        _gates(beta_act=F.softplus),
+        f"{LIN.format(0)}.beta",
+        "activation",
+    ),
+    Fault(
+        "g-sigmoid",
+        "g = -exp(A_log) sigmoid(a + dt_bias) instead of softplus",
+        "tiny",
+        _gates(decay_act=torch.sigmoid),
+        f"{LIN.format(0)}.g",
+        "activation",
+    ),
+    Fault(
+        "q-l2norm-missing",
+        "q not L2-normalised before the delta rule",
+        "tiny",
+        _q_not_normalized,
+        f"{LIN.format(0)}.q_l2norm",
+        "row_scale",
+        scope=LIN.format(0),
+    ),
+    Fault(
+        "k-l2norm-missing",
+        "k not L2-normalised before the delta rule",
+        "tiny",
+        _k_not_normalized,
+        f"{LIN.format(0)}.k_l2norm",
+        "row_scale",
+        scope=LIN.format(0),
+    ),
+    Fault(
+        "chunk-state-off-by-one",
+        "the state carried out of the first chunk misses the chunk's last token",
+        "tiny",
+        _state_misses_chunk_end,
+        f"{LIN.format(0)}.delta_out",
+        "chunk_boundary",
+        scope=LIN.format(0),
+    ),
     f07_repeat_kv(ATT, config="tiny", layer=FULL_LAYER, scope=FULL_LAYER),
     f10_masked_neg_inf(ATT, layer=FULL_LAYER, scope=FULL_LAYER),
-    Fault("state-not-carried", "every prefill chunk runs the delta rule from a zero state (decode steps carry it)",
-          "tiny", _state_not_carried, f"step1/{LIN.format(0)}.delta_out", "state_not_carried", check_kwargs=DECODE),
-    Fault("conv-state-not-carried", "the conv of a call continuing the cache starts from zeros, not the cached inputs",
-          "tiny", _conv_reads(lambda x, state: torch.zeros_like(state)), f"step1/{LIN.format(0)}.conv_out", "conv_state",
-          check_kwargs=DECODE),
-    Fault("conv-state-oldest-inputs", "a call continuing the cache reads the oldest K - 1 of the K cached conv inputs, "
-          "not the newest", "tiny", _conv_reads(lambda x, state: state[..., :-1]), f"step1/{LIN.format(0)}.conv_out",
-          "conv_state", check_kwargs=DECODE),
-    Fault("conv-state-kept-one-early", "the conv state kept after a call ends one input before the call's last",
-          "tiny", _conv_state_kept_one_early, f"step0/{LIN.format(0)}.cache.conv_state", "conv_state",
-          check_kwargs=DECODE),
-    Fault("recurrent-state-not-stored", "the cache keeps zeros for the recurrent state after every call (the slot "
-          "never written)", "tiny", _recurrent_state_not_stored, f"step0/{LIN.format(0)}.cache.recurrent_state",
-          "state_not_carried", check_kwargs=DECODE),
-    Fault("chunk-padding-leaks", "padding zeroed in a sequence's first call only: left padding in a later prefill "
-          "chunk leaks into the conv and the recurrent state", "tiny", _padding_zeroed_in_first_call_only,
-          f"step1/{LIN.format(0)}.in_proj_qkv", "padding", check_kwargs=DECODE_PADDED),
+    Fault(
+        "state-not-carried",
+        "every prefill chunk runs the delta rule from a zero state (decode steps carry it)",
+        "tiny",
+        _state_not_carried,
+        f"step1/{LIN.format(0)}.delta_out",
+        "state_not_carried",
+        check_kwargs=DECODE,
+    ),
+    Fault(
+        "conv-state-not-carried",
+        "the conv of a call continuing the cache starts from zeros, not the cached inputs",
+        "tiny",
+        _conv_reads(lambda x, state: torch.zeros_like(state)),
+        f"step1/{LIN.format(0)}.conv_out",
+        "conv_state",
+        check_kwargs=DECODE,
+    ),
+    Fault(
+        "conv-state-oldest-inputs",
+        "a call continuing the cache reads the oldest K - 1 of the K cached conv inputs, not the newest",
+        "tiny",
+        _conv_reads(lambda x, state: state[..., :-1]),
+        f"step1/{LIN.format(0)}.conv_out",
+        "conv_state",
+        check_kwargs=DECODE,
+    ),
+    Fault(
+        "conv-state-kept-one-early",
+        "the conv state kept after a call ends one input before the call's last",
+        "tiny",
+        _conv_state_kept_one_early,
+        f"step0/{LIN.format(0)}.cache.conv_state",
+        "conv_state",
+        check_kwargs=DECODE,
+    ),
+    Fault(
+        "recurrent-state-not-stored",
+        "the cache keeps zeros for the recurrent state after every call (the slot never written)",
+        "tiny",
+        _recurrent_state_not_stored,
+        f"step0/{LIN.format(0)}.cache.recurrent_state",
+        "state_not_carried",
+        check_kwargs=DECODE,
+    ),
+    Fault(
+        "chunk-padding-leaks",
+        "padding zeroed in a sequence's first call only: left padding in a later prefill "
+        "chunk leaks into the conv and the recurrent state",
+        "tiny",
+        _padding_zeroed_in_first_call_only,
+        f"step1/{LIN.format(0)}.in_proj_qkv",
+        "padding",
+        check_kwargs=DECODE_PADDED,
+    ),
 )

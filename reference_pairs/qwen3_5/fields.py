@@ -32,9 +32,19 @@ FIELDS = (
     Field("rope_base", floats(1e3, 1e7, log=True), 1_000_000.0, f"{ATT}.q_rot", "rope_theta"),
     Field("partial_rotary_factor", choice(0.25, 0.5, 1.0), 0.5, f"{ATT}.q_rot", "rope_partial"),
     Field("linear_conv_kernel_dim", ints(2, 5), 3, "loader", why="the conv weight is (channels, 1, K)"),
-    Field("activation", choice("silu", "gelu_pytorch_tanh"), "gelu_pytorch_tanh", f"{LIN}.conv_out",
-          why="the conv's activation comes first (the MLP's later); no hint: silu and gelu both dip below zero, "
-              "so neither is a monotone function of the other and the conv's input is no node"),
-    Field("layer_types", None, [LINEAR, LINEAR, FULL, FULL], "loader",
-          why="a linear layer and a full one hold different weights"),
+    Field(
+        "activation",
+        choice("silu", "gelu_pytorch_tanh"),
+        "gelu_pytorch_tanh",
+        f"{LIN}.conv_out",
+        why="the conv's activation comes first (the MLP's later); no hint: silu and gelu both dip below zero, "
+        "so neither is a monotone function of the other and the conv's input is no node",
+    ),
+    Field(
+        "layer_types",
+        None,
+        [LINEAR, LINEAR, FULL, FULL],
+        "loader",
+        why="a linear layer and a full one hold different weights",
+    ),
 )

@@ -38,7 +38,11 @@ from ..common.norms import RMSNorm
 
 def rope_parameters(cfg: dict) -> dict[str, dict | None]:
     """Plain RoPE on a ``partial_rotary_factor`` share of each head on full-attention layers; none on linear ones."""
-    full = {"rope_type": "default", "rope_theta": cfg["rope_base"], "partial_rotary_factor": cfg["partial_rotary_factor"]}
+    full = {
+        "rope_type": "default",
+        "rope_theta": cfg["rope_base"],
+        "partial_rotary_factor": cfg["partial_rotary_factor"],
+    }
     return {FULL: full, LINEAR: None}
 
 
@@ -48,14 +52,27 @@ def transformer_block(cfg: dict, layer_type: str) -> PreNormBlock:
     norm = partial(RMSNorm, eps=cfg["rms_norm_eps"], unit_offset=True, dtype=dtype)
     if layer_type == LINEAR:
         att = GatedDeltaNet(
-            emb_dim, cfg["linear_num_key_heads"], cfg["linear_num_value_heads"], cfg["linear_key_head_dim"],
-            cfg["linear_value_head_dim"], cfg["linear_conv_kernel_dim"], eps=cfg["rms_norm_eps"],
-            activation=cfg["activation"], dtype=dtype,
+            emb_dim,
+            cfg["linear_num_key_heads"],
+            cfg["linear_num_value_heads"],
+            cfg["linear_key_head_dim"],
+            cfg["linear_value_head_dim"],
+            cfg["linear_conv_kernel_dim"],
+            eps=cfg["rms_norm_eps"],
+            activation=cfg["activation"],
+            dtype=dtype,
         )
     elif layer_type == FULL:
         att = GroupedQueryAttention(
-            emb_dim, cfg["n_heads"], cfg["n_kv_heads"], cfg["head_dim"], qk_norm="head", norm=norm,
-            output_gate=True, bias=cfg["attention_bias"], dtype=dtype,
+            emb_dim,
+            cfg["n_heads"],
+            cfg["n_kv_heads"],
+            cfg["head_dim"],
+            qk_norm="head",
+            norm=norm,
+            output_gate=True,
+            bias=cfg["attention_bias"],
+            dtype=dtype,
         )
     else:
         raise ValueError(f"layer type {layer_type!r} is not one of Qwen3.5's ({LINEAR}, {FULL})")

@@ -42,8 +42,17 @@ def tiny_moe(n_layers: int | None = None) -> dict:
     """3 layers (layer 1 a dense MLP, ``mlp_only_layers`` [1]), 8 experts of width 16, top-2 renormalised; GQA 4/2, head_dim 16."""
     n = n_layers or 3
     return _base(
-        vocab_size=257, context_length=4096, emb_dim=32, n_heads=4, n_kv_heads=2, n_layers=n, hidden_dim=48,
-        head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+        vocab_size=257,
+        context_length=4096,
+        emb_dim=32,
+        n_heads=4,
+        n_kv_heads=2,
+        n_layers=n,
+        hidden_dim=48,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
         mlp_only_layers=[1] if n > 1 else [],
     )
 
@@ -51,8 +60,15 @@ def tiny_moe(n_layers: int | None = None) -> dict:
 def shape_30b_a3b(n_layers: int | None = None) -> dict:
     """Qwen3-30B-A3B widths: emb 2048, 32 query / 4 KV heads, head_dim 128, 128 experts (top-8) of 768; ``n_layers`` default 2 (48 released)."""
     return _base(
-        emb_dim=2048, n_heads=32, n_kv_heads=4, n_layers=n_layers or 2, hidden_dim=6144, head_dim=128,
-        num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+        emb_dim=2048,
+        n_heads=32,
+        n_kv_heads=4,
+        n_layers=n_layers or 2,
+        hidden_dim=6144,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
     )
 
 

@@ -55,13 +55,19 @@ def from_hf(hc, dtype: torch.dtype) -> dict:
     if int(hc.decoder_sparse_step) < 1:
         raise ConfigError(f"decoder_sparse_step {hc.decoder_sparse_step!r} is not supported (at least 1)")
     moe = {ours: getattr(hc, hf) for ours, hf in MOE_FIELDS}
-    moe.update(norm_topk_prob=bool(moe["norm_topk_prob"]), mlp_only_layers=sorted(int(i) for i in moe["mlp_only_layers"] or []))
+    moe.update(
+        norm_topk_prob=bool(moe["norm_topk_prob"]), mlp_only_layers=sorted(int(i) for i in moe["mlp_only_layers"] or [])
+    )
     return dict(**attention_from_hf(hc, dtype), layer_types=[FULL] * hc.num_hidden_layers, **moe)
 
 
 def features(cfg: dict) -> set[str]:
     """What a cfg exercises beyond the facts the gate reads itself: how the top-k weights are formed."""
-    return {"top-k weights renormalised (norm_topk_prob)" if cfg["norm_topk_prob"] else "top-k weights as softmax probabilities"}
+    return {
+        "top-k weights renormalised (norm_topk_prob)"
+        if cfg["norm_topk_prob"]
+        else "top-k weights as softmax probabilities"
+    }
 
 
 FAMILY = Family(

@@ -30,8 +30,13 @@ def is_sparse(cfg: dict, i: int) -> bool:
 def feed_forward(cfg: dict, i: int):
     if is_sparse(cfg, i):
         return SparseMoE(
-            cfg["emb_dim"], cfg["moe_intermediate_size"], cfg["num_experts"], cfg["num_experts_per_tok"],
-            norm_topk_prob=cfg["norm_topk_prob"], activation="silu", dtype=cfg["dtype"],
+            cfg["emb_dim"],
+            cfg["moe_intermediate_size"],
+            cfg["num_experts"],
+            cfg["num_experts_per_tok"],
+            norm_topk_prob=cfg["norm_topk_prob"],
+            activation="silu",
+            dtype=cfg["dtype"],
         )
     return GatedMLP(cfg["emb_dim"], cfg["hidden_dim"], activation="silu", dtype=cfg["dtype"])
 
@@ -40,7 +45,10 @@ class Qwen3MoeModel(DecoderModel):
     """Token ids ``(batch, seq)`` -> logits ``(batch, seq, vocab_size)`` in ``cfg["dtype"]``."""
 
     def __init__(self, cfg: dict):
-        blocks = [PreNormBlock(attention(cfg, t), feed_forward(cfg, i), norm(cfg), t) for i, t in enumerate(cfg["layer_types"])]
+        blocks = [
+            PreNormBlock(attention(cfg, t), feed_forward(cfg, i), norm(cfg), t)
+            for i, t in enumerate(cfg["layer_types"])
+        ]
         super().__init__(cfg, blocks, norm(cfg)())
 
     def rope_parameters(self) -> dict[str, dict]:

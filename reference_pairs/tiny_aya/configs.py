@@ -39,8 +39,15 @@ def tiny(n_layers: int | None = None) -> dict:
     """4 layers (3 sliding + 1 full), window 4, GQA 4 query / 2 KV heads, head_dim 8, logit_scale 0.0625, tied."""
     n = n_layers or 4
     return _base(
-        vocab_size=257, context_length=4096, emb_dim=32, n_heads=4, n_kv_heads=2, n_layers=n,
-        hidden_dim=64, head_dim=8, sliding_window=4,
+        vocab_size=257,
+        context_length=4096,
+        emb_dim=32,
+        n_heads=4,
+        n_kv_heads=2,
+        n_layers=n,
+        hidden_dim=64,
+        head_dim=8,
+        sliding_window=4,
         # Not Tiny Aya's 1.0 (Cohere2Config's default, as in Command R): a scale of 1 would make a
         # forgotten ``logits * logit_scale`` invisible.
         logit_scale=0.0625,
@@ -54,9 +61,19 @@ def shape_3b(n_layers: int | None = None) -> dict:
     so at this shape a missing logit scale cannot show; the ``tiny`` config covers it.
     """
     return _base(
-        vocab_size=262_144, context_length=500_000, emb_dim=2048, n_heads=16, n_kv_heads=4,
-        n_layers=n_layers or 2, hidden_dim=11_008, head_dim=128, sliding_window=4096,
-        rope_base=50_000.0, layer_norm_eps=1e-5, logit_scale=1.0, tie_word_embeddings=True,
+        vocab_size=262_144,
+        context_length=500_000,
+        emb_dim=2048,
+        n_heads=16,
+        n_kv_heads=4,
+        n_layers=n_layers or 2,
+        hidden_dim=11_008,
+        head_dim=128,
+        sliding_window=4096,
+        rope_base=50_000.0,
+        layer_norm_eps=1e-5,
+        logit_scale=1.0,
+        tie_word_embeddings=True,
     )
 
 

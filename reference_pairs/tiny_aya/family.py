@@ -69,7 +69,9 @@ def from_hf(hc, dtype: torch.dtype) -> dict:
         raise ConfigError(f"hidden_act {hc.hidden_act!r} is not supported (Tiny Aya uses 'silu')")
     for key, value in _COHERE_FIXED.items():
         if getattr(hc, key, None) not in (None, value):
-            raise ConfigError(f"{key}={getattr(hc, key)!r} is not supported (Cohere2ForCausalLM implements only {value!r})")
+            raise ConfigError(
+                f"{key}={getattr(hc, key)!r} is not supported (Cohere2ForCausalLM implements only {value!r})"
+            )
     layer_types = list(hc.layer_types)
     unknown_types = set(layer_types) - {SLIDING, FULL}
     if unknown_types:

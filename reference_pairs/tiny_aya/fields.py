@@ -24,6 +24,12 @@ FIELDS = (
     Field("sliding_window", ints(1, 24), 5, f"{ATT.format(0)}.probs", "sliding_window"),
     Field("rope_base", floats(1e3, 1e6, log=True), 10_000.0, f"{ATT.format(0)}.q_rot", "rope_theta"),
     Field("logit_scale", floats(0.01, 2.0), 0.125, "logits", "logit_scale"),
-    Field("layer_types", None, [FULL] * 4, f"{ATT.format(0)}.q_rot", "rope_unexpected",
-          why="a sliding layer run as a full (NoPE) layer: ours rotates it"),
+    Field(
+        "layer_types",
+        None,
+        [FULL] * 4,
+        f"{ATT.format(0)}.q_rot",
+        "rope_unexpected",
+        why="a sliding layer run as a full (NoPE) layer: ours rotates it",
+    ),
 )

@@ -44,9 +44,15 @@ def transformer_block(cfg: dict, layer_type: str) -> ParallelBlock:
     """One parallel block; ``layer_type`` decides the window (and, through its RoPE table, the RoPE)."""
     dtype, emb_dim = cfg["dtype"], cfg["emb_dim"]
     att = GroupedQueryAttention(
-        emb_dim, cfg["n_heads"], cfg["n_kv_heads"], cfg["head_dim"],
+        emb_dim,
+        cfg["n_heads"],
+        cfg["n_kv_heads"],
+        cfg["head_dim"],
         sliding_window=cfg["sliding_window"] if layer_type == SLIDING else None,
-        interleaved_rope=True, rotate_in_float32=True, bias=cfg["attention_bias"], dtype=dtype,
+        interleaved_rope=True,
+        rotate_in_float32=True,
+        bias=cfg["attention_bias"],
+        dtype=dtype,
     )
     ff = GatedMLP(emb_dim, cfg["hidden_dim"], activation="silu", dtype=dtype)
     return ParallelBlock(att, ff, partial(LayerNorm, emb_dim, eps=cfg["layer_norm_eps"], dtype=dtype), layer_type)

@@ -66,7 +66,9 @@ def frequencies(config: dict, head_dim: int, scaled: bool = True) -> np.ndarray:
         context = rope["original_max_position_embeddings"]
         wavelength = 2 * math.pi / f
         t = (context / wavelength - low) / (high - low)
-        f = np.where(wavelength < context / high, f, np.where(wavelength > context / low, f / s, (1 - t) * f / s + t * f))
+        f = np.where(
+            wavelength < context / high, f, np.where(wavelength > context / low, f / s, (1 - t) * f / s + t * f)
+        )
     return f
 
 
@@ -89,7 +91,9 @@ def softmax(x: np.ndarray) -> np.ndarray:
     return e / e.sum(axis=-1, keepdims=True)
 
 
-def forward(config: dict, w: dict[str, np.ndarray], input_ids: np.ndarray, positions: np.ndarray, fault: str | None = None) -> dict:
+def forward(
+    config: dict, w: dict[str, np.ndarray], input_ids: np.ndarray, positions: np.ndarray, fault: str | None = None
+) -> dict:
     """Every node of a Llama forward, by its Transformers node name, in execution order."""
     nodes = {}
     batch, seq = input_ids.shape
@@ -104,8 +108,14 @@ def forward(config: dict, w: dict[str, np.ndarray], input_ids: np.ndarray, posit
         p = f"model.layers.{i}"
         a = rms_norm(h, w[f"{p}.input_layernorm.weight"], eps)
         q, k, v = (a @ w[f"{p}.self_attn.{n}_proj.weight"].T for n in "qkv")
-        nodes.update({f"{p}.input_layernorm": a, f"{p}.self_attn.q_proj": q, f"{p}.self_attn.k_proj": k,
-                      f"{p}.self_attn.v_proj": v})
+        nodes.update(
+            {
+                f"{p}.input_layernorm": a,
+                f"{p}.self_attn.q_proj": q,
+                f"{p}.self_attn.k_proj": k,
+                f"{p}.self_attn.v_proj": v,
+            }
+        )
         q = q.reshape(batch, seq, heads, d).transpose(0, 2, 1, 3)
         k = k.reshape(batch, seq, kv_heads, d).transpose(0, 2, 1, 3)
         v = v.reshape(batch, seq, kv_heads, d).transpose(0, 2, 1, 3)
@@ -117,8 +127,16 @@ def forward(config: dict, w: dict[str, np.ndarray], input_ids: np.ndarray, posit
         probs = softmax(s + mask)
         c = (probs @ v_all).transpose(0, 2, 1, 3).reshape(batch, seq, heads * d)
         o = c @ w[f"{p}.self_attn.o_proj.weight"].T
-        nodes.update({f"{p}.self_attn.q_rot": q, f"{p}.self_attn.k_rot": k, f"{p}.self_attn.scores": s,
-                      f"{p}.self_attn.probs": probs, f"{p}.self_attn.context": c, f"{p}.self_attn.o_proj": o})
+        nodes.update(
+            {
+                f"{p}.self_attn.q_rot": q,
+                f"{p}.self_attn.k_rot": k,
+                f"{p}.self_attn.scores": s,
+                f"{p}.self_attn.probs": probs,
+                f"{p}.self_attn.context": c,
+                f"{p}.self_attn.o_proj": o,
+            }
+        )
         h = h + o
         m = rms_norm(h, w[f"{p}.post_attention_layernorm.weight"], eps)
         gate_w, up_w = w[f"{p}.mlp.gate_proj.weight"], w[f"{p}.mlp.up_proj.weight"]
@@ -126,8 +144,15 @@ def forward(config: dict, w: dict[str, np.ndarray], input_ids: np.ndarray, posit
             gate_w, up_w = up_w, gate_w
         g, u = m @ gate_w.T, m @ up_w.T
         dn = (g / (1 + np.exp(-g)) * u) @ w[f"{p}.mlp.down_proj.weight"].T
-        nodes.update({f"{p}.post_attention_layernorm@input": h, f"{p}.post_attention_layernorm": m,
-                      f"{p}.mlp.gate_proj": g, f"{p}.mlp.up_proj": u, f"{p}.mlp.down_proj": dn})
+        nodes.update(
+            {
+                f"{p}.post_attention_layernorm@input": h,
+                f"{p}.post_attention_layernorm": m,
+                f"{p}.mlp.gate_proj": g,
+                f"{p}.mlp.up_proj": u,
+                f"{p}.mlp.down_proj": dn,
+            }
+        )
         h = h + dn
         nodes[p] = h
     n = rms_norm(h, w["model.norm.weight"], eps)
@@ -176,7 +201,9 @@ def runtime_layout(name: str, x: np.ndarray, heads: int) -> tuple[str, np.ndarra
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--weights", required=True, type=Path, help="Transformers checkpoint folder (config.json, safetensors)")
+    parser.add_argument(
+        "--weights", required=True, type=Path, help="Transformers checkpoint folder (config.json, safetensors)"
+    )
     parser.add_argument("--inputs", required=True, type=Path, help="a trace's inputs.safetensors")
     parser.add_argument("--out", required=True, type=Path, help="dump folder to create")
     parser.add_argument("--names", choices=("transformers", "runtime"), default="transformers")
@@ -195,7 +222,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         if inputs["input_ids"].shape[0] != 1:
             parser.error("--names runtime dumps batch row 0 only: record the trace with batch 1")
-        save_file(dict(runtime_layout(n, x, config["num_attention_heads"]) for n, x in nodes.items()), args.out / "dump.safetensors")
+        save_file(
+            dict(runtime_layout(n, x, config["num_attention_heads"]) for n, x in nodes.items()),
+            args.out / "dump.safetensors",
+        )
     return 0
 
 

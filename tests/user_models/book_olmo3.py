@@ -11,23 +11,23 @@ import parity
 
 # A tiny example config (same keys that `build()` fills in from a real checkpoint).
 OLMO3_CONFIG_TINY = {
-    "vocab_size": 128,          # Vocabulary size
-    "context_length": 64,       # Max positions the model was configured for
-    "emb_dim": 32,              # Embedding (residual stream) width
-    "n_heads": 4,               # Query heads
-    "n_kv_heads": 2,            # Key/value heads (grouped-query attention)
-    "n_layers": 4,              # Number of transformer blocks
-    "hidden_dim": 64,           # Width of the feed-forward layer
-    "head_dim": 8,              # Size of one attention head
-    "qkv_bias": False,          # Bias on the attention projections
-    "norm_eps": 1e-6,           # RMSNorm epsilon
-    "sliding_window": 4,        # Window for the sliding-attention layers
+    "vocab_size": 128,  # Vocabulary size
+    "context_length": 64,  # Max positions the model was configured for
+    "emb_dim": 32,  # Embedding (residual stream) width
+    "n_heads": 4,  # Query heads
+    "n_kv_heads": 2,  # Key/value heads (grouped-query attention)
+    "n_layers": 4,  # Number of transformer blocks
+    "hidden_dim": 64,  # Width of the feed-forward layer
+    "head_dim": 8,  # Size of one attention head
+    "qkv_bias": False,  # Bias on the attention projections
+    "norm_eps": 1e-6,  # RMSNorm epsilon
+    "sliding_window": 4,  # Window for the sliding-attention layers
     "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
-    "rope_parameters": {        # One RoPE setting per layer type
+    "rope_parameters": {  # One RoPE setting per layer type
         "sliding_attention": {"rope_type": "default", "rope_theta": 500_000.0},
         "full_attention": {"rope_type": "default", "rope_theta": 500_000.0},
     },
-    "tie_embeddings": False,    # Share tok_emb and out_head weights
+    "tie_embeddings": False,  # Share tok_emb and out_head weights
     "dtype": torch.float32,
 }
 
@@ -35,6 +35,7 @@ OLMO3_CONFIG_TINY = {
 # ---------------------------------------------------------------------------
 # Rotary position embeddings
 # ---------------------------------------------------------------------------
+
 
 def _yarn_mscale(scale, mscale=1.0):
     # Attention temperature suggested by the YaRN paper: 0.1 * ln(s) + 1
@@ -107,8 +108,8 @@ def rope_cos_sin(cfg, layer_type, seq_len, device=None):
     # Positions 0..seq_len-1, angles duplicated for the two halves (rotate-half layout)
     inv_freq, attn_scaling = compute_rope_params(cfg, layer_type)
     positions = torch.arange(seq_len, device=device).float()
-    angles = positions[:, None] * inv_freq.to(device)[None, :]   # (seq, dim/2)
-    angles = torch.cat([angles, angles], dim=-1)                  # (seq, dim)
+    angles = positions[:, None] * inv_freq.to(device)[None, :]  # (seq, dim/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (seq, dim)
     return angles.cos() * attn_scaling, angles.sin() * attn_scaling
 
 
@@ -117,13 +118,14 @@ def apply_rope(x, cos, sin):
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     rotated = torch.cat([-x2, x1], dim=-1)
-    out = x * cos + rotated * sin        # computed in float32
+    out = x * cos + rotated * sin  # computed in float32
     return out.to(x.dtype)
 
 
 # ---------------------------------------------------------------------------
 # Building blocks
 # ---------------------------------------------------------------------------
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps=1e-6, dtype=None):
@@ -143,9 +145,9 @@ class FeedForward(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         d, h, dt = cfg["emb_dim"], cfg["hidden_dim"], cfg["dtype"]
-        self.fc1 = nn.Linear(d, h, bias=False, dtype=dt)   # gate
-        self.fc2 = nn.Linear(d, h, bias=False, dtype=dt)   # up
-        self.fc3 = nn.Linear(h, d, bias=False, dtype=dt)   # down
+        self.fc1 = nn.Linear(d, h, bias=False, dtype=dt)  # gate
+        self.fc2 = nn.Linear(d, h, bias=False, dtype=dt)  # up
+        self.fc3 = nn.Linear(h, d, bias=False, dtype=dt)  # down
 
     def forward(self, x):
         return self.fc3(nn.functional.silu(self.fc1(x)) * self.fc2(x))
@@ -189,7 +191,7 @@ class GroupedQueryAttention(nn.Module):
         keys = keys.repeat_interleave(self.group_size, dim=1)
         values = values.repeat_interleave(self.group_size, dim=1)
 
-        scores = parity.tap((queries @ keys.transpose(2, 3)) * self.head_dim ** -0.5, "scores")
+        scores = parity.tap((queries @ keys.transpose(2, 3)) * self.head_dim**-0.5, "scores")
         # Finite min instead of -inf: a row with every key masked stays NaN-free
         scores = scores.masked_fill(mask, torch.finfo(scores.dtype).min)
         weights = parity.tap(torch.softmax(scores, dim=-1, dtype=torch.float32).to(queries.dtype), "probs")
@@ -220,9 +222,7 @@ class Olmo3Model(nn.Module):
         self.cfg = cfg
         dt = cfg["dtype"]
         self.tok_emb = nn.Embedding(cfg["vocab_size"], cfg["emb_dim"], dtype=dt)
-        self.trf_blocks = nn.ModuleList(
-            [TransformerBlock(cfg, layer_type) for layer_type in cfg["layer_types"]]
-        )
+        self.trf_blocks = nn.ModuleList([TransformerBlock(cfg, layer_type) for layer_type in cfg["layer_types"]])
         self.final_norm = RMSNorm(cfg["emb_dim"], cfg["norm_eps"], dtype=dt)
         self.out_head = nn.Linear(cfg["emb_dim"], cfg["vocab_size"], bias=False, dtype=dt)
         if cfg["tie_embeddings"]:
@@ -231,12 +231,12 @@ class Olmo3Model(nn.Module):
     def build_masks(self, seq_len, attention_mask, device):
         # True = "may not attend"
         ones = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device)
-        future = torch.triu(ones, diagonal=1)                          # j > i
+        future = torch.triu(ones, diagonal=1)  # j > i
         too_old = torch.tril(ones, diagonal=-self.cfg["sliding_window"])  # j <= i - window
         masks = {"full_attention": future, "sliding_attention": future | too_old}
-        masks = {k: m[None, None] for k, m in masks.items()}           # (1, 1, n, n)
+        masks = {k: m[None, None] for k, m in masks.items()}  # (1, 1, n, n)
         if attention_mask is not None:
-            padded = (attention_mask == 0)[:, None, None, :]           # (b, 1, 1, n)
+            padded = (attention_mask == 0)[:, None, None, :]  # (b, 1, 1, n)
             masks = {k: m | padded for k, m in masks.items()}
         return masks
 
@@ -260,13 +260,14 @@ class Olmo3Model(nn.Module):
 # Loading Hugging Face weights
 # ---------------------------------------------------------------------------
 
+
 def config_from_hf(hf_config, dtype):
     n_heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // n_heads
     layer_types = list(hf_config.layer_types)
 
     rope = dict(hf_config.rope_parameters or {})
-    if "rope_type" in rope or "rope_theta" in rope:   # a single flat setting: use it everywhere
+    if "rope_type" in rope or "rope_theta" in rope:  # a single flat setting: use it everywhere
         rope = {t: dict(rope) for t in set(layer_types)}
     rope = {t: dict(p) for t, p in rope.items()}
 

@@ -25,6 +25,7 @@ Cache (``model.new_cache()`` -> ``KVCache``): one slot object per layer, buffers
 next token, which drives the causal / sliding masks. RoPE angles come from ``position_ids`` instead,
 so a left-padded row can count only its real tokens.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -285,7 +286,9 @@ class Olmo3LM(nn.Module):
         self.blocks = nn.ModuleList(Block(args, kind) for kind in args.layer_kinds)
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        self.ropes = nn.ModuleDict({k: Rotary(args.head_dim, args.rope_theta[k]) for k in sorted(set(args.layer_kinds))})
+        self.ropes = nn.ModuleDict(
+            {k: Rotary(args.head_dim, args.rope_theta[k]) for k in sorted(set(args.layer_kinds))}
+        )
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
         return KVCache(self.args, max_len or self.args.max_seq_len)

@@ -47,7 +47,7 @@ def llama3_adjust_inv_freq(inv_freq: torch.Tensor, adj: dict) -> torch.Tensor:
     old_len = adj["original_max_seq_len"]
 
     wavelen = 2 * math.pi / inv_freq
-    long_wave = old_len / low    # wavelengths beyond this are fully scaled
+    long_wave = old_len / low  # wavelengths beyond this are fully scaled
     short_wave = old_len / high  # wavelengths below this are untouched
 
     # smooth goes 0 -> 1 as the wavelength shrinks from long_wave to short_wave
@@ -68,12 +68,12 @@ def build_rope_cache(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return (cos, sin), each (seq_len, n_elem), in float32, half-split layout."""
     exponent = torch.arange(0, n_elem, 2, device=device).float() / n_elem
-    inv_freq = 1.0 / (base ** exponent)
+    inv_freq = 1.0 / (base**exponent)
     if adjustments is not None:
         inv_freq = llama3_adjust_inv_freq(inv_freq, adjustments)
 
     pos = torch.arange(seq_len, device=device).float()
-    angles = torch.outer(pos, inv_freq)          # (T, n_elem / 2)
+    angles = torch.outer(pos, inv_freq)  # (T, n_elem / 2)
     angles = torch.cat([angles, angles], dim=-1)  # (T, n_elem): same angle for i and i + n_elem/2
     return angles.cos(), angles.sin()
 
@@ -242,9 +242,11 @@ def convert_hf_checkpoint(sd: dict, config: Config) -> dict:
         out[dst + "norm_1.weight"] = sd[src + "input_layernorm.weight"]
         out[dst + "norm_2.weight"] = sd[src + "post_attention_layernorm.weight"]
         out[dst + "attn.qkv.weight"] = torch.cat(
-            [sd[src + "self_attn.q_proj.weight"],
-             sd[src + "self_attn.k_proj.weight"],
-             sd[src + "self_attn.v_proj.weight"]],
+            [
+                sd[src + "self_attn.q_proj.weight"],
+                sd[src + "self_attn.k_proj.weight"],
+                sd[src + "self_attn.v_proj.weight"],
+            ],
             dim=0,
         )
         out[dst + "attn.proj.weight"] = sd[src + "self_attn.o_proj.weight"]

@@ -162,9 +162,7 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None):
         bsz, seqlen = tokens.shape
         h = self.tok_embeddings(tokens)
-        freqs_cis = precompute_freqs_cis(
-            self.params.head_dim, seqlen, self.params.rope_theta, device=h.device
-        )
+        freqs_cis = precompute_freqs_cis(self.params.head_dim, seqlen, self.params.rope_theta, device=h.device)
         masks = self._masks(attention_mask, seqlen, bsz, h.dtype, h.device)
         for layer in self.layers:
             h = layer(h, freqs_cis, masks[layer.layer_type])
