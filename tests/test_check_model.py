@@ -215,7 +215,11 @@ def test_a_reference_tensor_left_unused_is_named():
         model.transformer.ln_f.weight = nn.Parameter(torch.ones_like(model.transformer.ln_f.weight))
         return model
 
-    with pytest.raises(parity.ParityError, match=r"holds no copy of reference tensor\(s\) model.norm.weight"):
+    with pytest.raises(
+        parity.ParityError,
+        match=r"reference tensor\(s\) model\.norm\.weight are in no parameter or buffer of your model.*"
+        r"holding only zeros or ones: transformer\.ln_f\.weight",
+    ):
         parity.check_model(build, "llama3")
 
 
@@ -247,16 +251,16 @@ def test_cli_check_ours_and_align(tmp_path, capsys):
         main(["check", "--ours", spec, "--reference", "llama3", "--report-dir", str(tmp_path), "--format", "json"]) == 0
     )
     out = capsys.readouterr().out
-    assert "PASS: all 29 nodes agree" in out and "6 of 35 reference nodes untapped" in out
+    assert "PASS: all 30 nodes agree" in out and "6 of 36 reference nodes untapped" in out
     (folder,) = [p for p in tmp_path.iterdir() if not p.name.startswith(".")]
     result = json.loads((folder / "result.json").read_text())
-    assert result["counts"] == {"ok": 29, "untapped": 6}
+    assert result["counts"] == {"ok": 30, "untapped": 6}
     assert main(["align", "--ours", spec, "--reference", "llama3"]) == 0
     out = capsys.readouterr().out
     assert (
         "transformer.h.0.attn.qkv" in out
         and "fused rows" in out
-        and "35 aligned (10 expect a parity.tap call), 0 unaligned" in out
+        and "36 aligned (10 expect a parity.tap call), 0 unaligned" in out
     )
 
 
@@ -298,3 +302,73 @@ def test_assert_bit_exact_holds_our_pairs_to_the_last_bit_and_a_user_model_to_it
 
     exact = parity.assert_bit_exact(parity.build.build_pair(get_family("llama3")))
     assert all(n.max_abs == 0.0 and n.atol == 0.0 for n in exact.nodes)
+
+
+# --- what forward returns is judged, not only the modules' outputs
+
+
+class _Returning(nn.Module):
+    """A correct model whose forward returns something else than its logits (every module agrees)."""
+
+    def __init__(self, inner: nn.Module, kind: str):
+        super().__init__()
+        self.inner, self.kind = inner, kind
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
+        logits = self.inner(input_ids, attention_mask=attention_mask)
+        return {
+            "zeros": torch.zeros_like(logits),
+            "doubled": logits * 2,
+            "none": None,
+            "hidden-first": (logits[..., :8], logits),
+            "transposed": logits.transpose(0, 1),
+            "logits-first": (logits, "a cache"),
+        }[self.kind]
+
+
+@pytest.mark.parametrize("kind", ["zeros", "doubled", "none", "hidden-first", "transposed"])
+def test_a_wrong_returned_value_fails_at_the_logits_node_though_every_module_agrees(kind):
+    res = parity.check_model(lambda sd, cfg: _Returning(litgpt_llama.build(sd, cfg), kind), "llama3", batch_size=2)
+    assert not res.passed, res.verdict()
+    bad = res.first_mismatch
+    assert bad.name == "logits" and bad.index == len(res.nodes) - 1  # after every module
+    assert all(n.status in ("ok", "untapped") for n in res.nodes if n.name != "logits")
+    assert bad.status == {"none": "missing", "hidden-first": "shape", "transposed": "shape"}.get(kind, "mismatch")
+
+
+def test_a_tuple_whose_first_item_is_the_logits_passes():
+    res = parity.check_model(lambda sd, cfg: _Returning(litgpt_llama.build(sd, cfg), "logits-first"), "llama3")
+    assert res.passed, res.verdict()
+
+
+@pytest.mark.parametrize("family", ["olmo3", "llama3"])
+def test_every_family_compares_what_its_forward_returns(family):
+    from parity.model.registry import get_family
+
+    pair = parity.build.build_pair(get_family(family))
+    assert pair.nodes[-1].name == "logits" and pair.nodes[-1].ours == "" and pair.nodes[-1].reference_path == ""
+    pair.ours.forward = lambda *a, _f=pair.ours.forward, **k: _f(*a, **k) * 2
+    res = parity.check(pair)
+    assert res.first_mismatch.name == "logits"
+
+
+@pytest.mark.parametrize("where", ["build", "forward"])
+@pytest.mark.parametrize("exit_with", [SystemExit(0), SystemExit(3), KeyboardInterrupt()])
+def test_user_code_that_exits_is_one_line_and_a_nonzero_exit(where, exit_with, tmp_path, capsys):
+    module = tmp_path / "exiting.py"
+    module.write_text(
+        f"import sys\nsys.path.insert(0, {str(USER_MODELS)!r})\nimport litgpt_llama\n\n"
+        + f"def leave():\n    raise {exit_with!r}\n\n"
+        + "def build(sd, cfg):\n"
+        + (
+            "    leave()\n"
+            if where == "build"
+            else "    model = litgpt_llama.build(sd, cfg)\n    model.forward = lambda *a, **k: leave()\n    return model\n"
+        )
+    )
+    code = main(["check", "--ours", f"{module}:build", "--reference", "llama3", "--report-dir", str(tmp_path / "r")])
+    out = capsys.readouterr()
+    assert code == 2, out
+    text = " ".join((out.out + out.err).split())
+    assert ("build " if where == "build" else "forward") in text and type(exit_with).__name__ in text
+    assert "Traceback" not in out.out + out.err

@@ -28,7 +28,9 @@ NODES_PER_LAYER = len(FAMILY.nodes.per_layer)
 def assert_holds(pair, **kw):
     res = parity.check(pair, **kw)
     assert res.first_mismatch is None, res.verdict()
-    assert len(res.nodes) == len(pair.nodes) == 1 + NODES_PER_LAYER * pair.source.cfg["n_layers"] + 2
+    assert (
+        len(res.nodes) == len(pair.nodes) == 1 + NODES_PER_LAYER * pair.source.cfg["n_layers"] + 3
+    )  # + norm, head, logits
     assert all(n.status == "ok" for n in res.nodes)
     return res
 
@@ -445,7 +447,7 @@ def test_parity_in_bfloat16():
 
 def test_cli_check_passes(tmp_path, capsys):
     assert main(["check", "llama3", "--report-dir", str(tmp_path)]) == 0
-    assert f"PASS: all {1 + NODES_PER_LAYER * 2 + 2} nodes agree" in capsys.readouterr().out
+    assert f"PASS: all {1 + NODES_PER_LAYER * 2 + 3} nodes agree" in capsys.readouterr().out
     (folder,) = [p for p in tmp_path.iterdir() if not p.name.startswith(".")]
     assert json.loads((folder / "result.json").read_text())["passed"] is True
 

@@ -22,7 +22,11 @@ def test_parity_from_random_config(config):
     pair = build_pair(config)
     res = assert_holds(pair)
     # Every declared node was compared, none silently skipped, and the window was exercised.
-    assert len(res.nodes) == len(pair.nodes) == 1 + len(FAMILY.nodes.per_layer) * pair.source.cfg["n_layers"] + 2
+    assert (
+        len(res.nodes)
+        == len(pair.nodes)
+        == 1 + len(FAMILY.nodes.per_layer) * pair.source.cfg["n_layers"] + len(FAMILY.nodes.after)
+    )
     assert res.meta["seq_len"] > pair.source.cfg["sliding_window"]
     assert not res.notes
 

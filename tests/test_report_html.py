@@ -219,7 +219,7 @@ def test_plot_ids_are_unique_and_heatmap_cells_link_to_rows(fault):
     assert not duplicates
     heatmap = re.search(r'<svg class="plot"[^>]*data-plot="heatmap".*?</svg>', html, re.S).group(0)
     targets = re.findall(r'<a xlink:href="#(node-\d+)"', heatmap)
-    assert len(targets) == 4 * len(FAMILY.nodes.per_layer) + 3 and set(targets) <= set(ids)
+    assert len(targets) == 4 * len(FAMILY.nodes.per_layer) + 1 + len(FAMILY.nodes.after) and set(targets) <= set(ids)
     assert 'target="_blank"' not in heatmap
 
 
@@ -378,7 +378,7 @@ def test_missing_shape_and_nonfinite_nodes_render(passing):
 
 def test_7b_shape_report_is_complete_and_bounded(tmp_path):
     result = synthetic_7b()
-    assert len(result.nodes) == 1 + len(FAMILY.nodes.per_layer) * 32 + 2
+    assert len(result.nodes) == 1 + len(FAMILY.nodes.per_layer) * 32 + len(FAMILY.nodes.after)
     path = html_of(result, tmp_path)
     html = path.read_text()
     n = len(result.nodes)

@@ -91,7 +91,7 @@ def test_ours_keeps_only_the_first_failure_and_what_its_diagnosis_reads():
         assert first.name == "model.layers.1.self_attn.q_proj"
         assert set(ours.tensors) == {first.name}  # its input for the diagnosis, nothing else of ours
         assert set(ours.inputs) == {first.name}
-        assert len(ours.results) == len(ref.tensors) and "lm_head" in ours.watched
+        assert len(ours.results) == len(ref.tensors) and "logits" in ours.watched
     finally:
         ref.close()
         ours.close()

@@ -12,6 +12,7 @@ user's model to the reference.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -20,6 +21,19 @@ from torch import nn
 from parity.model.weights import storage_key
 
 SHARED, COPY, TRANSPOSED, ROWS, SLICE = "shared", "copy", "transposed", "rows", "slice"
+OFFSET, LAYOUT, PART = "offset", "layout", "part"
+#: every way a parameter (or buffer) of ours may hold a checkpoint tensor, in the words reports use
+CONVENTIONS = {
+    SHARED: "the checkpoint tensor itself (same storage)",
+    SLICE: "a view of part of a fused checkpoint tensor (same storage)",
+    COPY: "a copy (equal values)",
+    TRANSPOSED: "its transpose (a Conv1D-style or (in, out) layout)",
+    OFFSET: "its values plus or minus 1 (a norm weight kept as 1 + w, or as w - 1)",
+    LAYOUT: "its values in another shape: axes permuted and reshaped (TransformerLens' 3-D attention weights)",
+    ROWS: "its rows in another order, or fused with other tensors' rows in any order (qkv, gate_up; "
+    "q/k rows permuted per head for interleaved RoPE)",
+    PART: "a copy of some of its rows (one expert of a fused experts tensor copied into a module of its own)",
+}
 
 
 @dataclass(frozen=True)
@@ -29,7 +43,11 @@ class Source:
     ``param``: our parameter name (the first name of its Parameter); ``key``: the checkpoint key;
     ``how``: ``shared`` (same storage), ``copy`` (equal values), ``transposed`` (ours is the key's
     transpose), ``rows`` (ours holds the key's rows at ``rows[j]`` for the key's row ``j``) or
-    ``slice`` (ours is a view of part of the key: ``region`` says which, e.g. ``[3, 0:16, :]``).
+    ``slice`` (ours is a view of part of the key: ``region`` says which, e.g. ``[3, 0:16, :]``),
+    ``offset`` (ours = key + ``offset``: 1 for a norm weight kept as ``1 + w``), ``layout`` (ours,
+    axes permuted by ``permute`` and reshaped, is the key, or its transpose when ``transposed``) or
+    ``part`` (ours' rows are the key's rows ``rows`` of the key seen as ``(-1, ours' last dim)``).
+    See :data:`CONVENTIONS`.
     """
 
     param: str
@@ -37,6 +55,20 @@ class Source:
     how: str
     rows: tuple[int, ...] | None = None
     region: str | None = None
+    offset: float | None = None
+    permute: tuple[int, ...] | None = None
+    transposed: bool = False
+
+    @property
+    def description(self) -> str:
+        """How ours holds the key, in a few words (for alignment tables and coverage notes)."""
+        if self.how == OFFSET:
+            return f"{self.key} {'+' if self.offset > 0 else '-'} {abs(self.offset):g}"
+        if self.how == LAYOUT:
+            return f"{self.key}{'.T' if self.transposed else ''} as permute{self.permute} then reshape"
+        if self.how == PART:
+            return f"{len(self.rows)} rows of {self.key}"
+        return f"{self.key} ({self.how})"
 
 
 @dataclass
@@ -68,6 +100,11 @@ class Coverage:
     #: checkpoint keys outside the text model that ours leaves unused by design (a multimodal
     #: checkpoint's vision and audio towers and projectors), key -> the module it belongs to
     skipped: dict[str, str] = field(default_factory=dict)
+    #: parameters of ours holding only zeros or only ones where the reference has no tensor (an
+    #: additive bias of zero, a scale of one): neutral, not a gap
+    constants: list[str] = field(default_factory=list)
+    #: ties of the reference that ours keeps as separate copies (equal values, two Parameters)
+    untied: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -85,6 +122,8 @@ class Coverage:
             "tied": self.tied,
             "replaced": self.replaced,
             "skipped": self.skipped_note(),
+            "constants": self.constants,
+            "untied": self.untied,
         }
 
     def skipped_note(self) -> str | None:
@@ -160,9 +199,67 @@ def _row_bytes(t: torch.Tensor) -> list[bytes]:
     return [row.numpy().tobytes() for row in raw.cpu()]
 
 
+def _offset(p: torch.Tensor, t: torch.Tensor) -> float | None:
+    """1 or -1 when ``p`` is ``t + 1`` or ``t - 1`` (computed in ``p``'s dtype or in float32 and cast,
+    both ways a user's loader may have written it), else None."""
+    if p.shape != t.shape or not p.is_floating_point():
+        return None
+    for offset in (1.0, -1.0):
+        if torch.equal(p, t.to(p.dtype) + offset) or torch.equal(p, (t.float() + offset).to(p.dtype)):
+            return offset
+    return None
+
+
+def _layout(p: torch.Tensor, t: torch.Tensor) -> tuple[tuple[int, ...], bool] | None:
+    """``(permute, transposed)`` when ``p``'s axes permuted by ``permute`` and reshaped to ``t``'s
+    shape are ``t`` (or, ``transposed``, reshaped to ``t.T`` are ``t.T``): a weight kept in another
+    shape (TransformerLens' ``W_Q`` ``[heads, d_model, d_head]`` is ``q_proj.weight`` seen as
+    ``[heads, d_head, d_model]`` with its last two axes swapped). None otherwise."""
+    if p.numel() != t.numel() or p.shape == t.shape or p.dim() > 4 or p.numel() < 2:
+        return None
+    for perm in itertools.permutations(range(p.dim())):
+        q = p.permute(perm)
+        for transposed in (False, True) if t.dim() == 2 else (False,):
+            target = t.T if transposed else t
+            try:
+                shaped = q.reshape(target.shape)
+            except RuntimeError:
+                continue
+            if torch.equal(shaped, target.to(p.dtype)):
+                return perm, transposed
+    return None
+
+
+def _part_rows(p: torch.Tensor, t: torch.Tensor, cache: dict | None = None) -> tuple[int, ...] | None:
+    """The rows of ``t`` (seen as ``(-1, p.shape[-1])``) that ``p``'s rows copy, in ``p``'s row order,
+    when every row of ``p`` is one and ``t`` has more: one expert copied out of a fused experts tensor.
+    ``cache``: row indices of tensors already seen (one expert after another reads the same ``t``)."""
+    if p.dim() < 1 or t.numel() <= p.numel() or t.dim() < 2 or t.shape[-1] != p.shape[-1]:
+        return None
+    width = p.shape[-1]
+    tag = (id(t), p.dtype)
+    where = cache.get(tag) if cache is not None else None
+    if where is None:
+        where = {}
+        for r, b in enumerate(_row_bytes(t.reshape(-1, width).to(p.dtype))):
+            where.setdefault(b, []).append(r)
+        if cache is not None:
+            cache[tag] = where
+    rows: list[int] = []
+    used: set[int] = set()
+    for b in _row_bytes(p.reshape(-1, width)):
+        free = [r for r in where.get(b, []) if r not in used]
+        if not free:
+            return None
+        rows.append(free[0])
+        used.add(free[0])
+    return tuple(rows)
+
+
 def _fused_rows(p: torch.Tensor, candidates: dict[str, torch.Tensor]) -> list[tuple[str, tuple[int, ...]]] | None:
     """The checkpoint tensors whose rows, all of them, make up every row of ``p`` (in any order), as
-    ``[(key, our row of each of its rows)]``; None unless they explain ``p`` exactly."""
+    ``[(key, our row of each of its rows)]``; None unless they explain ``p`` exactly. One tensor whose
+    rows ``p`` holds in another order counts too (q/k rows permuted per head for interleaved RoPE)."""
     if p.dim() < 2 or p.shape[0] < 2:
         return None
     where: dict[bytes, list[int]] = {}
@@ -171,7 +268,7 @@ def _fused_rows(p: torch.Tensor, candidates: dict[str, torch.Tensor]) -> list[tu
     taken: set[int] = set()
     parts = []
     for key, t in candidates.items():
-        if t.dim() != p.dim() or tuple(t.shape[1:]) != tuple(p.shape[1:]) or t.shape[0] >= p.shape[0]:
+        if t.dim() != p.dim() or tuple(t.shape[1:]) != tuple(p.shape[1:]) or t.shape[0] > p.shape[0]:
             continue
         rows = []
         for b in _row_bytes(t.to(p.dtype)):
@@ -182,7 +279,11 @@ def _fused_rows(p: torch.Tensor, candidates: dict[str, torch.Tensor]) -> list[tu
         else:
             taken.update(rows)
             parts.append((key, tuple(rows)))
-    return parts if len(parts) >= 2 and len(taken) == p.shape[0] else None
+    if len(taken) != p.shape[0] or not parts:
+        return None
+    if len(parts) == 1 and parts[0][1] == tuple(range(p.shape[0])):
+        return None  # the identity: a copy, judged as such
+    return parts
 
 
 def _fused_slices(p: torch.Tensor, candidates: dict[str, torch.Tensor]) -> list[tuple[str, tuple[int, ...]]] | None:
@@ -215,6 +316,7 @@ def loader_coverage(
     conversions: list[str] | None = None,
     built: dict[str, tuple] | None = None,
     by_design: dict[str, str] | None = None,
+    copies_break_ties: bool = True,
 ) -> Coverage:
     """Trace every parameter of ``model`` back to ``state_dict`` (the tensors it was loaded from).
 
@@ -225,7 +327,9 @@ def loader_coverage(
     checkpoint tensor then and another tensor now was replaced by hand, and lands in ``replaced``.
     ``by_design``: checkpoint key -> module, for keys ours is not meant to use (a multimodal checkpoint's
     parts outside the text model); left unused they land in ``skipped``, not in the gaps (one ours
-    does use is judged like any other key).
+    does use is judged like any other key). ``copies_break_ties``: a tie kept as equal copies is a gap
+    (our families' loaders must tie); False for a user's model, where it is a note (the forward
+    agrees; a training step would not, which the backward check judges).
     """
     cov = Coverage(conversions=list(conversions or []))
     # checkpoint keys that alias one storage (state_dict() of a tied model) form one source
@@ -239,12 +343,57 @@ def loader_coverage(
     params: dict[int, tuple[nn.Parameter, list[str]]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         params.setdefault(id(p), (p, []))[1].append(name)
+    # buffers hold checkpoint tensors too (Gemma 4's layer_scalar); one that holds none is derived
+    # state (RoPE frequencies, a mask), never a gap
+    buffers: dict[int, tuple[torch.Tensor, list[str]]] = {}
+    for name, b in model.named_buffers(remove_duplicate=False):
+        if id(b) not in params:
+            buffers.setdefault(id(b), (b, []))[1].append(name)
 
-    def record(names: list[str], key: str, how: str, rows=None, region=None) -> None:
+    def record(names: list[str], key: str, how: str, rows=None, region=None, **extra) -> None:
         label = " = ".join(names)
         cov.consumed.setdefault(key, []).append(label)
         for n in names:
-            cov.sources.setdefault(n, []).append(Source(names[0], key, how, rows, region))
+            cov.sources.setdefault(n, []).append(Source(names[0], key, how, rows, region, **extra))
+
+    def by_value(p: torch.Tensor, names: list[str]) -> bool:
+        """Trace ``p`` to a checkpoint tensor by value (a copy, a transpose, w +- 1, another shape);
+        among equal candidates one nothing consumed yet (an untrained checkpoint's norm weights are
+        all ones: any one-to-one assignment holds)."""
+        label = " = ".join(names)
+        equal = [k for k in by_shape.get(tuple(p.shape), []) if torch.equal(p, state_dict[k].to(p.dtype))]
+        if equal:
+            match = next((k for k in equal if k not in cov.consumed), equal[0])
+            record(names, match, COPY)
+            cov.copies.append(f"{label} is a copy of {match}")
+            return True
+        if p.dim() == 2:
+            match = next(
+                (k for k in by_shape.get(tuple(p.shape[::-1]), []) if torch.equal(p, state_dict[k].to(p.dtype).T)),
+                None,
+            )
+            if match is not None:
+                record(names, match, TRANSPOSED)
+                cov.conversions.append(f"{match}: transposed into {label}")
+                return True
+        for key in by_shape.get(tuple(p.shape), []):
+            offset = _offset(p, state_dict[key])
+            if offset is not None and key not in cov.consumed:
+                record(names, key, OFFSET, offset=offset)
+                cov.conversions.append(f"{key}: into {label} as {'1 + w' if offset > 0 else 'w - 1'}")
+                return True
+        for key, t in state_dict.items():
+            if t.numel() != p.numel() or key in cov.consumed:
+                continue
+            found = _layout(p, t)
+            if found is not None:
+                perm, transposed = found
+                record(names, key, LAYOUT, permute=perm, transposed=transposed)
+                cov.conversions.append(
+                    f"{key}: into {label} {tuple(p.shape)} (axes {perm}{', transposed' if transposed else ''})"
+                )
+                return True
+        return False
 
     # checkpoint tensors by the storage they live in, for parameters that are views of part of one
     by_ptr: dict[tuple, list[str]] = {}
@@ -299,30 +448,49 @@ def loader_coverage(
         if p.is_meta:
             cov.unwritten.append(f"{label} (never written: still on the meta device)")
             continue
-        match = next(
-            (k for k in by_shape.get(tuple(p.shape), []) if torch.equal(p.data, state_dict[k].to(p.dtype))), None
-        )
-        if match is not None:
-            record(names, match, COPY)
-            cov.copies.append(f"{label} is a copy of {match}")
-            continue
-        if p.dim() == 2:
-            match = next(
-                (k for k in by_shape.get(tuple(p.shape[::-1]), []) if torch.equal(p.data, state_dict[k].to(p.dtype).T)),
-                None,
-            )
-            if match is not None:
-                record(names, match, TRANSPOSED)
-                cov.conversions.append(f"{match}: transposed into {label}")
-                continue
-        unexplained.append((p, names))
+        if not by_value(p.data, names):
+            unexplained.append((p, names))
+    for b, names in buffers.values():
+        keys = sources.get(storage_key(b))
+        if keys:
+            for key in keys:
+                record(names, key, SHARED)
+        elif not b.is_meta and b.is_floating_point():
+            by_value(b.detach(), names)
+    parts_of: dict[str, list[tuple[tuple[int, ...], str]]] = {}
+    row_cache: dict = {}
     if unexplained:  # fused tensors: only now, and only against what nothing else consumed
         free = {k: t for k, t in state_dict.items() if k not in cov.consumed}
         for p, names in unexplained:
             label = " = ".join(names)
             parts = _fused_rows(p.data, free) or _fused_slices(p.data, free)
             if parts is None:
-                cov.unwritten.append(f"{label} (holds no checkpoint tensor)")
+                part = next(
+                    (
+                        (k, rows)
+                        for k, t in state_dict.items()
+                        if k not in cov.consumed or k in parts_of
+                        if (rows := _part_rows(p.data, t, row_cache)) is not None
+                        and not _taken(parts_of.get(k, []), rows)
+                    ),
+                    None,
+                )
+                if part is not None:
+                    key, rows = part
+                    record(names, key, PART, rows)
+                    parts_of.setdefault(key, []).append((rows, label))
+                    continue
+                value = p.data
+                if (
+                    value.is_floating_point()
+                    and value.numel()
+                    and bool((value == value.flatten()[0]).all())
+                    and float(value.flatten()[0]) in (0.0, 1.0)
+                ):
+                    what = "zeros (a bias of zero)" if float(value.flatten()[0]) == 0 else "ones (a scale of one)"
+                    cov.constants.append(f"{label} holds only {what}, where the reference has no tensor")
+                    continue
+                cov.unwritten.append(f"{label} (holds no checkpoint tensor in any layout parity knows)")
                 continue
             for key, rows in parts:
                 record(names, key, ROWS, rows)
@@ -331,7 +499,9 @@ def loader_coverage(
                     if list(rows) == list(range(rows[0], rows[-1] + 1))
                     else f"{len(rows)} rows"
                 )
-                cov.conversions.append(f"{key}: rows {span} of {label}")
+                cov.conversions.append(
+                    f"{key}: rows {span} of {label}" if len(parts) > 1 else f"{key}: its rows reordered in {label}"
+                )
                 free.pop(key, None)
 
     for storage_keys in sources.values():
@@ -342,7 +512,16 @@ def loader_coverage(
                     cov.skipped[k] = by_design[k]
                 elif not (tied_keys and k in tied_keys):
                     cov.unused.append(k)
+    for key, parts in parts_of.items():
+        labels = [label for _, label in parts]
+        rows_total = state_dict[key].numel() // state_dict[key].shape[-1]
+        held = sum(len(rows) for rows, _ in parts)
+        if held != rows_total:
+            cov.gaps.append(f"{key}: {rows_total - held} of {rows_total} rows copied into no parameter of ours")
+        cov.conversions.append(f"{key}: copied in {len(labels)} parts ({labels[0]} .. {labels[-1]})")
     for key, targets in cov.consumed.items():
+        if key in parts_of:
+            continue
         whole = len(targets) - len(sliced.get(key, []))
         if key in sliced and whole:
             cov.gaps.append(f"{key} consumed whole and in {len(sliced[key])} parts: {', '.join(targets[:4])}")
@@ -365,17 +544,32 @@ def loader_coverage(
             cov.tied.append(f"{target} -> {source}: not judged (a parameter of the tie was replaced after loading)")
             continue
         labels = consumers(source)
-        if len(labels) == 1 and " = " in labels[0]:  # one Parameter reachable under several names
+        if len(labels) == 1:  # one Parameter: reachable under several names, or used as the head functionally
             cov.tied.append(f"{target} -> {source}: one Parameter ({labels[0]})")
+        elif labels:
+            # copies of the one reference tensor: the forward is the same, training is not (each copy
+            # gets its own gradient); a note, and what a backward check judges
+            found = ", ".join(labels)
+            cov.tied.append(f"{target} -> {source}: not tied in ours ({found}: {len(labels)} copies)")
+            cov.untied.append(
+                f"{target} and {source} are one tensor in the reference, {len(labels)} copies in ours ({found}): "
+                "the forward agrees, but a training step would update each copy apart"
+            )
+            if copies_break_ties:
+                cov.gaps.append(f"tied weights {target} and {source} are not the same Parameter in ours: {found}")
         else:
-            found = ", ".join(labels) or "no parameter"
-            cov.tied.append(f"{target} -> {source}: not tied in ours ({found})")
-            cov.gaps.append(f"tied weights {target} and {source} are not the same Parameter in ours: {found}")
+            cov.tied.append(f"{target} -> {source}: no parameter of ours holds it")
     if cov.unused:
         cov.gaps.append(f"checkpoint keys never used: {_summary(cov.unused)}")
     if cov.unwritten:
         cov.gaps.append(f"parameters of ours holding no checkpoint tensor: {_summary(cov.unwritten)}")
     return cov
+
+
+def _taken(parts: list[tuple[tuple[int, ...], str]], rows: tuple[int, ...]) -> bool:
+    """Whether any of ``rows`` is already held by one of ``parts``."""
+    held = {r for rows_, _ in parts for r in rows_}
+    return bool(held.intersection(rows))
 
 
 def _slice_gaps(key: str, whole: torch.Tensor, parts: list[tuple[list[tuple[int, int]], str]]) -> list[str]:

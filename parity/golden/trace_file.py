@@ -330,6 +330,15 @@ class GoldenTrace:
             self._cache["facts"] = replace(facts, layer_prefix=prefix) if prefix else facts
         return self._cache["facts"]
 
+    @property
+    def head_node(self) -> str | None:
+        """The node of the output head, when nothing follows it (no logit scale, no soft-cap), so a
+        runtime's head output is what it returns; None otherwise."""
+        facts = self.facts()
+        if facts.logit_scale not in (None, 1.0) or facts.final_softcap:
+            return None
+        return next((n["name"] for n in self.node_entries if (n.get("module") or n["name"]) == facts.head_module), None)
+
     def tolerances(self, options: CheckOptions | None = None) -> Tolerances:
         """The trace's tolerances, overridden by ``options``: its ``atol``/``rtol`` replace the trace's
         run-wide and calibrated values, its node patterns join (and win over) the trace's, ``exact``

@@ -22,11 +22,12 @@ from parity.golden.summaries import (
     summarise,
 )
 from parity.golden.trace_file import GoldenTrace, read_trace, recording_versions, utc_now
-from parity.model.pair import NodeSpec, Pair, PairSource
+from parity.model.pair import LOGITS, NodeSpec, Pair, PairSource
 from parity.record.trace import Trace
 from parity.report.result import CheckResult
 from parity.run.options import CheckOptions
 from parity.run.plan import Run
+from parity.user.align import UNALIGNED
 from parity.util.errors import ParityError
 
 # --- comparing ---------------------------------------------------------------------------------------
@@ -221,7 +222,14 @@ def compare_dump(trace, dump, name_map=None, *, options: CheckOptions | None = N
                 if m:
                     names.setdefault(node, rule.runtime.replace("{i}", m.group(1)))
     tolerance = trace.tolerances(options)
-    nodes = trace.node_specs({n: keys.get(n, names.get(n, n)) for n in trace.names})
+    looked = {n: keys.get(n, names.get(n, n)) for n in trace.names}
+    if LOGITS in looked and LOGITS not in tensors and trace.head_node is not None and trace.head_node in tensors:
+        # what a runtime returns is its head's output unless it applies something after it; a dump
+        # that gives the head and not ``logits`` is judged at the head, and says so
+        looked[LOGITS] = (
+            f"{UNALIGNED}the dump has no {LOGITS!r} (what the runtime returns): {trace.head_node} stands for it"
+        )
+    nodes = trace.node_specs(looked)
     pair = _trace_pair(trace, nodes)
     ours = Trace(tensors=tensors, wanted=frozenset(tensors))
     run = _run_of(trace, options, tolerance)

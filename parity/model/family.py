@@ -33,7 +33,7 @@ class Node:
     keys). ``{e}`` in a per-layer entry expands over the layer's experts (``mlp.experts.{e}``).
     ``transform``/``inverse``/``reference``/``kind``/``reference_transform``/``chosen_from`` are
     passed to :class:`~parity.model.pair.NodeSpec`. ``when`` (optional) decides from the facts whether the
-    entry exists at all (e.g. a ``logits`` node only where something is applied after the head).
+    entry exists at all (e.g. a node only for a config with a soft-cap).
     """
 
     name: str

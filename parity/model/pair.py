@@ -58,6 +58,20 @@ class NodeSpec:
         return self.name if self.reference is None else self.reference
 
 
+#: the node of what the model's forward returns (a Transformers model: its ``logits``), compared after
+#: every module: a training loop and ``generate`` use that value, not the head's module output
+LOGITS = "logits"
+
+
+def with_output_node(nodes: Sequence[NodeSpec]) -> list[NodeSpec]:
+    """``nodes`` with the model's returned value as a node (``logits``: the root's output on both
+    sides) unless one is there already (a family with something after the head names it so)."""
+    nodes = list(nodes)
+    if not any(n.reference_path == "" for n in nodes):
+        nodes.append(NodeSpec(LOGITS, "", reference=""))
+    return nodes
+
+
 def annotate(nodes: Sequence[NodeSpec], facts: ArchFacts) -> list[NodeSpec]:
     """Fill each node's ``layer`` and ``kind`` from the facts (explicit values win)."""
     out = []
@@ -146,7 +160,7 @@ class Pair:
     cache_protocol: object | None = None
 
     def __post_init__(self):
-        self.nodes = annotate(self.nodes, self.facts)
+        self.nodes = annotate(with_output_node(self.nodes), self.facts)
         loading = self.loading
         if loading.state_dict and not loading.fingerprint:
             loading.fingerprint = fingerprints(loading.state_dict)
@@ -171,8 +185,9 @@ class Pair:
 
     @property
     def output_node(self) -> str | None:
-        """The node holding the model's final output: the root output if it is a node, else the head."""
-        names = {n.reference_path: n.name for n in self.nodes}
+        """The node holding the model's final output: the root output (``logits``) unless ours cannot
+        give it (a dump without it, judged at its head), else the head."""
+        names = {n.reference_path: n.name for n in self.nodes if not n.ours.startswith(("unaligned:", "tap:"))}
         return names.get("", names.get(self.facts.head_module))
 
     def make_inputs(self, seq_len: int | None = None, batch_size: int = 1, seed: int | None = None) -> torch.Tensor:

@@ -75,6 +75,20 @@ def _coverage(pair: Pair):
     return loading.coverage
 
 
+def coverage_notes(coverage) -> list[str]:
+    """What loader coverage found that is no gap but a user should read: ties kept as copies,
+    neutral constants where the reference has no tensor."""
+    if coverage is None:
+        return []
+    notes = list(coverage.untied)
+    if coverage.constants:
+        shown = "; ".join(coverage.constants[:3]) + (
+            f"; ... ({len(coverage.constants)} in all)" if len(coverage.constants) > 3 else ""
+        )
+        notes.append(f"neutral parameters of ours, no reference tensor: {shown}")
+    return notes
+
+
 def check(
     pair: Pair,
     input_ids: torch.Tensor | None = None,
@@ -163,6 +177,8 @@ def _check_forward(pair: Pair, run: Run) -> CheckResult:
     notes += [note for results in (nodes, isolated or []) if (note := undiagnosed_note(results))]
     meta = run_meta(pair, run, diffs, time.perf_counter() - start)
     meta["trace_spilled_bytes"] = spilled
+    coverage = _coverage(pair)
+    notes += coverage_notes(coverage)
     return CheckResult(
         nodes=tuple(nodes),
         meta=meta,
@@ -170,7 +186,7 @@ def _check_forward(pair: Pair, run: Run) -> CheckResult:
         profile=profile,
         logits=logits,
         isolated=tuple(isolated) if isolated is not None else None,
-        coverage=_coverage(pair),
+        coverage=coverage,
         origin=origin,
         origin_reason=origin_reason,
         alignment=tuple(pair.alignment),

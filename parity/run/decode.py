@@ -39,6 +39,7 @@ from parity.record import hf_capture, hf_kernels
 from parity.record.hooks import recording
 from parity.record.trace import Trace
 from parity.run.options import DecodePlan
+from parity.run.stages import run_ours
 from parity.util.errors import ParityError
 
 #: a logit margin (top-1 minus top-2 of the reference) below this is a near-tie, not a bug
@@ -254,7 +255,7 @@ def _trace_ours_step(pair: Pair, protocol: CacheProtocol, ids, mask, positions, 
         torch.inference_mode(),
         recording(pair.ours, points, transforms=transforms, keep_inputs=_inputs_for_trace(pair), taps=tapped) as trace,
     ):
-        logits = protocol.forward(pair.ours, ids, mask, positions, cache)
+        logits = run_ours(pair, protocol.forward, pair.ours, ids, mask, positions, cache)
     return trace, logits
 
 
@@ -360,7 +361,9 @@ def run_decode(
         traces.append((_prefixed(our_trace, k), _prefixed(ref_trace, k), positions[:, a:b]))
         # beside the nodes: ours against its own full forward, and the greedy choice of each model
         with torch.inference_mode():  # the same prefix through a fresh cache, in one call
-            full = protocol.forward(
+            full = run_ours(
+                pair,
+                protocol.forward,
                 pair.ours,
                 ids[:, :b],
                 mask[:, :b] if attention_mask is not None else None,

@@ -30,6 +30,7 @@ from parity.run.plan import Run, plan, versions
 from parity.util.errors import ParityError
 from parity.util.resources import BUDGET as RESOURCE_BUDGET
 from parity.util.resources import GIB, available_bytes, require
+from parity.util.text import one_line
 
 #: node kinds whose module input (and weight) is kept for diagnosis (norm placement, norm kind, transposes)
 DIAGNOSIS_INPUT_KINDS = (
@@ -182,10 +183,31 @@ def trace_ours(
             into=trace,
         ),
     ):
-        pair.ours(on_device(device, run.input_ids), **kwargs)
+        run_ours(pair, pair.ours, on_device(device, run.input_ids), **kwargs)
     if stream is not None:
         stream.finish()
     return trace
+
+
+def run_ours(pair: Pair, fn, *args, **kwargs):
+    """Call ours (its forward, or a cache protocol's ``forward``). A user's model (an aligned pair)
+    that raises is bad input, one line naming it, and so is ``sys.exit()`` or an interrupt inside it
+    (never a silent exit 0); our own families' models raising is a bug of parity's and propagates."""
+    try:
+        return fn(*args, **kwargs)
+    except ParityError:
+        raise
+    except (Exception, SystemExit, KeyboardInterrupt) as e:
+        if not pair.alignment and not isinstance(e, (SystemExit, KeyboardInterrupt)):
+            raise
+        what = f"{type(pair.ours).__module__}.{type(pair.ours).__qualname__}.forward"
+        if isinstance(e, SystemExit):
+            reason = f"SystemExit({e.code!r}) (sys.exit)"
+        elif isinstance(e, KeyboardInterrupt):
+            reason = "KeyboardInterrupt (interrupted)"
+        else:
+            reason = f"{type(e).__name__}: {one_line(e)[:300]}"
+        raise ParityError(f"your model's forward ({what}) raised {reason}") from None
 
 
 def trace_pair(pair: Pair, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> tuple[Trace, Trace]:

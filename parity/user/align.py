@@ -217,8 +217,9 @@ class _Aligner:
             return None
         keys = self.keys_by_storage.get(_storage_key(weight), [])
         found = [(n, s) for k in keys for n, s in self.by_key.get(k, [])]
-        # the parameter must be the module's own weight (not a bias, not another module's tensor)
-        found = [(n, s) for n, s in found if _module_of(n)[1] == "weight"]
+        # the parameter must be its module's weight: named so, or (a norm's ``scale``, ``gamma``, ``g``,
+        # ``w``) the only parameter of its module that holds a reference weight
+        found = [(n, s) for n, s in found if self._is_weight_of_module(n)]
         ref_is_embedding = isinstance(module, nn.Embedding)
         candidates = {}
         for n, s in found:
@@ -228,8 +229,18 @@ class _Aligner:
                 continue
             if isinstance(our_module, nn.Embedding) == ref_is_embedding:
                 candidates[our_path] = s
-        if not candidates and found:  # a user's own embedding class: accept any holder
+        if not candidates and found and ref_is_embedding:  # a user's own embedding class: accept any holder
             candidates = {_module_of(n)[0]: s for n, s in found}
+        if not candidates and found and path == self.facts.head_module:
+            # the head computed from the embedding's weight (x @ embedding.weight.T): no module of its own;
+            # its output is the model's (nothing follows the head), else it cannot be placed
+            if self.facts.logit_scale in (None, 1.0) and not self.facts.final_softcap:
+                self.leaves[path] = ("", found[0][1])
+                return self.leaves[path]
+            self.why[path] = (
+                f"ours computes it from {found[0][0]} with no module of its own, and something follows the head"
+            )
+            return None
         if len(candidates) == 1:
             self.leaves[path] = next(iter(candidates.items()))
             return self.leaves[path]
@@ -238,6 +249,14 @@ class _Aligner:
         else:
             self.why[path] = f"ambiguous: {', '.join(sorted(candidates))} all hold its weight"
         return None
+
+    def _is_weight_of_module(self, param: str) -> bool:
+        module, leaf = _module_of(param)
+        if leaf == "weight":
+            return True
+        holders = [n for n in self.coverage.sources if _module_of(n)[0] == module and "." not in n[len(module) + 1 :]]
+        weights = [n for n in holders if any(src.key.endswith(".weight") for src in self.coverage.sources[n])]
+        return weights == [param]
 
     def container(self, path: str) -> str | None:
         """Our module that plays the role of the reference container ``path``."""
@@ -249,7 +268,7 @@ class _Aligner:
             if not isinstance(getattr(module, "weight", None), torch.Tensor) or ref_path == path:
                 continue
             hit = self.leaf(ref_path)
-            if hit is None:
+            if hit is None or hit[0] == "":  # a weight ours uses functionally has no module to gather
                 continue
             (inside if ref_path.startswith(prefix) else outside).append(hit[0])
         if len(set(inside)) < 2:
@@ -287,6 +306,23 @@ class _Aligner:
         if spec.reference_transform is not None:  # a part of that module's output, not its output
             return self._unaligned(spec, f"a view of {base}'s output (name it with node_map)")
         hit = self.leaf(base) if isinstance(getattr(self.ref_modules.get(base), "weight", None), torch.Tensor) else None
+        if hit is not None and hit[0] == "" and not is_input:
+            return replace(spec, ours=""), Aligned(
+                name,
+                "",
+                "output",
+                f"the head is the embedding's weight used in forward ({hit[1].param}): the model's output",
+            )
+        if hit is not None and base == self.facts.embed_module and not is_input and self._scaled_outside(hit[0]):
+            first = self.container(f"{self.facts.layer_prefix}.0")
+            if first is not None:
+                return replace(spec, ours=first + "@input"), Aligned(
+                    name,
+                    first + "@input",
+                    "input",
+                    f"the reference's embedding scales by {self.facts.embed_scale:g}; ours ({hit[0]}, a plain "
+                    f"nn.Embedding) cannot, so its value appears where the reference's does: the first layer's input",
+                )
         if hit is not None:
             our_path, source = hit
             ours = our_path + ("@input" if is_input else "")
@@ -310,6 +346,12 @@ class _Aligner:
                     f"common ancestor of the modules aligned under {base}",
                 )
         return self._unaligned(spec, self.why.get(base, f"{base} is not a module of the reference"))
+
+    def _scaled_outside(self, our_path: str) -> bool:
+        """The reference's embedding scales its output (Gemma: sqrt(hidden)) and ours is a plain
+        ``nn.Embedding``, which cannot: the scale is applied by its caller."""
+        scale = self.facts.embed_scale
+        return scale not in (None, 1.0) and type(self.our_modules.get(our_path)) is nn.Embedding
 
     @staticmethod
     def _unaligned(spec: NodeSpec, reason: str) -> tuple[NodeSpec, Aligned]:

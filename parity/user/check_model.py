@@ -64,6 +64,15 @@ def load_callable(spec: str) -> Callable:
     return fn
 
 
+def _raised(e: BaseException) -> str:
+    """``SystemExit(3) (sys.exit)``, ``KeyboardInterrupt``, ``ValueError: ...``: what user code raised, in one line."""
+    if isinstance(e, SystemExit):
+        return f"SystemExit({e.code!r}) (sys.exit)"
+    if isinstance(e, KeyboardInterrupt):
+        return "KeyboardInterrupt (interrupted)"
+    return f"{type(e).__name__}: {one_line(e)}"
+
+
 def build_ours(ours, ref: Reference) -> nn.Module:
     """Call the user's ``build(state_dict, hf_config)`` (or take the module as it is). Raises
     ParityError when it raises, returns something else than an nn.Module, or leaves weights on the
@@ -74,8 +83,8 @@ def build_ours(ours, ref: Reference) -> nn.Module:
         name = getattr(ours, "__qualname__", repr(ours))
         try:
             model = ours(ref.state_dict, ref.hf_config)
-        except Exception as e:
-            raise ParityError(f"build {name}(state_dict, hf_config) raised {type(e).__name__}: {one_line(e)}") from None
+        except (Exception, SystemExit, KeyboardInterrupt) as e:  # sys.exit() in user code is no exit 0 of parity's
+            raise ParityError(f"build {name}(state_dict, hf_config) raised {_raised(e)}") from None
         if not isinstance(model, nn.Module):
             raise ParityError(
                 f"build {name}(state_dict, hf_config) returned {type(model).__name__}, not a torch.nn.Module"
@@ -90,6 +99,31 @@ def build_ours(ours, ref: Reference) -> nn.Module:
             f"your model still has {len(meta)} parameter(s) on the meta device ({', '.join(meta[:3])}): load them"
         )
     return model.eval()
+
+
+def _first(items: list[str], n: int = 4) -> str:
+    return ", ".join(items[:n]) + (f", ... ({len(items)} in all)" if len(items) > n else "")
+
+
+def unplaced_message(coverage) -> str:
+    """One line for reference tensors no parameter or buffer of the user's model holds: which, which
+    of theirs hold nothing, the conventions parity looked for, and a likely cause when one shows."""
+    ours = [u.split(" (")[0] for u in coverage.unwritten]
+    text = (
+        f"reference tensor(s) {_first(coverage.unused)} are in no parameter or buffer of your model, in any "
+        "convention parity knows (shared, copied, transposed, w + 1 or w - 1, axes permuted and reshaped, rows "
+        "reordered or fused, rows copied out of a fused tensor)"
+    )
+    text += f"; parameters of yours that hold no reference tensor: {_first(ours)}" if ours else ""
+    constants = [c.split(" holds")[0] for c in coverage.constants]
+    text += f"; parameters of yours holding only zeros or ones: {_first(constants)}" if constants else ""
+    norms = [k for k in coverage.unused if "norm" in k or "ln_" in k]
+    if norms and ours and len(norms) >= len(coverage.unused) // 2:
+        text += (
+            "; the norm weights look folded into the next projections (processed weights, e.g. TransformerLens' "
+            "fold_ln / center_writing_weights): load the weights unprocessed"
+        )
+    return text
 
 
 def build_user_pair(
@@ -114,12 +148,11 @@ def build_user_pair(
     model = build_ours(ours, ref)
     if not placement.is_cpu:
         model = placement.dispatch(model)
-    coverage = loader_coverage(model, ref.state_dict, ref.tied_keys, ref.conversions, by_design=ref.by_design)
+    coverage = loader_coverage(
+        model, ref.state_dict, ref.tied_keys, ref.conversions, by_design=ref.by_design, copies_break_ties=False
+    )
     if coverage.unused:
-        shown = ", ".join(coverage.unused[:4]) + (
-            f", ... ({len(coverage.unused)} in all)" if len(coverage.unused) > 4 else ""
-        )
-        raise ParityError(f"your model holds no copy of reference tensor(s) {shown}: build() left them unused")
+        raise ParityError(unplaced_message(coverage))
     nodes, _ = reference_nodes(ref.model, ref.facts)
     probe = Pair(
         ours=model,
@@ -129,7 +162,7 @@ def build_user_pair(
         source=PairSource(family=family, config_name=ref.config_name),
     )
     specs, rows = align(ref.model, model, probe.nodes, coverage, ref.state_dict, ref.facts, node_map)
-    if not any(r.ours is not None and not r.ours.startswith("tap:") for r in rows):
+    if not any(r.ours is not None and not r.ours.startswith("tap:") and r.how != "output" for r in rows):
         reasons = "; ".join(f"{r.node}: {r.detail}" for r in rows[:3])
         raise ParityError(f"no node of the reference could be aligned to your model ({reasons}, ...)")
     return Pair(

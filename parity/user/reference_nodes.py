@@ -1,14 +1,13 @@
 """The reference's nodes: its family's node map when a registered family has that ``model_type``,
 else discovered from the reference's module tree (every module with a weight, every decoder layer,
-the attention internals of every attention block, and the final output when something follows the
-head). Used where no family builds the pair: a user's model, a golden trace of any checkpoint."""
+the attention internals of every attention block, and what the forward returns). Used where no family builds the pair: a user's model, a golden trace of any checkpoint."""
 
 from __future__ import annotations
 
 from torch import nn
 
 from parity.model.facts import ArchFacts
-from parity.model.pair import NodeSpec
+from parity.model.pair import LOGITS, NodeSpec
 from parity.record.hf_capture import SUFFIXES
 
 
@@ -29,8 +28,7 @@ def discover_nodes(model: nn.Module, facts: ArchFacts) -> list[NodeSpec]:
             nodes += [NodeSpec(f"{path}.{suffix}", f"{path}.{suffix}") for suffix in SUFFIXES]
         elif "weight" in dict(module.named_parameters(recurse=False)):
             nodes.append(NodeSpec(path, path))
-    if facts.logit_scale not in (None, 1.0) or facts.final_softcap:
-        nodes.append(NodeSpec("logits", "", reference=""))
+    nodes.append(NodeSpec(LOGITS, "", reference=""))  # what the forward returns, after every module
     return nodes
 
 

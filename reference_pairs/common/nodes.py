@@ -41,7 +41,10 @@ SANDWICH_NORMS = [
     ("model.layers.{i}.post_feedforward_layernorm", "blocks.{i}.post_feedforward_layernorm"),
 ]
 LAYER_OUTPUT = [("model.layers.{i}", "blocks.{i}")]
-FINAL = [("model.norm", "final_norm"), ("lm_head", "out_head")]
+#: the final norm, the head, and what the model's forward returns (``logits``: the root's output on
+#: both sides, compared after every module; with a scale or soft-cap after the head it differs from it)
+LOGITS = Node("logits", "", reference="")
+FINAL = [("model.norm", "final_norm"), ("lm_head", "out_head"), LOGITS]
 #: :class:`~reference_pairs.common.linear_attention.GatedDeltaNet`: the projections, the gated norm
 #: and ``out_proj`` are modules on both sides; what the reference computes inside its kernel
 #: functions (conv output, beta, g, q/k after the L2 norm, the delta rule's output and final state)

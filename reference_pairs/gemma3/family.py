@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from parity.model.family import Composite, Family, Node, NodeMap
+from parity.model.family import Composite, Family, NodeMap
 from parity.util.errors import ConfigError
 
 from ..common.builders import pair_builder
@@ -23,7 +23,7 @@ NODES = NodeMap(
     per_layer=[*SANDWICH_NORMS, *ATTENTION, *QK_NORM, *MLP, *LAYER_OUTPUT],
     # ``lm_head`` is the head before the soft-cap, ``logits`` the model's output after it (also without a
     # cap in the config: a port that caps anyway shows there)
-    after=[*FINAL, Node("logits", "", reference="")],
+    after=FINAL,
 )
 
 

@@ -55,7 +55,7 @@ NODES = NodeMap(
     ],
     # ``lm_head`` is the head before the soft-cap, ``logits`` the model's output after it (also without a
     # cap in the config: a port that caps anyway shows there)
-    after=[*FINAL, Node("logits", "", reference="")],
+    after=FINAL,
 )
 
 

@@ -10,6 +10,7 @@ from parity.util.errors import ConfigError
 from ..common.builders import pair_builder
 from ..common.config import NO_SPECIAL_TOKENS
 from ..common.mlp import ACTIVATIONS
+from ..common.nodes import LOGITS
 from .configs import CONFIGS
 from .faults import FAULTS
 from .fields import FIELDS
@@ -35,7 +36,7 @@ NODES = NodeMap(
         Node(f"{H}.mlp.c_proj", "blocks.{i}.ff.fc2", kind="mlp.c_proj"),
         (H, "blocks.{i}"),
     ],
-    after=[("transformer.ln_f", "final_norm"), ("lm_head", "out_head")],
+    after=[("transformer.ln_f", "final_norm"), ("lm_head", "out_head"), LOGITS],
 )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from parity.model.family import Family, Node, NodeMap
+from parity.model.family import Family, NodeMap
 from parity.util.errors import ConfigError
 
 from ..common.builders import pair_builder
@@ -28,7 +28,7 @@ NODES = NodeMap(
     ],
     # ``lm_head`` is the head before scaling; ``logits`` is the whole models' output, after
     # ``* logit_scale`` (applied outside any module on both sides).
-    after=[*FINAL, Node("logits", "", reference="")],
+    after=FINAL,
 )
 
 
