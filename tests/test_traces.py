@@ -230,7 +230,8 @@ def test_compare_ours_aligns_a_live_model_to_the_trace(golden, tmp_path, capsys)
     assert compare(tmp_path, str(golden), "--ours", spec, "--mode", "both") == 0
     out = capsys.readouterr().out
     assert "loader coverage:" in out and "isolated: every node agrees on its own" in out
-    assert "untapped" in out  # the litgpt model has no probs/scores/context taps
+    # the litgpt model taps no probs/scores/context: they are read from its scaled_dot_product_attention call
+    assert "untapped" not in out and "PASS" in out
 
 
 def test_compare_ours_locates_a_fault_in_isolated_mode(golden, monkeypatch):

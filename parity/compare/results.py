@@ -12,11 +12,12 @@ float64) and every sum accumulated in float64, so the metrics add no error of th
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
 
+from parity.compare.layouts import match_layout
 from parity.compare.metrics import (
     CHOICE,
     MISSING,
@@ -113,6 +114,7 @@ def compare_node(
     """One node's NodeResult. ``untapped``: ours has no tap for it (a user model): not judged.
     ``scores``: for an integer node, the reference's tensor of ``spec.chosen_from``."""
     atol, rtol, source = tolerances.for_node(spec.name)
+    our_t, layout = in_reference_layout(spec, our_t, ref_t)
     if untapped and our_t is None:
         if spec.ours.startswith("unaligned:"):
             detail = "not aligned: " + spec.ours[len("unaligned:") :]
@@ -132,6 +134,8 @@ def compare_node(
     else:
         metrics = tensor_metrics(our_t, ref_t, atol, rtol)
     dtype = ref_t.dtype if ref_t is not None else our_t.dtype if our_t is not None else None
+    if layout:
+        metrics = replace(metrics, detail="; ".join(d for d in (metrics.detail, f"compared as {layout}") if d))
     return NodeResult(
         name=spec.name,
         index=index,
@@ -153,6 +157,18 @@ def compare_node(
         rtol_needed=metrics.rtol_needed,
         tol_source=source,
     )
+
+
+def in_reference_layout(spec: NodeSpec, ours, ref) -> tuple[object, str]:
+    """``(ours, how)``: ours in the reference's layout when the node may be (``spec.match_layout``)
+    and only the layout differs (:func:`parity.compare.layouts.match_layout`), else as it is, ``""``."""
+    if not spec.match_layout or ours is None or ref is None or tuple(ours.shape) == tuple(ref.shape):
+        return ours, ""
+    if isinstance(ours, torch.Tensor) and ours.numel() == ref.numel():
+        found = match_layout(ours, ref if isinstance(ref, torch.Tensor) else ref.load())
+        if found is not None:
+            return found
+    return ours, ""
 
 
 def node_order(reference, nodes: Sequence[NodeSpec]) -> list[str]:
@@ -234,8 +250,12 @@ class NodeStream:
         store = self.reference.tensors
         ref = store.lazy(name) if hasattr(store, "lazy") else store.get(name)  # a spilled node is read, not mapped
         scores = store.get(spec.chosen_from) if spec.chosen_from and not ours.is_floating_point() else None
+        moved, layout = in_reference_layout(spec, ours, ref)
         result = compare_node(spec, self.index[name], ours, ref, self.tolerances, name in self.untapped, scores)
         self.trace.results[name] = result
+        if layout:  # what is kept of ours (for a report, a hint) is kept in the reference's layout
+            self.trace.keep(name, moved)
+            ours = moved
         if name in self.watch and ref is not None and ref.shape == ours.shape:
             self.trace.watched[name] = self.watch[name](ours, ref)
         del ref, scores
@@ -248,8 +268,12 @@ class NodeStream:
             self.failure_keep = {name} | {n for n in self.stem_keep if n.rsplit(".", 1)[0] == stem}
             self._release(old - self.failure_keep)
             self.trace.keep_input(name)  # held by reference since the module's pre-hook: copied now
-            return False  # kept: the trace stores it
+            return bool(layout)  # kept: the trace stores it (in the reference's layout, stored already)
         self.trace.drop_input(name)
+        if layout:
+            if name not in self.stem_keep and name in self.trace.tensors:
+                del self.trace.tensors[name]
+            return True
         return name not in self.stem_keep  # a context node is kept (stored by the trace)
 
     def finish(self) -> None:

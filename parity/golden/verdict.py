@@ -86,7 +86,7 @@ def judge(trace: GoldenTrace, pair: Pair, run, ours: Trace, tolerances: Toleranc
     """``(node results, profile, logits)`` of ours against the trace: whole tensors through
     :func:`parity.run.stages.compare_run` and :func:`parity.run.stages.analyse` (metrics, the first failure's
     hint, where its error sits, its effect on the logits), summaries through :func:`compare_summary`."""
-    from parity.run.stages import analyse, compare_run
+    from parity.run.stages import analyse, compare_run, untapped_nodes
 
     if trace.kind == "tensors":
         ref = trace.reference_trace()
@@ -94,7 +94,7 @@ def judge(trace: GoldenTrace, pair: Pair, run, ours: Trace, tolerances: Toleranc
         profile, logits = analyse(pair, results, ours, ref)
         return results, profile, logits
     stored = trace.summaries()
-    untapped = frozenset(n.name for n in pair.nodes if n.ours.startswith(("tap:", "unaligned:")))
+    untapped = untapped_nodes(pair)
     by_name = {n.name: n for n in pair.nodes}
     order = [name for name in trace.names if name in by_name] + [n.name for n in pair.nodes if n.name not in stored]
     results = []
@@ -229,7 +229,7 @@ def compare_dump(trace, dump, name_map=None, *, options: CheckOptions | None = N
         looked[LOGITS] = (
             f"{UNALIGNED}the dump has no {LOGITS!r} (what the runtime returns): {trace.head_node} stands for it"
         )
-    nodes = trace.node_specs(looked)
+    nodes = [replace(n, match_layout=True) for n in trace.node_specs(looked)]  # a runtime keeps its own layouts
     pair = _trace_pair(trace, nodes)
     ours = Trace(tensors=tensors, wanted=frozenset(tensors))
     run = _run_of(trace, options, tolerance)

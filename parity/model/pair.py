@@ -52,6 +52,9 @@ class NodeSpec:
     kind: str = ""
     reference_transform: Callable[[torch.Tensor], torch.Tensor] | None = None
     chosen_from: str | None = None
+    #: compare ours in the reference's layout when only the layout differs (a user's model, a
+    #: runtime's dump; see :mod:`parity.compare.layouts`)
+    match_layout: bool = False
 
     @property
     def reference_path(self) -> str:

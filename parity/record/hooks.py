@@ -29,6 +29,10 @@ from torch import nn
 from parity.record.trace import Trace, first_tensor
 from parity.util.errors import ParityError
 
+#: layouts a tap may declare for q_rot/k_rot/context: (batch, heads, seq, head_dim), (batch, seq, heads,
+#: head_dim), (batch, seq, heads * head_dim)
+LAYOUTS = ("bhsd", "bshd", "bsf")
+
 _ACTIVE: contextvars.ContextVar[_Recording | None] = contextvars.ContextVar("parity_active_recording", default=None)
 
 
@@ -129,14 +133,12 @@ def tap(tensor: torch.Tensor, name: str, *, layout: str | None = None) -> torch.
     :class:`parity.ParityError` for another layout name, a shape that cannot hold the declared
     layout, or ``layout`` on a tap other than those three.
     """
+    if layout is not None and layout not in LAYOUTS:
+        raise ParityError(f"parity.tap(..., {name!r}, layout={layout!r}): layout must be one of {', '.join(LAYOUTS)}")
     rec = _ACTIVE.get()
     if rec is None or not rec.tap_names:
         return tensor
-    node = None
-    for path in reversed(rec.stack):  # the innermost running module first, then its parents
-        node = rec.tap_names.get(f"{path}.{name}" if path else name)
-        if node is not None:
-            break
+    node = _tap_node(rec, name)
     if node is None:
         return tensor
     transform = rec.transforms.get(node)
@@ -149,6 +151,42 @@ def tap(tensor: torch.Tensor, name: str, *, layout: str | None = None) -> torch.
     rec.trace.add(node, tensor, transform)
     new = rec.replacement(node, tensor, transform if layout is not None else None)
     return tensor if new is None else new.to(dtype=tensor.dtype, device=tensor.device)
+
+
+def _tap_node(rec: _Recording, name: str) -> str | None:
+    """The node a tap called ``name`` records, found from the innermost running module outwards."""
+    for path in reversed(rec.stack):
+        node = rec.tap_names.get(f"{path}.{name}" if path else name)
+        if node is not None:
+            return node
+    return None
+
+
+def functional_tap(rec: _Recording, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A tap made by :mod:`parity.record.functional` for a value the model computed in a function: it
+    records only a node nothing recorded yet (the model's own tap wins) and, in isolated mode,
+    returns the reference's value in ours' layout."""
+    node = _tap_node(rec, name)
+    if node is None or rec.trace.calls.get(node):
+        return tensor
+    return _record_value(rec, node, tensor)
+
+
+def _record_value(rec: _Recording, node: str, tensor: torch.Tensor) -> torch.Tensor:
+    rec.trace.add(node, tensor, rec.transforms.get(node))
+    new = rec.replacement(node, tensor, None)
+    return tensor if new is None else new.to(dtype=tensor.dtype, device=tensor.device)
+
+
+def _running_block(rec: _Recording) -> tuple[str, int] | None:
+    """The innermost running module that is aligned to a reference attention block, with its head_dim."""
+    for path in reversed(rec.stack):
+        for suffix in ("q_rot", "context", "probs"):
+            node = rec.tap_names.get(f"{path}.{suffix}")
+            if node is not None:
+                head_dim = getattr(rec.transforms.get(rec.tap_names.get(f"{path}.q_rot", node)), "head_dim", None)
+                return path, head_dim or -1
+    return None
 
 
 def _module_stack_hooks(model: nn.Module, rec: _Recording) -> list:
@@ -180,6 +218,7 @@ def recording(
     taps: dict[str, str] | None = None,
     into: Trace | None = None,
     module_stack: bool = False,
+    functional: dict[int, str] | None = None,
 ) -> Iterator[Trace]:
     """Hook ``model`` for the duration of the block and yield the Trace being filled.
 
@@ -199,7 +238,9 @@ def recording(
     1-D or 2-D weight and bias, by reference) are also kept for diagnosis. ``into``: the (empty) Trace to
     fill, e.g. one that spills (:meth:`Trace.spilling`), has a sink, or whose ``add`` keeps statistics
     instead of tensors (:mod:`parity.golden`); by default a new in-memory one. ``module_stack``: keep the
-    paths of the running modules (:func:`running_module`) even without ``taps``.
+    paths of the running modules (:func:`running_module`) even without ``taps``. ``functional``:
+    record what attention computes in functions (:mod:`parity.record.functional`) into the ``taps``
+    nodes nothing tapped, and, keyed by a parameter's storage, the node of the op that reads it.
     """
     transforms, inverses = transforms or {}, inverses or {}
     trace = Trace() if into is None else into
@@ -228,7 +269,7 @@ def recording(
             return torch.empty_like(mine, memory_format=torch.contiguous_format).copy_(ref)
 
     rec = _Recording(trace, replacement, tap_names=dict(taps or {}), transforms=transforms)
-    handles = _module_stack_hooks(model, rec) if taps or module_stack else []
+    handles = _module_stack_hooks(model, rec) if taps or module_stack or functional is not None else []
     modules = dict(model.named_modules())
     for name, path in points:
         module_path, is_input, item = split_path(path)
@@ -289,8 +330,19 @@ def recording(
 
                 handles.append(module.register_forward_pre_hook(keep, with_kwargs=True))
     token = _ACTIVE.set(rec)
+    capture = contextlib.nullcontext()
+    if functional is not None:
+        from parity.record.functional import FunctionCapture
+
+        capture = FunctionCapture(
+            lambda name, t: functional_tap(rec, name, t),
+            lambda: _running_block(rec),
+            functional,
+            lambda node, t: t if trace.calls.get(node) else _record_value(rec, node, t),
+        )
     try:
-        yield trace
+        with capture:
+            yield trace
     finally:
         _ACTIVE.reset(token)
         for handle in handles:

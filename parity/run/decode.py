@@ -39,7 +39,7 @@ from parity.record import hf_capture, hf_kernels
 from parity.record.hooks import recording
 from parity.record.trace import Trace
 from parity.run.options import DecodePlan
-from parity.run.stages import run_ours
+from parity.run.stages import ours_recording, run_ours, untapped_nodes
 from parity.util.errors import ParityError
 
 #: a logit margin (top-1 minus top-2 of the reference) below this is a near-tie, not a bug
@@ -248,12 +248,9 @@ def _trace_reference_step(pair: Pair, ids, mask, positions, cache) -> tuple[Trac
 
 
 def _trace_ours_step(pair: Pair, protocol: CacheProtocol, ids, mask, positions, cache) -> tuple[Trace, torch.Tensor]:
-    tapped = {n.ours[len("tap:") :]: n.name for n in pair.nodes if n.ours.startswith("tap:")}
-    points = [(n.name, n.ours) for n in pair.nodes if not n.ours.startswith(("tap:", "unaligned:"))]
-    transforms = {n.name: n.transform for n in pair.nodes if n.transform is not None}
     with (
         torch.inference_mode(),
-        recording(pair.ours, points, transforms=transforms, keep_inputs=_inputs_for_trace(pair), taps=tapped) as trace,
+        recording(pair.ours, keep_inputs=_inputs_for_trace(pair), **ours_recording(pair)) as trace,
     ):
         logits = run_ours(pair, protocol.forward, pair.ours, ids, mask, positions, cache)
     return trace, logits
@@ -337,7 +334,7 @@ def run_decode(
     outcome = DecodeOutcome(plan, plan.schedule())
     results: list[NodeResult] = []
     traces: list[tuple[Trace, Trace, torch.Tensor]] = []
-    untapped = frozenset(n.name for n in pair.nodes if n.ours.startswith(("tap:", "unaligned:")))
+    untapped = untapped_nodes(pair)
     for k, (a, b) in enumerate(outcome.steps):
         step_mask = mask[:, :b] if attention_mask is not None else None
         ref_trace, ref_logits = _trace_reference_step(pair, ids[:, a:b], step_mask, positions[:, a:b], ref_cache)

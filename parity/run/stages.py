@@ -127,8 +127,32 @@ def forward_accepts(model, name: str) -> bool:
     return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
+#: ours-side prefixes of nodes no hook records: a tap call, a value read from a function call (the
+#: op reading a parameter), or nothing to align; such a node ours never produced is untapped, not failed
+UNHOOKED = ("tap:", "param:", "unaligned:")
+
+
 def untapped_nodes(pair: Pair) -> frozenset[str]:
-    return frozenset(n.name for n in pair.nodes if n.ours.startswith(("tap:", "unaligned:")))
+    return frozenset(n.name for n in pair.nodes if n.ours.startswith(UNHOOKED))
+
+
+def ours_recording(pair: Pair) -> dict:
+    """The arguments of :func:`~parity.record.hooks.recording` for ours: module points, layouts,
+    taps, and for a user's model the functional capture (attention internals computed in functions,
+    projections computed from a parameter of a bigger module)."""
+    taps = {n.ours[len("tap:") :]: n.name for n in pair.nodes if n.ours.startswith("tap:")}
+    params = dict(pair.ours.named_parameters()) if pair.alignment else {}
+    functional = {
+        params[n.ours[len("param:") :]].untyped_storage().data_ptr(): n.name
+        for n in pair.nodes
+        if n.ours.startswith("param:") and n.ours[len("param:") :] in params
+    }
+    return dict(
+        points=[(n.name, n.ours) for n in pair.nodes if not n.ours.startswith(UNHOOKED)],
+        transforms={n.name: n.transform for n in pair.nodes if n.transform is not None},
+        taps=taps,
+        functional=functional if pair.alignment and (functional or taps) else None,
+    )
 
 
 def trace_ours(
@@ -146,11 +170,7 @@ def trace_ours(
     trace returned holds the results, the first failure with what its diagnosis reads, and the
     logits effect (``watched``). Without it, every tensor of ours is kept.
     """
-    tapped = {n.ours: n.name for n in pair.nodes if n.ours.startswith("tap:")}
-    points = [(n.name, n.ours) for n in pair.nodes if not n.ours.startswith(("tap:", "unaligned:"))]
-    transforms = {n.name: n.transform for n in pair.nodes if n.transform is not None}
     inverses = {n.name: n.inverse for n in pair.nodes if n.inverse is not None}
-    taps = {path[len("tap:") :]: name for path, name in tapped.items()}
     device = device_of(pair.ours)
     kwargs = {}
     if run.attention_mask is not None:
@@ -174,13 +194,11 @@ def trace_ours(
         torch.no_grad(),
         recording(
             pair.ours,
-            points,
-            transforms=transforms,
             substitute=substitute,
             inverses=inverses,
             keep_inputs=diagnosis_inputs(pair),
-            taps=taps,
             into=trace,
+            **ours_recording(pair),
         ),
     ):
         run_ours(pair, pair.ours, on_device(device, run.input_ids), **kwargs)

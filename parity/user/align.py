@@ -30,13 +30,10 @@ from parity.build.coverage import ROWS, TRANSPOSED, Coverage, Source
 from parity.model.facts import ArchFacts
 from parity.model.pair import NodeSpec
 from parity.record.hf_capture import SUFFIXES
+from parity.record.hooks import LAYOUTS
 from parity.util.errors import ParityError
 
-#: layouts a tap may declare for q_rot/k_rot/context: (batch, heads, seq, head_dim), (batch, seq, heads,
-#: head_dim), (batch, seq, heads * head_dim)
-LAYOUTS = ("bhsd", "bshd", "bsf")
-
-UNALIGNED, TAP = "unaligned:", "tap:"
+UNALIGNED, TAP, PARAM = "unaligned:", "tap:", "param:"
 
 
 @dataclass(frozen=True)
@@ -84,6 +81,12 @@ class Layout:
     showed on an earlier call of another length holds (a decode chunk after the prompt), and with
     neither ``(batch, heads, seq, head_dim)`` is assumed: a wrong guess fails the node, and its
     ``tap_layout`` hint names the fix.
+
+    ``expanded``: the query head count, for keys ours expanded before attention (to each query head
+    its KV head, as ``repeat_kv`` does, or tiled): they are compared as the KV heads they expand
+    (each group's first). ``dims``: per head, where ours keeps the reference's dims (``ref[..., i] =
+    ours[..., dims[i]]``): q/k rows permuted per head for interleaved RoPE keep the rotated dims in
+    that order too.
     """
 
     kind: str
@@ -93,6 +96,10 @@ class Layout:
     seen: dict = field(default_factory=dict, compare=False, repr=False)
     #: the layout the tap declared: "bhsd" (batch, heads, seq, head_dim), "bshd" or "bsf" (heads flattened)
     declared: str = ""
+    #: query heads, for keys ours expanded to one per query head before attention (0: never expanded)
+    expanded: int = 0
+    #: ours' order of each head's dims (None: the reference's)
+    dims: tuple[int, ...] | None = None
 
     def with_layout(self, layout: str) -> Layout:
         """This layout with the tap's declared ``layout``; raises ParityError for an unknown one."""
@@ -113,7 +120,9 @@ class Layout:
             return complex_, self.seen.get("layout", "bhsd" if self.kind == "context" else "")
         step = ""
         if self.kind in ("q_rot", "k_rot"):
-            if len(shape) == 4 and shape[1] != self.heads and shape[2] == self.heads:
+            # the KV heads first; the query heads only when neither axis holds the KV heads (keys ours expanded)
+            wide = self.expanded if self.expanded and self.heads not in shape[1:3] else self.heads
+            if len(shape) == 4 and shape[1] != wide and shape[2] == wide:
                 step = "bshd"
             elif len(shape) == 3 and shape[-1] == self.heads * self.head_dim:
                 step = "bsf"
@@ -139,14 +148,19 @@ class Layout:
         return "" if self.declared == reference else self.declared
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        if t.dim() == 5:  # heads kept as (KV heads, group), as grouped attention computes them
+            t = t.flatten(1, 2)
         complex_, layout = self._steps(t)
         if complex_:
             t = torch.view_as_real(t).flatten(-2)
         if self.kind in ("q_rot", "k_rot"):
             if layout == "bshd":
-                return t.transpose(1, 2)
-            if layout == "bsf":
-                return t.unflatten(-1, (self.heads, self.head_dim)).transpose(1, 2)
+                t = t.transpose(1, 2)
+            elif layout == "bsf":
+                t = t.unflatten(-1, (self.heads, self.head_dim)).transpose(1, 2)
+            if self.expanded and t.dim() == 4 and t.shape[1] == self.expanded != self.heads:
+                t = _kv_heads(t, self.heads)
+            return t if self.dims is None else t[..., list(self.dims)]
         if self.kind == "context":
             if layout == "bhsd":
                 return t.transpose(1, 2).flatten(-2)
@@ -155,7 +169,20 @@ class Layout:
         return t
 
     def inverse(self, ref: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
+        if current.dim() == 5:
+            flat = self.inverse(ref, current.flatten(1, 2))
+            return (
+                flat.unflatten(1, current.shape[1:3]) if flat.shape[1] == current.shape[1] * current.shape[2] else flat
+            )
         complex_, layout = self._steps(current)
+        if self.kind in ("q_rot", "k_rot") and self.dims is not None:
+            ref = ref[..., torch.tensor(self.dims).argsort().tolist()]
+        if self.kind in ("q_rot", "k_rot") and self.expanded:
+            wide = current.shape[2] if layout == "bshd" else current.shape[1] if layout != "bsf" else 0
+            if wide == self.expanded != self.heads:
+                groups = self.expanded // self.heads
+                tiled = _is_tiled(current, layout, self.heads)
+                ref = ref.repeat(1, groups, 1, 1) if tiled else ref.repeat_interleave(groups, dim=1)
         if self.kind in ("q_rot", "k_rot") and layout == "bshd":
             ref = ref.transpose(1, 2)
         elif self.kind in ("q_rot", "k_rot") and layout == "bsf":
@@ -167,6 +194,25 @@ class Layout:
         if complex_:
             ref = torch.view_as_complex(ref.float().unflatten(-1, (-1, 2)).contiguous())
         return ref.contiguous()
+
+
+def _kv_heads(t: torch.Tensor, kv: int) -> torch.Tensor:
+    """Keys expanded to the query heads ``(b, h, s, d)`` -> the ``kv`` heads they expand: each group's
+    first when every query head of a group holds its KV head (``repeat_kv``), else the first ``kv``
+    (tiled ``[K0, K1, K0, K1]``: the query heads then read other KV heads than the reference's, which
+    the nodes after show)."""
+    groups = t.shape[1] // kv
+    if torch.equal(t.unflatten(1, (kv, groups)), t.unflatten(1, (kv, groups))[:, :, :1].expand(-1, -1, groups, -1, -1)):
+        return t[:, ::groups]
+    return t[:, :kv]
+
+
+def _is_tiled(t: torch.Tensor, layout: str, kv: int) -> bool:
+    """Whether keys ``t`` of ours (in ``layout``) were expanded by tiling, not per group."""
+    heads = t.transpose(1, 2) if layout == "bshd" else t
+    groups = heads.shape[1] // kv
+    grouped = heads.unflatten(1, (kv, groups))
+    return not torch.equal(grouped, grouped[:, :, :1].expand(-1, -1, groups, -1, -1))
 
 
 def _storage_key(t: torch.Tensor) -> tuple:
@@ -204,6 +250,8 @@ class _Aligner:
             for s in sources:
                 self.by_key.setdefault(s.key, []).append((name, s))
         self.leaves: dict[str, tuple[str, Source]] = {}  # reference module path -> (our module path, source)
+        #: reference module path -> (our parameter, source) for a weight ours reads in a function
+        self.functional: dict[str, tuple[str, Source]] = {}
         self.why: dict[str, str] = {}
 
     def leaf(self, path: str) -> tuple[str, Source] | None:
@@ -216,7 +264,8 @@ class _Aligner:
             self.why[path] = "no weight in the reference module"
             return None
         keys = self.keys_by_storage.get(_storage_key(weight), [])
-        found = [(n, s) for k in keys for n, s in self.by_key.get(k, [])]
+        held = [(n, s) for k in keys for n, s in self.by_key.get(k, [])]
+        found = held
         # the parameter must be its module's weight: named so, or (a norm's ``scale``, ``gamma``, ``g``,
         # ``w``) the only parameter of its module that holds a reference weight
         found = [(n, s) for n, s in found if self._is_weight_of_module(n)]
@@ -244,6 +293,12 @@ class _Aligner:
         if len(candidates) == 1:
             self.leaves[path] = next(iter(candidates.items()))
             return self.leaves[path]
+        if not candidates and held and not isinstance(module, nn.Embedding):
+            # a parameter of a module that holds several (TransformerLens' W_Q in attn): the op reading it
+            # computes this module's output
+            self.functional[path] = held[0]
+            self.why[path] = f"ours holds its weight as {held[0][0]}, a parameter of a module that holds others too"
+            return None
         if not candidates:
             self.why[path] = f"no module of ours holds {', '.join(keys) or 'its weight'}"
         else:
@@ -263,19 +318,23 @@ class _Aligner:
         if path in self.why:
             return None
         prefix = path + "." if path else ""
-        inside, outside = [], []
+        inside, outside, owners = [], [], set()
         for ref_path, module in self.ref_modules.items():
             if not isinstance(getattr(module, "weight", None), torch.Tensor) or ref_path == path:
                 continue
             hit = self.leaf(ref_path)
-            if hit is None or hit[0] == "":  # a weight ours uses functionally has no module to gather
+            if hit is None and ref_path in self.functional:  # read in a function: its parameter's module gathers it
+                owner = _module_of(self.functional[ref_path][0])[0]
+                owners.add(owner)
+                hit = (owner, self.functional[ref_path][1])
+            if hit is None or hit[0] == "":  # the head ours computes from the embedding: no module to gather
                 continue
             (inside if ref_path.startswith(prefix) else outside).append(hit[0])
-        if len(set(inside)) < 2:
+        if len(set(inside)) < 2 and not (set(inside) <= owners and inside):
             self.why[path] = "fewer than two of its weighted modules were found in ours"
             return None
         ancestor = _common_ancestor(sorted(set(inside)))
-        if ancestor in set(inside):
+        if ancestor in set(inside) and ancestor not in owners:
             self.why[path] = f"its weighted modules in ours meet at {ancestor}, which is one of them"
             return None
         if any(o == ancestor or o.startswith(ancestor + ".") for o in outside if o not in inside):
@@ -295,11 +354,21 @@ class _Aligner:
                 return self._unaligned(spec, f"attention block {att}: {self.why.get(att, 'not found')}")
             heads = self.facts.num_kv_heads if suffix == "k_rot" else self.facts.num_heads
             layer = self.facts.layer(spec.layer)
-            layout = Layout(suffix, heads, layer.head_dim if layer is not None else self.facts.head_dim)
+            head_dim = layer.head_dim if layer is not None else self.facts.head_dim
+            dims = (
+                self._head_dims(f"{att}.{'k_proj' if suffix == 'k_rot' else 'q_proj'}", head_dim)
+                if suffix in ("q_rot", "k_rot")
+                else None
+            )
+            expanded = self.facts.num_heads if suffix == "k_rot" and self.facts.num_heads != heads else 0
+            layout = Layout(suffix, heads, head_dim, expanded=expanded, dims=dims)
             tap = f"{our_att}.{suffix}"
+            detail = f"parity.tap(tensor, {suffix!r}) inside {our_att}, or what its functions compute"
+            if dims is not None:
+                detail += "; each head's dims in ours' order (its q/k rows are permuted per head)"
             return (
                 replace(spec, ours=TAP + tap, transform=layout, inverse=layout.inverse),
-                Aligned(name, TAP + tap, "tap", f"parity.tap(tensor, {suffix!r}) inside {our_att}"),
+                Aligned(name, TAP + tap, "tap", detail),
             )
         is_input = ref_path.endswith("@input")
         base = ref_path[: -len("@input")] if is_input else ref_path
@@ -345,7 +414,33 @@ class _Aligner:
                     "input" if is_input else "container",
                     f"common ancestor of the modules aligned under {base}",
                 )
+        if base in self.functional and not is_input:
+            param, source = self.functional[base]
+            return replace(spec, ours=PARAM + param), Aligned(
+                name,
+                PARAM + param,
+                "functional",
+                f"the result of the op in ours that reads {param} ({source.description}): its module computes more",
+            )
         return self._unaligned(spec, self.why.get(base, f"{base} is not a module of the reference"))
+
+    def _head_dims(self, projection: str, head_dim: int) -> tuple[int, ...] | None:
+        """Where ours keeps each head's dims, when its weight of ``projection`` (q_proj, k_proj) holds
+        the reference's rows permuted the same way within every head (interleaved RoPE on Meta's
+        layout): ``ref[..., i] = ours[..., dims[i]]``; None when ours keeps the reference's order."""
+        hit = self.leaf(projection) if projection in self.ref_modules else None
+        if hit is None or hit[1].how != ROWS or hit[1].rows is None:
+            return None
+        rows = list(hit[1].rows)
+        if len(rows) % head_dim:
+            return None
+        heads = [
+            tuple(r - h * head_dim for r in rows[h * head_dim : (h + 1) * head_dim])
+            for h in range(len(rows) // head_dim)
+        ]
+        if len(set(heads)) != 1 or sorted(heads[0]) != list(range(head_dim)) or heads[0] == tuple(range(head_dim)):
+            return None
+        return heads[0]
 
     def _scaled_outside(self, our_path: str) -> bool:
         """The reference's embedding scales its output (Gemma: sqrt(hidden)) and ours is a plain
@@ -385,6 +480,9 @@ def align(
         new, row = aligner.place(spec)
         specs.append(new)
         rows.append(row)
+    # a model nobody wrote for parity keeps its own layouts: a node differing only in layout is compared in the reference's
+    # (not what forward returns: a training loop reads that value in its layout)
+    specs = [replace(spec, match_layout=spec.reference_path != "") for spec in specs]
     return specs, rows
 
 
