@@ -334,6 +334,9 @@ class _Aligner:
             self.why[path] = "fewer than two of its weighted modules were found in ours"
             return None
         ancestor = _common_ancestor(sorted(set(inside)))
+        if ancestor in owners and ancestor in outside:
+            self.why[path] = f"{ancestor} also holds the weights of other reference blocks"
+            return None
         if ancestor in set(inside) and ancestor not in owners:
             self.why[path] = f"its weighted modules in ours meet at {ancestor}, which is one of them"
             return None
