@@ -19,6 +19,7 @@ from parity.diagnose.norms import block_layout, norm_eps, norm_kind, norm_placem
 from parity.diagnose.rope import position_table_offset, rope_fit, rope_partial, rope_pattern
 from parity.diagnose.scales import channel_ratio, constant_ratio, row_scale, softmax_temperature
 from parity.diagnose.wiring import (
+    gate_up_roles,
     head_mapping,
     kv_sharing,
     last_dim_permutation,
@@ -37,6 +38,7 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     tap_layout,
     kv_sharing,
     sibling_match,
+    gate_up_roles,
     other_layer,
     untied_head,
     transposed_weight,

@@ -17,6 +17,8 @@ KINDS: dict[str, str] = {
     "nonfinite": "the first NaN/Inf, with its positions and batch rows (masked or padded rows?)",
     "tap_layout": "a tapped attention tensor equals the reference with heads and positions swapped (declare parity.tap(..., layout=))",
     "swapped_weights": "ours equals another reference node of the same layer (gate vs up, k vs v), or the reference with a fused gate/up split the other way round",
+    "swapped_roles": "the projections agree (each holds the reference's weight) but their roles are swapped where they "
+    "are used: the activation applied to up_proj's output instead of gate_proj's, k used as the query",
     "expert_mapping": "one expert of ours computes with another expert's weights (experts indexed in another order)",
     "routing": "an integer node (the experts a router chose) differs: where, same set or not, and the reference's margin (a near-tie?)",
     "renormalisation": "ours / ref is one factor per row and one side's rows sum to 1 (top-k weights renormalised on one side only)",

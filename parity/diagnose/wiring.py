@@ -22,6 +22,16 @@ def sibling_match(e: Evidence) -> Hint | None:
             continue  # another layer's node: see other_layer
         if not e.close(e.ours, tensor):
             continue
+        roles = {"q_rot": "k_rot", "k_rot": "q_rot", "q_proj": "k_proj", "k_proj": "q_proj"}
+        if roles.get(e.kind) == kind and e.kind.endswith("_rot"):
+            mine, theirs = ("query", "key") if e.kind == "q_rot" else ("key", "query")
+            return Hint(
+                "swapped_roles",
+                f"likely swapped roles: ours' {e.kind} is the reference's {name}: each projection agrees with the "
+                f"reference's, but ours uses as the {mine} what the reference uses as the {theirs} (q_proj and k_proj "
+                "swapped where they are used, or their weights loaded into each other's module)",
+                {"matches": name, "swapped": [e.kind, kind]},
+            )
         if reads_stream(e.kind) and reads_stream(kind):
             return Hint(
                 "block_layout",
@@ -232,3 +242,31 @@ def untied_head(e: Evidence) -> Hint | None:
         f"the logits are uncorrelated (cosine {e.result.cosine:.3f})",
         {"cosine": e.result.cosine},
     )
+
+
+def gate_up_roles(e: Evidence) -> Hint | None:
+    """A gated MLP's down projection reads ``act(up) * gate`` where the reference's reads ``act(gate) *
+    up``: gate_proj and up_proj agree (each holds its weight), their roles are swapped."""
+    if e.kind != "down_proj" or e.name not in e.ours_trace.inputs:
+        return None
+    stem = e.name.rsplit(".", 1)[0]
+    gate, up = e.ref_trace.tensors.get(f"{stem}.gate_proj"), e.ref_trace.tensors.get(f"{stem}.up_proj")
+    x = e.ours_trace.inputs[e.name]
+    if gate is None or up is None or gate.shape != up.shape or gate.shape != x.shape:
+        return None
+    from parity.diagnose.elementwise import _activations
+
+    x_ref = e.ref_trace.inputs.get(e.name) if hasattr(e.ref_trace.inputs, "get") else None
+    for label, act in _activations().items():
+        right, swapped = act(gate) * up, act(up) * gate
+        ours_swapped = e.close(x, swapped) and not e.close(x, right)
+        ref_swapped = x_ref is not None and e.close(x_ref, swapped) and e.close(x, right) and not e.close(x_ref, right)
+        if ours_swapped or ref_swapped:
+            side, other = ("ours", "the reference") if ours_swapped else ("the reference", "ours")
+            return Hint(
+                "swapped_roles",
+                f"likely swapped roles: gate_proj and up_proj agree on both sides, but {side} applies the activation "
+                f"({label}) to up_proj's output and multiplies by gate_proj's ({other}: act(gate) * up)",
+                {"swapped": [f"{stem}.gate_proj", f"{stem}.up_proj"], "activation": label, "side": side},
+            )
+    return None
