@@ -37,6 +37,8 @@ class Tolerances:
     per_node: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     calibrated: Mapping[str, tuple[float, float]] | None = None
     exact: bool = False
+    #: what ``calibrated`` is, for reports: "calibrated" (10x the reference's own error) or "semantic"
+    calibrated_source: str = "calibrated"
 
     def for_node(self, name: str) -> tuple[float, float, str]:
         """``(atol, rtol, source)`` for one node."""
@@ -46,7 +48,7 @@ class Tolerances:
         if self.exact:
             return 0.0, 0.0, "exact"
         if self.calibrated and name in self.calibrated:
-            return float(self.calibrated[name][0]), float(self.calibrated[name][1]), "calibrated"
+            return float(self.calibrated[name][0]), float(self.calibrated[name][1]), self.calibrated_source
         d_atol, d_rtol = default_tolerance(self.dtype)
         source = (
             "run"

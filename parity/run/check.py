@@ -130,21 +130,33 @@ def check(
     run = plan(pair, CheckOptions.of(options, **option_values), input_ids, attention_mask)
     if run.options.decode is not None:
         return _check_decode(pair, run)
+    if run.options.resolved_semantic(pair.exact):
+        from parity.run.semantic import check_semantic
+
+        coverage = _coverage(pair)
+        return check_semantic(pair, run, _forward_notes(pair, run) + coverage_notes(coverage), coverage)
     return _check_forward(pair, run)
 
 
-def _check_forward(pair: Pair, run: Run) -> CheckResult:
-    """The plain (no cache) run of :func:`check`: chained and/or isolated."""
-    diffs = config_diff(pair)
+def _forward_notes(pair: Pair, run: Run) -> list[str]:
+    """What a forward check says before its nodes: the run's notes, positions a model without
+    position_ids cannot follow, every config field ours holds otherwise than the reference."""
     notes = list(run.notes)
     if run.attention_mask is not None and not forward_accepts(pair.ours, "position_ids"):
         notes.append(
             "ours takes no position_ids: it gets the mask only, while the reference rotates each padded row "
             "by positions counted over its real tokens (as generation does)"
         )
-    notes += [
+    diffs = config_diff(pair)
+    return notes + [
         f"config differs: {d['key']} is {d['ours']!r} in ours, {d['reference']!r} in the reference" for d in diffs
     ]
+
+
+def _check_forward(pair: Pair, run: Run) -> CheckResult:
+    """The plain (no cache) run of :func:`check`: chained and/or isolated."""
+    diffs = config_diff(pair)
+    notes = _forward_notes(pair, run)
     refuse_changed_weights(pair, "before the check")
     start = time.perf_counter()
     ref_trace = trace_reference(pair, run)  # spills to disk past run.trace_memory; freed when dropped

@@ -98,6 +98,10 @@ class CheckOptions:
     * ``decode``: a :class:`DecodePlan` (or its text ``"12:4x8"``): run both models through their KV
       caches instead (chained, fixed tolerances);
     * ``trace_memory``: bytes of a trace held in memory before it spills to disk (None: never).
+    * ``semantic``: judge in two runs (:mod:`parity.run.semantic`): both models in float64 first
+      (a node that differs beyond 1e-9 of its scale there is a difference of formula), then the run's
+      dtype within 10x the reference's own error against float64 (precision); None: on for a pair
+      not claimed bit-exact when no tolerance rule is given (a user's model), off otherwise.
 
     Raises ParityError, naming the option, for a value no check could use.
     """
@@ -113,6 +117,7 @@ class CheckOptions:
     exact: bool | None = None
     decode: DecodePlan | None = None
     trace_memory: int | None = TRACE_MEMORY
+    semantic: bool | None = None
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -128,6 +133,15 @@ class CheckOptions:
                 raise ParityError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         if self.exact is not None and not isinstance(self.exact, bool):
             raise ParityError(f"exact must be True, False or None, got {self.exact!r}")
+        if self.semantic is not None and not isinstance(self.semantic, bool):
+            raise ParityError(f"semantic must be True, False or None, got {self.semantic!r}")
+        if self.semantic and (self.atol is not None or self.rtol is not None or self.calibrate or self.exact):
+            raise ParityError(
+                "semantic sets each node's tolerance itself (float64, then 10x the reference's own "
+                "error); drop atol/rtol/calibrate/exact, or override nodes with tolerances="
+            )
+        if self.semantic and self.decode is not None:
+            raise ParityError("a decode check runs in the model's dtype only; drop semantic or the decode plan")
         if not isinstance(self.tolerances, Mapping):
             raise ParityError(
                 f"tolerances must map node patterns to (atol, rtol), got {type(self.tolerances).__name__}"
@@ -190,6 +204,14 @@ class CheckOptions:
         if self.exact is not None:
             return self.exact
         return pair_exact and self.atol is None and self.rtol is None and not self.calibrate
+
+    def resolved_semantic(self, pair_exact: bool) -> bool:
+        """Whether the float64 semantic run judges: ``semantic`` when given, else on for a pair not
+        claimed bit-exact when no other tolerance rule (atol, rtol, calibrate, exact) is given."""
+        if self.semantic is not None:
+            return self.semantic
+        given = self.atol is not None or self.rtol is not None or self.calibrate or self.exact is not None
+        return not pair_exact and not given and self.decode is None
 
     def tolerance_rule(self, dtype: torch.dtype, exact: bool) -> Tolerances:
         """The :class:`~parity.compare.tolerances.Tolerances` these options give nodes of ``dtype``."""

@@ -7,7 +7,6 @@ and golden traces (:mod:`parity.golden`) reuse them, so a dump is judged exactly
 
 from __future__ import annotations
 
-import copy
 import datetime as _dt
 import inspect
 import math
@@ -250,9 +249,14 @@ def reference_noise(pair: Pair, run: Run, ref_trace: Trace) -> dict[str, float]:
             noise[name] = max_error(tensor, exact.to("cpu"))
         return True
 
-    ref64 = copy.deepcopy(pair.reference).to(torch.float64)
+    from parity.run.float64 import Float64Mode, float64_models
+
+    # really float64: Transformers' norms and RoPE cast to float32 explicitly (x.float()), which the
+    # mode keeps in float64; a plain .to(float64) copy would carry float32 noise there
+    (ref64,) = float64_models(pair.reference, what="a float64 copy of the reference (calibration, origin)")
     try:
-        trace_reference(pair, run, model=ref64, sink=measure).close()
+        with Float64Mode():
+            trace_reference(pair, run, model=ref64, sink=measure).close()
     finally:
         del ref64
     return {name: noise[name] for name in ref_trace.tensors if name in noise}

@@ -1,0 +1,202 @@
+"""The semantic run: noise or bug, for a pair that is not bit-exact when correct (a user's model).
+
+Two passes judge every node:
+
+1. **Semantic** (float64): both models in float64 on one float64 copy of the weights, under
+   :class:`~parity.run.float64.Float64Mode` (so ``x.float()`` stays float64). Rounding is then near
+   1e-15, except what a model baked in before the run: tables and weights it derived in float32 when
+   it was built (RoPE frequencies, a norm weight kept as ``1 + w``), off by an ulp of float32. How much
+   each node moves under such ulps is measured, on a float64 reference whose every weight and buffer
+   is moved by one float32 ulp (random signs): a node of ours off by more than
+   :data:`BAKED_ULPS` times that (and at least :data:`SEMANTIC` of its scale) computes another
+   formula: an eps, a scale, a window, a position.
+2. **Precision** (the run's dtype): each node within :data:`~parity.run.stages.SAFETY_FACTOR` times the
+   reference's own error against the float64 reference at that node (floored): rounding as good as
+   the reference's, whatever the order of operations; worse (a cast too early, a softmax in
+   bfloat16) fails here.
+
+A node's verdict is the semantic one when that fails, else the precision one; the first failing node
+is the fault, with the hint of the run it failed in (float64 evidence is exact). A node that agrees
+in float64 but differs in the run's dtype within its budget is rounding, counted and sized in a note.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import torch
+
+from parity.compare.results import NodeResult, first_mismatch
+from parity.compare.tolerances import Tolerances
+from parity.model.pair import Loading, Pair
+from parity.record.trace import Trace
+from parity.report.result import CheckResult
+from parity.run.float64 import Float64Mode, float64_models
+from parity.run.plan import Run
+from parity.run.stages import (
+    CALIBRATION_FLOOR,
+    SAFETY_FACTOR,
+    analyse,
+    compare_run,
+    config_diff,
+    max_error,
+    refuse_changed_weights,
+    run_meta,
+    trace_ours,
+    trace_reference,
+)
+
+#: the least relative size of a float64 difference that is a difference of formula (float64 rounding
+#: through a model stays below 1e-13)
+SEMANTIC = 1e-9
+#: how many times a node's movement under one-float32-ulp weights a float64 difference may reach and
+#: still be rounding a model baked in (measured: 1-2x for RoPE tables and 1 + w norm weights computed
+#: in float32; an eps of 1e-5 instead of 1e-6 moves a unit-scale norm 40x more)
+BAKED_ULPS = 8.0
+#: the relative move of every weight and buffer in the sensitivity run: one float32 ulp
+ULP32 = 2.0**-23
+ULPS = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: ULP32, torch.float64: 2.0**-52}
+
+RULE = (
+    "semantic run: both models in float64 (a node off by more than {ulps:g}x what float32 ulps in the weights move "
+    "it computes another formula), then {dtype} within {k:g}x the reference's own {dtype} error against float64 "
+    "(precision)"
+)
+
+
+def _scale(trace: Trace, name: str) -> float:
+    tensor = trace.tensors.get(name)
+    if tensor is None or not tensor.is_floating_point() or tensor.numel() == 0:
+        return 1.0
+    return float(tensor.detach().abs().double().nan_to_num(0.0, 0.0, 0.0).max()) or 1.0
+
+
+def baked_sensitivity(pair64: Pair, run64: Run, ref64: Trace, original: torch.nn.Module) -> dict[str, float]:
+    """Per node, how far the float64 reference moves when each of its weights and buffers moves by one
+    float32 ulp (random signs, seeded): the size of rounding a model bakes in when it derives tables
+    or weights in float32 before it runs."""
+    (moved,) = float64_models(pair64.reference, what="the sensitivity run of the semantic check")
+    # a buffer (a RoPE table the model derived) moves by an ulp of its own dtype: a bfloat16 reference's
+    # tables are bfloat16, and a port that keeps them in float32 computes the same formula
+    own = {n: b.dtype for n, b in original.named_buffers()}
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        seen = set()
+        tensors = [(ULP32, p) for p in moved.parameters()]
+        tensors += [(ULPS.get(own.get(n), ULP32), b) for n, b in moved.named_buffers()]
+        for ulp, t in tensors:
+            if t.is_floating_point() and id(t) not in seen and t.numel():
+                seen.add(id(t))
+                signs = torch.randint(0, 2, t.shape, generator=gen).to(t.dtype) * 2 - 1
+                t.mul_(1 + signs * ulp)
+    moves: dict[str, float] = {}
+
+    def measure(name: str, tensor: torch.Tensor) -> bool:
+        base = ref64.tensors.get(name)
+        if base is not None and tuple(base.shape) == tuple(tensor.shape) and tensor.is_floating_point():
+            moves[name] = max_error(base, tensor.to("cpu"))
+        return True
+
+    with Float64Mode():
+        trace_reference(pair64, run64, model=moved, sink=measure).close()
+    return moves
+
+
+def semantic_tolerances(ref64: Trace, run: Run, baked: dict[str, float]) -> Tolerances:
+    """Per node ``(max(BAKED_ULPS x its movement under float32 ulps, SEMANTIC x max |ref|), 0)`` in
+    float64; node patterns the user gave win."""
+    per = {
+        name: (max(BAKED_ULPS * baked.get(name, 0.0), SEMANTIC * _scale(ref64, name)), 0.0) for name in ref64.tensors
+    }
+    return Tolerances(
+        torch.float64, per_node=dict(run.tolerances.per_node), calibrated=per, calibrated_source="semantic"
+    )
+
+
+def precision_tolerances(pair: Pair, run: Run, ref: Trace, ref64: Trace) -> tuple[Tolerances, dict[str, float]]:
+    """Per node ``(SAFETY_FACTOR x the reference's own error against float64, 0)``, floored; and the noise."""
+    noise = {}
+    for name in ref.tensors:
+        a, b = ref.tensors.lazy(name) if hasattr(ref.tensors, "lazy") else ref.tensors[name], ref64.tensors.get(name)
+        if b is not None and a is not None and tuple(a.shape) == tuple(b.shape) and a.is_floating_point():
+            noise[name] = max_error(a, b)
+    floor = CALIBRATION_FLOOR.get(pair.dtype, 1e-6)
+    calibrated = {name: (max(SAFETY_FACTOR * err, floor), 0.0) for name, err in noise.items()}
+    return replace(run.tolerances, calibrated=calibrated, exact=False, calibrated_source="precision"), noise
+
+
+def _pair64(pair: Pair) -> Pair:
+    ours64, ref64 = float64_models(pair.ours, pair.reference)
+    return replace(pair, ours=ours64, reference=ref64, dtype=torch.float64, loading=Loading(), exact=False)
+
+
+def _merge(semantic: list[NodeResult], precision: list[NodeResult]) -> list[NodeResult]:
+    """Per node the semantic result when it fails, else the precision one (the same node order)."""
+    by_name = {r.name: r for r in precision}
+    out = []
+    for r in semantic:
+        p = by_name.get(r.name)
+        out.append(r if r.failed or p is None else p)
+    return out
+
+
+def check_semantic(pair: Pair, run: Run, notes: list[str], coverage) -> CheckResult:
+    """The semantic run of :func:`parity.check` (see the module docstring)."""
+    refuse_changed_weights(pair, "before the check")
+    start = time.perf_counter()
+    pair64 = _pair64(pair)
+    run64 = replace(run, tolerances=Tolerances(torch.float64))
+    with Float64Mode():
+        ref64 = trace_reference(pair64, run64)
+    sem_tol = semantic_tolerances(ref64, run, baked_sensitivity(pair64, run64, ref64, pair.reference))
+    isolated = None
+    with Float64Mode():
+        if run.mode in ("isolated", "both"):
+            iso_trace = trace_ours(pair64, run64, ref64, reference=ref64, tolerances=sem_tol)
+            isolated = compare_run(pair64, run64, iso_trace, ref64, sem_tol)
+            iso_trace.close()
+        ours64 = None
+        if run.mode != "isolated":
+            ours64 = trace_ours(pair64, run64, reference=ref64, tolerances=sem_tol)
+            semantic = compare_run(pair64, run64, ours64, ref64, sem_tol)
+        else:
+            semantic = isolated
+    ref = trace_reference(pair, run)
+    prec_tol, noise = precision_tolerances(pair, run, ref, ref64)
+    ours = trace_ours(pair, run, reference=ref, tolerances=prec_tol)
+    precision = compare_run(pair, run, ours, ref, prec_tol)
+    refuse_changed_weights(pair, "during the forward passes")
+    nodes = _merge(semantic, precision)
+    bad = first_mismatch(nodes)
+    if bad is not None and bad.tol_source == "semantic":
+        profile, logits = analyse(pair64, nodes, ours64, ref64)
+    else:
+        profile, logits = analyse(pair, nodes, ours, ref)
+    dtype = str(pair.dtype).replace("torch.", "")
+    rule = RULE.format(dtype=dtype, k=SAFETY_FACTOR, ulps=BAKED_ULPS)
+    notes = [*notes, rule]
+    rounding = [p for s, p in zip(semantic, precision, strict=False) if s.passed and p.passed and p.max_abs]
+    if rounding:
+        worst = max(rounding, key=lambda r: r.max_abs)
+        notes.append(
+            f"rounding: {len(rounding)} node(s) agree in float64 and differ in {dtype} within the reference's own "
+            f"{dtype} noise (largest {worst.max_abs:.3g} at {worst.name}, the reference's own error there "
+            f"{noise.get(worst.name, 0.0):.3g})"
+        )
+    for trace in (ref64, ours64, ref, ours):
+        if trace is not None:
+            trace.close()
+    meta = run_meta(pair, run, config_diff(pair), time.perf_counter() - start)
+    meta["semantic"] = True
+    meta["verdict_rule"] = rule
+    return CheckResult(
+        nodes=tuple(nodes),
+        meta=meta,
+        notes=tuple(notes),
+        profile=profile,
+        logits=logits,
+        isolated=tuple(isolated) if isolated is not None else None,
+        coverage=coverage,
+        alignment=tuple(pair.alignment),
+    )
