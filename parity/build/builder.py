@@ -15,6 +15,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -30,6 +31,9 @@ from parity.util.devices import Placement
 from parity.util.errors import ConfigError, LoaderError, ParityError
 from parity.util.resources import require
 from parity.util.text import one_line, summary
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 #: compute dtypes both models can run in
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -59,7 +63,7 @@ def to_reference_config(family: Family, cfg: dict):
         raise ConfigError(f"{family.config_class} rejects the config: {rope_problem_of(e) or one_line(e)}") from None
 
 
-def config_from_dict(family: Family, raw: dict):
+def config_from_dict(family: Family | Composite, raw: dict):
     """A config.json dict -> the Transformers config object. Raises ConfigError (one line)."""
     try:
         return family.config_cls().from_dict(raw)
@@ -289,7 +293,7 @@ class Reference:
     tensors, its facts, and where it came from (``cfg``: the family's cfg, when built from one)."""
 
     model: nn.Module | None
-    hf_config: object
+    hf_config: PretrainedConfig
     facts: ArchFacts
     state_dict: dict
     config_name: str
@@ -354,7 +358,7 @@ def model_naming(
     converters = [m for m in mapping if isinstance(m, WeightConverter)]
     by_pattern = {p: c for c in converters for p in c.source_patterns}
     out: dict[str, torch.Tensor] = {}
-    pending: dict[str, tuple[object, list[str]]] = {}
+    pending: dict[str, tuple[WeightConverter, list[str]]] = {}
     moved: list[tuple[str, str]] = []
     for key in sorted(state_dict, key=dot_natural_key):
         renamed, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
@@ -366,7 +370,8 @@ def model_naming(
                 moved.append((key, renamed))
             continue
         converter, sources = pending.setdefault(renamed, (copy.deepcopy(by_pattern[pattern]), []))  # one per target
-        converter.add_tensor(renamed, key, pattern, state_dict[key])
+        # transformers takes a loaded tensor here too (its synchronous path), though it hints Future only
+        converter.add_tensor(renamed, key, pattern, state_dict[key])  # type: ignore[arg-type]
         sources.append(key)
     notes = []
     if moved:  # e.g. a Gemma 3 multimodal file's language_model.model.* read as model.language_model.*
@@ -526,6 +531,7 @@ def build_pair(
     placement = Placement.of(device, device_map)
     ref = _source(family, config, checkpoint, dtype, seed, overrides)
     cfg = ref.cfg
+    assert cfg is not None  # _source always sets it (validated / resolve_config)
     if reference_changes:
         from parity.model.fields import set_value
 
@@ -554,6 +560,7 @@ def build_pair(
     text_weights = {k: v for k, v in ref.state_dict.items() if k not in ref.by_design}
     loaded = load_ours(family, ours, cfg, text_weights, ref.composite)  # first: its errors name the checkpoint key
     ref = _with_model(family, ref)
+    assert ref.model is not None  # _with_model built it
     if not placement.is_cpu:
         ours, ref.model = placement.dispatch(ours), placement.dispatch(ref.model, plan)
     return Pair(

@@ -131,6 +131,7 @@ def read_checkpoint(directory: str | Path, model_type: str | tuple[str, ...] | N
             raise CheckpointError(f"{directory / INDEX} has no weight_map of key -> shard file")
         root = directory.resolve()
         files = [directory / name for name in dict.fromkeys(weight_map.values())]
+        found_in: dict[str, Path]
         state_dict, found_in = {}, {}
         for f in files:
             if f.resolve().parent != root:
@@ -138,10 +139,10 @@ def read_checkpoint(directory: str | Path, model_type: str | tuple[str, ...] | N
             if not f.is_file():
                 raise CheckpointError(f"shard {f} named in {INDEX} does not exist")
             shard = _load(f)
-            expected = {k for k, v in weight_map.items() if directory / v == f}
-            if expected - shard.keys():
+            listed = {k for k, v in weight_map.items() if directory / v == f}
+            if listed - shard.keys():
                 raise CheckpointError(
-                    f"shard {f} lacks keys listed in {INDEX}: {', '.join(sorted(expected - shard.keys()))}"
+                    f"shard {f} lacks keys listed in {INDEX}: {', '.join(sorted(listed - shard.keys()))}"
                 )
             twice = sorted(k for k in shard if k in found_in)
             if twice:

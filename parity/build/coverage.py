@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from torch import nn
@@ -63,11 +64,12 @@ class Source:
     def description(self) -> str:
         """How ours holds the key, in a few words (for alignment tables and coverage notes)."""
         if self.how == OFFSET:
-            return f"{self.key} {'+' if self.offset > 0 else '-'} {abs(self.offset):g}"
+            offset = cast(float, self.offset)  # set whenever how is OFFSET
+            return f"{self.key} {'+' if offset > 0 else '-'} {abs(offset):g}"
         if self.how == LAYOUT:
             return f"{self.key}{'.T' if self.transposed else ''} as permute{self.permute} then reshape"
         if self.how == PART:
-            return f"{len(self.rows)} rows of {self.key}"
+            return f"{len(cast(tuple[int, ...], self.rows))} rows of {self.key}"
         return f"{self.key} ({self.how})"
 
 
@@ -153,10 +155,11 @@ class Coverage:
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
     """First and one-past-last element offset ``t`` touches in its storage."""
+    offset = cast(int, t.storage_offset())
     if t.numel() == 0:
-        return t.storage_offset(), t.storage_offset()
-    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-    return t.storage_offset(), last + 1
+        return offset, offset
+    last = offset + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return offset, last + 1
 
 
 def _runs(t: torch.Tensor) -> list[tuple[int, int]]:
@@ -164,11 +167,11 @@ def _runs(t: torch.Tensor) -> list[tuple[int, int]]:
     if t.numel() == 0:
         return []
     if t.is_contiguous():
-        return [(t.storage_offset(), t.storage_offset() + t.numel())]
+        return [(cast(int, t.storage_offset()), cast(int, t.storage_offset()) + t.numel())]
     shape, stride = list(t.shape), list(t.stride())
     inner = shape[-1] if stride[-1] == 1 else 1
     outer_shape, outer_stride = (shape[:-1], stride[:-1]) if stride[-1] == 1 else (shape, stride)
-    starts = torch.zeros((), dtype=torch.int64) + t.storage_offset()
+    starts = torch.zeros((), dtype=torch.int64) + cast(int, t.storage_offset())
     for n, s in zip(outer_shape, outer_stride):
         starts = starts[..., None] + torch.arange(n, dtype=torch.int64) * s
     return [(int(a), int(a) + inner) for a in starts.reshape(-1).tolist()]
@@ -334,6 +337,7 @@ def loader_coverage(
     cov = Coverage(conversions=list(conversions or []))
     # checkpoint keys that alias one storage (state_dict() of a tied model) form one source
     sources: dict[tuple, list[str]] = {}
+    key: str | None
     for key, tensor in state_dict.items():
         sources.setdefault(storage_key(tensor), []).append(key)
     by_shape: dict[tuple, list[str]] = {}
@@ -362,6 +366,7 @@ def loader_coverage(
         all ones: any one-to-one assignment holds)."""
         label = " = ".join(names)
         equal = [k for k in by_shape.get(tuple(p.shape), []) if torch.equal(p, state_dict[k].to(p.dtype))]
+        match: str | None
         if equal:
             match = next((k for k in equal if k not in cov.consumed), equal[0])
             record(names, match, COPY)
@@ -397,6 +402,7 @@ def loader_coverage(
 
     # checkpoint tensors by the storage they live in, for parameters that are views of part of one
     by_ptr: dict[tuple, list[str]] = {}
+    keys: list[str] | None
     for st, keys in sources.items():
         by_ptr.setdefault(st[:2], []).append(keys[0])
 
@@ -414,7 +420,7 @@ def loader_coverage(
 
     sliced: dict[str, list[tuple[list[tuple[int, int]], str]]] = {}
 
-    unexplained = []
+    unexplained: list[tuple[nn.Parameter, list[str]]] = []
     set_aside: set[str] = set()  # checkpoint keys whose parameter was replaced after loading
     for p, names in params.values():
         label = " = ".join(names)
@@ -427,9 +433,10 @@ def loader_coverage(
             and (built[n] in sources or owner(built[n]) is not None)
         ]
         if was:
-            before = sources.get(was[0]) or [owner(was[0])]
+            # was[0] is in sources, or owner() finds it (the filter above)
+            before = sources.get(was[0]) or [cast(str, owner(was[0]))]
             now = sources.get(storage_key(p.data)) or (
-                [owner(storage_key(p.data), p.data)] if owner(storage_key(p.data), p.data) else None
+                [cast(str, owner(storage_key(p.data), p.data))] if owner(storage_key(p.data), p.data) else None
             )
             holds = f"now shares {now[0]}" if now else "now a tensor of its own"
             cov.replaced.append(f"{label} (held {before[0]}; {holds})")
@@ -512,10 +519,10 @@ def loader_coverage(
                     cov.skipped[k] = by_design[k]
                 elif not (tied_keys and k in tied_keys):
                     cov.unused.append(k)
-    for key, parts in parts_of.items():
-        labels = [label for _, label in parts]
+    for key, copied in parts_of.items():
+        labels = [label for _, label in copied]
         rows_total = state_dict[key].numel() // state_dict[key].shape[-1]
-        held = sum(len(rows) for rows, _ in parts)
+        held = sum(len(rows) for rows, _ in copied)
         if held != rows_total:
             cov.gaps.append(f"{key}: {rows_total - held} of {rows_total} rows copied into no parameter of ours")
         cov.conversions.append(f"{key}: copied in {len(labels)} parts ({labels[0]} .. {labels[-1]})")
@@ -527,11 +534,11 @@ def loader_coverage(
             cov.gaps.append(f"{key} consumed whole and in {len(sliced[key])} parts: {', '.join(targets[:4])}")
         elif whole > 1:
             cov.gaps.append(f"{key} consumed {len(targets)} times: {', '.join(targets)}")
-    for key, parts in sliced.items():
+    for key, views in sliced.items():
         if key in set_aside:
             continue
-        cov.gaps += _slice_gaps(key, state_dict[key], parts)
-        labels = [label for _, label in parts]
+        cov.gaps += _slice_gaps(key, state_dict[key], views)
+        labels = [label for _, label in views]
         shown = labels[0] if len(labels) == 1 else f"{labels[0]} .. {labels[-1]}"
         cov.conversions.append(f"{key}: split into {len(labels)} view{'s' if len(labels) != 1 else ''} ({shown})")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -35,6 +35,9 @@ from parity.record.trace import Trace, one_thread
 
 if TYPE_CHECKING:  # a hint is diagnose's output; comparing only carries it
     from parity.diagnose.hints import Hint
+
+#: what a node's tensor of ours is passed as (a tensor, or None when ours has none)
+_Ours = TypeVar("_Ours", bound="torch.Tensor | None")
 
 
 @dataclass(frozen=True)
@@ -159,7 +162,7 @@ def compare_node(
     )
 
 
-def in_reference_layout(spec: NodeSpec, ours, ref) -> tuple[object, str]:
+def in_reference_layout(spec: NodeSpec, ours: _Ours, ref) -> tuple[_Ours | torch.Tensor, str]:
     """``(ours, how)``: ours in the reference's layout when the node may be (``spec.match_layout``)
     and only the layout differs (:func:`parity.compare.layouts.match_layout`), else as it is, ``""``."""
     if not spec.match_layout or ours is None or ref is None or tuple(ours.shape) == tuple(ref.shape):

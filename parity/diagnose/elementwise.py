@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import cast
 
 import torch
 
@@ -127,7 +128,7 @@ def _dtype_eps(dtype: str | None) -> float:
     """Machine epsilon of a dtype named like ``bfloat16``; float32's when unknown."""
     value = getattr(torch, str(dtype or "float32").removeprefix("torch."), None)
     try:
-        return float(torch.finfo(value).eps)
+        return float(torch.finfo(cast(torch.dtype, value)).eps)  # not a dtype: TypeError, below
     except TypeError:
         return float(torch.finfo(torch.float32).eps)
 

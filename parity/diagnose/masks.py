@@ -113,7 +113,12 @@ def padding(e: Evidence) -> Hint | None:
     before anything reads it, in every call: padding in a chunk that continues a cache leaks into the
     state otherwise (the reference's mask covers each call's own tokens)."""
     axis = positions_axis(e)
-    if axis is None or e.attention_mask is None or tuple(e.attention_mask.shape) != tuple(e.positions.shape):
+    if (
+        axis is None
+        or e.positions is None
+        or e.attention_mask is None
+        or tuple(e.attention_mask.shape) != tuple(e.positions.shape)
+    ):
         return None
     diff = (e.ours.double() - e.ref.double()).abs().movedim(axis, 1)
     bad = diff.reshape(*diff.shape[:2], -1).amax(-1) > e.noise  # (batch, seq)

@@ -3,12 +3,17 @@ renormalised on one side only, a router choosing otherwise (with the reference's
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import torch
 
 from parity.compare.metrics import choice_margins
 from parity.diagnose.evidence import EXPLAINS, Evidence, fmt_list, rel
 from parity.diagnose.hints import Hint
 from parity.model.pair import NodeSpec
+
+if TYPE_CHECKING:
+    from parity.record.hf_capture import ExpertEvidence
 
 
 def row_normalisation(e: Evidence) -> Hint | None:
@@ -48,7 +53,7 @@ def expert_weights(e: Evidence) -> Hint | None:
     """One expert's output explained by the reference's experts under another weight assignment:
     another expert's weights (experts indexed in another order), or this expert with its fused gate
     and up halves swapped."""
-    record = e.ref_trace.extras.get(e.name)
+    record = cast("ExpertEvidence | None", e.ref_trace.extras.get(e.name))  # what hf_capture leaves there
     if record is None or not hasattr(record, "output") or len(record.rows) == 0:
         return None
     ours = e.ours.double()[record.rows]
@@ -101,6 +106,7 @@ def choice(e: Evidence, spec: NodeSpec | None) -> Hint:
     margins = found["margins"]
     if margins:
         evidence["margins"] = margins[:64]
+        assert scores is not None  # margins come from the reference's scores
         s = scores.detach().double()
         floor = 8 * float(torch.finfo(scores.dtype).eps) * float(s.abs().max()) if scores.is_floating_point() else 0.0
         near = [m for m in margins if m <= floor]

@@ -29,6 +29,7 @@ def find_origin(
     if bad is None:
         return None, ""
     loudest: tuple[float, NodeResult | None] = (0.0, None)
+    node: NodeResult | None
     for node in isolated:
         own = node.max_abs
         if not node.judged or own is None or own <= TINY:

@@ -3,10 +3,15 @@ per-layer type) and a learned position table read off by k."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import torch
 
 from parity.diagnose.evidence import Evidence, by_position, fmt_list, seq_axis
 from parity.diagnose.hints import Hint
+
+if TYPE_CHECKING:
+    from parity.model.facts import RopeFacts
 
 
 def position_table_offset(e: Evidence) -> Hint | None:
@@ -165,7 +170,7 @@ def rope_fit(e: Evidence) -> Hint | None:
     return Hint(
         "rope_theta",
         f"likely a different rope theta: ours rotates like {fit.label}, {amp} (the reference: theta "
-        f"{layer.rope.theta:g})",
+        f"{cast('RopeFacts', layer.rope).theta:g})",
         evidence,
     )
 

@@ -3,11 +3,16 @@ layer, another head, a transposed weight, the unloaded head, a tap declared in a
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import torch
 
 from parity.diagnose.evidence import EXPLAINS, Evidence, fmt_list, reads_stream, rel
 from parity.diagnose.hints import Hint
 from parity.diagnose.profile import HEAD_MAJOR, HEAD_MERGED
+
+if TYPE_CHECKING:
+    from parity.model.facts import LayerFacts
 
 
 def sibling_match(e: Evidence) -> Hint | None:
@@ -63,7 +68,9 @@ def kv_sharing(e: Evidence) -> Hint | None:
     layer = e.facts.layer(e.result.layer)
     if e.kind != "k_rot" or layer is None or layer.kv_source is None:
         return None
-    own = [(i, name, t) for i, name, t in _same_kind_elsewhere(e) if e.facts.layer(i).kv_source is None]
+    own = [
+        (i, name, t) for i, name, t in _same_kind_elsewhere(e) if cast("LayerFacts", e.facts.layer(i)).kv_source is None
+    ]
     match = next(((i, name) for i, name, t in own if i != layer.kv_source and e.close(e.ours, t)), None)
     source = f"layer {layer.index} reads the keys and values of layer {layer.kv_source} in the reference (KV sharing)"
     if match is not None:
@@ -162,8 +169,9 @@ def _heads(t: torch.Tensor, kind: str, head_dim: int | None) -> torch.Tensor | N
 
 def head_mapping(e: Evidence) -> Hint | None:
     """Some heads agree and others do not, or ours' heads are the reference's in another order."""
-    head_dim = e.facts.layer(e.result.layer).head_dim if e.facts.layer(e.result.layer) else e.facts.head_dim
-    a, b = _heads(e.ours, e.kind, head_dim), _heads(e.ref, e.kind, head_dim)
+    layer = e.facts.layer(e.result.layer)
+    head_dim = layer.head_dim if layer else e.facts.head_dim
+    a, b = _heads(e.ours, e.kind, head_dim), cast(torch.Tensor, _heads(e.ref, e.kind, head_dim))
     if a is None or a.shape[0] < 2:
         return None
     n = a.shape[0]

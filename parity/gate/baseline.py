@@ -173,6 +173,7 @@ def write_baseline(
     run = set(families_run)
     cases = {k: v for k, v in baseline.get("cases", {}).items() if k.split("/")[0] not in run}
     for c in outcomes:
+        assert c.result is not None  # a recorded case passed, so it was checked (one that was not has a problem)
         cases[c.case.id] = {
             "nodes": {
                 n.name: {"max_abs": n.max_abs, "mean_abs": n.mean_abs} for n in c.result.nodes if n.max_abs is not None

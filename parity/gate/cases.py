@@ -4,6 +4,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
+
+if TYPE_CHECKING:
+    from parity.report.result import CheckResult
 
 SOURCES = ("config", "checkpoint", "checkpoint-sharded")
 DTYPES = ("float32", "bfloat16")
@@ -45,7 +49,7 @@ class CaseResult:
     statistics past their budget."""
 
     case: Case
-    result: object | None
+    result: CheckResult | None
     problems: list[str] = field(default_factory=list)
     excess: list[Excess] = field(default_factory=list)
 
@@ -79,7 +83,8 @@ class CaseResult:
             stats = [n for n in self.result.nodes if n.max_abs is not None]
             out.update(
                 nodes=len(self.result.nodes),
-                max_abs=max((n.max_abs for n in stats), default=None),
-                mean_abs=max((n.mean_abs for n in stats), default=None),
+                # stats have max_abs; mean_abs comes with it
+                max_abs=max((cast(float, n.max_abs) for n in stats), default=None),
+                mean_abs=max((cast(float, n.mean_abs) for n in stats), default=None),
             )
         return out

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from parity.gate.baseline import DEFAULT_BASELINE
 from parity.model.family import Family
@@ -82,7 +83,8 @@ class Project:
                 sys.path.remove(str(path))
             sys.path.insert(0, str(path))
         declared = data.get("project", {}).get("entry-points", {}).get("parity.pairs", {})
-        families, entry_files = {}, {}
+        families: dict[str, Family] = {}
+        entry_files: dict[str, Path] = {}
         for name, target in declared.items():
             module_name, _, attr = str(target).partition(":")
             try:
@@ -96,7 +98,7 @@ class Project:
             if not isinstance(obj, Family):
                 raise ParityError(f"family {name} ({target}, pyproject.toml) is not a parity.Family")
             families[name] = obj
-            entry_files[name] = Path(sys.modules[module_name].__file__).resolve()
+            entry_files[name] = Path(cast(str, sys.modules[module_name].__file__)).resolve()
         installed = {}
         for name in family_names():
             try:

@@ -93,6 +93,7 @@ class Reports:
         (``report-2.html``... when a test made several) and the ``extra`` files; written atomically."""
         from parity.util.files import MAX_NAME, atomic_write, discard, publish_folder, short_name, staging_folder
 
+        assert self.parent is not None  # called only when reports have a parent folder
         staging = staging_folder(self.parent)
         try:
             for i, result in enumerate(results, 1):

@@ -27,6 +27,7 @@ import json
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import parity.build
 from parity.gate.baseline import (
@@ -41,6 +42,9 @@ from parity.gate.cases import DTYPES, SOURCES, Case, CaseResult
 from parity.gate.project import Project, choose_families, config_holes
 from parity.model.family import Family
 from parity.util.errors import ParityError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def plan(family_names: Iterable[str], families: dict[str, Family]) -> list[Case]:
@@ -142,8 +146,8 @@ class GateRun:
                 self._workdir = temporary_folder("parity-gate-")
             source = parity.build.build_pair(family, config=case.config, seed=1, dtype=dtype)
             directory = self._workdir / short_name(case.id.replace("/", "_"))
-            sharded = {"max_shard_size": "20KB"} if case.source.endswith("sharded") else {}
-            source.reference.save_pretrained(directory, **sharded)
+            sharded: dict[str, Any] = {"max_shard_size": "20KB"} if case.source.endswith("sharded") else {}
+            cast("PreTrainedModel", source.reference).save_pretrained(directory, **sharded)
             self._fixtures[key] = directory
         return self._fixtures[key]
 

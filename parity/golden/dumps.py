@@ -138,6 +138,7 @@ def read_dump(path: str | Path) -> dict[str, torch.Tensor]:
         raise ParityError(f"--dump {path} is neither a folder nor a .safetensors or .npy file")
     if not files:
         raise ParityError(f"--dump {path} holds no .safetensors or .npy files")
+    found_in: dict[str, Path]
     tensors, found_in = {}, {}
     for f in files:
         for key, tensor in _load_dump_file(f).items():
@@ -168,6 +169,7 @@ def map_dump(dump: Mapping[str, torch.Tensor], rules: list[NameRule], shapes: Ma
     entry matches is taken as a node name), its layout changes applied, and a missing leading batch
     axis of size 1 restored. ``shapes``: every node of the trace and its shape (None if unknown)."""
     known = set(shapes)
+    keys: dict[str, str]
     tensors, keys, unmatched, batchless = {}, {}, [], []
     for key, tensor in dump.items():
         rule = next((r for r in rules if r.match(key) is not None), None)

@@ -63,8 +63,9 @@ def _source(source, n_layers, dtype, seed):
             "the number of layers goes with a family (family:config); a checkpoint or config.json brings its own"
         )
     ref, _ = resolve_reference(source, dtype, seed)
-    nodes, family = reference_nodes(ref.model, ref.facts)
-    return ref, family, text, nodes
+    assert ref.model is not None  # resolve_reference builds the model
+    nodes, family_name = reference_nodes(ref.model, ref.facts)
+    return ref, family_name, text, nodes
 
 
 def _plan(pair: Pair, options: CheckOptions, tolerances: Tolerances, summaries: bool):
@@ -110,6 +111,7 @@ def _config_json(hf_config) -> tuple[str, str]:
 
 def _shards(items: list[tuple[str, dict[str, torch.Tensor]]], shard_bytes: int) -> list[list[tuple[str, dict]]]:
     """Nodes grouped into shards of at most ``shard_bytes`` (a node larger than that gets its own)."""
+    current: list[tuple[str, dict]]
     shards, current, size = [], [], 0
     for name, tensors in items:
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -202,7 +202,8 @@ def compare_summary(spec: NodeSpec, index: int, ours: Summary, ref: Summary, tol
             rtol_needed=inf,
         )
     o, r = ours.stats, ref.stats
-    violated, lower, needed = [], [m.max_abs], [m.atol_needed]
+    # tensor_metrics sets max_abs and atol_needed
+    violated, lower, needed = [], [cast(float, m.max_abs)], [cast(float, m.atol_needed)]
     for stat, scale in (
         ("mean", "mean_abs"),
         ("rms", "rms"),
@@ -223,11 +224,11 @@ def compare_summary(spec: NodeSpec, index: int, ours: Summary, ref: Summary, tol
         per_position = n // max(ref.position_norm.numel(), 1)
         root = math.sqrt(per_position)
         a, b = ours.position_norm, ref.position_norm
-        diff = (a - b).abs()
+        diffs = (a - b).abs()
         allowed = root * atol + rtol * b + SLACK * torch.maximum(a.abs(), b.abs())
-        lower.append(float(diff.max()) / root if diff.numel() else 0.0)
-        needed.append(float(((diff - rtol * b) / root).max()) if diff.numel() else 0.0)
-        bad = (diff > allowed).nonzero().tolist()
+        lower.append(float(diffs.max()) / root if diffs.numel() else 0.0)
+        needed.append(float(((diffs - rtol * b) / root).max()) if diffs.numel() else 0.0)
+        bad = (diffs > allowed).nonzero().tolist()
         if bad:
             shown = ", ".join(f"{p}" if a.shape[0] == 1 else f"{row}:{p}" for row, p in bad[:8])
             shown += ", ..." if len(bad) > 8 else ""

@@ -59,6 +59,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -406,7 +407,7 @@ class GoldenTrace:
             ref, _ = resolve_reference(found, self.dtype, 0)
             if w.get("checkpoint_sha256") and ref.checkpoint_hash != w["checkpoint_sha256"]:
                 raise TraceError(
-                    f"checkpoint {found} has sha256 {ref.checkpoint_hash[:16]}..., the trace was recorded from "
+                    f"checkpoint {found} has sha256 {cast(str, ref.checkpoint_hash)[:16]}..., the trace was recorded from "
                     f"{w['checkpoint_sha256'][:16]}...: not the same weights"
                 )
             return ref

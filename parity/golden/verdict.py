@@ -8,8 +8,10 @@ import time
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
+from typing import cast
 
 import torch
+from torch import nn
 
 from parity.compare.metrics import MISSING
 from parity.compare.results import NodeResult, compare_node
@@ -79,7 +81,8 @@ def _trace_pair(trace: GoldenTrace, nodes: list[NodeSpec]) -> Pair:
         config_name=ref.get("config_name") or "",
         seed=trace.manifest["probe"].get("seed", 0),
     )
-    return Pair(ours=None, reference=None, nodes=nodes, facts=trace.facts(), dtype=trace.dtype, source=source)
+    no_model = cast(nn.Module, None)  # compare_run and analyse read no model
+    return Pair(ours=no_model, reference=no_model, nodes=nodes, facts=trace.facts(), dtype=trace.dtype, source=source)
 
 
 def judge(trace: GoldenTrace, pair: Pair, run, ours: Trace, tolerances: Tolerances):
@@ -105,7 +108,7 @@ def judge(trace: GoldenTrace, pair: Pair, run, ours: Trace, tolerances: Toleranc
         if (
             theirs is None
             or (mine is None and tensor is None)
-            or (mine is None and tuple(tensor.shape) != theirs.shape)
+            or (mine is None and tensor is not None and tuple(tensor.shape) != theirs.shape)
         ):
             # not comparable (missing on a side, or another shape): judged as parity check judges it;
             # the reference's tensor stands in as an empty meta tensor of its shape and dtype
@@ -115,6 +118,7 @@ def judge(trace: GoldenTrace, pair: Pair, run, ours: Trace, tolerances: Toleranc
             results.append(compare_node(spec, index, tensor, placeholder, tolerances, name in untapped))
             continue
         if mine is None:
+            assert tensor is not None  # mine and tensor both None was judged above
             mine = summarise(tensor, spec.kind, index=theirs.sample_index)
         results.append(compare_summary(spec, index, mine, theirs, tolerances))
     bad = next((r for r in results if r.failed), None)
@@ -279,6 +283,7 @@ def compare_model(
         iso_trace = trace_ours(pair, run, substitute)
         isolated, _, _ = judge(trace, pair, run, iso_trace, tolerance)
     if mode == "isolated":
+        assert isolated is not None  # judged just above for this mode
         results, profile, logits = isolated, None, None
     else:
         ours_trace = trace_ours(pair, run)

@@ -216,8 +216,8 @@ def validate_facts(facts: ArchFacts) -> list[str]:
         problems.append(f"the norm eps is {facts.norm_eps!r}; it must be a finite number >= 0")
     for layer in facts.layers:
         if layer.layer_type == SLIDING and (layer.window is None or layer.window < 1):
-            value = "null" if layer.window is None else repr(layer.window)
-            problems.append(f"layer {layer.index} is sliding_attention but sliding_window is {value}; it must be >= 1")
+            shown = "null" if layer.window is None else repr(layer.window)
+            problems.append(f"layer {layer.index} is sliding_attention but sliding_window is {shown}; it must be >= 1")
             break
     if facts.max_position_embeddings is not None and (
         not isinstance(facts.max_position_embeddings, int) or facts.max_position_embeddings < 1

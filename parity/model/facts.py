@@ -258,7 +258,7 @@ def default_inv_freq(theta: float, rotary_dim: int) -> tuple[float, ...]:
 
 
 def rope_init(
-    config, layer_type: str, params: dict, per_type: bool, theta: float, rotary_dim: int
+    config, layer_type: str | None, params: dict, per_type: bool, theta: float, rotary_dim: int
 ) -> tuple[tuple, float]:
     """``(inverse frequencies, cos/sin scale)`` as Transformers computes them for these parameters."""
     rope_type = params.get("rope_type", "default")

@@ -15,11 +15,15 @@ import inspect
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 import torch
 
 from parity.model.facts import ArchFacts, LayerFacts
 from parity.model.pair import NodeSpec
+
+#: a name, or an optional one: what a name template filled in (or moved) stays
+_Name = TypeVar("_Name", str, "str | None")
 
 
 @dataclass(frozen=True)
@@ -50,7 +54,7 @@ class Node:
     chosen_from: str | None = None
 
     def spec(self, i: int | None = None, e: int | None = None) -> NodeSpec:
-        def fmt(s: str | None) -> str | None:
+        def fmt(s: _Name) -> _Name:
             if s is None:
                 return None
             s = s if i is None else s.replace("{i}", str(i))
@@ -120,7 +124,7 @@ def plain_text(text: str) -> str:
 def summary(doc: str | None) -> str:
     """A docstring's first paragraph (up to the first blank line), its lines joined with single spaces
     and inline markup removed: the whole description, never its first physical line alone."""
-    paragraph = []
+    paragraph: list[str] = []
     for line in inspect.cleandoc(doc or "").splitlines():
         if not line.strip():
             if paragraph:
@@ -137,7 +141,7 @@ def reroot(nodes: list[NodeSpec], text_model: str) -> list[NodeSpec]:
     if not text_model.startswith("model."):  # "model" itself, or a model that names it otherwise (transformer.h)
         return nodes
 
-    def moved(path: str | None) -> str | None:
+    def moved(path: _Name) -> _Name:
         return f"{text_model}.{path[len('model.') :]}" if path and path.startswith("model.") else path
 
     return [

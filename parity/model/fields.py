@@ -18,6 +18,7 @@ import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 # --- domains: the valid values of a field -----------------------------------------------------------
 
@@ -90,7 +91,7 @@ class Field:
     acts_at: str = ""
     hint: str | None = None
     config: str = "tiny"
-    check: tuple[tuple[str, object], ...] = ()
+    check: tuple[tuple[str, Any], ...] = ()
     why: str = ""
 
     @property

@@ -9,12 +9,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from parity.model.facts import ArchFacts
 from parity.model.weights import parameter_storages
+
+if TYPE_CHECKING:
+    from parity.build.coverage import Coverage
+    from parity.run.decode import CacheProtocol
 
 
 @dataclass(frozen=True)
@@ -131,7 +136,7 @@ class Loading:
     by_design: dict[str, str] = field(default_factory=dict)
     fingerprint: dict = field(default_factory=dict, repr=False)
     built_storage: dict = field(default_factory=dict, repr=False)
-    coverage: object | None = field(default=None, repr=False)
+    coverage: Coverage | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -160,7 +165,7 @@ class Pair:
     notes: list[str] = field(default_factory=list)
     alignment: list = field(default_factory=list)
     exact: bool = False
-    cache_protocol: object | None = None
+    cache_protocol: CacheProtocol | None = None
 
     def __post_init__(self):
         self.nodes = annotate(with_output_node(self.nodes), self.facts)

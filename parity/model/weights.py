@@ -21,6 +21,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -195,7 +196,7 @@ def apply_weight_table(
         if not in_ckpt:
             missing.append(src)
             continue
-        tensor = state_dict[src] if isinstance(entry, str) else entry.apply(state_dict[src])
+        tensor = state_dict[src] if isinstance(entry, str) else cast(Transposed, entry).apply(state_dict[src])
         if tuple(tensor.shape) != tuple(ours[dst].shape):
             moved = "" if isinstance(entry, str) else f" ({type(entry).__name__.lower()}: {tuple(tensor.shape)})"
             shapes.append(

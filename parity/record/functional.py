@@ -155,7 +155,8 @@ class FunctionCapture(TorchFunctionMode):
     def _param_node(self, func, args) -> str | None:
         operands = args[1:] if func is EINSUM else args
         for t in operands:
-            node = self.params.get(_storage(t)) if isinstance(t, torch.Tensor) else None
+            storage = _storage(t) if isinstance(t, torch.Tensor) else None
+            node = self.params.get(storage) if storage is not None else None
             if node is not None:
                 return node
         return None

@@ -25,6 +25,7 @@ import re
 import sys
 import weakref
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -32,6 +33,9 @@ from torch import nn
 from parity.record import hf_kernels
 from parity.record.hooks import active_trace
 from parity.util.errors import ParityError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 ATTN_IMPLEMENTATION = "parity_eager"
 EXPERTS_IMPLEMENTATION = "parity_eager"
@@ -95,7 +99,8 @@ class ExpertEvidence:
     referenced), this expert's index, the experts' input ``(tokens, hidden)`` and the tokens routed
     to this expert. Never compared."""
 
-    module: nn.Module
+    #: a Transformers experts module (gate_up_proj, down_proj, act_fn, num_experts)
+    module: Any
     index: int
     x: torch.Tensor
     rows: torch.Tensor
@@ -177,11 +182,12 @@ def install(reference: nn.Module) -> None:
     can_set = getattr(type(reference), "_can_set_attn_implementation", lambda: False)
     if not (getattr(reference, "_supports_attention_backend", False) or can_set()):
         raise ParityError(f"{type(reference).__name__} does not dispatch attention through AttentionInterface")
-    reference.set_attn_implementation(ATTN_IMPLEMENTATION)
-    if reference._can_set_experts_implementation() and getattr(reference.config, "_experts_implementation", None):
+    model = cast("PreTrainedModel", reference)  # a Transformers model: its own methods below
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    if model._can_set_experts_implementation() and getattr(reference.config, "_experts_implementation", None):
         from transformers.integrations.moe import ExpertsInterface
 
         ExpertsInterface.register(EXPERTS_IMPLEMENTATION, parity_experts)
-        reference.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+        model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
     for name, module in reference.named_modules():
         _paths[module] = name

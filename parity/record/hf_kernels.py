@@ -38,10 +38,14 @@ import functools
 import inspect
 import sys
 from types import ModuleType
+from typing import TYPE_CHECKING, cast
 
 from torch import nn
 
 from parity.record.hooks import active_trace, running_module
+
+if TYPE_CHECKING:
+    from parity.record.trace import Trace
 
 CONV = ("causal_conv1d_fn", "causal_conv1d_update")
 DELTA_RULE = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
@@ -72,7 +76,8 @@ def _conv(original):
                 pending[wanted["conv_out"]] = out
                 _CONV_OUT.set(pending)
             else:
-                active_trace().add(wanted["conv_out"], out.transpose(1, 2))
+                # a node is wanted only while a trace is active
+                cast("Trace", active_trace()).add(wanted["conv_out"], out.transpose(1, 2))
         return out
 
     return conv
@@ -97,6 +102,7 @@ def _delta_rule(original):
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         trace, given = active_trace(), bound.arguments
+        assert trace is not None  # wanted is empty unless a trace is active
         if "conv_out" in wanted:
             _record_conv_out(trace, wanted["conv_out"], given["g"].shape[1])  # g: (batch, seq, v_heads)
         for suffix in ("beta", "g"):
@@ -108,7 +114,7 @@ def _delta_rule(original):
         token = _L2NORMS.set([])
         try:
             out, state = original(*bound.args, **bound.kwargs)
-            l2norms = _L2NORMS.get()
+            l2norms = cast(list, _L2NORMS.get())  # the list set above
         finally:
             _L2NORMS.reset(token)
         if given.get("use_qk_l2norm_in_kernel") and len(l2norms) >= 2:  # the rule normalises q, then k

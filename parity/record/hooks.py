@@ -97,7 +97,7 @@ def split_path(path: str) -> tuple[str, bool, int | None]:
 @dataclass
 class _Recording:
     trace: Trace
-    replacement: Callable[[str, object], torch.Tensor | None]
+    replacement: Callable[[str, object, object], torch.Tensor | None]
     #: module paths of the modules running now (innermost last), for :func:`tap`
     stack: list[str] = field(default_factory=list)
     #: functional node name -> canonical node name, for taps recorded in a user's model
@@ -143,7 +143,7 @@ def tap(tensor: torch.Tensor, name: str, *, layout: str | None = None) -> torch.
         return tensor
     transform = rec.transforms.get(node)
     if layout is not None:
-        if not hasattr(transform, "with_layout"):
+        if transform is None or not hasattr(transform, "with_layout"):
             raise ParityError(
                 f"parity.tap(..., {name!r}, layout={layout!r}): layout applies to q_rot, k_rot and context taps only"
             )
@@ -213,7 +213,7 @@ def recording(
     transforms: dict[str, Callable[[torch.Tensor], torch.Tensor]] | None = None,
     captured: Sequence[str] = (),
     substitute: Trace | None = None,
-    inverses: dict[str, Callable[[torch.Tensor], torch.Tensor]] | None = None,
+    inverses: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] | None = None,
     keep_inputs: frozenset[str] = frozenset(),
     taps: dict[str, str] | None = None,
     into: Trace | None = None,
@@ -251,6 +251,7 @@ def recording(
         transform (its declared layout), whose inverse then replaces the node's."""
         if substitute is None or trace.calls.get(name, 0) != 1 or name not in substitute.tensors:
             return None
+        ref: torch.Tensor | None
         ref = substitute.tensors[name]
         mine = first_tensor(current)
         if mine is None:
@@ -305,6 +306,7 @@ def recording(
                     return None
                 if where == "kwargs":
                     return args, {**kwargs, key: _replace_first_tensor(value, new)}
+                assert isinstance(key, int)  # an "args" slot is a position
                 return (*args[:key], _replace_first_tensor(value, new), *args[key + 1 :]), kwargs
 
             handles.append(module.register_forward_pre_hook(argument_hook, with_kwargs=True))
@@ -330,7 +332,7 @@ def recording(
 
                 handles.append(module.register_forward_pre_hook(keep, with_kwargs=True))
     token = _ACTIVE.set(rec)
-    capture = contextlib.nullcontext()
+    capture: contextlib.AbstractContextManager = contextlib.nullcontext()
     if functional is not None:
         from parity.record.functional import FunctionCapture
 

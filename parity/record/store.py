@@ -47,7 +47,8 @@ def write_safetensors(path: Path, name: str, tensor: torch.Tensor) -> int:
     raw = tensor.reshape(-1).view(torch.uint8).numpy() if nbytes else b""
     with open(path, "wb") as fh:
         fh.write(struct.pack("<Q", len(header)) + header)
-        view = memoryview(raw)
+        # numpy's stubs give ndarray __buffer__ for Python >= 3.12 only; it is a buffer on every version
+        view = memoryview(raw)  # type: ignore[arg-type]
         for start in range(0, nbytes, _WRITE):
             fh.write(view[start : start + _WRITE])
     return 8 + len(header)
@@ -79,7 +80,7 @@ class Spill:
         self.written = 0
         self.folder: Path | None = None
         self._count = 0
-        self._finalizer = None
+        self._finalizer: weakref.finalize[[Path], Spill] | None = None
         #: id of a stored item (a tensor in memory or a file) -> names holding it, across the stores
         self.holders: dict[int, int] = {}
 
@@ -152,7 +153,7 @@ class SpilledTensor:
             fh.seek(self.item.offset)
             for start in range(0, total, n):
                 count = min(n, total - start)
-                view = memoryview(raw)[: count * size]
+                view = memoryview(raw)[: count * size]  # type: ignore[arg-type]  # ndarray: see write_safetensors
                 while view:
                     got = fh.readinto(view)
                     if not got:

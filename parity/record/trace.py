@@ -7,6 +7,7 @@ import contextlib
 import weakref
 from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -124,7 +125,7 @@ class Trace:
         if seen is not None and seen[0]() is tensor and seen[1] is not None and seen[1] == _version(tensor):
             source = self.inputs if seen[2] else self.tensors
             if seen[3] in source:
-                store.alias(name, source, seen[3])
+                store.alias(name, cast(TensorStore, source), seen[3])  # stored there through the store branch
                 return
         store.put(name, tensor.detach())
         self._stored[id(tensor)] = (weakref.ref(tensor), _version(tensor), inputs, name)

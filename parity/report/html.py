@@ -15,7 +15,9 @@ instead of a plot of nothing (the plots stay one click away when the errors are 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, cast
 
 from jinja2 import Environment, PackageLoader, select_autoescape
 from markupsafe import Markup
@@ -184,7 +186,7 @@ def _card(result, bad) -> dict | None:
 
 def _where(result, bad, card) -> dict:
     profile = card["profile"] if card else None
-    where = {"channel_svg": None, "channel_label": "", "tops": [], "logits_svg": None}
+    where: dict[str, Any] = {"channel_svg": None, "channel_label": "", "tops": [], "logits_svg": None}
     if profile and bad is not None:
         key_axis = bad.kind in KEY_AXIS_KINDS
         where["channel_label"] = "key position (last axis)" if key_axis else "channel (last axis)"
@@ -255,7 +257,7 @@ def _depth_summary(result) -> dict:
     """One sentence for a run where every node agrees (plots of nothing look like a broken page):
     ``exact`` when every error is 0, else the node closest to its tolerance."""
     judged = [n for n in result.nodes if n.judged and tolerance_ratio(n) is not None]
-    worst = max(judged, key=tolerance_ratio, default=None)
+    worst = max(judged, key=cast("Callable[[Any], float]", tolerance_ratio), default=None)  # judged have one
     exact = all(n.max_abs == 0 for n in judged)
     return {
         "exact": exact,

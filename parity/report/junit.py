@@ -21,6 +21,7 @@ import re
 import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 from parity.util.files import atomic_write
 
@@ -52,12 +53,17 @@ def _run_facts(meta: dict) -> str:
     return "\n".join(facts)
 
 
-def junit_tree(results) -> ET.ElementTree:
+def junit_tree(results) -> ET.ElementTree[ET.Element]:
     """The JUnit XML tree for one or more CheckResults (see the module docstring)."""
     seen = Counter((r.meta.get("family"), str(r.meta.get("config"))) for r in results)
     total_time = sum(float(r.meta.get("seconds") or 0) for r in results)
     failures = sum(not r.passed for r in results)
-    counts = {"tests": str(len(results)), "failures": str(failures), "errors": "0", "time": f"{total_time:.3f}"}
+    counts: dict[str, Any] = {
+        "tests": str(len(results)),
+        "failures": str(failures),
+        "errors": "0",
+        "time": f"{total_time:.3f}",
+    }
     root = ET.Element("testsuites", name="parity", **counts)
     suite = ET.SubElement(root, "testsuite", name="parity", skipped="0", **counts)
     if results:

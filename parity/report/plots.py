@@ -17,6 +17,7 @@ import io
 import math
 import re
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import matplotlib as mpl
 from matplotlib.collections import PatchCollection
@@ -26,6 +27,11 @@ from matplotlib.patches import Rectangle
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from parity.report.tables import tolerance_ratio
+
+if TYPE_CHECKING:
+    from matplotlib.typing import RcKeyType
+
+    from parity.compare.results import NodeResult
 
 #: log10(max_abs / tolerance) below this is drawn at the floor (an exact match is -inf)
 LOG_FLOOR = -6.0
@@ -54,7 +60,7 @@ STATUS_MARK = {"shape": "S", "missing": "M", "nonfinite": "N", "choice": "C"}
 BAR_LIMIT = 160  # above this many values, draw a step line instead of bars
 STEP_POINTS = 1024  # at most this many steps in a line
 
-_RC = {
+_RC: dict[RcKeyType, Any] = {
     "svg.fonttype": "none",
     "text.parse_math": False,
     "font.family": "sans-serif",
@@ -241,7 +247,7 @@ def profile_svg(
     return to_svg(fig, salt)
 
 
-def _layer_grid(nodes) -> tuple[list, list[str], dict[tuple, object]]:
+def _layer_grid(nodes) -> tuple[list, list[str], dict[tuple, NodeResult]]:
     """Rows (layer indices, with each node outside the layers as a row of its own: the embedding
     on top, the final norm and the head below), the node kinds of the layers (columns, execution
     order) and the node of each cell (``(row, kind)``; an outside node's kind is None). Several nodes
@@ -250,8 +256,9 @@ def _layer_grid(nodes) -> tuple[list, list[str], dict[tuple, object]]:
     layers = sorted({n.layer for n in nodes if n.layer is not None})
     first = min((n.index for n in nodes if n.layer is not None), default=None)
     kinds: list[str] = []
-    cells = {}
-    before, after = [], []
+    cells: dict[tuple, NodeResult] = {}
+    before: list[str] = []
+    after: list[str] = []
     for n in nodes:
         if n.layer is None:
             (before if first is not None and n.index < first else after).append(n.name)
@@ -298,6 +305,8 @@ class _Colours:
     ``ratio``: log10(max_abs / tolerance) from 1e-6 to the largest decade, diverging at 1 (the
     tolerance). ``max_abs``: log10(max_abs) over the decades the errors span, pale yellow to dark red
     (every nonzero error fails a zero tolerance), pale blue for an exact match."""
+
+    norm: Normalize
 
     def __init__(self, cells, scale: str):
         self.scale = scale
@@ -448,7 +457,8 @@ def depth_line_svg(
         line = 1.0 if scale == "ratio" else floor
         fails = [(x, y) for x, y in zip(xs, ys) if y > line]
         if fails and group is nodes:
-            ax.scatter(*zip(*fails), s=9, color=OVER, zorder=3, linewidths=0)
+            fail_x, fail_y = zip(*fails)
+            ax.scatter(fail_x, fail_y, s=9, color=OVER, zorder=3, linewidths=0)
     for (name, why), marker in zip(sorted({(m[1], m[2]) for m in marks}), "xv^+*"):
         xs = [x for x, n, w in marks if (n, w) == (name, why)]
         ax.scatter(xs, [top] * len(xs), marker=marker, color="black", s=18, zorder=4, label=f"{name}: {why}")
@@ -557,7 +567,7 @@ def decode_heatmap_svg(nodes, first_index: int | None, scale: str | None = None)
     nodes outside the layers). Each cell links to that worst node and names it on hover; the cell of
     the first mismatch is outlined."""
     scale = scale or error_scale(nodes)
-    cells: dict[tuple[int, object], object] = {}
+    cells: dict[tuple[int, int | str], NodeResult] = {}
     for n in nodes:
         if "/" not in n.name or not n.name.startswith("step"):
             continue

@@ -10,9 +10,13 @@ import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from parity.compare.results import NodeResult, first_divergence, first_mismatch
 from parity.util.errors import ParityError
+
+if TYPE_CHECKING:
+    from parity.build.coverage import Coverage
 
 
 @dataclass(frozen=True)
@@ -56,7 +60,7 @@ class CheckResult:
     profile: Mapping | None = None
     logits: Mapping | None = None
     isolated: tuple[NodeResult, ...] | None = None
-    coverage: object | None = None
+    coverage: Coverage | None = None
     origin: NodeResult | None = None
     origin_reason: str = ""
     alignment: tuple = field(default_factory=tuple)

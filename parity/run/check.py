@@ -42,6 +42,7 @@ def _check_decode(pair: Pair, run: Run) -> CheckResult:
     from parity.run.decode import run_decode
 
     decode = run.options.decode
+    assert decode is not None  # check() comes here only with a decode plan
     notes = decode_chunk_notes(pair, run.notes, decode)
     refuse_changed_weights(pair, "before the check")
     start = time.perf_counter()
@@ -172,6 +173,7 @@ def _check_forward(pair: Pair, run: Run) -> CheckResult:
         )
     our_trace = None
     if run.mode == "isolated":
+        assert isolated is not None  # compared just above for this mode
         nodes = isolated
     else:
         our_trace = trace_ours(pair, run, reference=ref_trace, tolerances=tolerance)  # compared as it runs

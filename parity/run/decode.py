@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -41,6 +42,9 @@ from parity.record.trace import Trace
 from parity.run.options import DecodePlan
 from parity.run.stages import ours_recording, run_ours, untapped_nodes
 from parity.util.errors import ParityError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 #: a logit margin (top-1 minus top-2 of the reference) below this is a near-tie, not a bug
 NEAR_TIE = 1e-2
@@ -279,7 +283,7 @@ def new_caches(pair: Pair, protocol: CacheProtocol):
             f"decode checks compare caches of {', '.join(sorted(CACHED_LAYER_TYPES))} layers; layers {uncached[:8]} "
             f"are {', '.join(kinds)}, whose cache parity's decode does not step yet: check without --decode"
         )
-    return DynamicCache(config=pair.reference.config), protocol.new_cache(pair.ours)
+    return DynamicCache(config=cast("PreTrainedModel", pair.reference).config), protocol.new_cache(pair.ours)
 
 
 def _cache_hint(

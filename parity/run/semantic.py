@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from typing import cast
 
 import torch
 
@@ -56,7 +57,13 @@ SEMANTIC = 1e-9
 BAKED_ULPS = 8.0
 #: the relative move of every weight and buffer in the sensitivity run: one float32 ulp
 ULP32 = 2.0**-23
-ULPS = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: ULP32, torch.float64: 2.0**-52}
+#: by dtype; looked up with None too (a buffer of no known dtype), which is not a key
+ULPS: dict[torch.dtype | None, float] = {
+    torch.bfloat16: 2.0**-8,
+    torch.float16: 2.0**-11,
+    torch.float32: ULP32,
+    torch.float64: 2.0**-52,
+}
 
 RULE = (
     "semantic run: both models in float64 (a node off by more than {ulps:g}x what float32 ulps in the weights move "
@@ -83,7 +90,7 @@ def baked_sensitivity(pair64: Pair, run64: Run, ref64: Trace, original: torch.nn
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         seen = set()
-        tensors = [(ULP32, p) for p in moved.parameters()]
+        tensors: list[tuple[float, torch.Tensor]] = [(ULP32, p) for p in moved.parameters()]
         tensors += [(ULPS.get(own.get(n), ULP32), b) for n, b in moved.named_buffers()]
         for ulp, t in tensors:
             if t.is_floating_point() and id(t) not in seen and t.numel():
@@ -161,6 +168,7 @@ def check_semantic(pair: Pair, run: Run, notes: list[str], coverage) -> CheckRes
             ours64 = trace_ours(pair64, run64, reference=ref64, tolerances=sem_tol)
             semantic = compare_run(pair64, run64, ours64, ref64, sem_tol)
         else:
+            assert isolated is not None  # compared just above for this mode
             semantic = isolated
     ref = trace_reference(pair, run)
     prec_tol, noise = precision_tolerances(pair, run, ref, ref64)
@@ -178,7 +186,7 @@ def check_semantic(pair: Pair, run: Run, notes: list[str], coverage) -> CheckRes
     notes = [*notes, rule]
     rounding = [p for s, p in zip(semantic, precision, strict=False) if s.passed and p.passed and p.max_abs]
     if rounding:
-        worst = max(rounding, key=lambda r: r.max_abs)
+        worst = max(rounding, key=lambda r: cast(float, r.max_abs))  # rounding nodes have one
         notes.append(
             f"rounding: {len(rounding)} node(s) agree in float64 and differ in {dtype} within the reference's own "
             f"{dtype} noise (largest {worst.max_abs:.3g} at {worst.name}, the reference's own error there "

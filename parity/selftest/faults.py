@@ -11,6 +11,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from parity.diagnose.hints import KINDS
 from parity.model.pair import Pair
@@ -34,9 +35,9 @@ class Fault:
     scope: str | None = None
     isolated: str | None = None
     source: str = ""
-    overrides: tuple[tuple[str, object], ...] = ()
+    overrides: tuple[tuple[str, Any], ...] = ()
     #: extra arguments for parity.check, e.g. (("batch_size", 2), ("left_pad", 5)) for padded batches
-    check_kwargs: tuple[tuple[str, object], ...] = ()
+    check_kwargs: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self):
         if self.hint not in KINDS:

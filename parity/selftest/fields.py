@@ -4,7 +4,8 @@ hint kind."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import dataclass
 
 import torch
 
@@ -25,7 +26,7 @@ class FieldRow:
     found: str | None
     hint_kind: str | None
     hint: str = ""
-    problems: list[str] = field(default_factory=list)
+    problems: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -40,6 +41,8 @@ def audit_field(family, f: Field, dtype: torch.dtype = torch.float32, seed: int 
     ours_value = get_value(base, f.key)
     new = f.changed(base) if callable(f.changed) else f.changed
     problems: list[str] = []
+    found: str | None
+    kind: str | None
     if new == ours_value:
         problems.append(f"the audit value {new!r} equals the config's")
     try:

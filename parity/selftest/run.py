@@ -4,11 +4,15 @@ names the right node, in chained and in isolated mode, with the right class of h
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import parity.build
 from parity.model.family import Family
 from parity.run.check import check
 from parity.selftest.faults import Fault, in_scope
+
+if TYPE_CHECKING:
+    from parity.compare.results import NodeResult
 
 
 @dataclass
@@ -33,12 +37,13 @@ def run_fault(family: Family, fault: Fault) -> SelftestRow:
     kwargs = dict(fault.check_kwargs)
     control = check(pair, **kwargs)
     if not control.passed:
-        problems.append(f"control pair already fails at {control.first_mismatch.name}")
+        problems.append(f"control pair already fails at {cast('NodeResult', control.first_mismatch).name}")
     fault.inject(pair)
     decode = "decode" in kwargs  # a KV-cache run is chained only
     res = check(pair, mode="chained" if decode else "both", **kwargs)
     chained, isolated = res.first_mismatch, res.first_isolated_mismatch
-    failing = [n.name for n in res.isolated if n.failed] if not decode else []
+    # mode "both" fills res.isolated
+    failing = [n.name for n in cast("tuple[NodeResult, ...]", res.isolated) if n.failed] if not decode else []
     if chained is None or chained.name != fault.expected:
         problems.append(f"chained: expected {fault.expected}, found {chained.name if chained else 'no mismatch'}")
     if not decode and (isolated is None or isolated.name != fault.isolated_expected):

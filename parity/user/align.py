@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass, field, replace
+from typing import cast
 
 import torch
 from torch import nn
@@ -318,6 +319,8 @@ class _Aligner:
         if path in self.why:
             return None
         prefix = path + "." if path else ""
+        inside: list[str]
+        outside: list[str]
         inside, outside, owners = [], [], set()
         for ref_path, module in self.ref_modules.items():
             if not isinstance(getattr(module, "weight", None), torch.Tensor) or ref_path == path:
@@ -395,11 +398,12 @@ class _Aligner:
                     f"the reference's embedding scales by {self.facts.embed_scale:g}; ours ({hit[0]}, a plain "
                     f"nn.Embedding) cannot, so its value appears where the reference's does: the first layer's input",
                 )
+        our_path: str | None
         if hit is not None:
             our_path, source = hit
             ours = our_path + ("@input" if is_input else "")
             if source.how == ROWS and not is_input:
-                rows = Rows(source.rows)
+                rows = Rows(cast(tuple[int, ...], source.rows))  # a ROWS source has its rows
                 return (
                     replace(spec, ours=ours, transform=rows, inverse=rows.inverse),
                     Aligned(name, ours, "fused rows", f"rows of {source.param} holding {source.key}"),
@@ -476,6 +480,7 @@ def align(
     for spec in nodes:
         pattern = next((p for p in (overrides or {}) if fnmatch.fnmatchcase(spec.name, p)), None)
         if pattern is not None:
+            assert overrides is not None  # pattern is one of its keys
             target = overrides[pattern]
             specs.append(replace(spec, ours=target))
             rows.append(Aligned(spec.name, target, "override", f"node_map[{pattern!r}]"))

@@ -15,6 +15,7 @@ import importlib.util
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -35,6 +36,10 @@ from parity.util.devices import Placement
 from parity.util.errors import ParityError
 from parity.util.text import one_line
 
+if TYPE_CHECKING:
+    from importlib.abc import Loader
+    from importlib.machinery import ModuleSpec
+
 
 def load_callable(spec: str) -> Callable:
     """``"package.module:build"`` or ``"path/to/file.py:build"`` -> the callable. Raises ParityError."""
@@ -46,10 +51,11 @@ def load_callable(spec: str) -> Callable:
             path = Path(target).expanduser()
             if not path.is_file():
                 raise ParityError(f"--ours: {path} does not exist")
-            module_spec = importlib.util.spec_from_file_location(path.stem, path)
+            # None (no loader for the file) fails below, reported as an import error
+            module_spec = cast("ModuleSpec", importlib.util.spec_from_file_location(path.stem, path))
             module = importlib.util.module_from_spec(module_spec)
             sys.modules.setdefault(path.stem, module)
-            module_spec.loader.exec_module(module)
+            cast("Loader", module_spec.loader).exec_module(module)
         else:
             if "" not in sys.path:
                 sys.path.insert(0, "")  # the folder it runs in, as `python -c` would
@@ -141,6 +147,7 @@ def build_user_pair(
     ParityError for bad input (see :func:`check_model`)."""
     placement = Placement.of(device, device_map)
     ref, family = resolve_reference(reference, dtype, seed)
+    assert ref.model is not None  # resolve_reference builds it
     if not placement.is_cpu:  # the reference on its device(s) first; build() then receives those tensors
         ref.model = placement.dispatch(ref.model, placement.plan(type(ref.model), ref.hf_config, dtype))
         on_device = ref.model.state_dict()
@@ -178,10 +185,11 @@ def build_user_pair(
             checkpoint=ref.checkpoint,
             checkpoint_hash=ref.checkpoint_hash,
             device=placement.label,
-            **(
+            **cast(
+                "dict[str, Any]",
                 {"probe": f"the weights of {ref.config_name}"}
                 if ref.checkpoint or isinstance(reference, torch.nn.Module)
-                else {}
+                else {},
             ),
         ),
         loading=Loading(

@@ -48,7 +48,7 @@ def atomic_write(path: str | Path, data: str | bytes) -> Path:
     mode = "wb" if isinstance(data, bytes) else "w"
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
-        with os.fdopen(fd, mode, **({} if isinstance(data, bytes) else {"encoding": "utf-8"})) as fh:
+        with os.fdopen(fd, mode, encoding=None if isinstance(data, bytes) else "utf-8") as fh:
             fh.write(data)
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a report is as readable as any new file
         os.replace(tmp, path)
@@ -183,7 +183,7 @@ def _alive(pid: int) -> bool:
 def sweep(parent: Path, prefix: str) -> list[Path]:
     """Remove ``<prefix><host>-<pid>-*`` folders in ``parent`` left by a process of this host that
     is gone, and any such folder untouched for :data:`STALE_SECONDS`. Returns what was removed."""
-    removed = []
+    removed: list[Path] = []
     try:
         entries = list(os.scandir(parent))
     except OSError:
@@ -198,7 +198,9 @@ def sweep(parent: Path, prefix: str) -> list[Path]:
         except OSError:
             continue
         ours = match is not None and match.group(1) == _HOST
-        if (ours and int(match.group(2)) != os.getpid() and not _alive(int(match.group(2)))) or age > STALE_SECONDS:
+        if (
+            ours and match is not None and int(match.group(2)) != os.getpid() and not _alive(int(match.group(2)))
+        ) or age > STALE_SECONDS:
             shutil.rmtree(entry.path, ignore_errors=True)
             removed.append(Path(entry.path))
     return removed
