@@ -15,7 +15,7 @@ import shutil
 import sys
 import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from rich.console import Console
 from rich.table import Table
@@ -24,6 +24,8 @@ from parity.util.errors import ParityError
 from parity.util.files import RESERVED
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from parity.run.options import CheckOptions
 
 DTYPES = ("float32", "bfloat16")
@@ -167,6 +169,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--calibrate",
         action="store_true",
         help="set each node's atol from the reference's own float32-vs-float64 error (x10) instead of fixed defaults",
+    )
+    check.add_argument(
+        "--semantic",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="judge in float64 first (a difference of formula), then the dtype within 10x the reference's own "
+        "error (default: on with --ours, off for a family, which is bit-exact)",
     )
     check.add_argument(
         "--device", help="where both models run: cpu (default), cuda, cuda:N or mps; traces come back to the CPU"
@@ -442,7 +451,7 @@ def cmd_align(args, console: Console) -> int:
 
 
 def fit_table(
-    columns: list[tuple], rows: list[tuple[list[str], str | None]], console: Console, **table_kwargs
+    columns: list[tuple], rows: Sequence[tuple[list[str], str | None]], console: Console, **table_kwargs
 ) -> Table | None:
     """A Table of the columns that fit ``console``'s width, dropping optional columns first.
 
@@ -587,6 +596,10 @@ def check_options(args) -> CheckOptions:
         raise ParityError("--calibrate sets each node's atol itself (rtol 0); drop --atol/--rtol, or drop --calibrate")
     if args.exact and (args.atol is not None or args.rtol is not None or args.calibrate):
         raise ParityError("--exact sets atol = rtol = 0 on every node; drop --atol/--rtol/--calibrate, or drop --exact")
+    if args.semantic and (args.atol is not None or args.rtol is not None or args.calibrate or args.exact):
+        raise ParityError("--semantic sets each node's tolerance itself; drop --atol/--rtol/--calibrate/--exact")
+    if args.semantic and args.decode is not None:
+        raise ParityError("--decode runs in the model's dtype only; drop --semantic")
     if args.decode is not None:
         from parity.run.options import DecodePlan
 
@@ -618,6 +631,7 @@ def check_options(args) -> CheckOptions:
         calibrate=args.calibrate,
         exact=True if args.exact else None,
         decode=args.decode,
+        semantic=args.semantic,
         **({"trace_memory": args.trace_memory} if args.trace_memory is not None else {}),
     )
 
@@ -869,7 +883,10 @@ def _verify(args, console: Console) -> int:
     elif result.first_divergence is None:
         line = "[bold green]reproduces: every node bit for bit[/]"
     else:
-        worst = max((n for n in result.nodes if n.max_abs is not None), key=lambda n: n.max_abs / max(n.atol, 1e-300))
+        worst = max(
+            (n for n in result.nodes if n.max_abs is not None),
+            key=lambda n: cast(float, n.max_abs) / max(n.atol, 1e-300),
+        )
         line = (
             f"[bold green]reproduces within the trace's tolerances[/] (not bit for bit: the largest difference is "
             f"max_abs {worst.max_abs:.3g} at {worst.name}, atol {worst.atol:g})"
@@ -966,7 +983,7 @@ def selftest_output(family, rows, console: Console) -> list:
     table = fit_table(columns, cells, console, title=title, show_lines=True)
     if table is not None:
         return [table]
-    out = [Text(title, style="bold")]
+    out: list[Text | str] = [Text(title, style="bold")]
     for row in rows:
         fault = row.fault
         verdict = "[green]pass[/]" if row.passed else "[red]FAIL[/]"
@@ -1141,6 +1158,7 @@ def cmd_gate(args, console: Console) -> int:
             run.finish()  # ParityError (exit 2) when any case fails
             console.print(f"baseline written: {run.baseline_path}", highlight=False)
         if staging is not None:
+            assert report_parent is not None  # staging is made only under a report parent
             write_reports(run, staging)
             folder = publish_folder(staging, report_parent, run_stem("gate", "all").replace("gate-all-", "gate-"))
             staging = None

@@ -76,7 +76,7 @@ FAULTS = (
         "tiny",
         _qkv_split_k_first,
         f"{H.format(0)}.attn.q_rot",
-        "swapped_weights",
+        "swapped_roles",
         scope=f"{H.format('*')}.attn",
     ),
     Fault(
