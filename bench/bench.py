@@ -3,6 +3,7 @@
     python bench/bench.py            # everything (about an hour on 2 cores)
     python bench/bench.py --quick    # OLMo 3 7B widths, 2 layers, 128 tokens
     python bench/bench.py --lock /tmp/parity-bigmem.lock   # on a shared machine: one big case at a time
+    python bench/bench.py --backward --cases olmo3:7b-shape:128   # check(backward=True) / bare forward + backward
 
 For every ``*-shape`` config of every registered family, at 128 tokens and at 4097 (past a real
 4096-token sliding window), one child process per case: build the pair, then ``--repeats`` times
@@ -74,16 +75,23 @@ def child(spec: dict) -> dict:
     build = time.perf_counter() - start
     hf_capture.install(pair.reference)  # the bare reference runs the same eager attention as the check
     ids = pair.make_inputs(spec["seq"])
+    backward = bool(spec.get("backward"))
     bare, checks, result = [], [], None
     for _ in range(spec["repeats"]):
         start = time.perf_counter()
-        with torch.inference_mode():
-            pair.ours(ids)
-            pair.reference(input_ids=ids, use_cache=False)
+        if backward:
+            bare_forward_backward(pair, ids)
+        else:
+            with torch.inference_mode():
+                pair.ours(ids)
+                pair.reference(input_ids=ids, use_cache=False)
         bare.append(time.perf_counter() - start)
         start = time.perf_counter()
         result = parity.check(
-            pair, seq_len=spec["seq"], **({"trace_memory": spec["trace_memory"]} if "trace_memory" in spec else {})
+            pair,
+            seq_len=spec["seq"],
+            **({"trace_memory": spec["trace_memory"]} if "trace_memory" in spec else {}),
+            **({"backward": True} if backward else {}),
         )
         checks.append(time.perf_counter() - start)
     start = time.perf_counter()
@@ -104,6 +112,23 @@ def child(spec: dict) -> dict:
         "verdict": result.verdict().splitlines()[0],
         "passed": result.passed,
     }
+
+
+def bare_forward_backward(pair, ids) -> None:
+    """What a training step of both models costs without parity: each in train mode (dropout off, as the
+    check runs them), its loss (ours: Transformers' loss on its logits; the reference: its own) and the
+    gradients of every parameter (``torch.autograd.grad``, as the check takes them), one model after the other."""
+    import torch
+
+    from parity.run.backward import causal_lm_loss, default_labels, training
+
+    labels = default_labels(ids)
+    with training(pair.ours, pair.reference):
+        loss = causal_lm_loss(pair.ours(ids), labels, pair.vocab_size)
+        torch.autograd.grad(loss, [p for p in pair.ours.parameters() if p.requires_grad], allow_unused=True)
+        del loss
+        loss = pair.reference(input_ids=ids, labels=labels, use_cache=False).loss
+        torch.autograd.grad(loss, [p for p in pair.reference.parameters() if p.requires_grad], allow_unused=True)
 
 
 def write_checkpoint(spec: dict) -> dict:
@@ -241,6 +266,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per case (default 3600)")
     parser.add_argument("--json", help="also write every measurement to this file")
     parser.add_argument(
+        "--backward",
+        action="store_true",
+        help="check with backward=True against a bare forward + backward of both models (train mode, "
+        "autograd.grad of every parameter) instead of the bare forward passes",
+    )
+    parser.add_argument(
         "--lock", metavar="FILE", help="hold an flock on FILE around each case (a machine shared with others)"
     )
     args = parser.parse_args(argv)
@@ -268,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     rows = []
     for spec in cases:
+        if args.backward:
+            spec["backward"] = True
         print(f"running {spec}", file=sys.stderr, flush=True)
         rows.append(run_child(spec, args.timeout, args.lock))
     if not (args.quick or args.cases or args.no_sharded):

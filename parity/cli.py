@@ -9,9 +9,9 @@ error (a bug in parity: traceback on stderr).
 from __future__ import annotations
 
 import argparse
+import errno
 import math
 import os
-import shutil
 import sys
 import traceback
 from pathlib import Path
@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 
 DTYPES = ("float32", "bfloat16")
 FORMATS = ("html", "csv", "json", "junit")
+#: the working folder the command started in (report paths are shown relative to it)
+_START: str | None = None
 #: bytes below a --checkpoint that its files need ("/model-00001-of-00002.safetensors.index.json" and the like)
 CHECKPOINT_FILE = 64
 
@@ -46,6 +48,8 @@ def _positive(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    if value >= 2**63:
+        raise argparse.ArgumentTypeError(f"must be below 2^63, got {text!r}")
     return value
 
 
@@ -110,7 +114,17 @@ def _report_parent(path: str) -> Path:
         raise ParityError(f"--report-dir {parent} cannot be created: {e.strerror}") from None
     if not os.access(parent, os.W_OK):
         raise ParityError(f"--report-dir {parent} is not writable")
-    return parent
+    return Path(os.path.abspath(parent))  # a model whose forward changes the working folder moves no report
+
+
+def _shown(folder: Path) -> str:
+    """A written folder as the user named its parent: relative to where the command started, when it is below it."""
+    start = _START or os.getcwd()
+    try:
+        rel = os.path.relpath(folder, start)
+    except ValueError:
+        return str(folder)
+    return str(folder) if rel.startswith("..") else rel
 
 
 def _formats(text: str) -> list[str]:
@@ -191,6 +205,18 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="GIB",
         help="GiB of each trace held in memory before it spills to a temporary folder (default 1)",
     )
+    # training parity (parity.run.backward)
+    check.add_argument(
+        "--backward",
+        action="store_true",
+        help="after the forward: both models in train mode (dropout off), the loss, every node's and parameter's "
+        "gradient compared in backward order",
+    )
+    check.add_argument("--step", choices=("adamw", "sgd"), help="with --backward: one optimizer step, weights compared")
+    check.add_argument("--lr", type=_nonnegative_float, help="the --step's learning rate (default 1e-3)")
+    check.add_argument(
+        "--causality", action="store_true", help="no node at position t may change when only later tokens change"
+    )
     check.add_argument(
         "--report-dir", type=_path(RESERVED), default="reports", help="parent folder of the run's new report folder"
     )
@@ -234,6 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gate.add_argument("--no-reports", action="store_true", help="write no report files")
     _add_trace_commands(sub)
+    _add_runtime_commands(sub)
     selftest = sub.add_parser("selftest", help="inject every known fault and check parity locates it")
     selftest.add_argument("family", help="a registered family (see `parity list`)")
     selftest.add_argument(
@@ -268,7 +295,9 @@ def _add_trace_commands(sub) -> None:
         "--left-pad", type=_nonnegative, metavar="N", help="left-pad every batch row after the first (needs --batch 2+)"
     )
     record.add_argument("--seed", type=_nonnegative, help="seed of the random weights and input tokens (default 0)")
-    record.add_argument("--dtype", choices=DTYPES, help="compute dtype of the reference (default float32)")
+    record.add_argument(
+        "--dtype", choices=(*DTYPES, "float16"), help="compute dtype of the reference (default float32)"
+    )
     record.add_argument(
         "--atol", type=_nonnegative_float, help="absolute tolerance the trace carries (default by dtype)"
     )
@@ -354,11 +383,191 @@ def _add_trace_commands(sub) -> None:
     compare.add_argument("--rtol", type=_nonnegative_float, help="relative tolerance instead of the trace's")
     compare.add_argument("--exact", action="store_true", help="atol = rtol = 0 on every node")
     compare.add_argument(
+        "--tolerance",
+        action="append",
+        type=_tolerance_pattern,
+        metavar="PATTERN=ATOL,RTOL",
+        help="a node glob's own tolerance, winning over the others (repeatable), e.g. 'model.layers.*.self_attn.scores=1e-3,0'",
+    )
+    padding = compare.add_mutually_exclusive_group()
+    padding.add_argument(
+        "--ignore-padding",
+        action="store_true",
+        default=None,
+        help="with --dump: do not judge padding positions (the default where the trace holds padding)",
+    )
+    padding.add_argument("--judge-padding", action="store_true", help="with --dump: judge padding positions too")
+    compare.add_argument(
         "--report-dir", type=_path(RESERVED), default="reports", help="parent folder of the run's new report folder"
     )
     compare.add_argument(
         "--format", type=_formats, default=["html", "csv", "json"], help="comma list of html,csv,json,junit"
     )
+
+
+# --- other runtimes: parity trace show, parity dump (issue 28) ------------------------------------------
+
+
+def _tolerance_pattern(text: str) -> tuple[str, tuple[float, float]]:
+    """``'PATTERN=ATOL,RTOL'`` -> ``(pattern, (atol, rtol))``, in --tolerance's words."""
+    pattern, eq, values = text.rpartition("=")
+    parts = values.split(",")
+    try:
+        atol, rtol = (float(parts[0]), float(parts[1])) if len(parts) == 2 else (math.nan, math.nan)
+    except ValueError:
+        atol = rtol = math.nan
+    if not eq or not pattern or not (math.isfinite(atol) and math.isfinite(rtol)) or atol < 0 or rtol < 0:
+        raise argparse.ArgumentTypeError(
+            f"--tolerance {text!r} must be PATTERN=ATOL,RTOL (a node glob, two numbers >= 0), e.g. 'lm_head=1e-3,0'"
+        )
+    return pattern, (atol, rtol)
+
+
+def _config_change(text: str) -> tuple[str, object]:
+    """``KEY=VALUE`` (VALUE read as JSON, else a string) for ``parity dump --set``."""
+    import json
+
+    key, eq, value = text.partition("=")
+    if not eq or not key:
+        raise argparse.ArgumentTypeError(f"--set {text!r} must be KEY=VALUE (a config.json field, a JSON value)")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def _add_runtime_commands(sub) -> None:
+    """``parity trace show`` (what a dump must match) and ``parity dump mlx|llama-cpp`` (the adapters of
+    :mod:`parity.runtimes`)."""
+    trace = sub.add_parser("trace", help="look into a golden trace")
+    trace_sub = trace.add_subparsers(dest="trace_command", required=True, parser_class=_Parser)
+    show = trace_sub.add_parser(
+        "show", help="the nodes, shapes, layouts, dtypes and tolerances a dump must match, and the inputs to feed"
+    )
+    show.add_argument("trace", metavar="TRACE_DIR", help="a folder written by parity record")
+    show.add_argument("--json", action="store_true", help="print it as JSON")
+    dump = sub.add_parser(
+        "dump",
+        help="run another runtime (mlx, llama-cpp) on a trace's inputs and write a dump for parity compare",
+        description="Runs MODEL (a Transformers checkpoint folder such as TRACE_DIR/weights; for llama-cpp also a "
+        ".gguf) with the runtime on the trace's inputs and writes a dump folder (tensors under node names and "
+        "parity-dump.json: the runtime, what it cannot produce, notes) that `parity compare TRACE_DIR --dump OUT` judges.",
+    )
+    dump.add_argument("runtime", choices=("mlx", "llama-cpp"), help="the runtime: mlx (mlx-lm) or llama-cpp")
+    dump.add_argument(
+        "model", metavar="MODEL", help="a checkpoint folder (TRACE_DIR/weights) or, for llama-cpp, a .gguf"
+    )
+    dump.add_argument("--trace", required=True, metavar="TRACE_DIR", help="the golden trace whose inputs to run")
+    dump.add_argument(
+        "--out", required=True, type=_path(RESERVED), metavar="DUMP_DIR", help="the dump folder to create"
+    )
+    dump.add_argument(
+        "--set",
+        action="append",
+        type=_config_change,
+        metavar="KEY=VALUE",
+        help="change a config.json field for this run (repeatable; a what-if: rope_theta=10000, rms_norm_eps=1e-5)",
+    )
+    dump.add_argument("--flash-attn", action="store_true", help="llama-cpp: llama.cpp's flash attention (default off)")
+    dump.add_argument(
+        "--cache-type", choices=("f32", "f16", "bf16", "q8_0"), help="llama-cpp: the KV cache's type (default f32)"
+    )
+    dump.add_argument(
+        "--raw", action="store_true", help="llama-cpp: keep llama.cpp's own names (the name map goes in the dump)"
+    )
+
+
+def cmd_runtime(args, console: Console) -> int:
+    """``parity trace show`` (exit 0) and ``parity dump`` (exit 0 when the dump is written, 2 on bad input
+    or a runtime that is not installed)."""
+    if args.command == "trace":
+        return _trace_show(args, console)
+    llama = args.runtime == "llama-cpp"
+    for flag, given in (("--flash-attn", args.flash_attn), ("--cache-type", args.cache_type), ("--raw", args.raw)):
+        if given and not llama:
+            raise ParityError(f"{flag} goes with llama-cpp")
+    changes = dict(args.set or ())
+    from parity.golden.trace_file import read_trace
+
+    trace = read_trace(args.trace)
+    with console.status(f"running {args.model} with {args.runtime} on the inputs of {trace.path}"):
+        if llama:
+            from parity.runtimes import llama_cpp
+
+            out = llama_cpp.dump(
+                args.model,
+                trace,
+                args.out,
+                flash_attn=bool(args.flash_attn),
+                cache_type=args.cache_type or "f32",
+                config_changes=changes,
+                raw=bool(args.raw),
+            )
+        else:
+            from parity.runtimes import mlx
+
+            out = mlx.dump(args.model, trace, args.out, config_changes=changes)
+    from parity.golden.dumps import read_dump, read_dump_info
+
+    info = read_dump_info(out)
+    for note in info.notes:
+        console.print(f"[yellow]note:[/] {note}", highlight=False)
+    if info.unavailable:
+        console.print(
+            f"not produced by the runtime (untapped in compare): {len(info.unavailable)} node(s)", highlight=False
+        )
+    console.print(f"dump: {out} ({len(read_dump(out))} tensors, {info.runtime})", highlight=False)
+    console.print(f"next: parity compare {trace.path} --dump {out}", highlight=False)
+    return 0
+
+
+def _trace_show(args, console: Console) -> int:
+    import json
+
+    from parity.golden.show import describe
+
+    d = describe(args.trace)
+    if args.json:
+        print(json.dumps(d, indent=2))
+        return 0
+    ref, probe = d["reference"], d["probe"]
+    console.print(
+        f"trace {d['trace']} ({d['kind']}): {ref['source']} ({ref['class']}, model_type {ref['model_type']}"
+        + (f", family {ref['family']}" if ref.get("family") else "")
+        + f"), recorded with torch {d['versions']['torch']}, Transformers {d['versions']['transformers']}",
+        highlight=False,
+    )
+    pad = f", left padding {probe['left_pad']}" if probe.get("left_pad") else ""
+    console.print(
+        f"probe: {probe['dtype']}, batch {probe['batch_size']} x seq {probe['seq_len']}{pad}, seed {probe['seed']}; "
+        "feed the runtime inputs.safetensors: "
+        + ", ".join(f"{k} {tuple(v['shape'])} {v['dtype']}" for k, v in d["inputs"].items()),
+        highlight=False,
+    )
+    t = d["tolerances"]
+    console.print(f"tolerances: {'calibrated per node' if t['calibrated'] else 'fixed'} ({t['rule']})", highlight=False)
+    table = Table(show_lines=False)
+    for column in ("#", "node", "shape", "layout", "dtype", "atol", "rtol"):
+        table.add_column(column, overflow="fold")
+    for i, n in enumerate(d["nodes"]):
+        table.add_row(
+            str(i),
+            n["name"],
+            "(" + ", ".join(map(str, n["shape"])) + ")",
+            n["layout"],
+            n["dtype"] or "",
+            f"{n['atol']:.3g}" if n["atol"] is not None else "",
+            f"{n['rtol']:.3g}" if n["rtol"] is not None else "",
+        )
+    console.print(table)
+    if d["unrecorded"]:
+        console.print(f"never produced by the reference: {', '.join(d['unrecorded'])}", highlight=False)
+    console.print(
+        "a dump holds these names (or a --name-map's), in these layouts (a missing leading batch axis of 1 is fine); "
+        "a node the runtime cannot produce is listed in the dump's parity-dump.json or the map's @unavailable",
+        highlight=False,
+    )
+    return 0
 
 
 def _add_user_model_args(parser, required: bool = False) -> None:
@@ -555,10 +764,9 @@ def _print_coverage(coverage, console: Console) -> None:
     console.print(
         f"[bold]loader coverage:[/] {head}; {len(coverage.consumed)} checkpoint tensors consumed", highlight=False
     )
-    conversions = coverage.conversions
-    if len(conversions) > 5:  # a cast checkpoint converts every tensor the same way: say it once
-        kinds = sorted({c.split(": ", 1)[-1] for c in conversions})
-        conversions = [f"{len(coverage.conversions)} tensors: {', '.join(kinds)}"] if len(kinds) <= 3 else conversions
+    from parity.util.text import grouped
+
+    conversions = grouped(coverage.conversions)  # a cast checkpoint converts every tensor alike: said once
     skipped = [coverage.skipped_note()] if getattr(coverage, "skipped", None) else []
     for label, lines in (
         ("tied", coverage.tied),
@@ -573,23 +781,24 @@ def _print_coverage(coverage, console: Console) -> None:
 
 
 def _write_reports(result, parent: Path, formats: list[str]) -> Path:
+    """The run's report folder, published whole; on a full disk or a read-only folder nothing is left
+    visible and the one-line error (exit 2) says how much space the report needed."""
     from parity.report.result import WRITERS
-    from parity.util.files import publish_folder, run_stem, staging_folder
+    from parity.util.files import run_stem, write_folder
 
-    staging = staging_folder(parent)
-    try:
+    def fill(folder: Path) -> None:
         for fmt in formats:
-            result.write(fmt, staging / WRITERS[fmt].filename)
-        return publish_folder(staging, parent, run_stem(result.meta["family"], result.meta["config"]))
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+            result.write(fmt, folder / WRITERS[fmt].filename)
+
+    return write_folder(
+        parent, run_stem(result.meta["family"], result.meta["config"]), fill, f"the report ({', '.join(formats)})"
+    )
 
 
-def check_options(args) -> CheckOptions:
+def check_options(args, placement: bool = True) -> CheckOptions:
     """Everything about ``parity check``'s options that needs no model, in the options' own words,
     before anything is built, and the :class:`~parity.run.options.CheckOptions` they make. Raises
-    ParityError."""
+    ParityError. ``placement``: check --device / --device-map too (that imports torch)."""
     if args.checkpoint is not None and (args.config is not None or args.layers is not None):
         raise ParityError("--checkpoint brings its own config.json; do not combine it with --config or --layers")
     if args.calibrate and (args.atol is not None or args.rtol is not None):
@@ -618,10 +827,23 @@ def check_options(args) -> CheckOptions:
             )
         if args.seq_len is not None and args.left_pad >= args.seq_len:
             raise ParityError(f"--left-pad {args.left_pad} must be shorter than --seq-len {args.seq_len}")
-    _check_placement(args)
+    backward, step, lr = getattr(args, "backward", False), getattr(args, "step", None), getattr(args, "lr", None)
+    causality = getattr(args, "causality", False)
+    if step is not None and not backward:
+        raise ParityError(f"--step {step} needs the gradients: add --backward")
+    if lr is not None and (step is None or lr <= 0):
+        raise ParityError("--lr is the step's learning rate: give --step too" if step is None else "--lr must be > 0")
+    if (backward or causality) and args.decode is not None:
+        raise ParityError("--backward and --causality run on the prompt, not through the KV cache: drop --decode")
+    if placement:
+        _check_placement(args)
     from parity.run.options import CheckOptions
 
     return CheckOptions(
+        backward=backward,
+        step=step,
+        lr=lr,
+        causality=causality,
         seq_len=args.seq_len,
         batch_size=args.batch,
         left_pad=args.left_pad,
@@ -670,6 +892,24 @@ def _check_left_pad(args, default_seq_len: int) -> None:
         )
 
 
+def check_usage(args) -> None:
+    """What ``parity check``'s options alone can show wrong, before torch is imported. Raises ParityError."""
+    if args.ours is None and args.family is None:
+        raise ParityError("name a family (see `parity list`), or check your own model with --ours module:build")
+    if args.ours is None and (args.reference is not None or args.node_map is not None):
+        raise ParityError("--reference and --node-map go with --ours")
+    for flag in ("config", "reference", "ours", "node_map", "decode", "device"):
+        if getattr(args, flag, None) == "":
+            raise ParityError(f"--{flag.replace('_', '-')} is empty")
+    if args.ours is None:
+        from parity.model.registry import family_names
+
+        known = family_names()
+        if args.family not in known:
+            raise ParityError(f"unknown family {args.family!r}; known families: {', '.join(known) or 'none installed'}")
+    check_options(args, placement=False)
+
+
 def cmd_check(args, console: Console) -> int:
     import torch
 
@@ -677,10 +917,7 @@ def cmd_check(args, console: Console) -> int:
     from parity.model.registry import get_family
     from parity.run.check import check
 
-    if args.ours is None and args.family is None:
-        raise ParityError("name a family (see `parity list`), or check your own model with --ours module:build")
-    if args.ours is None and (args.reference is not None or args.node_map is not None):
-        raise ParityError("--reference and --node-map go with --ours")
+    check_usage(args)
     options = check_options(args)
     report_parent = _report_parent(args.report_dir)
     if args.ours is not None:
@@ -735,7 +972,7 @@ def cmd_check(args, console: Console) -> int:
     if replaced:  # a fault injected by hand: said once, under the finding it explains
         console.print(f"[yellow]note:[/] {replaced}", highlight=False)
     folder = _write_reports(result, report_parent, args.format)
-    console.print(f"reports: {folder}", highlight=False)
+    console.print(f"reports: {_shown(folder)}", highlight=False)
     return 0 if result.passed else 1
 
 
@@ -767,12 +1004,6 @@ def _flag(dest: str) -> str:
 def cmd_record(args, console: Console) -> int:
     """Exit 0 when the trace is written (with --verify: when the installed versions reproduce it), 1
     when --verify finds it no longer reproduces, 2 on bad input."""
-    import torch
-
-    from parity.golden.record import record
-    from parity.golden.summaries import DEFAULT_SAMPLE
-    from parity.golden.trace_file import parse_size
-
     given = [d for d in _RECORD_OPTIONS if getattr(args, d) is not None]
     if args.verify is not None:
         if given:
@@ -801,6 +1032,12 @@ def cmd_record(args, console: Console) -> int:
             )
         if args.seq_len is not None and args.left_pad >= args.seq_len:
             raise ParityError(f"--left-pad {args.left_pad} must be shorter than --seq-len {args.seq_len}")
+    import torch
+
+    from parity.golden.record import record
+    from parity.golden.summaries import DEFAULT_SAMPLE
+    from parity.golden.trace_file import parse_size
+
     shard_bytes = parse_size(args.shard_size) if args.shard_size is not None else None
     source = args.target if args.target is not None else Path(args.reference).expanduser()
     dtype = args.dtype or "float32"
@@ -893,15 +1130,12 @@ def _verify(args, console: Console) -> int:
         )
     console.print(line, highlight=False)
     folder = _write_reports(result, report_parent, args.format or ["html", "csv", "json"])
-    console.print(f"reports: {folder}", highlight=False)
+    console.print(f"reports: {_shown(folder)}", highlight=False)
     return 0 if result.passed else 1
 
 
 def cmd_compare(args, console: Console) -> int:
     """Exit codes as parity check: 0 every node agrees with the trace, 1 a node fails, 2 bad input."""
-    from parity.golden.trace_file import read_trace
-    from parity.golden.verdict import compare_dump, compare_model
-
     if (args.dump is None) == (args.ours is None):
         raise ParityError(
             "compare what: --dump DIR (another runtime's dump) or --ours MODULE:BUILD (a PyTorch model), one of them"
@@ -921,12 +1155,22 @@ def cmd_compare(args, console: Console) -> int:
         raise ParityError("--exact sets atol = rtol = 0 on every node; drop --atol/--rtol, or drop --exact")
     from parity.run.options import CheckOptions
 
-    options = CheckOptions(mode=args.mode or "chained", atol=args.atol, rtol=args.rtol, exact=bool(args.exact))
+    options = CheckOptions(
+        mode=args.mode or "chained",
+        atol=args.atol,
+        rtol=args.rtol,
+        exact=bool(args.exact),
+        tolerances=dict(args.tolerance or ()),
+    )
     report_parent = _report_parent(args.report_dir)
+    from parity.golden.trace_file import read_trace
+    from parity.golden.verdict import compare_dump, compare_model
+
     trace = read_trace(args.trace)
     if args.dump is not None:
         with console.status(f"comparing {args.dump} with {trace.path}"):
-            result = compare_dump(trace, args.dump, args.name_map, options=options)
+            padding = False if args.judge_padding else args.ignore_padding
+            result = compare_dump(trace, args.dump, args.name_map, options=options, ignore_padding=padding)
     else:
         from parity.user.check_model import load_callable
 
@@ -941,7 +1185,7 @@ def cmd_compare(args, console: Console) -> int:
     if replaced:
         console.print(f"[yellow]note:[/] {replaced}", highlight=False)
     folder = _write_reports(result, report_parent, args.format)
-    console.print(f"reports: {folder}", highlight=False)
+    console.print(f"reports: {_shown(folder)}", highlight=False)
     return 0 if result.passed else 1
 
 
@@ -1123,14 +1367,14 @@ def _gate_pytest(run, junit: Path | None, console: Console) -> tuple[int, _GateE
 def cmd_gate(args, console: Console) -> int:
     """Exit 0 when every case passes and nothing grew past its budget, 1 otherwise (2: bad input,
     130: interrupted, 3: a case broke with an error that is parity's bug)."""
-    from parity.gate.project import changed_since
-    from parity.gate.run import GateRun, write_reports
-    from parity.util.files import discard, publish_folder, run_stem, staging_folder
-
     if args.paths and args.changed_since:
         raise ParityError("give changed PATHs or --changed-since, not both")
     if args.no_reports and args.report_dir is not None:
         raise ParityError("--no-reports writes no report folder: drop --report-dir, or drop --no-reports")
+    from parity.gate.project import changed_since
+    from parity.gate.run import GateRun, write_reports
+    from parity.util.files import discard, publish_folder, run_stem, staging_folder
+
     report_parent = None if args.no_reports else _report_parent(args.report_dir or "reports")
     changed = changed_since(args.changed_since) if args.changed_since else (args.paths or None)
     run = GateRun.prepare(".", args.baseline, args.family, changed, args.update_baseline)
@@ -1159,10 +1403,13 @@ def cmd_gate(args, console: Console) -> int:
             console.print(f"baseline written: {run.baseline_path}", highlight=False)
         if staging is not None:
             assert report_parent is not None  # staging is made only under a report parent
-            write_reports(run, staging)
-            folder = publish_folder(staging, report_parent, run_stem("gate", "all").replace("gate-all-", "gate-"))
+            try:
+                write_reports(run, staging)
+                folder = publish_folder(staging, report_parent, run_stem("gate", "all").replace("gate-all-", "gate-"))
+            except OSError as e:
+                raise _gate_unwritten(e, run, staging, report_parent) from None
             staging = None
-            console.print(f"reports: {folder}", highlight=False)
+            console.print(f"reports: {_shown(folder)}", highlight=False)
     finally:
         run.close()
         if staging is not None:
@@ -1175,6 +1422,21 @@ def cmd_gate(args, console: Console) -> int:
         highlight=False,
     )
     return 0 if run.passed else 1
+
+
+def _gate_unwritten(e: OSError, run, staging: Path, parent: Path):
+    """The gate's report folder could not be written: the one-line error, with (on a full disk) the
+    space it needed: pytest's junit.xml as written, the rest measured without writing it."""
+    from parity.gate.run import write_reports
+    from parity.util.files import cannot_write, disk_full, measuring
+
+    needed = None
+    if disk_full(e):
+        junit = staging / "junit.xml"
+        with measuring() as sizes:
+            write_reports(run, staging)
+        needed = sum(-(-n // 4096) * 4096 for n in sizes) + (junit.stat().st_size if junit.exists() else 0) + 8192
+    return cannot_write(e, "the gate's report folder", parent, needed)
 
 
 def _print_gate(run, console: Console) -> None:
@@ -1224,21 +1486,39 @@ def cmd_list(console: Console) -> int:
             table.add_row(family_name, "[red]unavailable[/]", "", str(e))
             continue
         for i, (name, desc) in enumerate(fam.config_descriptions.items()):
-            table.add_row(fam.name if i == 0 else "", fam.reference_class if i == 0 else "", name, desc)
+            shown = f"{name} (default)" if name == fam.default_config else name
+            table.add_row(fam.name if i == 0 else "", fam.reference_class if i == 0 else "", shown, desc)
     console.print(table)
     return 2 if broken else 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    from transformers.utils import logging as hf_logging
+def _quiet_transformers() -> None:
+    """Transformers' config warnings would break our one-line errors. Set through its environment
+    variable, read when it is first imported (a usage error is answered before torch or Transformers
+    loads), and directly where it already is (``main`` called in a process that imported it)."""
+    os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
 
-    hf_logging.set_verbosity_error()  # its config warnings would break our one-line errors
+        hf_logging.set_verbosity_error()
+
+
+def main(argv: list[str] | None = None) -> int:
+    global _START
+    _START = os.getcwd()
     console = Console()
     if not console.is_terminal:  # logs and CI: wide enough that node names are never cut
         console = Console(width=max(console.width, 140))
     err = Console(stderr=True)
     try:
         args = build_parser().parse_args(argv)
+        if args.command == "check":
+            check_usage(args)  # before torch: a usage error costs no import
+        if args.command != "list":
+            from parity.util.version import require_transformers
+
+            require_transformers()  # a release outside the tested range: refused now, not a wrong verdict later
+        _quiet_transformers()
         if args.command == "list":
             return cmd_list(console)
         if args.command == "selftest":
@@ -1251,15 +1531,50 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_record(args, console)
         if args.command == "compare":
             return cmd_compare(args, console)
+        if args.command in ("trace", "dump"):
+            return cmd_runtime(args, console)
         return cmd_check(args, console)
     except ParityError as e:
         err.print(f"parity: error: {e}", highlight=False, markup=False, soft_wrap=True)
         return 2
     except KeyboardInterrupt:
+        err.print("parity: interrupted", highlight=False, markup=False)
         return 130
-    except Exception:  # a bug in parity, not bad input: keep the traceback
-        traceback.print_exc()
-        return 3
+    except OSError as e:
+        problem = _environment_problem(e)
+        if problem is None:
+            return _bug()
+        err.print(f"parity: error: {problem}", highlight=False, markup=False, soft_wrap=True)
+        return 2
+    except Exception:  # a bug in parity, not bad input: keep the traceback, and say so
+        return _bug()
+
+
+def _bug() -> int:
+    traceback.print_exc()
+    from parity.util.version import bug_line
+
+    print(bug_line(), file=sys.stderr)
+    return 3
+
+
+#: errors of the file system a user's input or machine causes (a full disk, a read-only or unreadable
+#: file, a symbolic link loop, a name too long), never a bug of parity's
+ENVIRONMENT_ERRNOS = frozenset(
+    getattr(errno, name)
+    for name in ("ENOSPC", "EDQUOT", "EROFS", "EACCES", "EPERM", "ELOOP", "ENAMETOOLONG", "EFBIG", "EMFILE", "ENFILE")
+    if hasattr(errno, name)
+)
+
+
+def _environment_problem(e: OSError) -> str | None:
+    """One line for an OSError the machine or the input caused (naming the file), or None for any other."""
+    if e.errno not in ENVIRONMENT_ERRNOS:
+        return None
+    where = f" ({e.filename})" if e.filename else ""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"no space left on the device{where}: nothing was written; free some space and run again"
+    return f"{e.strerror}{where}"
 
 
 if __name__ == "__main__":

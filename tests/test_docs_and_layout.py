@@ -28,7 +28,9 @@ def test_docs_point_only_at_files_that_exist(doc):
     paths = [
         t
         for t in re.findall(r"`([^`\s<>*]+/[^`\s<>*]*)`", _prose(text))
-        if not t.startswith(("-", "http")) and not re.match(r"step\d+/", t) and re.search(r"\.\w+$|/$", t)
+        if not t.startswith(("-", "http"))
+        and not re.match(r"(step\d*|grad|causal|train)/", t)
+        and re.search(r"\.\w+$|/$", t)
     ]
     for target in links:
         assert (doc.parent / target).exists(), f"{doc.name} links {target}, which does not exist"

@@ -43,7 +43,7 @@ EVIL = "<script>alert(1)</script>"
 def synthetic_7b(
     n_layers: int = 32, seq: int = 64, width: int = 4096, bad_name: str = "model.layers.17.mlp.down_proj"
 ) -> CheckResult:
-    """A CheckResult shaped like an OLMo 3 7B run in bfloat16: the real node list (1 + per-layer nodes x 32 + 2),
+    """A CheckResult shaped like an OLMo 3 7B run in bfloat16: the real node list (1 + per-layer nodes x 32 + the nodes after the layers),
     real widths in the error profile, chained and isolated results (no 7B model is built)."""
     rng = random.Random(0)
     facts = derive_facts(FAMILY.to_hf(CONFIGS["7b-shape"](n_layers)))
@@ -483,7 +483,7 @@ class Page:
         return self.page.eval_on_selector_all(
             "#nodes tbody tr.node:not([hidden])",
             "rows => rows.map(r => ({index: +r.cells[0].dataset.v, status: r.dataset.status, layer: r.dataset.layer,"
-            " kind: r.dataset.kind, max_abs: r.cells[3].dataset.v === '' ? null : +r.cells[3].dataset.v}))",
+            " kind: r.dataset.kind, max_abs: r.querySelector('td.max-abs').dataset.v === '' ? null : +r.querySelector('td.max-abs').dataset.v}))",
         )
 
     def assert_clean(self):
@@ -519,11 +519,11 @@ def test_browser_fault_report(browser, fault, tmp_path, artifacts):
     assert [r["index"] for r in rows] == list(range(len(fault.nodes)))
     assert page.inner_text("#nodes tr.first td:nth-child(2)") == BAD_NODE
     # sort by max_abs: descending first, then ascending; "#" restores execution order
-    page.click("#nodes thead th:nth-child(4) button")
+    page.click("#nodes thead th:has-text('max_abs') button")
     rows = p.visible_rows()
     _sorted_ok([r["max_abs"] for r in rows], descending=True)
-    assert page.get_attribute("#nodes thead th:nth-child(4)", "aria-sort") == "descending"
-    page.click("#nodes thead th:nth-child(4) button")
+    assert page.get_attribute("#nodes thead th:has-text('max_abs')", "aria-sort") == "descending"
+    page.click("#nodes thead th:has-text('max_abs') button")
     _sorted_ok([r["max_abs"] for r in p.visible_rows()], descending=False)
     page.click("#nodes thead th:nth-child(2) button")  # by name
     names = page.eval_on_selector_all("#nodes tbody tr.node", "rs => rs.map(r => r.dataset.name)")
@@ -586,9 +586,11 @@ def test_browser_fault_report(browser, fault, tmp_path, artifacts):
 
 def test_browser_7b_shape_report_sorts_and_filters(browser, tmp_path, artifacts):
     p = Page(browser)
-    p.open(html_of(synthetic_7b(), tmp_path))
-    assert len(p.visible_rows()) == 1 + len(FAMILY.nodes.per_layer) * 32 + 2
-    p.page.click("#nodes thead th:nth-child(9) button")  # x tolerance, every row
+    result = synthetic_7b()
+    p.open(html_of(result, tmp_path))
+    # every node shows: the embedding, 32 layers of per-layer nodes, then the final norm, the logits and after
+    assert len(p.visible_rows()) == len(result.nodes) == 1 + len(FAMILY.nodes.per_layer) * 32 + len(FAMILY.nodes.after)
+    p.page.click("#nodes thead th:has-text('x tol') button")  # x tolerance, every row
     p.page.select_option("#f-status", "failing")
     rows = p.visible_rows()
     assert rows and all(r["status"] == "mismatch" for r in rows) and rows[0]["index"] >= 304

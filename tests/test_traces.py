@@ -102,7 +102,11 @@ def test_trace_is_versioned_schema_valid_and_readable_without_parity(golden):
     names = [n["name"] for n in manifest["nodes"]]
     assert names[0] == "model.embed_tokens" and names[-2:] == ["lm_head", "logits"]
     assert names.index("model.layers.0.self_attn.q_rot") < names.index("model.layers.0.self_attn.probs")
-    assert set(tensors) == set(names)
+    # the node tensors, and what the hint detectors read beside them (module inputs and weights of
+    # norms and projections: `parity compare` gives the hints `check` gives), each listed per node
+    diagnosis = {f"{n['name']}::{part}" for n in manifest["nodes"] for part in n.get("diagnosis", ())}
+    assert set(tensors) == set(names) | diagnosis
+    assert "model.layers.0.input_layernorm::input" in diagnosis and "model.norm::weight" in diagnosis
     for n in manifest["nodes"]:
         assert list(tensors[n["name"]].shape) == n["shape"] and n["atol"] > 0 and n["tol_source"] == "calibrated"
     assert tensors["model.layers.0.self_attn.q_rot"].shape == (1, 4, 16, 16)  # (batch, heads, seq, head_dim)

@@ -12,25 +12,26 @@ from __future__ import annotations
 import copy
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from parity.build.checkpoint import read_checkpoint, read_config
 from parity.build.probes import probe_weights
-from parity.model.derive import derive_facts, rope_problem_of, validate_facts
+from parity.model.derive import COUNT_FIELDS, count_field_problems, derive_facts, rope_problem_of, validate_facts
 from parity.model.facts import ArchFacts
 from parity.model.family import Composite, Family
 from parity.model.pair import Loading, Pair, PairSource
 from parity.model.weights import apply_weight_table
 from parity.util.devices import Placement
 from parity.util.errors import ConfigError, LoaderError, ParityError
-from parity.util.resources import require
+from parity.util.resources import gib, require
 from parity.util.text import one_line, summary
+from parity.util.version import require_transformers
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -53,6 +54,32 @@ def config_name_of(config) -> str:
     return config if isinstance(config, str) else Path(config).name if isinstance(config, Path) else "custom"
 
 
+def _cfg_count_problem(family: Family, cfg: dict) -> str | None:
+    """A cfg key holding no positive integer where the family's default config holds one (``n_heads: 0``
+    behind a bare ``integer modulo by zero`` from the config class), or None."""
+    try:
+        default = family.configs[family.default_config]()
+    except Exception:
+        return None
+    for key, value in cfg.items():
+        expected = default.get(key)
+        positive = isinstance(expected, int) and not isinstance(expected, bool) and expected > 0
+        if positive and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            return f"cfg key {key} is {value!r}; it must be a positive integer"
+    return None
+
+
+def _named(e: Exception, counts: Callable[[], str | None]) -> str:
+    """The reason a config class gave, or the count field behind it: for a bare arithmetic or type
+    error (``integer modulo by zero``, ``'>' not supported between str and int``, also when a
+    validator wraps it) the field that holds no positive integer."""
+    text = one_line(e)
+    bare = isinstance(e, (ArithmeticError, TypeError)) or any(
+        w in text for w in ("by zero", "not supported between", "unsupported operand", "must be tuple of ints")
+    )
+    return rope_problem_of(e) or (counts() if bare else None) or text
+
+
 def to_reference_config(family: Family, cfg: dict):
     """Our cfg -> the Transformers config, through the config class's own validation. Raises ConfigError."""
     try:
@@ -60,7 +87,8 @@ def to_reference_config(family: Family, cfg: dict):
     except ParityError:
         raise
     except Exception as e:  # KeyError, TypeError, ValueError, strict-dataclass validation errors
-        raise ConfigError(f"{family.config_class} rejects the config: {rope_problem_of(e) or one_line(e)}") from None
+        reason = _named(e, lambda: _cfg_count_problem(family, cfg) or next(iter(count_field_problems(cfg)), None))
+        raise ConfigError(f"{family.config_class} rejects the config: {reason}") from None
 
 
 def config_from_dict(family: Family | Composite, raw: dict):
@@ -68,20 +96,47 @@ def config_from_dict(family: Family | Composite, raw: dict):
     try:
         return family.config_cls().from_dict(raw)
     except Exception as e:  # its strict validators raise their own types: all mean bad input
+        reason = _named(e, lambda: next(iter(count_field_problems(raw)), None))
+        raise ConfigError(f"config.json rejected by {family.config_class}: {reason}") from None
+
+
+def construct(reference_cls, hf_config) -> Any:
+    """``reference_cls(hf_config)`` (under whatever device context the caller set), or ConfigError when
+    a config the config class accepted cannot build the model (``head_dim: null`` where the model
+    needs a number): one line naming the class, the reason, and the count fields left null."""
+    try:
+        return reference_cls(hf_config)
+    except ParityError:
+        raise
+    except Exception as e:
+        text = text_config_of(hf_config)
+        null = [name for name in COUNT_FIELDS if name in vars(text) and vars(text)[name] is None]
+        also = f" (null in the config: {', '.join(null)})" if null else ""
         raise ConfigError(
-            f"config.json rejected by {family.config_class}: {rope_problem_of(e) or one_line(e)}"
+            f"{reference_cls.__name__} cannot be built from this config: {type(e).__name__}: {one_line(e)}{also}"
         ) from None
 
 
 def validated(family: Family, hf_config, dtype: torch.dtype) -> tuple[dict, ArchFacts]:
     """``(cfg, facts)`` for a Transformers config, or ConfigError naming the first field that makes
     no sense (zero layers, heads not a multiple of KV heads, ...) or that our model cannot honour."""
-    facts = derive_facts(hf_config)
-    problems = validate_facts(facts)
+    problems = count_field_problems(hf_config)
+    problems = problems or validate_facts(derive_facts(hf_config))
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise ConfigError(f"{family.name}: {problems[0]}{more}")
-    return family.from_hf(hf_config, dtype), facts
+    facts = derive_facts(hf_config)
+    return _from_hf(family, hf_config, dtype), facts
+
+
+def _from_hf(family: Family, hf_config, dtype: torch.dtype) -> dict:
+    """The family's cfg from a Transformers config; a config its mapping cannot read is a ConfigError."""
+    try:
+        return family.from_hf(hf_config, dtype)
+    except ParityError:
+        raise
+    except Exception as e:
+        raise ConfigError(f"{family.name} cannot read this config: {type(e).__name__}: {one_line(e)}") from None
 
 
 def _truncate_layers(hf_config, n_layers: int) -> None:
@@ -91,6 +146,71 @@ def _truncate_layers(hf_config, n_layers: int) -> None:
     hf_config.num_hidden_layers = n_layers
     if types is not None:
         hf_config.layer_types = list(types[:n_layers])  # the first n layers of a config.json
+
+
+#: bytes a check holds per decoder layer besides its weights: both models' module and parameter
+#: objects, their hooks, the layer's nodes and their results (measured on the tiny configs: 320 KiB a
+#: layer with json reports, 410 KiB with the HTML one)
+LAYER_OBJECTS = 384 * 1024
+#: a config deeper than twice this is sized from two shallow copies of itself before any of it is built
+SHALLOW = 4
+
+
+def _parameter_count(reference_cls, hf_config) -> int:
+    """Elements of ``reference_cls(hf_config)``'s parameters and persistent buffers (built on the meta device)."""
+    with torch.device("meta"):
+        model = construct(reference_cls, hf_config)
+    buffers = dict(model.named_buffers())
+    shapes = [tuple(p.shape) for _, p in model.named_parameters()]
+    shapes += [tuple(buffers[k].shape) for k in model.state_dict() if k in buffers]
+    return sum(math.prod(s) for s in shapes)
+
+
+def _shallow(hf_config, n_layers: int):
+    shallow = copy.deepcopy(hf_config)
+    target = text_config_of(shallow)
+    _truncate_layers(target, n_layers)
+    return shallow
+
+
+def depth_of(hf_config) -> int:
+    """Decoder layers of a (text or multimodal) Transformers config; 0 when it does not say."""
+    layers = getattr(text_config_of(hf_config), "num_hidden_layers", None)
+    return layers if isinstance(layers, int) and not isinstance(layers, bool) else 0
+
+
+def require_model(
+    reference_cls,
+    hf_config,
+    dtype: torch.dtype,
+    what: str,
+    weights: bool = True,
+    shallow: Callable[[int], object] | None = None,
+    layers: int | None = None,
+) -> None:
+    """Refuse, with the numbers and before any of it is built, a model that cannot fit in memory: its
+    weights (``weights``: random ones are made; a checkpoint's are already mapped) and, per decoder
+    layer, :data:`LAYER_OBJECTS`. A deep config (``--layers 1000000``) is sized from two shallow
+    copies of itself (``shallow(n)``: the config at ``n`` layers; by default ``hf_config`` cut to its
+    first ``n``), so refusing it costs a moment, not the hours building it would."""
+    layers = depth_of(hf_config) if layers is None else layers
+    if layers <= 2 * SHALLOW:
+        return  # small: random_weights counts it exactly, on the meta device
+    n_params = 0
+    if weights:
+        make = shallow or (lambda n: _shallow(hf_config, n))
+        try:
+            small, large = (_parameter_count(reference_cls, make(k)) for k in (SHALLOW, 2 * SHALLOW))
+        except Exception:  # a config whose per-layer fields do not truncate: sized when built
+            return
+        n_params = small + (large - small) * (layers - SHALLOW) // SHALLOW
+    objects = layers * LAYER_OBJECTS
+    require(
+        n_params * torch.finfo(dtype).bits // 8 + objects,
+        f"{what} ({n_params / 1e9:.2f}B parameters in {str(dtype).replace('torch.', '')})" if weights else what,
+        f"build fewer layers (--layers / n_layers=): besides the weights, its {layers} layers hold about "
+        f"{gib(objects)} of modules, hooks and node results",
+    )
 
 
 def resolve_config(family: Family, config, dtype: torch.dtype, overrides: dict):
@@ -105,6 +225,14 @@ def resolve_config(family: Family, config, dtype: torch.dtype, overrides: dict):
         raise ConfigError(f"n_layers must be a positive integer, got {n_layers!r}")
     builtin = isinstance(config, str) and config in family.configs
     if builtin:
+        if n_layers is not None and n_layers > 2 * SHALLOW:  # sized from shallow copies, before the deep one exists
+
+            def shallow(n: int):
+                return to_reference_config(family, {**family.configs[config](n), **overrides, "dtype": dtype})
+
+            require_model(
+                family.reference_cls(), None, dtype, f"{family.name} {config}", shallow=shallow, layers=n_layers
+            )
         cfg = family.configs[config](n_layers)
     elif isinstance(config, dict):
         cfg = copy.deepcopy(config)
@@ -118,7 +246,13 @@ def resolve_config(family: Family, config, dtype: torch.dtype, overrides: dict):
                 else ""
             )
             raise ConfigError(f"{config} has model_type {raw.get('model_type')!r}, expected {family.model_type!r}{how}")
-        cfg = family.from_hf(config_from_dict(family, raw), dtype)
+        _refuse_text_config(raw, config)
+        from_file = config_from_dict(family, raw)
+        problems = count_field_problems(from_file)
+        if problems:  # the words of every other path (validated): a cfg dict and its config.json say the same
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise ConfigError(f"{family.name}: {problems[0]}{more}")
+        cfg = _from_hf(family, from_file, dtype)
     else:
         known = ", ".join(family.configs)
         raise ConfigError(f"unknown {family.name} config {config!r}; built-in configs: {known}, or a config.json path")
@@ -132,6 +266,7 @@ def resolve_config(family: Family, config, dtype: torch.dtype, overrides: dict):
     hf_config = to_reference_config(family, cfg)
     if n_layers is not None and not builtin:
         _truncate_layers(hf_config, n_layers)
+    require_model(family.reference_cls(), hf_config, dtype, f"{family.name} {config_name_of(config)}")
     cfg, facts = validated(family, hf_config, dtype)
     return cfg, hf_config, facts
 
@@ -146,7 +281,7 @@ def build_reference(reference_cls, hf_config, state_dict: Mapping[str, torch.Ten
 
     name = reference_cls.__name__
     with no_init_weights():
-        reference = reference_cls(hf_config)
+        reference = construct(reference_cls, hf_config)
     try:
         result = reference.load_state_dict(state_dict, strict=False, assign=True)
     except RuntimeError as e:  # size mismatches: the lines after the first name key and shapes
@@ -240,6 +375,16 @@ def load_ours(
     return apply_weight_table(model, state_dict, table)
 
 
+def _refuse_text_config(raw: dict, where) -> None:
+    """A text model's config.json that also holds a ``text_config`` (its fields would be read from
+    the nested one, silently): ConfigError naming it."""
+    if "text_config" in raw:
+        raise ConfigError(
+            f"{where} has model_type {raw.get('model_type')!r}, a text model, but also a text_config: a multimodal "
+            "config has its own model_type (gemma3, gemma4); drop text_config, or give the multimodal checkpoint"
+        )
+
+
 def _refuse_split_tie(hf_config, composite: Composite) -> None:
     """A multimodal config whose two ``tie_word_embeddings`` disagree: the multimodal model ties its
     head by its own, a text model by its text_config's, so the two sides would differ. ConfigError."""
@@ -278,7 +423,7 @@ def outside_text_model(expected, text_prefix: str, state_dict: Mapping[str, torc
 def meta_keys(reference_cls, hf_config) -> set[str]:
     """The state dict keys of ``reference_cls(hf_config)``, built on the meta device."""
     with torch.device("meta"):
-        return set(reference_cls(hf_config).state_dict())
+        return set(construct(reference_cls, hf_config).state_dict())
 
 
 def _check_dtype(dtype) -> None:
@@ -315,8 +460,9 @@ def random_weights(reference_cls, hf_config, seed: int, dtype: torch.dtype, what
     """Seeded random weights in checkpoint naming for ``reference_cls(hf_config)`` (shapes read on
     the meta device; the memory guard runs first): every parameter, then every persistent buffer
     (a checkpoint carries those too, e.g. Gemma 4's ``layer_scalar``)."""
+    require_model(reference_cls, hf_config, dtype, what)  # a deep config: before it is built, even on meta
     with torch.device("meta"):
-        model = reference_cls(hf_config)
+        model = construct(reference_cls, hf_config)
         shapes = {k: tuple(p.shape) for k, p in model.named_parameters()}
         buffers = dict(model.named_buffers())
         shapes.update({k: tuple(buffers[k].shape) for k in model.state_dict() if k in buffers})
@@ -349,7 +495,7 @@ def model_naming(
     except ImportError:  # a Transformers without conversion mappings loads checkpoints as they are
         return state_dict, []
     with torch.device("meta"):
-        model = reference_cls(hf_config)
+        model = construct(reference_cls, hf_config)
     mapping = get_model_conversion_mapping(model)
     if not mapping:
         return state_dict, []
@@ -412,7 +558,7 @@ def as_reference_keys(reference_cls, hf_config, state_dict: dict) -> tuple[dict,
     reference declares ignorable (``_keys_to_ignore_on_load_unexpected``: GPT-2's old ``attn.bias``
     mask buffers) are left out. Same tensors, no copy. Returns the dict and one line per change."""
     with torch.device("meta"):
-        expected = set(reference_cls(hf_config).state_dict())
+        expected = set(construct(reference_cls, hf_config).state_dict())
     prefix = getattr(reference_cls, "base_model_prefix", "") or ""
     ignorable = [re.compile(p) for p in getattr(reference_cls, "_keys_to_ignore_on_load_unexpected", None) or []]
     out, prefixed, ignored = {}, [], []
@@ -457,6 +603,7 @@ def _with_model(family: Family, ref: Reference) -> Reference:
 
 def _source(family: Family, config, checkpoint, dtype, seed, overrides) -> Reference:
     """Config, weights and facts of a family's reference, before its model is built."""
+    require_transformers()
     _check_dtype(dtype)
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
         raise ConfigError(f"seed must be an integer in [0, 2^63), got {seed!r}")
@@ -467,8 +614,11 @@ def _source(family: Family, config, checkpoint, dtype, seed, overrides) -> Refer
         types = (family.model_type,) + ((family.composite.model_type,) if family.composite is not None else ())
         ckpt, state_dict, conversions = read_weights(checkpoint, dtype, types)
         composite = family.composite_for(ckpt.config.get("model_type"))
+        if composite is None:
+            _refuse_text_config(ckpt.config, Path(checkpoint) / "config.json")
         reference_cls = composite.reference_cls() if composite is not None else family.reference_cls()
         hf_config = config_from_dict(composite or family, ckpt.config)
+        require_model(reference_cls, hf_config, dtype, f"checkpoint {checkpoint}", weights=False)
         if composite is not None:
             _refuse_split_tie(hf_config, composite)
         cfg, facts = validated(family, text_config_of(hf_config), dtype)

@@ -118,7 +118,16 @@ def read_checkpoint(directory: str | Path, model_type: str | tuple[str, ...] | N
         raise CheckpointError(
             f"{directory / 'config.json'} has model_type {found!r}, expected {' or '.join(map(repr, expected))}"
         )
+    for name in (SINGLE, INDEX):  # a loop or a dangling link by a weights file's name: named as what it is
+        if os.path.lexists(directory / name) and not (directory / name).is_file():
+            raise CheckpointError(
+                unreachable(directory / name, "checkpoint file") or f"checkpoint file {directory / name} is not a file"
+            )
     weights = [directory / SINGLE] if (directory / SINGLE).is_file() else sorted(directory.glob("*.safetensors"))
+    for f in weights:
+        problem = unreachable(f, "checkpoint file")
+        if problem:
+            raise CheckpointError(problem)
     require(sum(f.stat().st_size for f in weights), f"checkpoint {directory}", "check a smaller checkpoint")
     # Like Transformers, a complete single file wins over an index lying next to it.
     if (directory / SINGLE).is_file():
@@ -137,7 +146,9 @@ def read_checkpoint(directory: str | Path, model_type: str | tuple[str, ...] | N
             if f.resolve().parent != root:
                 raise CheckpointError(f"shard {f.name!r} named in {INDEX} lies outside {directory}")
             if not f.is_file():
-                raise CheckpointError(f"shard {f} named in {INDEX} does not exist")
+                raise CheckpointError(
+                    unreachable(f, f"shard named in {INDEX}:") or f"shard {f} named in {INDEX} does not exist"
+                )
             shard = _load(f)
             listed = {k for k, v in weight_map.items() if directory / v == f}
             if listed - shard.keys():

@@ -22,7 +22,7 @@ from torch import nn
 from parity.model.weights import storage_key
 
 SHARED, COPY, TRANSPOSED, ROWS, SLICE = "shared", "copy", "transposed", "rows", "slice"
-OFFSET, LAYOUT, PART = "offset", "layout", "part"
+OFFSET, LAYOUT, PART, SCALED, SPLIT = "offset", "layout", "part", "scaled", "split"
 #: every way a parameter (or buffer) of ours may hold a checkpoint tensor, in the words reports use
 CONVENTIONS = {
     SHARED: "the checkpoint tensor itself (same storage)",
@@ -34,6 +34,11 @@ CONVENTIONS = {
     ROWS: "its rows in another order, or fused with other tensors' rows in any order (qkv, gate_up; "
     "q/k rows permuted per head for interleaved RoPE)",
     PART: "a copy of some of its rows (one expert of a fused experts tensor copied into a module of its own)",
+    SPLIT: "a copy of an equal part of it along one axis, then axes permuted and reshaped, for weights and 1-D "
+    "biases alike (TransformerLens' W_Q [heads, d_model, d_head] and b_Q [heads, d_head] cut out of GPT-2's fused "
+    "c_attn)",
+    SCALED: "its values times a named constant of the architecture (an embedding pre-multiplied by "
+    "sqrt(hidden_size), as TransformerLens keeps Gemma's)",
 }
 
 
@@ -47,8 +52,10 @@ class Source:
     ``slice`` (ours is a view of part of the key: ``region`` says which, e.g. ``[3, 0:16, :]``),
     ``offset`` (ours = key + ``offset``: 1 for a norm weight kept as ``1 + w``), ``layout`` (ours,
     axes permuted by ``permute`` and reshaped, is the key, or its transpose when ``transposed``) or
-    ``part`` (ours' rows are the key's rows ``rows`` of the key seen as ``(-1, ours' last dim)``).
-    See :data:`CONVENTIONS`.
+    ``part`` (ours' rows are the key's rows ``rows`` of the key seen as ``(-1, ours' last dim)``) or
+    ``scaled`` (ours = key * ``scale``, the constant ``scale_name``) or ``split`` (ours, axes permuted by
+    ``permute`` and reshaped, is the key's ``region``, ``part`` = ``(axis, start, stop)``). See
+    :data:`CONVENTIONS`.
     """
 
     param: str
@@ -59,10 +66,17 @@ class Source:
     offset: float | None = None
     permute: tuple[int, ...] | None = None
     transposed: bool = False
+    #: ours = key * scale, the constant named ``scale_name`` (``how`` is ``scaled``)
+    scale: float | None = None
+    scale_name: str | None = None
+    #: ``(axis, start, stop)``: the part of the key ours holds (``how`` is ``split``)
+    part: tuple[int, int, int] | None = None
 
     @property
     def description(self) -> str:
         """How ours holds the key, in a few words (for alignment tables and coverage notes)."""
+        if self.how == SCALED:
+            return f"{self.key} * {self.scale_name} ({self.scale:g})"
         if self.how == OFFSET:
             offset = cast(float, self.offset)  # set whenever how is OFFSET
             return f"{self.key} {'+' if offset > 0 else '-'} {abs(offset):g}"
@@ -70,6 +84,9 @@ class Source:
             return f"{self.key}{'.T' if self.transposed else ''} as permute{self.permute} then reshape"
         if self.how == PART:
             return f"{len(cast(tuple[int, ...], self.rows))} rows of {self.key}"
+        if self.how == SPLIT:
+            moved = f" as permute{self.permute} then reshape" if self.permute is not None else ""
+            return f"{self.key}{self.region}{'.T' if self.transposed else ''}{moved}"
         return f"{self.key} ({self.how})"
 
 
@@ -213,6 +230,30 @@ def _offset(p: torch.Tensor, t: torch.Tensor) -> float | None:
     return None
 
 
+def _scaled(p: torch.Tensor, t: torch.Tensor, constants: dict[str, float]) -> tuple[str, float] | None:
+    """``(name, c)`` when ``p`` is ``t * c`` for one of the named ``constants`` (or its inverse), computed
+    in ``p``'s dtype or in float64 and cast, as a loader may have written it; None otherwise."""
+    if p.shape != t.shape or not p.is_floating_point() or not p.numel():
+        return None
+    # a few elements spread over the tensor (a padding row may be zeros) rule most constants out cheaply
+    at = torch.linspace(0, t.numel() - 1, min(t.numel(), 257)).long()
+    sample, ours = t.reshape(-1)[at].to(p.dtype), p.reshape(-1)[at]
+    nonzero = (sample != 0).nonzero()
+    if not len(nonzero):
+        return None
+    i = int(nonzero[0])
+    ratio = float(ours[i]) / float(sample[i])
+    t = t.to(p.dtype)
+    named = [(n, c) for n, c in constants.items() if c] + [(f"1 / {n}", 1 / c) for n, c in constants.items() if c]
+    for name, c in named:
+        if abs(ratio / c - 1) > 1e-2:  # the first nonzero element rules out most constants cheaply
+            continue
+        products = (t * c, t * torch.tensor(c, dtype=p.dtype), (t.double() * c).to(p.dtype))
+        if any(torch.equal(p, product) for product in products):
+            return name, c
+    return None
+
+
 def _layout(p: torch.Tensor, t: torch.Tensor) -> tuple[tuple[int, ...], bool] | None:
     """``(permute, transposed)`` when ``p``'s axes permuted by ``permute`` and reshaped to ``t``'s
     shape are ``t`` (or, ``transposed``, reshaped to ``t.T`` are ``t.T``): a weight kept in another
@@ -257,6 +298,50 @@ def _part_rows(p: torch.Tensor, t: torch.Tensor, cache: dict | None = None) -> t
         rows.append(free[0])
         used.add(free[0])
     return tuple(rows)
+
+
+def _split_part(p: torch.Tensor, t: torch.Tensor) -> tuple[tuple[int, int, int], tuple[int, ...], bool] | None:
+    """``((axis, start, stop), permute, transposed)`` when ``p`` is ``t``'s part ``start:stop`` along ``axis``,
+    one of equal parts, as it is or axes permuted and reshaped (:func:`_layout`); None otherwise."""
+    if not p.is_floating_point() or not 0 < p.numel() < t.numel():
+        return None
+    for axis, n in enumerate(t.shape):
+        if (p.numel() * n) % t.numel():
+            continue
+        size = p.numel() * n // t.numel()
+        if not 0 < size < n or n % size:
+            continue
+        for start in range(0, n, size):
+            part = t.narrow(axis, start, size)
+            if part.shape == p.shape and torch.equal(p, part.to(p.dtype)):
+                return (axis, start, start + size), tuple(range(p.dim())), False
+            found = _layout(p, part)
+            if found is not None:
+                return (axis, start, start + size), found[0], found[1]
+    return None
+
+
+def _region_of(part: tuple[int, int, int], dim: int) -> str:
+    axis, start, stop = part
+    return "[" + ", ".join(f"{start}:{stop}" if d == axis else ":" for d in range(dim)) + "]"
+
+
+def _split_gaps(key: str, whole: torch.Tensor, parts: list[tuple[tuple[int, int, int], str]]) -> list[str]:
+    """Every part of a tensor split along one axis in exactly one parameter: other axes, overlaps and holes."""
+    axes = {part[0] for part, _ in parts}
+    if len(axes) > 1:
+        return [f"{key}: cut along more than one axis ({', '.join(label for _, label in parts[:4])})"]
+    axis = axes.pop()
+    reach, gaps = 0, []
+    for (_, start, stop), label in sorted(parts, key=lambda item: item[0][1]):
+        if start < reach:
+            gaps.append(f"{key}: part {start}:{stop} along axis {axis} lands twice ({label})")
+        elif start > reach:
+            gaps.append(f"{key}: part {reach}:{start} along axis {axis} lands in no parameter of ours")
+        reach = max(reach, stop)
+    if reach < whole.shape[axis]:
+        gaps.append(f"{key}: part {reach}:{whole.shape[axis]} along axis {axis} lands in no parameter of ours")
+    return gaps
 
 
 def _fused_rows(p: torch.Tensor, candidates: dict[str, torch.Tensor]) -> list[tuple[str, tuple[int, ...]]] | None:
@@ -320,6 +405,7 @@ def loader_coverage(
     built: dict[str, tuple] | None = None,
     by_design: dict[str, str] | None = None,
     copies_break_ties: bool = True,
+    constants: dict[str, float] | None = None,
 ) -> Coverage:
     """Trace every parameter of ``model`` back to ``state_dict`` (the tensors it was loaded from).
 
@@ -332,7 +418,8 @@ def loader_coverage(
     parts outside the text model); left unused they land in ``skipped``, not in the gaps (one ours
     does use is judged like any other key). ``copies_break_ties``: a tie kept as equal copies is a gap
     (our families' loaders must tie); False for a user's model, where it is a note (the forward
-    agrees; a training step would not, which the backward check judges).
+    agrees; a training step would not, which the backward check judges). ``constants``: named scalars
+    of the architecture a parameter of ours may hold a checkpoint tensor multiplied by (``scaled``).
     """
     cov = Coverage(conversions=list(conversions or []))
     # checkpoint keys that alias one storage (state_dict() of a tied model) form one source
@@ -397,6 +484,15 @@ def loader_coverage(
                 cov.conversions.append(
                     f"{key}: into {label} {tuple(p.shape)} (axes {perm}{', transposed' if transposed else ''})"
                 )
+                return True
+        # a copy scaled by a constant: of a tensor nothing consumed yet first, else of a tie's tensor (its
+        # other copy already holds it: TransformerLens' W_U beside W_E * sqrt(hidden_size))
+        same = sorted(by_shape.get(tuple(p.shape), []) if constants else [], key=lambda k: k in cov.consumed)
+        for key in same:
+            scaled = _scaled(p, state_dict[key], cast(dict, constants))
+            if scaled is not None:
+                record(names, key, SCALED, scale=scaled[1], scale_name=scaled[0])
+                cov.conversions.append(f"{key}: into {label} times {scaled[0]} ({scaled[1]:g})")
                 return True
         return False
 
@@ -465,6 +561,7 @@ def loader_coverage(
         elif not b.is_meta and b.is_floating_point():
             by_value(b.detach(), names)
     parts_of: dict[str, list[tuple[tuple[int, ...], str]]] = {}
+    splits_of: dict[str, list[tuple[tuple[int, int, int], str]]] = {}
     row_cache: dict = {}
     if unexplained:  # fused tensors: only now, and only against what nothing else consumed
         free = {k: t for k, t in state_dict.items() if k not in cov.consumed}
@@ -486,6 +583,22 @@ def loader_coverage(
                     key, rows = part
                     record(names, key, PART, rows)
                     parts_of.setdefault(key, []).append((rows, label))
+                    continue
+                split = next(
+                    (
+                        (k, cutting)
+                        for k, t in state_dict.items()
+                        if (k not in cov.consumed or k in splits_of) and t.is_floating_point()
+                        if (cutting := _split_part(p.data, t)) is not None
+                        and all(cutting[0] != cut for cut, _ in splits_of.get(k, []))
+                    ),
+                    None,
+                )
+                if split is not None:
+                    key, (cut, perm, transposed) = split
+                    region = _region_of(cut, state_dict[key].dim())
+                    record(names, key, SPLIT, region=region, permute=perm, transposed=transposed, part=cut)
+                    splits_of.setdefault(key, []).append((cut, label))
                     continue
                 value = p.data
                 if (
@@ -526,13 +639,24 @@ def loader_coverage(
         if held != rows_total:
             cov.gaps.append(f"{key}: {rows_total - held} of {rows_total} rows copied into no parameter of ours")
         cov.conversions.append(f"{key}: copied in {len(labels)} parts ({labels[0]} .. {labels[-1]})")
+    # a user's model keeping a tie of the reference as copies (plain or transposed: the embedding and the
+    # head) consumes its tensor once per member of the tie: judged below as a tie, a note (our families'
+    # loaders must tie: there it stays a gap)
+    tie_members: dict[str, int] = {}
+    for source in (tied_keys or {}).values() if not copies_break_ties else ():
+        for key in sources.get(storage_key(state_dict[source]), [source]) if source in state_dict else [source]:
+            tie_members[key] = tie_members.get(key, 1) + 1
+    for key, cuts in splits_of.items():
+        cov.gaps += _split_gaps(key, state_dict[key], cuts)
+        labels = [label for _, label in cuts]
+        cov.conversions.append(f"{key}: cut in {len(labels)} parts ({', '.join(labels[:4])})")
     for key, targets in cov.consumed.items():
-        if key in parts_of:
+        if key in parts_of or key in splits_of:
             continue
         whole = len(targets) - len(sliced.get(key, []))
         if key in sliced and whole:
             cov.gaps.append(f"{key} consumed whole and in {len(sliced[key])} parts: {', '.join(targets[:4])}")
-        elif whole > 1:
+        elif whole > tie_members.get(key, 1):
             cov.gaps.append(f"{key} consumed {len(targets)} times: {', '.join(targets)}")
     for key, views in sliced.items():
         if key in set_aside:

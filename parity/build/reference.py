@@ -4,6 +4,7 @@ need it (random probe weights unless a checkpoint or a model is given)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -16,11 +17,13 @@ from parity.build.builder import (
     outside_text_model,
     random_weights,
     read_weights,
+    require_model,
     text_config_of,
 )
-from parity.model.derive import derive_facts, rope_problem_of, validate_facts
-from parity.util.errors import ConfigError, ParityError
+from parity.model.derive import count_field_problems, derive_facts, rope_problem_of, validate_facts
+from parity.util.errors import CheckpointError, ConfigError, ParityError
 from parity.util.text import one_line
+from parity.util.version import require_transformers
 
 
 def causal_lm_class(hf_config):
@@ -38,15 +41,37 @@ def config_from_raw(raw: dict, where: str):
     model_type = raw.get("model_type")
     if not model_type:
         raise ConfigError(f"{where} has no model_type")
+    from transformers import CONFIG_MAPPING
+
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        import transformers
+
+        remote = (
+            "; its auto_map names remote code, which parity never runs (a reference must be an architecture "
+            "Transformers implements)"
+            if raw.get("auto_map")
+            else ""
+        )
+        raise ConfigError(
+            f"{where} has model_type {model_type!r}, which Transformers {transformers.__version__} does not "
+            f"implement{remote}"
+        )
     try:
         return AutoConfig.for_model(**raw)
     except Exception as e:  # an unknown model_type or a field its validators reject
-        raise ConfigError(
-            f"{where} rejected by Transformers ({model_type}): {rope_problem_of(e) or one_line(e)}"
-        ) from None
+        text = one_line(e)
+        bare = isinstance(e, (ArithmeticError, TypeError)) or any(
+            w in text for w in ("by zero", "not supported between", "unsupported operand", "must be tuple of ints")
+        )
+        counted = count_field_problems(raw) if bare else []
+        reason = rope_problem_of(e) or next(iter(counted), None) or text
+        raise ConfigError(f"{where} rejected by Transformers ({model_type}): {reason}") from None
 
 
 def validated_facts(hf_config, where: str):
+    problems = count_field_problems(hf_config)
+    if problems:
+        raise ConfigError(f"{where}: {problems[0]}")
     facts = derive_facts(hf_config)
     problems = validate_facts(facts)
     if problems:
@@ -60,6 +85,13 @@ def mark_by_design(ref: Reference) -> Reference:
     if ref.model is not None and text_config_of(ref.hf_config) is not ref.hf_config:
         ref.by_design = outside_text_model(set(ref.model.state_dict()), ref.facts.text_model + ".", ref.state_dict)
     return ref
+
+
+def _looks_like_path(text: str) -> bool:
+    """A reference that is a path, not ``family[:config]``: it has a folder separator, starts with
+    ``.`` or ``~``, or names a .json file (a missing folder is then reported missing, not as an
+    unknown family)."""
+    return "/" in text or os.sep in text or text.startswith((".", "~")) or text.endswith(".json")
 
 
 def resolve_reference(reference, dtype: torch.dtype = torch.float32, seed: int = 0) -> tuple[Reference, str]:
@@ -78,6 +110,8 @@ def _resolve_reference(reference, dtype: torch.dtype, seed: int) -> tuple[Refere
 
     from parity.model.registry import get_family
 
+    require_transformers()
+
     if isinstance(reference, PreTrainedModel):
         model = reference.eval()
         facts = validated_facts(model.config, type(model).__name__)
@@ -91,6 +125,7 @@ def _resolve_reference(reference, dtype: torch.dtype, seed: int) -> tuple[Refere
     elif isinstance(reference, (str, Path)) and Path(reference).is_dir():
         ckpt, state_dict, conversions = read_weights(reference, dtype, None)
         hf_config = config_from_raw(ckpt.config, str(Path(reference) / "config.json"))
+        require_model(causal_lm_class(hf_config), hf_config, dtype, f"checkpoint {reference}", weights=False)
         validated_facts(hf_config, str(reference))
         state_dict, merged = model_naming(causal_lm_class(hf_config), hf_config, state_dict)
         conversions = conversions + merged
@@ -111,6 +146,13 @@ def _resolve_reference(reference, dtype: torch.dtype, seed: int) -> tuple[Refere
 
         hf_config = config_from_raw(read_config(reference), str(reference))
         where = str(reference)
+    elif isinstance(reference, (str, Path)) and _looks_like_path(str(reference)):
+        from parity.build.checkpoint import unreachable
+
+        raise CheckpointError(
+            unreachable(Path(reference), "reference")
+            or f"reference {reference} is neither a checkpoint folder nor a config.json"
+        )
     elif isinstance(reference, str):
         name, _, config = reference.partition(":")
         family = get_family(name)

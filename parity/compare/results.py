@@ -121,6 +121,15 @@ def compare_node(
     if untapped and our_t is None:
         if spec.ours.startswith("unaligned:"):
             detail = "not aligned: " + spec.ours[len("unaligned:") :]
+        elif spec.ours.startswith("param:"):
+            param = spec.ours[len("param:") :]
+            detail = f"no product in ours read {param} (or a copy of it) while the forward ran"
+            if isinstance(ref_t, torch.Tensor) and not bool(ref_t.any()):
+                detail += (
+                    " (the reference's value is all zeros: nothing ran there either, e.g. an expert given no token)"
+                )
+            else:
+                detail += ": tap its result"
         else:
             module = spec.ours[len("tap:") :].rsplit(".", 1)[0]
             detail = f"no tap in ours: add parity.tap(tensor, {spec.name.rsplit('.', 1)[-1]!r}) in {module}'s forward"
@@ -128,6 +137,8 @@ def compare_node(
     elif ref_t is None or our_t is None:
         side = "reference" if ref_t is None else "ours"
         where = spec.name if ref_t is None else spec.ours
+        if not where:  # the root: what forward returned held no tensor
+            where = "the value its forward returns (no tensor, nor a tuple, list or dict holding one first)"
         metrics = Metrics(status=MISSING, detail=f"{side} produced no tensor at {where}")
     elif ref_t.shape != our_t.shape:
         metrics = Metrics(status=SHAPE, detail=f"ours {tuple(our_t.shape)} vs reference {tuple(ref_t.shape)}")
@@ -174,11 +185,23 @@ def in_reference_layout(spec: NodeSpec, ours: _Ours, ref) -> tuple[_Ours | torch
     return ours, ""
 
 
-def node_order(reference, nodes: Sequence[NodeSpec]) -> list[str]:
-    """Node names in the reference's execution order, then the nodes it never produced."""
+def node_order(reference, nodes: Sequence[NodeSpec], ours_order: Sequence[str] = ()) -> list[str]:
+    """Node names in the reference's execution order. A node the reference never produced goes where
+    it ran in ours (``ours_order``: ours' nodes in the order ours produced them), right after the
+    nearest earlier node the reference produced, so a module the reference skipped is reported where
+    it would have run, not after the logits; one neither produced goes after its nearest predecessor
+    in the node list."""
     names = {n.name for n in nodes}
     order = [name for name in reference.order if name in names]
-    return order + [n.name for n in nodes if n.name not in reference.tensors]
+    unplaced = [n.name for n in nodes if n.name not in reference.tensors]
+    ran = [name for name in ours_order if name in names]
+    for sequence in (ran, [n.name for n in nodes]):
+        position = {name: i for i, name in enumerate(sequence)}
+        for name in [u for u in unplaced if u in position]:
+            before = [(position[other], k) for k, other in enumerate(order) if position.get(other, -1) < position[name]]
+            order.insert(max(before)[1] + 1 if before else 0, name)
+            unplaced.remove(name)
+    return order
 
 
 def compare_traces(
@@ -186,14 +209,14 @@ def compare_traces(
 ) -> list[NodeResult]:
     """One NodeResult per node, in the reference's execution order.
 
-    Nodes the reference never produced come last, as ``missing``: a node that cannot be compared
-    is reported, never counted as agreeing. A node ``ours`` already compared while it ran
+    Nodes the reference never produced are ``missing``, placed where the node list puts them: a node
+    that cannot be compared is reported, never counted as agreeing. A node ``ours`` already compared while it ran
     (:class:`NodeStream`, in ``ours.results``) is taken from there.
     """
     by_name = {n.name: n for n in nodes}
     done = getattr(ours, "results", {})
     with one_thread():
-        return [
+        results = [
             done[name]
             if name in done
             else compare_node(
@@ -205,8 +228,10 @@ def compare_traces(
                 name in untapped,
                 reference.tensors.get(by_name[name].chosen_from) if by_name[name].chosen_from else None,
             )
-            for index, name in enumerate(node_order(reference, nodes))
+            for index, name in enumerate(node_order(reference, nodes, list(getattr(ours, "calls", {}))))
         ]
+    # a node compared while ours ran was numbered before ours placed the nodes the reference lacks
+    return [r if r.index == i else replace(r, index=i) for i, r in enumerate(results)]
 
 
 class NodeStream:

@@ -1,5 +1,7 @@
 """Detectors of state carried across calls and chunks: a short conv continuing from other cached
-inputs, a recurrent state not carried, an error starting at a chunk boundary."""
+inputs, a recurrent state not carried, an error starting at a chunk boundary; and the hints of a
+decode step whose attention reads other cached keys than the reference's (fewer: a cache cut too
+early or not read; more, with weight: the window mask), by sequence index."""
 
 from __future__ import annotations
 
@@ -133,4 +135,121 @@ def state_not_carried(e: Evidence) -> Hint | None:
         f"ours equals the delta rule run from a zero state on this call's inputs (relative difference {ours_gap:.2g}), "
         f"the reference does not ({ref_gap:.2g}: it continues from the state after the previous call)",
         {"ours_vs_zero_start": ours_gap, "reference_vs_zero_start": ref_gap, "step": call_index(e.name)},
+    )
+
+
+# --- the keys a decode step's attention reads, by sequence index ------------------------------------
+
+
+def _span(first: int, stop: int) -> str:
+    """Sequence indices ``first .. stop - 1`` as text."""
+    return "none" if stop <= first else str(first) if stop - first == 1 else f"{first}..{stop - 1}"
+
+
+def _positions(first: int, stop: int) -> str:
+    """``position 3`` or ``positions 1..3``."""
+    return f"position{'s' if stop - first > 1 else ''} {_span(first, stop)}"
+
+
+def keys_missing(
+    kind: str,
+    step: int,
+    call: tuple[int, int],
+    ours: int,
+    reference: int,
+    window: int | None,
+    kv_source: int | None = None,
+    own_keys_agree: bool | None = None,
+) -> Hint:
+    """Ours holds fewer tokens along a key axis than the reference's attention reads (both sides end with
+    the call's last token, ``call[1] - 1``): ``cache_not_read`` when the call continues a cache and ours'
+    attention reads exactly the call's own tokens, else ``cache_length`` naming the missing positions
+    (a KV-shared layer, ``kv_source`` the layer whose keys it reads: always ``cache_length``, the keys
+    handed on from the source are too few). ``kind``: the node's (``k_rot``, ``scores``, ``probs``, or
+    ``cache.keys`` / ``cache.values`` after the step)."""
+    a, end = call
+    missing = (end - reference, end - ours)
+    are = "are" if missing[1] - missing[0] > 1 else "is"
+    evidence: dict[str, object] = {
+        "step": step,
+        "ours": ours,
+        "reference": reference,
+        "missing": list(range(*missing)),
+        "window": window,
+        "kv_source": kv_source,
+    }
+    held = f"(positions {_span(end - ours, end)}), the reference's {reference} ({_span(end - reference, end)})"
+    if kind.startswith("cache."):
+        sliding = f" (window {window}: the next query sees the last {window - 1} tokens before it)" if window else ""
+        return Hint(
+            "cache_length",
+            f"likely the KV cache cut too early: after step {step} ours' cache holds {ours} tokens at this layer "
+            f"{held}; {_positions(*missing)}, which the next step's attention reads{sliding}, {are} missing",
+            evidence,
+        )
+    if kv_source is not None:
+        return Hint(
+            "cache_length",
+            f"likely the keys handed on from layer {kv_source} (this layer reads its keys): at step {step} ours' "
+            f"attention at this layer reads {ours} keys {held}: {_positions(*missing)} {are} missing; layer "
+            f"{kv_source}'s cache after its cut to the window handed on instead of the keys its attention read?",
+            evidence,
+        )
+    own = end - a
+    if a > 0 and ours == own:
+        agree = (
+            "; ours' keys agree with the reference's on the call's own positions"
+            if own_keys_agree
+            else "; ours' keys differ from the reference's on the call's own positions too"
+            if own_keys_agree is False
+            else ""
+        )
+        return Hint(
+            "cache_not_read",
+            f"likely the cache not read: at step {step} (tokens {_span(a, end)}, continuing a cache of {a} tokens) "
+            f"ours' attention at this layer reads only the call's own {own} keys, the reference's {reference} "
+            f"(positions {_span(end - reference, end)}): {_positions(*missing)} from the cache {are} not "
+            f"read{agree}",
+            {**evidence, "call": [a, end]},
+        )
+    sliding = f" (window {window}: a sliding layer must keep window - 1 = {window - 1} tokens)" if window else ""
+    return Hint(
+        "cache_length",
+        f"likely the KV cache cut too early: at step {step} ours' attention at this layer reads {ours} keys "
+        f"{held}: {_positions(*missing)} {are} missing from ours' cache{sliding}",
+        evidence,
+    )
+
+
+def weight_outside(
+    step: int, call: tuple[int, int], reference: int, weights: dict[int, float], window: int | None
+) -> Hint:
+    """Ours' attention gives weight to older keys the reference's attention does not read (entries ours
+    holds beyond the reference's; ``weights``: position -> the most weight a query gives it). Positions
+    no query of the call may see (older than the window) are ours' mask; positions the window does
+    reach are ones the reference's cache no longer holds (the reference's side: its cache cut short)."""
+    a, end = call
+    first = max(0, a - window + 1) if window else 0  # the oldest position a query of this call sees
+    seen = sorted(p for p in weights if p >= first)
+    worst = max(weights.values())
+    evidence = {"step": step, "positions": sorted(weights), "weight": worst, "window": window}
+    if seen and window:
+        held = reference - (end - a)
+        return Hint(
+            "cache_length",
+            f"likely the reference's cache cut short: at step {step} ours' attention gives weight (up to "
+            f"{max(weights[p] for p in seen):.3g}) to {_positions(seen[0], seen[-1] + 1)}, which the call's first "
+            f"query (at {a}) sees through the window of {window} but the reference's attention does not read: the "
+            f"reference's cache held {held} tokens before the step, where a sliding layer keeps window - 1 = "
+            f"{window - 1}",
+            {**evidence, "reference_held": held},
+        )
+    them = "them" if len(weights) > 1 else "it"
+    where = f"older than any query of the call sees through the window of {window}" if window else "not in its cache"
+    return Hint(
+        "sliding_window",
+        f"likely the window mask over the cache: at step {step} ours' attention gives weight (up to {worst:.3g}) "
+        f"to {_positions(min(weights), max(weights) + 1)}, which the reference's attention does not read "
+        f"({where}: ours' cache may hold {them}, but attention must give {them} no weight)",
+        evidence,
     )

@@ -4,20 +4,37 @@ something else), most general last (a pattern), and :func:`diagnose`, which retu
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 
 from parity.compare.metrics import CHOICE, MISSING, NONFINITE, SHAPE
 from parity.compare.results import NodeResult
 from parity.diagnose.cache import cached_state, chunk_boundary, conv_context, state_not_carried
-from parity.diagnose.elementwise import activation, activation_function, nonfinite, rounding_order, soft_capping
+from parity.diagnose.elementwise import (
+    activation,
+    activation_function,
+    gate_activation,
+    nonfinite,
+    rounding_order,
+    soft_capping,
+)
 from parity.diagnose.evidence import Evidence
 from parity.diagnose.hints import Hint
 from parity.diagnose.masks import future_keys, padding, sequence_shift, window_pattern
-from parity.diagnose.moe import choice, expert_weights, row_normalisation
-from parity.diagnose.norms import block_layout, norm_eps, norm_kind, norm_placement, norm_weight_offset
+from parity.diagnose.moe import choice, expert_tokens, expert_weights, routing_weights, row_normalisation
+from parity.diagnose.norms import (
+    block_layout,
+    norm_eps,
+    norm_kind,
+    norm_placement,
+    norm_skipped,
+    norm_weight_offset,
+    norm_weight_source,
+)
 from parity.diagnose.rope import position_table_offset, rope_fit, rope_partial, rope_pattern
 from parity.diagnose.scales import channel_ratio, constant_ratio, row_scale, softmax_temperature
+from parity.diagnose.swaps import swapped_modules, swapped_weights, used_as
 from parity.diagnose.wiring import (
     gate_up_roles,
     head_mapping,
@@ -31,17 +48,24 @@ from parity.diagnose.wiring import (
 )
 from parity.model.facts import ArchFacts
 from parity.model.pair import NodeSpec
+from parity.record.hooks import UNRESOLVED
 from parity.record.trace import Trace
+
+#: ours-side node paths that are no module (a tap call, a value read from a function, nothing aligned)
+UNHOOKED_PREFIXES = ("tap:", "param:", "unaligned:")
 
 #: detectors tried in order on a node that has both tensors of one shape
 DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     tap_layout,
     kv_sharing,
     sibling_match,
+    swapped_weights,
     gate_up_roles,
+    used_as,
     other_layer,
     untied_head,
     transposed_weight,
+    expert_tokens,
     expert_weights,
     rounding_order,
     padding,
@@ -49,13 +73,19 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     conv_context,
     state_not_carried,
     activation_function,
+    gate_activation,
     soft_capping,
     norm_eps,
+    norm_skipped,
+    norm_weight_source,
     norm_weight_offset,
     norm_kind,
     block_layout,
     norm_placement,
+    rope_partial,
+    rope_fit,  # before constant_ratio: on q_rot/k_rot a constant factor is the cos/sin scale, read with its source
     constant_ratio,
+    routing_weights,
     row_normalisation,
     last_dim_permutation,
     position_table_offset,
@@ -65,13 +95,46 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     future_keys,
     window_pattern,
     chunk_boundary,
-    rope_partial,
-    rope_fit,
     rope_pattern,
     channel_ratio,
     row_scale,
     activation,
 )
+
+
+def _missing(result: NodeResult, ours: Trace, ref: Trace, spec: NodeSpec | None) -> Hint:
+    """Which side never produced the node, and whether it has no such module or never ran it."""
+    if result.name not in ref.tensors:
+        path = spec.reference_path if spec is not None else result.name
+        return Hint(
+            "missing",
+            f"the reference never ran {path} in this forward, ours did: a module the reference skips for this "
+            "config (or one removed from it); the nodes after it compare what each side computed without it",
+            {"side": "the reference", "path": path},
+        )
+    path = spec.ours if spec is not None else result.name
+    if result.name in cast("set[str]", ours.extras.get(UNRESOLVED, set())):
+        return Hint(
+            "missing",
+            f"ours has no module at {path}: a node-map or tap problem ({result.detail})",
+            {"side": "ours", "path": path, "module": False},
+        )
+    if path.startswith(UNHOOKED_PREFIXES):
+        return Hint("missing", f"likely a tap problem: {result.detail}", {"side": "ours", "path": path})
+    module, at, argument = path.partition("@")
+    if at and argument != "input":
+        return Hint(
+            "missing",
+            f"ours never gives {module} its {argument!r} input: the reference passes this layer an input ours does "
+            f"not compute or does not pass (e.g. Gemma 4's per-layer inputs), or {module} never ran",
+            {"side": "ours", "path": path, "argument": argument},
+        )
+    return Hint(
+        "missing",
+        f"ours never ran {path} in this forward (the module exists): a module skipped or called around "
+        "(its parameters unused), or reached through another path",
+        {"side": "ours", "path": path, "module": True},
+    )
 
 
 def diagnose(
@@ -87,9 +150,10 @@ def diagnose(
     ``positions``: ``(batch, seq)`` token positions of the run and ``attention_mask`` its padding
     (RoPE hints need them); ``spec``: the node's NodeSpec (which scores a choice was made from)."""
     if result.status == MISSING:
-        return Hint("missing", f"likely a node-map or tap problem: {result.detail}")
+        return _missing(result, ours_trace, ref_trace, spec)
     if result.status == SHAPE:
-        return Hint("shape", f"likely a layout or head-count difference: {result.detail}")
+        swapped = swapped_modules(result.name, ours_trace, ref_trace)
+        return swapped or Hint("shape", f"likely a layout or head-count difference: {result.detail}")
     ours, ref = ours_trace.tensors.get(result.name), ref_trace.tensors.get(result.name)
     if ours is None or ref is None:  # a node compared as it ran and not kept: its metrics stand, no hint
         return (

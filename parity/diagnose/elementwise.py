@@ -13,28 +13,82 @@ from parity.diagnose.evidence import ELEMENTWISE, EXPLAINS, Evidence, fmt_list, 
 from parity.diagnose.hints import Hint
 
 
-def soft_capping(e: Evidence) -> Hint | None:
-    """The logits of one side are the other's soft-capped, ``cap * tanh(x / cap)``: the final soft-cap
-    missing in ours, or applied where the reference applies none (or twice)."""
-    cap = e.facts.final_softcap
-    if e.kind != "logits" or not cap:
+def _solve_cap(h: torch.Tensor, y: torch.Tensor, form: str) -> float | None:
+    """The cap ``c`` with ``y = c * tanh(h / c)`` (``form`` "cap") or ``y = h * tanh(h / c)`` ("gate"), from
+    the element of largest ``|h|`` (bisection on a log scale: both forms are monotone in ``c``)."""
+    i = int(h.abs().argmax())
+    hx, yx = float(h.flatten()[i]), float(y.flatten()[i])
+    if hx == 0 or yx == 0 or (yx > 0) != (hx > 0):
         return None
-    a, b = e.ours.double(), e.ref.double()
-    tol = max(EXPLAINS, 4 * torch.finfo(e.ref.dtype).eps)
-    if rel(b, cap * torch.tanh(a / cap)) < tol:
-        return Hint(
-            "softcap",
-            f"likely the final logit soft-cap is missing: the reference's logits are ours "
-            f"soft-capped, {cap:g} * tanh(x / {cap:g})",
-            {"cap": cap, "ours": "uncapped"},
-        )
-    if rel(a, cap * torch.tanh(b / cap)) < tol:
-        return Hint(
-            "softcap",
-            f"likely an extra soft-cap: ours are the reference's logits soft-capped again, {cap:g} * tanh(x / {cap:g})",
-            {"cap": cap, "ours": "capped twice"},
-        )
+
+    def f(c: float) -> float:
+        return (c * math.tanh(hx / c) if form == "cap" else hx * math.tanh(hx / c)) - yx
+
+    lo, hi = 1e-3, 1e6
+    if f(lo) * f(hi) > 0:
+        return None
+    for _ in range(200):
+        mid = math.sqrt(lo * hi)
+        if (f(mid) > 0) == (f(hi) > 0):
+            hi = mid
+        else:
+            lo = mid
+    return float(f"{math.sqrt(lo * hi):.4g}")  # a cap is a round number; the last digits are the fit's
+
+
+def _capped(h: torch.Tensor, y: torch.Tensor, config_cap: float | None, tol: float) -> str | None:
+    """How ``y`` is computed from the head's output ``h``: ``"uncapped"``, ``"c * tanh(x / c)"`` or
+    ``"x * tanh(x / c)"`` (c read back from the values), or None when it is none of those."""
+    h, y = h.double(), y.double()
+    if rel(y, h) < tol:
+        return "x (no cap)"
+    for form, text in (("cap", "{c:g} * tanh(x / {c:g})"), ("gate", "x * tanh(x / {c:g})")):
+        caps = [config_cap] if config_cap else []
+        fitted = _solve_cap(h, y, form)
+        caps += [fitted] if fitted is not None else []
+        for c in caps:
+            z = c * torch.tanh(h / c) if form == "cap" else h * torch.tanh(h / c)
+            if rel(y, z) < tol:
+                return text.format(c=c)
     return None
+
+
+def soft_capping(e: Evidence) -> Hint | None:
+    """The logits differ where the output head agrees: each side's logits read back as a function of
+    the head's output (the reference's ``lm_head`` node): no cap, ``c * tanh(x / c)`` with its cap, or
+    a cap written wrongly (``x * tanh(x / c)``). Names what each side does and what the config says
+    (``final_logit_softcapping``), whichever side is off."""
+    if e.kind != "logits":
+        return None
+    h = e.ref_trace.tensors.get(e.facts.head_module)
+    if h is None or h.shape != e.ref.shape:
+        if not e.facts.final_softcap:  # without the head's output only the config's cap can be tried
+            return None
+        h = None
+    cap = e.facts.final_softcap
+    tol = max(EXPLAINS, 4 * torch.finfo(e.ref.dtype).eps)
+    ours_is: str | None
+    ref_is: str | None
+    if h is None:
+        assert cap  # checked above: without the head's output only the config's cap is tried
+        a, b = e.ours.double(), e.ref.double()
+        if rel(b, cap * torch.tanh(a / cap)) < tol:
+            ours_is, ref_is = "x (no cap)", f"{cap:g} * tanh(x / {cap:g})"
+        elif rel(a, cap * torch.tanh(b / cap)) < tol:
+            ours_is, ref_is = f"capped twice ({cap:g} * tanh(x / {cap:g}) of the capped logits)", "capped once"
+        else:
+            return None
+    else:
+        ours_is, ref_is = _capped(h, e.ours, cap, tol), _capped(h, e.ref, cap, tol)
+        if ours_is is None or ref_is is None or ours_is == ref_is:
+            return None
+    config = f"final_logit_softcapping {cap:g}" if cap else "no final logit soft-cap"
+    return Hint(
+        "softcap",
+        f"likely the final logit soft-cap: ours' logits are {ours_is}, the reference's {ref_is}, x the output head's "
+        f"output (the config: {config})",
+        {"ours": ours_is, "reference": ref_is, "config_cap": cap},
+    )
 
 
 def rounding_order(e: Evidence) -> Hint | None:
@@ -107,6 +161,38 @@ def activation_function(e: Evidence) -> Hint | None:
             {"ours": ours_is, "reference": ref_is, "input": name},
         )
     return None
+
+
+def gate_activation(e: Evidence) -> Hint | None:
+    """A gated product (``context * f(gate)`` before o_proj, Qwen3.5's output gate) where one side
+    applies another function to the gate: the factor each side multiplies the reference's ``context``
+    by is read back and named as a function of the reference's ``gate`` node (sigmoid, SiLU, none)."""
+    if not e.kind.endswith("@input") or e.result.layer is None:
+        return None
+    stem = e.name.rsplit(".", 1)[0]
+    context, gate = e.ref_trace.tensors.get(f"{stem}.context"), e.ref_trace.tensors.get(f"{stem}.gate")
+    if context is None or gate is None or context.shape != e.ref.shape or gate.shape != e.ref.shape:
+        return None
+    c, g = context.double(), gate.double()
+    keep = c.abs() > 1e-2 * float(c.abs().max())
+
+    def factor_of(y: torch.Tensor) -> str | None:
+        factor = y.double()[keep] / c[keep]
+        for label, fn in ELEMENTWISE.items():
+            expected = fn(g)[keep]
+            if rel(factor, expected) < max(EXPLAINS, 4 * torch.finfo(e.ref.dtype).eps):
+                return label
+        return None
+
+    ours_is, ref_is = factor_of(e.ours), factor_of(e.ref)
+    if ours_is is None or ours_is == ref_is:
+        return None
+    return Hint(
+        "activation",
+        f"likely the gate's activation: ours multiplies the context by {ours_is}(gate), the reference by "
+        f"{ref_is or 'another function'}(gate)",
+        {"ours": ours_is, "reference": ref_is, "input": f"{stem}.gate"},
+    )
 
 
 def _elementwise_of(e: Evidence, y: torch.Tensor, x: torch.Tensor) -> str | None:

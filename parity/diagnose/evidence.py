@@ -8,6 +8,7 @@ hint is better than a wrong one.
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections.abc import Callable
@@ -67,6 +68,33 @@ def fmt_list(xs, n=6) -> str:
     xs = list(xs)
     body = ", ".join(str(x) for x in xs[:n])
     return body + (", ..." if len(xs) > n else "")
+
+
+def whose(side: str) -> str:
+    """The possessive of a side's name: ``ours'``, ``the reference's``."""
+    return "ours'" if side == "ours" else f"{side}'s"
+
+
+def same_input(e: Evidence) -> torch.Tensor | None:
+    """The reference's module input of the failing node when ours read the same values, in the
+    reference's layout (ours may hold them with the axes in another order, heads split or merged: a
+    per-head norm applied after the heads transpose); None when either input was not kept or they
+    differ (then the node is not at fault on its own)."""
+    x_ref, x_ours = e.ref_trace.inputs.get(e.name), e.ours_trace.inputs.get(e.name)
+    if x_ref is not None and x_ours is None and not e.ours_trace.inputs:
+        # ours kept no inputs at all (another runtime's dump): the node is the first that fails, so
+        # what fed it agreed; its input is taken as the reference's
+        return x_ref
+    if x_ref is None or x_ours is None or x_ours.numel() != x_ref.numel():
+        return None
+    if x_ours.shape == x_ref.shape:
+        return x_ref if e.close(x_ours, x_ref) else None
+    candidates = [x_ours.permute(p) for p in itertools.permutations(range(x_ours.dim())) if x_ours.dim() <= 4]
+    for t in candidates:
+        for u in (t, t.reshape(x_ref.shape) if t.shape != x_ref.shape else t):
+            if u.shape == x_ref.shape and e.close(u, x_ref):
+                return x_ref
+    return None
 
 
 # --- exact matches with something else ---------------------------------------------------------

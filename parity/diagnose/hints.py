@@ -21,6 +21,7 @@ KINDS: dict[str, str] = {
     "are used: the activation applied to up_proj's output instead of gate_proj's, k used as the query",
     "expert_mapping": "one expert of ours computes with another expert's weights (experts indexed in another order)",
     "routing": "an integer node (the experts a router chose) differs: where, same set or not, and the reference's margin (a near-tie?)",
+    "routing_weights": "the top-k routing weights formed otherwise from the router's logits (the raw logits, no softmax)",
     "renormalisation": "ours / ref is one factor per row and one side's rows sum to 1 (top-k weights renormalised on one side only)",
     "transposed_weight": "ours equals the reference computed with a transposed weight (Conv1D-style load)",
     "weight_permutation": "same values per token in another order along the last axis (a row permutation)",
@@ -29,7 +30,9 @@ KINDS: dict[str, str] = {
     "norm_kind": "the norm behaves like another normaliser (RMSNorm vs LayerNorm, per head vs projection)",
     "block_layout": "a parallel block run sequentially, or the reverse (the MLP reads the residual after attention)",
     "norm_placement": "a block's input equals the reference's input after a norm (pre- vs post-norm)",
-    "norm_eps": "the norm's eps: ours/ref varies per token with that token's RMS",
+    "norm_eps": "the norm's eps: ours/ref varies per token with that token's RMS (another eps, or eps outside the "
+    "square root on one side)",
+    "norm_skipped": "a norm one side does not apply: its output is its input (or the input times the weight)",
     "norm_weight_offset": "the norm weight used as w instead of 1 + w (per-channel ratio w / (1 + w))",
     "channel_scale": "ours/ref constant over tokens per channel (a per-channel weight difference)",
     "scale": "ours/ref is one constant everywhere (a missing or extra factor)",
@@ -49,7 +52,9 @@ KINDS: dict[str, str] = {
     "position_offset": "positions shifted: each padded row rotated by its pad count (positions not from the mask), or "
     "ours at position p equals the reference at p + k (a learned position table read off by k)",
     "cache_length": "a cache holds another number of tokens than the reference's (a sliding layer keeps window - 1, a "
-    "linear-attention layer's conv state the kernel's width)",
+    "linear-attention layer's conv state the kernel's width); a user's cache: fewer than the reference's attention "
+    "reads (the missing positions named)",
+    "cache_not_read": "a call continuing a KV cache reads only its own keys: the cached ones are stored but not read",
     "causal_mask": "ours gives weight to keys the reference masks, later than the query (a query sees the future)",
     "rounding_order": "every difference is within one or two units in the last place of the dtype (cast order)",
     "row_scale": "ours / ref is one factor per row (token, head), another for each row: a per-vector norm on one side only",
@@ -66,6 +71,16 @@ KINDS: dict[str, str] = {
     "softcap": "one side equals the other soft-capped, cap * tanh(x / cap) (a soft-cap missing or extra)",
     "kv_sharing": "a layer that reads another layer's keys reads other keys (another layer's, or its own projection)",
     "layer_offset": "ours equals the reference's same node in another layer (a per-layer tensor taken from the wrong layer)",
+    # training parity (parity.run.backward, parity.diagnose.backward)
+    "detached": "ours gets no gradient (or a zero one) at a node where the reference's is non-zero: a .detach(), "
+    "torch.no_grad() or .data in ours there",
+    "untied_copy": "the reference ties a tensor, ours keeps copies: each copy's gradient differs, their sum matches",
+    "loss_mask": "the gradient at the logits differs only at positions one loss ignores (padding, label -100)",
+    "label_shift": "ours trains each position toward the target the reference trains a neighbouring position "
+    "toward (labels shifted twice, or not at all)",
+    "in_place": "ours' backward raised (an in-place op overwrote a tensor a backward formula reads): named, one line",
+    "dropout": "a model's forward in train mode differs from its eval mode with every visible dropout at 0",
+    "future_leak": "values at position t change when only tokens after t change (causality: the first node that leaks)",
 }
 
 

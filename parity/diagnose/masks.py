@@ -134,8 +134,10 @@ def padding(e: Evidence) -> Hint | None:
     return Hint(
         "padding",
         f"likely padding that is not masked: only padding tokens differ ({where}{continuing}); the reference {treat}. "
-        "A linear-attention layer must zero its padding in every call, a chunk continuing a cache included, "
-        "or the padding writes into the conv and the recurrent state",
+        "If ours derives positions itself, its padding tokens get other positions than the reference's (generation "
+        "gives them position 1): take position_ids in forward (forward(input_ids, attention_mask, position_ids)) "
+        "and parity passes the reference's. A linear-attention layer must zero its padding in every call, a chunk "
+        "continuing a cache included, or the padding writes into the conv and the recurrent state",
         {
             "batch_rows": sorted(set(rows.tolist())),
             "positions": sorted(set(cols.tolist())),

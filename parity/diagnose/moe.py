@@ -1,5 +1,6 @@
-"""Detectors of mixtures of experts: an expert computing with another's weights, top-k weights
-renormalised on one side only, a router choosing otherwise (with the reference's margin)."""
+"""Detectors of mixtures of experts: an expert computing with another's weights or on another expert's
+tokens, top-k weights renormalised on one side only or formed without a softmax, a router choosing
+otherwise (with the reference's margin)."""
 
 from __future__ import annotations
 
@@ -121,3 +122,108 @@ def choice(e: Evidence, spec: NodeSpec | None) -> Hint:
                 f"{min(margins):.3g}..{max(margins):.3g}, not a near-tie: the router scores or the top-k differ"
             )
     return Hint("routing", text, evidence)
+
+
+#: the top-k routing weights as a router may form them from its logits, by name
+_FORMULAS = (
+    ("the router's raw logits at the chosen experts (no softmax)", False, False),
+    ("the router's raw logits at the chosen experts renormalised by their sum (no softmax)", False, True),
+    ("a softmax over all experts, not renormalised over the chosen", True, False),
+    ("a softmax over all experts, renormalised over the chosen (a softmax over the chosen k alone)", True, True),
+)
+
+
+def _router_scores(e: Evidence) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The reference's router logits ``(tokens, experts)`` and chosen experts ``(tokens, k)`` beside a
+    ``router.weights`` node: its sibling ``router.experts``, and the node it says it chose from (or,
+    failing that, the one node of the block holding a score per expert for every token)."""
+    prefix = e.name[: -len("router.weights")]
+    chosen = e.ref_trace.tensors.get(prefix + "router.experts")
+    if chosen is None or chosen.is_floating_point():
+        return None
+    chosen = chosen.reshape(-1, chosen.shape[-1])
+    experts = e.facts.layer(e.result.layer)
+    width = experts.num_experts if experts is not None else 0
+    logits = [
+        t
+        for name in e.ref_trace.tensors
+        if name.startswith(prefix.rsplit(".", 2)[0]) and not name.startswith(prefix + "router")
+        if (t := e.ref_trace.tensors.get(name)) is not None and t.is_floating_point() and t.shape[-1] == width
+        if t.numel() == chosen.shape[0] * width
+    ]
+    return (logits[0].reshape(-1, width), chosen) if len(logits) == 1 else None
+
+
+def routing_weights(e: Evidence) -> Hint | None:
+    """Top-k routing weights formed from the router's logits by another formula than the reference's:
+    raw logits where it takes a softmax (renormalised or not)."""
+    if e.kind != "router.weights" or e.ours.dim() < 2:
+        return None
+    found = _router_scores(e)
+    if found is None:
+        return None
+    logits, chosen = found
+    ours, ref = e.ours.double().reshape(chosen.shape), e.ref.double().reshape(chosen.shape)
+    picked = logits.double().gather(-1, chosen)
+    probs = torch.softmax(logits.double(), -1).gather(-1, chosen)
+    forms = {}
+    for text, softmax, renormalised in _FORMULAS:
+        w = probs if softmax else picked
+        forms[text] = w / w.sum(-1, keepdim=True) if renormalised else w
+    reference = next((t for t, w in forms.items() if rel(ref, w) < EXPLAINS), None)
+    matched = next((t for t, w in forms.items() if rel(ours, w) < EXPLAINS and t != reference), None)
+    if matched is None or reference is None or "softmax over all" in matched:
+        return None  # a renormalisation on one side only is row_normalisation's
+    return Hint(
+        "routing_weights",
+        f"likely the routing weights formed otherwise from the router's logits: ours equals {matched}, the "
+        f"reference {reference} (residual {rel(ours, forms[matched]):.1e})",
+        {"ours": matched, "reference": reference},
+    )
+
+
+def expert_tokens(e: Evidence) -> Hint | None:
+    """One expert of ours (aligned by the weights it holds) runs on the tokens the router sends to another
+    expert: experts indexed in another order in ours than the weights say (two experts swapped)."""
+    if e.kind != "expert" or e.ours.dim() != 2:
+        return None
+    records = {
+        int(name.rsplit(".", 1)[1]): record
+        for name, record in e.ref_trace.extras.items()
+        if name.rsplit(".", 1)[0] == e.name.rsplit(".", 1)[0] and hasattr(record, "rows")
+    }
+    index = int(e.name.rsplit(".", 1)[1])
+    ran = e.ours.abs().sum(-1).nonzero().flatten()
+    if index not in records or not len(ran) or torch.equal(ran, records[index].rows):
+        return None
+    other = next((j for j, r in records.items() if j != index and torch.equal(ran, r.rows)), None)
+    if other is None:
+        return None
+    checked = _with_weights_of(records[other], index, e.ours.double()[ran])
+    return Hint(
+        "expert_mapping",
+        f"likely experts indexed in another order: ours computes with expert {index}'s output projection on the "
+        f"{len(ran)} token{'s' if len(ran) != 1 else ''} the router sends to expert {other}{checked}",
+        {"expert": index, "runs_on_tokens_of": other, "tokens": len(ran)},
+    )
+
+
+def _with_weights_of(record, index: int, ours: torch.Tensor) -> str:
+    """What ours' values say, computed from the reference's expert weights on ``record``'s tokens."""
+    for gate_up, down, text in ((index, index, ""), (record.index, index, f"expert {record.index}'s gate/up and ")):
+        value = _expert_output(record, gate_up, down)
+        if value is not None and rel(ours, value) < EXPLAINS:
+            what = f"{text}expert {index}'s {'weights' if not text else 'down projection'}"
+            return f" (its values are the reference's {what} on those tokens, residual {rel(ours, value):.1e})"
+    return ""
+
+
+def _expert_output(record, gate_up: int, down: int) -> torch.Tensor | None:
+    """A reference expert computed with expert ``gate_up``'s gate/up and expert ``down``'s down projection
+    on ``record``'s tokens, float64 (Transformers' default fused layout only)."""
+    m = record.module
+    if getattr(m, "is_transposed", False) or not getattr(m, "is_concatenated", True) or getattr(m, "has_bias", False):
+        return None
+    gate, up = m.gate_up_proj[gate_up].detach().double().chunk(2, dim=0)
+    x = record.x[record.rows].double()
+    return torch.nn.functional.linear(m.act_fn(x @ gate.T) * (x @ up.T), m.down_proj[down].detach().double())

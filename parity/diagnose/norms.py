@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from parity.diagnose.evidence import EXPLAINS, Evidence, fmt_list, rel
+from parity.diagnose.evidence import EXPLAINS, Evidence, fmt_list, rel, same_input, whose
 from parity.diagnose.hints import Hint
 
 
@@ -21,13 +21,17 @@ def _is_norm(kind: str) -> bool:
     return "norm" in kind or kind.startswith("ln_")
 
 
-def norm_eps(e: Evidence) -> Hint | None:
-    """A norm whose inputs agree, and whose ours/ref ratio is constant over channels but varies per
-    token with the token's mean square: another eps (or eps outside the square root)."""
-    if not _is_norm(e.kind) or e.name not in e.ref_trace.inputs or e.name not in e.ours_trace.inputs:
-        return None
-    x_ref, x_ours = e.ref_trace.inputs[e.name], e.ours_trace.inputs[e.name]
-    if x_ref.shape != e.ref.shape or not e.close(x_ours, x_ref):
+def _factor(r: float) -> str:
+    """A ratio for a hint: ``0.9731``, or ``1 - 1.8e-05`` when it is that close to 1."""
+    return f"1 {'-' if r < 1 else '+'} {abs(r - 1):.2g}" if abs(r - 1) < 1e-3 else f"{r:.4g}"
+
+
+def _token_ratio(e: Evidence) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(r, x)``: ours / reference as one factor per row of the failing norm (a token's vector, or a
+    head's for a per-head norm), and the reference's input in the same rows; None when ours read
+    other values, or the ratio is not one factor per row, or there is no factor at all."""
+    x_ref = same_input(e)
+    if x_ref is None or x_ref.shape != e.ref.shape:
         return None
     a, b = e.ours.double().flatten(0, -2), e.ref.double().flatten(0, -2)
     shift = e.ref_trace.biases.get(e.name)  # a LayerNorm's bias: the ratio holds for w * x_hat alone
@@ -37,10 +41,47 @@ def norm_eps(e: Evidence) -> Hint | None:
     ratio = torch.where(keep, a / b.where(keep, torch.ones_like(b)), torch.nan)
     r = ratio.nanmean(-1)
     spread = ((ratio - r[:, None]).abs().nan_to_num(0.0).amax(-1) / r.abs()).max()
-    if not bool(torch.isfinite(r).all()) or float(spread) > 1e-3 or float((r - 1).abs().max()) < 1e-4:
-        return None  # not a per-token factor, or no factor at all
+    # the least factor that is no rounding: 1e-4 in float32 and coarser; in a float64 (semantic) run,
+    # where rounding is near 1e-16, an eps of 1e-5 instead of 1e-6 on unit-scale tokens (1e-6) shows
+    least = min(1e-4, 1e3 * torch.finfo(e.ref.dtype).eps)
+    if not bool(torch.isfinite(r).all()) or float(spread) > 1e-3 or float((r - 1).abs().max()) < least:
+        return None
+    return r, x_ref.double().flatten(0, -2)
+
+
+def _eps_outside(r: torch.Tensor, ms: torch.Tensor, eps: float) -> tuple[str, float] | None:
+    """``(side, eps')`` when one side computes ``x / (sqrt(mean(x^2)) + eps')`` and the other ``x /
+    sqrt(mean(x^2) + eps)`` (eps outside the square root, one eps' for every token), else None."""
+    rms = ms.sqrt()
+    # the tokens where eps weighs most (the smallest mean squares) fix eps'; every token must then agree
+    small = ms <= ms.quantile(0.25)
+    for side, per_token in (
+        ("ours", (ms + eps).sqrt() / r - rms),  # r = sqrt(ms + eps) / (rms + eps')
+        ("the reference", r * (ms + eps).sqrt() - rms),  # r = (rms + eps') / sqrt(ms + eps)
+    ):
+        eps_out = float(per_token[small].median())
+        if not eps_out > 0:
+            continue
+        outside, inside = rms + eps_out, (ms + eps).sqrt()
+        predicted = inside / outside if side == "ours" else outside / inside
+        if float(((predicted - r).abs() / r).max()) < 1e-3 and float((r - 1).abs().max()) > 10 * float(
+            ((predicted - r).abs() / r).max()
+        ):
+            return side, eps_out
+    return None
+
+
+def norm_eps(e: Evidence) -> Hint | None:
+    """A norm whose inputs agree, and whose ours/ref ratio is constant over channels but varies per
+    token with the token's mean square: another eps, or eps outside the square root on one side."""
+    if not _is_norm(e.kind):
+        return None
+    found = _token_ratio(e)
+    if found is None:
+        return None
+    r, x = found
     centered = e.facts.norm_kind == "layernorm"
-    ms = _ms(x_ref, centered).flatten()
+    ms = _ms(x, centered)
     r2 = r.pow(2)
     # r^2 = (ms + eps_ref) / (ms + eps_ours)  <=>  r^2 * eps_ours - eps_ref = ms * (1 - r^2): least squares,
     # each token's equation divided by its ms + eps so large-RMS tokens (where eps is invisible) add no noise
@@ -53,19 +94,87 @@ def norm_eps(e: Evidence) -> Hint | None:
         return Hint(
             "norm_eps",
             f"likely the norm's eps: ours / reference varies per token with the token's mean square (ratio "
-            f"{float(r.min()):.4g}..{float(r.max()):.4g}), as eps {eps_ours:.3g} in ours and {eps_ref:.3g} in the reference "
+            f"{_factor(float(r.min()))}..{_factor(float(r.max()))}), as eps {eps_ours:.3g} in ours and {eps_ref:.3g} in the reference "
             f"give (the config says {e.facts.norm_eps:g})",
             {"eps_ours": eps_ours, "eps_reference": eps_ref, "config_eps": e.facts.norm_eps},
         )
     eps = e.facts.norm_eps or 0.0
-    outside = (ms + eps).sqrt() / r - ms.sqrt()  # ours = x / (sqrt(ms) + eps'): one eps' for every token
-    if float(outside.std()) <= 1e-3 * max(float(outside.abs().mean()), 1e-30):
+    outside = _eps_outside(r, ms, eps)
+    if outside is not None:
+        side, eps_out = outside
+        other = "the reference" if side == "ours" else "ours"
         return Hint(
             "norm_eps",
-            f"likely eps outside the square root: ours behaves like x / (sqrt(mean(x^2)) + {float(outside.mean()):.3g}), "
-            f"the reference like x / sqrt(mean(x^2) + {eps:g})",
-            {"eps_outside": float(outside.mean()), "config_eps": eps},
+            f"likely eps outside the square root in {side}: {side} computes x / (sqrt(mean(x^2)) + {eps_out:.3g}), "
+            f"{other} x / sqrt(mean(x^2) + {eps:g}) (the ratio varies per token with its mean square)",
+            {"eps_outside": eps_out, "side": side, "config_eps": eps},
         )
+    return None
+
+
+def norm_weight_source(e: Evidence) -> Hint | None:
+    """A norm whose inputs agree and whose output is the normalised input times *another* norm's
+    weight on one side (a loader or a block that reads the wrong norm's parameter: the input norm's
+    weight in the post-attention norm). The weight each side applies is read back per channel."""
+    if not _is_norm(e.kind):
+        return None
+    x = same_input(e)
+    own = e.ref_trace.weights.get(e.name)
+    if x is None or x.shape != e.ref.shape or own is None or own.dim() != 1 or own.shape[0] != x.shape[-1]:
+        return None  # own: the reference module's weight, for its size (which weights may stand in)
+    offset = e.facts.norm_weight_offset
+    centered = e.facts.norm_kind == "layernorm"
+    xd = x.double().flatten(0, -2)
+    if centered:
+        xd = xd - xd.mean(-1, keepdim=True)
+    x_hat = xd / (xd.pow(2).mean(-1, keepdim=True) + (e.facts.norm_eps or 0.0)).sqrt()
+
+    def applied(y: torch.Tensor) -> torch.Tensor:  # least squares per channel: y = x_hat * w
+        y = y.double().flatten(0, -2)
+        return (y * x_hat).sum(0) / x_hat.pow(2).sum(0).clamp_min(1e-300)
+
+    others = {
+        name: w.double() + offset
+        for name, w in e.ref_trace.weights.items()
+        if name != e.name and _is_norm(e.facts.locate(name)[1]) and w.shape == own.shape
+    }
+    for side, y, other_y in (("ours", e.ours, e.ref), ("the reference", e.ref, e.ours)):
+        w_side, w_other = applied(y), applied(other_y)
+        for name, w in others.items():
+            if (
+                rel(w_side, w) < EXPLAINS
+                and rel(w_other, w) > 10 * EXPLAINS
+                and rel(y.double().flatten(0, -2), x_hat * w) < EXPLAINS
+            ):
+                return Hint(
+                    "swapped_weights",
+                    f"likely a norm weight from another norm: {whose(side)} {e.name} multiplies by the weight of {name} "
+                    f"({'1 + ' if offset else ''}w per channel read back from the output)",
+                    {"side": side, "weight_of": name},
+                )
+    return None
+
+
+def norm_skipped(e: Evidence) -> Hint | None:
+    """A norm one side does not apply: its output is its input (or its input times the weight)."""
+    if not _is_norm(e.kind):
+        return None
+    x = same_input(e)
+    if x is None or x.shape != e.ref.shape:
+        return None
+    w = e.ref_trace.weights.get(e.name)
+    offset = e.facts.norm_weight_offset
+    candidates = {"its input unchanged": x.double()}
+    if w is not None and w.dim() == 1 and w.shape[0] == x.shape[-1]:
+        candidates["its input times the weight, not normalised"] = x.double() * (w.double() + offset)
+    for side, y, other in (("ours", e.ours, e.ref), ("the reference", e.ref, e.ours)):
+        for label, u in candidates.items():
+            if rel(y, u) < EXPLAINS and rel(other, u) > 10 * EXPLAINS:
+                return Hint(
+                    "norm_skipped",
+                    f"likely the norm is not applied in {side}: {whose(side)} {e.kind} output is {label}",
+                    {"side": side, "output": label},
+                )
     return None
 
 

@@ -26,11 +26,13 @@ def find_origin(
     mismatch is compounded rounding). ``noise``: node -> max |reference - reference in float64| on
     the same inputs."""
     bad = next((r for r in chained if r.failed), None)
-    if bad is None:
-        return None, ""
+    if bad is None or bad.status != "mismatch":
+        return None, ""  # a shape, a missing node, a non-finite value or another choice is no rounding's doing
     loudest: tuple[float, NodeResult | None] = (0.0, None)
     node: NodeResult | None
     for node in isolated:
+        if node.index > bad.index:
+            break  # only a node at or before the first mismatch can be where it starts
         own = node.max_abs
         if not node.judged or own is None or own <= TINY:
             continue

@@ -16,6 +16,9 @@ HEAD_MAJOR = {"q_rot", "k_rot", "scores", "probs"}
 #: Node kinds (batch, seq, heads * head_dim) whose last axis splits into heads (``gate``: an
 #: attention output gate, one per query head and dim).
 HEAD_MERGED = {"q_proj", "k_proj", "v_proj", "q_norm", "k_norm", "context", "gate"}
+#: Node kinds laid out (batch, seq, heads, head_dim): a linear-attention layer's q/k after the L2 norm
+#: (expanded to its value heads) and its delta rule's output.
+SEQ_HEADS = {"q_l2norm", "k_l2norm", "delta_out"}
 
 
 #: elements of float64 working memory per slice (error profile, logits effect): ~32 MiB per copy

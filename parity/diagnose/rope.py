@@ -3,6 +3,7 @@ per-layer type) and a learned position table read off by k."""
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -96,7 +97,9 @@ def _pairing(rotated: torch.Tensor, x: torch.Tensor) -> str | None:
 
 def rope_fit(e: Evidence) -> Hint | None:
     """Read ours' rotation back (angles and amplitude per frequency and position) and name the RoPE
-    that reproduces it: another layer type's, the unscaled one, another theta, shifted positions."""
+    that reproduces it: another layer type's, the unscaled one, another theta, shifted positions.
+    When ours is this layer's own RoPE, the reference's rotation is read instead (a fault on the
+    reference's side: a checkpoint or a Transformers version that rotates otherwise)."""
     from parity.diagnose.rope_fit import identify
 
     if e.kind not in ("q_rot", "k_rot") or e.ours.dim() != 4 or e.positions is None:
@@ -107,69 +110,126 @@ def rope_fit(e: Evidence) -> Hint | None:
         return None
     ropes = {t: e.facts.rope_of_type(t) for t in sorted(set(e.facts.layer_types))}
     tol = 1e-2 if e.ours.dtype in (torch.bfloat16, torch.float16) else 1e-4
-    fit = identify(x, e.ours, layer, ropes, e.positions, tol, e.attention_mask, e.facts.max_position_embeddings)
+    own = layer.rope.attention_factor if layer.rope is not None else 1.0
+
+    positions = e.positions
+
+    def fit_of(rotated: torch.Tensor):
+        return identify(x, rotated, layer, ropes, positions, tol, e.attention_mask, e.facts.max_position_embeddings)
+
+    def as_it_should(fit) -> bool:
+        return (
+            fit is not None
+            and not fit.offsets
+            and fit.label.startswith("this layer's RoPE")
+            and abs(fit.amplitude / own - 1) < 1e-3
+        )
+
+    fit, side = fit_of(e.ours), "ours"
+    if as_it_should(fit):
+        fit, side = fit_of(e.ref), "the reference"  # ours rotates as it should: is it the reference?
+        if as_it_should(fit):
+            return None  # both are this layer's RoPE: the error is not in the rotation
     if fit is None:
         return None
-    own = layer.rope.attention_factor if layer.rope is not None else 1.0
-    amp = f"cos/sin scaled by {fit.amplitude:.6g} (the reference: {own:.6g})"
+    return _rope_hint(e, fit, side, layer, own)
+
+
+def _factor_sources(rope) -> dict[str, float]:
+    """Where a cos/sin factor may come from, by name: none, the config's ``attention_factor``, YaRN's
+    default ``0.1 ln(s) + 1`` (Peng et al. 2023, arXiv:2309.00071 eq. 22; Transformers'
+    ``get_mscale``), with the config's ``mscale`` / ``mscale_all_dim`` (DeepSeek's ratio), squared."""
+    sources = {"no factor (1)": 1.0}
+    if rope is None:
+        return sources
+    explicit = rope.get("attention_factor")
+    if isinstance(explicit, (int, float)):
+        sources[f"the config's attention_factor ({explicit:.6g})"] = float(explicit)
+    s = rope.get("factor")
+    if isinstance(s, (int, float)) and s > 1:
+        formula = 0.1 * math.log(s) + 1
+        sources[f"YaRN's default 0.1 ln({s:g}) + 1 ({formula:.6g})"] = formula
+        m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
+        if isinstance(m, (int, float)) and isinstance(m_all, (int, float)) and m and m_all:
+            ratio = (0.1 * m * math.log(s) + 1) / (0.1 * m_all * math.log(s) + 1)
+            sources[f"the mscale ratio (0.1 {m:g} ln s + 1) / (0.1 {m_all:g} ln s + 1) ({ratio:.6g})"] = ratio
+    sources.update({f"{label}, squared": v * v for label, v in list(sources.items())[1:]})
+    return sources
+
+
+def _rope_hint(e: Evidence, fit, side: str, layer, own: float) -> Hint | None:
+    """The hint for ``side``'s rotation ``fit`` (a :class:`~parity.diagnose.rope_fit.Fit`)."""
+    other = "the reference" if side == "ours" else "ours"
+    amp = f"cos/sin scaled by {fit.amplitude:.6g} (this layer's RoPE: {own:.6g})"
     evidence = {
-        "ours": fit.label,
+        "side": side,
+        side.replace("the ", ""): fit.label,
         "amplitude": fit.amplitude,
         "reference_amplitude": own,
         "layer_type": layer.layer_type,
     }
     if fit.offsets:
         pads = [0] * len(fit.offsets) if e.attention_mask is None else [int(n) for n in (e.attention_mask == 0).sum(1)]
-        same = list(fit.offsets) == pads
-        because = (
-            (
-                "each row's offset equals its pad count: ours counts positions 0..S-1 over the padding, the "
-                "reference (as generation does) from each row's first real token"
+        evidence = {**evidence, "offsets": list(fit.offsets), "pad_counts": pads}
+        if list(fit.offsets) == pads and any(pads):
+            return Hint(
+                "position_offset",
+                f"likely positions not derived from the attention mask: {side} rotates each batch row by this layer's "
+                f"RoPE at its position + {list(fit.offsets)} (pad counts {pads}): {side} counts positions 0..S-1 over "
+                f"the padding, {other} (as generation does) from each row's first real token",
+                evidence,
             )
-            if same
-            else "positions are shifted"
-        )
+        shifts = sorted(set(fit.offsets))
+        k = shifts[0]
+        shift = f"{k:+d}" if len(shifts) == 1 else f"{list(fit.offsets)} per batch row"
+        at = f"p {'+' if k > 0 else '-'} {abs(k)}" if len(shifts) == 1 else "p shifted per row"
         return Hint(
             "position_offset",
-            f"likely positions not derived from the attention mask: ours rotates each batch row by this layer's RoPE "
-            f"at its position + {list(fit.offsets)} (pad counts {pads}); {because}",
-            {**evidence, "offsets": list(fit.offsets), "pad_counts": pads},
+            f"likely positions shifted by {shift}: {side} rotates position p as {other} rotates {at}"
+            + (f" (pad counts {pads})" if any(pads) else " (no padding in this run)")
+            + "; position_ids counted from 1, or a cache offset",
+            evidence,
         )
     if fit.label.startswith("this layer's RoPE"):
-        if abs(fit.amplitude / own - 1) < 1e-3:
-            return None  # ours is this layer's RoPE: the error is not in the rotation
-        named = [
-            (n, v)
-            for n, v in e.facts.named_constants().items()
-            if "attention factor" in n and abs(fit.amplitude / own / v - 1) < 1e-3
-        ]
-        detail = f" ({named[0][0]})" if named else ""
+        sources = _factor_sources(layer.rope)
+        source = next((label for label, v in sources.items() if abs(fit.amplitude / v - 1) < 1e-3), None)
+        if source is not None:
+            own_source = next((label for label, v in sources.items() if abs(own / v - 1) < 1e-3), f"{own:.6g}")
+            detail = f": {side} takes {source}, {other} {own_source} (the attention factor from the wrong source)"
+            evidence = {**evidence, "source": source, "reference_source": own_source}
+        else:
+            named = [
+                (n, v)
+                for n, v in e.facts.named_constants().items()
+                if "attention factor" in n and abs(fit.amplitude / own / v - 1) < 1e-3
+            ]
+            detail = f" ({named[0][0]})" if named else ""
         return Hint(
             "rope_attention_factor",
-            f"likely the RoPE attention factor: ours rotates with this layer's frequencies but {amp}{detail}",
+            f"likely the RoPE attention factor: {side} rotates with this layer's frequencies but {amp}{detail}",
             evidence,
         )
     if fit.label.startswith("the RoPE of") and layer.rope is None:
         return Hint(
             "rope_unexpected",
-            f"likely RoPE where the reference applies none: this {layer.layer_type} layer is NoPE in the reference, "
-            f"ours rotates it with {fit.label}, {amp}",
+            f"likely RoPE where the config asks for none: this {layer.layer_type} layer is NoPE, {side} rotates it "
+            f"with {fit.label}, {amp}",
             evidence,
         )
     if fit.label.startswith("the RoPE of"):
         return Hint(
             "rope_layer_type",
-            f"likely RoPE per layer type: this {layer.layer_type} layer of ours uses {fit.label}, {amp}; "
+            f"likely RoPE per layer type: this {layer.layer_type} layer of {side} uses {fit.label}, {amp}; "
             "in Transformers 5 each layer type has its own rope_parameters (e.g. YaRN on full_attention only)",
             evidence,
         )
     if fit.label.startswith("the unscaled RoPE"):
         return Hint(
-            "rope_scaling", f"likely the RoPE scaling is not applied: ours rotates with {fit.label}, {amp}", evidence
+            "rope_scaling", f"likely the RoPE scaling is not applied: {side} rotates with {fit.label}, {amp}", evidence
         )
     return Hint(
         "rope_theta",
-        f"likely a different rope theta: ours rotates like {fit.label}, {amp} (the reference: theta "
+        f"likely a different rope theta: {side} rotates like {fit.label}, {amp} (the config: theta "
         f"{cast('RopeFacts', layer.rope).theta:g})",
         evidence,
     )

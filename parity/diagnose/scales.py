@@ -7,6 +7,7 @@ import torch
 
 from parity.diagnose.evidence import EXPLAINS, Evidence, fmt_list, rel
 from parity.diagnose.hints import Hint
+from parity.record.trace import SCALARS
 
 
 def _qk_agree(e: Evidence) -> bool:
@@ -51,6 +52,21 @@ def softmax_temperature(e: Evidence) -> Hint | None:
 # --- scales --------------------------------------------------------------------------------------
 
 
+def _layer_scalars(e: Evidence) -> dict[str, float]:
+    """The reference's one-element parameters and buffers of the failing node's layer (or outside any
+    layer for a node outside one), by a name a hint can use: ``the reference's model.layers.3.layer_scalar``."""
+    scalars = e.ref_trace.extras.get(SCALARS)
+    if not isinstance(scalars, dict):
+        return {}
+    stem = e.name.rsplit(".", 1)[0] if e.result.layer is not None else ""
+    layer_prefix = e.name if e.kind == "layer" else stem
+    return {
+        f"the reference's {path}": value
+        for path, value in scalars.items()
+        if path.startswith(layer_prefix + ".") or (e.result.layer is not None and path.startswith(e.name + "."))
+    }
+
+
 def constant_ratio(e: Evidence) -> Hint | None:
     """ours / reference is one constant everywhere: a missing or extra scale (named when it equals
     a known constant of the architecture)."""
@@ -69,7 +85,7 @@ def constant_ratio(e: Evidence) -> Hint | None:
     bigger = "ours / reference" if mean > 1 else "reference / ours"
     matched = [
         (name, value)
-        for name, value in e.facts.named_constants().items()
+        for name, value in {**e.facts.named_constants(), **_layer_scalars(e)}.items()
         if value > 0 and abs(r / max(value, 1 / value) - 1) < 1e-3
     ]
     known = ""

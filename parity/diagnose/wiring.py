@@ -9,7 +9,7 @@ import torch
 
 from parity.diagnose.evidence import EXPLAINS, Evidence, fmt_list, reads_stream, rel
 from parity.diagnose.hints import Hint
-from parity.diagnose.profile import HEAD_MAJOR, HEAD_MERGED
+from parity.diagnose.profile import HEAD_MAJOR, HEAD_MERGED, SEQ_HEADS
 
 if TYPE_CHECKING:
     from parity.model.facts import LayerFacts
@@ -27,6 +27,13 @@ def sibling_match(e: Evidence) -> Hint | None:
             continue  # another layer's node: see other_layer
         if not e.close(e.ours, tensor):
             continue
+        if {e.kind, kind} == {"q_l2norm", "k_l2norm"}:
+            return Hint(
+                "swapped_roles",
+                f"likely the channel layout of the linear attention's conv output: ours' {e.kind} is the reference's "
+                f"{name} (its channels split as k | q | v instead of q | k | v, or in_proj_qkv's rows in another order)",
+                {"matches": name, "swapped": [e.kind, kind]},
+            )
         roles = {"q_rot": "k_rot", "k_rot": "q_rot", "q_proj": "k_proj", "k_proj": "q_proj"}
         if roles.get(e.kind) == kind and e.kind.endswith("_rot"):
             mine, theirs = ("query", "key") if e.kind == "q_rot" else ("key", "query")
@@ -162,6 +169,8 @@ def _heads(t: torch.Tensor, kind: str, head_dim: int | None) -> torch.Tensor | N
     """(heads, rest...) view of an attention node, or None."""
     if kind in HEAD_MAJOR and t.dim() == 4:
         return t.transpose(0, 1)
+    if kind in SEQ_HEADS and t.dim() == 4:
+        return t.movedim(2, 0)
     if kind in HEAD_MERGED and head_dim and t.dim() == 3 and t.shape[-1] % head_dim == 0 and t.shape[-1] > head_dim:
         return t.unflatten(-1, (-1, head_dim)).movedim(-2, 0)
     return None
@@ -181,12 +190,18 @@ def head_mapping(e: Evidence) -> Hint | None:
         return None  # no head equals another: nothing here says "mapping"
     # K/V heads meet the query heads from the scores on: a head mix-up before that is not GQA's
     gqa = e.facts.num_kv_heads != e.facts.num_heads and e.kind in ("scores", "probs", "context")
-    cause = (
-        "GQA head mapping (K/V heads expanded with repeat instead of repeat_interleave, or grouped wrongly)"
-        if gqa
-        else "a head permutation in the weights or the head split (a fused projection cut in flat halves "
-        "instead of per head)"
-    )
+    if gqa:
+        cause = "GQA head mapping (K/V heads expanded with repeat instead of repeat_interleave, or grouped wrongly)"
+    elif e.kind in ("q_l2norm", "k_l2norm"):
+        cause = (
+            "the linear-attention head mapping (which value head reads which q/k head: q and k expanded to the "
+            "value heads with repeat instead of repeat_interleave, or grouped wrongly)"
+        )
+    else:
+        cause = (
+            "a head permutation in the weights or the head split (a fused projection cut in flat halves "
+            "instead of per head)"
+        )
     parts = [f"heads {fmt_list(same)} agree" if same else "no head agrees in place"]
     if moved:
         parts.append("ours " + ", ".join(f"head {i} = reference head {j}" for i, j in list(moved.items())[:6]))
@@ -243,6 +258,8 @@ def untied_head(e: Evidence) -> Hint | None:
         or abs(e.result.cosine) > 0.3
     ):
         return None
+    if e.kind == "logits" and e.facts.head_module in e.ref_trace.tensors:
+        return None  # the head's own node was compared before the logits and agreed: the head is loaded
     tied = " (the config ties it to the embedding)" if e.facts.tie_word_embeddings else ""
     return Hint(
         "untied_head",

@@ -185,4 +185,10 @@ def write_baseline(
         "budget": BUDGET.describe(),
         "cases": dict(sorted(cases.items())),
     }
-    atomic_write(path, _baseline_text(data))
+    text = _baseline_text(data)
+    try:
+        atomic_write(path, text)
+    except OSError as e:  # a full disk or a read-only folder: the old baseline stays as it was
+        from parity.util.files import cannot_write
+
+        raise cannot_write(e, f"the baseline {path}", Path(path).parent, len(text.encode()) + 4096) from None

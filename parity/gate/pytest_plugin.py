@@ -91,24 +91,22 @@ class Reports:
     def write(self, nodeid: str, results, extra: dict[str, str] | None = None) -> Path:
         """A new folder ``<parent>/<test>-<time>/`` with report.html and result.json per result
         (``report-2.html``... when a test made several) and the ``extra`` files; written atomically."""
-        from parity.util.files import MAX_NAME, atomic_write, discard, publish_folder, short_name, staging_folder
+        from parity.util.files import MAX_NAME, atomic_write, short_name, write_folder
 
         assert self.parent is not None  # called only when reports have a parent folder
-        staging = staging_folder(self.parent)
-        try:
+
+        def fill(folder: Path) -> None:
             for i, result in enumerate(results, 1):
                 suffix = "" if len(results) == 1 else f"-{i}"
-                result.write_html(staging / f"report{suffix}.html")
-                result.write_json(staging / f"result{suffix}.json")
+                result.write_html(folder / f"report{suffix}.html")
+                result.write_json(folder / f"result{suffix}.json")
             for name, text in (extra or {}).items():
-                atomic_write(staging / name, text)
-            stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-            module, _, test = nodeid.rpartition("::")
-            name = short_name(f"{Path(module.split('::')[0]).stem}-{test}", MAX_NAME - len(stamp) - 1)
-            return publish_folder(staging, self.parent, f"{name}-{stamp}")
-        except BaseException:
-            discard(staging)
-            raise
+                atomic_write(folder / name, text)
+
+        stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        module, _, test = nodeid.rpartition("::")
+        name = short_name(f"{Path(module.split('::')[0]).stem}-{test}", MAX_NAME - len(stamp) - 1)
+        return write_folder(self.parent, f"{name}-{stamp}", fill, f"the parity report of {nodeid}")
 
 
 def _reports(config) -> Reports:

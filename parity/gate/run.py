@@ -128,6 +128,8 @@ class GateRun:
         else:
             selection = [f"families: {', '.join(names)}" + ("" if families else " (all of this project)")]
         cases = plan(names, known)
+        if update and cases:
+            _require_writable(baseline_path)  # before the gate runs, not after it
         data = read_baseline(baseline_path, missing_ok=update) if cases else empty_baseline()
         return cls(project, names, cases, selection, baseline_path, data, update)
 
@@ -240,6 +242,23 @@ class GateRun:
             "version_notes": self.version_notes,
             "cases": [o.to_dict() for o in self.outcomes.values()],
         }
+
+
+def _require_writable(path: Path) -> None:
+    """``--update-baseline`` will write ``path`` (a new file beside it, renamed over it): refuse now,
+    naming it, when that cannot be done, rather than after every case has run."""
+    if path.is_dir():
+        raise ParityError(f"--update-baseline: the baseline {path} is a folder, not a file")
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not os.access(folder, os.W_OK):
+        raise ParityError(
+            f"--update-baseline: the baseline {path} cannot be written ({folder} is read-only or not writable); "
+            "nothing was run"
+        )
+    if path.exists() and not os.access(path, os.W_OK):
+        raise ParityError(f"--update-baseline: the baseline {path} is read-only; nothing was run")
 
 
 def write_reports(run: GateRun, staging: Path) -> None:

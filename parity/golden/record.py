@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import time
 from dataclasses import replace
@@ -37,6 +38,7 @@ from parity.golden.trace_file import (
     utc_now,
 )
 from parity.model.pair import Pair, PairSource
+from parity.record.trace import SCALARS
 from parity.run.options import CheckOptions
 from parity.util.errors import ParityError
 
@@ -155,6 +157,12 @@ def _save_pretrained(model, folder: Path) -> None:
     logging.disable_progress_bar()
     try:
         model.save_pretrained(folder)
+    except Exception as e:  # safetensors' writer reports an OS error as its own type, with the errno in the text
+        match = re.search(r"os error (\d+)", str(e))
+        if match is None:
+            raise
+        code = int(match.group(1))
+        raise OSError(code, os.strerror(code), str(folder)) from None
     finally:
         if shown:
             logging.enable_progress_bar()
@@ -205,7 +213,7 @@ def record(
     """
     from parity.build.builder import default_seq_len
     from parity.run.stages import calibrate_tolerances, trace_reference
-    from parity.util.files import discard, done, staging_folder
+    from parity.util.files import cannot_write, discard, done, staging_folder
 
     options = CheckOptions.of(options, **option_values)
     if options.mode != "chained" or options.decode is not None or options.exact:
@@ -240,7 +248,11 @@ def record(
     tol = options.tolerance_rule(dtype, exact=False)
     run = _plan(pair, options, tol, summaries)
     config_text, config_hash = _config_json(ref.hf_config)
-    staging = staging_folder(parent)
+    try:
+        staging = staging_folder(parent)
+    except OSError as e:
+        raise cannot_write(e, f"the trace {out}", parent, _needed(ref, save_weights, None, pair, run)) from None
+    trace = None
     try:
         saved = None
         if save_weights:  # before tracing: parity's attention capture is not part of the saved config
@@ -279,10 +291,37 @@ def record(
         except OSError:
             raise ParityError(f"--out {out} appeared while recording; the trace was not written") from None
         done(staging)
+    except OSError as e:  # a full disk or a read-only folder: nothing visible, the space it needed said
+        discard(staging)
+        raise cannot_write(e, f"the trace {out}", parent, _needed(ref, save_weights, trace, pair, run)) from None
     except BaseException:
         discard(staging)
         raise
     return read_trace(out)
+
+
+def _needed(ref, save_weights: bool, trace, pair, run) -> int:
+    """Bytes a trace folder needs: the weights when saved, the node tensors (as recorded, or the
+    memory model's estimate before they are), and a MiB for the inputs, config and manifest."""
+    from parity.run.memory import one_trace_bytes
+
+    weights = 0
+    if save_weights:
+        if ref.checkpoint is not None:
+            weights = sum(f.stat().st_size for f in Path(ref.checkpoint).glob("*.safetensors"))
+        else:
+            weights = sum(t.numel() * t.element_size() for t in ref.state_dict.values())
+    if trace is not None and not hasattr(trace, "summaries"):
+        store = trace.tensors
+        nodes = sum(
+            t.numel() * t.dtype.itemsize for t in (store.lazy(n) if hasattr(store, "lazy") else store[n] for n in store)
+        )
+    elif trace is not None:
+        nodes = 0
+    else:
+        element = torch.empty((), dtype=pair.dtype).element_size()
+        nodes = one_trace_bytes(pair.facts, int(run.input_ids.shape[0]), int(run.input_ids.shape[1]), element)
+    return weights + nodes + (1 << 20)
 
 
 def _manifest(
@@ -317,6 +356,9 @@ def _manifest(
         else:
             t = trace.tensors[name]
             entry.update(shape=list(t.shape), dtype=dtype_name(t.dtype))
+            kept = [part for part in DIAGNOSIS_PARTS if f"{name}{SEP}{part}" in _diagnosis_tensors(trace, name)]
+            if kept:
+                entry["diagnosis"] = kept
         entry.update(atol=atol, rtol=rtol, tol_source=source)
         nodes.append(entry)
     unrecorded = [
@@ -395,7 +437,19 @@ def _manifest(
         "unrecorded": unrecorded,
         "files": [],
         "notes": list(run.notes),
+        "reference_scalars": dict(trace.extras.get(SCALARS, {})),
     }
+
+
+#: what the hint detectors read beside a node, stored with it (see trace.schema.json "diagnosis")
+DIAGNOSIS_PARTS = ("input", "weight", "bias")
+
+
+def _diagnosis_tensors(trace, name: str) -> dict[str, torch.Tensor]:
+    """``{<node>::input, ::weight, ::bias}`` the trace kept for diagnosing ``name`` (norms, projections):
+    ``parity compare`` gives the same hints as ``check`` with them."""
+    held = {"input": trace.inputs.get(name), "weight": trace.weights.get(name), "bias": trace.biases.get(name)}
+    return {f"{name}{SEP}{part}": t.detach().contiguous() for part, t in held.items() if t is not None}
 
 
 def _write(
@@ -423,7 +477,7 @@ def _write(
             if s.position_norm is not None:
                 tensors[f"{name}{SEP}position_norm"] = s.position_norm
         else:
-            tensors = {name: trace.tensors[name]}
+            tensors = {name: trace.tensors[name], **_diagnosis_tensors(trace, name)}
         items.append((name, tensors))
     shards = _shards(items, shard_bytes)
     for i, shard in enumerate(shards, 1):

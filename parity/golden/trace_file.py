@@ -68,7 +68,7 @@ from parity.golden.summaries import (
     Summary,
 )
 from parity.model.pair import NodeSpec
-from parity.record.trace import Trace
+from parity.record.trace import SCALARS, Trace
 from parity.run.options import CheckOptions
 from parity.util.errors import ParityError
 
@@ -278,7 +278,12 @@ class GoldenTrace:
                     f"{MANIFEST} says {tuple(node['shape'])}"
                 )
             trace.tensors[node["name"]] = tensor
+            for part, store in (("input", trace.inputs), ("weight", trace.weights), ("bias", trace.biases)):
+                held = tensors.get(f"{node['name']}{SEP}{part}") if part in node.get("diagnosis", ()) else None
+                if held is not None:
+                    store[node["name"]] = held
         trace.wanted = frozenset(trace.tensors)
+        trace.extras[SCALARS] = {k: float(v) for k, v in self.manifest.get("reference_scalars", {}).items()}
         return trace
 
     def summaries(self) -> dict[str, Summary]:

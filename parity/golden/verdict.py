@@ -3,7 +3,6 @@ reference judged against a golden trace by the stages a check uses."""
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Mapping
 from dataclasses import replace
@@ -13,11 +12,11 @@ from typing import cast
 import torch
 from torch import nn
 
-from parity.compare.metrics import MISSING
+from parity.compare.metrics import MISSING, UNTAPPED
 from parity.compare.results import NodeResult, compare_node
 from parity.compare.tolerances import Tolerances
 from parity.diagnose.hints import Hint
-from parity.golden.dumps import map_dump, read_dump, read_name_map
+from parity.golden.dumps import NameMap, map_dump, read_dump, read_dump_info, read_name_map
 from parity.golden.summaries import (
     SummaryTrace,
     compare_summary,
@@ -202,43 +201,201 @@ def _missing_in_dump(results: list[NodeResult], names: Mapping[str, str]) -> lis
     return out
 
 
-def compare_dump(trace, dump, name_map=None, *, options: CheckOptions | None = None, **option_values) -> CheckResult:
-    """Compare another runtime's dump (see :func:`read_dump`, :func:`read_name_map`) with a trace.
-    ``options`` / option keywords: ``atol``, ``rtol``, ``exact``, ``tolerances`` override the trace's
-    (see :meth:`GoldenTrace.tolerances`). Raises ParityError for an unreadable trace, dump or name map,
-    or an option the trace fixes."""
+def node_sizes(trace: GoldenTrace):
+    """``node -> {size name: int}``: what a name map's size names stand for at each node (the probe's
+    batch and sequence, the reference's widths, and the node's layer's heads, head_dim and scale)."""
+    facts, probe = trace.facts(), trace.manifest["probe"]
+    common = {
+        "batch": int(probe["batch_size"]),
+        "seq": int(probe["seq_len"]),
+        "heads": facts.num_heads,
+        "kv_heads": facts.num_kv_heads,
+        "head_dim": facts.head_dim,
+        "hidden": facts.hidden_size,
+        "vocab": facts.vocab_size,
+    }
+    if facts.intermediate_size:
+        common["intermediate"] = facts.intermediate_size
+    layer_of = {n["name"]: n.get("layer") for n in trace.node_entries}
+
+    def sizes(node: str) -> dict:
+        layer = facts.layer(layer_of.get(node))
+        if layer is None:
+            return common
+        return {
+            **common,
+            "kv_heads": layer.num_kv_heads,
+            "head_dim": layer.head_dim,
+            "attention_scale": layer.attention_scale,
+        }
+
+    return sizes
+
+
+#: a calibrated tolerance above this fraction of its node's RMS would let a real bug pass
+LOOSE_FRACTION = 0.1
+
+
+def loose_tolerance_note(trace: GoldenTrace, tolerances: Tolerances, ours_live: bool = False) -> str | None:
+    """A note when the tolerances of a trace's nodes are so loose next to the nodes' own size (more
+    than :data:`LOOSE_FRACTION` of their RMS: calibrated bfloat16 tolerances are 10x the reference's
+    own bfloat16 error) that a real bug of that size would pass; None otherwise."""
+    if trace.kind != "tensors":
+        return None
+    ref = trace.reference_trace()
+    loose = []
+    for name in trace.names:
+        atol, rtol, source = tolerances.for_node(name)
+        tensor = ref.tensors.get(name)
+        if tensor is None or not tensor.is_floating_point() or tensor.numel() == 0:
+            continue
+        rms = float(tensor.double().pow(2).mean().sqrt())
+        allowed = atol + rtol * rms
+        if rms > 0 and allowed > LOOSE_FRACTION * rms:
+            loose.append((allowed / rms, name, atol, rtol, rms, source))
+    if not loose:
+        return None
+    loose.sort(reverse=True)
+    fraction, name, atol, rtol, rms, source = loose[0]
+    said = f"atol {atol:.3g}" + (f", rtol {rtol:.3g}" if rtol else "")
+    instead = (
+        "the semantic rule (parity check --ours ... --semantic) judges a formula in float64 first"
+        if ours_live
+        else f"to judge formulas, record a float32 trace (parity record ... --dtype float32 --calibrate: tolerances "
+        f"from the reference's own float32 error) and run the runtime in float32; keep this {trace.manifest['probe']['dtype']} "
+        "trace for the rounding"
+    )
+    return (
+        f"loose tolerances: {len(loose)} of {len(trace.names)} nodes allow errors above {LOOSE_FRACTION:g} of their "
+        f"RMS ({source} {said} at {name} is {fraction:.2f} of its RMS {rms:.3g}): a real bug of that size (a RoPE "
+        f"position off by one, a wrong eps) would pass there; {instead}"
+    )
+
+
+def padding_mask(trace: GoldenTrace) -> torch.Tensor | None:
+    """``(batch, seq)`` True where the trace's inputs are padding, or None (no mask, or none is padding)."""
+    mask = trace.inputs().get("attention_mask")
+    if mask is None or bool((mask != 0).all()):
+        return None
+    return mask == 0
+
+
+def exclude_padding(
+    tensors: dict[str, torch.Tensor], ref: Trace, kinds: Mapping[str, str], pad: torch.Tensor
+) -> list[str]:
+    """Ours' values at padding positions replaced by the reference's, in every node with a token axis
+    (and a key axis: ``scores``, ``probs``), so padding is never judged; the nodes changed."""
+    from parity.diagnose.profile import HEAD_MAJOR
+
+    batch, seq = pad.shape
+    changed = []
+    for name, tensor in list(tensors.items()):
+        theirs = ref.tensors.get(name)
+        if theirs is None or tuple(theirs.shape) != tuple(tensor.shape) or tensor.dim() < 2:
+            continue
+        axis = 2 if kinds.get(name) in HEAD_MAJOR else 1
+        if tensor.dim() <= axis or tensor.shape[0] != batch or tensor.shape[axis] != seq:
+            continue
+        where = pad.view(batch, *([1] * (axis - 1)), seq, *([1] * (tensor.dim() - axis - 1)))
+        if tensor.dim() == 4 and axis == 2 and tensor.shape[3] == seq:  # a key axis too
+            where = where | pad.view(batch, 1, 1, seq)
+        where = where.expand(tensor.shape)
+        tensors[name] = torch.where(where, theirs.to(tensor.dtype), tensor)
+        changed.append(name)
+    return changed
+
+
+def padding_note(pad: torch.Tensor, excluded: bool) -> str:
+    rows = [f"row {b}: {int(n)}" for b, n in enumerate(pad.sum(1).tolist()) if n]
+    total = int(pad.sum())
+    if excluded:
+        return (
+            f"padding: {total} of {pad.numel()} token positions are padding ({', '.join(rows)}) and were not judged in "
+            "any node (their queries, and their keys in scores and probs); --judge-padding judges them"
+        )
+    return f"padding: {total} of {pad.numel()} token positions are padding ({', '.join(rows)}) and were judged"
+
+
+def compare_dump(
+    trace,
+    dump,
+    name_map=None,
+    *,
+    options: CheckOptions | None = None,
+    ignore_padding: bool | None = None,
+    **option_values,
+) -> CheckResult:
+    """Compare another runtime's dump (see :func:`read_dump`, :func:`read_name_map`; a dump folder's
+    ``parity-dump.json`` gives its name map when ``name_map`` is None, and the nodes it cannot produce)
+    with a trace. ``options`` / option keywords: ``atol``, ``rtol``, ``exact``, ``tolerances`` (node
+    pattern -> (atol, rtol)) override the trace's (see :meth:`GoldenTrace.tolerances`).
+    ``ignore_padding``: padding positions are not judged (None: when the trace holds a mask with
+    padding). Raises ParityError for an unreadable trace, dump or name map, or an option the trace fixes."""
     options = trace_options(options, option_values, dump=True)
     start = time.perf_counter()
     trace = read_trace(trace)
-    rules = read_name_map(name_map)
+    info = read_dump_info(dump)
+    rules = read_name_map(name_map) if name_map is not None else (info.name_map or NameMap())
+    rules = rules.merged(NameMap((), info.unavailable, info.notes))
     shapes = {n["name"]: tuple(n["shape"]) for n in trace.node_entries}
     shapes.update({u["name"]: None for u in trace.manifest.get("unrecorded", [])})
-    tensors, keys, notes = map_dump(read_dump(dump), rules, shapes)
+    tensors, keys, notes = map_dump(read_dump(dump), rules.rules, shapes, node_sizes(trace))
+    if info.runtime:
+        notes.insert(0, f"runtime: {info.runtime}")
+    notes += list(rules.notes)
     # what the dump would be looked up under, for a node it lacks: the runtime's name when one rule gives it
-    names = {}
-    for rule in rules:
-        if "{i}" not in rule.runtime:
-            names[rule.node] = rule.runtime
-    for node in trace.names:
-        for rule in rules:
-            if "{i}" in rule.runtime:
-                m = re.fullmatch(re.escape(rule.node).replace(re.escape("{i}"), r"(\d+)"), node)
-                if m:
-                    names.setdefault(node, rule.runtime.replace("{i}", m.group(1)))
+    names: dict[str, str] = {}
+    for node in list(trace.names) + [u["name"] for u in trace.manifest.get("unrecorded", [])]:
+        for rule in rules.rules:
+            looked_for = rule.runtime_name(node)
+            if looked_for is not None:
+                names.setdefault(node, looked_for)
     tolerance = trace.tolerances(options)
     looked = {n: keys.get(n, names.get(n, n)) for n in trace.names}
+    unavailable = {}
+    for node in trace.names:
+        reason = rules.unavailable_reason(node)
+        if reason is not None and node not in tensors:
+            unavailable[node] = reason
+            looked[node] = f"{UNALIGNED}{reason}"
     if LOGITS in looked and LOGITS not in tensors and trace.head_node is not None and trace.head_node in tensors:
         # what a runtime returns is its head's output unless it applies something after it; a dump
         # that gives the head and not ``logits`` is judged at the head, and says so
         looked[LOGITS] = (
             f"{UNALIGNED}the dump has no {LOGITS!r} (what the runtime returns): {trace.head_node} stands for it"
         )
+    pad = padding_mask(trace) if trace.kind == "tensors" else None
+    if ignore_padding and pad is None:
+        raise ParityError(
+            "--ignore-padding: the trace holds no padding (record it with --batch 2+ --left-pad N to have some)"
+        )
+    if pad is not None:
+        excluded = ignore_padding is not False
+        if excluded:
+            kinds = {n["name"]: n.get("kind", "") for n in trace.node_entries}
+            exclude_padding(tensors, trace.reference_trace(), kinds, pad)
+        notes.append(padding_note(pad, excluded))
     nodes = [replace(n, match_layout=True) for n in trace.node_specs(looked)]  # a runtime keeps its own layouts
     pair = _trace_pair(trace, nodes)
     ours = Trace(tensors=tensors, wanted=frozenset(tensors))
     run = _run_of(trace, options, tolerance)
     results, profile, logits = judge(trace, pair, run, ours, tolerance)
     results = _missing_in_dump(results, names)
+    results = [
+        replace(r, detail=f"the runtime does not produce it: {unavailable[r.name]}")
+        if r.name in unavailable and r.status == UNTAPPED
+        else r
+        for r in results
+    ]
+    if unavailable:
+        by_reason: dict[str, int] = {}
+        for reason in unavailable.values():
+            by_reason[reason] = by_reason.get(reason, 0) + 1
+        shown = "; ".join(f"{n}: {reason}" for reason, n in by_reason.items())
+        notes.append(f"{len(unavailable)} node(s) the runtime does not produce are untapped, not judged ({shown})")
+    loose = loose_tolerance_note(trace, tolerance)
+    if loose:
+        notes.append(loose)
     notes.append(
         "isolated mode is not possible from a dump (each node of ours would have to continue from the "
         "reference's tensor): errors compound, so the first failing node is where the error first shows"
@@ -292,7 +449,7 @@ def compare_model(
     return CheckResult(
         nodes=tuple(results),
         meta=_meta(trace, "model", ours_class, run, time.perf_counter() - start, ours_class, True),
-        notes=_notes(trace, []),
+        notes=_notes(trace, [n for n in (loose_tolerance_note(trace, tolerance, ours_live=True),) if n]),
         profile=profile,
         logits=logits,
         isolated=tuple(isolated) if isolated is not None else None,

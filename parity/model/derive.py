@@ -192,6 +192,57 @@ def find_layer_prefix(model, num_layers: int) -> str | None:
 # --- validation ---------------------------------------------------------------------------------
 
 
+#: Transformers config fields that count something: a positive integer, or null where a model derives
+#: it (``head_dim`` from the width); minimum per field (a mixture's expert counts may be 0: dense)
+COUNT_FIELDS = {
+    "num_hidden_layers": 1,
+    "num_attention_heads": 1,
+    "num_key_value_heads": 1,
+    "hidden_size": 1,
+    "intermediate_size": 1,
+    "head_dim": 1,
+    "vocab_size": 2,
+    "max_position_embeddings": 1,
+    "n_layer": 1,
+    "n_head": 1,
+    "n_embd": 1,
+    "n_positions": 1,
+    "n_inner": 1,
+    "moe_intermediate_size": 1,
+    "num_experts": 0,
+    "num_local_experts": 0,
+    "num_experts_per_tok": 0,
+}
+
+
+def count_field_problems(config) -> list[str]:
+    """Count fields (:data:`COUNT_FIELDS`) of a Transformers config, or of a config.json dict (its
+    ``text_config`` too), that hold anything but an integer at or above the field's minimum (null
+    is left to the model, which may derive it): one line each, naming the field as the file does.
+    Runs before anything reads them, so ``head_dim: 2.5`` is named, not rounded to 2 on one side only."""
+    problems = []
+    scopes = [("", config)]
+    text = config.get("text_config") if isinstance(config, Mapping) else getattr(config, "text_config", None)
+    if text is not None and text is not config:
+        scopes.append(("text_config.", text))
+    for prefix, scope in scopes:
+        aliases = {} if isinstance(scope, Mapping) else getattr(type(scope), "attribute_map", None) or {}
+        for name, minimum in COUNT_FIELDS.items():
+            if name in aliases:  # GPT-2's num_attention_heads is its n_head: named as its file names it
+                continue
+            try:
+                value = scope.get(name) if isinstance(scope, Mapping) else getattr(scope, name, None)
+            except Exception:  # a per-layer attribute read globally: its layers are validated by Transformers
+                continue
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                problems.append(f"{prefix}{name} is {value!r}; it must be an integer")
+            elif value < minimum:
+                problems.append(f"{prefix}{name} is {value!r}; it must be at least {minimum}")
+    return problems
+
+
 def validate_facts(facts: ArchFacts) -> list[str]:
     """Reasons these facts describe a model no check can run on (one line each, naming the
     Transformers field); empty when the shapes make sense."""
@@ -280,3 +331,22 @@ def rope_problem_of(error: BaseException) -> str | None:
                 return found[0]
         tb = tb.tb_next
     return None
+
+
+def remote_code_note(config) -> str | None:
+    """One line when a config names remote code (``auto_map``: the classes a ``trust_remote_code``
+    load would import from the checkpoint's own Python files), which parity never imports or runs:
+    the reference is Transformers' own class for the ``model_type``, as ``from_pretrained`` loads it
+    without ``trust_remote_code``, and the remote code may compute otherwise. None without ``auto_map``."""
+    if config is None:
+        return None
+    auto_map = config.get("auto_map") if isinstance(config, Mapping) else getattr(config, "auto_map", None)
+    if not auto_map or not isinstance(auto_map, Mapping):
+        return None
+    shown = ", ".join(f"{k} -> {v}" for k, v in list(auto_map.items())[:3]) + (" ..." if len(auto_map) > 3 else "")
+    model_type = config.get("model_type") if isinstance(config, Mapping) else getattr(config, "model_type", None)
+    return (
+        f"config.json names remote code (auto_map: {shown}); parity never runs it: the reference is Transformers' own "
+        f"{model_type} implementation, as from_pretrained loads it without trust_remote_code, and a model that is "
+        "really that remote code may compute otherwise"
+    )

@@ -1,5 +1,6 @@
 """Per-``model_type`` rules: what a model decides that its config does not say (Cohere 2 rotates
-only on sliding layers, GPT-2 keeps its layers under ``transformer.h``, Qwen3-MoE's sparse layers).
+only on sliding layers, SmolLM3 skips RoPE on the layers ``no_rope_layers`` marks, GPT-2 keeps its
+layers under ``transformer.h``, Qwen3-MoE's sparse layers).
 
 A rule is ``f(config, facts) -> facts``, registered with :func:`rule` for one or more model types;
 :func:`parity.model.derive.derive_facts` applies it after the generic derivation. A new family needs
@@ -44,6 +45,13 @@ def _cohere(config, facts: ArchFacts) -> ArchFacts:
         return replace(layer.rope, interleaved=True)
 
     return replace(with_layers(facts, rope=rope), norm_kind="layernorm")
+
+
+@rule("smollm3")
+def _smollm3(config, facts: ArchFacts) -> ArchFacts:
+    # SmolLM3Attention rotates only where no_rope_layers[i] is 1 (the list says which layers *use* RoPE)
+    use = list(getattr(config, "no_rope_layers", None) or [])
+    return with_layers(facts, rope=lambda layer: layer.rope if layer.index >= len(use) or use[layer.index] else None)
 
 
 @rule("qwen3", "qwen3_moe")

@@ -191,7 +191,8 @@ class Family:
     shapes; ``features(cfg)`` lists what a cfg exercises (the gate fails if a real config uses a
     feature no CI config has); ``notes(cfg)`` warns what a cfg cannot show; ``fields`` declares the
     config fields the sensitivity audit and the property tests draw (:mod:`parity.model.fields`);
-    ``exact_dtypes``: the dtypes in which the family claims bit-exactness (tests hold it to that).
+    ``exact_dtypes``: the dtypes in which the family claims bit-exactness (tests hold it to that);
+    ``exact_backward_dtypes``: those in which its gradients are bit-exact too (None: the same).
     ``composite``: the multimodal model whose checkpoints hold this text model (:class:`Composite`).
     """
 
@@ -216,6 +217,9 @@ class Family:
     #: compute dtypes in which our model is bit-identical to the reference when correct (on the CPU):
     #: checks of such pairs default to atol = rtol = 0, so the first node with any difference is the fault
     exact_dtypes: tuple[torch.dtype, ...] = ()
+    #: compute dtypes in which our model's gradients (every node's and parameter's, parity.run.backward)
+    #: are bit-identical to the reference's too; None: the same as ``exact_dtypes``
+    exact_backward_dtypes: tuple[torch.dtype, ...] | None = None
     #: the multimodal model a checkpoint of this family's text model may come in (see :class:`Composite`)
     composite: Composite | None = None
 

@@ -151,7 +151,10 @@ class Pair:
     how each reference node was found in ours (check_model; empty for families); ``exact``: ours is
     bit-identical to the reference when correct (its family claims it for this dtype), so checks
     default to atol = rtol = 0; ``cache_protocol``: how to run ours with its KV cache in a decode
-    check (None: our families' protocol, see :mod:`parity.run.decode`).
+    check (None: our families' protocol, see :mod:`parity.run.decode`); ``rebuild64``: builds
+    both models anew in float64 (ours, reference), each making its own tables and derived weights
+    in float64, for the semantic run (:mod:`parity.run.semantic`); None: that run uses float64
+    copies of the two models instead.
     """
 
     ours: nn.Module
@@ -166,6 +169,7 @@ class Pair:
     alignment: list = field(default_factory=list)
     exact: bool = False
     cache_protocol: CacheProtocol | None = None
+    rebuild64: Callable[[], tuple[nn.Module, nn.Module]] | None = field(default=None, repr=False)
 
     def __post_init__(self):
         self.nodes = annotate(with_output_node(self.nodes), self.facts)

@@ -18,9 +18,13 @@ attention block:
 
 A tap the model calls itself wins (the first record of a node stands). Projections computed from a
 parameter of a module that holds several (TransformerLens' ``W_Q`` in ``attn``) are recorded by the
-parameter they read: the result of the ``linear``/``matmul``/``einsum`` with that parameter is the
-node of the reference module whose weight it holds. In isolated mode each recorded value is
-replaced by the reference's, in ours' layout, as a tap's is.
+parameter they read: the result of the ``linear``/``matmul``/``einsum``/``addmm`` with that parameter,
+or with a rearranged copy of it (TransformerLens rearranges ``W_Q`` to ``(heads * d_head, d_model)``
+for ``F.linear``), is the node of the reference module whose weight it holds, with the bias ours adds
+right after it (``x @ W + b``) when the reference's module adds one. A module of ours whose weight
+is read outside it (``F.linear(x, self.head.weight)``: its own forward never runs) is recorded the
+same way. In isolated mode each recorded value is replaced by the reference's, in ours' layout, as a
+tap's is. A mixture of experts' routing is read by :mod:`parity.record.routing`.
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ import re
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+
+from parity.record.ops import LOOKUP, LOOKUPS, PRODUCT, PRODUCT_NAMES, REARRANGES, op_name
+from parity.record.routing import RoutingCapture
 
 SDPA = F.scaled_dot_product_attention
 SOFTMAXES = (torch.softmax, F.softmax, torch.Tensor.softmax, torch.special.softmax)
@@ -47,6 +54,71 @@ SCALINGS = (
     torch.mul,
     torch.div,
 )
+
+
+#: how many rearranged parameters are followed at once (each is consumed by the next op or two)
+_FOLLOWED = 16
+
+
+class Followed:
+    """Parameters (by storage) and their rearranged copies (by identity, the last few): what each one is."""
+
+    def __init__(self, by_storage: dict[int, str]):
+        self.by_storage = by_storage
+        self._derived: dict[int, tuple[str, torch.Tensor]] = {}
+
+    def of(self, t) -> str | None:
+        if not isinstance(t, torch.Tensor):
+            return None
+        derived = self._derived.get(id(t))
+        if derived is not None and derived[1] is t:
+            return derived[0]
+        storage = _storage(t)
+        return self.by_storage.get(storage) if storage is not None else None
+
+    def follow(self, func, args, out) -> None:
+        """Remember ``out`` as its input's parameter when ``func`` only rearranges it."""
+        if args and op_name(func) in REARRANGES and isinstance(out, torch.Tensor):
+            what = self.of(args[0])
+            if what is not None and out.numel() == args[0].numel():
+                self._derived[id(out)] = (what, out)
+                while len(self._derived) > _FOLLOWED:
+                    self._derived.pop(next(iter(self._derived)))
+
+
+class _FirstReads(TorchFunctionMode):
+    def __init__(self, followed: Followed):
+        super().__init__()
+        self.followed = followed
+        self.reads: dict[str, str] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = op_name(func)
+        operands = args[1:] if name == "einsum" else args
+        for i, t in enumerate(operands):
+            what = self.followed.of(t)
+            if what is None or what in self.reads:
+                continue
+            if name in PRODUCT_NAMES:
+                self.reads[what] = PRODUCT
+            elif name in LOOKUPS and (i == 1 if name == "embedding" else i == 0):
+                self.reads[what] = LOOKUP
+        self.followed.follow(func, args, out)
+        return out
+
+
+def first_reads(model: torch.nn.Module, names: dict[int, str], input_ids: torch.Tensor) -> dict[str, str]:
+    """How ``model``'s forward on ``input_ids`` first reads each watched parameter: ``{name: "lookup" |
+    "product"}`` (an embedding lookup or indexing, or a matrix product, directly or after a rearrangement);
+    ``names``: a parameter's storage -> its name. A forward that raises reads nothing: ``{}``."""
+    mode = _FirstReads(Followed(names))
+    try:
+        with torch.no_grad(), mode:
+            model(input_ids)
+    except Exception:  # the probe is a hint for alignment; the check itself reports a forward that raises
+        return {}
+    return mode.reads
 
 
 def _scalar(x) -> bool:
@@ -101,14 +173,29 @@ def _canonical_heads(t: torch.Tensor, letters: str, batch: str, heads: str, seq:
 
 class FunctionCapture(TorchFunctionMode):
     """Records attention internals and functional projections of ours while it runs (see the module
-    docstring). ``record(name, tensor) -> tensor``: a tap that yields to the model's own
+    docstring) and, under a MoE block, its routing (:mod:`parity.record.routing`, ``moe``).
+    ``record(name, tensor) -> tensor``: a tap that yields to the model's own
     (:func:`~parity.record.hooks.functional_tap`); ``block() -> (path, head_dim) | None``: the
     running attention block aligned to the reference's; ``params``: storage of a parameter of ours
-    -> the node of the op that reads it, recorded by ``record_param(node, tensor) -> tensor``."""
+    -> the node of the op that reads it, recorded by ``record_param(node, tensor) -> tensor``;
+    ``biases``: storage of a bias -> the node whose op's result ours adds it to; ``owners``: ``(node ->
+    the module of ours whose hook records it, running() -> the running module paths)``; ``moe() ->
+    (path, TopK) | None``: the running MoE block."""
 
-    def __init__(self, record, block, params: dict[int, str], record_param):
+    def __init__(self, record, block, params: dict[int, str], record_param, moe=None, biases=None, owners=None):
         super().__init__()
         self.record, self.block, self.params, self.record_param = record, block, params, record_param
+        #: the routing of the running MoE block (``moe() -> (path, TopK) | None``), when ours has one
+        self.routing = RoutingCapture(record, moe) if moe is not None else None
+        #: the parameters read in functions, and their rearranged copies (TransformerLens' W_Q for F.linear)
+        self.followed = Followed(params)
+        #: the biases ours adds after such an op (``x @ W + b``), and the results waiting for theirs
+        self.biases = Followed(biases or {})
+        self._biased = set(self.biases.by_storage.values())
+        self._unbiased: dict[int, tuple[str, torch.Tensor]] = {}
+        #: node -> ours' module recording it by its hook, and the running modules: its weight read inside it
+        #: is its own forward (the hook records that), outside it a function of another module's
+        self.owners, self.running = owners if owners is not None else ({}, lambda: [])
         #: blocks whose probabilities were recorded in this call: their next product is the context
         self._after_probs: set[str] = set()
         #: per block, ``(latest, product)``: ``q @ k^T`` not yet recorded as the scores, followed through
@@ -120,10 +207,28 @@ class FunctionCapture(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is SDPA:
             return self._sdpa(args, kwargs)
-        if self.params and func in (*PRODUCTS, EINSUM, LINEAR):
+        if self._unbiased:
+            handled, args, out = self._bias(func, args, kwargs)
+            if handled:
+                return out
+        if self.params and op_name(func) in PRODUCT_NAMES:  # addmm too: TransformerLens' batch_addmm(b_in, W_in, x)
             node = self._param_node(func, args)
             if node is not None:
-                return self.record_param(node, func(*args, **kwargs))
+                out = func(*args, **kwargs)
+                operands = args[1:] if op_name(func) == "einsum" else args
+                if node in self._biased and not any(self.biases.of(t) == node for t in operands):
+                    self._unbiased[id(out)] = (node, out)  # its bias comes next, as the reference's module adds it
+                    return out
+                return self.record_param(node, out)
+        if args and op_name(func) in REARRANGES and (self.followed.of(args[0]) or self.biases.of(args[0])):
+            out = func(*args, **kwargs)
+            self.followed.follow(func, args, out)
+            self.biases.follow(func, args, out)
+            return out
+        if self.routing is not None:
+            handled, out = self.routing(func, args, kwargs)
+            if handled:
+                return out
         running = self.block()
         if running is None:
             return func(*args, **kwargs)
@@ -152,14 +257,26 @@ class FunctionCapture(TorchFunctionMode):
             return self._einsum(block, head_dim, func, args, kwargs)
         return func(*args, **kwargs)
 
+    def _bias(self, func, args, kwargs) -> tuple[bool, tuple, object]:
+        """A result waiting for its bias, read by this op: recorded with the bias when the op adds it
+        (``(True, args, sum)``), else as it is before the op reads it (in isolated mode the op then reads
+        the reference's value: ``(False, args, None)``)."""
+        waiting = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor) and id(a) in self._unbiased]
+        if not waiting:
+            return False, args, None
+        i, result = waiting[0]
+        node, _ = self._unbiased.pop(id(result))
+        others = [a for j, a in enumerate(args) if j != i]
+        if op_name(func) in ("add", "__add__", "__radd__") and any(self.biases.of(a) == node for a in others):
+            return True, args, self.record_param(node, func(*args, **kwargs))
+        value = self.record_param(node, result)
+        return False, tuple(value if j == i else a for j, a in enumerate(args)), None
+
     def _param_node(self, func, args) -> str | None:
-        operands = args[1:] if func is EINSUM else args
-        for t in operands:
-            storage = _storage(t) if isinstance(t, torch.Tensor) else None
-            node = self.params.get(storage) if storage is not None else None
-            if node is not None:
-                return node
-        return None
+        operands = args[1:] if op_name(func) == "einsum" else args
+        node = next((node for t in operands if (node := self.followed.of(t)) is not None), None)
+        owner = self.owners.get(node) if node is not None else None
+        return None if owner is not None and owner in self.running() else node
 
     def _sdpa(self, args, kwargs):
         call = _sdpa_arguments(args, kwargs)

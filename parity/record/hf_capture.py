@@ -72,6 +72,11 @@ def _scores(module, query, key, scaling) -> torch.Tensor:
     return torch.matmul(query, key.transpose(2, 3)).mul_(scaling)  # in place: one matrix, not two, at a time
 
 
+def _merge_heads(output: torch.Tensor) -> torch.Tensor:
+    """Eager attention's output ``(batch, seq, heads, head_dim)`` as ``(batch, seq, heads * head_dim)``."""
+    return output.reshape(*output.shape[:2], -1)
+
+
 def parity_attention(module, query, key, value, attention_mask, **kwargs):
     """AttentionInterface function: the model's eager attention, recorded.
 
@@ -83,13 +88,14 @@ def parity_attention(module, query, key, value, attention_mask, **kwargs):
     trace = active_trace()
     path = _paths.get(module)
     if trace is not None and path is not None:
-        context = output.reshape(*output.shape[:2], -1)
-        for suffix, tensor in zip(SUFFIXES, (query, key, None, weights, context)):
+        # the context is recorded as the output the model goes on with, its heads merged by the trace:
+        # a gradient hook on that live tensor sees what flows back (a reshape made here would see none)
+        for suffix, tensor in zip(SUFFIXES, (query, key, None, weights, output)):
             name = f"{path}.{suffix}"
             if name in trace.wanted:
                 if suffix == "scores":
                     tensor = _scores(module, query, key, kwargs.get("scaling", getattr(module, "scaling", 1.0)))
-                trace.add(name, tensor)
+                trace.add(name, tensor, _merge_heads if suffix == "context" else None)
     return output, weights
 
 

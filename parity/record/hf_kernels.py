@@ -77,10 +77,21 @@ def _conv(original):
                 _CONV_OUT.set(pending)
             else:
                 # a node is wanted only while a trace is active
-                cast("Trace", active_trace()).add(wanted["conv_out"], out.transpose(1, 2))
+                cast("Trace", active_trace()).add(wanted["conv_out"], out, _channels_last)
         return out
 
     return conv
+
+
+def _channels_last(t):
+    """``(batch, x, seq, ...)`` -> ``(batch, seq, x, ...)``. Views like this are applied by the trace to the
+    tensor the layer goes on with (given as the live tensor), so a gradient hook on it sees what flows back."""
+    return t.transpose(1, 2)
+
+
+def _last_tokens_channels_last(t, seq: int):
+    """The conv output ``(batch, channels, cached + seq)`` as this call's ``(batch, seq, channels)``."""
+    return t[..., -seq:].transpose(1, 2)
 
 
 def _record_conv_out(trace, name: str, seq: int) -> None:
@@ -88,7 +99,7 @@ def _record_conv_out(trace, name: str, seq: int) -> None:
     pending = _CONV_OUT.get()
     out = pending.pop(name, None) if pending else None
     if out is not None:
-        trace.add(name, out[..., -seq:].transpose(1, 2))
+        trace.add(name, out, functools.partial(_last_tokens_channels_last, seq=seq))
 
 
 def _delta_rule(original):
@@ -120,7 +131,7 @@ def _delta_rule(original):
         if given.get("use_qk_l2norm_in_kernel") and len(l2norms) >= 2:  # the rule normalises q, then k
             for suffix, tensor in zip(("q_l2norm", "k_l2norm"), l2norms[:2]):
                 if suffix in wanted:
-                    trace.add(wanted[suffix], tensor.transpose(1, 2))
+                    trace.add(wanted[suffix], tensor, _channels_last)
         if "delta_out" in wanted:
             trace.add(wanted["delta_out"], out)
         if "recurrent_state" in wanted and state is not None:

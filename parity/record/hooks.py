@@ -22,6 +22,7 @@ import contextvars
 import inspect
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from torch import nn
@@ -32,6 +33,9 @@ from parity.util.errors import ParityError
 #: layouts a tap may declare for q_rot/k_rot/context: (batch, heads, seq, head_dim), (batch, seq, heads,
 #: head_dim), (batch, seq, heads * head_dim)
 LAYOUTS = ("bhsd", "bshd", "bsf")
+
+#: ``Trace.extras`` key: the nodes whose module path resolves to no module of the model recorded
+UNRESOLVED = "no module"
 
 _ACTIVE: contextvars.ContextVar[_Recording | None] = contextvars.ContextVar("parity_active_recording", default=None)
 
@@ -130,9 +134,17 @@ def tap(tensor: torch.Tensor, name: str, *, layout: str | None = None) -> torch.
     flattened) says how a ``q_rot``/``k_rot``/``context`` tensor is laid out; without it the layout is
     read from the shape (a 4-D shape whose sequence length equals the head count cannot tell, and is
     read as this tap's earlier calls were, else as ``(batch, heads, seq, head_dim)``). Raises
-    :class:`parity.ParityError` for another layout name, a shape that cannot hold the declared
-    layout, or ``layout`` on a tap other than those three.
+    :class:`parity.ParityError` for another layout name, a name that is no non-empty string or a
+    first argument that is no tensor (traced or not: such a mistake shows on the first run), and,
+    while traced, for a shape that cannot hold the declared layout or ``layout`` on a tap other than
+    those three.
     """
+    if not isinstance(name, str) or not name:
+        raise ParityError(f"parity.tap(tensor, name): the name must be a non-empty string, got {name!r}")
+    if not isinstance(tensor, torch.Tensor):
+        raise ParityError(
+            f"parity.tap(..., {name!r}): the first argument must be a torch.Tensor, got {type(tensor).__name__}"
+        )
     if layout is not None and layout not in LAYOUTS:
         raise ParityError(f"parity.tap(..., {name!r}, layout={layout!r}): layout must be one of {', '.join(LAYOUTS)}")
     rec = _ACTIVE.get()
@@ -189,6 +201,17 @@ def _running_block(rec: _Recording) -> tuple[str, int] | None:
     return None
 
 
+def _running_moe(rec: _Recording) -> tuple[str, object] | None:
+    """The innermost running module aligned to a reference MoE block (it has a ``router.experts`` tap),
+    with what its routing reads (the tap's :class:`~parity.record.routing.TopK`)."""
+    for path in reversed(rec.stack):
+        node = rec.tap_names.get(f"{path}.router.experts")
+        topk = rec.transforms.get(node) if node is not None else None
+        if topk is not None and hasattr(topk, "experts"):
+            return path, topk
+    return None
+
+
 def _module_stack_hooks(model: nn.Module, rec: _Recording) -> list:
     """Hooks that keep ``rec.stack`` = the paths of the modules running now (for :func:`tap`)."""
     handles = []
@@ -219,6 +242,8 @@ def recording(
     into: Trace | None = None,
     module_stack: bool = False,
     functional: dict[int, str] | None = None,
+    functional_biases: dict[int, str] | None = None,
+    functional_owners: dict[str, str] | None = None,
 ) -> Iterator[Trace]:
     """Hook ``model`` for the duration of the block and yield the Trace being filled.
 
@@ -240,7 +265,10 @@ def recording(
     instead of tensors (:mod:`parity.golden`); by default a new in-memory one. ``module_stack``: keep the
     paths of the running modules (:func:`running_module`) even without ``taps``. ``functional``:
     record what attention computes in functions (:mod:`parity.record.functional`) into the ``taps``
-    nodes nothing tapped, and, keyed by a parameter's storage, the node of the op that reads it.
+    nodes nothing tapped, and, keyed by a parameter's storage, the node of the op that reads it;
+    ``functional_biases``: keyed the same way, the node whose op's result ours adds that bias to next;
+    ``functional_owners``: node -> the module of ours holding its weight, whose own hook records the node
+    (an op reading that weight counts only while the module is not running).
     """
     transforms, inverses = transforms or {}, inverses or {}
     trace = Trace() if into is None else into
@@ -272,11 +300,13 @@ def recording(
     rec = _Recording(trace, replacement, tap_names=dict(taps or {}), transforms=transforms)
     handles = _module_stack_hooks(model, rec) if taps or module_stack or functional is not None else []
     modules = dict(model.named_modules())
+    unresolved = cast("set[str]", trace.extras.setdefault(UNRESOLVED, set()))
     for name, path in points:
         module_path, is_input, item = split_path(path)
         module_path, at, argument = module_path.partition("@")  # a named forward argument: a.b@name
         module = modules.get(module_path)
         if module is None:
+            unresolved.add(name)  # no such module: the node is missing, said as such by diagnosis
             continue
         transform = transforms.get(name)
         if is_input:
@@ -341,6 +371,9 @@ def recording(
             lambda: _running_block(rec),
             functional,
             lambda node, t: t if trace.calls.get(node) else _record_value(rec, node, t),
+            moe=(lambda: _running_moe(rec)) if any(n.endswith(".router.experts") for n in rec.tap_names) else None,
+            biases=functional_biases,
+            owners=(functional_owners or {}, lambda: rec.stack),
         )
     try:
         with capture:

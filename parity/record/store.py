@@ -89,12 +89,26 @@ class Spill:
 
     def new_file(self) -> Path:
         if self.folder is None:
-            from parity.util.files import temporary_folder
+            from parity.util.files import SPILL_PREFIX, temporary_folder
 
-            self.folder = temporary_folder("parity-trace-")
+            self.folder = temporary_folder(SPILL_PREFIX)
             self._finalizer = weakref.finalize(self, _remove_folder, self.folder)
         self._count += 1
         return self.folder / f"{self._count:06d}.safetensors"
+
+    def unwritten(self, e: OSError, nbytes: int):
+        """The one-line error for a spill that could not be written, with the space it needed so far."""
+        import tempfile
+
+        from parity.util.files import cannot_write
+
+        return cannot_write(
+            e,
+            f"the trace spilled past the memory budget (--trace-memory; {self.written / 2**30:.3g} GiB written, "
+            f"{nbytes / 2**30:.3g} GiB more for the next node)",
+            tempfile.gettempdir(),
+            self.written + nbytes,
+        )
 
     def close(self) -> None:
         """Remove the spill folder (the trace's spilled tensors are gone after this)."""
@@ -181,8 +195,12 @@ class TensorStore(MutableMapping):
             self.spill.in_memory += nbytes
             return
         tensor = tensor.to("cpu")
-        path = self.spill.new_file()
-        offset = write_safetensors(path, "tensor", tensor)
+        try:
+            path = self.spill.new_file()
+            offset = write_safetensors(path, "tensor", tensor)
+        except OSError as e:  # a full disk (another process filled it since the run was planned): nothing left behind
+            self.spill.close()
+            raise self.spill.unwritten(e, nbytes) from None
         self._hold(name, _OnDisk(path, tensor.dtype, tuple(tensor.shape), offset, nbytes))
         self.spill.on_disk += nbytes
         self.spill.written += nbytes

@@ -13,6 +13,10 @@ import torch
 
 from parity.record.store import OnCpu, Spill, TensorStore
 
+#: ``Trace.extras`` key of the reference's one-element parameters and buffers by path (a constant
+#: factor a hint can name: Gemma 4's ``layer_scalar``)
+SCALARS = "reference scalars"
+
 
 def first_tensor(value) -> torch.Tensor | None:
     if isinstance(value, torch.Tensor):
@@ -83,6 +87,9 @@ class Trace:
     results: dict = field(default_factory=dict)
     #: what a sink computed from tensors it did not keep (``{output node: logits effect}``)
     watched: dict = field(default_factory=dict)
+    #: ``live(name, tensor, transform)``, when set, sees each node's first tensor *before* it is detached
+    #: (the backward check registers a gradient hook on it: :mod:`parity.run.backward`)
+    live: Callable[[str, torch.Tensor, Callable | None], None] | None = None
     #: module inputs are held by reference until :meth:`keep_input` or :meth:`drop_input` (a sink
     #: that keeps only a failing node's input copies that one alone)
     defer_inputs: bool = False
@@ -105,6 +112,8 @@ class Trace:
         self.calls[name] = self.calls.get(name, 0) + 1
         if self.calls[name] > 1 or name in self.tensors:
             return
+        if self.live is not None:
+            self.live(name, tensor, transform)
         live = tensor
         tensor = tensor.detach()
         if transform is not None:

@@ -27,6 +27,7 @@ from parity.compare.results import first_mismatch
 from parity.report import plots
 from parity.report.tables import result_dict, tolerance_ratio
 from parity.util.files import atomic_write
+from parity.util.text import grouped
 
 _env = Environment(
     loader=PackageLoader("parity.report", "templates"),
@@ -113,7 +114,7 @@ def _coverage(result) -> dict | None:
         "ok": coverage.ok,
         "summary": summary,
         "gaps": list(d["gaps"]),
-        "info": [f"{k}: {v}" for k in ("tied", "conversions", "copies") for v in d.get(k) or []]
+        "info": [f"{k}: {v}" for k in ("tied", "conversions", "copies") for v in grouped(d.get(k) or [])]
         + ([f"skipped: {d['skipped']}"] if d.get("skipped") else []),
         "replaced": coverage.replaced_note() if hasattr(coverage, "replaced_note") else None,
     }
@@ -308,7 +309,10 @@ def render_html(result) -> str:
         card=card,
         heatmap_svg=None
         if exact or decode
-        else _svg(plots.depth_heatmap_svg(result.nodes, bad.index if bad else None, scale)),
+        else _svg(plots.depth_heatmap_svg(forward_nodes(result.nodes), bad.index if bad else None, scale)),
+        grad_svg=None
+        if exact or not any(n.name.startswith("grad/") for n in result.nodes)
+        else _svg(plots.depth_heatmap_svg(gradient_nodes(result.nodes), bad.index if bad else None, scale)),
         decode_svg=_svg(plots.decode_heatmap_svg(result.nodes, bad.index if bad else None, scale)) if decode else None,
         depth_svg=None
         if exact
@@ -327,7 +331,24 @@ def render_html(result) -> str:
         filters=_filters(result),
         coverage=_coverage(result),
         mode=mode,
+        iso_column=bool(separate),
     )
+
+
+#: what a training check appends after the forward's nodes (parity.run.backward): the train-mode logits,
+#: the loss, gradients, the optimizer step, causality; the forward's depth picture leaves them out
+TRAINING_PREFIXES = ("train/", "grad/", "step/", "causal/")
+
+
+def forward_nodes(nodes) -> list:
+    """The forward's own nodes of a result (without a training check's ``loss`` and prefixed nodes)."""
+    return [n for n in nodes if not n.name.startswith(TRAINING_PREFIXES) and n.name != "loss"]
+
+
+def gradient_nodes(nodes) -> list:
+    """The node gradients of a training check (``grad/<node>``; parameter gradients, whose kind names the
+    parameter, ``q_proj.weight``, left out): the second depth picture, layers by node kind."""
+    return [n for n in nodes if n.name.startswith("grad/") and "." not in n.kind]
 
 
 def write_html(result, path) -> Path:

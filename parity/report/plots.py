@@ -366,7 +366,7 @@ def depth_heatmap_svg(nodes, first_index: int | None, scale: str | None = None) 
     patches, faces, urls, titles = [], [], [], {}
     for (row, kind), node in cells.items():
         r = row_of[row]
-        c, width = (kinds.index(kind), 1) if kind is not None else (0, n_cols)  # outside nodes span the row
+        c, width = (kinds.index(kind), 1) if kind is not None else (0, 1)  # an outside node is one cell, not a row
         face = colours.face(node)
         patches.append(Rectangle((c, r), width, 1))
         faces.append(face)

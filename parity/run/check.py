@@ -35,6 +35,7 @@ from parity.run.stages import (
     trace_reference,
     undiagnosed_note,
 )
+from parity.util.errors import ParityError
 
 
 def _check_decode(pair: Pair, run: Run) -> CheckResult:
@@ -116,8 +117,12 @@ def check(
     node's atol from the reference's own error against float64), ``tolerances`` (``{node glob:
     (atol, rtol)}``, winning over all), ``decode`` (a :class:`parity.DecodePlan` or ``"12:4x8"``:
     prefill, chunks and decode steps through both KV caches, every node and both caches compared
-    at every step; chained only, see :mod:`parity.run.decode`) and ``trace_memory`` (bytes of a
-    trace held in memory before it spills to a temporary folder; see :mod:`parity.run.memory`).
+    at every step; chained only, see :mod:`parity.run.decode`), ``trace_memory`` (bytes of a
+    trace held in memory before it spills to a temporary folder; see :mod:`parity.run.memory`),
+    ``backward`` (training parity after the forward: ``train/logits``, ``loss``, every node's and
+    parameter's gradient as ``grad/...``, with ``labels``; ``step="adamw"|"sgd"`` and ``lr``: one
+    optimizer step, ``step/...``; see :mod:`parity.run.backward`) and ``causality`` (``causal/...``:
+    no node of ours at position t may change when only later tokens change).
 
     Returns an immutable :class:`parity.CheckResult` (``.passed``, ``.first_mismatch``, ``.nodes``...).
 
@@ -129,14 +134,48 @@ def check(
             spilled traces on disk); a config the reference cannot run.
     """
     run = plan(pair, CheckOptions.of(options, **option_values), input_ids, attention_mask)
+    if run.attention_mask is not None and run.options.decode is None:
+        _require_mask_argument(pair, run)
     if run.options.decode is not None:
         return _check_decode(pair, run)
+    if run.options.labels is not None:  # before the forward: a labels tensor that cannot serve is bad input
+        from parity.run.backward import check_labels
+
+        check_labels(run, pair.vocab_size)
     if run.options.resolved_semantic(pair.exact):
         from parity.run.semantic import check_semantic
 
         coverage = _coverage(pair)
-        return check_semantic(pair, run, _forward_notes(pair, run) + coverage_notes(coverage), coverage)
-    return _check_forward(pair, run)
+        result = check_semantic(pair, run, _forward_notes(pair, run) + coverage_notes(coverage), coverage)
+    else:
+        result = _check_forward(pair, run)
+    if run.options.backward or run.options.causality:  # training parity, after the forward it needs
+        from parity.run.backward import check_backward
+
+        refuse_changed_weights(pair, "before the backward")
+        result = check_backward(pair, run, result)
+        refuse_changed_weights(pair, "during the backward")
+    return result
+
+
+def _require_mask_argument(pair: Pair, run: Run) -> None:
+    """A padded run gives ours an ``attention_mask``: a forward that visibly takes none (no such
+    parameter, no ``**kwargs``) is refused before anything runs, in one line naming it."""
+    import inspect
+
+    try:
+        signature = inspect.signature(pair.ours.forward)
+    except (TypeError, ValueError):
+        return
+    params = signature.parameters
+    if "attention_mask" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    what = f"{type(pair.ours).__name__}.forward{signature}"
+    raise ParityError(
+        f"the run pads rows (left_pad {run.options.left_pad} / --left-pad, or an attention_mask given), but your "
+        f"model's forward {what} takes no attention_mask: accept one, forward(input_ids, attention_mask=None, "
+        "position_ids=None), or check without padding"
+    )
 
 
 def _forward_notes(pair: Pair, run: Run) -> list[str]:

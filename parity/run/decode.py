@@ -8,10 +8,17 @@ conv's last ``K`` inputs and the recurrent state), the attention mask over every
 a model exposes ``new_cache()`` (whose ``layers[i].keys`` / ``.values`` are the keys after RoPE and
 the values, ``(batch, kv_heads, tokens held, head_dim)``; a linear-attention layer's
 ``layers[i].conv_state`` / ``.recurrent_state`` instead, see :data:`CACHE_PARTS`) and takes
-``cache=`` in its forward; that is the whole protocol, for our families and for a user's model alike.
+``cache=`` in its forward; that is the whole protocol of our families, whose caches hold exactly
+what Transformers' holds (a cache of another length fails, ``cache_length``).
 
 A user's model with another cache API is driven through a :class:`CacheProtocol` (three small
-functions) given to :func:`parity.check_model` as ``cache_protocol=``.
+functions) given to :func:`parity.check_model` as ``cache_protocol=``; without one, a forward that
+takes its cache as ``cache=``, ``past_key_values=`` or ``kv_cache=`` is driven as it is
+(:func:`infer_protocol`), and a model whose cache is kept where parity cannot start it afresh is
+refused in one line naming what to write. A user's cache may hold more than the reference's (a
+sliding layer keeping ``window`` tokens, or all of them, masked): keys, caches, scores and
+probabilities are compared on the positions the reference's attention reads (:data:`KEY_AXIS`), and
+the difference in length is a note.
 
 Nodes are named per step: ``step3/model.layers.0.self_attn.k_rot`` (after the cache update: the keys
 attention reads, past and new), and ``step3/model.layers.0.self_attn.cache.keys`` / ``.values`` after
@@ -24,6 +31,7 @@ forward of the same prefix (``consistency``: a cache bug shows there even withou
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, cast
@@ -33,6 +41,7 @@ import torch
 from parity.compare.metrics import SHAPE
 from parity.compare.results import NodeResult, compare_traces, first_mismatch
 from parity.compare.tolerances import Tolerances
+from parity.diagnose.cache import keys_missing, weight_outside
 from parity.diagnose.detectors import diagnose
 from parity.diagnose.hints import Hint
 from parity.model.pair import NodeSpec, Pair
@@ -63,6 +72,8 @@ class DecodeOutcome:
     first_divergent_step: int | None = None
     margin: float | None = None
     near_tie: bool = False
+    #: what the run says beside: how ours' cache was driven and read, and a cache that held more than the reference's
+    notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {
@@ -74,10 +85,11 @@ class DecodeOutcome:
             "first_divergent_step": self.first_divergent_step,
             "margin": self.margin,
             "near_tie": self.near_tie,
+            "notes": self.notes,
         }
 
     def lines(self) -> list[str]:
-        out = []
+        out = list(self.notes)
         worst = max(self.consistency, default=0.0)
         out.append(
             f"cached vs full forward (ours alone): max |difference| {worst:.3g} over {len(self.consistency)} steps"
@@ -103,9 +115,17 @@ class CacheProtocol:
     cache)`` -> logits ``(batch, new, vocab)`` for this call's tokens ``input_ids`` ``(batch, new)``,
     given the mask over every token so far ``(batch, so far)`` (or None without padding) and the
     positions of the new tokens ``(batch, new)``, updating ``cache``; ``layers(cache)`` -> per layer
-    ``(keys, values)``, each ``(batch, kv_heads, held, head_dim)`` with the oldest token first (keys
-    after RoPE), or ``(None, None)`` for a layer without a cache. A sliding layer should hold the last
-    ``window - 1`` tokens, as Transformers does; one that holds more is reported (``cache_length``).
+    ``(keys, values)``, each ``(batch, kv_heads, held, head_dim)`` with the oldest token first and the
+    newest last (keys after RoPE), or ``(None, None)`` for a layer without a cache; or None for a
+    cache parity should not read (its contents are then not compared after each step: the keys each
+    step's attention reads still are).
+
+    A cache may hold more than Transformers' (a sliding layer that keeps ``window`` tokens instead of
+    ``window - 1``, or every token, masked): keys, caches, scores and probabilities are compared on the
+    positions the reference's attention reads (aligned by sequence index, newest last), the extra
+    older entries are not (probabilities there must be 0), and the difference in length is one note.
+    A cache that holds fewer than the reference's attention reads fails (``cache_length``, naming the
+    missing positions; ``cache_not_read`` when a call continuing the cache reads only its own keys).
 
     A layer whose cache is not keys and values gives a mapping of its parts instead (see
     :data:`CACHE_PARTS`): a linear-attention layer ``{"conv_state": (batch, channels, K) the short
@@ -117,6 +137,8 @@ class CacheProtocol:
     new_cache: Callable
     forward: Callable
     layers: Callable
+    #: how an inferred protocol drives the model (:func:`infer_protocol`; "" for one written by hand)
+    driven: str = ""
 
 
 #: what a layer's cache holds, by the node that names its module (``<module>.<anchor>``): the parts
@@ -143,6 +165,137 @@ DEFAULT_PROTOCOL = CacheProtocol(
     ),
     layers=_our_layers,
 )
+
+#: the names a user's forward may take its cache under, tried in this order (:func:`infer_protocol`)
+CACHE_ARGUMENTS = ("cache", "past_key_values", "kv_cache")
+#: what a decode error tells a user to write when parity cannot drive the cache as it is
+WRITE_A_PROTOCOL = (
+    "write a parity.CacheProtocol(new_cache, forward, layers) (three functions: an empty cache; one call on "
+    "new tokens returning logits; each layer's (keys, values)) and pass it as check_model(cache_protocol=...)"
+)
+
+
+@dataclass
+class _Held:
+    """The cache a model driven by :func:`infer_protocol` holds between calls: the one given to it, or
+    the one its forward returned (a model may hand back a new object each call, legacy tuples)."""
+
+    cache: object = None
+
+
+def _fresh_cache(model):
+    """``model.new_cache()`` when the model has one callable without arguments, else None (the model
+    makes its cache when given none)."""
+    make = getattr(model, "new_cache", None)
+    if not callable(make):
+        return None
+    try:
+        required = [
+            p
+            for p in inspect.signature(make).parameters.values()
+            if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+    except (TypeError, ValueError):
+        required = []
+    return make() if not required else None
+
+
+def _split_output(out, where: str) -> tuple[torch.Tensor, object]:
+    """``(logits, the cache the output carries or None)`` of a forward's output: logits; a tuple
+    ``(logits, cache, ...)``; an object with ``.logits`` (and ``.past_key_values`` or ``.cache``)."""
+    if isinstance(out, torch.Tensor):
+        return out, None
+    logits = getattr(out, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        for name in ("past_key_values", "cache", "kv_cache"):
+            if getattr(out, name, None) is not None:
+                return logits, getattr(out, name)
+        return logits, None
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0], next((x for x in out[1:] if x is not None and not isinstance(x, torch.Tensor)), None)
+    raise ParityError(f"{where} returned {type(out).__name__}: a decode check reads logits, or (logits, cache)")
+
+
+def read_cache_layers(cache) -> list | None:
+    """Per layer ``(keys, values)`` (or a mapping of parts, :data:`CACHE_PARTS`) of a cache in a form
+    parity knows, else None: ``layers[i].keys`` / ``.values`` (ours' form, Transformers' ``Cache``),
+    ``key_cache`` / ``value_cache`` lists, or a sequence of per-layer ``(keys, values)`` pairs (the
+    legacy ``past_key_values``). Another form (a ring buffer, preallocated slots) is not guessed at:
+    its order and its unused slots cannot be told from its attributes."""
+    if cache is None:
+        return None
+    parts = {p for ps in CACHE_PARTS.values() for p in ps}
+    layers = getattr(cache, "layers", None)
+    if isinstance(layers, (list, tuple)) and any(any(hasattr(x, p) for p in parts) for x in layers):
+        return _our_layers(cache)
+    keys, values = getattr(cache, "key_cache", None), getattr(cache, "value_cache", None)
+    if isinstance(keys, (list, tuple)) and isinstance(values, (list, tuple)):
+        return list(zip(keys, values))
+
+    def pair(x) -> bool:
+        return isinstance(x, (tuple, list)) and len(x) == 2 and all(t is None or isinstance(t, torch.Tensor) for t in x)
+
+    if isinstance(cache, (tuple, list)) and cache and all(x is None or pair(x) for x in cache):
+        return [x if x is not None else (None, None) for x in cache]
+    return None
+
+
+def infer_protocol(model) -> CacheProtocol:
+    """A protocol for a user's model given none, from its forward's signature: the cache passed as
+    ``cache=``, ``past_key_values=`` or ``kv_cache=`` (``new_cache()`` when the model has one, else None
+    with ``use_cache=True`` and the cache its output returns), ``position_ids=`` and ``attention_mask=``
+    when the forward takes them. Raises ParityError naming what to write when the cache cannot be
+    driven that way: a forward with ``use_cache=`` but no cache argument, or ``input_pos`` /
+    ``start_pos`` (a cache kept inside the model: parity can neither start it afresh for each run nor
+    read it), or no cache at all."""
+    name = f"{type(model).__name__}.forward"
+    params: Mapping[str, inspect.Parameter]
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        params = {}
+    argument = next((a for a in CACHE_ARGUMENTS if a in params), None)
+    if argument is None:
+        inside = next((a for a in ("use_cache", "input_pos", "start_pos") if a in params), None)
+        if inside is not None:
+            raise ParityError(
+                f"{name} takes {inside}= but no cache argument (cache=, past_key_values=, kv_cache=): its cache is "
+                f"kept inside the model, which parity cannot drive (it must start a fresh cache for each run and "
+                f"read each layer's keys); {WRITE_A_PROTOCOL}"
+            )
+        raise ParityError(
+            f"{name} takes no cache argument (cache=, past_key_values=, kv_cache= or use_cache=): a decode check "
+            f"needs ours to keep a KV cache; {WRITE_A_PROTOCOL}"
+        )
+    use_cache, positions_arg, mask_arg = ("use_cache" in params, "position_ids" in params, "attention_mask" in params)
+    call = f"{name}({argument}=" + ", use_cache=True" * use_cache + ")"
+
+    def forward(model, ids, mask, positions, held: _Held):
+        kwargs: dict[str, object] = {argument: held.cache}
+        if use_cache:
+            kwargs["use_cache"] = True
+        if positions_arg:
+            kwargs["position_ids"] = positions
+        if mask_arg:
+            kwargs["attention_mask"] = mask
+        elif mask is not None:
+            raise ParityError(f"{name} takes no attention_mask: a padded decode needs one (check without --left-pad)")
+        logits, returned = _split_output(model(ids, **kwargs), name)
+        if returned is not None:
+            held.cache = returned
+        if held.cache is None:
+            raise ParityError(
+                f"{call} with no cache given returned none, and the model has no new_cache(): parity cannot "
+                f"carry its cache to the next call; {WRITE_A_PROTOCOL}"
+            )
+        return logits
+
+    return CacheProtocol(
+        new_cache=lambda model: _Held(_fresh_cache(model)),
+        forward=forward,
+        layers=lambda held: read_cache_layers(held.cache),
+        driven=call,
+    )
 
 
 def fed_token(logits: torch.Tensor, placeholders: tuple[int, ...] = ()) -> torch.Tensor:
@@ -266,6 +419,21 @@ KV_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_atte
 CACHED_LAYER_TYPES = KV_LAYER_TYPES | {"linear_attention"}
 
 
+def protocol_for(pair: Pair) -> CacheProtocol:
+    """How ours is driven: the pair's protocol; our families' (:data:`DEFAULT_PROTOCOL`) for a family's
+    model; for a user's model given none, one inferred from its forward (:func:`infer_protocol`)."""
+    if pair.cache_protocol is not None:
+        return pair.cache_protocol
+    return infer_protocol(pair.ours) if pair.alignment else DEFAULT_PROTOCOL
+
+
+def exact_lengths(pair: Pair) -> bool:
+    """Whether ours' cache must hold exactly the reference's tokens: a family's own model, whose cache is
+    written with Transformers' semantics (``reference_pairs/common/cache.py``), so any other length is a
+    bug of its cache. A user's cache (a protocol given or inferred) may hold more (see :data:`KEY_AXIS`)."""
+    return pair.cache_protocol is None and not pair.alignment
+
+
 def new_caches(pair: Pair, protocol: CacheProtocol):
     """``(reference cache, ours' cache)``: a Transformers DynamicCache and ours' (through ``protocol``)."""
     from transformers import DynamicCache
@@ -284,6 +452,130 @@ def new_caches(pair: Pair, protocol: CacheProtocol):
             f"are {', '.join(kinds)}, whose cache parity's decode does not step yet: check without --decode"
         )
     return DynamicCache(config=cast("PreTrainedModel", pair.reference).config), protocol.new_cache(pair.ours)
+
+
+#: the nodes with an axis over keys (the tokens attention reads, or a cache holds), and that axis.
+#: Both sides hold their tokens oldest first and end with the call's last one, so entry ``j`` of a
+#: length ``n`` at a call ending before sequence index ``end`` is the token at ``end - n + j``.
+KEY_AXIS = {"k_rot": -2, "scores": -1, "probs": -1, "cache.keys": -2, "cache.values": -2}
+
+
+@dataclass(frozen=True)
+class KeySpan:
+    """A key-axis node that holds other tokens on each side: ``ours`` and ``reference`` entries along
+    ``axis``, both ending with the token before sequence index ``end``."""
+
+    kind: str
+    ours: int
+    reference: int
+    end: int
+    axis: int
+    #: the node was compared on the reference's positions only (ours holds ``ours - reference`` older ones)
+    aligned: bool = False
+    #: probabilities: the most weight ours' attention gives an older entry (0 when they are masked)
+    weight: float = 0.0
+
+    @property
+    def extra(self) -> int:
+        return max(self.ours - self.reference, 0)
+
+    def detail(self) -> str:
+        older = (
+            f"{self.end - self.ours}..{self.end - self.reference - 1}" if self.extra > 1 else str(self.end - self.ours)
+        )
+        first = self.end - self.reference
+        positions = f"position{'s' if self.extra > 1 else ''} {older}"
+        if self.kind == "probs":
+            return (
+                f"ours holds {self.extra} older key{'s' if self.extra > 1 else ''} ({positions}) the reference's "
+                f"attention does not read: compared with probability 0 there"
+            )
+        return (
+            f"compared on the {self.reference} positions the reference's attention reads ({first}..{self.end - 1}); "
+            f"ours' {self.extra} older ({positions}) not compared"
+        )
+
+
+def _key_span(kind: str, ours, ref, end: int) -> KeySpan | None:
+    """The span of a key-axis node whose two sides differ only in how many tokens they hold, else None."""
+    axis = KEY_AXIS.get(kind)
+    if axis is None or ours is None or ref is None or ours.dim() != ref.dim() or ours.dim() < -axis:
+        return None
+    cut = ours.dim() + axis
+    if ours.shape[cut] == ref.shape[cut] or [n for d, n in enumerate(ours.shape) if d != cut] != [
+        n for d, n in enumerate(ref.shape) if d != cut
+    ]:
+        return None
+    return KeySpan(kind, ours.shape[cut], ref.shape[cut], end, axis)
+
+
+def _align_keys(our_tensors, ref_tensors, kinds: Mapping[str, str], end: int, lenient: bool) -> dict[str, KeySpan]:
+    """For every key-axis node whose sides hold other numbers of tokens, its :class:`KeySpan`; with
+    ``lenient`` (a user's cache), a node where ours holds more is brought to the reference's positions
+    before it is compared: ours' older entries dropped, or for probabilities the reference's extended
+    with zeros over them (its attention gives them no weight; ours must not either)."""
+    spans = {}
+    for name, kind in kinds.items():
+        span = _key_span(kind, our_tensors.get(name), ref_tensors.get(name), end)
+        if span is None:
+            continue
+        if lenient and span.extra:
+            ours, ref = our_tensors[name], ref_tensors[name]
+            weight = 0.0
+            if kind == "probs":
+                pad = list(ref.shape)
+                pad[ref.dim() + span.axis] = span.extra
+                ref_tensors[name] = torch.cat([ref.new_zeros(pad), ref], dim=span.axis)
+                weight = float(ours.narrow(span.axis, 0, span.extra).double().abs().max())
+            else:
+                our_tensors[name] = ours.narrow(span.axis, span.extra, span.reference)
+            span = replace(span, aligned=True, weight=weight)
+        spans[name] = span
+    return spans
+
+
+def _lengths_note(pair: Pair, spans: Mapping[str, KeySpan], results: Mapping[str, NodeResult]) -> str | None:
+    """One note for a run whose cache held more tokens than the reference's: per layer type, how many
+    (the caches after the last step where they differed, else the keys attention read), and whether
+    ours' attention gave the extra ones probability 0."""
+    held: dict[str, tuple[int, int, bool]] = {}
+    reads: dict[str, tuple[int, int]] = {}
+    for name, span in spans.items():
+        layer = pair.facts.layer(results[name].layer) if name in results else None
+        if not span.aligned or layer is None:
+            continue
+        if span.kind == "cache.keys":
+            every = span.ours == span.end and held.get(layer.layer_type, (0, 0, True))[2]
+            held[layer.layer_type] = (span.ours, span.reference, every)
+        elif span.kind == "k_rot":
+            reads[layer.layer_type] = (span.ours, span.reference)
+    if not held and not reads:
+        return None
+    probs = [(s, results[n]) for n, s in spans.items() if s.aligned and s.kind == "probs" and n in results]
+    probs = [(s, r) for s, r in probs if r.judged]
+    if not probs:
+        masked = "whether ours' attention masks them shows only in the nodes after (probs untapped)"
+    elif all(s.weight <= r.atol for s, r in probs):
+        masked = "ours' attention gives them probability 0 (checked at every step's probs)"
+    else:
+        worst = max(s.weight for s, _ in probs)
+        masked = f"ours' attention gives some of them weight (up to {worst:.3g}: see the probs nodes)"
+    parts = []
+    for layer_type in sorted(set(held) | set(reads)):
+        window = next((x.window for x in pair.facts.layers if x.layer_type == layer_type and x.window), None)
+        if layer_type in held:
+            ours, ref, every = held[layer_type]
+            keeps = "every token so far" if every else f"{ours} tokens"
+            cut = f" (window - 1 = {ref})" if window and ref == window - 1 else ""
+            parts.append(f"ours' cache keeps {keeps} on {layer_type} layers, Transformers' {ref}{cut}")
+        else:
+            ours, ref = reads[layer_type]
+            parts.append(f"ours' attention reads {ours} keys on {layer_type} layers, Transformers' {ref}")
+    return (
+        f"cache length (not a failure): {'; '.join(parts)}, at the last step where they differ; the older entries "
+        f"are outside what the reference's attention reads, and {masked}; keys, caches, scores and probabilities "
+        f"are compared on the positions the reference's attention reads"
+    )
 
 
 def _cache_hint(
@@ -332,33 +624,67 @@ def run_decode(
         else torch.cat([attention_mask.long(), torch.ones(batch, plan.steps, dtype=torch.long)], dim=1)
     )
     positions = generation_positions(mask if attention_mask is not None else None, batch, plan.total)
-    protocol = pair.cache_protocol or DEFAULT_PROTOCOL
+    protocol = protocol_for(pair)
+    lenient = not exact_lengths(pair)
     ref_cache, our_cache = new_caches(pair, protocol)
     stems = _cache_stems(pair)
     outcome = DecodeOutcome(plan, plan.schedule())
+    if protocol.driven:
+        outcome.notes.append(f"ours' cache driven as {protocol.driven} (no CacheProtocol given)")
     results: list[NodeResult] = []
     traces: list[tuple[Trace, Trace, torch.Tensor]] = []
+    spans: dict[str, KeySpan] = {}
     untapped = untapped_nodes(pair)
+    unread = ""  # the type of ours' cache when its protocol does not read it (its cache nodes untapped)
     for k, (a, b) in enumerate(outcome.steps):
         step_mask = mask[:, :b] if attention_mask is not None else None
         ref_trace, ref_logits = _trace_reference_step(pair, ids[:, a:b], step_mask, positions[:, a:b], ref_cache)
         our_trace, our_logits = _trace_ours_step(pair, protocol, ids[:, a:b], step_mask, positions[:, a:b], our_cache)
         ref_trace.tensors.update(_cache_tensors(_reference_layers(ref_cache), stems))
-        our_trace.tensors.update(_cache_tensors(protocol.layers(our_cache), stems))
-        specs = [replace(n, name=_step(k, n.name)) for n in pair.nodes]
-        specs += [
-            NodeSpec(_step(k, f"{stem}.cache.{part}"), "", layer=i, kind=f"cache.{part}")
+        our_layers = protocol.layers(our_cache)
+        if our_layers is None:
+            held = getattr(our_cache, "cache", our_cache)
+            unread = f"{type(held).__module__}.{type(held).__qualname__}"
+        else:
+            our_trace.tensors.update(_cache_tensors(our_layers, stems))
+        cache_specs = [
+            NodeSpec(
+                f"{stem}.cache.{part}",
+                f"unaligned:ours' cache ({unread.rsplit('.', 1)[-1]}) is not read: a CacheProtocol's layers() reads it"
+                if our_layers is None
+                else "",
+                layer=i,
+                kind=f"cache.{part}",
+            )
             for i, (stem, parts) in stems.items()
             for part in parts
         ]
+        step_spans = _align_keys(
+            our_trace.tensors,
+            ref_trace.tensors,
+            {n.name: n.kind for n in [*pair.nodes, *cache_specs] if n.kind in KEY_AXIS},
+            b,
+            lenient,
+        )
+        specs = [replace(n, name=_step(k, n.name)) for n in [*pair.nodes, *cache_specs]]
+        skipped = untapped | ({n.name for n in cache_specs} if our_layers is None else set())
         step_results = compare_traces(
             _prefixed(our_trace, k),
             _prefixed(ref_trace, k),
             specs,
             tolerances,
-            frozenset(_step(k, n) for n in untapped),
+            frozenset(_step(k, n) for n in skipped),
         )
-        results += [replace(r, index=len(results) + j) for j, r in enumerate(step_results)]
+        for j, r in enumerate(step_results):
+            span = step_spans.get(r.name.split("/", 1)[1])
+            if span is not None and span.aligned:  # the real shapes, and what was compared
+                ours_shape, ref_shape = list(r.shape_ref or ()), list(r.shape_ref or ())
+                ours_shape[span.axis], ref_shape[span.axis] = span.ours, span.reference
+                detail = "; ".join(d for d in (r.detail, span.detail()) if d)
+                r = replace(r, shape_ours=tuple(ours_shape), shape_ref=tuple(ref_shape), detail=detail)
+            step_results[j] = replace(r, index=len(results) + j)
+        spans.update({_step(k, n): span for n, span in step_spans.items()})
+        results += step_results
         traces.append((_prefixed(our_trace, k), _prefixed(ref_trace, k), positions[:, a:b]))
         # beside the nodes: ours against its own full forward, and the greedy choice of each model
         with torch.inference_mode():  # the same prefix through a fresh cache, in one call
@@ -379,22 +705,62 @@ def run_decode(
             top2 = ref_logits[:, -1].double().topk(2, dim=-1).values
             margin = float((top2[:, 0] - top2[:, 1]).min())
             outcome.first_divergent_step, outcome.margin, outcome.near_tie = k, margin, margin < NEAR_TIE
-        if plan.prefill <= b < plan.total:  # the next decode step feeds the reference's greedy choice to both
+        if plan.prefill <= b < plan.total:  # the next decode step feeds the reference's greedy token to both
             ids[:, b] = fed_token(ref_logits[:, -1], pair.facts.placeholder_tokens)
+    if unread:
+        outcome.notes.append(
+            f"ours' cache ({unread}) is in no form parity reads (layers[i].keys / .values, a Transformers Cache, "
+            f"per-layer (keys, values) pairs): the caches after each step are untapped; the keys each step's "
+            f"attention reads are compared; a CacheProtocol whose layers() returns each layer's (keys, values), "
+            f"oldest first, compares the caches too"
+        )
+    note = _lengths_note(pair, spans, {r.name: r for r in results})
+    if note is not None:
+        outcome.notes.append(note)
     bad = first_mismatch(results)
     if bad is not None:
         step = int(bad.name.split("/", 1)[0][len("step") :])
         ours_t, ref_t, step_positions = traces[step]
-        hint = None
-        if bad.kind.startswith("cache.") and bad.status == SHAPE:
-            layer = pair.facts.layer(bad.layer)
+        a, b = outcome.steps[step]
+        layer = pair.facts.layer(bad.layer) if bad.layer is not None else None
+        hint = _key_hint(bad, spans.get(bad.name), step, (a, b), ours_t, ref_t, layer)
+        if hint is None and bad.kind.startswith("cache.") and bad.status == SHAPE:
             hint = _cache_hint(
                 bad, ours_t.tensors.get(bad.name), ref_t.tensors.get(bad.name), layer.window if layer else None
             )
         if hint is None:
-            a, b = outcome.steps[step]
             hint = diagnose(
                 bad, ours_t, ref_t, pair.facts, step_positions, mask[:, a:b] if attention_mask is not None else None
             )
         results[bad.index] = replace(bad, hint=hint)
     return results, outcome
+
+
+def _key_hint(
+    bad: NodeResult, span: KeySpan | None, step: int, call: tuple[int, int], ours: Trace, ref: Trace, layer
+) -> Hint | None:
+    """The hint of a failing key-axis node whose sides hold other tokens: ours lacks positions the
+    reference's attention reads (:func:`~parity.diagnose.cache.keys_missing`), or gives weight to older
+    ones it holds beyond them (:func:`~parity.diagnose.cache.weight_outside`)."""
+    if span is None:
+        return None
+    window = layer.window if layer is not None else None
+    if span.ours < span.reference:
+        agree = None
+        if span.kind == "k_rot" and call[0] > 0 and span.ours == call[1] - call[0]:
+            mine, theirs = ours.tensors.get(bad.name), ref.tensors.get(bad.name)
+            if mine is not None and theirs is not None:
+                own = theirs.narrow(span.axis, span.reference - span.ours, span.ours)
+                agree = bool(torch.isclose(mine.double(), own.double(), atol=bad.atol, rtol=bad.rtol).all())
+        kv_source = layer.kv_source if layer is not None else None
+        return keys_missing(span.kind, step, call, span.ours, span.reference, window, kv_source, agree)
+    if span.aligned and span.kind == "probs" and span.weight > bad.atol:
+        mine = ours.tensors.get(bad.name)
+        if mine is not None:
+            older = mine.narrow(span.axis, 0, span.extra).double().abs().movedim(span.axis, 0).flatten(1)
+            per_position = older.max(dim=1).values.tolist()
+            first = call[1] - span.ours
+            weights = {first + j: w for j, w in enumerate(per_position) if w > bad.atol}
+            if weights:
+                return weight_outside(step, call, span.reference, weights, window)
+    return None

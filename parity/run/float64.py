@@ -39,12 +39,25 @@ def _high(value):
 class Float64Mode(TorchFunctionMode):
     """Inside it, a cast to float32, float16 or bfloat16 stays float64 (``x.float()``,
     ``x.to(torch.float32)``, ``x.type(torch.bfloat16)``, ``softmax(x, dtype=torch.float32)``, a new
-    tensor ``dtype=torch.float32``)."""
+    tensor ``dtype=torch.float32``), and a tensor made without a dtype (``torch.tensor(0.5)``, a new
+    Parameter) is float64: the default dtype is float64 while the mode is on."""
+
+    def __enter__(self):
+        self._default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        return super().__enter__()
+
+    def __exit__(self, exc_type, exc_val, exc_tb):
+        try:
+            return super().__exit__(exc_type, exc_val, exc_tb)
+        finally:
+            torch.set_default_dtype(self._default)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in CASTS:
-            return args[0].double() if args[0].is_floating_point() else func(*args, **kwargs)
+            # an integer or bool tensor's .float() too (torch.arange(0, d, 2).float() / d: RoPE frequencies)
+            return func(*args, **kwargs) if args[0].is_complex() else args[0].double()
         if func in (torch.Tensor.to, torch.Tensor.type):
             args = tuple(_high(a) for a in args)
         if "dtype" in kwargs:
@@ -67,6 +80,32 @@ def _tensors(model: nn.Module):
 def _storage_id(t: torch.Tensor) -> tuple:
     s = t.untyped_storage()
     return s.data_ptr(), s.nbytes(), t.device
+
+
+def float64_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state_dict`` with every floating tensor in float64, a storage its tensors share (a tie, the
+    views of a fused tensor) copied once and shared again; integer tensors kept as they are."""
+    storages: dict[tuple, torch.Tensor] = {}
+    out = {}
+    for key, t in state_dict.items():
+        if not t.is_floating_point() or t.is_meta:
+            out[key] = t
+            continue
+        sid = _storage_id(t)
+        base = storages.get(sid)
+        if base is None:
+            base = torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage()).to(torch.float64)
+            storages[sid] = base
+        out[key] = base.as_strided(t.shape, t.stride(), t.storage_offset())
+    return out
+
+
+def all_float64(model: nn.Module) -> str | None:
+    """None when every floating parameter and buffer of ``model`` is float64, else the first that is not."""
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t.is_floating_point() and t.dtype != torch.float64:
+            return f"{name} is {str(t.dtype).replace('torch.', '')}"
+    return None
 
 
 def float64_models(*models: nn.Module, what: str = "the float64 semantic run") -> list[nn.Module]:

@@ -78,3 +78,25 @@ def trace_bytes(facts: ArchFacts, batch: int, seq: int, element_size: int) -> in
     traces = 2 * element_size * batch * seq * per_token
     largest = batch * seq * max(heads * seq, vocab, ffn)
     return traces + 6 * 8 * largest
+
+
+def backward_bytes(
+    facts: ArchFacts, batch: int, seq: int, element_size: int, weights: int, budget: int | None = TRACE_MEMORY
+) -> int:
+    """What a backward check (:mod:`parity.run.backward`) adds to the weights, one model's autograd
+    graph at a time: the activations autograd keeps for the backward (about two full traces' worth:
+    every layer's inputs, the attention matrices, the float32 upcasts of norms and softmax), the
+    float32 logits the loss reads and their gradient (three copies), both models' parameter
+    gradients (twice the weights), and the two gradient traces up to the trace budget each."""
+    graph = 2 * one_trace_bytes(facts, batch, seq, element_size)
+    logits = 3 * 4 * batch * seq * facts.vocab_size
+    grads = one_trace_bytes(facts, batch, seq, element_size)
+    kept = 2 * (grads if budget is None else min(grads, budget))
+    return graph + logits + 2 * weights + kept + forward_bytes(facts, batch, seq, element_size, budget)
+
+
+def causality_bytes(facts: ArchFacts, rows: int, seq: int, element_size: int) -> int:
+    """A causality check's forward of ``rows`` sequences at once (the base and one perturbed copy per
+    tested position), each node judged as it is produced and dropped: one forward's working set and
+    one node's float64 differences."""
+    return forward_bytes(facts, rows, seq, element_size, 0) + 3 * 8 * largest_node_bytes(facts, rows, seq, 1)

@@ -17,14 +17,21 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
-import torch
-
-from parity.compare.tolerances import Tolerances
 from parity.util.errors import ParityError
 from parity.util.resources import TRACE_MEMORY
 
+if TYPE_CHECKING:  # the options themselves need neither: the command line checks them before torch loads
+    import torch
+
+    from parity.compare.tolerances import Tolerances
+
 MODES = ("chained", "isolated", "both")
+#: optimizers a backward check can take one step with (torch.optim.AdamW, torch.optim.SGD, their defaults)
+STEPS = ("adamw", "sgd")
+#: the step's learning rate when none is given (torch.optim.AdamW's default)
+DEFAULT_LR = 1e-3
 
 
 @dataclass(frozen=True)
@@ -102,6 +109,14 @@ class CheckOptions:
       (a node that differs beyond 1e-9 of its scale there is a difference of formula), then the run's
       dtype within 10x the reference's own error against float64 (precision); None: on for a pair
       not claimed bit-exact when no tolerance rule is given (a user's model), off otherwise.
+    * ``backward``: training parity after the forward check (:mod:`parity.run.backward`): both
+      models in train mode with dropout off, the loss, every node's gradient, every parameter's
+      gradient; ``labels`` ``(batch, seq)`` integer (-100: ignored; default the input ids, padding
+      -100, shifted inside the loss as Transformers' ``ForCausalLMLoss`` does); ``step``
+      (``"adamw"`` or ``"sgd"``) with ``lr`` (default 1e-3): one optimizer step on float32 copies,
+      the updated weights compared;
+    * ``causality``: logits at position ``t`` must not depend on tokens after ``t``: each model's
+      nodes checked under perturbed later tokens (the first node that leaks is named).
 
     Raises ParityError, naming the option, for a value no check could use.
     """
@@ -118,6 +133,11 @@ class CheckOptions:
     decode: DecodePlan | None = None
     trace_memory: int | None = TRACE_MEMORY
     semantic: bool | None = None
+    backward: bool = False
+    labels: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    step: str | None = None
+    lr: float | None = None
+    causality: bool = False
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -128,7 +148,7 @@ class CheckOptions:
         _number("atol", self.atol)
         _number("rtol", self.rtol)
         _number("trace_memory", self.trace_memory, integer=True, least=0)
-        for flag in ("calibrate",):
+        for flag in ("calibrate", "backward", "causality"):
             if not isinstance(getattr(self, flag), bool):
                 raise ParityError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         if self.exact is not None and not isinstance(self.exact, bool):
@@ -181,6 +201,42 @@ class CheckOptions:
                     "the prefill is the prompt"
                 )
             object.__setattr__(self, "seq_len", self.decode.prefill)  # the prompt is the prefill
+        self._check_training()
+
+    def _check_training(self) -> None:
+        """The backward, step and causality options, each refusal one line."""
+        if self.decode is not None and (self.backward or self.causality):
+            raise ParityError(
+                "backward and causality run on the prompt in one forward, not through the KV cache; drop the decode plan"
+            )
+        if self.step is not None and self.step not in STEPS:
+            raise ParityError(f"unknown step {self.step!r}; choose from {', '.join(STEPS)}")
+        if self.step is not None and not self.backward:
+            raise ParityError("a step needs the gradients: add backward=True (--backward)")
+        _number("lr", self.lr)
+        if self.lr is not None and (self.lr <= 0 or self.step is None):
+            raise ParityError(
+                f"lr {self.lr!r} must be > 0 and goes with a step (step='adamw' or 'sgd')"
+                if self.lr <= 0
+                else "lr is the step's learning rate: give step='adamw' or 'sgd' too"
+            )
+        labels = self.labels
+        if labels is not None:
+            import torch  # only a given labels tensor needs it
+
+            if not self.backward:
+                raise ParityError("labels are the loss's: add backward=True (--backward)")
+            if (
+                not isinstance(labels, torch.Tensor)
+                or labels.dtype not in (torch.int64, torch.int32, torch.int16)
+                or labels.dim() != 2
+            ):
+                got = (
+                    f"a {labels.dtype} tensor of shape {tuple(labels.shape)}"
+                    if isinstance(labels, torch.Tensor)
+                    else type(labels).__name__
+                )
+                raise ParityError(f"labels must be an integer tensor (batch, seq) of token ids or -100, got {got}")
 
     @classmethod
     def of(cls, options: CheckOptions | None = None, **changes) -> CheckOptions:
@@ -215,4 +271,6 @@ class CheckOptions:
 
     def tolerance_rule(self, dtype: torch.dtype, exact: bool) -> Tolerances:
         """The :class:`~parity.compare.tolerances.Tolerances` these options give nodes of ``dtype``."""
+        from parity.compare.tolerances import Tolerances
+
         return Tolerances(dtype, self.atol, self.rtol, dict(self.tolerances), exact=exact)

@@ -9,10 +9,12 @@ from dataclasses import dataclass
 import torch
 
 from parity.compare.tolerances import Tolerances
+from parity.model.derive import remote_code_note
 from parity.model.pair import Pair
 from parity.run.memory import check_footprint
 from parity.run.options import CheckOptions
 from parity.util.errors import ParityError
+from parity.util.files import sweep_spills
 from parity.util.resources import GIB, require, require_disk
 
 
@@ -72,6 +74,8 @@ def run_inputs(pair: Pair, options: CheckOptions, input_ids=None, attention_mask
         raise ParityError(f"input_ids must be an integer tensor of token ids (batch, seq), got a {got}")
     if input_ids.dim() != 2:
         raise ParityError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
+    if input_ids.numel() == 0:
+        raise ParityError(f"input_ids hold no token: shape {tuple(input_ids.shape)}")
     if int(input_ids.min()) < 0 or int(input_ids.max()) >= pair.vocab_size:
         raise ParityError(
             f"input_ids must lie in [0, {pair.vocab_size}), got [{int(input_ids.min())}, {int(input_ids.max())}]"
@@ -157,7 +161,13 @@ def plan(pair: Pair, options: CheckOptions | None = None, input_ids=None, attent
     """Validate ``options`` against the pair, build the run's inputs, and refuse a run that would not
     fit in memory. Raises ParityError."""
     options = CheckOptions() if options is None else options
+    swept = sweep_spills()  # what killed runs left in $TMPDIR, whether this run spills or not
+    remote = remote_code_note(getattr(pair.reference, "config", None))
     check_patterns(pair, options)
+    if input_ids is None:  # judged before the ids exist: a huge --seq-len is refused, not allocated
+        _require_room(
+            pair, options.batch_size, options.seq_len or pair.default_seq_len, options.trace_memory, options.calibrate
+        )
     input_ids, attention_mask = run_inputs(pair, options, input_ids, attention_mask)
     batch, seq = input_ids.shape
     _require_room(pair, batch, seq, options.trace_memory, options.calibrate)
@@ -167,7 +177,9 @@ def plan(pair: Pair, options: CheckOptions | None = None, input_ids=None, attent
         position_ids=generation_positions(attention_mask, batch, seq),
         options=options,
         tolerances=options.tolerance_rule(pair.dtype, options.resolved_exact(pair.exact)),
-        notes=tuple(pair.notes)
+        notes=((swept,) if swept else ())
+        + ((remote,) if remote else ())
+        + tuple(pair.notes)
         + tuple(window_notes(pair, seq))
         + tuple(chunk_notes(pair, seq))
         + tuple(position_notes(pair, seq)),

@@ -2,12 +2,14 @@
 
 Two passes judge every node:
 
-1. **Semantic** (float64): both models in float64 on one float64 copy of the weights, under
-   :class:`~parity.run.float64.Float64Mode` (so ``x.float()`` stays float64). Rounding is then near
-   1e-15, except what a model baked in before the run: tables and weights it derived in float32 when
-   it was built (RoPE frequencies, a norm weight kept as ``1 + w``), off by an ulp of float32. How much
-   each node moves under such ulps is measured, on a float64 reference whose every weight and buffer
-   is moved by one float32 ulp (random signs): a node of ours off by more than
+1. **Semantic** (float64): both models run in float64 under :class:`~parity.run.float64.Float64Mode`
+   (so ``x.float()`` stays float64). Where the pair can (``Pair.rebuild64``: a user's ``build``),
+   both are *rebuilt* from a float64 copy of the weights under the mode, so each derives its tables
+   (RoPE frequencies) and weights (a norm's ``1 + w``) in float64 too; otherwise they are float64
+   copies of the built models, and what a model derived in float32 when it was built stays
+   float32-rounded. Rounding is then near 1e-15, except what is still baked in float32: how much
+   each node moves under such rounding is measured on a float64 reference whose buffers (and, for
+   copies, weights) move by one float32 ulp (random signs). A node of ours off by more than
    :data:`BAKED_ULPS` times that (and at least :data:`SEMANTIC` of its scale) computes another
    formula: an eps, a scale, a window, a position.
 2. **Precision** (the run's dtype): each node within :data:`~parity.run.stages.SAFETY_FACTOR` times the
@@ -31,13 +33,15 @@ import torch
 from parity.compare.results import NodeResult, first_mismatch
 from parity.compare.tolerances import Tolerances
 from parity.model.pair import Loading, Pair
+from parity.record.hooks import split_path
 from parity.record.trace import Trace
 from parity.report.result import CheckResult
-from parity.run.float64 import Float64Mode, float64_models
+from parity.run.float64 import Float64Mode, all_float64, float64_models
 from parity.run.plan import Run
 from parity.run.stages import (
     CALIBRATION_FLOOR,
     SAFETY_FACTOR,
+    UNHOOKED,
     analyse,
     compare_run,
     config_diff,
@@ -47,6 +51,9 @@ from parity.run.stages import (
     trace_ours,
     trace_reference,
 )
+from parity.util.errors import ParityError
+from parity.util.resources import require
+from parity.util.text import one_line
 
 #: the least relative size of a float64 difference that is a difference of formula (float64 rounding
 #: through a model stays below 1e-13)
@@ -66,9 +73,9 @@ ULPS: dict[torch.dtype | None, float] = {
 }
 
 RULE = (
-    "semantic run: both models in float64 (a node off by more than {ulps:g}x what float32 ulps in the weights move "
-    "it computes another formula), then {dtype} within {k:g}x the reference's own {dtype} error against float64 "
-    "(precision)"
+    "semantic run: both models {how} in float64 (a node off by more than {ulps:g}x what float32 ulps in the "
+    "{what} move it computes another formula), then {dtype} within {k:g}x the reference's own {dtype} error against "
+    "float64 (precision)"
 )
 
 
@@ -79,10 +86,13 @@ def _scale(trace: Trace, name: str) -> float:
     return float(tensor.detach().abs().double().nan_to_num(0.0, 0.0, 0.0).max()) or 1.0
 
 
-def baked_sensitivity(pair64: Pair, run64: Run, ref64: Trace, original: torch.nn.Module) -> dict[str, float]:
-    """Per node, how far the float64 reference moves when each of its weights and buffers moves by one
-    float32 ulp (random signs, seeded): the size of rounding a model bakes in when it derives tables
-    or weights in float32 before it runs."""
+def baked_sensitivity(
+    pair64: Pair, run64: Run, ref64: Trace, original: torch.nn.Module, *, weights: bool = True
+) -> dict[str, float]:
+    """Per node, how far the float64 reference moves when each of its buffers (and, with ``weights``,
+    its weights) moves by one float32 ulp (random signs, seeded): the size of rounding a model bakes
+    in when it derives tables (or, copied to float64 after building, weights such as ``1 + w``) in
+    float32 before it runs."""
     (moved,) = float64_models(pair64.reference, what="the sensitivity run of the semantic check")
     # a buffer (a RoPE table the model derived) moves by an ulp of its own dtype: a bfloat16 reference's
     # tables are bfloat16, and a port that keeps them in float32 computes the same formula
@@ -90,7 +100,7 @@ def baked_sensitivity(pair64: Pair, run64: Run, ref64: Trace, original: torch.nn
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         seen = set()
-        tensors: list[tuple[float, torch.Tensor]] = [(ULP32, p) for p in moved.parameters()]
+        tensors: list[tuple[float, torch.Tensor]] = [(ULP32, p) for p in moved.parameters()] if weights else []
         tensors += [(ULPS.get(own.get(n), ULP32), b) for n, b in moved.named_buffers()]
         for ulp, t in tensors:
             if t.is_floating_point() and id(t) not in seen and t.numel():
@@ -133,9 +143,44 @@ def precision_tolerances(pair: Pair, run: Run, ref: Trace, ref64: Trace) -> tupl
     return replace(run.tolerances, calibrated=calibrated, exact=False, calibrated_source="precision"), noise
 
 
-def _pair64(pair: Pair) -> Pair:
+def _rebuilt(pair: Pair) -> tuple[torch.nn.Module, torch.nn.Module] | str:
+    """Both models rebuilt in float64 (``pair.rebuild64``), or why not (a line for the notes)."""
+    assert pair.rebuild64 is not None
+    require(
+        8 * sum(p.numel() for p in pair.reference.parameters()),
+        "a float64 copy of the weights (the float64 semantic run)",
+        "use a smaller config or drop the semantic run",
+    )
+    try:
+        ours64, ref64 = pair.rebuild64()
+    except ParityError as e:
+        return f"rebuilding it in float64 failed ({one_line(e)})"
+    except Exception as e:  # the user's build with a float64 state dict: any failure falls back, said
+        return f"rebuilding it in float64 raised {type(e).__name__}: {one_line(e)[:200]}"
+    low = all_float64(ours64)
+    if low is not None:
+        return f"rebuilt from float64 weights it still holds another dtype ({low})"
+    paths = {name for name, _ in ours64.named_modules()}
+    lost = [n.ours for n in pair.nodes if "." in n.ours and split_path(n.ours)[0].partition("@")[0] not in paths]
+    lost = [p for p in lost if not p.startswith(UNHOOKED)]
+    if lost:
+        return f"rebuilt it has no module {lost[0]}"
+    return ours64.eval(), ref64.eval()
+
+
+def _pair64(pair: Pair) -> tuple[Pair, str | None]:
+    """The pair in float64, and why its models are copies rather than rebuilt (None: rebuilt)."""
+    why = "ours was given as a module (no build to call)" if pair.rebuild64 is None else None
+    if pair.rebuild64 is not None:
+        rebuilt = _rebuilt(pair)
+        if not isinstance(rebuilt, str):
+            ours64, ref64 = rebuilt
+            return replace(
+                pair, ours=ours64, reference=ref64, dtype=torch.float64, loading=Loading(), exact=False
+            ), None
+        why = rebuilt
     ours64, ref64 = float64_models(pair.ours, pair.reference)
-    return replace(pair, ours=ours64, reference=ref64, dtype=torch.float64, loading=Loading(), exact=False)
+    return replace(pair, ours=ours64, reference=ref64, dtype=torch.float64, loading=Loading(), exact=False), why
 
 
 def _merge(semantic: list[NodeResult], precision: list[NodeResult]) -> list[NodeResult]:
@@ -152,11 +197,14 @@ def check_semantic(pair: Pair, run: Run, notes: list[str], coverage) -> CheckRes
     """The semantic run of :func:`parity.check` (see the module docstring)."""
     refuse_changed_weights(pair, "before the check")
     start = time.perf_counter()
-    pair64 = _pair64(pair)
+    pair64, copied = _pair64(pair)
     run64 = replace(run, tolerances=Tolerances(torch.float64))
     with Float64Mode():
         ref64 = trace_reference(pair64, run64)
-    sem_tol = semantic_tolerances(ref64, run, baked_sensitivity(pair64, run64, ref64, pair.reference))
+    # rebuilt, the weights are the checkpoint's values exactly on both sides; only a table a model
+    # derives outside the mode (numpy, a constant) can be float32, and the buffers stand for those
+    baked = baked_sensitivity(pair64, run64, ref64, pair.reference, weights=copied is not None)
+    sem_tol = semantic_tolerances(ref64, run, baked)
     isolated = None
     with Float64Mode():
         if run.mode in ("isolated", "both"):
@@ -182,8 +230,19 @@ def check_semantic(pair: Pair, run: Run, notes: list[str], coverage) -> CheckRes
     else:
         profile, logits = analyse(pair, nodes, ours, ref)
     dtype = str(pair.dtype).replace("torch.", "")
-    rule = RULE.format(dtype=dtype, k=SAFETY_FACTOR, ulps=BAKED_ULPS)
+    rule = RULE.format(
+        dtype=dtype,
+        k=SAFETY_FACTOR,
+        ulps=BAKED_ULPS,
+        how="rebuilt" if copied is None else "copied",
+        what="tables a model derives" if copied is None else "weights and tables",
+    )
     notes = [*notes, rule]
+    if copied is not None:
+        notes.append(
+            f"the float64 run uses float64 copies of both models: {copied}; float32 tables or weights ours derived "
+            "before the run stay float32-rounded, so its tolerances are wider (a small eps difference may pass)"
+        )
     rounding = [p for s, p in zip(semantic, precision, strict=False) if s.passed and p.passed and p.max_abs]
     if rounding:
         worst = max(rounding, key=lambda r: cast(float, r.max_abs))  # rounding nodes have one

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as _dt
 import inspect
 import math
+import sys
 from collections.abc import Mapping
 from dataclasses import replace
 
@@ -23,7 +24,7 @@ from parity.diagnose.profile import error_profile, logits_effect
 from parity.model.pair import Pair
 from parity.record import hf_capture, hf_kernels
 from parity.record.hooks import recording
-from parity.record.trace import Trace
+from parity.record.trace import SCALARS, Trace
 from parity.run.options import CheckOptions
 from parity.run.plan import Run, plan, versions
 from parity.util.errors import ParityError
@@ -115,7 +116,16 @@ def trace_reference(pair: Pair, run: Run, model=None, sink=None, into: Trace | N
             raise ParityError(
                 f"the reference ({type(model).__name__}) cannot run this config: {reason[:300]}"
             ) from None
+    trace.extras[SCALARS] = reference_scalars(model)
     return trace
+
+
+def reference_scalars(model: torch.nn.Module) -> dict[str, float]:
+    """The reference's one-element floating parameters and buffers by path (Gemma 4's ``layer_scalar``):
+    a constant factor a hint can name."""
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    scalars = {name: float(t.detach().float()) for name, t in tensors if t.numel() == 1 and t.is_floating_point()}
+    return {name: value for name, value in scalars.items() if math.isfinite(value)}  # JSON holds finite numbers
 
 
 def forward_accepts(model, name: str) -> bool:
@@ -141,16 +151,31 @@ def ours_recording(pair: Pair) -> dict:
     projections computed from a parameter of a bigger module)."""
     taps = {n.ours[len("tap:") :]: n.name for n in pair.nodes if n.ours.startswith("tap:")}
     params = dict(pair.ours.named_parameters()) if pair.alignment else {}
-    functional = {
-        params[n.ours[len("param:") :]].untyped_storage().data_ptr(): n.name
-        for n in pair.nodes
-        if n.ours.startswith("param:") and n.ours[len("param:") :] in params
-    }
+    functional: dict[int, str] = {}
+    biases: dict[int, str] = {}
+    for n in pair.nodes:
+        # param:W (the op reading W) or param:W+b (and the add of b that follows it)
+        weight, _, bias = n.ours[len("param:") :].partition("+") if n.ours.startswith("param:") else ("", "", "")
+        if weight in params:
+            functional[params[weight].untyped_storage().data_ptr()] = n.name
+        if bias in params:
+            biases[params[bias].untyped_storage().data_ptr()] = n.name
+    # a module of ours aligned by its weight whose forward never runs (F.linear(x, self.head.weight) in its
+    # parent): the product reading that weight outside the module is the node
+    modules = dict(pair.ours.named_modules()) if pair.alignment else {}
+    owners: dict[str, str] = {}
+    for n in pair.nodes:
+        held = getattr(modules.get(n.ours), "weight", None) if n.ours and not n.ours.startswith(UNHOOKED) else None
+        if isinstance(held, torch.Tensor) and held.numel():
+            functional.setdefault(held.untyped_storage().data_ptr(), n.name)
+            owners[n.name] = n.ours
     return dict(
         points=[(n.name, n.ours) for n in pair.nodes if not n.ours.startswith(UNHOOKED)],
         transforms={n.name: n.transform for n in pair.nodes if n.transform is not None},
         taps=taps,
         functional=functional if pair.alignment and (functional or taps) else None,
+        functional_biases=biases or None,
+        functional_owners=owners or None,
     )
 
 
@@ -224,7 +249,27 @@ def run_ours(pair: Pair, fn, *args, **kwargs):
             reason = "KeyboardInterrupt (interrupted)"
         else:
             reason = f"{type(e).__name__}: {one_line(e)[:300]}"
-        raise ParityError(f"your model's forward ({what}) raised {reason}") from None
+        raise ParityError(f"your model's forward ({what}) raised {reason}{raised_where(e)}") from None
+
+
+def raised_where(e: BaseException) -> str:
+    """`` (in block_forward, my_model.py:42)``: the innermost frame of the user's own code in the
+    traceback (not torch's, Transformers', parity's or an installed package's), or ``""``."""
+    import os
+    import traceback
+
+    skip = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]  # parity's own package
+    for name in ("torch", "transformers"):
+        where = getattr(sys.modules.get(name), "__file__", None)
+        if where:
+            skip.append(os.path.dirname(os.path.abspath(where)))
+    found = None
+    for frame in traceback.extract_tb(e.__traceback__):
+        path = os.path.abspath(frame.filename)
+        if frame.filename.startswith("<") or "site-packages" in path or any(path.startswith(d + os.sep) for d in skip):
+            continue
+        found = frame
+    return f" (in {found.name}, {os.path.basename(found.filename)}:{found.lineno})" if found is not None else ""
 
 
 def trace_pair(pair: Pair, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> tuple[Trace, Trace]:

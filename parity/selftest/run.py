@@ -39,7 +39,8 @@ def run_fault(family: Family, fault: Fault) -> SelftestRow:
     if not control.passed:
         problems.append(f"control pair already fails at {cast('NodeResult', control.first_mismatch).name}")
     fault.inject(pair)
-    decode = "decode" in kwargs  # a KV-cache run is chained only
+    # a KV-cache run is chained only; so is a training check (its nodes are the chained run's gradients)
+    decode = "decode" in kwargs or bool(kwargs.get("backward")) or bool(kwargs.get("causality"))
     res = check(pair, mode="chained" if decode else "both", **kwargs)
     chained, isolated = res.first_mismatch, res.first_isolated_mismatch
     # mode "both" fills res.isolated

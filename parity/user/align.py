@@ -5,9 +5,18 @@ parameters to the checkpoint tensor it came from (same storage, equal values, tr
 of a fused tensor); from that:
 
 * a reference module with weights (a projection, a norm, the embedding, the head) is aligned to the
-  module of ours holding the same tensor (an embedding to an embedding, a projection to a
-  projection, when a tie makes one tensor live in both); a fused projection (``qkv``,
-  ``gate_up``) is compared through the rows it holds (:class:`Rows`);
+  module of ours holding the same tensor; when a tie kept as copies puts one tensor in several
+  modules, the op reading each decides (an embedding is read by a lookup, a projection by a
+  product), never its class or name; a fused projection (``qkv``, ``gate_up``) is compared through
+  the rows it holds (:class:`Rows`); a reference projection whose weight ours holds cut into parts
+  (TransformerLens' ``W_Q``/``W_K``/``W_V`` out of GPT-2's ``c_attn``) becomes one node per part,
+  ``<node>[start:stop]``: the reference's output features of that part (:class:`OutputPart`)
+  against the op of ours reading it (and adding its bias part, when ours adds it after);
+* a mixture of experts: the reference's per-expert node against the op of ours reading the
+  parameter that holds that expert's output projection (a module per expert, copied out of the
+  fused experts tensor), on the tokens ours' block gathered for it; the router's choices and
+  weights from torch.topk under ours' MoE block (:mod:`parity.record.routing`); the experts'
+  weighted sum where ours computes it, its MoE block, when its experts have no forward of their own;
 * a container (a layer, an attention block, an MLP) is aligned to the lowest common ancestor of its
   aligned children in ours, provided that ancestor holds nothing of another container;
 * ``<path>@input`` follows its module; the model's own output is ours' output;
@@ -27,11 +36,14 @@ from typing import cast
 import torch
 from torch import nn
 
-from parity.build.coverage import ROWS, TRANSPOSED, Coverage, Source
+from parity.build.coverage import CONVENTIONS, PART, ROWS, SCALED, SLICE, SPLIT, TRANSPOSED, Coverage, Source
 from parity.model.facts import ArchFacts
 from parity.model.pair import NodeSpec
+from parity.record.functional import first_reads
 from parity.record.hf_capture import SUFFIXES
 from parity.record.hooks import LAYOUTS
+from parity.record.ops import LOOKUP, PRODUCT
+from parity.record.routing import CHOICES, WEIGHTS, ExpertRows, TopK
 from parity.util.errors import ParityError
 
 UNALIGNED, TAP, PARAM = "unaligned:", "tap:", "param:"
@@ -41,8 +53,8 @@ UNALIGNED, TAP, PARAM = "unaligned:", "tap:", "param:"
 class Aligned:
     """One reference node and where it is in ours: ``ours`` is a module path (with ``@input``), ``""``
     for the model output, ``tap:<path>`` for a functional node, or None when it could not be aligned
-    (``detail`` says why). ``how``: weights | fused rows | container | input | output | tap | override |
-    unaligned."""
+    (``detail`` says why). ``how``: weights | fused rows | part | container | input | output | tap |
+    functional | routing | expert | override | unaligned."""
 
     node: str
     ours: str | None
@@ -197,6 +209,50 @@ class Layout:
         return ref.contiguous()
 
 
+@dataclass(frozen=True)
+class OutputPart:
+    """The reference module's output features ``start:stop`` (the part of a fused projection ours
+    computes apart), a view taken on the reference's side."""
+
+    start: int
+    stop: int
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        return t[..., self.start : self.stop]
+
+
+def _output_axis(module: nn.Module | None, weight: torch.Tensor) -> int | None:
+    """The axis of a projection's weight that makes its output features: the one its bias matches, else
+    ``nn.Linear``'s ``(out, in)`` first; None when neither tells (a Conv1D without a bias)."""
+    bias = getattr(module, "bias", None)
+    if isinstance(bias, torch.Tensor) and bias.dim() == 1:
+        axes = [a for a, n in enumerate(weight.shape) if n == bias.numel()]
+        if len(axes) == 1:
+            return axes[0]
+    return 0 if isinstance(module, nn.Linear) else None
+
+
+def expert_of(source: Source, whole: torch.Tensor, experts: int) -> int | None:
+    """The one expert of a fused experts tensor ``whole`` (``(experts, ...)``) whose part ``source`` holds:
+    rows copied out of it, a view of it, or a part cut along its first axis; None for any other part."""
+    if whole.dim() < 2 or whole.shape[0] != experts:
+        return None
+    found: set[int] = set()
+    if source.how == PART and source.rows:
+        per = whole.numel() // whole.shape[-1] // experts
+        found = {r // per for r in source.rows}
+    elif source.how == SLICE and source.region:
+        first = source.region.strip("[]").split(",")[0].strip()
+        found = {int(first)} if first.isdigit() else set()
+    elif source.how == SPLIT and source.part and source.part[0] == 0 and source.part[2] - source.part[1] == 1:
+        found = {source.part[1]}
+    return found.pop() if len(found) == 1 else None
+
+
+def _first(items: list[str], n: int = 4) -> str:
+    return ", ".join(items[:n]) + (f", ... ({len(items)} in all)" if len(items) > n else "")
+
+
 def _kv_heads(t: torch.Tensor, kv: int) -> torch.Tensor:
     """Keys expanded to the query heads ``(b, h, s, d)`` -> the ``kv`` heads they expand: each group's
     first when every query head of a group holds its KV head (``repeat_kv``), else the first ``kv``
@@ -238,13 +294,16 @@ def _module_of(param_name: str) -> tuple[str, str]:
 class _Aligner:
     def __init__(self, reference: nn.Module, ours: nn.Module, coverage: Coverage, state_dict: dict, facts: ArchFacts):
         self.ref_modules = dict(reference.named_modules())
+        self.ours = ours
         self.our_modules = dict(ours.named_modules())
+        self._first_reads: dict[str, str] | None = None
         self.facts = facts
         self.coverage = coverage
         keys_by_storage: dict[tuple, list[str]] = {}
         for key, t in state_dict.items():
             keys_by_storage.setdefault(_storage_key(t), []).append(key)
         self.keys_by_storage = keys_by_storage
+        self.state_dict = state_dict
         # checkpoint key -> sources of ours (every name of a tied Parameter)
         self.by_key: dict[str, list[tuple[str, Source]]] = {}
         for name, sources in coverage.sources.items():
@@ -281,6 +340,8 @@ class _Aligner:
                 candidates[our_path] = s
         if not candidates and found and ref_is_embedding:  # a user's own embedding class: accept any holder
             candidates = {_module_of(n)[0]: s for n, s in found}
+        if len(candidates) > 1:
+            candidates = self._by_reading_op(candidates, found, ref_is_embedding)
         if not candidates and found and path == self.facts.head_module:
             # the head computed from the embedding's weight (x @ embedding.weight.T): no module of its own;
             # its output is the model's (nothing follows the head), else it cannot be placed
@@ -306,6 +367,38 @@ class _Aligner:
             self.why[path] = f"ambiguous: {', '.join(sorted(candidates))} all hold its weight"
         return None
 
+    def _by_reading_op(self, candidates: dict[str, Source], found: list, embedding: bool) -> dict[str, Source]:
+        """Of several modules of ours holding one reference tensor (a tie kept as copies: TransformerLens'
+        ``W_E`` and ``W_U``), those whose forward reads it as the reference module does: an embedding by a
+        lookup, a projection by a product (the op reading it decides, never the class or the name)."""
+        reads = self._reads()
+        want = LOOKUP if embedding else PRODUCT
+        names = {_module_of(n)[0]: n for n, _ in found}
+        chosen = {path: s for path, s in candidates.items() if reads.get(names.get(path, "")) == want}
+        return chosen or candidates
+
+    def _reads(self) -> dict[str, str]:
+        """How ours' forward first reads each of its parameters (:func:`~parity.record.functional.first_reads`),
+        from one short probe forward, run once."""
+        if self._first_reads is None:
+            params = dict(self.ours.named_parameters())
+            names = {p.untyped_storage().data_ptr(): n for n, p in params.items() if p.numel()}
+            device = next((p.device for p in params.values()), torch.device("cpu"))
+            ids = (torch.arange(4, device=device) % max(1, self.facts.vocab_size))[None]
+            self._first_reads = first_reads(self.ours, names, ids)
+        return self._first_reads
+
+    def _holders(self, ref_path: str) -> list[str]:
+        """Our modules holding (parts of) the reference module's own parameters of three or more axes
+        other than ``weight``: fused experts (a bias or a scalar belongs to a module found otherwise)."""
+        module = self.ref_modules[ref_path]
+        held = []
+        for leaf, tensor in module.named_parameters(recurse=False):
+            if leaf != "weight" and tensor.dim() >= 3:
+                keys = self.keys_by_storage.get(_storage_key(tensor), [])
+                held += [_module_of(n)[0] for k in keys for n, _ in self.by_key.get(k, [])]
+        return held
+
     def _is_weight_of_module(self, param: str) -> bool:
         module, leaf = _module_of(param)
         if leaf == "weight":
@@ -323,6 +416,8 @@ class _Aligner:
         outside: list[str]
         inside, outside, owners = [], [], set()
         for ref_path, module in self.ref_modules.items():
+            # tensors held otherwise than as a module's weight (fused experts): the modules of ours holding them
+            (inside if ref_path == path or ref_path.startswith(prefix) else outside).extend(self._holders(ref_path))
             if not isinstance(getattr(module, "weight", None), torch.Tensor) or ref_path == path:
                 continue
             hit = self.leaf(ref_path)
@@ -348,10 +443,60 @@ class _Aligner:
             return None
         return ancestor
 
+    def split(self, spec: NodeSpec) -> list[tuple[NodeSpec, Aligned]] | None:
+        """A reference module whose weight ours holds cut into parts along its output axis (TransformerLens'
+        ``W_Q``, ``W_K``, ``W_V`` cut out of GPT-2's fused ``c_attn``): one node per part, the reference's
+        output features of that part (``<node>[start:stop]``) against what ours computes from it. None
+        when the node is not such a module's output."""
+        module = self.ref_modules.get(spec.reference_path)
+        weight = getattr(module, "weight", None)
+        if spec.reference_transform is not None or not isinstance(weight, torch.Tensor):
+            return None
+        keys = self.keys_by_storage.get(_storage_key(weight), [])
+        held = [(n, s) for k in keys for n, s in self.by_key.get(k, [])]
+        parts = sorted({s.part: (n, s) for n, s in held if s.how == SPLIT and s.part}.items())
+        if not parts or len(parts) != len({n for n, _ in held}):
+            return None
+        axis = _output_axis(module, weight)
+        if axis is None or any(part[0] != axis for part, _ in parts):
+            why = "which axis of its weight makes the output is unknown" if axis is None else "not its output axis"
+            return [self._unaligned(spec, f"ours holds its weight cut along an axis that is {why}")]
+        return [self._part_node(spec, part, param, source) for part, (param, source) in parts]
+
+    def _bias_of(self, ref_path: str, part: tuple[int, int, int] | None = None) -> str | None:
+        """The parameter of ours holding the reference module's bias (its ``part`` of it, for a weight cut
+        in parts): ours may add it after the op reading the weight (``x @ W + b``), as the module does."""
+        bias = getattr(self.ref_modules.get(ref_path), "bias", None)
+        if not isinstance(bias, torch.Tensor):
+            return None
+        keys = self.keys_by_storage.get(_storage_key(bias), [])
+        held = [(n, s) for k in keys for n, s in self.by_key.get(k, [])]
+        if part is not None:
+            held = [(n, s) for n, s in held if s.how == SPLIT and s.part is not None and s.part[1:] == part[1:]]
+        return held[0][0] if len(held) == 1 else None
+
+    def _part_node(self, spec: NodeSpec, part: tuple[int, int, int], param: str, source: Source):
+        _, start, stop = part
+        name = f"{spec.name}[{start}:{stop}]"
+        view = OutputPart(start, stop)
+        bias = self._bias_of(spec.reference_path, part)
+        ours = (
+            _module_of(param)[0] if self._is_weight_of_module(param) else PARAM + param + (f"+{bias}" if bias else "")
+        )
+        detail = (
+            f"output features {start}:{stop} of {spec.reference_path}; ours computes them from {param} "
+            f"({source.description}: {CONVENTIONS[SPLIT].split(' (')[0]})"
+        )
+        new = replace(spec, name=name, ours=ours, reference=spec.reference_path, reference_transform=view)
+        return new, Aligned(name, ours, "part" if ours.startswith(PARAM) else "weights", detail)
+
     def place(self, spec: NodeSpec) -> tuple[NodeSpec, Aligned]:
         name, ref_path = spec.name, spec.reference_path
         if ref_path == "":
             return replace(spec, ours=""), Aligned(name, "", "output", "the whole model's output")
+        moe = self._moe(spec)
+        if moe is not None:
+            return moe
         suffix = name.rsplit(".", 1)[-1]
         if suffix in SUFFIXES and name.endswith("." + suffix) and ref_path == name:
             att = name[: -len(suffix) - 1]
@@ -388,7 +533,13 @@ class _Aligner:
                 "output",
                 f"the head is the embedding's weight used in forward ({hit[1].param}): the model's output",
             )
-        if hit is not None and base == self.facts.embed_module and not is_input and self._scaled_outside(hit[0]):
+        if (
+            hit is not None
+            and base == self.facts.embed_module
+            and not is_input
+            and hit[1].how != SCALED  # a table pre-multiplied by the scale: its lookup is the reference's output
+            and self._scaled_outside(hit[0])
+        ):
             first = self.container(f"{self.facts.layer_prefix}.0")
             if first is not None:
                 return replace(spec, ours=first + "@input"), Aligned(
@@ -410,9 +561,13 @@ class _Aligner:
                 )
             how = "input" if is_input else "weights"
             detail = f"{'transposed ' if source.how == TRANSPOSED else ''}{source.key} ({source.how})"
+            if source.how == SCALED:
+                detail = f"{source.description}: a scaled copy"
             return replace(spec, ours=ours), Aligned(name, ours, how, detail)
         if base in self.ref_modules and not isinstance(getattr(self.ref_modules[base], "weight", None), torch.Tensor):
             our_path = self.container(base)
+            if our_path is not None and not self._runs(our_path):
+                return self._sum_of_parts(spec, base, our_path, is_input)
             if our_path is not None:
                 ours = our_path + ("@input" if is_input else "")
                 return replace(spec, ours=ours), Aligned(
@@ -423,13 +578,154 @@ class _Aligner:
                 )
         if base in self.functional and not is_input:
             param, source = self.functional[base]
-            return replace(spec, ours=PARAM + param), Aligned(
+            bias = self._bias_of(base)
+            ours = PARAM + param + (f"+{bias}" if bias else "")
+            return replace(spec, ours=ours), Aligned(
                 name,
-                PARAM + param,
+                ours,
                 "functional",
                 f"the result of the op in ours that reads {param} ({source.description}): its module computes more",
             )
-        return self._unaligned(spec, self.why.get(base, f"{base} is not a module of the reference"))
+        return self._unaligned(spec, self.why.get(base) or self._unplaced(base))
+
+    def _unplaced(self, base: str) -> str:
+        """Why a reference node that is no module's output of its own found nothing in ours, in true words."""
+        module, sep, item = base.partition("#")
+        if sep and module in self.ref_modules:
+            return f"output {item} of the reference's {module}, which ours computes nowhere parity can see"
+        parent = base
+        while parent and parent not in self.ref_modules:
+            parent = parent.rpartition(".")[0]
+        if parent != base:
+            return (
+                f"the reference computes it inside {parent or 'the model'} (no module of its own); "
+                "no module or op of ours was found for it"
+            )
+        return f"no module of ours holds {base}'s weights"
+
+    # --- a mixture of experts ------------------------------------------------------------------------
+
+    def _moe(self, spec: NodeSpec) -> tuple[NodeSpec, Aligned] | None:
+        """The router's choices and weights, or one expert's output; None for any other node."""
+        if spec.kind in (CHOICES, WEIGHTS) and "#" in spec.reference_path:
+            return self._routing(spec)
+        parent, _, index = spec.reference_path.rpartition(".")
+        if index.isdigit() and parent in self.ref_modules and self._part_keys(parent):
+            return self._expert(spec, parent, int(index))
+        return None
+
+    def _routing(self, spec: NodeSpec) -> tuple[NodeSpec, Aligned]:
+        """A router output the reference's router module returns and ours computes in functions: a tap
+        under ours' MoE block, filled from torch.topk and what follows (:mod:`parity.record.routing`)."""
+        block = spec.reference_path.split("#")[0].rpartition(".")[0]
+        our_block = self.container(block)
+        if our_block is None:
+            return self._unaligned(spec, f"MoE block {block}: {self.why.get(block, 'not found in ours')}")
+        layer = self.facts.layer(spec.layer)
+        experts, k = (layer.num_experts, layer.experts_per_token) if layer is not None else (0, 0)
+        tap = TAP + f"{our_block}.{spec.kind}"
+        if spec.kind == CHOICES:
+            topk = TopK(experts, k)
+            detail = f"the indices of torch.topk over the {experts} experts (k = {k}) under {our_block}"
+            return replace(spec, ours=tap, transform=topk, inverse=topk.inverse), Aligned(
+                spec.name, tap, "routing", detail
+            )
+        detail = (
+            f"torch.topk's values under {our_block}, as ours transforms them (a softmax, a renormalisation, a "
+            "cast) up to their first use on the experts' outputs"
+        )
+        return replace(spec, ours=tap), Aligned(spec.name, tap, "routing", detail)
+
+    def _expert(self, spec: NodeSpec, parent: str, expert: int) -> tuple[NodeSpec, Aligned]:
+        """Expert ``expert`` of the reference's fused experts module ``parent``: the op in ours reading the
+        parameter that holds its output projection's part, on the tokens ours' block gathered for it."""
+        keys = self._part_keys(parent)
+        experts = int(self.state_dict[keys[0]].shape[0])
+        mine = [
+            (n, s, k)
+            for k in keys
+            for n, s in self.by_key.get(k, [])
+            if expert_of(s, self.state_dict[k], experts) == expert
+        ]
+        if not mine:
+            held = sorted({n for k in keys for n, _ in self.by_key.get(k, [])})
+            return self._unaligned(
+                spec, f"no parameter of ours holds expert {expert} of {parent} alone (ours holds it in {_first(held)})"
+            )
+        out_key = self._expert_output(keys)
+        down = [(n, s) for n, s, k in mine if k == out_key]
+        if out_key is None or len(down) != 1:
+            return self._unaligned(
+                spec, f"expert {expert}'s output projection of {parent} is in {len(down)} parameters of ours"
+            )
+        param, source = down[0]
+        rows = ExpertRows(expert)
+        modules = sorted({_module_of(n)[0] for n, _, _ in mine})
+        detail = (
+            f"expert {expert} on its tokens: the op in ours reading {param} ({source.description}), on the rows "
+            f"ours' block gathered for it, zero elsewhere; expert {expert}'s tensors in ours: {_first(modules)}"
+        )
+        return replace(spec, ours=PARAM + param, transform=rows, inverse=rows.inverse), Aligned(
+            spec.name, PARAM + param, "expert", detail
+        )
+
+    def _part_keys(self, ref_path: str) -> list[str]:
+        """Checkpoint keys of the reference module's own 3-D parameters other than ``weight``, one matrix
+        per expert (a fused experts module's ``gate_up_proj``, ``down_proj``), that ours holds."""
+        module = self.ref_modules[ref_path]
+        return [
+            key
+            for leaf, tensor in module.named_parameters(recurse=False)
+            if leaf != "weight" and tensor.dim() == 3
+            for key in self.keys_by_storage.get(_storage_key(tensor), [])
+            if self.by_key.get(key)
+        ]
+
+    def _expert_output(self, keys: list[str]) -> str | None:
+        """The key of the experts' output projection: per expert ``(hidden, intermediate)``, the one
+        reading another width than the hidden size; by the reference's name when the widths are equal."""
+        hidden = self.facts.hidden_size
+        found = [k for k in keys if self.state_dict[k].shape[-2] == hidden != self.state_dict[k].shape[-1]]
+        if len(found) != 1:
+            found = [k for k in keys if k.endswith("down_proj")]
+        return found[0] if len(found) == 1 else None
+
+    def _runs(self, our_path: str) -> bool:
+        """Whether ours' module has a forward of its own (an ``nn.ModuleList`` of experts has none)."""
+        module = self.our_modules.get(our_path)
+        return module is not None and type(module).forward is not nn.Module.forward
+
+    def _sum_of_parts(self, spec: NodeSpec, base: str, our_path: str, is_input: bool) -> tuple[NodeSpec, Aligned]:
+        """A reference container (the experts' weighted sum) whose modules in ours meet in a module that
+        never runs (a ModuleList): the lowest module of ours that runs, when it is ours' block of the
+        reference's parent and that parent adds nothing to the sum but a router (its one other weight,
+        one row per expert)."""
+        block = base.rpartition(".")[0]
+        up = our_path
+        while up and not self._runs(up):
+            up = up.rpartition(".")[0]
+        if is_input or not up or up != self.container(block):
+            return self._unaligned(
+                spec, f"ours' {our_path} has no forward of its own, and no module of ours computes {base} alone"
+            )
+        others = [
+            p
+            for p, m in self.ref_modules.items()
+            if p.startswith(block + ".")
+            and not p.startswith(base)
+            and isinstance(getattr(m, "weight", None), torch.Tensor)
+        ]
+        layer = self.facts.layer(spec.layer)
+        experts = layer.num_experts if layer is not None else 0
+        if any(self.ref_modules[p].weight.shape[0] != experts for p in others):
+            return self._unaligned(
+                spec, f"ours computes {base} inside {up}, whose output the reference's {block} adds more to"
+            )
+        detail = (
+            f"ours' {our_path} has no forward of its own; {up} returns the experts' weighted sum (the reference's "
+            f"{block} adds nothing to it but the router's choices)"
+        )
+        return replace(spec, ours=up), Aligned(spec.name, up, "container", detail)
 
     def _head_dims(self, projection: str, head_dim: int) -> tuple[int, ...] | None:
         """Where ours keeps each head's dims, when its weight of ``projection`` (q_proj, k_proj) holds
@@ -476,22 +772,78 @@ def align(
     :class:`Aligned` row per node, in the order of ``nodes``.
     """
     aligner = _Aligner(reference, ours, coverage, state_dict, facts)
+    check_node_map(overrides or {}, nodes)
     specs, rows = [], []
     for spec in nodes:
         pattern = next((p for p in (overrides or {}) if fnmatch.fnmatchcase(spec.name, p)), None)
         if pattern is not None:
             assert overrides is not None  # pattern is one of its keys
-            target = overrides[pattern]
+            layer = facts.locate(spec.name)[0]
+            target = overrides[pattern].replace("{i}", str(layer)) if layer is not None else overrides[pattern]
+            check_node_map_target(pattern, target, ours)
             specs.append(replace(spec, ours=target))
             rows.append(Aligned(spec.name, target, "override", f"node_map[{pattern!r}]"))
             continue
-        new, row = aligner.place(spec)
-        specs.append(new)
-        rows.append(row)
+        for new, row in aligner.split(spec) or [aligner.place(spec)]:
+            specs.append(new)
+            rows.append(row)
     # a model nobody wrote for parity keeps its own layouts: a node differing only in layout is compared in the reference's
     # (not what forward returns: a training loop reads that value in its layout)
     specs = [replace(spec, match_layout=spec.reference_path != "") for spec in specs]
     return specs, rows
+
+
+def check_node_map(overrides: dict[str, str], nodes: list[NodeSpec]) -> None:
+    """Every key of a node map names a reference node (or is a glob matching one). ParityError otherwise:
+    a typo would silently change nothing."""
+    import difflib
+
+    names = [n.name for n in nodes]
+    for pattern, target in overrides.items():
+        if not isinstance(pattern, str) or not isinstance(target, str):
+            raise ParityError(
+                f"node_map: {pattern!r}: {target!r} must map a reference node name to a path in your model"
+            )
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
+            close = difflib.get_close_matches(pattern, names, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ParityError(f"node_map: {pattern!r} matches no reference node{hint}")
+
+
+def check_node_map_target(pattern: str, target: str, ours: nn.Module) -> None:
+    """A node map's value names something your model has: a module path (``a.b``, ``a.b@input``, an
+    argument ``a.b@name`` of its forward, an output ``a.b#1``), or ``tap:<module>.<name>``;
+    ``unaligned:<why>`` and ``param:`` are taken as they are. ParityError (bad input) otherwise,
+    rather than a node that fails as missing."""
+    import difflib
+    import inspect
+
+    from parity.record.hooks import split_path
+
+    if target.startswith((UNALIGNED, PARAM)):
+        return
+    modules = dict(ours.named_modules())
+    where = f"node_map[{pattern!r}] = {target!r}"
+    if target.startswith(TAP):
+        module = target[len(TAP) :].rpartition(".")[0]
+    else:
+        module, _, _ = split_path(target)
+        module, at, argument = module.partition("@")
+        if at and module in modules:
+            try:
+                params = dict(inspect.signature(modules[module].forward).parameters)
+            except (TypeError, ValueError):
+                params = {}
+            takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+            if params and not takes_any and argument not in params:
+                raise ParityError(
+                    f"{where}: {module or 'your model'}'s forward has no argument {argument!r} "
+                    f"(it takes {', '.join(params) or 'none'}; @input is its first input)"
+                )
+    if module not in modules:
+        close = difflib.get_close_matches(module, [m for m in modules if m], n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise ParityError(f"{where}: your model has no module {module!r}{hint}")
 
 
 def alignment_table(rows: list[Aligned]) -> list[tuple[str, str, str, str]]:

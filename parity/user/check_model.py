@@ -10,6 +10,8 @@ to the reference's nodes by those weights (:mod:`parity.user.align`), and runs :
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import importlib
 import importlib.util
 import sys
@@ -22,13 +24,15 @@ from torch import nn
 
 from parity.build.builder import (
     Reference,
+    build_reference,
     default_seq_len,
 )
 from parity.build.coverage import loader_coverage
 from parity.build.reference import resolve_reference
-from parity.model.pair import Loading, Pair, PairSource
+from parity.model.pair import Loading, Pair, PairSource, fingerprints
 from parity.report.result import CheckResult
 from parity.run.check import check
+from parity.run.float64 import Float64Mode, float64_state_dict
 from parity.run.options import CheckOptions
 from parity.user.align import Aligned, align
 from parity.user.reference_nodes import reference_nodes
@@ -50,7 +54,13 @@ def load_callable(spec: str) -> Callable:
         if target.endswith(".py") or "/" in target:
             path = Path(target).expanduser()
             if not path.is_file():
-                raise ParityError(f"--ours: {path} does not exist")
+                from parity.build.checkpoint import unreachable
+
+                what = "is a folder, not a .py file" if path.is_dir() else "does not exist"
+                raise ParityError(unreachable(path, "--ours:") or f"--ours: {path} {what}")
+            folder = str(path.resolve().parent)
+            if folder not in sys.path:  # its own imports find its neighbours, as `python path/file.py` would
+                sys.path.insert(0, folder)
             # None (no loader for the file) fails below, reported as an import error
             module_spec = cast("ModuleSpec", importlib.util.spec_from_file_location(path.stem, path))
             module = importlib.util.module_from_spec(module_spec)
@@ -87,10 +97,19 @@ def build_ours(ours, ref: Reference) -> nn.Module:
         model = ours
     elif callable(ours):
         name = getattr(ours, "__qualname__", repr(ours))
-        try:
-            model = ours(ref.state_dict, ref.hf_config)
+        before = fingerprints(ref.state_dict)
+        try:  # a dict of its own: a loader may pop the keys it consumed
+            model = ours(dict(ref.state_dict), ref.hf_config)
         except (Exception, SystemExit, KeyboardInterrupt) as e:  # sys.exit() in user code is no exit 0 of parity's
             raise ParityError(f"build {name}(state_dict, hf_config) raised {_raised(e)}") from None
+        after = fingerprints(ref.state_dict)
+        changed = [k for k, v in before.items() if after.get(k) != v]
+        if changed:  # the reference holds these very tensors: an in-place edit changes both sides and hides it
+            raise ParityError(
+                f"build {name}(state_dict, hf_config) changed {len(changed)} reference tensor(s) in place "
+                f"({_first(changed, 3)}): the reference holds the same tensors, so both sides changed; "
+                "compute a new tensor (w * 2, w.clone().mul_(2)) instead of editing the state dict's"
+            )
         if not isinstance(model, nn.Module):
             raise ParityError(
                 f"build {name}(state_dict, hf_config) returned {type(model).__name__}, not a torch.nn.Module"
@@ -117,8 +136,9 @@ def unplaced_message(coverage) -> str:
     ours = [u.split(" (")[0] for u in coverage.unwritten]
     text = (
         f"reference tensor(s) {_first(coverage.unused)} are in no parameter or buffer of your model, in any "
-        "convention parity knows (shared, copied, transposed, w + 1 or w - 1, axes permuted and reshaped, rows "
-        "reordered or fused, rows copied out of a fused tensor)"
+        "convention parity knows (shared, copied, transposed, w + 1 or w - 1, scaled by a named constant, axes "
+        "permuted and reshaped, rows reordered or fused, rows copied out of a fused tensor, a part cut along one "
+        "axis then permuted and reshaped)"
     )
     text += f"; parameters of yours that hold no reference tensor: {_first(ours)}" if ours else ""
     constants = [c.split(" holds")[0] for c in coverage.constants]
@@ -156,7 +176,13 @@ def build_user_pair(
     if not placement.is_cpu:
         model = placement.dispatch(model)
     coverage = loader_coverage(
-        model, ref.state_dict, ref.tied_keys, ref.conversions, by_design=ref.by_design, copies_break_ties=False
+        model,
+        ref.state_dict,
+        ref.tied_keys,
+        ref.conversions,
+        by_design=ref.by_design,
+        copies_break_ties=False,
+        constants=ref.facts.named_constants(),
     )
     if coverage.unused:
         raise ParityError(unplaced_message(coverage))
@@ -202,7 +228,29 @@ def build_user_pair(
         default_seq_len=default_seq_len(ref.facts),
         alignment=rows,
         cache_protocol=cache_protocol,
+        rebuild64=_rebuild64(ours, ref) if placement.is_cpu else None,
     )
+
+
+def _rebuild64(ours, ref: Reference) -> Callable[[], tuple[nn.Module, nn.Module]] | None:
+    """Both models built anew in float64 for the semantic run: the reference from its config over a
+    float64 copy of the state dict, ours by calling ``build`` on that copy and a float64 config, both
+    under :class:`~parity.run.float64.Float64Mode`, so each makes its tables (RoPE frequencies) and
+    derived weights (a norm's ``1 + w``) in float64. None when ``ours`` is a module (nothing to call)."""
+    if isinstance(ours, nn.Module) or not callable(ours) or ref.model is None:
+        return None
+    reference_cls = type(ref.model)
+
+    def rebuild() -> tuple[nn.Module, nn.Module]:
+        state_dict = float64_state_dict(ref.state_dict)
+        config = copy.deepcopy(ref.hf_config)
+        config.dtype = torch.float64
+        with Float64Mode():
+            reference = build_reference(reference_cls, config, state_dict)
+            model = build_ours(ours, dataclasses.replace(ref, state_dict=state_dict, hf_config=config))
+        return model, reference
+
+    return rebuild
 
 
 def check_model(
@@ -223,8 +271,18 @@ def check_model(
     """Check your own model against a Transformers reference, node by node.
 
     ``ours``: ``build(state_dict, hf_config) -> nn.Module`` (assigning or copying the reference's
-    tensors, in any naming and layout: fused ``qkv``, Conv1D-style transposes), or an nn.Module that
-    already holds the weights. ``reference``: ``"family[:config]"`` (e.g. ``"olmo3:yarn"``: a
+    tensors, in any naming and layout: fused ``qkv``, Conv1D-style transposes; never editing them in
+    place: the reference holds the same tensors), or an nn.Module that already holds the weights.
+
+    The model's contract: ``forward(input_ids, attention_mask=None, position_ids=None) -> logits``.
+    ``input_ids`` is ``(batch, seq)`` int64; ``attention_mask`` (1 for real tokens, 0 for padding)
+    is passed only to a padded run (``left_pad``), and a forward without that argument is refused
+    there; ``position_ids`` (``(batch, seq)``, as ``generate`` derives them from the mask) comes with
+    the mask when forward takes it (take it, or a padded row's positions may differ from the
+    reference's); what forward returns is compared as the ``logits`` node: a tensor
+    ``(batch, seq, vocab)``, or a tuple or dict whose first tensor is that.
+
+    ``reference``: ``"family[:config]"`` (e.g. ``"olmo3:yarn"``: a
     registered family's reference with parity's random weights), a checkpoint folder, a config.json,
     a ``PretrainedConfig`` or a ``PreTrainedModel``. ``node_map``: ``{reference node or glob: your
     module path}`` overrides of the automatic alignment. ``input_ids``, ``attention_mask``,

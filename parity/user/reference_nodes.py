@@ -37,7 +37,7 @@ def reference_nodes(model: nn.Module, facts: ArchFacts) -> tuple[list[NodeSpec],
     :func:`discover_nodes`."""
     from parity.model.registry import family_for_model_type
 
-    family = family_for_model_type(facts.model_type)
+    family = family_for_model_type(facts.model_type, getattr(model, "config", None))
     if family is not None:
         return family.node_specs(facts), family.name
     return discover_nodes(model, facts), None

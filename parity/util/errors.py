@@ -15,3 +15,8 @@ class CheckpointError(ParityError):
 
 class ConfigError(ParityError):
     """A config (built-in name, dict or config.json) is unknown or has a field the pair cannot honour."""
+
+
+class OutputError(ParityError):
+    """An output (report folder, golden trace, baseline, spilled trace) could not be written: a full
+    disk, a read-only folder. Nothing of it is left visible; the message says how much space it needed."""

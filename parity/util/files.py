@@ -14,7 +14,9 @@ and nothing is left behind.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
+import errno
 import hashlib
 import os
 import re
@@ -24,7 +26,11 @@ import socket
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+from parity.util.errors import OutputError
+from parity.util.text import size
 
 #: longest folder or file name (bytes) derived from a family, config or case name
 MAX_NAME = 96
@@ -41,9 +47,29 @@ def _umask() -> int:
     return mask
 
 
+_MEASURE = threading.local()
+
+
+@contextlib.contextmanager
+def measuring() -> Iterator[list[int]]:
+    """Within it, :func:`atomic_write` writes nothing and appends each file's size to the list it
+    yields: how much room a set of files needs, found by running the code that writes them."""
+    sizes: list[int] = []
+    previous = getattr(_MEASURE, "sizes", None)
+    _MEASURE.sizes = sizes
+    try:
+        yield sizes
+    finally:
+        _MEASURE.sizes = previous
+
+
 def atomic_write(path: str | Path, data: str | bytes) -> Path:
     """Write ``data`` to ``path`` through a temporary file in the same folder and ``os.replace``."""
     path = Path(path)
+    sizes = getattr(_MEASURE, "sizes", None)
+    if sizes is not None:  # measuring(): count, touch nothing
+        sizes.append(len(data) if isinstance(data, bytes) else len(data.encode("utf-8")))
+        return path
     path.parent.mkdir(parents=True, exist_ok=True)
     mode = "wb" if isinstance(data, bytes) else "w"
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
@@ -115,9 +141,14 @@ def path_problem(path: str | Path, reserve: int = 0) -> str | None:
 
 def run_stem(family: str, config: str) -> str:
     """``<family>-<config>-<UTC timestamp>``, at most :data:`MAX_NAME` bytes; config paths are
-    reduced to their last part."""
+    reduced to their last part (a ``config.json`` to its folder's name, ``tiny.json`` to ``tiny``)."""
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    name = Path(config).name or Path(config).resolve().name or "checkpoint"
+    path = Path(config)
+    name = path.name or path.resolve().name or "checkpoint"
+    if name == "config.json":  # path/to/gemma-tiny/config.json: the folder says what it is
+        name = path.parent.name or path.resolve().parent.name or "config"
+    elif name.endswith(".json"):
+        name = name[: -len(".json")]
     return short_name(f"{family}-{name}", MAX_NAME - len(stamp) - 1) + f"-{stamp}"
 
 
@@ -180,9 +211,39 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def sweep(parent: Path, prefix: str) -> list[Path]:
+def _du(path: str) -> int:
+    """Bytes of the files under ``path`` (not following links)."""
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, name)).st_size
+    return total
+
+
+#: prefix of the folders spilled traces go to, in the temporary folder
+SPILL_PREFIX = "parity-trace-"
+
+
+def sweep_spills() -> str | None:
+    """Remove the trace spill folders (``$TMPDIR/parity-trace-*``) that killed runs left (a SIGKILL
+    gives a run no chance to remove its own) and say so in one line, with the space freed; None when
+    there were none. Every check calls it first, whether it spills or not."""
+    sizes: dict[Path, int] = {}
+    removed = sweep(Path(tempfile.gettempdir()), SPILL_PREFIX, sizes)
+    if not removed:
+        return None
+    n = len(removed)
+    return (
+        f"removed {n} trace spill folder{'s' if n != 1 else ''} ({size(sum(sizes.values()))}) that killed parity runs "
+        f"left in {tempfile.gettempdir()}"
+    )
+
+
+def sweep(parent: Path, prefix: str, sizes: dict[Path, int] | None = None) -> list[Path]:
     """Remove ``<prefix><host>-<pid>-*`` folders in ``parent`` left by a process of this host that
-    is gone, and any such folder untouched for :data:`STALE_SECONDS`. Returns what was removed."""
+    is gone, and any such folder untouched for :data:`STALE_SECONDS`. Returns what was removed
+    (``sizes``: filled with the bytes each held)."""
     removed: list[Path] = []
     try:
         entries = list(os.scandir(parent))
@@ -201,6 +262,8 @@ def sweep(parent: Path, prefix: str) -> list[Path]:
         if (
             ours and match is not None and int(match.group(2)) != os.getpid() and not _alive(int(match.group(2)))
         ) or age > STALE_SECONDS:
+            if sizes is not None:
+                sizes[Path(entry.path)] = _du(entry.path)
             shutil.rmtree(entry.path, ignore_errors=True)
             removed.append(Path(entry.path))
     return removed
@@ -254,3 +317,68 @@ def discard(folder: Path) -> None:
     """Remove a live folder (a staging folder that will not be published, a temporary folder)."""
     shutil.rmtree(folder, ignore_errors=True)
     done(folder)
+
+
+# --- outputs that cannot be written: nothing visible, the space needed said ---------------------------
+
+
+def disk_full(e: BaseException) -> bool:
+    """True for the errors of a full disk or quota."""
+    return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def free_bytes(folder: str | Path) -> int | None:
+    """Free bytes on the file system of ``folder`` (or of its nearest existing parent)."""
+    probe = Path(folder)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        return shutil.disk_usage(probe).free
+    except OSError:
+        return None
+
+
+def cannot_write(e: OSError, what: str, where: str | Path, needed: int | None = None) -> OutputError:
+    """The one-line error for an output that could not be written (nothing of it is left visible):
+    on a full disk, how much it needed and how much is free."""
+    if disk_full(e):
+        free = free_bytes(where)
+        need = f"it needs about {size(needed)}" if needed else "it needs more"
+        have = f", {size(free)} free" if free is not None else ""
+        return OutputError(
+            f"{what} could not be written: no space left on the device of {where} ({need}{have}); nothing was "
+            "written: free some space or write elsewhere, and run again"
+        )
+    name = f" ({e.filename})" if getattr(e, "filename", None) else ""
+    return OutputError(f"{what} could not be written to {where}: {e.strerror or e}{name}; nothing was written")
+
+
+def write_folder(parent: Path, stem: str, fill: Callable[[Path], object], what: str = "the report") -> Path:
+    """A new folder ``parent/<stem>`` (or ``<stem>-2``...) holding what ``fill(folder)`` writes through
+    :func:`atomic_write`, published whole: it is filled under a hidden staging name and renamed when
+    complete. When it cannot be written (a full disk, a read-only folder), nothing is left visible and
+    :class:`~parity.util.errors.OutputError` says why, on a full disk with the space it needed
+    (``fill`` run again under :func:`measuring`, which writes nothing)."""
+    parent = Path(parent)
+    try:
+        staging = staging_folder(parent)
+    except OSError as e:
+        raise _unwritten(e, fill, what, parent) from None
+    try:
+        fill(staging)
+        return publish_folder(staging, parent, stem)
+    except OSError as e:
+        discard(staging)
+        raise _unwritten(e, fill, what, parent) from None
+    except BaseException:
+        discard(staging)
+        raise
+
+
+def _unwritten(e: OSError, fill: Callable[[Path], object], what: str, parent: Path) -> OutputError:
+    needed = None
+    if disk_full(e):
+        with measuring() as sizes:
+            fill(parent / ".parity-measure-only")  # nothing is written under measuring()
+        needed = sum(-(-n // 4096) * 4096 for n in sizes) + 4096  # whole blocks, and the folder itself
+    return cannot_write(e, what, parent, needed)

@@ -20,6 +20,7 @@ import shutil
 import tempfile
 
 from parity.util.errors import ParityError
+from parity.util.text import size
 
 GIB = 1024**3
 #: share of the available memory a run may plan to use (forward passes need room beyond what is counted)
@@ -57,13 +58,18 @@ def disk_free_bytes(folder: str | None = None) -> int | None:
         return None
 
 
+def gib(nbytes: float) -> str:
+    """``25.7 GiB``; a size under 0.05 GiB in the unit that shows it (``230 KiB``), never ``0.0 GiB``."""
+    if nbytes >= 1e6 * GIB:
+        return f"{nbytes / GIB:.3g} GiB"
+    return f"{nbytes / GIB:.1f} GiB" if nbytes >= 0.05 * GIB else size(nbytes)
+
+
 def require(needed: int, what: str, advice: str) -> None:
     """Raise ParityError if ``needed`` bytes exceed :data:`BUDGET` of the available memory."""
     available = available_bytes()
     if available is not None and needed > BUDGET * available:
-        raise ParityError(
-            f"{what} needs about {needed / GIB:.1f} GiB but {available / GIB:.1f} GiB are available: {advice}"
-        )
+        raise ParityError(f"{what} needs about {gib(needed)} but {gib(available)} are available: {advice}")
 
 
 def require_disk(needed: int, what: str, advice: str) -> None:
@@ -73,6 +79,6 @@ def require_disk(needed: int, what: str, advice: str) -> None:
     free = disk_free_bytes()
     if free is not None and needed + DISK_RESERVE > free:
         raise ParityError(
-            f"{what} needs about {needed / GIB:.1f} GiB of disk in {tempfile.gettempdir()} but "
-            f"{free / GIB:.1f} GiB are free: {advice}"
+            f"{what} needs about {gib(needed)} of disk in {tempfile.gettempdir()} (and {gib(DISK_RESERVE)} left "
+            f"free for others) but {gib(free)} are free: {advice}"
         )

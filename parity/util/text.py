@@ -23,3 +23,33 @@ def summary(items: list[str], n: int = 3, what: str = "") -> str:
     """The first ``n`` items and how many there are in all (a message stays one readable line)."""
     body = "; ".join(items[:n])
     return body + (f"; ... ({len(items)} {what or 'in all'})" if len(items) > n else "")
+
+
+def size(nbytes: float) -> str:
+    """``1.5 GiB``, ``230 KiB``, ``12 B``: a byte count for a message."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{int(nbytes)} B"
+
+
+def grouped(lines: list[str], least: int = 4, what: str = "tensors") -> list[str]:
+    """``key: what happened`` lines with one line per kind that ``least`` or more keys share
+    (``236 tensors: float32 -> bfloat16 (model.embed_tokens.weight, ...)``), the others as they are,
+    in the order each kind first appears: a checkpoint cast to another dtype is one line, not 236."""
+    kinds: dict[str, list[str]] = {}
+    for line in lines:
+        key, sep, rest = line.partition(": ")
+        kinds.setdefault(rest if sep else line, []).append(key if sep else "")
+    out: list[str] = []
+    done: set[str] = set()
+    for line in lines:
+        key, sep, rest = line.partition(": ")
+        kind = rest if sep else line
+        keys = kinds[kind]
+        if not sep or len(keys) < least:
+            out.append(line)
+        elif kind not in done:
+            done.add(kind)
+            out.append(f"{len(keys)} {what}: {kind} ({keys[0]}, ...)")
+    return out

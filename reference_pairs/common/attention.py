@@ -83,8 +83,8 @@ class GroupedQueryAttention(nn.Module):
     KV heads are expanded as Transformers' ``repeat_kv`` expands them, so query head ``h`` reads KV
     head ``h // group`` (``repeat_interleave``'s order, not ``repeat``'s), in ``repeat_kv``'s memory
     layout too: a stride-0 view for one KV head, a packed copy otherwise (a matrix product over
-    another layout takes another CPU kernel, which rounds otherwise on some CPUs). ``split_qkv``, ``expand_kv``, ``mask_scores``
-    and ``split_gate`` are methods so a fault injection can replace them.
+    another layout takes another CPU kernel, which rounds otherwise on some CPUs). ``split_qkv``, ``expand_kv``, ``mask_scores``,
+    ``split_gate``, ``gate_activation`` and ``rotate`` are methods so a fault injection can replace them.
 
     Taps (see :class:`~reference_pairs.common.taps.Tap`): ``q_rot``/``k_rot`` after RoPE (the
     unrotated q/k without RoPE) ``(batch, heads, seq, head_dim)``, K before expansion; ``scores``
@@ -192,10 +192,19 @@ class GroupedQueryAttention(nn.Module):
         b, kv, s, d = t.shape
         return t[:, :, None].expand(b, kv, self.group_size, s, d).reshape(b, kv * self.group_size, s, d)
 
+    def rotate(self, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, **rope) -> torch.Tensor:
+        """RoPE on queries or keys ``(batch, heads, seq, head_dim)``
+        (:func:`~reference_pairs.common.rope.apply_rope`, its ``interleaved``/``upcast`` options in ``rope``)."""
+        return apply_rope(t, cos, sin, **rope)
+
     def mask_scores(self, scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
         """Disallowed positions get the dtype's lowest finite value, as Transformers' eager masks do:
-        a query row with no allowed key (a left-padding row) then gets uniform weights, not NaN."""
-        return scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+        a query row with no allowed key (a left-padding row) then gets uniform weights, not NaN. Added
+        as a bias of 0 or that value (``eager_mask``), not filled in: the same values, and the gradient
+        of a masked score flows as the reference's does (a row with no allowed key attends to every key
+        uniformly, and its gradient reaches them)."""
+        zero = torch.tensor(0.0, dtype=scores.dtype, device=scores.device)
+        return scores + torch.where(allowed, zero, torch.finfo(scores.dtype).min)
 
     def forward(
         self,
@@ -229,7 +238,7 @@ class GroupedQueryAttention(nn.Module):
         queries = self._per_head_norm(self.q_norm, queries) if self.qk_norm == "head" else queries.transpose(1, 2)
         rope = dict(interleaved=self.interleaved_rope, upcast=self.rotate_in_float32)
         if cos is not None:
-            queries = apply_rope(queries, cos, sin, **rope)
+            queries = self.rotate(queries, cos, sin, **rope)
         q_start = 0 if cache is None else cache.seen
         if self.kv_shared:
             if shared_kv is None:
@@ -260,8 +269,12 @@ class GroupedQueryAttention(nn.Module):
             probs = self.probs(torch.softmax(scores.float(), dim=-1).to(queries.dtype))
         context = self.context((probs @ values).transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim))
         if self.output_gate:
-            context = context * torch.sigmoid(gate)
+            context = context * self.gate_activation(gate)
         return self.out_proj(context)
+
+    def gate_activation(self, gate: torch.Tensor) -> torch.Tensor:
+        """The output gate's activation: ``sigmoid`` (``Qwen3_5Attention``)."""
+        return torch.sigmoid(gate)
 
     def _per_head_norm(self, norm: nn.Module, t: torch.Tensor) -> torch.Tensor:
         """``(b, s, heads, head_dim)`` -> normalised per head, ``(b, heads, s, head_dim)``."""
@@ -283,5 +296,5 @@ class GroupedQueryAttention(nn.Module):
         if hasattr(self, "v_norm"):
             values = self.v_norm(values)
         if cos is not None:
-            keys = apply_rope(keys, cos, sin, **rope)
+            keys = self.rotate(keys, cos, sin, **rope)
         return keys, values.transpose(1, 2)

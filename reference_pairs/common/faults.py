@@ -223,3 +223,168 @@ def cached_mask_sees_one_ahead(pair: Pair) -> None:
 
 #: the decode schedule the cached faults run on: prefill 12 in chunks of 4, then 4 decode steps
 DECODE = (("decode", "12:4x4"),)
+
+
+# --- training faults (backward checks: the forward agrees, training does not) -------------------------
+
+#: the options a training fault is checked with
+BACKWARD = (("backward", True),)
+
+
+def detach_in_rope(layer: int = 0):
+    """The queries detached as RoPE rotates them in one layer (``rotate(q.detach(), ...)``; told from the
+    keys by their head count, so a GQA layer): the forward is the same, but ``W_query`` and everything
+    before it get no gradient through the attention scores."""
+
+    def inject(pair: Pair) -> None:
+        att = pair.ours.blocks[layer].att
+        rotate = att.rotate
+
+        def detached(t, cos, sin, **rope):
+            return rotate(t.detach() if t.shape[1] == att.n_heads else t, cos, sin, **rope)
+
+        att.rotate = detached
+
+    return inject
+
+
+def untied_embedding_copy(pair: Pair) -> None:
+    """The output head a copy of the tied embedding (equal values, its own Parameter): the forward is
+    the same, each copy gets the gradient of its own use only (as seen in a public Llama 3.2 port)."""
+    head = pair.ours.out_head
+    head.weight = nn.Parameter(pair.ours.tok_emb.weight.detach().clone())
+
+
+def in_place_after_product(layer: int = 0):
+    """The up projection's output zeroed in place after the gated product read it (a scratch buffer
+    reused): the forward is the same, the product's backward reads the overwritten tensor."""
+
+    def inject(pair: Pair) -> None:
+        ff = pair.ours.blocks[layer].ff
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            up = ff.fc2(x)
+            hidden = ff.act(ff.fc1(x)) * up
+            up.zero_()
+            return ff.fc3(hidden)
+
+        ff.forward = forward
+
+    return inject
+
+
+def dropout_in_forward(layer: int = 0, p: float = 0.1):
+    """A dropout probability written into one MLP's forward (``F.dropout(h, 0.1, self.training)``):
+    eval mode is exact, train mode drops activations parity cannot switch off."""
+
+    def inject(pair: Pair) -> None:
+        ff = pair.ours.blocks[layer].ff
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            hidden = torch.nn.functional.dropout(ff.act(ff.fc1(x)), p, ff.training)
+            return ff.fc3(hidden * ff.fc2(x))
+
+        ff.forward = forward
+
+    return inject
+
+
+def _own_loss(loss):
+    """Ours' forward takes ``labels`` and returns ``(loss(logits, labels, input_ids), logits)``."""
+
+    def inject(pair: Pair) -> None:
+        forward = pair.ours.forward
+
+        def with_loss(input_ids, attention_mask=None, position_ids=None, cache=None, labels=None):
+            logits = forward(input_ids, attention_mask, position_ids, cache)
+            if labels is None:
+                return logits
+            return loss(logits, labels, input_ids), logits
+
+        pair.ours.forward = with_loss
+
+    return inject
+
+
+def _loss_over_padding(logits, labels, input_ids):
+    targets = torch.where(labels == -100, input_ids, labels)[:, 1:]  # -100 replaced by the padding's ids
+    flat = logits[:, :-1].float().reshape(-1, logits.shape[-1])
+    return torch.nn.functional.cross_entropy(flat, targets.reshape(-1))
+
+
+def _labels_not_shifted(logits, labels, input_ids):
+    flat = logits.float().reshape(-1, logits.shape[-1])  # position t against token t: no shift
+    return torch.nn.functional.cross_entropy(flat, labels.reshape(-1), ignore_index=-100)
+
+
+#: ours computes its own loss over padding too (its -100 labels replaced by the padding's token ids)
+loss_over_padding = _own_loss(_loss_over_padding)
+#: ours computes its own loss with the labels not shifted (position t trained toward token t)
+labels_not_shifted = _own_loss(_labels_not_shifted)
+
+
+def training_faults(attention: str, mlp: str, *, tied: bool = False, layer: int = 0, config: str = "tiny") -> tuple:
+    """The training faults of a family whose blocks are ``blocks[i].att`` (with ``rotate``) and
+    ``blocks[i].ff`` (a :class:`~reference_pairs.common.mlp.GatedMLP`): ``attention``/``mlp`` name the
+    reference's modules (``{}`` for the layer); ``tied``: the config ties the head (the untied-copy fault)."""
+    faults = [
+        Fault(
+            "bw-detach-rope",
+            "the queries detached as RoPE rotates them in one layer (training only: the forward agrees)",
+            config,
+            detach_in_rope(layer),
+            f"grad/{attention.format(layer)}.q_rot",
+            "detached",
+            check_kwargs=BACKWARD,
+        ),
+        Fault(
+            "bw-in-place",
+            "the up projection's output zeroed in place after the gated product read it (a reused buffer)",
+            config,
+            in_place_after_product(layer),
+            f"grad/{mlp.format(layer)}.up_proj",
+            "in_place",
+            check_kwargs=BACKWARD,
+        ),
+        Fault(
+            "bw-dropout",
+            "dropout p=0.1 written into one MLP's forward: train mode drops activations",
+            config,
+            dropout_in_forward(layer),
+            "train/logits",
+            "dropout",
+            check_kwargs=BACKWARD,
+        ),
+        Fault(
+            "bw-loss-over-padding",
+            "ours' own loss counts the padding positions (labels -100 replaced by token ids)",
+            config,
+            loss_over_padding,
+            "loss",
+            "loss_mask",
+            check_kwargs=BACKWARD + LEFT_PADDED,
+        ),
+        Fault(
+            "bw-labels-not-shifted",
+            "ours' own loss compares logits[t] with labels[t] (the labels never shifted)",
+            config,
+            labels_not_shifted,
+            "loss",
+            "label_shift",
+            check_kwargs=BACKWARD,
+        ),
+    ]
+    if tied:
+        faults.append(
+            Fault(
+                "bw-untied-copy",
+                "the output head a copy of the tied embedding, its own Parameter",
+                config,
+                untied_embedding_copy,
+                "grad/model.embed_tokens.weight",
+                "untied_copy",
+                source="a public Llama 3.2 port",
+                check_kwargs=BACKWARD,
+            )
+        )
+    return tuple(faults)

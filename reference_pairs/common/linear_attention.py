@@ -94,7 +94,9 @@ class CausalConv1d(nn.Module):
             y = F.conv1d(inputs, self.weight, groups=channels)[..., -seq:]
         else:  # K - 1 zeros on the left (padding both sides, keeping the first outputs: ``causal_conv1d_fn``)
             y = F.conv1d(inputs, self.weight, padding=k - 1, groups=channels)[..., : window.shape[-1]]
-        y = self.act(y).to(x.dtype)[..., -seq:]
+        y = self.act(y).to(x.dtype)
+        if y.shape[-1] != seq:  # only a call continuing a state has more: a whole-range slice would still
+            y = y[..., -seq:]  # pass its gradient back packed, where the reference's arrives strided (other bits)
         return y, F.pad(window, (max(k - window.shape[-1], 0), 0))[..., -k:]
 
     def extra_repr(self) -> str:
@@ -288,13 +290,12 @@ class GatedDeltaNet(nn.Module):
         z = self.in_proj_z(x).reshape(batch, seq, -1, self.d_v)
         beta, g = self.gates(self.in_proj_b(x), self.in_proj_a(x))
         beta, g = self.beta(beta), self.g(g)
-        q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q, k, v = self.split_mixed(mixed)
         q, k = q.reshape(batch, seq, -1, self.d_k), k.reshape(batch, seq, -1, self.d_k)
         v = v.reshape(batch, seq, -1, self.d_v)
 
         # the kernels' layout: q/k repeated for every value head they serve, (b, heads, seq, d) float32
-        if self.n_v_heads != self.n_k_heads:
-            q, k = (t.repeat_interleave(self.n_v_heads // self.n_k_heads, dim=2) for t in (q, k))
+        q, k = self.expand_heads(q), self.expand_heads(k)
         q, k, v, beta32, g32 = (
             t.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format) for t in (q, k, v, beta, g)
         )
@@ -310,6 +311,18 @@ class GatedDeltaNet(nn.Module):
         if cache is not None:
             cache.update(conv_state, recurrent, seq)
         return (y, DeltaNetState(conv_state, recurrent)) if return_state else y
+
+    def split_mixed(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The conv output ``(b, s, 2 key_dim + value_dim)`` -> q, k, v, in that channel order."""
+        q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        return q, k, v
+
+    def expand_heads(self, t: torch.Tensor) -> torch.Tensor:
+        """q or k ``(b, s, n_k_heads, d_k)`` -> ``(b, s, n_v_heads, d_k)``: each q/k head serves
+        ``n_v_heads // n_k_heads`` consecutive value heads (``repeat_interleave``)."""
+        if self.n_v_heads == self.n_k_heads:
+            return t
+        return t.repeat_interleave(self.n_v_heads // self.n_k_heads, dim=2)
 
     def cached_state(self, cache) -> DeltaNetState | None:
         """The state a call continues from: what ``cache`` holds, None before its first call (an

@@ -30,7 +30,8 @@ class RMSNorm(nn.Module):
 
     All three weighted variants are the same function in float32 and differ in bfloat16.
     ``Gemma4RMSNorm`` writes ``pow(ms + eps, -0.5)`` where the others write ``rsqrt``: torch computes
-    that power with ``rsqrt`` (the same bits; tests/test_blocks.py).
+    that power with ``rsqrt`` (the same bits forward; tests/test_blocks.py), but its gradient is
+    ``pow``'s, ``-0.5 * u^-1.5``, rounded otherwise than ``rsqrt``'s: ``power=True`` writes the power.
     Shapes: ``x`` is ``(..., dim)``; the output has the shape and dtype of ``x``.
     """
 
@@ -42,9 +43,11 @@ class RMSNorm(nn.Module):
         unit_offset: bool = False,
         cast_first: bool = False,
         weight: bool = True,
+        power: bool = False,
         dtype: torch.dtype | None = None,
     ):
         super().__init__()
+        self.power = power
         if unit_offset and cast_first:
             raise ValueError("unit_offset and cast_first together: no reference rounds that way")
         if not weight and (unit_offset or cast_first):
@@ -57,7 +60,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        mean_square = x32.pow(2).mean(dim=-1, keepdim=True) + self.eps
+        normed = x32 * (torch.pow(mean_square, -0.5) if self.power else torch.rsqrt(mean_square))
         if self.weight is None:
             return normed.to(x.dtype)
         if self.cast_first:
@@ -94,8 +98,11 @@ class LayerNorm(nn.Module):
         if self.fused:
             return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
         x32 = x.float()
-        centered = x32 - x32.mean(dim=-1, keepdim=True)
-        normed = centered * torch.rsqrt(centered.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        mean = x32.mean(dim=-1, keepdim=True)
+        # x - mean twice, as Cohere2LayerNorm writes it: the same values as one centred tensor used twice,
+        # but its gradient flows back through two subtractions, summed in the reference's order
+        variance = (x32 - mean).pow(2).mean(dim=-1, keepdim=True)
+        normed = (x32 - mean) * torch.rsqrt(variance + self.eps)
         out = self.weight.float() * normed
         if self.bias is not None:
             out = out + self.bias.float()

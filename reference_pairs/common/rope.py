@@ -270,13 +270,19 @@ def apply_rope(
     if cos.dim() == 3:  # per-row positions (batch, seq, rotary_dim // 2)
         cos, sin = cos[:, None], sin[:, None]
     n = 2 * cos.shape[-1]
-    x_rot, x_pass = x[..., :n], x[..., n:]
+    # the ops in the references' order (x * cos first, then rotate_half: its first half, its second, the
+    # negation, the concatenation), and no slice when every dim rotates: the forward is the same either
+    # way, but the gradient reaching x sums its three parts in the order autograd meets them
+    x_rot, x_pass = (x, None) if n == x.shape[-1] else (x[..., :n], x[..., n:])
     if upcast:
         x_rot = x_rot.float()
     cos, sin = pair_layout(cos, interleaved), pair_layout(sin, interleaved)
+    first = x_rot * cos
     if interleaved:
-        partner = torch.stack([-x_rot[..., 1::2], x_rot[..., 0::2]], dim=-1).flatten(-2)
+        a, b = x_rot[..., 0::2], x_rot[..., 1::2]
+        partner = torch.stack([-b, a], dim=-1).flatten(-2)
     else:
-        partner = torch.cat([-x_rot[..., n // 2 :], x_rot[..., : n // 2]], dim=-1)
-    rotated = (x_rot * cos + partner * sin).to(x.dtype)
-    return torch.cat([rotated, x_pass], dim=-1) if x_pass.shape[-1] else rotated
+        a, b = x_rot[..., : n // 2], x_rot[..., n // 2 :]
+        partner = torch.cat([-b, a], dim=-1)
+    rotated = (first + partner * sin).to(x.dtype)
+    return rotated if x_pass is None else torch.cat([rotated, x_pass], dim=-1)

@@ -76,7 +76,7 @@ class Gemma4Block(SandwichBlock):
     """
 
     def __init__(self, cfg: dict, att: GroupedQueryAttention, ff: nn.Module, layer_type: str, kv_source: int | None):
-        norm = partial(RMSNorm, cfg["emb_dim"], eps=cfg["rms_norm_eps"], dtype=cfg["dtype"])
+        norm = partial(RMSNorm, cfg["emb_dim"], eps=cfg["rms_norm_eps"], power=True, dtype=cfg["dtype"])
         super().__init__(att, ff, norm, layer_type)
         self.kv_source = kv_source
         width, dtype = cfg["hidden_size_per_layer_input"], cfg["dtype"]
@@ -103,7 +103,7 @@ def transformer_block(cfg: dict, index: int, sources: dict[int, int]) -> Gemma4B
     layer_type, dtype, emb_dim = cfg["layer_types"][index], cfg["dtype"], cfg["emb_dim"]
     full, shared = layer_type == FULL, index in sources
     k_eq_v = cfg["attention_k_eq_v"] and full  # K = V full layers have their own KV head count
-    norm = partial(RMSNorm, eps=cfg["rms_norm_eps"], dtype=dtype)
+    norm = partial(RMSNorm, eps=cfg["rms_norm_eps"], power=True, dtype=dtype)
     att = GroupedQueryAttention(
         emb_dim,
         cfg["n_heads"],
@@ -132,7 +132,7 @@ class Gemma4Model(DecoderModel):
         sources = kv_sources(cfg)
         blocks = [transformer_block(cfg, i, sources) for i in range(cfg["n_layers"])]
         dtype, eps, width = cfg["dtype"], cfg["rms_norm_eps"], cfg["hidden_size_per_layer_input"]
-        final_norm = RMSNorm(cfg["emb_dim"], eps=eps, dtype=dtype)
+        final_norm = RMSNorm(cfg["emb_dim"], eps=eps, power=True, dtype=dtype)
         super().__init__(
             cfg, blocks, final_norm, emb_scale=cfg["emb_dim"] ** 0.5, final_softcap=cfg["final_logit_softcap"]
         )
@@ -142,7 +142,7 @@ class Gemma4Model(DecoderModel):
                 cfg["vocab_size_per_layer_input"], packed, scale=width**0.5, dtype=dtype
             )
             self.per_layer_model_projection = nn.Linear(cfg["emb_dim"], packed, bias=False, dtype=dtype)
-            self.per_layer_projection_norm = RMSNorm(width, eps=eps, dtype=dtype)
+            self.per_layer_projection_norm = RMSNorm(width, eps=eps, power=True, dtype=dtype)
 
     def rope_parameters(self) -> dict[str, dict]:
         return rope_parameters(self.cfg)

@@ -11,9 +11,9 @@ Llama 3.1 8B (meta-llama/Llama-3.1-8B config.json): the same vocab, context, the
 llama3 scaling with ``factor`` 8.0 (the other three values as above), hidden 4096, 32 layers, 32
 heads, 8 KV heads, head_dim 128, intermediate 14336, and an *untied* head.
 
-``layer_types`` (every layer ``full_attention``) is carried because the shared build path
-(:func:`reference_pairs.common.pairing.resolve_cfg`) checks its length against ``n_layers``; Llama
-has one layer type.
+``layer_types`` (every layer ``full_attention``) is carried because the shared decoder skeleton
+(:class:`reference_pairs.common.decoder.DecoderModel`) builds one block per entry and checks its
+length against ``n_layers``; Llama has one layer type.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from ..common.faults import (
     f10_masked_neg_inf,
     to_half_split_rows,
     to_interleaved_rows,
+    training_faults,
 )
 
 ATT = "model.layers.{}.self_attn"
@@ -172,4 +173,6 @@ FAULTS = (
         "causal_mask",
         check_kwargs=DECODE,
     ),
+    # training parity (backward=True): the forward agrees, the gradients do not
+    *training_faults(ATT, "model.layers.{}.mlp", tied=True),
 )

@@ -50,6 +50,8 @@ def node_map(head_dim: int) -> NodeMap:
             *only(LINEAR, GATED_DELTANET),
             *only(FULL, [*ATTENTION, *QK_NORM]),
             gate,
+            # the gated context, context * sigmoid(gate): what the output gate does is seen before o_proj mixes it
+            Node("model.layers.{i}.self_attn.o_proj@input", "blocks.{i}.att.out_proj@input", layer_types=(FULL,)),
             # the residual stream after the token mixer: the input of the second pre-norm
             ("model.layers.{i}.post_attention_layernorm@input", "blocks.{i}.norm2@input"),
             ("model.layers.{i}.post_attention_layernorm", "blocks.{i}.norm2"),

@@ -33,6 +33,30 @@ def _flat_gate_split(pair):
     att.split_gate = types.MethodType(split_gate, att)
 
 
+def _gate_silu(pair):
+    """The output gate's activation SiLU instead of sigmoid (context * silu(gate))."""
+    att = pair.ours.blocks[FULL_LAYER].att
+    att.gate_activation = F.silu
+
+
+def _value_heads_tiled(pair):
+    """Each value head reads q/k head ``h % n_k`` (``repeat``) instead of ``h // (n_v / n_k)``."""
+    att = pair.ours.blocks[0].att
+    att.expand_heads = lambda t: t.repeat(1, 1, att.n_v_heads // att.n_k_heads, 1)
+
+
+def _conv_channels_k_first(pair):
+    """The conv output split as k | q | v instead of q | k | v."""
+    att = pair.ours.blocks[0].att
+    split = att.split_mixed
+
+    def k_first(mixed):
+        q, k, v = split(mixed)
+        return k, q, v
+
+    att.split_mixed = k_first
+
+
 def _whole_head_rotary(pair):
     pair.ours.cfg = {**pair.ours.cfg, "partial_rotary_factor": 1.0}
 
@@ -191,6 +215,33 @@ FAULTS = (
         f"{ATT.format(FULL_LAYER)}.gate",
         "head_mapping",
         scope=ATT.format(FULL_LAYER),
+    ),
+    Fault(
+        "gate-activation-silu",
+        "the output gate multiplies the context by silu(gate) instead of sigmoid(gate)",
+        "tiny",
+        _gate_silu,
+        f"{ATT.format(FULL_LAYER)}.o_proj@input",
+        "activation",
+        scope=ATT.format(FULL_LAYER),
+    ),
+    Fault(
+        "value-heads-tiled",
+        "value heads read q/k heads by repeat (h % n_k) instead of repeat_interleave (h // (n_v / n_k))",
+        "tiny",
+        _value_heads_tiled,
+        f"{LIN.format(0)}.q_l2norm",
+        "head_mapping",
+        scope=LIN.format(0),
+    ),
+    Fault(
+        "conv-channels-k-first",
+        "the short conv's output split as k | q | v instead of q | k | v",
+        "tiny",
+        _conv_channels_k_first,
+        f"{LIN.format(0)}.q_l2norm",
+        "swapped_roles",
+        scope=LIN.format(0),
     ),
     Fault(
         "rotary-whole-head",

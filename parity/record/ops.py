@@ -1,0 +1,28 @@
+"""The vocabulary of torch functions that :mod:`parity.record.functional` and :mod:`parity.record.routing`
+read: ops that only rearrange a tensor, ops that look rows up in a table, ops that multiply by a matrix."""
+
+from __future__ import annotations
+
+#: ops that give a tensor's own values in another layout or dtype: a projection reading the result reads
+#: the parameter it came from (TransformerLens rearranges ``W_Q`` to ``(heads * d_head, d_model)`` for F.linear)
+REARRANGES = frozenset(
+    {
+        "permute", "reshape", "view", "view_as", "reshape_as", "transpose", "t", "T", "mT", "flatten", "unflatten",
+        "contiguous", "movedim", "swapaxes", "swapdims", "squeeze", "unsqueeze", "to", "float", "double", "half",
+        "bfloat16", "type_as", "clone", "detach",
+    }
+)  # fmt: skip
+#: ops that read a table by index (an embedding lookup) and ops that multiply by a matrix (a projection)
+LOOKUPS = frozenset({"embedding", "__getitem__", "index_select", "take", "take_along_dim"})
+PRODUCT_NAMES = frozenset(
+    {"linear", "matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "einsum", "addmm", "baddbmm", "tensordot"}
+)
+LOOKUP, PRODUCT = "lookup", "product"
+
+
+def op_name(func) -> str:
+    """The name of a torch function as ``__torch_function__`` sees it; a property's name (``T``) for its getter."""
+    name = getattr(func, "__name__", "")
+    if name == "__get__":
+        return getattr(getattr(func, "__self__", None), "__name__", "")
+    return name

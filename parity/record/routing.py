@@ -1,0 +1,186 @@
+"""The routing of a mixture of experts in code you don't own, read from the functions that compute it.
+
+A user's MoE block (a library's, a notebook's) computes its router's choices and weights in plain
+functions and runs each expert, a module of its own, on the tokens routed to it. While ours runs,
+:class:`RoutingCapture` (called by :class:`~parity.record.functional.FunctionCapture` under the
+module aligned to the reference's MoE block) reads:
+
+* ``torch.topk`` over the experts (``k`` of them): its indices are the chosen experts
+  (``router.experts``);
+* its values, followed through what the model does to them element by element (a softmax over
+  the chosen ``k``, a renormalisation by their sum, a cast, a scaling), up to the first op that
+  uses them on the experts' outputs (indexing, a product): the routing weights (``router.weights``);
+* the gather of the block's tokens an expert module then runs on (``x[rows]``, ``index_select``):
+  :class:`ExpertRows` puts that expert's output back on those rows, zero elsewhere, as the
+  reference's per-expert node holds it.
+
+In isolated mode both routing nodes are replaced by the reference's, in ours' layout, as a tap is.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from dataclasses import dataclass
+
+import torch
+
+from parity.record.ops import LOOKUPS, op_name
+
+#: node names (after the block's path) of the router's choices and weights
+CHOICES, WEIGHTS = "router.experts", "router.weights"
+#: ops that read the routing weights without using them (their sum, for a renormalisation)
+_REDUCTIONS = frozenset({"sum", "mean", "amax", "amin", "max", "min", "norm", "prod", "logsumexp", "size", "dim"})
+
+#: the tokens the latest gather of a MoE block took, for :class:`ExpertRows`: ``(rows, tokens, chosen)``
+_ROWS: contextvars.ContextVar[tuple[torch.Tensor, int, torch.Tensor | None] | None] = contextvars.ContextVar(
+    "parity_expert_rows", default=None
+)
+
+
+@dataclass(frozen=True)
+class TopK:
+    """What a MoE block's routing reads: ``experts`` of them, ``k`` chosen per token (the facts of its
+    layer). Kept as the transform of the ``router.experts`` tap (it changes nothing)."""
+
+    experts: int
+    k: int
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def inverse(self, ref: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
+        """The reference's choices in ours' shape (``(batch, seq, k)`` for ``(tokens, k)``); ours' own
+        when they cannot be (another k: compared, not replaced)."""
+        return ref.reshape(current.shape) if ref.numel() == current.numel() else current
+
+
+@dataclass(frozen=True)
+class ExpertRows:
+    """One expert's output of ours ``(n, hidden)`` on the tokens its block gathered (in ours' order),
+    brought into the reference's ``(tokens, hidden)``: on those rows, zero elsewhere. An output over
+    every token ``(tokens, hidden)`` keeps only the rows ours' router sent to ``expert``."""
+
+    expert: int
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        found = _ROWS.get()
+        if found is None or t.dim() != 2:
+            return t
+        rows, tokens, chosen = found
+        if t.shape[0] == len(rows) != tokens:
+            out = t.new_zeros((tokens, t.shape[1]))
+            out[rows.to(t.device)] = t
+            return out
+        if t.shape[0] == tokens and chosen is not None:
+            routed = (chosen.reshape(tokens, -1) == self.expert).any(-1).to(t.device)
+            return torch.where(routed[:, None], t, torch.zeros_like(t))
+        return t
+
+    def inverse(self, ref: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
+        """The reference's rows for ours' tokens, in ours' order; ours' own when no gather says which."""
+        found = _ROWS.get()
+        if found is None or current.dim() != 2:
+            return current
+        rows, tokens, _ = found
+        if current.shape[0] == len(rows) != tokens:
+            return ref[rows.to(ref.device)]
+        return ref if current.shape[0] == tokens else current
+
+
+@dataclass
+class _Block:
+    """One call of a MoE block: its tokens, ours' choices, the weights followed and their replacement."""
+
+    tokens: int
+    chosen: torch.Tensor
+    weights: torch.Tensor
+    replacement: torch.Tensor | None = None
+    recorded: bool = False
+
+
+class RoutingCapture:
+    """Reads a MoE block's routing while ours runs (see the module docstring). ``record(name, tensor)
+    -> tensor``: a functional tap; ``moe() -> (block path, TopK) | None``: the running module aligned
+    to the reference's MoE block."""
+
+    def __init__(self, record, moe):
+        self.record, self.moe = record, moe
+        self._blocks: dict[str, _Block] = {}
+
+    def __call__(self, func, args, kwargs) -> tuple[bool, object]:
+        """``(True, result)`` when the call was the routing's (computed here), else ``(False, None)``."""
+        running = self.moe()
+        if running is None:
+            return False, None
+        path, topk = running
+        name = op_name(func)
+        if name == "topk":
+            return self._topk(path, topk, func, args, kwargs)
+        block = self._blocks.get(path)
+        if block is None:
+            return False, None
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if any(a is block.weights or a is block.replacement for a in tensors) and name not in _REDUCTIONS:
+            return True, self._weights(block, name, func, args, kwargs)
+        rows = _gathered_rows(name, args, block.tokens)
+        if rows is not None:
+            _ROWS.set((rows, block.tokens, block.chosen))
+        return False, None
+
+    def _topk(self, path: str, topk: TopK, func, args, kwargs):
+        out = func(*args, **kwargs)
+        values, indices = out
+        if values.shape[-1] != topk.k or not isinstance(args[0], torch.Tensor) or args[0].shape[-1] != topk.experts:
+            return True, out
+        chosen = self.record(CHOICES, indices)
+        tokens = values.numel() // values.shape[-1]
+        self._blocks[path] = _Block(tokens, chosen.detach(), values)
+        _ROWS.set(None)
+        return True, type(out)((values, chosen))
+
+    def _weights(self, block: _Block, name: str, func, args, kwargs):
+        """An op reading the routing weights: followed while it transforms them element by element (same
+        shape: a renormalisation, a cast, a scaling); the weights recorded (and, isolated, replaced) at the
+        first op doing anything else with them (indexing them, broadcasting them onto the experts' outputs)."""
+        if not block.recorded and name not in LOOKUPS and not name.endswith("_"):
+            out = func(*args, **kwargs)
+            if isinstance(out, torch.Tensor) and out.is_floating_point() and out.shape == block.weights.shape:
+                block.weights = out
+                return out
+            self._record_weights(block)  # a use, seen once it ran: run again only to read the reference's
+            return out if block.replacement is None else func(*self._replaced(block, args), **kwargs)
+        if not block.recorded:
+            self._record_weights(block)
+        return func(*self._replaced(block, args), **kwargs)
+
+    def _record_weights(self, block: _Block) -> None:
+        block.recorded = True
+        new = self.record(WEIGHTS, block.weights)
+        block.replacement = None if new is block.weights else new
+
+    @staticmethod
+    def _replaced(block: _Block, args) -> tuple:
+        if block.replacement is None:
+            return tuple(args)
+        return tuple(block.replacement if a is block.weights else a for a in args)
+
+
+def _gathered_rows(name: str, args, tokens: int) -> torch.Tensor | None:
+    """The rows ``x[rows]`` / ``x.index_select(0, rows)`` takes of the block's tokens ``(tokens, hidden)``
+    (an integer index, or a boolean mask over the tokens), as int64 on the CPU; None for any other op."""
+    if name not in ("__getitem__", "index_select") or len(args) < 2:
+        return None
+    source = args[0]
+    if not (isinstance(source, torch.Tensor) and source.is_floating_point() and source.dim() == 2):
+        return None
+    if source.shape[0] != tokens or (name == "index_select" and (len(args) < 3 or args[1] != 0)):
+        return None
+    index = args[2] if name == "index_select" else args[1]
+    if isinstance(index, tuple):
+        if not index or any(not isinstance(i, slice) for i in index[1:]):
+            return None
+        index = index[0]
+    if not isinstance(index, torch.Tensor) or index.dim() != 1 or index.is_floating_point():
+        return None
+    rows = index.nonzero().flatten() if index.dtype == torch.bool else index
+    return rows.detach().to("cpu", torch.int64)

@@ -1,0 +1,417 @@
+"""check_model on conventions nobody wrote for parity: each kind of loader or layout a library uses,
+and the verdict a user relies on for it (a correct model passes; a bug is located at its node with a
+hint naming the cause), chained and isolated.
+
+The kinds: a tie kept as copies (plain or transposed) is a note, never a gap; which of two modules
+holding one tensor is the embedding is decided by the op reading it; a part of a fused tensor, then
+permuted and reshaped (weights and 1-D biases), is compared through the reference's output features
+of that part; a copy scaled by a named constant; per-expert modules holding copies of a fused experts
+tensor aligned to the reference's experts, its router's weights and choices read from torch.topk; a
+node's layout decided by shapes, so a wrong value in another layout is a mismatch; projections
+computed by a function on a rearranged parameter are recorded, not untapped."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import parity
+from parity.build.coverage import CONVENTIONS, SCALED, SPLIT, loader_coverage
+from parity.compare.layouts import layouts, match_layout
+from parity.user.check_model import build_user_pair
+
+USER_MODELS = Path(__file__).parent / "user_models"
+sys.path.insert(0, str(USER_MODELS))
+
+import conv_gemma3_scale  # noqa: E402  (Gemma 3 with scale norms, an nn.Embedding scaled by its caller)
+import conv_lens_qwen3  # noqa: E402  (TransformerLens style: W_E and W_U copies, einsum on parameters)
+import conv_moe_qwen3  # noqa: E402  (per-expert nn.Linear modules copied out of the fused experts)
+
+
+def rows(res) -> dict:
+    return {r.node: r for r in res.alignment}
+
+
+def first(res):
+    """The first failing node of each mode: (chained, isolated)."""
+    return res.first_mismatch, res.first_isolated_mismatch
+
+
+#: where a bug is located does not depend on the semantic run's float64 rebuild (a correct model's
+#: verdict does, and is checked with the defaults): bug tests skip it to stay fast
+FAST = {"mode": "both", "semantic": False}
+
+
+@pytest.fixture
+def bug(monkeypatch):
+    """Set a user model's module-level BUG switch for one test."""
+
+    def set_bug(module, name):
+        monkeypatch.setattr(module, "BUG", name)
+
+    return set_bug
+
+
+# --- a tie kept as copies; the embedding and the head told apart by the op reading the tensor
+
+
+def test_a_tie_kept_as_a_copy_and_a_transposed_copy_is_a_note_and_each_copy_is_placed_by_its_op():
+    """TransformerLens keeps Qwen3's tied embedding as W_E (a copy) and W_U (a transposed copy)."""
+    res = parity.check_model(conv_lens_qwen3.build, "qwen3", mode="both")
+    assert res.passed, res.verdict()
+    assert res.coverage.ok and not res.coverage.gaps
+    assert any("2 copies in ours (embed.W_E, unembed.W_U)" in u for u in res.coverage.untied)
+    a = rows(res)
+    assert a["model.embed_tokens"].ours == "embed"  # read by indexing: the lookup
+    assert a["lm_head"].ours == "unembed"  # read by an einsum: the product
+    assert all(n.status != "untapped" for n in res.nodes)
+
+
+def test_our_families_keep_a_tie_kept_as_copies_as_a_gap():
+    """The same loader output is a gap where the loader is ours (copies_break_ties, our families)."""
+    table = torch.randn(10, 4)
+    state = {"embed.weight": table}
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(10, 4)
+            self.head = nn.Linear(4, 10, bias=False)
+
+    model = Tied()
+    with torch.no_grad():
+        model.embed.weight.copy_(table)
+        model.head.weight.copy_(table)
+    ties = {"head.weight": "embed.weight"}
+    strict = loader_coverage(model, state, ties)
+    assert any("are not the same Parameter" in g for g in strict.gaps)
+    lenient = loader_coverage(model, state, ties, copies_break_ties=False)
+    assert lenient.ok and lenient.untied
+
+
+# --- a part of a fused tensor, then permuted and reshaped: TransformerLens' GPT-2, written here
+
+
+class _LayerNorm(nn.Module):
+    def __init__(self, d: int, eps: float):
+        super().__init__()
+        self.eps, self.w, self.b = eps, nn.Parameter(torch.ones(d)), nn.Parameter(torch.zeros(d))
+
+    def forward(self, x):
+        return F.layer_norm(x, x.shape[-1:], self.w, self.b, self.eps)
+
+
+class _LensAttention(nn.Module):
+    """W_Q, W_K, W_V [heads, d_model, d_head] and b_Q.. [heads, d_head]; each projection is F.linear on
+    the weight rearranged to (heads * d_head, d_model), as TransformerLens' simple_attn_linear does."""
+
+    def __init__(self, d: int, n: int):
+        super().__init__()
+        h = d // n
+        for name in ("Q", "K", "V"):
+            setattr(self, f"W_{name}", nn.Parameter(torch.empty(n, d, h)))
+            setattr(self, f"b_{name}", nn.Parameter(torch.empty(n, h)))
+        self.W_O, self.b_O = nn.Parameter(torch.empty(n, h, d)), nn.Parameter(torch.empty(d))
+        self.scale = math.sqrt(h)
+
+    def project(self, x, w, b):
+        n, d, h = w.shape
+        return F.linear(x, w.permute(0, 2, 1).reshape(n * h, d), b.reshape(-1)).reshape(*x.shape[:2], n, h)
+
+    def forward(self, x):
+        q, k, v = (self.project(x, getattr(self, f"W_{n}"), getattr(self, f"b_{n}")) for n in "QKV")
+        scores = torch.einsum("bqnh,bknh->bnqk", q, k) / self.scale
+        t = x.shape[1]
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+        z = torch.einsum("bnqk,bknh->bqnh", probs, v)
+        return torch.einsum("bqnh,nhd->bqd", z, self.W_O) + self.b_O
+
+
+class _LensMLP(nn.Module):
+    """W_in [d, m], W_out [m, d] read by addmm, as TransformerLens' batch_addmm does."""
+
+    def __init__(self, d: int, m: int):
+        super().__init__()
+        self.W_in, self.b_in = nn.Parameter(torch.empty(d, m)), nn.Parameter(torch.empty(m))
+        self.W_out, self.b_out = nn.Parameter(torch.empty(m, d)), nn.Parameter(torch.empty(d))
+
+    def forward(self, x):
+        pre = torch.addmm(self.b_in, x.reshape(-1, x.shape[-1]), self.W_in).reshape(*x.shape[:2], -1)
+        post = F.gelu(pre, approximate="tanh")
+        return torch.addmm(self.b_out, post.reshape(-1, post.shape[-1]), self.W_out).reshape(x.shape)
+
+
+class _LensBlock(nn.Module):
+    def __init__(self, d: int, n: int, m: int, eps: float):
+        super().__init__()
+        self.ln1, self.attn, self.ln2, self.mlp = (
+            _LayerNorm(d, eps),
+            _LensAttention(d, n),
+            _LayerNorm(d, eps),
+            _LensMLP(d, m),
+        )
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class _Embed(nn.Module):
+    """TransformerLens' Embed: ``W_E[tokens]``; PosEmbed: ``W_pos[:seq]``; Unembed: ``x @ W_U``."""
+
+    def __init__(self, rows: int, cols: int, kind: str):
+        super().__init__()
+        self.W, self.kind = nn.Parameter(torch.empty(rows, cols)), kind
+
+    def forward(self, x):
+        if self.kind == "tokens":
+            return self.W[x]
+        return self.W[: x.shape[1]] if self.kind == "positions" else x @ self.W
+
+
+class LensGPT2(nn.Module):
+    """GPT-2 in TransformerLens' layout: W_E and W_U copies of the tied table (W_U transposed), c_attn
+    cut into W_Q/W_K/W_V and b_Q/b_K/b_V per head."""
+
+    def __init__(self, vocab: int, positions: int, d: int, n: int, m: int, layers: int, eps: float):
+        super().__init__()
+        self.embed, self.pos_embed = _Embed(vocab, d, "tokens"), _Embed(positions, d, "positions")
+        self.blocks = nn.ModuleList(_LensBlock(d, n, m, eps) for _ in range(layers))
+        self.ln_final, self.unembed = _LayerNorm(d, eps), _Embed(d, vocab, "product")
+
+    def forward(self, input_ids, attention_mask=None):
+        x = self.embed(input_ids) + self.pos_embed(input_ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.unembed(self.ln_final(x))
+
+
+def build_lens_gpt2(state_dict, hf, value_bias_for_key_bias: bool = False, swap_kv: bool = False):
+    d, n = hf.n_embd, hf.n_head
+    model = LensGPT2(hf.vocab_size, hf.n_positions, d, n, 4 * d, hf.n_layer, hf.layer_norm_epsilon)
+    sd = {k: v.detach().clone() for k, v in state_dict.items()}
+    with torch.no_grad():
+        model.embed.W.copy_(sd["transformer.wte.weight"])
+        model.pos_embed.W.copy_(sd["transformer.wpe.weight"])
+        model.unembed.W.copy_(sd["transformer.wte.weight"].T)
+        model.ln_final.w.copy_(sd["transformer.ln_f.weight"])
+        model.ln_final.b.copy_(sd["transformer.ln_f.bias"])
+        for i, block in enumerate(model.blocks):
+            p = f"transformer.h.{i}."
+            w, b = sd[p + "attn.c_attn.weight"], sd[p + "attn.c_attn.bias"]  # (d, 3d) Conv1D, (3d,)
+            for j, name in enumerate("QKV" if not swap_kv else "QVK"):
+                getattr(block.attn, f"W_{name}").copy_(w[:, j * d : (j + 1) * d].reshape(d, n, d // n).permute(1, 0, 2))
+                part = 2 if (value_bias_for_key_bias and name == "K") else j
+                getattr(block.attn, f"b_{name}").copy_(b[part * d : (part + 1) * d].reshape(n, d // n))
+            block.attn.W_O.copy_(sd[p + "attn.c_proj.weight"].reshape(n, d // n, d))
+            block.attn.b_O.copy_(sd[p + "attn.c_proj.bias"])
+            for ln, key in ((block.ln1, "ln_1"), (block.ln2, "ln_2")):
+                ln.w.copy_(sd[p + key + ".weight"])
+                ln.b.copy_(sd[p + key + ".bias"])
+            block.mlp.W_in.copy_(sd[p + "mlp.c_fc.weight"])
+            block.mlp.b_in.copy_(sd[p + "mlp.c_fc.bias"])
+            block.mlp.W_out.copy_(sd[p + "mlp.c_proj.weight"])
+            block.mlp.b_out.copy_(sd[p + "mlp.c_proj.bias"])
+    return model.eval()
+
+
+def test_a_fused_c_attn_cut_per_head_is_compared_through_its_output_features():
+    res = parity.check_model(build_lens_gpt2, "gpt2", mode="both")
+    assert res.passed, res.verdict()
+    assert all(n.status == "ok" for n in res.nodes if "@input" not in n.name), [
+        (n.name, n.status) for n in res.nodes if n.status != "ok"
+    ]
+    a = rows(res)
+    d = 48
+    for j, name in enumerate("QKV"):
+        row = a[f"transformer.h.1.attn.c_attn[{j * d}:{(j + 1) * d}]"]
+        assert row.ours == f"param:blocks.1.attn.W_{name}+blocks.1.attn.b_{name}" and row.how == "part"
+        assert f"transformer.h.1.attn.c_attn.weight[:, {j * d}:{(j + 1) * d}]" in row.detail
+        assert CONVENTIONS[SPLIT].split(" (")[0] in row.detail
+    # the projections F.linear computes from the rearranged weights are recorded, not untapped
+    status = {n.name: n.status for n in res.nodes}
+    assert status["transformer.h.0.attn.c_proj"] == status["transformer.h.0.mlp.c_fc"] == "ok"
+    cuts = [c for c in res.coverage.conversions if "cut in 3 parts" in c]
+    assert len(cuts) == 4  # weight and bias of c_attn, per layer
+
+
+def test_key_and_value_weights_cut_the_other_way_round_are_found_where_the_keys_are_used():
+    """Each part still holds a part of c_attn (the loader cut K's weight where V's is): the parts agree,
+    and the keys attention reads are the values."""
+    res = parity.check_model(lambda sd, hf: build_lens_gpt2(sd, hf, swap_kv=True), "gpt2", **FAST)
+    assert all(n.status == "ok" for n in res.nodes if n.name.startswith("transformer.h.0.attn.c_attn["))
+    for bad in first(res):
+        assert bad.name == "transformer.h.0.attn.k_rot" and bad.status == "mismatch"
+        assert bad.hint is not None and bad.hint.kind == "swapped_roles", bad.hint
+        assert "c_attn[96:144]" in bad.hint.text
+
+
+def test_a_bias_cut_from_the_wrong_part_is_a_loader_gap():
+    build = lambda sd, hf: build_lens_gpt2(sd, hf, value_bias_for_key_bias=True)
+    pair = build_user_pair(build, "gpt2")
+    gaps = pair.loading.coverage.gaps
+    assert "transformer.h.0.attn.c_attn.bias: part 32:48 along axis 0 lands in no parameter of ours" not in gaps
+    assert any(
+        "transformer.h.0.attn.c_attn.bias: part 48:96 along axis 0 lands in no parameter of ours" in g for g in gaps
+    )
+
+
+# --- a copy scaled by a named constant: TransformerLens' Gemma 3 keeps W_E * sqrt(hidden_size)
+
+
+def build_prescaled_gemma3(state_dict, hf):
+    """conv_gemma3_scale with TransformerLens' embedding: the table pre-multiplied by sqrt(hidden_size)
+    (its lookup needs no scaling) and the head a plain copy of the unscaled table."""
+    model = conv_gemma3_scale.build(state_dict, hf)
+    table = model.embedder.weight.detach()
+    scale = torch.tensor(model.cfg.hidden_size**0.5, dtype=table.dtype)
+    head = nn.Linear(table.shape[1], table.shape[0], bias=False)
+    with torch.no_grad():
+        head.weight.copy_(table)
+    model.embedder.weight = nn.Parameter(table * scale)
+    model.lm_head = head
+    model.cfg = dataclasses.replace(model.cfg, hidden_size=1)  # its forward's normalizer: 1
+    return model
+
+
+def test_an_embedding_scaled_by_a_named_constant_is_found_and_aligned():
+    res = parity.check_model(build_prescaled_gemma3, "gemma3", mode="both")
+    assert res.passed, res.verdict()
+    row = rows(res)["model.embed_tokens"]
+    assert row.ours == "embedder" and row.how == "weights" and "the embedding scale" in row.detail
+    assert any("times the embedding scale" in c for c in res.coverage.conversions)
+    assert res.coverage.sources["embedder.weight"][0].how == SCALED
+
+
+def test_a_scaled_copy_is_found_whatever_rows_are_zero():
+    """A padding row of zeros first (GPT-style tables) does not hide the constant."""
+    table = torch.randn(12, 8)
+    table[:3] = 0
+    model = nn.Module()
+    model.W_E = nn.Parameter(table * torch.tensor(8**0.5))
+    cov = loader_coverage(model, {"embed.weight": table}, constants={"sqrt(hidden_size=8)": 8**0.5})
+    assert cov.ok and cov.sources["W_E"][0].how == SCALED
+    assert cov.sources["W_E"][0].description == "embed.weight * sqrt(hidden_size=8) (2.82843)"
+
+
+# --- layouts are decided by shapes
+
+
+def test_a_layout_is_decided_by_shape_so_a_wrong_value_is_a_mismatch_not_a_shape():
+    ref = torch.randn(1, 16, 64)
+    ours = ref.reshape(16, 64) * 1.5  # the only layout that fits; the values are wrong
+    found = match_layout(ours, ref)
+    assert found is not None and torch.equal(found[0], ours.reshape(1, 16, 64))
+
+
+def test_a_per_head_norm_with_sequence_and_heads_merged_in_another_order_is_compared():
+    """TransformerLens' q_norm runs on (seq * heads, head_dim); Gemma 3's on (batch, heads, seq, head_dim)."""
+    ref = torch.randn(1, 4, 16, 16)
+    ours = ref[0].transpose(0, 1).reshape(64, 16)  # (seq, heads) merged
+    fits = layouts((64, 16), (1, 4, 16, 16))
+    assert len(fits) == 2  # (heads, seq) or (seq, heads): the last axis, normalised, stays last
+    moved, how = match_layout(ours, ref)
+    assert torch.equal(moved, ref) and "closest of 2" in how
+
+
+# --- mixtures of experts: per-expert modules copied out of the fused experts
+
+
+def test_per_expert_copies_are_aligned_to_the_reference_experts_and_its_router():
+    res = parity.check_model(conv_moe_qwen3.build, "qwen3_moe", mode="both")
+    assert res.passed, res.verdict()
+    a = rows(res)
+    assert a["model.layers.0.mlp.router.experts"].how == "routing"
+    assert a["model.layers.0.mlp.router.experts"].ours == "tap:blocks.0.ffn.router.experts"
+    assert a["model.layers.0.mlp.router.weights"].ours == "tap:blocks.0.ffn.router.weights"
+    assert a["model.layers.0.mlp.experts.3"].ours == "param:blocks.0.ffn.experts.3.2.weight"
+    assert a["model.layers.0.mlp.experts.3"].how == "expert"
+    assert a["model.layers.0.mlp.experts"].ours == "blocks.0.ffn"  # its experts are a ModuleList: the block sums
+    assert all(r.ours is not None for r in res.alignment)
+    judged = [n for n in res.nodes if n.status != "untapped"]
+    assert all(n.status == "ok" for n in judged)
+    # an expert ours never ran is untapped only where the reference gave it no token either
+    for n in res.nodes:
+        if n.status == "untapped":
+            assert n.kind == "expert" and "all zeros" in n.detail
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [("no_softmax", "routing_weights"), ("no_renorm", "renormalisation")],
+    ids=["no_softmax", "no_renorm"],
+)
+def test_routing_weight_bugs_are_found_at_the_router_weights(bug, name, kind):
+    bug(conv_moe_qwen3, name)
+    res = parity.check_model(conv_moe_qwen3.build, "qwen3_moe", **FAST)
+    for bad in first(res):
+        assert bad.name == "model.layers.0.mlp.router.weights" and bad.status == "mismatch"
+        assert bad.hint is not None and bad.hint.kind == kind, bad.hint
+    if name == "no_softmax":
+        assert "raw logits" in res.first_mismatch.hint.text
+
+
+@pytest.mark.parametrize("what", ["whole", "down"])
+def test_two_experts_swapped_are_found_at_the_first_expert_with_the_tokens_it_runs_on(what):
+    def build(sd, cfg):
+        model = conv_moe_qwen3.build(sd, cfg)
+        ex = model.blocks[0].ffn.experts
+        if what == "whole":
+            ex[2], ex[5] = ex[5], ex[2]
+        else:  # only the down projections
+            ex[2][2], ex[5][2] = ex[5][2], ex[2][2]
+        return model
+
+    res = parity.check_model(build, "qwen3_moe", **FAST)
+    for bad in first(res):
+        assert bad.name == "model.layers.0.mlp.experts.2" and bad.status == "mismatch"
+        assert bad.hint is not None and bad.hint.kind == "expert_mapping", bad.hint
+        assert "the router sends to expert 5" in bad.hint.text
+    row = rows(res)["model.layers.0.mlp.experts.2"]
+    assert row.ours == "param:blocks.0.ffn.experts.5.2.weight"  # the module holding expert 2's down projection
+    if what == "down":
+        assert "blocks.0.ffn.experts.2.0" in row.detail and "blocks.0.ffn.experts.5.2" in row.detail
+
+
+def test_an_expert_ours_holds_fused_says_why_in_true_words():
+    """Ours keeps the experts fused (no module per expert): the reference's per-expert node says so,
+    never that it is not a module of the reference."""
+
+    def build(sd, cfg):
+        model = conv_moe_qwen3.build(sd, cfg)
+        fused = nn.Module()  # the experts as the reference holds them, one tensor each
+        fused.gate_up = nn.Parameter(sd["model.layers.0.mlp.experts.gate_up_proj"].clone())
+        fused.down = nn.Parameter(sd["model.layers.0.mlp.experts.down_proj"].clone())
+        model.blocks[0].ffn.experts = nn.ModuleList()
+        model.blocks[0].ffn.fused = fused
+        return model
+
+    a = {r.node: r for r in build_user_pair(build, "qwen3_moe").alignment}
+    row = a["model.layers.0.mlp.experts.3"]
+    assert row.ours is None and "not a module of the reference" not in row.detail
+    assert "expert 3" in row.detail
+
+
+# --- two modules' weights swapped by the loader
+
+
+def test_q_norm_and_k_norm_weights_swapped_are_named_at_q_norm():
+    def build(sd, cfg):
+        model = conv_lens_qwen3.build(sd, cfg)
+        a = model.blocks[0].attn
+        a.q_norm.w, a.k_norm.w = a.k_norm.w, a.q_norm.w
+        return model
+
+    res = parity.check_model(build, "qwen3", **FAST)
+    for bad in first(res):
+        assert bad.name == "model.layers.0.self_attn.q_norm"
+        assert bad.hint is not None and bad.hint.kind == "swapped_weights", bad.hint
+        assert "q_norm and k_norm" in bad.hint.text
