@@ -146,7 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--config", help="built-in config name or a config.json path (default: the family's)")
     check.add_argument("--layers", type=_positive, help="number of layers for built-in configs")
     check.add_argument(
-        "--checkpoint", type=_path(CHECKPOINT_FILE), help="Transformers-format directory (config.json + safetensors)"
+        "--checkpoint",
+        type=_path(CHECKPOINT_FILE),
+        help="Transformers-format directory (config.json + safetensors), or a .gguf (or a folder holding one): "
+        "dequantized to --dtype by Transformers (pip install 'parity[gguf]')",
     )
     check.add_argument("--seq-len", type=_positive, help="tokens per sequence (default: past the sliding window)")
     check.add_argument("--batch", type=_positive, default=1, help="sequences per batch (default 1)")
@@ -159,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="left-pad every batch row after the first with N padding tokens (needs --batch 2+)",
     )
     check.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype of both models")
+    _add_text_args(check)
     check.add_argument("--atol", type=_nonnegative_float, help="absolute tolerance (default by dtype)")
     check.add_argument("--rtol", type=_nonnegative_float, help="relative tolerance (default by dtype)")
     check.add_argument(
@@ -272,6 +276,52 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_text_args(parser) -> None:
+    """--prompt / --prompts / --input-ids / --chat: real text instead of seeded random ids (parity.run.inputs)."""
+    parser.add_argument(
+        "--prompt",
+        action="append",
+        metavar="TEXT",
+        help="a prompt, tokenized with the checkpoint's tokenizer (repeatable: a prompt set)",
+    )
+    parser.add_argument(
+        "--prompts", metavar="FILE", help="prompts, one per line, or JSONL with a text or messages field"
+    )
+    parser.add_argument(
+        "--input-ids", metavar="FILE", help="token ids instead of text: a JSON list of lists of ints, one per prompt"
+    )
+    parser.add_argument("--chat", action="store_true", default=None, help="apply the tokenizer's chat template")
+
+
+def text_options(args) -> dict:
+    """The CheckOptions fields of --prompt / --prompts / --input-ids / --chat, files read now (one line,
+    exit 2, for a file that cannot serve), before anything is built. Raises ParityError."""
+    from parity.run.inputs import read_ids_file, read_prompts_file
+
+    prompts, ids = list(getattr(args, "prompt", None) or ()), getattr(args, "input_ids", None)
+    if any(p == "" for p in prompts):
+        raise ParityError("--prompt is empty")
+    if getattr(args, "prompts", None) is not None:
+        prompts += list(read_prompts_file(args.prompts))
+    if ids is not None and prompts:
+        raise ParityError("--input-ids gives token ids instead of text: drop --prompt/--prompts, or --input-ids")
+    chat = bool(getattr(args, "chat", None))
+    if chat and not prompts:
+        raise ParityError("--chat applies the tokenizer's chat template to --prompt/--prompts: give prompts")
+    if not prompts and ids is None:
+        return {}
+    if getattr(args, "seq_len", None) is not None:
+        raise ParityError("a prompt's length is its own: drop --seq-len")
+    if getattr(args, "left_pad", None):
+        raise ParityError("prompts are padded as the tokenizer pads them (left for --decode): drop --left-pad")
+    if getattr(args, "backward", False) or getattr(args, "causality", False):
+        raise ParityError("--backward and --causality run on the random probe: drop --prompt/--prompts/--input-ids")
+    if prompts:
+        return {"prompts": tuple(prompts), "chat": chat}
+    assert ids is not None  # neither prompts nor ids returned above
+    return {"prompt_ids": read_ids_file(ids)}
+
+
 def _add_trace_commands(sub) -> None:
     """``parity record`` and ``parity compare`` (golden traces, :mod:`parity.golden`). Options default
     to None so that the commands can tell which were given."""
@@ -295,6 +345,7 @@ def _add_trace_commands(sub) -> None:
         "--left-pad", type=_nonnegative, metavar="N", help="left-pad every batch row after the first (needs --batch 2+)"
     )
     record.add_argument("--seed", type=_nonnegative, help="seed of the random weights and input tokens (default 0)")
+    _add_text_args(record)
     record.add_argument(
         "--dtype", choices=(*DTYPES, "float16"), help="compute dtype of the reference (default float32)"
     )
@@ -837,9 +888,11 @@ def check_options(args, placement: bool = True) -> CheckOptions:
         raise ParityError("--backward and --causality run on the prompt, not through the KV cache: drop --decode")
     if placement:
         _check_placement(args)
+    text = text_options(args)
     from parity.run.options import CheckOptions
 
     return CheckOptions(
+        **text,
         backward=backward,
         step=step,
         lr=lr,
@@ -945,12 +998,17 @@ def cmd_check(args, console: Console) -> int:
                 family, config=config, checkpoint=args.checkpoint, dtype=dtype, seed=args.seed, **overrides
             )
     _check_left_pad(args, pair.default_seq_len)
-    with console.status("tracing both models and comparing every node"):
-        result = check(pair, options=options)
+    if options.prompts or options.prompt_ids:
+        result = _check_text(pair, options, console)
+    else:
+        with console.status("tracing both models and comparing every node"):
+            result = check(pair, options=options)
     console.print(_node_table(result, console))
     _print_coverage(result.coverage, console)
     for note in result.notes:
         console.print(f"[yellow]note:[/] {note}", highlight=False)
+    if result.text is not None:
+        _print_text(result.text, console)
     bad = result.first_mismatch
     if bad is not None and bad.hint is not None:
         console.print(f"[bold]hint ({bad.hint.kind}):[/] {bad.hint.text}", highlight=False)
@@ -976,6 +1034,100 @@ def cmd_check(args, console: Console) -> int:
     return 0 if result.passed else 1
 
 
+def _check_text(pair, options, console: Console):
+    """A prompt-set check with a progress bar over its batches of prompts."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from parity.run.prompt_set import check_prompt_set
+
+    with Progress(
+        TextColumn("checking prompts"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    ) as bar:
+        task = bar.add_task("", total=None)
+
+        def progress(done: int, total: int, label: str) -> None:
+            bar.update(task, completed=done, total=total, description=label)
+
+        return check_prompt_set(pair, options, progress=progress)
+
+
+def _token_cells(prompt: dict, limit: int = 24) -> str:
+    """``id:'piece'`` per position (the first ``limit``), escaped for rich."""
+    from rich.markup import escape
+
+    cells = [f"{i}:{p!r}" if p else str(i) for i, p in zip(prompt["ids"], prompt["pieces"])]
+    more = f" ... ({len(cells)} tokens)" if len(cells) > limit else ""
+    return escape(" ".join(cells[:limit]) + more)
+
+
+def _print_text(text: dict, console: Console) -> None:
+    """The prompt set: the tokens fed, per prompt KL / top-k, the logits verdict, disagreements, decode."""
+    fmt = lambda v: "-" if v is None else f"{v:.3g}"
+    table = Table(title=f"prompts ({text['count']})")
+    table.add_column("#", justify="right")
+    table.add_column("tokens (id:piece)", overflow="fold")
+    for column in ("KL mean", "KL max", "top-1", "top-5"):
+        table.add_column(column, justify="right")
+    table.add_column("nodes")
+    shown = text["prompts"][:50]
+    for p in shown:
+        table.add_row(
+            str(p["index"]),
+            _token_cells(p),
+            fmt(p["kl_mean"]),
+            fmt(p["kl_max"]),
+            f"{p['top1_agreement']:.0%}",
+            f"{p['top5_agreement']:.0%}",
+            "[green]pass[/]" if p["passed"] else f"[red]{p['first_mismatch'] or 'FAIL'}[/]",
+        )
+    console.print(table)
+    if len(text["prompts"]) > len(shown):
+        console.print(f"... {len(text['prompts']) - len(shown)} more prompts in the reports", highlight=False)
+    v = text["logits"]
+    at = v["kl_max_at"]
+    console.print(
+        f"[bold]logits over {text['count']} prompt(s), {v['positions']} positions:[/] KL(reference || ours) mean "
+        f"{fmt(v['kl_mean'])}, max {fmt(v['kl_max'])} nats (prompt {at['prompt']}, position {at['position']}); "
+        f"top-1 agreement {v['top1_agreement']:.2%}, top-5 {v['top5_agreement']:.2%}; reference vs float64: KL mean "
+        f"{fmt(v['noise_kl_mean'])}, max {fmt(v['noise_kl_max'])}",
+        highlight=False,
+        soft_wrap=True,
+    )
+    console.print(f"[bold]judgement:[/] {v['judgement']}", highlight=False, soft_wrap=True)
+    for d in text["disagreements"][:20]:
+        tie = (
+            " [yellow](a near-tie: within the reference's own error)[/]"
+            if d["near_tie"]
+            else ""
+            if d["near_tie"] is None
+            else " (not a near-tie)"
+        )
+        err = "" if d["ref_error"] is None else f", the reference's own error {d['ref_error']:.3g}"
+        console.print(
+            f"[red]top-1 disagrees:[/] prompt {d['prompt']} position {d['position']}: reference {d['token_ref']}, ours "
+            f"{d['token_ours']}; the reference's margin {d['margin']:.3g}{err}{tie}",
+            highlight=False,
+            soft_wrap=True,
+        )
+    if len(text["disagreements"]) > 20:
+        console.print(f"... {len(text['disagreements']) - 20} more disagreements in the reports", highlight=False)
+    div = text.get("decode_divergence")
+    if "decode_divergence" in text and div is None:
+        console.print("[bold]greedy decoding:[/] ours picks the reference's token at every step of every prompt")
+    elif div:
+        console.print(
+            f"[bold]greedy decoding:[/] first diverges at prompt {div['prompt']}, generated token {div['token']} "
+            f"(schedule step {div['step']}): reference {div['token_ref']}, ours {div['token_ours']}",
+            highlight=False,
+        )
+
+
 #: parity record's options that describe a new recording (none applies with --verify)
 _RECORD_OPTIONS = (
     "target",
@@ -994,6 +1146,10 @@ _RECORD_OPTIONS = (
     "sample",
     "save_weights",
     "shard_size",
+    "prompt",
+    "prompts",
+    "input_ids",
+    "chat",
 )
 
 
@@ -1044,6 +1200,7 @@ def cmd_record(args, console: Console) -> int:
     from parity.run.options import CheckOptions
 
     options = CheckOptions(
+        **text_options(args),
         seq_len=args.seq_len,
         batch_size=batch,
         left_pad=args.left_pad or 0,

@@ -415,3 +415,152 @@ def test_q_norm_and_k_norm_weights_swapped_are_named_at_q_norm():
         assert bad.name == "model.layers.0.self_attn.q_norm"
         assert bad.hint is not None and bad.hint.kind == "swapped_weights", bad.hint
         assert "q_norm and k_norm" in bad.hint.text
+
+
+def _lens_like(normalization_type: str, centred: bool) -> nn.Module:
+    """A model whose class lives in a ``transformer_lens`` module, as HookedTransformer's does."""
+    module_cls = type("HookedTransformer", (nn.Module,), {"__module__": "transformer_lens.HookedTransformer"})
+    model = module_cls()
+    model.cfg = dataclasses.make_dataclass("Cfg", ["normalization_type"])(normalization_type)
+    model.embed = nn.Module()
+    w_e = torch.randn(32, 16, generator=torch.Generator().manual_seed(0))
+    model.embed.W_E = nn.Parameter(w_e - w_e.mean(-1, keepdim=True) if centred else w_e)
+    return model
+
+
+@pytest.mark.parametrize(
+    ("normalization_type", "centred", "named"),
+    [("LNPre", False, True), ("RMSPre", False, True), ("LN", True, True), ("LN", False, False), ("RMS", False, False)],
+)
+def test_processed_transformer_lens_weights_are_refused_naming_the_unprocessed_load(normalization_type, centred, named):
+    """TransformerLens' from_pretrained folds norms into the next projections (its cfg then says LNPre /
+    RMSPre) and centres the writing weights (W_E rows of mean 0): the refusal names the unprocessed load.
+    An unprocessed TransformerLens model missing a tensor (a real loader bug) is not told so.
+    Live: tests/libraries/test_transformer_lens.py (pytest -m libs)."""
+    from types import SimpleNamespace
+
+    from parity.user.check_model import unplaced_message
+
+    coverage = SimpleNamespace(
+        unused=["transformer.h.0.ln_1.weight", "transformer.h.0.attn.c_attn.weight"],
+        unwritten=["blocks.0.attn.W_Q (16, 4, 4)"],
+        constants=[],
+    )
+    text = unplaced_message(coverage, _lens_like(normalization_type, centred))
+    assert ("from_pretrained_no_processing" in text) is named, text
+    assert ("fold_ln=False, center_writing_weights=False" in text) is named, text
+    assert "\n" not in text
+
+
+# --- a from-scratch book's conventions (llms-from-scratch: tests/libraries/test_llms_from_scratch.py, -m libs)
+
+
+class _BookAttention(nn.Module):
+    """q, k, v as nn.Linear, each ``(d, d)``: a square part of GPT-2's Conv1D ``c_attn`` ``(d, 3 d)``,
+    transposed; the causal mask filled in place on ``q @ k^T`` before the scaling."""
+
+    def __init__(self, d: int, heads: int, scale_by_head_dim: bool = False):
+        super().__init__()
+        self.heads, self.scale_by_head_dim = heads, scale_by_head_dim
+        self.q, self.k, self.v, self.out = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = (m(x).view(b, t, self.heads, -1).transpose(1, 2) for m in (self.q, self.k, self.v))
+        scores = q @ k.transpose(-1, -2)
+        scores.masked_fill_(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+        head_dim = q.shape[-1]
+        probs = torch.softmax(scores / (head_dim if self.scale_by_head_dim else math.sqrt(head_dim)), dim=-1)
+        return self.out((probs @ v).transpose(1, 2).reshape(b, t, d))
+
+
+class _BookGPT2(nn.Module):
+    def __init__(self, c, scale_by_head_dim: bool = False):
+        super().__init__()
+        d, eps = c.n_embd, c.layer_norm_epsilon
+        self.tok, self.pos = nn.Embedding(c.vocab_size, d), nn.Embedding(c.n_positions, d)
+        self.blocks = nn.ModuleList()
+        for i in range(c.n_layer):
+            block = nn.Module()
+            block.ln1, block.ln2 = nn.LayerNorm(d, eps=eps), nn.LayerNorm(d, eps=eps)
+            block.attn = _BookAttention(d, c.n_head, scale_by_head_dim and i == 1)
+            block.fc, block.proj = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+            self.blocks.append(block)
+        self.ln_f, self.head = nn.LayerNorm(d, eps=eps), nn.Linear(d, c.vocab_size, bias=False)
+
+    def forward(self, input_ids):
+        x = self.tok(input_ids) + self.pos(torch.arange(input_ids.shape[1]))
+        for blk in self.blocks:
+            x = x + blk.attn(blk.ln1(x))
+            x = x + blk.proj(F.gelu(blk.fc(blk.ln2(x)), approximate="tanh"))
+        return self.head(self.ln_f(x))
+
+
+def build_book_gpt2(sd, c, scale_by_head_dim: bool = False) -> nn.Module:
+    assert c.activation_function == "gelu_new"
+    model, d = _BookGPT2(c, scale_by_head_dim), c.n_embd
+    with torch.no_grad():
+        model.tok.weight.copy_(sd["transformer.wte.weight"])
+        model.pos.weight.copy_(sd["transformer.wpe.weight"])
+        model.head.weight.copy_(sd["transformer.wte.weight"])  # the tie kept as a copy
+        model.ln_f.weight.copy_(sd["transformer.ln_f.weight"])
+        model.ln_f.bias.copy_(sd["transformer.ln_f.bias"])
+        for i, blk in enumerate(model.blocks):
+            p = f"transformer.h.{i}."
+            w, b = sd[p + "attn.c_attn.weight"], sd[p + "attn.c_attn.bias"]
+            for j, lin in enumerate((blk.attn.q, blk.attn.k, blk.attn.v)):
+                lin.weight.copy_(w[:, j * d : (j + 1) * d].T)
+                lin.bias.copy_(b[j * d : (j + 1) * d])
+            for lin, key in ((blk.attn.out, "attn.c_proj"), (blk.fc, "mlp.c_fc"), (blk.proj, "mlp.c_proj")):
+                lin.weight.copy_(sd[p + key + ".weight"].T)
+                lin.bias.copy_(sd[p + key + ".bias"])
+            for ln, key in ((blk.ln1, "ln_1"), (blk.ln2, "ln_2")):
+                ln.weight.copy_(sd[p + key + ".weight"])
+                ln.bias.copy_(sd[p + key + ".bias"])
+    return model.eval()
+
+
+def test_q_k_v_cut_square_and_transposed_out_of_c_attn_pass_with_every_attention_node_compared():
+    """Each of q, k, v is a square (d, d) part of c_attn, transposed: a part of a fused tensor (not refused);
+    the attention block is found from those parts, so q, k, scores, probs and context are compared; the
+    scores are q @ k^T as it was before the mask was filled into it in place."""
+    res = parity.check_model(build_book_gpt2, "gpt2", **FAST)
+    assert res.passed, res.verdict()
+    not_ok = {n.name: n.status for n in res.nodes if n.status != "ok"}
+    # its blocks hold modules but never run as one (the model's forward calls their parts): no block output
+    assert not_ok == {"transformer.h.0": "untapped", "transformer.h.1": "untapped"}, not_ok
+    a = rows(res)
+    assert a["transformer.h.0.attn.c_attn[0:48]"].ours == "blocks.0.attn.q"  # the module computing that part
+    assert a["transformer.h.1.attn.scores"].ours == "tap:blocks.1.attn.scores"
+    assert sum("cut in 3 parts" in c for c in res.coverage.conversions) == 4  # weight and bias, per layer
+
+
+def test_an_attention_scale_bug_in_a_book_gpt2_is_found_at_the_scores():
+    res = parity.check_model(lambda sd, c: build_book_gpt2(sd, c, scale_by_head_dim=True), "gpt2", **FAST)
+    for bad in first(res):
+        assert bad.name == "transformer.h.1.attn.scores" and bad.status == "mismatch"
+        assert bad.hint is not None and bad.hint.kind == "attention_scale", bad.hint
+
+
+def _dense_batched_moe(self, x):
+    """Every expert on every token, the batch axis kept throughout: routing ``(b, t, k)``, each expert's
+    output ``(b, t, d)``, summed with the weights scattered over ``(b, t, experts)``."""
+    logits = self.router(x)
+    weights, ids = torch.topk(F.softmax(logits.float(), dim=-1), self.a.top_k, dim=-1)
+    if self.a.norm_topk:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    gates = torch.zeros_like(logits).scatter(-1, ids, weights.to(x.dtype))
+    outs = torch.stack([down(F.silu(gate(x)) * up(x)) for gate, up, down in self.experts], dim=-2)
+    return (gates[..., None] * outs).sum(dim=-2)
+
+
+def test_a_moe_keeping_the_batch_axis_and_running_every_expert_on_every_token_passes(monkeypatch):
+    """router.experts ``(b, t, k)`` is compared as the reference's ``(tokens, k)``; an expert run on all tokens
+    ``(b, t, d)`` is compared on the tokens the router sent to it (zero elsewhere, as the reference's)."""
+    monkeypatch.setattr(conv_moe_qwen3.SparseMoE, "forward", _dense_batched_moe)
+    res = parity.check_model(conv_moe_qwen3.build, "qwen3_moe", **FAST)
+    assert res.passed, res.verdict()
+    status = {n.name: n.status for n in res.nodes}
+    assert status["model.layers.0.mlp.router.experts"] == status["model.layers.0.mlp.experts.3"] == "ok"
+    judged = [n for n in res.nodes if n.kind == "expert" and n.status != "untapped"]
+    assert len(judged) >= 4 and all(n.status == "ok" for n in judged)

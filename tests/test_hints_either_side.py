@@ -281,3 +281,113 @@ def test_an_output_gate_with_another_activation_is_named_at_the_gated_context(si
     hint = located(pair, "model.layers.3.self_attn.o_proj@input", "activation")
     wrong, right = ("ours", "reference") if side == "ours" else ("reference", "ours")
     assert hint.evidence[wrong] == "silu" and hint.evidence[right] == "sigmoid"
+
+
+# --- the residual stream (held-back kinds: tests/test_heldout_faults.py has them in a user model) ---
+
+
+def _layer0(pair, side):
+    return pair.ours.blocks[0] if side == "ours" else pair.reference.model.layers[0]
+
+
+def _attention0(pair, side):
+    return pair.ours.blocks[0].att if side == "ours" else pair.reference.model.layers[0].self_attn
+
+
+def _stream_input(layer) -> dict:
+    """Keeps the residual stream a layer is called with (its first tensor argument) in ``seen["x"]``."""
+    seen: dict = {}
+
+    def keep(mod, args, kwargs):
+        seen["x"] = args[0] if args else kwargs["hidden_states"]
+
+    layer.register_forward_pre_hook(keep, with_kwargs=True)
+    return seen
+
+
+@pytest.mark.parametrize("side", SIDES)
+def test_a_residual_missing_after_attention_is_named_on_its_side(side):
+    """The attention branch returns its output minus the layer's input, so the layer adds nothing to
+    it: the stream after attention is o_proj's output alone (o_proj itself agrees)."""
+    pair = pair_of("llama3")
+    seen = _stream_input(_layer0(pair, side))
+    attention = _attention0(pair, side)
+    forward = attention.forward
+
+    def no_residual(*a, **k):
+        out = forward(*a, **k)
+        return out - seen["x"] if side == "ours" else (out[0] - seen["x"], *out[1:])
+
+    attention.forward = no_residual
+    hint = located(pair, "model.layers.0.post_attention_layernorm@input", "residual")
+    missing = "f(x) alone (the residual x not added)"
+    assert hint.evidence["side"] == ("ours" if side == "ours" else "the reference")
+    assert hint.evidence["ours" if side == "ours" else "reference"] == missing
+    assert hint.evidence["branch"] == "model.layers.0.self_attn.o_proj"
+
+
+@pytest.mark.parametrize("side", SIDES)
+def test_a_stream_scaled_before_the_layer_is_named_with_its_constant(side):
+    """The hidden states multiplied by sqrt(hidden_size) before layer 0 on one side (an embedding scale
+    a Llama port took from Gemma): the norm hides it, the add after attention shows it."""
+    pair = pair_of("llama3")
+    factor = pair.reference.config.hidden_size**0.5
+
+    def scale(mod, args, kwargs):
+        if args:
+            return (args[0] * factor, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": kwargs["hidden_states"] * factor}
+
+    _layer0(pair, side).register_forward_pre_hook(scale, with_kwargs=True)
+    res = parity.check(pair)
+    bad = res.first_mismatch
+    assert bad is not None and bad.hint is not None and bad.hint.kind == "scale", res.verdict()
+    expected = factor if side == "ours" else 1 / factor
+    assert abs(bad.hint.evidence["ratio"] / expected - 1) < 1e-3
+    assert "sqrt(hidden_size" in bad.hint.text
+
+
+@pytest.mark.parametrize("side", SIDES)
+def test_a_bias_one_side_adds_is_named_at_its_projection(side):
+    pair = pair_of("llama3")
+    proj = pair.ours.blocks[0].att.out_proj if side == "ours" else pair.reference.model.layers[0].self_attn.o_proj
+    proj.bias = torch.nn.Parameter(torch.full((proj.out_features,), 0.05))
+    hint = located(pair, "model.layers.0.self_attn.o_proj", "bias")
+    assert abs(hint.evidence["max_abs"] - 0.05) < 1e-6
+
+
+def test_the_softmax_over_the_queries_is_named_on_either_side(monkeypatch):
+    """softmax(scores, dim=-2) where the reference normalises over the keys, on ours, then the reference
+    (Transformers' eager attention calls nn.functional.softmax)."""
+    import torch.nn.functional as F
+
+    real = F.softmax
+
+    def over_queries(x, dim=None, **k):
+        return real(x, dim=-2 if (dim in (-1, 3) and x.dim() == 4) else dim, **k)
+
+    for side in SIDES:
+        pair = pair_of("llama3")
+        with monkeypatch.context() as m:
+            if side == "ours":  # ours calls torch.softmax
+                m.setattr(torch, "softmax", lambda x, dim=None, **k: over_queries(x, dim, **k))
+            else:
+                m.setattr(F, "softmax", over_queries)
+            hint = located(pair, "model.layers.0.self_attn.probs", "softmax_axis")
+        assert hint.evidence["side"] == ("ours" if side == "ours" else "the reference")
+        assert hint.evidence["ours_axis" if side == "ours" else "reference_axis"] == -2
+
+
+def test_attention_dropout_left_on_in_the_reference_is_named():
+    """The reference's attention module left in train mode with attention_dropout 0.1: its probabilities
+    node records them after the dropout (ours' side, a held-back user model's dropout after its probs
+    tap, is found at the context: tests/test_heldout_faults.py, attn_dropout_on)."""
+    pair = pair_of("llama3")
+    attention = pair.reference.model.layers[0].self_attn
+    attention.attention_dropout = 0.1
+    attention.train()
+    torch.manual_seed(0)
+    res = parity.check(pair)
+    bad = res.first_mismatch
+    assert bad.name == "model.layers.0.self_attn.probs" and bad.hint.kind == "dropout", res.verdict()
+    assert bad.hint.evidence["side"] == "the reference" and abs(bad.hint.evidence["p"] - 0.1) < 1e-3

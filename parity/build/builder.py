@@ -28,7 +28,7 @@ from parity.model.family import Composite, Family
 from parity.model.pair import Loading, Pair, PairSource
 from parity.model.weights import apply_weight_table
 from parity.util.devices import Placement
-from parity.util.errors import ConfigError, LoaderError, ParityError
+from parity.util.errors import CheckpointError, ConfigError, LoaderError, ParityError
 from parity.util.resources import gib, require
 from parity.util.text import one_line, summary
 from parity.util.version import require_transformers
@@ -450,6 +450,8 @@ class Reference:
     composite: Composite | None = None
     #: checkpoint key -> module, for the keys outside the text model (a multimodal checkpoint's towers)
     by_design: dict = field(default_factory=dict)
+    #: what the checkpoint's reader says (a GGUF's float32 config values), shown as the pair's notes
+    notes: list = field(default_factory=list)
 
     @property
     def tied_keys(self) -> dict[str, str]:
@@ -539,7 +541,19 @@ def model_naming(
 
 
 def read_weights(checkpoint, dtype: torch.dtype, model_type: str | tuple[str, ...] | None):
-    """``(checkpoint, state dict in dtype, conversions)`` of a safetensors checkpoint directory."""
+    """``(checkpoint, state dict in dtype, conversions)`` of a safetensors checkpoint directory, or of a
+    GGUF file (or a folder holding one, :mod:`parity.build.gguf`: dequantized to ``dtype`` by Transformers)."""
+    from parity.build.gguf import gguf_file, read_gguf
+
+    gguf = gguf_file(checkpoint)
+    if gguf is not None:
+        types = (model_type,) if isinstance(model_type, str) else tuple(model_type or ())
+        ckpt, lines = read_gguf(gguf, dtype, types)
+        if types and ckpt.config.get("model_type") not in types:
+            raise CheckpointError(
+                f"{gguf} loads as model_type {ckpt.config.get('model_type')!r}, expected {' or '.join(map(repr, types))}"
+            )
+        return ckpt, ckpt.state_dict, lines
     ckpt = read_checkpoint(checkpoint, model_type=model_type)
     _check_tensor_dtypes(ckpt.state_dict, f"checkpoint {checkpoint}")
     state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in ckpt.state_dict.items()}
@@ -647,6 +661,7 @@ def _source(family: Family, config, checkpoint, dtype, seed, overrides) -> Refer
         conversions=conversions,
         composite=composite,
         by_design=by_design,
+        notes=list(ckpt.notes) if ckpt is not None else [],
     )
 
 
@@ -694,7 +709,7 @@ def build_pair(
         ref.config_name = config_name_of(family.default_config if config is None else config)
     notes = list(family.notes(cfg)) if family.notes is not None else []
     if checkpoint is not None:  # after the cast: a float16 cast can overflow to inf; only what the nodes can read
-        notes += nonfinite_notes({k: v for k, v in ref.state_dict.items() if k not in ref.by_design})
+        notes += ref.notes + nonfinite_notes({k: v for k, v in ref.state_dict.items() if k not in ref.by_design})
     plan = None
     if not placement.is_cpu:
         reference_cls = ref.composite.reference_cls() if ref.composite is not None else family.reference_cls()

@@ -31,11 +31,14 @@ class Checkpoint:
     config: dict
     state_dict: dict[str, torch.Tensor]
     files: list[Path] = field(default_factory=list)
+    #: what a reader says about the checkpoint beyond its tensors (a GGUF's float32 config values)
+    notes: list[str] = field(default_factory=list)
 
     def content_hash(self) -> str:
-        """SHA-256 over config.json and the weight files, in order (identifies what was compared)."""
+        """SHA-256 over config.json and the weight files, in order (identifies what was compared); a GGUF
+        checkpoint (``path`` the file) is its one file."""
         h = hashlib.sha256()
-        for f in [self.path / "config.json", *self.files]:
+        for f in [*([self.path / "config.json"] if self.path.is_dir() else []), *self.files]:
             with open(f, "rb") as fh:
                 for chunk in iter(lambda: fh.read(1 << 20), b""):
                     h.update(chunk)

@@ -315,6 +315,10 @@ def _split_part(p: torch.Tensor, t: torch.Tensor) -> tuple[tuple[int, int, int],
             part = t.narrow(axis, start, size)
             if part.shape == p.shape and torch.equal(p, part.to(p.dtype)):
                 return (axis, start, start + size), tuple(range(p.dim())), False
+            if p.dim() == 2 and part.shape == p.shape and torch.equal(p.T, part.to(p.dtype)):
+                # a square part transposed (GPT-2's Conv1D c_attn cut into q/k/v nn.Linear weights):
+                # _layout leaves equal shapes alone
+                return (axis, start, start + size), (1, 0), False
             found = _layout(p, part)
             if found is not None:
                 return (axis, start, start + size), found[0], found[1]
@@ -372,6 +376,18 @@ def _fused_rows(p: torch.Tensor, candidates: dict[str, torch.Tensor]) -> list[tu
     if len(parts) == 1 and parts[0][1] == tuple(range(p.shape[0])):
         return None  # the identity: a copy, judged as such
     return parts
+
+
+def _transposed_in(p: torch.Tensor, free: dict[str, torch.Tensor]) -> str:
+    """Why a fused tensor of ours holds no checkpoint tensor, when it is one: its rows are checkpoint
+    tensors' rows with a square one transposed (``torch.cat([wq.T, wk, wv])``: a weight transposed
+    before it was fused, which computes ``x @ W`` for that part instead of ``x @ W.T``)."""
+    square = {k: t for k, t in free.items() if t.dim() == 2 and t.shape[0] == t.shape[1] > 1}
+    for key, t in square.items():
+        parts = _fused_rows(p, {**{k: v for k, v in free.items() if k != key}, key: t.T.contiguous()})
+        if parts and any(k == key for k, _ in parts):
+            return f"; its rows are {', '.join(k for k, _ in parts)} with {key} transposed: a weight transposed before it was fused"
+    return ""
 
 
 def _fused_slices(p: torch.Tensor, candidates: dict[str, torch.Tensor]) -> list[tuple[str, tuple[int, ...]]] | None:
@@ -610,7 +626,8 @@ def loader_coverage(
                     what = "zeros (a bias of zero)" if float(value.flatten()[0]) == 0 else "ones (a scale of one)"
                     cov.constants.append(f"{label} holds only {what}, where the reference has no tensor")
                     continue
-                cov.unwritten.append(f"{label} (holds no checkpoint tensor in any layout parity knows)")
+                why = _transposed_in(p.data, free)
+                cov.unwritten.append(f"{label} (holds no checkpoint tensor in any layout parity knows{why})")
                 continue
             for key, rows in parts:
                 record(names, key, ROWS, rows)

@@ -122,7 +122,7 @@ def _resolve_reference(reference, dtype: torch.dtype, seed: int) -> tuple[Refere
     if isinstance(reference, PretrainedConfig):
         hf_config = reference
         where = f"{type(reference).__name__}"
-    elif isinstance(reference, (str, Path)) and Path(reference).is_dir():
+    elif isinstance(reference, (str, Path)) and (Path(reference).is_dir() or str(reference).lower().endswith(".gguf")):
         ckpt, state_dict, conversions = read_weights(reference, dtype, None)
         hf_config = config_from_raw(ckpt.config, str(Path(reference) / "config.json"))
         require_model(causal_lm_class(hf_config), hf_config, dtype, f"checkpoint {reference}", weights=False)

@@ -244,7 +244,8 @@ class NodeStream:
     dot) produced before it. While nothing has failed, the context nodes of the
     latest stem are held, since a later node of that stem may still fail. ``watch``: ``{node: f(ours,
     ref)}`` run on a node as it is compared (same shapes; ``ref`` may be a spilled tensor), its value
-    kept in ``trace.watched``.
+    kept in ``trace.watched``; under the key ``"*"``, run on every node, its values kept in
+    ``trace.watched["*"]`` by node.
     """
 
     def __init__(
@@ -286,6 +287,9 @@ class NodeStream:
             ours = moved
         if name in self.watch and ref is not None and ref.shape == ours.shape:
             self.trace.watched[name] = self.watch[name](ours, ref)
+        every = self.watch.get("*")  # a function of every node: kept in trace.watched["*"][name]
+        if every is not None and ref is not None and ref.shape == ours.shape:
+            self.trace.watched.setdefault("*", {})[name] = every(ours, ref)
         del ref, scores
         stem = name.rsplit(".", 1)[0]
         if spec.kind in self.context:

@@ -21,7 +21,7 @@ from parity.diagnose.elementwise import (
 )
 from parity.diagnose.evidence import Evidence
 from parity.diagnose.hints import Hint
-from parity.diagnose.masks import future_keys, padding, sequence_shift, window_pattern
+from parity.diagnose.masks import attention_dropout, future_keys, padding, sequence_shift, window_pattern
 from parity.diagnose.moe import choice, expert_tokens, expert_weights, routing_weights, row_normalisation
 from parity.diagnose.norms import (
     block_layout,
@@ -32,15 +32,25 @@ from parity.diagnose.norms import (
     norm_weight_offset,
     norm_weight_source,
 )
-from parity.diagnose.rope import position_table_offset, rope_fit, rope_partial, rope_pattern
-from parity.diagnose.scales import channel_ratio, constant_ratio, row_scale, softmax_temperature
+from parity.diagnose.residual import input_scale, input_source, residual_add
+from parity.diagnose.rope import norm_after_rope, position_table_offset, rope_fit, rope_partial, rope_pattern
+from parity.diagnose.scales import (
+    added_vector,
+    channel_ratio,
+    constant_ratio,
+    row_scale,
+    softmax_axis,
+    softmax_temperature,
+)
 from parity.diagnose.swaps import swapped_modules, swapped_weights, used_as
 from parity.diagnose.wiring import (
     gate_up_roles,
     head_mapping,
+    heads_merged_unmoved,
     kv_sharing,
     last_dim_permutation,
     other_layer,
+    rotated_other_projection,
     sibling_match,
     tap_layout,
     transposed_weight,
@@ -58,13 +68,16 @@ UNHOOKED_PREFIXES = ("tap:", "param:", "unaligned:")
 DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     tap_layout,
     kv_sharing,
+    residual_add,  # before sibling_match: a stream point equal to the branch's output is a missing residual
     sibling_match,
     swapped_weights,
     gate_up_roles,
     used_as,
+    rotated_other_projection,
     other_layer,
     untied_head,
     transposed_weight,
+    heads_merged_unmoved,
     expert_tokens,
     expert_weights,
     rounding_order,
@@ -75,6 +88,9 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     activation_function,
     gate_activation,
     soft_capping,
+    input_scale,  # before the norms: a norm fed a scaled input differs only through its eps
+    input_source,
+    norm_after_rope,
     norm_eps,
     norm_skipped,
     norm_weight_source,
@@ -84,6 +100,7 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     norm_placement,
     rope_partial,
     rope_fit,  # before constant_ratio: on q_rot/k_rot a constant factor is the cos/sin scale, read with its source
+    attention_dropout,  # before constant_ratio: the kept probabilities are all scaled by one 1 / (1 - p)
     constant_ratio,
     routing_weights,
     row_normalisation,
@@ -92,11 +109,13 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     head_mapping,
     sequence_shift,
     softmax_temperature,
+    softmax_axis,
     future_keys,
     window_pattern,
     chunk_boundary,
     rope_pattern,
     channel_ratio,
+    added_vector,
     row_scale,
     activation,
 )

@@ -38,7 +38,8 @@ def _solve_cap(h: torch.Tensor, y: torch.Tensor, form: str) -> float | None:
 
 def _capped(h: torch.Tensor, y: torch.Tensor, config_cap: float | None, tol: float) -> str | None:
     """How ``y`` is computed from the head's output ``h``: ``"uncapped"``, ``"c * tanh(x / c)"`` or
-    ``"x * tanh(x / c)"`` (c read back from the values), or None when it is none of those."""
+    ``"x * tanh(x / c)"`` (c read back from the values), ``"c * tanh(x)"`` (the config's c, the division
+    forgotten), or None when it is none of those."""
     h, y = h.double(), y.double()
     if rel(y, h) < tol:
         return "x (no cap)"
@@ -50,6 +51,8 @@ def _capped(h: torch.Tensor, y: torch.Tensor, config_cap: float | None, tol: flo
             z = c * torch.tanh(h / c) if form == "cap" else h * torch.tanh(h / c)
             if rel(y, z) < tol:
                 return text.format(c=c)
+    if config_cap and rel(y, config_cap * torch.tanh(h)) < tol:  # the cap's division forgotten: c * tanh(x)
+        return f"{config_cap:g} * tanh(x) (x not divided by the cap)"
     return None
 
 

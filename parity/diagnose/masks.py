@@ -145,3 +145,78 @@ def padding(e: Evidence) -> Hint | None:
             "step": call,
         },
     )
+
+
+def attention_dropout(e: Evidence) -> Hint | None:
+    """The context is the probabilities times the values with some probabilities dropped and the rest
+    scaled by ``1 / (1 - p)``: attention dropout left on (a module in train mode, or ``dropout_p`` given
+    to ``scaled_dot_product_attention`` outside training), on either side. Read back per query from
+    each side's context as the weights on the reference's values against the reference's
+    probabilities (exact while a query sees no more keys than ``head_dim``)."""
+    if e.kind == "probs" and e.ours.shape == e.ref.shape:  # the probabilities recorded after the dropout
+        for side, dropped_side, other in (("ours", e.ours, e.ref), ("the reference", e.ref, e.ours)):
+            keep = other.double() > 1e-4
+            rate = _pattern((dropped_side.double()[keep] / other.double()[keep]).flatten())
+            if rate is not None:
+                return _dropout_hint(side, rate[0], rate[1], "probabilities")
+        return None
+    if e.kind != "context" or e.result.layer is None:
+        return None
+    stem = e.name.rsplit(".", 1)[0]
+    probs, values = e.ref_trace.tensors.get(f"{stem}.probs"), e.ref_trace.tensors.get(f"{stem}.v_proj")
+    if probs is None or values is None or probs.dim() != 4:
+        return None
+    b, h, t, _ = probs.shape
+    d = e.facts.head_dim
+    if not d or e.ours.numel() != b * h * t * d or values.numel() % (b * t * d) or h % (values.numel() // (b * t * d)):
+        return None
+    kv = values.numel() // (b * t * d)
+    v = values.double().reshape(b, t, kv, d).transpose(1, 2).repeat_interleave(h // kv, dim=1)
+    for side, context in (("ours", e.ours), ("the reference", e.ref)):
+        rate = _dropout_rate(context.double(), probs.double(), v, h, t, d)
+        if rate is not None:
+            return _dropout_hint(side, rate[0], rate[1], "context")
+    return None
+
+
+def _dropout_hint(side: str, k: float, dropped: float, where: str) -> Hint:
+    what = (
+        "its probabilities are the other side's"
+        if where == "probabilities"
+        else "its context weights the values by the probabilities"
+    )
+    return Hint(
+        "dropout",
+        f"likely attention dropout left on in {side}: {what} with {dropped:.0%} of them dropped and the rest scaled by "
+        f"{k:.4g} = 1 / (1 - p), p = {1 - 1 / k:.3g} (eval mode, or dropout_p=0 outside training)",
+        {"p": 1 - 1 / k, "dropped": dropped, "side": side},
+    )
+
+
+def _pattern(r: torch.Tensor) -> tuple[float, float] | None:
+    """``(k, fraction dropped)`` when the ratios ``r`` are 0 or one ``k > 1``: a dropout's mask, scaled."""
+    if r.numel() < 8:
+        return None
+    dropped = r.abs() < 1e-3
+    kept = r[~dropped]
+    if not 0.01 <= float(dropped.double().mean()) <= 0.9 or kept.numel() < 4:
+        return None
+    k = float(kept.median())
+    if k <= 1 or float(((kept - k).abs() / k).max()) > 1e-3:
+        return None
+    return k, float(dropped.double().mean())
+
+
+def _dropout_rate(ctx: torch.Tensor, probs: torch.Tensor, v: torch.Tensor, h: int, t: int, d: int):
+    """``(1 / (1 - p), fraction dropped)`` when ``ctx`` is ``dropout(probs) @ v``, else None."""
+    b = probs.shape[0]
+    if ctx.dim() == 3 or (ctx.dim() == 4 and ctx.shape[1] == t and ctx.shape[1] != h):  # (b, t, h * d) or (b, t, h, d)
+        ctx = ctx.reshape(b, t, h, d).transpose(1, 2)
+    ratios = []
+    for i in range(min(t, d)):  # a query that sees i + 1 keys: its weights are solvable from d equations
+        keys = v[:, :, : i + 1, :].transpose(-1, -2)  # (b, h, d, i + 1)
+        weights = torch.linalg.lstsq(keys, ctx[:, :, i, :, None]).solution[..., 0]  # (b, h, i + 1)
+        p = probs[:, :, i, : i + 1]
+        keep = p > 1e-4
+        ratios.append((weights[keep] / p[keep]).flatten())
+    return _pattern(torch.cat(ratios) if ratios else torch.zeros(0))

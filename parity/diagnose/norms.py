@@ -210,14 +210,16 @@ def _normalisers(x: torch.Tensor, head_dim: int | None, eps: float = 0.0) -> dic
     """``x`` normalised each way a norm might (``eps``: the architecture's norm eps)."""
     x = x.double()
     centered = x - x.mean(-1, keepdim=True)
+    per_head = bool(head_dim) and x.dim() >= 3 and x.shape[-1] == head_dim and x.shape[-2] > 1
     out = {
-        "RMSNorm over the last axis": x / (x.pow(2).mean(-1, keepdim=True) + eps).sqrt(),
+        "RMSNorm over the last axis" + (" (per head)" if per_head else ""): x
+        / (x.pow(2).mean(-1, keepdim=True) + eps).sqrt(),
         "LayerNorm (mean-subtracting)": centered / (centered.pow(2).mean(-1, keepdim=True) + eps).sqrt(),
     }
     if head_dim and x.shape[-1] % head_dim == 0 and x.shape[-1] > head_dim:
         h = x.unflatten(-1, (-1, head_dim))
         out["RMSNorm per head"] = (h / (h.pow(2).mean(-1, keepdim=True) + eps).sqrt()).flatten(-2)
-    if head_dim and x.dim() >= 3 and x.shape[-1] == head_dim and x.shape[-2] > 1:  # (..., heads, head_dim)
+    if per_head:  # (..., heads, head_dim)
         out["RMSNorm over the whole projection"] = x / (x.pow(2).mean((-2, -1), keepdim=True) + eps).sqrt()
     return out
 
@@ -241,11 +243,11 @@ def _explained_by(y: torch.Tensor, candidates: dict[str, torch.Tensor]) -> str |
 
 def norm_kind(e: Evidence) -> Hint | None:
     """A norm node whose output is explained by another normaliser than the reference's."""
-    if not _is_norm(e.kind) or e.name not in e.ref_trace.inputs or e.name not in e.ours_trace.inputs:
+    if not _is_norm(e.kind):
         return None
-    x_ref, x_ours = e.ref_trace.inputs[e.name], e.ours_trace.inputs[e.name]
-    if not e.close(x_ours, x_ref):
-        return None  # the input already differs: not this norm's own fault
+    x_ref = same_input(e)  # ours' input in the reference's layout (a norm called before the heads split)
+    if x_ref is None:
+        return None  # the input already differs (or was not kept): not this norm's own fault
     candidates = _normalisers(x_ref, e.facts.head_dim, e.facts.norm_eps or 0.0)
     ours_is, ref_is = _explained_by(e.ours, candidates), _explained_by(e.ref, candidates)
     if ours_is is None or ref_is is None or ours_is == ref_is:

@@ -255,6 +255,8 @@ def rope_partial(e: Evidence) -> Hint | None:
         or x.shape != e.ours.shape
         or moved.shape != (e.ours.shape[0], e.ours.shape[2])
         or not bool(moved.any())
+        or e.close(e.ours, x)  # ours rotates nothing (within the node's tolerance): rope_pattern says rope_missing
+        or e.close(e.ref, x)
     ):
         return None
     ours_still, ref_still = _unrotated_dims(e.ours, x, moved), _unrotated_dims(e.ref, x, moved)
@@ -380,3 +382,45 @@ def _frequency_precision(e: Evidence, x: torch.Tensor, pairing: str | None) -> f
         return None
     relative = float((delta[keep] / angle_ref[keep]).max())
     return relative if relative < 1e-2 else None
+
+
+def norm_after_rope(e: Evidence) -> Hint | None:
+    """A q/k norm whose input in ours is the reference's input rotated: equal where RoPE leaves a token
+    as it is (position 0), each rotated pair of dims of the same length elsewhere. Ours normalises q
+    (or k) after RoPE, the reference before it."""
+    if e.kind not in ("q_norm", "k_norm") or e.positions is None:
+        return None
+    from parity.diagnose.wiring import _heads_first
+
+    x_ref, x_ours = e.ref_trace.inputs.get(e.name), e.ours_trace.inputs.get(e.name)
+    if x_ref is None or x_ours is None or x_ref.numel() != x_ours.numel() or x_ref.dim() < 3:
+        return None
+    b, seq = e.positions.shape
+    d = e.facts.head_dim
+    if not d or d % 2 or x_ref.shape[-1] % d or x_ref.numel() % (b * seq * d):
+        return None
+    n_heads = x_ref.numel() // (b * seq * d)
+    ref = _heads_first(x_ref.reshape(b, seq, n_heads * d) if x_ref.shape[1] == seq else x_ref, n_heads, d, seq)
+    start = e.positions == 0
+    if ref is None or not bool(start.any()) or bool(start.all()):
+        return None
+    candidates = [_heads_first(x_ours, n_heads, d, seq)]
+    if x_ours.dim() == 4 and x_ours.shape[1] == x_ours.shape[2]:  # seq == heads: both layouts possible
+        candidates.append(x_ours.transpose(1, 2))
+    first = start[:, None, :, None].expand_as(ref)
+
+    def lengths(t: torch.Tensor) -> torch.Tensor:
+        t = t.double()
+        return (t[..., : d // 2].pow(2) + t[..., d // 2 :].pow(2)).sqrt()
+
+    for ours in candidates:
+        if ours is None or ours.shape != ref.shape or e.close(ours, ref):
+            continue
+        if e.close(ours[first], ref[first]) and e.close(lengths(ours), lengths(ref)):
+            return Hint(
+                "norm_placement",
+                f"likely norm placement: ours' {e.kind} reads its input after RoPE (the reference's input rotated: equal "
+                f"at position 0, each rotated pair of the same length), the reference normalises before RoPE",
+                {"ours_reads": "after RoPE"},
+            )
+    return None

@@ -181,3 +181,47 @@ def channel_ratio(e: Evidence) -> Hint | None:
         f"{fmt_list(f'{v:.4g}' for v in per_channel[:4].tolist())}",
         {"per_channel": per_channel[:16].tolist()},
     )
+
+
+def softmax_axis(e: Evidence) -> Hint | None:
+    """Attention probabilities normalised over another axis than the keys on one side: one side's rows
+    (a query's weights over the keys, the last axis) sum to 1, the other's sum to 1 over the queries
+    (``softmax(scores, dim=-2)``) or the heads instead."""
+    if e.kind != "probs" or e.ours.dim() < 3 or e.ours.shape != e.ref.shape:
+        return None
+    tol = max(1e-3, 16 * torch.finfo(e.ref.dtype).eps)
+    labels = {-1: "the keys (the last axis)", -2: "the queries (dim=-2)", 1: "the heads (dim=1)"}
+
+    def axis_of(t: torch.Tensor) -> int | None:
+        t = t.double()
+        return next((axis for axis in labels if bool(((t.sum(axis) - 1).abs() < tol).all())), None)
+
+    ours_axis, ref_axis = axis_of(e.ours), axis_of(e.ref)
+    if ours_axis is None or ref_axis is None or ours_axis == ref_axis or -1 not in (ours_axis, ref_axis):
+        return None
+    side = "ours" if ref_axis == -1 else "the reference"
+    return Hint(
+        "softmax_axis",
+        f"likely the softmax axis: ours' attention probabilities sum to 1 over {labels[ours_axis]}, the reference's "
+        f"over {labels[ref_axis]} (softmax(scores, dim=-1) normalises over the keys)",
+        {"ours_axis": ours_axis, "reference_axis": ref_axis, "side": side},
+    )
+
+
+def added_vector(e: Evidence) -> Hint | None:
+    """Ours minus the reference is one vector added at every position (a bias one side has and the
+    other lacks, or a bias loaded into the wrong module), with its size."""
+    if e.ours.dim() < 2 or e.ours.shape != e.ref.shape or e.ref.shape[-1] < 2:
+        return None
+    d = (e.ours.double() - e.ref.double()).reshape(-1, e.ref.shape[-1])
+    if d.shape[0] < 2:
+        return None
+    v = d.mean(0)
+    if float(v.norm()) == 0 or rel(d, v.expand_as(d)) > max(EXPLAINS, 16 * torch.finfo(e.ref.dtype).eps):
+        return None
+    return Hint(
+        "bias",
+        f"likely a bias one side adds and the other does not: ours - reference is the same vector at every "
+        f"position (norm {float(v.norm()):.4g}, largest |element| {float(v.abs().max()):.4g}) at {e.kind}",
+        {"norm": float(v.norm()), "max_abs": float(v.abs().max())},
+    )

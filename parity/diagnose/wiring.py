@@ -271,7 +271,9 @@ def untied_head(e: Evidence) -> Hint | None:
 
 def gate_up_roles(e: Evidence) -> Hint | None:
     """A gated MLP's down projection reads ``act(up) * gate`` where the reference's reads ``act(gate) *
-    up``: gate_proj and up_proj agree (each holds its weight), their roles are swapped."""
+    up``: gate_proj and up_proj agree (each holds its weight), their roles are swapped (``swapped_roles``);
+    or ``other(gate) * up``, another activation than the reference's (``activation``: SiLU for GELU,
+    exact for tanh GELU, in a fused MLP with no node of its own for the activation)."""
     if e.kind != "down_proj" or e.name not in e.ours_trace.inputs:
         return None
     stem = e.name.rsplit(".", 1)[0]
@@ -293,5 +295,94 @@ def gate_up_roles(e: Evidence) -> Hint | None:
                 f"likely swapped roles: gate_proj and up_proj agree on both sides, but {side} applies the activation "
                 f"({label}) to up_proj's output and multiplies by gate_proj's ({other}: act(gate) * up)",
                 {"swapped": [f"{stem}.gate_proj", f"{stem}.up_proj"], "activation": label, "side": side},
+            )
+    # the roles agree, the function differs: each side's down_proj input read back as act(gate) * up
+    products = {label: act(gate) * up for label, act in _activations().items()}
+    ours_is = next((label for label, y in products.items() if e.close(x, y)), None)
+    ref_is = next((label for label, y in products.items() if x_ref is not None and e.close(x_ref, y)), None)
+    if ours_is is not None and ref_is is not None and ours_is != ref_is:
+        return Hint(
+            "activation",
+            f"likely the activation function: ours' down_proj reads act(gate) * up with act = {ours_is}, the "
+            f"reference's with {ref_is} (gate_proj and up_proj agree on both sides)",
+            {"ours": ours_is, "reference": ref_is, "input": f"{stem}.gate_proj"},
+        )
+    return None
+
+
+def heads_merged_unmoved(e: Evidence) -> Hint | None:
+    """The input of the output projection (the attention context, ``(batch, seq, heads * head_dim)``)
+    holds the reference's numbers in another order: ours reshaped ``(batch, heads, seq, head_dim)``
+    straight to ``(batch, seq, heads * head_dim)`` without moving the heads axis back next to
+    ``head_dim`` (``.transpose(1, 2)`` before the reshape), so each row mixes positions and heads."""
+    if e.kind != "o_proj":
+        return None
+    x_ref, x_ours = e.ref_trace.inputs.get(e.name), e.ours_trace.inputs.get(e.name)
+    h, d = e.facts.num_heads, e.facts.head_dim
+    if x_ref is None or x_ours is None or x_ours.shape != x_ref.shape or x_ref.dim() != 3 or not h or not d:
+        return None
+    b, t, f = x_ref.shape
+    if f != h * d or t < 2 or e.close(x_ours, x_ref):
+        return None
+    unmixed = x_ours.reshape(b, h, t, d).transpose(1, 2).reshape(b, t, f)
+    if not e.close(unmixed, x_ref):
+        return None
+    return Hint(
+        "head_layout",
+        "likely the heads merged in the wrong axis order: ours' o_proj input is the context (batch, heads, seq, "
+        "head_dim) reshaped to (batch, seq, heads * head_dim) without moving the heads axis next to head_dim first "
+        "(transpose(1, 2) before the reshape), so each position's row mixes positions and heads",
+        {"ours": "reshape without transpose"},
+    )
+
+
+def _heads_first(t: torch.Tensor, n_heads: int, head_dim: int, seq: int) -> torch.Tensor | None:
+    """A projection's output ``(batch, seq, heads * head_dim)`` (or already split) as ``(batch, heads,
+    seq, head_dim)``."""
+    if t.dim() == 3 and t.shape[1] == seq and t.shape[-1] == n_heads * head_dim:
+        return t.unflatten(-1, (n_heads, head_dim)).transpose(1, 2)
+    if t.dim() == 4 and t.shape[1:] == (seq, n_heads, head_dim):
+        return t.transpose(1, 2)
+    if t.dim() == 4 and t.shape[1:] == (n_heads, seq, head_dim):
+        return t
+    return None
+
+
+def rotated_other_projection(e: Evidence) -> Hint | None:
+    """Ours' rotated keys (or queries) are another projection of the reference rotated: equal to it
+    where RoPE leaves a token as it is (position 0) and of equal length in every rotated pair of dims
+    elsewhere (a rotation keeps each pair's length). The values used as keys: a fused qkv split as
+    ``q | v | k``, or k and v swapped where they are used."""
+    if e.kind not in ("q_rot", "k_rot") or e.ours.dim() != 4 or e.positions is None:
+        return None
+    b, n_heads, seq, d = e.ours.shape
+    if d % 2 or e.positions.shape != (b, seq):
+        return None
+    start = e.positions == 0
+    if not bool(start.any()) or bool(start.all()):
+        return None
+    stem = e.name.rsplit(".", 1)[0]
+
+    def pair_lengths(t: torch.Tensor) -> torch.Tensor:
+        t = t.double()
+        return (t[..., : d // 2].pow(2) + t[..., d // 2 :].pow(2)).sqrt()
+
+    for kind in ("v_proj", "k_proj", "q_proj", "k_norm", "q_norm"):
+        if kind[0] == e.kind[0]:
+            continue  # its own projection: a RoPE fault, not a role
+        t = e.ref_trace.tensors.get(f"{stem}.{kind}")
+        other = _heads_first(t, n_heads, d, seq) if t is not None else None
+        if other is None or other.shape != e.ours.shape:
+            continue
+        first = start[:, None, :, None].expand_as(e.ours)
+        at_start = e.close(e.ours[first], other[first])
+        if at_start and e.close(pair_lengths(e.ours), pair_lengths(other)):
+            role = {"v": "values", "k": "keys", "q": "queries"}[kind[0]]
+            mine = "keys" if e.kind == "k_rot" else "queries"
+            return Hint(
+                "swapped_roles",
+                f"likely swapped roles: ours' {e.kind} is the reference's {kind} rotated, so ours uses the {role} as "
+                f"{mine} (a fused qkv split in another order, e.g. q | v | k, or the two swapped where they are used)",
+                {"matches": f"{stem}.{kind}", "swapped": [e.kind, kind]},
             )
     return None

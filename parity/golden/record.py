@@ -73,12 +73,28 @@ def _source(source, n_layers, dtype, seed):
 def _plan(pair: Pair, options: CheckOptions, tolerances: Tolerances, summaries: bool):
     """The check's Run for one reference pass (validated inputs, notes), with a memory guard for one
     trace: whole tensors, or one node at a time for summaries."""
+    from parity.run.inputs import check_fits, text_inputs
     from parity.run.memory import trace_bytes
     from parity.run.plan import Run, check_patterns, generation_positions, position_notes, run_inputs, window_notes
     from parity.util.resources import require
 
     check_patterns(pair, options)
-    input_ids, mask = run_inputs(pair, options)
+    text = text_inputs(options, pair.source.checkpoint)
+    text_notes: tuple[str, ...] = ()
+    if text is not None:  # every prompt in one batch, padded as the tokenizer pads
+        check_fits(text, pair.vocab_size, pair.facts.max_position_embeddings)
+        ((rows, ids, given_mask),) = text.batches(len(text.prompts))
+        input_ids, mask = run_inputs(
+            pair, replace(options, prompts=(), prompt_ids=(), chat=False, batch_size=len(rows)), ids, given_mask
+        )
+        text_notes = (
+            f"inputs: {len(rows)} prompt(s), {text.source}; {text.bos}"
+            + (f"; padded on the {text.padding_side} (id {text.pad_id})" if given_mask is not None else ""),
+            "tokens: "
+            + " | ".join(" ".join(f"{i}:{p!r}" if p else str(i) for i, p in zip(r.ids, r.pieces)) for r in rows),
+        )
+    else:
+        input_ids, mask = run_inputs(pair, options)
     batch, seq = input_ids.shape
     size = torch.finfo(pair.dtype).bits // 8
     facts = pair.facts
@@ -99,7 +115,7 @@ def _plan(pair: Pair, options: CheckOptions, tolerances: Tolerances, summaries: 
         position_ids=generation_positions(mask, batch, seq),
         options=options,
         tolerances=tolerances,
-        notes=tuple(window_notes(pair, seq)) + tuple(position_notes(pair, seq)),
+        notes=text_notes + tuple(window_notes(pair, seq)) + tuple(position_notes(pair, seq)),
     )
 
 
@@ -197,6 +213,7 @@ def record(
     save_weights: bool = False,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     options: CheckOptions | None = None,
+    input_ids=None,
     **option_values,
 ) -> GoldenTrace:
     """Run the reference once and write its golden trace to the new folder ``out``.
@@ -205,7 +222,10 @@ def record(
     ``n_layers`` its depth), or a checkpoint folder or a config.json (probe weights) as a ``Path``
     (a string is a path when it ends in ``.json`` or holds a ``/``). ``dtype``,
     ``seed``: as :func:`parity.build.build_pair`. ``options`` / option keywords (a
-    :class:`parity.CheckOptions`): ``seq_len``, ``batch_size``, ``left_pad`` shape the probe;
+    :class:`parity.CheckOptions`): ``seq_len``, ``batch_size``, ``left_pad`` shape the probe, or
+    ``prompts`` / ``prompt_ids`` / ``chat`` give real text instead (every prompt in one batch, padded
+    as the tokenizer pads; the tokens fed are the manifest's first notes); ``input_ids``: rows of
+    token ids instead (a list of lists of any lengths, or a ``(batch, seq)`` tensor);
     ``atol``/``rtol``/``tolerances``/``calibrate`` are the tolerances the trace carries (default: the
     dtype's; calibration needs whole tensors); a mode or a decode plan is refused. ``summaries``: statistics instead of tensors (``sample`` elements per node).
     ``save_weights``: a copy of the weights in ``out/weights`` for other runtimes. The folder appears
@@ -216,6 +236,8 @@ def record(
     from parity.util.files import cannot_write, discard, done, staging_folder
 
     options = CheckOptions.of(options, **option_values)
+    if input_ids is not None:  # rows of token ids (a list of lists, or a (batch, seq) tensor): as prompt_ids
+        options = replace(options, prompt_ids=input_ids)
     if options.mode != "chained" or options.decode is not None or options.exact:
         raise ParityError(
             "a trace records the reference alone, once: no mode, decode plan or exact (give those to compare)"

@@ -23,7 +23,8 @@ or with a rearranged copy of it (TransformerLens rearranges ``W_Q`` to ``(heads 
 for ``F.linear``), is the node of the reference module whose weight it holds, with the bias ours adds
 right after it (``x @ W + b``) when the reference's module adds one. A module of ours whose weight
 is read outside it (``F.linear(x, self.head.weight)``: its own forward never runs) is recorded the
-same way. In isolated mode each recorded value is replaced by the reference's, in ours' layout, as a
+same way, and so is a norm whose weight vector is applied outside its module (``F.rms_norm(x, shape,
+self.q_norm.weight)``, or ``F.rms_norm(x, shape) * self.q_norm.g``): the op applying it is the node. In isolated mode each recorded value is replaced by the reference's, in ours' layout, as a
 tap's is. A mixture of experts' routing is read by :mod:`parity.record.routing`.
 """
 
@@ -36,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from parity.record.ops import LOOKUP, LOOKUPS, PRODUCT, PRODUCT_NAMES, REARRANGES, op_name
+from parity.record.ops import LOOKUP, LOOKUPS, NORM_WEIGHT_NAMES, PRODUCT, PRODUCT_NAMES, REARRANGES, op_name
 from parity.record.routing import RoutingCapture
 
 SDPA = F.scaled_dot_product_attention
@@ -211,7 +212,12 @@ class FunctionCapture(TorchFunctionMode):
             handled, args, out = self._bias(func, args, kwargs)
             if handled:
                 return out
-        if self.params and op_name(func) in PRODUCT_NAMES:  # addmm too: TransformerLens' batch_addmm(b_in, W_in, x)
+        name = op_name(func)
+        if self.params and name in NORM_WEIGHT_NAMES:  # a norm's weight vector applied outside its module
+            node = self._param_node(func, args, vector=True)
+            if node is not None:
+                return self.record_param(node, func(*args, **kwargs))
+        if self.params and name in PRODUCT_NAMES:  # addmm too: TransformerLens' batch_addmm(b_in, W_in, x)
             node = self._param_node(func, args)
             if node is not None:
                 out = func(*args, **kwargs)
@@ -241,6 +247,8 @@ class FunctionCapture(TorchFunctionMode):
             elif func in SOFTMAXES:
                 self.record("scores", product)
             else:  # a mask on the way: follow its result
+                if product is latest and op_name(func).endswith("_"):  # masked_fill_ on the product itself
+                    product = product.clone()  # the scores are the unmasked product, as the reference's
                 out = func(*args, **kwargs)
                 if isinstance(out, torch.Tensor):
                     self._pending[block] = (out, product)
@@ -272,8 +280,12 @@ class FunctionCapture(TorchFunctionMode):
         value = self.record_param(node, result)
         return False, tuple(value if j == i else a for j, a in enumerate(args)), None
 
-    def _param_node(self, func, args) -> str | None:
+    def _param_node(self, func, args, vector: bool = False) -> str | None:
+        """The node whose parameter this op reads (``vector``: only a 1-D one, a norm's weight, read as it
+        is), unless the module holding it is running (its own hook records the node)."""
         operands = args[1:] if op_name(func) == "einsum" else args
+        if vector:
+            operands = [t for t in operands if isinstance(t, torch.Tensor) and t.dim() == 1]
         node = next((node for t in operands if (node := self.followed.of(t)) is not None), None)
         owner = self.owners.get(node) if node is not None else None
         return None if owner is not None and owner in self.running() else node

@@ -17,6 +17,9 @@ LOOKUPS = frozenset({"embedding", "__getitem__", "index_select", "take", "take_a
 PRODUCT_NAMES = frozenset(
     {"linear", "matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "einsum", "addmm", "baddbmm", "tensordot"}
 )
+#: ops that apply a norm's weight vector: a norm computed in functions (``F.rms_norm(x, shape, w)``, or
+#: ``F.rms_norm(x, shape) * w``) where the module holding ``w`` never runs its own forward
+NORM_WEIGHT_NAMES = frozenset({"rms_norm", "layer_norm", "mul", "__mul__", "__rmul__"})
 LOOKUP, PRODUCT = "lookup", "product"
 
 

@@ -46,7 +46,9 @@ class TopK:
     k: int
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
-        return t
+        """Ours' choices as the reference's ``(tokens, k)``: a block that keeps the batch axis routes
+        ``(batch, seq, k)``."""
+        return t.reshape(-1, t.shape[-1]) if t.dim() > 2 else t
 
     def inverse(self, ref: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
         """The reference's choices in ours' shape (``(batch, seq, k)`` for ``(tokens, k)``); ours' own
@@ -58,15 +60,20 @@ class TopK:
 class ExpertRows:
     """One expert's output of ours ``(n, hidden)`` on the tokens its block gathered (in ours' order),
     brought into the reference's ``(tokens, hidden)``: on those rows, zero elsewhere. An output over
-    every token ``(tokens, hidden)`` keeps only the rows ours' router sent to ``expert``."""
+    every token ``(tokens, hidden)`` (or ``(batch, seq, hidden)``: a block that runs each expert on all
+    tokens, keeping the batch axis) keeps only the rows ours' router sent to ``expert``."""
 
     expert: int
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         found = _ROWS.get()
-        if found is None or t.dim() != 2:
+        if found is None or t.dim() < 2:
             return t
         rows, tokens, chosen = found
+        if t.dim() > 2 and t.numel() == tokens * t.shape[-1]:
+            t = t.reshape(tokens, t.shape[-1])
+        if t.dim() != 2:
+            return t
         if t.shape[0] == len(rows) != tokens:
             out = t.new_zeros((tokens, t.shape[1]))
             out[rows.to(t.device)] = t
@@ -79,9 +86,12 @@ class ExpertRows:
     def inverse(self, ref: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
         """The reference's rows for ours' tokens, in ours' order; ours' own when no gather says which."""
         found = _ROWS.get()
-        if found is None or current.dim() != 2:
+        if found is None or current.dim() < 2:
             return current
         rows, tokens, _ = found
+        if current.dim() > 2:  # ours over every token, batch axis kept: the reference's rows in that shape
+            fits = ref.numel() == current.numel() == tokens * current.shape[-1]
+            return ref.reshape(current.shape) if fits else current
         if current.shape[0] == len(rows) != tokens:
             return ref[rows.to(ref.device)]
         return ref if current.shape[0] == tokens else current
@@ -135,7 +145,8 @@ class RoutingCapture:
         chosen = self.record(CHOICES, indices)
         tokens = values.numel() // values.shape[-1]
         self._blocks[path] = _Block(tokens, chosen.detach(), values)
-        _ROWS.set(None)
+        # no gather yet: an expert run on every token keeps the rows the router sent to it (ExpertRows)
+        _ROWS.set((torch.arange(tokens), tokens, chosen.detach()))
         return True, type(out)((values, chosen))
 
     def _weights(self, block: _Block, name: str, func, args, kwargs):

@@ -174,9 +174,13 @@ def _card(result, bad) -> dict | None:
         "position_svg": None,
         "head_svg": None,
         "isolated_first": None,
+        "tokens": None,
     }
     if result.isolated is not None and result.meta.get("mode") != "isolated":
         card["isolated_first"] = first_mismatch(result.isolated)
+    worst = (result.text or {}).get("worst", {}).get(bad.name) if getattr(result, "text", None) else None
+    if worst is not None:  # the tokens of the prompt where this node is worst, beside its position profile
+        card["tokens"] = next((row for row in token_rows(result.text) if row["index"] == worst["prompt"]), None)
     if profile:
         card["position_svg"] = _svg(
             plots.profile_svg(profile.get("by_position"), bad.atol, "token position", "position")
@@ -212,6 +216,38 @@ def _where(result, bad, card) -> dict:
     if result.logits and _logits_agree(result.logits) is None:
         where["logits_svg"] = _svg(plots.logits_svg(result.logits, int(result.meta.get("batch_size") or 1)))
     return where
+
+
+def _kl_color(kl) -> str:
+    """A token's background by its KL(reference || ours): the exact colour at 0, pale to dark red from 1e-12 to 1 nat."""
+    if kl is None or kl <= 0:
+        return plots.EXACT + ";color:#000"
+    t = min(max((math.log10(kl) + 12.0) / 12.0, 0.0), 1.0)
+    r, g, b, _ = plots.ERROR_CMAP(t)
+    ink = "#fff" if 0.299 * r + 0.587 * g + 0.114 * b < 0.5 else "#000"  # readable on dark red
+    return f"#{int(r * 255):02x}{int(g * 255):02x}{int(b * 255):02x};color:{ink}"
+
+
+def token_rows(text) -> list[dict]:
+    """Per prompt of a prompt set: its tokens (position, id, piece) with KL and top-1 per position."""
+    if not text:
+        return []
+    out = []
+    for p in text["prompts"]:
+        s = p["positions"]
+        cells = [
+            {
+                "position": t,
+                "id": i,
+                "piece": piece,
+                "kl": s["kl"][t],
+                "top1": s["top1"][t],
+                "color": _kl_color(s["kl"][t]),
+            }
+            for t, (i, piece) in enumerate(zip(p["ids"], p["pieces"]))
+        ]
+        out.append({"index": p["index"], "cells": cells, "kl_max": p["kl_max"], "top1_agreement": p["top1_agreement"]})
+    return out
 
 
 def _svg(text: str | None) -> Markup | None:
@@ -332,6 +368,9 @@ def render_html(result) -> str:
         coverage=_coverage(result),
         mode=mode,
         iso_column=bool(separate),
+        text=result.text,
+        token_rows=token_rows(result.text),
+        prompt_kl_svg=_svg(plots.prompt_kl_svg(result.text)) if result.text else None,
     )
 
 

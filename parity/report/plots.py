@@ -608,3 +608,48 @@ def decode_heatmap_svg(nodes, first_index: int | None, scale: str | None = None)
     ax.tick_params(length=0)
     colours.colorbar(fig, ax, "max_abs / tolerance (worst node)", fraction=0.05, pad=0.02)
     return _add_titles(to_svg(fig, "decode"), titles)
+
+
+@_styled
+def prompt_kl_svg(text: dict | None) -> str | None:
+    """KL(reference || ours) by prompt position, one line per prompt (a prompt set: ``result.text``),
+    the reference's own KL against float64 in grey (the rounding floor), top-1 disagreements marked
+    (red x; a hollow circle for a near-tie). Log scale; KL 0 drawn at the floor."""
+    if not text or not text.get("prompts"):
+        return None
+    rows = [p["positions"] for p in text["prompts"]]
+    values = [v for s in rows for v in s["kl"] + (s["noise_kl"] or []) if v is not None and v > 0]
+    # KL below 1e-12 nats is rounding at any dtype: drawn at the floor, so the axis keeps a readable range
+    floor = max(10 ** math.floor(math.log10(min(values))), 1e-12) if values else 1e-12
+    top = max(values) if values else 1.0
+    fig = _figure(9.0, 3.2)
+    ax = fig.add_subplot()
+    many = len(rows) > 12
+    for s in rows:
+        x = list(range(len(s["kl"])))
+        ys = [max(v, floor) for v in s["kl"]]
+        ax.plot(x, ys, color=UNDER, alpha=0.35 if many else 0.8, linewidth=0.9, marker=None if many else ".")
+        if s["noise_kl"] is not None:
+            ax.plot(x, [max(v, floor) for v in s["noise_kl"]], color=NEUTRAL, linewidth=0.7, alpha=0.5)
+    ties = {(d["prompt"], d["position"]): d.get("near_tie") for d in text.get("disagreements", [])}
+    index = {p["index"]: p["positions"] for p in text["prompts"]}
+    for (prompt, position), tie in ties.items():
+        y = max(index[prompt]["kl"][position], floor)
+        if tie:
+            ax.scatter([position], [y], marker="o", facecolors="none", edgecolors=OVER, s=28)
+        else:
+            ax.scatter([position], [y], marker="x", color=OVER, s=24)
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(base=10, numticks=7))
+    ax.yaxis.set_major_formatter(FuncFormatter(_pow10))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.set_ylim(floor / 2, max(top, floor * 10) * 2)
+    ax.set_xlabel("token position in the prompt")
+    ax.set_ylabel("KL(ref||ours), nats")
+    ax.plot([], [], color=UNDER, label=f"ours ({len(rows)} prompt{'s' if len(rows) != 1 else ''})")
+    if any(s["noise_kl"] is not None for s in rows):
+        ax.plot([], [], color=NEUTRAL, label="reference vs float64")
+    if ties:
+        ax.scatter([], [], marker="x", color=OVER, label="top-1 differs")
+    ax.legend(loc="upper left", fontsize=8, frameon=False, ncols=3, bbox_to_anchor=(0, 1.14))
+    return to_svg(fig, "prompt-kl")

@@ -66,6 +66,8 @@ class CheckResult:
     alignment: tuple = field(default_factory=tuple)
     #: a KV-cache run's summary (parity.run.decode.DecodeOutcome.to_dict): consistency and greedy tokens
     decode: Mapping | None = None
+    #: a check over real prompts (parity.run.prompt_set): the tokens, per-prompt rows, the logits verdict
+    text: Mapping | None = None
 
     @property
     def first_mismatch(self) -> NodeResult | None:

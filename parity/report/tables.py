@@ -29,7 +29,9 @@ result.json is ``result_dict``: ``version`` (:data:`RESULT_VERSION`), ``passed``
 seed, mode, tolerances, torch/transformers versions, time), ``notes``, ``counts`` (nodes per
 status), ``nodes`` (NodeResult fields; ``index`` is the CSV's ``order``, shapes are lists),
 ``isolated``, ``profile`` and ``logits`` (see :mod:`parity.diagnose.profile`), ``coverage`` (what the
-loader did with the checkpoint, see :mod:`parity.build.coverage`; null without a checkpoint). It is strict JSON: a
+loader did with the checkpoint, see :mod:`parity.build.coverage`; null without a checkpoint), and
+for a check over real prompts only, ``text`` (:mod:`parity.run.prompt_set`; its per-prompt rows are
+also ``prompts.csv``, :data:`PROMPT_COLUMNS`). It is strict JSON: a
 non-finite number (an infinite ``rtol_needed``, an error profile entry at a NaN) is written as
 ``null``. ``result.schema.json`` next to this module is its JSON Schema (:func:`result_schema`).
 """
@@ -115,7 +117,48 @@ def nodes_frame(result) -> pd.DataFrame:
     return frame
 
 
+#: prompts.csv columns (a check over real prompts only; one row per prompt)
+PROMPT_COLUMNS = [
+    "prompt",
+    "batch",
+    "row",
+    "tokens",
+    "passed",
+    "first_mismatch",
+    "kl_mean",
+    "kl_max",
+    "top1_agreement",
+    "top5_agreement",
+    "noise_kl_mean",
+    "text",
+    "ids",
+    "pieces",
+]
+
+
+def prompts_frame(result) -> pd.DataFrame | None:
+    """One row per prompt of a check over real prompts (``result.text``), or None: the columns of
+    :data:`PROMPT_COLUMNS`; ``ids`` space-separated, ``pieces`` a JSON list."""
+    text = getattr(result, "text", None)
+    if not text:
+        return None
+    rows = [
+        {
+            **{k: p.get(k) for k in PROMPT_COLUMNS if k not in ("prompt", "ids", "pieces")},
+            "prompt": p["index"],
+            "ids": " ".join(map(str, p["ids"])),
+            "pieces": json.dumps(p["pieces"], ensure_ascii=False),
+        }
+        for p in text["prompts"]
+    ]
+    return pd.DataFrame(rows, columns=PROMPT_COLUMNS)
+
+
 def write_csv(result, path) -> Path:
+    """nodes.csv; with a prompt set, prompts.csv beside it (:func:`prompts_frame`)."""
+    prompts = prompts_frame(result)
+    if prompts is not None:
+        atomic_write(Path(path).with_name("prompts.csv"), prompts.to_csv(index=False))
     return atomic_write(path, nodes_frame(result).to_csv(index=False))
 
 
@@ -156,6 +199,7 @@ def result_dict(result) -> dict:
             "logits": result.logits,
             "coverage": _coverage(result),
         }
+        | ({"text": result.text} if getattr(result, "text", None) is not None else {})
     )
 
 

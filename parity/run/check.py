@@ -21,7 +21,7 @@ from parity.diagnose.origin import find_origin
 from parity.model.pair import Pair
 from parity.report.result import CheckResult
 from parity.run.options import CheckOptions
-from parity.run.plan import Run, decode_chunk_notes, plan
+from parity.run.plan import Run, decode_chunk_notes, decode_window_notes, plan
 from parity.run.stages import (
     analyse,
     calibrate_tolerances,
@@ -44,7 +44,7 @@ def _check_decode(pair: Pair, run: Run) -> CheckResult:
 
     decode = run.options.decode
     assert decode is not None  # check() comes here only with a decode plan
-    notes = decode_chunk_notes(pair, run.notes, decode)
+    notes = decode_window_notes(pair, decode_chunk_notes(pair, run.notes, decode), decode)
     refuse_changed_weights(pair, "before the check")
     start = time.perf_counter()
     nodes, outcome = run_decode(pair, run.input_ids, run.attention_mask, decode, run.tolerances)
@@ -93,7 +93,7 @@ def coverage_notes(coverage) -> list[str]:
 
 def check(
     pair: Pair,
-    input_ids: torch.Tensor | None = None,
+    input_ids: torch.Tensor | list | None = None,
     *,
     attention_mask: torch.Tensor | None = None,
     options: CheckOptions | None = None,
@@ -101,7 +101,8 @@ def check(
 ) -> CheckResult:
     """Compare ``pair.ours`` with ``pair.reference`` node by node.
 
-    ``input_ids``: ``(batch, seq)`` int64; by default seeded random tokens of ``seq_len``
+    ``input_ids``: ``(batch, seq)`` int64 (or a list of lists of token ids, any lengths: a prompt set,
+    as ``prompt_ids``); by default seeded random tokens of ``seq_len``
     (``pair.default_seq_len``, which passes the sliding window of small configs) and ``batch_size``.
     ``attention_mask``: ``(batch, seq)``, 1 for real tokens and 0 for padding, given to both models
     (or ``left_pad=N`` builds one: every row after the first starts with N padding tokens, the rows
@@ -122,7 +123,9 @@ def check(
     ``backward`` (training parity after the forward: ``train/logits``, ``loss``, every node's and
     parameter's gradient as ``grad/...``, with ``labels``; ``step="adamw"|"sgd"`` and ``lr``: one
     optimizer step, ``step/...``; see :mod:`parity.run.backward`) and ``causality`` (``causal/...``:
-    no node of ours at position t may change when only later tokens change).
+    no node of ours at position t may change when only later tokens change), ``prompts`` /
+    ``prompt_ids`` / ``chat`` (real text: a prompt set checked ``batch_size`` prompts at a time, its
+    verdict in ``result.text``; see :mod:`parity.run.prompt_set`).
 
     Returns an immutable :class:`parity.CheckResult` (``.passed``, ``.first_mismatch``, ``.nodes``...).
 
@@ -133,7 +136,17 @@ def check(
             edited in place (before or during the check); a run that would not fit in memory (or its
             spilled traces on disk); a config the reference cannot run.
     """
-    run = plan(pair, CheckOptions.of(options, **option_values), input_ids, attention_mask)
+    options = CheckOptions.of(options, **option_values)
+    if input_ids is not None and not isinstance(input_ids, torch.Tensor) and isinstance(input_ids, (list, tuple)):
+        options = replace(options, prompt_ids=tuple(input_ids))  # ragged rows of ids: a prompt set
+        input_ids = None
+    if options.prompts or options.prompt_ids:
+        if input_ids is not None or attention_mask is not None:
+            raise ParityError("give prompts (or lists of token ids) or an input_ids tensor, not both")
+        from parity.run.prompt_set import check_prompt_set
+
+        return check_prompt_set(pair, options)
+    run = plan(pair, options, input_ids, attention_mask)
     if run.attention_mask is not None and run.options.decode is None:
         _require_mask_argument(pair, run)
     if run.options.decode is not None:
@@ -230,6 +243,8 @@ def _check_forward(pair: Pair, run: Run) -> CheckResult:
     notes += [note for results in (nodes, isolated or []) if (note := undiagnosed_note(results))]
     meta = run_meta(pair, run, diffs, time.perf_counter() - start)
     meta["trace_spilled_bytes"] = spilled
+    if run.options.locate and our_trace is not None:
+        meta["worst_at"] = dict(our_trace.watched.get("*", {}))
     coverage = _coverage(pair)
     notes += coverage_notes(coverage)
     return CheckResult(

@@ -632,7 +632,9 @@ def run_decode(
     if protocol.driven:
         outcome.notes.append(f"ours' cache driven as {protocol.driven} (no CacheProtocol given)")
     results: list[NodeResult] = []
-    traces: list[tuple[Trace, Trace, torch.Tensor]] = []
+    # both traces of the first call holding a failure, for its diagnosis; every other call's are dropped
+    # once compared (a decode's memory is one call's traces, not the sum over its steps)
+    kept: tuple[int, Trace, Trace, torch.Tensor] | None = None
     spans: dict[str, KeySpan] = {}
     untapped = untapped_nodes(pair)
     unread = ""  # the type of ours' cache when its protocol does not read it (its cache nodes untapped)
@@ -685,19 +687,25 @@ def run_decode(
             step_results[j] = replace(r, index=len(results) + j)
         spans.update({_step(k, n): span for n, span in step_spans.items()})
         results += step_results
-        traces.append((_prefixed(our_trace, k), _prefixed(ref_trace, k), positions[:, a:b]))
+        if kept is None and first_mismatch(step_results) is not None:
+            kept = (k, _prefixed(our_trace, k), _prefixed(ref_trace, k), positions[:, a:b])
+        del our_trace, ref_trace
         # beside the nodes: ours against its own full forward, and the greedy choice of each model
-        with torch.inference_mode():  # the same prefix through a fresh cache, in one call
-            full = run_ours(
-                pair,
-                protocol.forward,
-                pair.ours,
-                ids[:, :b],
-                mask[:, :b] if attention_mask is not None else None,
-                positions[:, :b],
-                protocol.new_cache(pair.ours),
-            )
-        outcome.consistency.append(float((full[:, a:b].double() - our_logits.double()).abs().max()))
+        if a == 0:  # the first call is that full forward already (a fresh cache, the same tokens)
+            outcome.consistency.append(0.0)
+        else:
+            with torch.inference_mode():  # the same prefix through a fresh cache, in one call
+                full = run_ours(
+                    pair,
+                    protocol.forward,
+                    pair.ours,
+                    ids[:, :b],
+                    mask[:, :b] if attention_mask is not None else None,
+                    positions[:, :b],
+                    protocol.new_cache(pair.ours),
+                )
+            outcome.consistency.append(float((full[:, a:b].double() - our_logits.double()).abs().max()))
+            del full  # vocabulary-wide over every token so far: not held into the next call
         ref_next, our_next = ref_logits[:, -1].argmax(-1), our_logits[:, -1].argmax(-1)
         outcome.tokens_reference.append(ref_next.tolist())
         outcome.tokens_ours.append(our_next.tolist())
@@ -720,7 +728,8 @@ def run_decode(
     bad = first_mismatch(results)
     if bad is not None:
         step = int(bad.name.split("/", 1)[0][len("step") :])
-        ours_t, ref_t, step_positions = traces[step]
+        assert kept is not None and kept[0] == step  # the first failure lies in the first call holding one
+        _, ours_t, ref_t, step_positions = kept
         a, b = outcome.steps[step]
         layer = pair.facts.layer(bad.layer) if bad.layer is not None else None
         hint = _key_hint(bad, spans.get(bad.name), step, (a, b), ours_t, ref_t, layer)

@@ -65,6 +65,41 @@ def check_footprint(facts: ArchFacts, batch: int, seq: int, element_size: int, b
     return Footprint(memory=forward_bytes(facts, batch, seq, element_size, budget) + in_memory + kept_memory, disk=disk)
 
 
+def step_trace_bytes(facts: ArchFacts, batch: int, length: int, context: int, element_size: int) -> int:
+    """Bytes of one model's trace of one decode call of ``length`` new tokens over ``context`` tokens so
+    far: per layer the attention scores and probabilities (``length x context`` per head), ~24
+    hidden-size and 3 FFN-size tensors per new token, the keys and values its cache holds (and the keys
+    and values the call's attention reads, over the context); one hidden-size tensor per expert of a
+    MoE layer per token, the embeddings, and the head's two vocabulary-wide nodes (lm_head, logits)."""
+    heads, ffn, layers = _per_layer(facts)
+    kv = 2 * max(facts.num_kv_heads, 1) * max(facts.head_dim, 1)
+    per_layer = 2 * heads * length * context + length * (24 * facts.hidden_size + 3 * ffn) + 2 * kv * context
+    experts = sum(layer.num_experts for layer in facts.layers) * facts.hidden_size * length
+    head = length * (3 * facts.hidden_size + 2 * facts.vocab_size)
+    return element_size * batch * (layers * per_layer + experts + head)
+
+
+def decode_bytes(facts: ArchFacts, batch: int, calls: list[tuple[int, int]], element_size: int) -> int:
+    """What a decode check (:mod:`parity.run.decode`) adds to the weights, at its widest call ``(start,
+    end)`` of ``calls`` (the plan's schedule): both models' traces of the call, alive while they are
+    compared, and both traces of the first failing call, kept for its diagnosis (at most the widest
+    call's); both caches over the tokens so far; the call's logits (float32 upcasts of the last row
+    for the greedy choice are small); and the working set of ours' full forward over every token so
+    far (the cached logits are checked against it each step), its logits included. One call's traces
+    at a time: the number of steps does not add to it (only the context length does)."""
+    layers = max(facts.num_layers, 1)
+    kv = 2 * max(facts.num_kv_heads, 1) * max(facts.head_dim, 1)
+    widest = 0
+    for start, end in calls:
+        length = end - start
+        traces = 4 * step_trace_bytes(facts, batch, length, end, element_size)
+        caches = 2 * element_size * batch * layers * kv * end
+        logits = 2 * element_size * batch * length * facts.vocab_size
+        full = forward_bytes(facts, batch, end, element_size, budget=None)
+        widest = max(widest, traces + caches + logits + full)
+    return widest
+
+
 def trace_bytes(facts: ArchFacts, batch: int, seq: int, element_size: int) -> int:
     """Rough peak of a check holding both traces whole (a trace recorded to a folder, :mod:`parity.golden`):
     both traces (per layer the attention scores and probabilities plus ~17

@@ -117,6 +117,13 @@ class CheckOptions:
       the updated weights compared;
     * ``causality``: logits at position ``t`` must not depend on tokens after ``t``: each model's
       nodes checked under perturbed later tokens (the first node that leaks is named).
+    * real text (:mod:`parity.run.inputs`, :mod:`parity.run.prompt_set`): ``prompts`` (strings, or
+      lists of ``{"role", "content"}`` messages) tokenized with the checkpoint's tokenizer, or
+      ``prompt_ids`` (lists of token ids, any lengths); ``chat``: through the tokenizer's chat
+      template. ``batch_size`` prompts run at a time, padded as the tokenizer pads (left for a
+      decode plan, whose prefill becomes each batch's prompt length); the verdict is over the set.
+      ``locate``: per node, the batch row and position of its largest difference
+      (``result.meta["worst_at"]``; the prompt-set verdict sets it).
 
     Raises ParityError, naming the option, for a value no check could use.
     """
@@ -138,6 +145,10 @@ class CheckOptions:
     step: str | None = None
     lr: float | None = None
     causality: bool = False
+    prompts: tuple = field(default=(), compare=False)
+    prompt_ids: tuple = field(default=(), compare=False)
+    chat: bool = False
+    locate: bool = False
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -202,6 +213,34 @@ class CheckOptions:
                 )
             object.__setattr__(self, "seq_len", self.decode.prefill)  # the prompt is the prefill
         self._check_training()
+        self._check_text()
+
+    def _check_text(self) -> None:
+        """The real-text options (prompts, prompt_ids, chat), each refusal one line."""
+        from parity.run.inputs import id_rows, prompt_item
+
+        if not isinstance(self.chat, bool) or not isinstance(self.locate, bool):
+            raise ParityError(f"chat and locate must be True or False, got {self.chat!r}, {self.locate!r}")
+        prompts = (self.prompts,) if isinstance(self.prompts, str) else self.prompts
+        if prompts is None or not isinstance(prompts, (list, tuple)):
+            raise ParityError(f"prompts must be a list of strings or message lists, got {type(prompts).__name__}")
+        object.__setattr__(self, "prompts", tuple(prompt_item(p) for p in prompts))
+        if self.prompt_ids is None or (
+            not isinstance(self.prompt_ids, (list, tuple)) and not hasattr(self.prompt_ids, "tolist")
+        ):
+            raise ParityError(f"prompt_ids must be a list of lists of token ids, got {type(self.prompt_ids).__name__}")
+        object.__setattr__(self, "prompt_ids", id_rows(self.prompt_ids) if len(self.prompt_ids) else ())
+        if self.prompts and self.prompt_ids:
+            raise ParityError("give prompts or token ids (prompt_ids / --input-ids), not both")
+        if self.chat and not self.prompts:
+            raise ParityError("chat applies the tokenizer's chat template to prompts: give prompts too")
+        if self.prompts or self.prompt_ids:
+            if self.left_pad:
+                raise ParityError("prompts are padded as the tokenizer pads them; drop left_pad (--left-pad)")
+            if self.seq_len is not None and self.decode is None:
+                raise ParityError("a prompt's length is its own; drop seq_len (--seq-len)")
+            if self.backward or self.causality:
+                raise ParityError("backward and causality run on the random probe; drop the prompts")
 
     def _check_training(self) -> None:
         """The backward, step and causality options, each refusal one line."""

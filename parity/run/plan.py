@@ -11,8 +11,8 @@ import torch
 from parity.compare.tolerances import Tolerances
 from parity.model.derive import remote_code_note
 from parity.model.pair import Pair
-from parity.run.memory import check_footprint
-from parity.run.options import CheckOptions
+from parity.run.memory import check_footprint, decode_bytes
+from parity.run.options import CheckOptions, DecodePlan
 from parity.util.errors import ParityError
 from parity.util.files import sweep_spills
 from parity.util.resources import GIB, require, require_disk
@@ -146,6 +146,23 @@ def decode_chunk_notes(pair: Pair, run_notes, decode_plan) -> list[str]:
     return notes
 
 
+def decode_window_notes(pair: Pair, run_notes, decode_plan) -> list[str]:
+    """A decode run's notes: the window note speaks of every token the plan reaches (prefill and steps),
+    not of the prefill alone; a plan that stays inside the window is told how to cross it with --decode
+    (--seq-len goes with a plain check only)."""
+    notes = [n for n in run_notes if n not in window_notes(pair, decode_plan.prefill)]
+    windows = sorted({w for w in pair.facts.windows if w})
+    if windows and decode_plan.total <= windows[-1]:
+        window = windows[-1]
+        prefill = max(1, window + 1 - decode_plan.steps)
+        notes.append(
+            f"decode plan {decode_plan.describe()} reaches {decode_plan.total} tokens, not past the sliding window "
+            f"({window}): sliding layers behave like full attention here; a plan reaching {window + 1} tokens or "
+            f"more exercises the window, e.g. --decode {prefill}x{decode_plan.steps}"
+        )
+    return notes
+
+
 def position_notes(pair: Pair, seq_len: int) -> list[str]:
     limit = pair.facts.max_position_embeddings
     if limit and seq_len > limit:
@@ -166,11 +183,16 @@ def plan(pair: Pair, options: CheckOptions | None = None, input_ids=None, attent
     check_patterns(pair, options)
     if input_ids is None:  # judged before the ids exist: a huge --seq-len is refused, not allocated
         _require_room(
-            pair, options.batch_size, options.seq_len or pair.default_seq_len, options.trace_memory, options.calibrate
+            pair,
+            options.batch_size,
+            options.seq_len or pair.default_seq_len,
+            options.trace_memory,
+            options.calibrate,
+            options.decode,
         )
     input_ids, attention_mask = run_inputs(pair, options, input_ids, attention_mask)
     batch, seq = input_ids.shape
-    _require_room(pair, batch, seq, options.trace_memory, options.calibrate)
+    _require_room(pair, batch, seq, options.trace_memory, options.calibrate, options.decode)
     return Run(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -196,9 +218,19 @@ def weight_bytes(pair: Pair) -> int:
     return total
 
 
-def _require_room(pair: Pair, batch: int, seq: int, trace_memory: int | None, calibrate: bool) -> None:
-    """Refuse a check whose traces and forward passes would not fit (see :mod:`parity.util.resources`)."""
+def _require_room(
+    pair: Pair, batch: int, seq: int, trace_memory: int | None, calibrate: bool, decode: DecodePlan | None = None
+) -> None:
+    """Refuse a check whose traces and forward passes would not fit (see :mod:`parity.util.resources`); a
+    decode check by its widest call (:func:`parity.run.memory.decode_bytes`: its traces stay in memory)."""
     size = torch.finfo(pair.dtype).bits // 8
+    if decode is not None:
+        require(
+            decode_bytes(pair.facts, batch, decode.schedule(), size),
+            f"decoding {batch} x {decode.total} tokens (decode plan {decode.describe()})",
+            "use a shorter prefill, prefill in chunks (PREFILL:CHUNKxSTEPS), a smaller --batch or fewer layers",
+        )
+        return
     need = check_footprint(pair.facts, batch, seq, size, trace_memory)
     memory = need.memory
     if calibrate:  # a float64 copy of the reference runs too

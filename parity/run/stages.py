@@ -165,7 +165,11 @@ def ours_recording(pair: Pair) -> dict:
     modules = dict(pair.ours.named_modules()) if pair.alignment else {}
     owners: dict[str, str] = {}
     for n in pair.nodes:
-        held = getattr(modules.get(n.ours), "weight", None) if n.ours and not n.ours.startswith(UNHOOKED) else None
+        module = modules.get(n.ours) if n.ours and not n.ours.startswith(UNHOOKED) else None
+        held = getattr(module, "weight", None)
+        own = list(module.parameters(recurse=False)) if module is not None and held is None else []
+        if len(own) == 1 and own[0].dim() == 1:  # a norm whose one parameter is called scale, gamma, g, ...
+            held = own[0]
         if isinstance(held, torch.Tensor) and held.numel():
             functional.setdefault(held.untyped_storage().data_ptr(), n.name)
             owners[n.name] = n.ours
@@ -211,7 +215,8 @@ def trace_ours(
             tolerances or run.tolerances,
             untapped_nodes(pair),
             DIAGNOSIS_CONTEXT_KINDS,
-            watch={output: logits_effect} if output is not None else None,
+            watch=({output: logits_effect} if output is not None else {})
+            | ({"*": worst_at(int(run.input_ids.shape[1]))} if run.options.locate else {}),
         )
         stream.attach(trace)
     with (
@@ -229,6 +234,28 @@ def trace_ours(
     if stream is not None:
         stream.finish()
     return trace
+
+
+def worst_at(seq: int):
+    """``f(ours, ref) -> [row, position, max_abs]``: where a node's largest ``|ours - ref|`` sits, its
+    position read on the first axis after the batch whose size is ``seq`` (``(batch, seq, ...)``, or
+    ``(batch, heads, seq, ...)``: the query position); position None when no axis has that size."""
+
+    def where(ours: torch.Tensor, ref) -> list:
+        exact = ref if isinstance(ref, torch.Tensor) else ref.load()
+        if ours.numel() == 0 or ours.dim() == 0:
+            return [None, None, 0.0]
+        diff = (ours.double() - exact.double()).abs().nan_to_num(nan=math.inf)
+        flat = int(diff.argmax())
+        coords = []
+        for size in reversed(diff.shape):
+            coords.append(flat % size)
+            flat //= size
+        coords.reverse()
+        axis = next((a for a in range(1, diff.dim()) if diff.shape[a] == seq), None)
+        return [int(coords[0]), int(coords[axis]) if axis is not None else None, float(diff.max())]
+
+    return where
 
 
 def run_ours(pair: Pair, fn, *args, **kwargs):

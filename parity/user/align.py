@@ -425,6 +425,11 @@ class _Aligner:
                 owner = _module_of(self.functional[ref_path][0])[0]
                 owners.add(owner)
                 hit = (owner, self.functional[ref_path][1])
+            if hit is None:  # its weight cut in parts, each a module of ours (q, k, v nn.Linear out of c_attn)
+                weight_keys = self.keys_by_storage.get(_storage_key(module.weight), [])
+                (inside if ref_path.startswith(prefix) else outside).extend(
+                    _module_of(n)[0] for k in weight_keys for n, s in self.by_key.get(k, []) if s.how == SPLIT
+                )
             if hit is None or hit[0] == "":  # the head ours computes from the embedding: no module to gather
                 continue
             (inside if ref_path.startswith(prefix) else outside).append(hit[0])
@@ -527,6 +532,18 @@ class _Aligner:
             return self._unaligned(spec, f"a view of {base}'s output (name it with node_map)")
         hit = self.leaf(base) if isinstance(getattr(self.ref_modules.get(base), "weight", None), torch.Tensor) else None
         if hit is not None and hit[0] == "" and not is_input:
+            after = [
+                what
+                for what, value in (("soft-caps", self.facts.final_softcap), ("scales", self.facts.logit_scale))
+                if value not in (None, 1.0)
+            ]
+            if after:  # the model's output is the head's product transformed: that product is no module's output
+                return self._unaligned(
+                    spec,
+                    f"ours computes the head's product in forward (with {hit[1].param}) and the reference "
+                    f"{' and '.join(after)} the logits after it, so no value of ours is the head's output alone; "
+                    "the logits node compares what forward returns",
+                )
             return replace(spec, ours=""), Aligned(
                 name,
                 "",

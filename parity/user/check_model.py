@@ -130,9 +130,25 @@ def _first(items: list[str], n: int = 4) -> str:
     return ", ".join(items[:n]) + (f", ... ({len(items)} in all)" if len(items) > n else "")
 
 
-def unplaced_message(coverage) -> str:
+def _transformer_lens_processed(model: nn.Module) -> bool:
+    """A TransformerLens model whose weights were processed (``from_pretrained``'s default): norms folded
+    into the next projections (its config then says ``LNPre`` / ``RMSPre``) or writing weights centred
+    (each row of ``W_E`` has mean 0 along d_model). Neither is a layout of the reference's tensors."""
+    if not type(model).__module__.startswith("transformer_lens"):
+        return False
+    if getattr(getattr(model, "cfg", None), "normalization_type", None) in ("LNPre", "RMSPre"):
+        return True
+    w_e = getattr(getattr(model, "embed", None), "W_E", None)
+    if not isinstance(w_e, torch.Tensor) or w_e.numel() == 0:
+        return False
+    w_e = w_e.detach().float()
+    return float(w_e.mean(-1).abs().max()) <= 1e-6 * max(float(w_e.abs().max()), 1e-30)
+
+
+def unplaced_message(coverage, model: nn.Module | None = None) -> str:
     """One line for reference tensors no parameter or buffer of the user's model holds: which, which
-    of theirs hold nothing, the conventions parity looked for, and a likely cause when one shows."""
+    of theirs hold nothing, the conventions parity looked for, and a likely cause when one shows
+    (for a TransformerLens model, the unprocessed load parity needs)."""
     ours = [u.split(" (")[0] for u in coverage.unwritten]
     text = (
         f"reference tensor(s) {_first(coverage.unused)} are in no parameter or buffer of your model, in any "
@@ -141,10 +157,17 @@ def unplaced_message(coverage) -> str:
         "axis then permuted and reshaped)"
     )
     text += f"; parameters of yours that hold no reference tensor: {_first(ours)}" if ours else ""
+    why = next((u.split("; ", 1)[1].rstrip(")") for u in coverage.unwritten if "; " in u), None)
+    text += f" ({ours[0]}: {why})" if why else ""
     constants = [c.split(" holds")[0] for c in coverage.constants]
     text += f"; parameters of yours holding only zeros or ones: {_first(constants)}" if constants else ""
     norms = [k for k in coverage.unused if "norm" in k or "ln_" in k]
-    if norms and ours and len(norms) >= len(coverage.unused) // 2:
+    if model is not None and _transformer_lens_processed(model):
+        text += (
+            "; a TransformerLens model needs its weights unprocessed: HookedTransformer.from_pretrained_no_processing, "
+            "or load_and_process_state_dict(..., fold_ln=False, center_writing_weights=False, center_unembed=False)"
+        )
+    elif norms and ours and len(norms) >= len(coverage.unused) // 2:
         text += (
             "; the norm weights look folded into the next projections (processed weights, e.g. TransformerLens' "
             "fold_ln / center_writing_weights): load the weights unprocessed"
@@ -185,7 +208,7 @@ def build_user_pair(
         constants=ref.facts.named_constants(),
     )
     if coverage.unused:
-        raise ParityError(unplaced_message(coverage))
+        raise ParityError(unplaced_message(coverage, model))
     nodes, _ = reference_nodes(ref.model, ref.facts)
     probe = Pair(
         ours=model,
@@ -263,7 +286,7 @@ def check_model(
     cache_protocol=None,
     device=None,
     device_map: str | None = None,
-    input_ids: torch.Tensor | None = None,
+    input_ids: torch.Tensor | list | None = None,
     attention_mask: torch.Tensor | None = None,
     options: CheckOptions | None = None,
     **option_values,
@@ -287,8 +310,9 @@ def check_model(
     a ``PretrainedConfig`` or a ``PreTrainedModel``. ``node_map``: ``{reference node or glob: your
     module path}`` overrides of the automatic alignment. ``input_ids``, ``attention_mask``,
     ``options`` and option keywords: as :func:`parity.check` (``seq_len``, ``batch_size``, ``mode``,
-    ``atol``, ``exact``, ``decode``...: a :class:`parity.CheckOptions`), checked before anything is
-    built.
+    ``atol``, ``exact``, ``decode``, ``prompts`` / ``chat`` (real text, tokenized with the reference
+    checkpoint's tokenizer), ``input_ids`` as lists of token ids (a prompt set)...: a
+    :class:`parity.CheckOptions`), checked before anything is built.
     ``cache_protocol``: how to run your model with its KV cache for ``decode=`` checks when its API is
     not ``new_cache()`` / ``forward(..., cache=)`` (a :class:`parity.run.decode.CacheProtocol`).
     ``device`` / ``device_map``: where both models run (see :func:`parity.build.build_pair`);
@@ -304,6 +328,8 @@ def check_model(
             be aligned; a bad reference or bad check arguments (see :func:`parity.check`).
     """
     options = CheckOptions.of(options, **option_values)  # bad options fail before anything is built
+    if isinstance(input_ids, (list, tuple)):  # rows of token ids, any lengths: a prompt set, checked now
+        options, input_ids = dataclasses.replace(options, prompt_ids=tuple(input_ids)), None
     pair = build_user_pair(
         ours,
         reference,

@@ -96,6 +96,19 @@ def _no_final_softcap(pair):
     pair.ours.final_softcap = None
 
 
+def _softcap_x_tanh(pair):
+    """The cap's multiplier is the logit itself, ``x * tanh(x / cap)``: past about 2x the cap it caps nothing."""
+    model, cap = pair.ours, pair.ours.final_softcap
+    model.final_softcap = None
+    forward = model.forward
+
+    def x_tanh(self, *args, **kwargs):
+        logits = forward(*args, **kwargs)
+        return logits * torch.tanh(logits / cap)
+
+    model.forward = types.MethodType(x_tanh, model)
+
+
 FAULTS = (
     Fault(
         "F09",
@@ -175,6 +188,7 @@ FAULTS = (
         f"{ATT.format(0)}.probs",
         "sliding_window",
         scope=f"{ATT.format('[0-4]')}.probs",
+        source="mlx-lm #390",
     ),
     Fault(
         "final-softcap-dropped",
@@ -183,6 +197,16 @@ FAULTS = (
         _no_final_softcap,
         "logits",
         "softcap",
+        source="Megatron-Bridge #4645",
+    ),
+    Fault(
+        "final-softcap-x-tanh",
+        "final logit soft-cap written as x * tanh(x / cap) instead of cap * tanh(x / cap)",
+        "linear",
+        _softcap_x_tanh,
+        "logits",
+        "softcap",
+        source="unsloth-zoo #593",
     ),
     f07_repeat_kv(ATT, "linear"),
     f08_untied_head(),

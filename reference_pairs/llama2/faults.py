@@ -47,6 +47,7 @@ FAULTS = (
         f"{ATT.format(0)}.q_rot",
         "rope_theta",
         scope=f"{ATT.format('*')}.[qk]_rot",
+        source="penzai #102 (the reverse: 10000 hard-coded for Llama 3)",
     ),
     f08_untied_head(),
     f10_masked_neg_inf(ATT),

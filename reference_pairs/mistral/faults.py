@@ -31,6 +31,7 @@ FAULTS = (
         f"{ATT.format(0)}.probs",
         "sliding_window",
         scope=f"{ATT.format('*')}.probs",
+        source="transformers #29623, vllm #3385",
     ),
     Fault(
         "no-window",

@@ -1,0 +1,181 @@
+"""The residual stream and what a module reads from it: a residual add missing or done twice, a norm
+that reads another point of the stream (a post-norm where the reference has a pre-norm, a norm after
+the residual add), a module input scaled by a constant (an embedding scale a port added or dropped).
+
+Each detector reads only the reference's own trace and ours' value at the failing node, so it names
+the side that differs whichever side the fault sits on.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from parity.diagnose.evidence import EXPLAINS, Evidence, reads_stream, rel
+from parity.diagnose.hints import Hint
+
+
+def _branch_output(e: Evidence) -> tuple[str, torch.Tensor] | None:
+    """The last reference node before the failing one, in its layer, of the residual stream's shape
+    that is no point of the stream itself: what the sub-layer adds (o_proj, a post-attention norm)."""
+    found = None
+    for name, tensor in e.ref_trace.tensors.items():
+        if name == e.name:
+            break
+        layer, kind = e.facts.locate(name)
+        if layer == e.result.layer and tensor.shape == e.ref.shape and not reads_stream(kind):
+            found = (name, tensor)
+    return found
+
+
+def _stream_before(e: Evidence, branch: str) -> tuple[str, torch.Tensor] | None:
+    """The residual stream the branch was added to: the latest point of the stream before the branch
+    in the reference's trace (``post_attention_layernorm@input`` for the MLP's add), else the input
+    of the layer's first node (the layer's input)."""
+    names = list(e.ref_trace.tensors)
+    before = names[: names.index(branch)]
+    for name in reversed(before):
+        layer, kind = e.facts.locate(name)
+        if layer == e.result.layer and reads_stream(kind) and e.ref_trace.tensors[name].shape == e.ref.shape:
+            return name, e.ref_trace.tensors[name]
+    for name in before:
+        x = e.ref_trace.inputs.get(name)
+        if e.facts.locate(name)[0] == e.result.layer and x is not None and x.shape == e.ref.shape:
+            return f"{name}@input", x
+    return None
+
+
+def residual_add(e: Evidence) -> Hint | None:
+    """A point of the residual stream where one side computes ``x + f(x)`` and the other ``f(x)`` alone
+    (the residual missing), ``x + 2 f(x)`` (the branch added twice) or ``2 x + f(x)`` (the stream added
+    twice): ``f(x)`` is the reference's last branch output before this point (``o_proj``, or the
+    post-attention norm of a sandwich block) and ``x`` the stream it is added to. Ours being ``x`` alone
+    is left to :func:`~parity.diagnose.wiring.sibling_match`: that is a parallel block (the MLP reading
+    the layer's input), another point of the stream."""
+    if not reads_stream(e.kind) or e.result.layer is None or e.ours.shape != e.ref.shape:
+        return None
+    branch = _branch_output(e)
+    stream = _stream_before(e, branch[0]) if branch is not None else None
+    if branch is None or stream is None:
+        return None
+    name, f, x = branch[0], branch[1].double(), stream[1].double()
+    tol = max(EXPLAINS, 8 * torch.finfo(e.ref.dtype).eps)
+    forms = {
+        "x + f(x)": x + f,
+        "f(x) alone (the residual x not added)": f,
+        "x + 2 f(x) (the branch's output added twice)": x + 2 * f,
+        "2 x + f(x) (the residual added twice)": 2 * x + f,
+    }
+
+    def form_of(t: torch.Tensor) -> str | None:
+        return next((label for label, value in forms.items() if rel(t.double(), value) < tol), None)
+
+    ours_is, ref_is = form_of(e.ours), form_of(e.ref)
+    if ours_is is None and ref_is == "x + f(x)":
+        return _stream_scaled(e, e.ours.double() - f, x, stream[0], tol)
+    if ours_is is None or ref_is is None or ours_is == ref_is:
+        return None
+    side = "ours" if ref_is == "x + f(x)" else "the reference"
+    return Hint(
+        "residual",
+        f"likely the residual connection in {side}: ours' {e.kind} is {ours_is}, the reference's {ref_is}, with "
+        f"f(x) = {name} and x = {stream[0]}",
+        {"ours": ours_is, "reference": ref_is, "branch": name, "stream": stream[0], "side": side},
+    )
+
+
+def _stream_scaled(e: Evidence, ours_x: torch.Tensor, x: torch.Tensor, where: str, tol: float) -> Hint | None:
+    """Ours' stream before the branch's add is the reference's times one constant (the embedding scaled
+    in ours' forward, outside any module, a norm before hiding it up to its eps)."""
+    keep = x.abs() > 1e-3 * float(x.abs().max())
+    if not bool(keep.any()):
+        return None
+    ratio = float((ours_x[keep] / x[keep]).median())
+    if abs(ratio - 1) < 1e-3 or rel(ours_x, ratio * x) > tol:
+        return None
+    return Hint(
+        "scale",
+        f"likely a missing or extra scale on the residual stream: ours' stream at {where} (before this add) is the "
+        f"reference's times {ratio:.6g}{_named(e, ratio)} (a scale applied outside any module, on one side only)",
+        {"ratio": ratio, "where": where},
+    )
+
+
+def _named(e: Evidence, ratio: float) -> str:
+    named = e.facts.named_constants()
+    return next(
+        (f"; matches {label} = {value:g}" for label, value in named.items() if value and abs(ratio / value - 1) < 1e-3),
+        "",
+    ) or next(
+        (f"; matches 1 / {label}" for label, value in named.items() if value and abs(ratio * value - 1) < 1e-3),
+        "",
+    )
+
+
+def input_scale(e: Evidence) -> Hint | None:
+    """Ours' module input is the reference's times one constant (an embedding scaled by sqrt(hidden)
+    in ours only, or not at all): named where it enters, with the named constant it matches."""
+    x_ref, x_ours = e.ref_trace.inputs.get(e.name), e.ours_trace.inputs.get(e.name)
+    if x_ref is None or x_ours is None or x_ref.shape != x_ours.shape or e.close(x_ours, x_ref):
+        return None
+    a, b = x_ours.double(), x_ref.double()
+    keep = b.abs() > 1e-3 * float(b.abs().max())
+    if not bool(keep.any()):
+        return None
+    ratio = float((a[keep] / b[keep]).median())
+    if abs(ratio - 1) < 1e-3 or rel(a, ratio * b) > max(EXPLAINS, 8 * torch.finfo(x_ref.dtype).eps):
+        return None
+    match = _named(e, ratio)
+    return Hint(
+        "scale",
+        f"likely a missing or extra scale before {e.kind}: ours' input to it is the reference's times {ratio:.6g} at "
+        f"every position{match} (a scale applied to the stream on one side only)",
+        {"ratio": ratio, "where": "input"},
+    )
+
+
+def input_source(e: Evidence) -> Hint | None:
+    """A norm that reads another value in ours than in the reference: another reference node of its
+    layer (a point of the residual stream, a sub-layer's output), ours' own output of a node the
+    reference computes after the norm (ours normalises the sub-layer's output: a post-norm where the
+    reference has a pre-norm), or the reference's input plus the stream before the sub-layer (ours
+    normalises after the residual add)."""
+    if "norm" not in e.kind or e.result.layer is None:
+        return None
+    x_ref, x_ours = e.ref_trace.inputs.get(e.name), e.ours_trace.inputs.get(e.name)
+    if x_ref is None or x_ours is None or x_ours.shape != x_ref.shape or e.close(x_ours, x_ref):
+        return None
+    in_layer = [
+        (name, tensor)
+        for name, tensor in e.ref_trace.tensors.items()
+        if name != e.name and tensor.shape == x_ours.shape and e.facts.locate(name)[0] == e.result.layer
+    ]
+    for name, tensor in in_layer:
+        if e.close(x_ours, tensor):
+            return _placement(e, f"the reference's {name}", name)
+    names = list(e.ref_trace.tensors)
+    later = names[names.index(e.name) + 1 :] if e.name in names else []
+    for name in later:
+        ours_value = e.ours_trace.tensors.get(name)
+        if ours_value is None or ours_value.shape != x_ours.shape or e.facts.locate(name)[0] != e.result.layer:
+            continue
+        if e.close(x_ours, ours_value):
+            return _placement(
+                e, f"ours' own {name} (computed after it in the reference: ours' norm follows that sub-layer)", name
+            )
+    before = names[: names.index(e.name)] if e.name in names else []
+    streams = [(n, e.ref_trace.tensors[n]) for n in before if reads_stream(e.facts.locate(n)[1])]
+    streams += [(f"{n}@input", e.ref_trace.inputs[n]) for n in before if n in e.ref_trace.inputs]
+    for name, tensor in streams:
+        in_layer_stream = tensor.shape == x_ours.shape and e.facts.locate(name)[0] == e.result.layer
+        if in_layer_stream and e.close(x_ours, tensor + x_ref):
+            return _placement(e, f"the sum after the residual add (its reference input plus {name})", name)
+    return None
+
+
+def _placement(e: Evidence, what: str, name: str) -> Hint:
+    return Hint(
+        "norm_placement",
+        f"likely norm placement: ours' {e.kind} normalises {what}; the reference's normalises the value "
+        "before its sub-layer or before the residual add (pre-norm vs post-norm, or a norm after the add)",
+        {"ours_reads": name},
+    )
