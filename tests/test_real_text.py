@@ -351,3 +351,20 @@ def test_record_command_takes_prompts(checkpoint, tmp_path, capsys):
     assert "1:'<s>' 4:'the' 13:'cat' 15:'sat'" in printed and "1 x 4 tokens" in printed
     assert main(["record", "--reference", str(checkpoint), "--out", str(tmp_path / "g2"), "--chat"]) == 2
     assert "--chat applies" in _one_line_error(capsys)
+
+
+@pytest.mark.slow
+def test_a_model_without_position_ids_runs_a_prompt_set_one_prompt_at_a_time(checkpoint):
+    """litgpt_llama's forward takes a mask but no position_ids: a padded batch would judge positions it
+    cannot follow (a false failure), so --batch 2 runs the prompts one at a time, and says so."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent / "user_models"))
+    import litgpt_llama
+
+    texts = ["the cat sat on the mat", "hello", "the dog"]
+    result = parity.check_model(litgpt_llama.build, reference=str(checkpoint), prompts=texts, batch_size=2)
+    assert result.passed, result.verdict()
+    assert any("takes no position_ids" in n and "one at a time (--batch 2 asked)" in n for n in result.notes)
+    assert result.text["logits"]["top1_agreement"] == 1.0

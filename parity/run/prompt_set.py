@@ -155,8 +155,19 @@ def check_prompt_set(
     steps = options.decode.steps if options.decode is not None else 0
     check_fits(inputs, pair.vocab_size, pair.facts.max_position_embeddings, steps)
     side = "left" if options.decode is not None else inputs.padding_side
-    batches = inputs.batches(options.batch_size, side)
     notes: list[str] = [f"inputs: {len(inputs.prompts)} prompt(s), {inputs.source}; {inputs.bos}"]
+    from parity.run.stages import forward_accepts
+
+    lacks = [arg for arg in ("attention_mask", "position_ids") if not forward_accepts(pair.ours, arg)]
+    if options.batch_size > 1 and len(inputs.prompts) > 1 and lacks:
+        # a padded row's positions (and, without a mask, its padding keys) follow the mask in the reference
+        # only: ours would differ at the padding, or at every real token of a left-padded row
+        notes.append(
+            f"ours' forward takes no {' or '.join(lacks)}: a padded batch would judge positions ours cannot "
+            f"follow, so the prompts run one at a time (--batch {options.batch_size} asked)"
+        )
+        options = replace(options, batch_size=1)
+    batches = inputs.batches(options.batch_size, side)
     if inputs.chat:
         notes.append("each prompt went through the tokenizer's chat template (with the generation prompt)")
     if any(mask is not None for _, _, mask in batches):
