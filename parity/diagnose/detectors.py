@@ -21,7 +21,14 @@ from parity.diagnose.elementwise import (
 )
 from parity.diagnose.evidence import Evidence
 from parity.diagnose.hints import Hint
-from parity.diagnose.masks import attention_dropout, future_keys, padding, sequence_shift, window_pattern
+from parity.diagnose.masks import (
+    attention_dropout,
+    future_keys,
+    padding,
+    padding_mask_inverted,
+    sequence_shift,
+    window_pattern,
+)
 from parity.diagnose.moe import choice, expert_tokens, expert_weights, routing_weights, row_normalisation
 from parity.diagnose.norms import (
     block_layout,
@@ -44,6 +51,7 @@ from parity.diagnose.scales import (
 )
 from parity.diagnose.swaps import swapped_modules, swapped_weights, used_as
 from parity.diagnose.wiring import (
+    activation_skipped,
     gate_up_roles,
     head_mapping,
     heads_merged_unmoved,
@@ -69,6 +77,7 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     tap_layout,
     kv_sharing,
     residual_add,  # before sibling_match: a stream point equal to the branch's output is a missing residual
+    activation_skipped,  # before sibling_match: equal to the node before the activation is no swap
     sibling_match,
     swapped_weights,
     gate_up_roles,
@@ -110,6 +119,7 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     sequence_shift,
     softmax_temperature,
     softmax_axis,
+    padding_mask_inverted,
     future_keys,
     window_pattern,
     chunk_boundary,

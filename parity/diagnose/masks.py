@@ -3,6 +3,8 @@ shifted by d positions."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from parity.diagnose.evidence import Evidence, by_position, call_index, fmt_list, positions_axis, seq_axis
@@ -23,6 +25,40 @@ def _window_of(probs: torch.Tensor, valid: torch.Tensor | None) -> int | None:
     span = torch.where(seen, q - k + 1, torch.zeros_like(q - k)).amax(dim=-1)  # (..., q)
     full = (span == q.flatten() + 1).all()
     return None if bool(full) else int(span.amax())
+
+
+def padding_mask_inverted(e: Evidence) -> Hint | None:
+    """One side's real-token queries attend the padding instead of the real keys: in a padded row they
+    put most of their weight on padding keys, in a row without padding (every key masked) equal weight
+    on the keys they attend (all, or those another mask left). The attention_mask inverted, or applied
+    to the real tokens, on that side."""
+    if e.kind != "probs" or e.ours.dim() != 4 or e.attention_mask is None:
+        return None
+    real = e.attention_mask.bool()
+    if real.shape != (e.ours.shape[0], e.ours.shape[-1]) or bool(real.all()):
+        return None
+
+    def inverted(p: torch.Tensor) -> bool:
+        p = p.double()
+        on_pads = (p * (~real)[:, None, None, :]).sum(-1)  # (batch, heads, queries)
+        weighted = p > 1e-12
+        low = torch.where(weighted, p, torch.full_like(p, math.inf)).amin(-1)
+        uniform = (p.amax(-1) - low).abs() < 1e-6  # equal weight on every key it attends: its scores all masked
+        padded_row = (~real).any(-1)[:, None, None].expand_as(on_pads)
+        wrong = torch.where(padded_row, (on_pads > 0.5) | uniform, uniform)
+        return bool(wrong[real[:, None, :].expand_as(wrong)].all())
+
+    ours_bad, ref_bad = inverted(e.ours), inverted(e.ref)
+    if ours_bad == ref_bad:
+        return None
+    side = "ours" if ours_bad else "the reference"
+    return Hint(
+        "padding",
+        f"likely the padding mask in {side}: its real tokens attend the padding (most weight on padding keys, or "
+        "equal weight on every key where a row has none), the other side's their real keys: the attention_mask "
+        "inverted, or applied to the real tokens",
+        {"side": side},
+    )
 
 
 def future_keys(e: Evidence) -> Hint | None:
@@ -48,7 +84,9 @@ def future_keys(e: Evidence) -> Hint | None:
 
 def window_pattern(e: Evidence) -> Hint | None:
     """Only the query positions from some point up to the window on differ: the first position
-    that can see a key the window decides about (the smaller of ours' and the reference's window)."""
+    that can see a key the window decides about (the smaller of ours' and the reference's window),
+    at 2 or later (positions 0 and 1 agree under most attention bugs, a softmax in float16, RoPE on
+    the values: that is no window's evidence)."""
     if e.kind not in ("probs", "context", "scores"):
         return None
     if e.kind == "probs" and e.ours.dim() == 4 and e.ours.shape[-1] == e.ours.shape[-2]:
@@ -68,7 +106,9 @@ def window_pattern(e: Evidence) -> Hint | None:
         return None
     per_pos = by_position(e.ours, e.ref, axis)
     bad = (per_pos > e.noise).nonzero().flatten().tolist()
-    if bad and 1 <= min(bad) <= window:
+    # position 0 (one key) and 1 (two) agree under most attention bugs: a window is told from the first
+    # query that can see past the smaller window, so at least the first two positions must agree
+    if bad and 2 <= min(bad) <= window:
         mine = layer.window if layer is not None else None
         ref = f"the reference's window here is {mine}" if mine else "the reference attends to every earlier key here"
         return Hint(

@@ -7,12 +7,41 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from parity.diagnose.evidence import EXPLAINS, Evidence, fmt_list, reads_stream, rel
+from parity.diagnose.evidence import EXPLAINS, Evidence, fmt_list, reads_stream, rel, whose
 from parity.diagnose.hints import Hint
 from parity.diagnose.profile import HEAD_MAJOR, HEAD_MERGED, SEQ_HEADS
 
 if TYPE_CHECKING:
     from parity.model.facts import LayerFacts
+
+
+def activation_skipped(e: Evidence) -> Hint | None:
+    """One side's value is another node of its layer as it is, the other side's that node through an
+    activation: the activation skipped on the first side (GPT-2's c_proj reading c_fc's output without
+    the GELU), named with the activation and the side."""
+    from parity.diagnose.elementwise import _activations
+
+    prefix = e.name.rsplit(".", 1)[0]
+    for name, tensor in e.ref_trace.tensors.items():
+        if name == e.name or not name.startswith(prefix) or tensor.shape != e.ours.shape:
+            continue
+        if e.result.layer is not None and e.facts.locate(name)[0] != e.result.layer:
+            continue
+        ours_plain, ref_plain = e.close(e.ours, tensor), e.close(e.ref, tensor)
+        if ours_plain == ref_plain:
+            continue
+        applied = e.ref if ours_plain else e.ours
+        label = next((label for label, act in _activations().items() if e.close(applied, act(tensor))), None)
+        if label is None:
+            continue
+        side = "ours" if ours_plain else "the reference"
+        return Hint(
+            "activation",
+            f"likely the activation: {whose(side)} {e.kind} is the reference's {name} as it is, the other side's that through "
+            f"{label}: the activation is skipped in {side} here (or applied elsewhere)",
+            {"matches": name, "activation": label, "side": side},
+        )
+    return None
 
 
 def sibling_match(e: Evidence) -> Hint | None:
