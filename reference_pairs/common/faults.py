@@ -89,6 +89,25 @@ LEFT_PADDED = (("batch_size", 3), ("left_pad", 5))
 # --- catalogue entries every family with that part has (one per handed case) -------------------------
 
 
+def gate_up_swapped(layer: int = 1, config: str = "tiny") -> Fault:
+    """A gated MLP's gate and up weights swapped in ``layer`` of ours (each module holds the other's
+    weight): found at that layer's gate_proj, ``swapped_weights``."""
+
+    def inject(pair: Pair) -> None:
+        ff = pair.ours.blocks[layer].ff
+        ff.fc1.weight, ff.fc2.weight = ff.fc2.weight, ff.fc1.weight
+
+    return Fault(
+        "gate-up-swapped",
+        f"gate and up weights swapped in layer {layer}",
+        config,
+        inject,
+        f"model.layers.{layer}.mlp.gate_proj",
+        "swapped_weights",
+        scope=f"model.layers.{layer}.mlp",
+    )
+
+
 def f07_repeat_kv(attention: str, config: str = "tiny", layer: int | str = 0, scope: str = "*") -> Fault:
     """F07: K/V heads tiled instead of repeat-interleaved, first seen at ``attention``'s ``scores``
     (``attention`` a template with ``{}`` for the layer: ``model.layers.{}.self_attn``)."""

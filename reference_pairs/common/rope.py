@@ -162,6 +162,25 @@ def yarn_attention_factor(factor: float, mscale: float | None = None, mscale_all
     return g(factor)
 
 
+def default_or_yarn(base: float, yarn: Mapping | None) -> dict:
+    """A Transformers-5 rope dict from a config's ``rope_base`` and optional ``rope_yarn`` (``factor``,
+    ``original_context_length``, ``beta_fast``, ``beta_slow``, ``attention_factor`` or None): default
+    RoPE with that theta, or YaRN (arXiv:2309.00071) over it."""
+    if yarn is None:
+        return {"rope_type": "default", "rope_theta": base}
+    params = {
+        "rope_type": "yarn",
+        "rope_theta": base,
+        "factor": yarn["factor"],
+        "original_max_position_embeddings": yarn["original_context_length"],
+        "beta_fast": yarn["beta_fast"],
+        "beta_slow": yarn["beta_slow"],
+    }
+    if yarn["attention_factor"] is not None:
+        params["attention_factor"] = yarn["attention_factor"]
+    return params
+
+
 def rope_init(params: Mapping, head_dim: int, max_position_embeddings: int | None = None) -> tuple[torch.Tensor, float]:
     """Inverse frequencies ``(rotary_dim // 2,)`` float32 and the cos/sin attention factor of one rope dict.
 

@@ -15,6 +15,7 @@ from ..common.faults import (
     cached_positions_off_by_one,
     f07_repeat_kv,
     f10_masked_neg_inf,
+    gate_up_swapped,
     sliding_cache_trimmed_as_if_one_token,
 )
 from .model import SLIDING
@@ -66,14 +67,6 @@ def _wider_window(pair):
     for block in pair.ours.blocks:
         if block.layer_type == SLIDING:
             block.att.sliding_window += 1
-
-
-def _swap_gate_up(layer):
-    def inject(pair):
-        ff = pair.ours.blocks[layer].ff
-        ff.fc1.weight, ff.fc2.weight = ff.fc2.weight, ff.fc1.weight
-
-    return inject
 
 
 def _transposed_o_proj(layer):
@@ -144,15 +137,7 @@ FAULTS = (
         "sliding_window",
         scope=f"{ATT.format('[012]')}.probs",
     ),
-    Fault(
-        "gate-up-swapped",
-        "gate and up weights swapped in layer 1",
-        "tiny",
-        _swap_gate_up(1),
-        "model.layers.1.mlp.gate_proj",
-        "swapped_weights",
-        scope="model.layers.1.mlp",
-    ),
+    gate_up_swapped(1),
     f07_repeat_kv(ATT),
     f10_masked_neg_inf(ATT),
     Fault(

@@ -10,6 +10,7 @@ from ..common.faults import (
     f07_repeat_kv,
     f08_untied_head,
     f10_masked_neg_inf,
+    gate_up_swapped,
 )
 from ..common.layer_types import FULL, SLIDING
 
@@ -63,14 +64,6 @@ def _wider_window(pair):
     for block in pair.ours.blocks:
         if block.layer_type == SLIDING:
             block.att.sliding_window += 1
-
-
-def _swap_gate_up(layer):
-    def inject(pair):
-        ff = pair.ours.blocks[layer].ff
-        ff.fc1.weight, ff.fc2.weight = ff.fc2.weight, ff.fc1.weight
-
-    return inject
 
 
 FIRST_SLIDING = 1  # the swa config: layer 0 full, layers 1.. sliding
@@ -140,15 +133,7 @@ FAULTS = (
         "sliding_window",
         scope=f"{ATT.format('*')}.probs",
     ),
-    Fault(
-        "gate-up-swapped",
-        "gate and up weights swapped in layer 1",
-        "tiny",
-        _swap_gate_up(1),
-        "model.layers.1.mlp.gate_proj",
-        "swapped_weights",
-        scope="model.layers.1.mlp",
-    ),
+    gate_up_swapped(1),
     f07_repeat_kv(ATT),
     f08_untied_head(why="0.6B ties it"),
     f10_masked_neg_inf(ATT),

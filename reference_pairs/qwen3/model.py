@@ -29,23 +29,12 @@ from ..common.decoder import DecoderModel
 from ..common.layer_types import FULL, SLIDING
 from ..common.mlp import GatedMLP
 from ..common.norms import RMSNorm
+from ..common.rope import default_or_yarn
 
 
 def rope_parameters(cfg: dict) -> dict[str, dict]:
     """The one Transformers-5 rope dict (YaRN if ``cfg["rope_yarn"]``), for both layer types."""
-    params = {"rope_type": "default", "rope_theta": cfg["rope_base"]}
-    yarn = cfg["rope_yarn"]
-    if yarn is not None:
-        params = {
-            "rope_type": "yarn",
-            "rope_theta": cfg["rope_base"],
-            "factor": yarn["factor"],
-            "original_max_position_embeddings": yarn["original_context_length"],
-            "beta_fast": yarn["beta_fast"],
-            "beta_slow": yarn["beta_slow"],
-        }
-        if yarn["attention_factor"] is not None:
-            params["attention_factor"] = yarn["attention_factor"]
+    params = default_or_yarn(cfg["rope_base"], cfg["rope_yarn"])
     return {FULL: params, SLIDING: params}
 
 

@@ -10,7 +10,7 @@ import torch
 
 from parity.selftest.faults import Fault
 
-from ..common.faults import f07_repeat_kv, f08_untied_head, f10_masked_neg_inf
+from ..common.faults import f07_repeat_kv, f08_untied_head, f10_masked_neg_inf, gate_up_swapped
 
 ATT = "model.layers.{}.self_attn"
 NOPE_LAYER = 3  # tiny and yarn: layers 0-2 and 4 rotate, layer 3 is NoPE
@@ -76,14 +76,6 @@ def _norm_eps(eps: float):
         for module in pair.ours.modules():
             if hasattr(module, "eps") and hasattr(module, "cast_first"):
                 module.eps = eps
-
-    return inject
-
-
-def _swap_gate_up(layer):
-    def inject(pair):
-        ff = pair.ours.blocks[layer].ff
-        ff.fc1.weight, ff.fc2.weight = ff.fc2.weight, ff.fc1.weight
 
     return inject
 
@@ -161,15 +153,7 @@ FAULTS = (
         "rope_scaling",
         scope=ROT,
     ),
-    Fault(
-        "gate-up-swapped",
-        "gate and up weights swapped in layer 1",
-        "tiny",
-        _swap_gate_up(1),
-        "model.layers.1.mlp.gate_proj",
-        "swapped_weights",
-        scope="model.layers.1.mlp",
-    ),
+    gate_up_swapped(1),
     f07_repeat_kv(ATT),
     f08_untied_head(why="SmolLM3-3B ties it"),
     f10_masked_neg_inf(ATT),
