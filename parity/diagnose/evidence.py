@@ -97,6 +97,26 @@ def same_input(e: Evidence) -> torch.Tensor | None:
     return None
 
 
+def heads_first(t: torch.Tensor, n_heads: int, head_dim: int, seq: int) -> torch.Tensor | None:
+    """A projection's output ``(batch, seq, heads * head_dim)`` (or already split) as ``(batch, heads,
+    seq, head_dim)``."""
+    if t.dim() == 3 and t.shape[1] == seq and t.shape[-1] == n_heads * head_dim:
+        return t.unflatten(-1, (n_heads, head_dim)).transpose(1, 2)
+    if t.dim() == 4 and t.shape[1:] == (seq, n_heads, head_dim):
+        return t.transpose(1, 2)
+    if t.dim() == 4 and t.shape[1:] == (n_heads, seq, head_dim):
+        return t
+    return None
+
+
+def pair_lengths(t: torch.Tensor) -> torch.Tensor:
+    """The length of each half-split RoPE pair ``(i, i + head_dim/2)`` of ``t`` (..., head_dim): what a
+    rotation keeps, so a tensor and its rotation agree here at every position."""
+    t = t.double()
+    d = t.shape[-1]
+    return (t[..., : d // 2].pow(2) + t[..., d // 2 :].pow(2)).sqrt()
+
+
 # --- exact matches with something else ---------------------------------------------------------
 
 

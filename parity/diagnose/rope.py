@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from parity.diagnose.evidence import Evidence, by_position, fmt_list, seq_axis
+from parity.diagnose.evidence import Evidence, by_position, fmt_list, heads_first, pair_lengths, seq_axis
 from parity.diagnose.hints import Hint
 
 if TYPE_CHECKING:
@@ -390,8 +390,6 @@ def norm_after_rope(e: Evidence) -> Hint | None:
     (or k) after RoPE, the reference before it."""
     if e.kind not in ("q_norm", "k_norm") or e.positions is None:
         return None
-    from parity.diagnose.wiring import _heads_first
-
     x_ref, x_ours = e.ref_trace.inputs.get(e.name), e.ours_trace.inputs.get(e.name)
     if x_ref is None or x_ours is None or x_ref.numel() != x_ours.numel() or x_ref.dim() < 3:
         return None
@@ -400,23 +398,19 @@ def norm_after_rope(e: Evidence) -> Hint | None:
     if not d or d % 2 or x_ref.shape[-1] % d or x_ref.numel() % (b * seq * d):
         return None
     n_heads = x_ref.numel() // (b * seq * d)
-    ref = _heads_first(x_ref.reshape(b, seq, n_heads * d) if x_ref.shape[1] == seq else x_ref, n_heads, d, seq)
+    ref = heads_first(x_ref.reshape(b, seq, n_heads * d) if x_ref.shape[1] == seq else x_ref, n_heads, d, seq)
     start = e.positions == 0
     if ref is None or not bool(start.any()) or bool(start.all()):
         return None
-    candidates = [_heads_first(x_ours, n_heads, d, seq)]
+    candidates = [heads_first(x_ours, n_heads, d, seq)]
     if x_ours.dim() == 4 and x_ours.shape[1] == x_ours.shape[2]:  # seq == heads: both layouts possible
         candidates.append(x_ours.transpose(1, 2))
     first = start[:, None, :, None].expand_as(ref)
 
-    def lengths(t: torch.Tensor) -> torch.Tensor:
-        t = t.double()
-        return (t[..., : d // 2].pow(2) + t[..., d // 2 :].pow(2)).sqrt()
-
     for ours in candidates:
         if ours is None or ours.shape != ref.shape or e.close(ours, ref):
             continue
-        if e.close(ours[first], ref[first]) and e.close(lengths(ours), lengths(ref)):
+        if e.close(ours[first], ref[first]) and e.close(pair_lengths(ours), pair_lengths(ref)):
             return Hint(
                 "norm_placement",
                 f"likely norm placement: ours' {e.kind} reads its input after RoPE (the reference's input rotated: equal "

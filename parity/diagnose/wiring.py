@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from parity.diagnose.evidence import EXPLAINS, Evidence, fmt_list, reads_stream, rel, whose
+from parity.diagnose.evidence import EXPLAINS, Evidence, fmt_list, heads_first, pair_lengths, reads_stream, rel, whose
 from parity.diagnose.hints import Hint
 from parity.diagnose.profile import HEAD_MAJOR, HEAD_MERGED, SEQ_HEADS
 
@@ -365,18 +365,6 @@ def heads_merged_unmoved(e: Evidence) -> Hint | None:
     )
 
 
-def _heads_first(t: torch.Tensor, n_heads: int, head_dim: int, seq: int) -> torch.Tensor | None:
-    """A projection's output ``(batch, seq, heads * head_dim)`` (or already split) as ``(batch, heads,
-    seq, head_dim)``."""
-    if t.dim() == 3 and t.shape[1] == seq and t.shape[-1] == n_heads * head_dim:
-        return t.unflatten(-1, (n_heads, head_dim)).transpose(1, 2)
-    if t.dim() == 4 and t.shape[1:] == (seq, n_heads, head_dim):
-        return t.transpose(1, 2)
-    if t.dim() == 4 and t.shape[1:] == (n_heads, seq, head_dim):
-        return t
-    return None
-
-
 def rotated_other_projection(e: Evidence) -> Hint | None:
     """Ours' rotated keys (or queries) are another projection of the reference rotated: equal to it
     where RoPE leaves a token as it is (position 0) and of equal length in every rotated pair of dims
@@ -392,15 +380,11 @@ def rotated_other_projection(e: Evidence) -> Hint | None:
         return None
     stem = e.name.rsplit(".", 1)[0]
 
-    def pair_lengths(t: torch.Tensor) -> torch.Tensor:
-        t = t.double()
-        return (t[..., : d // 2].pow(2) + t[..., d // 2 :].pow(2)).sqrt()
-
     for kind in ("v_proj", "k_proj", "q_proj", "k_norm", "q_norm"):
         if kind[0] == e.kind[0]:
             continue  # its own projection: a RoPE fault, not a role
         t = e.ref_trace.tensors.get(f"{stem}.{kind}")
-        other = _heads_first(t, n_heads, d, seq) if t is not None else None
+        other = heads_first(t, n_heads, d, seq) if t is not None else None
         if other is None or other.shape != e.ours.shape:
             continue
         first = start[:, None, :, None].expand_as(e.ours)
