@@ -51,7 +51,8 @@ FAULTS = [
     ("llama", "causal_off_by_one", f"{ATT}.probs", "causal_mask"),
     ("llama", "causal_missing", f"{ATT}.probs", "causal_mask"),
     ("llama", "softmax_wrong_axis", f"{ATT}.probs", "softmax_axis"),
-    ("llama", "attn_dropout_on", f"{ATT}.context", "dropout"),
+    # dropout after the softmax, before the model's own probs tap: the tap is judged (F.dropout in a function)
+    ("llama", "attn_dropout_on", f"{ATT}.probs", "dropout"),
     ("llama", "scale_1_over_d", f"{ATT}.scores", "attention_scale"),
     ("llama", "silu_as_gelu", f"{L0}.mlp.down_proj", "activation"),
     ("llama", "gate_up_swapped", f"{L0}.mlp.down_proj", "swapped_roles"),

@@ -230,8 +230,25 @@ def compare_traces(
             )
             for index, name in enumerate(node_order(reference, nodes, list(getattr(ours, "calls", {}))))
         ]
+    calls = getattr(ours, "calls", {})
+    results = [_input_of_functional(r, calls) for r in results]
     # a node compared while ours ran was numbered before ours placed the nodes the reference lacks
     return [r if r.index == i else replace(r, index=i) for i, r in enumerate(results)]
+
+
+def _input_of_functional(result: NodeResult, calls: Mapping[str, int]) -> NodeResult:
+    """A module's input node that ours never produced while ours did produce the module's output: ours
+    applies that module's weight in a function (``F.linear(x, self.out.weight)``, ``x @ W.T``), so
+    nothing hooks its input. Not judged (a module that is called records both): the output is."""
+    module, _, what = result.name.partition("@")
+    if result.status != MISSING or what != "input" or result.shape_ref is None or not calls.get(module):
+        return result
+    return replace(
+        result,
+        status=UNTAPPED,
+        detail=f"ours applies {module}'s weight in a function, not by calling its module: its input is not "
+        "recorded; its output is compared",
+    )
 
 
 class NodeStream:
@@ -307,6 +324,18 @@ class NodeStream:
                 del self.trace.tensors[name]
             return True
         return name not in self.stem_keep  # a context node is kept (stored by the trace)
+
+    def retract(self, name: str) -> None:
+        """Forget ``name``'s comparison (:meth:`Trace.retract`): a failure it was is no longer the first
+        (a failing node produced earlier with a later index than it is not brought back)."""
+        if self.first is not None and self.first.name == name:
+            old, self.first = self.failure_keep, None
+            self.failure_keep = set()
+            self._release(old - {name})
+        self.trace.watched.pop(name, None)
+        every = self.trace.watched.get("*")
+        if every is not None:
+            every.pop(name, None)
 
     def finish(self) -> None:
         """After the forward: drop the context nodes no failure needs, and stop consuming."""

@@ -16,14 +16,18 @@ from parity.diagnose.elementwise import (
     activation_function,
     gate_activation,
     nonfinite,
+    precision,
     rounding_order,
     soft_capping,
 )
+from parity.diagnose.embeddings import embedding_rows
 from parity.diagnose.evidence import Evidence
 from parity.diagnose.hints import Hint
 from parity.diagnose.masks import (
     attention_dropout,
+    dropout_elementwise,
     future_keys,
+    masked_keys,
     padding,
     padding_mask_inverted,
     sequence_shift,
@@ -36,17 +40,27 @@ from parity.diagnose.norms import (
     norm_kind,
     norm_placement,
     norm_skipped,
+    norm_statistic,
     norm_weight_offset,
     norm_weight_source,
 )
+from parity.diagnose.order import execution_order, head_on_embedding, reused_module
 from parity.diagnose.residual import input_scale, input_source, residual_add
-from parity.diagnose.rope import norm_after_rope, position_table_offset, rope_fit, rope_partial, rope_pattern
+from parity.diagnose.rope import (
+    norm_after_rope,
+    position_table_offset,
+    rope_fit,
+    rope_partial,
+    rope_pattern,
+    values_rotated,
+)
 from parity.diagnose.scales import (
     added_vector,
     channel_ratio,
     constant_ratio,
     row_scale,
     softmax_axis,
+    softmax_sink,
     softmax_temperature,
 )
 from parity.diagnose.swaps import swapped_modules, swapped_weights, used_as
@@ -55,9 +69,11 @@ from parity.diagnose.wiring import (
     gate_up_roles,
     head_mapping,
     heads_merged_unmoved,
+    heads_split_unmoved,
     kv_sharing,
     last_dim_permutation,
     other_layer,
+    projection_input,
     rotated_other_projection,
     sibling_match,
     tap_layout,
@@ -75,6 +91,8 @@ UNHOOKED_PREFIXES = ("tap:", "param:", "unaligned:")
 #: detectors tried in order on a node that has both tensors of one shape
 DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     tap_layout,
+    execution_order,
+    embedding_rows,
     kv_sharing,
     residual_add,  # before sibling_match: a stream point equal to the branch's output is a missing residual
     activation_skipped,  # before sibling_match: equal to the node before the activation is no swap
@@ -83,12 +101,15 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     gate_up_roles,
     used_as,
     rotated_other_projection,
+    projection_input,
     other_layer,
     untied_head,
     transposed_weight,
     heads_merged_unmoved,
+    heads_split_unmoved,
     expert_tokens,
     expert_weights,
+    precision,
     rounding_order,
     padding,
     cached_state,
@@ -100,6 +121,7 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     input_scale,  # before the norms: a norm fed a scaled input differs only through its eps
     input_source,
     norm_after_rope,
+    norm_statistic,  # the module's own weight: exact, before the eps fit reads a per-token ratio
     norm_eps,
     norm_skipped,
     norm_weight_source,
@@ -109,7 +131,9 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     norm_placement,
     rope_partial,
     rope_fit,  # before constant_ratio: on q_rot/k_rot a constant factor is the cos/sin scale, read with its source
+    values_rotated,
     attention_dropout,  # before constant_ratio: the kept probabilities are all scaled by one 1 / (1 - p)
+    dropout_elementwise,
     constant_ratio,
     routing_weights,
     row_normalisation,
@@ -118,8 +142,10 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     head_mapping,
     sequence_shift,
     softmax_temperature,
+    softmax_sink,
     softmax_axis,
     padding_mask_inverted,
+    masked_keys,
     future_keys,
     window_pattern,
     chunk_boundary,
@@ -131,7 +157,7 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
 )
 
 
-def _missing(result: NodeResult, ours: Trace, ref: Trace, spec: NodeSpec | None) -> Hint:
+def _missing(result: NodeResult, ours: Trace, ref: Trace, spec: NodeSpec | None, facts: ArchFacts) -> Hint:
     """Which side never produced the node, and whether it has no such module or never ran it."""
     if result.name not in ref.tensors:
         path = spec.reference_path if spec is not None else result.name
@@ -158,6 +184,9 @@ def _missing(result: NodeResult, ours: Trace, ref: Trace, spec: NodeSpec | None)
             f"not compute or does not pass (e.g. Gemma 4's per-layer inputs), or {module} never ran",
             {"side": "ours", "path": path, "argument": argument},
         )
+    reused = reused_module(result.name, ours, ref, facts) or head_on_embedding(result.name, ours, ref, facts)
+    if reused is not None:
+        return reused
     return Hint(
         "missing",
         f"ours never ran {path} in this forward (the module exists): a module skipped or called around "
@@ -179,7 +208,7 @@ def diagnose(
     ``positions``: ``(batch, seq)`` token positions of the run and ``attention_mask`` its padding
     (RoPE hints need them); ``spec``: the node's NodeSpec (which scores a choice was made from)."""
     if result.status == MISSING:
-        return _missing(result, ours_trace, ref_trace, spec)
+        return _missing(result, ours_trace, ref_trace, spec, facts)
     if result.status == SHAPE:
         swapped = swapped_modules(result.name, ours_trace, ref_trace)
         return swapped or Hint("shape", f"likely a layout or head-count difference: {result.detail}")

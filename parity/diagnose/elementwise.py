@@ -94,6 +94,49 @@ def soft_capping(e: Evidence) -> Hint | None:
     )
 
 
+def precision(e: Evidence) -> Hint | None:
+    """A float32 (or float64) node whose values on one side are all exactly representable in a
+    narrower dtype (bfloat16, float16) and on the other side mostly not: that side computed the node
+    in the narrower dtype and cast back (a softmax in float16, q @ k^T in bfloat16)."""
+    if e.ours.dtype != e.ref.dtype and e.ours.is_floating_point() and e.ref.is_floating_point():
+        bits_ours, bits_ref = torch.finfo(e.ours.dtype).bits, torch.finfo(e.ref.dtype).bits
+        if bits_ours != bits_ref:
+            side, narrow, wide_dtype = (
+                ("ours", e.ours.dtype, e.ref.dtype)
+                if bits_ours < bits_ref
+                else ("the reference", e.ref.dtype, e.ours.dtype)
+            )
+            narrow_name, wide_name = (str(d).replace("torch.", "") for d in (narrow, wide_dtype))
+            return Hint(
+                "precision",
+                f"likely computed in {narrow_name} in {side}: {side} produces this node as a {narrow_name} tensor, the "
+                f"other side as {wide_name} (a cast before the op, e.g. q @ k^T or a softmax in half precision)",
+                {"side": side, "dtype": narrow_name},
+            )
+    if e.ref.dtype not in (torch.float32, torch.float64) or e.ours.dtype != e.ref.dtype or e.ref.numel() < 64:
+        return None
+
+    def representable(t: torch.Tensor, dtype: torch.dtype) -> float:
+        t = t[torch.isfinite(t) & (t != 0) & (t.abs() < 1e30)]  # a mask's fill value is no computed value
+        if t.numel() < 64 or float(t.abs().max()) > torch.finfo(dtype).max:
+            return 0.0
+        return float((t.to(dtype).to(t.dtype) == t).double().mean())
+
+    wide = str(e.ref.dtype).replace("torch.", "")
+    for dtype in (torch.bfloat16, torch.float16):
+        name = str(dtype).replace("torch.", "")
+        for side, this, other in (("ours", e.ours, e.ref), ("the reference", e.ref, e.ours)):
+            if representable(this, dtype) == 1.0 and representable(other, dtype) < 0.5:
+                return Hint(
+                    "precision",
+                    f"likely computed in {name} in {side}: every value {side} holds here is exactly a {name} number "
+                    f"(the other side's are {wide} values), so {side} computes this node in {name} and casts "
+                    "back (a softmax or matmul in half precision)",
+                    {"side": side, "dtype": name},
+                )
+    return None
+
+
 def rounding_order(e: Evidence) -> Hint | None:
     """Every difference within two units in the last place of the node's dtype: the same formula
     rounded in another order (cast before or after a multiply, fused or separate operations)."""
@@ -137,7 +180,30 @@ def _activations() -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
         "silu": F.silu,
         "relu": F.relu,
         "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+        "sigmoid": torch.sigmoid,
+        "relu squared (Primer's relu2)": lambda x: F.relu(x).square(),
+        "tanh": torch.tanh,
+        "softplus": F.softplus,
+        "mish": F.mish,
+        "elu": F.elu,
+        "leaky_relu (0.01)": F.leaky_relu,
     }
+
+
+def function_of(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether ``y`` is a smooth function of ``x`` value by value (all elements pooled, float64): sorted
+    by ``x``, neighbouring values of ``y`` stay close (each step of ``y`` at most 5% of its spread, the
+    typical one under 1%). Another activation applied to the same input passes; a different input fails."""
+    x, y = x.double().flatten(), y.double().flatten()
+    finite = torch.isfinite(x) & torch.isfinite(y)
+    x, y = x[finite], y[finite]
+    if x.numel() < 64:
+        return False
+    spread = float(y.std())
+    if spread == 0:
+        return False
+    steps = y[x.argsort()].diff().abs() / spread
+    return float(steps.max()) < 5e-2 and float(steps.median()) < 1e-2
 
 
 def activation_function(e: Evidence) -> Hint | None:

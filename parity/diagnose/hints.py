@@ -38,6 +38,8 @@ KINDS: dict[str, str] = {
     "norm_weight_offset": "the norm weight used as w instead of 1 + w (per-channel ratio w / (1 + w))",
     "channel_scale": "ours/ref constant over tokens per channel (a per-channel weight difference)",
     "bias": "ours - ref is one vector at every position (a bias one side adds and the other does not)",
+    "softmax_sink": "one side's attention rows sum to less than 1, each the other's times one factor: an extra "
+    "logit in the softmax's denominator (an attention sink; 0: the off-by-one softmax)",
     "softmax_axis": "attention probabilities normalised over another axis than the keys",
     "scale": "ours/ref is one constant everywhere (a missing or extra factor)",
     "rope_attention_factor": "a constant ratio equal to the RoPE (YaRN) attention factor, at every position incl. 0",
@@ -51,16 +53,28 @@ KINDS: dict[str, str] = {
     "rope_partial": "ours rotates other dims of each head than the reference (partial_rotary_factor: how many dims, which pairs)",
     "rope_unexpected": "ours rotates where the reference applies no RoPE (a NoPE layer)",
     "rope_layer_type": "RoPE differs on exactly the layers of one type (per-layer-type RoPE parameters)",
+    "rope_rotation": "ours turns each pair with this layer's frequencies but another angle formula: cos and sin "
+    "swapped (pi/2 - w p) or sin negated (-w p)",
     "rope_theta": "the rotation equals RoPE with another theta (a fallback theta)",
     "rope_scaling": "ours rotates with the unscaled frequencies where the reference scales them (llama3, YaRN, linear)",
     "position_offset": "positions shifted: each padded row rotated by its pad count (positions not from the mask), or "
     "ours at position p equals the reference at p + k (a learned position table read off by k)",
+    "projection_input": "ours' projection (its own weight) reads another value than the reference's does (the "
+    "un-normed residual, another point of the stream)",
+    "token_ids": "ours reads other rows of the token embedding table than the ids (ids shifted: a BOS or vocabulary "
+    "offset, or another mapping)",
+    "execution_order": "ours runs the same modules in another order than the reference (layers reversed, the MLP "
+    "before the attention)",
+    "wrong_module": "ours never runs this node's module and runs another node's module more often than the "
+    "reference: that module called in its place (its weights used here)",
     "cache_length": "a cache holds another number of tokens than the reference's (a sliding layer keeps window - 1, a "
     "linear-attention layer's conv state the kernel's width); a user's cache: fewer than the reference's attention "
     "reads (the missing positions named)",
     "cache_not_read": "a call continuing a KV cache reads only its own keys: the cached ones are stored but not read",
     "causal_mask": "ours gives weight to keys the reference masks, later than the query (a query sees the future)",
     "rounding_order": "every difference is within one or two units in the last place of the dtype (cast order)",
+    "precision": "one side's values are all exact numbers of a narrower dtype (bfloat16, float16), the other's are "
+    "not: that side computed the node in the narrower dtype and cast back",
     "row_scale": "ours / ref is one factor per row (token, head), another for each row: a per-vector norm on one side only",
     "activation": "another element-wise activation: ours equals the reference's pre-activation through another "
     "function (exact vs tanh GELU, SiLU), or is a monotone function of the reference value by value",

@@ -61,6 +61,67 @@ def padding_mask_inverted(e: Evidence) -> Hint | None:
     )
 
 
+def masked_keys(e: Evidence) -> Hint | None:
+    """One side gives weight to earlier keys the other masks (future keys are :func:`future_keys`'):
+    padding keys (the padding mask not applied) or keys before the window (the window mask not
+    applied). When every such key of a query gets one same probability, the mask was applied with a
+    finite fill value (``masked_fill(..., 0)``, an additive mask of 0) instead of -inf: the fill
+    value ``c`` is read from the reference's scores, ``c = s_j + log(p_masked / p_j)``."""
+    if e.kind != "probs" or e.ours.dim() != 4 or e.ours.shape[-1] != e.ours.shape[-2]:
+        return None
+    n = e.ours.shape[-1]
+    keys = torch.arange(n)
+    past = keys[None, :] <= keys[:, None]  # (q, k): the keys a causal query may see
+    pad_key, real_query = None, torch.ones(1, 1, n, 1, dtype=torch.bool)
+    if e.attention_mask is not None and tuple(e.attention_mask.shape) == (e.ours.shape[0], n):
+        pad_key, real_query = (e.attention_mask == 0)[:, None, None, :], e.attention_mask.bool()[:, None, :, None]
+    for side, this, other in (("ours", e.ours, e.ref), ("the reference", e.ref, e.ours)):
+        extra = (this.abs() > 0) & (other == 0) & real_query
+        if not bool(extra.any()) or bool((extra & ~past).any()):
+            continue  # nothing extra, or future keys: the causal mask's detector
+        on_pads = pad_key is not None and bool(extra[~pad_key.expand_as(extra)].sum() == 0)
+        which = "padding mask" if on_pads else "sliding-window mask"
+        kind = "padding" if on_pads else "sliding_window"
+        fill = _fill_value(e, this.double(), other.double(), extra)
+        if fill is None and not on_pads:
+            return None  # another window size: window_pattern reads both sizes
+        how = (
+            f"applied with the finite fill value {fill:.4g} instead of -inf (the masked scores set to {fill:.4g}, so "
+            "the masked keys still get weight)"
+            if fill is not None
+            else "not applied (those keys keep their own scores)"
+        )
+        queries = extra.any(-1).flatten(0, 1).any(0).nonzero().flatten().tolist()
+        return Hint(
+            kind,
+            f"likely the {which} in {side}: {side} gives weight to {int(extra.sum())} earlier "
+            f"{'padding ' if on_pads else 'out-of-window '}keys the other side masks (queries {fmt_list(queries)}): the "
+            f"mask {how}",
+            {"side": side, "entries": int(extra.sum()), "fill_value": fill, "mask": which},
+        )
+    return None
+
+
+def _fill_value(e: Evidence, p: torch.Tensor, other: torch.Tensor, extra: torch.Tensor) -> float | None:
+    """The one score every extra key of ``p`` got, read against the reference's scores, or None."""
+    scores = e.ref_trace.tensors.get(e.name.rsplit(".", 1)[0] + ".scores")
+    if scores is None or scores.shape != p.shape:
+        return None
+    s = scores.double()
+    both = (p > 0) & (other > 0)  # keys both sides weight: their scores are the reference's
+    rows = extra.any(-1) & both.any(-1)
+    if not bool(rows.any()):
+        return None
+    # per row: log p_j - s_j is one constant (the row's log-normaliser) over the keys both weight
+    offset = torch.where(both, p.clamp_min(1e-300).log() - s, torch.nan).nanmean(-1, keepdim=True)
+    fill = torch.where(extra, p.clamp_min(1e-300).log() - offset, torch.nan)[rows.unsqueeze(-1).expand_as(extra)]
+    fill = fill[torch.isfinite(fill)]
+    if fill.numel() == 0 or float(fill.max() - fill.min()) > 1e-3 * max(1.0, float(fill.abs().max())):
+        return None
+    value = float(fill.mean())
+    return value if abs(value) > 1e-6 else 0.0
+
+
 def future_keys(e: Evidence) -> Hint | None:
     """Ours gives weight to keys the reference masks, later than the last key the reference lets each
     query see: the causal mask lets a query see the future (a decode-time mask off by one, a chunk
@@ -196,7 +257,7 @@ def attention_dropout(e: Evidence) -> Hint | None:
     if e.kind == "probs" and e.ours.shape == e.ref.shape:  # the probabilities recorded after the dropout
         for side, dropped_side, other in (("ours", e.ours, e.ref), ("the reference", e.ref, e.ours)):
             keep = other.double() > 1e-4
-            rate = _pattern((dropped_side.double()[keep] / other.double()[keep]).flatten())
+            rate = dropout_pattern((dropped_side.double()[keep] / other.double()[keep]).flatten())
             if rate is not None:
                 return _dropout_hint(side, rate[0], rate[1], "probabilities")
         return None
@@ -219,6 +280,31 @@ def attention_dropout(e: Evidence) -> Hint | None:
     return None
 
 
+def dropout_elementwise(e: Evidence) -> Hint | None:
+    """Ours / reference element by element is 0 or one ``k > 1`` (dropout's mask, scaled by ``1 / (1 -
+    p)``) on either side: a dropout left on outside training (``F.dropout``'s ``training=True`` default,
+    ``nn.Dropout`` in a model left in train mode) on an activation, not on the attention."""
+    if e.kind in ("probs", "context") or e.ours.shape != e.ref.shape or e.ref.numel() < 64:
+        return None
+    for side, dropped_side, other in (("ours", e.ours, e.ref), ("the reference", e.ref, e.ours)):
+        o = other.double()
+        keep = o.abs() > 1e-3 * float(o.abs().max())
+        rate = dropout_pattern((dropped_side.double()[keep] / o[keep]).flatten())
+        if rate is not None:
+            return dropout_left_on(side, rate[0], rate[1], f"{e.kind} (element by element)")
+    return None
+
+
+def dropout_left_on(side: str, k: float, dropped: float, where: str) -> Hint:
+    """The hint for a dropout (not of the attention) left on in ``side`` at ``where``."""
+    return Hint(
+        "dropout",
+        f"likely dropout left on in {side} at {where}: {dropped:.0%} of the values are zeroed and the rest scaled by "
+        f"{k:.4g} = 1 / (1 - p), p = {1 - 1 / k:.3g} (F.dropout's training=True default, or a module in train mode)",
+        {"p": 1 - 1 / k, "dropped": dropped, "side": side},
+    )
+
+
 def _dropout_hint(side: str, k: float, dropped: float, where: str) -> Hint:
     what = (
         "its probabilities are the other side's"
@@ -233,7 +319,7 @@ def _dropout_hint(side: str, k: float, dropped: float, where: str) -> Hint:
     )
 
 
-def _pattern(r: torch.Tensor) -> tuple[float, float] | None:
+def dropout_pattern(r: torch.Tensor) -> tuple[float, float] | None:
     """``(k, fraction dropped)`` when the ratios ``r`` are 0 or one ``k > 1``: a dropout's mask, scaled."""
     if r.numel() < 8:
         return None
@@ -259,4 +345,4 @@ def _dropout_rate(ctx: torch.Tensor, probs: torch.Tensor, v: torch.Tensor, h: in
         p = probs[:, :, i, : i + 1]
         keep = p > 1e-4
         ratios.append((weights[keep] / p[keep]).flatten())
-    return _pattern(torch.cat(ratios) if ratios else torch.zeros(0))
+    return dropout_pattern(torch.cat(ratios) if ratios else torch.zeros(0))

@@ -224,6 +224,65 @@ def _normalisers(x: torch.Tensor, head_dim: int | None, eps: float = 0.0) -> dic
     return out
 
 
+def _statistics(x: torch.Tensor, eps: float, layernorm: bool) -> dict[str, torch.Tensor]:
+    """``x`` (``(..., seq, hidden)``) normalised by each statistic a port may compute instead of the
+    norm's own (RMSNorm: Zhang & Sennrich 2019; LayerNorm: Ba et al. 2016), with the norm's eps."""
+    x = x.double()
+    n = x.shape[-1]
+    c = x - x.mean(-1, keepdim=True)
+    ms, var = x.pow(2).mean(-1, keepdim=True), c.pow(2).mean(-1, keepdim=True)
+    out = {
+        "RMSNorm (x / sqrt(mean(x^2) + eps))": x / (ms + eps).sqrt(),
+        "LayerNorm ((x - mean) / sqrt(var + eps))": c / (var + eps).sqrt(),
+        "the unbiased variance (sum / (N - 1), torch.var's default)": (c if layernorm else x)
+        / ((c.pow(2) if layernorm else x.pow(2)).sum(-1, keepdim=True) / max(n - 1, 1) + eps).sqrt(),
+        "no square root (x / (mean(x^2) + eps))": (c if layernorm else x) / ((var if layernorm else ms) + eps),
+        "sqrt(|mean(x)|) for the RMS (the mean, not the mean of squares)": x
+        / (x.mean(-1, keepdim=True).abs() + eps).sqrt(),
+        "the mean absolute value (x / (mean|x| + eps))": x / (x.abs().mean(-1, keepdim=True) + eps),
+        "the variance not centred ((x - mean) / sqrt(mean(x^2) + eps))": c / (ms + eps).sqrt(),
+    }
+    if x.dim() >= 3 and x.shape[-2] > 1:
+        sq = x.pow(2).mean(-2, keepdim=True)
+        out["statistics over the sequence axis (mean over tokens, not over the hidden size)"] = (
+            c if layernorm else x
+        ) / ((c.pow(2).mean(-2, keepdim=True) if layernorm else sq) + eps).sqrt()
+        out["statistics over the whole tensor (one mean for every token)"] = x / (x.pow(2).mean() + eps).sqrt()
+    return out
+
+
+def norm_statistic(e: Evidence) -> Hint | None:
+    """A norm whose inputs agree, where ours (or the reference) is the input normalised by another
+    statistic times the module's own weight (and bias): over the sequence axis instead of the hidden
+    one, the unbiased variance, no square root, ``sqrt(|mean(x)|)``, the mean absolute value. The
+    weight is the module's, not fitted, so a factor like ``sqrt((N-1)/N)`` shows."""
+    if not _is_norm(e.kind):
+        return None
+    x = same_input(e)
+    w = e.ref_trace.weights.get(e.name)
+    if x is None or w is None or x.shape != e.ref.shape or w.dim() != 1 or w.shape[0] != x.shape[-1]:
+        return None
+    b = e.ref_trace.biases.get(e.name)
+    shift = b.double() if b is not None and b.shape == w.shape else 0.0
+    layernorm = e.facts.norm_kind == "layernorm"
+    stats = _statistics(x, e.facts.norm_eps or 0.0, layernorm)
+    for weight in (w.double(), 1.0 + w.double()):  # w, or Gemma's 1 + w: whichever gives the reference
+        applied = {label: n * weight + shift for label, n in stats.items()}
+        ref_is = next((label for label, y in applied.items() if e.close(e.ref, y.to(e.ref.dtype))), None)
+        if ref_is is None:
+            continue
+        ours_is = next((label for label, y in applied.items() if e.close(e.ours, y.to(e.ours.dtype))), None)
+        if ours_is is None or ours_is == ref_is or {ours_is, ref_is} == set(list(stats)[:2]):
+            return None  # RMSNorm vs LayerNorm: norm_kind's, with the per-token means as evidence
+        return Hint(
+            "norm_kind",
+            f"likely the norm's statistic: ours normalises by {ours_is}, the reference by {ref_is} (same input, same "
+            "weight)",
+            {"ours": ours_is, "reference": ref_is},
+        )
+    return None
+
+
 def _explained_by(y: torch.Tensor, candidates: dict[str, torch.Tensor]) -> str | None:
     """The candidate n with y ~= n * w for a per-channel w (least squares), or y ~= n * w + b with a
     per-channel bias too (a LayerNorm with bias, GPT-2), if any."""

@@ -12,6 +12,7 @@ import torch
 
 from parity.diagnose.evidence import EXPLAINS, Evidence, reads_stream, rel
 from parity.diagnose.hints import Hint
+from parity.diagnose.masks import dropout_left_on, dropout_pattern
 
 
 def _branch_output(e: Evidence) -> tuple[str, torch.Tensor] | None:
@@ -70,6 +71,21 @@ def residual_add(e: Evidence) -> Hint | None:
         return next((label for label, value in forms.items() if rel(t.double(), value) < tol), None)
 
     ours_is, ref_is = form_of(e.ours), form_of(e.ref)
+    for side, value, other_is in (("ours", e.ours, ref_is), ("the reference", e.ref, ours_is)):
+        if other_is == "x + f(x)" and form_of(value) is None:
+            keep = f.abs() > 1e-3 * float(f.abs().max())
+            rate = dropout_pattern(((value.double() - x)[keep] / f[keep]).flatten())
+            if rate is not None:
+                return dropout_left_on(side, rate[0], rate[1], f"the branch {name}, before the residual add")
+            source = _added_to(e, value.double() - f, stream[0], tol)
+            if source is not None:
+                return Hint(
+                    "residual",
+                    f"likely the residual connection in {side}: it adds f(x) = {name} to the reference's {source} "
+                    f"instead of the stream x = {stream[0]} (the residual taken from another point, e.g. the normed "
+                    "input)",
+                    {"side": side, "branch": name, "stream": stream[0], "added_to": source},
+                )
     if ours_is is None and ref_is == "x + f(x)":
         return _stream_scaled(e, e.ours.double() - f, x, stream[0], tol)
     if ours_is is None or ref_is is None or ours_is == ref_is:
@@ -81,6 +97,18 @@ def residual_add(e: Evidence) -> Hint | None:
         f"f(x) = {name} and x = {stream[0]}",
         {"ours": ours_is, "reference": ref_is, "branch": name, "stream": stream[0], "side": side},
     )
+
+
+def _added_to(e: Evidence, value: torch.Tensor, stream: str, tol: float) -> str | None:
+    """The reference node of the failing node's layer, produced before it, that ``value`` equals (the
+    point a branch was added to), other than the stream itself."""
+    for name, tensor in e.ref_trace.tensors.items():
+        if name == e.name:
+            break
+        same_layer = e.facts.locate(name)[0] == e.result.layer and tensor.shape == value.shape
+        if same_layer and name != stream and rel(value, tensor.double()) < tol:
+            return name
+    return None
 
 
 def _stream_scaled(e: Evidence, ours_x: torch.Tensor, x: torch.Tensor, where: str, tol: float) -> Hint | None:

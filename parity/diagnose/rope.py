@@ -10,6 +10,7 @@ import torch
 
 from parity.diagnose.evidence import Evidence, by_position, fmt_list, heads_first, pair_lengths, seq_axis
 from parity.diagnose.hints import Hint
+from parity.diagnose.rope_fit import ROTATION_MISTAKES
 
 if TYPE_CHECKING:
     from parity.model.facts import RopeFacts
@@ -66,6 +67,27 @@ def _pre_rope(e: Evidence, n_heads: int) -> torch.Tensor | None:
                 candidates = at_start or candidates
         if candidates:
             return candidates[0]
+    return _pre_rope_fused(e, n_heads, stem)
+
+
+def _pre_rope_fused(e: Evidence, n_heads: int, stem: str) -> torch.Tensor | None:
+    """The reference's q (or k) before RoPE from a part of a fused projection (GPT-2's ``c_attn[0:64]``):
+    the node of the attention before the failing one whose heads equal the reference's rotated tensor
+    at position 0 (where RoPE turns nothing; everywhere without RoPE)."""
+    if e.positions is None or e.ref.dim() != 4:
+        return None
+    b, _, t, d = e.ref.shape
+    start = e.positions == 0
+    if e.positions.shape != (b, t) or not bool(start.any()):
+        return None
+    for name, tensor in e.ref_trace.tensors.items():
+        if name == e.name:
+            break
+        if not name.startswith(stem + ".") or tensor.dim() != 3 or tensor.shape != (b, t, n_heads * d):
+            continue
+        heads = tensor.unflatten(-1, (n_heads, d)).transpose(1, 2)
+        if e.close(heads.transpose(1, 2)[start], e.ref.transpose(1, 2)[start]):
+            return heads
     return None
 
 
@@ -188,6 +210,13 @@ def _rope_hint(e: Evidence, fit, side: str, layer, own: float) -> Hint | None:
             f"likely positions shifted by {shift}: {side} rotates position p as {other} rotates {at}"
             + (f" (pad counts {pads})" if any(pads) else " (no padding in this run)")
             + "; position_ids counted from 1, or a cache offset",
+            evidence,
+        )
+    if any(fit.label == label for label, _, _ in ROTATION_MISTAKES):
+        return Hint(
+            "rope_rotation",
+            f"likely the rotation written wrongly: {side} applies this layer's RoPE frequencies with {fit.label}, "
+            f"{amp}; the reference turns each pair by w p (x cos + rotate_half(x) sin)",
             evidence,
         )
     if fit.label.startswith("this layer's RoPE"):
@@ -416,5 +445,47 @@ def norm_after_rope(e: Evidence) -> Hint | None:
                 f"likely norm placement: ours' {e.kind} reads its input after RoPE (the reference's input rotated: equal "
                 f"at position 0, each rotated pair of the same length), the reference normalises before RoPE",
                 {"ours_reads": "after RoPE"},
+            )
+    return None
+
+
+def values_rotated(e: Evidence) -> Hint | None:
+    """The attention context of one side is the probabilities times the values rotated by the layer's
+    RoPE (RoPE applied to v as well as q and k), the other side's the plain values."""
+    if e.kind != "context" or e.result.layer is None or e.positions is None:
+        return None
+    from parity.diagnose.rope_fit import rotate
+
+    layer = e.facts.layer(e.result.layer)
+    stem = e.name.rsplit(".", 1)[0]
+    probs, values = e.ref_trace.tensors.get(f"{stem}.probs"), e.ref_trace.tensors.get(f"{stem}.v_proj")
+    d = e.facts.head_dim
+    if layer is None or layer.rope is None or probs is None or values is None or probs.dim() != 4 or not d:
+        return None
+    b, h, t, _ = probs.shape
+    if values.numel() % (b * t * d) or e.positions.shape != (b, t):
+        return None
+    kv = values.numel() // (b * t * d)
+    if h % kv:
+        return None
+    v = values.double().reshape(b, t, kv, d).transpose(1, 2)
+
+    def context(v_heads: torch.Tensor) -> torch.Tensor | None:
+        c = probs.double() @ v_heads.repeat_interleave(h // kv, dim=1)  # (b, h, t, d)
+        for form in (c, c.transpose(1, 2), c.transpose(1, 2).reshape(b, t, h * d)):
+            if form.shape == e.ref.shape:
+                return form
+        return None
+
+    plain, rotated = context(v), context(rotate(v, layer.rope, e.positions))
+    if plain is None or rotated is None:
+        return None
+    for side, value, other in (("ours", e.ours, e.ref), ("the reference", e.ref, e.ours)):
+        if e.close(value, rotated.to(value.dtype)) and e.close(other, plain.to(other.dtype)):
+            return Hint(
+                "rope_unexpected",
+                f"likely RoPE applied to the values in {side}: its context is the probabilities times v rotated by "
+                "this layer's RoPE; RoPE turns q and k only",
+                {"side": side, "rotated": "v"},
             )
     return None

@@ -37,8 +37,31 @@ def rotation(x: torch.Tensor, y: torch.Tensor, interleaved: bool, rotary_dim: in
     return ratio, weight
 
 
+def rotate(x: torch.Tensor, rope: RopeFacts, positions: torch.Tensor) -> torch.Tensor:
+    """``x`` ``(batch, heads, seq, head_dim)`` rotated by ``rope`` at ``positions`` ``(batch, seq)``, in
+    float64 (Su et al. 2021: each pair times ``A e^{i w p}``); dims past ``rotary_dim`` pass through."""
+    d = rope.rotary_dim
+    z = _pairs(x, rope.interleaved, d)
+    angle = positions.double()[:, None, :, None] * torch.tensor(rope.inv_freq, dtype=torch.float64)
+    z = z * rope.attention_factor * torch.polar(torch.ones_like(angle), angle)
+    out = x.double().clone()
+    if rope.interleaved:
+        out[..., 0:d:2], out[..., 1:d:2] = z.real, z.imag
+    else:
+        out[..., : d // 2], out[..., d // 2 : d] = z.real, z.imag
+    return out
+
+
 def _wrap(angle: torch.Tensor) -> torch.Tensor:
     return torch.remainder(angle + math.pi, 2 * math.pi) - math.pi
+
+
+#: (label, sign, shift): a rotation by ``shift + sign * w p`` with this layer's frequencies ``w``
+ROTATION_MISTAKES = (
+    ("cos and sin swapped (each pair turned by pi/2 - w p)", -1.0, math.pi / 2),
+    ("the rotation reversed (sin negated: each pair turned by -w p)", -1.0, 0.0),
+    ("cos and sin swapped and sin negated (each pair turned by w p - pi/2)", 1.0, -math.pi / 2),
+)
 
 
 @dataclass(frozen=True)
@@ -53,12 +76,15 @@ class Fit:
     inv_freq: tuple[float, ...] = ()
 
 
-def _fits(angle: torch.Tensor, keep: torch.Tensor, inv_freq, positions: torch.Tensor, tol: float) -> float | None:
-    """Largest angle error (radians) of ``inv_freq x positions`` against ``angle`` where ``keep``; None if above ``tol``."""
+def _fits(
+    angle: torch.Tensor, keep: torch.Tensor, inv_freq, positions: torch.Tensor, tol: float, sign=1.0, shift=0.0
+) -> float | None:
+    """Largest angle error (radians) of ``shift + sign * inv_freq x positions`` against ``angle`` where
+    ``keep``; None if above ``tol``."""
     if len(inv_freq) != angle.shape[-1]:
         return None
     w = torch.tensor(inv_freq, dtype=torch.float64)
-    predicted = positions.double()[..., None] * w
+    predicted = shift + sign * positions.double()[..., None] * w
     err = _wrap(angle - predicted).abs()[keep]
     worst = float(err.max()) if err.numel() else 0.0
     return worst if worst <= tol else None
@@ -120,6 +146,13 @@ def identify(
         worst = _fits(angle, keep, inv_freq, positions, tol)
         if worst is not None:
             return Fit(label, amplitude, worst, inv_freq=tuple(inv_freq))
+    if rope is not None:
+        # this layer's frequencies with the rotation written otherwise: cos and sin exchanged turns
+        # (a + ib) e^{iwp} into (a + ib) i e^{-iwp} (angle pi/2 - wp); a negated sin rotates by -wp
+        for label, sign, shift in ROTATION_MISTAKES:
+            worst = _fits(angle, keep, rope.inv_freq, positions, tol, sign, shift)
+            if worst is not None:
+                return Fit(label, amplitude, worst, inv_freq=tuple(rope.inv_freq))
     if rope is not None:
         offsets = []
         for row in range(angle.shape[0]):

@@ -3,6 +3,9 @@ factor per row or per channel, the softmax temperature."""
 
 from __future__ import annotations
 
+import math
+import re
+
 import torch
 
 from parity.diagnose.evidence import EXPLAINS, Evidence, fmt_list, rel
@@ -47,6 +50,46 @@ def softmax_temperature(e: Evidence) -> Hint | None:
         f"softmax of the reference's scores times {c:.6g}",
         {"factor": c},
     )
+
+
+def softmax_sink(e: Evidence) -> Hint | None:
+    """Attention probabilities whose rows on one side sum to less than 1, each row the other side's
+    times one factor: the softmax's denominator has an extra term ``exp(c)``, a logit no key holds (an
+    attention sink, gpt-oss; with ``c = 0`` the "off-by-one" softmax, softmax1). ``c`` is read per row
+    from the reference's scores, ``c = log(1 / sum - 1) + logsumexp(scores)``, and must be one value."""
+    if e.kind != "probs":
+        return None
+    p_o, p_r = e.ours.double(), e.ref.double()
+    s_o, s_r = p_o.sum(-1), p_r.sum(-1)
+    real = s_r > 0.5  # rows of real queries (a fully masked padding row may sum to 0 on one side)
+    if not bool(real.any()):
+        return None
+    for side, low, other, p_low, p_other in (("ours", s_o, s_r, p_o, p_r), ("the reference", s_r, s_o, p_r, p_o)):
+        if not bool(((other[real] - 1).abs() < 1e-4).all()) or float((1 - low[real]).min()) < 1e-5:
+            continue
+        if rel(p_other * low[..., None], p_low) > EXPLAINS:
+            continue  # not the other side's rows times one factor each
+        scores = e.ref_trace.tensors.get(e.name.rsplit(".", 1)[0] + ".scores")
+        constant = ""
+        evidence: dict = {"side": side, "row_sums": low[real][:6].tolist()}
+        if scores is not None and scores.shape == p_r.shape:
+            allowed = p_other > 0
+            lse = torch.logsumexp(scores.double().masked_fill(~allowed, -math.inf), -1)
+            c = ((1 / low - 1).log() + lse)[real]
+            if bool(torch.isfinite(c).all()) and float(c.max() - c.min()) < 1e-3 * max(1.0, float(c.abs().max())):
+                value = float(c.mean()) if abs(float(c.mean())) > 1e-4 else 0.0  # 0 up to rounding
+                constant = f", one extra logit of {value:.4g} for every row" + (
+                    " (the off-by-one softmax, softmax1: 1 + sum exp)" if abs(value) < 1e-3 else " (an attention sink)"
+                )
+                evidence["sink_logit"] = value
+        return Hint(
+            "softmax_sink",
+            f"likely an extra term in the softmax's denominator in {side}: its probability rows sum to "
+            f"{float(low[real].min()):.4g}..{float(low[real].max()):.4g}, each the other side's row times one factor"
+            f"{constant}",
+            evidence,
+        )
+    return None
 
 
 # --- scales --------------------------------------------------------------------------------------
@@ -219,9 +262,61 @@ def added_vector(e: Evidence) -> Hint | None:
     v = d.mean(0)
     if float(v.norm()) == 0 or rel(d, v.expand_as(d)) > max(EXPLAINS, 16 * torch.finfo(e.ref.dtype).eps):
         return None
+    evidence = {"norm": float(v.norm()), "max_abs": float(v.abs().max())}
+    named = _bias_source(e, v)
+    if named is not None:
+        return Hint(
+            "bias",
+            f"likely the bias: {named} (ours - reference is one vector at every position, norm {float(v.norm()):.4g})",
+            {**evidence, "source": named},
+        )
     return Hint(
         "bias",
         f"likely a bias one side adds and the other does not: ours - reference is the same vector at every "
         f"position (norm {float(v.norm()):.4g}, largest |element| {float(v.abs().max()):.4g}) at {e.kind}",
-        {"norm": float(v.norm()), "max_abs": float(v.abs().max())},
+        evidence,
     )
+
+
+_PART = re.compile(r"\[(\d+):(\d+)\]$")
+
+
+def _bias_source(e: Evidence, v: torch.Tensor) -> str | None:
+    """What one side adds instead of the reference's bias ``b`` (the other side adding ``b``): none,
+    ``b`` twice, another part of a fused bias (split in another order), another module's bias, or (a
+    norm) ``b * w``, the bias added before the weight. ``v`` is ours - reference."""
+    full = e.ref_trace.biases.get(e.name)
+    if full is None or full.dim() != 1:
+        return None
+    n = v.shape[0]
+    part = _PART.search(e.name)
+    own = full[int(part.group(1)) : int(part.group(2))] if part and full.shape[0] != n else full
+    if own.shape[0] != n:
+        return None
+    own, v = own.double(), v.double()
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return float((a - b).norm()) <= 1e-3 * max(float(b.norm()), float(v.norm()))
+
+    weight = e.ref_trace.weights.get(e.name)
+    for side, added in (("ours", own + v), ("the reference", own - v)):  # the other side adding b
+        if same(added, torch.zeros_like(added)):
+            return f"{side} adds none at {e.name}, the other side its bias"
+        if same(added, 2 * own):
+            return f"{side} adds {e.name}'s bias twice"
+        if weight is not None and weight.shape == own.shape and same(added, own * weight.double()):
+            return f"{side} adds the bias before the weight ((x_hat + b) * w), the other side after (x_hat * w + b)"
+        for name, other in e.ref_trace.biases.items():
+            other = other.double()
+            if other.dim() != 1 or other.shape[0] % n:
+                continue
+            for i in range(other.shape[0] // n):
+                chunk = other[i * n : (i + 1) * n]
+                if same(added, chunk) and not same(chunk, own):
+                    if other.shape[0] == n:
+                        return f"{side} adds {name}'s bias at {e.name} (another module's bias)"
+                    return (
+                        f"{side} adds part [{i * n}:{(i + 1) * n}] of {_PART.sub('', name)}'s bias at {e.name} (a fused "
+                        "bias split in another order)"
+                    )
+    return None

@@ -336,6 +336,22 @@ def gate_up_roles(e: Evidence) -> Hint | None:
             f"reference's with {ref_is} (gate_proj and up_proj agree on both sides)",
             {"ours": ours_is, "reference": ref_is, "input": f"{stem}.gate_proj"},
         )
+    if ref_is is not None and ours_is is None:
+        # ours' down_proj input divided by up is still one smooth function of gate: another activation
+        from parity.diagnose.elementwise import function_of
+
+        keep = up.double().abs() > 1e-2 * float(up.double().abs().max())
+        f = x.double()[keep] / up.double()[keep]
+        g = gate.double()[keep]
+        if function_of(g, f):
+            samples = [(float(v), float(f[(g - v).abs().argmin()])) for v in (-2.0, 0.0, 2.0)]
+            points = ", ".join(f"f({v:g}) = {y:.4g}" for v, y in samples)
+            return Hint(
+                "activation",
+                f"likely the activation function: ours' down_proj reads f(gate) * up with f another function than "
+                f"the reference's {ref_is} ({points}; gate_proj and up_proj agree on both sides)",
+                {"ours": None, "reference": ref_is, "input": f"{stem}.gate_proj", "samples": samples},
+            )
     return None
 
 
@@ -363,6 +379,79 @@ def heads_merged_unmoved(e: Evidence) -> Hint | None:
         "(transpose(1, 2) before the reshape), so each position's row mixes positions and heads",
         {"ours": "reshape without transpose"},
     )
+
+
+def heads_split_unmoved(e: Evidence) -> Hint | None:
+    """A rotated q or k (``(batch, heads, seq, head_dim)``) that holds the reference's projection
+    split into heads by ``view(batch, heads, seq, head_dim)`` straight from ``(batch, seq, heads *
+    head_dim)``, without the ``view(batch, seq, heads, head_dim).transpose(1, 2)``: each "head" then
+    holds pieces of several positions. Checked after the layer's RoPE where it has one, either side."""
+    if e.kind not in ("q_rot", "k_rot") or e.ours.dim() != 4 or e.positions is None:
+        return None
+    from parity.diagnose.rope import _pre_rope
+    from parity.diagnose.rope_fit import rotate
+
+    b, h, t, d = e.ref.shape
+    x = _pre_rope(e, h)
+    if x is None or x.shape != e.ref.shape or t < 2 or e.positions.shape != (b, t):
+        return None
+    mixed = x.transpose(1, 2).reshape(b, t, h * d).reshape(b, h, t, d)
+    layer = e.facts.layer(e.result.layer)
+    if layer is not None and layer.rope is not None:
+        mixed = rotate(mixed, layer.rope, e.positions)
+    for side, value, other in (("ours", e.ours, e.ref), ("the reference", e.ref, e.ours)):
+        if e.close(value, mixed.to(value.dtype)) and not e.close(other, mixed.to(other.dtype)):
+            return Hint(
+                "head_layout",
+                f"likely the heads split in the wrong axis order in {side}: its {e.kind} is the projection (batch, seq, "
+                "heads * head_dim) viewed as (batch, heads, seq, head_dim) directly, without view(batch, seq, heads, "
+                "head_dim).transpose(1, 2), so each head holds pieces of several positions",
+                {"side": side, "node": e.kind},
+            )
+    return None
+
+
+def projection_input(e: Evidence) -> Hint | None:
+    """A rotated q or k that is the reference's projection (its weight, its bias) applied to another
+    value the reference computed in this layer before it, e.g. the residual stream before the norm
+    (k and v projected from the un-normed input), then split into heads and rotated by the layer's
+    RoPE. Only for attention without a q/k norm (a norm between would hide the input)."""
+    if e.kind not in ("q_rot", "k_rot") or e.ours.dim() != 4 or e.positions is None:
+        return None
+    from parity.diagnose.rope_fit import rotate
+
+    stem = e.name.rsplit(".", 1)[0]
+    letter = e.kind[0]
+    if f"{stem}.{letter}_norm" in e.ref_trace.tensors:
+        return None
+    proj = f"{stem}.{letter}_proj"
+    weight, bias, own = e.ref_trace.weights.get(proj), e.ref_trace.biases.get(proj), e.ref_trace.inputs.get(proj)
+    b, h, t, d = e.ref.shape
+    if weight is None or weight.dim() != 2 or weight.shape[0] != h * d or own is None:
+        return None
+    layer = e.facts.layer(e.result.layer)
+    rope = layer.rope if layer is not None else None
+    if rope is not None and e.positions.shape != (b, t):
+        return None
+    candidates = [(f"{n}@input", x) for n, x in e.ref_trace.inputs.items() if e.facts.locate(n)[0] == e.result.layer]
+    candidates += [(n, x) for n, x in e.ref_trace.tensors.items() if e.facts.locate(n)[0] == e.result.layer]
+    w = weight.double()
+    for name, x in candidates:
+        if name == e.name or x.shape != own.shape or not x.is_floating_point() or torch.equal(x, own):
+            continue
+        y = x.double() @ w.T + (bias.double() if bias is not None and bias.shape[0] == h * d else 0.0)
+        heads = y.unflatten(-1, (h, d)).transpose(1, 2)
+        if rope is not None:
+            heads = rotate(heads, rope, e.positions)
+        if e.close(e.ours, heads.to(e.ours.dtype)):
+            return Hint(
+                "projection_input",
+                f"likely {letter}_proj reads another input in ours: ours' {e.kind} is the reference's {letter}_proj "
+                f"applied to {name} (rotated as the reference rotates), where the reference's {letter}_proj reads its "
+                "own input (e.g. the un-normed residual stream instead of the norm's output)",
+                {"projection": proj, "ours_input": name},
+            )
+    return None
 
 
 def rotated_other_projection(e: Evidence) -> Hint | None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import cast
@@ -108,6 +109,9 @@ class _Recording:
     tap_names: dict[str, str] = field(default_factory=dict)
     #: node name -> transform into the reference's layout (applied to tapped tensors too)
     transforms: dict = field(default_factory=dict)
+    #: node -> (what a function capture recorded, what it returned) in this forward: the model's own
+    #: tap of a value it changed since replaces the record (:func:`_changed_since_capture`)
+    captured: dict[str, tuple[bool, weakref.ref]] = field(default_factory=dict)
 
 
 def active_trace() -> Trace | None:
@@ -160,6 +164,8 @@ def tap(tensor: torch.Tensor, name: str, *, layout: str | None = None) -> torch.
                 f"parity.tap(..., {name!r}, layout={layout!r}): layout applies to q_rot, k_rot and context taps only"
             )
         transform = transform.with_layout(layout)
+    if node in rec.captured and _changed_since_capture(rec, node, tensor):
+        rec.trace.retract(node)  # the model changed the value a function capture recorded: its tap wins
     rec.trace.add(node, tensor, transform)
     new = rec.replacement(node, tensor, transform if layout is not None else None)
     return tensor if new is None else new.to(dtype=tensor.dtype, device=tensor.device)
@@ -181,7 +187,30 @@ def functional_tap(rec: _Recording, name: str, tensor: torch.Tensor) -> torch.Te
     node = _tap_node(rec, name)
     if node is None or rec.trace.calls.get(node):
         return tensor
-    return _record_value(rec, node, tensor)
+    returned = _record_value(rec, node, tensor)
+    rec.captured[node] = (returned is not tensor, weakref.ref(returned))  # held weakly: memory stays as it was
+    return returned
+
+
+def _read_again(trace: Trace, node: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A parameter of a recorded node read again in a function: counted (``Trace.reads``), not recorded."""
+    trace.reads[node] = trace.reads.get(node, 0) + 1
+    return tensor
+
+
+def _changed_since_capture(rec: _Recording, node: str, tapped: torch.Tensor) -> bool:
+    """Whether the model's own tap of ``node`` should replace what a function capture recorded: the
+    model changed the value in between (dropout, a renormalisation after ``torch.softmax``). In
+    isolated mode the capture returned the reference's value; when what it recorded already failed,
+    the fault is before the capture and that record stays (the tap only sees the reference's value)."""
+    replaced, ref = rec.captured.pop(node)
+    returned = ref()
+    if returned is not None and (
+        tapped is returned or (tapped.shape == returned.shape and torch.equal(tapped, returned))
+    ):
+        return False
+    result = rec.trace.results.get(node)
+    return not (replaced and result is not None and result.failed)
 
 
 def _record_value(rec: _Recording, node: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -370,7 +399,7 @@ def recording(
             lambda name, t: functional_tap(rec, name, t),
             lambda: _running_block(rec),
             functional,
-            lambda node, t: t if trace.calls.get(node) else _record_value(rec, node, t),
+            lambda node, t: _read_again(trace, node, t) if trace.calls.get(node) else _record_value(rec, node, t),
             moe=(lambda: _running_moe(rec)) if any(n.endswith(".router.experts") for n in rec.tap_names) else None,
             biases=functional_biases,
             owners=(functional_owners or {}, lambda: rec.stack),

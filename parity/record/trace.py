@@ -87,6 +87,9 @@ class Trace:
     results: dict = field(default_factory=dict)
     #: what a sink computed from tensors it did not keep (``{output node: logits effect}``)
     watched: dict = field(default_factory=dict)
+    #: node -> how often ours read the node's parameter in functions after the node was recorded
+    #: (a norm weight applied again elsewhere: a module's weights reused where another's belong)
+    reads: dict[str, int] = field(default_factory=dict)
     #: ``live(name, tensor, transform)``, when set, sees each node's first tensor *before* it is detached
     #: (the backward check registers a gradient hook on it: :mod:`parity.run.backward`)
     live: Callable[[str, torch.Tensor, Callable | None], None] | None = None
@@ -122,6 +125,19 @@ class Trace:
             if self.sink is not None and self.sink(name, tensor):
                 return
             self.keep(name, live)
+
+    def retract(self, name: str) -> None:
+        """Forget what was recorded for ``name`` in this forward (its tensor, call count, comparison and
+        held input), so the next :meth:`add` records it afresh: a model's own ``parity.tap`` of a value
+        a function capture recorded first (the model changed it in between) is the one judged."""
+        self.calls.pop(name, None)
+        if name in self.tensors:
+            del self.tensors[name]
+        self.results.pop(name, None)
+        self.drop_input(name)
+        retract = getattr(self.sink, "retract", None)
+        if retract is not None:
+            retract(name)
 
     def keep(self, name: str, tensor: torch.Tensor, inputs: bool = False) -> None:
         """Store a CPU copy of ``tensor`` (in ``inputs`` with ``inputs=True``); a tensor this trace

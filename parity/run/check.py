@@ -24,6 +24,7 @@ from parity.run.options import CheckOptions
 from parity.run.plan import Run, decode_chunk_notes, decode_window_notes, plan
 from parity.run.stages import (
     analyse,
+    borrow_isolated_hint,
     calibrate_tolerances,
     compare_run,
     config_diff,
@@ -229,7 +230,7 @@ def _check_forward(pair: Pair, run: Run) -> CheckResult:
         nodes = isolated
     else:
         our_trace = trace_ours(pair, run, reference=ref_trace, tolerances=tolerance)  # compared as it runs
-        nodes = compare_run(pair, run, our_trace, ref_trace, tolerance)
+        nodes = borrow_isolated_hint(compare_run(pair, run, our_trace, ref_trace, tolerance), isolated)
     refuse_changed_weights(pair, "during the forward passes")
     origin, origin_reason = None, ""
     if isolated is not None and run.mode == "both" and not run.tolerances.exact and first_mismatch(nodes) is not None:

@@ -43,6 +43,7 @@ from parity.run.stages import (
     SAFETY_FACTOR,
     UNHOOKED,
     analyse,
+    borrow_isolated_hint,
     compare_run,
     config_diff,
     max_error,
@@ -214,7 +215,7 @@ def check_semantic(pair: Pair, run: Run, notes: list[str], coverage) -> CheckRes
         ours64 = None
         if run.mode != "isolated":
             ours64 = trace_ours(pair64, run64, reference=ref64, tolerances=sem_tol)
-            semantic = compare_run(pair64, run64, ours64, ref64, sem_tol)
+            semantic = borrow_isolated_hint(compare_run(pair64, run64, ours64, ref64, sem_tol), isolated)
         else:
             assert isolated is not None  # compared just above for this mode
             semantic = isolated

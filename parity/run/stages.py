@@ -20,6 +20,7 @@ from parity.compare.metrics import CHUNK, chunks
 from parity.compare.results import NodeResult, NodeStream, compare_traces, first_mismatch
 from parity.compare.tolerances import Tolerances
 from parity.diagnose.detectors import diagnose
+from parity.diagnose.hints import Hint
 from parity.diagnose.profile import error_profile, logits_effect
 from parity.model.pair import Pair
 from parity.record import hf_capture, hf_kernels
@@ -47,6 +48,9 @@ DIAGNOSIS_INPUT_KINDS = (
     "c_proj",
     "c_fc",
     "ln_",  # GPT-2's Conv1D projections and LayerNorms
+    "wte",
+    "wpe",
+    "embed",  # a lookup's ids and table: which rows each side read
 )
 #: node kinds of ours the diagnosis of a later node of the same attention reads (softmax temperature
 #: needs q and k to agree); everything else of ours is dropped once compared
@@ -366,6 +370,23 @@ def compare_run(pair: Pair, run: Run, ours: Trace, ref: Trace, tolerances: Toler
             bad, hint=diagnose(bad, ours, ref, pair.facts, run.position_ids, run.attention_mask, spec)
         )
     return results
+
+
+def borrow_isolated_hint(nodes: list[NodeResult], isolated: list[NodeResult] | None) -> list[NodeResult]:
+    """The chained run's first failure with no hint takes the isolated run's hint when the isolated
+    run fails first at the same node: there the node's inputs are the reference's, so evidence that
+    the chained run's drifted inputs blur (a norm's weight read where another norm runs) is clean."""
+    bad, iso = first_mismatch(nodes), first_mismatch(isolated or [])
+    if bad is None or iso is None or bad.hint is not None or iso.hint is None or bad.name != iso.name:
+        return nodes
+    hint = Hint(
+        iso.hint.kind,
+        f"{iso.hint.text} (read in the isolated run, where this node's inputs are the reference's)",
+        {**iso.hint.evidence, "from": "isolated"},
+    )
+    out = list(nodes)
+    out[bad.index] = replace(bad, hint=hint)
+    return out
 
 
 #: float64 copies of a node the hint detectors may hold at once

@@ -1,0 +1,114 @@
+"""Detectors of what ran, when: layers run in another order, and a module of ours run where the
+reference runs another one (so the reference's module is never run by ours).
+
+Both traces record nodes in the order each side produced them (``Trace.calls`` keeps first calls in
+order, also when a stream compares and drops the tensors), so the order is evidence of its own,
+independent of any value.
+"""
+
+from __future__ import annotations
+
+from parity.diagnose.evidence import Evidence, fmt_list
+from parity.diagnose.hints import Hint
+from parity.model.facts import ArchFacts
+from parity.record.trace import Trace
+
+
+def _layer_order(trace: Trace, facts: ArchFacts) -> list[int]:
+    """The decoder layers in the order their first node was produced."""
+    seen: list[int] = []
+    for name in trace.calls:
+        layer = facts.locate(name)[0]
+        if layer is not None and layer not in seen:
+            seen.append(layer)
+    return seen
+
+
+def execution_order(e: Evidence) -> Hint | None:
+    """Ours runs the decoder layers in another order than the reference (the layer list reversed,
+    sorted as strings: 0, 1, 10, 11, 2, ...), read from the order each side produced its nodes."""
+    if e.result.layer is None:
+        return None
+    ours, ref = _layer_order(e.ours_trace, e.facts), _layer_order(e.ref_trace, e.facts)
+    common = [layer for layer in ref if layer in ours]
+    ours_common = [layer for layer in ours if layer in common]
+    if len(common) < 2 or ours_common == common:
+        return None
+    return Hint(
+        "execution_order",
+        f"likely the layers run in another order: ours runs layers {fmt_list(ours_common, 8)}, the reference "
+        f"{fmt_list(common, 8)} (the order each side produced its nodes): the layer list iterated reversed, sorted by "
+        "name, or built in another order",
+        {"ours": ours_common, "reference": common},
+    )
+
+
+def reused_module(name: str, ours: Trace, ref: Trace, facts: ArchFacts) -> Hint | None:
+    """Ours never ran ``name``'s module, and a module of ours aligned to another node of the same kind
+    ran more often than the reference's: ours calls that module where the reference runs this one
+    (the final norm computed with layer 0's norm, one layer's module called twice)."""
+    kind = facts.locate(name)[1]
+
+    def uses(node: str) -> int:  # calls of its module, and reads of its parameter in functions after
+        return ours.calls.get(node, 0) + ours.reads.get(node, 0)
+
+    extra = [
+        other
+        for other in ours.calls
+        if other != name and 0 < ref.calls.get(other, 0) < uses(other) and _same_family(kind, other, facts)
+    ]
+    if not extra:
+        return None
+    other = extra[0]
+    return Hint(
+        "wrong_module",
+        f"likely a module reused in place of another: ours never runs {name}, and uses {other}'s module (or its "
+        f"weight) {uses(other)} times where the reference runs it {ref.calls[other]}: ours uses it where the reference "
+        f"runs {name}",
+        {"node": name, "reused": other, "uses": uses(other), "reference_calls": ref.calls[other]},
+    )
+
+
+def _same_family(kind: str, other: str, facts: ArchFacts) -> bool:
+    """Nodes of one family: two norms, two projections, two layers' same node."""
+    other_kind = facts.locate(other)[1]
+    if "@" in other_kind:
+        return False
+    norms = ("norm", "ln")
+    if any(n in kind for n in norms) and any(n in other_kind for n in norms):
+        return True
+    return other_kind == kind
+
+
+def head_on_embedding(name: str, ours: Trace, ref: Trace, facts: ArchFacts) -> Hint | None:
+    """Ours never ran the output head, and its logits are the reference's last hidden state times the
+    embedding matrix: ours ties the head to the embedding where the reference has its own head (or
+    reads the embedding where it should read ``lm_head``)."""
+    if name != facts.head_module:
+        return None
+    logits = ours.tensors.get("logits")
+    table = next((ref.weights[n] for n in ref.weights if facts.locate(n)[1] in ("embed_tokens", "wte")), None)
+    if logits is None or table is None:
+        return None
+    hidden = None  # the head's input: the last hidden-sized node the reference produced before it
+    for node in ref.tensors:
+        if node == name:
+            break
+        t = ref.tensors[node]
+        if t.is_floating_point() and t.dim() >= 2 and t.shape[-1] == table.shape[1]:
+            hidden = t
+    if hidden is None:
+        return None
+    tied = hidden.double() @ table.double().T
+    if tied.shape != logits.shape:
+        return None
+    err = float((tied - logits.double()).abs().max())
+    if err > 1e-4 * float(tied.abs().max()) + 1e-5:
+        return None
+    config = "the config unties them" if not facts.tie_word_embeddings else "the reference's head holds other weights"
+    return Hint(
+        "untied_head",
+        f"likely the head tied by mistake: ours never runs {name}; its logits are the last hidden state times the "
+        f"embedding matrix (max error {err:.2g}), and {config}",
+        {"node": name, "tied_error": err},
+    )
