@@ -159,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_nonnegative,
         default=0,
         metavar="N",
-        help="left-pad every batch row after the first with N padding tokens (needs --batch 2+)",
+        help="left-pad every batch row but the last with N padding tokens (needs --batch 2+)",
     )
     check.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype of both models")
     _add_text_args(check)
@@ -342,7 +342,7 @@ def _add_trace_commands(sub) -> None:
     record.add_argument("--seq-len", type=_positive, help="tokens per sequence (default: past the sliding window)")
     record.add_argument("--batch", type=_positive, help="sequences per batch (default 1)")
     record.add_argument(
-        "--left-pad", type=_nonnegative, metavar="N", help="left-pad every batch row after the first (needs --batch 2+)"
+        "--left-pad", type=_nonnegative, metavar="N", help="left-pad every batch row but the last (needs --batch 2+)"
     )
     record.add_argument("--seed", type=_nonnegative, help="seed of the random weights and input tokens (default 0)")
     _add_text_args(record)
@@ -873,7 +873,7 @@ def check_options(args, placement: bool = True) -> CheckOptions:
     if args.left_pad:
         if args.batch < 2:
             raise ParityError(
-                f"--left-pad {args.left_pad} pads every batch row after the first, so it needs --batch 2 or more "
+                f"--left-pad {args.left_pad} pads every batch row but the last, so it needs --batch 2 or more "
                 f"(got --batch {args.batch})"
             )
         if args.seq_len is not None and args.left_pad >= args.seq_len:
@@ -1184,7 +1184,7 @@ def cmd_record(args, console: Console) -> int:
     if args.left_pad:
         if batch < 2:
             raise ParityError(
-                f"--left-pad {args.left_pad} pads every batch row after the first, so it needs --batch 2 or more"
+                f"--left-pad {args.left_pad} pads every batch row but the last, so it needs --batch 2 or more"
             )
         if args.seq_len is not None and args.left_pad >= args.seq_len:
             raise ParityError(f"--left-pad {args.left_pad} must be shorter than --seq-len {args.seq_len}")

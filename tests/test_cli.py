@@ -262,7 +262,7 @@ def test_bad_options_exit_2_in_cli_words_before_any_model_is_built(tmp_path, cap
         (["--seq-len", "abc"], "must be a positive integer, got 'abc'"),
         (["--calibrate", "--atol", "1e-3"], "--calibrate sets each node's atol itself (rtol 0); drop --atol/--rtol"),
         (["--exact", "--rtol", "0"], "--exact sets atol = rtol = 0 on every node; drop --atol/--rtol/--calibrate"),
-        (["--left-pad", "3"], "--left-pad 3 pads every batch row after the first, so it needs --batch 2 or more"),
+        (["--left-pad", "3"], "--left-pad 3 pads every batch row but the last, so it needs --batch 2 or more"),
         (["--left-pad", "9", "--batch", "2", "--seq-len", "9"], "--left-pad 9 must be shorter than --seq-len 9"),
         (
             ["--config", "7b-shape", "--left-pad", "64", "--batch", "2"],  # past the config's default length

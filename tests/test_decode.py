@@ -96,7 +96,7 @@ def test_f16_left_padded_decode_with_positions_not_from_the_mask():
     pair.ours.forward = types.MethodType(ignore_positions, pair.ours)
     bad = parity.check(pair, decode="12:4x2", batch_size=3, left_pad=3).first_mismatch
     assert bad.name == "step0/model.layers.0.self_attn.q_rot" and bad.hint.kind == "position_offset"
-    assert bad.hint.evidence["offsets"] == bad.hint.evidence["pad_counts"] == [0, 3, 3]
+    assert bad.hint.evidence["offsets"] == bad.hint.evidence["pad_counts"] == [3, 3, 0]
 
 
 def test_greedy_divergence_reports_the_step_and_margin():

@@ -240,14 +240,15 @@ def test_a_padding_mask_not_applied_in_ours_is_padding():
 
 @pytest.mark.parametrize("side", SIDES)
 def test_a_padding_mask_filled_with_zero_is_padding_with_its_fill_value(side, monkeypatch):
-    """The padding keys (the first 5 of batch row 1) get the score 0 instead of the lowest value."""
+    """The padding keys (the first 5 of batch row 0, the padded one) get the score 0 instead of the lowest
+    value."""
     import parity
 
     def zero_filled(x, dim, real):
         if x.dim() == 4 and x.shape[0] == 2:
             q, k = torch.arange(x.shape[-2])[:, None], torch.arange(x.shape[-1])[None, :]
             pad = torch.zeros_like(x, dtype=torch.bool)
-            pad[1] = (k < 5) & (q >= 5) & (k <= q)
+            pad[0] = (k < 5) & (q >= 5) & (k <= q)
             x = torch.where(pad & (x < -1e30), torch.zeros_like(x), x)
         return real(x, dim=dim)
 

@@ -92,14 +92,14 @@ def test_padding_is_not_judged_where_the_trace_holds_a_mask(padded, tmp_path, ca
     def garbage_at_padding(name, t):  # a runtime that never computed the padding positions
         kind_axis = 2 if name.endswith((".q_rot", ".k_rot", ".scores", ".probs")) else 1
         if t.dim() > kind_axis and t.shape[kind_axis] == mask.shape[1]:
-            t.narrow(0, 1, 1).narrow(kind_axis, 0, 5).fill_(7.0)
+            t.narrow(0, 0, 1).narrow(kind_axis, 0, 5).fill_(7.0)
         return t
 
     dump = perfect(padded, tmp_path / "dump", change=garbage_at_padding)
     result = golden.compare_dump(padded, dump)
     assert result.passed, result.verdict()
     assert any(
-        n.startswith("padding: 5 of 32 token positions are padding (row 1: 5) and were not judged")
+        n.startswith("padding: 5 of 32 token positions are padding (row 0: 5) and were not judged")
         for n in result.notes
     )
     assert not golden.compare_dump(padded, dump, ignore_padding=False).passed

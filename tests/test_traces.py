@@ -363,9 +363,9 @@ def test_record_a_checkpoint_with_padding_and_verify_it_after_it_moved(tmp_path,
     assert main(["record", "--reference", str(ckpt), "--out", str(out), "--batch", "2", "--left-pad", "3"]) == 0
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["weights"]["source"] == "checkpoint" and len(manifest["weights"]["checkpoint_sha256"]) == 64
-    assert manifest["reference"]["family"] == "olmo3" and manifest["probe"]["left_pad"] == [0, 3]
+    assert manifest["reference"]["family"] == "olmo3" and manifest["probe"]["left_pad"] == [3, 0]
     trace = traces.read_trace(out)
-    assert trace.inputs()["attention_mask"][1, :3].tolist() == [0, 0, 0]
+    assert trace.inputs()["attention_mask"][0, :3].tolist() == [0, 0, 0]
     moved = tmp_path / "moved"
     ckpt.rename(moved)
     with pytest.raises(traces.TraceError, match="pass its folder with --checkpoint"):

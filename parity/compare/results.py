@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import torch
 
@@ -29,6 +29,7 @@ from parity.compare.metrics import (
     choice_result,
     tensor_metrics,
 )
+from parity.compare.padding import unpacked, without_padding
 from parity.compare.tolerances import Tolerances
 from parity.model.pair import NodeSpec
 from parity.record.trace import Trace, one_thread
@@ -112,12 +113,20 @@ class NodeResult:
 
 
 def compare_node(
-    spec: NodeSpec, index: int, our_t, ref_t, tolerances: Tolerances, untapped: bool = False, scores=None
+    spec: NodeSpec,
+    index: int,
+    our_t,
+    ref_t,
+    tolerances: Tolerances,
+    untapped: bool = False,
+    scores=None,
+    padding: torch.Tensor | None = None,
 ) -> NodeResult:
     """One node's NodeResult. ``untapped``: ours has no tap for it (a user model): not judged.
-    ``scores``: for an integer node, the reference's tensor of ``spec.chosen_from``."""
+    ``scores``: for an integer node, the reference's tensor of ``spec.chosen_from``. ``padding``:
+    ``(batch, seq)``, True at padding positions, which are then not judged (:mod:`parity.compare.padding`)."""
     atol, rtol, source = tolerances.for_node(spec.name)
-    our_t, layout = in_reference_layout(spec, our_t, ref_t)
+    our_t, layout = in_reference_layout(spec, our_t, ref_t, padding)
     if untapped and our_t is None:
         if spec.ours.startswith("unaligned:"):
             detail = "not aligned: " + spec.ours[len("unaligned:") :]
@@ -173,16 +182,26 @@ def compare_node(
     )
 
 
-def in_reference_layout(spec: NodeSpec, ours: _Ours, ref) -> tuple[_Ours | torch.Tensor, str]:
+def in_reference_layout(
+    spec: NodeSpec, ours: _Ours, ref, padding: torch.Tensor | None = None
+) -> tuple[_Ours | torch.Tensor, str]:
     """``(ours, how)``: ours in the reference's layout when the node may be (``spec.match_layout``)
-    and only the layout differs (:func:`parity.compare.layouts.match_layout`), else as it is, ``""``."""
-    if not spec.match_layout or ours is None or ref is None or tuple(ours.shape) == tuple(ref.shape):
+    and only the layout differs (:func:`parity.compare.layouts.match_layout`), else as it is, ``""``.
+    With ``padding`` (True at padding positions), ours holding the real tokens alone is unpacked,
+    and ours' padding positions take the reference's values: they are not judged."""
+    if ours is None or ref is None or not isinstance(ours, torch.Tensor):
         return ours, ""
-    if isinstance(ours, torch.Tensor) and ours.numel() == ref.numel():
-        found = match_layout(ours, ref if isinstance(ref, torch.Tensor) else ref.load())
+    how, moved = "", cast(torch.Tensor, ours)
+    if spec.match_layout and tuple(ours.shape) != tuple(ref.shape):
+        full = ref if isinstance(ref, torch.Tensor) else ref.load()
+        found = match_layout(ours, full) if ours.numel() == full.numel() else None
         if found is not None:
-            return found
-    return ours, ""
+            moved, how = found
+        elif padding is not None and (packed := unpacked(spec.kind, moved, full, padding)) is not None:
+            moved, how = packed, "the real tokens packed into one sequence (padding skipped)"
+    if padding is not None and tuple(moved.shape) == tuple(ref.shape) and moved.is_floating_point():
+        moved = without_padding(spec.kind, moved, ref if isinstance(ref, torch.Tensor) else ref.load(), padding)
+    return moved, how
 
 
 def node_order(reference, nodes: Sequence[NodeSpec], ours_order: Sequence[str] = ()) -> list[str]:
@@ -205,7 +224,12 @@ def node_order(reference, nodes: Sequence[NodeSpec], ours_order: Sequence[str] =
 
 
 def compare_traces(
-    ours, reference, nodes: Sequence[NodeSpec], tolerances: Tolerances, untapped: frozenset[str] = frozenset()
+    ours,
+    reference,
+    nodes: Sequence[NodeSpec],
+    tolerances: Tolerances,
+    untapped: frozenset[str] = frozenset(),
+    padding: torch.Tensor | None = None,
 ) -> list[NodeResult]:
     """One NodeResult per node, in the reference's execution order.
 
@@ -227,6 +251,7 @@ def compare_traces(
                 tolerances,
                 name in untapped,
                 reference.tensors.get(by_name[name].chosen_from) if by_name[name].chosen_from else None,
+                padding,
             )
             for index, name in enumerate(node_order(reference, nodes, list(getattr(ours, "calls", {}))))
         ]
@@ -273,8 +298,11 @@ class NodeStream:
         untapped: frozenset[str] = frozenset(),
         context: Sequence[str] = (),
         watch: Mapping | None = None,
+        padding: torch.Tensor | None = None,
     ):
         self.specs = {n.name: n for n in nodes}
+        #: ``(batch, seq)``, True at padding positions not judged (:mod:`parity.compare.padding`)
+        self.padding = padding
         self.index = {name: i for i, name in enumerate(node_order(reference, nodes))}
         self.reference, self.tolerances, self.untapped = reference, tolerances, untapped
         self.context = frozenset(context)
@@ -296,9 +324,12 @@ class NodeStream:
         store = self.reference.tensors
         ref = store.lazy(name) if hasattr(store, "lazy") else store.get(name)  # a spilled node is read, not mapped
         scores = store.get(spec.chosen_from) if spec.chosen_from and not ours.is_floating_point() else None
-        moved, layout = in_reference_layout(spec, ours, ref)
-        result = compare_node(spec, self.index[name], ours, ref, self.tolerances, name in self.untapped, scores)
+        moved, layout = in_reference_layout(spec, ours, ref, self.padding)
+        result = compare_node(
+            spec, self.index[name], ours, ref, self.tolerances, name in self.untapped, scores, self.padding
+        )
         self.trace.results[name] = result
+        layout = layout or ("padding" if moved is not ours else "")  # padding not judged: kept as compared
         if layout:  # what is kept of ours (for a report, a hint) is kept in the reference's layout
             self.trace.keep(name, moved)
             ours = moved

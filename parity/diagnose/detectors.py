@@ -14,6 +14,7 @@ from parity.diagnose.cache import cached_state, chunk_boundary, conv_context, st
 from parity.diagnose.elementwise import (
     activation,
     activation_function,
+    clamped,
     gate_activation,
     nonfinite,
     precision,
@@ -44,9 +45,10 @@ from parity.diagnose.norms import (
     norm_weight_offset,
     norm_weight_source,
 )
-from parity.diagnose.order import execution_order, head_on_embedding, reused_module
+from parity.diagnose.order import execution_order, head_on_embedding, partial_read, repeated_module, reused_module
 from parity.diagnose.residual import input_scale, input_source, residual_add
 from parity.diagnose.rope import (
+    bias_after_rope,
     norm_after_rope,
     position_table_offset,
     rope_fit,
@@ -58,6 +60,7 @@ from parity.diagnose.scales import (
     added_vector,
     channel_ratio,
     constant_ratio,
+    row_offset,
     row_scale,
     softmax_axis,
     softmax_sink,
@@ -91,6 +94,7 @@ UNHOOKED_PREFIXES = ("tap:", "param:", "unaligned:")
 #: detectors tried in order on a node that has both tensors of one shape
 DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     tap_layout,
+    partial_read,
     execution_order,
     embedding_rows,
     kv_sharing,
@@ -115,6 +119,7 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     cached_state,
     conv_context,
     state_not_carried,
+    clamped,
     activation_function,
     gate_activation,
     soft_capping,
@@ -130,6 +135,7 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     block_layout,
     norm_placement,
     rope_partial,
+    bias_after_rope,
     rope_fit,  # before constant_ratio: on q_rot/k_rot a constant factor is the cos/sin scale, read with its source
     values_rotated,
     attention_dropout,  # before constant_ratio: the kept probabilities are all scaled by one 1 / (1 - p)
@@ -152,6 +158,8 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     rope_pattern,
     channel_ratio,
     added_vector,
+    row_offset,
+    repeated_module,  # late: a module called twice is often the mechanism of a fault named above
     row_scale,
     activation,
 )

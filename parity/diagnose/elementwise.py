@@ -360,3 +360,125 @@ def nonfinite(e: Evidence) -> Hint:
         f"non-finite values appear first here: {result.detail}; at {', '.join(where)} (masked or padded rows?)",
         evidence,
     )
+
+
+def _nice(lo: float, hi: float) -> float:
+    """The roundest number strictly between ``lo`` and ``hi`` (a threshold a port wrote): 8, 7.5, 1e-06."""
+    for step in (100.0, 10.0, 5.0, 1.0, 0.5, 0.1, 0.01, 1e-3, 1e-4, 1e-5, 1e-6, 1e-7):
+        c = math.floor(hi / step) * step
+        if lo < c < hi or (c == hi and lo < c):
+            return c
+    return (lo + hi) / 2
+
+
+def _clamp_bounds(this: torch.Tensor, other: torch.Tensor, close) -> str | None:
+    """``[lo, hi]`` when ``this`` is ``other`` clamped to the bounds ``this`` reaches, else None."""
+    if close(this, other):
+        return None  # nothing clipped past the noise
+    lo, hi = float(this.min()), float(this.max())
+    clipped_hi, clipped_lo = bool((other > hi).any()), bool((other < lo).any())
+    if not (clipped_hi or clipped_lo) or not close(
+        this, other.clamp(lo if clipped_lo else None, hi if clipped_hi else None)
+    ):
+        return None
+    return f"[{lo:.4g}, {hi:.4g}]" if clipped_lo and clipped_hi else (f"<= {hi:.4g}" if clipped_hi else f">= {lo:.4g}")
+
+
+def _threshold(diff: torch.Tensor, v: torch.Tensor) -> tuple[str, float] | None:
+    """``(condition, c)`` when the elements that differ (``diff``) are exactly those where ``v`` passes
+    a threshold: ``|v| > c``, ``v > c`` or ``v < c``."""
+    if not bool(diff.any()) or float(diff.double().mean()) > 0.5:
+        return None  # a clamp changes the few values past its bound, not most of them
+    v = v.double()
+    for label, value in (("above", v), ("below", -v), ("beyond +-", v.abs())):
+        inside, outside = value[~diff], value[diff]
+        if float(outside.min()) > float(inside.max()):
+            lo, hi = float(inside.max()), float(outside.min())
+            c = _nice(lo, hi)
+            if abs(c) < 0.05 * float(v.abs().max()):
+                return None  # the values near zero agree, the rest differ: a scale, not a bound
+            return label, (-c if label == "below" else c)
+    return None
+
+
+def clamped(e: Evidence) -> Hint | None:
+    """One side clamps (clips) a value the other does not: the node itself is the other side's clamped
+    to the bounds it reaches, or the node's input is (OLMo's clip_qkv carried over), or the node's input
+    differs exactly where an earlier value of the layer passes a threshold (a SwiGLU limit, an
+    exponent clamped "for float16 safety"), on either side."""
+    tol = e.noise + 1e-6 * float(e.ref.abs().max())
+
+    def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return a.shape == b.shape and float((a.double() - b.double()).abs().max()) <= tol
+
+    for side, this, other in (("ours", e.ours, e.ref), ("the reference", e.ref, e.ours)):
+        bounds = _clamp_bounds(this.double(), other.double(), close)
+        if bounds is not None:
+            return Hint(
+                "clamp",
+                f"likely a clamp in {side}: its {e.kind} is the other side's clamped to {bounds} (a clip or limit one "
+                "side applies)",
+                {"side": side, "bounds": bounds, "where": "output"},
+            )
+    x_ref, x_ours = e.ref_trace.inputs.get(e.name), e.ours_trace.inputs.get(e.name)
+    if x_ref is None or x_ours is None or x_ref.shape != x_ours.shape or not x_ref.is_floating_point():
+        return None
+    in_tol = 1e-6 * float(x_ref.abs().max()) + e.result.atol
+
+    def close_in(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return a.shape == b.shape and float((a.double() - b.double()).abs().max()) <= in_tol
+
+    for side, this, other in (("ours", x_ours, x_ref), ("the reference", x_ref, x_ours)):
+        bounds = _clamp_bounds(this.double(), other.double(), close_in)
+        if bounds is not None:
+            return Hint(
+                "clamp",
+                f"likely a clamp in {side}: the input of its {e.kind} is the other side's clamped to {bounds} (a clip "
+                "of the values before it, e.g. clip_qkv where the architecture has none)",
+                {"side": side, "bounds": bounds, "where": "input"},
+            )
+    diff = (x_ours.double() - x_ref.double()).abs() > in_tol
+    operands = [(f"{e.name}@input", x_ref)]
+    for name, t in e.ref_trace.tensors.items():
+        if e.facts.locate(name)[0] != e.result.layer or not t.is_floating_point() or t.shape[:-1] != x_ref.shape[:-1]:
+            continue
+        n, width = x_ref.shape[-1], t.shape[-1]
+        if width % n == 0:  # the node, or each part of a fused one (Phi-3's gate_up_proj)
+            parts = width // n
+            operands += [
+                (name if parts == 1 else f"{name}[{i * n}:{(i + 1) * n}]", t[..., i * n : (i + 1) * n])
+                for i in range(parts)
+            ]
+    found: list[tuple[str, tuple[str, float]]] = [
+        (name, hit) for name, t in operands if (hit := _threshold(diff, t)) is not None
+    ]
+    if not found and bool((~diff).any()) and float(diff.double().mean()) <= 0.5:
+        best = []  # per earlier value, the threshold that explains most of the difference and nothing else
+        for name, t in operands[1:]:
+            options = []
+            for label, value in (("beyond +-", t.double().abs()), ("above", t.double()), ("below", -t.double())):
+                c = float(value[~diff].max())
+                past = value > c
+                if bool(past.any()) and not bool((past & ~diff).any()) and c >= 0.05 * float(value.abs().max()):
+                    c = _nice(c, float(value[past].min()))
+                    options.append((int(past.sum()), name, label, -c if label == "below" else c, past))
+            if options:
+                best.append(max(options, key=lambda o: o[0]))
+        best.sort(key=lambda o: -o[0])
+        covered = torch.zeros_like(diff)
+        for _, name, label, c, past in best[:2]:  # a limit on two values at most (gate and up)
+            covered |= past
+            found.append((name, (label, c)))
+        if not bool((covered == diff).all()):
+            found = []
+    if not found:
+        return None
+    where = " or ".join(
+        f"{name} is {label}{'' if label.endswith('+-') else ' '}{c:g}" for name, (label, c) in found[:2]
+    )
+    return Hint(
+        "clamp",
+        f"likely a clamp or limit: the input of {e.kind} differs exactly where {where} (elsewhere the two sides "
+        "agree): one side clips or limits values past that threshold",
+        {"thresholds": [[name, label, c] for name, (label, c) in found[:2]]},
+    )

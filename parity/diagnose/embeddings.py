@@ -94,7 +94,8 @@ def _mapping_hint(e: Evidence, side: str, read: torch.Tensor, ids: torch.Tensor)
         )
     if position:
         n = ids.shape[-1]
-        if bool((read == torch.arange(n)).all()) and e.attention_mask is not None:
+        counted = torch.arange(n).expand_as(read)
+        if e.attention_mask is not None and bool((read[valid] == counted[valid]).all()):
             pads = [int(p) for p in (e.attention_mask == 0).sum(1)]
             return Hint(
                 kind,

@@ -61,6 +61,12 @@ KINDS: dict[str, str] = {
     "ours at position p equals the reference at p + k (a learned position table read off by k)",
     "projection_input": "ours' projection (its own weight) reads another value than the reference's does (the "
     "un-normed residual, another point of the stream)",
+    "partial_read": "ours computed the node as a sum of products over slices of its weight that cover only part "
+    "of it (a chunked loop that drops the tail)",
+    "repeated_module": "a module ours runs more often than the reference before this node (applied twice)",
+    "clamp": "one side clamps (clips, limits) values the other does not: equal below a threshold, the bound above it",
+    "row_offset": "ours - ref is one value per row (token): a per-token shift, e.g. log-probabilities (log_softmax) "
+    "returned for logits",
     "token_ids": "ours reads other rows of the token embedding table than the ids (ids shifted: a BOS or vocabulary "
     "offset, or another mapping)",
     "execution_order": "ours runs the same modules in another order than the reference (layers reversed, the MLP "

@@ -240,8 +240,16 @@ def _statistics(x: torch.Tensor, eps: float, layernorm: bool) -> dict[str, torch
         "sqrt(|mean(x)|) for the RMS (the mean, not the mean of squares)": x
         / (x.mean(-1, keepdim=True).abs() + eps).sqrt(),
         "the mean absolute value (x / (mean|x| + eps))": x / (x.abs().mean(-1, keepdim=True) + eps),
+        "the sum of squares for the mean (x / sqrt(sum(x^2) + eps), no 1/N)": x
+        / (x.pow(2).sum(-1, keepdim=True) + eps).sqrt(),
         "the variance not centred ((x - mean) / sqrt(mean(x^2) + eps))": c / (ms + eps).sqrt(),
     }
+    for groups in (2, 4):  # one statistic per part of the vector (a tensor-parallel shard's own RMS)
+        if n % groups == 0 and n // groups > 1:
+            g = x.unflatten(-1, (groups, n // groups))
+            out[f"one RMS per {groups} parts of the vector (each shard of {n // groups} on its own)"] = (
+                g / (g.pow(2).mean(-1, keepdim=True) + eps).sqrt()
+            ).flatten(-2)
     if x.dim() >= 3 and x.shape[-2] > 1:
         sq = x.pow(2).mean(-2, keepdim=True)
         out["statistics over the sequence axis (mean over tokens, not over the hidden size)"] = (
@@ -266,8 +274,19 @@ def norm_statistic(e: Evidence) -> Hint | None:
     shift = b.double() if b is not None and b.shape == w.shape else 0.0
     layernorm = e.facts.norm_kind == "layernorm"
     stats = _statistics(x, e.facts.norm_eps or 0.0, layernorm)
+    sibling = {"q_norm": "k_norm", "k_norm": "q_norm"}.get(e.kind)
+    other = e.ref_trace.inputs.get(f"{e.name.rsplit('.', 1)[0]}.{sibling}") if sibling else None
+    if sibling and other is not None and other.shape[:-1] == x.shape[:-1]:  # one statistic over q and k together
+        ms = torch.cat([x.double(), other.double()], -1).pow(2).mean(-1, keepdim=True)
+        stats[f"one RMS over {e.kind[0]} and {sibling[0]} together (the statistic of [q; k])"] = (
+            x.double() / (ms + (e.facts.norm_eps or 0.0)).sqrt()
+        )
     for weight in (w.double(), 1.0 + w.double()):  # w, or Gemma's 1 + w: whichever gives the reference
         applied = {label: n * weight + shift for label, n in stats.items()}
+        wx = x.double() * weight  # the weight applied first: the statistic of w * x
+        applied["the weight applied before the statistic (w x / sqrt(mean((w x)^2) + eps))"] = (
+            wx / (wx.pow(2).mean(-1, keepdim=True) + (e.facts.norm_eps or 0.0)).sqrt() + shift
+        )
         ref_is = next((label for label, y in applied.items() if e.close(e.ref, y.to(e.ref.dtype))), None)
         if ref_is is None:
             continue

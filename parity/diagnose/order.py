@@ -11,6 +11,7 @@ from __future__ import annotations
 from parity.diagnose.evidence import Evidence, fmt_list
 from parity.diagnose.hints import Hint
 from parity.model.facts import ArchFacts
+from parity.record.hf_capture import SUFFIXES
 from parity.record.trace import Trace
 
 
@@ -112,3 +113,42 @@ def head_on_embedding(name: str, ours: Trace, ref: Trace, facts: ArchFacts) -> H
         f"embedding matrix (max error {err:.2g}), and {config}",
         {"node": name, "tied_error": err},
     )
+
+
+def partial_read(e: Evidence) -> Hint | None:
+    """Ours computed this node as a sum of products over slices of its weight (head by head, in chunks)
+    and the slices cover only part of it: a loop whose range skips the weight's tail
+    (``range(n // chunk)`` where ``n`` is no multiple of ``chunk``)."""
+    from parity.record.hooks import READ_SHARE
+
+    shares = e.ours_trace.extras.get(READ_SHARE)
+    share = shares.get(e.name) if isinstance(shares, dict) else None
+    if share is None or share >= 1:
+        return None
+    return Hint(
+        "partial_read",
+        f"likely part of the weight skipped: ours computes {e.name} as a sum of products over slices of its weight, "
+        f"and the slices read {share:.1%} of it (a loop over chunks or heads whose range drops the tail)",
+        {"share": share},
+    )
+
+
+def repeated_module(e: Evidence) -> Hint | None:
+    """A node of ours that ran more often than the reference's, before the failing node: ours applies
+    that module twice (the final norm applied twice, a layer called twice); its first call, the one
+    compared, agrees, so the difference shows after it."""
+    names = list(e.ref_trace.order)
+    if e.name not in names:
+        return None
+    before = names[: names.index(e.name)]
+    for name in reversed(before):
+        mine, theirs = e.ours_trace.calls.get(name, 0), e.ref_trace.calls.get(name, 0)
+        tapped = name.rsplit(".", 1)[-1] in SUFFIXES  # a tap and the capture of one value count twice
+        if theirs and mine > theirs and "@" not in name and not tapped:
+            return Hint(
+                "repeated_module",
+                f"likely a module applied twice: ours runs {name} {mine} times in this forward, the reference "
+                f"{theirs} (its first call, the one compared, agrees; what follows reads the repeated one)",
+                {"node": name, "calls": mine, "reference_calls": theirs},
+            )
+    return None

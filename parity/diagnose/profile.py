@@ -10,9 +10,10 @@ import math
 
 import torch
 
-#: Node kinds laid out (batch, heads, seq, ...); every other node is (batch, seq, ...), or (tokens, ...)
-#: when 2-D (a MoE block's router and experts work on the flattened tokens).
-HEAD_MAJOR = {"q_rot", "k_rot", "scores", "probs"}
+from parity.compare.padding import HEAD_MAJOR
+
+# HEAD_MAJOR: node kinds laid out (batch, heads, seq, ...); every other node is (batch, seq, ...), or
+# (tokens, ...) when 2-D (a MoE block's router and experts work on the flattened tokens).
 #: Node kinds (batch, seq, heads * head_dim) whose last axis splits into heads (``gate``: an
 #: attention output gate, one per query head and dim).
 HEAD_MERGED = {"q_proj", "k_proj", "v_proj", "q_norm", "k_norm", "context", "gate"}

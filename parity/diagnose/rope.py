@@ -489,3 +489,32 @@ def values_rotated(e: Evidence) -> Hint | None:
                 {"side": side, "rotated": "v"},
             )
     return None
+
+
+def bias_after_rope(e: Evidence) -> Hint | None:
+    """A rotated q or k whose projection's bias one side adds after RoPE (the bias not rotated): that
+    side's tensor is RoPE of the projection without its bias, plus the bias (Qwen2-style q/k biases)."""
+    if e.kind not in ("q_rot", "k_rot") or e.ours.dim() != 4 or e.positions is None:
+        return None
+    from parity.diagnose.rope_fit import rotate
+
+    layer = e.facts.layer(e.result.layer)
+    stem = e.name.rsplit(".", 1)[0]
+    bias = e.ref_trace.biases.get(f"{stem}.{e.kind[0]}_proj")
+    b, h, t, d = e.ref.shape
+    x = _pre_rope(e, h)
+    if layer is None or layer.rope is None or bias is None or x is None or bias.numel() != h * d:
+        return None
+    if e.positions.shape != (b, t):
+        return None
+    per_head = bias.double().reshape(1, h, 1, d)
+    late = rotate(x.double() - per_head, layer.rope, e.positions) + per_head
+    for side, value, other in (("ours", e.ours, e.ref), ("the reference", e.ref, e.ours)):
+        if e.close(value, late.to(value.dtype)) and not e.close(other, late.to(other.dtype)):
+            return Hint(
+                "bias",
+                f"likely the {e.kind[0]}_proj bias added after RoPE in {side}: its {e.kind} is RoPE of the projection "
+                "without its bias, plus the bias (the bias not rotated); the bias belongs to the projection, before RoPE",
+                {"side": side, "bias": f"{stem}.{e.kind[0]}_proj"},
+            )
+    return None

@@ -52,6 +52,33 @@ def softmax_temperature(e: Evidence) -> Hint | None:
     )
 
 
+def row_offset(e: Evidence) -> Hint | None:
+    """Ours minus the reference is one value per row (a token's vector), another for each row: a
+    per-token shift. When that shift is minus the row's logsumexp, one side returns log-probabilities
+    (``log_softmax``) where the other returns logits."""
+    if e.ours.dim() < 2 or e.ref.shape[-1] < 4:
+        return None
+    a, b = e.ours.double().flatten(0, -2), e.ref.double().flatten(0, -2)
+    d = a - b
+    shift = d.mean(-1, keepdim=True)
+    if a.shape[0] < 2 or rel(d, shift.expand_as(d)) > EXPLAINS or float(shift.abs().max()) == 0:
+        return None
+    for side, value, other in (("ours", a, b), ("the reference", b, a)):
+        if float((value - torch.log_softmax(other, -1)).abs().max()) <= 1e-5 * float(other.abs().max()) + e.noise:
+            return Hint(
+                "row_offset",
+                f"likely log-probabilities: {side} returns log_softmax of the other side's {e.kind} (each row shifted "
+                "by minus its logsumexp); return the logits, before any log_softmax",
+                {"side": side, "log_softmax": True},
+            )
+    return Hint(
+        "row_offset",
+        f"likely a per-token shift: ours - reference is one value per row of {e.kind}, another for each row "
+        f"({fmt_list(f'{v:.4g}' for v in shift.flatten()[:4].tolist())})",
+        {"row_shifts": shift.flatten()[:8].tolist()},
+    )
+
+
 def softmax_sink(e: Evidence) -> Hint | None:
     """Attention probabilities whose rows on one side sum to less than 1, each row the other side's
     times one factor: the softmax's denominator has an extra term ``exp(c)``, a logit no key holds (an
@@ -61,7 +88,9 @@ def softmax_sink(e: Evidence) -> Hint | None:
         return None
     p_o, p_r = e.ours.double(), e.ref.double()
     s_o, s_r = p_o.sum(-1), p_r.sum(-1)
-    real = s_r > 0.5  # rows of real queries (a fully masked padding row may sum to 0 on one side)
+    # rows of real queries that differ (a fully masked padding row may sum to 0 on one side; a padding
+    # row not judged holds the reference's values on both sides)
+    real = (s_r > 0.5) & ((p_o - p_r).abs().amax(-1) > 1e-7)
     if not bool(real.any()):
         return None
     for side, low, other, p_low, p_other in (("ours", s_o, s_r, p_o, p_r), ("the reference", s_r, s_o, p_r, p_o)):
@@ -82,6 +111,15 @@ def softmax_sink(e: Evidence) -> Hint | None:
                     " (the off-by-one softmax, softmax1: 1 + sum exp)" if abs(value) < 1e-3 else " (an attention sink)"
                 )
                 evidence["sink_logit"] = value
+        dropped = _padding_dropped(e, low, real)
+        if dropped is not None:
+            return Hint(
+                "padding",
+                f"likely the padding mask applied after the softmax in {side}: its rows sum to "
+                f"{float(low[real].min()):.4g}..{float(low[real].max()):.4g}, the mass the padding keys took in a softmax "
+                "over every key, then zeroed without renormalising (mask the scores before the softmax)",
+                {**evidence, "after_softmax": True},
+            )
         return Hint(
             "softmax_sink",
             f"likely an extra term in the softmax's denominator in {side}: its probability rows sum to "
@@ -90,6 +128,28 @@ def softmax_sink(e: Evidence) -> Hint | None:
             evidence,
         )
     return None
+
+
+def _padding_dropped(e: Evidence, low: torch.Tensor, rows: torch.Tensor) -> bool | None:
+    """True when each row's missing mass is what the padding keys take in a softmax over all keys (the
+    reference's unmasked scores): the padding zeroed after the softmax. None otherwise."""
+    scores = e.ref_trace.tensors.get(e.name.rsplit(".", 1)[0] + ".scores")
+    if e.attention_mask is None or scores is None or scores.dim() != 4:
+        return None
+    pad = (e.attention_mask == 0)[:, None, None, :].to(scores.device)
+    if not bool(pad.any()):
+        return None
+    s = scores.double()
+    q, k = torch.arange(s.shape[-2])[:, None], torch.arange(s.shape[-1])[None, :]
+    causal = (k <= q)[None, None]
+    real_keys = causal & ~pad
+    pad_keys = causal & pad
+    lse = lambda m: torch.logsumexp(s.masked_fill(~m, -math.inf), -1)
+    predicted = 1 / (1 + torch.exp(lse(pad_keys) - lse(real_keys)))
+    ok = rows & torch.isfinite(predicted)
+    if not bool(ok.any()) or float((predicted[ok] - low[ok]).abs().max()) > 1e-4:
+        return None
+    return True
 
 
 # --- scales --------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import re
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -183,8 +184,32 @@ class FunctionCapture(TorchFunctionMode):
     the module of ours whose hook records it, running() -> the running module paths)``; ``moe() ->
     (path, TopK) | None``: the running MoE block."""
 
-    def __init__(self, record, block, params: dict[int, str], record_param, moe=None, biases=None, owners=None):
+    def __init__(
+        self,
+        record,
+        block,
+        params: dict[int, str],
+        record_param,
+        moe=None,
+        biases=None,
+        owners=None,
+        retract=None,
+        hold_input=None,
+    ):
         super().__init__()
+        #: ``retract(kind)``: forget what this capture recorded for the running block's node of that kind
+        self.retract = retract or (lambda kind: None)
+        #: ``hold_input(node, x)``: keep what a product reading a node's weight reads besides it (its input)
+        self.hold_input = hold_input or (lambda node, x: None)
+        #: per block, the queries its ``q @ k^T`` products read; the same queries again: attention over key
+        #: chunks (an online softmax), whose partial scores are no node: the block is then left alone
+        self._queries: dict[str, list[weakref.ref]] = {}
+        #: results of products that read a slice of a node's parameter: ``id -> (node, elements read, elements
+        #: of the parameter, result)``, summed until the whole parameter is read (o_proj head by head)
+        self._partials: dict[int, tuple[str, int, int, torch.Tensor]] = {}
+        #: node -> the share of its parameter its recorded value read (below 1: part of the weight skipped)
+        self.shares: dict[str, float] = {}
+        self._chunked: set[str] = set()
         self.record, self.block, self.params, self.record_param = record, block, params, record_param
         #: the routing of the running MoE block (``moe() -> (path, TopK) | None``), when ours has one
         self.routing = RoutingCapture(record, moe) if moe is not None else None
@@ -217,11 +242,25 @@ class FunctionCapture(TorchFunctionMode):
             node = self._param_node(func, args, vector=True)
             if node is not None:
                 return self.record_param(node, func(*args, **kwargs))
+        if self._partials:
+            if name in ("add", "__add__", "__radd__", "add_", "__iadd__"):
+                handled, out = self._partial_sum(func, args, kwargs)
+                if handled:
+                    return out
+            else:
+                self._settle([a for a in args if isinstance(a, torch.Tensor) and self._partial(a) is not None])
         if self.params and name in PRODUCT_NAMES:  # addmm too: TransformerLens' batch_addmm(b_in, W_in, x)
             node = self._param_node(func, args)
             if node is not None:
                 out = func(*args, **kwargs)
                 operands = args[1:] if op_name(func) == "einsum" else args
+                x = next((t for t in operands if isinstance(t, torch.Tensor) and self.followed.of(t) is None), None)
+                if x is not None:  # what the product reads besides the weight: the node's input, for the hints
+                    self.hold_input(node, x)
+                read, whole = self._share(node, operands)
+                if read < whole:  # a slice of the weight (o_proj head by head): the node is the sum of such
+                    self._partials[id(out)] = (node, read, whole, out)
+                    return out
                 if node in self._biased and not any(self.biases.of(t) == node for t in operands):
                     self._unbiased[id(out)] = (node, out)  # its bias comes next, as the reference's module adds it
                     return out
@@ -239,6 +278,8 @@ class FunctionCapture(TorchFunctionMode):
         if running is None:
             return func(*args, **kwargs)
         block, head_dim = running
+        if block in self._chunked:
+            return func(*args, **kwargs)
         pending = self._pending.get(block)
         if pending is not None and any(a is pending[0] for a in args if isinstance(a, torch.Tensor)):
             latest, product = self._pending.pop(block)
@@ -256,7 +297,8 @@ class FunctionCapture(TorchFunctionMode):
         if func in SOFTMAXES:
             out = func(*args, **kwargs)
             if isinstance(out, torch.Tensor) and out.dim() >= 3:
-                out = self.record("probs", out)
+                # the probabilities are what multiplies the values: recorded there, after what the model
+                # does to the softmax's output first (a cast, a dropout, a mask applied after it)
                 self._after_probs.add(block)
             return out
         if func in PRODUCTS and len(args) >= 2:
@@ -264,6 +306,51 @@ class FunctionCapture(TorchFunctionMode):
         if func is EINSUM and args and isinstance(args[0], str):
             return self._einsum(block, head_dim, func, args, kwargs)
         return func(*args, **kwargs)
+
+    def _share(self, node: str, operands) -> tuple[int, int]:
+        """``(elements read, elements of the parameter)`` of the operand holding ``node``'s parameter."""
+        for t in operands:
+            if isinstance(t, torch.Tensor) and self.followed.of(t) == node:
+                whole = t.untyped_storage().nbytes() // max(t.element_size(), 1)
+                return t.numel(), whole
+        return 1, 1
+
+    def _partial_sum(self, func, args, kwargs) -> tuple[bool, object]:
+        """An add of products that each read a slice of one parameter (and scalars, ``sum()``'s 0): the
+        sum of all of them, once it has read the whole parameter, is the node; ``(handled, result)``."""
+        parts = [a for a in args if isinstance(a, torch.Tensor) and self._partial(a) is not None]
+        others = [a for a in args if isinstance(a, torch.Tensor) and self._partial(a) is None and a.numel() > 1]
+        if not parts:
+            return False, None
+        if others:  # the sum so far is read by something else: it is what ours computes for the node
+            self._settle(parts)
+            return False, None
+        nodes = {self._partials[id(a)][0] for a in parts}
+        out = func(*args, **kwargs)
+        if len(nodes) != 1:
+            return True, out
+        node, whole = nodes.pop(), self._partials[id(parts[0])][2]
+        read = sum(self._partials.pop(id(a))[1] for a in parts)
+        if read >= whole:
+            return True, self.record_param(node, out)
+        self._partials[id(out)] = (node, read, whole, out)
+        return True, out
+
+    def _settle(self, parts) -> None:
+        """Partial sums read by another op than the sum: each recorded as its node, with the share of the
+        parameter it read (``Trace.extras["read_share"]``: a loop that skips part of a weight)."""
+        for t in parts:
+            node, read, whole, _ = self._partials.pop(id(t))
+            self.record_param(node, t)
+            self.shares[node] = read / whole
+
+    def settle_all(self) -> None:
+        """Every partial sum still followed, recorded as its node (the forward is over)."""
+        self._settle([held[3] for held in list(self._partials.values())])
+
+    def _partial(self, t: torch.Tensor):
+        held = self._partials.get(id(t))
+        return held if held is not None and held[3] is t else None
 
     def _bias(self, func, args, kwargs) -> tuple[bool, tuple, object]:
         """A result waiting for its bias, read by this op: recorded with the bias when the op adds it
@@ -305,9 +392,12 @@ class FunctionCapture(TorchFunctionMode):
             return func(*args, **kwargs)
         if block in self._after_probs and b.shape[-1] == head_dim and a.shape[-1] == b.shape[-2]:
             self._after_probs.discard(block)  # probabilities times values
-            return self.record("context", func(*args, **kwargs))
+            probs = self.record("probs", a)
+            return self.record("context", func(probs, b, *args[2:], **kwargs))
         if block not in self._after_probs and a.shape[-1] == head_dim and b.shape[-2] == head_dim:
             # q @ k^T: both operands carry head_dim (k transposed), the result is (..., q_len, k_len)
+            if self._chunk_of(block, a):
+                return func(*args, **kwargs)
             kt = b.transpose(-2, -1)
             q, k = self.record("q_rot", a), self.record("k_rot", kt)
             if q is a and k is kt:
@@ -317,6 +407,22 @@ class FunctionCapture(TorchFunctionMode):
             self._pending[block] = (out, out)
             return out
         return func(*args, **kwargs)
+
+    def _chunk_of(self, block: str, q: torch.Tensor) -> bool:
+        """Whether this ``q @ k^T`` reads queries a product of this block read before in this forward:
+        attention computed over chunks of the keys (flash-style, an online softmax). Its scores,
+        probabilities and context are then partial: what was captured for the block is retracted (those
+        nodes stay untapped, not failed) and nothing more is captured for it."""
+        seen = self._queries.setdefault(block, [])
+        if any(ref() is q for ref in seen):
+            self._chunked.add(block)
+            self._pending.pop(block, None)
+            self._after_probs.discard(block)
+            for kind in ("scores", "probs", "context", "q_rot", "k_rot"):
+                self.retract(kind)
+            return True
+        seen.append(weakref.ref(q))
+        return False
 
     def _einsum(self, block: str, head_dim: int, func, args, kwargs):
         equation, operands = args[0], args[1:]
@@ -332,8 +438,11 @@ class FunctionCapture(TorchFunctionMode):
         four = len(a_letters) == len(b_letters) == len(out) == 4 and len(shared) == 2
         if block in self._after_probs and four and len(contracted) == 1:
             self._after_probs.discard(block)  # probabilities . values
-            return self.record("context", func(*args, **kwargs))
+            probs = self.record("probs", a)
+            return self.record("context", func(equation, probs, b, **kwargs))
         if four and len(contracted) == 1 and a.shape[a_letters.index(contracted[0])] == head_dim:
+            if self._chunk_of(block, a):
+                return func(*args, **kwargs)
             # q . k over head_dim (``bqhd,bkhd->bhqk`` and its spellings): the shared letter first in the
             # output is the batch, the other the heads
             batch, heads = sorted(shared, key=out.index)

@@ -99,6 +99,10 @@ def split_path(path: str) -> tuple[str, bool, int | None]:
     return path, False, None
 
 
+#: ``Trace.extras`` key: node -> the share of its parameter ours' recorded value read, when below 1
+READ_SHARE = "read_share"
+
+
 @dataclass
 class _Recording:
     trace: Trace
@@ -190,6 +194,21 @@ def functional_tap(rec: _Recording, name: str, tensor: torch.Tensor) -> torch.Te
     returned = _record_value(rec, node, tensor)
     rec.captured[node] = (returned is not tensor, weakref.ref(returned))  # held weakly: memory stays as it was
     return returned
+
+
+def _hold_functional_input(trace: Trace, node: str, x: torch.Tensor) -> None:
+    """The input of a node ours computes in a function (``F.linear(x, W)``, ``x @ W``), held for the hints
+    as a module's input is (the first call's; the stream drops it once the node passes)."""
+    if not trace.calls.get(node) and node not in trace.inputs and node not in trace.pending:
+        trace.hold_input(node, x)
+
+
+def _retract_captured(rec: _Recording, name: str) -> None:
+    """Forget the running block's node ``name`` when a function capture recorded it (not a model's tap)."""
+    node = _tap_node(rec, name)
+    if node is not None and node in rec.captured:
+        rec.captured.pop(node)
+        rec.trace.retract(node)
 
 
 def _read_again(trace: Trace, node: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -403,11 +422,19 @@ def recording(
             moe=(lambda: _running_moe(rec)) if any(n.endswith(".router.experts") for n in rec.tap_names) else None,
             biases=functional_biases,
             owners=(functional_owners or {}, lambda: rec.stack),
+            retract=lambda kind: _retract_captured(rec, kind),
+            hold_input=lambda node, x: _hold_functional_input(trace, node, x),
         )
     try:
         with capture:
             yield trace
+            settle = getattr(capture, "settle_all", None)
+            if settle is not None:  # partial sums the forward returned or left unread
+                settle()
     finally:
+        shares = getattr(capture, "shares", None)
+        if shares:
+            trace.extras[READ_SHARE] = dict(shares)
         _ACTIVE.reset(token)
         for handle in handles:
             handle.remove()

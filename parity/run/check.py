@@ -35,6 +35,7 @@ from parity.run.stages import (
     trace_ours,
     trace_reference,
     undiagnosed_note,
+    unjudged_padding,
 )
 from parity.util.errors import ParityError
 
@@ -106,8 +107,9 @@ def check(
     as ``prompt_ids``); by default seeded random tokens of ``seq_len``
     (``pair.default_seq_len``, which passes the sliding window of small configs) and ``batch_size``.
     ``attention_mask``: ``(batch, seq)``, 1 for real tokens and 0 for padding, given to both models
-    (or ``left_pad=N`` builds one: every row after the first starts with N padding tokens, the rows
-    whose queries see no real key being where masking bugs turn into NaN).
+    (or ``left_pad=N`` builds one: every row but the last starts with N padding tokens, the first row
+    among them, so code reading row 0's positions or mask for every row shows; the rows whose queries
+    see no real key are where masking bugs turn into NaN).
 
     How it runs and judges: a :class:`parity.CheckOptions` (``options=``) and/or its fields as
     keywords, which win: ``seq_len``, ``batch_size``, ``left_pad``, ``mode`` (``chained``: both
@@ -200,6 +202,13 @@ def _forward_notes(pair: Pair, run: Run) -> list[str]:
         notes.append(
             "ours takes no position_ids: it gets the mask only, while the reference rotates each padded row "
             "by positions counted over its real tokens (as generation does)"
+        )
+    pad = unjudged_padding(pair, run)
+    if pad is not None:
+        rows = ", ".join(f"row {b}: {int(n)}" for b, n in enumerate(pad.sum(1).tolist()) if n)
+        notes.append(
+            f"padding: {int(pad.sum())} of {pad.numel()} token positions are padding ({rows}) and were not judged "
+            "(what a model computes there is its own; a real token's attention to a padding key is judged)"
         )
     diffs = config_diff(pair)
     return notes + [

@@ -94,7 +94,7 @@ class CheckOptions:
     """How a check runs and judges its nodes (everything but the pair and its inputs).
 
     * ``seq_len`` (tokens, default the pair's ``default_seq_len``), ``batch_size``, ``left_pad``
-      (every row after the first starts with that many padding tokens; needs ``batch_size >= 2``);
+      (every row but the last starts with that many padding tokens; needs ``batch_size >= 2``);
     * ``mode``: ``chained`` (both models run on their own), ``isolated`` (each node of ours
       continues from the reference's input for it) or ``both``;
     * the tolerance rule, ``|ours - ref| <= atol + rtol * |ref|`` per element: ``atol``/``rtol``

@@ -92,7 +92,7 @@ def run_inputs(pair: Pair, options: CheckOptions, input_ids=None, attention_mask
                 f"left_pad {left_pad} needs batch_size >= 2, 0 < left_pad < seq_len ({input_ids.shape[1]}) and no attention_mask"
             )
         attention_mask = torch.ones_like(input_ids)
-        attention_mask[1:, :left_pad] = 0
+        attention_mask[:-1, :left_pad] = 0
     if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
         raise ParityError(f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids {tuple(input_ids.shape)}")
     return input_ids, attention_mask

@@ -145,6 +145,16 @@ def forward_accepts(model, name: str) -> bool:
 UNHOOKED = ("tap:", "param:", "unaligned:")
 
 
+def unjudged_padding(pair: Pair, run: Run) -> torch.Tensor | None:
+    """``(batch, seq)``, True at the padding positions a check does not judge: a user's model's (what
+    it computes there is its own business: it may skip, zero or pack them; :mod:`parity.compare.padding`).
+    The families' padding is judged: they compute it as Transformers does. None without padding."""
+    if not pair.alignment or run.attention_mask is None:
+        return None
+    pad = run.attention_mask.detach().cpu() == 0
+    return pad if bool(pad.any()) else None
+
+
 def untapped_nodes(pair: Pair) -> frozenset[str]:
     return frozenset(n.name for n in pair.nodes if n.ours.startswith(UNHOOKED))
 
@@ -221,6 +231,7 @@ def trace_ours(
             DIAGNOSIS_CONTEXT_KINDS,
             watch=({output: logits_effect} if output is not None else {})
             | ({"*": worst_at(int(run.input_ids.shape[1]))} if run.options.locate else {}),
+            padding=unjudged_padding(pair, run),
         )
         stream.attach(trace)
     with (
@@ -362,7 +373,7 @@ def max_error(tensor, exact: torch.Tensor) -> float:
 def compare_run(pair: Pair, run: Run, ours: Trace, ref: Trace, tolerances: Tolerances) -> list[NodeResult]:
     """Every node compared; the first judged failure carries its hint (unless it is too large to
     diagnose in the memory available: :func:`undiagnosed`)."""
-    results = compare_traces(ours, ref, pair.nodes, tolerances, untapped_nodes(pair))
+    results = compare_traces(ours, ref, pair.nodes, tolerances, untapped_nodes(pair), unjudged_padding(pair, run))
     bad = first_mismatch(results)
     if bad is not None and undiagnosed(bad) is None:
         spec = next((n for n in pair.nodes if n.name == bad.name), None)

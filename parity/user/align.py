@@ -36,7 +36,20 @@ from typing import cast
 import torch
 from torch import nn
 
-from parity.build.coverage import CONVENTIONS, PART, ROWS, SCALED, SLICE, SPLIT, TRANSPOSED, Coverage, Source
+from parity.build.coverage import (
+    CONVENTIONS,
+    COPY,
+    LAYOUT,
+    PART,
+    ROWS,
+    SCALED,
+    SHARED,
+    SLICE,
+    SPLIT,
+    TRANSPOSED,
+    Coverage,
+    Source,
+)
 from parity.model.facts import ArchFacts
 from parity.model.pair import NodeSpec
 from parity.record.functional import first_reads
@@ -210,6 +223,25 @@ class Layout:
 
 
 @dataclass(frozen=True)
+class PlusBias:
+    """A projection of ours whose module has no bias while ours holds the reference's bias in a
+    parameter of its own, added after the module (per head, after the heads split: Qwen2 ports): the
+    module's output (through ``rows``, for a fused one) is compared with that bias added. Where ours
+    adds it (before RoPE, after the GQA expansion) is judged at the nodes after."""
+
+    bias: torch.Tensor = field(compare=False, repr=False)
+    rows: Rows | None = None
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        t = self.rows(t) if self.rows is not None else t
+        return t + self.bias.detach().reshape(-1).to(device=t.device, dtype=t.dtype)
+
+    def inverse(self, ref: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
+        unbiased = ref - self.bias.detach().reshape(-1).to(device=ref.device, dtype=ref.dtype)
+        return self.rows.inverse(unbiased, current) if self.rows is not None else unbiased.to(current.dtype)
+
+
+@dataclass(frozen=True)
 class OutputPart:
     """The reference module's output features ``start:stop`` (the part of a fused projection ours
     computes apart), a view taken on the reference's side."""
@@ -296,6 +328,7 @@ class _Aligner:
         self.ref_modules = dict(reference.named_modules())
         self.ours = ours
         self.our_modules = dict(ours.named_modules())
+        self.ours_params = dict(ours.named_parameters())
         self._first_reads: dict[str, str] | None = None
         self.facts = facts
         self.coverage = coverage
@@ -405,7 +438,16 @@ class _Aligner:
             return True
         holders = [n for n in self.coverage.sources if _module_of(n)[0] == module and "." not in n[len(module) + 1 :]]
         weights = [n for n in holders if any(src.key.endswith(".weight") for src in self.coverage.sources[n])]
-        return weights == [param]
+        if weights != [param]:
+            return False
+        # a module whose submodules hold other reference weights computes more than the op reading this
+        # one (an MLP holding w_down itself, w_gate and w_up as submodules): the op is the node, not it
+        inner = [n for n in self.coverage.sources if module and n.startswith(module + ".") and n != param]
+        return not inner if self.coverage.sources[param] and self._ndim(param) >= 2 else True
+
+    def _ndim(self, param: str) -> int:
+        tensor = self.ours_params.get(param)
+        return tensor.dim() if tensor is not None else 0
 
     def container(self, path: str) -> str | None:
         """Our module that plays the role of the reference container ``path``."""
@@ -479,6 +521,26 @@ class _Aligner:
         if part is not None:
             held = [(n, s) for n, s in held if s.how == SPLIT and s.part is not None and s.part[1:] == part[1:]]
         return held[0][0] if len(held) == 1 else None
+
+    def _bias_outside(self, ref_path: str, our_path: str) -> str | None:
+        """The parameter of ours holding the reference projection's bias (whole, any shape) when the
+        module of ours aligned to it has no bias of its own: ours adds it outside the module."""
+        module = self.our_modules.get(our_path)
+        if module is None or isinstance(getattr(module, "bias", None), torch.Tensor):
+            return None
+        bias = getattr(self.ref_modules.get(ref_path), "bias", None)
+        if not isinstance(bias, torch.Tensor):
+            return None
+        held = [
+            n
+            for k in self.keys_by_storage.get(_storage_key(bias), [])
+            for n, s in self.by_key.get(k, [])
+            if s.how in (SHARED, COPY, LAYOUT, SLICE) and n in self.ours_params
+        ]
+        held = [n for n in held if self.ours_params[n].numel() == bias.numel()]
+        if len(held) != 1 or (our_path and held[0].startswith(our_path + ".")):
+            return None  # the module holds it itself (under another name: a LayerNorm's ``b``): it adds it
+        return held[0]
 
     def _part_node(self, spec: NodeSpec, part: tuple[int, int, int], param: str, source: Source):
         _, start, stop = part
@@ -570,11 +632,29 @@ class _Aligner:
         if hit is not None:
             our_path, source = hit
             ours = our_path + ("@input" if is_input else "")
+            outside = None if is_input else self._bias_outside(base, our_path)
             if source.how == ROWS and not is_input:
                 rows = Rows(cast(tuple[int, ...], source.rows))  # a ROWS source has its rows
+                if outside is not None:
+                    plus = PlusBias(self.ours_params[outside], rows)
+                    return replace(spec, ours=ours, transform=plus, inverse=plus.inverse), Aligned(
+                        name,
+                        ours,
+                        "fused rows",
+                        f"rows of {source.param} holding {source.key}, plus {outside} (its bias, which ours adds "
+                        "outside the module)",
+                    )
                 return (
                     replace(spec, ours=ours, transform=rows, inverse=rows.inverse),
                     Aligned(name, ours, "fused rows", f"rows of {source.param} holding {source.key}"),
+                )
+            if outside is not None and source.how in (SHARED, COPY):
+                plus = PlusBias(self.ours_params[outside])
+                return replace(spec, ours=ours, transform=plus, inverse=plus.inverse), Aligned(
+                    name,
+                    ours,
+                    "weights",
+                    f"{source.key} ({source.how}), plus {outside} (its bias, which ours adds outside the module)",
                 )
             how = "input" if is_input else "weights"
             detail = f"{'transposed ' if source.how == TRANSPOSED else ''}{source.key} ({source.how})"

@@ -1,0 +1,76 @@
+"""Padding positions, not judged: a node of ours whose padding tokens (and padding keys) take the
+reference's values, and a node of ours that holds the real tokens alone (a padded batch unpadded
+and packed into one sequence, FlashAttention's varlen layout) put back in the reference's layout.
+
+What a model computes at a padding position is unspecified (Transformers itself computes whatever
+its masks give there); a user's model may skip, zero or pack those positions. So a user's model is
+judged on its real tokens; the padding of the reference's own families is judged (they compute it
+as Transformers does), and ``parity compare`` lets a dump choose.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: node kinds laid out (batch, heads, seq, ...): their token axis is 2 (the diagnosis' profiles read it too)
+HEAD_MAJOR = {"q_rot", "k_rot", "scores", "probs"}
+
+
+def token_axis(kind: str) -> int:
+    """The token axis of a node of this kind: 2 for ``(batch, heads, seq, ...)`` nodes, else 1."""
+    return 2 if kind in HEAD_MAJOR else 1
+
+
+def without_padding(kind: str, ours: torch.Tensor, ref: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+    """``ours`` with the reference's values at padding positions (``pad``: ``(batch, seq)``, True at
+    padding), along its token axis and, for the scores, their key axis too (a real query's weight on a
+    padding key, in the probabilities, stays judged); ``ours`` unchanged when its shape has no such axes."""
+    batch, seq = pad.shape
+    axis = token_axis(kind)
+    if tuple(ours.shape) != tuple(ref.shape) or ours.dim() < 2 or ours.dim() <= axis:
+        return ours
+    if ours.shape[0] != batch or ours.shape[axis] != seq:
+        return ours
+    where = pad.view(batch, *([1] * (axis - 1)), seq, *([1] * (ours.dim() - axis - 1)))
+    if kind == "scores" and ours.dim() == 4 and ours.shape[3] == seq:
+        # a padding key's score is masked after: unspecified; its probability is not (a real query must
+        # give it no weight), so the probabilities keep their key axis judged
+        where = where | pad.view(batch, 1, 1, seq)
+    return torch.where(where.expand(ours.shape), ref.to(ours.dtype), ours)
+
+
+def unpacked(kind: str, ours: torch.Tensor, ref: torch.Tensor, pad: torch.Tensor) -> torch.Tensor | None:
+    """``ours`` holding the real tokens only, in order (``(1, N, ...)`` or ``(N, ...)``; heads first,
+    ``(1, heads, N, ...)``; scores and probabilities ``(1, heads, N, N)``), in the reference's padded
+    layout with the reference's values at the padding (and, for scores, between different rows'
+    tokens); None when ``ours`` is no such packing of ``ref``."""
+    batch, seq = pad.shape
+    real = ~pad
+    n = int(real.sum())
+    axis = token_axis(kind)
+    if ref.dim() <= axis or ref.shape[0] != batch or ref.shape[axis] != seq or n == batch * seq:
+        return None
+    packed = ours[0] if ours.dim() == ref.dim() and ours.shape[0] == 1 else ours
+    if packed.dim() != ref.dim() - 1:
+        return None
+    out = ref.clone().to(ours.dtype)
+    if axis == 1:  # (batch, seq, ...) from (N, ...)
+        if tuple(packed.shape) != (n, *ref.shape[2:]):
+            return None
+        out[real] = packed
+        return out
+    keys = ref.dim() == 4 and ref.shape[3] == seq
+    if packed.shape[1] != n or (keys and packed.shape[2] != n) or packed.shape[0] != ref.shape[1]:
+        return None
+    if not keys and tuple(packed.shape[2:]) != tuple(ref.shape[3:]):
+        return None
+    start = 0
+    for row in range(batch):
+        tokens = real[row].nonzero().flatten()
+        span = torch.arange(start, start + len(tokens))
+        start += len(tokens)
+        if keys:  # this row's block of its own tokens against its own keys
+            out[row][:, tokens[:, None], tokens[None, :]] = packed[:, span[:, None], span[None, :]]
+        else:
+            out[row][:, tokens] = packed[:, span]
+    return out
