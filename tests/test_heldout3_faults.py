@@ -74,7 +74,7 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
             ),
             T.Phi3ForCausalLM,
             3.0,
-        ),  # fmt: skip
+        ),
         "olmo2": (T.Olmo2Config(**common, rms_norm_eps=1e-6), T.Olmo2ForCausalLM, 1.0),
     }
     root, out = tmp_path_factory.mktemp("heldout3"), {}
