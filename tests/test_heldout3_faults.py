@@ -144,6 +144,18 @@ NAMED = [
     ("qwen2", "final_norm_twice", "lm_head", "repeated_module", "model.norm 2 times"),
     ("qwen2", "returns_log_softmax", "logits", "row_offset", "log_softmax"),
     ("qwen2", "residual_bf16", L0, "precision", "bfloat16"),
+    ("qwen2", "head_shards_swapped", "lm_head", "weight_permutation", "128, 129"),
+    ("qwen2", "mlp_up_dropped", f"{L0}.mlp.down_proj", "activation", "act(gate) alone"),
+    ("qwen2", "stale_residual_mlp", L0, "residual", "input_layernorm@input instead of"),
+    ("phi3", "embed_bf16", "model.embed_tokens", "precision", "bfloat16"),
+    ("phi3", "residual_scale_depth", f"{L0}.post_attention_layernorm", "residual", "0.989949"),
+    ("phi3", "mlp_token_chunk_tail", f"{L0}.mlp.gate_up_proj[0:128]", "shape", "16 of the reference's 24"),
+    ("phi3", "k_from_unnormed", f"{L0}.self_attn.qkv_proj[64:96]", "projection_input", "input_layernorm@input"),
+    ("phi3", "gate_up_interleaved", f"{L0}.mlp.down_proj", "swapped_weights", "interleaved rows"),
+    ("phi3", "qkv_group_interleaved", f"{L0}.self_attn.o_proj", "swapped_weights", "fused weight cut otherwise"),
+    ("phi3", "down_view_not_t", f"{L0}.mlp.down_proj", "transposed_weight", "reshaped instead of transposed"),
+    ("olmo2", "mlp_reads_branch", f"{L0}.mlp.gate_proj", "projection_input", "post_attention_layernorm"),
+    ("olmo2", "mlp_up_twice", f"{L0}.mlp.gate_proj", "wrong_module", "up_proj"),
     ("phi3", "fused_add_norm_stale", f"{L0}.post_attention_layernorm", "block_layout", "layer's input"),
     ("phi3", "swiglu_limit", f"{L0}.mlp.down_proj", "clamp", "7"),
     ("phi3", "rms_sum_not_mean", f"{L0}.input_layernorm", "norm_kind", "sum of squares"),
@@ -176,3 +188,20 @@ def test_row_0s_positions_used_for_every_row_is_seen(bug, checkpoints):
     (RoPE is relative, a row shifted as a whole attends the same), so the padded probe pads row 0."""
     res = parity.check_model(MODELS["phi3"].build, reference=str(checkpoints["phi3"]), seq_len=24, **PADDED)
     assert not res.passed, res.verdict()
+
+
+@pytest.mark.parametrize("bug", [""], indirect=True)
+def test_a_projection_run_over_token_chunks_and_concatenated_passes(bug, checkpoints, monkeypatch):
+    """The down projection runs once per chunk of 8 tokens and the chunks are joined with torch.cat (a
+    memory-bounded prefill): the concatenation is the node, not the first chunk alone, in chained and
+    isolated mode (where a chunk's call is not substituted)."""
+
+    def chunked(self, x, li):
+        g, u = self.w13(x).split(self.inter, dim=-1)
+        h = torch.nn.functional.silu(g) * u
+        return torch.cat([self.w2(h[:, s : s + 8]) for s in range(0, h.shape[1], 8)], dim=1)
+
+    monkeypatch.setattr(heldout3_qwen2.SwiGLU, "forward", chunked)
+    assert independent_max_diff("qwen2", checkpoints, padded=False) < 1e-4
+    res = parity.check_model(MODELS["qwen2"].build, reference=str(checkpoints["qwen2"]), seq_len=24, mode="both")
+    assert res.passed, res.verdict()

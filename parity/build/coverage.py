@@ -475,6 +475,22 @@ def loader_coverage(
             record(names, match, COPY)
             cov.copies.append(f"{label} is a copy of {match}")
             return True
+        if p.is_floating_point():  # a copy stored rounded through a narrower dtype (a table kept in bfloat16)
+            for narrow in (torch.bfloat16, torch.float16):
+                rounded = [
+                    k
+                    for k in by_shape.get(tuple(p.shape), [])
+                    if k not in cov.consumed
+                    and state_dict[k].is_floating_point()
+                    and torch.equal(p, state_dict[k].to(narrow).to(p.dtype))
+                ]
+                if rounded:
+                    record(names, rounded[0], COPY)
+                    cov.conversions.append(
+                        f"{rounded[0]}: into {label} rounded to {str(narrow).replace('torch.', '')} (its values lose "
+                        "precision: the nodes that read it differ by that rounding)"
+                    )
+                    return True
         if p.dim() == 2:
             match = next(
                 (k for k in by_shape.get(tuple(p.shape[::-1]), []) if torch.equal(p, state_dict[k].to(p.dtype).T)),

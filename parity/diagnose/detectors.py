@@ -46,7 +46,7 @@ from parity.diagnose.norms import (
     norm_weight_source,
 )
 from parity.diagnose.order import execution_order, head_on_embedding, partial_read, repeated_module, reused_module
-from parity.diagnose.residual import input_scale, input_source, residual_add
+from parity.diagnose.residual import input_scale, input_source, projection_source, residual_add
 from parity.diagnose.rope import (
     bias_after_rope,
     norm_after_rope,
@@ -69,6 +69,7 @@ from parity.diagnose.scales import (
 from parity.diagnose.swaps import swapped_modules, swapped_weights, used_as
 from parity.diagnose.wiring import (
     activation_skipped,
+    fused_cut,
     gate_up_roles,
     head_mapping,
     heads_merged_unmoved,
@@ -125,6 +126,7 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     soft_capping,
     input_scale,  # before the norms: a norm fed a scaled input differs only through its eps
     input_source,
+    projection_source,
     norm_after_rope,
     norm_statistic,  # the module's own weight: exact, before the eps fit reads a per-token ratio
     norm_eps,
@@ -160,6 +162,7 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     added_vector,
     row_offset,
     repeated_module,  # late: a module called twice is often the mechanism of a fault named above
+    fused_cut,  # late: read from how ours holds the weights, not from the values
     row_scale,
     activation,
 )
@@ -203,6 +206,23 @@ def _missing(result: NodeResult, ours: Trace, ref: Trace, spec: NodeSpec | None,
     )
 
 
+def _fewer_positions(result: NodeResult) -> Hint | None:
+    """Ours' node has the reference's shape but fewer tokens along the sequence axis: ours computed it
+    over chunks of the tokens (the first chunk recorded), or dropped positions."""
+    a, b = result.shape_ours, result.shape_ref
+    if not a or not b or len(a) != len(b) or len(a) < 2:
+        return None
+    differ = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
+    if differ != [1] or a[1] >= b[1]:
+        return None
+    return Hint(
+        "shape",
+        f"likely the tokens computed in chunks: ours' {result.kind} holds {a[1]} of the reference's {b[1]} positions "
+        "(a loop over token chunks whose first call is the one recorded, or a range that drops the tail)",
+        {"positions_ours": a[1], "positions_reference": b[1]},
+    )
+
+
 def diagnose(
     result: NodeResult,
     ours_trace: Trace,
@@ -219,7 +239,11 @@ def diagnose(
         return _missing(result, ours_trace, ref_trace, spec, facts)
     if result.status == SHAPE:
         swapped = swapped_modules(result.name, ours_trace, ref_trace)
-        return swapped or Hint("shape", f"likely a layout or head-count difference: {result.detail}")
+        return (
+            swapped
+            or _fewer_positions(result)
+            or Hint("shape", f"likely a layout or head-count difference: {result.detail}")
+        )
     ours, ref = ours_trace.tensors.get(result.name), ref_trace.tensors.get(result.name)
     if ours is None or ref is None:  # a node compared as it ran and not kept: its metrics stand, no hint
         return (

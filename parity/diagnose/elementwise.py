@@ -129,9 +129,9 @@ def precision(e: Evidence) -> Hint | None:
             if representable(this, dtype) == 1.0 and representable(other, dtype) < 0.5:
                 return Hint(
                     "precision",
-                    f"likely computed in {name} in {side}: every value {side} holds here is exactly a {name} number "
-                    f"(the other side's are {wide} values), so {side} computes this node in {name} and casts "
-                    "back (a softmax or matmul in half precision)",
+                    f"likely {name} precision in {side}: every value {side} holds here is exactly a {name} number "
+                    f"(the other side's are {wide} values): {side} computes this node in {name} and casts back, or "
+                    f"reads a table stored in {name} (a softmax, a matmul, an embedding in half precision)",
                     {"side": side, "dtype": name},
                 )
     return None

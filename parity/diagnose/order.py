@@ -78,6 +78,8 @@ def _same_family(kind: str, other: str, facts: ArchFacts) -> bool:
     norms = ("norm", "ln")
     if any(n in kind for n in norms) and any(n in other_kind for n in norms):
         return True
+    if kind.endswith("_proj") and other_kind.endswith("_proj"):  # gate_proj computed with up_proj's weight
+        return True
     return other_kind == kind
 
 

@@ -8,6 +8,8 @@ the side that differs whichever side the fault sits on.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from parity.diagnose.evidence import EXPLAINS, Evidence, reads_stream, rel
@@ -38,7 +40,9 @@ def _stream_before(e: Evidence, branch: str) -> tuple[str, torch.Tensor] | None:
         layer, kind = e.facts.locate(name)
         if layer == e.result.layer and reads_stream(kind) and e.ref_trace.tensors[name].shape == e.ref.shape:
             return name, e.ref_trace.tensors[name]
-    for name in before:
+    # the input of the last norm before the branch (the pre-norm that read the stream), else of the
+    # layer's first node with one (the layer's input)
+    for name in [*[n for n in reversed(before) if "norm" in e.facts.locate(n)[1]], *before]:
         x = e.ref_trace.inputs.get(name)
         if e.facts.locate(name)[0] == e.result.layer and x is not None and x.shape == e.ref.shape:
             return f"{name}@input", x
@@ -52,7 +56,18 @@ def residual_add(e: Evidence) -> Hint | None:
     post-attention norm of a sandwich block) and ``x`` the stream it is added to. Ours being ``x`` alone
     is left to :func:`~parity.diagnose.wiring.sibling_match`: that is a parallel block (the MLP reading
     the layer's input), another point of the stream."""
-    if not reads_stream(e.kind) or e.result.layer is None or e.ours.shape != e.ref.shape:
+    if e.result.layer is None:
+        return None
+    at_norm_input = not reads_stream(e.kind)
+    if at_norm_input:
+        # a norm reading the stream (a pre-norm after the add): its inputs are the stream's values
+        x_ours, x_ref = e.ours_trace.inputs.get(e.name), e.ref_trace.inputs.get(e.name)
+        if "norm" not in e.kind or x_ours is None or x_ref is None or x_ours.shape != x_ref.shape:
+            return None
+        if e.close(x_ours, x_ref):
+            return None
+        e = replace(e, ours=x_ours, ref=x_ref)
+    if e.ours.shape != e.ref.shape:
         return None
     branch = _branch_output(e)
     stream = _stream_before(e, branch[0]) if branch is not None else None
@@ -71,8 +86,21 @@ def residual_add(e: Evidence) -> Hint | None:
         return next((label for label, value in forms.items() if rel(t.double(), value) < tol), None)
 
     ours_is, ref_is = form_of(e.ours), form_of(e.ref)
+    if at_norm_input and ref_is != "x + f(x)":
+        return None  # the reference's norm reads no stream here (a sandwich block's post-norm reads the branch)
     for side, value, other_is in (("ours", e.ours, ref_is), ("the reference", e.ref, ours_is)):
         if other_is == "x + f(x)" and form_of(value) is None:
+            keep = f.abs() > 1e-2 * float(f.abs().max())
+            c = float(((value.double() - x)[keep] / f[keep]).median()) if bool(keep.any()) else 1.0
+            # c near 0 is x alone (the branch not added: a parallel block, sibling_match's case)
+            if abs(c - 1) > 1e-3 and abs(c) > 1e-3 and rel(value.double(), x + c * f) < tol:
+                return Hint(
+                    "residual",
+                    f"likely the branch scaled before the residual add in {side}: it adds {c:.6g} * f(x), f(x) = {name}, "
+                    f"to x = {stream[0]}{_named(e, c)} (a depth or branch scale one side applies: MiniCPM's "
+                    "scale_depth / sqrt(num_layers))",
+                    {"side": side, "branch": name, "stream": stream[0], "branch_scale": c},
+                )
             keep = f.abs() > 1e-3 * float(f.abs().max())
             rate = dropout_pattern(((value.double() - x)[keep] / f[keep]).flatten())
             if rate is not None:
@@ -100,12 +128,17 @@ def residual_add(e: Evidence) -> Hint | None:
 
 
 def _added_to(e: Evidence, value: torch.Tensor, stream: str, tol: float) -> str | None:
-    """The reference node of the failing node's layer, produced before it, that ``value`` equals (the
-    point a branch was added to), other than the stream itself."""
+    """The reference value of the failing node's layer, produced before it, that ``value`` equals (the
+    point a branch was added to), other than the stream itself: a node, or a module's input (the
+    layer's input: a residual taken from before the attention)."""
+    candidates = []
     for name, tensor in e.ref_trace.tensors.items():
         if name == e.name:
             break
-        same_layer = e.facts.locate(name)[0] == e.result.layer and tensor.shape == value.shape
+        candidates.append((name, tensor))
+    candidates += [(f"{n}@input", t) for n, t in e.ref_trace.inputs.items() if n in dict(candidates)]
+    for name, tensor in candidates:
+        same_layer = e.facts.locate(name.partition("@")[0])[0] == e.result.layer and tensor.shape == value.shape
         if same_layer and name != stream and rel(value, tensor.double()) < tol:
             return name
     return None
@@ -207,3 +240,27 @@ def _placement(e: Evidence, what: str, name: str) -> Hint:
         "before its sub-layer or before the residual add (pre-norm vs post-norm, or a norm after the add)",
         {"ours_reads": name},
     )
+
+
+def projection_source(e: Evidence) -> Hint | None:
+    """A projection whose input in ours is another value the reference computed in this layer (the MLP
+    reading the normalised attention branch instead of the residual stream), either side."""
+    if e.result.layer is None or "norm" in e.kind or reads_stream(e.kind):
+        return None
+    x_ref, x_ours = e.ref_trace.inputs.get(e.name), e.ours_trace.inputs.get(e.name)
+    if x_ref is None or x_ours is None or x_ours.shape != x_ref.shape or e.close(x_ours, x_ref):
+        return None
+    candidates = [(n, t) for n, t in e.ref_trace.tensors.items() if e.facts.locate(n)[0] == e.result.layer]
+    candidates += [(f"{n}@input", t) for n, t in e.ref_trace.inputs.items() if e.facts.locate(n)[0] == e.result.layer]
+    for name, tensor in candidates:
+        if name.partition("@")[0] == e.name or tensor.shape != x_ours.shape:
+            continue
+        if e.close(x_ours, tensor):
+            return Hint(
+                "projection_input",
+                f"likely {e.kind} reads another input in ours: its input is the reference's {name}, where the "
+                f"reference's {e.kind} reads another value (e.g. the un-normed residual stream instead of the norm's "
+                "output, or the normalised branch instead of the stream)",
+                {"projection": e.name, "ours_input": name},
+            )
+    return None

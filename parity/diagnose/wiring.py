@@ -3,6 +3,7 @@ layer, another head, a transposed weight, the unloaded head, a tap declared in a
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -145,12 +146,25 @@ def transposed_weight(e: Evidence) -> Hint | None:
     reference's own output is its layout, and ours matching the other is a transposed load."""
     x = e.ref_trace.inputs.get(e.name)
     weight = e.ref_trace.weights.get(e.name)
-    if x is None or weight is None or weight.dim() != 2 or weight.shape[0] != weight.shape[1]:
+    if x is None or weight is None or weight.dim() != 2:
         return None
     xs = e.ours_trace.inputs.get(e.name)
     if xs is None or not e.close(xs, x):
         return None  # the input already differs: not this node's own fault
     bias = e.ref_trace.biases.get(e.name)
+    if weight.shape[0] != weight.shape[1]:
+        # a non-square weight cannot be used transposed, but it can be reshaped to the other shape
+        # instead of transposed (``W.view(in, out)`` for ``W.T``): the same numbers in the wrong places
+        for w in (weight.double().reshape(weight.shape[1], weight.shape[0]),):
+            for y in (x.double() @ w, torch.nn.functional.linear(x.double(), w.T)):
+                if y.shape == e.ours.shape and rel(e.ours, y + (bias.double() if bias is not None else 0.0)) < EXPLAINS:
+                    return Hint(
+                        "transposed_weight",
+                        f"likely a weight reshaped instead of transposed: ours equals the reference's input times its "
+                        f"{e.kind} weight {tuple(weight.shape)} viewed as {tuple(w.shape)} (reshape/view, not .T)",
+                        {"reshaped": True},
+                    )
+        return None
     for w in (weight.double().T, weight.double()):
         y = torch.nn.functional.linear(x.double(), w)
         if bias is not None:
@@ -289,6 +303,8 @@ def untied_head(e: Evidence) -> Hint | None:
         return None
     if e.kind == "logits" and e.facts.head_module in e.ref_trace.tensors:
         return None  # the head's own node was compared before the logits and agreed: the head is loaded
+    if e.ours.shape == e.ref.shape and e.close(e.ours.sort(-1).values, e.ref.sort(-1).values):
+        return None  # the same values per token in another order: the vocabulary permuted, not an unloaded head
     tied = " (the config ties it to the embedding)" if e.facts.tie_word_embeddings else ""
     return Hint(
         "untied_head",
@@ -308,6 +324,11 @@ def gate_up_roles(e: Evidence) -> Hint | None:
     stem = e.name.rsplit(".", 1)[0]
     gate, up = e.ref_trace.tensors.get(f"{stem}.gate_proj"), e.ref_trace.tensors.get(f"{stem}.up_proj")
     x = e.ours_trace.inputs[e.name]
+    fused = e.ref_trace.tensors.get(f"{stem}.gate_up_proj")
+    if fused is None:
+        fused = _from_parts(e, f"{stem}.gate_up_proj")
+    if gate is None and fused is not None and fused.shape[-1] == 2 * x.shape[-1]:
+        return _fused_split(e, fused, x)
     if gate is None or up is None or gate.shape != up.shape or gate.shape != x.shape:
         return None
     from parity.diagnose.elementwise import _activations
@@ -337,6 +358,14 @@ def gate_up_roles(e: Evidence) -> Hint | None:
             {"ours": ours_is, "reference": ref_is, "input": f"{stem}.gate_proj"},
         )
     if ref_is is not None and ours_is is None:
+        for what, alone in ((f"act(gate) alone ({ref_is}(gate_proj))", acts_ref(gate, ref_is)), ("up_proj alone", up)):
+            if e.close(x, alone):
+                return Hint(
+                    "activation",
+                    f"likely the gated product incomplete: ours' down_proj reads {what}, the reference's act(gate) * "
+                    "up (one factor never multiplied in)",
+                    {"ours": what, "reference": ref_is, "input": f"{stem}.gate_proj"},
+                )
         # ours' down_proj input divided by up is still one smooth function of gate: another activation
         from parity.diagnose.elementwise import function_of
 
@@ -353,6 +382,62 @@ def gate_up_roles(e: Evidence) -> Hint | None:
                 {"ours": None, "reference": ref_is, "input": f"{stem}.gate_proj", "samples": samples},
             )
     return None
+
+
+_SLICE = re.compile(r"\[(\d+):(\d+)(?::(\d+))?\]$")
+
+
+def _from_parts(e: Evidence, node: str) -> torch.Tensor | None:
+    """A fused node's whole output put back from the part nodes the reference recorded
+    (``node[a:b]``, ``node[a:b:step]``: the output features each module of ours holds)."""
+    parts = []
+    for name, t in e.ref_trace.tensors.items():
+        m = _SLICE.match(name[len(node) :]) if name.startswith(node + "[") else None
+        if m is not None:
+            start, stop, step = int(m.group(1)), int(m.group(2)), int(m.group(3) or 1)
+            parts.append((list(range(start, stop, step)), t))
+    if len(parts) < 2:
+        return None
+    width = max(max(rows) for rows, _ in parts) + 1
+    if sum(len(rows) for rows, _ in parts) != width:
+        return None
+    whole = torch.zeros(*parts[0][1].shape[:-1], width, dtype=parts[0][1].dtype)
+    for rows, t in parts:
+        whole[..., rows] = t
+    return whole
+
+
+def _fused_split(e: Evidence, fused: torch.Tensor, x: torch.Tensor) -> Hint | None:
+    """A fused ``gate_up_proj`` output read apart otherwise on one side: in halves ``[gate; up]``, the
+    halves the other way round, or interleaved rows (gate = 0::2, up = 1::2)."""
+    from parity.diagnose.elementwise import _activations
+
+    n = x.shape[-1]
+    splits = {
+        "halves [gate; up]": (fused[..., :n], fused[..., n:]),
+        "halves the other way round [up; gate]": (fused[..., n:], fused[..., :n]),
+        "interleaved rows (gate = rows 0::2, up = rows 1::2)": (fused[..., 0::2], fused[..., 1::2]),
+    }
+    x_ref = e.ref_trace.inputs.get(e.name)
+    for label, act in _activations().items():
+        products = {how: act(g) * u for how, (g, u) in splits.items()}
+        ref_is = next((how for how, y in products.items() if x_ref is not None and e.close(x_ref, y)), None)
+        ours_is = next((how for how, y in products.items() if e.close(x, y)), None)
+        if ref_is is not None and ours_is is not None and ours_is != ref_is:
+            return Hint(
+                "swapped_weights",
+                f"likely the fused gate_up_proj split otherwise: ours reads its output as {ours_is}, the reference as "
+                f"{ref_is} (act = {label}); the loader cut the fused weight another way",
+                {"ours": ours_is, "reference": ref_is, "activation": label},
+            )
+    return None
+
+
+def acts_ref(gate: torch.Tensor, label: str) -> torch.Tensor:
+    """``gate`` through the activation named ``label`` (one of ``_activations()``)."""
+    from parity.diagnose.elementwise import _activations
+
+    return _activations()[label](gate)
 
 
 def heads_merged_unmoved(e: Evidence) -> Hint | None:
@@ -488,3 +573,31 @@ def rotated_other_projection(e: Evidence) -> Hint | None:
                 {"matches": f"{stem}.{kind}", "swapped": [e.kind, kind]},
             )
     return None
+
+
+_ROWS_PART = re.compile(r"^(?P<node>.+)\[(?:rows [^\]]+|\d+:\d+:\d+)\]$")
+
+
+def fused_cut(e: Evidence) -> Hint | None:
+    """A node of a block in which ours' modules hold rows of one fused reference weight that are not one
+    contiguous part each (``qkv_proj[rows 0, 1, ...]``, ``gate_up_proj[0:256:2]``): the loader cut the
+    fused weight otherwise than the reference lays it out (per head or KV group, interleaved), so each
+    module agrees with those rows and what reads them as q, k, v (or gate, up) does not."""
+    parent = e.name.rsplit(".", 1)[0]
+    cut = sorted(
+        {
+            m.group(0)
+            for n in e.ref_trace.tensors
+            if (m := _ROWS_PART.match(n)) and m.group("node").rsplit(".", 1)[0] == parent
+        }
+    )
+    if not cut:
+        return None
+    return Hint(
+        "swapped_weights",
+        f"likely a fused weight cut otherwise: ours' modules hold {'; '.join(c[len(parent) + 1 :] for c in cut[:3])} of "
+        "the reference's fused projection (rows that are no contiguous part each), so they agree row by row and what "
+        "reads them in the reference's roles (q, k, v; gate, up) does not: the loader split the fused weight per head, "
+        "per KV group or interleaved where the reference stores the parts one after the other",
+        {"parts": cut[:8]},
+    )

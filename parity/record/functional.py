@@ -195,12 +195,15 @@ class FunctionCapture(TorchFunctionMode):
         owners=None,
         retract=None,
         hold_input=None,
+        joined=None,
     ):
         super().__init__()
         #: ``retract(kind)``: forget what this capture recorded for the running block's node of that kind
         self.retract = retract or (lambda kind: None)
         #: ``hold_input(node, x)``: keep what a product reading a node's weight reads besides it (its input)
         self.hold_input = hold_input or (lambda node, x: None)
+        #: ``joined(tensors, out)``: a concatenation, which may join the outputs of one module's calls
+        self.joined = joined or (lambda tensors, out: None)
         #: per block, the queries its ``q @ k^T`` products read; the same queries again: attention over key
         #: chunks (an online softmax), whose partial scores are no node: the block is then left alone
         self._queries: dict[str, list[weakref.ref]] = {}
@@ -238,6 +241,19 @@ class FunctionCapture(TorchFunctionMode):
             if handled:
                 return out
         name = op_name(func)
+        if name in ("cat", "concat", "concatenate") and args and isinstance(args[0], (list, tuple)):
+            out = func(*args, **kwargs)
+            parts = [t for t in args[0] if isinstance(t, torch.Tensor) and self._partial(t) is not None]
+            if parts and len(parts) == len(args[0]) and len({self._partials[id(t)][0] for t in parts}) == 1:
+                # products over slices of one weight's output rows, joined (a vocabulary-parallel head)
+                joined_node, whole = self._partials[id(parts[0])][0], self._partials[id(parts[0])][2]
+                read = sum(self._partials.pop(id(t))[1] for t in parts)
+                if read >= whole:
+                    return self.record_param(joined_node, out)
+                self._partials[id(out)] = (joined_node, read, whole, out)
+                return out
+            self.joined(list(args[0]), out)
+            return out
         if self.params and name in NORM_WEIGHT_NAMES:  # a norm's weight vector applied outside its module
             node = self._param_node(func, args, vector=True)
             if node is not None:

@@ -116,6 +116,8 @@ class _Recording:
     #: node -> (what a function capture recorded, what it returned) in this forward: the model's own
     #: tap of a value it changed since replaces the record (:func:`_changed_since_capture`)
     captured: dict[str, tuple[bool, weakref.ref]] = field(default_factory=dict)
+    #: node -> the outputs of every call of its module in this forward (held weakly)
+    call_outputs: dict[str, list[weakref.ref]] = field(default_factory=dict)
 
 
 def active_trace() -> Trace | None:
@@ -194,6 +196,20 @@ def functional_tap(rec: _Recording, name: str, tensor: torch.Tensor) -> torch.Te
     returned = _record_value(rec, node, tensor)
     rec.captured[node] = (returned is not tensor, weakref.ref(returned))  # held weakly: memory stays as it was
     return returned
+
+
+def _joined(rec: _Recording, tensors, out: torch.Tensor) -> None:
+    """A concatenation of the outputs of several calls of one node's module (an MLP run over chunks of
+    the tokens): the concatenation is the node, recorded in place of the first call's output."""
+    if len(tensors) < 2:
+        return
+    for node, refs in rec.call_outputs.items():
+        outputs = [r() for r in refs]
+        if len(outputs) >= 2 and all(any(t is o for o in outputs) for t in tensors):
+            rec.call_outputs.pop(node)
+            rec.trace.retract(node)
+            rec.trace.add(node, out, rec.transforms.get(node))
+            return
 
 
 def _hold_functional_input(trace: Trace, node: str, x: torch.Tensor) -> None:
@@ -334,7 +350,10 @@ def recording(
             return None
         if name in transforms:
             inverse = getattr(declared, "inverse", None) or inverses.get(name)
-            ref = inverse(ref, mine) if inverse is not None else None
+            try:
+                ref = inverse(ref, mine) if inverse is not None else None
+            except RuntimeError:  # ours' call holds part of the node (a chunk of the tokens): not substituted
+                ref = None
         if ref is None or ref.shape != mine.shape:
             return None  # a node of another shape is reported as such; ours keeps its own tensor
         # the values are the reference's, the memory layout ours' (a view's gaps included): CPU kernels
@@ -393,7 +412,12 @@ def recording(
             def hook(mod, args, output, _name=name, _t=transform, _n=item):
                 trace.add(_name, _item(output, _n), _t)
                 new = replacement(_name, _item(output, _n))
-                return None if new is None else _replace_item(output, _n, new)
+                if new is None:
+                    value = first_tensor(_item(output, _n))
+                    if value is not None:  # every call's output: a cat of them is the node (token chunks)
+                        rec.call_outputs.setdefault(_name, []).append(weakref.ref(value))
+                    return None
+                return _replace_item(output, _n, new)
 
             handles.append(module.register_forward_hook(hook))
             if name in keep_inputs:
@@ -424,6 +448,7 @@ def recording(
             owners=(functional_owners or {}, lambda: rec.stack),
             retract=lambda kind: _retract_captured(rec, kind),
             hold_input=lambda node, x: _hold_functional_input(trace, node, x),
+            joined=lambda tensors, out: _joined(rec, tensors, out),
         )
     try:
         with capture:

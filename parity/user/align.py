@@ -30,6 +30,7 @@ Every reference node gets one row of :class:`Aligned`: what it was aligned to an
 from __future__ import annotations
 
 import fnmatch
+import itertools
 from dataclasses import dataclass, field, replace
 from typing import cast
 
@@ -251,6 +252,17 @@ class OutputPart:
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         return t[..., self.start : self.stop]
+
+
+@dataclass(frozen=True)
+class OutputRows:
+    """The reference module's output features ``rows`` (a fused projection ours holds as separate
+    modules, each some of its rows), a view taken on the reference's side."""
+
+    rows: tuple[int, ...]
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        return t[..., list(self.rows)]
 
 
 def _output_axis(module: nn.Module | None, weight: torch.Tensor) -> int | None:
@@ -501,6 +513,11 @@ class _Aligner:
             return None
         keys = self.keys_by_storage.get(_storage_key(weight), [])
         held = [(n, s) for k in keys for n, s in self.by_key.get(k, [])]
+        rows = [(n, s) for n, s in held if s.how == PART and s.rows and weight.dim() == 2]
+        if rows and len(rows) == len({n for n, _ in held}) and len(rows) > 1:
+            # separate modules holding rows of one fused weight (Phi-3's qkv_proj as wq, wk, wv): one node each
+            ordered = sorted(rows, key=lambda ns: min(cast(tuple[int, ...], ns[1].rows)))
+            return [self._rows_node(spec, n, s) for n, s in ordered]
         parts = sorted({s.part: (n, s) for n, s in held if s.how == SPLIT and s.part}.items())
         if not parts or len(parts) != len({n for n, _ in held}):
             return None
@@ -509,6 +526,26 @@ class _Aligner:
             why = "which axis of its weight makes the output is unknown" if axis is None else "not its output axis"
             return [self._unaligned(spec, f"ours holds its weight cut along an axis that is {why}")]
         return [self._part_node(spec, part, param, source) for part, (param, source) in parts]
+
+    def _rows_node(self, spec: NodeSpec, param: str, source: Source) -> tuple[NodeSpec, Aligned]:
+        """The reference's output features ``source.rows`` (a module of ours holds those rows of its fused
+        weight) against that module's output: ``<node>[a:b]``, ``[a:b:step]`` for evenly spaced rows."""
+        rows = tuple(cast(tuple[int, ...], source.rows))
+        step = rows[1] - rows[0] if len(rows) > 1 else 1
+        even = step > 0 and all(b - a == step for a, b in itertools.pairwise(rows))
+        where = (
+            f"[{rows[0]}:{rows[-1] + 1}]"
+            if even and step == 1
+            else f"[{rows[0]}:{rows[-1] + 1}:{step}]"
+            if even
+            else f"[rows {', '.join(map(str, rows[:4]))}, ...]"
+        )
+        name = f"{spec.name}{where}"
+        view = OutputRows(rows)
+        ours = _module_of(param)[0] if self._is_weight_of_module(param) else PARAM + param
+        detail = f"output features {where} of {spec.reference_path}: {source.description} held by {param}"
+        new = replace(spec, name=name, ours=ours, reference=spec.reference_path, reference_transform=view)
+        return new, Aligned(name, ours, "part" if ours.startswith(PARAM) else "weights", detail)
 
     def _bias_of(self, ref_path: str, part: tuple[int, int, int] | None = None) -> str | None:
         """The parameter of ours holding the reference module's bias (its ``part`` of it, for a weight cut
