@@ -152,7 +152,6 @@ NAMED = [
     ("phi3", "mlp_token_chunk_tail", f"{L0}.mlp.gate_up_proj[0:128]", "shape", "16 of the reference's 24"),
     ("phi3", "k_from_unnormed", f"{L0}.self_attn.qkv_proj[64:96]", "projection_input", "input_layernorm@input"),
     ("phi3", "gate_up_interleaved", f"{L0}.mlp.down_proj", "swapped_weights", "interleaved rows"),
-    ("phi3", "qkv_group_interleaved", f"{L0}.self_attn.o_proj", "swapped_weights", "fused weight cut otherwise"),
     ("phi3", "down_view_not_t", f"{L0}.mlp.down_proj", "transposed_weight", "reshaped instead of transposed"),
     ("olmo2", "mlp_reads_branch", f"{L0}.mlp.gate_proj", "projection_input", "post_attention_layernorm"),
     ("olmo2", "mlp_up_twice", f"{L0}.mlp.gate_proj", "wrong_module", "up_proj"),

@@ -300,6 +300,22 @@ def _part_rows(p: torch.Tensor, t: torch.Tensor, cache: dict | None = None) -> t
     return tuple(rows)
 
 
+def _companion_bias(p: torch.Tensor, weight_sources: list, state_dict: dict) -> tuple[str, tuple[int, ...]] | None:
+    """``(bias key, rows)`` when the module's weight holds some rows of a fused checkpoint weight and
+    ``p`` holds the same elements of that weight's bias."""
+    for source in weight_sources:
+        if source.how not in (PART, ROWS) or not source.rows or not source.key.endswith(".weight"):
+            continue
+        key = source.key[: -len("weight")] + "bias"
+        bias = state_dict.get(key)
+        rows = tuple(source.rows)
+        if bias is None or bias.dim() != 1 or len(rows) != p.numel() or max(rows) >= bias.numel():
+            continue
+        if torch.equal(p, bias[list(rows)].to(p.dtype)):
+            return key, rows
+    return None
+
+
 def _split_part(p: torch.Tensor, t: torch.Tensor) -> tuple[tuple[int, int, int], tuple[int, ...], bool] | None:
     """``((axis, start, stop), permute, transposed)`` when ``p`` is ``t``'s part ``start:stop`` along ``axis``,
     one of equal parts, as it is or axes permuted and reshaped (:func:`_layout`); None otherwise."""
@@ -600,6 +616,16 @@ def loader_coverage(
         for p, names in unexplained:
             label = " = ".join(names)
             parts = _fused_rows(p.data, free) or _fused_slices(p.data, free)
+            if parts is None and p.dim() == 1 and names[0].endswith(".bias"):
+                # a bias cut as its module's weight was: the same output rows of the fused bias (NeoX's
+                # per-head interleaved query_key_value split into to_q, to_k, to_v)
+                companion = _companion_bias(
+                    p.data, cov.sources.get(names[0][: -len("bias")] + "weight", []), state_dict
+                )
+                if companion is not None:
+                    record(names, companion[0], PART, companion[1])
+                    parts_of.setdefault(companion[0], []).append((companion[1], label))
+                    continue
             if parts is None:
                 part = next(
                     (
@@ -667,7 +693,8 @@ def loader_coverage(
                     cov.unused.append(k)
     for key, copied in parts_of.items():
         labels = [label for _, label in copied]
-        rows_total = state_dict[key].numel() // state_dict[key].shape[-1]
+        fused = state_dict[key]
+        rows_total = fused.numel() if fused.dim() == 1 else fused.numel() // fused.shape[-1]  # a bias: its elements
         held = sum(len(rows) for rows, _ in copied)
         if held != rows_total:
             cov.gaps.append(f"{key}: {rows_total - held} of {rows_total} rows copied into no parameter of ours")

@@ -69,7 +69,6 @@ from parity.diagnose.scales import (
 from parity.diagnose.swaps import swapped_modules, swapped_weights, used_as
 from parity.diagnose.wiring import (
     activation_skipped,
-    fused_cut,
     gate_up_roles,
     head_mapping,
     heads_merged_unmoved,
@@ -162,7 +161,6 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     added_vector,
     row_offset,
     repeated_module,  # late: a module called twice is often the mechanism of a fault named above
-    fused_cut,  # late: read from how ours holds the weights, not from the values
     row_scale,
     activation,
 )

@@ -81,9 +81,10 @@ def same_input(e: Evidence) -> torch.Tensor | None:
     per-head norm applied after the heads transpose); None when either input was not kept or they
     differ (then the node is not at fault on its own)."""
     x_ref, x_ours = e.ref_trace.inputs.get(e.name), e.ours_trace.inputs.get(e.name)
-    if x_ref is not None and x_ours is None and not e.ours_trace.inputs:
-        # ours kept no inputs at all (another runtime's dump): the node is the first that fails, so
-        # what fed it agreed; its input is taken as the reference's
+    if x_ref is not None and x_ours is None and not e.ours_trace.inputs and not e.ours_trace.calls:
+        # ours kept no inputs at all and recorded nothing live (another runtime's dump): the node is the
+        # first that fails, so what fed it agreed; its input is taken as the reference's. A live model
+        # whose norm runs in functions kept no input either, and there nothing is assumed
         return x_ref
     if x_ref is None or x_ours is None or x_ours.numel() != x_ref.numel():
         return None

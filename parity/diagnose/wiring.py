@@ -155,15 +155,18 @@ def transposed_weight(e: Evidence) -> Hint | None:
     if weight.shape[0] != weight.shape[1]:
         # a non-square weight cannot be used transposed, but it can be reshaped to the other shape
         # instead of transposed (``W.view(in, out)`` for ``W.T``): the same numbers in the wrong places
-        for w in (weight.double().reshape(weight.shape[1], weight.shape[0]),):
-            for y in (x.double() @ w, torch.nn.functional.linear(x.double(), w.T)):
-                if y.shape == e.ours.shape and rel(e.ours, y + (bias.double() if bias is not None else 0.0)) < EXPLAINS:
-                    return Hint(
-                        "transposed_weight",
-                        f"likely a weight reshaped instead of transposed: ours equals the reference's input times its "
-                        f"{e.kind} weight {tuple(weight.shape)} viewed as {tuple(w.shape)} (reshape/view, not .T)",
-                        {"reshaped": True},
-                    )
+        w = weight.double().reshape(weight.shape[1], weight.shape[0])
+        if not x.is_floating_point():
+            return None
+        products = [x.double() @ m for m in (w, w.T) if x.shape[-1] == m.shape[0]]
+        for y in products:
+            if y.shape == e.ours.shape and rel(e.ours, y + (bias.double() if bias is not None else 0.0)) < EXPLAINS:
+                return Hint(
+                    "transposed_weight",
+                    f"likely a weight reshaped instead of transposed: ours equals the reference's input times its "
+                    f"{e.kind} weight {tuple(weight.shape)} viewed as {tuple(w.shape)} (reshape/view, not .T)",
+                    {"reshaped": True},
+                )
         return None
     for w in (weight.double().T, weight.double()):
         y = torch.nn.functional.linear(x.double(), w)
@@ -574,30 +577,3 @@ def rotated_other_projection(e: Evidence) -> Hint | None:
             )
     return None
 
-
-_ROWS_PART = re.compile(r"^(?P<node>.+)\[(?:rows [^\]]+|\d+:\d+:\d+)\]$")
-
-
-def fused_cut(e: Evidence) -> Hint | None:
-    """A node of a block in which ours' modules hold rows of one fused reference weight that are not one
-    contiguous part each (``qkv_proj[rows 0, 1, ...]``, ``gate_up_proj[0:256:2]``): the loader cut the
-    fused weight otherwise than the reference lays it out (per head or KV group, interleaved), so each
-    module agrees with those rows and what reads them as q, k, v (or gate, up) does not."""
-    parent = e.name.rsplit(".", 1)[0]
-    cut = sorted(
-        {
-            m.group(0)
-            for n in e.ref_trace.tensors
-            if (m := _ROWS_PART.match(n)) and m.group("node").rsplit(".", 1)[0] == parent
-        }
-    )
-    if not cut:
-        return None
-    return Hint(
-        "swapped_weights",
-        f"likely a fused weight cut otherwise: ours' modules hold {'; '.join(c[len(parent) + 1 :] for c in cut[:3])} of "
-        "the reference's fused projection (rows that are no contiguous part each), so they agree row by row and what "
-        "reads them in the reference's roles (q, k, v; gate, up) does not: the loader split the fused weight per head, "
-        "per KV group or interleaved where the reference stores the parts one after the other",
-        {"parts": cut[:8]},
-    )

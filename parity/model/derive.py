@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from dataclasses import replace
 from types import MappingProxyType
 
+import torch
+
 from parity.model.facts import FULL, SLIDING, ArchFacts, LayerFacts, RopeFacts, rope_init
 from parity.model.facts_rules import RULES
 
@@ -139,10 +141,19 @@ def derive_facts(config, model=None) -> ArchFacts:
     adjust = RULES.get(facts.model_type)
     if adjust is not None:
         facts = adjust(config, facts)
+    multipliers = _config_multipliers(config)
+    if multipliers:  # Granite's embedding/residual/attention multipliers, logits_scaling: factors a hint can name
+        facts = replace(facts, extra_constants={**multipliers, **facts.extra_constants})
     if model is not None:
         prefix = find_layer_prefix(model, facts.num_layers)
         if prefix is not None and prefix != facts.layer_prefix:
             facts = replace(facts, layer_prefix=prefix)
+        if facts.embed_scale is None:  # an embedding module that scales its output (Gemma's ScaledWordEmbedding)
+            scale = getattr(dict(model.named_modules()).get(facts.embed_module), "embed_scale", None)
+            if isinstance(scale, torch.Tensor) and scale.numel() == 1:
+                scale = float(scale)
+            if isinstance(scale, (int, float)) and scale not in (0, 1):
+                facts = replace(facts, embed_scale=float(scale))
     return facts
 
 
@@ -175,6 +186,23 @@ def _composite_facts(config, text_config, model=None) -> ArchFacts:
         embed_module=f"{path}.{facts.embed_module.partition('.')[2]}",
         placeholder_tokens=placeholders,
     )
+
+
+def _config_multipliers(config) -> dict[str, float]:
+    """The config's scalar multipliers and scalings (a number field whose name says multiplier, scaling
+    or scale, not 1), with their squares, by a name a hint can use."""
+    try:
+        fields = config.to_dict()
+    except Exception:  # a config that cannot serialise itself names no constants
+        return {}
+    named: dict[str, float] = {}
+    for key, value in fields.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value in (0, 1):
+            continue
+        if any(word in key for word in ("multiplier", "scaling", "scale_depth", "scalar")):
+            named[f"the config's {key} ({value:g})"] = float(value)
+            named[f"the config's {key} squared ({value * value:g})"] = float(value) ** 2
+    return named
 
 
 def find_layer_prefix(model, num_layers: int) -> str | None:

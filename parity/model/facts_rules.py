@@ -101,6 +101,12 @@ def _mistral(config, facts: ArchFacts) -> ArchFacts:
     return with_layers(facts, layer_type=lambda layer: SLIDING, window=lambda layer: int(window))
 
 
+@rule("gemma2")
+def _gemma2(config, facts: ArchFacts) -> ArchFacts:
+    # Gemma2RMSNorm multiplies by 1 + w; Gemma2Model scales the embeddings by sqrt(hidden_size)
+    return replace(facts, norm_weight_offset=1.0, embed_scale=math.sqrt(facts.hidden_size))
+
+
 @rule("gemma3_text", "gemma3")
 def _gemma3(config, facts: ArchFacts) -> ArchFacts:
     # Gemma3Attention (Transformers 5.24) keeps attn_logit_softcapping but never applies it

@@ -257,7 +257,20 @@ class FunctionCapture(TorchFunctionMode):
         if self.params and name in NORM_WEIGHT_NAMES:  # a norm's weight vector applied outside its module
             node = self._param_node(func, args, vector=True)
             if node is not None:
-                return self.record_param(node, func(*args, **kwargs))
+                out = func(*args, **kwargs)
+                if node in self._biased and not any(self.biases.of(t) == node for t in args):
+                    self._unbiased[id(out)] = (node, out)  # a LayerNorm's shift comes next: x_hat * w + b
+                    return out
+                return self.record_param(node, out)
+        ids = args[1] if len(args) > 1 and name != "embedding" else (args[0] if args else None)
+        looked_up = name == "embedding" or (
+            isinstance(ids, torch.Tensor) and not ids.is_floating_point() and ids.dtype != torch.bool
+        )  # token ids, not a slice of the weight (``W[:, h]`` is a part of a product's weight)
+        if self.params and name in LOOKUPS and args and looked_up:  # a table read by a lookup outside its module
+            table = args[1] if name == "embedding" and len(args) > 1 else args[0]
+            node = self._param_node(func, (table,)) if isinstance(table, torch.Tensor) and table.dim() == 2 else None
+            if node is not None:
+                return self.record_param(node, func(*args, **kwargs), True)
         if self._partials:
             if name in ("add", "__add__", "__radd__", "add_", "__iadd__"):
                 handled, out = self._partial_sum(func, args, kwargs)

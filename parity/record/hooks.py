@@ -227,6 +227,25 @@ def _retract_captured(rec: _Recording, name: str) -> None:
         rec.trace.retract(node)
 
 
+def _record_param(
+    rec: _Recording, node: str, tensor: torch.Tensor, siblings, lookup: bool, lookups: frozenset[str]
+) -> torch.Tensor:
+    """The result of an op reading a node's parameter: recorded as each node sharing that parameter that
+    reads it this way (a lookup for an embedding, a product for a projection: a tied table is both; a
+    fused weight read once gives every part its rows by its transform); in isolated mode each writes
+    the reference's rows back in turn."""
+    nodes = [n for n in (node, *siblings) if (n in lookups) == lookup]
+    if not nodes:
+        return tensor
+    if all(rec.trace.calls.get(n) for n in nodes):
+        return _read_again(rec.trace, nodes[0], tensor)
+    value = tensor
+    for other in nodes:
+        if not rec.trace.calls.get(other):
+            value = _record_value(rec, other, value)
+    return value
+
+
 def _read_again(trace: Trace, node: str, tensor: torch.Tensor) -> torch.Tensor:
     """A parameter of a recorded node read again in a function: counted (``Trace.reads``), not recorded."""
     trace.reads[node] = trace.reads.get(node, 0) + 1
@@ -308,6 +327,8 @@ def recording(
     functional: dict[int, str] | None = None,
     functional_biases: dict[int, str] | None = None,
     functional_owners: dict[str, str] | None = None,
+    functional_siblings: dict[str, list[str]] | None = None,
+    functional_lookups: frozenset[str] | None = None,
 ) -> Iterator[Trace]:
     """Hook ``model`` for the duration of the block and yield the Trace being filled.
 
@@ -442,7 +463,9 @@ def recording(
             lambda name, t: functional_tap(rec, name, t),
             lambda: _running_block(rec),
             functional,
-            lambda node, t: _read_again(trace, node, t) if trace.calls.get(node) else _record_value(rec, node, t),
+            lambda node, t, lookup=False: _record_param(
+                rec, node, t, (functional_siblings or {}).get(node, ()), lookup, functional_lookups or frozenset()
+            ),
             moe=(lambda: _running_moe(rec)) if any(n.endswith(".router.experts") for n in rec.tap_names) else None,
             biases=functional_biases,
             owners=(functional_owners or {}, lambda: rec.stack),

@@ -166,17 +166,23 @@ def ours_recording(pair: Pair) -> dict:
     taps = {n.ours[len("tap:") :]: n.name for n in pair.nodes if n.ours.startswith("tap:")}
     params = dict(pair.ours.named_parameters()) if pair.alignment else {}
     functional: dict[int, str] = {}
+    siblings: dict[str, list[str]] = {}
     biases: dict[int, str] = {}
     for n in pair.nodes:
         # param:W (the op reading W) or param:W+b (and the add of b that follows it)
         weight, _, bias = n.ours[len("param:") :].partition("+") if n.ours.startswith("param:") else ("", "", "")
         if weight in params:
-            functional[params[weight].untyped_storage().data_ptr()] = n.name
+            ptr = params[weight].untyped_storage().data_ptr()
+            if ptr in functional:  # a fused parameter read once for several nodes (each its rows), a tied table
+                siblings.setdefault(functional[ptr], []).append(n.name)
+            else:
+                functional[ptr] = n.name
         if bias in params:
             biases[params[bias].untyped_storage().data_ptr()] = n.name
     # a module of ours aligned by its weight whose forward never runs (F.linear(x, self.head.weight) in its
     # parent): the product reading that weight outside the module is the node
     modules = dict(pair.ours.named_modules()) if pair.alignment else {}
+    ref_modules = dict(pair.reference.named_modules()) if pair.alignment else {}
     owners: dict[str, str] = {}
     for n in pair.nodes:
         module = modules.get(n.ours) if n.ours and not n.ours.startswith(UNHOOKED) else None
@@ -194,6 +200,12 @@ def ours_recording(pair: Pair) -> dict:
         functional=functional if pair.alignment and (functional or taps) else None,
         functional_biases=biases or None,
         functional_owners=owners or None,
+        functional_siblings=siblings or None,
+        functional_lookups=frozenset(
+            n.name
+            for n in pair.nodes
+            if n.ours.startswith("param:") and isinstance(ref_modules.get(n.reference_path), torch.nn.Embedding)
+        ),
     )
 
 

@@ -400,7 +400,7 @@ class _Aligner:
         if len(candidates) == 1:
             self.leaves[path] = next(iter(candidates.items()))
             return self.leaves[path]
-        if not candidates and held and not isinstance(module, nn.Embedding):
+        if not candidates and held and (not isinstance(module, nn.Embedding) or not found):
             # a parameter of a module that holds several (TransformerLens' W_Q in attn): the op reading it
             # computes this module's output
             self.functional[path] = held[0]
@@ -712,8 +712,26 @@ class _Aligner:
                 )
         if base in self.functional and not is_input:
             param, source = self.functional[base]
+            scale = self.facts.embed_scale
+            if base == self.facts.embed_module and scale not in (None, 1.0) and source.how != SCALED:
+                # a plain table read by a lookup cannot scale: the reference's scaled embedding is what the
+                # first layer reads
+                first = self.container(f"{self.facts.layer_prefix}.0")
+                if first is not None:
+                    return replace(spec, ours=first + "@input"), Aligned(
+                        name,
+                        first + "@input",
+                        "input",
+                        f"the reference's embedding scales by {scale:g}; ours reads {param} in a lookup, so its value "
+                        "appears where the reference's does: the first layer's input",
+                    )
             bias = self._bias_of(base)
             ours = PARAM + param + (f"+{bias}" if bias else "")
+            if source.how == ROWS and source.rows:  # a fused parameter read in a function: this node's rows
+                rows = Rows(cast(tuple[int, ...], source.rows))
+                return replace(spec, ours=ours, transform=rows, inverse=rows.inverse), Aligned(
+                    name, ours, "functional", f"rows of {param} holding {source.key}, read in a function"
+                )
             return replace(spec, ours=ours), Aligned(
                 name,
                 ours,

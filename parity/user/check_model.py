@@ -218,7 +218,7 @@ def build_user_pair(
         source=PairSource(family=family, config_name=ref.config_name),
     )
     specs, rows = align(ref.model, model, probe.nodes, coverage, ref.state_dict, ref.facts, node_map)
-    if not any(r.how in ("weights", "fused rows", "container", "input") for r in rows):
+    if not any(r.how in ("weights", "fused rows", "container", "input", "functional", "part") for r in rows):
         reasons = "; ".join(f"{r.node}: {r.detail}" for r in rows[:3])
         raise ParityError(f"no node of the reference could be aligned to your model ({reasons}, ...)")
     return Pair(
