@@ -15,7 +15,8 @@ nowhere). After the fixes by kind (a fused parameter read in a function gives ea
 bias cut as its weight was; a table read by a lookup; a LayerNorm's shift added after its weight in
 functions; the embedding scale read from the reference's module) the nine correct runs below pass,
 and all 37 bugs fail at or before the module the helper found first. Their hints: 3 name the cause,
-8 the component, 1 a wrong one, 25 none: unseen kinds, measured once, not fitted here.
+8 the component, 1 a wrong one, 25 none: unseen kinds, measured once. Fitted after (the kinds below
+marked so): 7 named, 6 the component, none wrong, 24 none.
 """
 
 from __future__ import annotations
@@ -164,6 +165,22 @@ NAMED = [
     ("gemma2", "sliding_wrong_parity", "model.layers.0.self_attn.probs", "sliding_window", "full causal attention"),
     ("gemma2", "sliding_all_layers", "model.layers.1.self_attn.probs", "sliding_window", "a window of 8"),
     ("granite", "logits_scaling_multiplied", "logits", "scale", "logits_scaling squared"),
+    # named after the first measure (fitted): a multiplier outside any module, seen through the next norm
+    (
+        "granite",
+        "emb_mult_inverted",
+        "model.layers.0.input_layernorm",
+        "norm_eps",
+        "1 / the config's embedding_multiplier squared",
+    ),
+    (
+        "granite",
+        "emb_mult_twice",
+        "model.layers.0.input_layernorm",
+        "norm_eps",
+        "the config's embedding_multiplier (6)",
+    ),
+    ("granite", "logits_scaling_before_norm", "model.norm", "norm_eps", "1 / the config's logits_scaling (8)"),
 ]
 
 

@@ -81,11 +81,14 @@ def same_input(e: Evidence) -> torch.Tensor | None:
     per-head norm applied after the heads transpose); None when either input was not kept or they
     differ (then the node is not at fault on its own)."""
     x_ref, x_ours = e.ref_trace.inputs.get(e.name), e.ours_trace.inputs.get(e.name)
-    if x_ref is not None and x_ours is None and not e.ours_trace.inputs and not e.ours_trace.calls:
-        # ours kept no inputs at all and recorded nothing live (another runtime's dump): the node is the
-        # first that fails, so what fed it agreed; its input is taken as the reference's. A live model
-        # whose norm runs in functions kept no input either, and there nothing is assumed
-        return x_ref
+    if x_ref is not None and x_ours is None:
+        # ours kept no input for this node (another runtime's dump, or a norm computed in functions): the
+        # node is the first that fails, so what fed it agreed, when what fed it is a node of its own
+        # (q_proj before q_norm); a value computed between nodes (an embedding multiplier applied in
+        # forward) may differ unseen, and then nothing is assumed
+        if not e.ours_trace.inputs and not e.ours_trace.calls:
+            return x_ref  # a dump: nothing recorded live
+        return x_ref if _fed_by_a_node(e, x_ref) else None
     if x_ref is None or x_ours is None or x_ours.numel() != x_ref.numel():
         return None
     if x_ours.shape == x_ref.shape:
@@ -96,6 +99,25 @@ def same_input(e: Evidence) -> torch.Tensor | None:
             if u.shape == x_ref.shape and e.close(u, x_ref):
                 return x_ref
     return None
+
+
+def _fed_by_a_node(e: Evidence, x_ref: torch.Tensor) -> bool:
+    """Whether the reference's input of the failing node is the output of a node produced before it
+    (which ours matched, the failing node being the first), in the node's layout or merged heads."""
+    for name, tensor in e.ref_trace.tensors.items():
+        if name == e.name:
+            break
+        if tensor.numel() != x_ref.numel() or not tensor.is_floating_point():
+            continue
+        done = e.ours_trace.results.get(name)
+        if e.ours_trace.results and (done is None or not done.judged or not done.passed):
+            continue  # compared live: only a node ours produced and that agreed vouches for the input
+        flat = tensor.reshape(x_ref.shape) if tensor.shape != x_ref.shape else tensor
+        if tensor.shape == x_ref.shape and e.close(flat, x_ref):
+            return True
+        if tensor.dim() == 3 and x_ref.dim() == 4 and e.close(tensor, x_ref.flatten(-2).reshape(tensor.shape)):
+            return True  # (batch, seq, heads * head_dim) split into heads before a per-head norm
+    return False
 
 
 def heads_first(t: torch.Tensor, n_heads: int, head_dim: int, seq: int) -> torch.Tensor | None:

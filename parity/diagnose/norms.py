@@ -3,6 +3,8 @@ projection, pre- vs post-norm, a parallel block run sequentially."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from parity.diagnose.evidence import EXPLAINS, Evidence, fmt_list, rel, same_input, whose
@@ -26,11 +28,11 @@ def _factor(r: float) -> str:
     return f"1 {'-' if r < 1 else '+'} {abs(r - 1):.2g}" if abs(r - 1) < 1e-3 else f"{r:.4g}"
 
 
-def _token_ratio(e: Evidence) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _token_ratio(e: Evidence, assume_input: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(r, x)``: ours / reference as one factor per row of the failing norm (a token's vector, or a
     head's for a per-head norm), and the reference's input in the same rows; None when ours read
     other values, or the ratio is not one factor per row, or there is no factor at all."""
-    x_ref = same_input(e)
+    x_ref = e.ref_trace.inputs.get(e.name) if assume_input else same_input(e)
     if x_ref is None or x_ref.shape != e.ref.shape:
         return None
     a, b = e.ours.double().flatten(0, -2), e.ref.double().flatten(0, -2)
@@ -77,6 +79,9 @@ def norm_eps(e: Evidence) -> Hint | None:
     if not _is_norm(e.kind):
         return None
     found = _token_ratio(e)
+    unseen = found is None and e.ours_trace.inputs.get(e.name) is None  # ours' input was not kept
+    if unseen:
+        found = _token_ratio(e, assume_input=True)
     if found is None:
         return None
     r, x = found
@@ -91,12 +96,30 @@ def norm_eps(e: Evidence) -> Hint | None:
     eps_ours, eps_ref = float(solution[0]), float(solution[1])
     predicted = ((ms + eps_ref) / (ms + eps_ours)).sqrt()
     if min(eps_ours, eps_ref) >= -1e-12 and float(((predicted - r).abs() / r).max()) < 1e-3:
+        # norm(c x, eps) = norm(x, eps / c^2): the same evidence is an input scaled by c on one side
+        scale = math.sqrt(eps_ref / eps_ours) if eps_ours > 0 and eps_ref > 0 else None
+        named = _named_scale(e, scale) if scale is not None else ""
+        also = (
+            f"; or the same eps on both sides and ours' input scaled by {scale:.4g}{named} (a multiplier applied "
+            "outside any module: a norm hides it except through eps)"
+            if scale is not None and (named or abs(math.log10(scale)) > 0.5 or unseen)
+            else ""
+        )
+        if unseen and scale is not None:  # ours' input unseen: the two readings are equally likely
+            return Hint(
+                "norm_eps",
+                f"likely the norm's input scaled on one side, or its eps: ours / reference varies per token with "
+                f"the token's mean square, as ours' input scaled by {scale:.4g}{named} gives (a multiplier "
+                f"applied outside any module, which a norm hides except through eps), or eps {eps_ours:.3g} in "
+                f"ours for the reference's {eps_ref:.3g}",
+                {"eps_ours": eps_ours, "eps_reference": eps_ref, "input_scale": scale, "input_seen": False},
+            )
         return Hint(
             "norm_eps",
             f"likely the norm's eps: ours / reference varies per token with the token's mean square (ratio "
             f"{_factor(float(r.min()))}..{_factor(float(r.max()))}), as eps {eps_ours:.3g} in ours and {eps_ref:.3g} in the reference "
-            f"give (the config says {e.facts.norm_eps:g})",
-            {"eps_ours": eps_ours, "eps_reference": eps_ref, "config_eps": e.facts.norm_eps},
+            f"give (the config says {e.facts.norm_eps:g}){also}",
+            {"eps_ours": eps_ours, "eps_reference": eps_ref, "config_eps": e.facts.norm_eps, "input_scale": scale},
         )
     eps = e.facts.norm_eps or 0.0
     outside = _eps_outside(r, ms, eps)
@@ -110,6 +133,19 @@ def norm_eps(e: Evidence) -> Hint | None:
             {"eps_outside": eps_out, "side": side, "config_eps": eps},
         )
     return None
+
+
+def _named_scale(e: Evidence, scale: float) -> str:
+    """`` (= 1 / the config's embedding_multiplier ...)`` when ``scale`` (or its inverse, or a ratio of
+    two named constants) matches one, else ``""``."""
+    named = e.facts.named_constants()
+    ordered = sorted(named.items(), key=lambda item: "config's" not in item[0])  # the config's own fields first
+    for label, value in ordered:
+        if value and abs(scale / value - 1) < 1e-3:
+            return f" (= {label})"
+        if value and abs(scale * value - 1) < 1e-3:
+            return f" (= 1 / {label})"
+    return ""
 
 
 def norm_weight_source(e: Evidence) -> Hint | None:

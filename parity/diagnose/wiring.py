@@ -576,4 +576,3 @@ def rotated_other_projection(e: Evidence) -> Hint | None:
                 {"matches": f"{stem}.{kind}", "swapped": [e.kind, kind]},
             )
     return None
-
