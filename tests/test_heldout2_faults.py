@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import parity
+from tests import heldout_support
 
 sys.path.insert(0, str(Path(__file__).parent / "user_models" / "heldout2"))
 
@@ -76,23 +77,8 @@ def bug(request):
 
 
 def independent_max_diff(model: str, checkpoints, padded: bool) -> float:
-    """Our logits against Transformers' (eager), no parity involved; padded: real tokens only."""
-    from transformers import AutoModelForCausalLM
-
-    ref = AutoModelForCausalLM.from_pretrained(checkpoints[model], attn_implementation="eager").eval()
-    ours = MODELS[model].build({k: v.clone() for k, v in ref.state_dict().items()}, ref.config).eval()
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        if not padded:
-            ids = torch.randint(0, 256, (1, 24), generator=g)
-            return float((ref(ids).logits - ours(ids)).abs().max())
-        ids = torch.randint(0, 256, (2, 24), generator=g)
-        mask = torch.ones(2, 24, dtype=torch.long)
-        mask[1, :5] = 0
-        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
-        a = ref(ids, attention_mask=mask, position_ids=positions).logits[mask.bool()]
-        b = ours(ids, attention_mask=mask, position_ids=positions)[mask.bool()]
-        return float((a - b).abs().max())
+    """Our logits against Transformers' (eager), no parity involved (``tests/heldout_support.py``)."""
+    return heldout_support.independent_max_diff(MODELS[model], checkpoints[model], padded, pad_row=1)
 
 
 @pytest.mark.parametrize("bug", [""], indirect=True)

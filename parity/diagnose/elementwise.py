@@ -362,6 +362,15 @@ def nonfinite(e: Evidence) -> Hint:
     )
 
 
+def _within(tol: float):
+    """``close(a, b)``: same shape, every element within ``tol``."""
+
+    def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return a.shape == b.shape and float((a.double() - b.double()).abs().max()) <= tol
+
+    return close
+
+
 def _nice(lo: float, hi: float) -> float:
     """The roundest number strictly between ``lo`` and ``hi`` (a threshold a port wrote): 8, 7.5, 1e-06."""
     for step in (100.0, 10.0, 5.0, 1.0, 0.5, 0.1, 0.01, 1e-3, 1e-4, 1e-5, 1e-6, 1e-7):
@@ -406,37 +415,30 @@ def clamped(e: Evidence) -> Hint | None:
     to the bounds it reaches, or the node's input is (OLMo's clip_qkv carried over), or the node's input
     differs exactly where an earlier value of the layer passes a threshold (a SwiGLU limit, an
     exponent clamped "for float16 safety"), on either side."""
-    tol = e.noise + 1e-6 * float(e.ref.abs().max())
-
-    def close(a: torch.Tensor, b: torch.Tensor) -> bool:
-        return a.shape == b.shape and float((a.double() - b.double()).abs().max()) <= tol
-
-    for side, this, other in (("ours", e.ours, e.ref), ("the reference", e.ref, e.ours)):
-        bounds = _clamp_bounds(this.double(), other.double(), close)
-        if bounds is not None:
-            return Hint(
-                "clamp",
-                f"likely a clamp in {side}: its {e.kind} is the other side's clamped to {bounds} (a clip or limit one "
-                "side applies)",
-                {"side": side, "bounds": bounds, "where": "output"},
-            )
     x_ref, x_ours = e.ref_trace.inputs.get(e.name), e.ours_trace.inputs.get(e.name)
-    if x_ref is None or x_ours is None or x_ref.shape != x_ours.shape or not x_ref.is_floating_point():
+    has_input = x_ref is not None and x_ours is not None and x_ref.shape == x_ours.shape and x_ref.is_floating_point()
+    in_tol = 1e-6 * float(x_ref.abs().max()) + e.result.atol if has_input and x_ref is not None else 0.0
+    values = [("output", e.ours, e.ref, e.noise + 1e-6 * float(e.ref.abs().max()))]
+    if has_input and x_ref is not None and x_ours is not None:
+        values.append(("input", x_ours, x_ref, in_tol))
+    for where, mine, theirs, tol in values:
+        close = _within(tol)
+        for side, this, other in (("ours", mine, theirs), ("the reference", theirs, mine)):
+            bounds = _clamp_bounds(this.double(), other.double(), close)
+            if bounds is not None:
+                what = f"its {e.kind} is" if where == "output" else f"the input of its {e.kind} is"
+                why = (
+                    "a clip or limit one side applies"
+                    if where == "output"
+                    else "a clip of the values before it, e.g. clip_qkv where the architecture has none"
+                )
+                return Hint(
+                    "clamp",
+                    f"likely a clamp in {side}: {what} the other side's clamped to {bounds} ({why})",
+                    {"side": side, "bounds": bounds, "where": where},
+                )
+    if not has_input or x_ref is None or x_ours is None:
         return None
-    in_tol = 1e-6 * float(x_ref.abs().max()) + e.result.atol
-
-    def close_in(a: torch.Tensor, b: torch.Tensor) -> bool:
-        return a.shape == b.shape and float((a.double() - b.double()).abs().max()) <= in_tol
-
-    for side, this, other in (("ours", x_ours, x_ref), ("the reference", x_ref, x_ours)):
-        bounds = _clamp_bounds(this.double(), other.double(), close_in)
-        if bounds is not None:
-            return Hint(
-                "clamp",
-                f"likely a clamp in {side}: the input of its {e.kind} is the other side's clamped to {bounds} (a clip "
-                "of the values before it, e.g. clip_qkv where the architecture has none)",
-                {"side": side, "bounds": bounds, "where": "input"},
-            )
     diff = (x_ours.double() - x_ref.double()).abs() > in_tol
     operands = [(f"{e.name}@input", x_ref)]
     for name, t in e.ref_trace.tensors.items():

@@ -1,0 +1,30 @@
+"""What the held-back sets' tests share: the independent check of a user model against Transformers,
+no parity involved (the helpers who wrote the models verified each bug the same way)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def independent_max_diff(module, checkpoint: Path, padded: bool, pad_row: int = 0) -> float:
+    """Max |logits| difference between ``module.build``'s model and Transformers' (eager) on 24 random
+    tokens; padded: batch 2, row ``pad_row`` starting with 5 padding tokens, positions counted over each
+    row's real tokens (padding at position 1, as generation gives it), real tokens compared only."""
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="eager").eval()
+    ours = module.build({k: v.clone() for k, v in ref.state_dict().items()}, ref.config).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        if not padded:
+            ids = torch.randint(0, 256, (1, 24), generator=g)
+            return float((ref(ids).logits - ours(ids)).abs().max())
+        ids = torch.randint(0, 256, (2, 24), generator=g)
+        mask = torch.ones(2, 24, dtype=torch.long)
+        mask[pad_row, :5] = 0
+        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+        a = ref(ids, attention_mask=mask, position_ids=positions).logits[mask.bool()]
+        b = ours(ids, attention_mask=mask, position_ids=positions)[mask.bool()]
+        return float((a - b).abs().max())
