@@ -5,7 +5,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
+
+
+def bug_fixture(models: dict):
+    """A ``bug`` fixture (``indirect``): sets ``BUG`` in every model module of a held-back set (the one
+    bug their code reads at call time) and clears it after."""
+
+    @pytest.fixture
+    def bug(request):
+        for module in models.values():
+            module.BUG = request.param
+        yield request.param
+        for module in models.values():
+            module.BUG = ""
+
+    return bug
 
 
 def independent_max_diff(module, checkpoint: Path, padded: bool, pad_row: int = 0) -> float:

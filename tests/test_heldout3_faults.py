@@ -88,13 +88,7 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-@pytest.fixture
-def bug(request):
-    for module in MODELS.values():
-        module.BUG = request.param
-    yield request.param
-    for module in MODELS.values():
-        module.BUG = ""
+bug = heldout_support.bug_fixture(MODELS)
 
 
 def independent_max_diff(model: str, checkpoints, padded: bool) -> float:

@@ -21,10 +21,14 @@ def token_axis(kind: str) -> int:
     return 2 if kind in HEAD_MAJOR else 1
 
 
-def without_padding(kind: str, ours: torch.Tensor, ref: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+def without_padding(
+    kind: str, ours: torch.Tensor, ref: torch.Tensor, pad: torch.Tensor, keys: tuple[str, ...] = ("scores",)
+) -> torch.Tensor:
     """``ours`` with the reference's values at padding positions (``pad``: ``(batch, seq)``, True at
-    padding), along its token axis and, for the scores, their key axis too (a real query's weight on a
-    padding key, in the probabilities, stays judged); ``ours`` unchanged when its shape has no such axes."""
+    padding), along its token axis and, for the node kinds in ``keys``, their key axis too (by default
+    the scores only: a real query's weight on a padding key, in the probabilities, stays judged; a dump
+    from another runtime leaves the probabilities' padding keys out as well); ``ours`` unchanged when its
+    shape has no such axes."""
     batch, seq = pad.shape
     axis = token_axis(kind)
     if tuple(ours.shape) != tuple(ref.shape) or ours.dim() < 2 or ours.dim() <= axis:
@@ -32,7 +36,7 @@ def without_padding(kind: str, ours: torch.Tensor, ref: torch.Tensor, pad: torch
     if ours.shape[0] != batch or ours.shape[axis] != seq:
         return ours
     where = pad.view(batch, *([1] * (axis - 1)), seq, *([1] * (ours.dim() - axis - 1)))
-    if kind == "scores" and ours.dim() == 4 and ours.shape[3] == seq:
+    if kind in keys and ours.dim() == 4 and ours.shape[3] == seq:
         # a padding key's score is masked after: unspecified; its probability is not (a real query must
         # give it no weight), so the probabilities keep their key axis judged
         where = where | pad.view(batch, 1, 1, seq)

@@ -31,7 +31,7 @@ def _rows_read(out: torch.Tensor, table: torch.Tensor, scale: float) -> torch.Te
         return None
     dist = torch.cdist(rows, t)
     best = dist.min(dim=1)
-    tol = 1e-5 * float(t.abs().max()) + 1e-3 * float(t.norm(dim=1).mean()) * 1e-2
+    tol = 1e-5 * (float(t.abs().max()) + float(t.norm(dim=1).mean()))  # rounding of the largest entry, of a row
     if bool((best.values > tol).any()):
         return None
     return best.indices

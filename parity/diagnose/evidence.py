@@ -120,6 +120,22 @@ def _fed_by_a_node(e: Evidence, x_ref: torch.Tensor) -> bool:
     return False
 
 
+def attention_values(e: Evidence) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(probs, v)``: the reference's probabilities ``(batch, heads, seq, keys)`` of the failing node's
+    attention block and its values ``(batch, kv_heads, seq, head_dim)`` (float64) from its ``v_proj``
+    node, when both were traced and the heads group evenly."""
+    stem = e.name.rsplit(".", 1)[0]
+    probs, values = e.ref_trace.tensors.get(f"{stem}.probs"), e.ref_trace.tensors.get(f"{stem}.v_proj")
+    d = e.facts.head_dim
+    if probs is None or values is None or probs.dim() != 4 or not d:
+        return None
+    b, h, t, _ = probs.shape
+    if values.numel() % (b * t * d) or h % (values.numel() // (b * t * d)):
+        return None
+    kv = values.numel() // (b * t * d)
+    return probs, values.double().reshape(b, t, kv, d).transpose(1, 2)
+
+
 def heads_first(t: torch.Tensor, n_heads: int, head_dim: int, seq: int) -> torch.Tensor | None:
     """A projection's output ``(batch, seq, heads * head_dim)`` (or already split) as ``(batch, heads,
     seq, head_dim)``."""
@@ -138,6 +154,38 @@ def pair_lengths(t: torch.Tensor) -> torch.Tensor:
     t = t.double()
     d = t.shape[-1]
     return (t[..., : d // 2].pow(2) + t[..., d // 2 :].pow(2)).sqrt()
+
+
+def layer_values(e: Evidence, before: bool = False, inputs_first: bool = False) -> list[tuple[str, torch.Tensor]]:
+    """The reference's values of the failing node's layer, by name: its nodes and its modules' inputs
+    (``<node>@input``); ``before``: only those produced before the failing node (and their inputs)."""
+    nodes = []
+    for name, tensor in e.ref_trace.tensors.items():
+        if before and name == e.name:
+            break
+        if e.facts.locate(name)[0] == e.result.layer:
+            nodes.append((name, tensor))
+    held = {name for name, _ in nodes} if before else None
+    inputs = [
+        (f"{n}@input", t)
+        for n, t in e.ref_trace.inputs.items()
+        if e.facts.locate(n)[0] == e.result.layer and (held is None or n in held)
+    ]
+    return inputs + nodes if inputs_first else nodes + inputs
+
+
+# --- nodes that are parts of a fused projection -------------------------------------------------
+
+_PART = re.compile(r"\[(\d+):(\d+)(?::(\d+))?\]$")
+
+
+def part_of(name: str) -> tuple[str, range] | None:
+    """``(fused node, its output features)`` of a part node named ``<node>[a:b]`` or ``<node>[a:b:step]``
+    (the reference's output features a module of ours holds), else None."""
+    m = _PART.search(name)
+    if m is None:
+        return None
+    return name[: m.start()], range(int(m.group(1)), int(m.group(2)), int(m.group(3) or 1))
 
 
 # --- exact matches with something else ---------------------------------------------------------

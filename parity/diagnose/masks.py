@@ -7,7 +7,15 @@ import math
 
 import torch
 
-from parity.diagnose.evidence import Evidence, by_position, call_index, fmt_list, positions_axis, seq_axis
+from parity.diagnose.evidence import (
+    Evidence,
+    attention_values,
+    by_position,
+    call_index,
+    fmt_list,
+    positions_axis,
+    seq_axis,
+)
 from parity.diagnose.hints import Hint
 
 
@@ -263,16 +271,15 @@ def attention_dropout(e: Evidence) -> Hint | None:
         return None
     if e.kind != "context" or e.result.layer is None:
         return None
-    stem = e.name.rsplit(".", 1)[0]
-    probs, values = e.ref_trace.tensors.get(f"{stem}.probs"), e.ref_trace.tensors.get(f"{stem}.v_proj")
-    if probs is None or values is None or probs.dim() != 4:
+    found = attention_values(e)
+    if found is None:
         return None
+    probs, v = found
     b, h, t, _ = probs.shape
-    d = e.facts.head_dim
-    if not d or e.ours.numel() != b * h * t * d or values.numel() % (b * t * d) or h % (values.numel() // (b * t * d)):
+    d = v.shape[-1]
+    if e.ours.numel() != b * h * t * d:
         return None
-    kv = values.numel() // (b * t * d)
-    v = values.double().reshape(b, t, kv, d).transpose(1, 2).repeat_interleave(h // kv, dim=1)
+    v = v.repeat_interleave(h // v.shape[1], dim=1)
     for side, context in (("ours", e.ours), ("the reference", e.ref)):
         rate = _dropout_rate(context.double(), probs.double(), v, h, t, d)
         if rate is not None:

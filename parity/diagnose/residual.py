@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import torch
 
-from parity.diagnose.evidence import EXPLAINS, Evidence, reads_stream, rel
+from parity.diagnose.evidence import EXPLAINS, Evidence, layer_values, reads_stream, rel
 from parity.diagnose.hints import Hint
 from parity.diagnose.masks import dropout_left_on, dropout_pattern
 
@@ -131,15 +131,8 @@ def _added_to(e: Evidence, value: torch.Tensor, stream: str, tol: float) -> str 
     """The reference value of the failing node's layer, produced before it, that ``value`` equals (the
     point a branch was added to), other than the stream itself: a node, or a module's input (the
     layer's input: a residual taken from before the attention)."""
-    candidates = []
-    for name, tensor in e.ref_trace.tensors.items():
-        if name == e.name:
-            break
-        candidates.append((name, tensor))
-    candidates += [(f"{n}@input", t) for n, t in e.ref_trace.inputs.items() if n in dict(candidates)]
-    for name, tensor in candidates:
-        same_layer = e.facts.locate(name.partition("@")[0])[0] == e.result.layer and tensor.shape == value.shape
-        if same_layer and name != stream and rel(value, tensor.double()) < tol:
+    for name, tensor in layer_values(e, before=True):
+        if tensor.shape == value.shape and name != stream and rel(value, tensor.double()) < tol:
             return name
     return None
 
@@ -250,9 +243,7 @@ def projection_source(e: Evidence) -> Hint | None:
     x_ref, x_ours = e.ref_trace.inputs.get(e.name), e.ours_trace.inputs.get(e.name)
     if x_ref is None or x_ours is None or x_ours.shape != x_ref.shape or e.close(x_ours, x_ref):
         return None
-    candidates = [(n, t) for n, t in e.ref_trace.tensors.items() if e.facts.locate(n)[0] == e.result.layer]
-    candidates += [(f"{n}@input", t) for n, t in e.ref_trace.inputs.items() if e.facts.locate(n)[0] == e.result.layer]
-    for name, tensor in candidates:
+    for name, tensor in layer_values(e):
         if name.partition("@")[0] == e.name or tensor.shape != x_ours.shape:
             continue
         if e.close(x_ours, tensor):

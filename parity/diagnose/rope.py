@@ -8,7 +8,15 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from parity.diagnose.evidence import Evidence, by_position, fmt_list, heads_first, pair_lengths, seq_axis
+from parity.diagnose.evidence import (
+    Evidence,
+    attention_values,
+    by_position,
+    fmt_list,
+    heads_first,
+    pair_lengths,
+    seq_axis,
+)
 from parity.diagnose.hints import Hint
 from parity.diagnose.rope_fit import ROTATION_MISTAKES
 
@@ -37,7 +45,7 @@ def position_table_offset(e: Evidence) -> Hint | None:
     return None
 
 
-def _pre_rope(e: Evidence, n_heads: int) -> torch.Tensor | None:
+def pre_rope(e: Evidence, n_heads: int) -> torch.Tensor | None:
     """The reference's q (or k) before RoPE as (batch, heads, seq, head_dim), from the q_norm/q_proj node
     (a per-head norm's output is ``(batch, seq, heads, head_dim)`` where Transformers normalises
     before moving heads first, Qwen3 and Gemma 4, and ``(batch, heads, seq, head_dim)`` where it
@@ -127,7 +135,7 @@ def rope_fit(e: Evidence) -> Hint | None:
     if e.kind not in ("q_rot", "k_rot") or e.ours.dim() != 4 or e.positions is None:
         return None
     layer = e.facts.layer(e.result.layer)
-    x = _pre_rope(e, e.ours.shape[1])
+    x = pre_rope(e, e.ours.shape[1])
     if layer is None or x is None or x.shape != e.ours.shape or e.positions.shape != (e.ours.shape[0], e.ours.shape[2]):
         return None
     ropes = {t: e.facts.rope_of_type(t) for t in sorted(set(e.facts.layer_types))}
@@ -277,7 +285,7 @@ def rope_partial(e: Evidence) -> Hint | None:
     proportional RoPE), or the reverse. Dims with a zero frequency come through RoPE bit for bit."""
     if e.kind not in ("q_rot", "k_rot") or e.ours.dim() != 4 or e.positions is None:
         return None
-    x = _pre_rope(e, e.ours.shape[1])
+    x = pre_rope(e, e.ours.shape[1])
     moved = e.positions > 0
     if (
         x is None
@@ -324,7 +332,7 @@ def rope_pattern(e: Evidence) -> Hint | None:
         f"(pos 1: {float(per_pos[1]):.3g}, pos {len(per_pos) - 1}: {float(per_pos[-1]):.3g})"
     )
     evidence = {"position_0": float(per_pos[0]), "last_position": float(per_pos[-1])}
-    x = _pre_rope(e, ours.shape[1])
+    x = pre_rope(e, ours.shape[1])
     ref_pairs = None
     if x is not None and x.shape == ours.shape:
         if e.close(ref, x):
@@ -457,18 +465,14 @@ def values_rotated(e: Evidence) -> Hint | None:
     from parity.diagnose.rope_fit import rotate
 
     layer = e.facts.layer(e.result.layer)
-    stem = e.name.rsplit(".", 1)[0]
-    probs, values = e.ref_trace.tensors.get(f"{stem}.probs"), e.ref_trace.tensors.get(f"{stem}.v_proj")
-    d = e.facts.head_dim
-    if layer is None or layer.rope is None or probs is None or values is None or probs.dim() != 4 or not d:
+    found = attention_values(e)
+    if layer is None or layer.rope is None or found is None:
         return None
+    probs, v = found
     b, h, t, _ = probs.shape
-    if values.numel() % (b * t * d) or e.positions.shape != (b, t):
+    kv, d = v.shape[1], v.shape[-1]
+    if e.positions.shape != (b, t):
         return None
-    kv = values.numel() // (b * t * d)
-    if h % kv:
-        return None
-    v = values.double().reshape(b, t, kv, d).transpose(1, 2)
 
     def context(v_heads: torch.Tensor) -> torch.Tensor | None:
         c = probs.double() @ v_heads.repeat_interleave(h // kv, dim=1)  # (b, h, t, d)
@@ -502,7 +506,7 @@ def bias_after_rope(e: Evidence) -> Hint | None:
     stem = e.name.rsplit(".", 1)[0]
     bias = e.ref_trace.biases.get(f"{stem}.{e.kind[0]}_proj")
     b, h, t, d = e.ref.shape
-    x = _pre_rope(e, h)
+    x = pre_rope(e, h)
     if layer is None or layer.rope is None or bias is None or x is None or bias.numel() != h * d:
         return None
     if e.positions.shape != (b, t):

@@ -4,11 +4,10 @@ factor per row or per channel, the softmax temperature."""
 from __future__ import annotations
 
 import math
-import re
 
 import torch
 
-from parity.diagnose.evidence import EXPLAINS, Evidence, fmt_list, rel
+from parity.diagnose.evidence import EXPLAINS, Evidence, fmt_list, part_of, rel
 from parity.diagnose.hints import Hint
 from parity.record.trace import SCALARS
 
@@ -338,7 +337,9 @@ def added_vector(e: Evidence) -> Hint | None:
     )
 
 
-_PART = re.compile(r"\[(\d+):(\d+)\]$")
+def _fused_name(name: str) -> str:
+    part = part_of(name)
+    return part[0] if part is not None else name
 
 
 def _bias_source(e: Evidence, v: torch.Tensor) -> str | None:
@@ -349,8 +350,9 @@ def _bias_source(e: Evidence, v: torch.Tensor) -> str | None:
     if full is None or full.dim() != 1:
         return None
     n = v.shape[0]
-    part = _PART.search(e.name)
-    own = full[int(part.group(1)) : int(part.group(2))] if part and full.shape[0] != n else full
+    part = part_of(e.name)
+    features = part[1] if part is not None and part[1].step == 1 else None
+    own = full[features.start : features.stop] if features is not None and full.shape[0] != n else full
     if own.shape[0] != n:
         return None
     own, v = own.double(), v.double()
@@ -376,7 +378,7 @@ def _bias_source(e: Evidence, v: torch.Tensor) -> str | None:
                     if other.shape[0] == n:
                         return f"{side} adds {name}'s bias at {e.name} (another module's bias)"
                     return (
-                        f"{side} adds part [{i * n}:{(i + 1) * n}] of {_PART.sub('', name)}'s bias at {e.name} (a fused "
+                        f"{side} adds part [{i * n}:{(i + 1) * n}] of {_fused_name(name)}'s bias at {e.name} (a fused "
                         "bias split in another order)"
                     )
     return None

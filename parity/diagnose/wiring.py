@@ -3,14 +3,27 @@ layer, another head, a transposed weight, the unloaded head, a tap declared in a
 
 from __future__ import annotations
 
-import re
 from typing import TYPE_CHECKING, cast
 
 import torch
 
-from parity.diagnose.evidence import EXPLAINS, Evidence, fmt_list, heads_first, pair_lengths, reads_stream, rel, whose
+from parity.diagnose.elementwise import _activations, function_of
+from parity.diagnose.evidence import (
+    EXPLAINS,
+    Evidence,
+    fmt_list,
+    heads_first,
+    layer_values,
+    pair_lengths,
+    part_of,
+    reads_stream,
+    rel,
+    whose,
+)
 from parity.diagnose.hints import Hint
 from parity.diagnose.profile import HEAD_MAJOR, HEAD_MERGED, SEQ_HEADS
+from parity.diagnose.rope import pre_rope
+from parity.diagnose.rope_fit import rotate
 
 if TYPE_CHECKING:
     from parity.model.facts import LayerFacts
@@ -20,7 +33,6 @@ def activation_skipped(e: Evidence) -> Hint | None:
     """One side's value is another node of its layer as it is, the other side's that node through an
     activation: the activation skipped on the first side (GPT-2's c_proj reading c_fc's output without
     the GELU), named with the activation and the side."""
-    from parity.diagnose.elementwise import _activations
 
     prefix = e.name.rsplit(".", 1)[0]
     for name, tensor in e.ref_trace.tensors.items():
@@ -334,7 +346,6 @@ def gate_up_roles(e: Evidence) -> Hint | None:
         return _fused_split(e, fused, x)
     if gate is None or up is None or gate.shape != up.shape or gate.shape != x.shape:
         return None
-    from parity.diagnose.elementwise import _activations
 
     x_ref = e.ref_trace.inputs.get(e.name) if hasattr(e.ref_trace.inputs, "get") else None
     for label, act in _activations().items():
@@ -361,7 +372,10 @@ def gate_up_roles(e: Evidence) -> Hint | None:
             {"ours": ours_is, "reference": ref_is, "input": f"{stem}.gate_proj"},
         )
     if ref_is is not None and ours_is is None:
-        for what, alone in ((f"act(gate) alone ({ref_is}(gate_proj))", acts_ref(gate, ref_is)), ("up_proj alone", up)):
+        for what, alone in (
+            (f"act(gate) alone ({ref_is}(gate_proj))", _activations()[ref_is](gate)),
+            ("up_proj alone", up),
+        ):
             if e.close(x, alone):
                 return Hint(
                     "activation",
@@ -370,8 +384,6 @@ def gate_up_roles(e: Evidence) -> Hint | None:
                     {"ours": what, "reference": ref_is, "input": f"{stem}.gate_proj"},
                 )
         # ours' down_proj input divided by up is still one smooth function of gate: another activation
-        from parity.diagnose.elementwise import function_of
-
         keep = up.double().abs() > 1e-2 * float(up.double().abs().max())
         f = x.double()[keep] / up.double()[keep]
         g = gate.double()[keep]
@@ -387,18 +399,12 @@ def gate_up_roles(e: Evidence) -> Hint | None:
     return None
 
 
-_SLICE = re.compile(r"\[(\d+):(\d+)(?::(\d+))?\]$")
-
-
 def _from_parts(e: Evidence, node: str) -> torch.Tensor | None:
     """A fused node's whole output put back from the part nodes the reference recorded
     (``node[a:b]``, ``node[a:b:step]``: the output features each module of ours holds)."""
-    parts = []
-    for name, t in e.ref_trace.tensors.items():
-        m = _SLICE.match(name[len(node) :]) if name.startswith(node + "[") else None
-        if m is not None:
-            start, stop, step = int(m.group(1)), int(m.group(2)), int(m.group(3) or 1)
-            parts.append((list(range(start, stop, step)), t))
+    parts = [
+        (list(part[1]), t) for name, t in e.ref_trace.tensors.items() if (part := part_of(name)) and part[0] == node
+    ]
     if len(parts) < 2:
         return None
     width = max(max(rows) for rows, _ in parts) + 1
@@ -413,7 +419,6 @@ def _from_parts(e: Evidence, node: str) -> torch.Tensor | None:
 def _fused_split(e: Evidence, fused: torch.Tensor, x: torch.Tensor) -> Hint | None:
     """A fused ``gate_up_proj`` output read apart otherwise on one side: in halves ``[gate; up]``, the
     halves the other way round, or interleaved rows (gate = 0::2, up = 1::2)."""
-    from parity.diagnose.elementwise import _activations
 
     n = x.shape[-1]
     splits = {
@@ -434,13 +439,6 @@ def _fused_split(e: Evidence, fused: torch.Tensor, x: torch.Tensor) -> Hint | No
                 {"ours": ours_is, "reference": ref_is, "activation": label},
             )
     return None
-
-
-def acts_ref(gate: torch.Tensor, label: str) -> torch.Tensor:
-    """``gate`` through the activation named ``label`` (one of ``_activations()``)."""
-    from parity.diagnose.elementwise import _activations
-
-    return _activations()[label](gate)
 
 
 def heads_merged_unmoved(e: Evidence) -> Hint | None:
@@ -476,11 +474,9 @@ def heads_split_unmoved(e: Evidence) -> Hint | None:
     holds pieces of several positions. Checked after the layer's RoPE where it has one, either side."""
     if e.kind not in ("q_rot", "k_rot") or e.ours.dim() != 4 or e.positions is None:
         return None
-    from parity.diagnose.rope import _pre_rope
-    from parity.diagnose.rope_fit import rotate
 
     b, h, t, d = e.ref.shape
-    x = _pre_rope(e, h)
+    x = pre_rope(e, h)
     if x is None or x.shape != e.ref.shape or t < 2 or e.positions.shape != (b, t):
         return None
     mixed = x.transpose(1, 2).reshape(b, t, h * d).reshape(b, h, t, d)
@@ -506,7 +502,6 @@ def projection_input(e: Evidence) -> Hint | None:
     RoPE. Only for attention without a q/k norm (a norm between would hide the input)."""
     if e.kind not in ("q_rot", "k_rot") or e.ours.dim() != 4 or e.positions is None:
         return None
-    from parity.diagnose.rope_fit import rotate
 
     stem = e.name.rsplit(".", 1)[0]
     letter = e.kind[0]
@@ -521,8 +516,7 @@ def projection_input(e: Evidence) -> Hint | None:
     rope = layer.rope if layer is not None else None
     if rope is not None and e.positions.shape != (b, t):
         return None
-    candidates = [(f"{n}@input", x) for n, x in e.ref_trace.inputs.items() if e.facts.locate(n)[0] == e.result.layer]
-    candidates += [(n, x) for n, x in e.ref_trace.tensors.items() if e.facts.locate(n)[0] == e.result.layer]
+    candidates = layer_values(e, inputs_first=True)
     w = weight.double()
     for name, x in candidates:
         if name == e.name or x.shape != own.shape or not x.is_floating_point() or torch.equal(x, own):

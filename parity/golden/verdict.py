@@ -285,23 +285,17 @@ def exclude_padding(
 ) -> list[str]:
     """Ours' values at padding positions replaced by the reference's, in every node with a token axis
     (and a key axis: ``scores``, ``probs``), so padding is never judged; the nodes changed."""
-    from parity.diagnose.profile import HEAD_MAJOR
+    from parity.compare.padding import without_padding
 
-    batch, seq = pad.shape
     changed = []
     for name, tensor in list(tensors.items()):
         theirs = ref.tensors.get(name)
-        if theirs is None or tuple(theirs.shape) != tuple(tensor.shape) or tensor.dim() < 2:
+        if theirs is None:
             continue
-        axis = 2 if kinds.get(name) in HEAD_MAJOR else 1
-        if tensor.dim() <= axis or tensor.shape[0] != batch or tensor.shape[axis] != seq:
-            continue
-        where = pad.view(batch, *([1] * (axis - 1)), seq, *([1] * (tensor.dim() - axis - 1)))
-        if tensor.dim() == 4 and axis == 2 and tensor.shape[3] == seq:  # a key axis too
-            where = where | pad.view(batch, 1, 1, seq)
-        where = where.expand(tensor.shape)
-        tensors[name] = torch.where(where, theirs.to(tensor.dtype), tensor)
-        changed.append(name)
+        moved = without_padding(kinds.get(name, ""), tensor, theirs, pad, keys=("scores", "probs"))
+        if moved is not tensor:
+            tensors[name] = moved
+            changed.append(name)
     return changed
 
 

@@ -262,13 +262,8 @@ class FunctionCapture(TorchFunctionMode):
                     self._unbiased[id(out)] = (node, out)  # a LayerNorm's shift comes next: x_hat * w + b
                     return out
                 return self.record_param(node, out)
-        ids = args[1] if len(args) > 1 and name != "embedding" else (args[0] if args else None)
-        looked_up = name == "embedding" or (
-            isinstance(ids, torch.Tensor) and not ids.is_floating_point() and ids.dtype != torch.bool
-        )  # token ids, not a slice of the weight (``W[:, h]`` is a part of a product's weight)
-        if self.params and name in LOOKUPS and args and looked_up:  # a table read by a lookup outside its module
-            table = args[1] if name == "embedding" and len(args) > 1 else args[0]
-            node = self._param_node(func, (table,)) if isinstance(table, torch.Tensor) and table.dim() == 2 else None
+        if self.params and name in LOOKUPS and args:  # a table read by a lookup outside its module
+            node = self._lookup_node(func, name, args)
             if node is not None:
                 return self.record_param(node, func(*args, **kwargs), True)
         if self._partials:
@@ -335,6 +330,25 @@ class FunctionCapture(TorchFunctionMode):
         if func is EINSUM and args and isinstance(args[0], str):
             return self._einsum(block, head_dim, func, args, kwargs)
         return func(*args, **kwargs)
+
+    def _lookup_node(self, func, name: str, args) -> str | None:
+        """The node of the table this lookup reads at token ids (``F.embedding(ids, W)``, ``W[ids]``), not a
+        slice of a product's weight (``W[:, h]``)."""
+        ids, table = (
+            (args[0], args[1] if len(args) > 1 else None)
+            if name == "embedding"
+            else (
+                args[1] if len(args) > 1 else None,
+                args[0],
+            )
+        )
+        if name != "embedding" and not (
+            isinstance(ids, torch.Tensor) and not ids.is_floating_point() and ids.dtype != torch.bool
+        ):
+            return None
+        if not isinstance(table, torch.Tensor) or table.dim() != 2:
+            return None
+        return self._param_node(func, (table,))
 
     def _share(self, node: str, operands) -> tuple[int, int]:
         """``(elements read, elements of the parameter)`` of the operand holding ``node``'s parameter."""

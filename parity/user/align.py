@@ -369,7 +369,7 @@ class _Aligner:
             self.why[path] = "no weight in the reference module"
             return None
         keys = self.keys_by_storage.get(_storage_key(weight), [])
-        held = [(n, s) for k in keys for n, s in self.by_key.get(k, [])]
+        held = self._held(weight)
         found = held
         # the parameter must be its module's weight: named so, or (a norm's ``scale``, ``gamma``, ``g``,
         # ``w``) the only parameter of its module that holds a reference weight
@@ -454,12 +454,10 @@ class _Aligner:
             return False
         # a module whose submodules hold other reference weights computes more than the op reading this
         # one (an MLP holding w_down itself, w_gate and w_up as submodules): the op is the node, not it
-        inner = [n for n in self.coverage.sources if module and n.startswith(module + ".") and n != param]
-        return not inner if self.coverage.sources[param] and self._ndim(param) >= 2 else True
-
-    def _ndim(self, param: str) -> int:
-        tensor = self.ours_params.get(param)
-        return tensor.dim() if tensor is not None else 0
+        held = self.ours_params.get(param)
+        if held is None or held.dim() < 2:
+            return True  # a norm's one vector (``scale``, ``g``): its module is the norm
+        return not any(module and n.startswith(module + ".") and n != param for n in self.coverage.sources)
 
     def container(self, path: str) -> str | None:
         """Our module that plays the role of the reference container ``path``."""
@@ -511,8 +509,7 @@ class _Aligner:
         weight = getattr(module, "weight", None)
         if spec.reference_transform is not None or not isinstance(weight, torch.Tensor):
             return None
-        keys = self.keys_by_storage.get(_storage_key(weight), [])
-        held = [(n, s) for k in keys for n, s in self.by_key.get(k, [])]
+        held = self._held(weight)
         rows = [(n, s) for n, s in held if s.how == PART and s.rows and weight.dim() == 2]
         if rows and len(rows) == len({n for n, _ in held}) and len(rows) > 1:
             # separate modules holding rows of one fused weight (Phi-3's qkv_proj as wq, wk, wv): one node each
@@ -547,14 +544,17 @@ class _Aligner:
         new = replace(spec, name=name, ours=ours, reference=spec.reference_path, reference_transform=view)
         return new, Aligned(name, ours, "part" if ours.startswith(PARAM) else "weights", detail)
 
+    def _held(self, tensor: torch.Tensor) -> list[tuple[str, Source]]:
+        """The parameters of ours holding (part of) one of the reference's tensors, with how each does."""
+        return [(n, s) for k in self.keys_by_storage.get(_storage_key(tensor), []) for n, s in self.by_key.get(k, [])]
+
     def _bias_of(self, ref_path: str, part: tuple[int, int, int] | None = None) -> str | None:
         """The parameter of ours holding the reference module's bias (its ``part`` of it, for a weight cut
         in parts): ours may add it after the op reading the weight (``x @ W + b``), as the module does."""
         bias = getattr(self.ref_modules.get(ref_path), "bias", None)
         if not isinstance(bias, torch.Tensor):
             return None
-        keys = self.keys_by_storage.get(_storage_key(bias), [])
-        held = [(n, s) for k in keys for n, s in self.by_key.get(k, [])]
+        held = self._held(bias)
         if part is not None:
             held = [(n, s) for n, s in held if s.how == SPLIT and s.part is not None and s.part[1:] == part[1:]]
         return held[0][0] if len(held) == 1 else None
@@ -570,11 +570,11 @@ class _Aligner:
             return None
         held = [
             n
-            for k in self.keys_by_storage.get(_storage_key(bias), [])
-            for n, s in self.by_key.get(k, [])
-            if s.how in (SHARED, COPY, LAYOUT, SLICE) and n in self.ours_params
+            for n, s in self._held(bias)
+            if s.how in (SHARED, COPY, LAYOUT, SLICE)
+            and n in self.ours_params
+            and self.ours_params[n].numel() == bias.numel()
         ]
-        held = [n for n in held if self.ours_params[n].numel() == bias.numel()]
         if len(held) != 1 or (our_path and held[0].startswith(our_path + ".")):
             return None  # the module holds it itself (under another name: a LayerNorm's ``b``): it adds it
         return held[0]

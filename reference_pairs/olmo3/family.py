@@ -10,6 +10,7 @@ from parity.util.errors import ConfigError
 from ..common.builders import pair_builder
 from ..common.config import shared_from_hf, shared_to_hf
 from ..common.nodes import ATTENTION, EMBED, FINAL, LAYER_OUTPUT, MLP, QK_NORM
+from ..common.rope import default_or_yarn
 from .configs import CONFIGS, FULL, SLIDING
 from .faults import FAULTS
 from .fields import FIELDS
@@ -35,18 +36,15 @@ NODES = NodeMap(
 def _rope_dict(cfg: dict, layer_type: str) -> dict:
     base = cfg["rope_local_base"] if layer_type == SLIDING else cfg["rope_base"]
     if cfg["rope_type"] != "yarn" or layer_type not in cfg["rope_scaled_layer_types"]:
-        return {"rope_type": "default", "rope_theta": base}
-    params = {
-        "rope_type": "yarn",
-        "rope_theta": base,
+        return default_or_yarn(base, None)
+    yarn = {
         "factor": cfg["rope_factor"],
-        "original_max_position_embeddings": cfg["rope_orig_max"],
+        "original_context_length": cfg["rope_orig_max"],
         "beta_fast": cfg["beta_fast"],
         "beta_slow": cfg["beta_slow"],
+        "attention_factor": cfg["rope_attention_factor"],
     }
-    if cfg["rope_attention_factor"] is not None:
-        params["attention_factor"] = cfg["rope_attention_factor"]
-    return params
+    return default_or_yarn(base, yarn)
 
 
 def to_hf(cfg: dict):
