@@ -144,22 +144,54 @@ NAMED = [
     ("gemma2", "sliding_wrong_parity", "model.layers.0.self_attn.probs", "sliding_window", "full causal attention"),
     ("gemma2", "sliding_all_layers", "model.layers.1.self_attn.probs", "sliding_window", "a window of 8"),
     ("granite", "logits_scaling_multiplied", "logits", "scale", "logits_scaling squared"),
-    # named after the first measure (fitted): a multiplier outside any module, seen through the next norm
+    # named after the first measure (fitted): a multiplier outside any module, seen through the next norm's
+    # input (kept since the fifth set: a norm computed in functions holds what its statistic reads)
     (
         "granite",
         "emb_mult_inverted",
         "model.layers.0.input_layernorm",
-        "norm_eps",
-        "1 / the config's embedding_multiplier squared",
+        "scale",
+        "times 0.0277778 at every position; matches 1 / the config's embedding_multiplier squared (36)",
+    ),
+    ("granite", "emb_mult_twice", "model.layers.0.input_layernorm", "scale", "the config's embedding_multiplier (6)"),
+    ("granite", "logits_scaling_before_norm", "model.norm", "scale", "matches 1 / the config's logits_scaling (8)"),
+    # named after the fifth set's changes: the attention of a model of plain parameters is what runs between
+    # its first projection's read and its last; a norm computed in functions keeps its input
+    (
+        "granite",
+        "attn_mult_on_output",
+        "model.layers.0.self_attn.scores",
+        "attention_scale",
+        "0.25 (= 1/sqrt(head_dim=16))",
     ),
     (
         "granite",
-        "emb_mult_twice",
-        "model.layers.0.input_layernorm",
-        "norm_eps",
-        "the config's embedding_multiplier (6)",
+        "attn_mult_inverted",
+        "model.layers.0.self_attn.scores",
+        "attention_scale",
+        "1 / the config's attention_multiplier",
     ),
-    ("granite", "logits_scaling_before_norm", "model.norm", "norm_eps", "1 / the config's logits_scaling (8)"),
+    (
+        "granite",
+        "resmul_on_residual",
+        "model.layers.0.post_attention_layernorm",
+        "residual",
+        "x's coefficient 0.22 (= the config's residual_multiplier (0.22)) in ours, 1 (= 1, no multiplier) in the reference",
+    ),
+    (
+        "granite",
+        "resmul_from_emb_field",
+        "model.layers.0.post_attention_layernorm",
+        "residual",
+        "f(x)'s coefficient 6 (= the config's embedding_multiplier (6)) in ours",
+    ),
+    (
+        "granite",
+        "resmul_attn_only",
+        "model.layers.1.input_layernorm",
+        "residual",
+        "f(x) = model.layers.0.mlp.down_proj",
+    ),
 ]
 
 

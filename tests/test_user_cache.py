@@ -158,7 +158,10 @@ def test_a_kv_shared_layer_handed_its_source_cache_after_the_cut_fails(monkeypat
     from reference_pairs.common.attention import GroupedQueryAttention
 
     pair = _window_keeping_gemma4(monkeypatch)
-    assert parity.check(pair, decode="12:4x2").passed
+    # not bit-exact: ours' softmax runs over the window's keys only, the reference's over every key with the
+    # rest masked, and the sums' order then follows the CPU's vector width (equal with AVX-512, 1 ulp apart
+    # with AVX2 only: an AMD EPYC 7xx3 without AVX-512, 2026-12-02)
+    assert parity.check(pair, decode="12:4x2", exact=False).passed
     forward = GroupedQueryAttention.forward
 
     def hand_on_the_cut_cache(self, x, cos=None, sin=None, padding_mask=None, cache=None, shared_kv=None):

@@ -54,6 +54,7 @@ from parity.diagnose.rope import (
     rope_fit,
     rope_partial,
     rope_pattern,
+    rope_tables,
     values_rotated,
 )
 from parity.diagnose.scales import (
@@ -156,6 +157,7 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     future_keys,
     window_pattern,
     chunk_boundary,
+    rope_tables,  # before rope_pattern: a pairing and table mixed up is named, not only seen
     rope_pattern,
     channel_ratio,
     added_vector,
@@ -221,6 +223,27 @@ def _fewer_positions(result: NodeResult) -> Hint | None:
     )
 
 
+def _one_of_many(result: NodeResult, ref_trace: Trace) -> Hint | None:
+    """A module of a list (``q_layernorm.norms.0``: one per head) whose output in ours holds all its
+    siblings' share along one axis: ours applies that one module to every head (or every part) at
+    once, the reference each module to its own."""
+    stem, _, index = result.name.rpartition(".")
+    a, b = result.shape_ours, result.shape_ref
+    if not index.isdigit() or not a or not b or len(a) != len(b):
+        return None
+    siblings = sum(1 for n in ref_trace.tensors if n.rpartition(".")[0] == stem and n.rpartition(".")[2].isdigit())
+    differ = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
+    if siblings < 2 or len(differ) != 1 or a[differ[0]] != siblings * b[differ[0]]:
+        return None
+    return Hint(
+        "shape",
+        f"likely one module used for all {siblings}: ours applies {result.name} to all {siblings} parts along axis "
+        f"{differ[0]} at once (its output {a}), the reference {stem}.0..{siblings - 1} each to its own part ({b}): "
+        "a per-head module shared across heads",
+        {"siblings": siblings, "axis": differ[0]},
+    )
+
+
 def diagnose(
     result: NodeResult,
     ours_trace: Trace,
@@ -240,6 +263,7 @@ def diagnose(
         return (
             swapped
             or _fewer_positions(result)
+            or _one_of_many(result, ref_trace)
             or Hint("shape", f"likely a layout or head-count difference: {result.detail}")
         )
     ours, ref = ours_trace.tensors.get(result.name), ref_trace.tensors.get(result.name)

@@ -213,22 +213,29 @@ def activation_function(e: Evidence) -> Hint | None:
     if e.result.layer is None:
         return None
     acts = _activations()
-    for name, pre in e.ref_trace.tensors.items():
-        if name == e.name:
-            break  # only nodes the reference computed before this one
-        if pre.shape != e.ref.shape or not pre.is_floating_point() or e.facts.locate(name)[0] != e.result.layer:
-            continue
-        values = {label: fn(pre) for label, fn in acts.items()}
-        ours_is = next((label for label, y in values.items() if e.close(e.ours, y) and not e.close(e.ref, y)), None)
-        if ours_is is None:
-            continue
-        ref_is = next((label for label, y in values.items() if e.close(e.ref, y)), None)
-        theirs = f"the reference {ref_is}" if ref_is else "the reference another function"
-        return Hint(
-            "activation",
-            f"likely the activation function: ours equals {ours_is} of the reference's {name}, {theirs}",
-            {"ours": ours_is, "reference": ref_is, "input": name},
-        )
+    # the node itself, or its input (the activation between two projections that has no node of its own:
+    # StarCoder2's c_fc -> act -> c_proj), when ours' input was kept and differs
+    x_ours, x_ref = e.ours_trace.inputs.get(e.name), e.ref_trace.inputs.get(e.name)
+    pairs = [(e.ours, e.ref, "")]
+    if x_ours is not None and x_ref is not None and x_ours.shape == x_ref.shape and not e.close(x_ours, x_ref):
+        pairs.append((x_ours, x_ref, f"{e.kind}'s input: "))
+    for ours, ref, where in pairs:
+        for name, pre in e.ref_trace.tensors.items():
+            if name == e.name:
+                break  # only nodes the reference computed before this one
+            if pre.shape != ref.shape or not pre.is_floating_point() or e.facts.locate(name)[0] != e.result.layer:
+                continue
+            values = {label: fn(pre) for label, fn in acts.items()}
+            ours_is = next((label for label, y in values.items() if e.close(ours, y) and not e.close(ref, y)), None)
+            if ours_is is None:
+                continue
+            ref_is = next((label for label, y in values.items() if e.close(ref, y)), None)
+            theirs = f"the reference {ref_is}" if ref_is else "the reference another function"
+            return Hint(
+                "activation",
+                f"likely the activation function: {where}ours equals {ours_is} of the reference's {name}, {theirs}",
+                {"ours": ours_is, "reference": ref_is, "input": name},
+            )
     return None
 
 

@@ -136,19 +136,45 @@ def future_keys(e: Evidence) -> Hint | None:
     attending to all of itself)."""
     if e.kind != "probs" or e.ours.dim() != 4:
         return None
-    seen_ref, seen_ours = e.ref.abs() > 0, e.ours.abs() > 0
     keys = torch.arange(e.ref.shape[-1])
-    last = torch.where(seen_ref, keys, torch.full_like(keys, -1)).amax(-1, keepdim=True)  # per query row
-    future = seen_ours & ~seen_ref & (keys > last)
-    if not bool(future.any()):
-        return None
-    rows = future.any(-1).flatten(0, 1).any(0).nonzero().flatten().tolist()
-    return Hint(
-        "causal_mask",
-        f"likely the causal mask: ours gives weight to keys after the last one the reference lets a query see "
-        f"({int(future.sum())} entries; queries {fmt_list(rows)}), so a query reads the future",
-        {"entries": int(future.sum()), "queries": rows[:32]},
-    )
+    for side, this, other in (("ours", e.ours, e.ref), ("the reference", e.ref, e.ours)):
+        seen_this, seen_other = this.abs() > 0, other.abs() > 0
+        last = torch.where(seen_other, keys, torch.full_like(keys, -1)).amax(-1, keepdim=True)  # per query row
+        future = seen_this & ~seen_other & (keys > last)
+        if not bool(future.any()):
+            continue
+        rows = future.any(-1).flatten(0, 1).any(0).nonzero().flatten().tolist()
+        offending = future.any(-1)  # (batch, heads, queries)
+        p = this.double()
+        uniform = (p.amax(-1) - p.amin(-1)).abs() <= 1e-9 * p.amax(-1)  # every key the same weight: none unmasked
+        if bool(uniform[offending].all()):
+            batch_rows = offending.flatten(1).any(-1).nonzero().flatten().tolist()
+            return Hint(
+                "padding",
+                f"likely a mask in {side} that hides every key of some queries (batch rows {fmt_list(batch_rows)}, "
+                f"queries {fmt_list(rows)}): their weights are uniform over all keys, future ones included, as a "
+                "softmax over scores all masked gives; another row's padding mask applied to this row, or a mask "
+                "built for other positions",
+                {"side": side, "batch_rows": batch_rows, "queries": rows[:32]},
+            )
+        extra = seen_this & ~seen_other
+        fill = _fill_value(e, this.double(), other.double(), extra)
+        if fill is not None:  # every masked key got one same score: the mask's fill value is finite
+            return Hint(
+                "causal_mask",
+                f"likely the mask in {side} applied with the finite fill value {fill:.4g} instead of -inf: {side} "
+                f"gives every key the other side masks ({int(extra.sum())} entries, future keys included) the score "
+                f"{fill:.4g}, so masked keys still get weight",
+                {"side": side, "entries": int(extra.sum()), "fill_value": fill, "queries": rows[:32]},
+            )
+        other_side = "the reference" if side == "ours" else "ours"
+        return Hint(
+            "causal_mask",
+            f"likely the causal mask in {side}: {side} gives weight to keys after the last one {other_side} lets a "
+            f"query see ({int(future.sum())} entries; queries {fmt_list(rows)}), so a query reads the future",
+            {"side": side, "entries": int(future.sum()), "queries": rows[:32]},
+        )
+    return None
 
 
 def window_pattern(e: Evidence) -> Hint | None:

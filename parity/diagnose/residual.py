@@ -20,14 +20,18 @@ from parity.diagnose.masks import dropout_left_on, dropout_pattern
 def _branch_output(e: Evidence) -> tuple[str, torch.Tensor] | None:
     """The last reference node before the failing one, in its layer, of the residual stream's shape
     that is no point of the stream itself: what the sub-layer adds (o_proj, a post-attention norm)."""
-    found = None
+    found = previous = None
     for name, tensor in e.ref_trace.tensors.items():
         if name == e.name:
             break
         layer, kind = e.facts.locate(name)
-        if layer == e.result.layer and tensor.shape == e.ref.shape and not reads_stream(kind):
+        if tensor.shape != e.ref.shape or reads_stream(kind) or layer is None or e.result.layer is None:
+            continue
+        if layer == e.result.layer:
             found = (name, tensor)
-    return found
+        elif layer == e.result.layer - 1:  # a layer's first norm reads the previous layer's last add
+            previous = (name, tensor)
+    return found or previous
 
 
 def _stream_before(e: Evidence, branch: str) -> tuple[str, torch.Tensor] | None:
@@ -36,15 +40,16 @@ def _stream_before(e: Evidence, branch: str) -> tuple[str, torch.Tensor] | None:
     of the layer's first node (the layer's input)."""
     names = list(e.ref_trace.tensors)
     before = names[: names.index(branch)]
+    at = e.facts.locate(branch)[0]  # the branch's layer (the previous one for a layer's first norm)
     for name in reversed(before):
         layer, kind = e.facts.locate(name)
-        if layer == e.result.layer and reads_stream(kind) and e.ref_trace.tensors[name].shape == e.ref.shape:
+        if layer == at and reads_stream(kind) and e.ref_trace.tensors[name].shape == e.ref.shape:
             return name, e.ref_trace.tensors[name]
     # the input of the last norm before the branch (the pre-norm that read the stream), else of the
     # layer's first node with one (the layer's input)
     for name in [*[n for n in reversed(before) if "norm" in e.facts.locate(n)[1]], *before]:
         x = e.ref_trace.inputs.get(name)
-        if e.facts.locate(name)[0] == e.result.layer and x is not None and x.shape == e.ref.shape:
+        if e.facts.locate(name)[0] == at and x is not None and x.shape == e.ref.shape:
             return f"{name}@input", x
     return None
 
@@ -86,8 +91,8 @@ def residual_add(e: Evidence) -> Hint | None:
         return next((label for label, value in forms.items() if rel(t.double(), value) < tol), None)
 
     ours_is, ref_is = form_of(e.ours), form_of(e.ref)
-    if at_norm_input and ref_is != "x + f(x)":
-        return None  # the reference's norm reads no stream here (a sandwich block's post-norm reads the branch)
+    if at_norm_input and ref_is != "x + f(x)":  # the reference's own add scales (Granite's residual_multiplier)
+        return _coefficients_differ(e, x, f, name, stream[0], tol)
     for side, value, other_is in (("ours", e.ours, ref_is), ("the reference", e.ref, ours_is)):
         if other_is == "x + f(x)" and form_of(value) is None:
             keep = f.abs() > 1e-2 * float(f.abs().max())
@@ -115,9 +120,10 @@ def residual_add(e: Evidence) -> Hint | None:
                     {"side": side, "branch": name, "stream": stream[0], "added_to": source},
                 )
     if ours_is is None and ref_is == "x + f(x)":
-        return _stream_scaled(e, e.ours.double() - f, x, stream[0], tol)
+        scaled = _stream_scaled(e, e.ours.double() - f, x, stream[0], tol)
+        return scaled if scaled is not None else _coefficients_differ(e, x, f, name, stream[0], tol)
     if ours_is is None or ref_is is None or ours_is == ref_is:
-        return None
+        return _coefficients_differ(e, x, f, name, stream[0], tol)
     side = "ours" if ref_is == "x + f(x)" else "the reference"
     return Hint(
         "residual",
@@ -125,6 +131,63 @@ def residual_add(e: Evidence) -> Hint | None:
         f"f(x) = {name} and x = {stream[0]}",
         {"ours": ours_is, "reference": ref_is, "branch": name, "stream": stream[0], "side": side},
     )
+
+
+def _coefficients(value: torch.Tensor, x: torch.Tensor, f: torch.Tensor, tol: float) -> tuple[float, float] | None:
+    """``(a, b)`` when ``value`` is ``a x + b f`` (least squares, exact within ``tol``), else None."""
+    design = torch.stack([x.flatten(), f.flatten()], 1)
+    solution = torch.linalg.lstsq(design, value.double().flatten()[:, None]).solution.flatten()
+    a, b = float(solution[0]), float(solution[1])
+    return (a, b) if rel(value.double(), a * x + b * f) < tol else None
+
+
+def _coefficients_differ(e: Evidence, x: torch.Tensor, f: torch.Tensor, branch: str, stream: str, tol: float):
+    """Both sides add the branch ``f`` to the stream ``x`` as ``a x + b f`` with other coefficients: a
+    residual multiplier (Granite's, MiniCPM's depth scale) applied to the other term, taken from
+    another field of the config, applied to the sum, or rounded to a lower precision; each coefficient
+    named by the config constant it equals."""
+    ours, ref = _coefficients(e.ours, x, f, tol), _coefficients(e.ref, x, f, tol)
+    if ours is None or ref is None or max(abs(o - r) / max(abs(r), 1e-12) for o, r in zip(ours, ref)) < 1e-6:
+        return None
+    if min(abs(c) for c in (*ours, *ref)) < 1e-3:
+        return None  # a term missing (x alone: a parallel block, f alone): the wiring detectors' cases
+    if abs(ours[0] / ref[0] - ours[1] / ref[1]) < 1e-6 * abs(ours[1] / ref[1]):
+        return None  # the whole sum scaled (a layer scalar): one ratio everywhere, the scale detectors' case
+
+    def form(c: tuple[float, float]) -> str:
+        return f"{c[0]:.7g} x + {c[1]:.7g} f(x)"
+
+    named = [
+        f"{which} {o:.7g}{_constant(e, o)} in ours, {r:.7g}{_constant(e, r)} in the reference"
+        for which, o, r in (("x's coefficient", ours[0], ref[0]), ("f(x)'s coefficient", ours[1], ref[1]))
+        if abs(o - r) > 1e-6 * max(abs(r), 1e-12)
+    ]
+    return Hint(
+        "residual",
+        f"likely the residual add's multiplier: ours computes {form(ours)}, the reference {form(ref)}, with f(x) = "
+        f"{branch} and x = {stream} ({'; '.join(named)})",
+        {"ours": list(ours), "reference": list(ref), "branch": branch, "stream": stream},
+    )
+
+
+def _constant(e: Evidence, c: float) -> str:
+    """`` (= the config's residual_multiplier (0.22))`` (or that constant rounded to float16 or bfloat16,
+    or its inverse, or 1) when ``c`` is one, else ``""``."""
+    if abs(c - 1) < 1e-9:
+        return " (= 1, no multiplier)"
+    for label, value in e.facts.named_constants().items():
+        if not value:
+            continue
+        label = label if label.endswith(")") else f"{label} ({value:g})"
+        if abs(c / value - 1) < 1e-9:
+            return f" (= {label})"
+        if abs(c * value - 1) < 1e-9:
+            return f" (= 1 / {label})"
+        for dtype in (torch.float16, torch.bfloat16):
+            rounded = float(torch.tensor(value, dtype=dtype))
+            if rounded != value and abs(c / rounded - 1) < 1e-9:
+                return f" (= {label} rounded to {str(dtype).removeprefix('torch.')})"
+    return ""
 
 
 def _added_to(e: Evidence, value: torch.Tensor, stream: str, tol: float) -> str | None:
@@ -155,14 +218,15 @@ def _stream_scaled(e: Evidence, ours_x: torch.Tensor, x: torch.Tensor, where: st
 
 
 def _named(e: Evidence, ratio: float) -> str:
-    named = e.facts.named_constants()
-    return next(
-        (f"; matches {label} = {value:g}" for label, value in named.items() if value and abs(ratio / value - 1) < 1e-3),
-        "",
-    ) or next(
-        (f"; matches 1 / {label}" for label, value in named.items() if value and abs(ratio * value - 1) < 1e-3),
-        "",
-    )
+    """``; matches the config's embedding_multiplier (6)`` (every constant ``ratio`` or its inverse equals,
+    the config's own first), else ``""``."""
+    named = sorted(e.facts.named_constants().items(), key=lambda item: "config" not in item[0])
+    matches = [
+        f"{label}{'' if label.endswith(')') else f' = {value:g}'}"
+        for label, value in named
+        if value and abs(ratio / value - 1) < 1e-3
+    ] + [f"1 / {label}" for label, value in named if value and abs(ratio * value - 1) < 1e-3]
+    return f"; matches {', or '.join(matches[:3])}" if matches else ""
 
 
 def input_scale(e: Evidence) -> Hint | None:

@@ -55,8 +55,10 @@ def pre_rope(e: Evidence, n_heads: int) -> torch.Tensor | None:
     letter = e.kind[0]
     head_dim = e.ref.shape[-1]
     seq = e.ref.shape[2] if e.ref.dim() == 4 else None
-    for kind in (f"{letter}_norm", f"{letter}_proj"):
+    for kind in (f"{letter}_norm", f"{letter}_layernorm", f"{letter}_proj"):
         t = e.ref_trace.tensors.get(f"{stem}.{kind}")
+        if t is None:
+            t = _per_head_norms(e, f"{stem}.{kind}")
         if t is None:
             continue
         if t.dim() == 3 and t.shape[-1] == n_heads * head_dim:
@@ -76,6 +78,15 @@ def pre_rope(e: Evidence, n_heads: int) -> torch.Tensor | None:
         if candidates:
             return candidates[0]
     return _pre_rope_fused(e, n_heads, stem)
+
+
+def _per_head_norms(e: Evidence, base: str) -> torch.Tensor | None:
+    """The outputs of a per-head norm's modules (StableLM's ``q_layernorm.norms.<head>``, each ``(batch, 1,
+    seq, head_dim)``) joined along the heads, or None when the reference has none."""
+    parts: list[torch.Tensor] = []
+    while (t := e.ref_trace.tensors.get(f"{base}.norms.{len(parts)}")) is not None:
+        parts.append(t)
+    return torch.cat(parts, dim=1) if parts and all(t.dim() == 4 for t in parts) else None
 
 
 def _pre_rope_fused(e: Evidence, n_heads: int, stem: str) -> torch.Tensor | None:
@@ -264,6 +275,12 @@ def _rope_hint(e: Evidence, fit, side: str, layer, own: float) -> Hint | None:
         return Hint(
             "rope_scaling", f"likely the RoPE scaling is not applied: {side} rotates with {fit.label}, {amp}", evidence
         )
+    if "divide by head_dim" in fit.label:
+        return Hint(
+            "rope_frequencies",
+            f"likely the inverse frequencies of partial rotary: {side} rotates like {fit.label}, {amp}",
+            evidence,
+        )
     return Hint(
         "rope_theta",
         f"likely a different rope theta: {side} rotates like {fit.label}, {amp} (the config: theta "
@@ -317,6 +334,61 @@ def rope_partial(e: Evidence) -> Hint | None:
     )
 
 
+def _rotate(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    if interleaved:
+        return torch.stack([-x[..., 1::2], x[..., 0::2]], dim=-1).flatten(-2)
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def rope_tables(e: Evidence) -> Hint | None:
+    """Ours' rotation is this layer's frequencies with the pairs and the cos/sin table laid out in another
+    combination: pairs split in halves or interleaved, the table's frequencies concatenated ``cat(f, f)``
+    or repeated ``repeat_interleave(f, 2)`` (a table laid out for the other pairing mixes two frequencies
+    in one pair: no rotation, so no fit reads it). Each of the four is computed from the reference's
+    input to RoPE and the one ours equals is named."""
+    if e.kind not in ("q_rot", "k_rot") or e.ours.dim() != 4 or e.positions is None:
+        return None
+    layer = e.facts.layer(e.result.layer)
+    x = pre_rope(e, e.ours.shape[1])
+    if layer is None or layer.rope is None or x is None or x.shape != e.ours.shape:
+        return None
+    r = layer.rope.rotary_dim
+    inv = torch.tensor(layer.rope.inv_freq, dtype=torch.float64)
+    if inv.numel() != r // 2 or e.positions.shape != (x.shape[0], x.shape[2]):
+        return None
+    angles = e.positions.double()[:, None, :, None] * inv  # (batch, 1, seq, r/2)
+    layouts = {
+        "concatenated cat(f, f)": torch.cat([angles, angles], -1),
+        "repeated per pair": angles.repeat_interleave(2, -1),
+    }
+    xd, head = x.double()[..., :r], x.double()[..., r:]
+    amplitude = layer.rope.attention_factor
+    combos = {}
+    for pairs, interleaved in (("half-split (i, i + d/2)", False), ("interleaved (2i, 2i + 1)", True)):
+        for table, a in layouts.items():
+            rotated = (xd * a.cos() + _rotate(xd, interleaved) * a.sin()) * amplitude
+            combos[(pairs, table)] = torch.cat([rotated, head], -1)
+    ours_is = [c for c, t in combos.items() if e.close(e.ours.double(), t.to(e.ours.dtype).double())]
+    ref_is = [c for c, t in combos.items() if e.close(e.ref.double(), t.to(e.ref.dtype).double())]
+    if not ours_is or not ref_is or set(ours_is) & set(ref_is):
+        return None
+    (ours_pairs, ours_table), (ref_pairs, ref_table) = ours_is[0], ref_is[0]
+    if ours_table == ref_table:
+        return None  # the pairing alone: rope_pattern's pairing reading says it
+    return Hint(
+        "rope_pairing",
+        f"likely RoPE's pairs and cos/sin table: ours rotates {ours_pairs} pairs with the table's frequencies "
+        f"{ours_table}, the reference {ref_pairs} pairs with them {ref_table}"
+        + (
+            " (a table laid out for the other pairing gives each pair two frequencies)"
+            if ours_pairs == ref_pairs
+            else ""
+        ),
+        {"ours": list(ours_is[0]), "reference": list(ref_is[0])},
+    )
+
+
 def rope_pattern(e: Evidence) -> Hint | None:
     """Position 0 agrees and the error grows with position: RoPE (frequencies, scaling, pairing, offset)."""
     ours, ref = e.ours, e.ref
@@ -359,7 +431,9 @@ def rope_pattern(e: Evidence) -> Hint | None:
                 f"rest through; {numbers}",
                 {**evidence, "ours_rotated_dims": ours_dims, "reference_rotated_dims": ref_dims},
             )
-        ours_pairs, ref_pairs = _pairing(ours, x), _pairing(ref, x)
+        # partial rotary: the pairs within the dims the config rotates
+        r = declared if declared and declared % 2 == 0 and declared < ours.shape[-1] else ours.shape[-1]
+        ours_pairs, ref_pairs = _pairing(ours[..., :r], x[..., :r]), _pairing(ref[..., :r], x[..., :r])
         if ours_pairs and ref_pairs and ours_pairs != ref_pairs:
             return Hint(
                 "rope_pairing",
@@ -380,7 +454,7 @@ def rope_pattern(e: Evidence) -> Hint | None:
         return Hint(
             "rope_frequencies",
             f"likely RoPE frequencies off in their last bits: ours' rotation angles differ from the reference's by "
-            f"{precision:.2g} relative (bfloat16 rounding is 4e-3): inverse frequencies computed or rounded in a lower "
+            f"{precision:.2g} relative (bfloat16 rounding is 4e-3): inverse frequencies or angles computed or rounded in a lower "
             f"precision than the reference's float32; {numbers}",
             {**evidence, "relative": precision},
         )
@@ -412,9 +486,13 @@ def _frequency_precision(e: Evidence, x: torch.Tensor, pairing: str | None) -> f
     ours_r, _ = rotation(x, e.ours, interleaved, layer.rope.rotary_dim)
     ref_r, weight = rotation(x, e.ref, interleaved, layer.rope.rotary_dim)
     last = int(e.positions[0].argmax())
-    angle_ref = ref_r[0, last].angle().abs()
     delta = (ours_r[0, last] / ref_r[0, last]).angle().abs()
-    keep = (angle_ref > 1e-3) & (angle_ref < 3.0) & (weight[0, last] > 0)  # unwrapped angles only
+    inv_freq = torch.tensor(layer.rope.inv_freq, dtype=torch.float64)
+    if inv_freq.numel() != delta.shape[-1]:
+        return None
+    # each angle unwrapped: the position times the frequency (the reference's rotation is this layer's RoPE)
+    angle_ref = (float(e.positions[0, last]) * inv_freq).expand_as(delta)
+    keep = (angle_ref > 1e-3) & (weight[0, last] > 0)
     if not bool(keep.any()) or not bool((delta[keep] > 0).any()):
         return None
     relative = float((delta[keep] / angle_ref[keep]).max())
@@ -425,7 +503,7 @@ def norm_after_rope(e: Evidence) -> Hint | None:
     """A q/k norm whose input in ours is the reference's input rotated: equal where RoPE leaves a token
     as it is (position 0), each rotated pair of dims of the same length elsewhere. Ours normalises q
     (or k) after RoPE, the reference before it."""
-    if e.kind not in ("q_norm", "k_norm") or e.positions is None:
+    if not (e.kind.startswith(("q_", "k_")) and "norm" in e.kind) or e.positions is None:
         return None
     x_ref, x_ours = e.ref_trace.inputs.get(e.name), e.ours_trace.inputs.get(e.name)
     if x_ref is None or x_ours is None or x_ref.numel() != x_ours.numel() or x_ref.dim() < 3:
@@ -447,7 +525,14 @@ def norm_after_rope(e: Evidence) -> Hint | None:
     for ours in candidates:
         if ours is None or ours.shape != ref.shape or e.close(ours, ref):
             continue
-        if e.close(ours[first], ref[first]) and e.close(pair_lengths(ours), pair_lengths(ref)):
+        layer = e.facts.layer(e.result.layer)
+        r = layer.rope.rotary_dim if layer is not None and layer.rope is not None else d
+        rest = r >= d or e.close(ours[..., r:], ref[..., r:])  # partial rotary passes the rest through
+        if (
+            e.close(ours[first], ref[first])
+            and rest
+            and e.close(pair_lengths(ours[..., :r]), pair_lengths(ref[..., :r]))
+        ):
             return Hint(
                 "norm_placement",
                 f"likely norm placement: ours' {e.kind} reads its input after RoPE (the reference's input rotated: equal "

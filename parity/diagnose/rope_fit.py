@@ -127,6 +127,17 @@ def identify(
             candidates.append(
                 (f"the unscaled RoPE (theta {rope.theta:g}, no {rope.rope_type} scaling)", rope.unscaled_inv_freq())
             )
+    if rope is not None and rope.rope_type == "default" and layer.head_dim and rope.rotary_dim < layer.head_dim:
+        # partial rotary: theta^(-2i/r) over the rotated dims r, not over the whole head
+        wide = tuple(rope.theta ** (-2 * i / layer.head_dim) for i in range(rope.rotary_dim // 2))
+        candidates.append(
+            (
+                f"default RoPE with theta {rope.theta:g} whose exponents divide by head_dim ({layer.head_dim}), not by "
+                f"the rotary dims ({rope.rotary_dim}): theta^(-2i/{layer.head_dim}) where the reference has "
+                f"theta^(-2i/{rope.rotary_dim})",
+                wide,
+            )
+        )
     for layer_type, other in ropes.items():
         if other is None or layer_type == layer.layer_type:
             continue

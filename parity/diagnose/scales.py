@@ -21,6 +21,62 @@ def _qk_agree(e: Evidence) -> bool:
     return True
 
 
+def _reference_scale(e: Evidence) -> float | None:
+    """The scale the reference multiplies ``q k^T`` by in the failing node's block, read from its own
+    trace (``scores / (q_rot k_rot^T)``; a config's own multiplier, Granite's attention_multiplier,
+    included), or None when the block's q, k and scores are not all recorded."""
+    stem = e.name.rsplit(".", 1)[0]
+    q, k, scores = (e.ref_trace.tensors.get(f"{stem}.{kind}") for kind in ("q_rot", "k_rot", "scores"))
+    if q is None or k is None or scores is None or q.dim() != 4 or k.dim() != 4 or q.shape[1] % k.shape[1]:
+        return None
+    product = q.double() @ k.double().repeat_interleave(q.shape[1] // k.shape[1], dim=1).transpose(-2, -1)
+    if product.shape != scores.shape:
+        return None
+    keep = product.abs() > 1e-2 * float(product.abs().max())
+    if not bool(keep.any()):
+        return None
+    ratio = scores.double()[keep] / product[keep]
+    scale = float(ratio.median())
+    return scale if float((ratio - scale).abs().max()) < 1e-3 * abs(scale) else None
+
+
+def _scale_name(e: Evidence, scale: float) -> str:
+    """`` (= 1/sqrt(head_dim=16))``: what an attention scale equals, among the config's named constants
+    and the usual formulas (up to three readings, the config's first), else ``""``."""
+    layer = e.facts.layer(e.result.layer)
+    head_dim = (layer.head_dim if layer is not None else None) or e.facts.head_dim
+    named = {label: v for label, v in e.facts.named_constants().items() if v and not label.startswith("sqrt(")}
+    candidates = {label: v for label, v in named.items()}  # the config's own constants first
+    candidates.update({f"1 / {label}": 1 / v for label, v in named.items()})
+    candidates.update(
+        {
+            "1 (no scale)": 1.0,
+            f"1/sqrt(head_dim={head_dim})": head_dim**-0.5,
+            f"1/sqrt(hidden_size={e.facts.hidden_size})": e.facts.hidden_size**-0.5,
+            f"1/head_dim (1/sqrt(head_dim={head_dim}) applied twice)": 1.0 / head_dim,
+        }
+    )
+    for label, v in named.items():
+        if "squared" not in label:
+            candidates.setdefault(f"{label} / sqrt(head_dim={head_dim})", v * head_dim**-0.5)
+            candidates.setdefault(f"{label} squared", v * v)
+    matches = [label for label, value in candidates.items() if abs(scale / value - 1) < 1e-4]
+    return f" (= {', or '.join(matches[:3])})" if matches else ""
+
+
+def _scales(e: Evidence, factor: float) -> str:
+    """``: ours scales q k^T by 0.25 (= 1/sqrt(head_dim=16)), the reference by 0.0625 (= ...)`` for ours'
+    scores being the reference's times ``factor``, when the reference's scale is readable."""
+    reference = _reference_scale(e)
+    if reference is None:
+        return ""
+    ours = factor * reference
+    return (
+        f"; ours scales q k^T by {ours:.6g}{_scale_name(e, ours)}, the reference by {reference:.6g}"
+        f"{_scale_name(e, reference)}"
+    )
+
+
 def softmax_temperature(e: Evidence) -> Hint | None:
     """Attention probabilities that are the reference's scores times one constant, softmaxed: the
     attention scale (softmax temperature), with q and k agreeing."""
@@ -46,7 +102,7 @@ def softmax_temperature(e: Evidence) -> Hint | None:
     return Hint(
         "attention_scale",
         f"likely the attention scale (softmax temperature): q and k agree, and ours' probabilities are the "
-        f"softmax of the reference's scores times {c:.6g}",
+        f"softmax of the reference's scores times {c:.6g}{_scales(e, c)}",
         {"factor": c},
     )
 
@@ -211,7 +267,7 @@ def constant_ratio(e: Evidence) -> Hint | None:
         return Hint(
             kind,
             f"likely the attention scale (softmax temperature): q and k agree, the pre-softmax scores "
-            f"differ by one factor, ours / reference = {mean:.6g}{named}",
+            f"differ by one factor, ours / reference = {mean:.6g}{_scales(e, mean) or named}",
             {"ratio": mean, "matches": matched[0][0] if matched else None},
         )
     return Hint(

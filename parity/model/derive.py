@@ -69,6 +69,8 @@ def derive_facts(config, model=None) -> ArchFacts:
     heads = int(_get(config, "num_attention_heads", "n_head", default=0))
     kv = _get(config, "num_key_value_heads", default=None)
     kv = heads if kv is None else int(kv)  # null means MHA; an explicit 0 is kept for validate_facts to refuse
+    if _get(config, "multi_query", default=False) and not _get(config, "new_decoder_architecture", default=False):
+        kv = 1  # Falcon's multi-query: one key/value head whatever num_kv_heads says (FalconAttention)
     head_dim = _get(config, "head_dim")
     head_dim = int(head_dim) if head_dim is not None else (hidden // heads if heads else 0)
     n_layers = int(_get(config, "num_hidden_layers", "n_layer", default=0))

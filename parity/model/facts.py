@@ -188,7 +188,8 @@ class ArchFacts:
         """``(layer index or None, kind)`` of a canonical node name.
 
         The kind is the last path component without the layer prefix (``q_proj``, ``probs``,
-        ``mlp@input``); a layer's own output is ``layer``; outside the layers the last component
+        ``mlp@input``; a per-head norm's module of one head, ``q_layernorm.norms.0``, is ``q_layernorm``); a
+        layer's own output is ``layer``; outside the layers the last component
         (``embed_tokens``, ``norm``, ``lm_head``, ``logits``). A ``stepN/`` prefix (decode checks) is
         ignored.
         """
@@ -206,7 +207,10 @@ class ArchFacts:
                 if "@" in rest:
                     path, _, what = rest.partition("@")
                     return index, f"{path.rsplit('.', 1)[-1]}@{what}"
-                return index, rest.rsplit(".", 1)[-1]
+                parts = rest.split(".")
+                if len(parts) >= 3 and parts[-1].isdigit() and "norm" in parts[-3]:
+                    return index, parts[-3]  # one head's norm of a per-head norm (StableLM's q_layernorm.norms.0)
+                return index, parts[-1]
         if "@" in bare:
             path, _, what = bare.partition("@")
             return None, f"{path.rsplit('.', 1)[-1]}@{what}"

@@ -33,12 +33,23 @@ from __future__ import annotations
 import math
 import re
 import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from parity.record.ops import LOOKUP, LOOKUPS, NORM_WEIGHT_NAMES, PRODUCT, PRODUCT_NAMES, REARRANGES, op_name
+from parity.record.ops import (
+    LOOKUP,
+    LOOKUPS,
+    NORM_WEIGHT_NAMES,
+    PRODUCT,
+    PRODUCT_NAMES,
+    REARRANGES,
+    STATISTIC_NAMES,
+    op_name,
+)
 from parity.record.routing import RoutingCapture
 
 SDPA = F.scaled_dot_product_attention
@@ -127,6 +138,10 @@ def _scalar(x) -> bool:
     return isinstance(x, (int, float)) or (isinstance(x, torch.Tensor) and x.numel() == 1)
 
 
+def _normalisable(args) -> bool:
+    return bool(args) and isinstance(args[0], torch.Tensor) and args[0].is_floating_point() and args[0].dim() >= 2
+
+
 def _storage(t) -> int | None:
     return t.untyped_storage().data_ptr() if isinstance(t, torch.Tensor) and t.numel() else None
 
@@ -167,17 +182,59 @@ def _einsum_parts(equation: str) -> tuple[str, str, str] | None:
     return (m.group(1), m.group(2), m.group(3)) if m and "." not in equation else None
 
 
-def _canonical_heads(t: torch.Tensor, letters: str, batch: str, heads: str, seq: str, dim: str) -> torch.Tensor:
-    """``t`` (axes named by ``letters``) as ``(batch, heads, seq, dim)``."""
-    order = [letters.index(c) for c in (batch, heads, seq, dim)]
-    return t.permute(order)
+class Canonical:
+    """A tensor of ours brought into the reference's attention layout by its axes' letters: ``groups``
+    lists, in the reference's order, the letters each of its axes flattens (``[["b"], ["g", "r"], ["q"],
+    ["k"]]`` for an ``einsum`` output ``bgrqk``: heads kept as (KV heads, group), flattened as
+    ``repeat_kv`` numbers them). ``back(t)`` puts a tensor in that layout into ours' again."""
+
+    def __init__(self, t: torch.Tensor, letters: str, groups: list[list[str]]):
+        self.perm = [letters.index(c) for group in groups for c in group]
+        permuted = t.permute(self.perm)
+        self.sizes = permuted.shape
+        shape, i = [], 0
+        for group in groups:
+            shape.append(math.prod(self.sizes[i : i + len(group)]))
+            i += len(group)
+        self.value = permuted.reshape(shape)
+
+    def back(self, t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(self.sizes).permute(torch.tensor(self.perm).argsort().tolist())
+
+
+class Heads:
+    """``(batch * heads, seq, x)`` (a ``bmm`` over batch and heads folded together) as ``(batch, heads,
+    seq, x)`` and back; any other tensor passes as it is."""
+
+    def __init__(self, t: torch.Tensor, heads: int):
+        self.folded = t.dim() == 3 and heads > 0 and t.shape[0] % heads == 0
+        self.heads = heads
+
+    def view(self, t: torch.Tensor) -> torch.Tensor:
+        return t.unflatten(0, (-1, self.heads)) if self.folded else t
+
+    def back(self, t: torch.Tensor) -> torch.Tensor:
+        return t.flatten(0, 1) if self.folded else t
+
+    def canonical(self, t: torch.Tensor) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+        return self.view(t), self.back
+
+
+@dataclass
+class Pending:
+    """``q @ k^T`` of a block not yet recorded as its scores: ``latest`` is what the model made of it so far
+    (a mask), ``canonical(t) -> (t in the reference's layout, back)``."""
+
+    latest: torch.Tensor
+    product: torch.Tensor
+    canonical: Callable[[torch.Tensor], tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]]
 
 
 class FunctionCapture(TorchFunctionMode):
     """Records attention internals and functional projections of ours while it runs (see the module
     docstring) and, under a MoE block, its routing (:mod:`parity.record.routing`, ``moe``).
     ``record(name, tensor) -> tensor``: a tap that yields to the model's own
-    (:func:`~parity.record.hooks.functional_tap`); ``block() -> (path, head_dim) | None``: the
+    (:func:`~parity.record.hooks.functional_tap`); ``block() -> (path, head_dim, heads) | None``: the
     running attention block aligned to the reference's; ``params``: storage of a parameter of ours
     -> the node of the op that reads it, recorded by ``record_param(node, tensor) -> tensor``;
     ``biases``: storage of a bias -> the node whose op's result ours adds it to; ``owners``: ``(node ->
@@ -213,6 +270,10 @@ class FunctionCapture(TorchFunctionMode):
         #: node -> the share of its parameter its recorded value read (below 1: part of the weight skipped)
         self.shares: dict[str, float] = {}
         self._chunked: set[str] = set()
+        #: the last few ``t * c`` of a tensor of heads and a scalar: ``id(out) -> (out, t, redo the scaling)``
+        self._scaled: dict[int, tuple[weakref.ref, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]] = {}
+        #: the input of the first statistic (mean square, mean, variance) since a norm's weight was applied
+        self._statistic: torch.Tensor | None = None
         self.record, self.block, self.params, self.record_param = record, block, params, record_param
         #: the routing of the running MoE block (``moe() -> (path, TopK) | None``), when ours has one
         self.routing = RoutingCapture(record, moe) if moe is not None else None
@@ -230,7 +291,9 @@ class FunctionCapture(TorchFunctionMode):
         #: per block, ``(latest, product)``: ``q @ k^T`` not yet recorded as the scores, followed through
         #: what the model does to it (a mask); a scaling by a scalar on the way gives the scores (that
         #: scaling of the unmasked product), the softmax without one the product itself
-        self._pending: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._pending: dict[str, Pending] = {}
+        #: per block, the (q_len, k_len) of its ``q @ k^T`` not yet multiplied with the values
+        self._scored: dict[str, tuple[int, ...]] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -254,10 +317,15 @@ class FunctionCapture(TorchFunctionMode):
                 return out
             self.joined(list(args[0]), out)
             return out
+        if self.params and self._statistic is None and name in STATISTIC_NAMES and _normalisable(args):
+            self._statistic = args[0]  # a norm computed in functions: what it normalises
         if self.params and name in NORM_WEIGHT_NAMES:  # a norm's weight vector applied outside its module
             node = self._param_node(func, args, vector=True)
             if node is not None:
                 out = func(*args, **kwargs)
+                x, self._statistic = self._statistic, None
+                if x is not None and isinstance(out, torch.Tensor) and x.shape == out.shape:
+                    self.hold_input(node, x)  # its input, for the hints (a module's would be kept)
                 if node in self._biased and not any(self.biases.of(t) == node for t in args):
                     self._unbiased[id(out)] = (node, out)  # a LayerNorm's shift comes next: x_hat * w + b
                     return out
@@ -301,22 +369,29 @@ class FunctionCapture(TorchFunctionMode):
         running = self.block()
         if running is None:
             return func(*args, **kwargs)
-        block, head_dim = running
+        block, head_dim, heads = running
         if block in self._chunked:
             return func(*args, **kwargs)
+        product_op = func in PRODUCTS or func is EINSUM
         pending = self._pending.get(block)
-        if pending is not None and any(a is pending[0] for a in args if isinstance(a, torch.Tensor)):
-            latest, product = self._pending.pop(block)
+        if (
+            pending is not None
+            and not product_op  # a product reading it is the values' (a softmax written as exp / sum)
+            and any(a is pending.latest for a in args if isinstance(a, torch.Tensor))
+        ):
+            self._pending.pop(block)
+            latest, product = pending.latest, pending.product
             if func in SCALINGS and len(args) == 2 and _scalar(args[1] if args[0] is latest else args[0]):
-                self.record("scores", func(*[product if a is latest else a for a in args], **kwargs))
+                self._record_in("scores", func(*[product if a is latest else a for a in args], **kwargs), pending)
             elif func in SOFTMAXES:
-                self.record("scores", product)
-            else:  # a mask on the way: follow its result
+                self._record_in("scores", product, pending)
+            else:  # a mask, or a softmax written out (max, exp, sum): follow its result
                 if product is latest and op_name(func).endswith("_"):  # masked_fill_ on the product itself
-                    product = product.clone()  # the scores are the unmasked product, as the reference's
+                    pending.product = product.clone()  # the scores are the unmasked product, as the reference's
                 out = func(*args, **kwargs)
                 if isinstance(out, torch.Tensor):
-                    self._pending[block] = (out, product)
+                    pending.latest = out
+                self._pending[block] = pending  # a max's (values, indices): still the same pending product
                 return out
         if func in SOFTMAXES:
             out = func(*args, **kwargs)
@@ -326,10 +401,57 @@ class FunctionCapture(TorchFunctionMode):
                 self._after_probs.add(block)
             return out
         if func in PRODUCTS and len(args) >= 2:
-            return self._product(block, head_dim, func, args, kwargs)
+            return self._product(block, head_dim, heads, func, args, kwargs)
         if func is EINSUM and args and isinstance(args[0], str):
             return self._einsum(block, head_dim, func, args, kwargs)
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if func in SCALINGS:
+            self._note_scaling(func, args, out)
+        return out
+
+    def _note_scaling(self, func, args, out) -> None:
+        """Remember ``out = t * c`` (or ``t / c``) for a tensor ``t`` of heads and a scalar ``c``: queries the
+        model scales before ``q @ k^T`` (the softmax scale applied to q) are ``q_rot`` before the scaling."""
+        if len(args) != 2 or not isinstance(out, torch.Tensor) or out.dim() < 3:
+            return
+        first = isinstance(args[0], torch.Tensor) and args[0].dim() >= 3 and _scalar(args[1])
+        second = isinstance(args[1], torch.Tensor) and args[1].dim() >= 3 and _scalar(args[0])
+        if not (first or second):
+            return
+        t, c = (args[0], args[1]) if first else (args[1], args[0])
+        self._scaled[id(out)] = (weakref.ref(out), t, (lambda x: func(x, c)) if first else (lambda x: func(c, x)))
+        while len(self._scaled) > 4:
+            self._scaled.pop(next(iter(self._scaled)))
+
+    def _unscaled(self, q: torch.Tensor) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+        """``(q before a scalar scaling the model applied to it last, that scaling)``, or ``(q, identity)``."""
+        held = self._scaled.get(id(q))
+        if held is not None and held[0]() is q:
+            return held[1], held[2]
+        return q, lambda x: x
+
+    def _record_in(self, kind: str, t: torch.Tensor, pending: Pending) -> torch.Tensor:
+        value, back = pending.canonical(t)
+        recorded = self.record(kind, value)
+        return t if recorded is value else back(recorded)
+
+    def _values_product(self, block: str, head_dim: int, qk: tuple[int, ...], dim: int) -> bool:
+        """Whether a product of a ``qk``-shaped ``(q_len, k_len)`` operand with values of ``dim`` per head
+        is this block's product of its probabilities with its values: after its softmax, or after its
+        ``q @ k^T`` when the softmax is written out (exp over a sum), the probabilities then of the
+        scores' shape."""
+        if dim != head_dim:
+            return False
+        return block in self._after_probs or self._scored.get(block) == qk
+
+    def _before_values(self, block: str) -> None:
+        """The product with the values is next: scores still pending (no scaling, no torch softmax: the
+        softmax written out) are the ``q @ k^T`` product itself."""
+        self._after_probs.discard(block)
+        self._scored.pop(block, None)
+        pending = self._pending.pop(block, None)
+        if pending is not None:
+            self._record_in("scores", pending.product, pending)
 
     def _lookup_node(self, func, name: str, args) -> str | None:
         """The node of the table this lookup reads at token ids (``F.embedding(ids, W)``, ``W[ids]``), not a
@@ -422,32 +544,42 @@ class FunctionCapture(TorchFunctionMode):
 
     def _sdpa(self, args, kwargs):
         call = _sdpa_arguments(args, kwargs)
-        q, k = self.record("q_rot", call["query"]), self.record("k_rot", call["key"])
+        base, scaling = self._unscaled(call["query"])  # queries the model scaled before the call: q_rot is before
+        q, k = self.record("q_rot", base), self.record("k_rot", call["key"])
+        q = call["query"] if q is base else scaling(q)
         scores, probs = sdpa_scores_probs(q, k, call)
         self.record("scores", scores)
         self.record("probs", probs)
         rest = {n: v for n, v in call.items() if n not in ("query", "key")}
         return self.record("context", SDPA(q, k, **rest))
 
-    def _product(self, block: str, head_dim: int, func, args, kwargs):
+    def _product(self, block: str, head_dim: int, heads: int, func, args, kwargs):
         a, b = args[0], args[1]
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() >= 3 and b.dim() >= 3):
             return func(*args, **kwargs)
-        if block in self._after_probs and b.shape[-1] == head_dim and a.shape[-1] == b.shape[-2]:
-            self._after_probs.discard(block)  # probabilities times values
-            probs = self.record("probs", a)
-            return self.record("context", func(probs, b, *args[2:], **kwargs))
-        if block not in self._after_probs and a.shape[-1] == head_dim and b.shape[-2] == head_dim:
+        folded = Heads(a, heads) if a.dim() == b.dim() == 3 else Heads(a, 0)  # bmm over (batch * heads)
+        if a.shape[-1] == b.shape[-2] and self._values_product(block, head_dim, tuple(a.shape[-2:]), b.shape[-1]):
+            self._before_values(block)  # probabilities times values
+            pv = folded.view(a)
+            probs = self.record("probs", pv)
+            out = func(a if probs is pv else folded.back(probs), b, *args[2:], **kwargs)
+            cv = folded.view(out)
+            context = self.record("context", cv)
+            return out if context is cv else folded.back(context)
+        if a.shape[-1] == head_dim and b.shape[-2] == head_dim:
             # q @ k^T: both operands carry head_dim (k transposed), the result is (..., q_len, k_len)
             if self._chunk_of(block, a):
                 return func(*args, **kwargs)
             kt = b.transpose(-2, -1)
-            q, k = self.record("q_rot", a), self.record("k_rot", kt)
-            if q is a and k is kt:
+            base, scaling = self._unscaled(a)  # the softmax scale applied to q first: q_rot is before it
+            qv, kv = folded.view(base), folded.view(kt)
+            q, k = self.record("q_rot", qv), self.record("k_rot", kv)
+            if q is qv and k is kv:
                 out = func(*args, **kwargs)
             else:
-                out = func(q, k.transpose(-2, -1), *args[2:], **kwargs)
-            self._pending[block] = (out, out)
+                out = func(scaling(folded.back(q)), folded.back(k).transpose(-2, -1), *args[2:], **kwargs)
+            self._scored[block] = tuple(out.shape[-2:])
+            self._pending[block] = Pending(out, out, folded.canonical)
             return out
         return func(*args, **kwargs)
 
@@ -461,6 +593,7 @@ class FunctionCapture(TorchFunctionMode):
             self._chunked.add(block)
             self._pending.pop(block, None)
             self._after_probs.discard(block)
+            self._scored.pop(block, None)
             for kind in ("scores", "probs", "context", "q_rot", "k_rot"):
                 self.retract(kind)
             return True
@@ -468,6 +601,8 @@ class FunctionCapture(TorchFunctionMode):
         return False
 
     def _einsum(self, block: str, head_dim: int, func, args, kwargs):
+        """An ``einsum`` of attention: ``q . k`` over ``head_dim`` or ``probs . values`` over the keys, in any
+        spelling (``bhqd,bkhd->bhqk``, or with heads kept as (KV heads, group): ``bgrqd,bgkd->bgrqk``)."""
         equation, operands = args[0], args[1:]
         parts = _einsum_parts(equation) if len(operands) == 2 else None
         if parts is None or not all(isinstance(t, torch.Tensor) for t in operands):
@@ -475,29 +610,44 @@ class FunctionCapture(TorchFunctionMode):
         a_letters, b_letters, out = parts
         a, b = operands
         contracted = [c for c in a_letters if c in b_letters and c not in out]
-        shared = [c for c in a_letters if c in b_letters and c in out]
-        only_a = [c for c in a_letters if c not in b_letters]
-        only_b = [c for c in b_letters if c not in a_letters]
-        four = len(a_letters) == len(b_letters) == len(out) == 4 and len(shared) == 2
-        if block in self._after_probs and four and len(contracted) == 1:
-            self._after_probs.discard(block)  # probabilities . values
-            probs = self.record("probs", a)
-            return self.record("context", func(equation, probs, b, **kwargs))
-        if four and len(contracted) == 1 and a.shape[a_letters.index(contracted[0])] == head_dim:
-            if self._chunk_of(block, a):
-                return func(*args, **kwargs)
-            # q . k over head_dim (``bqhd,bkhd->bhqk`` and its spellings): the shared letter first in the
-            # output is the batch, the other the heads
-            batch, heads = sorted(shared, key=out.index)
-            qc = _canonical_heads(a, a_letters, batch, heads, only_a[0], contracted[0])
-            kc = _canonical_heads(b, b_letters, batch, heads, only_b[0], contracted[0])
-            q, k = self.record("q_rot", qc), self.record("k_rot", kc)
-            if q is qc and k is kc:  # nothing substituted: the model's own product, as it wrote it
-                product = func(*args, **kwargs)
-            else:
-                axis = {batch: 0, heads: 1, only_a[0]: 2, only_b[0]: 3}
-                product = torch.einsum("bhqd,bhkd->bhqk", q, k).permute([axis[c] for c in out])
-            if out[:2] == batch + heads:  # scores in the reference's layout: (batch, heads, q, k)
-                self._pending[block] = (product, product)
-            return product
-        return func(*args, **kwargs)
+        shared = [c for c in out if c in a_letters and c in b_letters]
+        only_a = [c for c in out if c in a_letters and c not in b_letters]
+        only_b = [c for c in out if c in b_letters and c not in a_letters]
+        plain = len(set(a_letters)) == len(a_letters) and len(set(b_letters)) == len(b_letters)
+        if not (plain and len(contracted) == 1 and shared and only_a and len(only_b) == 1):
+            return func(*args, **kwargs)
+        if len(out) != len(shared) + len(only_a) + 1 or len(shared) + len(only_a) < 3:
+            return func(*args, **kwargs)  # a letter summed away besides the contraction: no attention product
+        batch, kv, query = shared[:1], shared[1:], only_a[-1:]
+        heads = kv + only_a[:-1]  # flattened as repeat_kv numbers the query heads: KV head, then its group
+        c = contracted[0]
+        qk = (a.shape[a_letters.index(query[0])], a.shape[a_letters.index(c)])
+        if self._values_product(block, head_dim, qk, b.shape[b_letters.index(only_b[0])]):
+            self._before_values(block)  # probabilities . values
+            pc = Canonical(a, a_letters, [batch, heads, query, [c]])
+            probs = self.record("probs", pc.value)
+            result = func(equation, a if probs is pc.value else pc.back(probs), b, **kwargs)
+            cc = Canonical(result, out, [batch, heads, query, only_b])
+            context = self.record("context", cc.value)
+            return result if context is cc.value else cc.back(context)
+        if a.shape[a_letters.index(c)] != head_dim:
+            return func(*args, **kwargs)
+        if self._chunk_of(block, a):
+            return func(*args, **kwargs)
+        base, scaling = self._unscaled(a)  # the softmax scale applied to q first: q_rot is before it
+        qc = Canonical(base, a_letters, [batch, heads, query, [c]])
+        kc = Canonical(b, b_letters, [batch, kv, only_b, [c]])
+        q, k = self.record("q_rot", qc.value), self.record("k_rot", kc.value)
+        if q is qc.value and k is kc.value:  # nothing substituted: the model's own product, as it wrote it
+            product = func(*args, **kwargs)
+        else:
+            product = func(equation, scaling(qc.back(q)), kc.back(k), **kwargs)
+        groups = [batch, heads, query, only_b]
+        self._scored[block] = tuple(Canonical(product, out, groups).value.shape[-2:])
+        self._pending[block] = Pending(product, product, lambda t: _canonical_of(t, out, groups))
+        return product
+
+
+def _canonical_of(t: torch.Tensor, letters: str, groups: list[list[str]]):
+    canonical = Canonical(t, letters, groups)
+    return canonical.value, canonical.back

@@ -169,25 +169,71 @@ def parity_experts(module, hidden_states, top_k_index, top_k_weights):
     return output
 
 
+@dataclass(frozen=True)
+class HeadsLayout:
+    """The reference's own layout of an attention internal captured from its functions (a model whose
+    attention does not go through AttentionInterface: Falcon's): ``q_rot``/``k_rot`` ``(batch, heads,
+    seq, head_dim)`` (keys expanded to the query heads taken back to the KV heads), ``context``
+    ``(batch, heads, seq, head_dim)`` -> ``(batch, seq, heads * head_dim)`` as the interface's."""
+
+    kind: str
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        if t.dim() != 4:
+            return t
+        if self.kind == "context" and t.shape[1] == self.heads:
+            return t.transpose(1, 2).flatten(-2)
+        if self.kind == "k_rot" and t.shape[1] == self.heads != self.kv_heads:
+            return t[:, :: self.heads // self.kv_heads]
+        return t
+
+
+def functional_internals(
+    reference: nn.Module, names: list[str], facts
+) -> tuple[dict[str, str], dict[str, HeadsLayout]]:
+    """``(taps, layouts)`` to record a reference's attention internals from the functions its attention
+    calls (:mod:`parity.record.functional`), for a model that does not dispatch through
+    AttentionInterface: each node ``<block>.<suffix>`` is the tap of that name under the block."""
+    taps, layouts = {}, {}
+    for name in names:
+        kind = name.rsplit(".", 1)[-1]
+        if kind not in SUFFIXES:
+            continue
+        taps[name] = name
+        layouts[name] = HeadsLayout(kind, facts.num_heads, facts.num_kv_heads or facts.num_heads, facts.head_dim)
+    return taps, layouts
+
+
+def dispatches(reference: nn.Module) -> bool:
+    """Whether ``reference`` computes attention through Transformers' AttentionInterface (Transformers' own
+    test: the flag, or, for models without it such as Qwen3.5, attention modules calling
+    ``ALL_ATTENTION_FUNCTIONS.get_interface``, which is what ``set_attn_implementation`` accepts). One that
+    does not (Falcon's own attention) has no attention internals to capture: its q_rot, scores, probs
+    and context are no nodes, its modules still are."""
+    can_set = getattr(type(reference), "_can_set_attn_implementation", lambda: False)
+    return bool(getattr(reference, "_supports_attention_backend", False) or can_set())
+
+
 def install(reference: nn.Module) -> None:
     """Register ``parity_eager`` (attention + mask) and switch ``reference`` to it (once per model);
-    wrap the kernel functions its linear-attention layers call (:mod:`parity.record.hf_kernels`).
-
-    Raises ParityError if the model does not dispatch attention through AttentionInterface.
-    """
+    wrap the kernel functions its linear-attention layers call (:mod:`parity.record.hf_kernels`). A
+    model that does not dispatch attention through AttentionInterface (:func:`dispatches`) runs as it
+    is: nothing inside its attention is captured."""
     hf_kernels.install(reference)
     if getattr(reference.config, "_attn_implementation", None) == ATTN_IMPLEMENTATION and reference in _paths:
+        return
+    if not dispatches(reference):
+        for name, module in reference.named_modules():
+            _paths[module] = name
         return
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, parity_attention)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, eager_mask)
-    # Transformers' own test: the flag, or (models without it, e.g. Qwen3.5) its attention modules
-    # calling ALL_ATTENTION_FUNCTIONS.get_interface, which is what set_attn_implementation accepts
-    can_set = getattr(type(reference), "_can_set_attn_implementation", lambda: False)
-    if not (getattr(reference, "_supports_attention_backend", False) or can_set()):
-        raise ParityError(f"{type(reference).__name__} does not dispatch attention through AttentionInterface")
     model = cast("PreTrainedModel", reference)  # a Transformers model: its own methods below
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     if model._can_set_experts_implementation() and getattr(reference.config, "_experts_implementation", None):

@@ -35,6 +35,12 @@ from parity.util.errors import ParityError
 #: head_dim), (batch, seq, heads * head_dim)
 LAYOUTS = ("bhsd", "bshd", "bsf")
 
+#: the tap path prefix of a reference attention block a user's model computes with no module of its own
+#: (a flat block that also holds the MLP, a model of plain parameters): ``functions:<block>.q_rot`` is
+#: recorded while ours runs between its first projection (run or read) and its output projection
+#: (``functional_blocks`` of :func:`recording`)
+FUNCTIONS = "functions:"
+
 #: ``Trace.extras`` key: the nodes whose module path resolves to no module of the model recorded
 UNRESOLVED = "no module"
 
@@ -118,6 +124,10 @@ class _Recording:
     captured: dict[str, tuple[bool, weakref.ref]] = field(default_factory=dict)
     #: node -> the outputs of every call of its module in this forward (held weakly)
     call_outputs: dict[str, list[weakref.ref]] = field(default_factory=dict)
+    #: node read in a function -> (the :data:`FUNCTIONS` block it opens, whether it is the block's last)
+    blocks: dict[str, tuple[str, bool]] = field(default_factory=dict)
+    #: the :data:`FUNCTIONS` block ours computes now (between its first projection read and its last)
+    in_block: str | None = None
 
 
 def active_trace() -> Trace | None:
@@ -179,7 +189,7 @@ def tap(tensor: torch.Tensor, name: str, *, layout: str | None = None) -> torch.
 
 def _tap_node(rec: _Recording, name: str) -> str | None:
     """The node a tap called ``name`` records, found from the innermost running module outwards."""
-    for path in reversed(rec.stack):
+    for path in _paths(rec):
         node = rec.tap_names.get(f"{path}.{name}" if path else name)
         if node is not None:
             return node
@@ -234,6 +244,7 @@ def _record_param(
     reads it this way (a lookup for an embedding, a product for a projection: a tied table is both; a
     fused weight read once gives every part its rows by its transform); in isolated mode each writes
     the reference's rows back in turn."""
+    _enter_block(rec, node)
     nodes = [n for n in (node, *siblings) if (n in lookups) == lookup]
     if not nodes:
         return tensor
@@ -244,6 +255,14 @@ def _record_param(
         if not rec.trace.calls.get(other):
             value = _record_value(rec, other, value)
     return value
+
+
+def _enter_block(rec: _Recording, node: str) -> None:
+    """A node of ours produced: a projection of a :data:`FUNCTIONS` block opens it (its last closes it);
+    any other node closes the block running."""
+    if rec.blocks:
+        block, last = rec.blocks.get(node, (None, True))
+        rec.in_block = None if last else block
 
 
 def _read_again(trace: Trace, node: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -273,14 +292,21 @@ def _record_value(rec: _Recording, node: str, tensor: torch.Tensor) -> torch.Ten
     return tensor if new is None else new.to(dtype=tensor.dtype, device=tensor.device)
 
 
-def _running_block(rec: _Recording) -> tuple[str, int] | None:
-    """The innermost running module that is aligned to a reference attention block, with its head_dim."""
-    for path in reversed(rec.stack):
+def _paths(rec: _Recording) -> list[str]:
+    """The running modules' paths, innermost first, after the block ours computes in functions now."""
+    inner = [rec.in_block] if rec.in_block is not None else []
+    return inner + list(reversed(rec.stack))
+
+
+def _running_block(rec: _Recording) -> tuple[str, int, int] | None:
+    """The innermost running module that is aligned to a reference attention block, with its head_dim and
+    query head count (0 when no q_rot layout says it)."""
+    for path in _paths(rec):
         for suffix in ("q_rot", "context", "probs"):
             node = rec.tap_names.get(f"{path}.{suffix}")
             if node is not None:
-                head_dim = getattr(rec.transforms.get(rec.tap_names.get(f"{path}.q_rot", node)), "head_dim", None)
-                return path, head_dim or -1
+                layout = rec.transforms.get(rec.tap_names.get(f"{path}.q_rot", node))
+                return path, getattr(layout, "head_dim", None) or -1, getattr(layout, "heads", 0)
     return None
 
 
@@ -329,6 +355,7 @@ def recording(
     functional_owners: dict[str, str] | None = None,
     functional_siblings: dict[str, list[str]] | None = None,
     functional_lookups: frozenset[str] | None = None,
+    functional_blocks: dict[str, tuple[str, bool]] | None = None,
 ) -> Iterator[Trace]:
     """Hook ``model`` for the duration of the block and yield the Trace being filled.
 
@@ -353,7 +380,9 @@ def recording(
     nodes nothing tapped, and, keyed by a parameter's storage, the node of the op that reads it;
     ``functional_biases``: keyed the same way, the node whose op's result ours adds that bias to next;
     ``functional_owners``: node -> the module of ours holding its weight, whose own hook records the node
-    (an op reading that weight counts only while the module is not running).
+    (an op reading that weight counts only while the module is not running). ``functional_blocks``: node
+    read in a function -> (the :data:`FUNCTIONS` tap path of the attention block it belongs to, whether it
+    is that block's last projection): the block's taps are recorded between the two.
     """
     transforms, inverses = transforms or {}, inverses or {}
     trace = Trace() if into is None else into
@@ -385,7 +414,9 @@ def recording(
         except RuntimeError:  # an expanded (overlapping) view cannot be written: packed is the best
             return torch.empty_like(mine, memory_format=torch.contiguous_format).copy_(ref)
 
-    rec = _Recording(trace, replacement, tap_names=dict(taps or {}), transforms=transforms)
+    rec = _Recording(
+        trace, replacement, tap_names=dict(taps or {}), transforms=transforms, blocks=dict(functional_blocks or {})
+    )
     handles = _module_stack_hooks(model, rec) if taps or module_stack or functional is not None else []
     modules = dict(model.named_modules())
     unresolved = cast("set[str]", trace.extras.setdefault(UNRESOLVED, set()))
@@ -432,6 +463,7 @@ def recording(
 
             def hook(mod, args, output, _name=name, _t=transform, _n=item):
                 trace.add(_name, _item(output, _n), _t)
+                _enter_block(rec, _name)
                 new = replacement(_name, _item(output, _n))
                 if new is None:
                     value = first_tensor(_item(output, _n))

@@ -20,6 +20,11 @@ PRODUCT_NAMES = frozenset(
 #: ops that apply a norm's weight vector: a norm computed in functions (``F.rms_norm(x, shape, w)``, or
 #: ``F.rms_norm(x, shape) * w``) where the module holding ``w`` never runs its own forward
 NORM_WEIGHT_NAMES = frozenset({"rms_norm", "layer_norm", "mul", "__mul__", "__rmul__"})
+#: ops computing a norm's statistic from its input (a mean square, a mean, a variance): the first of them
+#: after a norm's weight was applied reads the next norm's input
+STATISTIC_NAMES = frozenset(
+    {"pow", "square", "mean", "var", "var_mean", "std", "rms_norm", "layer_norm", "norm", "vector_norm"}
+)
 LOOKUP, PRODUCT = "lookup", "product"
 
 

@@ -16,7 +16,7 @@ from dataclasses import replace
 
 import torch
 
-from parity.compare.metrics import CHUNK, chunks
+from parity.compare.metrics import CHUNK, MISSING, UNTAPPED, chunks
 from parity.compare.results import NodeResult, NodeStream, compare_traces, first_mismatch
 from parity.compare.tolerances import Tolerances
 from parity.diagnose.detectors import diagnose
@@ -24,7 +24,7 @@ from parity.diagnose.hints import Hint
 from parity.diagnose.profile import error_profile, logits_effect
 from parity.model.pair import Pair
 from parity.record import hf_capture, hf_kernels
-from parity.record.hooks import recording
+from parity.record.hooks import FUNCTIONS, recording
 from parity.record.trace import SCALARS, Trace
 from parity.run.options import CheckOptions
 from parity.run.plan import Run, plan, versions
@@ -93,6 +93,12 @@ def trace_reference(pair: Pair, run: Run, model=None, sink=None, into: Trace | N
     trace = Trace.spilling(run.trace_memory, sink=sink) if into is None else into
     keep = diagnosis_inputs(pair) if sink is None else frozenset()
     device = device_of(model)
+    own: dict = {}
+    if captured and not hf_capture.dispatches(model):  # attention of its own (Falcon's): read from its functions
+        taps, layouts = hf_capture.functional_internals(model, captured, pair.facts)
+        own = dict(taps=taps, functional={})
+        views = {**views, **layouts}
+        captured = [n for n in captured if n not in taps]
     # no_grad, not inference_mode: tensors keep their version counters (an unchanged tensor recorded
     # twice is stored once, an in-place edit is seen)
     with (
@@ -105,6 +111,7 @@ def trace_reference(pair: Pair, run: Run, model=None, sink=None, into: Trace | N
             keep_inputs=keep,
             module_stack=kernels,
             into=trace,
+            **own,
         ),
     ):
         try:
@@ -193,6 +200,21 @@ def ours_recording(pair: Pair) -> dict:
         if isinstance(held, torch.Tensor) and held.numel():
             functional.setdefault(held.untyped_storage().data_ptr(), n.name)
             owners[n.name] = n.ours
+    # attention blocks ours computes in functions only: each opens when one of its projections is read and
+    # closes with its last
+    blocks: dict[str, tuple[str, bool]] = {}
+    for path in {key.rsplit(".", 1)[0] for key in taps if key.startswith(FUNCTIONS)}:
+        block = path[len(FUNCTIONS) :]
+        members = [
+            n.name
+            for n in pair.nodes
+            if n.name.startswith(block + ".") and (n.ours.startswith("param:") or not n.ours.startswith(UNHOOKED))
+        ]
+        # the block closes with its output projection: the member right after its context in the node list
+        names = [n.name for n in pair.nodes]
+        after = names[names.index(f"{block}.context") + 1 :] if f"{block}.context" in names else []
+        last = next((n for n in after if n in members), members[-1] if members else "")
+        blocks.update({m: (path, m == last) for m in members})
     return dict(
         points=[(n.name, n.ours) for n in pair.nodes if not n.ours.startswith(UNHOOKED)],
         transforms={n.name: n.transform for n in pair.nodes if n.transform is not None},
@@ -201,6 +223,7 @@ def ours_recording(pair: Pair) -> dict:
         functional_biases=biases or None,
         functional_owners=owners or None,
         functional_siblings=siblings or None,
+        functional_blocks=blocks or None,
         functional_lookups=frozenset(
             n.name
             for n in pair.nodes
@@ -386,13 +409,63 @@ def compare_run(pair: Pair, run: Run, ours: Trace, ref: Trace, tolerances: Toler
     """Every node compared; the first judged failure carries its hint (unless it is too large to
     diagnose in the memory available: :func:`undiagnosed`)."""
     results = compare_traces(ours, ref, pair.nodes, tolerances, untapped_nodes(pair), unjudged_padding(pair, run))
+    if pair.alignment:
+        results = computed_otherwise(
+            results, {n.name for n in pair.nodes if n.ours and not n.ours.startswith(UNHOOKED)}
+        )
     bad = first_mismatch(results)
     if bad is not None and undiagnosed(bad) is None:
         spec = next((n for n in pair.nodes if n.name == bad.name), None)
-        results[bad.index] = replace(
-            bad, hint=diagnose(bad, ours, ref, pair.facts, run.position_ids, run.attention_mask, spec)
-        )
+        hint = diagnose(bad, ours, ref, pair.facts, run.position_ids, run.attention_mask, spec)
+        results[bad.index] = replace(bad, hint=hint or never_read_before(results, bad))
     return results
+
+
+def never_read_before(results: list[NodeResult], bad: NodeResult) -> Hint | None:
+    """A node between the last one that agreed and the first failure whose weight ours never read in the
+    forward (a norm or projection computed in functions, skipped): the likeliest cause, named when no
+    detector read one at the failing node."""
+    before = results[: bad.index]
+    last_ok = max((r.index for r in before if r.passed), default=-1)
+    skipped = [
+        r for r in before[last_ok + 1 :] if r.status == UNTAPPED and r.detail.startswith("no product in ours read")
+    ]
+    if not skipped:
+        return None
+    names = ", ".join(r.name for r in skipped[:3])
+    return Hint(
+        "missing",
+        f"likely {names} skipped in ours: the reference runs it, ours never read its weight in this forward, and "
+        f"{bad.name} is the first node after it to differ",
+        {"side": "ours", "never_read": [r.name for r in skipped]},
+    )
+
+
+def computed_otherwise(results: list[NodeResult], modules: set[str]) -> list[NodeResult]:
+    """A user's model whose modules of some nodes never ran while every node it produced agrees (each
+    head's q-norm computed at once from the stacked weights of per-head norm modules, a module bypassed
+    by an equivalent function): those nodes are computed another way, untapped, not failed. Where any
+    node fails they stay missing: the module not run is then the likeliest cause. ``modules``: the nodes
+    a module of ours records (what ``forward`` returns is never computed another way)."""
+    missing = [
+        r for r in results
+        if r.status == MISSING and r.name in modules and r.detail.startswith("ours produced no tensor")
+    ]  # fmt: skip
+    if not missing or any(r.failed and r.status != MISSING for r in results):
+        return results
+    if any(r.status == MISSING and r not in missing for r in results):
+        return results
+    names = {r.name for r in missing}
+    return [
+        replace(
+            r,
+            status=UNTAPPED,
+            detail=f"{r.detail}; every node ours produced agrees, so ours computes this one another way (not judged)",
+        )
+        if r.name in names
+        else r
+        for r in results
+    ]
 
 
 def borrow_isolated_hint(nodes: list[NodeResult], isolated: list[NodeResult] | None) -> list[NodeResult]:

@@ -55,7 +55,7 @@ from parity.model.facts import ArchFacts
 from parity.model.pair import NodeSpec
 from parity.record.functional import first_reads
 from parity.record.hf_capture import SUFFIXES
-from parity.record.hooks import LAYOUTS
+from parity.record.hooks import FUNCTIONS, LAYOUTS
 from parity.record.ops import LOOKUP, PRODUCT
 from parity.record.routing import CHOICES, WEIGHTS, ExpertRows, TopK
 from parity.util.errors import ParityError
@@ -500,6 +500,17 @@ class _Aligner:
             return None
         return ancestor
 
+    def _in_functions(self, att: str) -> bool:
+        """Whether ours computes the reference's attention block ``att`` with no module of its own, every
+        weighted module of the block found in ours (modules of a flat block that also holds the MLP's, or
+        parameters read in functions): the block is then what ours computes between running or reading
+        the first of them and the last (:data:`FUNCTIONS`)."""
+        inside = [
+            p for p, m in self.ref_modules.items()
+            if p.startswith(att + ".") and isinstance(getattr(m, "weight", None), torch.Tensor)
+        ]  # fmt: skip
+        return len(inside) >= 2 and all(self.leaf(p) is not None or p in self.functional for p in inside)
+
     def split(self, spec: NodeSpec) -> list[tuple[NodeSpec, Aligned]] | None:
         """A reference module whose weight ours holds cut into parts along its output axis (TransformerLens'
         ``W_Q``, ``W_K``, ``W_V`` cut out of GPT-2's fused ``c_attn``): one node per part, the reference's
@@ -605,7 +616,8 @@ class _Aligner:
         if suffix in SUFFIXES and name.endswith("." + suffix) and ref_path == name:
             att = name[: -len(suffix) - 1]
             our_att = self.container(att)
-            if our_att is None:
+            functions = our_att is None and self._in_functions(att)
+            if our_att is None and not functions:
                 return self._unaligned(spec, f"attention block {att}: {self.why.get(att, 'not found')}")
             heads = self.facts.num_kv_heads if suffix == "k_rot" else self.facts.num_heads
             layer = self.facts.layer(spec.layer)
@@ -617,8 +629,12 @@ class _Aligner:
             )
             expanded = self.facts.num_heads if suffix == "k_rot" and self.facts.num_heads != heads else 0
             layout = Layout(suffix, heads, head_dim, expanded=expanded, dims=dims)
-            tap = f"{our_att}.{suffix}"
-            detail = f"parity.tap(tensor, {suffix!r}) inside {our_att}, or what its functions compute"
+            tap = f"{FUNCTIONS}{att}.{suffix}" if functions else f"{our_att}.{suffix}"
+            detail = (
+                f"what ours computes between running (or reading the weight of) {att}'s first projection and its last"
+                if functions
+                else f"parity.tap(tensor, {suffix!r}) inside {our_att}, or what its functions compute"
+            )
             if dims is not None:
                 detail += "; each head's dims in ours' order (its q/k rows are permuted per head)"
             return (

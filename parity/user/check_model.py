@@ -14,6 +14,7 @@ import copy
 import dataclasses
 import importlib
 import importlib.util
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -123,7 +124,37 @@ def build_ours(ours, ref: Reference) -> nn.Module:
         raise ParityError(
             f"your model still has {len(meta)} parameter(s) on the meta device ({', '.join(meta[:3])}): load them"
         )
+    adopt_plain_tensors(model)
     return model.eval()
+
+
+#: the prefix of the parameters :func:`adopt_plain_tensors` registers for a model's plain tensors
+PLAIN = "plain__"
+
+
+def adopt_plain_tensors(model: nn.Module) -> list[str]:
+    """Weights a model keeps as plain tensors in a dict, list or tuple attribute (``self.w = {key:
+    tensor}``, a JAX-style port) rather than parameters or buffers: each registered on its module as a
+    parameter that shares the tensor's storage (``plain__w__model_layers_0_...``), so loader coverage,
+    alignment and the function capture find it; the model still reads its own tensors. Returns the
+    names registered (none for a model whose weights are all parameters or buffers)."""
+    adopted = []
+    for module in list(model.modules()):
+        for attr, value in list(vars(module).items()):
+            if attr.startswith("_") or not isinstance(value, (dict, list, tuple)):
+                continue
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for key, t in list(items):
+                if not isinstance(t, torch.Tensor) or isinstance(t, nn.Parameter) or not t.is_floating_point():
+                    continue
+                if t.dim() == 0:
+                    continue
+                name = PLAIN + re.sub(r"\W", "_", f"{attr}__{key}")
+                if name in module._parameters:
+                    continue
+                module.register_parameter(name, nn.Parameter(t.detach(), requires_grad=False))
+                adopted.append(name)
+    return adopted
 
 
 def _first(items: list[str], n: int = 4) -> str:
@@ -145,6 +176,24 @@ def _transformer_lens_processed(model: nn.Module) -> bool:
     return float(w_e.mean(-1).abs().max()) <= 1e-6 * max(float(w_e.abs().max()), 1e-30)
 
 
+def _held_twice(coverage, model: nn.Module | None) -> list[str]:
+    """``"ln2.weight holds model.layers.0.input_layernorm.weight, as ln1.weight does"``: a reference tensor
+    copied into two parameters of ours (not one Parameter shared), where the reference has another
+    tensor for one of them: a name mapping that loads one tensor twice, or a head tied by mistake."""
+    if model is None or not hasattr(coverage, "sources"):
+        return []
+    storage = {n: p.untyped_storage().data_ptr() for n, p in model.named_parameters(remove_duplicate=False)}
+    holders: dict[str, list[str]] = {}
+    for name, sources in coverage.sources.items():
+        for source in sources:
+            holders.setdefault(source.key, []).append(name)
+    lines = []
+    for key, names in holders.items():
+        distinct = list({storage.get(n, id(n)): n for n in names}.values())  # one Parameter shared counts once
+        lines += [f"{n} holds {key}, as {distinct[0]} does" for n in distinct[1:]]
+    return lines
+
+
 def unplaced_message(coverage, model: nn.Module | None = None) -> str:
     """One line for reference tensors no parameter or buffer of the user's model holds: which, which
     of theirs hold nothing, the conventions parity looked for, and a likely cause when one shows
@@ -161,6 +210,12 @@ def unplaced_message(coverage, model: nn.Module | None = None) -> str:
     text += f" ({ours[0]}: {why})" if why else ""
     constants = [c.split(" holds")[0] for c in coverage.constants]
     text += f"; parameters of yours holding only zeros or ones: {_first(constants)}" if constants else ""
+    again = _held_twice(coverage, model)
+    text += (
+        f"; parameters of yours holding a reference tensor another one of yours holds too: {_first(again)}"
+        if again
+        else ""
+    )
     norms = [k for k in coverage.unused if "norm" in k or "ln_" in k]
     if model is not None and _transformer_lens_processed(model):
         text += (

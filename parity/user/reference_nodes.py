@@ -10,9 +10,12 @@ from parity.model.facts import ArchFacts
 from parity.model.pair import LOGITS, NodeSpec
 from parity.record.hf_capture import SUFFIXES
 
+#: the output projection of an attention block, by the names Transformers' families give it
+OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "dense", "c_proj", "wo")
+
 
 def _is_attention(module: nn.Module) -> bool:
-    return type(module).__name__.endswith("Attention") and hasattr(module, "o_proj")
+    return type(module).__name__.endswith("Attention") and any(hasattr(module, n) for n in OUTPUT_PROJECTIONS)
 
 
 def discover_nodes(model: nn.Module, facts: ArchFacts) -> list[NodeSpec]:
