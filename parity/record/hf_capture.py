@@ -191,9 +191,7 @@ class HeadsLayout:
         return t
 
 
-def functional_internals(
-    reference: nn.Module, names: list[str], facts
-) -> tuple[dict[str, str], dict[str, HeadsLayout]]:
+def functional_internals(names: list[str], facts) -> tuple[dict[str, str], dict[str, HeadsLayout]]:
     """``(taps, layouts)`` to record a reference's attention internals from the functions its attention
     calls (:mod:`parity.record.functional`), for a model that does not dispatch through
     AttentionInterface: each node ``<block>.<suffix>`` is the tap of that name under the block."""

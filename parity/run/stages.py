@@ -95,7 +95,7 @@ def trace_reference(pair: Pair, run: Run, model=None, sink=None, into: Trace | N
     device = device_of(model)
     own: dict = {}
     if captured and not hf_capture.dispatches(model):  # attention of its own (Falcon's): read from its functions
-        taps, layouts = hf_capture.functional_internals(model, captured, pair.facts)
+        taps, layouts = hf_capture.functional_internals(captured, pair.facts)
         own = dict(taps=taps, functional={})
         views = {**views, **layouts}
         captured = [n for n in captured if n not in taps]
@@ -203,6 +203,7 @@ def ours_recording(pair: Pair) -> dict:
     # attention blocks ours computes in functions only: each opens when one of its projections is read and
     # closes with its last
     blocks: dict[str, tuple[str, bool]] = {}
+    names = [n.name for n in pair.nodes]
     for path in {key.rsplit(".", 1)[0] for key in taps if key.startswith(FUNCTIONS)}:
         block = path[len(FUNCTIONS) :]
         members = [
@@ -211,7 +212,6 @@ def ours_recording(pair: Pair) -> dict:
             if n.name.startswith(block + ".") and (n.ours.startswith("param:") or not n.ours.startswith(UNHOOKED))
         ]
         # the block closes with its output projection: the member right after its context in the node list
-        names = [n.name for n in pair.nodes]
         after = names[names.index(f"{block}.context") + 1 :] if f"{block}.context" in names else []
         last = next((n for n in after if n in members), members[-1] if members else "")
         blocks.update({m: (path, m == last) for m in members})
