@@ -303,6 +303,7 @@ def test_a_different_expert_choice_is_its_own_status_with_the_margin():
     assert "margin between its last chosen and first unchosen score" in bad.detail
     assert bad.hint.kind == "routing" and "(row 0, position 0)" in bad.hint.text and "not a near-tie" in bad.hint.text
     assert len(bad.hint.evidence["margins"]) == 16 and min(bad.hint.evidence["margins"]) > 0
+    assert bad.hint.evidence["chosen_by"] == "the k lowest scores (topk with largest=False)", bad.hint
     assert f"{bad.name}: choice (16 of 16 rows" in bad.line()
     assert res.counts["choice"] == 1
 

@@ -452,6 +452,12 @@ class Reference:
     by_design: dict = field(default_factory=dict)
     #: what the checkpoint's reader says (a GGUF's float32 config values), shown as the pair's notes
     notes: list = field(default_factory=list)
+    #: the checkpoint's tensors as its files name and lay them out, read again on demand, when the
+    #: reference holds them otherwise (Transformers 5 fuses Mixtral's per-expert w1/w2/w3 on load):
+    #: a user's loader written against the files asks for those names
+    file_tensors: Callable[[], dict] | None = None
+    #: whether the user's build was handed :attr:`file_tensors` (it asked for a name only the files have)
+    handed_files: bool = False
 
     @property
     def tied_keys(self) -> dict[str, str]:

@@ -127,8 +127,10 @@ def _resolve_reference(reference, dtype: torch.dtype, seed: int) -> tuple[Refere
         hf_config = config_from_raw(ckpt.config, str(Path(reference) / "config.json"))
         require_model(causal_lm_class(hf_config), hf_config, dtype, f"checkpoint {reference}", weights=False)
         validated_facts(hf_config, str(reference))
+        file_keys = set(state_dict)
         state_dict, merged = model_naming(causal_lm_class(hf_config), hf_config, state_dict)
         conversions = conversions + merged
+        renamed = file_keys != set(state_dict)
         model = build_reference(causal_lm_class(hf_config), hf_config, state_dict)
         ref = Reference(
             model,
@@ -139,6 +141,7 @@ def _resolve_reference(reference, dtype: torch.dtype, seed: int) -> tuple[Refere
             checkpoint=str(reference),
             checkpoint_hash=ckpt.content_hash(),
             conversions=conversions,
+            file_tensors=(lambda: read_weights(reference, dtype, None)[1]) if renamed else None,
         )
         return ref, hf_config.model_type
     elif isinstance(reference, (str, Path)) and (Path(reference).is_file() or str(reference).endswith(".json")):

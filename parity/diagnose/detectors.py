@@ -34,7 +34,14 @@ from parity.diagnose.masks import (
     sequence_shift,
     window_pattern,
 )
-from parity.diagnose.moe import choice, expert_tokens, expert_weights, routing_weights, row_normalisation
+from parity.diagnose.moe import (
+    choice,
+    expert_tokens,
+    expert_weights,
+    experts_sum,
+    routing_weights,
+    row_normalisation,
+)
 from parity.diagnose.norms import (
     block_layout,
     norm_eps,
@@ -51,6 +58,7 @@ from parity.diagnose.rope import (
     bias_after_rope,
     norm_after_rope,
     position_table_offset,
+    qkv_clip,
     rope_fit,
     rope_partial,
     rope_pattern,
@@ -59,8 +67,10 @@ from parity.diagnose.rope import (
 )
 from parity.diagnose.scales import (
     added_vector,
+    attention_softcap,
     channel_ratio,
     constant_ratio,
+    partial_head_scores,
     row_offset,
     row_scale,
     softmax_axis,
@@ -98,6 +108,7 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     partial_read,
     execution_order,
     embedding_rows,
+    position_table_offset,  # a position table read at p + k: before detectors that read a lookup's input
     kv_sharing,
     residual_add,  # before sibling_match: a stream point equal to the branch's output is a missing residual
     activation_skipped,  # before sibling_match: equal to the node before the activation is no swap
@@ -114,12 +125,14 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     heads_split_unmoved,
     expert_tokens,
     expert_weights,
+    experts_sum,
     precision,
     rounding_order,
     padding,
     cached_state,
     conv_context,
     state_not_carried,
+    qkv_clip,  # before the generic clamp and the RoPE fits: a clip of q, k or v around RoPE
     clamped,
     activation_function,
     gate_activation,
@@ -146,10 +159,11 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     routing_weights,
     row_normalisation,
     last_dim_permutation,
-    position_table_offset,
     head_mapping,
     sequence_shift,
     softmax_temperature,
+    attention_softcap,
+    partial_head_scores,
     softmax_sink,
     softmax_axis,
     padding_mask_inverted,

@@ -61,6 +61,8 @@ def soft_capping(e: Evidence) -> Hint | None:
     the head's output (the reference's ``lm_head`` node): no cap, ``c * tanh(x / c)`` with its cap, or
     a cap written wrongly (``x * tanh(x / c)``). Names what each side does and what the config says
     (``final_logit_softcapping``), whichever side is off."""
+    if e.name == e.facts.head_module and e.kind != "logits":
+        return _capped_head(e)
     if e.kind != "logits":
         return None
     h = e.ref_trace.tensors.get(e.facts.head_module)
@@ -92,6 +94,26 @@ def soft_capping(e: Evidence) -> Hint | None:
         f"output (the config: {config})",
         {"ours": ours_is, "reference": ref_is, "config_cap": cap},
     )
+
+
+def _capped_head(e: Evidence) -> Hint | None:
+    """The head's node where one side's head is its model's output (a head computed in forward from the
+    tied embedding, the cap applied before it returns): that side's value read as a function of the
+    other's uncapped product."""
+    tol = max(EXPLAINS, 4 * torch.finfo(e.ref.dtype).eps)
+    cap = e.facts.final_softcap
+    for side, value, other in (("ours", e.ours, e.ref), ("the reference", e.ref, e.ours)):
+        form = _capped(other, value, cap, tol)
+        if form is not None and not form.startswith("x (no cap)"):
+            config = f"final_logit_softcapping {cap:g}" if cap else "no final logit soft-cap"
+            ours_is, ref_is = (form, "x (no cap)") if side == "ours" else ("x (no cap)", form)
+            return Hint(
+                "softcap",
+                f"likely the final logit soft-cap: ours' logits are {ours_is}, the reference's {ref_is}, x the output "
+                f"head's product (the config: {config})",
+                {"ours": ours_is, "reference": ref_is, "config_cap": cap},
+            )
+    return None
 
 
 def precision(e: Evidence) -> Hint | None:
@@ -187,10 +209,11 @@ def _activations() -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
         "mish": F.mish,
         "elu": F.elu,
         "leaky_relu (0.01)": F.leaky_relu,
+        "square (x^2, no ReLU first)": torch.square,
     }
 
 
-def function_of(x: torch.Tensor, y: torch.Tensor) -> bool:
+def function_of(x: torch.Tensor, y: torch.Tensor, steep: bool = False) -> bool:
     """Whether ``y`` is a smooth function of ``x`` value by value (all elements pooled, float64): sorted
     by ``x``, neighbouring values of ``y`` stay close (each step of ``y`` at most 5% of its spread, the
     typical one under 1%). Another activation applied to the same input passes; a different input fails."""
@@ -202,8 +225,12 @@ def function_of(x: torch.Tensor, y: torch.Tensor) -> bool:
     spread = float(y.std())
     if spread == 0:
         return False
-    steps = y[x.argsort()].diff().abs() / spread
-    return float(steps.max()) < 5e-2 and float(steps.median()) < 1e-2
+    order = x.argsort()
+    steps = y[order].diff().abs() / spread
+    # ``steep``: judged where neighbouring values of x are close (the denser half of the steps) only; a
+    # steep, sparsely sampled tail (relu squared, a cube at large x) moves y further between far-apart points
+    judged = x[order].diff() <= x[order].diff().median() if steep else torch.ones_like(steps, dtype=torch.bool)
+    return float(steps[judged].max()) < 5e-2 and float(steps.median()) < 1e-2
 
 
 def activation_function(e: Evidence) -> Hint | None:
@@ -231,11 +258,86 @@ def activation_function(e: Evidence) -> Hint | None:
                 continue
             ref_is = next((label for label, y in values.items() if e.close(ref, y)), None)
             theirs = f"the reference {ref_is}" if ref_is else "the reference another function"
+            if ref_is is None and function_of(pre, ref, steep=True):
+                points = [p for p in SAMPLE_POINTS if float(pre.min()) <= p <= float(pre.max())]
+                if len(points) >= 3:
+                    x = pre.double().flatten()
+                    shown = ", ".join(f"{v:.3g}" for v in _sampled(x, ref.double().flatten(), points))
+                    theirs += f" (at x = {', '.join(f'{p:g}' for p in points)} it gives {shown})"
             return Hint(
                 "activation",
                 f"likely the activation function: {where}ours equals {ours_is} of the reference's {name}, {theirs}",
                 {"ours": ours_is, "reference": ref_is, "input": name},
             )
+    for ours, ref, where in pairs:
+        hint = _other_function(e, ours, ref, where, acts)
+        if hint is not None:
+            return hint
+    return None
+
+
+#: where an element-wise function is read back: the points of its argument shown, in order
+SAMPLE_POINTS = (-2.0, -1.0, -0.5, 0.0, 0.5, 1.0, 2.0)
+
+
+def _sampled(x: torch.Tensor, y: torch.Tensor, points: list[float]) -> list[float]:
+    """``y`` as a function of ``x`` (pooled values), linearly interpolated at ``points``."""
+    order = x.argsort()
+    xs, ys = x[order], y[order]
+    out = []
+    for p in points:
+        i = int(torch.searchsorted(xs, torch.tensor(p, dtype=xs.dtype)).clamp(1, xs.numel() - 1))
+        x0, x1, y0, y1 = float(xs[i - 1]), float(xs[i]), float(ys[i - 1]), float(ys[i])
+        out.append(y0 if x1 == x0 else y0 + (y1 - y0) * (p - x0) / (x1 - x0))
+    return out
+
+
+def _other_function(e: Evidence, ours: torch.Tensor, ref: torch.Tensor, where: str, acts) -> Hint | None:
+    """Ours is an element-wise function of an earlier reference node of the layer (a projection's output,
+    not a norm's or attention's) other than every activation known here (relu applied after the square,
+    a gate multiplied in twice, a typo in a constant), while the reference is its own activation of
+    it: the two functions are read back at a few points and shown side by side."""
+    for name, pre in e.ref_trace.tensors.items():
+        if name == e.name:
+            break
+        kind = e.facts.locate(name)[1] or ""
+        if (
+            pre.shape != ref.shape
+            or not pre.is_floating_point()
+            or e.facts.locate(name)[0] != e.result.layer
+            or any(w in kind or w in name for w in ("norm", "attn", "attention"))
+        ):
+            continue
+        x, a, b = pre.double().flatten(), ours.double().flatten(), ref.double().flatten()
+        if (
+            not (function_of(x, a, steep=True) and function_of(x, b, steep=True))
+            or e.close(ours, pre)
+            or e.close(ref, pre)
+        ):
+            continue
+        centred = b - b.mean()
+        slope = float((centred * a).sum() / centred.pow(2).sum().clamp_min(1e-300))
+        if rel(a.mean() + slope * centred, a) < 1e-3:
+            continue  # ours is the reference's scaled or shifted: a scale, not another function
+        points = [p for p in SAMPLE_POINTS if float(x.min()) <= p <= float(x.max())]
+        if len(points) < 3:
+            continue
+        ref_is = next((label for label, fn in acts.items() if e.close(ref, fn(pre))), None)
+        floor = 1e-6 * float(b.abs().max())
+
+        def fmt(values) -> str:
+            return ", ".join(values)
+
+        def at_points(y: torch.Tensor, x=x, points=points, floor=floor):
+            return (f"{v:.3g}" if abs(v) > floor else "0" for v in _sampled(x, y, points))
+
+        return Hint(
+            "activation",
+            f"likely the activation function: {where}ours is another element-wise function of the reference's "
+            f"{name} than the reference's {ref_is or 'activation'}: at x = {fmt(f'{p:g}' for p in points)} ours "
+            f"gives {fmt(at_points(a))}, the reference {fmt(at_points(b))}",
+            {"ours": "another function", "reference": ref_is, "input": name, "points": points},
+        )
     return None
 
 
@@ -423,7 +525,14 @@ def clamped(e: Evidence) -> Hint | None:
     differs exactly where an earlier value of the layer passes a threshold (a SwiGLU limit, an
     exponent clamped "for float16 safety"), on either side."""
     x_ref, x_ours = e.ref_trace.inputs.get(e.name), e.ours_trace.inputs.get(e.name)
-    has_input = x_ref is not None and x_ours is not None and x_ref.shape == x_ours.shape and x_ref.is_floating_point()
+    lookup = "embed" in e.kind or "pos" in e.kind or e.kind in ("wte", "wpe")  # its input: ids, or a 0/1 mask
+    has_input = (
+        not lookup
+        and x_ref is not None
+        and x_ours is not None
+        and x_ref.shape == x_ours.shape
+        and x_ref.is_floating_point()
+    )
     in_tol = 1e-6 * float(x_ref.abs().max()) + e.result.atol if has_input and x_ref is not None else 0.0
     values = [("output", e.ours, e.ref, e.noise + 1e-6 * float(e.ref.abs().max()))]
     if has_input and x_ref is not None and x_ours is not None:

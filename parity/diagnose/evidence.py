@@ -148,12 +148,15 @@ def heads_first(t: torch.Tensor, n_heads: int, head_dim: int, seq: int) -> torch
     return None
 
 
-def pair_lengths(t: torch.Tensor) -> torch.Tensor:
-    """The length of each half-split RoPE pair ``(i, i + head_dim/2)`` of ``t`` (..., head_dim): what a
-    rotation keeps, so a tensor and its rotation agree here at every position."""
+def pair_lengths(t: torch.Tensor, rotary_dim: int | None = None, interleaved: bool = False) -> torch.Tensor:
+    """The length of each RoPE pair of ``t`` (..., head_dim), half-split ``(i, i + r/2)`` or ``interleaved``
+    ``(2i, 2i + 1)`` within the first ``rotary_dim`` dims ``r`` (the whole head by default), followed by the
+    dims past them as they are (partial rotary passes them through): what a rotation keeps, so a tensor
+    and its rotation agree here at every position."""
     t = t.double()
-    d = t.shape[-1]
-    return (t[..., : d // 2].pow(2) + t[..., d // 2 :].pow(2)).sqrt()
+    r = t.shape[-1] if rotary_dim is None else rotary_dim
+    a, b = (t[..., 0:r:2], t[..., 1:r:2]) if interleaved else (t[..., : r // 2], t[..., r // 2 : r])
+    return torch.cat([(a.pow(2) + b.pow(2)).sqrt(), t[..., r:]], dim=-1)
 
 
 def layer_values(e: Evidence, before: bool = False, inputs_first: bool = False) -> list[tuple[str, torch.Tensor]]:

@@ -20,6 +20,7 @@ KINDS: dict[str, str] = {
     "swapped_roles": "the projections agree (each holds the reference's weight) but their roles are swapped where they "
     "are used: the activation applied to up_proj's output instead of gate_proj's, k used as the query",
     "expert_mapping": "one expert of ours computes with another expert's weights (experts indexed in another order)",
+    "expert_missing": "the experts' weighted sum without one expert's share (a loop over experts that stops short)",
     "routing": "an integer node (the experts a router chose) differs: where, same set or not, and the reference's margin (a near-tie?)",
     "routing_weights": "the top-k routing weights formed otherwise from the router's logits (the raw logits, no softmax)",
     "renormalisation": "ours / ref is one factor per row and one side's rows sum to 1 (top-k weights renormalised on one side only)",
@@ -45,6 +46,7 @@ KINDS: dict[str, str] = {
     "rope_attention_factor": "a constant ratio equal to the RoPE (YaRN) attention factor, at every position incl. 0",
     "logit_scale": "a constant ratio equal to logit_scale",
     "attention_scale": "q and k agree, the pre-softmax scores differ by a constant factor (softmax temperature)",
+    "attention_partial_head": "q . k taken over part of each head only (a partial-rotary head's pass-through dims dropped)",
     "sliding_window": "only query positions at or past the window differ",
     "rope_pairing": "RoPE pairs (i, i + d/2) on one side and (2i, 2i + 1) on the other",
     "rope_frequencies": "position 0 agrees, the error grows with position (frequencies, scaling, offset)",

@@ -93,12 +93,25 @@ def masked_keys(e: Evidence) -> Hint | None:
         fill = _fill_value(e, this.double(), other.double(), extra)
         if fill is None and not on_pads:
             return None  # another window size: window_pattern reads both sizes
+        shift = _score_shift(e, this.double(), other.double(), extra) if fill is None else None
         how = (
             f"applied with the finite fill value {fill:.4g} instead of -inf (the masked scores set to {fill:.4g}, so "
             "the masked keys still get weight)"
             if fill is not None
+            else f"added as a small shift: those keys keep their own scores {shift:+.4g} (a 0/1 attention_mask added "
+            "to the scores as it is, where the padding needs a large negative)"
+            if shift is not None and abs(shift) > 1e-3
             else "not applied (those keys keep their own scores)"
         )
+        hidden = ((other.abs() > 0) & (this == 0) & real_query).any(-1).any(1)  # (batch, keys) ``this`` masks wrongly
+        if on_pads and bool(hidden.any()) and e.attention_mask is not None:
+            rows = hidden.any(-1).nonzero().flatten().tolist()
+            masked = hidden[rows[0]].nonzero().flatten().tolist()
+            how += (
+                f", and it masks real keys the other side attends instead (batch row {rows[0]}: keys "
+                f"{fmt_list(masked)}): the padding taken at the other end of the row (right padding assumed), or "
+                "the mask applied along the queries"
+            )
         queries = extra.any(-1).flatten(0, 1).any(0).nonzero().flatten().tolist()
         return Hint(
             kind,
@@ -108,6 +121,26 @@ def masked_keys(e: Evidence) -> Hint | None:
             {"side": side, "entries": int(extra.sum()), "fill_value": fill, "mask": which},
         )
     return None
+
+
+def _score_shift(e: Evidence, p: torch.Tensor, other: torch.Tensor, extra: torch.Tensor) -> float | None:
+    """The one amount every extra key's own score was shifted by in ``p``, read against the reference's
+    scores (an additive 0/1 mask: -1 relative to the real keys), or None."""
+    scores = e.ref_trace.tensors.get(e.name.rsplit(".", 1)[0] + ".scores")
+    if scores is None or scores.shape != p.shape:
+        return None
+    s = scores.double()
+    both = (p > 0) & (other > 0)
+    rows = extra.any(-1) & both.any(-1)
+    if not bool(rows.any()):
+        return None
+    logp = p.clamp_min(1e-300).log() - s  # per row: one constant over the keys both weight
+    offset = torch.where(both, logp, torch.nan).nanmean(-1, keepdim=True)
+    shift = torch.where(extra, logp - offset, torch.nan)[rows.unsqueeze(-1).expand_as(extra)]
+    shift = shift[torch.isfinite(shift)]
+    if shift.numel() == 0 or float(shift.max() - shift.min()) > 1e-3 * max(1.0, float(shift.abs().max())):
+        return None
+    return float(shift.mean())
 
 
 def _fill_value(e: Evidence, p: torch.Tensor, other: torch.Tensor, extra: torch.Tensor) -> float | None:

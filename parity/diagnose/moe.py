@@ -85,6 +85,80 @@ def expert_weights(e: Evidence) -> Hint | None:
     return None
 
 
+def experts_sum(e: Evidence) -> Hint | None:
+    """The experts' weighted sum (``mlp.experts``) of a block whose experts ours holds stacked (no node of
+    ours per expert), read against the reference's per-expert outputs ``E_e``, its routing weights ``W``
+    and choices ``I``: ours leaves one expert out (a loop that stops one short), ours combines the right
+    experts' outputs with other weights (weights flattened in another order), or ours' experts compute
+    with their fused gate/up rows read another way (halves swapped, interleaved pairs)."""
+    if e.kind != "experts" or e.ours.numel() != e.ref.numel():
+        return None
+    block = e.name.rpartition(".")[0]
+    weights = e.ref_trace.tensors.get(f"{block}.router.weights")
+    chosen = e.ref_trace.tensors.get(f"{block}.router.experts")
+    if weights is None or chosen is None or chosen.dim() != 2 or weights.shape != chosen.shape:
+        return None
+    tokens, k = chosen.shape
+    n = int(chosen.max()) + 1
+    ref = e.ref.double().reshape(tokens, -1)
+    ours = e.ours.double().reshape(tokens, -1)
+    outputs = [t for x in range(n) if (t := e.ref_trace.tensors.get(f"{e.name}.{x}")) is not None]
+    if len(outputs) != n or any(o.shape != ref.shape for o in outputs) or not bool(torch.isfinite(ours).all()):
+        return None
+    w, idx = weights.double(), chosen.long()
+    parts = torch.stack([o.double() for o in outputs])[idx, torch.arange(tokens)[:, None]]  # (tokens, k, hidden)
+    if rel(ref, (w[..., None] * parts).sum(1)) >= EXPLAINS:
+        return None  # the reference's sum is not what its per-expert nodes say
+    for x in range(n):
+        if rel(ours, (w * (idx != x))[..., None].mul(parts).sum(1)) < EXPLAINS:
+            return Hint(
+                "expert_missing",
+                f"likely expert {x} left out in ours: its output equals the reference's weighted sum without expert "
+                f"{x}'s share on the {int((idx == x).any(-1).sum())} tokens routed to it (a loop over experts that "
+                "stops one short, or the index taken for a sentinel)",
+                {"expert": x},
+            )
+    # ours as the chosen experts' outputs, combined per token with weights of its own (least squares)
+    solved = torch.linalg.lstsq(parts.transpose(1, 2), ours[..., None]).solution[..., 0]  # (tokens, k)
+    if rel(ours, (solved[..., None] * parts).sum(1)) < EXPLAINS:
+        layouts = {"the (tokens, k) weights transposed before they are flattened": w.t().reshape(tokens, k)}
+        how = next((label for label, v in layouts.items() if rel(solved, v) < 1e-4), None)
+        shown = fmt_list([f"({', '.join(f'{v:.3g}' for v in row)})" for row in solved[:3].tolist()], 3)
+        theirs = fmt_list([f"({', '.join(f'{v:.3g}' for v in row)})" for row in w[:3].tolist()], 3)
+        return Hint(
+            "routing_weights",
+            f"likely the routing weights applied to the wrong experts or tokens: ours sums the right experts' outputs "
+            f"with other weights (tokens 0-2: {shown}; the reference's {theirs})" + (f": {how}" if how else ""),
+            {"ours_weights": solved[:8].tolist(), "how": how},
+        )
+    found = [e.ref_trace.extras.get(f"{e.name}.{x}") for x in range(n)]
+    if any(r is None or not hasattr(r, "output") for r in found):
+        return None
+    evidence = cast("list[ExpertEvidence]", found)  # what hf_capture leaves for each expert node
+    for label, kw in (
+        ("their fused gate/up rows split the other way round (up first)", {"swap_halves": True}),
+        (
+            "their fused gate/up rows read as interleaved pairs (gate = rows 0::2, up = rows 1::2)",
+            {"interleaved": True},
+        ),
+    ):
+        other = torch.zeros_like(ours)
+        for x, r in enumerate(evidence):
+            y = r.output(x, **kw)
+            if y is None:
+                break
+            share = (w * (idx == x)).sum(-1)[r.rows]
+            other[r.rows] += share[:, None] * y
+        else:
+            if rel(ours, other) < EXPLAINS:
+                return Hint(
+                    "swapped_weights",
+                    f"likely the experts' weights read in another layout: ours equals the reference's experts with {label}",
+                    {"layout": label},
+                )
+    return None
+
+
 def choice(e: Evidence, spec: NodeSpec | None) -> Hint:
     """A different choice at an integer node (top-k experts): where, whether it is the same set in
     another order, and how near a tie the reference's scores were there."""
@@ -121,7 +195,28 @@ def choice(e: Evidence, spec: NodeSpec | None) -> Hint:
                 f": the reference's margin between its last chosen and first unchosen score there is "
                 f"{min(margins):.3g}..{max(margins):.3g}, not a near-tie: the router scores or the top-k differ"
             )
+    other = _chosen_otherwise(e.ours, scores)
+    if other is not None:
+        text += f"; ours chooses {other}"
+        evidence["chosen_by"] = other
     return Hint("routing", text, evidence)
+
+
+def _chosen_otherwise(ours: torch.Tensor, scores: torch.Tensor | None) -> str | None:
+    """How ours' choices ``(tokens, k)`` follow from the reference's router logits ``(tokens, experts)``
+    when not by their top-k over the experts: a softmax over the tokens (``dim=0``) first, the lowest k."""
+    if scores is None or scores.dim() != 2 or ours.dim() != 2 or ours.shape[0] != scores.shape[0]:
+        return None
+    s, k = scores.detach().double(), ours.shape[-1]
+    ways = {
+        "by a softmax over the tokens (dim=0) instead of over the experts (dim=-1)": torch.softmax(s, 0).topk(k, -1),
+        "the k lowest scores (topk with largest=False)": s.topk(k, -1, largest=False),
+    }
+    mine = ours.long().sort(-1).values
+    for label, picked in ways.items():
+        if torch.equal(picked.indices.sort(-1).values, mine):
+            return label
+    return None
 
 
 #: the top-k routing weights as a router may form them from its logits, by name

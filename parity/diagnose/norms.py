@@ -217,28 +217,56 @@ def norm_skipped(e: Evidence) -> Hint | None:
 # --- norms ---------------------------------------------------------------------------------------
 
 
+def _scale_form(a: float) -> str:
+    """The factor a norm multiplies by, written with its offset to the stored weight ``w``."""
+    if abs(a) < 1e-3:
+        return "w"
+    if abs(a - 1) < 1e-3:
+        return "1 + w"
+    if abs(a - 2) < 1e-3:
+        return "2 + w (1 + w with 1 added again)"
+    if abs(a + 1) < 1e-3:
+        return "w - 1"
+    return f"w + {a:.4g}"
+
+
 def norm_weight_offset(e: Evidence) -> Hint | None:
-    """A norm whose inputs agree and whose output is the reference's times ``(w + 1 - o) / (w + o)``
-    per channel, ``w`` the stored weight and ``o`` the reference's offset: ours multiplies by ``w``
-    where the reference multiplies by ``1 + w`` (Gemma 3), or the reverse (a Gemma 3 norm in Gemma 4)."""
+    """A norm whose inputs agree and whose outputs scale each channel by ``w + a`` (ours) and ``w + o``
+    (the reference), ``w`` the stored weight, a bias added after either: ours multiplies by ``w`` where
+    the reference multiplies by ``1 + w`` (Gemma 3, Nemotron's LayerNorm1P), the reverse (a Gemma 3 norm
+    in Gemma 4), or ``2 + w`` (the 1 added to a weight already stored as ``1 + w``). Both offsets are
+    read back from the outputs alone (their ratio per channel is ``(w + a) / (w + o)``), whichever side
+    holds the fault."""
     if "norm" not in e.kind or e.name not in e.ref_trace.inputs or e.name not in e.ours_trace.inputs:
         return None
     w = e.ref_trace.weights.get(e.name)
     x_ref, x_ours = e.ref_trace.inputs[e.name], e.ours_trace.inputs[e.name]
     if w is None or w.dim() != 1 or w.shape[0] != e.ref.shape[-1] or not e.close(x_ours, x_ref):
         return None
-    offset, w = e.facts.norm_weight_offset, w.double()
-    if bool(((w + offset).abs() < 1e-6).any()):
-        return None
-    predicted = e.ref.double() * (w + 1 - offset) / (w + offset)
-    if rel(e.ours, predicted) >= max(EXPLAINS, 4 * torch.finfo(e.ref.dtype).eps):
-        return None
-    ours, ref = ("w", "1 + w") if offset == 1.0 else ("1 + w", "w")
+    w = w.double()
+    bias = e.ref_trace.biases.get(e.name)
+    shift = bias.double() if bias is not None and bias.shape == w.shape else torch.zeros_like(w)
+    ref, ours = (e.ref.double() - shift).flatten(0, -2), (e.ours.double() - shift).flatten(0, -2)
+    ratio = (ours * ref).sum(0) / ref.pow(2).sum(0).clamp_min(1e-300)  # per channel: (w + a) / (w + o)
+    if rel(ours, ref * ratio) >= max(EXPLAINS, 4 * torch.finfo(e.ref.dtype).eps):
+        return None  # not one factor per channel, constant over tokens
+    # ratio (w + o) = w + a  ->  a - ratio o = w (ratio - 1): one (a, o) for every channel
+    system = torch.stack([torch.ones_like(ratio), -ratio], dim=1)
+    solved = torch.linalg.lstsq(system, (w * (ratio - 1))[:, None]).solution[:, 0]
+    a, o = float(solved[0]), float(solved[1])
+    if rel(system @ solved, w * (ratio - 1)) > 1e-6 or abs(a - o) < 1e-3:
+        return None  # not two offsets of one weight (another weight, or the same offset)
+    if min(abs(a - round(a)), abs(o - round(o))) > 1e-3:
+        return None  # offsets are whole numbers (w, 1 + w, 2 + w); anything else is a scale, read elsewhere
+    ours_form, ref_form = _scale_form(round(a)), _scale_form(round(o))
+    ratios = ratio[:4].tolist()
+    side = "ours" if abs(round(o) - e.facts.norm_weight_offset) < 1e-9 else "the reference"
     return Hint(
         "norm_weight_offset",
-        f"likely the norm weight offset: ours multiplies by {ours}, the reference by {ref} (ours / reference = "
-        f"({ours}) / ({ref}) per channel, constant over tokens, e.g. {fmt_list(f'{v:.4g}' for v in ((w + 1 - offset) / (w + offset))[:4].tolist())})",
-        {"ours": ours, "reference": ref},
+        f"likely the norm weight offset: ours multiplies by {ours_form}, the reference by {ref_form} (ours / "
+        f"reference = ({ours_form.split(' (')[0]}) / ({ref_form.split(' (')[0]}) per channel, constant over tokens, "
+        f"e.g. {fmt_list(f'{v:.4g}' for v in ratios)})",
+        {"ours": ours_form, "reference": ref_form, "offset": round(a), "reference_offset": round(o), "side": side},
     )
 
 
@@ -405,7 +433,7 @@ def _layer_node(e: Evidence, layer: int, kind: str) -> torch.Tensor | None:
     return None
 
 
-def _residual_into(e: Evidence, layer: int) -> torch.Tensor | None:
+def residual_into(e: Evidence, layer: int) -> torch.Tensor | None:
     """The reference's residual stream entering ``layer``: the previous layer's output, or the
     (scaled) token embedding before layer 0."""
     if layer > 0:
@@ -419,7 +447,7 @@ def block_layout(e: Evidence) -> Hint | None:
     other: a parallel block (``x + attn(N(x)) + mlp(N(x))``) run sequentially, or the reverse."""
     if e.result.layer is None or not (e.kind.endswith("@input") or _is_norm(e.kind)):
         return None
-    x, attn = _residual_into(e, e.result.layer), _layer_node(e, e.result.layer, "o_proj")
+    x, attn = residual_into(e, e.result.layer), _layer_node(e, e.result.layer, "o_proj")
     if x is None or attn is None or x.shape != e.ref.shape or attn.shape != x.shape:
         return None
     candidates = {

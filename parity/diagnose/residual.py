@@ -34,6 +34,29 @@ def _branch_output(e: Evidence) -> tuple[str, torch.Tensor] | None:
     return found or previous
 
 
+def _parallel_branches(e: Evidence, stream: str) -> tuple[str, torch.Tensor] | None:
+    """``("a + b", a + b)``: every branch output of the failing node's layer after the stream point
+    ``stream`` (Phi's and GPT-J's attention and MLP, both reading the layer's input), when there are two or
+    more; None otherwise."""
+    if e.result.layer is None:
+        return None
+    names = list(e.ref_trace.tensors)
+    begin = stream.partition("@")[0]
+    after = names[names.index(begin) :] if begin in names else names
+    last: dict[str, tuple[str, torch.Tensor]] = {}  # per sub-block (self_attn, mlp): its last node, its output
+    for name in after:
+        if name == e.name:
+            break
+        layer, kind = e.facts.locate(name)
+        tensor = e.ref_trace.tensors[name]
+        if layer == e.result.layer and not reads_stream(kind) and "norm" not in kind:
+            last[name.rpartition(".")[0]] = (name, tensor.double())
+    found = [(n, t) for n, t in last.values() if t.shape == e.ref.shape]
+    if len(found) < 2 or len(found) != len(last):
+        return None
+    return " + ".join(n for n, _ in found), sum((t for _, t in found), torch.zeros_like(found[0][1]))
+
+
 def _stream_before(e: Evidence, branch: str) -> tuple[str, torch.Tensor] | None:
     """The residual stream the branch was added to: the latest point of the stream before the branch
     in the reference's trace (``post_attention_layernorm@input`` for the MLP's add), else the input
@@ -80,6 +103,9 @@ def residual_add(e: Evidence) -> Hint | None:
         return None
     name, f, x = branch[0], branch[1].double(), stream[1].double()
     tol = max(EXPLAINS, 8 * torch.finfo(e.ref.dtype).eps)
+    parallel = _parallel_branches(e, stream[0])
+    if parallel is not None and rel(e.ref.double(), x + f) >= tol and rel(e.ref.double(), x + parallel[1]) < tol:
+        name, f = parallel  # a parallel block adds every branch to the same stream: x + attn(x) + mlp(x)
     forms = {
         "x + f(x)": x + f,
         "f(x) alone (the residual x not added)": f,
@@ -125,10 +151,17 @@ def residual_add(e: Evidence) -> Hint | None:
     if ours_is is None or ref_is is None or ours_is == ref_is:
         return _coefficients_differ(e, x, f, name, stream[0], tol)
     side = "ours" if ref_is == "x + f(x)" else "the reference"
+    alone = ours_is if side == "ours" else ref_is
+    also = (
+        f" (or this norm moved onto the branch: {side} normalises {name}'s output before the residual add, a "
+        "sandwich post-norm as Gemma 2's post_attention_layernorm, where the other normalises the stream after it)"
+        if at_norm_input and alone.startswith("f(x) alone")
+        else ""
+    )
     return Hint(
         "residual",
         f"likely the residual connection in {side}: ours' {e.kind} is {ours_is}, the reference's {ref_is}, with "
-        f"f(x) = {name} and x = {stream[0]}",
+        f"f(x) = {name} and x = {stream[0]}{also}",
         {"ours": ours_is, "reference": ref_is, "branch": name, "stream": stream[0], "side": side},
     )
 
@@ -299,6 +332,32 @@ def _placement(e: Evidence, what: str, name: str) -> Hint:
     )
 
 
+def _weightless_norm(
+    e: Evidence, x_ours: torch.Tensor, x_ref: torch.Tensor, stream: torch.Tensor | None
+) -> Hint | None:
+    """A projection reading the layer's stream through a norm without weights (OLMo's non-parametric
+    LayerNorm: no module, no node of its own), computed another way on one side: each side's input read
+    as the stream normalised by each statistic a port may use."""
+    from parity.diagnose.norms import _statistics
+
+    if stream is None or stream.shape != x_ref.shape or e.facts.norm_kind not in ("layernorm", "rmsnorm"):
+        return None
+    ways = _statistics(stream, e.facts.norm_eps or 0.0, e.facts.norm_kind == "layernorm")
+
+    def way_of(t: torch.Tensor) -> str | None:
+        return next((label for label, y in ways.items() if e.close(t.double(), y)), None)
+
+    ours_is, ref_is = way_of(x_ours), way_of(x_ref)
+    if ours_is is None or ref_is is None or ours_is == ref_is:
+        return None
+    return Hint(
+        "norm_kind",
+        f"likely the norm before {e.kind} (one without weights, so no node of its own): ours' input to {e.kind} is "
+        f"the layer's stream normalised by {ours_is}, the reference's by {ref_is}",
+        {"ours": ours_is, "reference": ref_is},
+    )
+
+
 def projection_source(e: Evidence) -> Hint | None:
     """A projection whose input in ours is another value the reference computed in this layer (the MLP
     reading the normalised attention branch instead of the residual stream), either side."""
@@ -307,10 +366,19 @@ def projection_source(e: Evidence) -> Hint | None:
     x_ref, x_ours = e.ref_trace.inputs.get(e.name), e.ours_trace.inputs.get(e.name)
     if x_ref is None or x_ours is None or x_ours.shape != x_ref.shape or e.close(x_ours, x_ref):
         return None
-    for name, tensor in layer_values(e):
-        if name.partition("@")[0] == e.name or tensor.shape != x_ours.shape:
+    from parity.diagnose.norms import residual_into
+
+    values = layer_values(e)
+    stream = residual_into(e, e.result.layer)  # the un-normed stream entering the layer (ours skipped its norm)
+    if stream is not None:
+        values.append(("residual stream entering the layer (before its norm)", stream))
+    weightless = _weightless_norm(e, x_ours, x_ref, stream)
+    if weightless is not None:
+        return weightless
+    for name, tensor in values:
+        if name.partition("@")[0] == e.name or tensor.numel() != x_ours.numel():
             continue
-        if e.close(x_ours, tensor):
+        if e.close(x_ours.reshape(tensor.shape), tensor):  # a router reads the tokens flattened: (tokens, hidden)
             return Hint(
                 "projection_input",
                 f"likely {e.kind} reads another input in ours: its input is the reference's {name}, where the "

@@ -36,16 +36,29 @@ def position_table_offset(e: Evidence) -> Hint | None:
         ours, ref = e.ours.narrow(axis, max(0, -k), n - abs(k)), e.ref.narrow(axis, max(0, k), n - abs(k))
         if e.close(ours, ref):
             sign = "+" if k > 0 else "-"
+            opt = (
+                " (OPT reads its learned table at position + 2: OPTLearnedPositionalEmbedding's offset)"
+                if e.facts.model_type == "opt" and abs(k) == 2
+                else ""
+            )
             return Hint(
                 "position_offset",
                 f"likely positions off by {k}: ours at position p equals the reference at position p {sign} {abs(k)} "
-                f"(for p = {max(0, -k)}..{n - 1 - max(0, k)}; a position table or position ids shifted by {k})",
+                f"(for p = {max(0, -k)}..{n - 1 - max(0, k)}; a position table or position ids shifted by {k}){opt}",
                 {"offset": k},
             )
     return None
 
 
 def pre_rope(e: Evidence, n_heads: int) -> torch.Tensor | None:
+    """The reference's q (or k) as RoPE reads it, ``(batch, heads, seq, head_dim)``: :func:`projection_heads`,
+    clamped to [-clip_qkv, clip_qkv] where the config clips them (OLMo)."""
+    x = projection_heads(e, n_heads)
+    clip = e.facts.clip_qkv
+    return x.clamp(-clip, clip) if x is not None and clip else x
+
+
+def projection_heads(e: Evidence, n_heads: int) -> torch.Tensor | None:
     """The reference's q (or k) before RoPE as (batch, heads, seq, head_dim), from the q_norm/q_proj node
     (a per-head norm's output is ``(batch, seq, heads, head_dim)`` where Transformers normalises
     before moving heads first, Qwen3 and Gemma 4, and ``(batch, heads, seq, head_dim)`` where it
@@ -90,23 +103,36 @@ def _per_head_norms(e: Evidence, base: str) -> torch.Tensor | None:
 
 
 def _pre_rope_fused(e: Evidence, n_heads: int, stem: str) -> torch.Tensor | None:
-    """The reference's q (or k) before RoPE from a part of a fused projection (GPT-2's ``c_attn[0:64]``):
-    the node of the attention before the failing one whose heads equal the reference's rotated tensor
-    at position 0 (where RoPE turns nothing; everywhere without RoPE)."""
+    """The reference's q (or k) before RoPE from a fused projection (GPT-2's ``c_attn``, Falcon's
+    ``query_key_value``, Phi-3's ``qkv_proj``): a node of the attention before the failing one whose
+    last axis holds whole heads, each of the rotated tensor's heads taken from the fused head that
+    equals it at position 0 (where RoPE turns nothing; everywhere without RoPE). The heads are found
+    one by one, so any fused layout (q heads first, or q, k, v per KV group) gives them."""
     if e.positions is None or e.ref.dim() != 4:
         return None
     b, _, t, d = e.ref.shape
     start = e.positions == 0
     if e.positions.shape != (b, t) or not bool(start.any()):
         return None
+    target = e.ref.transpose(1, 2)[start]  # (tokens at position 0, heads, head_dim)
     for name, tensor in e.ref_trace.tensors.items():
         if name == e.name:
             break
-        if not name.startswith(stem + ".") or tensor.dim() != 3 or tensor.shape != (b, t, n_heads * d):
+        if not name.startswith(stem + ".") or tensor.dim() != 3 or tensor.shape[:2] != (b, t) or tensor.shape[-1] % d:
             continue
-        heads = tensor.unflatten(-1, (n_heads, d)).transpose(1, 2)
-        if e.close(heads.transpose(1, 2)[start], e.ref.transpose(1, 2)[start]):
-            return heads
+        fused = tensor.unflatten(-1, (tensor.shape[-1] // d, d))  # (b, t, fused heads, head_dim)
+        at_start = fused[start]
+        picked: list[int] = []
+        for head in range(n_heads):
+            match = next(
+                (j for j in range(fused.shape[2]) if j not in picked and e.close(at_start[:, j], target[:, head])),
+                None,
+            )
+            if match is None:
+                break
+            picked.append(match)
+        if len(picked) == n_heads:
+            return fused[:, :, picked].transpose(1, 2)
     return None
 
 
@@ -156,7 +182,10 @@ def rope_fit(e: Evidence) -> Hint | None:
     positions = e.positions
 
     def fit_of(rotated: torch.Tensor):
-        return identify(x, rotated, layer, ropes, positions, tol, e.attention_mask, e.facts.max_position_embeddings)
+        per_head = e.facts.hidden_size // e.facts.num_heads if e.facts.hidden_size and e.facts.num_heads else None
+        return identify(
+            x, rotated, layer, ropes, positions, tol, e.attention_mask, e.facts.max_position_embeddings, per_head
+        )
 
     def as_it_should(fit) -> bool:
         return (
@@ -275,10 +304,11 @@ def _rope_hint(e: Evidence, fit, side: str, layer, own: float) -> Hint | None:
         return Hint(
             "rope_scaling", f"likely the RoPE scaling is not applied: {side} rotates with {fit.label}, {amp}", evidence
         )
-    if "divide by head_dim" in fit.label:
+    if "divide by head_dim" in fit.label or "divide by hidden_size" in fit.label:
+        what = "of partial rotary" if "divide by head_dim" in fit.label else "over another head_dim"
         return Hint(
             "rope_frequencies",
-            f"likely the inverse frequencies of partial rotary: {side} rotates like {fit.label}, {amp}",
+            f"likely the inverse frequencies {what}: {side} rotates like {fit.label}, {amp}",
             evidence,
         )
     return Hint(
@@ -289,11 +319,30 @@ def _rope_hint(e: Evidence, fit, side: str, layer, own: float) -> Hint | None:
     )
 
 
-def _unrotated_dims(t: torch.Tensor, x: torch.Tensor, moved: torch.Tensor) -> torch.Tensor:
-    """``(head_dim,)`` bool: the dims ``t`` leaves exactly as ``x`` at every token whose position is
-    past 0 (``moved``, ``(batch, seq)``)."""
-    a, b = t.transpose(1, 2)[moved], x.transpose(1, 2)[moved]  # (tokens, heads, head_dim)
-    return (a != b).sum(dim=(0, 1)) == 0
+def _unrotated_dims(e: Evidence, t: torch.Tensor, x: torch.Tensor, moved: torch.Tensor) -> torch.Tensor:
+    """``(head_dim,)`` bool: the dims ``t`` leaves as ``x`` at every token whose position is past 0
+    (``moved``, ``(batch, seq)``). Bit for bit where that gives a run of dims or none (dims with a zero
+    frequency come through RoPE exactly); else within the node's tolerance (ours' pass-through dims are
+    ours' projection, equal to the reference's up to rounding) when that gives one run, the only shape a
+    pass-through has: dims of two runs merely turning too slowly to see (the lowest frequencies of each
+    half) are not left alone."""
+    a, b = t.transpose(1, 2)[moved].double(), x.transpose(1, 2)[moved].double()  # (tokens, heads, head_dim)
+    exact = (a != b).sum(dim=(0, 1)) == 0
+    if bool(exact.any()):
+        return exact
+    scale = float(b.abs().max()) if b.numel() else 0.0
+    tol = max(e.result.atol, 1e-6 * scale) + e.result.rtol * scale
+    close = (a - b).abs().amax(dim=(0, 1)) <= tol
+    # a dim turning slowly (the lowest frequencies) moves further from x the later the position; a dim
+    # passed through differs by rounding alone, whatever the position
+    assert e.positions is not None  # rope_partial's guard: ``moved`` is read from them
+    positions = e.positions[moved].double()  # (tokens,)
+    dev = (a - b).abs().amax(dim=1)  # (tokens, head_dim)
+    late, early = positions >= positions.quantile(2 / 3), positions <= positions.quantile(1 / 3)
+    if bool(late.any()) and bool(early.any()):
+        growing = dev[late].mean(0) > 3 * dev[early].mean(0) + 1e-12 * scale
+        close = close & ~growing
+    return close if _one_block(close) else exact
 
 
 def rope_partial(e: Evidence) -> Hint | None:
@@ -313,25 +362,86 @@ def rope_partial(e: Evidence) -> Hint | None:
         or e.close(e.ref, x)
     ):
         return None
-    ours_still, ref_still = _unrotated_dims(e.ours, x, moved), _unrotated_dims(e.ref, x, moved)
+    start = (e.positions == 0)[:, None, :, None].expand_as(x)
+    if bool(start.any()) and not e.close(e.ref[start], x[start]):
+        return None  # RoPE leaves position 0 as it is: a side that changes it differs before RoPE
+    ours, order = e.ours, None
+    if bool(start.any()) and not e.close(ours[start], x[start]):
+        # ours' head dims in another order (the rotated part put first): read them in the reference's order
+        order = _dim_order(e, ours, x, e.positions == 0)
+        if order is None:
+            return None
+        ours = ours[..., order]
+    ours_still, ref_still = _unrotated_dims(e, ours, x, moved), _unrotated_dims(e, e.ref, x, moved)
     if torch.equal(ours_still, ref_still) or bool(ref_still.all()) or bool(ours_still.all()):  # no RoPE: rope_pattern
         return None
+    faint = _faint_dims(e, x.shape[-1])
+    if faint is not None:  # dims this layer's RoPE turns too little to see: no evidence either way
+        ours_still = torch.where(faint, ref_still, ours_still)
+        if torch.equal(ours_still, ref_still):
+            return None
     d = e.ours.shape[-1]
 
     def rotated(still: torch.Tensor) -> str:
         dims = (~still).nonzero().flatten().tolist()
         return f"{len(dims)} of {d} dims ({fmt_list(dims, 8)})" if dims else "no dims"
 
+    moved_dims = ""
+    if order is not None:
+        held = [order[j] for j in range(d) if not bool(ours_still[j])]  # ours' own dims holding the rotated ones
+        moved_dims = (
+            f"; ours also lays the head's dims out in another order: its dims "
+            f"{fmt_list(held, 8)} hold the rotated ones (rotated and pass-through "
+            "parts concatenated the other way round)"
+        )
     return Hint(
         "rope_partial",
         f"likely partial rotary: the reference rotates {rotated(ref_still)} of each head and leaves the rest as they "
         f"are, ours rotates {rotated(ours_still)} (how many dims rotate, and which pairs: (i, i + d/2) over the whole "
-        "head, or within the first dims)",
+        f"head, or within the first dims){moved_dims}",
         {
             "reference_rotated": (~ref_still).nonzero().flatten().tolist(),
             "ours_rotated": (~ours_still).nonzero().flatten().tolist(),
+            "ours_dim_order": order,
         },
     )
+
+
+def _faint_dims(e: Evidence, head_dim: int) -> torch.Tensor | None:
+    """``(head_dim,)`` bool: the dims this layer's RoPE turns, but by under 5e-3 radians at the run's last
+    position (its lowest nonzero frequencies): a port's other frequencies may leave them bit for bit as
+    they are, which is no partial rotary. None without the layer's RoPE."""
+    layer = e.facts.layer(e.result.layer)
+    if layer is None or layer.rope is None or e.positions is None:
+        return None
+    r = layer.rope.rotary_dim
+    inv = torch.tensor(layer.rope.inv_freq, dtype=torch.float64)
+    if inv.numel() != r // 2 or r > head_dim:
+        return None
+    per_dim = inv.repeat_interleave(2) if layer.rope.interleaved else torch.cat([inv, inv])
+    angle = torch.zeros(head_dim, dtype=torch.float64)
+    angle[:r] = per_dim * float(e.positions.max())
+    faint = (angle > 0) & (angle < 5e-3)  # a zero frequency (proportional RoPE's) leaves its dims by design
+    return faint
+
+
+def _one_block(still: torch.Tensor) -> bool:
+    """Whether the dims ``still`` marks form one run (or none): what partial rotary passes through."""
+    dims = still.nonzero().flatten()
+    return dims.numel() == 0 or int(dims[-1] - dims[0]) + 1 == dims.numel()
+
+
+def _dim_order(e: Evidence, t: torch.Tensor, x: torch.Tensor, start: torch.Tensor) -> list[int] | None:
+    """``order`` with ``t[..., order]`` equal to ``x`` at the tokens at position 0 (``start``, ``(batch,
+    seq)``): which of ``t``'s head dims holds each of ``x``'s; None when some dim of ``x`` is in none."""
+    a, b = t.transpose(1, 2)[start], x.transpose(1, 2)[start]  # (tokens, heads, head_dim)
+    order: list[int] = []
+    for i in range(b.shape[-1]):
+        j = next((j for j in range(a.shape[-1]) if j not in order and e.close(a[..., j], b[..., i])), None)
+        if j is None:
+            return None
+        order.append(j)
+    return order
 
 
 def _rotate(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -364,11 +474,29 @@ def rope_tables(e: Evidence) -> Hint | None:
     }
     xd, head = x.double()[..., :r], x.double()[..., r:]
     amplitude = layer.rope.attention_factor
+    d = x.shape[-1]
+    if r < d and layer.rope.rope_type == "default":
+        # partial rotary with tables built for the whole head: its d/2 frequencies theta^(-2i/d), cut to r
+        whole = e.positions.double()[:, None, :, None] * torch.tensor(
+            [layer.rope.theta ** (-2 * i / d) for i in range(d // 2)], dtype=torch.float64
+        )
+        layouts[f"built for the whole head (theta^(-2i/{d}), cat(f, f)) and cut to the {r} rotary dims"] = torch.cat(
+            [whole, whole], -1
+        )[..., :r]
     combos = {}
     for pairs, interleaved in (("half-split (i, i + d/2)", False), ("interleaved (2i, 2i + 1)", True)):
         for table, a in layouts.items():
             rotated = (xd * a.cos() + _rotate(xd, interleaved) * a.sin()) * amplitude
             combos[(pairs, table)] = torch.cat([rotated, head], -1)
+    if r < d:
+        # the rotary table padded to the whole head (cos 1, sin 0) and rotate_half taken over the whole head
+        a = layouts["concatenated cat(f, f)"]
+        pad = torch.zeros(*a.shape[:-1], d - r, dtype=a.dtype)
+        cos, sin = torch.cat([a.cos() * amplitude, pad + 1], -1), torch.cat([a.sin() * amplitude, pad], -1)
+        whole_pairs = f"half-split over the whole head (i, i + {d // 2})"
+        combos[(whole_pairs, f"padded to head_dim with cos 1 and sin 0 past the {r} rotary dims")] = (
+            x.double() * cos + _rotate(x.double(), False) * sin
+        )
     ours_is = [c for c, t in combos.items() if e.close(e.ours.double(), t.to(e.ours.dtype).double())]
     ref_is = [c for c, t in combos.items() if e.close(e.ref.double(), t.to(e.ref.dtype).double())]
     if not ours_is or not ref_is or set(ours_is) & set(ref_is):
@@ -527,11 +655,9 @@ def norm_after_rope(e: Evidence) -> Hint | None:
             continue
         layer = e.facts.layer(e.result.layer)
         r = layer.rope.rotary_dim if layer is not None and layer.rope is not None else d
-        rest = r >= d or e.close(ours[..., r:], ref[..., r:])  # partial rotary passes the rest through
-        if (
-            e.close(ours[first], ref[first])
-            and rest
-            and e.close(pair_lengths(ours[..., :r]), pair_lengths(ref[..., :r]))
+        interleaved = layer is not None and layer.rope is not None and layer.rope.interleaved
+        if e.close(ours[first], ref[first]) and e.close(
+            pair_lengths(ours, r, interleaved), pair_lengths(ref, r, interleaved)
         ):
             return Hint(
                 "norm_placement",
@@ -578,6 +704,63 @@ def values_rotated(e: Evidence) -> Hint | None:
                 {"side": side, "rotated": "v"},
             )
     return None
+
+
+def qkv_clip(e: Evidence) -> Hint | None:
+    """A ``clip_qkv`` (OLMo) done otherwise on one side: q, k (at ``q_rot``/``k_rot``) or v (at the
+    context) not clamped, clamped above only, or q and k clamped after RoPE instead of before; each
+    side's tensor is matched against the reference's projection through each form."""
+    clip = e.facts.clip_qkv
+    layer = e.facts.layer(e.result.layer)
+    if not clip or layer is None or e.positions is None:
+        return None
+    from parity.diagnose.rope_fit import rotate
+
+    if e.kind in ("q_rot", "k_rot") and e.ours.dim() == 4 and layer.rope is not None:
+        p = projection_heads(e, e.ours.shape[1])
+        if p is None or p.shape != e.ours.shape or e.positions.shape != (p.shape[0], p.shape[2]):
+            return None
+        p = p.double()
+        forms = {
+            f"clamped to [-{clip:g}, {clip:g}] before RoPE": rotate(p.clamp(-clip, clip), layer.rope, e.positions),
+            "not clamped": rotate(p, layer.rope, e.positions),
+            f"clamped above only (max {clip:g})": rotate(p.clamp(max=clip), layer.rope, e.positions),
+            f"clamped to [-{clip:g}, {clip:g}] after RoPE": rotate(p, layer.rope, e.positions).clamp(-clip, clip),
+        }
+        what = e.kind[0]
+    elif e.kind == "context":
+        found = attention_values(e)
+        if found is None:
+            return None
+        probs, v = found
+        b, h, t, _ = probs.shape
+        d = v.shape[-1]
+
+        def context(values: torch.Tensor) -> torch.Tensor:
+            c = (probs.double() @ values.repeat_interleave(h // v.shape[1], dim=1)).transpose(1, 2)
+            return c.reshape(b, t, h * d) if e.ref.dim() == 3 else c.transpose(1, 2)
+
+        forms = {
+            f"clamped to [-{clip:g}, {clip:g}]": context(v.clamp(-clip, clip)),
+            "not clamped": context(v),
+            f"clamped above only (max {clip:g})": context(v.clamp(max=clip)),
+        }
+        what = "v"
+    else:
+        return None
+
+    def form_of(t: torch.Tensor) -> str | None:
+        return next((label for label, f in forms.items() if f.shape == t.shape and e.close(t.double(), f)), None)
+
+    ours_is, ref_is = form_of(e.ours), form_of(e.ref)
+    if ours_is is None or ref_is is None or ours_is == ref_is:
+        return None
+    return Hint(
+        "clamp",
+        f"likely clip_qkv ({clip:g}): ours' {what} is {ours_is}, the reference's {ref_is} (q, k and v clamped to "
+        f"[-{clip:g}, {clip:g}] right after their projections, before RoPE)",
+        {"ours": ours_is, "reference": ref_is, "clip_qkv": clip, "tensor": what},
+    )
 
 
 def bias_after_rope(e: Evidence) -> Hint | None:

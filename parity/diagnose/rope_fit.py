@@ -99,11 +99,13 @@ def identify(
     tol: float,
     valid: torch.Tensor | None = None,
     max_position_embeddings: int | None = None,
+    hidden_per_head: int | None = None,
 ) -> Fit | None:
     """Which RoPE turns the unrotated ``x`` into ``ours`` (both ``(b, h, s, d)``), at ``positions``
     ``(b, s)``: this layer's own RoPE, another layer type's, this one without its scaling, default
     RoPE with another theta, or this one at positions shifted per row. ``valid`` ``(b, s)``: the
-    tokens to judge (padding excluded). None when nothing fits or ``ours`` is no rotation of ``x`` at
+    tokens to judge (padding excluded); ``hidden_per_head``: ``hidden_size / num_heads``, a head_dim a
+    port may derive where the config sets another. None when nothing fits or ``ours`` is no rotation of ``x`` at
     all (pair norms not kept up to one factor)."""
     rope = layer.rope
     probe = rope if rope is not None else next((r for r in ropes.values() if r is not None), None)
@@ -136,6 +138,21 @@ def identify(
                 f"the rotary dims ({rope.rotary_dim}): theta^(-2i/{layer.head_dim}) where the reference has "
                 f"theta^(-2i/{rope.rotary_dim})",
                 wide,
+            )
+        )
+    if (
+        rope is not None
+        and rope.rope_type == "default"
+        and hidden_per_head
+        and hidden_per_head not in (rope.rotary_dim, layer.head_dim)
+    ):
+        narrow = tuple(rope.theta ** (-2 * i / hidden_per_head) for i in range(rope.rotary_dim // 2))
+        candidates.append(
+            (
+                f"default RoPE with theta {rope.theta:g} whose exponents divide by hidden_size / num_heads "
+                f"({hidden_per_head}), not by the head's rotary dims ({rope.rotary_dim}): the head_dim taken as "
+                "hidden_size / num_heads where the config sets head_dim",
+                narrow,
             )
         )
     for layer_type, other in ropes.items():

@@ -107,6 +107,98 @@ def softmax_temperature(e: Evidence) -> Hint | None:
     )
 
 
+def partial_head_scores(e: Evidence) -> Hint | None:
+    """Attention probabilities that are the softmax of ``q . k`` over part of each head only (the rotary
+    dims of a partial-rotary head, the pass-through dims dropped; or the other part) on one side and over
+    the whole head on the other, computed from the reference's own ``q_rot`` and ``k_rot`` and the keys
+    the reference gives weight to, scaled by ``1/sqrt(head_dim)`` or by the part's."""
+    if e.kind != "probs" or e.ours.dim() != 4:
+        return None
+    stem = e.name.rsplit(".", 1)[0]
+    q, k = e.ref_trace.tensors.get(f"{stem}.q_rot"), e.ref_trace.tensors.get(f"{stem}.k_rot")
+    if q is None or k is None or q.dim() != 4 or k.dim() != 4 or q.shape[1] % k.shape[1]:
+        return None
+    b, h, t, d = q.shape
+    if e.ref.shape != (b, h, t, k.shape[2]):
+        return None
+    q, k = q.double(), k.double().repeat_interleave(h // k.shape[1], dim=1)
+    allowed = (e.ref.double() > 0) & (e.ours.double() > 0)
+    layer = e.facts.layer(e.result.layer)
+    r = layer.rope.rotary_dim if layer is not None and layer.rope is not None and layer.rope.rotary_dim < d else d // 2
+    parts = {
+        f"all {d} dims": slice(0, d),
+        f"dims 0..{r - 1} only": slice(0, r),
+        f"dims {r}..{d - 1} only": slice(r, d),
+    }
+    candidates = {}
+    for label, part in parts.items():
+        n = part.stop - part.start
+        scores = (q[..., part] @ k[..., part].transpose(-1, -2)).masked_fill(~allowed, float("-inf"))
+        candidates[f"{label}, scaled by 1/sqrt({d})"] = torch.softmax(scores * d**-0.5, -1)
+        if n != d:
+            candidates[f"{label}, scaled by 1/sqrt({n})"] = torch.softmax(scores * n**-0.5, -1)
+
+    def which(p: torch.Tensor) -> str | None:
+        return next((label for label, c in candidates.items() if e.close(c.to(p.dtype), p)), None)
+
+    ours_is, ref_is = which(e.ours), which(e.ref)
+    if ours_is is None or ref_is is None or ours_is.startswith("all ") == ref_is.startswith("all "):
+        return None  # both over the whole head (a scale: softmax_temperature's), or neither
+    side = "ours" if ref_is.startswith("all ") else "the reference"
+    return Hint(
+        "attention_partial_head",
+        f"likely q . k over part of each head in {side}: ours' probabilities are the softmax of q_rot . k_rot over "
+        f"{ours_is}, the reference's over {ref_is} (a partial-rotary head's rotated part used alone, the part "
+        "RoPE passes through not concatenated back before q . k)",
+        {"ours": ours_is, "reference": ref_is, "side": side},
+    )
+
+
+def attention_softcap(e: Evidence) -> Hint | None:
+    """Attention probabilities that are the softmax of the reference's scores soft-capped ``c tanh(s / c)``
+    on one side only (Gemma 2's attn_logit_softcapping carried into a model without it, or left out of
+    one with it), over the keys the reference gives weight to; ``c`` read back from the probabilities."""
+    if e.kind != "probs" or e.ours.dim() != 4:
+        return None
+    scores = e.ref_trace.tensors.get(e.name.rsplit(".", 1)[0] + ".scores")
+    if scores is None or scores.shape != e.ref.shape:
+        return None
+    s = scores.double()
+    allowed = (e.ref.double() > 0) & (e.ours.double() > 0)
+    plain = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1)
+
+    def capped(c: float) -> torch.Tensor:
+        return torch.softmax((c * torch.tanh(s / c)).masked_fill(~allowed, float("-inf")), -1)
+
+    config = e.facts.attn_softcap
+    grid = torch.logspace(0, 3, 301, dtype=torch.float64).tolist()
+    for side, value, other in (
+        ("ours", e.ours.double(), e.ref.double()),
+        ("the reference", e.ref.double(), e.ours.double()),
+    ):
+        if not e.close(plain.to(other.dtype), other) and not (config and e.close(capped(config), other)):
+            continue
+        best = min(([config] if config else []) + grid, key=lambda c: rel(value, capped(c)))
+        lo, hi = best / 1.03, best * 1.03
+        for _ in range(40):  # golden-section refinement of the cap
+            m1, m2 = lo + (hi - lo) * 0.382, lo + (hi - lo) * 0.618
+            lo, hi = (lo, m2) if rel(value, capped(m1)) < rel(value, capped(m2)) else (m1, hi)
+        c = (lo + hi) / 2
+        if config and abs(best - config) < 1e-9:
+            c = config
+        if not e.close(capped(c).to(value.dtype), value) or e.close(plain.to(value.dtype), value):
+            continue
+        shown = f"{round(c):g}" if abs(c - round(c)) < 1e-3 * c else f"{c:.4g}"
+        told = f"attn_logit_softcapping {config:g}" if config else "no attention soft-cap"
+        return Hint(
+            "softcap",
+            f"likely an attention soft-cap in {side} only: its probabilities are the softmax of the reference's scores "
+            f"capped as {shown} * tanh(s / {shown}), the other side's of the scores as they are (the config: {told})",
+            {"side": side, "cap": c, "config_cap": config},
+        )
+    return None
+
+
 def row_offset(e: Evidence) -> Hint | None:
     """Ours minus the reference is one value per row (a token's vector), another for each row: a
     per-token shift. When that shift is minus the row's logsumexp, one side returns log-probabilities

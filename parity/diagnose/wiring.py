@@ -560,7 +560,10 @@ def rotated_other_projection(e: Evidence) -> Hint | None:
             continue
         first = start[:, None, :, None].expand_as(e.ours)
         at_start = e.close(e.ours[first], other[first])
-        if at_start and e.close(pair_lengths(e.ours), pair_lengths(other)):
+        layer = e.facts.layer(e.result.layer)
+        rope = layer.rope if layer is not None else None
+        r, interleaved = (rope.rotary_dim, rope.interleaved) if rope is not None else (None, False)
+        if at_start and e.close(pair_lengths(e.ours, r, interleaved), pair_lengths(other, r, interleaved)):
             role = {"v": "values", "k": "keys", "q": "queries"}[kind[0]]
             mine = "keys" if e.kind == "k_rot" else "queries"
             return Hint(

@@ -119,7 +119,7 @@ def derive_facts(config, model=None) -> ArchFacts:
         )
         for i, t in enumerate(layer_types)
     )
-    eps = _get(config, "rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon")
+    eps = _get(config, "rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps")
     facts = ArchFacts(
         model_type=str(getattr(config, "model_type", "") or ""),
         vocab_size=int(_get(config, "vocab_size", default=0)),
@@ -137,6 +137,7 @@ def derive_facts(config, model=None) -> ArchFacts:
         logit_scale=_get(config, "logit_scale"),
         final_softcap=_get(config, "final_logit_softcapping"),
         attn_softcap=_get(config, "attn_logit_softcapping"),
+        clip_qkv=_get(config, "clip_qkv"),
         tie_word_embeddings=bool(_get(config, "tie_word_embeddings", default=False)),
         max_position_embeddings=_get(config, "max_position_embeddings"),
     )

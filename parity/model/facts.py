@@ -140,6 +140,8 @@ class ArchFacts:
     logit_scale: float | None = None
     final_softcap: float | None = None
     attn_softcap: float | None = None
+    #: OLMo's ``clip_qkv``: q, k and v clamped to [-c, c] right after their projections (None: no clip)
+    clip_qkv: float | None = None
     embed_scale: float | None = None
     tie_word_embeddings: bool = False
     max_position_embeddings: int | None = None

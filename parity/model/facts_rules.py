@@ -47,6 +47,24 @@ def _cohere(config, facts: ArchFacts) -> ArchFacts:
     return replace(with_layers(facts, rope=rope), norm_kind="layernorm")
 
 
+@rule("gptj", "codegen")
+def _gptj(config, facts: ArchFacts) -> ArchFacts:
+    # GPTJAttention / CodeGenAttention rotate interleaved pairs (rotate_every_two) in the first rotary_dim dims.
+    return with_layers(facts, rope=lambda layer: None if layer.rope is None else replace(layer.rope, interleaved=True))
+
+
+@rule("nemotron")
+def _nemotron(config, facts: ArchFacts) -> ArchFacts:
+    # NemotronLayerNorm1P: a LayerNorm (with bias) that scales by 1 + weight; its eps is config.norm_eps
+    return replace(facts, norm_kind="layernorm", norm_weight_offset=1.0)
+
+
+@rule("olmo")
+def _olmo1(config, facts: ArchFacts) -> ArchFacts:
+    # OlmoLayerNorm: F.layer_norm with no weight and no bias, eps fixed at 1e-5 (the config has no field)
+    return replace(facts, norm_kind="layernorm", norm_eps=1e-5)
+
+
 @rule("smollm3")
 def _smollm3(config, facts: ArchFacts) -> ArchFacts:
     # SmolLM3Attention rotates only where no_rope_layers[i] is 1 (the list says which layers *use* RoPE)

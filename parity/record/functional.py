@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from parity.record.ops import (
+    DERIVES,
     LOOKUP,
     LOOKUPS,
     NORM_WEIGHT_NAMES,
@@ -90,13 +91,26 @@ class Followed:
         return self.by_storage.get(storage) if storage is not None else None
 
     def follow(self, func, args, out) -> None:
-        """Remember ``out`` as its input's parameter when ``func`` only rearranges it."""
-        if args and op_name(func) in REARRANGES and isinstance(out, torch.Tensor):
-            what = self.of(args[0])
-            if what is not None and out.numel() == args[0].numel():
-                self._derived[id(out)] = (what, out)
-                while len(self._derived) > _FOLLOWED:
-                    self._derived.pop(next(iter(self._derived)))
+        """Remember ``out`` as its input's parameter when ``func`` only rearranges it, or derives a weight of
+        another form from it and constants alone (:func:`derived_from`)."""
+        if not args or not isinstance(out, torch.Tensor):
+            return
+        source = args[0] if op_name(func) in REARRANGES else self.derived_from(func, args)
+        what = self.of(source)
+        if what is not None and isinstance(source, torch.Tensor) and out.numel() == source.numel():
+            self._derived[id(out)] = (what, out)
+            while len(self._derived) > _FOLLOWED:
+                self._derived.pop(next(iter(self._derived)))
+
+    def derived_from(self, func, args) -> torch.Tensor | None:
+        """The parameter (or its rearranged copy) an element-wise op makes another weight of, with nothing
+        but constants beside it (``1 + w``, ``w * c``, ``-w``), else None."""
+        if op_name(func) not in DERIVES:
+            return None
+        tensors = [a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0]
+        if len(tensors) != 1 or any(isinstance(a, (list, tuple)) for a in args) or self.of(tensors[0]) is None:
+            return None
+        return tensors[0]
 
 
 class _FirstReads(TorchFunctionMode):
@@ -317,16 +331,24 @@ class FunctionCapture(TorchFunctionMode):
                 return out
             self.joined(list(args[0]), out)
             return out
+        if self.params and self.followed.derived_from(func, args) is not None:
+            out = func(*args, **kwargs)  # a weight computed from a parameter (a norm's 1 + w): still that parameter
+            self.followed.follow(func, args, out)
+            return out
+        if name in PRODUCT_NAMES:
+            self._statistic = None  # a statistic before a product (an activation's square) is no norm's input
         if self.params and self._statistic is None and name in STATISTIC_NAMES and _normalisable(args):
             self._statistic = args[0]  # a norm computed in functions: what it normalises
         if self.params and name in NORM_WEIGHT_NAMES:  # a norm's weight vector applied outside its module
-            node = self._param_node(func, args, vector=True)
+            # F.layer_norm / F.rms_norm hand their weight and bias to __torch_function__ as keywords
+            operands = (*args, *kwargs.values())
+            node = self._param_node(func, operands, vector=True)
             if node is not None:
                 out = func(*args, **kwargs)
                 x, self._statistic = self._statistic, None
                 if x is not None and isinstance(out, torch.Tensor) and x.shape == out.shape:
                     self.hold_input(node, x)  # its input, for the hints (a module's would be kept)
-                if node in self._biased and not any(self.biases.of(t) == node for t in args):
+                if node in self._biased and not any(self.biases.of(t) == node for t in operands):
                     self._unbiased[id(out)] = (node, out)  # a LayerNorm's shift comes next: x_hat * w + b
                     return out
                 return self.record_param(node, out)
@@ -618,11 +640,17 @@ class FunctionCapture(TorchFunctionMode):
             return func(*args, **kwargs)
         if len(out) != len(shared) + len(only_a) + 1 or len(shared) + len(only_a) < 3:
             return func(*args, **kwargs)  # a letter summed away besides the contraction: no attention product
-        batch, kv, query = shared[:1], shared[1:], only_a[-1:]
-        heads = kv + only_a[:-1]  # flattened as repeat_kv numbers the query heads: KV head, then its group
-        c = contracted[0]
+        batch, kv, c = shared[:1], shared[1:], contracted[0]
+        # probabilities keep their query axis next to the key axis the product sums over (``bngqk``), whatever
+        # order the output lists them in (``bqngd``)
+        before_keys = a_letters[a_letters.index(c) - 1] if a_letters.index(c) > 0 else ""
+        query = [before_keys] if before_keys in only_a else only_a[-1:]
         qk = (a.shape[a_letters.index(query[0])], a.shape[a_letters.index(c)])
-        if self._values_product(block, head_dim, qk, b.shape[b_letters.index(only_b[0])]):
+        values = self._values_product(block, head_dim, qk, b.shape[b_letters.index(only_b[0])])
+        if not values:
+            query = only_a[-1:]
+        heads = kv + [x for x in only_a if x not in query]  # as repeat_kv numbers the query heads: KV head, group
+        if values:
             self._before_values(block)  # probabilities . values
             pc = Canonical(a, a_letters, [batch, heads, query, [c]])
             probs = self.record("probs", pc.value)

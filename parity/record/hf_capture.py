@@ -111,10 +111,11 @@ class ExpertEvidence:
     x: torch.Tensor
     rows: torch.Tensor
 
-    def output(self, j: int, swap_halves: bool = False) -> torch.Tensor | None:
-        """Expert ``j`` of the reference (with its gate and up halves swapped, when asked) on this
-        expert's tokens, in float64, ``(len(rows), hidden)``; None for a layout other than
-        Transformers' default (gate then up concatenated, ``(E, 2I, H)``, no bias)."""
+    def output(self, j: int, swap_halves: bool = False, interleaved: bool = False) -> torch.Tensor | None:
+        """Expert ``j`` of the reference (with its gate and up halves swapped, or the fused rows read as
+        interleaved gate/up pairs, when asked) on this expert's tokens, in float64, ``(len(rows),
+        hidden)``; None for a layout other than Transformers' default (gate then up concatenated, ``(E,
+        2I, H)``, no bias)."""
         m = self.module
         if (
             getattr(m, "is_transposed", False)
@@ -123,7 +124,8 @@ class ExpertEvidence:
             or not getattr(m, "has_gate", True)
         ):
             return None
-        gate, up = m.gate_up_proj[j].detach().double().chunk(2, dim=0)
+        fused = m.gate_up_proj[j].detach().double()
+        gate, up = (fused[0::2], fused[1::2]) if interleaved else fused.chunk(2, dim=0)
         if swap_halves:
             gate, up = up, gate
         x = self.x[self.rows].double()

@@ -25,6 +25,14 @@ NORM_WEIGHT_NAMES = frozenset({"rms_norm", "layer_norm", "mul", "__mul__", "__rm
 STATISTIC_NAMES = frozenset(
     {"pow", "square", "mean", "var", "var_mean", "std", "rms_norm", "layer_norm", "norm", "vector_norm"}
 )
+#: element-wise ops that make a weight of another from a parameter and constants alone (a norm's ``1 + w``
+#: computed in the forward, ``w * scale``, ``-w``): their result is still that parameter, in another form
+DERIVES = frozenset(
+    {
+        "add", "__add__", "__radd__", "sub", "__sub__", "__rsub__", "mul", "__mul__", "__rmul__", "div",
+        "__truediv__", "__rtruediv__", "neg", "__neg__",
+    }
+)  # fmt: skip
 LOOKUP, PRODUCT = "lookup", "product"
 
 

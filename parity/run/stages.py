@@ -51,6 +51,11 @@ DIAGNOSIS_INPUT_KINDS = (
     "wte",
     "wpe",
     "embed",  # a lookup's ids and table: which rows each side read
+    "proj",
+    "fc",
+    "dense",
+    "query_key_value",
+    "gate",  # other families' projections (Phi's fc1 and dense, GPT-J's fc_in, Falcon's dense_h_to_4h, a router)
 )
 #: node kinds of ours the diagnosis of a later node of the same attention reads (softmax temperature
 #: needs q and k to agree); everything else of ours is dropped once compared

@@ -243,6 +243,22 @@ class PlusBias:
 
 
 @dataclass(frozen=True)
+class Unscaled:
+    """A projection of ours whose weight (and bias) hold the reference's times a named constant (OPT's
+    ``head_dim ** -0.5`` folded into ``q_proj`` at load, where the reference scales q after it): its
+    output is compared divided by that constant; where ours applies it instead is judged at the nodes
+    after."""
+
+    factor: float
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        return t / self.factor
+
+    def inverse(self, ref: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
+        return (ref * self.factor).to(current.dtype)
+
+
+@dataclass(frozen=True)
 class OutputPart:
     """The reference module's output features ``start:stop`` (the part of a fused projection ours
     computes apart), a view taken on the reference's side."""
@@ -303,9 +319,16 @@ def _kv_heads(t: torch.Tensor, kv: int) -> torch.Tensor:
     (tiled ``[K0, K1, K0, K1]``: the query heads then read other KV heads than the reference's, which
     the nodes after show)."""
     groups = t.shape[1] // kv
-    if torch.equal(t.unflatten(1, (kv, groups)), t.unflatten(1, (kv, groups))[:, :, :1].expand(-1, -1, groups, -1, -1)):
+    grouped = t.unflatten(1, (kv, groups))
+    if _same(grouped, grouped[:, :, :1].expand(-1, -1, groups, -1, -1)):
         return t[:, ::groups]
     return t[:, :kv]
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal element by element, a NaN equal to a NaN (keys copied from one head are copies, NaN too:
+    a padding row's NaN is the same in every copy)."""
+    return a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
 
 
 def _is_tiled(t: torch.Tensor, layout: str, kv: int) -> bool:
@@ -313,7 +336,7 @@ def _is_tiled(t: torch.Tensor, layout: str, kv: int) -> bool:
     heads = t.transpose(1, 2) if layout == "bshd" else t
     groups = heads.shape[1] // kv
     grouped = heads.unflatten(1, (kv, groups))
-    return not torch.equal(grouped, grouped[:, :, :1].expand(-1, -1, groups, -1, -1))
+    return not _same(grouped, grouped[:, :, :1].expand(-1, -1, groups, -1, -1))
 
 
 def _storage_key(t: torch.Tensor) -> tuple:
@@ -448,13 +471,15 @@ class _Aligner:
         module, leaf = _module_of(param)
         if leaf == "weight":
             return True
+        held = self.ours_params.get(param)
+        if not module and held is not None and held.dim() == 1:
+            return False  # a vector of the whole model (a final norm's beside the blocks): the op reading it
         holders = [n for n in self.coverage.sources if _module_of(n)[0] == module and "." not in n[len(module) + 1 :]]
         weights = [n for n in holders if any(src.key.endswith(".weight") for src in self.coverage.sources[n])]
         if weights != [param]:
             return False
         # a module whose submodules hold other reference weights computes more than the op reading this
         # one (an MLP holding w_down itself, w_gate and w_up as submodules): the op is the node, not it
-        held = self.ours_params.get(param)
         if held is None or held.dim() < 2:
             return True  # a norm's one vector (``scale``, ``g``): its module is the norm
         return not any(module and n.startswith(module + ".") and n != param for n in self.coverage.sources)
@@ -466,10 +491,13 @@ class _Aligner:
         prefix = path + "." if path else ""
         inside: list[str]
         outside: list[str]
-        inside, outside, owners = [], [], set()
+        inside, outside, owners, stacked = [], [], set(), set()
         for ref_path, module in self.ref_modules.items():
             # tensors held otherwise than as a module's weight (fused experts): the modules of ours holding them
-            (inside if ref_path == path or ref_path.startswith(prefix) else outside).extend(self._holders(ref_path))
+            holders = self._holders(ref_path)
+            (inside if ref_path == path or ref_path.startswith(prefix) else outside).extend(holders)
+            if ref_path == path or ref_path.startswith(prefix):
+                stacked.update(holders)
             if not isinstance(getattr(module, "weight", None), torch.Tensor) or ref_path == path:
                 continue
             hit = self.leaf(ref_path)
@@ -486,19 +514,44 @@ class _Aligner:
                 continue
             (inside if ref_path.startswith(prefix) else outside).append(hit[0])
         if len(set(inside)) < 2 and not (set(inside) <= owners and inside):
+            block = self._experts_block(path, set(inside))
+            if block is not None:
+                return block
             self.why[path] = "fewer than two of its weighted modules were found in ours"
             return None
         ancestor = _common_ancestor(sorted(set(inside)))
         if ancestor in owners and ancestor in outside:
             self.why[path] = f"{ancestor} also holds the weights of other reference blocks"
             return None
-        if ancestor in set(inside) and ancestor not in owners:
+        # a module of ours holding the experts' stacked weights as its own parameters, and the router as a
+        # submodule, is the MoE block itself
+        if ancestor in set(inside) and ancestor not in owners and ancestor not in stacked:
             self.why[path] = f"its weighted modules in ours meet at {ancestor}, which is one of them"
             return None
         if any(o == ancestor or o.startswith(ancestor + ".") for o in outside if o not in inside):
             self.why[path] = f"{ancestor or 'the model'} also holds modules of other reference blocks"
             return None
         return ancestor
+
+    def _experts_block(self, path: str, inside: set[str]) -> str | None:
+        """Ours' MoE block, for the reference's fused experts module ``path`` whose every tensor ours holds as
+        that block's own parameters (no module of ours is the experts alone): its output is the experts'
+        weighted sum when the reference's block holds nothing but its router and these experts (Mixtral,
+        Qwen3-MoE; a shared expert would add to it). None otherwise."""
+        parent = path.rpartition(".")[0]
+        module = self.ref_modules.get(path)
+        if len(inside) != 1 or module is None or set(self._holders(path)) != inside or not parent:
+            return None
+        weighted = {
+            p for p, m in self.ref_modules.items()
+            if p.startswith(parent + ".") and p != path and not p.startswith(path + ".")
+            and any(True for _ in m.parameters(recurse=False))
+        }  # fmt: skip
+        routers = {p for p in weighted if type(self.ref_modules[p]).__name__.endswith("Router")}
+        if weighted != routers or len(routers) != 1:
+            return None
+        block = self.container(parent)
+        return block if block is not None and block in inside else None
 
     def _in_functions(self, att: str) -> bool:
         """Whether ours computes the reference's attention block ``att`` with no module of its own, every
@@ -645,8 +698,12 @@ class _Aligner:
         base = ref_path[: -len("@input")] if is_input else ref_path
         if spec.reference_transform is not None:  # a part of that module's output, not its output
             return self._unaligned(spec, f"a view of {base}'s output (name it with node_map)")
-        hit = self.leaf(base) if isinstance(getattr(self.ref_modules.get(base), "weight", None), torch.Tensor) else None
-        if hit is not None and hit[0] == "" and not is_input:
+        weight = getattr(self.ref_modules.get(base), "weight", None)
+        hit = self.leaf(base) if isinstance(weight, torch.Tensor) else None
+        # a weight ours holds at its root, read in forward: the head's (a vocabulary projection) is the model's
+        # output; any other (a final norm's vector beside the embedding) is the op reading it, below
+        head = isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] == self.facts.vocab_size
+        if hit is not None and hit[0] == "" and not is_input and head:
             after = [
                 what
                 for what, value in (("soft-caps", self.facts.final_softcap), ("scales", self.facts.logit_scale))
@@ -713,6 +770,11 @@ class _Aligner:
             detail = f"{'transposed ' if source.how == TRANSPOSED else ''}{source.key} ({source.how})"
             if source.how == SCALED:
                 detail = f"{source.description}: a scaled copy"
+                if not is_input and base != self.facts.embed_module and source.scale:
+                    unscaled = Unscaled(float(source.scale))
+                    return replace(spec, ours=ours, transform=unscaled, inverse=unscaled.inverse), Aligned(
+                        name, ours, how, f"{detail}, its output compared divided by {float(source.scale):.6g}"
+                    )
             return replace(spec, ours=ours), Aligned(name, ours, how, detail)
         if base in self.ref_modules and not isinstance(getattr(self.ref_modules[base], "weight", None), torch.Tensor):
             our_path = self.container(base)

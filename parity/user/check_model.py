@@ -91,26 +91,36 @@ def _raised(e: BaseException) -> str:
 
 
 def build_ours(ours, ref: Reference) -> nn.Module:
-    """Call the user's ``build(state_dict, hf_config)`` (or take the module as it is). Raises
-    ParityError when it raises, returns something else than an nn.Module, or leaves weights on the
-    meta device."""
+    """Call the user's ``build(state_dict, hf_config)`` (or take the module as it is). ``state_dict`` is
+    the reference model's own; a build that asks for a name only the checkpoint's files have (a loader
+    written against the files, where Transformers renames or fuses tensors on load: Mixtral's
+    per-expert ``w1``/``w2``/``w3``) is called again with the files' tensors, and the pair's conversions
+    say so. Raises ParityError when it raises, returns something else than an nn.Module, or leaves
+    weights on the meta device."""
     if isinstance(ours, nn.Module):
         model = ours
     elif callable(ours):
         name = getattr(ours, "__qualname__", repr(ours))
-        before = fingerprints(ref.state_dict)
-        try:  # a dict of its own: a loader may pop the keys it consumed
-            model = ours(dict(ref.state_dict), ref.hf_config)
+        try:
+            model = _call_build(ours, name, ref.state_dict, ref.hf_config)
+        except KeyError as e:
+            files = _files_if_asked(e, ref)
+            if files is None:
+                raise ParityError(f"build {name}(state_dict, hf_config) raised {_raised(e)}") from None
+            try:
+                model = _call_build(ours, name, files, ref.hf_config)
+            except (Exception, SystemExit, KeyboardInterrupt) as again:
+                raise ParityError(
+                    f"build {name}(state_dict, hf_config) raised {_raised(again)} (called with the checkpoint files' "
+                    f"tensors after it asked for {e.args[0]!r}, a name only the files have)"
+                ) from None
+            ref.handed_files = True
+            ref.conversions.append(
+                f"build {name} asked for {e.args[0]!r}, a name of the checkpoint's files that the reference model holds "
+                "under another name or fused: it was called with the files' tensors as they are stored"
+            )
         except (Exception, SystemExit, KeyboardInterrupt) as e:  # sys.exit() in user code is no exit 0 of parity's
             raise ParityError(f"build {name}(state_dict, hf_config) raised {_raised(e)}") from None
-        after = fingerprints(ref.state_dict)
-        changed = [k for k, v in before.items() if after.get(k) != v]
-        if changed:  # the reference holds these very tensors: an in-place edit changes both sides and hides it
-            raise ParityError(
-                f"build {name}(state_dict, hf_config) changed {len(changed)} reference tensor(s) in place "
-                f"({_first(changed, 3)}): the reference holds the same tensors, so both sides changed; "
-                "compute a new tensor (w * 2, w.clone().mul_(2)) instead of editing the state dict's"
-            )
         if not isinstance(model, nn.Module):
             raise ParityError(
                 f"build {name}(state_dict, hf_config) returned {type(model).__name__}, not a torch.nn.Module"
@@ -126,6 +136,38 @@ def build_ours(ours, ref: Reference) -> nn.Module:
         )
     adopt_plain_tensors(model)
     return model.eval()
+
+
+def _call_build(ours, name: str, state_dict: dict, hf_config) -> nn.Module:
+    """``ours(state_dict, hf_config)`` on a dict of its own (a loader may pop the keys it consumed);
+    what it raises passes through. Raises ParityError when it edits a tensor of ``state_dict`` in place."""
+    before = fingerprints(state_dict)
+    model = ours(dict(state_dict), hf_config)
+    after = fingerprints(state_dict)
+    changed = [k for k, v in before.items() if after.get(k) != v]
+    if changed:  # the reference holds these very tensors: an in-place edit changes both sides and hides it
+        raise ParityError(
+            f"build {name}(state_dict, hf_config) changed {len(changed)} reference tensor(s) in place "
+            f"({_first(changed, 3)}): the reference holds the same tensors, so both sides changed; "
+            "compute a new tensor (w * 2, w.clone().mul_(2)) instead of editing the state dict's"
+        )
+    return model
+
+
+def _files_if_asked(error: KeyError, ref: Reference) -> dict | None:
+    """The checkpoint files' tensors when the KeyError names a key the files have and the reference's
+    state dict has not (a loader written against the files), else None."""
+    key = error.args[0] if len(error.args) == 1 else None
+    if ref.file_tensors is None or not isinstance(key, str) or key in ref.state_dict:
+        return None
+    files = ref.file_tensors()
+    if key not in files:
+        return None
+    # a tensor the reference holds under the files' own name is handed as the reference's (shared storage)
+    return {
+        k: ref.state_dict[k] if k in ref.state_dict and ref.state_dict[k].shape == v.shape else v
+        for k, v in files.items()
+    }
 
 
 #: the prefix of the parameters :func:`adopt_plain_tensors` registers for a model's plain tensors
@@ -321,11 +363,15 @@ def _rebuild64(ours, ref: Reference) -> Callable[[], tuple[nn.Module, nn.Module]
 
     def rebuild() -> tuple[nn.Module, nn.Module]:
         state_dict = float64_state_dict(ref.state_dict)
+        # a build that read the files' names gets their tensors again (float64 copies: no storage shared)
+        handed = float64_state_dict(ref.file_tensors()) if ref.handed_files and ref.file_tensors else state_dict
         config = copy.deepcopy(ref.hf_config)
         config.dtype = torch.float64
         with Float64Mode():
             reference = build_reference(reference_cls, config, state_dict)
-            model = build_ours(ours, dataclasses.replace(ref, state_dict=state_dict, hf_config=config))
+            model = build_ours(
+                ours, dataclasses.replace(ref, state_dict=handed, hf_config=config, conversions=[], file_tensors=None)
+            )
         return model, reference
 
     return rebuild
