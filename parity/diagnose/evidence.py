@@ -120,6 +120,20 @@ def _fed_by_a_node(e: Evidence, x_ref: torch.Tensor) -> bool:
     return False
 
 
+def forms_of(
+    e: Evidence, forms: dict[str, torch.Tensor], ours: torch.Tensor, ref: torch.Tensor
+) -> tuple[str | None, str | None]:
+    """The first of ``forms`` (label -> a value computed from the reference's own tensors) that ``ours``
+    and that ``ref`` each equal within the node's tolerance; None for a side that equals none."""
+
+    def form_of(t: torch.Tensor) -> str | None:
+        return next(
+            (label for label, f in forms.items() if f.shape == t.shape and e.close(t.double(), f.double())), None
+        )
+
+    return form_of(ours), form_of(ref)
+
+
 def attention_values(e: Evidence) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(probs, v)``: the reference's probabilities ``(batch, heads, seq, keys)`` of the failing node's
     attention block and its values ``(batch, kv_heads, seq, head_dim)`` (float64) from its ``v_proj``

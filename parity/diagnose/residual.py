@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import torch
 
-from parity.diagnose.evidence import EXPLAINS, Evidence, layer_values, reads_stream, rel
+from parity.diagnose.evidence import EXPLAINS, Evidence, forms_of, layer_values, reads_stream, rel
 from parity.diagnose.hints import Hint
 from parity.diagnose.masks import dropout_left_on, dropout_pattern
 
@@ -343,11 +343,7 @@ def _weightless_norm(
     if stream is None or stream.shape != x_ref.shape or e.facts.norm_kind not in ("layernorm", "rmsnorm"):
         return None
     ways = _statistics(stream, e.facts.norm_eps or 0.0, e.facts.norm_kind == "layernorm")
-
-    def way_of(t: torch.Tensor) -> str | None:
-        return next((label for label, y in ways.items() if e.close(t.double(), y)), None)
-
-    ours_is, ref_is = way_of(x_ours), way_of(x_ref)
+    ours_is, ref_is = forms_of(e, ways, x_ours, x_ref)
     if ours_is is None or ref_is is None or ours_is == ref_is:
         return None
     return Hint(

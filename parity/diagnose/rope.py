@@ -13,6 +13,7 @@ from parity.diagnose.evidence import (
     attention_values,
     by_position,
     fmt_list,
+    forms_of,
     heads_first,
     pair_lengths,
     seq_axis,
@@ -749,10 +750,7 @@ def qkv_clip(e: Evidence) -> Hint | None:
     else:
         return None
 
-    def form_of(t: torch.Tensor) -> str | None:
-        return next((label for label, f in forms.items() if f.shape == t.shape and e.close(t.double(), f)), None)
-
-    ours_is, ref_is = form_of(e.ours), form_of(e.ref)
+    ours_is, ref_is = forms_of(e, forms, e.ours, e.ref)
     if ours_is is None or ref_is is None or ours_is == ref_is:
         return None
     return Hint(

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from parity.diagnose.evidence import EXPLAINS, Evidence, fmt_list, part_of, rel
+from parity.diagnose.evidence import EXPLAINS, Evidence, fmt_list, forms_of, part_of, rel
 from parity.diagnose.hints import Hint
 from parity.record.trace import SCALARS
 
@@ -138,10 +138,7 @@ def partial_head_scores(e: Evidence) -> Hint | None:
         if n != d:
             candidates[f"{label}, scaled by 1/sqrt({n})"] = torch.softmax(scores * n**-0.5, -1)
 
-    def which(p: torch.Tensor) -> str | None:
-        return next((label for label, c in candidates.items() if e.close(c.to(p.dtype), p)), None)
-
-    ours_is, ref_is = which(e.ours), which(e.ref)
+    ours_is, ref_is = forms_of(e, candidates, e.ours, e.ref)
     if ours_is is None or ref_is is None or ours_is.startswith("all ") == ref_is.startswith("all "):
         return None  # both over the whole head (a scale: softmax_temperature's), or neither
     side = "ours" if ref_is.startswith("all ") else "the reference"
