@@ -456,8 +456,6 @@ class Reference:
     #: reference holds them otherwise (Transformers 5 fuses Mixtral's per-expert w1/w2/w3 on load):
     #: a user's loader written against the files asks for those names
     file_tensors: Callable[[], dict] | None = None
-    #: whether the user's build was handed :attr:`file_tensors` (it asked for a name only the files have)
-    handed_files: bool = False
 
     @property
     def tied_keys(self) -> dict[str, str]:

@@ -123,28 +123,13 @@ def masked_keys(e: Evidence) -> Hint | None:
     return None
 
 
-def _score_shift(e: Evidence, p: torch.Tensor, other: torch.Tensor, extra: torch.Tensor) -> float | None:
-    """The one amount every extra key's own score was shifted by in ``p``, read against the reference's
-    scores (an additive 0/1 mask: -1 relative to the real keys), or None."""
-    scores = e.ref_trace.tensors.get(e.name.rsplit(".", 1)[0] + ".scores")
-    if scores is None or scores.shape != p.shape:
-        return None
-    s = scores.double()
-    both = (p > 0) & (other > 0)
-    rows = extra.any(-1) & both.any(-1)
-    if not bool(rows.any()):
-        return None
-    logp = p.clamp_min(1e-300).log() - s  # per row: one constant over the keys both weight
-    offset = torch.where(both, logp, torch.nan).nanmean(-1, keepdim=True)
-    shift = torch.where(extra, logp - offset, torch.nan)[rows.unsqueeze(-1).expand_as(extra)]
-    shift = shift[torch.isfinite(shift)]
-    if shift.numel() == 0 or float(shift.max() - shift.min()) > 1e-3 * max(1.0, float(shift.abs().max())):
-        return None
-    return float(shift.mean())
-
-
-def _fill_value(e: Evidence, p: torch.Tensor, other: torch.Tensor, extra: torch.Tensor) -> float | None:
-    """The one score every extra key of ``p`` got, read against the reference's scores, or None."""
+def _extra_scores(
+    e: Evidence, p: torch.Tensor, other: torch.Tensor, extra: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(given, own)`` at the ``extra`` keys of ``p`` (in rows that have any): the score each got in ``p``,
+    read against the reference's scores (per row, ``log p_j - s_j`` is one constant, the row's
+    log-normaliser, over the keys both sides weight), and the reference's own score there; None without
+    the reference's scores."""
     scores = e.ref_trace.tensors.get(e.name.rsplit(".", 1)[0] + ".scores")
     if scores is None or scores.shape != p.shape:
         return None
@@ -153,14 +138,32 @@ def _fill_value(e: Evidence, p: torch.Tensor, other: torch.Tensor, extra: torch.
     rows = extra.any(-1) & both.any(-1)
     if not bool(rows.any()):
         return None
-    # per row: log p_j - s_j is one constant (the row's log-normaliser) over the keys both weight
     offset = torch.where(both, p.clamp_min(1e-300).log() - s, torch.nan).nanmean(-1, keepdim=True)
-    fill = torch.where(extra, p.clamp_min(1e-300).log() - offset, torch.nan)[rows.unsqueeze(-1).expand_as(extra)]
-    fill = fill[torch.isfinite(fill)]
-    if fill.numel() == 0 or float(fill.max() - fill.min()) > 1e-3 * max(1.0, float(fill.abs().max())):
+    where = extra & rows.unsqueeze(-1)
+    given = (p.clamp_min(1e-300).log() - offset)[where]
+    keep = torch.isfinite(given)
+    return given[keep], s[where][keep]
+
+
+def _one_value(t: torch.Tensor) -> float | None:
+    """The one value every element of ``t`` holds (to 1e-3 relative), or None."""
+    if t.numel() == 0 or float(t.max() - t.min()) > 1e-3 * max(1.0, float(t.abs().max())):
         return None
-    value = float(fill.mean())
-    return value if abs(value) > 1e-6 else 0.0
+    return float(t.mean())
+
+
+def _score_shift(e: Evidence, p: torch.Tensor, other: torch.Tensor, extra: torch.Tensor) -> float | None:
+    """The one amount every extra key's own score was shifted by in ``p``, read against the reference's
+    scores (an additive 0/1 mask: -1 relative to the real keys), or None."""
+    found = _extra_scores(e, p, other, extra)
+    return _one_value(found[0] - found[1]) if found is not None else None
+
+
+def _fill_value(e: Evidence, p: torch.Tensor, other: torch.Tensor, extra: torch.Tensor) -> float | None:
+    """The one score every extra key of ``p`` got, read against the reference's scores, or None."""
+    found = _extra_scores(e, p, other, extra)
+    value = _one_value(found[0]) if found is not None else None
+    return None if value is None else value if abs(value) > 1e-6 else 0.0
 
 
 def future_keys(e: Evidence) -> Hint | None:

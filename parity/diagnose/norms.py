@@ -288,7 +288,7 @@ def _normalisers(x: torch.Tensor, head_dim: int | None, eps: float = 0.0) -> dic
     return out
 
 
-def _statistics(x: torch.Tensor, eps: float, layernorm: bool) -> dict[str, torch.Tensor]:
+def norm_statistics(x: torch.Tensor, eps: float, layernorm: bool) -> dict[str, torch.Tensor]:
     """``x`` (``(..., seq, hidden)``) normalised by each statistic a port may compute instead of the
     norm's own (RMSNorm: Zhang & Sennrich 2019; LayerNorm: Ba et al. 2016), with the norm's eps."""
     x = x.double()
@@ -337,7 +337,7 @@ def norm_statistic(e: Evidence) -> Hint | None:
     b = e.ref_trace.biases.get(e.name)
     shift = b.double() if b is not None and b.shape == w.shape else 0.0
     layernorm = e.facts.norm_kind == "layernorm"
-    stats = _statistics(x, e.facts.norm_eps or 0.0, layernorm)
+    stats = norm_statistics(x, e.facts.norm_eps or 0.0, layernorm)
     sibling = {"q_norm": "k_norm", "k_norm": "q_norm"}.get(e.kind)
     other = e.ref_trace.inputs.get(f"{e.name.rsplit('.', 1)[0]}.{sibling}") if sibling else None
     if sibling and other is not None and other.shape[:-1] == x.shape[:-1]:  # one statistic over q and k together

@@ -15,6 +15,7 @@ import torch
 from parity.diagnose.evidence import EXPLAINS, Evidence, forms_of, layer_values, reads_stream, rel
 from parity.diagnose.hints import Hint
 from parity.diagnose.masks import dropout_left_on, dropout_pattern
+from parity.diagnose.norms import norm_statistics, residual_into
 
 
 def _branch_output(e: Evidence) -> tuple[str, torch.Tensor] | None:
@@ -338,11 +339,9 @@ def _weightless_norm(
     """A projection reading the layer's stream through a norm without weights (OLMo's non-parametric
     LayerNorm: no module, no node of its own), computed another way on one side: each side's input read
     as the stream normalised by each statistic a port may use."""
-    from parity.diagnose.norms import _statistics
-
     if stream is None or stream.shape != x_ref.shape or e.facts.norm_kind not in ("layernorm", "rmsnorm"):
         return None
-    ways = _statistics(stream, e.facts.norm_eps or 0.0, e.facts.norm_kind == "layernorm")
+    ways = norm_statistics(stream, e.facts.norm_eps or 0.0, e.facts.norm_kind == "layernorm")
     ours_is, ref_is = forms_of(e, ways, x_ours, x_ref)
     if ours_is is None or ref_is is None or ours_is == ref_is:
         return None
@@ -362,8 +361,6 @@ def projection_source(e: Evidence) -> Hint | None:
     x_ref, x_ours = e.ref_trace.inputs.get(e.name), e.ours_trace.inputs.get(e.name)
     if x_ref is None or x_ours is None or x_ours.shape != x_ref.shape or e.close(x_ours, x_ref):
         return None
-    from parity.diagnose.norms import residual_into
-
     values = layer_values(e)
     stream = residual_into(e, e.result.layer)  # the un-normed stream entering the layer (ours skipped its norm)
     if stream is not None:

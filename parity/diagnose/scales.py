@@ -168,7 +168,7 @@ def attention_softcap(e: Evidence) -> Hint | None:
         return torch.softmax((c * torch.tanh(s / c)).masked_fill(~allowed, float("-inf")), -1)
 
     config = e.facts.attn_softcap
-    grid = torch.logspace(0, 3, 301, dtype=torch.float64).tolist()
+    grid = torch.logspace(0, 3, 31, dtype=torch.float64).tolist()  # caps 1..1000, neighbours 1.26 apart
     for side, value, other in (
         ("ours", e.ours.double(), e.ref.double()),
         ("the reference", e.ref.double(), e.ours.double()),
@@ -176,7 +176,7 @@ def attention_softcap(e: Evidence) -> Hint | None:
         if not e.close(plain.to(other.dtype), other) and not (config and e.close(capped(config), other)):
             continue
         best = min(([config] if config else []) + grid, key=lambda c: rel(value, capped(c)))
-        lo, hi = best / 1.03, best * 1.03
+        lo, hi = best / 1.26, best * 1.26
         for _ in range(40):  # golden-section refinement of the cap
             m1, m2 = lo + (hi - lo) * 0.382, lo + (hi - lo) * 0.618
             lo, hi = (lo, m2) if rel(value, capped(m1)) < rel(value, capped(m2)) else (m1, hi)

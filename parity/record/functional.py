@@ -93,9 +93,11 @@ class Followed:
     def follow(self, func, args, out) -> None:
         """Remember ``out`` as its input's parameter when ``func`` only rearranges it, or derives a weight of
         another form from it and constants alone (:func:`derived_from`)."""
-        if not args or not isinstance(out, torch.Tensor):
-            return
-        source = args[0] if op_name(func) in REARRANGES else self.derived_from(func, args)
+        if args and isinstance(out, torch.Tensor):
+            self.keep(out, args[0] if op_name(func) in REARRANGES else self.derived_from(func, args))
+
+    def keep(self, out: torch.Tensor, source) -> None:
+        """Remember ``out`` as ``source``'s parameter (when it is one) holding its values in another form."""
         what = self.of(source)
         if what is not None and isinstance(source, torch.Tensor) and out.numel() == source.numel():
             self._derived[id(out)] = (what, out)
@@ -331,9 +333,11 @@ class FunctionCapture(TorchFunctionMode):
                 return out
             self.joined(list(args[0]), out)
             return out
-        if self.params and self.followed.derived_from(func, args) is not None:
+        derived = self.followed.derived_from(func, args) if self.params else None
+        if derived is not None:
             out = func(*args, **kwargs)  # a weight computed from a parameter (a norm's 1 + w): still that parameter
-            self.followed.follow(func, args, out)
+            if isinstance(out, torch.Tensor):
+                self.followed.keep(out, derived)
             return out
         if name in PRODUCT_NAMES:
             self._statistic = None  # a statistic before a product (an activation's square) is no norm's input

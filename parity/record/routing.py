@@ -37,6 +37,12 @@ _ROWS: contextvars.ContextVar[tuple[torch.Tensor, int, torch.Tensor | None] | No
 )
 
 
+def is_router(module) -> bool:
+    """Whether a reference module is a top-k router returning ``(logits, weights, chosen experts)``
+    (Transformers 5's ``...TopKRouter``: Mixtral, Qwen3-MoE)."""
+    return type(module).__name__.endswith("Router")
+
+
 @dataclass(frozen=True)
 class TopK:
     """What a MoE block's routing reads: ``experts`` of them, ``k`` chosen per token (the facts of its

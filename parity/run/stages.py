@@ -35,27 +35,17 @@ from parity.util.text import one_line
 
 #: node kinds whose module input (and weight) is kept for diagnosis (norm placement, norm kind, transposes)
 DIAGNOSIS_INPUT_KINDS = (
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
+    "proj",  # q_proj .. down_proj, GPT-2's c_proj
+    "fc",  # GPT-2's c_fc, Phi's fc1/fc2, GPT-J's fc_in/fc_out
+    "dense",  # Phi's and Falcon's dense, dense_h_to_4h
+    "query_key_value",
+    "gate",  # a MoE router
     "norm",
-    "layernorm",
     "c_attn",
-    "c_proj",
-    "c_fc",
     "ln_",  # GPT-2's Conv1D projections and LayerNorms
     "wte",
     "wpe",
     "embed",  # a lookup's ids and table: which rows each side read
-    "proj",
-    "fc",
-    "dense",
-    "query_key_value",
-    "gate",  # other families' projections (Phi's fc1 and dense, GPT-J's fc_in, Falcon's dense_h_to_4h, a router)
 )
 #: node kinds of ours the diagnosis of a later node of the same attention reads (softmax temperature
 #: needs q and k to agree); everything else of ours is dropped once compared

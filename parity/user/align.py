@@ -57,7 +57,7 @@ from parity.record.functional import first_reads
 from parity.record.hf_capture import SUFFIXES
 from parity.record.hooks import FUNCTIONS, LAYOUTS
 from parity.record.ops import LOOKUP, PRODUCT
-from parity.record.routing import CHOICES, WEIGHTS, ExpertRows, TopK
+from parity.record.routing import CHOICES, WEIGHTS, ExpertRows, TopK, is_router
 from parity.util.errors import ParityError
 
 UNALIGNED, TAP, PARAM = "unaligned:", "tap:", "param:"
@@ -547,7 +547,7 @@ class _Aligner:
             if p.startswith(parent + ".") and p != path and not p.startswith(path + ".")
             and any(True for _ in m.parameters(recurse=False))
         }  # fmt: skip
-        routers = {p for p in weighted if type(self.ref_modules[p]).__name__.endswith("Router")}
+        routers = {p for p in weighted if is_router(self.ref_modules[p])}
         if weighted != routers or len(routers) != 1:
             return None
         block = self.container(parent)

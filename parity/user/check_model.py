@@ -114,7 +114,6 @@ def build_ours(ours, ref: Reference) -> nn.Module:
                     f"build {name}(state_dict, hf_config) raised {_raised(again)} (called with the checkpoint files' "
                     f"tensors after it asked for {e.args[0]!r}, a name only the files have)"
                 ) from None
-            ref.handed_files = True
             ref.conversions.append(
                 f"build {name} asked for {e.args[0]!r}, a name of the checkpoint's files that the reference model holds "
                 "under another name or fused: it was called with the files' tensors as they are stored"
@@ -363,14 +362,18 @@ def _rebuild64(ours, ref: Reference) -> Callable[[], tuple[nn.Module, nn.Module]
 
     def rebuild() -> tuple[nn.Module, nn.Module]:
         state_dict = float64_state_dict(ref.state_dict)
-        # a build that read the files' names gets their tensors again (float64 copies: no storage shared)
-        handed = float64_state_dict(ref.file_tensors()) if ref.handed_files and ref.file_tensors else state_dict
+        files = ref.file_tensors
         config = copy.deepcopy(ref.hf_config)
         config.dtype = torch.float64
         with Float64Mode():
             reference = build_reference(reference_cls, config, state_dict)
+            # a build that asks for the files' names gets their tensors again, in float64, as build_ours retries
+            float64_files = (lambda: float64_state_dict(files())) if files is not None else None
             model = build_ours(
-                ours, dataclasses.replace(ref, state_dict=handed, hf_config=config, conversions=[], file_tensors=None)
+                ours,
+                dataclasses.replace(
+                    ref, state_dict=state_dict, hf_config=config, conversions=[], file_tensors=float64_files
+                ),
             )
         return model, reference
 

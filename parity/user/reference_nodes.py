@@ -10,7 +10,7 @@ from torch import nn
 from parity.model.facts import ArchFacts
 from parity.model.pair import LOGITS, NodeSpec
 from parity.record.hf_capture import SUFFIXES
-from parity.record.routing import CHOICES, WEIGHTS
+from parity.record.routing import CHOICES, WEIGHTS, is_router
 
 #: the output projection of an attention block, by the names Transformers' families give it
 OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "dense", "c_proj", "wo")
@@ -25,7 +25,7 @@ def _moe_parts(module: nn.Module) -> tuple[str, str, int] | None:
     ``(logits, weights, chosen experts)`` (Transformers 5's ``...TopKRouter``: Mixtral, Qwen3-MoE) beside
     an experts module holding every expert's weights stacked (``gate_up_proj`` ``(experts, 2 I, H)``)."""
     children = dict(module.named_children())
-    router = next((n for n, c in children.items() if type(c).__name__.endswith("Router")), None)
+    router = next((n for n, c in children.items() if is_router(c)), None)
     weight = getattr(children.get(router), "weight", None) if router else None
     if router is None or not isinstance(weight, nn.Parameter) or weight.dim() != 2:
         return None
