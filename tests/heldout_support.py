@@ -49,3 +49,34 @@ def independent_max_diff(module, checkpoint: Path, padded: bool, pad_row: int = 
         a = ref(ids, attention_mask=mask, position_ids=positions).logits[mask.bool()]
         b = ours(ids, attention_mask=mask, position_ids=positions)[mask.bool()]
         return float((a - b).abs().max())
+
+
+PADDED = {"batch_size": 2, "left_pad": 5}
+
+
+def check(models: dict, checkpoints: dict, model: str, padded: bool = False, mode: str = "chained"):
+    """``parity.check_model`` on a held-back set's ``model`` against its checkpoint (24 tokens; padded: a
+    batch of 2, row 0 left-padded by 5)."""
+    import parity
+
+    return parity.check_model(
+        models[model].build, reference=str(checkpoints[model]), seq_len=24, mode=mode, **(PADDED if padded else {})
+    )
+
+
+def assert_passes(models: dict, checkpoints: dict, model: str, padded: bool) -> None:
+    """A correct variant: within 1e-4 of Transformers without parity, and parity passes it (both modes)."""
+    assert independent_max_diff(models[model], checkpoints[model], padded, pad_row=0) < 1e-4
+    res = check(models, checkpoints, model, padded, mode="both")
+    assert res.passed, res.verdict()
+
+
+def assert_located(models: dict, checkpoints: dict, model: str, padded: bool, node: str, kind: str, says: str):
+    """A bug: its logits differ from Transformers' without parity, and parity's first mismatch is ``node``
+    with a hint of ``kind`` whose text holds ``says``."""
+    diff = independent_max_diff(models[model], checkpoints[model], padded, pad_row=0)
+    assert not diff <= 1e-6, diff
+    res = check(models, checkpoints, model, padded)
+    bad = res.first_mismatch
+    assert bad is not None and bad.name == node, res.verdict()
+    assert bad.hint is not None and bad.hint.kind == kind and says in str(bad.hint), bad.hint

@@ -147,8 +147,8 @@ def test_attention_internals_are_compared(model, bug, checkpoints):
             "falcon",
             "kv_at_front",
             "transformer.h.0.self_attention.q_rot",
-            "head_mapping",
-            "a fused projection cut in",
+            "qkv_layout",  # once "a head permutation ... a fused projection cut in flat halves": now its layout
+            "read stacked [k; v; q], in the reference stacked [q; k; v]",
         ),
         ("gptj", "functional_dropout_in_eval", "transformer.h.0.attn.probs", "dropout", "p = 0.1"),
         ("qwen3", "rmsnorm_mean_over_tokens", "model.layers.0.input_layernorm", "norm_kind", "over the sequence axis"),

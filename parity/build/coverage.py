@@ -258,10 +258,15 @@ def _layout(p: torch.Tensor, t: torch.Tensor) -> tuple[tuple[int, ...], bool] | 
     """``(permute, transposed)`` when ``p``'s axes permuted by ``permute`` and reshaped to ``t``'s
     shape are ``t`` (or, ``transposed``, reshaped to ``t.T`` are ``t.T``): a weight kept in another
     shape (TransformerLens' ``W_Q`` ``[heads, d_model, d_head]`` is ``q_proj.weight`` seen as
-    ``[heads, d_head, d_model]`` with its last two axes swapped). None otherwise."""
-    if p.numel() != t.numel() or p.shape == t.shape or p.dim() > 4 or p.numel() < 2:
+    ``[heads, d_head, d_model]`` with its last two axes swapped), or in the same shape with its axes
+    exchanged (stacked experts kept input-major, ``(experts, in, out)``, where hidden and intermediate
+    sizes are equal). None otherwise."""
+    if p.numel() != t.numel() or p.dim() > 4 or p.numel() < 2:
         return None
+    identity = tuple(range(p.dim()))
     for perm in itertools.permutations(range(p.dim())):
+        if p.shape == t.shape and (perm == identity or p.dim() == 2):
+            continue  # equal values in place are a copy, a 2-D transpose TRANSPOSED: judged as such elsewhere
         q = p.permute(perm)
         for transposed in (False, True) if t.dim() == 2 else (False,):
             target = t.T if transposed else t
@@ -403,6 +408,27 @@ def _transposed_in(p: torch.Tensor, free: dict[str, torch.Tensor]) -> str:
         parts = _fused_rows(p, {**{k: v for k, v in free.items() if k != key}, key: t.T.contiguous()})
         if parts and any(k == key for k, _ in parts):
             return f"; its rows are {', '.join(k for k, _ in parts)} with {key} transposed: a weight transposed before it was fused"
+    return ""
+
+
+def _strided_in(p: torch.Tensor, free: dict[str, torch.Tensor]) -> str:
+    """Why a parameter of ours holds no checkpoint tensor, when it holds every other row of one (as it is,
+    or its last two axes exchanged): a fused tensor read as interleaved pairs where the checkpoint stacks
+    its parts (``gate_up_proj[:, 0::2]`` for Transformers' ``[gate; up]``), or the reverse."""
+    for key, t in free.items():
+        if t.dim() != p.dim() or t.numel() != 2 * p.numel() or not t.is_floating_point():
+            continue
+        for axis in range(t.dim()):
+            if t.shape[axis] % 2:
+                continue
+            for start in (0, 1):
+                rows = t.index_select(axis, torch.arange(start, t.shape[axis], 2)).to(p.dtype)
+                for held, how in ((p, ""), (p.transpose(-1, -2), ", its last two axes exchanged")):
+                    if held.shape == rows.shape and torch.equal(held, rows):
+                        return (
+                            f"; it holds every other slice of {key} along axis {axis}, from {start}{how}: the fused "
+                            "tensor read as interleaved pairs where the checkpoint stacks its two halves (or the reverse)"
+                        )
     return ""
 
 
@@ -616,30 +642,37 @@ def loader_coverage(
         for p, names in unexplained:
             label = " = ".join(names)
             parts = _fused_rows(p.data, free) or _fused_slices(p.data, free)
-            if parts is None and p.dim() == 1 and names[0].endswith(".bias"):
+            if parts is None and p.dim() == 1:
                 # a bias cut as its module's weight was: the same output rows of the fused bias (NeoX's
-                # per-head interleaved query_key_value split into to_q, to_k, to_v)
-                companion = _companion_bias(
-                    p.data, cov.sources.get(names[0][: -len("bias")] + "weight", []), state_dict
+                # per-head interleaved query_key_value split into to_q, to_k, to_v); a bias outside a module
+                # (``q_b`` beside ``q``) is matched against every weight cut so far
+                weights = (
+                    cov.sources.get(names[0][: -len("bias")] + "weight", [])
+                    if names[0].endswith(".bias")
+                    else [s for held in cov.sources.values() for s in held]
                 )
+                companion = _companion_bias(p.data, weights, state_dict)
                 if companion is not None:
                     record(names, companion[0], PART, companion[1])
                     parts_of.setdefault(companion[0], []).append((companion[1], label))
                     continue
             if parts is None:
+                # rows of a checkpoint tensor: as ours holds them, or (a 2-D weight kept input-major, ``x @ W``)
+                # its columns; a tensor ours also holds whole (a fused copy beside its parts) counts too
+                as_held = [(p.data, False)] + ([(p.data.T, True)] if p.dim() == 2 else [])
                 part = next(
                     (
-                        (k, rows)
+                        (k, rows, flipped)
+                        for rows_of, flipped in as_held
                         for k, t in state_dict.items()
-                        if k not in cov.consumed or k in parts_of
-                        if (rows := _part_rows(p.data, t, row_cache)) is not None
+                        if (rows := _part_rows(rows_of, t, row_cache)) is not None
                         and not _taken(parts_of.get(k, []), rows)
                     ),
                     None,
                 )
                 if part is not None:
-                    key, rows = part
-                    record(names, key, PART, rows)
+                    key, rows, flipped = part
+                    record(names, key, PART, rows, transposed=flipped)
                     parts_of.setdefault(key, []).append((rows, label))
                     continue
                 split = next(
@@ -668,7 +701,7 @@ def loader_coverage(
                     what = "zeros (a bias of zero)" if float(value.flatten()[0]) == 0 else "ones (a scale of one)"
                     cov.constants.append(f"{label} holds only {what}, where the reference has no tensor")
                     continue
-                why = _transposed_in(p.data, free)
+                why = _transposed_in(p.data, free) or _strided_in(p.data, free)
                 cov.unwritten.append(f"{label} (holds no checkpoint tensor in any layout parity knows{why})")
                 continue
             for key, rows in parts:

@@ -33,6 +33,10 @@ def without_padding(
     axis = token_axis(kind)
     if tuple(ours.shape) != tuple(ref.shape) or ours.dim() < 2 or ours.dim() <= axis:
         return ours
+    if axis == 1 and ours.dim() == 2 and ours.shape[0] == batch * seq and batch * seq > 1:
+        # tokens flattened, ``(batch * seq, features)`` (a MoE router's logits, OPT's MLP): row b * seq + s
+        flat = without_padding(kind, ours.unflatten(0, (batch, seq)), ref.unflatten(0, (batch, seq)), pad, keys)
+        return flat.flatten(0, 1)
     if ours.shape[0] != batch or ours.shape[axis] != seq:
         return ours
     where = pad.view(batch, *([1] * (axis - 1)), seq, *([1] * (ours.dim() - axis - 1)))

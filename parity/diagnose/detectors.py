@@ -10,6 +10,7 @@ import torch
 
 from parity.compare.metrics import CHOICE, MISSING, NONFINITE, SHAPE
 from parity.compare.results import NodeResult
+from parity.diagnose.alibi import alibi_slopes
 from parity.diagnose.cache import cached_state, chunk_boundary, conv_context, state_not_carried
 from parity.diagnose.elementwise import (
     activation,
@@ -39,6 +40,7 @@ from parity.diagnose.moe import (
     expert_tokens,
     expert_weights,
     experts_sum,
+    moe_output,
     routing_weights,
     row_normalisation,
 )
@@ -46,6 +48,7 @@ from parity.diagnose.norms import (
     block_layout,
     norm_eps,
     norm_kind,
+    norm_order,
     norm_placement,
     norm_skipped,
     norm_statistic,
@@ -53,7 +56,7 @@ from parity.diagnose.norms import (
     norm_weight_source,
 )
 from parity.diagnose.order import execution_order, head_on_embedding, partial_read, repeated_module, reused_module
-from parity.diagnose.residual import input_scale, input_source, projection_source, residual_add
+from parity.diagnose.residual import input_scale, input_source, input_terms, projection_source, residual_add
 from parity.diagnose.rope import (
     bias_after_rope,
     norm_after_rope,
@@ -80,6 +83,7 @@ from parity.diagnose.scales import (
 from parity.diagnose.swaps import swapped_modules, swapped_weights, used_as
 from parity.diagnose.wiring import (
     activation_skipped,
+    fused_split,
     gate_up_roles,
     head_mapping,
     heads_merged_unmoved,
@@ -93,6 +97,7 @@ from parity.diagnose.wiring import (
     tap_layout,
     transposed_weight,
     untied_head,
+    values_source,
 )
 from parity.model.facts import ArchFacts
 from parity.model.pair import NodeSpec
@@ -110,12 +115,15 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     embedding_rows,
     position_table_offset,  # a position table read at p + k: before detectors that read a lookup's input
     kv_sharing,
+    moe_output,  # before residual_add: a MoE block ours computes in functions, read after it
     residual_add,  # before sibling_match: a stream point equal to the branch's output is a missing residual
     activation_skipped,  # before sibling_match: equal to the node before the activation is no swap
     sibling_match,
+    fused_split,  # before swapped_weights and the rotation fits: q/k cut from a fused output otherwise
     swapped_weights,
     gate_up_roles,
     used_as,
+    values_source,
     rotated_other_projection,
     projection_input,
     other_layer,
@@ -138,6 +146,7 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     gate_activation,
     soft_capping,
     input_scale,  # before the norms: a norm fed a scaled input differs only through its eps
+    input_terms,
     input_source,
     projection_source,
     norm_after_rope,
@@ -148,6 +157,7 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     norm_weight_offset,
     norm_kind,
     block_layout,
+    norm_order,
     norm_placement,
     rope_partial,
     bias_after_rope,
@@ -161,6 +171,7 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     last_dim_permutation,
     head_mapping,
     sequence_shift,
+    alibi_slopes,  # before the temperature: a bias per key distance, not a scale of the scores
     softmax_temperature,
     attention_softcap,
     partial_head_scores,
@@ -258,6 +269,25 @@ def _one_of_many(result: NodeResult, ref_trace: Trace) -> Hint | None:
     )
 
 
+def _head_split(result: NodeResult, facts: ArchFacts) -> Hint | None:
+    """An attention tensor of ``(batch, heads, seq, head_dim)`` cut into another number of heads of
+    another width, the same total: head_dim taken as ``hidden_size / num_heads`` where the config sets
+    its own (Gemma's 256 with a hidden size of 2048 and 8 heads), or the reverse."""
+    a, b = result.shape_ours, result.shape_ref
+    if result.kind not in ("q_rot", "k_rot") or not a or not b or len(a) != 4 or len(b) != 4:
+        return None
+    if a[0] != b[0] or a[2] != b[2] or a[1] * a[3] != b[1] * b[3] or a[3] == b[3]:
+        return None
+    per_head = facts.hidden_size // facts.num_heads if facts.hidden_size and facts.num_heads else None
+    source = f" (= hidden_size / num_heads = {facts.hidden_size} / {facts.num_heads})" if per_head == a[3] else ""
+    return Hint(
+        "head_dim",
+        f"likely another head_dim: ours cuts {result.kind[0]} into {a[1]} heads of {a[3]}{source}, the reference into "
+        f"{b[1]} heads of {b[3]} (the config's head_dim); the projection's width is the same, its heads are not",
+        {"ours": [a[1], a[3]], "reference": [b[1], b[3]]},
+    )
+
+
 def diagnose(
     result: NodeResult,
     ours_trace: Trace,
@@ -278,6 +308,7 @@ def diagnose(
             swapped
             or _fewer_positions(result)
             or _one_of_many(result, ref_trace)
+            or _head_split(result, facts)
             or Hint("shape", f"likely a layout or head-count difference: {result.detail}")
         )
     ours, ref = ours_trace.tensors.get(result.name), ref_trace.tensors.get(result.name)

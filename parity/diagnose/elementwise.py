@@ -242,7 +242,7 @@ def activation_function(e: Evidence) -> Hint | None:
     acts = _activations()
     # the node itself, or its input (the activation between two projections that has no node of its own:
     # StarCoder2's c_fc -> act -> c_proj), when ours' input was kept and differs
-    x_ours, x_ref = e.ours_trace.inputs.get(e.name), e.ref_trace.inputs.get(e.name)
+    x_ours, x_ref = e.inputs()
     pairs = [(e.ours, e.ref, "")]
     if x_ours is not None and x_ref is not None and x_ours.shape == x_ref.shape and not e.close(x_ours, x_ref):
         pairs.append((x_ours, x_ref, f"{e.kind}'s input: "))
@@ -254,6 +254,20 @@ def activation_function(e: Evidence) -> Hint | None:
                 continue
             values = {label: fn(pre) for label, fn in acts.items()}
             ours_is = next((label for label, y in values.items() if e.close(ours, y) and not e.close(ref, y)), None)
+            bias = e.ref_trace.biases.get(name)
+            if ours_is is None and bias is not None and bias.shape == pre.shape[-1:]:
+                # the bias added after the activation: f(x W) + b for f(x W + b) (a fused bias-GELU unpacked)
+                after = {label: fn(pre - bias) + bias for label, fn in acts.items()}
+                found = next((label for label, y in after.items() if e.close(ours, y) and not e.close(ref, y)), None)
+                ref_is = next((label for label, y in values.items() if e.close(ref, y)), None)
+                if found is not None and found == ref_is:
+                    return Hint(
+                        "activation",
+                        f"likely the bias added after the activation: {where}ours equals {found} of {name} without "
+                        f"its bias, plus the bias; the reference {ref_is} of {name}, the bias inside (a fused "
+                        "bias-activation unpacked in the other order)",
+                        {"ours": f"{found} before the bias", "reference": ref_is, "input": name},
+                    )
             if ours_is is None:
                 continue
             ref_is = next((label for label, y in values.items() if e.close(ref, y)), None)
@@ -524,7 +538,7 @@ def clamped(e: Evidence) -> Hint | None:
     to the bounds it reaches, or the node's input is (OLMo's clip_qkv carried over), or the node's input
     differs exactly where an earlier value of the layer passes a threshold (a SwiGLU limit, an
     exponent clamped "for float16 safety"), on either side."""
-    x_ref, x_ours = e.ref_trace.inputs.get(e.name), e.ours_trace.inputs.get(e.name)
+    x_ours, x_ref = e.inputs()
     lookup = "embed" in e.kind or "pos" in e.kind or e.kind in ("wte", "wpe")  # its input: ids, or a 0/1 mask
     has_input = (
         not lookup
@@ -543,9 +557,12 @@ def clamped(e: Evidence) -> Hint | None:
             bounds = _clamp_bounds(this.double(), other.double(), close)
             if bounds is not None:
                 what = f"its {e.kind} is" if where == "output" else f"the input of its {e.kind} is"
+                clip = e.facts.clip_qkv
                 why = (
                     "a clip or limit one side applies"
                     if where == "output"
+                    else f"clip_qkv ({clip:g}) applied to the projection's input instead of its output"
+                    if clip and f"{clip:g}" in bounds
                     else "a clip of the values before it, e.g. clip_qkv where the architecture has none"
                 )
                 return Hint(

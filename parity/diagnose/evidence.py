@@ -53,6 +53,23 @@ class Evidence:
         atol = max(self.result.atol, 1e-6 * float(b.abs().max()) if b.numel() else 0.0)
         return a.shape == b.shape and bool(torch.allclose(a.double(), b.double(), atol=atol, rtol=self.result.rtol))
 
+    def inputs(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Both sides' kept module inputs of the node (ours, reference), ours in the reference's shape
+        when the two differ only by how the leading axes are flattened (OPT's MLP runs on
+        ``(batch * seq, hidden)``, a port on ``(batch, seq, hidden)``); None where not kept."""
+        x_ours, x_ref = self.ours_trace.inputs.get(self.name), self.ref_trace.inputs.get(self.name)
+        if (
+            x_ours is not None
+            and x_ref is not None
+            and x_ours.shape != x_ref.shape
+            and x_ours.numel() == x_ref.numel()
+            and x_ours.dim() > 0
+            and x_ref.dim() > 0
+            and x_ours.shape[-1] == x_ref.shape[-1]
+        ):
+            x_ours = x_ours.reshape(x_ref.shape)
+        return x_ours, x_ref
+
     @property
     def noise(self) -> float:
         """The node's tolerance at its largest reference value: errors below it are noise."""

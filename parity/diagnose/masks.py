@@ -35,6 +35,41 @@ def _window_of(probs: torch.Tensor, valid: torch.Tensor | None) -> int | None:
     return None if bool(full) else int(span.amax())
 
 
+def _first_keys(probs: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor | None:
+    """Per query, the earliest key any row and head gives weight to (``(q,)``), padded rows skipped."""
+    seen = probs.abs() > 0
+    if valid is not None:
+        seen = seen[valid.bool().all(-1)]
+    if seen.numel() == 0:
+        return None
+    seen = seen.flatten(0, -3).any(0)  # (q, k)
+    k = torch.arange(seen.shape[-1])
+    return torch.where(seen, k, seen.shape[-1]).amin(-1)
+
+
+def _blocked(e: Evidence, ours_w: int | None, ref_w: int | None) -> Hint | None:
+    """One side attends within blocks of ``w`` (each query from its block's first key: ``floor(i / w) * w``,
+    mesh-tf's local_attention_1d) where the other slides a window of ``w`` (``i - w + 1``)."""
+    first = {side: _first_keys(p, e.attention_mask) for side, p in (("ours", e.ours), ("the reference", e.ref))}
+    starts = {side: v for side, v in first.items() if v is not None}
+    if len(starts) != 2:
+        return None
+    q = torch.arange(e.ours.shape[-2])
+    for side, other, w in (("ours", "the reference", ours_w), ("the reference", "ours", ref_w)):
+        if not w or w < 2:
+            continue
+        block, sliding = (q // w) * w, (q - w + 1).clamp_min(0)
+        if torch.equal(starts[side], block) and torch.equal(starts[other], sliding):
+            return Hint(
+                "sliding_window",
+                f"likely block-local attention for a sliding window: {side} lets each query see keys from the start "
+                f"of its block of {w} (floor(i / {w}) * {w} .. i, local attention in blocks), {other} the {w} keys "
+                f"up to it (i - {w - 1} .. i, a sliding window)",
+                {"blocked": side, "window": w},
+            )
+    return None
+
+
 def padding_mask_inverted(e: Evidence) -> Hint | None:
     """One side's real-token queries attend the padding instead of the real keys: in a padded row they
     put most of their weight on padding keys, in a row without padding (every key masked) equal weight
@@ -102,6 +137,12 @@ def masked_keys(e: Evidence) -> Hint | None:
             "to the scores as it is, where the padding needs a large negative)"
             if shift is not None and abs(shift) > 1e-3
             else "not applied (those keys keep their own scores)"
+            + (
+                ", or laid along the queries instead of the keys (broadcast as (batch, 1, seq, 1): the padding "
+                "queries' rows, where that would show, are not judged)"
+                if on_pads
+                else ""
+            )
         )
         hidden = ((other.abs() > 0) & (this == 0) & real_query).any(-1).any(1)  # (batch, keys) ``this`` masks wrongly
         if on_pads and bool(hidden.any()) and e.attention_mask is not None:
@@ -222,6 +263,9 @@ def window_pattern(e: Evidence) -> Hint | None:
         return None
     if e.kind == "probs" and e.ours.dim() == 4 and e.ours.shape[-1] == e.ours.shape[-2]:
         ours_w, ref_w = _window_of(e.ours, e.attention_mask), _window_of(e.ref, e.attention_mask)
+        blocked = _blocked(e, ours_w, ref_w)
+        if blocked is not None:
+            return blocked
         if ours_w != ref_w:
             show = lambda w: "full causal attention" if w is None else f"a window of {w}"
             return Hint(

@@ -322,3 +322,90 @@ def _expert_output(record, gate_up: int, down: int) -> torch.Tensor | None:
     gate, up = m.gate_up_proj[gate_up].detach().double().chunk(2, dim=0)
     x = record.x[record.rows].double()
     return torch.nn.functional.linear(m.act_fn(x @ gate.T) * (x @ up.T), m.down_proj[down].detach().double())
+
+
+def _routing_forms(logits: torch.Tensor, chosen: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The top-k routing weights ``(tokens, k)`` a port may form from the router's logits at the chosen
+    experts: each of :data:`_FORMULAS`, a sigmoid, and the softmax's weights rounded through bfloat16."""
+    picked = logits.gather(-1, chosen)
+    probs = torch.softmax(logits, -1).gather(-1, chosen)
+    forms = {}
+    for text, softmax, renormalised in _FORMULAS:
+        w = probs if softmax else picked
+        forms[text] = w / w.sum(-1, keepdim=True) if renormalised else w
+    forms["a sigmoid of the router's logits (not a softmax)"] = torch.sigmoid(picked)
+    forms["a sigmoid of the router's logits, renormalised over the chosen"] = torch.sigmoid(picked) / torch.sigmoid(
+        picked
+    ).sum(-1, keepdim=True)
+    forms["the softmax's weights rounded through bfloat16"] = probs.to(torch.bfloat16).double()
+    forms["no weights (the chosen experts' outputs summed)"] = torch.ones_like(picked)
+    return forms
+
+
+def moe_output(e: Evidence) -> Hint | None:
+    """A mixture of experts whose router and experts ours does not expose (a port's loop over experts in
+    plain functions): its output is read from the first point of the residual stream after it, ours'
+    minus the stream the block added to, and matched against the reference's experts weighted by each
+    formula a port may use (a sigmoid for a softmax, the top-k renormalised, weights rounded through
+    bfloat16), with the reference's own router logits and choices; either side."""
+    from parity.diagnose.residual import stream_around
+
+    around = stream_around(e)
+    if around is None:
+        return None
+    block, stream, x_ours, x_ref = around
+    if not block.endswith(".experts") or e.ours_trace.results.get(block) is not None:
+        return None  # ours' block was compared itself: its own detectors read it there
+    base = block.rsplit(".", 1)[0]
+    logits, chosen = e.ref_trace.tensors.get(f"{base}.gate"), e.ref_trace.tensors.get(f"{base}.router.experts")
+    records = [r for n, r in e.ref_trace.extras.items() if n.rsplit(".", 1)[0] == block and hasattr(r, "output")]
+    if logits is None or chosen is None or not records or logits.dim() != 2 or chosen.shape[0] != logits.shape[0]:
+        return None
+    record = cast("ExpertEvidence", records[0])
+    tokens = logits.shape[0]
+    everyone = type(record)(record.module, record.index, record.x, torch.arange(tokens))
+    outputs = [everyone.output(j) for j in range(record.num_experts)]
+    if any(y is None for y in outputs):
+        return None
+    y = torch.stack(cast(list[torch.Tensor], outputs))  # (experts, tokens, hidden): every expert on every token
+    picked = y[chosen.T, torch.arange(tokens)[None, :]]  # (k, tokens, hidden)
+    forms = {
+        f"the chosen experts' outputs weighted by {text}": (w.T[..., None] * picked).sum(0)
+        for text, w in _routing_forms(logits.double(), chosen).items()
+    }
+    weights = e.ref_trace.tensors.get(f"{base}.router.weights")
+    if weights is not None and weights.shape == chosen.shape:  # the weight on the expert's input (Llama 4's)
+        on_input = torch.zeros_like(forms[next(iter(forms))])
+        for slot in range(chosen.shape[1]):
+            scaled = record.x * weights[:, slot : slot + 1].to(record.x.dtype)
+            each = type(record)(record.module, record.index, scaled, torch.arange(tokens))
+            ys = torch.stack([cast(torch.Tensor, each.output(j)) for j in range(record.num_experts)])
+            on_input = on_input + ys[chosen[:, slot], torch.arange(tokens)]
+        forms["the chosen experts run on their input times the routing weight (x * w), not weighted after"] = on_input
+    transposed = [everyone.output(j, down_transposed=True) for j in range(record.num_experts)]
+    if all(t is not None for t in transposed):  # a square down projection reshaped where it needed a transpose
+        yt = torch.stack(cast(list[torch.Tensor], transposed))[chosen.T, torch.arange(tokens)[None, :]]
+        w = _routing_forms(logits.double(), chosen)[_FORMULAS[2][0]]
+        forms[
+            "the chosen experts computed with each down_proj transposed (a square weight reshaped where it needs a transpose)"
+        ] = (w.T[..., None] * yt).sum(0)
+    ours_branch = (x_ours.double() - stream).reshape(tokens, -1)
+    ref_branch = (x_ref.double() - stream).reshape(tokens, -1)
+
+    def form_of(t: torch.Tensor) -> str | None:
+        return next((text for text, f in forms.items() if rel(t, f) < 1e-4), None)
+
+    ours_is, ref_is = form_of(ours_branch), form_of(ref_branch)
+    if ours_is is None or ref_is is None or ours_is == ref_is:
+        return None
+    kind, what = (
+        ("transposed_weight", "experts' weights")
+        if "transposed" in ours_is + ref_is
+        else ("routing_weights", "routing")
+    )
+    return Hint(
+        kind,
+        f"likely the {what} of {base}: its output, read where the stream continues (the experts computed in "
+        f"functions nothing taps), is {ours_is} in ours, {ref_is} in the reference",
+        {"ours": ours_is, "reference": ref_is, "block": base},
+    )

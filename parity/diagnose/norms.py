@@ -9,6 +9,7 @@ import torch
 
 from parity.diagnose.evidence import EXPLAINS, Evidence, fmt_list, rel, same_input, whose
 from parity.diagnose.hints import Hint
+from parity.record.hf_capture import OUTPUT_PROJECTIONS
 
 
 def _ms(x: torch.Tensor, centered: bool) -> torch.Tensor:
@@ -98,7 +99,7 @@ def norm_eps(e: Evidence) -> Hint | None:
     if min(eps_ours, eps_ref) >= -1e-12 and float(((predicted - r).abs() / r).max()) < 1e-3:
         # norm(c x, eps) = norm(x, eps / c^2): the same evidence is an input scaled by c on one side
         scale = math.sqrt(eps_ref / eps_ours) if eps_ours > 0 and eps_ref > 0 else None
-        named = _named_scale(e, scale) if scale is not None else ""
+        named = named_scale(e, scale) if scale is not None else ""
         also = (
             f"; or the same eps on both sides and ours' input scaled by {scale:.4g}{named} (a multiplier applied "
             "outside any module: a norm hides it except through eps)"
@@ -135,7 +136,7 @@ def norm_eps(e: Evidence) -> Hint | None:
     return None
 
 
-def _named_scale(e: Evidence, scale: float) -> str:
+def named_scale(e: Evidence, scale: float) -> str:
     """`` (= 1 / the config's embedding_multiplier ...)`` when ``scale`` (or its inverse, or a ratio of
     two named constants) matches one, else ``""``."""
     named = e.facts.named_constants()
@@ -288,7 +289,7 @@ def _normalisers(x: torch.Tensor, head_dim: int | None, eps: float = 0.0) -> dic
     return out
 
 
-def norm_statistics(x: torch.Tensor, eps: float, layernorm: bool) -> dict[str, torch.Tensor]:
+def norm_statistics(x: torch.Tensor, eps: float, layernorm: bool, heads: int | None = None) -> dict[str, torch.Tensor]:
     """``x`` (``(..., seq, hidden)``) normalised by each statistic a port may compute instead of the
     norm's own (RMSNorm: Zhang & Sennrich 2019; LayerNorm: Ba et al. 2016), with the norm's eps."""
     x = x.double()
@@ -308,12 +309,16 @@ def norm_statistics(x: torch.Tensor, eps: float, layernorm: bool) -> dict[str, t
         / (x.pow(2).sum(-1, keepdim=True) + eps).sqrt(),
         "the variance not centred ((x - mean) / sqrt(mean(x^2) + eps))": c / (ms + eps).sqrt(),
     }
-    for groups in (2, 4):  # one statistic per part of the vector (a tensor-parallel shard's own RMS)
+    for groups in dict.fromkeys(g for g in (heads, 2, 4) if g):  # one statistic per part of the vector
         if n % groups == 0 and n // groups > 1:
             g = x.unflatten(-1, (groups, n // groups))
-            out[f"one RMS per {groups} parts of the vector (each shard of {n // groups} on its own)"] = (
-                g / (g.pow(2).mean(-1, keepdim=True) + eps).sqrt()
-            ).flatten(-2)
+            label = (
+                f"one RMS per head ({groups} heads of {n // groups}: a per-head norm where the norm spans the whole "
+                "projection)"
+                if groups == heads
+                else f"one RMS per {groups} parts of the vector (each shard of {n // groups} on its own)"
+            )
+            out[label] = (g / (g.pow(2).mean(-1, keepdim=True) + eps).sqrt()).flatten(-2)
     if x.dim() >= 3 and x.shape[-2] > 1:
         sq = x.pow(2).mean(-2, keepdim=True)
         out["statistics over the sequence axis (mean over tokens, not over the hidden size)"] = (
@@ -337,7 +342,11 @@ def norm_statistic(e: Evidence) -> Hint | None:
     b = e.ref_trace.biases.get(e.name)
     shift = b.double() if b is not None and b.shape == w.shape else 0.0
     layernorm = e.facts.norm_kind == "layernorm"
-    stats = norm_statistics(x, e.facts.norm_eps or 0.0, layernorm)
+    # a QK norm over the whole projection: its heads, as a per-head one would cut it
+    per_head = (
+        e.facts.num_heads if e.kind.startswith("q_") else e.facts.num_kv_heads if e.kind.startswith("k_") else None
+    )
+    stats = norm_statistics(x, e.facts.norm_eps or 0.0, layernorm, per_head)
     sibling = {"q_norm": "k_norm", "k_norm": "q_norm"}.get(e.kind)
     other = e.ref_trace.inputs.get(f"{e.name.rsplit('.', 1)[0]}.{sibling}") if sibling else None
     if sibling and other is not None and other.shape[:-1] == x.shape[:-1]:  # one statistic over q and k together
@@ -421,6 +430,72 @@ def norm_placement(e: Evidence) -> Hint | None:
             f"likely norm placement: the input of {e.kind} in ours equals the reference's input after a "
             f"{ours_is} (pre-norm vs post-norm)",
             {"normaliser": ours_is},
+        )
+    return None
+
+
+#: the last projection of a sub-block (attention's output, the MLP's down projection) by the names
+#: Transformers' families give it
+BRANCH_OUTPUTS = OUTPUT_PROJECTIONS + ("down_proj", "fc2", "dense_4h_to_h", "w2")
+
+
+def norm_order(e: Evidence) -> Hint | None:
+    """A norm runs on the other side of its sub-block: one side produces the norm before the nodes that
+    read it (pre-norm, ``x + attn(norm(x))``), the other only after that sub-block's output (post-norm,
+    ``norm(x + attn(x))``: OPT's ``do_layer_norm_before`` read the wrong way round). Read from the order
+    each side produced the layer's nodes, at the norm or (the reference post-norm: its projections run
+    first) at the first of the nodes it moved across; either side."""
+    if e.result.layer is None:
+        return None
+    layer = e.result.layer
+
+    def layer_order(names) -> list[str]:
+        return [n for n in names if e.facts.locate(n)[0] == layer]
+
+    ref, ours = layer_order(e.ref_trace.tensors), layer_order(e.ours_trace.calls or e.ours_trace.results)
+    shared = [n for n in ref if n in ours]
+    ours_shared = [n for n in ours if n in shared]
+
+    def moves(norm: str) -> tuple[list[str], list[str]]:
+        """The layer's nodes ours runs before ``norm`` and the reference after it, and the reverse."""
+        ref_after = shared[shared.index(norm) + 1 :]
+        ours_after = ours_shared[ours_shared.index(norm) + 1 :]
+        return [n for n in ref_after if n not in ours_after], [n for n in ours_after if n not in ref_after]
+
+    layer_norms = [n for n in shared if _is_norm(e.facts.locate(n)[1]) and "@" not in n]
+    moving = {n: bool(back) for n in layer_norms for back, ahead in [moves(n)] if bool(back) != bool(ahead)}
+    if len(set(moving.values())) > 1:
+        # one norm moved back, another ahead: the nodes are aligned by weight, so each norm's weight is applied
+        # where the other norm runs (a loader that swapped them), not a block run in another order
+        back = next(n for n, b in moving.items() if b)
+        ahead = next(n for n, b in moving.items() if not b)
+        if e.name not in (back, ahead):
+            return None
+        a, b = (e.facts.locate(n)[1] for n in (ahead, back))
+        return Hint(
+            "swapped_weights",
+            f"likely the weights of {a} and {b} loaded into each other's places: ours applies {b}'s weight "
+            f"where the reference runs {a} and {a}'s where it runs {b} (read from the order each side used them)",
+            {"nodes": [ahead, back]},
+        )
+    norms = [e.name] if _is_norm(e.kind) else layer_norms
+    for norm in norms:
+        if norm not in shared:
+            continue
+        moved_back, moved_ahead = moves(norm)
+        if bool(moved_back) == bool(moved_ahead):
+            continue
+        block = moved_back or moved_ahead
+        if (norm != e.name and e.name not in block) or not any(n.rsplit(".", 1)[-1] in BRANCH_OUTPUTS for n in block):
+            continue  # a norm moved across a whole sub-block (its output projection too), not among q/k/v
+        post, pre = ("ours", "the reference") if moved_back else ("the reference", "ours")
+        kind = e.facts.locate(norm)[1]
+        return Hint(
+            "norm_placement",
+            f"likely norm placement (pre-norm vs post-norm): {post} runs {kind} after {block[-1].rsplit('.', 1)[-1]} "
+            f"(on the sub-block's output plus the residual, post-norm), {pre} before the sub-block reads it "
+            f"(pre-norm); {len(block)} node(s) of the layer moved across it ({fmt_list(n.rsplit('.', 1)[-1] for n in block)})",
+            {"post_norm": "ours" if moved_back else "reference", "norm": norm, "moved": block},
         )
     return None
 

@@ -12,10 +12,20 @@ from dataclasses import replace
 
 import torch
 
-from parity.diagnose.evidence import EXPLAINS, Evidence, forms_of, layer_values, reads_stream, rel
+from parity.diagnose.evidence import EXPLAINS, Evidence, forms_of, layer_values, reads_stream, rel, whose
 from parity.diagnose.hints import Hint
 from parity.diagnose.masks import dropout_left_on, dropout_pattern
 from parity.diagnose.norms import norm_statistics, residual_into
+
+
+def _as_node(e: Evidence, t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` in the failing node's shape, when it differs only by how the leading axes are flattened
+    (OPT runs its MLP and final norms on ``(batch * seq, hidden)``); None for another shape."""
+    if t.shape == e.ref.shape:
+        return t
+    if t.numel() == e.ref.numel() and t.dim() and e.ref.dim() and t.shape[-1] == e.ref.shape[-1]:
+        return t.reshape(e.ref.shape)
+    return None
 
 
 def _branch_output(e: Evidence) -> tuple[str, torch.Tensor] | None:
@@ -26,8 +36,10 @@ def _branch_output(e: Evidence) -> tuple[str, torch.Tensor] | None:
         if name == e.name:
             break
         layer, kind = e.facts.locate(name)
-        if tensor.shape != e.ref.shape or reads_stream(kind) or layer is None or e.result.layer is None:
+        shaped = _as_node(e, tensor)
+        if shaped is None or reads_stream(kind) or layer is None or e.result.layer is None:
             continue
+        tensor = shaped
         if layer == e.result.layer:
             found = (name, tensor)
         elif layer == e.result.layer - 1:  # a layer's first norm reads the previous layer's last add
@@ -67,15 +79,36 @@ def _stream_before(e: Evidence, branch: str) -> tuple[str, torch.Tensor] | None:
     at = e.facts.locate(branch)[0]  # the branch's layer (the previous one for a layer's first norm)
     for name in reversed(before):
         layer, kind = e.facts.locate(name)
-        if layer == at and reads_stream(kind) and e.ref_trace.tensors[name].shape == e.ref.shape:
-            return name, e.ref_trace.tensors[name]
+        point = _as_node(e, e.ref_trace.tensors[name])
+        if layer == at and reads_stream(kind) and point is not None:
+            return name, point
     # the input of the last norm before the branch (the pre-norm that read the stream), else of the
     # layer's first node with one (the layer's input)
     for name in [*[n for n in reversed(before) if "norm" in e.facts.locate(n)[1]], *before]:
         x = e.ref_trace.inputs.get(name)
-        if e.facts.locate(name)[0] == at and x is not None and x.shape == e.ref.shape:
+        x = _as_node(e, x) if x is not None else None
+        if e.facts.locate(name)[0] == at and x is not None:
             return f"{name}@input", x
     return None
+
+
+def stream_around(e: Evidence) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """At a point of the residual stream after a sub-block (a norm reading the stream: its input), the
+    reference's branch node there, the stream it was added to, and both sides' values at this point
+    (``(branch, stream, ours, reference)``, float64 in the failing node's shape); None elsewhere."""
+    if e.result.layer is None:
+        return None
+    x_ours, x_ref = (e.ours, e.ref) if reads_stream(e.kind) else e.inputs()
+    if not reads_stream(e.kind) and "norm" not in e.kind:
+        return None
+    if x_ours is None or x_ref is None or x_ours.shape != x_ref.shape:
+        return None
+    at = replace(e, ours=x_ours, ref=x_ref)
+    branch = _branch_output(at)
+    stream = _stream_before(at, branch[0]) if branch is not None else None
+    if branch is None or stream is None:
+        return None
+    return branch[0], stream[1].double(), x_ours.double(), x_ref.double()
 
 
 def residual_add(e: Evidence) -> Hint | None:
@@ -90,7 +123,7 @@ def residual_add(e: Evidence) -> Hint | None:
     at_norm_input = not reads_stream(e.kind)
     if at_norm_input:
         # a norm reading the stream (a pre-norm after the add): its inputs are the stream's values
-        x_ours, x_ref = e.ours_trace.inputs.get(e.name), e.ref_trace.inputs.get(e.name)
+        x_ours, x_ref = e.inputs()
         if "norm" not in e.kind or x_ours is None or x_ref is None or x_ours.shape != x_ref.shape:
             return None
         if e.close(x_ours, x_ref):
@@ -266,7 +299,7 @@ def _named(e: Evidence, ratio: float) -> str:
 def input_scale(e: Evidence) -> Hint | None:
     """Ours' module input is the reference's times one constant (an embedding scaled by sqrt(hidden)
     in ours only, or not at all): named where it enters, with the named constant it matches."""
-    x_ref, x_ours = e.ref_trace.inputs.get(e.name), e.ours_trace.inputs.get(e.name)
+    x_ours, x_ref = e.inputs()
     if x_ref is None or x_ours is None or x_ref.shape != x_ours.shape or e.close(x_ours, x_ref):
         return None
     a, b = x_ours.double(), x_ref.double()
@@ -285,6 +318,78 @@ def input_scale(e: Evidence) -> Hint | None:
     )
 
 
+def input_terms(e: Evidence) -> Hint | None:
+    """Ours' module input and the reference's are both sums of the same earlier reference nodes with
+    other weights: the token embedding scaled before the learned positions are added (fairseq's
+    ``embed_scale`` kept in an OPT port: ``8 * embed_tokens + embed_positions``), a branch added twice or
+    halved. Each side's input is fitted as a linear combination of the nodes it can have summed (the
+    embeddings before the first layer, the stream entering the layer and the layer's earlier nodes);
+    named when both fits are exact and one term's weight differs, either side."""
+    x_ours, x_ref = e.inputs()
+    if x_ref is None or x_ours is None or x_ref.shape != x_ours.shape or e.close(x_ours, x_ref):
+        return None
+    if not x_ref.is_floating_point() or x_ref.numel() < 64:
+        return None
+    layer = e.result.layer
+    candidates: list[tuple[str, torch.Tensor]] = []
+    for name, tensor in e.ref_trace.tensors.items():
+        if name == e.name:
+            break
+        if (
+            e.facts.locate(name)[0] in (None, layer)
+            and tensor.is_floating_point()
+            and tensor.numel() == x_ref.numel()
+            and tensor.shape[-1:] == x_ref.shape[-1:]
+        ):
+            candidates.append((name, tensor))
+    stream = residual_into(e, layer) if layer is not None else None
+    if stream is not None and stream.numel() == x_ref.numel():  # last: a node it equals keeps its own name
+        candidates.append(("the stream entering the layer", stream))
+    columns: list[torch.Tensor] = []
+    names: list[str] = []
+    for name, tensor in candidates:  # independent columns only, in the order the reference produced them
+        column = tensor.double().flatten()
+        trial = torch.stack([*columns, column], dim=1)
+        if int(torch.linalg.matrix_rank(trial)) == trial.shape[1]:
+            columns.append(column)
+            names.append(name)
+    if len(columns) < 2:
+        return None
+    basis = torch.stack(columns, dim=1)
+
+    def fit(x: torch.Tensor) -> torch.Tensor | None:
+        y = x.double().flatten()
+        weights = torch.linalg.lstsq(basis, y.unsqueeze(1)).solution.flatten()
+        exact = max(1e-6, 8 * torch.finfo(x_ref.dtype).eps)
+        return weights if rel(basis @ weights, y) < exact else None
+
+    w_ours, w_ref = fit(x_ours), fit(x_ref)
+    if w_ours is None or w_ref is None:
+        return None
+    w_ours = torch.where(w_ours.abs() < 1e-6, torch.zeros_like(w_ours), w_ours)
+    w_ref = torch.where(w_ref.abs() < 1e-6, torch.zeros_like(w_ref), w_ref)
+    differ = [i for i in range(len(names)) if abs(float(w_ours[i] - w_ref[i])) > 1e-3 * max(1.0, abs(float(w_ref[i])))]
+    used = [i for i in range(len(names)) if w_ours[i] != 0 or w_ref[i] != 0]
+    if not differ or len(used) < 2 or len(differ) == len(used):
+        return None  # one scale on every term is input_scale's reading
+    if any(w_ours[i] == 0 or w_ref[i] == 0 for i in used):
+        return None  # a term one side leaves out: another point of the stream (the wiring detectors' reading)
+
+    def terms(w: torch.Tensor) -> str:
+        return " + ".join(f"{float(w[i]):.4g} x {names[i].rsplit('.', 1)[-1]}" for i in used if w[i] != 0) or "0"
+
+    i = differ[0]
+    ratio = float(w_ours[i] / w_ref[i])
+    match = _named(e, ratio)
+    what = f"weighted {ratio:.6g}x in ours{match}"
+    return Hint(
+        "scale",
+        f"likely a term of {e.kind}'s input scaled on one side: ours' input is {terms(w_ours)}, the reference's "
+        f"{terms(w_ref)} ({names[i]} {what}; the other terms agree)",
+        {"term": names[i], "ours": [float(w_ours[j]) for j in used], "reference": [float(w_ref[j]) for j in used]},
+    )
+
+
 def input_source(e: Evidence) -> Hint | None:
     """A norm that reads another value in ours than in the reference: another reference node of its
     layer (a point of the residual stream, a sub-layer's output), ours' own output of a node the
@@ -293,7 +398,7 @@ def input_source(e: Evidence) -> Hint | None:
     normalises after the residual add)."""
     if "norm" not in e.kind or e.result.layer is None:
         return None
-    x_ref, x_ours = e.ref_trace.inputs.get(e.name), e.ours_trace.inputs.get(e.name)
+    x_ours, x_ref = e.inputs()
     if x_ref is None or x_ours is None or x_ours.shape != x_ref.shape or e.close(x_ours, x_ref):
         return None
     in_layer = [
@@ -338,17 +443,48 @@ def _weightless_norm(
 ) -> Hint | None:
     """A projection reading the layer's stream through a norm without weights (OLMo's non-parametric
     LayerNorm: no module, no node of its own), computed another way on one side: each side's input read
-    as the stream normalised by each statistic a port may use."""
+    as the stream normalised by each statistic a port may use, or as the norm's own statistic of another
+    stream (the residual after attention built on the normed input instead of the stream: ``h = norm(x);
+    x = h + attn(h)``)."""
     if stream is None or stream.shape != x_ref.shape or e.facts.norm_kind not in ("layernorm", "rmsnorm"):
         return None
-    ways = norm_statistics(stream, e.facts.norm_eps or 0.0, e.facts.norm_kind == "layernorm")
+    eps, centred = e.facts.norm_eps or 0.0, e.facts.norm_kind == "layernorm"
+    statistics = norm_statistics(stream, eps, centred)
+    ways = {f"the layer's stream normalised by {label}": t for label, t in statistics.items()}
+    streams = dict.fromkeys(ways, "the layer's stream")
+    own = "LayerNorm ((x - mean) / sqrt(var + eps))" if centred else "RMSNorm (x / sqrt(mean(x^2) + eps))"
+    values = [(n, t) for n, t in layer_values(e, before=True) if t.shape == stream.shape and t.is_floating_point()]
+    earlier = [(n, t) for n, t in values if "@" not in n]
+    # the normed stream: a norm's node, or (a weightless norm has none) the first projection's input
+    normed = [(f"{n}'s output", t) for n, t in earlier if "norm" in n.rsplit(".", 1)[-1]]
+    normed += [(f"{n.partition('@')[0]}'s input (the normed stream)", t) for n, t in values if "@" in n][:1]
+    for branch, b in earlier:  # the stream after a sub-block: a base plus its output
+        bases = [("the stream entering the layer", stream)] + normed
+        for base, t in bases:
+            label = f"({base} + {branch.rsplit('.', 1)[-1]}) normalised by {own}"
+            ways[label] = norm_statistics(t.double() + b.double(), eps, centred)[own]
+            streams[label] = f"{base} + {branch}"
     ours_is, ref_is = forms_of(e, ways, x_ours, x_ref)
     if ours_is is None or ref_is is None or ours_is == ref_is:
         return None
+    residual = streams[ours_is] != streams[ref_is]
+    layer_input = [side for side, form in (("ours", ours_is), ("the reference", ref_is)) if "+" not in streams[form]]
+    if residual and len(layer_input) == 1 and own in ours_is and own in ref_is:
+        # one side's sub-block reads the layer's input where the other's reads the stream after attention
+        side = layer_input[0]
+        other = "the reference" if side == "ours" else "ours"
+        return Hint(
+            "block_layout",
+            f"likely the block layout: {whose(side)} {e.kind} reads the layer's input through the norm (a parallel "
+            f"block: x + attn(N(x)) + mlp(N(x))), {whose(other)} the stream after the attention (sequential); a norm without "
+            "weights, so no node of its own",
+            {"parallel": side, "ours": ours_is, "reference": ref_is},
+        )
+    what = "the residual stream it normalises" if residual else "the statistic of the norm"
     return Hint(
-        "norm_kind",
-        f"likely the norm before {e.kind} (one without weights, so no node of its own): ours' input to {e.kind} is "
-        f"the layer's stream normalised by {ours_is}, the reference's by {ref_is}",
+        "norm_kind" if not residual else "residual",
+        f"likely {what} before {e.kind} (a norm without weights, so no node of its own): ours' input to {e.kind} is "
+        f"{ours_is}, the reference's {ref_is}",
         {"ours": ours_is, "reference": ref_is},
     )
 
@@ -358,7 +494,7 @@ def projection_source(e: Evidence) -> Hint | None:
     reading the normalised attention branch instead of the residual stream), either side."""
     if e.result.layer is None or "norm" in e.kind or reads_stream(e.kind):
         return None
-    x_ref, x_ours = e.ref_trace.inputs.get(e.name), e.ours_trace.inputs.get(e.name)
+    x_ours, x_ref = e.inputs()
     if x_ref is None or x_ours is None or x_ours.shape != x_ref.shape or e.close(x_ours, x_ref):
         return None
     values = layer_values(e)

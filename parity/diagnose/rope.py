@@ -4,6 +4,7 @@ per-layer type) and a learned position table read off by k."""
 from __future__ import annotations
 
 import math
+import re
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -192,6 +193,7 @@ def rope_fit(e: Evidence) -> Hint | None:
         return (
             fit is not None
             and not fit.offsets
+            and not fit.rows
             and fit.label.startswith("this layer's RoPE")
             and abs(fit.amplitude / own - 1) < 1e-3
         )
@@ -261,6 +263,15 @@ def _rope_hint(e: Evidence, fit, side: str, layer, own: float) -> Hint | None:
             + "; position_ids counted from 1, or a cache offset",
             evidence,
         )
+    if fit.rows:
+        moved = [row for row, source in enumerate(fit.rows) if source != row]
+        return Hint(
+            "position_offset",
+            f"likely one row's positions used for the whole batch: {side} rotates batch row(s) {fmt_list(moved)} at the "
+            f"positions of row(s) {fmt_list(fit.rows[r] for r in moved)} (cos/sin built from position_ids[0] and "
+            f"broadcast over a padded batch), {other} each row at its own positions",
+            {**evidence, "rows": list(fit.rows)},
+        )
     if any(fit.label == label for label, _, _ in ROTATION_MISTAKES):
         return Hint(
             "rope_rotation",
@@ -312,10 +323,27 @@ def _rope_hint(e: Evidence, fit, side: str, layer, own: float) -> Hint | None:
             f"likely the inverse frequencies {what}: {side} rotates like {fit.label}, {amp}",
             evidence,
         )
+    rope = cast("RopeFacts", layer.rope)
+    fitted = re.search(r"theta ([0-9.e+-]+)", fit.label)
+    if fitted and rope.theta > 1 and float(fitted.group(1)) > 1:
+        # theta'^(-2i/r) = theta^(-2i/D): the exponents divided by another width D = r ln(theta) / ln(theta')
+        width = rope.rotary_dim * math.log(rope.theta) / math.log(float(fitted.group(1)))
+        widths = {
+            "hidden_size": e.facts.hidden_size or 0,
+            "num_heads * head_dim": (e.facts.num_heads or 0) * (layer.head_dim or 0),
+        }
+        source = next((n for n, v in widths.items() if v and v != rope.rotary_dim and abs(width / v - 1) < 1e-3), None)
+        if source is not None:
+            return Hint(
+                "rope_frequencies",
+                f"likely the inverse frequencies over another width: {side} rotates with theta^(-2i / {width:.0f}) "
+                f"({source}) where the reference divides by the rotary dims ({rope.rotary_dim}): the same as "
+                f"{fit.label}, {amp}",
+                {**evidence, "width": round(width), "source": source},
+            )
     return Hint(
         "rope_theta",
-        f"likely a different rope theta: {side} rotates like {fit.label}, {amp} (the config: theta "
-        f"{cast('RopeFacts', layer.rope).theta:g})",
+        f"likely a different rope theta: {side} rotates like {fit.label}, {amp} (the config: theta {rope.theta:g})",
         evidence,
     )
 

@@ -74,6 +74,8 @@ class Fit:
     residual: float
     offsets: tuple[int, ...] = ()
     inv_freq: tuple[float, ...] = ()
+    #: per batch row, the row whose positions it was rotated at (one row's positions broadcast to the batch)
+    rows: tuple[int, ...] = ()
 
 
 def _fits(
@@ -88,6 +90,37 @@ def _fits(
     err = _wrap(angle - predicted).abs()[keep]
     worst = float(err.max()) if err.numel() else 0.0
     return worst if worst <= tol else None
+
+
+def _rows_of_positions(
+    angle: torch.Tensor, keep: torch.Tensor, inv_freq, positions: torch.Tensor, tol: float
+) -> tuple[int, ...] | None:
+    """Per batch row, the row whose positions reproduce its angles, when some row is rotated at another
+    row's positions (cos/sin built from ``position_ids[0]`` and broadcast over a left-padded batch); None
+    when every row is at its own or none fits. Rows whose positions are all the same say nothing."""
+    rows = []
+    for row in range(angle.shape[0]):
+        if (
+            not bool(keep[row].any())
+            or _fits(angle[row : row + 1], keep[row : row + 1], inv_freq, positions[row : row + 1], tol) is not None
+        ):
+            rows.append(row)
+            continue
+        source = next(
+            (
+                other
+                for other in range(positions.shape[0])
+                if other != row
+                and not torch.equal(positions[other], positions[row])
+                and _fits(angle[row : row + 1], keep[row : row + 1], inv_freq, positions[other : other + 1], tol)
+                is not None
+            ),
+            None,
+        )
+        if source is None:
+            return None
+        rows.append(source)
+    return tuple(rows) if rows != list(range(angle.shape[0])) else None
 
 
 def identify(
@@ -207,6 +240,11 @@ def identify(
                     offsets=tuple(offsets),
                     inv_freq=rope.inv_freq,
                 )
+        rows = _rows_of_positions(angle, keep, rope.inv_freq, positions, tol)
+        if rows is not None:
+            return Fit(
+                "this layer's RoPE at another row's positions", amplitude, 0.0, inv_freq=rope.inv_freq, rows=rows
+            )
         theta = _fit_theta(angle, keep, positions, probe.rotary_dim)
         if theta is not None and abs(theta / rope.theta - 1) > 1e-3:
             from parity.model.facts import default_inv_freq

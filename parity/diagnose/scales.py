@@ -9,6 +9,7 @@ import torch
 
 from parity.diagnose.evidence import EXPLAINS, Evidence, fmt_list, forms_of, part_of, rel
 from parity.diagnose.hints import Hint
+from parity.diagnose.norms import named_scale
 from parity.record.trace import SCALARS
 
 
@@ -482,6 +483,28 @@ def added_vector(e: Evidence) -> Hint | None:
     )
 
 
+def _bias_block(e: Evidence, full: torch.Tensor, v: torch.Tensor) -> str | None:
+    """At rows of a fused output (a weight cut per head, ``[rows 0, 1, 2, ...]``): ours adds a block of
+    consecutive elements of the fused bias where the reference adds the elements of those rows (the bias
+    cut flat into [q; k; v] blocks while the weight is cut per head, or the reverse). ``v``: ours - reference."""
+    n, full, v = v.shape[0], full.double(), v.double()
+    if full.dim() != 1 or full.shape[0] % n:
+        return None
+    pool = full.sort().values
+    tol = 1e-4 * max(float(full.abs().max()), 1e-30)  # v is a mean over positions of float32 differences
+    for i in range(full.shape[0] // n):
+        block = full[i * n : (i + 1) * n]
+        own = block - v  # what the reference added, if ours added this block
+        at = torch.searchsorted(pool, own).clamp(max=pool.shape[0] - 1)
+        near = torch.minimum((pool[at] - own).abs(), (pool[(at - 1).clamp(min=0)] - own).abs())
+        if bool((near <= tol).all()) and not torch.allclose(block, own, atol=tol):
+            return (
+                f"ours adds elements [{i * n}:{(i + 1) * n}] of {_fused_name(e.name).split('[')[0]}'s bias (one block, "
+                "cut flat) where the reference adds the bias of these rows (cut as the weight is: per head)"
+            )
+    return None
+
+
 def _fused_name(name: str) -> str:
     part = part_of(name)
     return part[0] if part is not None else name
@@ -499,7 +522,7 @@ def _bias_source(e: Evidence, v: torch.Tensor) -> str | None:
     features = part[1] if part is not None and part[1].step == 1 else None
     own = full[features.start : features.stop] if features is not None and full.shape[0] != n else full
     if own.shape[0] != n:
-        return None
+        return _bias_block(e, full, v)
     own, v = own.double(), v.double()
 
     def same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -511,6 +534,24 @@ def _bias_source(e: Evidence, v: torch.Tensor) -> str | None:
             return f"{side} adds none at {e.name}, the other side its bias"
         if same(added, 2 * own):
             return f"{side} adds {e.name}'s bias twice"
+        scale = float((added * own).sum() / own.pow(2).sum().clamp_min(1e-300))
+        if abs(scale - 1) > 1e-3 and abs(scale) > 1e-3 and same(added, scale * own):
+            named = named_scale(e, scale)
+            if e.facts.num_heads and abs(scale - e.facts.num_heads) < 1e-3:
+                also = (
+                    f", or times {scale:g}{named} where a scale was folded into the weight at load and not into the "
+                    "bias"
+                    if named
+                    else ""
+                )
+                return (
+                    f"{side} adds {e.name}'s bias {e.facts.num_heads} times: once per head (num_heads = "
+                    f"{e.facts.num_heads}), added to each head's share before the heads are summed{also}"
+                )
+            return (
+                f"{side} adds {e.name}'s bias times {scale:.6g}{named_scale(e, scale)}, compared here in the "
+                "reference's units: a scale folded into the weight at load and not into the bias (or the reverse)"
+            )
         if weight is not None and weight.shape == own.shape and same(added, own * weight.double()):
             return f"{side} adds the bias before the weight ((x_hat + b) * w), the other side after (x_hat * w + b)"
         for name, other in e.ref_trace.biases.items():

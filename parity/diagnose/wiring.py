@@ -11,6 +11,7 @@ from parity.diagnose.elementwise import _activations, function_of
 from parity.diagnose.evidence import (
     EXPLAINS,
     Evidence,
+    attention_values,
     fmt_list,
     heads_first,
     layer_values,
@@ -24,6 +25,7 @@ from parity.diagnose.hints import Hint
 from parity.diagnose.profile import HEAD_MAJOR, HEAD_MERGED, SEQ_HEADS
 from parity.diagnose.rope import pre_rope
 from parity.diagnose.rope_fit import rotate
+from parity.record.hf_capture import FUSED_QKV
 
 if TYPE_CHECKING:
     from parity.model.facts import LayerFacts
@@ -232,6 +234,117 @@ def _heads(t: torch.Tensor, kind: str, head_dim: int | None) -> torch.Tensor | N
     if kind in HEAD_MERGED and head_dim and t.dim() == 3 and t.shape[-1] % head_dim == 0 and t.shape[-1] > head_dim:
         return t.unflatten(-1, (-1, head_dim)).movedim(-2, 0)
     return None
+
+
+def _fused_layouts(f: torch.Tensor, heads: int, kv_heads: int, d: int) -> dict[str, tuple[torch.Tensor, ...]]:
+    """``(q, k, v)``, each ``(batch, heads, seq, head_dim)``, read from a fused q/k/v projection output
+    ``f`` ``(batch, seq, (heads + 2 kv_heads) head_dim)`` the ways ports cut one: stacked ``[q; k; v]``
+    (Transformers' own q/k/v, OLMo, Phi-3) in any order of the three, per head ``(heads, 3, head_dim)``
+    (GPT-NeoX, BLOOM) and per KV group ``(kv_heads, group + 2, head_dim)`` (Falcon's new layout)."""
+    b, s, width = f.shape
+    widths = {"q": heads * d, "k": kv_heads * d, "v": kv_heads * d}
+    if width != sum(widths.values()):
+        return {}
+
+    def split(t: torch.Tensor, n: int) -> torch.Tensor:
+        return t.reshape(b, s, n, d).transpose(1, 2)
+
+    out: dict[str, tuple[torch.Tensor, ...]] = {}
+    for order in ("qkv", "kvq", "qvk", "kqv", "vqk", "vkq"):
+        parts = dict(zip(order, f.split([widths[c] for c in order], dim=-1), strict=True))
+        label = "stacked [" + "; ".join(order) + "]"
+        out[label] = tuple(split(parts[c], heads if c == "q" else kv_heads) for c in "qkv")
+    if heads == kv_heads:
+        g = f.reshape(b, s, heads, 3, d)
+        out["per head (heads, 3, head_dim): GPT-NeoX / BLOOM"] = tuple(g[..., i, :].transpose(1, 2) for i in range(3))
+        g = f.reshape(b, s, heads, d, 3)
+        out["per head as (heads, head_dim, 3): q, k and v interleaved element by element"] = tuple(
+            g[..., i].transpose(1, 2) for i in range(3)
+        )
+    elif heads % kv_heads == 0:
+        group = heads // kv_heads
+        g = f.reshape(b, s, kv_heads, group + 2, d)
+        q = g[..., :group, :].reshape(b, s, heads, d).transpose(1, 2)
+        out["per KV group (kv_heads, group + 2, head_dim): Falcon"] = (
+            q,
+            g[..., group, :].transpose(1, 2),
+            g[..., group + 1, :].transpose(1, 2),
+        )
+    return out
+
+
+def fused_split(e: Evidence) -> Hint | None:
+    """q (or k) after RoPE is, on one side, a head of the fused q/k/v output cut in another layout than
+    the reference's own q/k/v projections give: a fused ``query_key_value`` split per head where the
+    checkpoint stacks ``[q; k; v]`` (or the reverse), or the three taken in another order. Read without
+    RoPE's angles: each pair's length (what a rotation keeps) against each layout's q (k); either side."""
+    qk_norm = e.kind in ("q_layernorm", "k_layernorm", "q_norm", "k_norm")  # before RoPE: its input read
+    if e.kind not in ("q_rot", "k_rot") and not qk_norm:
+        return None
+    stem = e.name.rsplit(".", 1)[0]
+    parts = [e.ref_trace.tensors.get(f"{stem}.{p}_proj") for p in "qkv"]
+    layer = e.facts.layer(e.result.layer)
+    d = layer.head_dim if layer is not None else e.facts.head_dim
+    heads, kv_heads = e.facts.num_heads, e.facts.num_kv_heads or e.facts.num_heads
+    mine, theirs = (e.ours, e.ref) if not qk_norm else e.inputs()
+    if qk_norm and mine is not None and theirs is not None and d and mine.shape == theirs.shape:
+        n = heads if e.kind.startswith("q") else kv_heads
+        if mine.dim() == 3 and mine.shape[-1] == n * d:  # (batch, seq, heads * head_dim)
+            mine, theirs = (t.unflatten(-1, (n, d)).transpose(1, 2) for t in (mine, theirs))
+        elif mine.dim() == 4 and mine.shape[2] == n and mine.shape[-1] == d:  # (batch, seq, heads, head_dim)
+            mine, theirs = mine.transpose(1, 2), theirs.transpose(1, 2)
+    if mine is None or theirs is None or mine.dim() != 4 or mine.shape != theirs.shape:
+        return None
+    raw = next((t for n in FUSED_QKV if (t := e.ref_trace.tensors.get(f"{stem}.{n}")) is not None), None)
+    if not d or not heads:
+        return None
+    if all(p is not None and p.dim() == 3 for p in parts):
+        fused = torch.cat([cast(torch.Tensor, p).double() for p in parts], dim=-1)
+    elif raw is not None and raw.dim() == 3:  # the reference's own fused output, in its own layout (BLOOM's)
+        fused = raw.double()
+        parts = list(fused.split([heads * d, kv_heads * d, kv_heads * d], dim=-1))
+    else:
+        return None
+    if e.facts.clip_qkv:
+        fused = fused.clamp(-e.facts.clip_qkv, e.facts.clip_qkv)  # OLMo clamps the fused output (commutes with a cut)
+    layouts = _fused_layouts(fused, heads, kv_heads, d)
+    if not layouts:
+        return None
+    q, k, v = (cast(torch.Tensor, t).double() for t in parts)
+    fast = tuple(  # each projection's features cut as (head_dim, heads): the heads the fast axis
+        t.unflatten(-1, (d, t.shape[-1] // d)).transpose(-1, -2).transpose(1, 2) for t in (q, k, v)
+    )
+    if all(t.shape[-1] == d for t in fast):
+        layouts["each projection's features as (head_dim, heads), the heads the fast axis"] = fast
+    rope = layer.rope if layer is not None else None
+    index = 0 if e.kind.startswith("q") else 1
+
+    def lengths(t: torch.Tensor) -> torch.Tensor:  # what RoPE keeps; no RoPE (or before it): the values
+        return pair_lengths(t, rope.rotary_dim, rope.interleaved) if rope is not None and not qk_norm else t.double()
+
+    def layout_of(t: torch.Tensor) -> str | None:
+        mine = lengths(t)
+        atol = 2 * e.noise + 1e-6 * float(mine.abs().max())
+        for label, qkv in layouts.items():
+            if qkv[index].shape != t.shape:
+                continue
+            theirs = lengths(qkv[index])
+            scale = float((mine * theirs).sum() / theirs.pow(2).sum().clamp_min(1e-300))  # OPT scales q in forward
+            if scale > 0 and torch.allclose(mine, scale * theirs, atol=atol, rtol=1e-5):
+                return label
+        return None
+
+    ours_is, ref_is = layout_of(mine), layout_of(theirs)
+    if ours_is is None or ref_is is None or ours_is == ref_is:
+        return None
+    if {ours_is, ref_is} <= {f"stacked [{'; '.join(o)}]" for o in ("qkv", "qvk", "kqv", "vkq")}:
+        return None  # two of the three exchanged: as well two projections' weights swapped (swapped_weights)
+    return Hint(
+        "qkv_layout",
+        f"likely the q/k/v output cut into heads in another layout: {e.kind[0]} in ours is the projections' "
+        f"output (fused or not) read {ours_is}, in the reference {ref_is}",
+        {"ours": ours_is, "reference": ref_is},
+    )
 
 
 def head_mapping(e: Evidence) -> Hint | None:
@@ -448,7 +561,7 @@ def heads_merged_unmoved(e: Evidence) -> Hint | None:
     ``head_dim`` (``.transpose(1, 2)`` before the reshape), so each row mixes positions and heads."""
     if e.kind != "o_proj":
         return None
-    x_ref, x_ours = e.ref_trace.inputs.get(e.name), e.ours_trace.inputs.get(e.name)
+    x_ours, x_ref = e.inputs()
     h, d = e.facts.num_heads, e.facts.head_dim
     if x_ref is None or x_ours is None or x_ours.shape != x_ref.shape or x_ref.dim() != 3 or not h or not d:
         return None
@@ -477,8 +590,8 @@ def heads_split_unmoved(e: Evidence) -> Hint | None:
 
     b, h, t, d = e.ref.shape
     x = pre_rope(e, h)
-    if x is None or x.shape != e.ref.shape or t < 2 or e.positions.shape != (b, t):
-        return None
+    if x is None or x.shape != e.ref.shape or t < 2 or h < 2 or e.positions.shape != (b, t):
+        return None  # one head (MQA's keys): the two views are the same tensor, nothing to tell apart
     mixed = x.transpose(1, 2).reshape(b, t, h * d).reshape(b, h, t, d)
     layer = e.facts.layer(e.result.layer)
     if layer is not None and layer.rope is not None:
@@ -572,4 +685,58 @@ def rotated_other_projection(e: Evidence) -> Hint | None:
                 f"{mine} (a fused qkv split in another order, e.g. q | v | k, or the two swapped where they are used)",
                 {"matches": f"{stem}.{kind}", "swapped": [e.kind, kind]},
             )
+    return None
+
+
+def values_source(e: Evidence) -> Hint | None:
+    """The attention context of one side is the reference's probabilities times another tensor of the block
+    than its values: the keys (``v`` cut from the same slice as ``k``, a copy-paste), or the queries. Read
+    against the reference's ``k_rot`` (the keys before the softmax) and its probabilities; either side."""
+    if e.kind != "context" or e.ours.shape != e.ref.shape:
+        return None
+    stem = e.name.rsplit(".", 1)[0]
+    probs = e.ref_trace.tensors.get(f"{stem}.probs")
+    if probs is None or probs.dim() != 4:
+        return None
+    b, h, t, _ = probs.shape
+    candidates: dict[str, torch.Tensor | None] = {
+        "the keys (k_rot)": e.ref_trace.tensors.get(f"{stem}.k_rot"),
+        "the queries (q_rot)": e.ref_trace.tensors.get(f"{stem}.q_rot"),
+    }
+
+    def context(x: torch.Tensor) -> torch.Tensor | None:
+        if x.dim() != 4 or x.shape[0] != b or x.shape[2] != t or h % x.shape[1]:
+            return None
+        c = probs.double() @ x.double().repeat_interleave(h // x.shape[1], dim=1)  # (b, h, t, d)
+        d = c.shape[-1]
+        return next(
+            (f for f in (c, c.transpose(1, 2), c.transpose(1, 2).reshape(b, t, h * d)) if f.shape == e.ref.shape),
+            None,
+        )
+
+    found = attention_values(e)
+    if found is not None:  # the values through a q/k norm of the block (a per-head norm applied to v too)
+        v = found[1]
+        for name in (f"{stem}.{n}" for n in ("k_layernorm", "k_norm", "q_layernorm", "q_norm")):
+            w, bias = e.ref_trace.weights.get(name), e.ref_trace.biases.get(name)
+            if w is None or w.dim() != 1 or w.shape[0] != v.shape[-1]:
+                continue
+            eps = e.facts.norm_eps or 1e-5
+            normed = (
+                torch.nn.functional.layer_norm(v, (v.shape[-1],), w.double(), bias.double(), eps)
+                if bias is not None
+                else v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+            )
+            candidates[f"the values through {name.rsplit('.', 1)[-1]}"] = normed
+    forms = {label: c for label, x in candidates.items() if x is not None and (c := context(x)) is not None}
+    for side, value, other in (("ours", e.ours, e.ref), ("the reference", e.ref, e.ours)):
+        for label, c in forms.items():
+            if e.close(value, c.to(value.dtype)) and not e.close(other, c.to(other.dtype)):
+                return Hint(
+                    "swapped_roles",
+                    f"likely the values taken from another tensor in {side}: its context is the probabilities times "
+                    f"{label}, not the values as the projection gives them (a copy-paste: v cut from another "
+                    "projection's slice, or passed through another's norm)",
+                    {"side": side, "values": label},
+                )
     return None

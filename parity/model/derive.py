@@ -14,6 +14,13 @@ from parity.model.facts import FULL, SLIDING, ArchFacts, LayerFacts, RopeFacts, 
 from parity.model.facts_rules import RULES
 
 
+def _clip_in_attn_config(config) -> float | None:
+    """MPT keeps ``clip_qkv`` in its ``attn_config`` (an object or a dict)."""
+    attn = getattr(config, "attn_config", None)
+    value = attn.get("clip_qkv") if isinstance(attn, dict) else getattr(attn, "clip_qkv", None)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
 def _get(config, *names, default=None):
     for name in names:
         value = _attr(config, name)
@@ -137,7 +144,7 @@ def derive_facts(config, model=None) -> ArchFacts:
         logit_scale=_get(config, "logit_scale"),
         final_softcap=_get(config, "final_logit_softcapping"),
         attn_softcap=_get(config, "attn_logit_softcapping"),
-        clip_qkv=_get(config, "clip_qkv"),
+        clip_qkv=_get(config, "clip_qkv") or _clip_in_attn_config(config),
         tie_word_embeddings=bool(_get(config, "tie_word_embeddings", default=False)),
         max_position_embeddings=_get(config, "max_position_embeddings"),
     )

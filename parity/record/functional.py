@@ -35,6 +35,7 @@ import re
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +58,8 @@ SDPA = F.scaled_dot_product_attention
 SOFTMAXES = (torch.softmax, F.softmax, torch.Tensor.softmax, torch.special.softmax)
 PRODUCTS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm)
 EINSUM = torch.einsum
+#: ``bias.baddbmm(q, k^T, beta=, alpha=)``: scores and a bias in one op (BLOOM adds ALiBi so)
+BADDBMMS = (torch.baddbmm, torch.Tensor.baddbmm)
 LINEAR = F.linear
 #: the scalar scalings a written-out attention applies to ``q @ k^T`` (``/ sqrt(d)``, ``* scale``)
 SCALINGS = (
@@ -74,12 +77,45 @@ SCALINGS = (
 _FOLLOWED = 16
 
 
+#: a parameter's key in the maps by storage: its storage's address, or, where several parameters of ours
+#: are views into one storage (``nn.Parameter(b.chunk(3)[0])``), ``(address, first element, end)``
+StorageKey = int | tuple[int, int, int]
+
+
+def storage_keys(params) -> dict[int, StorageKey]:
+    """``id(parameter) -> its key`` (:data:`StorageKey`) for ``params``: the storage address, unless another
+    parameter is another view into the same storage, then the address with the elements it spans."""
+    spans: dict[int, set[tuple[int, int]]] = {}
+    for p in params:
+        if p.numel():
+            spans.setdefault(p.untyped_storage().data_ptr(), set()).add((p.storage_offset(), p.numel()))
+    keys: dict[int, StorageKey] = {}
+    for p in params:
+        if not p.numel():
+            continue
+        ptr, start = p.untyped_storage().data_ptr(), p.storage_offset()
+        keys[id(p)] = ptr if len(spans[ptr]) == 1 else (ptr, start, start + _span_of(p))
+    return keys
+
+
+def _span_of(t: torch.Tensor) -> int:
+    """How many elements of its storage ``t`` reaches from its first (its numel when packed)."""
+    return 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True) if n > 0)
+
+
 class Followed:
     """Parameters (by storage) and their rearranged copies (by identity, the last few): what each one is."""
 
-    def __init__(self, by_storage: dict[int, str]):
+    def __init__(self, by_storage: dict[StorageKey, str]):
         self.by_storage = by_storage
-        self._derived: dict[int, tuple[str, torch.Tensor]] = {}
+        #: id -> (node, the tensor, the elements of the parameter it came from when it holds part of them,
+        #: whether it came from a vector: a norm's weight)
+        self._derived: dict[int, tuple[str, torch.Tensor, int | None, bool]] = {}
+        #: per storage address shared by several parameters, ``(first element, end, node)`` of each
+        self._regions: dict[int, list[tuple[int, int, str]]] = {}
+        for key, node in by_storage.items():
+            if isinstance(key, tuple):
+                self._regions.setdefault(key[0], []).append((key[1], key[2], node))
 
     def of(self, t) -> str | None:
         if not isinstance(t, torch.Tensor):
@@ -88,7 +124,31 @@ class Followed:
         if derived is not None and derived[1] is t:
             return derived[0]
         storage = _storage(t)
-        return self.by_storage.get(storage) if storage is not None else None
+        if storage is None:
+            return None
+        regions = self._regions.get(storage)
+        if regions:  # one of several parameters viewing this storage: the one whose elements it reads
+            start = t.storage_offset()
+            end = start + _span_of(t)
+            return next((node for first, last, node in regions if first <= start and end <= last), None)
+        return self.by_storage.get(storage)
+
+    def rearranged_vector(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is a vector parameter's values in another shape (``w.view(heads, head_dim)``)."""
+        derived = self._derived.get(id(t))
+        return derived is not None and derived[1] is t and derived[2] is None and derived[3]
+
+    def size_of(self, t: torch.Tensor) -> int:
+        """The elements of the parameter ``t`` reads (its storage's, or its region's where shared)."""
+        derived = self._derived.get(id(t))
+        if derived is not None and derived[1] is t and derived[2] is not None:
+            return derived[2]
+        storage = _storage(t)
+        start, end = t.storage_offset(), t.storage_offset() + _span_of(t)
+        for first, last, _ in self._regions.get(storage, []) if storage is not None else []:
+            if first <= start and end <= last:
+                return last - first
+        return t.untyped_storage().nbytes() // max(t.element_size(), 1)
 
     def follow(self, func, args, out) -> None:
         """Remember ``out`` as its input's parameter when ``func`` only rearranges it, or derives a weight of
@@ -96,11 +156,14 @@ class Followed:
         if args and isinstance(out, torch.Tensor):
             self.keep(out, args[0] if op_name(func) in REARRANGES else self.derived_from(func, args))
 
-    def keep(self, out: torch.Tensor, source) -> None:
-        """Remember ``out`` as ``source``'s parameter (when it is one) holding its values in another form."""
+    def keep(self, out: torch.Tensor, source, part: bool = False) -> None:
+        """Remember ``out`` as ``source``'s parameter (when it is one) holding its values in another form,
+        or (``part``) some of them: rows picked by index (a row-parallel shard, ``W[idx]``), whose products
+        are summed into the node as a slice's are."""
         what = self.of(source)
-        if what is not None and isinstance(source, torch.Tensor) and out.numel() == source.numel():
-            self._derived[id(out)] = (what, out)
+        if what is not None and isinstance(source, torch.Tensor) and (part or out.numel() == source.numel()):
+            vector = source.dim() == 1 or self.rearranged_vector(source)
+            self._derived[id(out)] = (what, out, self.size_of(source) if part else None, vector)
             while len(self._derived) > _FOLLOWED:
                 self._derived.pop(next(iter(self._derived)))
 
@@ -137,7 +200,7 @@ class _FirstReads(TorchFunctionMode):
         return out
 
 
-def first_reads(model: torch.nn.Module, names: dict[int, str], input_ids: torch.Tensor) -> dict[str, str]:
+def first_reads(model: torch.nn.Module, names: dict[StorageKey, str], input_ids: torch.Tensor) -> dict[str, str]:
     """How ``model``'s forward on ``input_ids`` first reads each watched parameter: ``{name: "lookup" |
     "product"}`` (an embedding lookup or indexing, or a matrix product, directly or after a rearrangement);
     ``names``: a parameter's storage -> its name. A forward that raises reads nothing: ``{}``."""
@@ -218,6 +281,32 @@ class Canonical:
         return t.reshape(self.sizes).permute(torch.tensor(self.perm).argsort().tolist())
 
 
+def _picks_rows(name: str, args) -> bool:
+    """``W[idx]`` / ``W.index_select(0, idx)`` with a 1-D index into a 2-D weight (a row-parallel shard's
+    rows), not a table lookup at token ids (``(batch, seq)`` of them)."""
+    if not args or not isinstance(args[0], torch.Tensor) or args[0].dim() != 2:
+        return False
+    index = args[1] if name == "__getitem__" and len(args) > 1 else args[2] if len(args) > 2 else None
+    return isinstance(index, torch.Tensor) and index.dim() == 1 and not index.is_floating_point()
+
+
+def _kept_weight_axis(func, args, followed: Followed) -> int | None:
+    """The axis of an ``einsum``'s result that is an axis of the parameter it reads other than the output
+    features (its last letter): ``bnsh,nhd->bnsd`` keeps the weight's head axis ``n`` at 1. None for any
+    other product, or when the weight's letters all leave the result but the last."""
+    if op_name(func) != "einsum" or not args or not isinstance(args[0], str) or "->" not in args[0]:
+        return None
+    inputs, output = args[0].replace(" ", "").split("->")
+    specs = inputs.split(",")
+    operands = args[1:] if len(args) > 2 else (list(args[1]) if len(args) == 2 else [])
+    for spec, t in zip(specs, operands, strict=False):
+        if followed.of(t) is None:
+            continue
+        kept = [c for c in spec if c in output and c != output[-1]]
+        return output.index(kept[0]) if len(kept) == 1 else None
+    return None
+
+
 class Heads:
     """``(batch * heads, seq, x)`` (a ``bmm`` over batch and heads folded together) as ``(batch, heads,
     seq, x)`` and back; any other tensor passes as it is."""
@@ -261,7 +350,7 @@ class FunctionCapture(TorchFunctionMode):
         self,
         record,
         block,
-        params: dict[int, str],
+        params: dict[StorageKey, str],
         record_param,
         moe=None,
         biases=None,
@@ -269,8 +358,11 @@ class FunctionCapture(TorchFunctionMode):
         retract=None,
         hold_input=None,
         joined=None,
+        lookups: frozenset[str] | None = None,
     ):
         super().__init__()
+        #: the nodes that are a table's lookup (an embedding); None: any table read by index is one
+        self.lookups = lookups
         #: ``retract(kind)``: forget what this capture recorded for the running block's node of that kind
         self.retract = retract or (lambda kind: None)
         #: ``hold_input(node, x)``: keep what a product reading a node's weight reads besides it (its input)
@@ -299,6 +391,9 @@ class FunctionCapture(TorchFunctionMode):
         self.biases = Followed(biases or {})
         self._biased = set(self.biases.by_storage.values())
         self._unbiased: dict[int, tuple[str, torch.Tensor]] = {}
+        #: results of products that keep an axis of the weight (``einsum("bnsh,nhd->bnsd", ctx, W_O)``: one
+        #: output per head), ``id -> (node, that axis in the result, result)``, until the model sums it
+        self._per_axis: dict[int, tuple[str, int, torch.Tensor]] = {}
         #: node -> ours' module recording it by its hook, and the running modules: its weight read inside it
         #: is its own forward (the hook records that), outside it a function of another module's
         self.owners, self.running = owners if owners is not None else ({}, lambda: [])
@@ -315,6 +410,10 @@ class FunctionCapture(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is SDPA:
             return self._sdpa(args, kwargs)
+        if self._per_axis:
+            held = next((a for a in args if isinstance(a, torch.Tensor) and id(a) in self._per_axis), None)
+            if held is not None:
+                return self._summed(held, func, args, kwargs)
         if self._unbiased:
             handled, args, out = self._bias(func, args, kwargs)
             if handled:
@@ -358,8 +457,19 @@ class FunctionCapture(TorchFunctionMode):
                 return self.record_param(node, out)
         if self.params and name in LOOKUPS and args:  # a table read by a lookup outside its module
             node = self._lookup_node(func, name, args)
-            if node is not None:
+            if node is not None and (self.lookups is None or node in self.lookups):
                 return self.record_param(node, func(*args, **kwargs), True)
+            table = args[0]
+            if name == "__getitem__" and len(args) > 1 and isinstance(args[1], slice) and self.lookups:
+                # a learned position table read as a block of rows (``wpe[:seq]``, ``wpe[-seq:]``): its lookup
+                node = self.followed.of(table) if isinstance(table, torch.Tensor) and table.dim() == 2 else None
+                if node is not None and node in self.lookups:
+                    return self.record_param(node, func(*args, **kwargs), True)
+            if _picks_rows(name, args) and self.followed.of(args[0]) is not None:
+                out = func(*args, **kwargs)  # rows of a projection's weight picked by index: a part of it
+                if isinstance(out, torch.Tensor):
+                    self.followed.keep(out, args[0], part=out.numel() < args[0].numel())
+                return out
         if self._partials:
             if name in ("add", "__add__", "__radd__", "add_", "__iadd__"):
                 handled, out = self._partial_sum(func, args, kwargs)
@@ -378,6 +488,10 @@ class FunctionCapture(TorchFunctionMode):
                 read, whole = self._share(node, operands)
                 if read < whole:  # a slice of the weight (o_proj head by head): the node is the sum of such
                     self._partials[id(out)] = (node, read, whole, out)
+                    return out
+                kept = _kept_weight_axis(func, args, self.followed) if isinstance(out, torch.Tensor) else None
+                if kept is not None:  # per head, a head axis of the weight kept: the node is its sum over it
+                    self._per_axis[id(out)] = (node, kept, out)
                     return out
                 if node in self._biased and not any(self.biases.of(t) == node for t in operands):
                     self._unbiased[id(out)] = (node, out)  # its bias comes next, as the reference's module adds it
@@ -428,6 +542,8 @@ class FunctionCapture(TorchFunctionMode):
             return out
         if func in PRODUCTS and len(args) >= 2:
             return self._product(block, head_dim, heads, func, args, kwargs)
+        if func in BADDBMMS:
+            return self._baddbmm(block, head_dim, heads, func, args, kwargs)
         if func is EINSUM and args and isinstance(args[0], str):
             return self._einsum(block, head_dim, func, args, kwargs)
         out = func(*args, **kwargs)
@@ -502,8 +618,7 @@ class FunctionCapture(TorchFunctionMode):
         """``(elements read, elements of the parameter)`` of the operand holding ``node``'s parameter."""
         for t in operands:
             if isinstance(t, torch.Tensor) and self.followed.of(t) == node:
-                whole = t.untyped_storage().nbytes() // max(t.element_size(), 1)
-                return t.numel(), whole
+                return t.numel(), self.followed.size_of(t)
         return 1, 1
 
     def _partial_sum(self, func, args, kwargs) -> tuple[bool, object]:
@@ -513,16 +628,21 @@ class FunctionCapture(TorchFunctionMode):
         others = [a for a in args if isinstance(a, torch.Tensor) and self._partial(a) is None and a.numel() > 1]
         if not parts:
             return False, None
-        if others:  # the sum so far is read by something else: it is what ours computes for the node
+        nodes = {self._partials[id(a)][0] for a in parts}
+        # the node's own bias added to a slice's product (each row-parallel shard adding it): still the sum
+        biases = [a for a in others if len(nodes) == 1 and self.biases.of(a) in nodes]
+        if len(others) > len(biases):  # the sum so far is read by something else: it is what ours computes
             self._settle(parts)
             return False, None
-        nodes = {self._partials[id(a)][0] for a in parts}
         out = func(*args, **kwargs)
         if len(nodes) != 1:
             return True, out
         node, whole = nodes.pop(), self._partials[id(parts[0])][2]
         read = sum(self._partials.pop(id(a))[1] for a in parts)
         if read >= whole:
+            if node in self._biased:  # its bias may come next (again, when a slice added it already)
+                self._unbiased[id(out)] = (node, out)
+                return True, out
             return True, self.record_param(node, out)
         self._partials[id(out)] = (node, read, whole, out)
         return True, out
@@ -543,6 +663,26 @@ class FunctionCapture(TorchFunctionMode):
         held = self._partials.get(id(t))
         return held if held is not None and held[3] is t else None
 
+    def _summed(self, held: torch.Tensor, func, args, kwargs):
+        """An op reading a per-axis product (:func:`_kept_weight_axis`): its sum over that axis is the node
+        (then waiting for its bias, as a product's result does); an element-wise op before the sum (a bias
+        added per head) is followed; anything else records the product as it is."""
+        node, axis, _ = self._per_axis.pop(id(held))
+        out = func(*args, **kwargs)
+        name = op_name(func)
+        dim = kwargs.get("dim", args[1] if len(args) > 1 and name == "sum" else None)
+        if name == "sum" and dim in (axis, axis - held.dim()) and isinstance(out, torch.Tensor):
+            if node in self._biased:
+                self._unbiased[id(out)] = (node, out)
+                return out
+            return self.record_param(node, out)
+        elementwise = name in ("add", "__add__", "__radd__", "mul", "__mul__")
+        if elementwise and isinstance(out, torch.Tensor) and out.shape == held.shape:
+            self._per_axis[id(out)] = (node, axis, out)
+            return out
+        self.record_param(node, held)
+        return out
+
     def _bias(self, func, args, kwargs) -> tuple[bool, tuple, object]:
         """A result waiting for its bias, read by this op: recorded with the bias when the op adds it
         (``(True, args, sum)``), else as it is before the op reads it (in isolated mode the op then reads
@@ -553,7 +693,8 @@ class FunctionCapture(TorchFunctionMode):
         i, result = waiting[0]
         node, _ = self._unbiased.pop(id(result))
         others = [a for j, a in enumerate(args) if j != i]
-        if op_name(func) in ("add", "__add__", "__radd__") and any(self.biases.of(a) == node for a in others):
+        if op_name(func) in ("add", "__add__", "__radd__") and any(self.biases.of(a) is not None for a in others):
+            # its bias, or another node's (a loader that gave this layer another layer's bias): what ours adds
             return True, args, self.record_param(node, func(*args, **kwargs))
         value = self.record_param(node, result)
         return False, tuple(value if j == i else a for j, a in enumerate(args)), None
@@ -562,8 +703,12 @@ class FunctionCapture(TorchFunctionMode):
         """The node whose parameter this op reads (``vector``: only a 1-D one, a norm's weight, read as it
         is), unless the module holding it is running (its own hook records the node)."""
         operands = args[1:] if op_name(func) == "einsum" else args
-        if vector:
-            operands = [t for t in operands if isinstance(t, torch.Tensor) and t.dim() == 1]
+        if vector:  # a norm's weight vector, or that vector viewed per head (``w.view(heads, head_dim)``)
+            operands = [
+                t
+                for t in operands
+                if isinstance(t, torch.Tensor) and (t.dim() == 1 or self.followed.rearranged_vector(t))
+            ]
         node = next((node for t in operands if (node := self.followed.of(t)) is not None), None)
         owner = self.owners.get(node) if node is not None else None
         return None if owner is not None and owner in self.running() else node
@@ -592,7 +737,7 @@ class FunctionCapture(TorchFunctionMode):
             cv = folded.view(out)
             context = self.record("context", cv)
             return out if context is cv else folded.back(context)
-        if a.shape[-1] == head_dim and b.shape[-2] == head_dim:
+        if (a.shape[-1] == head_dim and b.shape[-2] == head_dim) or self._other_head_dim(block, head_dim, heads, a, b):
             # q @ k^T: both operands carry head_dim (k transposed), the result is (..., q_len, k_len)
             if self._chunk_of(block, a):
                 return func(*args, **kwargs)
@@ -608,6 +753,48 @@ class FunctionCapture(TorchFunctionMode):
             self._pending[block] = Pending(out, out, folded.canonical)
             return out
         return func(*args, **kwargs)
+
+    def _other_head_dim(self, block: str, head_dim: int, heads: int, a: torch.Tensor, b: torch.Tensor) -> bool:
+        """Whether ``a @ b`` is the block's first ``q @ k^T`` with the heads cut to another head_dim (a port
+        taking head_dim as hidden_size / num_heads where the config sets its own: Gemma): both operands
+        4-D, contracting one width, q's heads times that width the reference's heads times head_dim (the
+        same projection cut otherwise; MLA's partial products read a part of each head and stay out)."""
+        d = a.shape[-1]
+        return (
+            a.dim() == b.dim() == 4
+            and d != head_dim
+            and b.shape[-2] == d
+            and block not in self._scored
+            and a.shape[1] * d == heads * head_dim
+            and a.shape[1] != heads
+        )
+
+    def _baddbmm(self, block: str, head_dim: int, heads: int, func, args, kwargs):
+        """``beta * bias + alpha * (q @ k^T)`` in one op (BLOOM's ALiBi): ``q_rot`` and ``k_rot`` are its
+        batches, ``scores`` is ``alpha * q @ k^T`` before the bias (what a port computes as its scaled
+        product, adding the bias after). The op's own result is returned unless isolated mode replaced
+        one of them (then it is recomputed from the replacements)."""
+        names = ("input", "batch1", "batch2")
+        given = dict(zip(names, args, strict=False)) | {k: v for k, v in kwargs.items() if k in names}
+        bias, a, b = given.get("input"), given.get("batch1"), given.get("batch2")
+        beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+        if not all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in (a, b)) or bias is None:
+            return func(*args, **kwargs)
+        a, b = cast(torch.Tensor, a), cast(torch.Tensor, b)
+        if a.shape[-1] != head_dim or b.shape[-2] != head_dim or self._chunk_of(block, a):
+            return func(*args, **kwargs)
+        folded = Heads(a, heads)
+        qv, kv = folded.view(a), folded.view(b.transpose(-2, -1))
+        q, k = self.record("q_rot", qv), self.record("k_rot", kv)
+        a2 = a if q is qv else folded.back(q)
+        b2 = b if k is kv else folded.back(k).transpose(-2, -1)
+        product = torch.bmm(a2, b2) * alpha
+        sv = folded.view(product)
+        scores = self.record("scores", sv)
+        self._scored[block] = tuple(product.shape[-2:])
+        if q is qv and k is kv and scores is sv:
+            return func(*args, **kwargs)
+        return bias * beta + (product if scores is sv else folded.back(scores))
 
     def _chunk_of(self, block: str, q: torch.Tensor) -> bool:
         """Whether this ``q @ k^T`` reads queries a product of this block read before in this forward:

@@ -40,6 +40,10 @@ if TYPE_CHECKING:
 ATTN_IMPLEMENTATION = "parity_eager"
 EXPERTS_IMPLEMENTATION = "parity_eager"
 SUFFIXES = ("q_rot", "k_rot", "scores", "probs", "context")
+#: the names an attention block's output projection goes by (Llama, OPT/BART, GPT-NeoX/Phi, GPT-2, T5)
+OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "dense", "c_proj", "wo")
+#: a fused q/k/v projection's name in Transformers' families (BLOOM/Falcon/NeoX, GPT-2, Phi-3, MPT, Baichuan)
+FUSED_QKV = ("query_key_value", "c_attn", "qkv_proj", "Wqkv", "W_pack")
 #: a node that is one expert of an experts module: ``...mlp.experts.<e>``
 _EXPERT_NODE = re.compile(r"\.experts\.\d+$")
 
@@ -111,11 +115,13 @@ class ExpertEvidence:
     x: torch.Tensor
     rows: torch.Tensor
 
-    def output(self, j: int, swap_halves: bool = False, interleaved: bool = False) -> torch.Tensor | None:
-        """Expert ``j`` of the reference (with its gate and up halves swapped, or the fused rows read as
-        interleaved gate/up pairs, when asked) on this expert's tokens, in float64, ``(len(rows),
-        hidden)``; None for a layout other than Transformers' default (gate then up concatenated, ``(E,
-        2I, H)``, no bias)."""
+    def output(
+        self, j: int, swap_halves: bool = False, interleaved: bool = False, down_transposed: bool = False
+    ) -> torch.Tensor | None:
+        """Expert ``j`` of the reference (with its gate and up halves swapped, the fused rows read as
+        interleaved gate/up pairs, or its square down projection transposed, when asked) on this expert's
+        tokens, in float64, ``(len(rows), hidden)``; None for a layout other than Transformers' default
+        (gate then up concatenated, ``(E, 2I, H)``, no bias)."""
         m = self.module
         if (
             getattr(m, "is_transposed", False)
@@ -129,7 +135,12 @@ class ExpertEvidence:
         if swap_halves:
             gate, up = up, gate
         x = self.x[self.rows].double()
-        return nn.functional.linear(m.act_fn(x @ gate.T) * (x @ up.T), m.down_proj[j].detach().double())
+        down = m.down_proj[j].detach().double()
+        if down_transposed:
+            if down.shape[0] != down.shape[1]:
+                return None
+            down = down.T
+        return nn.functional.linear(m.act_fn(x @ gate.T) * (x @ up.T), down)
 
     @property
     def num_experts(self) -> int:

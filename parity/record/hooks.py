@@ -23,13 +23,16 @@ import inspect
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
 
 from parity.record.trace import Trace, first_tensor
 from parity.util.errors import ParityError
+
+if TYPE_CHECKING:
+    from parity.record.functional import StorageKey
 
 #: layouts a tap may declare for q_rot/k_rot/context: (batch, heads, seq, head_dim), (batch, seq, heads,
 #: head_dim), (batch, seq, heads * head_dim)
@@ -257,6 +260,15 @@ def _record_param(
     return value
 
 
+def _lookup_capable(lookups: frozenset[str] | None, siblings: dict[str, list[str]] | None) -> frozenset[str] | None:
+    """The nodes whose parameter a lookup may read: the embeddings, and a node sharing its parameter with
+    one (a tied head: the table's first node may be the head, the lookup its sibling's)."""
+    if lookups is None:
+        return None
+    tied = {node for node, others in (siblings or {}).items() if any(o in lookups for o in others)}
+    return frozenset(lookups | tied)
+
+
 def _enter_block(rec: _Recording, node: str) -> None:
     """A node of ours produced: a projection of a :data:`FUNCTIONS` block opens it (its last closes it);
     any other node closes the block running."""
@@ -350,8 +362,8 @@ def recording(
     taps: dict[str, str] | None = None,
     into: Trace | None = None,
     module_stack: bool = False,
-    functional: dict[int, str] | None = None,
-    functional_biases: dict[int, str] | None = None,
+    functional: dict[StorageKey, str] | None = None,
+    functional_biases: dict[StorageKey, str] | None = None,
     functional_owners: dict[str, str] | None = None,
     functional_siblings: dict[str, list[str]] | None = None,
     functional_lookups: frozenset[str] | None = None,
@@ -504,6 +516,7 @@ def recording(
             retract=lambda kind: _retract_captured(rec, kind),
             hold_input=lambda node, x: _hold_functional_input(trace, node, x),
             joined=lambda tensors, out: _joined(rec, tensors, out),
+            lookups=_lookup_capable(functional_lookups, functional_siblings),
         )
     try:
         with capture:

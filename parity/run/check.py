@@ -22,6 +22,7 @@ from parity.model.pair import Pair
 from parity.report.result import CheckResult
 from parity.run.options import CheckOptions
 from parity.run.plan import Run, decode_chunk_notes, decode_window_notes, plan
+from parity.run.positions import derived_positions_note
 from parity.run.stages import (
     analyse,
     borrow_isolated_hint,
@@ -203,6 +204,9 @@ def _forward_notes(pair: Pair, run: Run) -> list[str]:
             "ours takes no position_ids: it gets the mask only, while the reference rotates each padded row "
             "by positions counted over its real tokens (as generation does)"
         )
+    derived = derived_positions_note(pair, run)
+    if derived is not None:
+        notes.append(derived)
     pad = unjudged_padding(pair, run)
     if pad is not None:
         rows = ", ".join(f"row {b}: {int(n)}" for b, n in enumerate(pad.sum(1).tolist()) if n)

@@ -24,6 +24,8 @@ from parity.diagnose.hints import Hint
 from parity.diagnose.profile import error_profile, logits_effect
 from parity.model.pair import Pair
 from parity.record import hf_capture, hf_kernels
+from parity.record.functional import StorageKey, storage_keys
+from parity.record.hf_capture import FUSED_QKV, OUTPUT_PROJECTIONS
 from parity.record.hooks import FUNCTIONS, recording
 from parity.record.trace import SCALARS, Trace
 from parity.run.options import CheckOptions
@@ -39,6 +41,8 @@ DIAGNOSIS_INPUT_KINDS = (
     "fc",  # GPT-2's c_fc, Phi's fc1/fc2, GPT-J's fc_in/fc_out
     "dense",  # Phi's and Falcon's dense, dense_h_to_4h
     "query_key_value",
+    "qkv",  # MPT's Wqkv, Phi-3's qkv_proj
+    "W_pack",  # Baichuan's fused q/k/v
     "gate",  # a MoE router
     "norm",
     "c_attn",
@@ -84,6 +88,10 @@ def trace_reference(pair: Pair, run: Run, model=None, sink=None, into: Trace | N
     captured = [n.name for n in pair.nodes if hf_capture.is_captured(n.name)]
     points = [(n.name, n.reference_path) for n in pair.nodes if n.name not in captured]
     views = {n.name: n.reference_transform for n in pair.nodes if n.reference_transform is not None}
+    if sink is None:  # a fused q/k/v compared in parts: its whole output too, for the hints reading its layout
+        names = {n.name for n in pair.nodes}
+        fused = {n.reference_path for n in pair.nodes if n.name in views}
+        points += [(path, path) for path in sorted(fused) if path.rsplit(".", 1)[-1] in FUSED_QKV and path not in names]
     kernels = any(hf_kernels.is_kernel_node(name) for name in captured)  # named after the module that calls them
     trace = Trace.spilling(run.trace_memory, sink=sink) if into is None else into
     keep = diagnosis_inputs(pair) if sink is None else frozenset()
@@ -167,20 +175,21 @@ def ours_recording(pair: Pair) -> dict:
     projections computed from a parameter of a bigger module)."""
     taps = {n.ours[len("tap:") :]: n.name for n in pair.nodes if n.ours.startswith("tap:")}
     params = dict(pair.ours.named_parameters()) if pair.alignment else {}
-    functional: dict[int, str] = {}
+    key_of = storage_keys(params.values())  # parameters that view one storage told apart by their elements
+    functional: dict[StorageKey, str] = {}
     siblings: dict[str, list[str]] = {}
-    biases: dict[int, str] = {}
+    biases: dict[StorageKey, str] = {}
     for n in pair.nodes:
         # param:W (the op reading W) or param:W+b (and the add of b that follows it)
         weight, _, bias = n.ours[len("param:") :].partition("+") if n.ours.startswith("param:") else ("", "", "")
-        if weight in params:
-            ptr = params[weight].untyped_storage().data_ptr()
+        if weight in params and id(params[weight]) in key_of:
+            ptr = key_of[id(params[weight])]
             if ptr in functional:  # a fused parameter read once for several nodes (each its rows), a tied table
                 siblings.setdefault(functional[ptr], []).append(n.name)
             else:
                 functional[ptr] = n.name
-        if bias in params:
-            biases[params[bias].untyped_storage().data_ptr()] = n.name
+        if bias in params and id(params[bias]) in key_of:
+            biases[key_of[id(params[bias])]] = n.name
     # a module of ours aligned by its weight whose forward never runs (F.linear(x, self.head.weight) in its
     # parent): the product reading that weight outside the module is the node
     modules = dict(pair.ours.named_modules()) if pair.alignment else {}
@@ -193,7 +202,7 @@ def ours_recording(pair: Pair) -> dict:
         if len(own) == 1 and own[0].dim() == 1:  # a norm whose one parameter is called scale, gamma, g, ...
             held = own[0]
         if isinstance(held, torch.Tensor) and held.numel():
-            functional.setdefault(held.untyped_storage().data_ptr(), n.name)
+            functional.setdefault(key_of.get(id(held), held.untyped_storage().data_ptr()), n.name)
             owners[n.name] = n.ours
     # attention blocks ours computes in functions only: each opens when one of its projections is read and
     # closes with its last
@@ -209,6 +218,9 @@ def ours_recording(pair: Pair) -> dict:
         # the block closes with its output projection: the member right after its context in the node list
         after = names[names.index(f"{block}.context") + 1 :] if f"{block}.context" in names else []
         last = next((n for n in after if n in members), members[-1] if members else "")
+        output = [m for m in members if m.rsplit(".", 1)[-1] in OUTPUT_PROJECTIONS]
+        if len(output) == 1:  # by its name first: the node list need not hold the block's nodes in execution order
+            last = output[0]
         blocks.update({m: (path, m == last) for m in members})
     return dict(
         points=[(n.name, n.ours) for n in pair.nodes if not n.ours.startswith(UNHOOKED)],

@@ -53,7 +53,7 @@ from parity.build.coverage import (
 )
 from parity.model.facts import ArchFacts
 from parity.model.pair import NodeSpec
-from parity.record.functional import first_reads
+from parity.record.functional import StorageKey, first_reads, storage_keys
 from parity.record.hf_capture import SUFFIXES
 from parity.record.hooks import FUNCTIONS, LAYOUTS
 from parity.record.ops import LOOKUP, PRODUCT
@@ -450,7 +450,8 @@ class _Aligner:
         from one short probe forward, run once."""
         if self._first_reads is None:
             params = dict(self.ours.named_parameters())
-            names = {p.untyped_storage().data_ptr(): n for n, p in params.items() if p.numel()}
+            key_of = storage_keys(params.values())
+            names: dict[StorageKey, str] = {key_of[id(p)]: n for n, p in params.items() if id(p) in key_of}
             device = next((p.device for p in params.values()), torch.device("cpu"))
             ids = (torch.arange(4, device=device) % max(1, self.facts.vocab_size))[None]
             self._first_reads = first_reads(self.ours, names, ids)
@@ -469,6 +470,8 @@ class _Aligner:
 
     def _is_weight_of_module(self, param: str) -> bool:
         module, leaf = _module_of(param)
+        if module and module in self.our_modules and not self._runs(module):
+            return False  # a ParameterDict's entry (``emb["tok"]``): no forward of its own, the op reading it is
         if leaf == "weight":
             return True
         held = self.ours_params.get(param)
@@ -575,10 +578,12 @@ class _Aligner:
             return None
         held = self._held(weight)
         rows = [(n, s) for n, s in held if s.how == PART and s.rows and weight.dim() == 2]
-        if rows and len(rows) == len({n for n, _ in held}) and len(rows) > 1:
+        whole = [n for n, s in held if s.how in (SHARED, COPY, TRANSPOSED)]  # a fused copy kept beside its parts
+        if rows and len(rows) + len(whole) == len({n for n, _ in held}) and len(rows) > 1:
             # separate modules holding rows of one fused weight (Phi-3's qkv_proj as wq, wk, wv): one node each
             ordered = sorted(rows, key=lambda ns: min(cast(tuple[int, ...], ns[1].rows)))
-            return [self._rows_node(spec, n, s) for n, s in ordered]
+            paired = self._bias_parts(spec.reference_path, len(ordered))
+            return [self._rows_node(spec, n, s, paired[i] if paired else None) for i, (n, s) in enumerate(ordered)]
         parts = sorted({s.part: (n, s) for n, s in held if s.how == SPLIT and s.part}.items())
         if not parts or len(parts) != len({n for n, _ in held}):
             return None
@@ -588,7 +593,29 @@ class _Aligner:
             return [self._unaligned(spec, f"ours holds its weight cut along an axis that is {why}")]
         return [self._part_node(spec, part, param, source) for part, (param, source) in parts]
 
-    def _rows_node(self, spec: NodeSpec, param: str, source: Source) -> tuple[NodeSpec, Aligned]:
+    def _bias_parts(self, ref_path: str, parts: int) -> list[str] | None:
+        """The parameters of ours holding the reference module's bias in ``parts`` equal parts, in the order
+        of the elements they hold (each added after its weight part's product: the i-th weight part's
+        bias is the i-th), whatever elements each holds; None when it is not cut so."""
+        bias = getattr(self.ref_modules.get(ref_path), "bias", None)
+        if not isinstance(bias, torch.Tensor) or bias.dim() != 1:
+            return None
+
+        def first(source: Source) -> int | None:
+            if source.how == PART and source.rows:
+                return min(source.rows)
+            if source.how == SPLIT and source.part:
+                return source.part[1]
+            return None
+
+        held = [(first(s), n) for n, s in self._held(bias) if first(s) is not None]
+        if len(held) != parts or any(self.ours_params[n].numel() * parts != bias.numel() for _, n in held):
+            return None
+        return [n for _, n in sorted(held, key=lambda fn: cast(int, fn[0]))]
+
+    def _rows_node(
+        self, spec: NodeSpec, param: str, source: Source, bias_part: str | None = None
+    ) -> tuple[NodeSpec, Aligned]:
         """The reference's output features ``source.rows`` (a module of ours holds those rows of its fused
         weight) against that module's output: ``<node>[a:b]``, ``[a:b:step]`` for evenly spaced rows."""
         rows = tuple(cast(tuple[int, ...], source.rows))
@@ -603,7 +630,19 @@ class _Aligner:
         )
         name = f"{spec.name}{where}"
         view = OutputRows(rows)
-        ours = _module_of(param)[0] if self._is_weight_of_module(param) else PARAM + param
+        bias = getattr(self.ref_modules.get(spec.reference_path), "bias", None)
+        held_bias = (
+            [n for n, s in self._held(bias) if s.how == PART and s.rows == source.rows]
+            if isinstance(bias, torch.Tensor)
+            else []
+        )  # the same rows of the fused bias, which ours adds after the product (``x @ W + b``)
+        if len(held_bias) != 1 and bias_part is not None:
+            held_bias = [bias_part]  # the bias part ours adds after this product, whichever elements it holds
+        ours = (
+            _module_of(param)[0]
+            if self._is_weight_of_module(param)
+            else PARAM + param + (f"+{held_bias[0]}" if len(held_bias) == 1 else "")
+        )
         detail = f"output features {where} of {spec.reference_path}: {source.description} held by {param}"
         new = replace(spec, name=name, ours=ours, reference=spec.reference_path, reference_transform=view)
         return new, Aligned(name, ours, "part" if ours.startswith(PARAM) else "weights", detail)

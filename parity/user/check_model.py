@@ -180,17 +180,25 @@ def adopt_plain_tensors(model: nn.Module) -> list[str]:
     alignment and the function capture find it; the model still reads its own tensors. Returns the
     names registered (none for a model whose weights are all parameters or buffers)."""
     adopted = []
+
+    def tensors(path: str, value, depth: int):
+        """``(path, tensor)`` for every plain tensor in ``value``, through nested dicts, lists and tuples
+        (``self.p = {"L0": {"qkv": W, ...}}``), a few levels deep."""
+        if isinstance(value, torch.Tensor):
+            yield path, value
+        elif isinstance(value, (dict, list, tuple)) and depth < 4:
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for key, inner in list(items):
+                yield from tensors(f"{path}__{key}", inner, depth + 1)
+
     for module in list(model.modules()):
         for attr, value in list(vars(module).items()):
             if attr.startswith("_") or not isinstance(value, (dict, list, tuple)):
                 continue
-            items = value.items() if isinstance(value, dict) else enumerate(value)
-            for key, t in list(items):
-                if not isinstance(t, torch.Tensor) or isinstance(t, nn.Parameter) or not t.is_floating_point():
+            for path, t in tensors(attr, value, 0):
+                if isinstance(t, nn.Parameter) or not t.is_floating_point() or t.dim() == 0:
                     continue
-                if t.dim() == 0:
-                    continue
-                name = PLAIN + re.sub(r"\W", "_", f"{attr}__{key}")
+                name = PLAIN + re.sub(r"\W", "_", path)
                 if name in module._parameters:
                     continue
                 module.register_parameter(name, nn.Parameter(t.detach(), requires_grad=False))

@@ -9,11 +9,8 @@ from torch import nn
 
 from parity.model.facts import ArchFacts
 from parity.model.pair import LOGITS, NodeSpec
-from parity.record.hf_capture import SUFFIXES
+from parity.record.hf_capture import OUTPUT_PROJECTIONS, SUFFIXES
 from parity.record.routing import CHOICES, WEIGHTS, is_router
-
-#: the output projection of an attention block, by the names Transformers' families give it
-OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "dense", "c_proj", "wo")
 
 
 def _is_attention(module: nn.Module) -> bool:
