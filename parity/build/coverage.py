@@ -660,12 +660,21 @@ def loader_coverage(
                 # rows of a checkpoint tensor: as ours holds them, or (a 2-D weight kept input-major, ``x @ W``)
                 # its columns; a tensor ours also holds whole (a fused copy beside its parts) counts too
                 as_held = [(p.data, False)] + ([(p.data.T, True)] if p.dim() == 2 else [])
+                flat = p.data.flatten()
+                constant = p.numel() > 0 and bool((flat == flat[0]).all())  # zeros match any tensor's zero rows
+
+                def fresh(k: str, rows: tuple[int, ...], constant: bool = constant) -> bool:
+                    """A key nothing consumed, or rows of one ours also holds whole (a fused copy beside
+                    the parts cut from it): several rows, of values that are no constant."""
+                    return k not in cov.consumed or k in parts_of or (len(rows) > 1 and not constant)
+
                 part = next(
                     (
                         (k, rows, flipped)
                         for rows_of, flipped in as_held
                         for k, t in state_dict.items()
                         if (rows := _part_rows(rows_of, t, row_cache)) is not None
+                        and fresh(k, rows)
                         and not _taken(parts_of.get(k, []), rows)
                     ),
                     None,

@@ -291,18 +291,21 @@ def _picks_rows(name: str, args) -> bool:
 
 
 def _kept_weight_axis(func, args, followed: Followed) -> int | None:
-    """The axis of an ``einsum``'s result that is an axis of the parameter it reads other than the output
-    features (its last letter): ``bnsh,nhd->bnsd`` keeps the weight's head axis ``n`` at 1. None for any
-    other product, or when the weight's letters all leave the result but the last."""
+    """The axis of an ``einsum``'s result that the parameter it reads shares with its input and keeps (not
+    the output features, its last letter): ``bnsh,nhd->bnsd`` keeps the head axis ``n`` at 1, one output
+    per head. None for any other product (``bsd,hdk->bshk`` cuts the output features into heads)."""
     if op_name(func) != "einsum" or not args or not isinstance(args[0], str) or "->" not in args[0]:
         return None
     inputs, output = args[0].replace(" ", "").split("->")
     specs = inputs.split(",")
     operands = args[1:] if len(args) > 2 else (list(args[1]) if len(args) == 2 else [])
-    for spec, t in zip(specs, operands, strict=False):
+    for i, (spec, t) in enumerate(zip(specs, operands, strict=False)):
         if followed.of(t) is None:
             continue
-        kept = [c for c in spec if c in output and c != output[-1]]
+        others = "".join(s for j, s in enumerate(specs) if j != i)
+        # an axis the weight shares with its input and keeps (heads: one output per head, summed after);
+        # an axis of the weight alone in the result is its output features cut (TransformerLens' W_Q)
+        kept = [c for c in spec if c in output and c != output[-1] and c in others]
         return output.index(kept[0]) if len(kept) == 1 else None
     return None
 
