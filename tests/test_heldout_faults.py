@@ -105,10 +105,9 @@ NEW = {
     "gelu_exact_not_tanh",
     "post_norm_after_residual",
 }
-#: bugs still without a hint (the tests say so, and fail when one appears: then move it to FAULTS)
-UNNAMED = [
-    ("llama", "post_norm_instead_of_pre", f"{L0}.input_layernorm"),  # ours' later nodes are not kept
-]
+#: the last bug of this set without a hint, named in the sixth session (pre/post-norm read from the order each
+#: side ran the layer's nodes: ours' later nodes are not kept, their order is)
+FAULTS.append(("llama", "post_norm_instead_of_pre", f"{L0}.input_layernorm", "norm_placement"))
 
 
 def _randomize(model: torch.nn.Module, norm_center: float) -> None:
@@ -246,14 +245,6 @@ def test_a_new_fault_kind_is_found_with_its_hint(model, bug, node, kind, checkpo
 @pytest.mark.parametrize(("model", "bug", "node", "kind"), FAULTS, indirect=["bug"], ids=str)
 def test_every_held_back_fault_is_found_with_its_hint_in_both_modes(model, bug, node, kind, checkpoints):
     _located(check(model, checkpoints, mode="both"), node, kind, modes=("chained", "isolated"))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(("model", "bug", "node"), UNNAMED, indirect=["bug"], ids=str)
-def test_faults_still_without_a_hint_fail_at_their_node(model, bug, node, checkpoints):
-    res = check(model, checkpoints)
-    assert res.first_mismatch is not None and res.first_mismatch.name == node
-    assert res.first_mismatch.hint is None, "a hint appeared: judge it, then move the case to FAULTS"
 
 
 @pytest.mark.parametrize("bug", ["q_weight_transposed"], indirect=True)
