@@ -25,7 +25,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import parity
 from tests import heldout_support
 
 sys.path.insert(0, str(Path(__file__).parent / "user_models" / "heldout8"))
@@ -35,7 +34,6 @@ import heldout8_olmo
 import heldout8_opt
 
 MODELS = {"opt": heldout8_opt, "gemma": heldout8_gemma, "olmo": heldout8_olmo}
-PADDED = {"batch_size": 2, "left_pad": 5}
 
 
 @torch.no_grad()
@@ -110,9 +108,7 @@ bug = heldout_support.bug_fixture(MODELS)
 
 
 def check(model: str, checkpoints, padded: bool = False, mode: str = "chained"):
-    return parity.check_model(
-        MODELS[model].build, reference=str(checkpoints[model]), seq_len=24, mode=mode, **(PADDED if padded else {})
-    )
+    return heldout_support.check(MODELS, checkpoints, model, padded, mode)
 
 
 CLEAN = [("gemma", "", False), ("gemma", "", True), ("opt", "scale_folded", False), ("olmo", "", False)]
@@ -130,9 +126,7 @@ CLEAN_SLOW = [
 
 
 def _passes(model, bug, padded, checkpoints):
-    assert heldout_support.independent_max_diff(MODELS[model], checkpoints[model], padded, pad_row=0) < 1e-4
-    res = check(model, checkpoints, padded, mode="both")
-    assert res.passed, res.verdict()
+    heldout_support.assert_passes(MODELS, checkpoints, model, padded)
 
 
 @pytest.mark.parametrize(("model", "bug", "padded"), CLEAN, indirect=["bug"], ids=str)
@@ -178,12 +172,7 @@ NAMED_SLOW = [
     indirect=["bug"],
 )
 def test_a_bug_is_located_with_the_hint_that_names_it(model, bug, node, kind, says, checkpoints):
-    diff = heldout_support.independent_max_diff(MODELS[model], checkpoints[model], False, pad_row=0)
-    assert not diff <= 1e-6, diff
-    res = check(model, checkpoints)
-    bad = res.first_mismatch
-    assert bad is not None and bad.name == node, res.verdict()
-    assert bad.hint is not None and bad.hint.kind == kind and says in str(bad.hint), bad.hint
+    heldout_support.assert_located(MODELS, checkpoints, model, False, node, kind, says)
 
 
 #: the kinds the fifth session left without a hint, named in the sixth (chained mode, as a user runs it)
@@ -222,12 +211,7 @@ def test_a_kind_named_later_is_located_with_its_hint(model, bug, padded, node, k
     dropout on a residual branch; one term of a norm's input scaled (fairseq's embed_scale under learned
     positions); a bias not scaled with its weight; heads cut at hidden_size / num_heads; one row's
     positions for the batch; a fused qkv cut per head; a residual taken after a weightless norm."""
-    diff = heldout_support.independent_max_diff(MODELS[model], checkpoints[model], padded, pad_row=0)
-    assert not diff <= 1e-6, diff
-    res = check(model, checkpoints, padded)
-    bad = res.first_mismatch
-    assert bad is not None and bad.name == node, res.verdict()
-    assert bad.hint is not None and bad.hint.kind == kind and says in str(bad.hint), bad.hint
+    heldout_support.assert_located(MODELS, checkpoints, model, padded, node, kind, says)
 
 
 @pytest.mark.parametrize("bug", ["pos_arange", ""], indirect=True, ids=["pos_arange", "correct"])

@@ -353,7 +353,8 @@ def moe_output(e: Evidence) -> Hint | None:
     around = stream_around(e)
     if around is None:
         return None
-    block, stream, x_ours, x_ref = around
+    at, (block, _), (_, point) = around
+    stream, x_ours, x_ref = point.double(), at.ours, at.ref
     if not block.endswith(".experts") or e.ours_trace.results.get(block) is not None:
         return None  # ours' block was compared itself: its own detectors read it there
     base = block.rsplit(".", 1)[0]

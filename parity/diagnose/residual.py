@@ -92,23 +92,26 @@ def _stream_before(e: Evidence, branch: str) -> tuple[str, torch.Tensor] | None:
     return None
 
 
-def stream_around(e: Evidence) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """At a point of the residual stream after a sub-block (a norm reading the stream: its input), the
-    reference's branch node there, the stream it was added to, and both sides' values at this point
-    (``(branch, stream, ours, reference)``, float64 in the failing node's shape); None elsewhere."""
+def stream_around(e: Evidence) -> tuple[Evidence, tuple[str, torch.Tensor], tuple[str, torch.Tensor]] | None:
+    """At a point of the residual stream after a sub-block (a node reading the stream, or a norm whose
+    input is the stream), the evidence read there (a norm's inputs in place of its outputs), the
+    reference's branch node added at this point and the stream it was added to, each ``(name, tensor)``;
+    None elsewhere."""
     if e.result.layer is None:
         return None
-    x_ours, x_ref = (e.ours, e.ref) if reads_stream(e.kind) else e.inputs()
-    if not reads_stream(e.kind) and "norm" not in e.kind:
+    if not reads_stream(e.kind):
+        # a norm reading the stream (a pre-norm after the add): its inputs are the stream's values
+        x_ours, x_ref = e.inputs()
+        if "norm" not in e.kind or x_ours is None or x_ref is None or x_ours.shape != x_ref.shape:
+            return None
+        e = replace(e, ours=x_ours, ref=x_ref)
+    if e.ours.shape != e.ref.shape:
         return None
-    if x_ours is None or x_ref is None or x_ours.shape != x_ref.shape:
-        return None
-    at = replace(e, ours=x_ours, ref=x_ref)
-    branch = _branch_output(at)
-    stream = _stream_before(at, branch[0]) if branch is not None else None
+    branch = _branch_output(e)
+    stream = _stream_before(e, branch[0]) if branch is not None else None
     if branch is None or stream is None:
         return None
-    return branch[0], stream[1].double(), x_ours.double(), x_ref.double()
+    return e, branch, stream
 
 
 def residual_add(e: Evidence) -> Hint | None:
@@ -118,22 +121,12 @@ def residual_add(e: Evidence) -> Hint | None:
     post-attention norm of a sandwich block) and ``x`` the stream it is added to. Ours being ``x`` alone
     is left to :func:`~parity.diagnose.wiring.sibling_match`: that is a parallel block (the MLP reading
     the layer's input), another point of the stream."""
-    if e.result.layer is None:
-        return None
     at_norm_input = not reads_stream(e.kind)
-    if at_norm_input:
-        # a norm reading the stream (a pre-norm after the add): its inputs are the stream's values
-        x_ours, x_ref = e.inputs()
-        if "norm" not in e.kind or x_ours is None or x_ref is None or x_ours.shape != x_ref.shape:
-            return None
-        if e.close(x_ours, x_ref):
-            return None
-        e = replace(e, ours=x_ours, ref=x_ref)
-    if e.ours.shape != e.ref.shape:
+    around = stream_around(e)
+    if around is None:
         return None
-    branch = _branch_output(e)
-    stream = _stream_before(e, branch[0]) if branch is not None else None
-    if branch is None or stream is None:
+    e, branch, stream = around
+    if at_norm_input and e.close(e.ours, e.ref):
         return None
     name, f, x = branch[0], branch[1].double(), stream[1].double()
     tol = max(EXPLAINS, 8 * torch.finfo(e.ref.dtype).eps)
