@@ -53,6 +53,17 @@ def independent_max_diff(module, checkpoint: Path, padded: bool, pad_row: int = 
 
 PADDED = {"batch_size": 2, "left_pad": 5}
 
+#: the arguments of a held-back set's located-bug test, one case each: ``(model, bug, padded, node, kind, says)``
+LOCATED = ("model", "bug", "padded", "node", "kind", "says")
+
+
+def located_cases(named: list[tuple], fast: set[str]) -> list:
+    """``named`` as pytest params, the bugs outside ``fast`` marked slow, each id ``<model>-<bug>``."""
+    return [
+        pytest.param(*case, marks=[] if case[1] in fast else [pytest.mark.slow], id=f"{case[0]}-{case[1]}")
+        for case in named
+    ]
+
 
 def check(models: dict, checkpoints: dict, model: str, padded: bool = False, mode: str = "chained"):
     """``parity.check_model`` on a held-back set's ``model`` against its checkpoint (24 tokens; padded: a

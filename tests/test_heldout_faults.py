@@ -41,7 +41,7 @@ FAULTS = [
     ("llama", "rope_k_only", f"{ATT}.q_rot", "rope_missing"),
     ("llama", "rope_interleaved", f"{ATT}.q_rot", "rope_pairing"),
     ("llama", "rope_sign", f"{ATT}.q_rot", "rope_rotation"),
-    ("llama", "rope_freq_exponent", f"{ATT}.q_rot", "rope_theta"),
+    ("llama", "rope_freq_exponent", f"{ATT}.q_rot", "rope_frequencies"),  # the arange's step of 2 lost, named
     ("llama", "pos_from_1", f"{ATT}.q_rot", "position_offset"),
     ("llama", "eps_wrong", f"{L0}.input_layernorm", "norm_eps"),
     ("llama", "eps_outside_sqrt", f"{L0}.input_layernorm", "norm_eps"),

@@ -76,7 +76,7 @@ class Source:
     def description(self) -> str:
         """How ours holds the key, in a few words (for alignment tables and coverage notes)."""
         if self.how == SCALED:
-            return f"{self.key} * {self.scale_name} ({self.scale:g})"
+            return f"{self.key}{'.T' if self.transposed else ''} * {self.scale_name} ({self.scale:g})"
         if self.how == OFFSET:
             offset = cast(float, self.offset)  # set whenever how is OFFSET
             return f"{self.key} {'+' if offset > 0 else '-'} {abs(offset):g}"
@@ -562,11 +562,14 @@ def loader_coverage(
         # a copy scaled by a constant: of a tensor nothing consumed yet first, else of a tie's tensor (its
         # other copy already holds it: TransformerLens' W_U beside W_E * sqrt(hidden_size))
         same = sorted(by_shape.get(tuple(p.shape), []) if constants else [], key=lambda k: k in cov.consumed)
-        for key in same:
-            scaled = _scaled(p, state_dict[key], cast(dict, constants))
+        flipped = by_shape.get(tuple(p.shape[::-1]), []) if constants and p.dim() == 2 else []
+        for key, transposed in [(k, False) for k in same] + [(k, True) for k in flipped if k not in cov.consumed]:
+            t = state_dict[key].T if transposed else state_dict[key]
+            scaled = _scaled(p, t, cast(dict, constants))
             if scaled is not None:
-                record(names, key, SCALED, scale=scaled[1], scale_name=scaled[0])
-                cov.conversions.append(f"{key}: into {label} times {scaled[0]} ({scaled[1]:g})")
+                record(names, key, SCALED, scale=scaled[1], scale_name=scaled[0], transposed=transposed)
+                how = "transposed, " if transposed else ""
+                cov.conversions.append(f"{key}: into {label} {how}times {scaled[0]} ({scaled[1]:g})")
                 return True
         return False
 
@@ -642,6 +645,10 @@ def loader_coverage(
         for p, names in unexplained:
             label = " = ".join(names)
             parts = _fused_rows(p.data, free) or _fused_slices(p.data, free)
+            fused_input_major = False
+            if parts is None and p.dim() == 2:  # a fused weight kept input-major (``x @ W``, its columns the rows)
+                parts = _fused_rows(p.data.T, free)
+                fused_input_major = parts is not None
             if parts is None and p.dim() == 1:
                 # a bias cut as its module's weight was: the same output rows of the fused bias (NeoX's
                 # per-head interleaved query_key_value split into to_q, to_k, to_v); a bias outside a module
@@ -658,8 +665,15 @@ def loader_coverage(
                     continue
             if parts is None:
                 # rows of a checkpoint tensor: as ours holds them, or (a 2-D weight kept input-major, ``x @ W``)
-                # its columns; a tensor ours also holds whole (a fused copy beside its parts) counts too
-                as_held = [(p.data, False)] + ([(p.data.T, True)] if p.dim() == 2 else [])
+                # its columns, or (3-D and more) with another axis last (DeepSeek's q_b_proj kept per head
+                # input-major, ``(q_lora_rank, heads, head_dim)``: the rows of each head's part); a tensor ours
+                # also holds whole (a fused copy beside its parts) counts too
+                moved = [tuple(i for i in range(p.dim()) if i != a) + (a,) for a in range(p.dim() - 1)]
+                as_held: list[tuple[torch.Tensor, bool, tuple[int, ...] | None]] = (
+                    [(p.data, False, None)]
+                    + ([(p.data.T, True, None)] if p.dim() == 2 else [])
+                    + ([(p.data.permute(perm), False, perm) for perm in moved] if p.dim() >= 3 else [])
+                )
                 flat = p.data.flatten()
                 constant = p.numel() > 0 and bool((flat == flat[0]).all())  # zeros match any tensor's zero rows
 
@@ -670,18 +684,21 @@ def loader_coverage(
 
                 part = next(
                     (
-                        (k, rows, flipped)
-                        for rows_of, flipped in as_held
+                        (k, rows, flipped, perm)
+                        for rows_of, flipped, perm in as_held
                         for k, t in state_dict.items()
                         if (rows := _part_rows(rows_of, t, row_cache)) is not None
                         and fresh(k, rows)
+                        # with an axis moved, not every other row throughout (a fused gate/up read as
+                        # interleaved pairs: refused, its reason told below)
+                        and (perm is None or not all(b - a == 2 for a, b in itertools.pairwise(rows)))
                         and not _taken(parts_of.get(k, []), rows)
                     ),
                     None,
                 )
                 if part is not None:
-                    key, rows, flipped = part
-                    record(names, key, PART, rows, transposed=flipped)
+                    key, rows, flipped, perm = part
+                    record(names, key, PART, rows, transposed=flipped, permute=perm)
                     parts_of.setdefault(key, []).append((rows, label))
                     continue
                 split = next(
@@ -714,7 +731,7 @@ def loader_coverage(
                 cov.unwritten.append(f"{label} (holds no checkpoint tensor in any layout parity knows{why})")
                 continue
             for key, rows in parts:
-                record(names, key, ROWS, rows)
+                record(names, key, ROWS, rows, transposed=fused_input_major)
                 span = (
                     f"{rows[0]}..{rows[-1]}"
                     if list(rows) == list(range(rows[0], rows[-1] + 1))

@@ -22,7 +22,7 @@ from parity.diagnose.elementwise import (
     rounding_order,
     soft_capping,
 )
-from parity.diagnose.embeddings import embedding_rows
+from parity.diagnose.embeddings import embedding_rows, position_term
 from parity.diagnose.evidence import Evidence
 from parity.diagnose.hints import Hint
 from parity.diagnose.masks import (
@@ -59,6 +59,7 @@ from parity.diagnose.order import execution_order, head_on_embedding, partial_re
 from parity.diagnose.residual import input_scale, input_source, input_terms, projection_source, residual_add
 from parity.diagnose.rope import (
     bias_after_rope,
+    heads_unrotated,
     norm_after_rope,
     position_table_offset,
     qkv_clip,
@@ -83,6 +84,7 @@ from parity.diagnose.scales import (
 from parity.diagnose.swaps import swapped_modules, swapped_weights, used_as
 from parity.diagnose.wiring import (
     activation_skipped,
+    attention_rows_moved,
     fused_split,
     gate_up_roles,
     head_mapping,
@@ -113,6 +115,7 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     partial_read,
     execution_order,
     embedding_rows,
+    position_term,
     position_table_offset,  # a position table read at p + k: before detectors that read a lookup's input
     kv_sharing,
     moe_output,  # before residual_add: a MoE block ours computes in functions, read after it
@@ -169,7 +172,9 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     routing_weights,
     row_normalisation,
     last_dim_permutation,
+    heads_unrotated,  # before head_mapping: heads left unrotated are no permutation
     head_mapping,
+    attention_rows_moved,
     sequence_shift,
     alibi_slopes,  # before the temperature: a bias per key distance, not a scale of the scores
     softmax_temperature,

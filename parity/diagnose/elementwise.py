@@ -145,17 +145,30 @@ def precision(e: Evidence) -> Hint | None:
         return float((t.to(dtype).to(t.dtype) == t).double().mean())
 
     wide = str(e.ref.dtype).replace("torch.", "")
-    for dtype in (torch.bfloat16, torch.float16):
-        name = str(dtype).replace("torch.", "")
-        for side, this, other in (("ours", e.ours, e.ref), ("the reference", e.ref, e.ours)):
-            if representable(this, dtype) == 1.0 and representable(other, dtype) < 0.5:
-                return Hint(
-                    "precision",
-                    f"likely {name} precision in {side}: every value {side} holds here is exactly a {name} number "
-                    f"(the other side's are {wide} values): {side} computes this node in {name} and casts back, or "
-                    f"reads a table stored in {name} (a softmax, a matmul, an embedding in half precision)",
-                    {"side": side, "dtype": name},
-                )
+    # the node, or its input when that differs (an activation with no node of its own between two
+    # projections, computed in half precision: Persimmon's relu2 in a fused float16 kernel)
+    x_ours, x_ref = e.inputs()
+    pairs = [(e.ours, e.ref, "")]
+    if x_ours is not None and x_ref is not None and x_ours.shape == x_ref.shape and not e.close(x_ours, x_ref):
+        pairs.append((x_ours, x_ref, "input"))
+    for ours, ref, where in pairs:
+        for dtype in (torch.bfloat16, torch.float16):
+            name = str(dtype).replace("torch.", "")
+            for side, this, other in (("ours", ours, ref), ("the reference", ref, ours)):
+                if representable(this, dtype) == 1.0 and representable(other, dtype) < 0.5:
+                    what = (
+                        f"{e.kind}'s input (the activation or op before it, which has no node of its own)"
+                        if where
+                        else "this node"
+                    )
+                    return Hint(
+                        "precision",
+                        f"likely {name} precision in {side}: every value {side} holds in {what} is exactly a {name} "
+                        f"number (the other side's are {wide} values): {side} computes it in {name} and casts back, "
+                        f"or reads a table stored in {name} (a softmax, a matmul, an activation, an embedding in half "
+                        "precision)",
+                        {"side": side, "dtype": name, **({"at": "input"} if where else {})},
+                    )
     return None
 
 

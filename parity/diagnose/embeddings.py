@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from parity.diagnose.evidence import Evidence, fmt_list
+from parity.diagnose.evidence import Evidence, fmt_list, rel
 from parity.diagnose.hints import Hint
 
 #: most table rows x looked-up tokens compared at once (a real vocabulary times a short prompt fits)
@@ -118,3 +118,173 @@ def _mapping_hint(e: Evidence, side: str, read: torch.Tensor, ids: torch.Tensor)
         f"table where the ids are {fmt_list(ids[0].tolist())}",
         evidence,
     )
+
+
+#: the reference's position-embedding modules, added to the token embedding before the first layer
+POSITION_TABLES = ("embed_positions", "wpe", "position_embeddings")
+
+
+def _sinusoids(p: torch.Tensor, dim: int, step: float, start: int, layout: str) -> torch.Tensor:
+    """Sinusoidal position embeddings ``(n, dim)`` at positions ``p`` ``(n,)``: angle ``p * w_i`` with
+    ``w_i = exp(-step * (i + start))`` for ``i < dim / 2``, laid ``sin|cos`` (fairseq, Transformers' XGLM,
+    ``cat(sin, cos)``), ``cos|sin`` or ``interleaved`` (``sin, cos`` pairs: Vaswani et al.'s table)."""
+    half = dim // 2
+    w = torch.exp(-step * (torch.arange(half, dtype=torch.float64) + start))
+    angle = p.double()[:, None] * w[None, :]
+    sin, cos = angle.sin(), angle.cos()
+    if layout == "interleaved":
+        return torch.stack([sin, cos], -1).flatten(-2)
+    return torch.cat([sin, cos] if layout == "sin|cos" else [cos, sin], -1)
+
+
+def _steps(half: int) -> dict[str, float]:
+    """The frequency steps ports use for a table of ``2 * half`` features, by how they are written."""
+    log = torch.log(torch.tensor(10000.0, dtype=torch.float64)).item()
+    return {
+        "log(10000) / (half_dim - 1) (fairseq)": log / (half - 1),
+        "log(10000) / half_dim (tensor2tensor)": log / half,
+        "log(10000) / half_dim - 1 (the parentheses of log(10000) / (half_dim - 1) lost)": log / half - 1,
+    }
+
+
+def position_term(e: Evidence) -> Hint | None:
+    """At the first layer's first node (its input is the scaled token embedding plus the position
+    embedding), ours' input less the reference's token embedding is ours' position term, read against
+    the reference's position embedding: scaled by a constant (the embedding scale applied after the
+    positions are added), other rows zeroed, or another sinusoid table (halves in the other order, the
+    frequency step or index of another convention, read at other positions or at the token ids). The
+    reference's own table is first fitted to Transformers' sinusoid formula (XGLM's, fairseq's) at its
+    position ids plus an offset; a learned table gets the first two readings only."""
+    if e.result.layer != 0:
+        return None
+    first = next((n for n in e.ref_trace.tensors if e.facts.locate(n)[0] == 0), None)
+    x_ours, x_ref = e.inputs()
+    embed = e.ref_trace.tensors.get(e.facts.embed_module)
+    if first != e.name or x_ours is None or x_ref is None or embed is None or x_ours.shape != x_ref.shape:
+        return None  # only the first layer's first node reads the embedding and the positions alone
+    if embed.shape != x_ref.shape:
+        return None
+    pos = x_ref.double() - embed.double()  # the reference's own position term
+    if float(pos.abs().max()) <= 1e-3 * float(embed.abs().max()):
+        return None  # no positions added before the first layer (RoPE models)
+    e_flat = embed.double().flatten()
+    k = float((pos.flatten() @ e_flat) / (e_flat @ e_flat).clamp_min(1e-300))
+    if rel(pos, k * embed.double()) < 1e-3:
+        return None  # the embedding scaled after its node (Granite's multiplier), no positions
+    pos_name = "the reference's position embedding"
+    term = x_ours.double() - embed.double()
+    if e.close(term, pos):
+        return None
+    real = torch.ones(term.shape[:-1], dtype=torch.bool)
+    if e.attention_mask is not None and tuple(e.attention_mask.shape) == tuple(term.shape[:-1]):
+        real = e.attention_mask.bool().cpu()
+    mine, theirs = term[real], pos[real]  # (tokens, hidden)
+    found = _scaled_term(e, mine, theirs) or _rows_zeroed(e, mine, theirs, real) or _sinusoid_reading(e, mine, theirs)
+    if found is None:
+        return None
+    text, evidence = found
+    return Hint(
+        "position_offset",
+        f"likely the position embedding in ours: its first layer reads the token embedding plus {text}",
+        {"positions": pos_name, **evidence},
+    )
+
+
+def _scaled_term(e: Evidence, mine: torch.Tensor, theirs: torch.Tensor) -> tuple[str, dict] | None:
+    """Ours' position term is the reference's times one constant."""
+    k = float((mine * theirs).sum() / theirs.pow(2).sum().clamp_min(1e-300))
+    if abs(k - 1) < 1e-3 or rel(mine, k * theirs) > 1e-5:
+        return None
+    scale = e.facts.embed_scale
+    if scale not in (None, 1.0) and abs(k / float(scale) - 1) < 1e-4:
+        return (
+            f"the positions times {k:.6g} = the embedding scale (sqrt(hidden_size)): ours scales the sum (token + "
+            "position) where only the token embedding is scaled",
+            {"scale": k},
+        )
+    return f"the positions times {k:.6g}", {"scale": k}
+
+
+def _rows_zeroed(e: Evidence, mine: torch.Tensor, theirs: torch.Tensor, real: torch.Tensor) -> tuple[str, dict] | None:
+    """Ours' position term is the reference's except at some positions, where one side adds none (a
+    padding row zeroed at the wrong index)."""
+    tol = 1e-5 * float(theirs.abs().max())
+    same = (mine - theirs).abs().amax(-1) <= tol
+    if bool(same.all()) or not bool(same.any()):
+        return None
+    odd = ~same
+    positions = e.positions[real][odd].tolist() if e.positions is not None and e.positions.shape == real.shape else []
+    where = f"position(s) {fmt_list(sorted(set(positions)))}" if positions else f"{int(odd.sum())} tokens"
+    if bool((mine[odd].abs().amax(-1) <= tol).all()):
+        return (
+            f"no position embedding at {where}, where the reference adds one: a table row zeroed that is a real "
+            "position (the padding row taken after the offset, padding_idx + offset)",
+            {"zeroed": sorted(set(positions))},
+        )
+    if bool((theirs[odd].abs().amax(-1) <= tol).all()):
+        return (
+            f"a position embedding at {where}, where the reference adds none (its padding row)",
+            {"not_zeroed": sorted(set(positions))},
+        )
+    return None
+
+
+def _sinusoid_reading(e: Evidence, mine: torch.Tensor, theirs: torch.Tensor) -> tuple[str, dict] | None:
+    """Ours' position term as a sinusoid table of another convention than the reference's (both fitted)."""
+    dim = theirs.shape[-1]
+    if dim % 2 or dim < 8 or e.positions is None:
+        return None
+    half = dim // 2
+    real = torch.ones(e.positions.shape, dtype=torch.bool)
+    if e.attention_mask is not None and e.attention_mask.shape == e.positions.shape:
+        real = e.attention_mask.bool().cpu()
+    positions = e.positions.cpu()[real].double()
+    ids = e.ref_trace.inputs.get(e.facts.embed_module)
+    token_ids = ids.cpu()[real].double() if ids is not None and ids.shape == real.shape else None
+    tol = 1e-4 * max(1.0, float(theirs.abs().max()))
+    steps = _steps(half)
+    layouts = ("sin|cos", "cos|sin", "interleaved")
+
+    def fits(t: torch.Tensor, p: torch.Tensor, step: float, start: int, layout: str) -> bool:
+        return bool(((t - _sinusoids(p, dim, step, start, layout)).abs() <= tol).all())
+
+    ref = next(
+        (
+            (offset, step_name, layout)
+            for offset in (0, 1, 2)
+            for step_name, step in steps.items()
+            for layout in layouts
+            if fits(theirs, positions + offset, step, 0, layout)
+        ),
+        None,
+    )
+    if ref is None:
+        return None
+    offset, ref_step, ref_layout = ref
+    where = {"the positions": positions + offset}
+    if token_ids is not None:
+        where["the token ids"] = token_ids + offset
+    for shift in (1, -1, 2, -2):
+        where[f"the positions {shift:+d}"] = positions + offset + shift
+    for at, p in where.items():
+        for step_name, step in steps.items():
+            for start in (0, 1):
+                for layout in layouts:
+                    if not fits(mine, p, step, start, layout):
+                        continue
+                    differ = []
+                    if layout != ref_layout:
+                        differ.append(f"its halves laid {layout} where the reference lays them {ref_layout}")
+                    if step_name != ref_step:
+                        differ.append(f"a frequency step of {step_name} where the reference uses {ref_step}")
+                    if start:
+                        differ.append("the frequency index counted from 1 (w_i = exp(-step * (i + 1)))")
+                    if at != "the positions":
+                        differ.append(f"the table read at {at} (plus the reference's offset {offset})")
+                    if not differ:
+                        return None
+                    return (
+                        "a sinusoid table that differs from the reference's: " + "; ".join(differ),
+                        {"layout": layout, "step": step_name, "index_from": start, "read_at": at},
+                    )
+    return None

@@ -19,6 +19,7 @@ import torch
 from parity.compare.results import NodeResult
 from parity.diagnose.profile import HEAD_MAJOR
 from parity.model.facts import ArchFacts
+from parity.record.hf_capture import FUSED_QKV
 from parity.record.trace import Trace
 
 #: relative residual below which an explanation "reproduces" a tensor
@@ -154,17 +155,88 @@ def forms_of(
 def attention_values(e: Evidence) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(probs, v)``: the reference's probabilities ``(batch, heads, seq, keys)`` of the failing node's
     attention block and its values ``(batch, kv_heads, seq, head_dim)`` (float64) from its ``v_proj``
-    node, when both were traced and the heads group evenly."""
+    node, when both were traced and the heads group evenly; without a ``v_proj``, the values cut from
+    the block's fused q/k/v output in the layout whose values give the reference's own context."""
     stem = e.name.rsplit(".", 1)[0]
     probs, values = e.ref_trace.tensors.get(f"{stem}.probs"), e.ref_trace.tensors.get(f"{stem}.v_proj")
     d = e.facts.head_dim
-    if probs is None or values is None or probs.dim() != 4 or not d:
+    if probs is None or probs.dim() != 4 or not d:
         return None
     b, h, t, _ = probs.shape
+    if values is None:
+        v = _fused_values(e, stem, probs, d)
+        return None if v is None else (probs, v)
     if values.numel() % (b * t * d) or h % (values.numel() // (b * t * d)):
         return None
     kv = values.numel() // (b * t * d)
     return probs, values.double().reshape(b, t, kv, d).transpose(1, 2)
+
+
+def _fused_values(e: Evidence, stem: str, probs: torch.Tensor, d: int) -> torch.Tensor | None:
+    """The values ``(batch, kv_heads, seq, head_dim)`` of a block whose q/k/v come from one fused
+    projection (Persimmon, GPT-NeoX, MPT): the layout of :func:`fused_layouts` whose values, weighted
+    by the reference's probabilities, give the reference's context."""
+    fused = next((f for n in FUSED_QKV if (f := e.ref_trace.tensors.get(f"{stem}.{n}")) is not None), None)
+    # either side's context: the one without a fault in its values tells the layout
+    contexts = [c for trace in (e.ref_trace, e.ours_trace) if (c := trace.tensors.get(f"{stem}.context")) is not None]
+    if fused is None or not contexts or fused.dim() != 3:
+        return None
+    b, h, t, _ = probs.shape
+    kv = e.facts.num_kv_heads or h
+    p = probs.double()
+    for _, (_, _, v) in fused_layouts(fused.double(), h, kv, d).items():
+        c = p @ v.repeat_interleave(h // v.shape[1], dim=1)  # (b, h, t, d)
+        for form in (c, c.transpose(1, 2), c.transpose(1, 2).reshape(b, t, h * d)):
+            if any(form.shape == x.shape and rel(form, x) < EXPLAINS for x in contexts):
+                return v
+    return None
+
+
+def fused_layouts(f: torch.Tensor, heads: int, kv_heads: int, d: int) -> dict[str, tuple[torch.Tensor, ...]]:
+    """``(q, k, v)``, each ``(batch, heads, seq, head_dim)``, read from a fused q/k/v projection output
+    ``f`` ``(batch, seq, (heads + 2 kv_heads) head_dim)`` the ways ports cut one: stacked ``[q; k; v]``
+    (Transformers' own q/k/v, OLMo, Phi-3) in any order of the three, per head ``(heads, 3, head_dim)``
+    (GPT-NeoX, BLOOM), per KV group ``(kv_heads, group + 2, head_dim)`` (Falcon's new layout) and in
+    ``mp_num`` model-parallel blocks of ``[q; v; k]`` (CodeGen's ``qkv_proj``)."""
+    b, s, width = f.shape
+    widths = {"q": heads * d, "k": kv_heads * d, "v": kv_heads * d}
+    if width != sum(widths.values()):
+        return {}
+
+    def split(t: torch.Tensor, n: int) -> torch.Tensor:
+        return t.reshape(b, s, n, d).transpose(1, 2)
+
+    out: dict[str, tuple[torch.Tensor, ...]] = {}
+    for order in ("qkv", "kvq", "qvk", "kqv", "vqk", "vkq"):
+        parts = dict(zip(order, f.split([widths[c] for c in order], dim=-1), strict=True))
+        label = "stacked [" + "; ".join(order) + "]"
+        out[label] = tuple(split(parts[c], heads if c == "q" else kv_heads) for c in "qkv")
+    if heads == kv_heads:
+        g = f.reshape(b, s, heads, 3, d)
+        out["per head (heads, 3, head_dim): GPT-NeoX / BLOOM"] = tuple(g[..., i, :].transpose(1, 2) for i in range(3))
+        g = f.reshape(b, s, heads, d, 3)
+        out["per head as (heads, head_dim, 3): q, k and v interleaved element by element"] = tuple(
+            g[..., i].transpose(1, 2) for i in range(3)
+        )
+        for mp in (2, 4, 8):  # CodeGen: mp_num model-parallel blocks, each its share of q, v, k in that order
+            local = width // (3 * mp)
+            for order in ("qvk", "qkv"):
+                if width % (3 * mp) or (mp == heads and order == "qkv"):
+                    continue  # one block per head in q, k, v order is GPT-NeoX's per-head layout above
+                label = f"in {mp} model-parallel blocks, each [{'; '.join(order)}] (CodeGen's mp_num = {mp})"
+                blocks = f.reshape(b, s, mp, 3, local)
+                cut = {c: blocks[..., i, :].reshape(b, s, heads, d).transpose(1, 2) for i, c in enumerate(order)}
+                out[label] = (cut["q"], cut["k"], cut["v"])
+    elif heads % kv_heads == 0:
+        group = heads // kv_heads
+        g = f.reshape(b, s, kv_heads, group + 2, d)
+        q = g[..., :group, :].reshape(b, s, heads, d).transpose(1, 2)
+        out["per KV group (kv_heads, group + 2, head_dim): Falcon"] = (
+            q,
+            g[..., group, :].transpose(1, 2),
+            g[..., group + 1, :].transpose(1, 2),
+        )
+    return out
 
 
 def heads_first(t: torch.Tensor, n_heads: int, head_dim: int, seq: int) -> torch.Tensor | None:

@@ -127,7 +127,7 @@ def masked_keys(e: Evidence) -> Hint | None:
         kind = "padding" if on_pads else "sliding_window"
         fill = _fill_value(e, this.double(), other.double(), extra)
         if fill is None and not on_pads:
-            return None  # another window size: window_pattern reads both sizes
+            continue  # another window size (window_pattern reads both sizes), or real keys the other side hides
         shift = _score_shift(e, this.double(), other.double(), extra) if fill is None else None
         how = (
             f"applied with the finite fill value {fill:.4g} instead of -inf (the masked scores set to {fill:.4g}, so "
@@ -144,8 +144,19 @@ def masked_keys(e: Evidence) -> Hint | None:
                 else ""
             )
         )
+        if on_pads and fill is None and (shift is None or abs(shift) <= 1e-3) and _queries_masked(e, this, side):
+            how = (
+                "laid along the queries instead of the keys (broadcast as (batch, 1, seq, 1)): the padding queries' "
+                "rows are masked whole, as the other side's are, while the real queries still see the padding keys"
+            )
         hidden = ((other.abs() > 0) & (this == 0) & real_query).any(-1).any(1)  # (batch, keys) ``this`` masks wrongly
-        if on_pads and bool(hidden.any()) and e.attention_mask is not None:
+        if on_pads and e.attention_mask is not None and _right_padded(hidden, e.attention_mask):
+            how = (
+                "built for right padding: in each padded row it masks the last keys, as many as the row has padding "
+                "(keys >= length), where the padding is on the left: the mask rebuilt from lengths, not taken from "
+                "attention_mask"
+            )
+        elif on_pads and bool(hidden.any()) and e.attention_mask is not None:
             rows = hidden.any(-1).nonzero().flatten().tolist()
             masked = hidden[rows[0]].nonzero().flatten().tolist()
             how += (
@@ -162,6 +173,42 @@ def masked_keys(e: Evidence) -> Hint | None:
             {"side": side, "entries": int(extra.sum()), "fill_value": fill, "mask": which},
         )
     return None
+
+
+def _queries_masked(e: Evidence, this: torch.Tensor, side: str) -> bool:
+    """The padding queries' rows of ``this`` (``side``'s) are masked whole (equal weight on every key they
+    weight, where that side's own scores over those keys differ) while its real queries see padding keys:
+    the padding mask applied along the query axis. A mask not applied leaves those rows a plain softmax."""
+    if e.attention_mask is None:
+        return False
+    pad_query = (e.attention_mask == 0)[:, None, :].expand(this.shape[:-1]).cpu()
+    trace = e.ours_trace if side == "ours" else e.ref_trace
+    scores = trace.tensors.get(e.name.rsplit(".", 1)[0] + ".scores")
+    if not bool(pad_query.any()) or scores is None or scores.shape != this.shape:
+        return False
+    p = this.double()[pad_query]  # (rows, keys)
+    weighted = p > 0
+    rows = weighted.sum(-1) >= 2
+    if not bool(rows.any()):
+        return False
+    p, weighted, s = p[rows], weighted[rows], scores.double()[pad_query][rows]
+    uniform = (p.amax(-1) - torch.where(weighted, p, torch.ones_like(p)).amin(-1)).abs() <= 1e-6 * p.amax(-1)
+    # identical padding tokens at one position (generation gives them all position 1) score alike: a row
+    # over them reads uniform whether masked or not, and proves nothing
+    spread = torch.where(weighted, s, -math.inf).amax(-1) - torch.where(weighted, s, math.inf).amin(-1)
+    varied = spread > 1e-4 * max(1.0, float(s.abs().max()))
+    return bool(varied.any()) and bool(uniform[varied].all())
+
+
+def _right_padded(hidden: torch.Tensor, attention_mask: torch.Tensor) -> bool:
+    """Every padded row hides exactly its last ``n_pad`` keys (``hidden`` ``(batch, keys)``, the real keys
+    one side masks): a padding mask built as if the padding were on the right."""
+    pads = (attention_mask == 0).sum(-1)
+    if not bool((pads > 0).any()):
+        return False
+    n = hidden.shape[-1]
+    tail = torch.arange(n)[None, :] >= (n - pads)[:, None]
+    return bool(torch.equal(hidden.cpu(), tail & (pads > 0)[:, None]))
 
 
 def _extra_scores(
@@ -213,6 +260,9 @@ def future_keys(e: Evidence) -> Hint | None:
     attending to all of itself)."""
     if e.kind != "probs" or e.ours.dim() != 4:
         return None
+    diagonal = _diagonal_hidden(e)
+    if diagonal is not None:
+        return diagonal
     keys = torch.arange(e.ref.shape[-1])
     for side, this, other in (("ours", e.ours, e.ref), ("the reference", e.ref, e.ours)):
         seen_this, seen_other = this.abs() > 0, other.abs() > 0
@@ -250,6 +300,43 @@ def future_keys(e: Evidence) -> Hint | None:
             f"likely the causal mask in {side}: {side} gives weight to keys after the last one {other_side} lets a "
             f"query see ({int(future.sum())} entries; queries {fmt_list(rows)}), so a query reads the future",
             {"side": side, "entries": int(future.sum()), "queries": rows[:32]},
+        )
+    return None
+
+
+def _diagonal_hidden(e: Evidence) -> Hint | None:
+    """One side's causal mask hides each query's own key (``k < q`` where the mask needs ``k <= q``: ``triu``
+    with diagonal 0 where 1 is meant): from the second query on it gives no weight to the key at the
+    query's position while the other side does, and the keys before it are the other side's; the first
+    query, with no key left, spreads its weight evenly (a softmax over scores all masked)."""
+    n = e.ours.shape[-1]
+    if e.ours.shape[-2] != n or n < 3:
+        return None
+    real = torch.ones(e.ours.shape[0], n, dtype=torch.bool)
+    if e.attention_mask is not None and tuple(e.attention_mask.shape) == (e.ours.shape[0], n):
+        real = e.attention_mask.bool().cpu()
+    first = real.int().argmax(-1)  # each row's first real position
+    for side, this, other in (("ours", e.ours, e.ref), ("the reference", e.ref, e.ours)):
+        own = this.diagonal(dim1=-2, dim2=-1)  # (batch, heads, q): each query's weight on its own key
+        theirs = other.diagonal(dim1=-2, dim2=-1)
+        later = real & (torch.arange(n)[None, :] > first[:, None])  # real queries with an earlier real key
+        if not bool(later.any()):
+            continue
+        sel = later[:, None, :].expand_as(own)
+        if not (bool((own[sel] == 0).all()) and bool((theirs[sel] > 0).all())):
+            continue
+        earlier = torch.tril(torch.ones(n, n, dtype=torch.bool), diagonal=-1)  # keys strictly before the query
+        both = (this.abs() > 0) & earlier & real[:, None, :, None] & real[:, None, None, :]
+        seen_other = (other.abs() > 0) & earlier & real[:, None, :, None] & real[:, None, None, :]
+        if not torch.equal(both, seen_other):
+            continue
+        return Hint(
+            "causal_mask",
+            f"likely the causal mask in {side} hides each query's own key: from the second token on, {side} gives "
+            "the key at the query's own position no weight and the earlier keys as the other side does (a mask of "
+            "k < q where k <= q is meant: triu(..., diagonal=0) where diagonal=1 is meant); the first query, left "
+            "with no key, spreads its weight evenly",
+            {"side": side, "diagonal_hidden": True},
         )
     return None
 

@@ -342,6 +342,80 @@ def _routing_forms(logits: torch.Tensor, chosen: torch.Tensor) -> dict[str, torc
     return forms
 
 
+def _grouped_choice(choice: torch.Tensor, k: int, groups: int, topk_group: int, by: str) -> torch.Tensor:
+    """The experts a group-limited router picks (``(tokens, k)``, DeepSeek V3's ``get_topk_indices``): the
+    ``topk_group`` groups of highest score (``by``: "top2" the sum of each group's two best, "max" its
+    best), then the top ``k`` of ``choice`` within them."""
+    t, n = choice.shape
+    grouped = choice.view(t, groups, n // groups)
+    score = grouped.topk(2, dim=-1).values.sum(-1) if by == "top2" else grouped.amax(-1)
+    keep = torch.zeros_like(score).scatter_(1, score.topk(topk_group, dim=-1).indices, 1.0)
+    mask = keep[:, :, None].expand_as(grouped).reshape(t, n)
+    return choice.masked_fill(mask == 0, 0.0).topk(k, dim=-1).indices
+
+
+def _grouped_forms(e: Evidence, base: str, logits: torch.Tensor, chosen: torch.Tensor, y: torch.Tensor):
+    """The block's output ``(tokens, hidden)`` (routed experts plus the shared ones) under each way a port
+    of DeepSeek V3's router may go wrong: the correction bias left in the weights, the group score from
+    another statistic or without the bias, no group limit, the scaling applied before the renormalisation
+    or to the shared experts too, weights from a separate top-k. Empty without the reference's shared
+    experts' output or its correction bias."""
+    r = e.facts.routing
+    shared = e.ref_trace.tensors.get(f"{base}.shared_experts.down_proj")
+    if shared is None:
+        shared = e.ref_trace.tensors.get(f"{base}.shared_experts")
+    bias = e.ref_trace.biases.get(f"{base}.gate")
+    tokens, k = chosen.shape
+    if shared is None or bias is None or shared.numel() != tokens * y.shape[-1]:
+        return {}
+    shared = shared.double().reshape(tokens, -1)
+    rsf = float(r.get("routed_scaling_factor", 1.0))
+    groups, topk_group = int(r["n_group"]), int(r.get("topk_group", 1))
+    s = torch.sigmoid(logits)
+    choice = s + bias.double()
+
+    def routed(picked: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (w.T[..., None] * y[picked.T, torch.arange(tokens)[None, :]]).sum(0)
+
+    def normed(picked: torch.Tensor, scores: torch.Tensor = s) -> torch.Tensor:
+        w = scores.gather(-1, picked)
+        return w / w.sum(-1, keepdim=True) if r.get("norm_topk_prob", 1.0) else w
+
+    forms = {"Transformers' routing": routed(chosen, normed(chosen) * rsf) + shared}
+    forms["the correction bias kept in the weights (sigmoid + e_score_correction_bias, not only in the choice)"] = (
+        routed(chosen, normed(chosen, choice) * rsf) + shared
+    )
+    forms["routed_scaling_factor not applied (applied before the renormalisation, which cancels it)"] = (
+        routed(chosen, normed(chosen)) + shared
+    )
+    forms["routed_scaling_factor applied to the routed and the shared experts' sum"] = (
+        routed(chosen, normed(chosen)) + shared
+    ) * rsf
+    separate = s.topk(k, dim=-1).values
+    forms["weights from a separate top-k of the raw scores, paired by rank with the chosen experts"] = (
+        routed(chosen, separate / separate.sum(-1, keepdim=True) * rsf) + shared
+    )
+    for label, picked in (
+        ("experts chosen with each group scored by its best expert (max), not its two best summed",
+         _grouped_choice(choice, k, groups, topk_group, "max")),
+        ("experts chosen with the groups ranked on the scores without the correction bias",
+         _bias_in_choice_only(choice, s, k, groups, topk_group)),
+        ("experts chosen over every group (the group limit not applied)", choice.topk(k, dim=-1).indices),
+    ):  # fmt: skip
+        forms[label] = routed(picked, normed(picked) * rsf) + shared
+    return forms
+
+
+def _bias_in_choice_only(choice: torch.Tensor, s: torch.Tensor, k: int, groups: int, topk_group: int) -> torch.Tensor:
+    """Groups ranked on the scores without the bias, experts then picked on the biased scores."""
+    t, n = s.shape
+    grouped = s.view(t, groups, n // groups)
+    score = grouped.topk(2, dim=-1).values.sum(-1)
+    keep = torch.zeros_like(score).scatter_(1, score.topk(topk_group, dim=-1).indices, 1.0)
+    mask = keep[:, :, None].expand(t, groups, n // groups).reshape(t, n)
+    return choice.masked_fill(mask == 0, 0.0).topk(k, dim=-1).indices
+
+
 def moe_output(e: Evidence) -> Hint | None:
     """A mixture of experts whose router and experts ours does not expose (a port's loop over experts in
     plain functions): its output is read from the first point of the residual stream after it, ours'
@@ -355,6 +429,8 @@ def moe_output(e: Evidence) -> Hint | None:
         return None
     at, (block, _), (_, point) = around
     stream, x_ours, x_ref = point.double(), at.ours, at.ref
+    if ".shared_experts" in block:  # the shared experts ran last: the block is the MoE they belong to
+        block = block.split(".shared_experts", 1)[0] + ".experts"
     if not block.endswith(".experts") or e.ours_trace.results.get(block) is not None:
         return None  # ours' block was compared itself: its own detectors read it there
     base = block.rsplit(".", 1)[0]
@@ -390,6 +466,10 @@ def moe_output(e: Evidence) -> Hint | None:
         forms[
             "the chosen experts computed with each down_proj transposed (a square weight reshaped where it needs a transpose)"
         ] = (w.T[..., None] * yt).sum(0)
+    if e.facts.routing.get("n_group"):  # DeepSeek's group-limited sigmoid router, its shared experts added
+        forms = _grouped_forms(e, base, logits.double(), chosen, y.double())
+        if not forms:
+            return None
     ours_branch = (x_ours.double() - stream).reshape(tokens, -1)
     ref_branch = (x_ref.double() - stream).reshape(tokens, -1)
 

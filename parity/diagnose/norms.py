@@ -416,6 +416,12 @@ def norm_kind(e: Evidence) -> Hint | None:
     )
 
 
+def _is_norm_name(name: str) -> bool:
+    """A norm module's node by its name (``input_layernorm``, ``ln_1``, ``norm_1``, ``q_a_layernorm``)."""
+    leaf = name.rsplit(".", 1)[-1]
+    return "@" not in leaf and ("norm" in leaf or leaf.startswith("ln"))
+
+
 def norm_placement(e: Evidence) -> Hint | None:
     """A projection whose input is the reference's input after a norm (pre-norm vs post-norm)."""
     if e.name not in e.ref_trace.inputs or e.name not in e.ours_trace.inputs:
@@ -425,11 +431,28 @@ def norm_placement(e: Evidence) -> Hint | None:
         return None
     ours_is = _explained_by(x_ours, _normalisers(x_ref, None, e.facts.norm_eps or 0.0))
     if ours_is is not None:
+        # the reference's input already a norm's output of this layer: ours normalises it a second time
+        normed = next(
+            (
+                n
+                for n, t in e.ref_trace.tensors.items()
+                if _is_norm_name(n)
+                and e.facts.locate(n)[0] == e.result.layer
+                and t.shape == x_ref.shape
+                and e.close(t, x_ref)
+            ),
+            None,
+        )
+        how = (
+            f"; its input is already {normed}'s output: ours applies a norm again to the normalised input (the norm "
+            "applied twice)"
+            if normed
+            else " (pre-norm vs post-norm)"
+        )
         return Hint(
             "norm_placement",
-            f"likely norm placement: the input of {e.kind} in ours equals the reference's input after a "
-            f"{ours_is} (pre-norm vs post-norm)",
-            {"normaliser": ours_is},
+            f"likely norm placement: the input of {e.kind} in ours equals the reference's input after a {ours_is}{how}",
+            {"normaliser": ours_is, "twice": normed},
         )
     return None
 

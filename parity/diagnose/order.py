@@ -120,9 +120,20 @@ def head_on_embedding(name: str, ours: Trace, ref: Trace, facts: ArchFacts) -> H
 def partial_read(e: Evidence) -> Hint | None:
     """Ours computed this node as a sum of products over slices of its weight (head by head, in chunks)
     and the slices cover only part of it: a loop whose range skips the weight's tail
-    (``range(n // chunk)`` where ``n`` is no multiple of ``chunk``)."""
-    from parity.record.hooks import READ_SHARE
+    (``range(n // chunk)`` where ``n`` is no multiple of ``chunk``); or the slices' products averaged
+    (``torch.stack(parts).mean(0)``) where they are summed."""
+    from parity.record.hooks import PARTS_REDUCED, READ_SHARE
 
+    reductions = e.ours_trace.extras.get(PARTS_REDUCED)
+    reduced = reductions.get(e.name) if isinstance(reductions, dict) else None
+    if reduced is not None and reduced[0] == "mean" and e.close(e.ours * reduced[1], e.ref):
+        k = reduced[1]
+        return Hint(
+            "partial_read",
+            f"likely the partial products averaged: ours computes {e.name} as {k} products over slices of its "
+            f"weight (row-parallel shards) and takes their mean where they are summed (ours / reference = 1/{k})",
+            {"parts": k, "reduction": "mean"},
+        )
     shares = e.ours_trace.extras.get(READ_SHARE)
     share = shares.get(e.name) if isinstance(shares, dict) else None
     if share is None or share >= 1:

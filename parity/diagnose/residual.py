@@ -325,19 +325,30 @@ def input_terms(e: Evidence) -> Hint | None:
         return None
     layer = e.result.layer
     candidates: list[tuple[str, torch.Tensor]] = []
+    # the first node of a layer reads the previous layer's sum: its branches and the stream entering it
+    first = next((n for n in e.ref_trace.tensors if e.facts.locate(n)[0] == layer), None) == e.name
+    layers = (None, layer, layer - 1) if first and layer else (None, layer)
     for name, tensor in e.ref_trace.tensors.items():
         if name == e.name:
             break
+        if first and layer and name == f"{e.facts.layer_prefix}.{layer - 1}":
+            continue  # the previous layer's output is the sum itself: its terms are what is read
         if (
-            e.facts.locate(name)[0] in (None, layer)
+            e.facts.locate(name)[0] in layers
             and tensor.is_floating_point()
             and tensor.numel() == x_ref.numel()
             and tensor.shape[-1:] == x_ref.shape[-1:]
         ):
             candidates.append((name, tensor))
-    stream = residual_into(e, layer) if layer is not None else None
+    # (for a layer's first node that stream is the previous layer's sum, read as its terms instead)
+    stream = residual_into(e, layer) if layer is not None and not (first and layer) else None
     if stream is not None and stream.numel() == x_ref.numel():  # last: a node it equals keeps its own name
         candidates.append(("the stream entering the layer", stream))
+    # the stream entering the previous layer: its first node's input as the reference held it
+    opening = next((n for n in e.ref_trace.tensors if e.facts.locate(n)[0] == layer - 1), None) if layer else None
+    before = e.ref_trace.inputs.get(opening) if first and opening is not None else None
+    if before is not None and before.numel() == x_ref.numel():
+        candidates.append(("the stream entering the previous layer", before))
     columns: list[torch.Tensor] = []
     names: list[str] = []
     for name, tensor in candidates:  # independent columns only, in the order the reference produced them
@@ -366,6 +377,18 @@ def input_terms(e: Evidence) -> Hint | None:
     if not differ or len(used) < 2 or len(differ) == len(used):
         return None  # one scale on every term is input_scale's reading
     if any(w_ours[i] == 0 or w_ref[i] == 0 for i in used):
+        left = [i for i in differ if (w_ours[i] == 0) != (w_ref[i] == 0)]
+        # read only at a layer's first node, whose input is the previous layer's sum of branches
+        if first and layer and len(differ) == 1 and left and abs(float(w_ours[left[0]] + w_ref[left[0]]) - 1) < 1e-3:
+            i = left[0]
+            side = "ours" if w_ours[i] == 0 else "the reference"
+            return Hint(
+                "residual",
+                f"likely a branch left out of the residual sum in {side}: {e.kind}'s input is "
+                f"{terms_of(w_ours, used, names)} in ours, {terms_of(w_ref, used, names)} in the reference "
+                f"({names[i]} missing in {side}: a residual variable not refreshed after that branch was added)",
+                {"term": names[i], "side": side},
+            )
         return None  # a term one side leaves out: another point of the stream (the wiring detectors' reading)
 
     def terms(w: torch.Tensor) -> str:
@@ -381,6 +404,11 @@ def input_terms(e: Evidence) -> Hint | None:
         f"{terms(w_ref)} ({names[i]} {what}; the other terms agree)",
         {"term": names[i], "ours": [float(w_ours[j]) for j in used], "reference": [float(w_ref[j]) for j in used]},
     )
+
+
+def terms_of(w: torch.Tensor, used: list[int], names: list[str]) -> str:
+    """A fitted sum as ``1 x out_proj + 1 x fc2``, its nonzero terms only."""
+    return " + ".join(f"{float(w[i]):.4g} x {names[i].rsplit('.', 1)[-1]}" for i in used if w[i] != 0) or "0"
 
 
 def input_source(e: Evidence) -> Hint | None:
@@ -501,6 +529,40 @@ def projection_source(e: Evidence) -> Hint | None:
         if name.partition("@")[0] == e.name or tensor.numel() != x_ours.numel():
             continue
         if e.close(x_ours.reshape(tensor.shape), tensor):  # a router reads the tokens flattened: (tokens, hidden)
+            from parity.diagnose.elementwise import _activations
+
+            act = next(
+                (label for label, fn in _activations().items() if e.close(x_ref.reshape(tensor.shape), fn(tensor))),
+                None,
+            )
+            skipped = next(
+                (
+                    n
+                    for n, t in e.ref_trace.tensors.items()
+                    if "norm" in n.rsplit(".", 1)[-1]
+                    and t.shape == x_ref.shape
+                    and e.close(t, x_ref)
+                    and (held := e.ref_trace.inputs.get(n)) is not None
+                    and held.numel() == tensor.numel()
+                    and e.close(held.reshape(tensor.shape), tensor)
+                ),
+                None,
+            )
+            if skipped is not None:  # the reference reads that value through a norm ours skips
+                return Hint(
+                    "projection_input",
+                    f"likely {skipped} skipped in ours: {e.kind} reads the reference's {name} as it is, the "
+                    f"reference's {e.kind} reads it through {skipped.rsplit('.', 1)[-1]}",
+                    {"projection": e.name, "ours_input": name, "skipped": skipped, "side": "ours"},
+                )
+            if act is not None:  # the reference reads that value through an activation ours skips here
+                return Hint(
+                    "activation",
+                    f"likely the activation skipped before {e.kind} in ours: its input is the reference's {name} as it "
+                    f"is, the reference's {e.kind} reads {act} of it (the activation applied elsewhere in ours, after "
+                    f"{e.kind}, or not at all)",
+                    {"projection": e.name, "ours_input": name, "activation": act, "side": "ours"},
+                )
             return Hint(
                 "projection_input",
                 f"likely {e.kind} reads another input in ours: its input is the reference's {name}, where the "

@@ -18,6 +18,7 @@ from parity.diagnose.evidence import (
     heads_first,
     pair_lengths,
     seq_axis,
+    whose,
 )
 from parity.diagnose.hints import Hint
 from parity.diagnose.rope_fit import ROTATION_MISTAKES
@@ -315,6 +316,17 @@ def _rope_hint(e: Evidence, fit, side: str, layer, own: float) -> Hint | None:
     if fit.label.startswith("the unscaled RoPE"):
         return Hint(
             "rope_scaling", f"likely the RoPE scaling is not applied: {side} rotates with {fit.label}, {amp}", evidence
+        )
+    if fit.label.startswith("every angle doubled"):
+        return Hint(
+            "rope_rotation",
+            f"likely RoPE applied twice in {side}: it rotates with {fit.label.split(': ', 1)[1]}, every angle twice "
+            f"{whose(other)}, {amp}",
+            evidence,
+        )
+    if "arange lost its step" in fit.label:
+        return Hint(
+            "rope_frequencies", f"likely the inverse frequencies: {side} rotates like {fit.label}, {amp}", evidence
         )
     if "divide by head_dim" in fit.label or "divide by hidden_size" in fit.label:
         what = "of partial rotary" if "divide by head_dim" in fit.label else "over another head_dim"
@@ -814,5 +826,58 @@ def bias_after_rope(e: Evidence) -> Hint | None:
                 f"likely the {e.kind[0]}_proj bias added after RoPE in {side}: its {e.kind} is RoPE of the projection "
                 "without its bias, plus the bias (the bias not rotated); the bias belongs to the projection, before RoPE",
                 {"side": side, "bias": f"{stem}.{e.kind[0]}_proj"},
+            )
+    return None
+
+
+def heads_unrotated(e: Evidence) -> Hint | None:
+    """Some heads of one side come out of RoPE as they went in while the others are rotated as the other
+    side's (RoPE applied to the first ``rotary_dim`` features of the merged heads, ``(batch, seq, heads *
+    head_dim)``, before the heads were split: only head 0 turns), or the dims RoPE passes through taken
+    from the other projection (``k = cat(k_rot, q_pass)``); either side."""
+    if e.kind not in ("q_rot", "k_rot") or e.ours.dim() != 4 or e.positions is None or e.ours.shape[1] < 2:
+        return None
+    x = pre_rope(e, e.ours.shape[1])
+    if x is None or x.shape != e.ours.shape or e.close(e.ref, x):
+        return None
+    heads = range(e.ours.shape[1])
+    for side, this, other in (("ours", e.ours, e.ref), ("the reference", e.ref, e.ours)):
+        rotated = [h for h in heads if e.close(this[:, h], other[:, h])]
+        still = [h for h in heads if h not in rotated and e.close(this[:, h], x[:, h])]
+        if rotated and still and len(rotated) + len(still) == len(heads):
+            return Hint(
+                "rope_partial",
+                f"likely RoPE applied to only some heads in {side}: head(s) {fmt_list(still)} come out unrotated "
+                f"(equal to q/k before RoPE), head(s) {fmt_list(rotated)} rotated as the other side's: the rotary "
+                "dims cut from the merged (heads * head_dim) features before the heads were split",
+                {"side": side, "unrotated_heads": still, "rotated_heads": rotated},
+            )
+    return _pass_from_other(e)
+
+
+def _pass_from_other(e: Evidence) -> Hint | None:
+    """k's (q's) dims past the rotary part equal the other projection's on one side: the pass-through part
+    concatenated from the wrong tensor (``cat(k_rot, q_pass)``, a copy-paste)."""
+    layer = e.facts.layer(e.result.layer)
+    rotary = layer.rope.rotary_dim if layer is not None and layer.rope is not None else 0
+    sibling = e.ref_trace.tensors.get(e.name.rsplit(".", 1)[0] + (".q_rot" if e.kind == "k_rot" else ".k_rot"))
+    if not rotary or rotary >= e.ours.shape[-1] or sibling is None or sibling.dim() != 4:
+        return None
+    if sibling.shape[1] != e.ours.shape[1] and e.ours.shape[1] % sibling.shape[1] == 0:
+        sibling = sibling.repeat_interleave(e.ours.shape[1] // sibling.shape[1], dim=1)
+    if sibling.shape != e.ours.shape:
+        return None
+    own, there = e.kind[0], "q" if e.kind == "k_rot" else "k"
+    for side, this, other in (("ours", e.ours, e.ref), ("the reference", e.ref, e.ours)):
+        if (
+            e.close(this[..., :rotary], other[..., :rotary])
+            and e.close(this[..., rotary:], sibling[..., rotary:])
+            and not e.close(other[..., rotary:], sibling[..., rotary:])
+        ):
+            return Hint(
+                "swapped_roles",
+                f"likely the pass-through dims of {own} taken from {there} in {side}: its rotated dims (0..{rotary - 1}) "
+                f"agree, its dims {rotary}.. equal {there}'s (cat({own}_rot, {there}_pass): a copy-paste)",
+                {"side": side, "from": there},
             )
     return None

@@ -165,12 +165,33 @@ def identify(
     if rope is not None and rope.rope_type == "default" and layer.head_dim and rope.rotary_dim < layer.head_dim:
         # partial rotary: theta^(-2i/r) over the rotated dims r, not over the whole head
         wide = tuple(rope.theta ** (-2 * i / layer.head_dim) for i in range(rope.rotary_dim // 2))
+        unstepped = (
+            f", or the exponent's arange without its step of 2 (arange(r / 2) / r: theta^(-i/{rope.rotary_dim}))"
+            if layer.head_dim == 2 * rope.rotary_dim
+            else ""
+        )
         candidates.append(
             (
                 f"default RoPE with theta {rope.theta:g} whose exponents divide by head_dim ({layer.head_dim}), not by "
                 f"the rotary dims ({rope.rotary_dim}): theta^(-2i/{layer.head_dim}) where the reference has "
-                f"theta^(-2i/{rope.rotary_dim})",
+                f"theta^(-2i/{rope.rotary_dim}){unstepped}",
                 wide,
+            )
+        )
+    if rope is not None and rope.rope_type == "default" and rope.rotary_dim >= 4:
+        r = rope.rotary_dim  # the exponent's arange(0, r, 2) written arange(0, r / 2): half of every exponent
+        candidates.append(
+            (
+                f"default RoPE with theta {rope.theta:g} whose exponent's arange lost its step of 2: theta^(-i/{r}) "
+                f"(arange(0, {r // 2}) / {r}) where the reference has theta^(-2i/{r})",
+                tuple(rope.theta ** (-i / r) for i in range(r // 2)),
+            )
+        )
+    if rope is not None and rope.inv_freq:
+        candidates.append(
+            (
+                "every angle doubled: this layer's RoPE applied twice (q or k rotated in two places)",
+                tuple(2 * f for f in rope.inv_freq),
             )
         )
     if (

@@ -10,7 +10,11 @@ import torch
 from parity.diagnose.evidence import EXPLAINS, Evidence, fmt_list, forms_of, part_of, rel
 from parity.diagnose.hints import Hint
 from parity.diagnose.norms import named_scale
+from parity.record.hf_capture import FUSED_QKV
 from parity.record.trace import SCALARS
+
+#: projections whose output is cut into heads (no sum over heads follows them)
+HEAD_INPUTS = ("q_proj", "k_proj", "v_proj", "query", "key", "value", "q", "k", "v")
 
 
 def _qk_agree(e: Evidence) -> bool:
@@ -360,6 +364,23 @@ def constant_ratio(e: Evidence) -> Hint | None:
             f"differ by one factor, ours / reference = {mean:.6g}{_scales(e, mean) or named}",
             {"ratio": mean, "matches": matched[0][0] if matched else None},
         )
+    layer = e.facts.layer(e.result.layer)
+    scale = layer.attention_scale if layer is not None else None
+    carrier = (
+        "ours"
+        if scale and abs(mean / scale - 1) < 1e-3
+        else "the reference"
+        if scale and abs(mean * scale - 1) < 1e-3
+        else None
+    )
+    if e.kind == "context" and carrier:  # the probabilities agree: the values carry the factor
+        return Hint(
+            "scale",
+            f"likely the values scaled by the attention scale in {carrier}: the context is ours / reference = {mean:.6g} "
+            f"= the attention scale ({scale:.6g}, 1/sqrt(head_dim)) where the probabilities agree: q's scaling "
+            "applied to v as well (a copy-paste)",
+            {"ratio": mean, "matches": "attention scale", "side": carrier},
+        )
     return Hint(
         kind,
         f"likely a missing or extra scale: ours / reference = {mean:.6g} at every position including 0 "
@@ -537,7 +558,9 @@ def _bias_source(e: Evidence, v: torch.Tensor) -> str | None:
         scale = float((added * own).sum() / own.pow(2).sum().clamp_min(1e-300))
         if abs(scale - 1) > 1e-3 and abs(scale) > 1e-3 and same(added, scale * own):
             named = named_scale(e, scale)
-            if e.facts.num_heads and abs(scale - e.facts.num_heads) < 1e-3:
+            # a projection whose output is cut into heads sums no heads: its bias cannot be added once per head
+            splits_heads = e.kind in HEAD_INPUTS or e.kind.split("[")[0] in FUSED_QKV
+            if e.facts.num_heads and abs(scale - e.facts.num_heads) < 1e-3 and not (splits_heads and named):
                 also = (
                     f", or times {scale:g}{named} where a scale was folded into the weight at load and not into the "
                     "bias"

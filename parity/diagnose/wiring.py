@@ -13,6 +13,7 @@ from parity.diagnose.evidence import (
     Evidence,
     attention_values,
     fmt_list,
+    fused_layouts,
     heads_first,
     layer_values,
     pair_lengths,
@@ -236,43 +237,6 @@ def _heads(t: torch.Tensor, kind: str, head_dim: int | None) -> torch.Tensor | N
     return None
 
 
-def _fused_layouts(f: torch.Tensor, heads: int, kv_heads: int, d: int) -> dict[str, tuple[torch.Tensor, ...]]:
-    """``(q, k, v)``, each ``(batch, heads, seq, head_dim)``, read from a fused q/k/v projection output
-    ``f`` ``(batch, seq, (heads + 2 kv_heads) head_dim)`` the ways ports cut one: stacked ``[q; k; v]``
-    (Transformers' own q/k/v, OLMo, Phi-3) in any order of the three, per head ``(heads, 3, head_dim)``
-    (GPT-NeoX, BLOOM) and per KV group ``(kv_heads, group + 2, head_dim)`` (Falcon's new layout)."""
-    b, s, width = f.shape
-    widths = {"q": heads * d, "k": kv_heads * d, "v": kv_heads * d}
-    if width != sum(widths.values()):
-        return {}
-
-    def split(t: torch.Tensor, n: int) -> torch.Tensor:
-        return t.reshape(b, s, n, d).transpose(1, 2)
-
-    out: dict[str, tuple[torch.Tensor, ...]] = {}
-    for order in ("qkv", "kvq", "qvk", "kqv", "vqk", "vkq"):
-        parts = dict(zip(order, f.split([widths[c] for c in order], dim=-1), strict=True))
-        label = "stacked [" + "; ".join(order) + "]"
-        out[label] = tuple(split(parts[c], heads if c == "q" else kv_heads) for c in "qkv")
-    if heads == kv_heads:
-        g = f.reshape(b, s, heads, 3, d)
-        out["per head (heads, 3, head_dim): GPT-NeoX / BLOOM"] = tuple(g[..., i, :].transpose(1, 2) for i in range(3))
-        g = f.reshape(b, s, heads, d, 3)
-        out["per head as (heads, head_dim, 3): q, k and v interleaved element by element"] = tuple(
-            g[..., i].transpose(1, 2) for i in range(3)
-        )
-    elif heads % kv_heads == 0:
-        group = heads // kv_heads
-        g = f.reshape(b, s, kv_heads, group + 2, d)
-        q = g[..., :group, :].reshape(b, s, heads, d).transpose(1, 2)
-        out["per KV group (kv_heads, group + 2, head_dim): Falcon"] = (
-            q,
-            g[..., group, :].transpose(1, 2),
-            g[..., group + 1, :].transpose(1, 2),
-        )
-    return out
-
-
 def fused_split(e: Evidence) -> Hint | None:
     """q (or k) after RoPE is, on one side, a head of the fused q/k/v output cut in another layout than
     the reference's own q/k/v projections give: a fused ``query_key_value`` split per head where the
@@ -307,7 +271,7 @@ def fused_split(e: Evidence) -> Hint | None:
         return None
     if e.facts.clip_qkv:
         fused = fused.clamp(-e.facts.clip_qkv, e.facts.clip_qkv)  # OLMo clamps the fused output (commutes with a cut)
-    layouts = _fused_layouts(fused, heads, kv_heads, d)
+    layouts = fused_layouts(fused, heads, kv_heads, d)
     if not layouts:
         return None
     q, k, v = (cast(torch.Tensor, t).double() for t in parts)
@@ -322,22 +286,26 @@ def fused_split(e: Evidence) -> Hint | None:
     def lengths(t: torch.Tensor) -> torch.Tensor:  # what RoPE keeps; no RoPE (or before it): the values
         return pair_lengths(t, rope.rotary_dim, rope.interleaved) if rope is not None and not qk_norm else t.double()
 
-    def layout_of(t: torch.Tensor) -> str | None:
+    def layouts_of(t: torch.Tensor) -> list[str]:
+        """Every layout whose q (k) this is: layouts that cut q alike (per head [q; k; v] and CodeGen's
+        per-head blocks [q; v; k]) all match."""
         mine = lengths(t)
         atol = 2 * e.noise + 1e-6 * float(mine.abs().max())
+        found = []
         for label, qkv in layouts.items():
             if qkv[index].shape != t.shape:
                 continue
             theirs = lengths(qkv[index])
             scale = float((mine * theirs).sum() / theirs.pow(2).sum().clamp_min(1e-300))  # OPT scales q in forward
             if scale > 0 and torch.allclose(mine, scale * theirs, atol=atol, rtol=1e-5):
-                return label
-        return None
+                found.append(label)
+        return found
 
-    ours_is, ref_is = layout_of(mine), layout_of(theirs)
-    if ours_is is None or ref_is is None or ours_is == ref_is:
+    ours_all, ref_all = layouts_of(mine), layouts_of(theirs)
+    if not ours_all or not ref_all or set(ours_all) & set(ref_all):
         return None
-    if {ours_is, ref_is} <= {f"stacked [{'; '.join(o)}]" for o in ("qkv", "qvk", "kqv", "vkq")}:
+    ours_is, ref_is = " or ".join(ours_all[:2]), " or ".join(ref_all[:2])
+    if {ours_all[0], ref_all[0]} <= {f"stacked [{'; '.join(o)}]" for o in ("qkv", "qvk", "kqv", "vkq")}:
         return None  # two of the three exchanged: as well two projections' weights swapped (swapped_weights)
     return Hint(
         "qkv_layout",
@@ -394,7 +362,7 @@ def last_dim_permutation(e: Evidence) -> Hint | None:
         return None
     a, b = ours.double().flatten(0, -2), ref.double().flatten(0, -2)
     if not torch.allclose(a.sort(-1).values, b.sort(-1).values, atol=max(e.result.atol, 1e-12), rtol=e.result.rtol):
-        return None
+        return _features_gathered(e, a, b, "ours") or _features_gathered(e, b, a, "the reference")
     perm = [int((b[0] - a[0, j]).abs().argmin()) for j in range(a.shape[-1])]
     moved = [j for j, k in enumerate(perm) if j != k]
     if not moved or len(set(perm)) != len(perm):
@@ -402,6 +370,9 @@ def last_dim_permutation(e: Evidence) -> Hint | None:
     if rel(a, b[:, perm]) > EXPLAINS:  # ours[..., j] = reference[..., perm[j]] on every token
         return None
     evidence: dict = {"permutation": perm[:64], "moved": len(moved)}
+    swapped = _parts_swapped(e, perm)
+    if swapped is not None:
+        return swapped
     within = ""
     head_dim = e.facts.head_dim
     if e.kind in HEAD_MERGED and head_dim and ours.shape[-1] % head_dim == 0:
@@ -418,6 +389,60 @@ def last_dim_permutation(e: Evidence) -> Hint | None:
         f"likely a permutation of weight rows: same values per token, other order along the last axis "
         f"(ours[j] = reference[{fmt_list(perm, 8)}]){within}",
         evidence,
+    )
+
+
+def _parts_swapped(e: Evidence, perm: list[int]) -> Hint | None:
+    """q (k) whose head is the reference's two parts, the rotated and the pass-through dims, concatenated
+    in the other order (``cat(q_rope, q_nope)`` where the reference builds ``cat(q_nope, q_rope)``)."""
+    layer = e.facts.layer(e.result.layer)
+    d = e.ours.shape[-1]
+    rotary = layer.rope.rotary_dim if layer is not None and layer.rope is not None else 0
+    if e.kind not in ("q_rot", "k_rot") or not 0 < rotary < d or len(perm) != d:
+        return None
+    for first in (rotary, d - rotary):  # ours' first part: as wide as the reference's last
+        if set(perm[:first]) == set(range(d - first, d)) and set(perm[first:]) == set(range(d - first)):
+            return Hint(
+                "qkv_layout",
+                f"likely {e.kind[0]}'s parts concatenated in the other order in ours: its first {first} dims are the "
+                f"reference's last {first}, its last {d - first} the reference's first (cat(rope, nope) where the "
+                "reference builds cat(nope, rope), or the reverse; the other projection in the reference's order)",
+                {"first": first, "permutation": perm[:64]},
+            )
+    return None
+
+
+def _features_gathered(e: Evidence, a: torch.Tensor, b: torch.Tensor, side: str) -> Hint | None:
+    """Every feature of ``side`` (``a`` ``(tokens, features)``) is one of the other side's (``b``), some of them
+    several times, on every token: values gathered with repeats along the last axis. The named case:
+    ``repeat_interleave(n, dim=-1)`` then a view, where shared K/V heads were meant to be repeated
+    along the heads axis (each feature ``j`` of a head reads the reference's ``j // n``)."""
+    if a.shape != b.shape or a.shape[0] < 4:
+        return None
+    atol = max(e.result.atol, 1e-6 * float(b.abs().max()))
+    other = "the reference" if side == "ours" else "ours"
+    same = (a[:, :, None] - b[:, None, :]).abs().amax(0) <= atol  # (ours feature, reference feature)
+    distinct = (b[:, :, None] - b[:, None, :]).abs().amax(0) > atol
+    if not bool(distinct.fill_diagonal_(True).all()) or not bool(same.any(-1).all()):
+        return None
+    source = same.double().argmax(-1).tolist()
+    if len(set(source)) == len(source):
+        return None  # a permutation is judged by the sorted values above
+    n = a.shape[-1]
+    repeats = next((r for r in range(2, n + 1) if n % r == 0 and source == [j // r for j in range(n)]), None)
+    how = (
+        f"each of {whose(other)} features repeated {repeats} times in a row ({side}[j] = {other}[j // {repeats}]): "
+        f"repeat_interleave({repeats}, dim=-1) along the features where the heads axis was meant (shared K/V heads "
+        "expanded over head_dim, then viewed as heads)"
+        if repeats
+        else f"{side}[j] = {other}[{fmt_list(source, 8)}]: features read with repeats (a gather or expand along the "
+        "wrong axis)"
+    )
+    return Hint(
+        "head_mapping",
+        f"likely the features gathered along the wrong axis in {side}: every feature of {whose(side)} {e.kind} is one "
+        f"of {whose(other)}, {n - len(set(source))} of them repeated: {how}",
+        {"source": source[:64], "repeats": repeats, "side": side},
     )
 
 
@@ -740,3 +765,96 @@ def values_source(e: Evidence) -> Hint | None:
                     {"side": side, "values": label},
                 )
     return None
+
+
+def attention_rows_moved(e: Evidence) -> Hint | None:
+    """One side's attention row for (head h, query q) is the softmax of the other side's scores of another
+    (head, query) pair over the keys it keeps: rows moved by a reshape. The named case: queries
+    flattened as (queries, heads) rows for one batched matmul against shared keys (StarCoder's
+    multi-query ``bmm``) and viewed back as (heads, queries), or the reverse. Read from log-probabilities
+    against the other side's unmasked scores (a row's log-probabilities are its scores less one constant)."""
+    if e.kind != "probs" or e.ours.dim() != 4 or e.ours.shape != e.ref.shape:
+        return None
+    b, h, t, _ = e.ours.shape
+    if h < 2 or t < 3 or h * t > 2048:
+        return None
+    scores_name = e.name.rsplit(".", 1)[0] + ".scores"
+    for side, this, trace in (("ours", e.ours, e.ref_trace), ("the reference", e.ref, e.ours_trace)):
+        scores = trace.tensors.get(scores_name)
+        if scores is None or scores.shape != this.shape:
+            continue
+        real = None
+        if e.attention_mask is not None and tuple(e.attention_mask.shape) == (b, t):
+            real = e.attention_mask.bool().cpu()
+        found = _row_sources(this.double(), scores.double(), real)
+        if found is None:
+            continue
+        mapping, known = found
+        rows = torch.arange(h * t).reshape(h, t)
+        moved = int((mapping != rows[None])[known].sum())
+        if moved < max(1, int(known.sum()) // 4):
+            return None  # a reshape moves most rows; a few lookalikes are no evidence
+        flat_ql = torch.stack(torch.meshgrid(torch.arange(h), torch.arange(t), indexing="ij"), -1).reshape(-1, 2)
+        named = {
+            "its queries flattened as (queries, heads) rows for one matmul and viewed back as (heads, queries)": (
+                lambda hh, qq: (hh * t + qq) % h * t + (hh * t + qq) // h
+            ),
+            "its queries flattened as (heads, queries) rows and viewed back as (queries, heads)": (
+                lambda hh, qq: (qq * h + hh) // t * t + (qq * h + hh) % t
+            ),
+        }
+        how = next(
+            (
+                label
+                for label, f in named.items()
+                if torch.equal(
+                    mapping[known], f(flat_ql[:, 0], flat_ql[:, 1]).reshape(h, t)[None].expand_as(mapping)[known]
+                )
+            ),
+            None,
+        )
+        bi, hi, qi = ((mapping != rows[None]) & known).nonzero()[0].tolist()
+        src = divmod(int(mapping[bi, hi, qi]), t)
+        example = f"(head {hi}, query {qi}) holds the other side's (head {src[0]}, query {src[1]})"
+        return Hint(
+            "head_mapping",
+            f"likely the attention rows reshaped in {side}: {moved} of its {int(known.sum())} (batch, head, query) rows are the softmax "
+            f"of the other side's scores for another (head, query) pair, {example}: "
+            + (how or "a reshape or view of the (heads, queries) axes in another order"),
+            {"side": side, "rows_moved": moved, "layout": how},
+        )
+    return None
+
+
+def _row_sources(
+    p: torch.Tensor, scores: torch.Tensor, real: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(sources, known)``, both ``(batch, heads, queries)``: for each row of ``p`` ``(b, h, t, n)``, the
+    flat (head * t + query) index of the row of ``scores`` (same batch) whose values over the keys ``p``
+    weights equal ``log p`` up to one constant, and which rows that was read for (two or more weighted
+    keys, a real query when ``real`` ``(b, t)`` marks them); None unless every such row has a source."""
+    b, h, t, n = p.shape
+    keep = p > 0
+    known = (keep.sum(-1) >= 2) & (real[:, None, :] if real is not None else True)
+    lp = torch.where(keep, p.clamp_min(1e-300).log(), 0.0)
+    out = torch.arange(h * t).reshape(1, h, t).repeat(b, 1, 1)
+    for bi in range(b):
+        cand = scores[bi].reshape(h * t, n)
+        scale = 1e-4 * max(1.0, float(cand.abs().max()))
+        for hi in range(h):
+            k = keep[bi, hi]  # (t, n)
+            counts = k.sum(-1)
+            solved = ~known[bi, hi]
+            if bool(solved.all()):
+                continue
+            a = lp[bi, hi]
+            a = (a - (a * k).sum(-1, keepdim=True) / counts.clamp_min(1)[:, None]) * k  # (t, n) centred on its keys
+            c = cand[None] * k[:, None]  # (t, R, n)
+            c = (c - c.sum(-1, keepdim=True) / counts.clamp_min(1)[:, None, None]) * k[:, None]
+            err = (a[:, None] - c).abs().amax(-1)  # (t, R)
+            best, where = err.min(-1)
+            if not bool((best[~solved] < scale).all()):
+                return None
+            own = err[torch.arange(t), hi * t + torch.arange(t)] < scale  # a row that is its own keeps its place
+            out[bi, hi] = torch.where(solved | own, out[bi, hi], where)
+    return out, known

@@ -11,8 +11,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import replace
+from types import MappingProxyType
 
-from parity.model.facts import FULL, LINEAR, SLIDING, ArchFacts, LayerFacts, with_layers
+from parity.model.facts import FULL, LINEAR, SLIDING, ArchFacts, LayerFacts, RopeFacts, default_inv_freq, with_layers
 
 # --- derivation ---------------------------------------------------------------------------------
 
@@ -49,8 +50,22 @@ def _cohere(config, facts: ArchFacts) -> ArchFacts:
 
 @rule("gptj", "codegen")
 def _gptj(config, facts: ArchFacts) -> ArchFacts:
-    # GPTJAttention / CodeGenAttention rotate interleaved pairs (rotate_every_two) in the first rotary_dim dims.
-    return with_layers(facts, rope=lambda layer: None if layer.rope is None else replace(layer.rope, interleaved=True))
+    # GPTJAttention / CodeGenAttention rotate interleaved pairs (rotate_every_two) in the first rotary_dim dims
+    # (the whole head without one), base 10000; their configs carry no rope_parameters, only rotary_dim
+    def rope(layer: LayerFacts):
+        if layer.rope is not None:
+            return replace(layer.rope, interleaved=True)
+        rotary_dim = int(getattr(config, "rotary_dim", None) or layer.head_dim)
+        return RopeFacts(
+            rope_type="default",
+            theta=10_000.0,
+            parameters=MappingProxyType({"rope_type": "default", "rope_theta": 10_000.0}),
+            rotary_dim=rotary_dim,
+            interleaved=True,
+            inv_freq=default_inv_freq(10_000.0, rotary_dim),
+        )
+
+    return with_layers(facts, rope=rope)
 
 
 @rule("nemotron")
@@ -197,3 +212,27 @@ def _gpt2(config, facts: ArchFacts) -> ArchFacts:
         norm_kind="layernorm",
         intermediate_size=facts.intermediate_size or 4 * facts.hidden_size,
     )
+
+
+@rule("deepseek_v2", "deepseek_v3")
+def _deepseek(config, facts: ArchFacts) -> ArchFacts:
+    # DeepseekV3Attention (multi-head latent attention): q and k are qk_nope_head_dim + qk_rope_head_dim wide
+    # (config.head_dim is the rotated part alone) and the scores scale by that width's -0.5 power
+    nope, rope = getattr(config, "qk_nope_head_dim", None), getattr(config, "qk_rope_head_dim", None)
+    if not nope or not rope:
+        return facts
+    width = int(nope) + int(rope)
+    facts = with_layers(facts, head_dim=lambda layer: width, attention_scale=lambda layer: width**-0.5)
+    # rope_interleave: the checkpoint's rope rows hold interleaved pairs, which Transformers reorders into
+    # halves before it rotates the tail of each head (apply_rotary_pos_emb_interleave)
+    features = facts.features | ({MLA_INTERLEAVED_ROPE} if getattr(config, "rope_interleave", False) else set())
+    routing = {
+        name: float(getattr(config, name))
+        for name in ("routed_scaling_factor", "n_group", "topk_group", "norm_topk_prob")
+        if getattr(config, name, None) is not None
+    }
+    return replace(facts, head_dim=width, features=frozenset(features), routing=routing)
+
+
+#: a feature: q/k's rotated tail comes from checkpoint rows laid as interleaved pairs (DeepSeek's rope_interleave)
+MLA_INTERLEAVED_ROPE = "MLA rope rows interleaved"

@@ -345,7 +345,8 @@ class FunctionCapture(TorchFunctionMode):
     (:func:`~parity.record.hooks.functional_tap`); ``block() -> (path, head_dim, heads) | None``: the
     running attention block aligned to the reference's; ``params``: storage of a parameter of ours
     -> the node of the op that reads it, recorded by ``record_param(node, tensor) -> tensor``;
-    ``biases``: storage of a bias -> the node whose op's result ours adds it to; ``owners``: ``(node ->
+    ``biases``: storage of a bias -> the node whose op's result ours adds it to (``""``: a vector of ours
+    aligned to nothing, a bias to whichever node in ``expects_bias`` it is added to); ``owners``: ``(node ->
     the module of ours whose hook records it, running() -> the running module paths)``; ``moe() ->
     (path, TopK) | None``: the running MoE block."""
 
@@ -357,6 +358,7 @@ class FunctionCapture(TorchFunctionMode):
         record_param,
         moe=None,
         biases=None,
+        expects_bias: frozenset[str] = frozenset(),
         owners=None,
         retract=None,
         hold_input=None,
@@ -380,6 +382,11 @@ class FunctionCapture(TorchFunctionMode):
         self._partials: dict[int, tuple[str, int, int, torch.Tensor]] = {}
         #: node -> the share of its parameter its recorded value read (below 1: part of the weight skipped)
         self.shares: dict[str, float] = {}
+        #: node -> ``(reduction, parts)`` when its partial products were stacked and reduced otherwise than
+        #: summed (``torch.stack(parts).mean(0)``: row-parallel shards averaged)
+        self.reductions: dict[str, tuple[str, int]] = {}
+        #: stacked partial products of one node covering its whole weight: ``id -> (node, parts, stacked)``
+        self._stacked: dict[int, tuple[str, int, torch.Tensor]] = {}
         self._chunked: set[str] = set()
         #: the last few ``t * c`` of a tensor of heads and a scalar: ``id(out) -> (out, t, redo the scaling)``
         self._scaled: dict[int, tuple[weakref.ref, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]] = {}
@@ -392,7 +399,9 @@ class FunctionCapture(TorchFunctionMode):
         self.followed = Followed(params)
         #: the biases ours adds after such an op (``x @ W + b``), and the results waiting for theirs
         self.biases = Followed(biases or {})
-        self._biased = set(self.biases.by_storage.values())
+        # and the nodes whose reference module has a bias ours' alignment gave no parameter for (a bias
+        # cut in another layout than its weight matches nothing): a bias-like vector ours adds next is theirs
+        self._biased = {n for n in self.biases.by_storage.values() if n} | set(expects_bias)
         self._unbiased: dict[int, tuple[str, torch.Tensor]] = {}
         #: results of products that keep an axis of the weight (``einsum("bnsh,nhd->bnsd", ctx, W_O)``: one
         #: output per head), ``id -> (node, that axis in the result, result)``, until the model sums it
@@ -473,7 +482,13 @@ class FunctionCapture(TorchFunctionMode):
                 if isinstance(out, torch.Tensor):
                     self.followed.keep(out, args[0], part=out.numel() < args[0].numel())
                 return out
+        if self._stacked and args and isinstance(args[0], torch.Tensor) and id(args[0]) in self._stacked:
+            return self._reduced(func, args, kwargs)
         if self._partials:
+            if name == "stack" and args and isinstance(args[0], (list, tuple)):
+                stacked = self._stack(func, args, kwargs)
+                if stacked is not None:
+                    return stacked
             if name in ("add", "__add__", "__radd__", "add_", "__iadd__"):
                 handled, out = self._partial_sum(func, args, kwargs)
                 if handled:
@@ -650,6 +665,40 @@ class FunctionCapture(TorchFunctionMode):
         self._partials[id(out)] = (node, read, whole, out)
         return True, out
 
+    def _stack(self, func, args, kwargs):
+        """``torch.stack`` of partial products of one node that read its whole weight (row-parallel shards
+        stacked for one reduction): followed until reduced along the stacked axis; None otherwise."""
+        items = list(args[0])
+        parts = [a for a in items if isinstance(a, torch.Tensor) and self._partial(a) is not None]
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+        nodes = {self._partials[id(a)][0] for a in parts}
+        if not parts or len(parts) != len(items) or len(nodes) != 1 or dim != 0:
+            return None
+        read, whole = sum(self._partials[id(a)][1] for a in parts), self._partials[id(parts[0])][2]
+        if read < whole:
+            return None
+        for a in parts:
+            self._partials.pop(id(a))
+        out = func(*args, **kwargs)
+        self._stacked[id(out)] = (nodes.pop(), len(parts), out)
+        return out
+
+    def _reduced(self, func, args, kwargs):
+        """A reduction of stacked partial products over the stacked axis: the node (a sum is the product
+        over the whole weight; a mean is recorded as such for the hints)."""
+        node, parts, _ = self._stacked.pop(id(args[0]))
+        out = func(*args, **kwargs)
+        name = op_name(func)
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+        if name in ("sum", "mean") and dim in (0, -args[0].dim()) and isinstance(out, torch.Tensor):
+            if name == "mean":
+                self.reductions[node] = ("mean", parts)
+            if node in self._biased:
+                self._unbiased[id(out)] = (node, out)
+                return out
+            return self.record_param(node, out)
+        return out
+
     def _settle(self, parts) -> None:
         """Partial sums read by another op than the sum: each recorded as its node, with the share of the
         parameter it read (``Trace.extras["read_share"]``: a loop that skips part of a weight)."""
@@ -659,8 +708,12 @@ class FunctionCapture(TorchFunctionMode):
             self.shares[node] = read / whole
 
     def settle_all(self) -> None:
-        """Every partial sum still followed, recorded as its node (the forward is over)."""
+        """Every partial sum still followed, and every result still waiting for a bias, recorded as its
+        node (the forward is over)."""
         self._settle([held[3] for held in list(self._partials.values())])
+        for node, out in list(self._unbiased.values()):
+            self.record_param(node, out)
+        self._unbiased.clear()
 
     def _partial(self, t: torch.Tensor):
         held = self._partials.get(id(t))

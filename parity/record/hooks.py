@@ -110,6 +110,8 @@ def split_path(path: str) -> tuple[str, bool, int | None]:
 
 #: ``Trace.extras`` key: node -> the share of its parameter ours' recorded value read, when below 1
 READ_SHARE = "read_share"
+#: ``Trace.extras`` key: node -> ``(reduction, parts)`` of partial products reduced otherwise than summed
+PARTS_REDUCED = "parts_reduced"
 
 
 @dataclass
@@ -364,6 +366,7 @@ def recording(
     module_stack: bool = False,
     functional: dict[StorageKey, str] | None = None,
     functional_biases: dict[StorageKey, str] | None = None,
+    functional_expects_bias: frozenset[str] = frozenset(),
     functional_owners: dict[str, str] | None = None,
     functional_siblings: dict[str, list[str]] | None = None,
     functional_lookups: frozenset[str] | None = None,
@@ -391,6 +394,7 @@ def recording(
     record what attention computes in functions (:mod:`parity.record.functional`) into the ``taps``
     nodes nothing tapped, and, keyed by a parameter's storage, the node of the op that reads it;
     ``functional_biases``: keyed the same way, the node whose op's result ours adds that bias to next;
+    ``functional_expects_bias``: nodes whose reference module has a bias no parameter of ours aligned to;
     ``functional_owners``: node -> the module of ours holding its weight, whose own hook records the node
     (an op reading that weight counts only while the module is not running). ``functional_blocks``: node
     read in a function -> (the :data:`FUNCTIONS` tap path of the attention block it belongs to, whether it
@@ -494,6 +498,8 @@ def recording(
                         weight, bias = getattr(mod, "weight", None), getattr(mod, "bias", None)
                         if isinstance(weight, torch.Tensor) and weight.dim() in (1, 2):  # linear or norm weight
                             trace.weights[_name] = weight.detach()
+                        # DeepSeek's router keeps the bias it adds to the scores for the choice apart
+                        bias = bias if bias is not None else getattr(mod, "e_score_correction_bias", None)
                         if isinstance(bias, torch.Tensor):  # a projection's, or a LayerNorm's shift
                             trace.biases[_name] = bias.detach()
 
@@ -512,6 +518,7 @@ def recording(
             ),
             moe=(lambda: _running_moe(rec)) if any(n.endswith(".router.experts") for n in rec.tap_names) else None,
             biases=functional_biases,
+            expects_bias=functional_expects_bias,
             owners=(functional_owners or {}, lambda: rec.stack),
             retract=lambda kind: _retract_captured(rec, kind),
             hold_input=lambda node, x: _hold_functional_input(trace, node, x),
@@ -528,6 +535,9 @@ def recording(
         shares = getattr(capture, "shares", None)
         if shares:
             trace.extras[READ_SHARE] = dict(shares)
+        reductions = getattr(capture, "reductions", None)
+        if reductions:
+            trace.extras[PARTS_REDUCED] = dict(reductions)
         _ACTIVE.reset(token)
         for handle in handles:
             handle.remove()

@@ -707,7 +707,9 @@ def to_key_layout(
     rows = [part for part in parts if part[0].how == ROWS and part[0].rows is not None]
     if rows:  # ours holds the key's row j as its row rows[j] (a fused qkv / gate_up, or rows reordered)
         source, _, t = rows[0]
-        return t.detach().cpu()[list(source.rows or ())].reshape(tuple(key_like.shape))
+        t = t.detach().cpu()
+        held = t.T if source.transposed else t  # a fused weight kept input-major: its columns are the rows
+        return held[list(source.rows or ())].reshape(tuple(key_like.shape))
     dtype = parts[0][2].dtype
     full = torch.zeros(tuple(key_like.shape), dtype=dtype)
     for source, data, t in parts:
@@ -718,7 +720,9 @@ def to_key_layout(
             offset = data.storage_offset() - key_like.storage_offset()
             full.as_strided(tuple(data.shape), data.stride(), offset).copy_(t)
         elif source.how == PART and source.rows is not None:
-            full.view(-1, full.shape[-1])[list(source.rows)] = t.reshape(-1, full.shape[-1])
+            # ours holds the rows input-major (2-D, transposed) or with another axis last (3-D and more)
+            held = t.permute(source.permute) if source.permute else t.T if source.transposed else t
+            full.view(-1, full.shape[-1])[list(source.rows)] = held.reshape(-1, full.shape[-1])
         else:
             return None
     return full

@@ -64,6 +64,7 @@ def derived_positions_note(pair: Pair, run: Run) -> str | None:
     return (
         f"positions: called without position_ids on this padded batch (as a generation loop that passes none), "
         f"ours moves its logits by up to {ours_moved:.3g} at real tokens while the reference's stay within "
-        f"{ref_moved:.2g}: the reference derives each row's positions from the attention mask, ours derives others "
-        "(an arange over the padding?); the check passes position_ids, so its nodes cannot show this"
+        f"{ref_moved:.2g}: the reference's result does not depend on them (it derives each row's positions from the "
+        "attention mask, or its RoPE is relative to them), ours derives others (an arange over the padding, or q "
+        "and k rotated at positions derived two ways?); the check passes position_ids, so its nodes cannot show this"
     )

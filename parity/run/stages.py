@@ -189,7 +189,8 @@ def ours_recording(pair: Pair) -> dict:
             else:
                 functional[ptr] = n.name
         if bias in params and id(params[bias]) in key_of:
-            biases[key_of[id(params[bias])]] = n.name
+            # a fused bias added once for several nodes (their rows): the node its fused weight's product records
+            biases.setdefault(key_of[id(params[bias])], n.name)
     # a module of ours aligned by its weight whose forward never runs (F.linear(x, self.head.weight) in its
     # parent): the product reading that weight outside the module is the node
     modules = dict(pair.ours.named_modules()) if pair.alignment else {}
@@ -204,6 +205,20 @@ def ours_recording(pair: Pair) -> dict:
         if isinstance(held, torch.Tensor) and held.numel():
             functional.setdefault(key_of.get(id(held), held.untyped_storage().data_ptr()), n.name)
             owners[n.name] = n.ours
+    # a bias of the reference no parameter of ours aligned to (cut in another layout than its weight): a
+    # vector of ours aligned to nothing, added to such a node's product, is recorded as that node's bias
+    expects_bias = frozenset(
+        n.name
+        for n in pair.nodes
+        if n.ours.startswith("param:")
+        and "+" not in n.ours
+        and isinstance(getattr(ref_modules.get(n.reference_path), "bias", None), torch.Tensor)
+    )
+    if expects_bias:
+        for p in params.values():
+            key = key_of.get(id(p))
+            if p.dim() == 1 and key is not None and key not in biases and key not in functional:
+                biases[key] = ""
     # attention blocks ours computes in functions only: each opens when one of its projections is read and
     # closes with its last
     blocks: dict[str, tuple[str, bool]] = {}
@@ -228,6 +243,7 @@ def ours_recording(pair: Pair) -> dict:
         taps=taps,
         functional=functional if pair.alignment and (functional or taps) else None,
         functional_biases=biases or None,
+        functional_expects_bias=expects_bias,
         functional_owners=owners or None,
         functional_siblings=siblings or None,
         functional_blocks=blocks or None,

@@ -51,7 +51,9 @@ from parity.build.coverage import (
     Coverage,
     Source,
 )
+from parity.diagnose.embeddings import POSITION_TABLES
 from parity.model.facts import ArchFacts
+from parity.model.facts_rules import MLA_INTERLEAVED_ROPE
 from parity.model.pair import NodeSpec
 from parity.record.functional import StorageKey, first_reads, storage_keys
 from parity.record.hf_capture import SUFFIXES
@@ -719,6 +721,8 @@ class _Aligner:
                 if suffix in ("q_rot", "k_rot")
                 else None
             )
+            if dims is None and suffix in ("q_rot", "k_rot") and MLA_INTERLEAVED_ROPE in self.facts.features:
+                dims = self._mla_dims(att, suffix, head_dim, layer.rope.rotary_dim if layer and layer.rope else 0)
             expanded = self.facts.num_heads if suffix == "k_rot" and self.facts.num_heads != heads else 0
             layout = Layout(suffix, heads, head_dim, expanded=expanded, dims=dims)
             tap = f"{FUNCTIONS}{att}.{suffix}" if functions else f"{our_att}.{suffix}"
@@ -768,7 +772,7 @@ class _Aligner:
             and hit[1].how != SCALED  # a table pre-multiplied by the scale: its lookup is the reference's output
             and self._scaled_outside(hit[0])
         ):
-            first = self.container(f"{self.facts.layer_prefix}.0")
+            first = self._first_layer_reads_embedding()
             if first is not None:
                 return replace(spec, ours=first + "@input"), Aligned(
                     name,
@@ -777,6 +781,7 @@ class _Aligner:
                     f"the reference's embedding scales by {self.facts.embed_scale:g}; ours ({hit[0]}, a plain "
                     f"nn.Embedding) cannot, so its value appears where the reference's does: the first layer's input",
                 )
+            return self._scaled_lookup(spec, hit[0], cast(float, self.facts.embed_scale))
         our_path: str | None
         if hit is not None:
             our_path, source = hit
@@ -833,7 +838,7 @@ class _Aligner:
             if base == self.facts.embed_module and scale not in (None, 1.0) and source.how != SCALED:
                 # a plain table read by a lookup cannot scale: the reference's scaled embedding is what the
                 # first layer reads
-                first = self.container(f"{self.facts.layer_prefix}.0")
+                first = self._first_layer_reads_embedding()
                 if first is not None:
                     return replace(spec, ours=first + "@input"), Aligned(
                         name,
@@ -842,8 +847,18 @@ class _Aligner:
                         f"the reference's embedding scales by {scale:g}; ours reads {param} in a lookup, so its value "
                         "appears where the reference's does: the first layer's input",
                     )
+                return self._scaled_lookup(spec, PARAM + param, cast(float, scale))
             bias = self._bias_of(base)
             ours = PARAM + param + (f"+{bias}" if bias else "")
+            if source.how == SCALED and source.scale and base != self.facts.embed_module:
+                unscaled = Unscaled(float(source.scale))  # a scale folded into the weight (and bias) at load
+                return replace(spec, ours=ours, transform=unscaled, inverse=unscaled.inverse), Aligned(
+                    name,
+                    ours,
+                    "functional",
+                    f"the result of the op in ours that reads {param} ({source.description}: a scaled copy), "
+                    f"compared divided by {float(source.scale):.6g}",
+                )
             if source.how == ROWS and source.rows:  # a fused parameter read in a function: this node's rows
                 rows = Rows(cast(tuple[int, ...], source.rows))
                 return replace(spec, ours=ours, transform=rows, inverse=rows.inverse), Aligned(
@@ -1013,6 +1028,51 @@ class _Aligner:
         if len(set(heads)) != 1 or sorted(heads[0]) != list(range(head_dim)) or heads[0] == tuple(range(head_dim)):
             return None
         return heads[0]
+
+    def _mla_dims(self, att: str, suffix: str, head_dim: int, rotary: int) -> tuple[int, ...] | None:
+        """DeepSeek's q/k (multi-head latent attention) with ``rope_interleave``: Transformers reorders each
+        head's rotated tail from interleaved pairs into halves before rotating, so a port rotating the pairs
+        where the checkpoint lays them holds the same tail in pair order (``ref[..., dn + i] = ours[..., dn +
+        P[i]]``, P = 0, 2, 4, ..., 1, 3, ...); a port that reordered its rope rows at load (as Transformers
+        does at run time) holds the reference's order. None when ours' rope rows are not in the checkpoint's
+        order, or the projection is not found."""
+        nope = head_dim - rotary
+        if rotary < 4 or rotary % 2 or nope < 0:
+            return None
+        names = ("q_b_proj", "q_proj") if suffix == "q_rot" else ("kv_a_proj_with_mqa",)
+        module = next((self.ref_modules[f"{att}.{n}"] for n in names if f"{att}.{n}" in self.ref_modules), None)
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.Tensor):
+            return None
+        first = nope if suffix == "q_rot" else weight.shape[0] - rotary  # head 0's first rope row
+        for _, source in self._held(weight):
+            rows = source.rows if source.how in (PART, ROWS) and source.rows else None
+            if rows is not None and first in rows:
+                at = rows.index(first)
+                if at + 1 < len(rows) and rows[at + 1] != first + 1:
+                    return None  # ours reordered its rope rows at load: its tail is in the reference's order
+        pairs = [2 * i for i in range(rotary // 2)] + [2 * i + 1 for i in range(rotary // 2)]
+        return tuple(range(nope)) + tuple(nope + p for p in pairs)
+
+    def _first_layer_reads_embedding(self) -> str | None:
+        """Ours' first layer, when its input is the reference's scaled embedding as it is: it runs a forward
+        of its own and the reference adds no position embedding before it (XGLM's sinusoids, OPT's learned
+        positions are added after the scale)."""
+        first = self.container(f"{self.facts.layer_prefix}.0")
+        positions = any(path.rpartition(".")[2] in POSITION_TABLES for path in self.ref_modules)
+        return first if first is not None and self._runs(first) and not positions else None
+
+    def _scaled_lookup(self, spec: NodeSpec, ours: str, scale: float) -> tuple[NodeSpec, Aligned]:
+        """The reference's scaled embedding against ours' plain lookup times the scale (ours applies it
+        after, where the nodes after judge it)."""
+        times = Unscaled(1.0 / scale)
+        return replace(spec, ours=ours, transform=times, inverse=times.inverse), Aligned(
+            spec.name,
+            ours,
+            "functional" if ours.startswith(PARAM) else "weights",
+            f"the reference's embedding scales by {scale:g}; ours' lookup is compared times {scale:g} (ours scales "
+            "after it, or adds positions before the first layer)",
+        )
 
     def _scaled_outside(self, our_path: str) -> bool:
         """The reference's embedding scales its output (Gemma: sqrt(hidden)) and ours is a plain
