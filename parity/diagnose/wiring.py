@@ -304,7 +304,11 @@ def fused_split(e: Evidence) -> Hint | None:
     ours_all, ref_all = layouts_of(mine), layouts_of(theirs)
     if not ours_all or not ref_all or set(ours_all) & set(ref_all):
         return None
-    ours_is, ref_is = " or ".join(ours_all[:2]), " or ".join(ref_all[:2])
+    # several layouts cut q alike: the one of this family's own checkpoint layout named first
+    own = "CodeGen" if e.facts.model_type == "codegen" else None
+    ours_is, ref_is = (
+        sorted(found, key=lambda label: own is None or own not in label)[0] for found in (ours_all, ref_all)
+    )
     if {ours_all[0], ref_all[0]} <= {f"stacked [{'; '.join(o)}]" for o in ("qkv", "qvk", "kqv", "vkq")}:
         return None  # two of the three exchanged: as well two projections' weights swapped (swapped_weights)
     return Hint(
