@@ -116,6 +116,17 @@ def _capped_head(e: Evidence) -> Hint | None:
     return None
 
 
+def _node_and_input(e: Evidence, label: str) -> list[tuple[torch.Tensor, torch.Tensor, str]]:
+    """``(ours, reference, where)`` of the node (``where`` empty) and, when both sides' inputs were kept and
+    differ, of its input (``where`` = ``label``): an op with no node of its own between two projections
+    shows only there."""
+    x_ours, x_ref = e.inputs()
+    pairs = [(e.ours, e.ref, "")]
+    if x_ours is not None and x_ref is not None and x_ours.shape == x_ref.shape and not e.close(x_ours, x_ref):
+        pairs.append((x_ours, x_ref, label))
+    return pairs
+
+
 def precision(e: Evidence) -> Hint | None:
     """A float32 (or float64) node whose values on one side are all exactly representable in a
     narrower dtype (bfloat16, float16) and on the other side mostly not: that side computed the node
@@ -147,11 +158,7 @@ def precision(e: Evidence) -> Hint | None:
     wide = str(e.ref.dtype).replace("torch.", "")
     # the node, or its input when that differs (an activation with no node of its own between two
     # projections, computed in half precision: Persimmon's relu2 in a fused float16 kernel)
-    x_ours, x_ref = e.inputs()
-    pairs = [(e.ours, e.ref, "")]
-    if x_ours is not None and x_ref is not None and x_ours.shape == x_ref.shape and not e.close(x_ours, x_ref):
-        pairs.append((x_ours, x_ref, "input"))
-    for ours, ref, where in pairs:
+    for ours, ref, where in _node_and_input(e, "input"):
         for dtype in (torch.bfloat16, torch.float16):
             name = str(dtype).replace("torch.", "")
             for side, this, other in (("ours", ours, ref), ("the reference", ref, ours)):
@@ -255,10 +262,7 @@ def activation_function(e: Evidence) -> Hint | None:
     acts = _activations()
     # the node itself, or its input (the activation between two projections that has no node of its own:
     # StarCoder2's c_fc -> act -> c_proj), when ours' input was kept and differs
-    x_ours, x_ref = e.inputs()
-    pairs = [(e.ours, e.ref, "")]
-    if x_ours is not None and x_ref is not None and x_ours.shape == x_ref.shape and not e.close(x_ours, x_ref):
-        pairs.append((x_ours, x_ref, f"{e.kind}'s input: "))
+    pairs = _node_and_input(e, f"{e.kind}'s input: ")
     for ours, ref, where in pairs:
         for name, pre in e.ref_trace.tensors.items():
             if name == e.name:

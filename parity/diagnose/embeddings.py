@@ -14,13 +14,14 @@ import torch
 
 from parity.diagnose.evidence import Evidence, fmt_list, rel
 from parity.diagnose.hints import Hint
+from parity.record.hf_capture import POSITION_TABLES
 
 #: most table rows x looked-up tokens compared at once (a real vocabulary times a short prompt fits)
 MAX_PAIRS = 2**28
 
 
 def _is_lookup(kind: str) -> bool:
-    return kind in ("wte", "wpe", "embed_tokens", "embed_positions", "word_embeddings", "position_embeddings")
+    return kind in ("wte", "embed_tokens", "word_embeddings", *POSITION_TABLES)
 
 
 def _rows_read(out: torch.Tensor, table: torch.Tensor, scale: float) -> torch.Tensor | None:
@@ -72,7 +73,7 @@ def _mapping_hint(e: Evidence, side: str, read: torch.Tensor, ids: torch.Tensor)
         valid = e.attention_mask.bool()
     if bool((read[valid] == ids[valid]).all()):
         return None  # the right rows: the difference is elsewhere (a scale is constant_ratio's)
-    position = e.kind in ("wpe", "embed_positions", "position_embeddings")
+    position = e.kind in POSITION_TABLES
     what = "positions" if position else "token ids"
     shift = (read - ids)[valid]
     evidence: dict[str, object] = {
@@ -118,10 +119,6 @@ def _mapping_hint(e: Evidence, side: str, read: torch.Tensor, ids: torch.Tensor)
         f"table where the ids are {fmt_list(ids[0].tolist())}",
         evidence,
     )
-
-
-#: the reference's position-embedding modules, added to the token embedding before the first layer
-POSITION_TABLES = ("embed_positions", "wpe", "position_embeddings")
 
 
 def _sinusoids(p: torch.Tensor, dim: int, step: float, start: int, layout: str) -> torch.Tensor:

@@ -172,11 +172,17 @@ def attention_values(e: Evidence) -> tuple[torch.Tensor, torch.Tensor] | None:
     return probs, values.double().reshape(b, t, kv, d).transpose(1, 2)
 
 
+def fused_output(e: Evidence, stem: str) -> torch.Tensor | None:
+    """The reference's fused q/k/v projection output of the attention block ``stem`` (any of
+    :data:`~parity.record.hf_capture.FUSED_QKV`), when traced."""
+    return next((t for n in FUSED_QKV if (t := e.ref_trace.tensors.get(f"{stem}.{n}")) is not None), None)
+
+
 def _fused_values(e: Evidence, stem: str, probs: torch.Tensor, d: int) -> torch.Tensor | None:
     """The values ``(batch, kv_heads, seq, head_dim)`` of a block whose q/k/v come from one fused
     projection (Persimmon, GPT-NeoX, MPT): the layout of :func:`fused_layouts` whose values, weighted
     by the reference's probabilities, give the reference's context."""
-    fused = next((f for n in FUSED_QKV if (f := e.ref_trace.tensors.get(f"{stem}.{n}")) is not None), None)
+    fused = fused_output(e, stem)
     # either side's context: the one without a fault in its values tells the layout
     contexts = [c for trace in (e.ref_trace, e.ours_trace) if (c := trace.tensors.get(f"{stem}.context")) is not None]
     if fused is None or not contexts or fused.dim() != 3:

@@ -342,12 +342,14 @@ def _routing_forms(logits: torch.Tensor, chosen: torch.Tensor) -> dict[str, torc
     return forms
 
 
-def _grouped_choice(choice: torch.Tensor, k: int, groups: int, topk_group: int, by: str) -> torch.Tensor:
+def _grouped_choice(
+    choice: torch.Tensor, k: int, groups: int, topk_group: int, by: str, ranked: torch.Tensor | None = None
+) -> torch.Tensor:
     """The experts a group-limited router picks (``(tokens, k)``, DeepSeek V3's ``get_topk_indices``): the
     ``topk_group`` groups of highest score (``by``: "top2" the sum of each group's two best, "max" its
-    best), then the top ``k`` of ``choice`` within them."""
+    best) over ``ranked`` (by default ``choice``), then the top ``k`` of ``choice`` within them."""
     t, n = choice.shape
-    grouped = choice.view(t, groups, n // groups)
+    grouped = (choice if ranked is None else ranked).view(t, groups, n // groups)
     score = grouped.topk(2, dim=-1).values.sum(-1) if by == "top2" else grouped.amax(-1)
     keep = torch.zeros_like(score).scatter_(1, score.topk(topk_group, dim=-1).indices, 1.0)
     mask = keep[:, :, None].expand_as(grouped).reshape(t, n)
@@ -385,12 +387,9 @@ def _grouped_forms(e: Evidence, base: str, logits: torch.Tensor, chosen: torch.T
     forms["the correction bias kept in the weights (sigmoid + e_score_correction_bias, not only in the choice)"] = (
         routed(chosen, normed(chosen, choice) * rsf) + shared
     )
-    forms["routed_scaling_factor not applied (applied before the renormalisation, which cancels it)"] = (
-        routed(chosen, normed(chosen)) + shared
-    )
-    forms["routed_scaling_factor applied to the routed and the shared experts' sum"] = (
-        routed(chosen, normed(chosen)) + shared
-    ) * rsf
+    unscaled = routed(chosen, normed(chosen)) + shared
+    forms["routed_scaling_factor not applied (applied before the renormalisation, which cancels it)"] = unscaled
+    forms["routed_scaling_factor applied to the routed and the shared experts' sum"] = unscaled * rsf
     separate = s.topk(k, dim=-1).values
     forms["weights from a separate top-k of the raw scores, paired by rank with the chosen experts"] = (
         routed(chosen, separate / separate.sum(-1, keepdim=True) * rsf) + shared
@@ -399,21 +398,11 @@ def _grouped_forms(e: Evidence, base: str, logits: torch.Tensor, chosen: torch.T
         ("experts chosen with each group scored by its best expert (max), not its two best summed",
          _grouped_choice(choice, k, groups, topk_group, "max")),
         ("experts chosen with the groups ranked on the scores without the correction bias",
-         _bias_in_choice_only(choice, s, k, groups, topk_group)),
+         _grouped_choice(choice, k, groups, topk_group, "top2", ranked=s)),
         ("experts chosen over every group (the group limit not applied)", choice.topk(k, dim=-1).indices),
     ):  # fmt: skip
         forms[label] = routed(picked, normed(picked) * rsf) + shared
     return forms
-
-
-def _bias_in_choice_only(choice: torch.Tensor, s: torch.Tensor, k: int, groups: int, topk_group: int) -> torch.Tensor:
-    """Groups ranked on the scores without the bias, experts then picked on the biased scores."""
-    t, n = s.shape
-    grouped = s.view(t, groups, n // groups)
-    score = grouped.topk(2, dim=-1).values.sum(-1)
-    keep = torch.zeros_like(score).scatter_(1, score.topk(topk_group, dim=-1).indices, 1.0)
-    mask = keep[:, :, None].expand(t, groups, n // groups).reshape(t, n)
-    return choice.masked_fill(mask == 0, 0.0).topk(k, dim=-1).indices
 
 
 def moe_output(e: Evidence) -> Hint | None:

@@ -19,7 +19,7 @@ def _ms(x: torch.Tensor, centered: bool) -> torch.Tensor:
     return x.pow(2).mean(-1)
 
 
-def _is_norm(kind: str) -> bool:
+def is_norm(kind: str) -> bool:
     """A norm node's kind: ``*norm*`` (Llama, OLMo, Gemma...) or GPT-2's ``ln_1``, ``ln_2``, ``ln_f``."""
     return "norm" in kind or kind.startswith("ln_")
 
@@ -77,7 +77,7 @@ def _eps_outside(r: torch.Tensor, ms: torch.Tensor, eps: float) -> tuple[str, fl
 def norm_eps(e: Evidence) -> Hint | None:
     """A norm whose inputs agree, and whose ours/ref ratio is constant over channels but varies per
     token with the token's mean square: another eps, or eps outside the square root on one side."""
-    if not _is_norm(e.kind):
+    if not is_norm(e.kind):
         return None
     found = _token_ratio(e)
     unseen = found is None and e.ours_trace.inputs.get(e.name) is None  # ours' input was not kept
@@ -153,7 +153,7 @@ def norm_weight_source(e: Evidence) -> Hint | None:
     """A norm whose inputs agree and whose output is the normalised input times *another* norm's
     weight on one side (a loader or a block that reads the wrong norm's parameter: the input norm's
     weight in the post-attention norm). The weight each side applies is read back per channel."""
-    if not _is_norm(e.kind):
+    if not is_norm(e.kind):
         return None
     x = same_input(e)
     own = e.ref_trace.weights.get(e.name)
@@ -173,7 +173,7 @@ def norm_weight_source(e: Evidence) -> Hint | None:
     others = {
         name: w.double() + offset
         for name, w in e.ref_trace.weights.items()
-        if name != e.name and _is_norm(e.facts.locate(name)[1]) and w.shape == own.shape
+        if name != e.name and is_norm(e.facts.locate(name)[1]) and w.shape == own.shape
     }
     for side, y, other_y in (("ours", e.ours, e.ref), ("the reference", e.ref, e.ours)):
         w_side, w_other = applied(y), applied(other_y)
@@ -194,7 +194,7 @@ def norm_weight_source(e: Evidence) -> Hint | None:
 
 def norm_skipped(e: Evidence) -> Hint | None:
     """A norm one side does not apply: its output is its input (or its input times the weight)."""
-    if not _is_norm(e.kind):
+    if not is_norm(e.kind):
         return None
     x = same_input(e)
     if x is None or x.shape != e.ref.shape:
@@ -333,7 +333,7 @@ def norm_statistic(e: Evidence) -> Hint | None:
     statistic times the module's own weight (and bias): over the sequence axis instead of the hidden
     one, the unbiased variance, no square root, ``sqrt(|mean(x)|)``, the mean absolute value. The
     weight is the module's, not fitted, so a factor like ``sqrt((N-1)/N)`` shows."""
-    if not _is_norm(e.kind):
+    if not is_norm(e.kind):
         return None
     x = same_input(e)
     w = e.ref_trace.weights.get(e.name)
@@ -394,7 +394,7 @@ def _explained_by(y: torch.Tensor, candidates: dict[str, torch.Tensor]) -> str |
 
 def norm_kind(e: Evidence) -> Hint | None:
     """A norm node whose output is explained by another normaliser than the reference's."""
-    if not _is_norm(e.kind):
+    if not is_norm(e.kind):
         return None
     x_ref = same_input(e)  # ours' input in the reference's layout (a norm called before the heads split)
     if x_ref is None:
@@ -416,12 +416,6 @@ def norm_kind(e: Evidence) -> Hint | None:
     )
 
 
-def _is_norm_name(name: str) -> bool:
-    """A norm module's node by its name (``input_layernorm``, ``ln_1``, ``norm_1``, ``q_a_layernorm``)."""
-    leaf = name.rsplit(".", 1)[-1]
-    return "@" not in leaf and ("norm" in leaf or leaf.startswith("ln"))
-
-
 def norm_placement(e: Evidence) -> Hint | None:
     """A projection whose input is the reference's input after a norm (pre-norm vs post-norm)."""
     if e.name not in e.ref_trace.inputs or e.name not in e.ours_trace.inputs:
@@ -436,7 +430,8 @@ def norm_placement(e: Evidence) -> Hint | None:
             (
                 n
                 for n, t in e.ref_trace.tensors.items()
-                if _is_norm_name(n)
+                if "@" not in n
+                and is_norm(n.rsplit(".", 1)[-1])
                 and e.facts.locate(n)[0] == e.result.layer
                 and t.shape == x_ref.shape
                 and e.close(t, x_ref)
@@ -485,7 +480,7 @@ def norm_order(e: Evidence) -> Hint | None:
         ours_after = ours_shared[ours_shared.index(norm) + 1 :]
         return [n for n in ref_after if n not in ours_after], [n for n in ours_after if n not in ref_after]
 
-    layer_norms = [n for n in shared if _is_norm(e.facts.locate(n)[1]) and "@" not in n]
+    layer_norms = [n for n in shared if is_norm(e.facts.locate(n)[1]) and "@" not in n]
     moving = {n: bool(back) for n in layer_norms for back, ahead in [moves(n)] if bool(back) != bool(ahead)}
     if len(set(moving.values())) > 1:
         # one norm moved back, another ahead: the nodes are aligned by weight, so each norm's weight is applied
@@ -501,7 +496,7 @@ def norm_order(e: Evidence) -> Hint | None:
             f"where the reference runs {a} and {a}'s where it runs {b} (read from the order each side used them)",
             {"nodes": [ahead, back]},
         )
-    norms = [e.name] if _is_norm(e.kind) else layer_norms
+    norms = [e.name] if is_norm(e.kind) else layer_norms
     for norm in norms:
         if norm not in shared:
             continue
@@ -543,7 +538,7 @@ def residual_into(e: Evidence, layer: int) -> torch.Tensor | None:
 def block_layout(e: Evidence) -> Hint | None:
     """The MLP branch reads the residual after attention on one side and the layer's input on the
     other: a parallel block (``x + attn(N(x)) + mlp(N(x))``) run sequentially, or the reverse."""
-    if e.result.layer is None or not (e.kind.endswith("@input") or _is_norm(e.kind)):
+    if e.result.layer is None or not (e.kind.endswith("@input") or is_norm(e.kind)):
         return None
     x, attn = residual_into(e, e.result.layer), _layer_node(e, e.result.layer, "o_proj")
     if x is None or attn is None or x.shape != e.ref.shape or attn.shape != x.shape:

@@ -15,7 +15,7 @@ import torch
 from parity.diagnose.evidence import EXPLAINS, Evidence, forms_of, layer_values, reads_stream, rel, whose
 from parity.diagnose.hints import Hint
 from parity.diagnose.masks import dropout_left_on, dropout_pattern
-from parity.diagnose.norms import norm_statistics, residual_into
+from parity.diagnose.norms import is_norm, norm_statistics, residual_into
 
 
 def _as_node(e: Evidence, t: torch.Tensor) -> torch.Tensor | None:
@@ -391,17 +391,14 @@ def input_terms(e: Evidence) -> Hint | None:
             )
         return None  # a term one side leaves out: another point of the stream (the wiring detectors' reading)
 
-    def terms(w: torch.Tensor) -> str:
-        return " + ".join(f"{float(w[i]):.4g} x {names[i].rsplit('.', 1)[-1]}" for i in used if w[i] != 0) or "0"
-
     i = differ[0]
     ratio = float(w_ours[i] / w_ref[i])
     match = _named(e, ratio)
     what = f"weighted {ratio:.6g}x in ours{match}"
     return Hint(
         "scale",
-        f"likely a term of {e.kind}'s input scaled on one side: ours' input is {terms(w_ours)}, the reference's "
-        f"{terms(w_ref)} ({names[i]} {what}; the other terms agree)",
+        f"likely a term of {e.kind}'s input scaled on one side: ours' input is {terms_of(w_ours, used, names)}, the "
+        f"reference's {terms_of(w_ref, used, names)} ({names[i]} {what}; the other terms agree)",
         {"term": names[i], "ours": [float(w_ours[j]) for j in used], "reference": [float(w_ref[j]) for j in used]},
     )
 
@@ -539,7 +536,8 @@ def projection_source(e: Evidence) -> Hint | None:
                 (
                     n
                     for n, t in e.ref_trace.tensors.items()
-                    if "norm" in n.rsplit(".", 1)[-1]
+                    if "@" not in n
+                    and is_norm(n.rsplit(".", 1)[-1])
                     and t.shape == x_ref.shape
                     and e.close(t, x_ref)
                     and (held := e.ref_trace.inputs.get(n)) is not None

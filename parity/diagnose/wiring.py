@@ -14,6 +14,7 @@ from parity.diagnose.evidence import (
     attention_values,
     fmt_list,
     fused_layouts,
+    fused_output,
     heads_first,
     layer_values,
     pair_lengths,
@@ -26,7 +27,6 @@ from parity.diagnose.hints import Hint
 from parity.diagnose.profile import HEAD_MAJOR, HEAD_MERGED, SEQ_HEADS
 from parity.diagnose.rope import pre_rope
 from parity.diagnose.rope_fit import rotate
-from parity.record.hf_capture import FUSED_QKV
 
 if TYPE_CHECKING:
     from parity.model.facts import LayerFacts
@@ -259,7 +259,7 @@ def fused_split(e: Evidence) -> Hint | None:
             mine, theirs = mine.transpose(1, 2), theirs.transpose(1, 2)
     if mine is None or theirs is None or mine.dim() != 4 or mine.shape != theirs.shape:
         return None
-    raw = next((t for n in FUSED_QKV if (t := e.ref_trace.tensors.get(f"{stem}.{n}")) is not None), None)
+    raw = fused_output(e, stem)
     if not d or not heads:
         return None
     if all(p is not None and p.dim() == 3 for p in parts):

@@ -214,6 +214,10 @@ def _gpt2(config, facts: ArchFacts) -> ArchFacts:
     )
 
 
+#: a feature: q/k's rotated tail comes from checkpoint rows laid as interleaved pairs (DeepSeek's rope_interleave)
+MLA_INTERLEAVED_ROPE = "MLA rope rows interleaved"
+
+
 @rule("deepseek_v2", "deepseek_v3")
 def _deepseek(config, facts: ArchFacts) -> ArchFacts:
     # DeepseekV3Attention (multi-head latent attention): q and k are qk_nope_head_dim + qk_rope_head_dim wide
@@ -232,7 +236,3 @@ def _deepseek(config, facts: ArchFacts) -> ArchFacts:
         if getattr(config, name, None) is not None
     }
     return replace(facts, head_dim=width, features=frozenset(features), routing=routing)
-
-
-#: a feature: q/k's rotated tail comes from checkpoint rows laid as interleaved pairs (DeepSeek's rope_interleave)
-MLA_INTERLEAVED_ROPE = "MLA rope rows interleaved"

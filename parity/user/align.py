@@ -51,12 +51,11 @@ from parity.build.coverage import (
     Coverage,
     Source,
 )
-from parity.diagnose.embeddings import POSITION_TABLES
 from parity.model.facts import ArchFacts
 from parity.model.facts_rules import MLA_INTERLEAVED_ROPE
 from parity.model.pair import NodeSpec
 from parity.record.functional import StorageKey, first_reads, storage_keys
-from parity.record.hf_capture import SUFFIXES
+from parity.record.hf_capture import POSITION_TABLES, SUFFIXES
 from parity.record.hooks import FUNCTIONS, LAYOUTS
 from parity.record.ops import LOOKUP, PRODUCT
 from parity.record.routing import CHOICES, WEIGHTS, ExpertRows, TopK, is_router
