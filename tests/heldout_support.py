@@ -91,3 +91,37 @@ def assert_located(models: dict, checkpoints: dict, model: str, padded: bool, no
     bad = res.first_mismatch
     assert bad is not None and bad.name == node, res.verdict()
     assert bad.hint is not None and bad.hint.kind == kind and says in str(bad.hint), bad.hint
+
+
+def save_checkpoints(root: Path, specs: dict, randomise, seed: int, weight_seed: int) -> dict[str, Path]:
+    """Each config of ``specs`` built by Transformers, its weights set by ``randomise(model, generator)``
+    (``torch.manual_seed(seed + i)``, the generator seeded ``weight_seed + i``) and saved under ``root``."""
+    from transformers import AutoModelForCausalLM
+
+    out = {}
+    for i, (name, config) in enumerate(specs.items()):
+        torch.manual_seed(seed + i)
+        model = AutoModelForCausalLM.from_config(config).float().eval()
+        randomise(model, torch.Generator().manual_seed(weight_seed + i))
+        model.save_pretrained(root / name)
+        out[name] = root / name
+    return out
+
+
+def clean_cases(models: dict, fast: list[tuple], known_false: frozenset = frozenset()) -> list:
+    """Every correct variant of a set (the baseline and each module's ``CLEAN``), padded and not, outside
+    ``fast``, as pytest params; a ``(model, variant)`` in ``known_false`` is a strict xfail (a known false
+    failure or refusal)."""
+    return [
+        pytest.param(
+            m,
+            b,
+            p,
+            marks=[pytest.mark.xfail(strict=True, reason="a known false failure")] if (m, b) in known_false else [],
+            id=f"{m}-{b or 'baseline'}-{'padded' if p else 'unpadded'}",
+        )
+        for m in models
+        for b in ("", *models[m].CLEAN)
+        for p in (False, True)
+        if (m, b, p) not in fast
+    ]

@@ -218,9 +218,9 @@ def test_a_kind_named_later_is_located_with_its_hint(model, bug, padded, node, k
 def test_positions_derived_without_position_ids_are_checked_on_a_padded_batch(bug, checkpoints):
     """OPT derives its positions from the attention mask when given none; a port that counts them with an
     arange over the padding agrees whenever position_ids are passed (as the check passes them), so the
-    check also calls both models without them: the note names the difference only for the port that
-    derives others, judged against the reference's own (independently: ours' logits move, the
-    reference's stay)."""
+    check also calls both models without them: one more node fails for the port that derives others
+    (ours gives neither its own mask-derived result nor the reference's), after every node of the check
+    itself, which pass (independently: ours' logits move, the reference's stay)."""
     from transformers import AutoModelForCausalLM
 
     ref = AutoModelForCausalLM.from_pretrained(checkpoints["opt"]).eval()
@@ -233,9 +233,13 @@ def test_positions_derived_without_position_ids_are_checked_on_a_padded_batch(bu
         moved = (ours(ids, attention_mask=mask) - ours(ids, attention_mask=mask, position_ids=positions)).abs()
     assert (float(moved[mask.bool()].max()) > 1e-3) == bool(bug)  # without parity: the port's own two calls
     res = check("opt", checkpoints, padded=True)
-    assert res.passed, res.verdict()
-    notes = [n for n in res.notes if n.startswith("positions:")]
+    from parity.run.positions import UNPOSITIONED
+
+    assert all(r.status in ("ok", "untapped") for r in res.nodes if r.name != UNPOSITIONED), res.verdict()
     if bug:
-        assert len(notes) == 1 and "ours derives others" in notes[0], res.notes
+        bad = res.first_mismatch
+        assert bad is not None and bad.name == UNPOSITIONED and bad.index == len(res.nodes) - 1, res.verdict()
+        assert bad.hint is not None and bad.hint.kind == "position_offset", bad.hint
+        assert "while the reference's stay" in bad.hint.text and "ours derives other positions" in bad.hint.text
     else:
-        assert not notes, notes
+        assert res.passed, res.verdict()

@@ -23,6 +23,7 @@ from parity.model.weights import storage_key
 
 SHARED, COPY, TRANSPOSED, ROWS, SLICE = "shared", "copy", "transposed", "rows", "slice"
 OFFSET, LAYOUT, PART, SCALED, SPLIT = "offset", "layout", "part", "scaled", "split"
+STRIDED = "strided"
 #: every way a parameter (or buffer) of ours may hold a checkpoint tensor, in the words reports use
 CONVENTIONS = {
     SHARED: "the checkpoint tensor itself (same storage)",
@@ -34,6 +35,8 @@ CONVENTIONS = {
     ROWS: "its rows in another order, or fused with other tensors' rows in any order (qkv, gate_up; "
     "q/k rows permuted per head for interleaved RoPE)",
     PART: "a copy of some of its rows (one expert of a fused experts tensor copied into a module of its own)",
+    STRIDED: "every other slice of it along one axis (its interleaved pairs), where the family's checkpoint "
+    "interleaves two tensors so (GPT-OSS's gate_up_proj: gate at [..., 0::2], up at [..., 1::2])",
     SPLIT: "a copy of an equal part of it along one axis, then axes permuted and reshaped, for weights and 1-D "
     "biases alike (TransformerLens' W_Q [heads, d_model, d_head] and b_Q [heads, d_head] cut out of GPT-2's fused "
     "c_attn)",
@@ -69,8 +72,23 @@ class Source:
     #: ours = key * scale, the constant named ``scale_name`` (``how`` is ``scaled``)
     scale: float | None = None
     scale_name: str | None = None
-    #: ``(axis, start, stop)``: the part of the key ours holds (``how`` is ``split``)
+    #: ``(axis, start, stop)``: the part of the key ours holds (``how`` is ``split``); ``(axis, start, step)``
+    #: for ``strided``
     part: tuple[int, int, int] | None = None
+
+    def input_axis(self, held_dim: int, key_dim: int) -> int | None:
+        """The axis of ours' tensor (``held_dim`` axes) that holds the key's last axis (``key_dim`` axes): an
+        ``nn.Linear`` weight's input features, which a product must contract to compute that projection. None
+        where the layout does not say it (a view of a region, axes permuted and reshaped)."""
+        if self.how in (SHARED, COPY, OFFSET):
+            return held_dim - 1 if held_dim == key_dim else None
+        if self.how == TRANSPOSED:
+            return 0 if held_dim == 2 else None
+        if self.how in (SCALED, ROWS, PART):
+            if self.permute is not None:  # rows held with another axis last: that axis, moved last, is it
+                return self.permute[-1] if self.how == PART else None
+            return (0 if held_dim == 2 else None) if self.transposed else held_dim - 1
+        return None
 
     @property
     def description(self) -> str:
@@ -84,6 +102,9 @@ class Source:
             return f"{self.key}{'.T' if self.transposed else ''} as permute{self.permute} then reshape"
         if self.how == PART:
             return f"{len(cast(tuple[int, ...], self.rows))} rows of {self.key}"
+        if self.how == STRIDED and self.part is not None:
+            axis, start, step = self.part
+            return f"{self.key}: every {step}nd slice along axis {axis} from {start} (interleaved pairs)"
         if self.how == SPLIT:
             moved = f" as permute{self.permute} then reshape" if self.permute is not None else ""
             return f"{self.key}{self.region}{'.T' if self.transposed else ''}{moved}"
@@ -318,6 +339,11 @@ def _companion_bias(p: torch.Tensor, weight_sources: list, state_dict: dict) -> 
             continue
         if torch.equal(p, bias[list(rows)].to(p.dtype)):
             return key, rows
+        if source.how == ROWS and sorted(rows) == list(range(len(rows))):
+            # ROWS says where ours holds each of the key's rows: the bias permuted the same way
+            held = tuple(sorted(range(len(rows)), key=rows.__getitem__))
+            if torch.equal(p, bias[list(held)].to(p.dtype)):
+                return key, held
     return None
 
 
@@ -411,6 +437,50 @@ def _transposed_in(p: torch.Tensor, free: dict[str, torch.Tensor]) -> str:
     return ""
 
 
+def _rows_zeroed(p: torch.Tensor, free: dict[str, torch.Tensor]) -> tuple[str, list[int]] | None:
+    """``(key, rows)`` when ``p`` (2-D) is a checkpoint tensor of its shape with a few rows (at most an eighth)
+    set to zero and every other row equal."""
+    if p.dim() != 2 or not p.is_floating_point():
+        return None
+    zero = (p == 0).all(-1)
+    if not bool(zero.any()) or int(zero.sum()) * 8 > p.shape[0]:
+        return None
+    for key, t in free.items():
+        if tuple(t.shape) == tuple(p.shape) and torch.equal(p[~zero], t[~zero].to(p.dtype)):
+            rows = zero.nonzero().flatten().tolist()
+            if bool((t[zero] != 0).any()):
+                return key, rows
+    return None
+
+
+def _permuted_vector(p: torch.Tensor, free: dict[str, torch.Tensor]) -> list[tuple[str, tuple[int, ...]]] | None:
+    """``[(key, our element of each of its elements)]`` when 1-D ``p`` holds a 1-D checkpoint tensor's distinct
+    values in another order (a per-head norm's weight permuted as its q/k rows were, for another RoPE
+    pairing); None otherwise."""
+    if p.numel() < 2 or not p.is_floating_point() or p.unique().numel() != p.numel():
+        return None
+    for key, t in free.items():
+        same = t.dim() == 1 and t.shape == p.shape and t.is_floating_point() and not torch.equal(t.to(p.dtype), p)
+        if same and torch.equal(t.to(p.dtype).sort().values, p.sort().values):
+            where = {float(v): i for i, v in enumerate(p.tolist())}
+            return [(key, tuple(where[float(v)] for v in t.to(p.dtype).tolist()))]
+    return None
+
+
+def _strided_part(p: torch.Tensor, free: dict[str, torch.Tensor]) -> tuple[str, tuple[int, int, int]] | None:
+    """``(key, (axis, start, 2))`` when ``p`` is every other slice of a checkpoint tensor along one axis."""
+    for key, t in free.items():
+        if t.dim() != p.dim() or t.numel() != 2 * p.numel() or not t.is_floating_point():
+            continue
+        for axis in range(t.dim()):
+            if t.shape[axis] % 2 or t.shape[axis] // 2 != p.shape[axis]:
+                continue
+            for start in (0, 1):
+                if torch.equal(p, t.index_select(axis, torch.arange(start, t.shape[axis], 2)).to(p.dtype)):
+                    return key, (axis, start, 2)
+    return None
+
+
 def _strided_in(p: torch.Tensor, free: dict[str, torch.Tensor]) -> str:
     """Why a parameter of ours holds no checkpoint tensor, when it holds every other row of one (as it is,
     or its last two axes exchanged): a fused tensor read as interleaved pairs where the checkpoint stacks
@@ -423,7 +493,8 @@ def _strided_in(p: torch.Tensor, free: dict[str, torch.Tensor]) -> str:
                 continue
             for start in (0, 1):
                 rows = t.index_select(axis, torch.arange(start, t.shape[axis], 2)).to(p.dtype)
-                for held, how in ((p, ""), (p.transpose(-1, -2), ", its last two axes exchanged")):
+                exchanged = [(p.transpose(-1, -2), ", its last two axes exchanged")] if p.dim() >= 2 else []
+                for held, how in [(p, ""), *exchanged]:
                     if held.shape == rows.shape and torch.equal(held, rows):
                         return (
                             f"; it holds every other slice of {key} along axis {axis}, from {start}{how}: the fused "
@@ -464,6 +535,7 @@ def loader_coverage(
     by_design: dict[str, str] | None = None,
     copies_break_ties: bool = True,
     constants: dict[str, float] | None = None,
+    interleaved: bool = False,
 ) -> Coverage:
     """Trace every parameter of ``model`` back to ``state_dict`` (the tensors it was loaded from).
 
@@ -478,6 +550,9 @@ def loader_coverage(
     (our families' loaders must tie); False for a user's model, where it is a note (the forward
     agrees; a training step would not, which the backward check judges). ``constants``: named scalars
     of the architecture a parameter of ours may hold a checkpoint tensor multiplied by (``scaled``).
+    ``interleaved``: the family's checkpoint interleaves pairs of tensors along an axis (GPT-OSS's
+    gate/up), so a parameter holding every other slice of one is that tensor's part (``strided``); else it
+    is refused, with that reading named as the likely loader bug.
     """
     cov = Coverage(conversions=list(conversions or []))
     # checkpoint keys that alias one storage (state_dict() of a tied model) form one source
@@ -639,6 +714,7 @@ def loader_coverage(
             by_value(b.detach(), names)
     parts_of: dict[str, list[tuple[tuple[int, ...], str]]] = {}
     splits_of: dict[str, list[tuple[tuple[int, int, int], str]]] = {}
+    strided_of: dict[str, list[tuple[tuple[int, int, int], str]]] = {}
     row_cache: dict = {}
     if unexplained:  # fused tensors: only now, and only against what nothing else consumed
         free = {k: t for k, t in state_dict.items() if k not in cov.consumed}
@@ -646,9 +722,17 @@ def loader_coverage(
             label = " = ".join(names)
             parts = _fused_rows(p.data, free) or _fused_slices(p.data, free)
             fused_input_major = False
+            moved_axes: tuple[int, ...] | None = None
             if parts is None and p.dim() == 2:  # a fused weight kept input-major (``x @ W``, its columns the rows)
                 parts = _fused_rows(p.data.T, free)
                 fused_input_major = parts is not None
+            if parts is None and p.dim() == 3:
+                # experts' weights fused and kept input-major per expert (DBRX's w1 and v1 as one (E, H, 2I)):
+                # its last two axes exchanged, the rows of every expert in turn
+                parts = _fused_rows(p.data.transpose(1, 2).reshape(-1, p.shape[1]), free)
+                moved_axes = (0, 2, 1) if parts is not None else None
+            if parts is None and p.dim() == 1:
+                parts = _permuted_vector(p.data, free)  # a per-head norm's weight permuted with its q/k rows
             if parts is None and p.dim() == 1:
                 # a bias cut as its module's weight was: the same output rows of the fused bias (NeoX's
                 # per-head interleaved query_key_value split into to_q, to_k, to_v); a bias outside a module
@@ -717,6 +801,12 @@ def loader_coverage(
                     record(names, key, SPLIT, region=region, permute=perm, transposed=transposed, part=cut)
                     splits_of.setdefault(key, []).append((cut, label))
                     continue
+                strided = _strided_part(p.data, free) if interleaved else None
+                if strided is not None:
+                    key, cut = strided
+                    record(names, key, STRIDED, part=cut)
+                    strided_of.setdefault(key, []).append((cut, label))
+                    continue
                 value = p.data
                 if (
                     value.is_floating_point()
@@ -727,11 +817,20 @@ def loader_coverage(
                     what = "zeros (a bias of zero)" if float(value.flatten()[0]) == 0 else "ones (a scale of one)"
                     cov.constants.append(f"{label} holds only {what}, where the reference has no tensor")
                     continue
+                zeroed = _rows_zeroed(p.data, free)
+                if zeroed is not None:  # a copy with some rows zeroed (a padding row zeroed at load): a gap, named
+                    key, zero_rows = zeroed
+                    record(names, key, COPY)
+                    cov.gaps.append(
+                        f"{key}: copied into {label} with row(s) {_summary([str(r) for r in zero_rows])} zeroed where the "
+                        "checkpoint's are not (a padding_idx row zeroed at load, while that token id is real text)"
+                    )
+                    continue
                 why = _transposed_in(p.data, free) or _strided_in(p.data, free)
                 cov.unwritten.append(f"{label} (holds no checkpoint tensor in any layout parity knows{why})")
                 continue
             for key, rows in parts:
-                record(names, key, ROWS, rows, transposed=fused_input_major)
+                record(names, key, ROWS, rows, transposed=fused_input_major, permute=moved_axes)
                 span = (
                     f"{rows[0]}..{rows[-1]}"
                     if list(rows) == list(range(rows[0], rows[-1] + 1))
@@ -769,8 +868,16 @@ def loader_coverage(
         cov.gaps += _split_gaps(key, state_dict[key], cuts)
         labels = [label for _, label in cuts]
         cov.conversions.append(f"{key}: cut in {len(labels)} parts ({', '.join(labels[:4])})")
+    for key, cuts in strided_of.items():
+        starts = sorted(start for (_, start, _), _ in cuts)
+        step = cuts[0][0][2]
+        if len({axis for (axis, _, _), _ in cuts}) > 1 or starts != list(range(step)):
+            cov.gaps.append(
+                f"{key}: its interleaved slices land in {', '.join(label for _, label in cuts)}, not once each"
+            )
+        cov.conversions.append(f"{key}: de-interleaved into {', '.join(label for _, label in cuts)}")
     for key, targets in cov.consumed.items():
-        if key in parts_of or key in splits_of:
+        if key in parts_of or key in splits_of or key in strided_of:
             continue
         whole = len(targets) - len(sliced.get(key, []))
         if key in sliced and whole:

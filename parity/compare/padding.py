@@ -48,7 +48,8 @@ def without_padding(
 
 
 def unpacked(kind: str, ours: torch.Tensor, ref: torch.Tensor, pad: torch.Tensor) -> torch.Tensor | None:
-    """``ours`` holding the real tokens only, in order (``(1, N, ...)`` or ``(N, ...)``; heads first,
+    """``ours`` holding the real tokens only, in order (``(1, N, ...)`` or ``(N, ...)``; tokens flattened,
+    ``(N, features)`` for ``(batch * seq, features)``; heads first,
     ``(1, heads, N, ...)``; scores and probabilities ``(1, heads, N, N)``), in the reference's padded
     layout with the reference's values at the padding (and, for scores, between different rows'
     tokens); None when ``ours`` is no such packing of ``ref``."""
@@ -56,6 +57,13 @@ def unpacked(kind: str, ours: torch.Tensor, ref: torch.Tensor, pad: torch.Tensor
     real = ~pad
     n = int(real.sum())
     axis = token_axis(kind)
+    if axis == 1 and ref.dim() == 4 and ref.shape[0] == batch and ref.shape[1] != seq and ref.shape[2] == seq:
+        axis = 2  # a per-head norm's output taken heads first (EXAONE 4's q_norm after the transpose)
+    if axis == 1 and ref.dim() == 2 and ref.shape[0] == batch * seq != n and tuple(ours.shape) == (n, ref.shape[1]):
+        # tokens flattened, ``(batch * seq, features)`` (a MoE router's logits), ours on the real ones alone
+        out = ref.clone().to(ours.dtype)
+        out[real.flatten()] = ours
+        return out
     if ref.dim() <= axis or ref.shape[0] != batch or ref.shape[axis] != seq or n == batch * seq:
         return None
     packed = ours[0] if ours.dim() == ref.dim() and ours.shape[0] == 1 else ours

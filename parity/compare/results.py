@@ -32,6 +32,8 @@ from parity.compare.metrics import (
 from parity.compare.padding import unpacked, without_padding
 from parity.compare.tolerances import Tolerances
 from parity.model.pair import NodeSpec
+from parity.record.hf_capture import OUTPUT_PROJECTIONS
+from parity.record.hooks import ABSORBED
 from parity.record.trace import Trace, one_thread
 
 if TYPE_CHECKING:  # a hint is diagnose's output; comparing only carries it
@@ -261,6 +263,10 @@ def compare_traces(
         ]
     calls = getattr(ours, "calls", {})
     results = [_uncaptured(_input_of_functional(r, calls), reference) for r in results]
+    absorbed = getattr(ours, "extras", {}).get(ABSORBED)
+    if absorbed:
+        results = [_absorbed(r, absorbed) for r in results]
+    results = _sinks_after_softmax(results, ours, reference)
     # a node compared while ours ran was numbered before ours placed the nodes the reference lacks
     return [r if r.index == i else replace(r, index=i) for i, r in enumerate(results)]
 
@@ -285,6 +291,94 @@ def _uncaptured(result: NodeResult, reference) -> NodeResult:
         detail=f"the reference computes {result.kind} inside its attention where parity does not read it (its own "
         "product, e.g. baddbmm with ALiBi): not judged; the nodes after it are",
     )
+
+
+#: ``Trace.extras`` key: node -> its result judged as ours times the reference's row sums (an attention sink
+#: ours applies after its softmax, :func:`rescaled_by_sink`), taken when the block's output projection agrees
+SINK_RESCALED = "sink_rescaled"
+
+
+def rescaled_by_sink(
+    result: NodeResult, ours: torch.Tensor, ref: torch.Tensor, mass: torch.Tensor | None
+) -> tuple[NodeResult | None, torch.Tensor | None]:
+    """``(result judged otherwise, row sums)``: a failing ``probs`` node of ours whose rows sum to 1, each the
+    reference's row divided by its sum, where the reference's rows sum to less than 1 (an attention sink,
+    GPT-OSS's); or the ``context`` after it, divided per head and query by those sums (``mass``, the
+    reference's row sums of the block's probabilities): ours leaves the sink out of its softmax and rescales
+    its output by the sink's share after (``out * sigmoid(lse - sink)``, as kernels with sinks do). The
+    result agrees when ours times the row sums does; ``(None, mass)`` otherwise."""
+    if result.status == OK or tuple(ours.shape) != tuple(ref.shape) or not ours.is_floating_point():
+        return None, mass
+    if not isinstance(ref, torch.Tensor):  # a spilled reference tensor: read (one failing node's)
+        ref = ref.load()
+    if result.kind == "probs" and ref.dim() == 4:
+        rows = ref.double().sum(-1, keepdim=True)
+        real = (rows > 0.5) & (rows < 1 - 1e-5)
+        if not bool(real.any()) or not bool(((ours.double().sum(-1, keepdim=True) - 1).abs()[real] < 1e-4).all()):
+            return None, None
+        mass, value = rows, ours.double() * rows
+    elif result.kind == "context" and mass is not None and ours.shape[-1] % mass.shape[1] == 0:
+        per_query = mass.squeeze(-1).transpose(1, 2)[..., None]  # (batch, queries, heads, 1)
+        value = (ours.double().unflatten(-1, (mass.shape[1], -1)) * per_query).flatten(-2)
+    else:
+        return None, mass
+    metrics = tensor_metrics(value, ref.double(), result.atol, result.rtol)
+    if metrics.status != OK:
+        return None, mass
+    return replace(
+        result,
+        status=OK,
+        max_abs=metrics.max_abs,
+        mean_abs=metrics.mean_abs,
+        max_rel=metrics.max_rel,
+        cosine=metrics.cosine,
+        detail="compared as ours times the reference's row sums: ours leaves the attention sink out of its softmax "
+        "and rescales its output by the sink's share after (its output projection agrees)",
+    ), mass
+
+
+def _sinks_after_softmax(results: list[NodeResult], ours, reference) -> list[NodeResult]:
+    """The nodes :func:`rescaled_by_sink` judged otherwise (while ours ran, or here from the kept tensors),
+    taken where the block's output projection agrees; a sink missing or wrong fails it, and the nodes keep
+    their failure."""
+    fixed = dict(getattr(ours, "extras", {}).get(SINK_RESCALED, {}))
+    mass: dict[str, torch.Tensor | None] = {}
+    for r in results:
+        stem = r.name.rsplit(".", 1)[0]
+        o, ref = ours.tensors.get(r.name), reference.tensors.get(r.name)
+        if r.name not in fixed and r.kind in ("probs", "context") and isinstance(o, torch.Tensor) and ref is not None:
+            judged, mass[stem] = rescaled_by_sink(r, o, ref, mass.get(stem))
+            if judged is not None:
+                fixed[r.name] = judged
+    if not fixed:
+        return results
+    by_name = {r.name: r for r in results}
+
+    def output_agrees(name: str) -> bool:
+        stem = name.rsplit(".", 1)[0]
+        output = next((by_name[f"{stem}.{n}"] for n in OUTPUT_PROJECTIONS if f"{stem}.{n}" in by_name), None)
+        return output is not None and output.status == OK
+
+    return [fixed[r.name] if r.name in fixed and output_agrees(r.name) else r for r in results]
+
+
+def _absorbed(result: NodeResult, absorbed: Mapping[str, str]) -> NodeResult:
+    """A node of a projection ours absorbed into another product (its weight read along its output
+    features: MLA's ``q @ W_UK``), or an attention internal of its block: ours never computes it, so it
+    is untapped with the reason (:data:`~parity.record.hooks.ABSORBED`), whatever ours recorded there."""
+    module = result.name.partition("[")[0]
+    why = absorbed.get(module)
+    if why is None and result.kind in CAPTURED:
+        stem = result.name.rsplit(".", 1)[0]
+        held = next((m for m in absorbed if m.rsplit(".", 1)[0] == stem), None)
+        if held is not None:
+            why = (
+                f"ours attends with {held.rsplit('.', 1)[-1]}'s weight absorbed (its q and k live in another "
+                "space), so this internal is not computed as the reference's: not judged; the nodes after it are"
+            )
+    if why is None:
+        return result
+    return replace(result, status=UNTAPPED, detail=why, max_abs=None, mean_abs=None, max_rel=None, cosine=None)
 
 
 def _input_of_functional(result: NodeResult, calls: Mapping[str, int]) -> NodeResult:
@@ -338,6 +432,8 @@ class NodeStream:
         #: names of ours' tensors held: the first failure and its context, and the latest stem's context
         self.failure_keep: set[str] = set()
         self.stem_keep: set[str] = set()
+        #: per attention block, the reference's row sums of its probabilities (:func:`rescaled_by_sink`)
+        self._sink_mass: dict[str, torch.Tensor | None] = {}
 
     def attach(self, trace) -> None:
         trace.sink, trace.defer_inputs, self.trace = self, True, trace
@@ -354,6 +450,11 @@ class NodeStream:
         result = compare_node(
             spec, self.index[name], ours, ref, self.tolerances, name in self.untapped, scores, self.padding
         )
+        if spec.kind in ("probs", "context") and result.status != OK and ref is not None:
+            stem = name.rsplit(".", 1)[0]
+            judged, self._sink_mass[stem] = rescaled_by_sink(result, ours, ref, self._sink_mass.get(stem))
+            if judged is not None:  # taken after the forward if the block's output projection agrees
+                cast(dict, self.trace.extras.setdefault(SINK_RESCALED, {}))[name] = judged
         self.trace.results[name] = result
         layout = layout or ("padding" if moved is not ours else "")  # padding not judged: kept as compared
         if layout:  # what is kept of ours (for a report, a hint) is kept in the reference's layout

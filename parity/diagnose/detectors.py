@@ -11,12 +11,15 @@ import torch
 from parity.compare.metrics import CHOICE, MISSING, NONFINITE, SHAPE
 from parity.compare.results import NodeResult
 from parity.diagnose.alibi import alibi_slopes
+from parity.diagnose.attention_refit import unread_attention
 from parity.diagnose.cache import cached_state, chunk_boundary, conv_context, state_not_carried
+from parity.diagnose.differential import after_context
 from parity.diagnose.elementwise import (
     activation,
     activation_function,
     clamped,
     gate_activation,
+    glu_form,
     nonfinite,
     precision,
     rounding_order,
@@ -29,6 +32,7 @@ from parity.diagnose.masks import (
     attention_dropout,
     dropout_elementwise,
     future_keys,
+    mask_shifted,
     masked_keys,
     padding,
     padding_mask_inverted,
@@ -146,6 +150,7 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     qkv_clip,  # before the generic clamp and the RoPE fits: a clip of q, k or v around RoPE
     clamped,
     activation_function,
+    glu_form,
     gate_activation,
     soft_capping,
     input_scale,  # before the norms: a norm fed a scaled input differs only through its eps
@@ -178,11 +183,13 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     sequence_shift,
     alibi_slopes,  # before the temperature: a bias per key distance, not a scale of the scores
     softmax_temperature,
+    unread_attention,  # an attention parity read none of in ours, judged at its output projection
     attention_softcap,
     partial_head_scores,
     softmax_sink,
     softmax_axis,
     padding_mask_inverted,
+    mask_shifted,
     masked_keys,
     future_keys,
     window_pattern,
@@ -195,6 +202,7 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     repeated_module,  # late: a module called twice is often the mechanism of a fault named above
     row_scale,
     activation,
+    after_context,  # late: the context agrees, o_proj's input does not (differential attention, else the stretch)
 )
 
 
@@ -293,6 +301,34 @@ def _head_split(result: NodeResult, facts: ArchFacts) -> Hint | None:
     )
 
 
+def _padded_heads(result: NodeResult, ours: Trace, ref: Trace, facts: ArchFacts) -> Hint | None:
+    """Ours' attention context wider per head than the reference's, each head holding the reference's
+    values at one end and zeros at the other: values zero-padded to another head dim (q/k's, for a kernel
+    that wants one head size; DeepSeek's v_head_dim < qk_head_dim), which ours must slice back from that end."""
+    a, b = ours.tensors.get(result.name), ref.tensors.get(result.name)
+    heads = facts.num_heads
+    if result.kind != "context" or a is None or b is None or not heads or a.dim() != b.dim() or a.dim() < 2:
+        return None
+    if a.shape[:-1] != b.shape[:-1] or a.shape[-1] % heads or b.shape[-1] % heads or a.shape[-1] <= b.shape[-1]:
+        return None
+    wide, d = a.shape[-1] // heads, b.shape[-1] // heads
+    ah, bh = a.double().unflatten(-1, (heads, wide)), b.double().unflatten(-1, (heads, d))
+    atol = max(result.atol, 1e-6 * float(bh.abs().max()))
+    ends = {"first": (ah[..., :d], ah[..., d:]), "last": (ah[..., wide - d :], ah[..., : wide - d])}
+    end = next(
+        (k for k, (held, pad) in ends.items() if torch.allclose(held, bh, atol=atol) and not bool(pad.any())), None
+    )
+    if end is None:
+        return None
+    text = (
+        f"ours' context holds {wide} values per head where the reference's holds {d}: per head, ours' {end} {d} are "
+        f"the reference's and the other {wide - d} are zeros (the values zero-padded to another head dim, "
+        f"q/k's {wide}, for a kernel)"
+    )
+    text += f"; each head's {end} {d} are what its output projection must read back"
+    return Hint("shape", f"likely {text}", {"padded_to": wide, "head_dim": d, "values_at": end})
+
+
 def diagnose(
     result: NodeResult,
     ours_trace: Trace,
@@ -314,6 +350,7 @@ def diagnose(
             or _fewer_positions(result)
             or _one_of_many(result, ref_trace)
             or _head_split(result, facts)
+            or _padded_heads(result, ours_trace, ref_trace, facts)
             or Hint("shape", f"likely a layout or head-count difference: {result.detail}")
         )
     ours, ref = ours_trace.tensors.get(result.name), ref_trace.tensors.get(result.name)

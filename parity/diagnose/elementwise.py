@@ -404,6 +404,55 @@ def gate_activation(e: Evidence) -> Hint | None:
     )
 
 
+#: a gated MLP's gate and up projections, fused or apart, by their Transformers names
+_GATE_UP = (("gate_proj", "up_proj"), ("gate_up_proj", ""), ("w1", "w3"), ("fc1", ""))
+
+
+def glu_form(e: Evidence) -> Hint | None:
+    """A gated MLP's down projection whose input (ours', or the reference's) is the reference's gate and up
+    combined otherwise than ``act(gate) * up``: the activation of the product ``act(gate * up)``, of the up
+    half ``gate * act(up)``, none ``gate * up``, or the up half dropped ``act(gate)``; the activation is the
+    one that reproduces the other side's input (read, not assumed from the config). Either side."""
+    x_ours, x_ref = e.inputs()
+    if e.result.layer is None or x_ours is None or x_ref is None or x_ours.shape != x_ref.shape:
+        return None
+    stem = e.name.rsplit(".", 1)[0]
+    halves = None
+    for gate_name, up_name in _GATE_UP:
+        gate = e.ref_trace.tensors.get(f"{stem}.{gate_name}")
+        up = e.ref_trace.tensors.get(f"{stem}.{up_name}") if up_name else None
+        if gate is not None and up is None and gate.shape[-1] == 2 * x_ref.shape[-1]:
+            halves = gate.double().chunk(2, -1)
+        elif gate is not None and up is not None and gate.shape == up.shape == x_ref.shape:
+            halves = (gate.double(), up.double())
+        if halves is not None:
+            break
+    if halves is None or halves[0].shape != x_ref.shape or e.close(x_ours, x_ref):
+        return None
+    g, u = halves
+    for label, act in ELEMENTWISE.items():
+        if label == "identity":
+            continue
+        forms = {
+            f"{label}(gate) * up": act(g) * u,
+            f"{label}(gate * up) (the activation of the product)": act(g * u),
+            f"gate * {label}(up) (the activation on the up half)": g * act(u),
+            "gate * up (no activation)": g * u,
+            f"{label}(gate) (the up half dropped)": act(g),
+        }
+        ours_is = next((k for k, y in forms.items() if e.close(x_ours, y.to(x_ours.dtype))), None)
+        ref_is = next((k for k, y in forms.items() if e.close(x_ref, y.to(x_ref.dtype))), None)
+        if ours_is is None or ref_is is None or ours_is == ref_is:
+            continue
+        return Hint(
+            "activation",
+            f"likely the gated MLP's activation: {e.name}'s input is {ours_is} in ours, {ref_is} in the reference "
+            "(same gate and up)",
+            {"ours": ours_is, "reference": ref_is},
+        )
+    return None
+
+
 def _elementwise_of(e: Evidence, y: torch.Tensor, x: torch.Tensor) -> str | None:
     for name, fn in ELEMENTWISE.items():
         if e.close(y, fn(x.double())):

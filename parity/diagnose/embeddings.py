@@ -10,6 +10,8 @@ ignored), or another mapping.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from parity.diagnose.evidence import Evidence, fmt_list, rel
@@ -176,27 +178,38 @@ def position_term(e: Evidence) -> Hint | None:
     if e.attention_mask is not None and tuple(e.attention_mask.shape) == tuple(term.shape[:-1]):
         real = e.attention_mask.bool().cpu()
     mine, theirs = term[real], pos[real]  # (tokens, hidden)
-    found = _scaled_term(e, mine, theirs) or _rows_zeroed(e, mine, theirs, real) or _sinusoid_reading(e, mine, theirs)
+    side = "ours"
+    found = _scaled_term(e, mine, theirs) or _rows_zeroed(e, mine, theirs, real)
+    if found is None and _transformers_table(e, mine) and not _transformers_table(e, theirs):
+        side = "the reference"  # ours' sinusoids are Transformers' own, the reference's another convention
+        found = _sinusoid_reading(e, theirs, mine, "ours")
+    elif found is None:
+        found = _sinusoid_reading(e, mine, theirs)
+    if found is None:  # the reference's term the odd one: ours' the reference's formula at its own positions
+        side = "the reference"
+        found = _scaled_term(e, theirs, mine, "ours")
     if found is None:
         return None
     text, evidence = found
     return Hint(
         "position_offset",
-        f"likely the position embedding in ours: its first layer reads the token embedding plus {text}",
-        {"positions": pos_name, **evidence},
+        f"likely the position embedding in {side}: its first layer reads the token embedding plus {text}",
+        {"positions": pos_name, "side": side, **evidence},
     )
 
 
-def _scaled_term(e: Evidence, mine: torch.Tensor, theirs: torch.Tensor) -> tuple[str, dict] | None:
-    """Ours' position term is the reference's times one constant."""
+def _scaled_term(
+    e: Evidence, mine: torch.Tensor, theirs: torch.Tensor, other: str = "the reference"
+) -> tuple[str, dict] | None:
+    """One side's position term (``mine``) is the other's (``theirs``, of ``other``) times one constant."""
     k = float((mine * theirs).sum() / theirs.pow(2).sum().clamp_min(1e-300))
     if abs(k - 1) < 1e-3 or rel(mine, k * theirs) > 1e-5:
         return None
     scale = e.facts.embed_scale
     if scale not in (None, 1.0) and abs(k / float(scale) - 1) < 1e-4:
         return (
-            f"the positions times {k:.6g} = the embedding scale (sqrt(hidden_size)): ours scales the sum (token + "
-            "position) where only the token embedding is scaled",
+            f"the positions times {k:.6g} = the embedding scale (sqrt(hidden_size)) of {other}'s: the sum (token + "
+            "position) scaled where only the token embedding is",
             {"scale": k},
         )
     return f"the positions times {k:.6g}", {"scale": k}
@@ -226,8 +239,34 @@ def _rows_zeroed(e: Evidence, mine: torch.Tensor, theirs: torch.Tensor, real: to
     return None
 
 
-def _sinusoid_reading(e: Evidence, mine: torch.Tensor, theirs: torch.Tensor) -> tuple[str, dict] | None:
-    """Ours' position term as a sinusoid table of another convention than the reference's (both fitted)."""
+def _real_positions(e: Evidence) -> torch.Tensor | None:
+    """The run's positions of its real tokens (padding left out), flattened; None without positions."""
+    if e.positions is None:
+        return None
+    real = torch.ones(e.positions.shape, dtype=torch.bool)
+    if e.attention_mask is not None and e.attention_mask.shape == e.positions.shape:
+        real = e.attention_mask.bool().cpu()
+    return e.positions.cpu()[real].double()
+
+
+def _transformers_table(e: Evidence, term: torch.Tensor) -> bool:
+    """Whether ``term`` ``(tokens, hidden)`` is the sinusoid table Transformers' families compute (fairseq's:
+    ``sin|cos``, step ``log(10000) / (half_dim - 1)``) at the run's positions plus an offset of 0 to 2."""
+    positions, dim = _real_positions(e), term.shape[-1]
+    if positions is None or dim % 2 or dim < 8 or positions.numel() != term.shape[0]:
+        return False
+    step, tol = next(iter(_steps(dim // 2).values())), 1e-4 * max(1.0, float(term.abs().max()))
+    return any(
+        bool(((term - _sinusoids(positions + offset, dim, step, 0, "sin|cos")).abs() <= tol).all())
+        for offset in (0, 1, 2)
+    )
+
+
+def _sinusoid_reading(
+    e: Evidence, mine: torch.Tensor, theirs: torch.Tensor, other: str = "the reference"
+) -> tuple[str, dict] | None:
+    """One side's position term (``mine``) as a sinusoid table of another convention than the other's
+    (``theirs``, of ``other``; both fitted, ``theirs`` at the run's positions plus an offset)."""
     dim = theirs.shape[-1]
     if dim % 2 or dim < 8 or e.positions is None:
         return None
@@ -235,7 +274,7 @@ def _sinusoid_reading(e: Evidence, mine: torch.Tensor, theirs: torch.Tensor) -> 
     real = torch.ones(e.positions.shape, dtype=torch.bool)
     if e.attention_mask is not None and e.attention_mask.shape == e.positions.shape:
         real = e.attention_mask.bool().cpu()
-    positions = e.positions.cpu()[real].double()
+    positions = cast(torch.Tensor, _real_positions(e))
     ids = e.ref_trace.inputs.get(e.facts.embed_module)
     token_ids = ids.cpu()[real].double() if ids is not None and ids.shape == real.shape else None
     tol = 1e-4 * max(1.0, float(theirs.abs().max()))
@@ -271,17 +310,17 @@ def _sinusoid_reading(e: Evidence, mine: torch.Tensor, theirs: torch.Tensor) -> 
                         continue
                     differ = []
                     if layout != ref_layout:
-                        differ.append(f"its halves laid {layout} where the reference lays them {ref_layout}")
+                        differ.append(f"its halves laid {layout} where {other} lays them {ref_layout}")
                     if step_name != ref_step:
-                        differ.append(f"a frequency step of {step_name} where the reference uses {ref_step}")
+                        differ.append(f"a frequency step of {step_name} where {other} uses {ref_step}")
                     if start:
                         differ.append("the frequency index counted from 1 (w_i = exp(-step * (i + 1)))")
                     if at != "the positions":
-                        differ.append(f"the table read at {at} (plus the reference's offset {offset})")
+                        differ.append(f"the table read at {at} (plus {other}'s offset {offset})")
                     if not differ:
                         return None
                     return (
-                        "a sinusoid table that differs from the reference's: " + "; ".join(differ),
+                        f"a sinusoid table that differs from {other}'s: " + "; ".join(differ),
                         {"layout": layout, "step": step_name, "index_from": start, "read_at": at},
                     )
     return None

@@ -49,6 +49,16 @@ KINDS: dict[str, str] = {
     "rope_attention_factor": "a constant ratio equal to the RoPE (YaRN) attention factor, at every position incl. 0",
     "logit_scale": "a constant ratio equal to logit_scale",
     "attention_scale": "q and k agree, the pre-softmax scores differ by a constant factor (softmax temperature)",
+    "differential_attention": "differential attention (o1 - lambda o2 over head pairs, RMS-normed, times "
+    "1 - lambda_init) formed otherwise: lambda, the scale, the norm's width or the head pairing",
+    "context_to_output": "the attention's context agrees and its output projection's input does not: what is done "
+    "between them (a combination of heads, a gate, a norm, a scale)",
+    "untapped_block": "the first node after a block ours left untapped differs while the nodes before it agree: "
+    "the difference enters inside that block",
+    "moe_block": "a MoE block ours computes in functions differs where the stream continues, no routing formula "
+    "or combination of the reference's experts reproduces it: the experts themselves or how their outputs are put back",
+    "attention_internals": "an attention parity could not read in ours (a weight absorbed, a fused kernel) gives "
+    "another context while every projection feeding it agrees: the difference is inside it",
     "attention_partial_head": "q . k taken over part of each head only (a partial-rotary head's pass-through dims dropped)",
     "sliding_window": "only query positions at or past the window differ",
     "rope_pairing": "RoPE pairs (i, i + d/2) on one side and (2i, 2i + 1) on the other",

@@ -104,6 +104,43 @@ def padding_mask_inverted(e: Evidence) -> Hint | None:
     )
 
 
+def mask_shifted(e: Evidence) -> Hint | None:
+    """The keys one side masks in a padded row are the other side's padding keys moved by a position or two
+    (a key padding vector padded on the wrong side when a column is added for an attention sink or a cache
+    slot, ``F.pad(mask, (1, 0))`` for ``(0, 1)``): the keys no real query gives weight to. Either side."""
+    if e.kind != "probs" or e.ours.dim() != 4 or e.attention_mask is None or e.ours.shape != e.ref.shape:
+        return None
+    b, _, q, k = e.ours.shape
+    if q != k or tuple(e.attention_mask.shape) != (b, k):
+        return None
+    real = e.attention_mask.bool().to(e.ours.device)[:, None, :, None]  # the real queries, judged
+    hidden = [~((t > 0) & real).any(2).any(1) for t in (e.ours, e.ref)]  # (batch, keys): no real query weighs it
+    if torch.equal(hidden[0], hidden[1]) or not bool(hidden[1].any() | hidden[0].any()):
+        return None
+    pad = (e.attention_mask == 0).to(hidden[0].device)
+    for side, mine, theirs in (("ours", hidden[0], hidden[1]), ("the reference", hidden[1], hidden[0])):
+        if torch.equal(mine, pad):
+            continue  # this side masks exactly the padding: the other one moved
+        for shift in (1, -1, 2, -2):
+            moved = torch.zeros_like(theirs)
+            if shift > 0:
+                moved[:, shift:] = theirs[:, :-shift]
+            else:
+                moved[:, :shift] = theirs[:, -shift:]
+            if torch.equal(mine, moved):
+                other = "the reference" if side == "ours" else "ours"
+                rows = sorted(set(theirs.nonzero()[:, 0].tolist()))
+                return Hint(
+                    "padding",
+                    f"likely the key padding mask moved by {shift:+d} in {side}: it masks the keys {other} masks "
+                    f"{abs(shift)} position(s) {'later' if shift > 0 else 'earlier'} (batch rows {fmt_list(rows)}), so a "
+                    "real key is masked and a padding key is not (a mask padded on the wrong side when a column is "
+                    "added for an attention sink or a cache slot)",
+                    {"side": side, "shift": shift, "rows": rows},
+                )
+    return None
+
+
 def masked_keys(e: Evidence) -> Hint | None:
     """One side gives weight to earlier keys the other masks (future keys are :func:`future_keys`'):
     padding keys (the padding mask not applied) or keys before the window (the window mask not

@@ -4,12 +4,14 @@ otherwise (with the reference's margin)."""
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
 from typing import TYPE_CHECKING, cast
 
 import torch
 
 from parity.compare.metrics import choice_margins
-from parity.diagnose.evidence import EXPLAINS, Evidence, fmt_list, rel
+from parity.diagnose.evidence import EXPLAINS, Evidence, fmt_list, rel, whose
 from parity.diagnose.hints import Hint
 from parity.model.pair import NodeSpec
 
@@ -342,6 +344,183 @@ def _routing_forms(logits: torch.Tensor, chosen: torch.Tensor) -> dict[str, torc
     return forms
 
 
+def _combination_forms(
+    e: Evidence, base: str, logits: torch.Tensor, chosen: torch.Tensor, y: torch.Tensor, record
+) -> dict[str, torch.Tensor]:
+    """The MoE block's output ``(tokens, hidden)`` as a port may combine the reference's experts otherwise
+    (``y``: every expert on every token, ``(experts, tokens, hidden)``): another k, the k least likely, the
+    weights normalised by their L2 norm, every expert weighted by the first slot's weight, outputs assigned
+    where they are summed (the last expert in expert order wins), only experts ``0..k-1`` run, the experts'
+    output bias added unweighted, the weights taken from the router's logits without its bias, and (an
+    experts class with GPT-OSS's clamped SwiGLU) the activation written otherwise."""
+    tokens, k = chosen.shape
+    experts = y.shape[0]
+    rows = torch.arange(tokens)
+    weights = e.ref_trace.tensors.get(f"{base}.router.weights")
+    w = (
+        weights.double().reshape(tokens, k)
+        if weights is not None and weights.numel() == tokens * k
+        else torch.softmax(logits.gather(-1, chosen), -1)
+    )
+
+    def combine(index: torch.Tensor, weight: torch.Tensor, outputs: torch.Tensor = y) -> torch.Tensor:
+        return (weight.T[..., None] * outputs[index.T, rows[None, :]]).sum(0)
+
+    forms: dict[str, torch.Tensor] = {}
+    for other in range(1, experts + 1):
+        if other != k:
+            top = logits.topk(other, dim=-1)
+            forms[
+                f"the top {other} experts, weighted by a softmax over them (k = {other} where the config's is {k})"
+            ] = combine(top.indices, torch.softmax(top.values, -1))
+    low = logits.topk(k, dim=-1, largest=False)
+    forms["the k least likely experts (a top-k taken in ascending order: argsort without descending=True)"] = combine(
+        low.indices, torch.softmax(low.values, -1)
+    )
+    probs = torch.softmax(logits, -1).gather(-1, chosen)
+    forms[
+        "the softmax's weights at the chosen experts divided by their L2 norm (torch.norm's default p=2, not p=1)"
+    ] = combine(chosen, probs / probs.norm(dim=-1, keepdim=True))
+    forms["every chosen expert weighted by the first slot's weight"] = combine(chosen, w[:, :1].expand(tokens, k))
+    last = chosen.argmax(-1, keepdim=True)
+    forms[
+        "only the last chosen expert of each token (in expert order) kept: outputs assigned (out[idx] = y) where "
+        "they are summed (index_add_)"
+    ] = combine(chosen.gather(-1, last), w.gather(-1, last))
+    forms[f"only experts 0..{k - 1} run (a loop over range(top_k) where range(num_experts) is meant)"] = combine(
+        chosen, w * (chosen < k)
+    )
+    forms.update(_dispatch_forms(chosen, w, y))
+    bias = getattr(record.module, "down_proj_bias", None)
+    if isinstance(bias, torch.Tensor) and tuple(bias.shape) == (experts, y.shape[-1]):
+        b = bias.detach().double()[chosen]  # (tokens, k, hidden)
+        forms["each expert's output bias added unweighted (after the routing weight, not before)"] = (
+            combine(chosen, w) - (w[..., None] * b).sum(1) + b.sum(1)
+        )
+    router_bias = next(
+        (t for n in ("gate", "router") if (t := e.ref_trace.biases.get(f"{base}.{n}")) is not None), None
+    )
+    if router_bias is not None and router_bias.numel() == experts:
+        unbiased = (logits - router_bias.double()).gather(-1, chosen)
+        forms["weights from the router's logits without its bias (the bias used for the choice alone)"] = combine(
+            chosen, torch.softmax(unbiased, -1)
+        )
+    for text, gate in _gate_variants(record.module).items():
+        outputs = _with_override(record, "_apply_gate", gate, tokens)
+        if outputs is not None:
+            forms[f"the chosen experts' outputs with {text}"] = combine(chosen, w, outputs)
+    fused_bias = getattr(record.module, "gate_up_proj_bias", None)
+    if callable(getattr(record.module, "_apply_gate", None)) and isinstance(fused_bias, torch.Tensor):
+        # gate/up interleaved in the weights (GPT-OSS): the bias cut in halves instead, read back interleaved
+        halves = fused_bias.detach().unflatten(-1, (2, -1)).transpose(-1, -2).flatten(-2)
+        outputs = _with_override(record, "gate_up_proj_bias", torch.nn.Parameter(halves, requires_grad=False), tokens)
+        if outputs is not None:
+            forms[
+                "the chosen experts' outputs with the gate/up bias cut in halves where its weights (and the bias) "
+                "interleave gate and up"
+            ] = combine(chosen, w, outputs)
+    return forms
+
+
+def _dispatch_forms(chosen: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The block's output when each expert's tokens are dispatched otherwise: an expert fed the first ``n``
+    tokens of the batch (``x[:n]``) where its ``n`` routed tokens are meant (listed token by token, or slot by
+    slot), or only the first ``ceil(tokens * k / experts)`` of its tokens kept (a capacity factor of 1 that
+    drops the rest, where Transformers is dropless)."""
+    tokens, k = chosen.shape
+    experts = y.shape[0]
+    capacity = math.ceil(tokens * k / experts)
+    sliced = {"token by token": torch.zeros_like(y[0]), "slot by slot": torch.zeros_like(y[0])}
+    dropped = torch.zeros_like(y[0])
+    for j in range(experts):
+        token, slot = torch.where(chosen == j)  # token-major
+        weight = w[token, slot, None]
+        sliced["token by token"].index_add_(0, token, weight * y[j, : len(token)])
+        order = torch.argsort(slot * tokens + token)  # slot-major, as Transformers' loop lists them
+        sliced["slot by slot"].index_add_(0, token[order], weight[order] * y[j, : len(token)])
+        kept = token[:capacity]
+        dropped.index_add_(0, kept, weight[:capacity] * y[j, kept])
+    forms = {
+        f"each expert fed the batch's first n tokens (x[:n]) where its n routed tokens (listed {how}) are meant": t
+        for how, t in sliced.items()
+    }
+    forms[
+        f"each expert's tokens past its capacity ceil(tokens * k / experts) = {capacity} dropped (a capacity factor "
+        "of 1; Transformers' experts are dropless)"
+    ] = dropped
+    return forms
+
+
+def _gate_variants(module) -> dict:
+    """GPT-OSS's clamped SwiGLU (``_apply_gate``: gate clamped from above, up clamped both ways, ``(up + 1) *
+    gate * sigmoid(alpha * gate)``) written otherwise, for an experts class that has one; else {}."""
+    limit, alpha = getattr(module, "limit", None), getattr(module, "alpha", None)
+    if not callable(getattr(module, "_apply_gate", None)) or limit is None or alpha is None:
+        return {}
+
+    def halves(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return gate_up[..., ::2], gate_up[..., 1::2]
+
+    def both_sides(gate_up):
+        gate, up = halves(gate_up)
+        gate, up = gate.clamp(-limit, limit), up.clamp(-limit, limit)
+        return (up + 1) * gate * torch.sigmoid(gate * alpha)
+
+    def no_plus_one(gate_up):
+        gate, up = halves(gate_up)
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+        return up * gate * torch.sigmoid(gate * alpha)
+
+    def clamp_after(gate_up):
+        gate, up = halves(gate_up)
+        return (up.clamp(-limit, limit) + 1) * (gate * torch.sigmoid(gate * alpha)).clamp(max=limit)
+
+    return {
+        "the gate clamped on both sides (only from above in the reference's SwiGLU)": both_sides,
+        "the SwiGLU's (up + 1) written as up (the + 1 dropped)": no_plus_one,
+        "the gate's clamp applied after its activation (not before)": clamp_after,
+    }
+
+
+def _with_override(record, attribute: str, value, tokens: int) -> torch.Tensor | None:
+    """Every expert of the reference on every token ``(experts, tokens, hidden)`` with the experts module's
+    ``attribute`` (a method, ``_apply_gate``, or a parameter) replaced by ``value`` for the call, restored
+    after."""
+    module = record.module
+    everyone = replace(record, rows=torch.arange(tokens))
+    parameters = getattr(module, "_parameters", {})
+    held = parameters.get(attribute) if attribute in parameters else None
+    if held is not None:
+        parameters[attribute] = value
+    else:
+        setattr(module, attribute, value)
+    try:
+        outputs = [everyone.output(j) for j in range(record.num_experts)]
+    finally:
+        if held is not None:
+            parameters[attribute] = held
+        else:
+            delattr(module, attribute)
+    return None if any(o is None for o in outputs) else torch.stack(outputs)
+
+
+def _block_differs(e: Evidence, base: str, side: str) -> Hint:
+    """The MoE block ``base`` (computed in functions nothing in ours taps) differs where the stream continues,
+    and no routing formula or combination reproduces ``side``'s output: the block is the component."""
+    router = next((r for n in ("gate", "router") if (r := e.ours_trace.results.get(f"{base}.{n}")) is not None), None)
+    agrees = router is not None and router.status == "ok"
+    return Hint(
+        "moe_block",
+        f"likely the MoE block {base}: its output, read where the stream continues (the experts computed in "
+        f"functions nothing taps), differs"
+        + (" while its router's logits agree" if agrees else "")
+        + f", and no routing formula or combination of the reference's experts reproduces {whose(side)}: the "
+        "experts themselves (their activation, their weights' layout, the tokens each one reads) or how their "
+        "outputs are put back",
+        {"block": base, "side": side, "router_agrees": agrees},
+    )
+
+
 def _grouped_choice(
     choice: torch.Tensor, k: int, groups: int, topk_group: int, by: str, ranked: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -423,13 +602,17 @@ def moe_output(e: Evidence) -> Hint | None:
     if not block.endswith(".experts") or e.ours_trace.results.get(block) is not None:
         return None  # ours' block was compared itself: its own detectors read it there
     base = block.rsplit(".", 1)[0]
-    logits, chosen = e.ref_trace.tensors.get(f"{base}.gate"), e.ref_trace.tensors.get(f"{base}.router.experts")
+    chosen = e.ref_trace.tensors.get(f"{base}.router.experts")
+    logits = next(
+        (t for n in ("gate", "router") if (t := e.ref_trace.tensors.get(f"{base}.{n}")) is not None and t.dim() == 2),
+        None,
+    )
     records = [r for n, r in e.ref_trace.extras.items() if n.rsplit(".", 1)[0] == block and hasattr(r, "output")]
     if logits is None or chosen is None or not records or logits.dim() != 2 or chosen.shape[0] != logits.shape[0]:
         return None
     record = cast("ExpertEvidence", records[0])
     tokens = logits.shape[0]
-    everyone = type(record)(record.module, record.index, record.x, torch.arange(tokens))
+    everyone = replace(record, rows=torch.arange(tokens))
     outputs = [everyone.output(j) for j in range(record.num_experts)]
     if any(y is None for y in outputs):
         return None
@@ -439,12 +622,13 @@ def moe_output(e: Evidence) -> Hint | None:
         f"the chosen experts' outputs weighted by {text}": (w.T[..., None] * picked).sum(0)
         for text, w in _routing_forms(logits.double(), chosen).items()
     }
+    forms.update(_combination_forms(e, base, logits.double(), chosen, y, record))
     weights = e.ref_trace.tensors.get(f"{base}.router.weights")
     if weights is not None and weights.shape == chosen.shape:  # the weight on the expert's input (Llama 4's)
         on_input = torch.zeros_like(forms[next(iter(forms))])
         for slot in range(chosen.shape[1]):
             scaled = record.x * weights[:, slot : slot + 1].to(record.x.dtype)
-            each = type(record)(record.module, record.index, scaled, torch.arange(tokens))
+            each = replace(record, x=scaled, rows=torch.arange(tokens))
             ys = torch.stack([cast(torch.Tensor, each.output(j)) for j in range(record.num_experts)])
             on_input = on_input + ys[chosen[:, slot], torch.arange(tokens)]
         forms["the chosen experts run on their input times the routing weight (x * w), not weighted after"] = on_input
@@ -466,11 +650,18 @@ def moe_output(e: Evidence) -> Hint | None:
         return next((text for text, f in forms.items() if rel(t, f) < 1e-4), None)
 
     ours_is, ref_is = form_of(ours_branch), form_of(ref_branch)
+    if (ours_is is None) != (ref_is is None) and float((ours_branch - ref_branch).abs().max()) > e.noise:
+        return _block_differs(e, base, "ours" if ours_is is None else "the reference")
     if ours_is is None or ref_is is None or ours_is == ref_is:
         return None
+    both = ours_is + ref_is
     kind, what = (
         ("transposed_weight", "experts' weights")
-        if "transposed" in ours_is + ref_is
+        if "transposed" in both
+        else ("activation", "experts' activation")
+        if "SwiGLU" in both or "clamp" in both
+        else ("bias", "experts' bias")
+        if "bias added unweighted" in both or "bias cut in halves" in both
         else ("routing_weights", "routing")
     )
     return Hint(

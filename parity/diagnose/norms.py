@@ -3,6 +3,7 @@ projection, pre- vs post-norm, a parallel block run sequentially."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -354,6 +355,12 @@ def norm_statistic(e: Evidence) -> Hint | None:
         stats[f"one RMS over {e.kind[0]} and {sibling[0]} together (the statistic of [q; k])"] = (
             x.double() / (ms + (e.facts.norm_eps or 0.0)).sqrt()
         )
+    whole = _whole_output(e, x)
+    if whole is not None:  # a norm of part of a projection's output, its statistic taken before the cut
+        label, full = whole
+        if not layernorm:
+            wide = full.double().pow(2).mean(-1, keepdim=True)
+            stats[label] = x.double() / (wide + (e.facts.norm_eps or 0.0)).sqrt()
     for weight in (w.double(), 1.0 + w.double()):  # w, or Gemma's 1 + w: whichever gives the reference
         applied = {label: n * weight + shift for label, n in stats.items()}
         wx = x.double() * weight  # the weight applied first: the statistic of w * x
@@ -373,6 +380,35 @@ def norm_statistic(e: Evidence) -> Hint | None:
             {"ours": ours_is, "reference": ref_is},
         )
     return None
+
+
+def _whole_output(e: Evidence, x: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+    """When the norm's input ``x`` is one part (``proj[a:b]``) of a projection's output cut in parts (DeepSeek's
+    kv_a_proj_with_mqa: the latent, then the RoPE keys), a label and that whole output, its parts joined in
+    order; else None."""
+    x = x.double()
+    part = next(
+        (n for n, t in e.ref_trace.tensors.items() if "[" in n and t.shape == x.shape and rel(t.double(), x) < 1e-9),
+        None,
+    )
+    if part is None:
+        return None
+    module = part.partition("[")[0]
+    cuts = []
+    for n, t in e.ref_trace.tensors.items():
+        span = n[len(module) :] if n.startswith(module + "[") else ""
+        start, colon, stop = span.strip("[]").partition(":")
+        if colon and start.isdigit() and stop.isdigit() and t.shape[:-1] == x.shape[:-1]:
+            cuts.append((int(start), int(stop), t))
+    cuts.sort(key=lambda c: c[0])
+    if len(cuts) < 2 or any(a[1] != b[0] for a, b in itertools.pairwise(cuts)) or cuts[0][0] != 0:
+        return None
+    full = torch.cat([t.double() for _, _, t in cuts], -1)
+    return (
+        f"the RMS over all of {module}'s output ({full.shape[-1]} features: the norm's {x.shape[-1]} and the rest, "
+        "normalised before it was cut)",
+        full,
+    )
 
 
 def _explained_by(y: torch.Tensor, candidates: dict[str, torch.Tensor]) -> str | None:

@@ -538,8 +538,8 @@ def projection_source(e: Evidence) -> Hint | None:
                     for n, t in e.ref_trace.tensors.items()
                     if "@" not in n
                     and is_norm(n.rsplit(".", 1)[-1])
-                    and t.shape == x_ref.shape
-                    and e.close(t, x_ref)
+                    and t.numel() == x_ref.numel()
+                    and e.close(t.reshape(x_ref.shape), x_ref)  # a router reads the tokens flattened
                     and (held := e.ref_trace.inputs.get(n)) is not None
                     and held.numel() == tensor.numel()
                     and e.close(held.reshape(tensor.shape), tensor)

@@ -15,6 +15,8 @@ from parity.diagnose.evidence import (
     by_position,
     fmt_list,
     forms_of,
+    fused_layouts,
+    fused_output,
     heads_first,
     pair_lengths,
     seq_axis,
@@ -195,6 +197,7 @@ def rope_fit(e: Evidence) -> Hint | None:
             fit is not None
             and not fit.offsets
             and not fit.rows
+            and not fit.constant
             and fit.label.startswith("this layer's RoPE")
             and abs(fit.amplitude / own - 1) < 1e-3
         )
@@ -264,6 +267,18 @@ def _rope_hint(e: Evidence, fit, side: str, layer, own: float) -> Hint | None:
             + "; position_ids counted from 1, or a cache offset",
             evidence,
         )
+    if fit.constant:
+        batch = (
+            " (each row's batch index: a seq-first cache sliced with the batch axis)"
+            if list(fit.constant) == list(range(len(fit.constant)))
+            else ""
+        )
+        return Hint(
+            "position_offset",
+            f"likely positions read from another axis: {side} rotates every token of batch row b at one position "
+            f"({fmt_list(fit.constant)} for rows 0..{len(fit.constant) - 1}){batch}, {other} each token at its own",
+            {**evidence, "constant_positions": list(fit.constant)},
+        )
     if fit.rows:
         moved = [row for row, source in enumerate(fit.rows) if source != row]
         return Hint(
@@ -328,6 +343,8 @@ def _rope_hint(e: Evidence, fit, side: str, layer, own: float) -> Hint | None:
         return Hint(
             "rope_frequencies", f"likely the inverse frequencies: {side} rotates like {fit.label}, {amp}", evidence
         )
+    if "YaRN" in fit.label:
+        return Hint("rope_scaling", f"likely the RoPE scaling: {side} rotates like {fit.label}, {amp}", evidence)
     if "divide by head_dim" in fit.label or "divide by hidden_size" in fit.label:
         what = "of partial rotary" if "divide by head_dim" in fit.label else "over another head_dim"
         return Hint(
@@ -583,10 +600,20 @@ def rope_pattern(e: Evidence) -> Hint | None:
                 evidence,
             )
         if e.close(ours, x):
+            layer = e.facts.layer(e.result.layer)
+            nope = sorted({t for t in e.facts.layer_types if e.facts.rope_of_type(t) is None})
+            pattern = (
+                f"; this {layer.layer_type} layer rotates in the reference while its {', '.join(nope)} layers do "
+                "not: ours may take it for one of those (the layer pattern counted from another start)"
+                if layer is not None and nope and layer.layer_type not in nope
+                else ""
+            )
             return Hint(
                 "rope_missing",
-                f"likely a missing RoPE: ours applies no rotation here, the reference does; {numbers}",
-                evidence,
+                f"likely a missing RoPE: ours applies no rotation here, the reference does (or rotates every token by "
+                f"position 0: positions read from another axis, the batch index of a seq-first cache){pattern}; "
+                f"{numbers}",
+                {**evidence, "nope_layer_types": nope},
             )
         ours_dims, ref_dims = _rotated_dims(e, ours, x), _rotated_dims(e, ref, x)
         here = e.facts.layer(e.result.layer)
@@ -758,16 +785,23 @@ def qkv_clip(e: Evidence) -> Hint | None:
     from parity.diagnose.rope_fit import rotate
 
     if e.kind in ("q_rot", "k_rot") and e.ours.dim() == 4 and layer.rope is not None:
-        p = projection_heads(e, e.ours.shape[1])
-        if p is None or p.shape != e.ours.shape or e.positions.shape != (p.shape[0], p.shape[2]):
+        for p in _projections_before_rope(e):
+            if p.shape != e.ours.shape or e.positions.shape != (p.shape[0], p.shape[2]):
+                continue
+            p = p.double()
+            forms = {
+                f"clamped to [-{clip:g}, {clip:g}] before RoPE": rotate(p.clamp(-clip, clip), layer.rope, e.positions),
+                "not clamped": rotate(p, layer.rope, e.positions),
+                f"clamped above only (max {clip:g})": rotate(p.clamp(max=clip), layer.rope, e.positions),
+                f"clamped to [-{clip:g}, {clip:g}] after RoPE": rotate(p, layer.rope, e.positions).clamp(-clip, clip),
+                f"soft-capped {clip:g} * tanh(x / {clip:g}) before RoPE (not clamped)": rotate(
+                    clip * torch.tanh(p / clip), layer.rope, e.positions
+                ),
+            }
+            if forms_of(e, forms, e.ref, e.ref)[0] is not None:
+                break  # the layout in which the reference is one of the forms
+        else:
             return None
-        p = p.double()
-        forms = {
-            f"clamped to [-{clip:g}, {clip:g}] before RoPE": rotate(p.clamp(-clip, clip), layer.rope, e.positions),
-            "not clamped": rotate(p, layer.rope, e.positions),
-            f"clamped above only (max {clip:g})": rotate(p.clamp(max=clip), layer.rope, e.positions),
-            f"clamped to [-{clip:g}, {clip:g}] after RoPE": rotate(p, layer.rope, e.positions).clamp(-clip, clip),
-        }
         what = e.kind[0]
     elif e.kind == "context":
         found = attention_values(e)
@@ -799,6 +833,21 @@ def qkv_clip(e: Evidence) -> Hint | None:
         f"[-{clip:g}, {clip:g}] right after their projections, before RoPE)",
         {"ours": ours_is, "reference": ref_is, "clip_qkv": clip, "tensor": what},
     )
+
+
+def _projections_before_rope(e: Evidence) -> list[torch.Tensor]:
+    """The reference's q (k) before RoPE ``(batch, heads, seq, head_dim)``: from its own projection or norm
+    node, else each way a fused q/k/v output may be cut (:func:`fused_layouts`)."""
+    p = projection_heads(e, e.ours.shape[1])
+    if p is not None:
+        return [p]
+    stem = e.name.rsplit(".", 1)[0]
+    fused = fused_output(e, stem)
+    d, heads = e.ref.shape[-1], e.facts.num_heads
+    if fused is None or fused.dim() != 3 or not d or not heads:
+        return []
+    index = 0 if e.kind == "q_rot" else 1
+    return [parts[index] for parts in fused_layouts(fused, heads, e.facts.num_kv_heads or heads, d).values()]
 
 
 def bias_after_rope(e: Evidence) -> Hint | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -76,6 +77,8 @@ class Fit:
     inv_freq: tuple[float, ...] = ()
     #: per batch row, the row whose positions it was rotated at (one row's positions broadcast to the batch)
     rows: tuple[int, ...] = ()
+    #: per batch row, the one position every token of it was rotated at (positions read from another axis)
+    constant: tuple[int, ...] = ()
 
 
 def _fits(
@@ -162,6 +165,7 @@ def identify(
             candidates.append(
                 (f"the unscaled RoPE (theta {rope.theta:g}, no {rope.rope_type} scaling)", rope.unscaled_inv_freq())
             )
+    candidates += _yarn_variants(rope)
     if rope is not None and rope.rope_type == "default" and layer.head_dim and rope.rotary_dim < layer.head_dim:
         # partial rotary: theta^(-2i/r) over the rotated dims r, not over the whole head
         wide = tuple(rope.theta ** (-2 * i / layer.head_dim) for i in range(rope.rotary_dim // 2))
@@ -261,6 +265,11 @@ def identify(
                     offsets=tuple(offsets),
                     inv_freq=rope.inv_freq,
                 )
+        constant = _constant_positions(angle, keep, rope.inv_freq, positions, tol)
+        if constant is not None:
+            return Fit(
+                "this layer's RoPE at one position per row", amplitude, 0.0, inv_freq=rope.inv_freq, constant=constant
+            )
         rows = _rows_of_positions(angle, keep, rope.inv_freq, positions, tol)
         if rows is not None:
             return Fit(
@@ -281,6 +290,71 @@ def identify(
                 if worst is not None:
                     return Fit(label, amplitude, worst, inv_freq=inv_freq)
     return None
+
+
+def _constant_positions(
+    angle: torch.Tensor, keep: torch.Tensor, inv_freq, positions: torch.Tensor, tol: float
+) -> tuple[int, ...] | None:
+    """Per batch row, the one position every token of it was rotated at, when each row has one and the
+    tokens' own positions do not all equal it (a seq-first RoPE cache sliced by the batch axis: row b at
+    position b); None otherwise."""
+    found = []
+    for row in range(angle.shape[0]):
+        if not bool(keep[row].any()):
+            found.append(-1)
+            continue
+        hit = next(
+            (
+                c
+                for c in range(angle.shape[1] + 1)
+                if _fits(
+                    angle[row : row + 1],
+                    keep[row : row + 1],
+                    inv_freq,
+                    torch.full_like(positions[row : row + 1], c),
+                    tol,
+                )
+                is not None
+            ),
+            None,
+        )
+        if hit is None:
+            return None
+        found.append(hit)
+    if all(bool((positions[row][keep[row].any(-1)] == c).all()) for row, c in enumerate(found) if c >= 0):
+        return None  # the tokens' own positions: no rotation to explain
+    if all(c <= 0 for c in found):
+        return None  # position 0 everywhere is no rotation at all: a RoPE not applied, named as such
+    return tuple(found)
+
+
+def _yarn_variants(rope: RopeFacts | None) -> list[tuple[str, tuple[float, ...]]]:
+    """YaRN's frequencies written otherwise (Peng et al. 2023; Transformers' ``_compute_yarn_parameters``):
+    every frequency divided by the factor (linear position interpolation, ``rope_type`` yarn read as
+    linear), or the ramp used the wrong way round (interpolation where it extrapolates). The ramp's
+    per-dimension blend is read back from the layer's own frequencies: ``inv = interp (1 - m) + extrap m``."""
+    if rope is None or rope.rope_type != "yarn" or not rope.inv_freq:
+        return []
+    factor = float(cast(float, rope.parameters.get("factor", 1.0)) or 1.0)
+    if factor <= 1.0:
+        return []
+    extrap = torch.tensor(rope.unscaled_inv_freq(), dtype=torch.float64)
+    interp = extrap / factor
+    inv = torch.tensor(rope.inv_freq, dtype=torch.float64)
+    blend = ((inv - interp) / (extrap - interp)).clamp(0.0, 1.0)  # 1: extrapolated (kept), 0: interpolated
+    inverted = interp * blend + extrap * (1 - blend)
+    return [
+        (
+            f"linear position interpolation: every frequency divided by the YaRN factor {factor:g} (rope_type yarn "
+            "read as linear, no ramp)",
+            tuple(interp.tolist()),
+        ),
+        (
+            "YaRN with its ramp the wrong way round: the high-frequency dims interpolated and the low-frequency dims "
+            "kept, where YaRN keeps the high ones and interpolates the low ones",
+            tuple(inverted.tolist()),
+        ),
+    ]
 
 
 def _fit_theta(angle: torch.Tensor, keep: torch.Tensor, positions: torch.Tensor, rotary_dim: int) -> float | None:

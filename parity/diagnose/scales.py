@@ -69,7 +69,24 @@ def _scale_name(e: Evidence, scale: float) -> str:
     return f" (= {', or '.join(matches[:3])})" if matches else ""
 
 
-def _scales(e: Evidence, factor: float) -> str:
+def _layer_coefficient(e: Evidence, factor: float) -> str:
+    """`` (= 1 / (layer index + 1) ...)``: a factor equal to the layer's number or its inverse, past the first
+    layer (Megatron's ``apply_query_key_layer_scaling``: q divided by the layer number and multiplied back in
+    the softmax), else ``""``."""
+    n = (e.result.layer or 0) + 1
+    if n < 2:
+        return ""
+    if abs(factor * n - 1) < 1e-4:
+        return (
+            f" (= 1 / (layer index + 1) = 1/{n}: a per-layer coefficient divided out and never multiplied back, as "
+            "Megatron's apply_query_key_layer_scaling does in its softmax)"
+        )
+    if abs(factor / n - 1) < 1e-4:
+        return f" (= layer index + 1 = {n}: a per-layer coefficient multiplied in where it cancels)"
+    return ""
+
+
+def scale_readings(e: Evidence, factor: float) -> str:
     """``: ours scales q k^T by 0.25 (= 1/sqrt(head_dim=16)), the reference by 0.0625 (= ...)`` for ours'
     scores being the reference's times ``factor``, when the reference's scale is readable."""
     reference = _reference_scale(e)
@@ -107,7 +124,7 @@ def softmax_temperature(e: Evidence) -> Hint | None:
     return Hint(
         "attention_scale",
         f"likely the attention scale (softmax temperature): q and k agree, and ours' probabilities are the "
-        f"softmax of the reference's scores times {c:.6g}{_scales(e, c)}",
+        f"softmax of the reference's scores times {c:.6g}{_layer_coefficient(e, c)}{scale_readings(e, c)}",
         {"factor": c},
     )
 
@@ -242,6 +259,18 @@ def softmax_sink(e: Evidence) -> Hint | None:
     real = (s_r > 0.5) & ((p_o - p_r).abs().amax(-1) > 1e-7)
     if not bool(real.any()):
         return None
+    both = _sinks_differ(e, p_o, p_r, s_o, s_r, real)
+    if both is not None:
+        return both
+    if "packed into one sequence" in (e.result.detail or "") and bool((s_o[real] < 1 - 1e-5).any()):
+        return Hint(
+            "padding",
+            "likely rows attending across the batch in ours: it packs the real tokens of every row into one sequence "
+            f"(padding skipped), and, unpacked, its queries' weights sum to {float(s_o[real].min()):.4g}.."
+            f"{float(s_o[real].max()):.4g} over their own row's keys: the rest went to other rows' tokens (a packed, "
+            "varlen batch attended without a document mask: cu_seqlens or a block-diagonal mask)",
+            {"side": "ours", "row_sums": s_o[real][:6].tolist()},
+        )
     for side, low, other, p_low, p_other in (("ours", s_o, s_r, p_o, p_r), ("the reference", s_r, s_o, p_r, p_o)):
         if not bool(((other[real] - 1).abs() < 1e-4).all()) or float((1 - low[real]).min()) < 1e-5:
             continue
@@ -254,7 +283,13 @@ def softmax_sink(e: Evidence) -> Hint | None:
             allowed = p_other > 0
             lse = torch.logsumexp(scores.double().masked_fill(~allowed, -math.inf), -1)
             c = ((1 / low - 1).log() + lse)[real]
-            if bool(torch.isfinite(c).all()) and float(c.max() - c.min()) < 1e-3 * max(1.0, float(c.abs().max())):
+            heads = _per_head(((1 / low - 1).log() + lse), real)
+            if heads is not None and float(heads.max() - heads.min()) > 1e-3 * max(1.0, float(heads.abs().max())):
+                constant = (
+                    f", one extra logit per head ({fmt_list(f'{v:.4g}' for v in heads.tolist())}: an attention sink)"
+                )
+                evidence["sink_logits"] = heads.tolist()
+            elif bool(torch.isfinite(c).all()) and float(c.max() - c.min()) < 1e-3 * max(1.0, float(c.abs().max())):
                 value = float(c.mean()) if abs(float(c.mean())) > 1e-4 else 0.0  # 0 up to rounding
                 constant = f", one extra logit of {value:.4g} for every row" + (
                     " (the off-by-one softmax, softmax1: 1 + sum exp)" if abs(value) < 1e-3 else " (an attention sink)"
@@ -277,6 +312,63 @@ def softmax_sink(e: Evidence) -> Hint | None:
             evidence,
         )
     return None
+
+
+def _per_head(c: torch.Tensor, real: torch.Tensor) -> torch.Tensor | None:
+    """``c`` ``(batch, heads, queries)`` as one value per head over the real rows, when it is one (up to
+    rounding); None otherwise."""
+    if c.dim() != 3:
+        return None
+    values = []
+    for h in range(c.shape[1]):
+        rows = c[:, h][real[:, h]]
+        if not rows.numel() or not bool(torch.isfinite(rows).all()):
+            return None
+        if float(rows.max() - rows.min()) > 1e-3 * max(1.0, float(rows.abs().max())):
+            return None
+        values.append(float(rows.mean()))
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def _sinks_differ(
+    e: Evidence, p_o: torch.Tensor, p_r: torch.Tensor, s_o: torch.Tensor, s_r: torch.Tensor, real: torch.Tensor
+) -> Hint | None:
+    """Both sides' rows sum to less than 1 (both softmaxes have an attention sink), each row the other's
+    times one factor: the sink logit read per head on each side from the reference's scores, named when one
+    is the other's times a constant (the sink scaled like a q.k score), or when one side's rows hold the
+    mass the other's sink takes (the sink's rescale ``sigmoid(lse - sink)`` written with its sign flipped)."""
+    scores = e.ref_trace.tensors.get(e.name.rsplit(".", 1)[0] + ".scores")
+    if scores is None or scores.shape != p_r.shape or scores.dim() != 4:
+        return None
+    # every real query's row (a large sink may leave a row little mass on either side: still a row)
+    real = (s_o > 1e-6) & (s_r > 1e-6) & ((p_o - p_r).abs().amax(-1) > 1e-7)
+    if not bool(real.any()) or float((1 - s_o[real]).min()) < 1e-5 or float((1 - s_r[real]).min()) < 1e-5:
+        return None
+    if rel(p_r * (s_o / s_r)[..., None], p_o) > EXPLAINS:
+        return None
+    if bool(((s_o + s_r - 1)[real].abs() < 1e-4).all()):
+        return Hint(
+            "softmax_sink",
+            "likely the attention sink's rescale with its sign flipped on one side: each row of ours holds the mass "
+            "the other side's sink takes (row sums add up to 1: sigmoid(sink - lse) where sigmoid(lse - sink) is "
+            "meant), the rows otherwise the same",
+            {"row_sums_ours": s_o[real][:6].tolist(), "row_sums_reference": s_r[real][:6].tolist()},
+        )
+    lse = torch.logsumexp(scores.double().masked_fill(~(p_r > 0), -math.inf), -1)
+    ours, ref = _per_head((1 / s_o - 1).log() + lse, real), _per_head((1 / s_r - 1).log() + lse, real)
+    if ours is None or ref is None or bool((ref.abs() < 1e-6).any()):
+        return None
+    ratio = ours / ref
+    k = float(ratio.mean())
+    if float((ratio - k).abs().max()) > 1e-3 * abs(k) or abs(k - 1) < 1e-3:
+        return None
+    return Hint(
+        "softmax_sink",
+        f"likely the attention sink's logit: ours' is the reference's times {k:.6g}{_scale_name(e, k)} in every head "
+        f"(ours {fmt_list(f'{v:.4g}' for v in ours.tolist())}, the reference {fmt_list(f'{v:.4g}' for v in ref.tolist())}): "
+        "a sink scaled like a q.k score where it joins the scaled scores as it is",
+        {"factor": k, "sink_ours": ours.tolist(), "sink_reference": ref.tolist()},
+    )
 
 
 def _padding_dropped(e: Evidence, low: torch.Tensor, rows: torch.Tensor) -> bool | None:
@@ -361,7 +453,8 @@ def constant_ratio(e: Evidence) -> Hint | None:
         return Hint(
             kind,
             f"likely the attention scale (softmax temperature): q and k agree, the pre-softmax scores "
-            f"differ by one factor, ours / reference = {mean:.6g}{_scales(e, mean) or named}",
+            f"differ by one factor, ours / reference = {mean:.6g}{_layer_coefficient(e, mean)}"
+            f"{scale_readings(e, mean) or named}",
             {"ratio": mean, "matches": matched[0][0] if matched else None},
         )
     layer = e.facts.layer(e.result.layer)
@@ -409,6 +502,9 @@ def row_scale(e: Evidence) -> Hint | None:
     if rel(b[rows] * factors[:, None], a[rows]) > EXPLAINS:
         return None  # the factors miss what ours holds where the reference is ~0 (a key the window adds)
     evidence: dict = {"row_factors": factors[:8].tolist()}
+    spans = _qk_norm_span(e)
+    if spans is not None:
+        return spans
     cause = "a per-vector normalisation applied on one side only"
     for label, size in (("unit L2 length", a[rows].norm(dim=-1)), ("unit RMS", a[rows].pow(2).mean(-1).sqrt())):
         ref_size = size / factors
@@ -428,6 +524,34 @@ def row_scale(e: Evidence) -> Hint | None:
     )
 
 
+def _qk_norm_span(e: Evidence) -> Hint | None:
+    """At q_rot (k_rot) behind a per-head QK norm: one factor per (head, token) that is the ratio of one span's
+    RMS to another's, over the reference's projection: the norm's statistic taken over every head's features
+    together (the flat projection) where the other side normalises each head, either side."""
+    stem, letter = e.name.rsplit(".", 1)[0], e.kind[:1]
+    if e.kind not in ("q_rot", "k_rot") or e.ours.dim() != 4:
+        return None
+    proj = e.ref_trace.tensors.get(f"{stem}.{letter}_proj")
+    b, h, s, d = e.ref.shape
+    if proj is None or proj.numel() != b * h * s * d or f"{stem}.{letter}_norm" not in e.ref_trace.tensors:
+        return None
+    x = proj.double().reshape(b, s, h, d)
+    eps = e.facts.norm_eps or 1e-6
+    per_head = (x.pow(2).mean(-1) + eps).rsqrt()  # (b, s, h)
+    flat = (x.pow(2).mean((-1, -2)) + eps).rsqrt()[..., None]  # (b, s, 1)
+    ratio = (e.ours.double().norm(dim=-1) / e.ref.double().norm(dim=-1).clamp_min(1e-300)).transpose(1, 2)
+    for side, expected in (("ours", flat / per_head), ("the reference", per_head / flat)):
+        if rel(ratio, expected) < 1e-4:
+            return Hint(
+                "norm_kind",
+                f"likely the {letter}_norm's statistic over every head's features together in {side} (the flat "
+                f"projection, {h * d} features) where the other side normalises each head ({d}): {e.kind} differs by "
+                "one factor per head and token, the ratio of the two RMS",
+                {"side": side, "span": h * d, "head_dim": d},
+            )
+    return None
+
+
 def channel_ratio(e: Evidence) -> Hint | None:
     """ours / reference constant over tokens for each channel, different across channels."""
     ours, ref = e.ours, e.ref
@@ -443,12 +567,39 @@ def channel_ratio(e: Evidence) -> Hint | None:
     per_channel = ratio.mean(0)
     if float((per_channel - 1).abs().max()) < 1e-3:
         return None
+    rotated = _rotated_dims_scaled(e, per_channel)
+    if rotated is not None:
+        return rotated
     return Hint(
         "channel_scale",
         "likely a per-channel weight difference (a norm weight used as w instead of 1 + w, or a wrong norm "
         f"weight): ours / reference is constant over tokens per channel, e.g. "
         f"{fmt_list(f'{v:.4g}' for v in per_channel[:4].tolist())}",
         {"per_channel": per_channel[:16].tolist()},
+    )
+
+
+def _rotated_dims_scaled(e: Evidence, per_channel: torch.Tensor) -> Hint | None:
+    """q (k) after RoPE whose rotated dims are the reference's times one constant and whose pass-through
+    dims agree, in every head: a factor applied with the rotation (folded into its cos/sin tables) that
+    misses the dims a partial RoPE leaves as they are."""
+    layer = e.facts.layer(e.result.layer)
+    rope = layer.rope if layer is not None else None
+    d = e.ours.shape[-1]
+    rotary = rope.rotary_dim if rope is not None else 0
+    if e.kind not in ("q_rot", "k_rot") or not 0 < rotary < d or per_channel.numel() != d:
+        return None
+    rot, rest = per_channel[:rotary], per_channel[rotary:]
+    c = float(rot.mean())
+    if float((rot - c).abs().max()) > 1e-4 * abs(c) or float((rest - 1).abs().max()) > 1e-4 or abs(c - 1) < 1e-3:
+        return None
+    return Hint(
+        "scale",
+        f"likely a factor applied with RoPE that reaches only its rotated dims: ours' {e.kind[0]} is the reference's "
+        f"times {c:.6g}{_scale_name(e, c)} on the {rotary} rotated dims of each head and agrees on the other "
+        f"{d - rotary} (a scale folded into the cos/sin tables, which partial rotary never applies to the "
+        "pass-through dims)",
+        {"factor": c, "rotary_dim": rotary},
     )
 
 

@@ -27,6 +27,7 @@ from parity.diagnose.hints import Hint
 from parity.diagnose.profile import HEAD_MAJOR, HEAD_MERGED, SEQ_HEADS
 from parity.diagnose.rope import pre_rope
 from parity.diagnose.rope_fit import rotate
+from parity.model.facts_rules import ROTATED_LAST
 
 if TYPE_CHECKING:
     from parity.model.facts import LayerFacts
@@ -72,6 +73,8 @@ def sibling_match(e: Evidence) -> Hint | None:
             continue  # another layer's node: see other_layer
         if not e.close(e.ours, tensor):
             continue
+        if e.kind in ("q_rot", "k_rot") and kind[:2] == e.kind[:2]:
+            continue  # q_rot equal to q_proj or q_norm: RoPE not applied (the rope detectors' case), no swap
         if {e.kind, kind} == {"q_l2norm", "k_l2norm"}:
             return Hint(
                 "swapped_roles",
@@ -406,12 +409,20 @@ def _parts_swapped(e: Evidence, perm: list[int]) -> Hint | None:
         return None
     for first in (rotary, d - rotary):  # ours' first part: as wide as the reference's last
         if set(perm[:first]) == set(range(d - first, d)) and set(perm[first:]) == set(range(d - first)):
+            # the side whose rotated dims sit where the family puts them (MLA: last; partial rotary: first) is right
+            reference_rotated_last = first == rotary
+            side = "ours"
+            if rotary != d - rotary and reference_rotated_last != (ROTATED_LAST in e.facts.features):
+                side = "the reference"
+            other = "the reference" if side == "ours" else "ours"
+            mine, theirs = ("rope, nope", "nope, rope") if (side == "ours") == reference_rotated_last else (
+                "nope, rope", "rope, nope")  # fmt: skip
             return Hint(
                 "qkv_layout",
-                f"likely {e.kind[0]}'s parts concatenated in the other order in ours: its first {first} dims are the "
-                f"reference's last {first}, its last {d - first} the reference's first (cat(rope, nope) where the "
-                "reference builds cat(nope, rope), or the reverse; the other projection in the reference's order)",
-                {"first": first, "permutation": perm[:64]},
+                f"likely {e.kind[0]}'s parts concatenated in the other order in {side}: its first {first if side == 'ours' else d - first} "
+                f"dims are {whose(other)} last, the rest {whose(other)} first (cat({mine}) where {other} builds "
+                f"cat({theirs}); the other projection in {whose(other)} order)",
+                {"first": first, "permutation": perm[:64], "side": side},
             )
     return None
 

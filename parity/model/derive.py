@@ -110,6 +110,9 @@ def derive_facts(config, model=None) -> ArchFacts:
         )
     num_experts = int(_get(config, "num_experts", "num_local_experts", default=0) or 0)
     experts_per_token = int(_get(config, "num_experts_per_tok", default=0) or 0) if num_experts else 0
+    ffn = getattr(config, "ffn_config", None)  # DBRX keeps its MoE sizes in ffn_config
+    if not num_experts and ffn is not None and getattr(ffn, "moe_num_experts", None):
+        num_experts, experts_per_token = int(ffn.moe_num_experts), int(getattr(ffn, "moe_top_k", 0) or 0)
     scalar = _get(config, "query_pre_attn_scalar")
     scalar = float(scalar) if scalar else None
     layers = tuple(
@@ -158,12 +161,29 @@ def derive_facts(config, model=None) -> ArchFacts:
         prefix = find_layer_prefix(model, facts.num_layers)
         if prefix is not None and prefix != facts.layer_prefix:
             facts = replace(facts, layer_prefix=prefix)
+        facts = _from_modules(model, facts)
         if facts.embed_scale is None:  # an embedding module that scales its output (Gemma's ScaledWordEmbedding)
             scale = getattr(dict(model.named_modules()).get(facts.embed_module), "embed_scale", None)
             if isinstance(scale, torch.Tensor) and scale.numel() == 1:
                 scale = float(scale)
             if isinstance(scale, (int, float)) and scale not in (0, 1):
                 facts = replace(facts, embed_scale=float(scale))
+    return facts
+
+
+def _from_modules(model, facts: ArchFacts) -> ArchFacts:
+    """What the reference's modules say where its config names it otherwise (DBRX keeps its embedding at
+    ``transformer.wte`` and its LayerNorms' eps out of the config): the input embedding's path, and a
+    LayerNorm's kind and eps when the config named no eps."""
+    paths = {module: name for name, module in model.named_modules()}
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    path = paths.get(embed) if isinstance(embed, torch.nn.Module) else None
+    if path and path != facts.embed_module and facts.embed_module not in dict(model.named_modules()):
+        facts = replace(facts, embed_module=path)
+    if facts.norm_eps is None:
+        norm = next((m for m in model.modules() if isinstance(m, torch.nn.LayerNorm)), None)
+        if norm is not None:
+            facts = replace(facts, norm_kind="layernorm", norm_eps=float(norm.eps))
     return facts
 
 

@@ -48,6 +48,14 @@ def _cohere(config, facts: ArchFacts) -> ArchFacts:
     return replace(with_layers(facts, rope=rope), norm_kind="layernorm")
 
 
+@rule("exaone4")
+def _exaone4(config, facts: ArchFacts) -> ArchFacts:
+    # Exaone4Attention rotates only on sliding layers when the config has a window (its full layers are NoPE)
+    if not getattr(config, "sliding_window", None):
+        return facts
+    return with_layers(facts, rope=lambda layer: layer.rope if layer.layer_type == SLIDING else None)
+
+
 @rule("gptj", "codegen")
 def _gptj(config, facts: ArchFacts) -> ArchFacts:
     # GPTJAttention / CodeGenAttention rotate interleaved pairs (rotate_every_two) in the first rotary_dim dims
@@ -214,8 +222,32 @@ def _gpt2(config, facts: ArchFacts) -> ArchFacts:
     )
 
 
+#: a feature: the reference multiplies q by the attention scale right after q_proj (fairseq's habit), so its
+#: q (the q_rot node) is already scaled and its scores take no further scale
+Q_PRESCALED = "q scaled after q_proj"
+
+
+@rule("opt", "xglm", "biogpt")
+def _q_prescaled(config, facts: ArchFacts) -> ArchFacts:
+    # OPTAttention, XGLMAttention, BioGptAttention: query_states = q_proj(hidden_states) * scaling
+    return replace(facts, features=frozenset(facts.features | {Q_PRESCALED}))
+
+
+#: a feature: the checkpoint's experts hold gate and up interleaved along their last axis (GPT-OSS's
+#: ``gate_up_proj[..., ::2]`` and ``[..., 1::2]``), so a port de-interleaving them at load reads them right
+GATE_UP_INTERLEAVED = "gate/up interleaved"
+
+
+@rule("gpt_oss")
+def _gpt_oss(config, facts: ArchFacts) -> ArchFacts:
+    return replace(facts, features=frozenset(facts.features | {GATE_UP_INTERLEAVED}))
+
+
 #: a feature: q/k's rotated tail comes from checkpoint rows laid as interleaved pairs (DeepSeek's rope_interleave)
 MLA_INTERLEAVED_ROPE = "MLA rope rows interleaved"
+#: a feature: each q/k head is cat(pass-through, rotated) (MLA's cat(nope, rope)), where partial-rotary
+#: families rotate the first dims (cat(rotated, pass-through))
+ROTATED_LAST = "rotated dims last in each head"
 
 
 @rule("deepseek_v2", "deepseek_v3")
@@ -229,7 +261,8 @@ def _deepseek(config, facts: ArchFacts) -> ArchFacts:
     facts = with_layers(facts, head_dim=lambda layer: width, attention_scale=lambda layer: width**-0.5)
     # rope_interleave: the checkpoint's rope rows hold interleaved pairs, which Transformers reorders into
     # halves before it rotates the tail of each head (apply_rotary_pos_emb_interleave)
-    features = facts.features | ({MLA_INTERLEAVED_ROPE} if getattr(config, "rope_interleave", False) else set())
+    features = facts.features | {ROTATED_LAST}
+    features |= {MLA_INTERLEAVED_ROPE} if getattr(config, "rope_interleave", False) else set()
     routing = {
         name: float(getattr(config, name))
         for name in ("routed_scaling_factor", "n_group", "topk_group", "norm_topk_prob")

@@ -310,6 +310,36 @@ def _kept_weight_axis(func, args, followed: Followed) -> int | None:
     return None
 
 
+def _kept_input_axis(func, args, input_axes: dict[int, tuple[torch.Tensor, int]]) -> int | None:
+    """The input axis of a projection weight a product reads as it is held (no rearranged copy) when the
+    product keeps that axis instead of contracting it (see :meth:`FunctionCapture._absorbs`), else None."""
+    name = op_name(func)
+    if name == "einsum":
+        if not args or not isinstance(args[0], str) or "->" not in args[0] or "." in args[0]:
+            return None
+        inputs, output = args[0].replace(" ", "").split("->")
+        operands = args[1:] if len(args) > 2 else (list(args[1]) if len(args) == 2 else [])
+        for spec, t in zip(inputs.split(","), operands, strict=False):
+            held = input_axes.get(id(t))
+            if held is not None and held[0] is t and len(spec) == t.dim():
+                return held[1] if spec[held[1]] in output else None
+        return None
+    # x @ W contracts W's second-to-last axis, W @ x its last, F.linear(x, W) its input features (axis 1)
+    if name in ("matmul", "__matmul__", "mm", "bmm"):
+        slots = [(args[0], -1), (args[1], -2)] if len(args) >= 2 else []
+    elif name == "__rmatmul__":
+        slots = [(args[0], -2)] if args else []
+    elif name == "linear":
+        slots = [(args[1], 1)] if len(args) >= 2 else []
+    else:
+        return None
+    for t, contracted in slots:
+        held = input_axes.get(id(t)) if isinstance(t, torch.Tensor) else None
+        if held is not None and held[0] is t and t.dim() >= 2:
+            return held[1] if held[1] != contracted % t.dim() else None
+    return None
+
+
 class Heads:
     """``(batch * heads, seq, x)`` (a ``bmm`` over batch and heads folded together) as ``(batch, heads,
     seq, x)`` and back; any other tensor passes as it is."""
@@ -364,8 +394,19 @@ class FunctionCapture(TorchFunctionMode):
         hold_input=None,
         joined=None,
         lookups: frozenset[str] | None = None,
+        input_axes: dict[int, tuple[torch.Tensor, int]] | None = None,
+        forget=None,
     ):
         super().__init__()
+        #: ``id(weight) -> (weight, its axis holding the reference projection's input features)``, for the
+        #: projection weights of ours whose layout says it (:meth:`parity.build.coverage.Source.input_axis`)
+        self.input_axes = input_axes or {}
+        #: ``forget(module)``: drop every node of the reference module ``module`` recorded so far
+        self.forget = forget or (lambda module: None)
+        #: reference module -> why ours never computes its output: a product reads its weight with the input
+        #: features kept (MLA's weight absorption, ``q_nope @ W_UK``): its nodes and its block's attention
+        #: internals are not judged; the nodes after them are
+        self.absorbed: dict[str, str] = {}
         #: the nodes that are a table's lookup (an embedding); None: any table read by index is one
         self.lookups = lookups
         #: ``retract(kind)``: forget what this capture recorded for the running block's node of that kind
@@ -392,6 +433,10 @@ class FunctionCapture(TorchFunctionMode):
         self._scaled: dict[int, tuple[weakref.ref, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]] = {}
         #: the input of the first statistic (mean square, mean, variance) since a norm's weight was applied
         self._statistic: torch.Tensor | None = None
+        #: ``(node, w * x, x)``: a norm's weight applied before any statistic, not recorded yet: a statistic of
+        #: it and a product with a factor per row make the norm's output (``w x / rms(w x)``), anything else
+        #: reads ``w * x`` as it is (:meth:`_weighted_read`)
+        self._weighted: tuple[str, torch.Tensor, torch.Tensor] | None = None
         self.record, self.block, self.params, self.record_param = record, block, params, record_param
         #: the routing of the running MoE block (``moe() -> (path, TopK) | None``), when ours has one
         self.routing = RoutingCapture(record, moe) if moe is not None else None
@@ -420,6 +465,10 @@ class FunctionCapture(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self._weighted is not None and any(a is self._weighted[1] for a in args):
+            normalised, normed = self._weighted_read(func, args, kwargs)
+            if normalised:
+                return normed
         if func is SDPA:
             return self._sdpa(args, kwargs)
         if self._per_axis:
@@ -460,6 +509,10 @@ class FunctionCapture(TorchFunctionMode):
             node = self._param_node(func, operands, vector=True)
             if node is not None:
                 out = func(*args, **kwargs)
+                if self._statistic is None and name in ("mul", "__mul__", "__rmul__") and isinstance(out, torch.Tensor):
+                    # the weight applied before any statistic: the norm may normalise ``w * x`` next
+                    self._weighted = (node, out, next(a for a in args if isinstance(a, torch.Tensor) and a is not None))
+                    return out
                 x, self._statistic = self._statistic, None
                 if x is not None and isinstance(out, torch.Tensor) and x.shape == out.shape:
                     self.hold_input(node, x)  # its input, for the hints (a module's would be kept)
@@ -497,6 +550,8 @@ class FunctionCapture(TorchFunctionMode):
                 self._settle([a for a in args if isinstance(a, torch.Tensor) and self._partial(a) is not None])
         if self.params and name in PRODUCT_NAMES:  # addmm too: TransformerLens' batch_addmm(b_in, W_in, x)
             node = self._param_node(func, args)
+            if node is not None and (node.partition("[")[0] in self.absorbed or self._absorbs(node, func, args)):
+                return func(*args, **kwargs)  # a product of a weight ours absorbed elsewhere: no node's value
             if node is not None:
                 out = func(*args, **kwargs)
                 operands = args[1:] if op_name(func) == "einsum" else args
@@ -714,6 +769,9 @@ class FunctionCapture(TorchFunctionMode):
         for node, out in list(self._unbiased.values()):
             self.record_param(node, out)
         self._unbiased.clear()
+        if self._weighted is not None:  # a norm's weight applied last, nothing read it after
+            self.record_param(self._weighted[0], self._weighted[1])
+            self._weighted = None
 
     def _partial(self, t: torch.Tensor):
         held = self._partials.get(id(t))
@@ -852,6 +910,60 @@ class FunctionCapture(TorchFunctionMode):
             return func(*args, **kwargs)
         return bias * beta + (product if scores is sv else folded.back(scores))
 
+    def _weighted_read(self, func, args, kwargs) -> tuple[bool, torch.Tensor | None]:
+        """An op reading ``w * x`` held by :attr:`_weighted`: a statistic of it leaves it held; a product or a
+        division by a factor per row (``w x * rsqrt(mean((w x)^2) + eps)``) is the norm's output, recorded as
+        the node (its input ``x``); anything else records ``w * x`` itself first (a plain scale by a vector)."""
+        assert self._weighted is not None
+        node, held, x = self._weighted
+        name = op_name(func)
+        if name in STATISTIC_NAMES:
+            return True, func(*args, **kwargs)
+        other = next((a for a in args if isinstance(a, torch.Tensor) and a is not held), None)
+        per_row = other is not None and other.dim() == held.dim() and other.shape[-1] == 1 and held.shape[-1] > 1
+        self._weighted = None
+        if per_row and name in ("mul", "__mul__", "__rmul__", "div", "__truediv__"):
+            out = func(*args, **kwargs)
+            self._statistic = None  # the statistic of w * x was this norm's own
+            self.hold_input(node, x)
+            return True, self.record_param(node, out)
+        recorded = self.record_param(node, held)
+        if recorded is not held:  # isolated mode: the reference's value replaces ours' before it is read
+            args = tuple(recorded if a is held else a for a in args)
+            return True, func(*args, **kwargs)
+        return False, None
+
+    def _absorbs(self, node: str, func, args) -> bool:
+        """Whether this product reads ``node``'s weight (the parameter itself) with its input features kept in
+        the result, contracting its output features instead: the weight absorbed into another operand
+        (DeepSeek's MLA computed as ``q_nope @ W_UK`` against the compressed keys), so ours never computes
+        the reference's projection. Then the projection's nodes are forgotten and no longer recorded, and
+        its running attention block is left alone (its q, k and scores are in another space)."""
+        axis = _kept_input_axis(func, args, self.input_axes)
+        if axis is None:
+            return False
+        module = node.partition("[")[0]
+        equation = f" ({args[0]})" if op_name(func) == "einsum" else ""
+        self.absorbed[module] = (
+            f"ours reads {module.rsplit('.', 1)[-1]}'s weight along its output features{equation}, keeping its "
+            "input features: the weight is absorbed into another product (MLA's q @ W_UK), so ours never "
+            "computes this projection; not judged, nor its attention block's internals; the nodes after them are"
+        )
+        self.forget(module)
+        running = self.block()
+        if running is not None:
+            self._leave_alone(running[0])
+        return True
+
+    def _leave_alone(self, block: str) -> None:
+        """Retract what was captured for ``block``'s attention internals and capture nothing more of it."""
+        self._chunked.add(block)
+        self._pending.pop(block, None)
+        self._after_probs.discard(block)
+        self._scored.pop(block, None)
+        for kind in ("scores", "probs", "context", "q_rot", "k_rot"):
+            self.retract(kind)
+
     def _chunk_of(self, block: str, q: torch.Tensor) -> bool:
         """Whether this ``q @ k^T`` reads queries a product of this block read before in this forward:
         attention computed over chunks of the keys (flash-style, an online softmax). Its scores,
@@ -859,12 +971,7 @@ class FunctionCapture(TorchFunctionMode):
         nodes stay untapped, not failed) and nothing more is captured for it."""
         seen = self._queries.setdefault(block, [])
         if any(ref() is q for ref in seen):
-            self._chunked.add(block)
-            self._pending.pop(block, None)
-            self._after_probs.discard(block)
-            self._scored.pop(block, None)
-            for kind in ("scores", "probs", "context", "q_rot", "k_rot"):
-                self.retract(kind)
+            self._leave_alone(block)
             return True
         seen.append(weakref.ref(q))
         return False

@@ -21,6 +21,7 @@ to it, zero elsewhere, ``(tokens, hidden)``.
 
 from __future__ import annotations
 
+import inspect
 import re
 import sys
 import weakref
@@ -116,6 +117,8 @@ class ExpertEvidence:
     index: int
     x: torch.Tensor
     rows: torch.Tensor
+    #: ``run(module, x, chosen, weights)``: the class's own (eager) forward, for an expert of another layout
+    run: Any = None
 
     def output(
         self, j: int, swap_halves: bool = False, interleaved: bool = False, down_transposed: bool = False
@@ -130,8 +133,14 @@ class ExpertEvidence:
             or not getattr(m, "is_concatenated", True)
             or getattr(m, "has_bias", False)
             or not getattr(m, "has_gate", True)
+            or not hasattr(m, "gate_up_proj")
         ):
-            return None
+            if self.run is None or swap_halves or interleaved or down_transposed:
+                return None
+            # another layout (GPT-OSS's clamped SwiGLU with biases, DBRX's stacked w1/v1/w2): the class's forward
+            with torch.no_grad():
+                alone = _expert_alone(self.run, m, self.x[self.rows], torch.ones(len(self.rows), dtype=torch.bool), j)
+            return alone.double()
         fused = m.gate_up_proj[j].detach().double()
         gate, up = (fused[0::2], fused[1::2]) if interleaved else fused.chunk(2, dim=0)
         if swap_halves:
@@ -166,6 +175,13 @@ def parity_experts(module, hidden_states, top_k_index, top_k_weights):
     """
     eager = _eager_experts(module)
     output = eager(module, hidden_states, top_k_index, top_k_weights)
+    _record_experts(module, eager, hidden_states, top_k_index, top_k_weights)
+    return output
+
+
+def _record_experts(module, eager, hidden_states, top_k_index, top_k_weights) -> None:
+    """Each wanted expert's output node ``<path>.<e>`` and its evidence (see :func:`parity_experts`);
+    ``eager(module, hidden_states, chosen, weights)``: the class's own forward."""
     trace = active_trace()
     path = _paths.get(module)
     if trace is not None and path is not None:
@@ -177,11 +193,61 @@ def parity_experts(module, hidden_states, top_k_index, top_k_weights):
             if name in trace.wanted:
                 chosen = top_k_index == e
                 only = torch.where(chosen, top_k_index, torch.full_like(top_k_index, sentinel))
-                trace.add(name, eager(module, hidden_states, only, ones))
+                try:
+                    alone = eager(module, hidden_states, only, ones)
+                except (RuntimeError, IndexError):  # a class that takes no sentinel (GPT-OSS's one_hot over experts)
+                    alone = _expert_alone(eager, module, hidden_states, chosen.any(-1), e)
+                trace.add(name, alone)
                 if name not in trace.extras:
-                    x = hidden_states.detach().to("cpu", copy=True) if x is None else x
-                    trace.extras[name] = ExpertEvidence(module, e, x, chosen.any(-1).nonzero().flatten().cpu())
-    return output
+                    x = (
+                        hidden_states.detach().reshape(-1, hidden_states.shape[-1]).to("cpu", copy=True)
+                        if x is None
+                        else x
+                    )
+                    routed = chosen.reshape(-1, chosen.shape[-1]).any(-1).nonzero().flatten().cpu()
+                    trace.extras[name] = ExpertEvidence(module, e, x, routed, eager)
+
+
+#: the experts modules :func:`_hooks_experts` hooked (once each)
+_HOOKED_EXPERTS: weakref.WeakSet = weakref.WeakSet()
+
+
+def _experts_hook(module, args, kwargs, output) -> None:
+    """A forward hook on an experts module whose class takes no experts implementation (DBRX's): each
+    expert's output recorded as :func:`parity_experts` does, from the class's own forward."""
+    values = [*args, *kwargs.values()]
+    if len(values) >= 3 and all(isinstance(v, torch.Tensor) for v in values[:3]):
+        with torch.no_grad():
+            _record_experts(module, type(module).forward, *values[:3])
+
+
+def _hooks_experts(reference: nn.Module) -> None:
+    """:func:`_experts_hook` on every experts module (a class named ``...Experts``) that no experts
+    implementation dispatches and whose forward takes ``(hidden_states, chosen, weights)``."""
+    for module in reference.modules():
+        forward = type(module).forward
+        if not type(module).__name__.endswith("Experts") or hasattr(forward, "__wrapped__"):
+            continue
+        try:
+            names = [n for n in inspect.signature(forward).parameters if n != "self"]
+        except (TypeError, ValueError):
+            continue
+        if len(names) == 3 and module not in _HOOKED_EXPERTS:
+            module.register_forward_hook(_experts_hook, with_kwargs=True)
+            _HOOKED_EXPERTS.add(module)
+
+
+def _expert_alone(eager, module, hidden_states: torch.Tensor, routed: torch.Tensor, e: int) -> torch.Tensor:
+    """Expert ``e``'s unweighted output on the tokens ``routed`` to it (zero on the others), from the class's
+    eager forward run on those tokens alone, each choosing ``e`` only with weight 1."""
+    rows = routed.nonzero().flatten()
+    x = hidden_states.reshape(-1, hidden_states.shape[-1])
+    out = torch.zeros_like(x)
+    if rows.numel():
+        index = torch.full((rows.numel(), 1), e, dtype=torch.long, device=x.device)
+        weights = torch.ones(rows.numel(), 1, dtype=x.dtype, device=x.device)
+        out[rows] = eager(module, x[rows], index, weights).reshape(rows.numel(), -1)
+    return out.reshape(hidden_states.shape)
 
 
 @dataclass(frozen=True)
@@ -254,5 +320,6 @@ def install(reference: nn.Module) -> None:
 
         ExpertsInterface.register(EXPERTS_IMPLEMENTATION, parity_experts)
         model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+    _hooks_experts(reference)
     for name, module in reference.named_modules():
         _paths[module] = name

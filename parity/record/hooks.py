@@ -112,6 +112,9 @@ def split_path(path: str) -> tuple[str, bool, int | None]:
 READ_SHARE = "read_share"
 #: ``Trace.extras`` key: node -> ``(reduction, parts)`` of partial products reduced otherwise than summed
 PARTS_REDUCED = "parts_reduced"
+#: ``Trace.extras`` key: reference module -> why ours never computes its output (its weight absorbed into
+#: another product, :meth:`~parity.record.functional.FunctionCapture._absorbs`)
+ABSORBED = "absorbed"
 
 
 @dataclass
@@ -239,6 +242,13 @@ def _retract_captured(rec: _Recording, name: str) -> None:
     node = _tap_node(rec, name)
     if node is not None and node in rec.captured:
         rec.captured.pop(node)
+        rec.trace.retract(node)
+
+
+def _forget_module(rec: _Recording, module: str) -> None:
+    """Forget every node of the reference module ``module`` (``module`` or ``module[...]``, its parts)
+    recorded so far in this forward."""
+    for node in [n for n in rec.trace.wanted if n == module or n.startswith(module + "[")]:
         rec.trace.retract(node)
 
 
@@ -371,6 +381,7 @@ def recording(
     functional_siblings: dict[str, list[str]] | None = None,
     functional_lookups: frozenset[str] | None = None,
     functional_blocks: dict[str, tuple[str, bool]] | None = None,
+    functional_input_axes: dict[int, tuple[torch.Tensor, int]] | None = None,
 ) -> Iterator[Trace]:
     """Hook ``model`` for the duration of the block and yield the Trace being filled.
 
@@ -399,6 +410,8 @@ def recording(
     (an op reading that weight counts only while the module is not running). ``functional_blocks``: node
     read in a function -> (the :data:`FUNCTIONS` tap path of the attention block it belongs to, whether it
     is that block's last projection): the block's taps are recorded between the two.
+    ``functional_input_axes``: ``id(weight) -> (weight, the axis holding its projection's input features)``:
+    a product keeping that axis absorbs the weight (:data:`ABSORBED`).
     """
     transforms, inverses = transforms or {}, inverses or {}
     trace = Trace() if into is None else into
@@ -524,6 +537,8 @@ def recording(
             hold_input=lambda node, x: _hold_functional_input(trace, node, x),
             joined=lambda tensors, out: _joined(rec, tensors, out),
             lookups=_lookup_capable(functional_lookups, functional_siblings),
+            input_axes=functional_input_axes,
+            forget=lambda module: _forget_module(rec, module),
         )
     try:
         with capture:
@@ -538,6 +553,9 @@ def recording(
         reductions = getattr(capture, "reductions", None)
         if reductions:
             trace.extras[PARTS_REDUCED] = dict(reductions)
+        absorbed = getattr(capture, "absorbed", None)
+        if absorbed:
+            trace.extras[ABSORBED] = dict(absorbed)
         _ACTIVE.reset(token)
         for handle in handles:
             handle.remove()

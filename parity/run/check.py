@@ -22,7 +22,7 @@ from parity.model.pair import Pair
 from parity.report.result import CheckResult
 from parity.run.options import CheckOptions
 from parity.run.plan import Run, decode_chunk_notes, decode_window_notes, plan
-from parity.run.positions import derived_positions_note
+from parity.run.positions import unpositioned_result
 from parity.run.stages import (
     analyse,
     borrow_isolated_hint,
@@ -166,6 +166,9 @@ def check(
         result = check_semantic(pair, run, _forward_notes(pair, run) + coverage_notes(coverage), coverage)
     else:
         result = _check_forward(pair, run)
+    unpositioned = unpositioned_result(pair, run, len(result.nodes))
+    if unpositioned is not None:  # a forward without position_ids: after every node of the check itself
+        result = replace(result, nodes=(*result.nodes, unpositioned))
     if run.options.backward or run.options.causality:  # training parity, after the forward it needs
         from parity.run.backward import check_backward
 
@@ -197,16 +200,15 @@ def _require_mask_argument(pair: Pair, run: Run) -> None:
 
 def _forward_notes(pair: Pair, run: Run) -> list[str]:
     """What a forward check says before its nodes: the run's notes, positions a model without
-    position_ids cannot follow, every config field ours holds otherwise than the reference."""
+    position_ids cannot follow (a model that takes them and derives others when given none fails a node of
+    its own, :func:`~parity.run.positions.unpositioned_result`), every config field ours holds otherwise than
+    the reference."""
     notes = list(run.notes)
     if run.attention_mask is not None and not forward_accepts(pair.ours, "position_ids"):
         notes.append(
             "ours takes no position_ids: it gets the mask only, while the reference rotates each padded row "
             "by positions counted over its real tokens (as generation does)"
         )
-    derived = derived_positions_note(pair, run)
-    if derived is not None:
-        notes.append(derived)
     pad = unjudged_padding(pair, run)
     if pad is not None:
         rows = ", ".join(f"row {b}: {int(n)}" for b, n in enumerate(pad.sum(1).tolist()) if n)

@@ -1,16 +1,21 @@
 """Positions a user's model derives itself: a padded check hands both models ``position_ids`` counted over
 each row's real tokens (as ``generate`` does), so a model that computes them otherwise when none are
 given (an ``arange`` over the padding) agrees in the check and differs in a generation loop that passes
-none. One more forward of each side without them tells: the reference's logits stay where it derives
-its positions from the mask itself (OPT, GPT-Neo's own ``generate`` path), and then ours' must too."""
+none. One more forward of each side without them tells: ours must then give what it gives with the mask's
+positions (it derives them itself) or what the reference gives without them (its own default); anything
+else fails as one more node after the check's own (:data:`UNPOSITIONED`)."""
 
 from __future__ import annotations
 
 import inspect
+from dataclasses import replace
 
 import torch
 
-from parity.model.pair import Pair
+from parity.compare.results import NodeResult, compare_node
+from parity.compare.tolerances import Tolerances
+from parity.diagnose.hints import Hint
+from parity.model.pair import NodeSpec, Pair
 from parity.record.trace import first_tensor
 from parity.run.plan import Run
 from parity.run.stages import device_of, on_device
@@ -29,11 +34,19 @@ def _defaults_position_ids(model) -> bool:
     return param is not None and param.default is not inspect.Parameter.empty
 
 
-def derived_positions_note(pair: Pair, run: Run) -> str | None:
-    """A note when ours, called without ``position_ids`` on the run's left-padded batch, moves its logits at
-    real tokens while the reference's stay (the reference derives the positions from the mask; ours
-    derives others): a bug the check itself, which passes ``position_ids``, never runs. None otherwise
-    (no padding, a family pair, a model that needs position_ids, or one whose forward is not repeatable)."""
+#: the node a forward without position_ids fails as (after every node of the check itself)
+UNPOSITIONED = "logits (without position_ids)"
+
+
+def unpositioned_result(pair: Pair, run: Run, index: int) -> NodeResult | None:
+    """A failing node when ours, called without ``position_ids`` on the run's left-padded batch (as a
+    generation loop that passes none), gives at real tokens neither what it gives with the mask's positions
+    (it derives them from the mask) nor what the reference gives without them (it follows the reference's own
+    default): a bug the check itself, which passes ``position_ids``, never runs (an arange over the padding
+    where the reference derives them; q and k rotated at positions derived two ways; rows rolled back the
+    wrong way around a right-padding kernel). Compared with the reference at the mask's positions, at index
+    ``index``. None otherwise (no padding, a family pair, a model that needs position_ids, or one whose
+    forward is not repeatable)."""
     mask = run.attention_mask
     if not pair.alignment or mask is None or not bool((mask == 0).any()) or not _defaults_position_ids(pair.ours):
         return None
@@ -55,16 +68,29 @@ def derived_positions_note(pair: Pair, run: Run) -> str | None:
     if ref_with is None or ref_without is None or ours_with is None or again is None or ours_without is None:
         return None
     scale = float(ref_with.abs().max()) or 1.0
-    if not torch.equal(ours_with, again):
+    if not torch.equal(ours_with, again) or ours_without.shape != ref_without.shape:
         return None  # ours is not repeatable (a dropout left on): a difference says nothing about positions
-    ref_moved = float((ref_without - ref_with).abs().max())
-    ours_moved = float((ours_without - ours_with).abs().max())
-    if ref_moved > STILL * scale or ours_moved <= MOVED * scale:
+    from_mask = float((ours_without - ours_with).abs().max())
+    as_reference = float((ours_without - ref_without).abs().max())
+    if min(from_mask, as_reference) <= MOVED * scale:
         return None
-    return (
-        f"positions: called without position_ids on this padded batch (as a generation loop that passes none), "
-        f"ours moves its logits by up to {ours_moved:.3g} at real tokens while the reference's stay within "
-        f"{ref_moved:.2g}: the reference's result does not depend on them (it derives each row's positions from the "
-        "attention mask, or its RoPE is relative to them), ours derives others (an arange over the padding, or q "
-        "and k rotated at positions derived two ways?); the check passes position_ids, so its nodes cannot show this"
+    ref_moved = float((ref_without - ref_with).abs().max())
+    reference = (
+        "the reference's stay (it derives each row's positions from the attention mask, or its RoPE is relative to "
+        "them)"
+        if ref_moved <= STILL * scale
+        else f"the reference's own default moves its logits by {ref_moved:.3g}, and ours' differ from those by "
+        f"{as_reference:.3g}"
     )
+    spec = NodeSpec(UNPOSITIONED, UNPOSITIONED, reference="", kind="logits")
+    result = compare_node(spec, index, ours_without, ref_with, Tolerances(atol=0.0, rtol=0.0))
+    hint = Hint(
+        "position_offset",
+        f"likely the positions ours derives when given none: called without position_ids on this padded batch, "
+        f"ours moves its logits by up to {from_mask:.3g} at real tokens while {reference}: ours derives other "
+        "positions (an arange over the padding, q and k rotated at positions derived two ways) or moves its rows "
+        "otherwise (padding rolled to the right and back by the wrong shift); the check's own nodes pass "
+        "position_ids, so only this call shows it",
+        {"moved": from_mask, "from_reference": as_reference, "reference_moved": ref_moved},
+    )
+    return replace(result, hint=hint, detail=f"ours called without position_ids, at real tokens; {result.detail}")

@@ -177,11 +177,19 @@ def _pair64(pair: Pair) -> tuple[Pair, str | None]:
         if not isinstance(rebuilt, str):
             ours64, ref64 = rebuilt
             return replace(
-                pair, ours=ours64, reference=ref64, dtype=torch.float64, loading=Loading(), exact=False
+                pair, ours=ours64, reference=ref64, dtype=torch.float64, loading=_names_only(pair.loading), exact=False
             ), None
         why = rebuilt
     ours64, ref64 = float64_models(pair.ours, pair.reference)
-    return replace(pair, ours=ours64, reference=ref64, dtype=torch.float64, loading=Loading(), exact=False), why
+    return replace(
+        pair, ours=ours64, reference=ref64, dtype=torch.float64, loading=_names_only(pair.loading), exact=False
+    ), why
+
+
+def _names_only(loading: Loading) -> Loading:
+    """What the float64 pair keeps of loading: coverage, which says by parameter name how ours holds each
+    tensor (the rebuilt model has the same names), not the float32 tensors nor their storage."""
+    return Loading(coverage=loading.coverage)
 
 
 def _merge(semantic: list[NodeResult], precision: list[NodeResult]) -> list[NodeResult]:

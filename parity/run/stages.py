@@ -44,6 +44,7 @@ DIAGNOSIS_INPUT_KINDS = (
     "qkv",  # MPT's Wqkv, Phi-3's qkv_proj
     "W_pack",  # Baichuan's fused q/k/v
     "gate",  # a MoE router
+    "router",  # GPT-OSS's and DBRX's MoE router (its bias: the choice's, or the weights' too)
     "norm",
     "c_attn",
     "ln_",  # GPT-2's Conv1D projections and LayerNorms
@@ -219,6 +220,7 @@ def ours_recording(pair: Pair) -> dict:
             key = key_of.get(id(p))
             if p.dim() == 1 and key is not None and key not in biases and key not in functional:
                 biases[key] = ""
+    input_axes = _input_axes(pair, params, ref_modules)
     # attention blocks ours computes in functions only: each opens when one of its projections is read and
     # closes with its last
     blocks: dict[str, tuple[str, bool]] = {}
@@ -247,12 +249,33 @@ def ours_recording(pair: Pair) -> dict:
         functional_owners=owners or None,
         functional_siblings=siblings or None,
         functional_blocks=blocks or None,
+        functional_input_axes=input_axes or None,
         functional_lookups=frozenset(
             n.name
             for n in pair.nodes
             if n.ours.startswith("param:") and isinstance(ref_modules.get(n.reference_path), torch.nn.Embedding)
         ),
     )
+
+
+def _input_axes(pair: Pair, params: dict, ref_modules: dict) -> dict[int, tuple[torch.Tensor, int]]:
+    """``id(weight) -> (weight, its axis holding the input features)`` for each of ours' parameters that a
+    node reads in a function as a reference ``nn.Linear``'s weight, where loader coverage says that axis
+    (every checkpoint tensor it holds agreeing)."""
+    coverage = pair.loading.coverage
+    out: dict[int, tuple[torch.Tensor, int]] = {}
+    if coverage is None:
+        return out
+    for n in pair.nodes:
+        weight = n.ours[len("param:") :].partition("+")[0] if n.ours.startswith("param:") else ""
+        held = params.get(weight)
+        if held is None or not isinstance(ref_modules.get(n.reference_path), torch.nn.Linear):
+            continue
+        axes = {s.input_axis(held.dim(), 2) for s in coverage.sources.get(weight, []) if s.key.endswith(".weight")}
+        axis = axes.pop() if len(axes) == 1 else None
+        if axis is not None:
+            out[id(held)] = (held, axis)
+    return out
 
 
 def trace_ours(
@@ -440,7 +463,8 @@ def compare_run(pair: Pair, run: Run, ours: Trace, ref: Trace, tolerances: Toler
     if bad is not None and undiagnosed(bad) is None:
         spec = next((n for n in pair.nodes if n.name == bad.name), None)
         hint = diagnose(bad, ours, ref, pair.facts, run.position_ids, run.attention_mask, spec)
-        results[bad.index] = replace(bad, hint=hint or never_read_before(results, bad))
+        hint = hint or never_read_before(results, bad) or untapped_before(results, bad, pair.facts)
+        results[bad.index] = replace(bad, hint=hint)
     return results
 
 
@@ -461,6 +485,31 @@ def never_read_before(results: list[NodeResult], bad: NodeResult) -> Hint | None
         f"likely {names} skipped in ours: the reference runs it, ours never read its weight in this forward, and "
         f"{bad.name} is the first node after it to differ",
         {"side": "ours", "never_read": [r.name for r in skipped]},
+    )
+
+
+def untapped_before(results: list[NodeResult], bad: NodeResult, facts) -> Hint | None:
+    """The failure is the first node after a stretch ours left untapped (a block computed in functions
+    nothing taps or aligns: JetMoE's mixture of attention heads), the nodes before it agree: the difference
+    enters inside that block, named as the component when no detector named a cause."""
+    before = results[: bad.index]
+    last_ok = max((r.index for r in before if r.passed), default=-1)
+    stretch = [r.name for r in before[last_ok + 1 :] if r.status == UNTAPPED]
+    if not stretch or len(stretch) != len(before[last_ok + 1 :]):
+        return None
+    inner = [n for n in stretch if facts.locate(n)[1] != "layer"] or stretch  # a layer's own output: its end
+    common: list[str] = []
+    for pieces in zip(*(n.rsplit(".", 1)[0].split(".") for n in inner), strict=False):
+        if len(set(pieces)) != 1:
+            break
+        common.append(pieces[0])
+    block = ".".join(common) if common else inner[-1].rsplit(".", 1)[0]
+    return Hint(
+        "untapped_block",
+        f"likely inside {block}: the nodes before it agree, every node of it is untapped in ours ({len(stretch)}: "
+        f"computed in functions nothing taps or aligns, e.g. {stretch[0]}), and {bad.name} is the first node after "
+        "it to differ; tap its internals (parity.tap) to be told where",
+        {"block": block, "untapped": stretch[:8]},
     )
 
 

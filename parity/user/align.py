@@ -52,10 +52,10 @@ from parity.build.coverage import (
     Source,
 )
 from parity.model.facts import ArchFacts
-from parity.model.facts_rules import MLA_INTERLEAVED_ROPE
+from parity.model.facts_rules import MLA_INTERLEAVED_ROPE, Q_PRESCALED
 from parity.model.pair import NodeSpec
 from parity.record.functional import StorageKey, first_reads, storage_keys
-from parity.record.hf_capture import POSITION_TABLES, SUFFIXES
+from parity.record.hf_capture import FUSED_QKV, POSITION_TABLES, SUFFIXES
 from parity.record.hooks import FUNCTIONS, LAYOUTS
 from parity.record.ops import LOOKUP, PRODUCT
 from parity.record.routing import CHOICES, WEIGHTS, ExpertRows, TopK, is_router
@@ -128,6 +128,9 @@ class Layout:
     expanded: int = 0
     #: ours' order of each head's dims (None: the reference's)
     dims: tuple[int, ...] | None = None
+    #: the constant ours' q (k) holds the reference's times: a scale folded into its projection at load
+    #: (the attention scale in q_proj's weight and bias), compared divided by it
+    scale: float = 1.0
 
     def with_layout(self, layout: str) -> Layout:
         """This layout with the tap's declared ``layout``; raises ParityError for an unknown one."""
@@ -188,6 +191,7 @@ class Layout:
                 t = t.unflatten(-1, (self.heads, self.head_dim)).transpose(1, 2)
             if self.expanded and t.dim() == 4 and t.shape[1] == self.expanded != self.heads:
                 t = _kv_heads(t, self.heads)
+            t = t if self.scale == 1.0 else t / self.scale
             return t if self.dims is None else t[..., list(self.dims)]
         if self.kind == "context":
             if layout == "bhsd":
@@ -205,6 +209,8 @@ class Layout:
         complex_, layout = self._steps(current)
         if self.kind in ("q_rot", "k_rot") and self.dims is not None:
             ref = ref[..., torch.tensor(self.dims).argsort().tolist()]
+        if self.kind in ("q_rot", "k_rot") and self.scale != 1.0:
+            ref = ref * self.scale
         if self.kind in ("q_rot", "k_rot") and self.expanded:
             wide = current.shape[2] if layout == "bshd" else current.shape[1] if layout != "bsf" else 0
             if wide == self.expanded != self.heads:
@@ -720,10 +726,17 @@ class _Aligner:
                 if suffix in ("q_rot", "k_rot")
                 else None
             )
+            if dims is None and suffix in ("q_rot", "k_rot"):
+                dims = self._fused_head_dims(att, head_dim)
             if dims is None and suffix in ("q_rot", "k_rot") and MLA_INTERLEAVED_ROPE in self.facts.features:
                 dims = self._mla_dims(att, suffix, head_dim, layer.rope.rotary_dim if layer and layer.rope else 0)
             expanded = self.facts.num_heads if suffix == "k_rot" and self.facts.num_heads != heads else 0
-            layout = Layout(suffix, heads, head_dim, expanded=expanded, dims=dims)
+            folded = (  # a scale folded into ours' q_proj, which the reference applies in its scores
+                self._folded_scale(f"{att}.{'k_proj' if suffix == 'k_rot' else 'q_proj'}")
+                if dims is None and Q_PRESCALED not in self.facts.features
+                else 1.0
+            )
+            layout = Layout(suffix, heads, head_dim, expanded=expanded, dims=dims, scale=folded)
             tap = f"{FUNCTIONS}{att}.{suffix}" if functions else f"{our_att}.{suffix}"
             detail = (
                 f"what ours computes between running (or reading the weight of) {att}'s first projection and its last"
@@ -832,6 +845,14 @@ class _Aligner:
                     f"common ancestor of the modules aligned under {base}",
                 )
         if base in self.functional and not is_input:
+            stacked = getattr(self.ref_modules.get(base), "weight", None)
+            if isinstance(stacked, torch.Tensor) and stacked.dim() == 3:
+                return self._unaligned(
+                    spec,
+                    f"{base} holds every expert's weight stacked {tuple(stacked.shape)}: its output is the "
+                    "reference's tokens in its own dispatch order (sorted by expert), which ours' products need not "
+                    "follow; the block's output is compared",
+                )
             param, source = self.functional[base]
             scale = self.facts.embed_scale
             if base == self.facts.embed_module and scale not in (None, 1.0) and source.how != SCALED:
@@ -890,7 +911,7 @@ class _Aligner:
 
     def _moe(self, spec: NodeSpec) -> tuple[NodeSpec, Aligned] | None:
         """The router's choices and weights, or one expert's output; None for any other node."""
-        if spec.kind in (CHOICES, WEIGHTS) and "#" in spec.reference_path:
+        if spec.kind in (CHOICES, WEIGHTS) and ("#" in spec.reference_path or "@" in spec.reference_path):
             return self._routing(spec)
         parent, _, index = spec.reference_path.rpartition(".")
         if index.isdigit() and parent in self.ref_modules and self._part_keys(parent):
@@ -900,7 +921,7 @@ class _Aligner:
     def _routing(self, spec: NodeSpec) -> tuple[NodeSpec, Aligned]:
         """A router output the reference's router module returns and ours computes in functions: a tap
         under ours' MoE block, filled from torch.topk and what follows (:mod:`parity.record.routing`)."""
-        block = spec.reference_path.split("#")[0].rpartition(".")[0]
+        block = spec.reference_path.split("#")[0].split("@")[0].rpartition(".")[0]
         our_block = self.container(block)
         if our_block is None:
             return self._unaligned(spec, f"MoE block {block}: {self.why.get(block, 'not found in ours')}")
@@ -1015,6 +1036,10 @@ class _Aligner:
         the reference's rows permuted the same way within every head (interleaved RoPE on Meta's
         layout): ``ref[..., i] = ours[..., dims[i]]``; None when ours keeps the reference's order."""
         hit = self.leaf(projection) if projection in self.ref_modules else None
+        if hit is None and projection in self.ref_modules:  # a weight ours reads in a function (``x @ self.wq``)
+            weight = getattr(self.ref_modules[projection], "weight", None)
+            held = self._held(weight) if isinstance(weight, torch.Tensor) else []
+            hit = held[0] if len(held) == 1 else None
         if hit is None or hit[1].how != ROWS or hit[1].rows is None:
             return None
         rows = list(hit[1].rows)
@@ -1027,6 +1052,40 @@ class _Aligner:
         if len(set(heads)) != 1 or sorted(heads[0]) != list(range(head_dim)) or heads[0] == tuple(range(head_dim)):
             return None
         return heads[0]
+
+    def _folded_scale(self, projection: str) -> float:
+        """The named constant ours' weight of ``projection`` (q_proj, k_proj) holds the reference's times (a
+        scale folded in at load, :data:`~parity.build.coverage.SCALED`), else 1."""
+        weight = getattr(self.ref_modules.get(projection), "weight", None)
+        held = self._held(weight) if isinstance(weight, torch.Tensor) else []
+        scales = {float(s.scale) for _, s in held if s.how == SCALED and s.scale}
+        return scales.pop() if len(scales) == 1 and len(held) == 1 else 1.0
+
+    def _fused_head_dims(self, att: str, head_dim: int) -> tuple[int, ...] | None:
+        """:meth:`_head_dims` for a reference whose q/k/v are one fused projection (CodeGen's model-parallel
+        blocks, NeoX's per-head triples): ours' parameters cut from it, each holding every head's
+        ``head_dim`` rows as one contiguous run of the fused rows, all permuted the same way within every
+        head (q and k reordered at load for another RoPE pairing; v, kept in order, says nothing). None when
+        no part is permuted so, or two disagree."""
+        module = next((self.ref_modules[f"{att}.{n}"] for n in FUSED_QKV if f"{att}.{n}" in self.ref_modules), None)
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.Tensor):
+            return None
+        found: set[tuple[int, ...]] = set()
+        for _, source in self._held(weight):
+            rows = list(source.rows) if source.how == PART and source.rows else []  # ours' row j: the key's rows[j]
+            if not rows or len(rows) % head_dim:
+                return None
+            heads = [rows[h : h + head_dim] for h in range(0, len(rows), head_dim)]
+            if any(max(run) - min(run) != head_dim - 1 for run in heads):
+                return None  # a head's dims not one run of the fused rows: a layout this cannot read
+            orders = {tuple(r - min(run) for r in run) for run in heads}
+            if len(orders) != 1:
+                return None
+            order = orders.pop()  # ours' dim j of a head holds the reference's dim order[j]
+            if order != tuple(range(head_dim)):
+                found.add(tuple(sorted(range(head_dim), key=order.__getitem__)))
+        return found.pop() if len(found) == 1 else None
 
     def _mla_dims(self, att: str, suffix: str, head_dim: int, rotary: int) -> tuple[int, ...] | None:
         """DeepSeek's q/k (multi-head latent attention) with ``rope_interleave``: Transformers reorders each

@@ -30,6 +30,7 @@ from parity.build.builder import (
 )
 from parity.build.coverage import loader_coverage
 from parity.build.reference import resolve_reference
+from parity.model.facts_rules import GATE_UP_INTERLEAVED
 from parity.model.pair import Loading, Pair, PairSource, fingerprints
 from parity.report.result import CheckResult
 from parity.run.check import check
@@ -310,6 +311,7 @@ def build_user_pair(
         by_design=ref.by_design,
         copies_break_ties=False,
         constants=ref.facts.named_constants(),
+        interleaved=GATE_UP_INTERLEAVED in ref.facts.features,
     )
     if coverage.unused:
         raise ParityError(unplaced_message(coverage, model))

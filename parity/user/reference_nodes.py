@@ -5,6 +5,9 @@ experts, and what the forward returns). Used where no family builds the pair: a 
 
 from __future__ import annotations
 
+import inspect
+
+import torch
 from torch import nn
 
 from parity.model.facts import ArchFacts
@@ -17,32 +20,71 @@ def _is_attention(module: nn.Module) -> bool:
     return type(module).__name__.endswith("Attention") and any(hasattr(module, n) for n in OUTPUT_PROJECTIONS)
 
 
-def _moe_parts(module: nn.Module) -> tuple[str, str, int] | None:
-    """``(router child, experts child, experts)`` of a mixture-of-experts block: a router returning
-    ``(logits, weights, chosen experts)`` (Transformers 5's ``...TopKRouter``: Mixtral, Qwen3-MoE) beside
-    an experts module holding every expert's weights stacked (``gate_up_proj`` ``(experts, 2 I, H)``)."""
+def _router_weight(router: nn.Module) -> torch.Tensor | None:
+    """A router's weight ``(experts, hidden)``: its own, or its one linear layer's (DBRX's ``router.layer``)."""
+    weight = getattr(router, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        return weight
+    linears = [m for m in router.modules() if isinstance(m, nn.Linear)]
+    return linears[0].weight if len(linears) == 1 else None
+
+
+def _moe_parts(module: nn.Module) -> tuple[str, str, int, tuple[str, str] | None] | None:
+    """``(router child, experts child, experts, routing arguments)`` of a mixture-of-experts block: a router
+    (Transformers 5's ``...TopKRouter``: Mixtral, Qwen3-MoE, GPT-OSS, returning ``(logits, weights, chosen
+    experts)``; or DBRX's, returning the logits, the block choosing) beside an experts module holding every
+    expert's weights stacked (``gate_up_proj`` ``(experts, 2 I, H)``, GPT-OSS's biases ``(experts, 2 I)``
+    beside them; DBRX's ``mlp.w1`` ``(experts * I, H)`` in a child). ``routing arguments``: for a router that
+    returns its logits alone, the names of the experts' forward arguments holding the chosen experts and
+    their weights (read there); None when the router returns them."""
     children = dict(module.named_children())
     router = next((n for n, c in children.items() if is_router(c)), None)
-    weight = getattr(children.get(router), "weight", None) if router else None
-    if router is None or not isinstance(weight, nn.Parameter) or weight.dim() != 2:
+    weight = _router_weight(children[router]) if router else None
+    if router is None or weight is None:
         return None
     experts = weight.shape[0]
+    own_weight = getattr(children[router], "weight", None) is weight
     for name, child in children.items():
+        if name == router:
+            continue
         own = list(child.parameters(recurse=False))
-        if name != router and own and all(p.dim() == 3 and p.shape[0] == experts for p in own):
-            return router, name, experts
+        # every expert's weights stacked (experts, ., .), their biases too (GPT-OSS: gate_up_proj_bias (experts, 2 I))
+        stacked = [p for p in own if p.dim() == 3]
+        if stacked and all(p.dim() in (2, 3) and p.shape[0] == experts for p in own) and own_weight:
+            return router, name, experts, None
+        # the experts' weights in a child, stacked along the rows (DBRX: experts.mlp.w1 (experts * I, H))
+        inner = list(child.parameters())
+        experts_class = type(child).__name__.endswith("Experts") and not own and not own_weight
+        if experts_class and inner and all(p.dim() == 2 and p.shape[0] % experts == 0 for p in inner):
+            arguments = _routing_arguments(child)
+            if arguments is not None:
+                return router, name, experts, arguments
     return None
 
 
-def _moe_nodes(path: str, router: str, experts_child: str, experts: int) -> list[NodeSpec]:
+def _routing_arguments(experts: nn.Module) -> tuple[str, str] | None:
+    """The names of an experts module's forward arguments after the hidden states: the chosen experts and
+    their weights (``top_k_index``, ``top_k_weights``)."""
+    try:
+        names = [n for n in inspect.signature(type(experts).forward).parameters if n != "self"]
+    except (TypeError, ValueError):
+        return None
+    return (names[1], names[2]) if len(names) >= 3 else None
+
+
+def _moe_nodes(
+    path: str, router: str, experts_child: str, experts: int, arguments: tuple[str, str] | None = None
+) -> list[NodeSpec]:
     """A MoE block's nodes: the router's logits, its chosen experts (compared exactly, a different choice
-    reported with the logits' margin) and weights (outputs 2 and 1), each expert's unweighted output on
-    its tokens (captured by :mod:`parity.record.hf_capture`), and the experts' weighted sum."""
+    reported with the logits' margin) and weights (the router's outputs 2 and 1, or the experts' forward
+    arguments ``arguments``), each expert's unweighted output on its tokens (captured by
+    :mod:`parity.record.hf_capture`), and the experts' weighted sum."""
     gate, fused = f"{path}.{router}", f"{path}.{experts_child}"
+    chosen, weights = (f"{gate}#2", f"{gate}#1") if arguments is None else (f"{fused}@{a}" for a in arguments)
     return [
         NodeSpec(gate, gate),
-        NodeSpec(f"{path}.{CHOICES}", f"{path}.{CHOICES}", reference=f"{gate}#2", kind=CHOICES, chosen_from=gate),
-        NodeSpec(f"{path}.{WEIGHTS}", f"{path}.{WEIGHTS}", reference=f"{gate}#1", kind=WEIGHTS),
+        NodeSpec(f"{path}.{CHOICES}", f"{path}.{CHOICES}", reference=chosen, kind=CHOICES, chosen_from=gate),
+        NodeSpec(f"{path}.{WEIGHTS}", f"{path}.{WEIGHTS}", reference=weights, kind=WEIGHTS),
         *(NodeSpec(f"{fused}.{e}", f"{fused}.{e}", kind="expert") for e in range(experts)),
         NodeSpec(fused, fused, kind="experts"),
     ]
