@@ -178,4 +178,3 @@ def _hint(stem: str, what: str, evidence: dict) -> Hint:
         f"1 - lambda_init): {what}",
         {"block": stem, **evidence},
     )
-
