@@ -105,6 +105,8 @@ def test_every_correct_variant_passes(model, bug, padded, checkpoints):
 
 
 NAMED = [
+    ("exaone4", "ex_spurious_qk_permute_at_load", False, "model.layers.0.self_attn.q_norm", "weight_permutation",
+     "likely a permutation of weight rows before q_norm"),
     ("exaone4", "ex_varlen_pack_without_doc_mask", True, "model.layers.0.self_attn.probs", "padding",
      "likely rows attending across the batch in ours"),
     ("exaone4", "ex_rope_on_global_layers", False, "model.layers.2.self_attn.q_rot", "rope_unexpected",

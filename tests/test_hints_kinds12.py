@@ -403,3 +403,27 @@ def test_differential_attention_normed_over_each_head_dim_is_named():
     hint = after_context(_evidence(name, wrong, right, "ours", ours_trace, ref_trace, facts=facts))
     assert hint is not None and hint.kind == "differential_attention", hint
     assert "the norm taken over each head_dim (16) alone, not over the pair's 32 features" in hint.text, hint
+
+
+@pytest.mark.parametrize("side", SIDES)
+def test_rows_permuted_before_a_per_head_norm_are_read_at_its_input(side):
+    """q rows permuted at load (interleaved pairs) where the reference keeps them, its per-head norm's weight
+    in the reference's order: the norm's output is no permutation of the reference's, its input is."""
+    from parity.diagnose.wiring import last_dim_permutation
+
+    g = torch.Generator().manual_seed(15)
+    x = torch.randn(1, 10, 4, 16, generator=g)
+    w = 1 + 0.5 * torch.randn(16, generator=g)
+    perm = torch.cat([torch.arange(0, 16, 2), torch.arange(1, 16, 2)])
+
+    def norm(t):
+        return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+    name = f"{STEM}.q_norm"
+    x_ours, x_ref = (x[..., perm], x) if side == "ours" else (x, x[..., perm])
+    ours_trace = Trace(tensors={name: norm(x_ours)}, inputs={name: x_ours})
+    ref_trace = Trace(tensors={name: norm(x_ref)}, inputs={name: x_ref})
+    faulty, correct = norm(x[..., perm]), norm(x)
+    hint = last_dim_permutation(_evidence(name, faulty, correct, side, ours_trace, ref_trace))
+    assert hint is not None and hint.kind == "weight_permutation" and hint.evidence["at"] == "input", hint
+    assert "likely a permutation of weight rows before q_norm" in hint.text, hint

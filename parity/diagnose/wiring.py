@@ -369,7 +369,7 @@ def last_dim_permutation(e: Evidence) -> Hint | None:
         return None
     a, b = ours.double().flatten(0, -2), ref.double().flatten(0, -2)
     if not torch.allclose(a.sort(-1).values, b.sort(-1).values, atol=max(e.result.atol, 1e-12), rtol=e.result.rtol):
-        return _features_gathered(e, a, b, "ours") or _features_gathered(e, b, a, "the reference")
+        return _features_gathered(e, a, b, "ours") or _features_gathered(e, b, a, "the reference") or _input_permuted(e)
     perm = [int((b[0] - a[0, j]).abs().argmin()) for j in range(a.shape[-1])]
     moved = [j for j, k in enumerate(perm) if j != k]
     if not moved or len(set(perm)) != len(perm):
@@ -396,6 +396,30 @@ def last_dim_permutation(e: Evidence) -> Hint | None:
         f"likely a permutation of weight rows: same values per token, other order along the last axis "
         f"(ours[j] = reference[{fmt_list(perm, 8)}]){within}",
         evidence,
+    )
+
+
+def _input_permuted(e: Evidence) -> Hint | None:
+    """A node whose input (not its output: its own weight is applied after) holds the reference's input
+    values in another order along the last axis, the same within every head: q/k rows permuted at load
+    (Meta's interleaved layout) where the reference keeps them, read where a per-head norm first weights
+    them."""
+    x_ours, x_ref = e.inputs()
+    if x_ours is None or x_ref is None or x_ours.shape != x_ref.shape or x_ours.shape[-1] < 4:
+        return None
+    a, b = x_ours.double().flatten(0, -2), x_ref.double().flatten(0, -2)
+    if not torch.allclose(a.sort(-1).values, b.sort(-1).values, atol=max(e.result.atol, 1e-9)):
+        return None
+    perm = [int((b[0] - a[0, j]).abs().argmin()) for j in range(a.shape[-1])]
+    if perm == list(range(len(perm))) or len(set(perm)) != len(perm) or rel(a, b[:, perm]) > EXPLAINS:
+        return None
+    return Hint(
+        "weight_permutation",
+        f"likely a permutation of weight rows before {e.kind}: its input holds the reference's values per token in "
+        f"another order along the last axis (ours[j] = reference[{fmt_list(perm, 8)}]), then its own weight, in the "
+        "reference's order, is applied to them (q/k rows permuted at load where the reference keeps them, or the "
+        "reverse)",
+        {"permutation": perm[:64], "at": "input"},
     )
 
 
