@@ -485,21 +485,15 @@ def _strided_in(p: torch.Tensor, free: dict[str, torch.Tensor]) -> str:
     """Why a parameter of ours holds no checkpoint tensor, when it holds every other row of one (as it is,
     or its last two axes exchanged): a fused tensor read as interleaved pairs where the checkpoint stacks
     its parts (``gate_up_proj[:, 0::2]`` for Transformers' ``[gate; up]``), or the reverse."""
-    for key, t in free.items():
-        if t.dim() != p.dim() or t.numel() != 2 * p.numel() or not t.is_floating_point():
-            continue
-        for axis in range(t.dim()):
-            if t.shape[axis] % 2:
-                continue
-            for start in (0, 1):
-                rows = t.index_select(axis, torch.arange(start, t.shape[axis], 2)).to(p.dtype)
-                exchanged = [(p.transpose(-1, -2), ", its last two axes exchanged")] if p.dim() >= 2 else []
-                for held, how in [(p, ""), *exchanged]:
-                    if held.shape == rows.shape and torch.equal(held, rows):
-                        return (
-                            f"; it holds every other slice of {key} along axis {axis}, from {start}{how}: the fused "
-                            "tensor read as interleaved pairs where the checkpoint stacks its two halves (or the reverse)"
-                        )
+    exchanged = [(p.transpose(-1, -2), ", its last two axes exchanged")] if p.dim() >= 2 else []
+    for held, how in [(p, ""), *exchanged]:
+        found = _strided_part(held, free)
+        if found is not None:
+            key, (axis, start, _) = found
+            return (
+                f"; it holds every other slice of {key} along axis {axis}, from {start}{how}: the fused "
+                "tensor read as interleaved pairs where the checkpoint stacks its two halves (or the reverse)"
+            )
     return ""
 
 

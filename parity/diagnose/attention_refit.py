@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from parity.diagnose.evidence import EXPLAINS, Evidence, rel
+from parity.diagnose.evidence import EXPLAINS, Evidence, golden_minimum, rel
 from parity.diagnose.hints import Hint
 from parity.diagnose.scales import scale_readings
 
@@ -78,17 +78,7 @@ def _temperature(scores: torch.Tensor, probs: torch.Tensor, context: torch.Tenso
         logits = (math.exp(log_c) * scores).masked_fill(~allowed, float("-inf"))
         return rel(torch.softmax(logits, -1).nan_to_num(0.0) @ values, ours)
 
-    grid = [math.log(0.02) + i * (math.log(50.0) - math.log(0.02)) / 80 for i in range(81)]
-    best = min(grid, key=residual)
-    low, high = best - (grid[1] - grid[0]), best + (grid[1] - grid[0])
-    golden = (math.sqrt(5) - 1) / 2
-    for _ in range(60):  # golden-section search around the grid's best
-        a, c = high - golden * (high - low), low + golden * (high - low)
-        if residual(a) < residual(c):
-            high = c
-        else:
-            low = a
-    log_c = (low + high) / 2
+    log_c = golden_minimum(residual, [math.log(0.02) + i * (math.log(50.0) - math.log(0.02)) / 80 for i in range(81)])
     factor = math.exp(log_c)
     if residual(log_c) > EXPLAINS or abs(factor - 1) < 1e-3:
         return None

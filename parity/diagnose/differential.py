@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from parity.diagnose.evidence import EXPLAINS, Evidence, rel
+from parity.diagnose.evidence import EXPLAINS, Evidence, golden_minimum, rel
 from parity.diagnose.hints import Hint
 
 
@@ -85,25 +85,15 @@ def _combine(
 def _fit(
     o1: torch.Tensor, o2: torch.Tensor, x: torch.Tensor, eps: float, width: int | None = None
 ) -> tuple[float, float, float]:
-    """``(lambda, scale, residual)`` that best give ``x`` (a golden-section search over lambda, the scale by
-    least squares)."""
+    """``(lambda, scale, residual)`` that best give ``x`` (lambda searched, :func:`golden_minimum`; the
+    scale by least squares)."""
 
     def scored(lam: float) -> tuple[float, float]:
         y = _combine(o1, o2, lam, 1.0, eps, width)
         scale = float((y * x).sum() / y.pow(2).sum().clamp_min(1e-300))
         return rel(scale * y, x), scale
 
-    grid = [-4 + 8 * i / 160 for i in range(161)]
-    best = min(grid, key=lambda lam: scored(lam)[0])
-    low, high = best - 0.05, best + 0.05
-    golden = (math.sqrt(5) - 1) / 2
-    for _ in range(60):
-        a, c = high - golden * (high - low), low + golden * (high - low)
-        if scored(a)[0] < scored(c)[0]:
-            high = c
-        else:
-            low = a
-    lam = (low + high) / 2
+    lam = golden_minimum(lambda v: scored(v)[0], [-4 + 8 * i / 160 for i in range(161)])
     residual, scale = scored(lam)
     return lam, scale, residual
 

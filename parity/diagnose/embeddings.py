@@ -239,14 +239,17 @@ def _rows_zeroed(e: Evidence, mine: torch.Tensor, theirs: torch.Tensor, real: to
     return None
 
 
+def _real(e: Evidence) -> torch.Tensor:
+    """``(batch, seq)``, True at the run's real tokens (every one without a mask); ``e.positions`` given."""
+    assert e.positions is not None
+    if e.attention_mask is not None and e.attention_mask.shape == e.positions.shape:
+        return e.attention_mask.bool().cpu()
+    return torch.ones(e.positions.shape, dtype=torch.bool)
+
+
 def _real_positions(e: Evidence) -> torch.Tensor | None:
     """The run's positions of its real tokens (padding left out), flattened; None without positions."""
-    if e.positions is None:
-        return None
-    real = torch.ones(e.positions.shape, dtype=torch.bool)
-    if e.attention_mask is not None and e.attention_mask.shape == e.positions.shape:
-        real = e.attention_mask.bool().cpu()
-    return e.positions.cpu()[real].double()
+    return None if e.positions is None else e.positions.cpu()[_real(e)].double()
 
 
 def _transformers_table(e: Evidence, term: torch.Tensor) -> bool:
@@ -271,9 +274,7 @@ def _sinusoid_reading(
     if dim % 2 or dim < 8 or e.positions is None:
         return None
     half = dim // 2
-    real = torch.ones(e.positions.shape, dtype=torch.bool)
-    if e.attention_mask is not None and e.attention_mask.shape == e.positions.shape:
-        real = e.attention_mask.bool().cpu()
+    real = _real(e)
     positions = cast(torch.Tensor, _real_positions(e))
     ids = e.ref_trace.inputs.get(e.facts.embed_module)
     token_ids = ids.cpu()[real].double() if ids is not None and ids.shape == real.shape else None

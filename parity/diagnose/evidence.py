@@ -82,6 +82,22 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm()) / nb if nb > 0 else math.inf
 
 
+def golden_minimum(f: Callable[[float], float], grid: list[float], steps: int = 60) -> float:
+    """The argument where ``f`` (one-dimensional, unimodal near its best) is least: the best point of the
+    evenly spaced ``grid``, refined by a golden-section search within one grid step on either side."""
+    best = min(grid, key=f)
+    step = grid[1] - grid[0]
+    low, high = best - step, best + step
+    golden = (math.sqrt(5) - 1) / 2
+    for _ in range(steps):
+        a, c = high - golden * (high - low), low + golden * (high - low)
+        if f(a) < f(c):
+            high = c
+        else:
+            low = a
+    return (low + high) / 2
+
+
 def fmt_list(xs, n=6) -> str:
     xs = list(xs)
     body = ", ".join(str(x) for x in xs[:n])

@@ -344,6 +344,10 @@ def _routing_forms(logits: torch.Tensor, chosen: torch.Tensor) -> dict[str, torc
     return forms
 
 
+#: a MoE block's router node under the block: Mixtral's and DeepSeek's ``gate``, GPT-OSS's and DBRX's ``router``
+ROUTER_NODES = ("gate", "router")
+
+
 def _combination_forms(
     e: Evidence, base: str, logits: torch.Tensor, chosen: torch.Tensor, y: torch.Tensor, record
 ) -> dict[str, torch.Tensor]:
@@ -397,9 +401,7 @@ def _combination_forms(
         forms["each expert's output bias added unweighted (after the routing weight, not before)"] = (
             combine(chosen, w) - (w[..., None] * b).sum(1) + b.sum(1)
         )
-    router_bias = next(
-        (t for n in ("gate", "router") if (t := e.ref_trace.biases.get(f"{base}.{n}")) is not None), None
-    )
+    router_bias = next((t for n in ROUTER_NODES if (t := e.ref_trace.biases.get(f"{base}.{n}")) is not None), None)
     if router_bias is not None and router_bias.numel() == experts:
         unbiased = (logits - router_bias.double()).gather(-1, chosen)
         forms["weights from the router's logits without its bias (the bias used for the choice alone)"] = combine(
@@ -507,7 +509,7 @@ def _with_override(record, attribute: str, value, tokens: int) -> torch.Tensor |
 def _block_differs(e: Evidence, base: str, side: str) -> Hint:
     """The MoE block ``base`` (computed in functions nothing in ours taps) differs where the stream continues,
     and no routing formula or combination reproduces ``side``'s output: the block is the component."""
-    router = next((r for n in ("gate", "router") if (r := e.ours_trace.results.get(f"{base}.{n}")) is not None), None)
+    router = next((r for n in ROUTER_NODES if (r := e.ours_trace.results.get(f"{base}.{n}")) is not None), None)
     agrees = router is not None and router.status == "ok"
     return Hint(
         "moe_block",
@@ -604,7 +606,7 @@ def moe_output(e: Evidence) -> Hint | None:
     base = block.rsplit(".", 1)[0]
     chosen = e.ref_trace.tensors.get(f"{base}.router.experts")
     logits = next(
-        (t for n in ("gate", "router") if (t := e.ref_trace.tensors.get(f"{base}.{n}")) is not None and t.dim() == 2),
+        (t for n in ROUTER_NODES if (t := e.ref_trace.tensors.get(f"{base}.{n}")) is not None and t.dim() == 2),
         None,
     )
     records = [r for n, r in e.ref_trace.extras.items() if n.rsplit(".", 1)[0] == block and hasattr(r, "output")]

@@ -175,10 +175,10 @@ def _from_modules(model, facts: ArchFacts) -> ArchFacts:
     """What the reference's modules say where its config names it otherwise (DBRX keeps its embedding at
     ``transformer.wte`` and its LayerNorms' eps out of the config): the input embedding's path, and a
     LayerNorm's kind and eps when the config named no eps."""
-    paths = {module: name for name, module in model.named_modules()}
+    modules = dict(model.named_modules())
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    path = paths.get(embed) if isinstance(embed, torch.nn.Module) else None
-    if path and path != facts.embed_module and facts.embed_module not in dict(model.named_modules()):
+    path = next((name for name, m in modules.items() if m is embed), None) if embed is not None else None
+    if path and path != facts.embed_module and facts.embed_module not in modules:
         facts = replace(facts, embed_module=path)
     if facts.norm_eps is None:
         norm = next((m for m in model.modules() if isinstance(m, torch.nn.LayerNorm)), None)

@@ -290,15 +290,24 @@ def _picks_rows(name: str, args) -> bool:
     return isinstance(index, torch.Tensor) and index.dim() == 1 and not index.is_floating_point()
 
 
+def _einsum_specs(func, args) -> tuple[list[str], str, list] | None:
+    """``(each operand's letters, the output's letters, the operands)`` of an ``einsum`` call given an
+    explicit output (``"bsd,hd->bsh"``, operands after it or in one list); None for any other call."""
+    if op_name(func) != "einsum" or not args or not isinstance(args[0], str) or "->" not in args[0]:
+        return None
+    inputs, output = args[0].replace(" ", "").split("->")
+    operands = list(args[1:]) if len(args) > 2 else (list(args[1]) if len(args) == 2 else [])
+    return inputs.split(","), output, operands
+
+
 def _kept_weight_axis(func, args, followed: Followed) -> int | None:
     """The axis of an ``einsum``'s result that the parameter it reads shares with its input and keeps (not
     the output features, its last letter): ``bnsh,nhd->bnsd`` keeps the head axis ``n`` at 1, one output
     per head. None for any other product (``bsd,hdk->bshk`` cuts the output features into heads)."""
-    if op_name(func) != "einsum" or not args or not isinstance(args[0], str) or "->" not in args[0]:
+    parsed = _einsum_specs(func, args)
+    if parsed is None:
         return None
-    inputs, output = args[0].replace(" ", "").split("->")
-    specs = inputs.split(",")
-    operands = args[1:] if len(args) > 2 else (list(args[1]) if len(args) == 2 else [])
+    specs, output, operands = parsed
     for i, (spec, t) in enumerate(zip(specs, operands, strict=False)):
         if followed.of(t) is None:
             continue
@@ -315,11 +324,11 @@ def _kept_input_axis(func, args, input_axes: dict[int, tuple[torch.Tensor, int]]
     product keeps that axis instead of contracting it (see :meth:`FunctionCapture._absorbs`), else None."""
     name = op_name(func)
     if name == "einsum":
-        if not args or not isinstance(args[0], str) or "->" not in args[0] or "." in args[0]:
+        parsed = _einsum_specs(func, args)
+        if parsed is None or "." in args[0]:
             return None
-        inputs, output = args[0].replace(" ", "").split("->")
-        operands = args[1:] if len(args) > 2 else (list(args[1]) if len(args) == 2 else [])
-        for spec, t in zip(inputs.split(","), operands, strict=False):
+        specs, output, operands = parsed
+        for spec, t in zip(specs, operands, strict=False):
             held = input_axes.get(id(t))
             if held is not None and held[0] is t and len(spec) == t.dim():
                 return held[1] if spec[held[1]] in output else None

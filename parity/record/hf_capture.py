@@ -221,18 +221,25 @@ def _experts_hook(module, args, kwargs, output) -> None:
             _record_experts(module, type(module).forward, *values[:3])
 
 
+def experts_arguments(module: nn.Module) -> tuple[str, str, str] | None:
+    """The names of an experts module's forward arguments, ``(hidden_states, chosen experts, their
+    weights)``, when its class is named ``...Experts`` and its forward takes those three; else None."""
+    if not type(module).__name__.endswith("Experts"):
+        return None
+    try:
+        names = [n for n in inspect.signature(type(module).forward).parameters if n != "self"]
+    except (TypeError, ValueError):
+        return None
+    return (names[0], names[1], names[2]) if len(names) == 3 else None
+
+
 def _hooks_experts(reference: nn.Module) -> None:
-    """:func:`_experts_hook` on every experts module (a class named ``...Experts``) that no experts
-    implementation dispatches and whose forward takes ``(hidden_states, chosen, weights)``."""
+    """:func:`_experts_hook` on every experts module (:func:`experts_arguments`) that no experts
+    implementation dispatches."""
     for module in reference.modules():
-        forward = type(module).forward
-        if not type(module).__name__.endswith("Experts") or hasattr(forward, "__wrapped__"):
+        if hasattr(type(module).forward, "__wrapped__") or experts_arguments(module) is None:
             continue
-        try:
-            names = [n for n in inspect.signature(forward).parameters if n != "self"]
-        except (TypeError, ValueError):
-            continue
-        if len(names) == 3 and module not in _HOOKED_EXPERTS:
+        if module not in _HOOKED_EXPERTS:
             module.register_forward_hook(_experts_hook, with_kwargs=True)
             _HOOKED_EXPERTS.add(module)
 

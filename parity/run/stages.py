@@ -468,14 +468,21 @@ def compare_run(pair: Pair, run: Run, ours: Trace, ref: Trace, tolerances: Toler
     return results
 
 
+def _since_agreement(results: list[NodeResult], bad: NodeResult) -> list[NodeResult]:
+    """The nodes between the last one that agreed before ``bad`` and ``bad`` itself."""
+    before = results[: bad.index]
+    last_ok = max((r.index for r in before if r.passed), default=-1)
+    return before[last_ok + 1 :]
+
+
 def never_read_before(results: list[NodeResult], bad: NodeResult) -> Hint | None:
     """A node between the last one that agreed and the first failure whose weight ours never read in the
     forward (a norm or projection computed in functions, skipped): the likeliest cause, named when no
     detector read one at the failing node."""
-    before = results[: bad.index]
-    last_ok = max((r.index for r in before if r.passed), default=-1)
     skipped = [
-        r for r in before[last_ok + 1 :] if r.status == UNTAPPED and r.detail.startswith("no product in ours read")
+        r
+        for r in _since_agreement(results, bad)
+        if r.status == UNTAPPED and r.detail.startswith("no product in ours read")
     ]
     if not skipped:
         return None
@@ -492,10 +499,9 @@ def untapped_before(results: list[NodeResult], bad: NodeResult, facts) -> Hint |
     """The failure is the first node after a stretch ours left untapped (a block computed in functions
     nothing taps or aligns: JetMoE's mixture of attention heads), the nodes before it agree: the difference
     enters inside that block, named as the component when no detector named a cause."""
-    before = results[: bad.index]
-    last_ok = max((r.index for r in before if r.passed), default=-1)
-    stretch = [r.name for r in before[last_ok + 1 :] if r.status == UNTAPPED]
-    if not stretch or len(stretch) != len(before[last_ok + 1 :]):
+    between = _since_agreement(results, bad)
+    stretch = [r.name for r in between if r.status == UNTAPPED]
+    if not stretch or len(stretch) != len(between):
         return None
     inner = [n for n in stretch if facts.locate(n)[1] != "layer"] or stretch  # a layer's own output: its end
     common: list[str] = []

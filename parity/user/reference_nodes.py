@@ -5,14 +5,12 @@ experts, and what the forward returns). Used where no family builds the pair: a 
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 from torch import nn
 
 from parity.model.facts import ArchFacts
 from parity.model.pair import LOGITS, NodeSpec
-from parity.record.hf_capture import OUTPUT_PROJECTIONS, SUFFIXES
+from parity.record.hf_capture import OUTPUT_PROJECTIONS, SUFFIXES, experts_arguments
 from parity.record.routing import CHOICES, WEIGHTS, is_router
 
 
@@ -54,22 +52,10 @@ def _moe_parts(module: nn.Module) -> tuple[str, str, int, tuple[str, str] | None
             return router, name, experts, None
         # the experts' weights in a child, stacked along the rows (DBRX: experts.mlp.w1 (experts * I, H))
         inner = list(child.parameters())
-        experts_class = type(child).__name__.endswith("Experts") and not own and not own_weight
-        if experts_class and inner and all(p.dim() == 2 and p.shape[0] % experts == 0 for p in inner):
-            arguments = _routing_arguments(child)
-            if arguments is not None:
-                return router, name, experts, arguments
+        arguments = experts_arguments(child) if not own and not own_weight else None
+        if arguments is not None and inner and all(p.dim() == 2 and p.shape[0] % experts == 0 for p in inner):
+            return router, name, experts, arguments[1:]
     return None
-
-
-def _routing_arguments(experts: nn.Module) -> tuple[str, str] | None:
-    """The names of an experts module's forward arguments after the hidden states: the chosen experts and
-    their weights (``top_k_index``, ``top_k_weights``)."""
-    try:
-        names = [n for n in inspect.signature(type(experts).forward).parameters if n != "self"]
-    except (TypeError, ValueError):
-        return None
-    return (names[1], names[2]) if len(names) >= 3 else None
 
 
 def _moe_nodes(
