@@ -80,19 +80,21 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 bug = heldout_support.bug_fixture(MODELS)
 
-CLEAN = [("exaone4", "rope_interleaved_permuted", False), ("jetmoe", "dense_gather", False)]
-#: correct models parity still refuses (known, open): DiffLlama's lambda folded at load into one constant per
-#: layer (exp(q1 . k1) - exp(q2 . k2) + lambda_init): the four lambda vectors land in no parameter of ours,
-#: and loader coverage traces tensors, not functions of several
-KNOWN_FALSE_FAILURES = frozenset({("diffllama", "lambda_folded")})
-CLEAN_SLOW = heldout_support.clean_cases(MODELS, CLEAN, KNOWN_FALSE_FAILURES)
+CLEAN = [
+    ("exaone4", "rope_interleaved_permuted", False),
+    ("jetmoe", "dense_gather", False),
+    ("diffllama", "lambda_folded", False),
+]
+CLEAN_SLOW = heldout_support.clean_cases(MODELS, CLEAN)
 
 
 @pytest.mark.parametrize(("model", "bug", "padded"), CLEAN, indirect=["bug"], ids=str)
 def test_a_correct_model_passes(model, bug, padded, checkpoints):
     """EXAONE 4's q/k rows and their per-head norm weights permuted at load (rotate-every-two RoPE); JetMoE's
     attention experts computed densely (its stacked experts' module output, in the reference's dispatch
-    order, is not compared; the block's output is)."""
+    order, is not compared; the block's output is); DiffLlama's lambda folded at load into one Python number
+    per layer (exp(q1 . k1) - exp(q2 . k2) + lambda_init): no parameter holds the four lambda vectors, each
+    changes the logits when perturbed (parity.user.derived)."""
     heldout_support.assert_passes(MODELS, checkpoints, model, padded)
 
 

@@ -45,6 +45,10 @@ CONVENTIONS = {
 }
 
 
+_NEVER_USED = "checkpoint keys never used:"
+_HOLDING_NONE = "parameters of ours holding no checkpoint tensor:"
+
+
 @dataclass(frozen=True)
 class Source:
     """Where (part of) one of our parameters comes from.
@@ -145,6 +149,13 @@ class Coverage:
     constants: list[str] = field(default_factory=list)
     #: ties of the reference that ours keeps as separate copies (equal values, two Parameters)
     untied: list[str] = field(default_factory=list)
+    #: checkpoint keys a user's build reads in a form no parameter holds (a value computed at load from
+    #: several tensors), found by perturbing each alone (:mod:`parity.user.derived`): key -> our
+    #: parameters derived from it (none when it went into a plain Python number)
+    derived: dict[str, list[str]] = field(default_factory=dict)
+    #: scalar buffers of the reference (constants of the architecture its module registers, xIELU's eps) that
+    #: ours holds as plain numbers: key -> value; the nodes judge the value ours uses
+    numbers: dict[str, float] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -164,7 +175,53 @@ class Coverage:
             "skipped": self.skipped_note(),
             "constants": self.constants,
             "untied": self.untied,
+            "derived": self.derived_note(),
+            "numbers": self.numbers_note(),
         }
+
+    def numbers_note(self) -> str | None:
+        """One sentence for the reference's scalar buffers ours holds as numbers, or None."""
+        if not self.numbers:
+            return None
+        shown = ", ".join(f"{k} = {v:g}" for k, v in list(self.numbers.items())[:3])
+        n = len(self.numbers)
+        return (
+            f"{n} scalar buffer{'s' if n != 1 else ''} of the reference (constants its modules register) held by ours "
+            f"as numbers, not tensors: {shown}{f', ... ({n} in all)' if n > 3 else ''}; the nodes judge the values"
+        )
+
+    def mark_derived(self, found: dict[str, list[str]], numbers: dict[str, float] | None = None) -> None:
+        """Take the keys of ``found`` (checkpoint key -> our parameters derived from it) and of ``numbers``
+        (the reference's scalar buffers, key -> value) out of ``unused``, and the parameters derived out of
+        ``unwritten``: read in a form coverage cannot trace, they are judged by the nodes; the gap lines are
+        written again for what remains."""
+        if not found and not numbers:
+            return
+        self.derived.update(found)
+        self.numbers.update(numbers or {})
+        found = {**found, **{key: [] for key in numbers or {}}}
+        params = {p for names in found.values() for p in names}
+        self.unused = [k for k in self.unused if k not in found]
+        self.unwritten = [u for u in self.unwritten if u.split(" (")[0] not in params]
+        self.gaps = [g for g in self.gaps if not g.startswith((_NEVER_USED, _HOLDING_NONE))]
+        if self.unused:
+            self.gaps.append(f"{_NEVER_USED} {_summary(self.unused)}")
+        if self.unwritten:
+            self.gaps.append(f"{_HOLDING_NONE} {_summary(self.unwritten)}")
+
+    def derived_note(self) -> str | None:
+        """One sentence for the checkpoint tensors read in a form no parameter holds, or None."""
+        if not self.derived:
+            return None
+        parts = [
+            f"{k} -> {', '.join(v[:3])}" if v else f"{k} -> a value no parameter holds" for k, v in self.derived.items()
+        ]
+        n = len(parts)
+        return (
+            f"{n} checkpoint tensor{'s' if n != 1 else ''} computed into other values at load (perturbed alone, each "
+            f"changes your logits; the nodes judge the result): {'; '.join(parts[:4])}"
+            + (f"; ... ({n} in all)" if n > 4 else "")
+        )
 
     def skipped_note(self) -> str | None:
         """One line naming and counting the checkpoint tensors not used by design, per module, or None."""
@@ -632,7 +689,8 @@ def loader_coverage(
         # other copy already holds it: TransformerLens' W_U beside W_E * sqrt(hidden_size))
         same = sorted(by_shape.get(tuple(p.shape), []) if constants else [], key=lambda k: k in cov.consumed)
         flipped = by_shape.get(tuple(p.shape[::-1]), []) if constants and p.dim() == 2 else []
-        for key, transposed in [(k, False) for k in same] + [(k, True) for k in flipped if k not in cov.consumed]:
+        flipped = sorted(flipped, key=lambda k: k in cov.consumed)  # a tied head kept transposed and scaled too
+        for key, transposed in [(k, False) for k in same] + [(k, True) for k in flipped]:
             t = state_dict[key].T if transposed else state_dict[key]
             scaled = _scaled(p, t, cast(dict, constants))
             if scaled is not None:
@@ -911,9 +969,9 @@ def loader_coverage(
         else:
             cov.tied.append(f"{target} -> {source}: no parameter of ours holds it")
     if cov.unused:
-        cov.gaps.append(f"checkpoint keys never used: {_summary(cov.unused)}")
+        cov.gaps.append(f"{_NEVER_USED} {_summary(cov.unused)}")
     if cov.unwritten:
-        cov.gaps.append(f"parameters of ours holding no checkpoint tensor: {_summary(cov.unwritten)}")
+        cov.gaps.append(f"{_HOLDING_NONE} {_summary(cov.unwritten)}")
     return cov
 
 

@@ -10,7 +10,12 @@ as Transformers does), and ``parity compare`` lets a dump choose.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterator, MutableMapping
+
 import torch
+
+from parity.record.trace import Trace
 
 #: node kinds laid out (batch, heads, seq, ...): their token axis is 2 (the diagnosis' profiles read it too)
 HEAD_MAJOR = {"q_rot", "k_rot", "scores", "probs"}
@@ -31,6 +36,8 @@ def without_padding(
     shape has no such axes."""
     batch, seq = pad.shape
     axis = token_axis(kind)
+    if axis == 1 and ours.dim() == 4 and ours.shape[1] != seq and ours.shape[2] == seq:
+        axis = 2  # a node of another kind laid out heads first (a per-head norm of (batch, heads, seq, head_dim))
     if tuple(ours.shape) != tuple(ref.shape) or ours.dim() < 2 or ours.dim() <= axis:
         return ours
     if axis == 1 and ours.dim() == 2 and ours.shape[0] == batch * seq and batch * seq > 1:
@@ -90,3 +97,53 @@ def unpacked(kind: str, ours: torch.Tensor, ref: torch.Tensor, pad: torch.Tensor
         else:
             out[row][:, tokens] = packed[:, span]
     return out
+
+
+class _Rows(MutableMapping):
+    """A trace's tensors (perhaps spilled) read as the batch rows ``rows`` only: a tensor whose first axis is
+    the batch is sliced on access, any other is read as it is."""
+
+    def __init__(self, base: MutableMapping, rows: torch.Tensor, batch: int):
+        self.base, self.rows, self.batch = base, rows, batch
+
+    def __getitem__(self, key):
+        t = self.base[key]
+        return t[self.rows] if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[0] == self.batch else t
+
+    def __setitem__(self, key, value) -> None:
+        self.base[key] = value
+
+    def __delitem__(self, key) -> None:
+        del self.base[key]
+
+    def __iter__(self) -> Iterator:
+        return iter(self.base)
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+
+def unpadded_rows(
+    ours: Trace, ref: Trace, mask: torch.Tensor, positions: torch.Tensor | None
+) -> tuple[Trace, Trace, torch.Tensor, torch.Tensor | None] | None:
+    """Both traces, the mask and the positions restricted to the batch rows without padding, for the
+    detectors of a model that ran each row alone (:meth:`parity.record.trace.Trace._by_rows`): its nodes hold
+    zeros at the padding, so a fit over every token (a norm's eps per token) would read zeros against the
+    reference's values; the unpadded rows hold what a batched forward would. None when every row is padded.
+    ``mask``: ``(batch, seq)``, 1 for real tokens."""
+    full = mask.cpu().bool().all(-1)
+    if not bool(full.any()):
+        return None
+    rows, batch = full.nonzero().flatten(), mask.shape[0]
+
+    def view(trace: Trace) -> Trace:
+        return dataclasses.replace(
+            trace, tensors=_Rows(trace.tensors, rows, batch), inputs=_Rows(trace.inputs, rows, batch)
+        )
+
+    return (
+        view(ours),
+        view(ref),
+        mask[rows.to(mask.device)],
+        None if positions is None else positions[rows.to(positions.device)],
+    )

@@ -37,6 +37,7 @@ from parity.diagnose.masks import (
     padding,
     padding_mask_inverted,
     sequence_shift,
+    tokens_moved,
     window_pattern,
 )
 from parity.diagnose.moe import (
@@ -47,6 +48,7 @@ from parity.diagnose.moe import (
     moe_output,
     routing_weights,
     row_normalisation,
+    shared_expert,
 )
 from parity.diagnose.norms import (
     block_layout,
@@ -141,6 +143,7 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     expert_tokens,
     expert_weights,
     experts_sum,
+    shared_expert,
     precision,
     rounding_order,
     padding,
@@ -181,6 +184,7 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     head_mapping,
     attention_rows_moved,
     sequence_shift,
+    tokens_moved,
     alibi_slopes,  # before the temperature: a bias per key distance, not a scale of the scores
     softmax_temperature,
     unread_attention,  # an attention parity read none of in ours, judged at its output projection

@@ -53,6 +53,10 @@ KINDS: dict[str, str] = {
     "1 - lambda_init) formed otherwise: lambda, the scale, the norm's width or the head pairing",
     "context_to_output": "the attention's context agrees and its output projection's input does not: what is done "
     "between them (a combination of heads, a gate, a norm, a scale)",
+    "shared_expert": "a MoE block's shared expert combined otherwise with the routed experts (its gate, the gate's "
+    "sigmoid, what the gate scales)",
+    "derived_at_load": "a module whose checkpoint tensors ours computes into other values at load (folded) is where "
+    "the difference enters: the computation, not the tensors, differs",
     "untapped_block": "the first node after a block ours left untapped differs while the nodes before it agree: "
     "the difference enters inside that block",
     "moe_block": "a MoE block ours computes in functions differs where the stream continues, no routing formula "

@@ -446,6 +446,65 @@ def sequence_shift(e: Evidence) -> Hint | None:
     return None
 
 
+#: at most this many tokens are matched one against the other (a pairwise distance per pair)
+_MOVED_TOKENS = 4096
+
+
+def _moved(a: torch.Tensor, b: torch.Tensor, real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
+    """``(moved, nearest, at_front)`` when ``a``'s real tokens (rows of ``(tokens, features)``) hold ``b``'s
+    values of other real tokens: every one that differs where it is, but those never written (zeros); None
+    otherwise. ``at_front``: ``a``'s real position ``p < n`` holds ``b``'s ``p``-th real token."""
+    distance = torch.cdist(a[real], b[real])
+    nearest = distance.argmin(-1)
+    scale = b[real].norm(dim=-1).clamp_min(1e-30)
+    matched = distance.gather(-1, nearest[:, None])[:, 0] <= 1e-3 * scale[nearest]
+    moved = matched & (nearest != torch.arange(len(real)))
+    # a few look-alikes among many differing tokens are no placement
+    differs = (a[real] - b[real]).norm(dim=-1) > 1e-3 * scale
+    written = a[real].abs().amax(-1) > 0  # a position nothing was written back to holds zeros
+    if not bool(moved.any()) or int((differs & ~moved & written).sum()) > 0.1 * int(differs.sum()):
+        return None
+    inside = real[real < len(real)]
+    front = (a[inside] - b[real[inside]]).norm(dim=-1) <= 1e-3 * b[real[inside]].norm(dim=-1).clamp_min(1e-30)
+    return moved, nearest, bool(front.all())
+
+
+def tokens_moved(e: Evidence) -> Hint | None:
+    """One side's real tokens hold the other side's values of other tokens (each matched to one within a
+    relative 1e-3, some of them elsewhere): results computed on the real tokens alone (padding dropped, a
+    sort) written back to the wrong positions; named as the front of the batch when that side's ``i``-th
+    flat position holds the ``i``-th real token. Either side."""
+    if e.attention_mask is None or e.ours.shape != e.ref.shape or e.ours.dim() < 2 or e.kind in ("scores", "probs"):
+        return None
+    mask = e.attention_mask.to("cpu").bool()
+    tokens = mask.numel()
+    if e.ours.numel() % tokens or e.ours.shape[0] not in (mask.shape[0], tokens) or tokens > _MOVED_TOKENS:
+        return None
+    ours, ref = e.ours.double().reshape(tokens, -1), e.ref.double().reshape(tokens, -1)
+    real = mask.flatten().nonzero().flatten()
+    for side, a, b in (("ours", ours, ref), ("the reference", ref, ours)):
+        found = _moved(a, b, real)
+        if found is None:
+            continue
+        moved, nearest, at_front = found
+        other = "the reference" if side == "ours" else "ours"
+        pairs = fmt_list([f"{int(real[i])} <- {int(real[int(nearest[i])])}" for i in moved.nonzero().flatten()[:4]], 4)
+        how = (
+            f"{side}'s first {len(real)} flat positions hold the real tokens in order: results computed on the real "
+            "tokens alone (padding dropped) written back at the front, not at the real tokens' positions"
+            if at_front
+            else "results computed on the tokens in another order (padding dropped, sorted) written back to other "
+            "positions"
+        )
+        return Hint(
+            "padding",
+            f"likely tokens written back to the wrong positions in {side}: {int(moved.sum())} of its {len(real)} real "
+            f"tokens hold another token's value (flat position <- {other}'s: {pairs}); {how}",
+            {"side": side, "moved": int(moved.sum()), "at_front": at_front},
+        )
+    return None
+
+
 def padding(e: Evidence) -> Hint | None:
     """Every differing position is padding (the run's ``attention_mask`` is 0 there) and some padding
     differs: the two sides treat padding differently. A linear-attention layer must zero its padding

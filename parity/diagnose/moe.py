@@ -143,6 +143,11 @@ def experts_sum(e: Evidence) -> Hint | None:
             "their fused gate/up rows read as interleaved pairs (gate = rows 0::2, up = rows 1::2)",
             {"interleaved": True},
         ),
+        (
+            "their down projection (hidden, intermediate) reshaped to (intermediate, hidden) where it is transposed "
+            "(.view instead of .transpose)",
+            {"down_viewed": True},
+        ),
     ):
         other = torch.zeros_like(ours)
         for x, r in enumerate(evidence):
@@ -261,15 +266,10 @@ def routing_weights(e: Evidence) -> Hint | None:
         return None
     logits, chosen = found
     ours, ref = e.ours.double().reshape(chosen.shape), e.ref.double().reshape(chosen.shape)
-    picked = logits.double().gather(-1, chosen)
-    probs = torch.softmax(logits.double(), -1).gather(-1, chosen)
-    forms = {}
-    for text, softmax, renormalised in _FORMULAS:
-        w = probs if softmax else picked
-        forms[text] = w / w.sum(-1, keepdim=True) if renormalised else w
+    forms = _routing_forms(logits.double(), chosen)
     reference = next((t for t, w in forms.items() if rel(ref, w) < EXPLAINS), None)
     matched = next((t for t, w in forms.items() if rel(ours, w) < EXPLAINS and t != reference), None)
-    if matched is None or reference is None or "softmax over all" in matched:
+    if matched is None or reference is None or ("softmax over all" in matched and "softmax over all" in reference):
         return None  # a renormalisation on one side only is row_normalisation's
     return Hint(
         "routing_weights",
@@ -601,6 +601,8 @@ def moe_output(e: Evidence) -> Hint | None:
     stream, x_ours, x_ref = point.double(), at.ours, at.ref
     if ".shared_experts" in block:  # the shared experts ran last: the block is the MoE they belong to
         block = block.split(".shared_experts", 1)[0] + ".experts"
+    elif f"{block}.experts" in e.ref_trace.tensors:  # the MoE block's own node (it holds a shared expert too)
+        block += ".experts"
     if not block.endswith(".experts") or e.ours_trace.results.get(block) is not None:
         return None  # ours' block was compared itself: its own detectors read it there
     base = block.rsplit(".", 1)[0]
@@ -671,4 +673,50 @@ def moe_output(e: Evidence) -> Hint | None:
         f"likely the {what} of {base}: its output, read where the stream continues (the experts computed in "
         f"functions nothing taps), is {ours_is} in ours, {ref_is} in the reference",
         {"ours": ours_is, "reference": ref_is, "block": base},
+    )
+
+
+def _shared_forms(r: torch.Tensor, sh: torch.Tensor, g: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A MoE block's output from its routed experts' sum ``r``, its shared expert's output ``sh`` (both
+    ``(tokens, hidden)``) and the shared expert's gate logit ``g`` ``(tokens, 1)``, in each way a port may
+    combine them (Qwen2-MoE: ``r + sigmoid(g) * sh``, ``modeling_qwen2_moe.Qwen2MoeSparseMoeBlock``)."""
+    s = torch.sigmoid(g)
+    return {
+        "routed + sigmoid(gate) * shared": r + s * sh,
+        "routed + shared (the shared expert's gate left out)": r + sh,
+        "sigmoid(gate) * (routed + shared) (the gate scales the routed experts too)": s * (r + sh),
+        "routed + gate * shared (the gate's sigmoid left out)": r + g * sh,
+        "sigmoid(gate) * routed + shared (the gate on the routed experts instead)": s * r + sh,
+        "routed + (1 - sigmoid(gate)) * shared": r + (1 - s) * sh,
+        "routed alone (the shared expert left out)": r,
+    }
+
+
+def shared_expert(e: Evidence) -> Hint | None:
+    """A MoE block's output where its routed experts' sum, its shared expert and the shared expert's gate
+    agree on both sides (their nodes come before it), combined by another formula: read from the three
+    nodes' reference tensors against each form of :func:`_shared_forms`, either side."""
+    # the shared expert's output: its own node, else its last projection's (an MLP container is no node)
+    names = [f"{e.name}.experts", f"{e.name}.shared_expert", f"{e.name}.shared_expert_gate"]
+    if names[1] not in e.ref_trace.tensors:
+        names[1] += ".down_proj"
+    r, sh, g = (e.ref_trace.tensors.get(n) for n in names)
+    if r is None or sh is None or g is None or g.numel() * r.shape[-1] != r.numel() or sh.numel() != r.numel():
+        return None
+    if any(getattr(e.ours_trace.results.get(n), "failed", False) for n in names):
+        return None
+    tokens = g.numel()
+    forms = _shared_forms(
+        r.double().reshape(tokens, -1), sh.double().reshape(tokens, -1), g.double().reshape(tokens, 1)
+    )
+    ours, ref = e.ours.double().reshape(tokens, -1), e.ref.double().reshape(tokens, -1)
+    ours_is = next((t for t, f in forms.items() if rel(ours, f) < EXPLAINS), None)
+    ref_is = next((t for t, f in forms.items() if rel(ref, f) < EXPLAINS), None)
+    if ours_is is None or ref_is is None or ours_is == ref_is:
+        return None
+    return Hint(
+        "shared_expert",
+        f"likely the shared expert combined otherwise with the routed experts: ours computes {ours_is}, the "
+        f"reference {ref_is} (the routed sum, the shared expert and its gate agree)",
+        {"ours": ours_is, "reference": ref_is},
     )

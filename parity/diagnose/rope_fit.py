@@ -275,8 +275,12 @@ def identify(
             return Fit(
                 "this layer's RoPE at another row's positions", amplitude, 0.0, inv_freq=rope.inv_freq, rows=rows
             )
-        theta = _fit_theta(angle, keep, positions, probe.rotary_dim)
-        if theta is not None and abs(theta / rope.theta - 1) > 1e-3:
+        fitted = _fit_theta(angle, keep, positions, probe.rotary_dim)
+        # the fit reads frequency 1, which a scaling (llama3's smooth band) may move: the thetas templates
+        # hard-code are tried too
+        for theta in ([fitted] if fitted is not None else []) + [t for t in COMMON_THETAS if t != fitted]:
+            if abs(theta / rope.theta - 1) <= 1e-3:
+                continue
             from parity.model.facts import default_inv_freq
 
             for label, inv_freq in (
@@ -290,6 +294,10 @@ def identify(
                 if worst is not None:
                     return Fit(label, amplitude, worst, inv_freq=inv_freq)
     return None
+
+
+#: thetas a template or a default hard-codes (Llama 2's 10000, Llama 3's 500000, Qwen's 1e6, ...)
+COMMON_THETAS = (10000.0, 50000.0, 100000.0, 500000.0, 1000000.0, 5000000.0, 10000000.0)
 
 
 def _constant_positions(

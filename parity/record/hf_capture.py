@@ -121,12 +121,18 @@ class ExpertEvidence:
     run: Any = None
 
     def output(
-        self, j: int, swap_halves: bool = False, interleaved: bool = False, down_transposed: bool = False
+        self,
+        j: int,
+        swap_halves: bool = False,
+        interleaved: bool = False,
+        down_transposed: bool = False,
+        down_viewed: bool = False,
     ) -> torch.Tensor | None:
         """Expert ``j`` of the reference (with its gate and up halves swapped, the fused rows read as
-        interleaved gate/up pairs, or its square down projection transposed, when asked) on this expert's
-        tokens, in float64, ``(len(rows), hidden)``; None for a layout other than Transformers' default
-        (gate then up concatenated, ``(E, 2I, H)``, no bias)."""
+        interleaved gate/up pairs, its square down projection transposed, or its ``(H, I)`` down projection
+        viewed as ``(I, H)`` where a transpose was meant, when asked) on this expert's tokens, in float64,
+        ``(len(rows), hidden)``; None for a layout other than Transformers' default (gate then up
+        concatenated, ``(E, 2I, H)``, no bias)."""
         m = self.module
         if (
             getattr(m, "is_transposed", False)
@@ -135,7 +141,7 @@ class ExpertEvidence:
             or not getattr(m, "has_gate", True)
             or not hasattr(m, "gate_up_proj")
         ):
-            if self.run is None or swap_halves or interleaved or down_transposed:
+            if self.run is None or swap_halves or interleaved or down_transposed or down_viewed:
                 return None
             # another layout (GPT-OSS's clamped SwiGLU with biases, DBRX's stacked w1/v1/w2): the class's forward
             with torch.no_grad():
@@ -151,6 +157,8 @@ class ExpertEvidence:
             if down.shape[0] != down.shape[1]:
                 return None
             down = down.T
+        if down_viewed:  # (H, I) read as (I, H) and used as x @ W
+            down = down.reshape(down.shape[1], down.shape[0]).T
         return nn.functional.linear(m.act_fn(x @ gate.T) * (x @ up.T), down)
 
     @property

@@ -209,7 +209,7 @@ def functional_tap(rec: _Recording, name: str, tensor: torch.Tensor) -> torch.Te
     records only a node nothing recorded yet (the model's own tap wins) and, in isolated mode,
     returns the reference's value in ours' layout."""
     node = _tap_node(rec, name)
-    if node is None or rec.trace.calls.get(node):
+    if node is None or rec.trace.recorded(node):
         return tensor
     returned = _record_value(rec, node, tensor)
     rec.captured[node] = (returned is not tensor, weakref.ref(returned))  # held weakly: memory stays as it was
@@ -233,7 +233,7 @@ def _joined(rec: _Recording, tensors, out: torch.Tensor) -> None:
 def _hold_functional_input(trace: Trace, node: str, x: torch.Tensor) -> None:
     """The input of a node ours computes in a function (``F.linear(x, W)``, ``x @ W``), held for the hints
     as a module's input is (the first call's; the stream drops it once the node passes)."""
-    if not trace.calls.get(node) and node not in trace.inputs and node not in trace.pending:
+    if not trace.recorded(node) and node not in trace.inputs and node not in trace.pending:
         trace.hold_input(node, x)
 
 
@@ -263,11 +263,11 @@ def _record_param(
     nodes = [n for n in (node, *siblings) if (n in lookups) == lookup]
     if not nodes:
         return tensor
-    if all(rec.trace.calls.get(n) for n in nodes):
+    if all(rec.trace.recorded(n) for n in nodes):
         return _read_again(rec.trace, nodes[0], tensor)
     value = tensor
     for other in nodes:
-        if not rec.trace.calls.get(other):
+        if not rec.trace.recorded(other):
             value = _record_value(rec, other, value)
     return value
 
@@ -506,7 +506,7 @@ def recording(
 
                 def keep(mod, args, kwargs, _name=name):
                     tensor = first_tensor(args if args else kwargs)
-                    if tensor is not None and not trace.calls.get(_name) and _name not in trace.inputs:
+                    if tensor is not None and not trace.recorded(_name) and _name not in trace.inputs:
                         trace.hold_input(_name, tensor)
                         weight, bias = getattr(mod, "weight", None), getattr(mod, "bias", None)
                         if isinstance(weight, torch.Tensor) and weight.dim() in (1, 2):  # linear or norm weight
@@ -543,6 +543,7 @@ def recording(
     try:
         with capture:
             yield trace
+            trace.finish_rows()
             settle = getattr(capture, "settle_all", None)
             if settle is not None:  # partial sums the forward returned or left unread
                 settle()

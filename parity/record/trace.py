@@ -59,6 +59,12 @@ def _version(tensor: torch.Tensor) -> int | None:
         return None
 
 
+#: :meth:`Trace._by_rows`'s answer while a per-row node still waits for rows
+_PENDING = object()
+#: prefix of a module input's key among the per-row parts (its output's key is the node's name)
+_INPUT = "@input:"
+
+
 @dataclass
 class Trace:
     """Recorded tensors by node name, in the order they were produced.
@@ -101,6 +107,17 @@ class Trace:
     #: unchanged tensor recorded twice (q/k/v's shared input, a node that is the next one's input) is
     #: stored once
     _stored: dict = field(default_factory=dict, repr=False)
+    #: ``(batch, seq)`` bool, the real tokens of a padded batch, set when tracing a user's model: a node whose
+    #: module runs once per row on that row's real tokens alone (batch 1, a varlen loop) is assembled from
+    #: its calls into the padded batch (:meth:`_by_rows`), pad positions zero
+    rows: torch.Tensor | None = None
+    #: node -> (token axis, the calls so far), while a per-row node is assembled
+    _row_parts: dict = field(default_factory=dict, repr=False)
+    #: the first node assembled per row, and the row whose calls run now (see :meth:`_by_rows`)
+    _row_leader: str | None = field(default=None, repr=False)
+    _row_now: int = field(default=0, repr=False)
+    #: nodes (and ``@input:`` module inputs) assembled from per-row calls: zeros at the padding positions
+    assembled: set[str] = field(default_factory=set, repr=False)
 
     @classmethod
     def spilling(cls, budget: int | None, **kwargs) -> Trace:
@@ -113,8 +130,17 @@ class Trace:
         if tensor is None:
             return
         self.calls[name] = self.calls.get(name, 0) + 1
+        if self.rows is not None and name not in self.tensors and (self.calls[name] == 1 or name in self._row_parts):
+            whole = self._by_rows(name, tensor, transform)
+            if whole is _PENDING:
+                return
+            if whole is not None:
+                tensor, self.calls[name] = whole, 1
         if self.calls[name] > 1 or name in self.tensors:
             return
+        self._store(name, tensor, transform)
+
+    def _store(self, name: str, tensor: torch.Tensor, transform: Callable | None) -> None:
         if self.live is not None:
             self.live(name, tensor, transform)
         live = tensor
@@ -125,6 +151,63 @@ class Trace:
             if self.sink is not None and self.sink(name, tensor):
                 return
             self.keep(name, live)
+
+    def recorded(self, name: str) -> bool:
+        """``name`` recorded in this forward (a per-row node still waiting for rows is not yet)."""
+        return bool(self.calls.get(name)) and name not in self._row_parts
+
+    def _by_rows(self, name: str, tensor: torch.Tensor, transform: Callable | None):
+        """The node assembled from per-row calls: :data:`_PENDING` while rows are missing, the ``(batch, ...)``
+        tensor once every row ran, or None when this call is no row's (the first call decides: batch 1, and
+        axes the length of row 0's real tokens, fewer than the sequence: queries, and keys too for scores; a
+        broadcast ``(1, seq, ...)`` table is no row). The first node to run per row (the embedding) says which
+        row runs now; a call that is not the running row's (the node recorded again within a row: a tap after
+        the module's hook, a tied head's product) is left out, as a batched forward keeps a node's first call.
+        A node whose rows never all ran is its first call (:meth:`finish_rows`)."""
+        rows = cast(torch.Tensor, self.rows)
+        batch, seq = rows.shape
+        held = self._row_parts.get(name)
+        if held is None:
+            n = int(rows[0].sum())
+            axes = tuple(a for a in range(1, tensor.dim()) if tensor.shape[a] == n)
+            if batch < 2 or n >= seq or tensor.shape[0] != 1 or not axes or self._row_now:
+                return None
+            if not name.startswith(_INPUT):
+                self._row_leader = self._row_leader or name
+            held = self._row_parts[name] = (axes, cast(list[torch.Tensor], []), transform)
+        axes, parts, _ = held
+        n = int(rows[len(parts)].sum())
+        expected = [n if a in axes else size for a, size in enumerate(parts[0].shape if parts else tensor.shape)]
+        if tensor.shape[0] != 1 or list(tensor.shape[1:]) != expected[1:]:
+            return _PENDING  # not this node's call for the next row
+        if name == self._row_leader and parts:
+            self._row_now = len(parts)  # the leader's next row: that row runs now
+        elif len(parts) > self._row_now:
+            return _PENDING  # recorded again within the running row
+        parts.append(tensor.detach())
+        if len(parts) < batch:
+            return _PENDING
+        del self._row_parts[name]
+        self.assembled.add(name)
+        rows_out = []
+        for r, part in enumerate(parts):
+            index, row = rows[r].nonzero().flatten().to(part.device), part[0]
+            for a in axes:  # each token axis widened to the sequence, the real tokens where the mask has them
+                shape = list(row.shape)
+                shape[a - 1] = seq
+                row = row.new_zeros(shape).index_copy_(a - 1, index, row)
+            rows_out.append(row)
+        return torch.stack(rows_out)
+
+    def finish_rows(self) -> None:
+        """At the end of a forward: a node assembled per row whose rows did not all run is its first call."""
+        for name, (_, parts, transform) in list(self._row_parts.items()):
+            del self._row_parts[name]
+            if name.startswith(_INPUT):
+                self.hold_input(name[len(_INPUT) :], parts[0])
+                continue
+            self.calls[name] = 1
+            self._store(name, parts[0], transform)
 
     def retract(self, name: str) -> None:
         """Forget what was recorded for ``name`` in this forward (its tensor, call count, comparison and
@@ -156,7 +239,13 @@ class Trace:
         self._stored[id(tensor)] = (weakref.ref(tensor), _version(tensor), inputs, name)
 
     def hold_input(self, name: str, tensor: torch.Tensor) -> None:
-        """A module input for diagnosis: copied now, or held by reference when inputs are deferred."""
+        """A module input for diagnosis: copied now, or held by reference when inputs are deferred; one
+        module run per row has its rows assembled first, as its output is (:meth:`_by_rows`)."""
+        if self.rows is not None:
+            whole = self._by_rows(_INPUT + name, tensor, None)
+            if whole is _PENDING:
+                return
+            tensor = tensor if whole is None else whole
         if self.defer_inputs:
             self.pending[name] = (tensor, _version(tensor))
         else:

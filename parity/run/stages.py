@@ -17,6 +17,7 @@ from dataclasses import replace
 import torch
 
 from parity.compare.metrics import CHUNK, MISSING, UNTAPPED, chunks
+from parity.compare.padding import unpadded_rows
 from parity.compare.results import NodeResult, NodeStream, compare_traces, first_mismatch
 from parity.compare.tolerances import Tolerances
 from parity.diagnose.detectors import diagnose
@@ -301,6 +302,8 @@ def trace_ours(
         if forward_accepts(pair.ours, "position_ids"):
             kwargs["position_ids"] = on_device(device, run.position_ids)
     trace = Trace.spilling(run.trace_memory)
+    if pair.alignment and run.attention_mask is not None:  # a user's model may run each row alone (varlen)
+        trace.rows = run.attention_mask.bool().cpu()
     stream = None
     if reference is not None:
         output = pair.output_node
@@ -462,8 +465,19 @@ def compare_run(pair: Pair, run: Run, ours: Trace, ref: Trace, tolerances: Toler
     bad = first_mismatch(results)
     if bad is not None and undiagnosed(bad) is None:
         spec = next((n for n in pair.nodes if n.name == bad.name), None)
-        hint = diagnose(bad, ours, ref, pair.facts, run.position_ids, run.attention_mask, spec)
-        hint = hint or never_read_before(results, bad) or untapped_before(results, bad, pair.facts)
+        seen_ours, seen_ref = ours, ref
+        mask: torch.Tensor | None = run.attention_mask
+        positions: torch.Tensor | None = run.position_ids
+        rows = unpadded_rows(ours, ref, mask, positions) if mask is not None and ours.assembled else None
+        if rows is not None:  # ours ran each row alone (zeros at the padding): the detectors read the full rows
+            seen_ours, seen_ref, mask, positions = rows
+        hint = diagnose(bad, seen_ours, seen_ref, pair.facts, positions, mask, spec)
+        hint = (
+            hint
+            or never_read_before(results, bad)
+            or derived_before(results, bad, pair)
+            or untapped_before(results, bad, pair.facts)
+        )
         results[bad.index] = replace(bad, hint=hint)
     return results
 
@@ -492,6 +506,32 @@ def never_read_before(results: list[NodeResult], bad: NodeResult) -> Hint | None
         f"likely {names} skipped in ours: the reference runs it, ours never read its weight in this forward, and "
         f"{bad.name} is the first node after it to differ",
         {"side": "ours", "never_read": [r.name for r in skipped]},
+    )
+
+
+def derived_before(results: list[NodeResult], bad: NodeResult, pair: Pair) -> Hint | None:
+    """The failure sits in (or right after the untapped nodes of) a module whose checkpoint tensors ours
+    computes into other values at load (a norm folded into the next projection, DiffLlama's lambdas folded
+    into one number: :mod:`parity.user.derived`), the nodes before agree: that computation is the likeliest
+    cause, named when no detector read one."""
+    coverage = pair.loading.coverage if pair.loading is not None else None
+    derived = getattr(coverage, "derived", None)
+    if not derived:
+        return None
+    scope = [bad.name] + [r.name for r in _since_agreement(results, bad) if r.status == UNTAPPED]
+    keys = [
+        k for k in derived if any(n == k.rsplit(".", 1)[0] or n.startswith(k.rsplit(".", 1)[0] + ".") for n in scope)
+    ]
+    if not keys:
+        return None
+    into = sorted({p for k in keys for p in derived[k]})
+    where = f" (into {', '.join(into[:3])})" if into else " (into values no parameter holds)"
+    return Hint(
+        "derived_at_load",
+        f"likely the values ours computes at load from {', '.join(keys[:4])}{where}: the nodes before agree, and "
+        f"{bad.name} is the first node after them to differ; compare that computation with the reference's "
+        "formula (which tensor, which axis, which order)",
+        {"side": "ours", "keys": keys, "into": into},
     )
 
 

@@ -490,8 +490,11 @@ class _Aligner:
             return False
         # a module whose submodules hold other reference weights computes more than the op reading this
         # one (an MLP holding w_down itself, w_gate and w_up as submodules): the op is the node, not it
-        if held is None or held.dim() < 2:
+        if held is None:
+            return True
+        if held.dim() < 2 and all(self.state_dict[src.key].dim() < 2 for src in self.coverage.sources[param]):
             return True  # a norm's one vector (``scale``, ``g``): its module is the norm
+        # (a linear's (1, in) weight kept flat, Qwen2-MoE's shared_expert_gate, is no norm: judged as a matrix)
         return not any(module and n.startswith(module + ".") and n != param for n in self.coverage.sources)
 
     def container(self, path: str) -> str | None:
@@ -523,6 +526,8 @@ class _Aligner:
             if hit is None or hit[0] == "":  # the head ours computes from the embedding: no module to gather
                 continue
             (inside if ref_path.startswith(prefix) else outside).append(hit[0])
+        if len(set(inside)) == 1 and set(inside) <= stacked and self._holds_only(inside[0], prefix):
+            return inside[0]  # one module of ours holds every stacked tensor of the experts, and nothing else
         if len(set(inside)) < 2 and not (set(inside) <= owners and inside):
             block = self._experts_block(path, set(inside))
             if block is not None:
@@ -542,6 +547,16 @@ class _Aligner:
             self.why[path] = f"{ancestor or 'the model'} also holds modules of other reference blocks"
             return None
         return ancestor
+
+    def _holds_only(self, module: str, prefix: str) -> bool:
+        """Whether every checkpoint tensor ``module`` of ours (and its submodules) holds has a key under ``prefix``."""
+        keys = {
+            s.key
+            for n, sources in self.coverage.sources.items()
+            if _module_of(n)[0] == module or n.startswith(module + ".")
+            for s in sources
+        }
+        return bool(keys) and all(k.startswith(prefix) for k in keys)
 
     def _experts_block(self, path: str, inside: set[str]) -> str | None:
         """Ours' MoE block, for the reference's fused experts module ``path`` whose every tensor ours holds as

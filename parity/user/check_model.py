@@ -37,6 +37,7 @@ from parity.run.check import check
 from parity.run.float64 import Float64Mode, float64_state_dict
 from parity.run.options import CheckOptions
 from parity.user.align import Aligned, align
+from parity.user.derived import derived_keys, scalar_buffers
 from parity.user.reference_nodes import reference_nodes
 from parity.util.devices import Placement
 from parity.util.errors import ParityError
@@ -313,6 +314,9 @@ def build_user_pair(
         constants=ref.facts.named_constants(),
         interleaved=GATE_UP_INTERLEAVED in ref.facts.features,
     )
+    if coverage.unused and not _transformer_lens_processed(model):  # processed weights: the message says how
+        coverage.mark_derived({}, scalar_buffers(ref.model, coverage.unused))
+        coverage.mark_derived(derived_keys(ours, ref, model, coverage))
     if coverage.unused:
         raise ParityError(unplaced_message(coverage, model))
     nodes, _ = reference_nodes(ref.model, ref.facts)

@@ -58,6 +58,16 @@ def _moe_parts(module: nn.Module) -> tuple[str, str, int, tuple[str, str] | None
     return None
 
 
+def _combines_more(module: nn.Module, router: str, experts: str) -> bool:
+    """Whether a MoE block holds weights besides its router and experts (Qwen2-MoE's shared expert and its
+    gate): its output is then more than the experts' weighted sum, and is compared as a node of its own."""
+    own = any(True for _ in module.parameters(recurse=False))
+    return own or any(
+        name not in (router, experts) and any(True for _ in child.parameters())
+        for name, child in module.named_children()
+    )
+
+
 def _moe_nodes(
     path: str, router: str, experts_child: str, experts: int, arguments: tuple[str, str] | None = None
 ) -> list[NodeSpec]:
@@ -92,6 +102,8 @@ def discover_nodes(model: nn.Module, facts: ArchFacts) -> list[NodeSpec]:
         elif moe is not None:
             nodes += _moe_nodes(path, *moe)
             inside_moe |= {f"{path}.{moe[0]}", f"{path}.{moe[1]}"}
+            if _combines_more(module, moe[0], moe[1]):  # a shared expert beside: the block's output is a node
+                nodes.append(NodeSpec(path, path))
         elif "weight" in dict(module.named_parameters(recurse=False)):
             nodes.append(NodeSpec(path, path))
     nodes.append(NodeSpec(LOGITS, "", reference=""))  # what the forward returns, after every module

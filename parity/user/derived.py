@@ -1,0 +1,111 @@
+"""Checkpoint tensors a user's build reads in a form no parameter holds: computed at load.
+
+A loader may compute one value from several checkpoint tensors when it loads them: DiffLlama's
+``lambda_full = exp(lambda_q1 . lambda_k1) - exp(lambda_q2 . lambda_k2) + lambda_init`` folded into one
+number per layer, a norm's weight folded into the next projection's input columns. No parameter of
+ours then holds the tensor by storage or value in any convention loader coverage knows
+(:mod:`parity.build.coverage`), yet the model reads it. Coverage traces tensors, not functions of
+several, so for those keys the question is asked of the build itself: each is perturbed alone and
+``build`` called again; a key whose perturbation changes ours' logits is read (derived at load), one
+that changes nothing is never read and stays a gap. Parameters of ours that change with it are the
+values derived from it. The nodes downstream judge whether the function was right.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from parity.build.builder import Reference
+from parity.build.coverage import Coverage
+
+#: at most this many keys are probed one by one (each costs a build and a forward); past it, none is
+MAX_PROBED = 64
+#: tokens of the probe forward
+PROBE_TOKENS = 12
+
+
+def _logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor | None:
+    """Ours' logits for ``ids`` (``(1, PROBE_TOKENS)``), or None when the forward raises or returns no
+    tensor: the probe then says nothing."""
+    from parity.run.prompt_set import _logits_of
+
+    try:
+        with torch.no_grad():
+            return _logits_of(model(ids)).detach().to("cpu", torch.float64)
+    except Exception:  # a user's forward failing here is judged by the check itself, with its message
+        return None
+
+
+def _perturbed(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """A new tensor near ``t`` and different from it everywhere (zeros included)."""
+    noise = torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.dtype)
+    scale = float(t.float().abs().mean()) if t.numel() else 0.0
+    return t + noise * (0.25 * scale if scale > 0 else 0.1)
+
+
+def _values(model: nn.Module, names: set[str]) -> dict[str, torch.Tensor]:
+    return {n: t.detach() for n, t in [*model.named_parameters(), *model.named_buffers()] if n in names}
+
+
+def scalar_buffers(reference: nn.Module | None, keys: list[str]) -> dict[str, float]:
+    """``{key: value}`` for each of ``keys`` that is a one-element buffer of ``reference`` (not a parameter):
+    a constant of the architecture its module registers and saves (xIELU's ``eps`` and ``beta``), which a
+    port holds as a plain number. A learned tensor is a parameter and never lands here."""
+    if reference is None:
+        return {}
+    buffers = dict(reference.named_buffers())
+    return {k: float(buffers[k].flatten()[0]) for k in keys if k in buffers and buffers[k].numel() == 1}
+
+
+def derived_keys(ours, ref: Reference, model: nn.Module, coverage: Coverage) -> dict[str, list[str]]:
+    """``{checkpoint key: [our parameters derived from it]}`` for each of ``coverage.unused`` that ours'
+    build reads in a form coverage cannot trace (see the module docstring). Empty when ``ours`` is a
+    module (nothing to call again), when more than :data:`MAX_PROBED` keys are unused, or when building
+    twice from the same tensors does not give the same logits (a build that draws random values). A key
+    whose perturbation changes a parameter coverage read as a likely loader mistake is left out: that
+    refusal names the cause."""
+    if isinstance(ours, nn.Module) or not callable(ours) or not coverage.unused or len(coverage.unused) > MAX_PROBED:
+        return {}
+    from parity.user.check_model import build_ours
+
+    config = ref.hf_config
+    vocab = getattr(config, "vocab_size", None) or getattr(getattr(config, "text_config", None), "vocab_size", None)
+    if not vocab:
+        return {}
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, int(vocab), (1, PROBE_TOKENS), generator=gen)
+    unwritten = {u.split(" (")[0] for u in coverage.unwritten}
+    # a parameter coverage already read as a likely loader mistake (its reason after "; ": halves read as
+    # interleaved pairs, a weight transposed before fusing) keeps that refusal, which names the cause
+    mistaken = {u.split(" (")[0] for u in coverage.unwritten if "; " in u}
+    before = _values(model, unwritten)
+    first = _logits(model, ids)
+
+    def rebuilt(state_dict: dict) -> nn.Module | None:
+        try:
+            return build_ours(ours, dataclasses.replace(ref, state_dict=state_dict, conversions=[]))
+        except Exception:  # a build that fails on other values: no evidence either way
+            return None
+
+    again = rebuilt(dict(ref.state_dict))
+    same = None if again is None else _logits(again, ids)
+    if first is None or same is None or not torch.equal(first, same):
+        return {}
+    found: dict[str, list[str]] = {}
+    for key in coverage.unused:
+        state_dict = dict(ref.state_dict)
+        state_dict[key] = _perturbed(state_dict[key], gen)
+        model2 = rebuilt(state_dict)
+        logits = None if model2 is None else _logits(model2, ids)
+        if logits is None or torch.equal(logits, first):
+            continue
+        after = _values(model2, unwritten) if model2 is not None else {}
+        into = [
+            n for n, t in before.items() if n in after and (after[n].shape != t.shape or not torch.equal(after[n], t))
+        ]
+        if not mistaken.intersection(into):
+            found[key] = into
+    return found
