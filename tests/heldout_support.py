@@ -26,8 +26,9 @@ def bug_fixture(models: dict):
 
 def independent_max_diff(module, checkpoint: Path, padded: bool, pad_row: int = 0) -> float:
     """Max |logits| difference between ``module.build``'s model and Transformers' (eager) on 24 random
-    tokens; padded: batch 2, row ``pad_row`` starting with 5 padding tokens, positions counted over each
-    row's real tokens (padding at position 1, as generation gives it), real tokens compared only."""
+    tokens, called without a mask and with an all-ones one; padded: batch 2, row ``pad_row`` starting with 5
+    padding tokens, positions counted over each row's real tokens (padding at position 1, as generation gives
+    it), real tokens compared only."""
     from transformers import AutoModelForCausalLM
 
     ref = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="eager").eval()
@@ -39,9 +40,15 @@ def independent_max_diff(module, checkpoint: Path, padded: bool, pad_row: int = 
         ours = module.build(load_file(Path(checkpoint) / "model.safetensors"), ref.config).eval()
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
-        if not padded:
+        if not padded:  # called without a mask and, as a tokenizer's output calls it, with an all-ones one
             ids = torch.randint(0, 256, (1, 24), generator=g)
-            return float((ref(ids).logits - ours(ids)).abs().max())
+            theirs = ref(ids).logits
+            gap = float((theirs - ours(ids)).abs().max())
+            try:
+                masked = ours(ids, attention_mask=torch.ones_like(ids))
+            except TypeError:  # a forward that takes no mask
+                return gap
+            return max(gap, float((theirs - masked).abs().max()))
         ids = torch.randint(0, 256, (2, 24), generator=g)
         mask = torch.ones(2, 24, dtype=torch.long)
         mask[pad_row, :5] = 0

@@ -688,10 +688,12 @@ def loader_coverage(
         # a copy scaled by a constant: of a tensor nothing consumed yet first, else of a tie's tensor (its
         # other copy already holds it: TransformerLens' W_U beside W_E * sqrt(hidden_size))
         same = sorted(by_shape.get(tuple(p.shape), []) if constants else [], key=lambda k: k in cov.consumed)
-        flipped = by_shape.get(tuple(p.shape[::-1]), []) if constants and p.dim() == 2 else []
+        # transposed: a matrix's two axes, or stacked experts' last two ((experts, out, in) held (experts, in, out))
+        swapped = (*p.shape[:-2], p.shape[-1], p.shape[-2]) if p.dim() in (2, 3) else None
+        flipped = by_shape.get(swapped, []) if constants and swapped is not None else []
         flipped = sorted(flipped, key=lambda k: k in cov.consumed)  # a tied head kept transposed and scaled too
         for key, transposed in [(k, False) for k in same] + [(k, True) for k in flipped]:
-            t = state_dict[key].T if transposed else state_dict[key]
+            t = state_dict[key].transpose(-1, -2) if transposed else state_dict[key]
             scaled = _scaled(p, t, cast(dict, constants))
             if scaled is not None:
                 record(names, key, SCALED, scale=scaled[1], scale_name=scaled[0], transposed=transposed)

@@ -201,7 +201,8 @@ def in_reference_layout(
             moved, how = found
         elif padding is not None and (packed := unpacked(spec.kind, moved, full, padding)) is not None:
             moved, how = packed, "the real tokens packed into one sequence (padding skipped)"
-    if padding is not None and tuple(moved.shape) == tuple(ref.shape) and moved.is_floating_point():
+    if padding is not None and tuple(moved.shape) == tuple(ref.shape) and moved.dtype != torch.bool:
+        # (expert choices too: a router's choice at a padding token is as unspecified as its scores)
         moved = without_padding(spec.kind, moved, ref if isinstance(ref, torch.Tensor) else ref.load(), padding)
     return moved, how
 

@@ -4,6 +4,7 @@ something else), most general last (a pattern), and :func:`diagnose`, which retu
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import cast
 
 import torch
@@ -26,7 +27,7 @@ from parity.diagnose.elementwise import (
     soft_capping,
 )
 from parity.diagnose.embeddings import embedding_rows, position_term
-from parity.diagnose.evidence import Evidence
+from parity.diagnose.evidence import Evidence, heads_first
 from parity.diagnose.hints import Hint
 from parity.diagnose.masks import (
     attention_dropout,
@@ -115,6 +116,45 @@ from parity.record.trace import Trace
 #: ours-side node paths that are no module (a tap call, a value read from a function, nothing aligned)
 UNHOOKED_PREFIXES = ("tap:", "param:", "unaligned:")
 
+#: the q/k norms a family applies after RoPE (HunYuan's query_layernorm, key_layernorm) -> the rotated node they read
+_NORMS_AFTER_ROPE = {"query_layernorm": "q_rot", "key_layernorm": "k_rot"}
+#: the RoPE detectors, read at such a norm's input
+_ROPE_DETECTORS = (rope_partial, rope_fit, rope_tables, rope_pattern, heads_unrotated, head_mapping)
+
+
+def rope_before_norm(e: Evidence) -> Hint | None:
+    """A q/k norm the reference applies after RoPE (HunYuan's ``query_layernorm``) whose inputs differ:
+    ours normalising before RoPE (its input is the projection's output, unrotated), or RoPE itself
+    differing, read by the RoPE detectors on the two inputs as ``q_rot``/``k_rot`` (the first node that
+    differs is the norm: no ``q_rot`` node comes before it). Ours-side placement; RoPE either side."""
+    rot = _NORMS_AFTER_ROPE.get(e.kind)
+    layer = e.facts.layer(e.result.layer)
+    if rot is None or e.positions is None or layer is None:
+        return None
+    x_ours, x_ref = e.inputs()
+    proj = e.ref_trace.tensors.get(f"{e.name.rsplit('.', 1)[0]}.{rot[0]}_proj")
+    if x_ours is None or x_ref is None or proj is None:
+        return None
+    heads = e.facts.num_heads if rot == "q_rot" else (e.facts.num_kv_heads or e.facts.num_heads)
+    seq = e.positions.shape[1]
+    ours, ref, q = (heads_first(t, heads, layer.head_dim, seq) for t in (x_ours, x_ref, proj))
+    if ours is None or ref is None or q is None or ours.shape != ref.shape or e.close(ref, q) or e.close(ours, ref):
+        return None
+    if e.close(ours, q):
+        return Hint(
+            "norm_placement",
+            f"likely norm placement: ours' {e.kind} reads {rot[0]} before RoPE (its input is {rot[0]}_proj's output, "
+            "unrotated), the reference normalises after RoPE",
+            {"ours_reads": "before RoPE"},
+        )
+    at = replace(e, ours=ours, ref=ref, result=replace(e.result, kind=rot))
+    for detect in _ROPE_DETECTORS:
+        hint = detect(at)
+        if hint is not None:
+            return Hint(hint.kind, f"{hint.text} (read at {e.kind}'s input: RoPE runs before this norm)", hint.evidence)
+    return None
+
+
 #: detectors tried in order on a node that has both tensors of one shape
 DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     tap_layout,
@@ -160,6 +200,7 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     input_terms,
     input_source,
     projection_source,
+    rope_before_norm,  # a q/k norm after RoPE (HunYuan): RoPE read at its input, before the norm fits
     norm_after_rope,
     norm_statistic,  # the module's own weight: exact, before the eps fit reads a per-token ratio
     norm_eps,

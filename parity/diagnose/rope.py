@@ -370,11 +370,32 @@ def _rope_hint(e: Evidence, fit, side: str, layer, own: float) -> Hint | None:
                 f"{fit.label}, {amp}",
                 {**evidence, "width": round(width), "source": source},
             )
+    alpha = _ntk_alpha_reading(rope, float(fitted.group(1)), e.facts, layer) if fitted else None
     return Hint(
         "rope_theta",
-        f"likely a different rope theta: {side} rotates like {fit.label}, {amp} (the config: theta {rope.theta:g})",
+        f"likely a different rope theta: {side} rotates like {fit.label}, {amp} (the config: theta {rope.theta:g}"
+        + (f"; {alpha})" if alpha else ")"),
         evidence,
     )
+
+
+def _ntk_alpha_reading(rope: RopeFacts, theta: float, facts, layer) -> str | None:
+    """How a fitted ``theta`` comes from HunYuan's NTK alpha base ``theta0 * alpha^(d / (d - 2))`` written
+    otherwise: the exponent left out (``theta0 * alpha``), or ``d`` taken from another width; None when the
+    RoPE has no alpha or no reading fits."""
+    alpha, theta0 = rope.get("alpha"), rope.unscaled_theta
+    if not alpha or theta <= 1:
+        return None
+    readings = {f"theta * alpha = {theta0:g} * {alpha:g}: the exponent d / (d - 2) left out": theta0 * alpha}
+    for name, d in (
+        ("hidden_size / num_heads", (facts.hidden_size or 0) // (facts.num_heads or 1)),
+        ("head_dim", layer.head_dim or 0),
+    ):
+        if d > 2 and d != rope.rotary_dim:
+            readings[
+                f"the NTK alpha exponent d / (d - 2) with d = {name} ({d}), not the rotary dims ({rope.rotary_dim})"
+            ] = theta0 * alpha ** (d / (d - 2))
+    return next((text for text, value in readings.items() if abs(theta / value - 1) < 2e-3), None)
 
 
 def _unrotated_dims(e: Evidence, t: torch.Tensor, x: torch.Tensor, moved: torch.Tensor) -> torch.Tensor:

@@ -163,7 +163,11 @@ def identify(
         )
         if rope.rope_type != "default":
             candidates.append(
-                (f"the unscaled RoPE (theta {rope.theta:g}, no {rope.rope_type} scaling)", rope.unscaled_inv_freq())
+                (
+                    f"the unscaled RoPE (theta {rope.unscaled_theta:g}, no {rope.rope_type} scaling"
+                    + (f": NTK alpha {rope.get('alpha'):g} left out)" if rope.get("alpha") else ")"),
+                    rope.unscaled_inv_freq(),
+                )
             )
     candidates += _yarn_variants(rope)
     if rope is not None and rope.rope_type == "default" and layer.head_dim and rope.rotary_dim < layer.head_dim:

@@ -441,9 +441,14 @@ def constant_ratio(e: Evidence) -> Hint | None:
             f"(the reference's logit_scale is {e.facts.logit_scale:g})",
             {"ratio": mean},
         )
+    # the config's own fields first, and among them the one that belongs where the node sits (the logits'
+    # scaling at the logits, the embedding's multiplier at the embedding): several may be equal
+    near = "logit" if e.kind in ("logits", "lm_head") else "embed" if "embed" in e.kind else "\0"
+    matched.sort(key=lambda item: (near not in item[0], "config's" not in item[0]))
     if matched and kind == "scale":
         name, value = matched[0]
-        known = f"; matches {bigger} = {name} ({max(value, 1 / value):.6g})"
+        others = "".join(f", or {n}" for n, _ in matched[1:3])
+        known = f"; matches {bigger} = {name} ({max(value, 1 / value):.6g}){others}"
         if "attention factor" in name:
             kind = "rope_attention_factor"
         elif name == "logit_scale":
@@ -533,8 +538,9 @@ def _qk_norm_span(e: Evidence) -> Hint | None:
         return None
     proj = e.ref_trace.tensors.get(f"{stem}.{letter}_proj")
     b, h, s, d = e.ref.shape
-    if proj is None or proj.numel() != b * h * s * d or f"{stem}.{letter}_norm" not in e.ref_trace.tensors:
-        return None
+    norms = (f"{letter}_norm", f"{letter}_layernorm", {"q": "query_layernorm", "k": "key_layernorm"}[letter])
+    if proj is None or proj.numel() != b * h * s * d or not any(f"{stem}.{n}" in e.ref_trace.tensors for n in norms):
+        return None  # (a norm after RoPE, HunYuan's, keeps each head's RMS: the same ratio holds)
     x = proj.double().reshape(b, s, h, d)
     eps = e.facts.norm_eps or 1e-6
     per_head = (x.pow(2).mean(-1) + eps).rsqrt()  # (b, s, h)

@@ -18,6 +18,7 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from typing import cast
 
 SLIDING, FULL, LINEAR = "sliding_attention", "full_attention", "linear_attention"
 
@@ -43,9 +44,15 @@ class RopeFacts:
     #: the inverse frequencies Transformers computes (``rotary_dim // 2`` of them), for hints
     inv_freq: tuple[float, ...] = ()
 
+    @property
+    def unscaled_theta(self) -> float:
+        """The theta a forgotten scaling rotates with: the config's, before HunYuan's NTK ``alpha`` raises it."""
+        base = self.parameters.get("rope_theta", self.theta)
+        return float(cast(float, base)) if self.parameters.get("alpha") else self.theta
+
     def unscaled_inv_freq(self) -> tuple[float, ...]:
-        """Plain RoPE frequencies ``theta^(-2i/d)`` with this theta (what a forgotten scaling gives)."""
-        return default_inv_freq(self.theta, self.rotary_dim)
+        """Plain RoPE frequencies ``theta^(-2i/d)`` with the unscaled theta (what a forgotten scaling gives)."""
+        return default_inv_freq(self.unscaled_theta, self.rotary_dim)
 
     def with_theta(self, theta: float, head_dim: int, max_position_embeddings: int | None) -> tuple[float, ...]:
         """This RoPE's frequencies (same type and scaling) had its theta been ``theta``."""

@@ -37,6 +37,12 @@ def _olmo(config, facts: ArchFacts) -> ArchFacts:
     return replace(facts, qk_norm="projection")
 
 
+@rule("ernie4_5", "ernie4_5_moe")
+def _ernie(config, facts: ArchFacts) -> ArchFacts:
+    # Ernie4_5's rotate_half pairs (2i, 2i + 1): interleaved RoPE, as GPT-J's
+    return with_layers(facts, rope=lambda layer: replace(layer.rope, interleaved=True) if layer.rope else None)
+
+
 @rule("cohere", "cohere2")
 def _cohere(config, facts: ArchFacts) -> ArchFacts:
     # Cohere2Attention rotates only on sliding layers (full layers are NoPE), with interleaved pairs.

@@ -22,7 +22,7 @@ from parity.model.pair import Pair
 from parity.report.result import CheckResult
 from parity.run.options import CheckOptions
 from parity.run.plan import Run, decode_chunk_notes, decode_window_notes, plan
-from parity.run.positions import unpositioned_result
+from parity.run.positions import all_ones_mask_result, unpositioned_result
 from parity.run.stages import (
     analyse,
     borrow_isolated_hint,
@@ -169,6 +169,9 @@ def check(
     unpositioned = unpositioned_result(pair, run, len(result.nodes))
     if unpositioned is not None:  # a forward without position_ids: after every node of the check itself
         result = replace(result, nodes=(*result.nodes, unpositioned))
+    unmasked = all_ones_mask_result(pair, run, len(result.nodes))
+    if unmasked is not None:  # an unpadded forward given an all-ones mask: after every node of the check itself
+        result = replace(result, nodes=(*result.nodes, unmasked))
     if run.options.backward or run.options.causality:  # training parity, after the forward it needs
         from parity.run.backward import check_backward
 

@@ -27,11 +27,7 @@ STILL, MOVED = 1e-5, 1e-3
 
 def _defaults_position_ids(model) -> bool:
     """Whether ``model.forward`` takes ``position_ids`` and runs without them (a default)."""
-    try:
-        param = inspect.signature(model.forward).parameters.get("position_ids")
-    except (TypeError, ValueError):
-        return False
-    return param is not None and param.default is not inspect.Parameter.empty
+    return _defaults_argument(model, "position_ids")
 
 
 #: the node a forward without position_ids fails as (after every node of the check itself)
@@ -94,3 +90,59 @@ def unpositioned_result(pair: Pair, run: Run, index: int) -> NodeResult | None:
         {"moved": from_mask, "from_reference": as_reference, "reference_moved": ref_moved},
     )
     return replace(result, hint=hint, detail=f"ours called without position_ids, at real tokens; {result.detail}")
+
+
+#: the node an unpadded check's forward with an all-ones attention_mask fails as (after the check's own nodes)
+ALL_ONES = "logits (with an all-ones attention_mask)"
+
+
+def all_ones_mask_result(pair: Pair, run: Run, index: int) -> NodeResult | None:
+    """A failing node when ours, on the run's unpadded batch, gives other logits with an all-ones
+    ``attention_mask`` (what a tokenizer hands every call) than without one, while the reference gives the
+    same: a mask path the check itself, which calls an unpadded model without a mask, never runs (the causal
+    triangle built only when no mask is given, the mask added where it should be combined). Compared with
+    the reference, at index ``index``. None otherwise (a padded run, a family pair, a model whose forward
+    takes no mask, or one whose forward is not repeatable)."""
+    if not pair.alignment or run.attention_mask is not None or not _defaults_argument(pair.ours, "attention_mask"):
+        return None
+    ones = torch.ones_like(run.input_ids)
+
+    def logits(model, masked: bool) -> torch.Tensor | None:
+        device = device_of(model)
+        kwargs = {"attention_mask": on_device(device, ones)} if masked else {}
+        with torch.no_grad():
+            out = model(on_device(device, run.input_ids), **kwargs)
+        t = getattr(out, "logits", None)
+        t = t if isinstance(t, torch.Tensor) else first_tensor(out)
+        return t.detach().float().cpu() if isinstance(t, torch.Tensor) else None
+
+    ref = logits(pair.reference, True)
+    ours_plain, again, ours_masked = logits(pair.ours, False), logits(pair.ours, False), logits(pair.ours, True)
+    if ref is None or ours_plain is None or again is None or ours_masked is None or ours_masked.shape != ref.shape:
+        return None
+    if not torch.equal(ours_plain, again):
+        return None  # ours is not repeatable (a dropout left on): a difference says nothing about the mask
+    scale = float(ref.abs().max()) or 1.0
+    moved = float((ours_masked - ours_plain).abs().max())
+    if moved <= MOVED * scale or float((ours_masked - ref).abs().max()) <= MOVED * scale:
+        return None
+    spec = NodeSpec(ALL_ONES, ALL_ONES, reference="", kind="logits")
+    result = compare_node(spec, index, ours_masked, ref, Tolerances(atol=0.0, rtol=0.0))
+    hint = Hint(
+        "causal_mask",
+        f"likely the mask ours builds when given an attention_mask: with an all-ones mask (no padding at all) ours "
+        f"moves its logits by up to {moved:.3g} from its own without one, the reference does not: the causal "
+        "triangle built only when no mask is given (a passed mask taken as the whole mask), or the mask added "
+        "where it should be combined; the check's own nodes call ours without a mask, so only this call shows it",
+        {"moved": moved},
+    )
+    return replace(result, hint=hint, detail=f"ours called with an all-ones attention_mask; {result.detail}")
+
+
+def _defaults_argument(model, name: str) -> bool:
+    """Whether ``model.forward`` takes ``name`` and runs without it (a default)."""
+    try:
+        param = inspect.signature(model.forward).parameters.get(name)
+    except (TypeError, ValueError):
+        return False
+    return param is not None and param.default is not inspect.Parameter.empty

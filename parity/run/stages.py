@@ -16,7 +16,7 @@ from dataclasses import replace
 
 import torch
 
-from parity.compare.metrics import CHUNK, MISSING, UNTAPPED, chunks
+from parity.compare.metrics import CHUNK, MISMATCH, MISSING, UNTAPPED, chunks
 from parity.compare.padding import unpadded_rows
 from parity.compare.results import NodeResult, NodeStream, compare_traces, first_mismatch
 from parity.compare.tolerances import Tolerances
@@ -462,6 +462,7 @@ def compare_run(pair: Pair, run: Run, ours: Trace, ref: Trace, tolerances: Toler
         results = computed_otherwise(
             results, {n.name for n in pair.nodes if n.ours and not n.ours.startswith(UNHOOKED)}
         )
+    results = folded_differences(results, pair)
     bad = first_mismatch(results)
     if bad is not None and undiagnosed(bad) is None:
         spec = next((n for n in pair.nodes if n.name == bad.name), None)
@@ -557,6 +558,44 @@ def untapped_before(results: list[NodeResult], bad: NodeResult, facts) -> Hint |
         "it to differ; tap its internals (parity.tap) to be told where",
         {"block": block, "untapped": stretch[:8]},
     )
+
+
+def _folded_block(key: str) -> str:
+    """The block a checkpoint tensor belongs to: a norm's or a projection's weight, its parent (the
+    attention, the layer); a block's own tensor (DiffLlama's ``self_attn.lambda_q1``), that block."""
+    module = key.rsplit(".", 1)[0]
+    leaf = module.rsplit(".", 1)[-1]
+    return module.rsplit(".", 1)[0] if "norm" in leaf or leaf.endswith("proj") else module
+
+
+def folded_differences(results: list[NodeResult], pair: Pair) -> list[NodeResult]:
+    """A user's model that computes some checkpoint tensors into other values at load (:mod:`parity.user.derived`:
+    HunYuan's key-norm gain folded into the query's, with the softmax scale) may differ at a block's inner
+    nodes by design of the fold while the block's output agrees: those mismatches, inside a block holding
+    such a tensor and followed there by agreeing nodes up to its last judged one, are untapped with the
+    reason, not failed. Where the block's output differs they stay failures (``derived_at_load`` names them)."""
+    derived = getattr(pair.loading.coverage if pair.loading is not None else None, "derived", None)
+    if not derived:
+        return results
+    out = list(results)
+    for block in {_folded_block(k) for k in derived}:
+        inside = [i for i, r in enumerate(out) if r.name.startswith(block + ".")]
+        failing = [i for i in inside if out[i].status == MISMATCH]
+        judged = [i for i in inside if out[i].status != UNTAPPED]
+        if not failing or not judged or any(out[i].failed and out[i].status != MISMATCH for i in inside):
+            continue
+        if judged[-1] <= max(failing) or not all(out[i].passed for i in judged if i > max(failing)):
+            continue
+        keys = ", ".join(k for k in derived if _folded_block(k) == block)
+        for i in failing:
+            out[i] = replace(
+                out[i],
+                status=UNTAPPED,
+                detail=f"{out[i].detail + '; ' if out[i].detail else ''}differs where ours holds values computed at "
+                f"load from {keys}, and "
+                f"{out[judged[-1]].name} agrees: the fold moves values between this block's nodes (not judged)",
+            )
+    return out
 
 
 def computed_otherwise(results: list[NodeResult], modules: set[str]) -> list[NodeResult]:

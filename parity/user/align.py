@@ -249,6 +249,10 @@ class PlusBias:
         return self.rows.inverse(unbiased, current) if self.rows is not None else unbiased.to(current.dtype)
 
 
+#: the leaf names of an experts module's stacked output projection: a constant folded into it scales the block's output
+OUTPUT_PROJECTION_LEAVES = ("down_proj", "w2", "output_linear", "c_proj")
+
+
 @dataclass(frozen=True)
 class Unscaled:
     """A projection of ours whose weight (and bias) hold the reference's times a named constant (OPT's
@@ -403,7 +407,7 @@ class _Aligner:
         found = held
         # the parameter must be its module's weight: named so, or (a norm's ``scale``, ``gamma``, ``g``,
         # ``w``) the only parameter of its module that holds a reference weight
-        found = [(n, s) for n, s in found if self._is_weight_of_module(n)]
+        found = [(n, s) for n, s in found if self._is_weight_of_module(n, path)]
         ref_is_embedding = isinstance(module, nn.Embedding)
         candidates = {}
         for n, s in found:
@@ -475,15 +479,17 @@ class _Aligner:
                 held += [_module_of(n)[0] for k in keys for n, _ in self.by_key.get(k, [])]
         return held
 
-    def _is_weight_of_module(self, param: str) -> bool:
+    def _is_weight_of_module(self, param: str, path: str = "") -> bool:
         module, leaf = _module_of(param)
         if module and module in self.our_modules and not self._runs(module):
             return False  # a ParameterDict's entry (``emb["tok"]``): no forward of its own, the op reading it is
         if leaf == "weight":
             return True
         held = self.ours_params.get(param)
-        if not module and held is not None and held.dim() == 1:
-            return False  # a vector of the whole model (a final norm's beside the blocks): the op reading it
+        if not module and held is not None and (held.dim() == 1 or path == self.facts.embed_module):
+            # a tensor of the whole model (a final norm's vector beside the blocks, the embedding's table): the op
+            # reading it; a root table read as the head stays the model's output (place() says which)
+            return False
         holders = [n for n in self.coverage.sources if _module_of(n)[0] == module and "." not in n[len(module) + 1 :]]
         weights = [n for n in holders if any(src.key.endswith(".weight") for src in self.coverage.sources[n])]
         if weights != [param]:
@@ -772,7 +778,12 @@ class _Aligner:
         hit = self.leaf(base) if isinstance(weight, torch.Tensor) else None
         # a weight ours holds at its root, read in forward: the head's (a vocabulary projection) is the model's
         # output; any other (a final norm's vector beside the embedding) is the op reading it, below
-        head = isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] == self.facts.vocab_size
+        head = (
+            isinstance(weight, torch.Tensor)
+            and weight.dim() == 2
+            and weight.shape[0] == self.facts.vocab_size
+            and base != self.facts.embed_module  # the table itself, tied: its lookup is the embedding's node
+        )
         if hit is not None and hit[0] == "" and not is_input and head:
             after = [
                 what
@@ -841,7 +852,7 @@ class _Aligner:
             detail = f"{'transposed ' if source.how == TRANSPOSED else ''}{source.key} ({source.how})"
             if source.how == SCALED:
                 detail = f"{source.description}: a scaled copy"
-                if not is_input and base != self.facts.embed_module and source.scale:
+                if not is_input and source.scale and self._divide_scaled(base, source):
                     unscaled = Unscaled(float(source.scale))
                     return replace(spec, ours=ours, transform=unscaled, inverse=unscaled.inverse), Aligned(
                         name, ours, how, f"{detail}, its output compared divided by {float(source.scale):.6g}"
@@ -853,6 +864,16 @@ class _Aligner:
                 return self._sum_of_parts(spec, base, our_path, is_input)
             if our_path is not None:
                 ours = our_path + ("@input" if is_input else "")
+                factor = None if is_input else self._output_scale(base)
+                if factor is not None:  # stacked experts whose down projections hold the reference's times c
+                    unscaled = Unscaled(factor)
+                    return replace(spec, ours=ours, transform=unscaled, inverse=unscaled.inverse), Aligned(
+                        name,
+                        ours,
+                        "container",
+                        f"{ours} holds {base}'s output projection times {factor:g} (folded at load): its output is "
+                        f"compared divided by {factor:g}",
+                    )
                 return replace(spec, ours=ours), Aligned(
                     name,
                     ours,
@@ -885,7 +906,7 @@ class _Aligner:
                 return self._scaled_lookup(spec, PARAM + param, cast(float, scale))
             bias = self._bias_of(base)
             ours = PARAM + param + (f"+{bias}" if bias else "")
-            if source.how == SCALED and source.scale and base != self.facts.embed_module:
+            if source.how == SCALED and source.scale and self._divide_scaled(base, source):
                 unscaled = Unscaled(float(source.scale))  # a scale folded into the weight (and bias) at load
                 return replace(spec, ours=ours, transform=unscaled, inverse=unscaled.inverse), Aligned(
                     name,
@@ -1146,6 +1167,36 @@ class _Aligner:
             f"the reference's embedding scales by {scale:g}; ours' lookup is compared times {scale:g} (ours scales "
             "after it, or adds positions before the first layer)",
         )
+
+    def _output_scale(self, base: str) -> float | None:
+        """The constant ours' copy of ``base``'s stacked output projection (experts' ``down_proj``, ``w2``) is
+        scaled by at load (Granite's residual_multiplier folded into every expert), when ours holds that
+        tensor scaled and the block's other tensors unscaled: ``base``'s output is then scaled by it. None
+        otherwise."""
+        module = self.ref_modules.get(base)
+        if module is None:
+            return None
+        keys = {self.keys_by_storage.get(_storage_key(t), [None])[0]: leaf for leaf, t in module.named_parameters()}
+        scaled = {
+            leaf: src.scale
+            for key, leaf in keys.items()
+            for _, src in self.by_key.get(key or "", [])
+            if src.how == SCALED and src.scale
+        }
+        outputs = [leaf for leaf in scaled if leaf.rsplit(".", 1)[-1] in OUTPUT_PROJECTION_LEAVES]
+        if len(scaled) != 1 or len(outputs) != 1:
+            return None
+        return float(cast(float, scaled[outputs[0]]))
+
+    def _divide_scaled(self, base: str, source: Source) -> bool:
+        """Whether ours' output from a scaled copy of ``base``'s weight is compared divided by the scale: always,
+        except the embedding whose reference scales its own output by that factor (Gemma's, TransformerLens'
+        pre-multiplied table): Granite's embedding_multiplier folded into the table is applied after the
+        reference's module, so its lookup is the module's output times the multiplier."""
+        scale = self.facts.embed_scale
+        if base != self.facts.embed_module or scale in (None, 1.0):
+            return True
+        return abs(float(cast(float, source.scale)) / float(scale) - 1) > 1e-6
 
     def _scaled_outside(self, our_path: str) -> bool:
         """The reference's embedding scales its output (Gemma: sqrt(hidden)) and ours is a plain
