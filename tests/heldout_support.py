@@ -100,6 +100,17 @@ def assert_located(models: dict, checkpoints: dict, model: str, padded: bool, no
     assert bad.hint is not None and bad.hint.kind == kind and says in str(bad.hint), bad.hint
 
 
+def assert_refused(models: dict, checkpoints: dict, model: str, says: str) -> None:
+    """A loader bug: its logits differ from Transformers' without parity, and parity refuses it as bad input
+    with a message holding ``says`` (the tensor never loaded, what holds its place)."""
+    import parity
+
+    assert not independent_max_diff(models[model], checkpoints[model], False) <= 1e-6
+    with pytest.raises(parity.ParityError, match="in no parameter or buffer") as raised:
+        check(models, checkpoints, model)
+    assert says in str(raised.value)
+
+
 def save_checkpoints(root: Path, specs: dict, randomise, seed: int, weight_seed: int) -> dict[str, Path]:
     """Each config of ``specs`` built by Transformers, its weights set by ``randomise(model, generator)``
     (``torch.manual_seed(seed + i)``, the generator seeded ``weight_seed + i``) and saved under ``root``."""

@@ -111,7 +111,7 @@ class Trace:
     #: module runs once per row on that row's real tokens alone (batch 1, a varlen loop) is assembled from
     #: its calls into the padded batch (:meth:`_by_rows`), pad positions zero
     rows: torch.Tensor | None = None
-    #: node -> (token axis, the calls so far), while a per-row node is assembled
+    #: node -> (its token axes, the calls so far, its transform), while a per-row node is assembled
     _row_parts: dict = field(default_factory=dict, repr=False)
     #: the first node assembled per row, and the row whose calls run now (see :meth:`_by_rows`)
     _row_leader: str | None = field(default=None, repr=False)
