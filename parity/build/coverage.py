@@ -190,18 +190,31 @@ class Coverage:
             f"as numbers, not tensors: {shown}{f', ... ({n} in all)' if n > 3 else ''}; the nodes judge the values"
         )
 
-    def mark_derived(self, found: dict[str, list[str]], numbers: dict[str, float] | None = None) -> None:
-        """Take the keys of ``found`` (checkpoint key -> our parameters derived from it) and of ``numbers``
-        (the reference's scalar buffers, key -> value) out of ``unused``, and the parameters derived out of
-        ``unwritten``: read in a form coverage cannot trace, they are judged by the nodes; the gap lines are
-        written again for what remains."""
-        if not found and not numbers:
-            return
+    def unwritten_names(self, reasoned: bool = False) -> list[str]:
+        """Our parameters in ``unwritten``, by name; with ``reasoned``, only those coverage read as a likely
+        loader mistake (a reason after ``"; "``: halves read as interleaved pairs, a weight transposed before
+        fusing)."""
+        return [u.split(" (")[0] for u in self.unwritten if not reasoned or "; " in u]
+
+    def mark_numbers(self, numbers: dict[str, float]) -> None:
+        """Take ``numbers`` (the reference's scalar buffers ours holds as plain numbers, key -> value) out of
+        ``unused``: the nodes judge the values."""
+        self.numbers.update(numbers)
+        self._taken(set(numbers), set())
+
+    def mark_derived(self, found: dict[str, list[str]]) -> None:
+        """Take the keys of ``found`` (checkpoint key -> our parameters derived from it) out of ``unused`` and
+        those parameters out of ``unwritten``: read in a form coverage cannot trace, they are judged by the
+        nodes."""
         self.derived.update(found)
-        self.numbers.update(numbers or {})
-        found = {**found, **{key: [] for key in numbers or {}}}
-        params = {p for names in found.values() for p in names}
-        self.unused = [k for k in self.unused if k not in found]
+        self._taken(set(found), {p for names in found.values() for p in names})
+
+    def _taken(self, keys: set[str], params: set[str]) -> None:
+        """``keys`` out of ``unused`` and ``params`` out of ``unwritten``, the gap lines written again for what
+        remains."""
+        if not keys and not params:
+            return
+        self.unused = [k for k in self.unused if k not in keys]
         self.unwritten = [u for u in self.unwritten if u.split(" (")[0] not in params]
         self.gaps = [g for g in self.gaps if not g.startswith((_NEVER_USED, _HOLDING_NONE))]
         if self.unused:

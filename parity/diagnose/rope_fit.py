@@ -17,7 +17,7 @@ from typing import cast
 
 import torch
 
-from parity.model.facts import LayerFacts, RopeFacts
+from parity.model.facts import LayerFacts, RopeFacts, default_inv_freq
 
 
 def _pairs(t: torch.Tensor, interleaved: bool, rotary_dim: int) -> torch.Tensor:
@@ -285,8 +285,6 @@ def identify(
         for theta in ([fitted] if fitted is not None else []) + [t for t in COMMON_THETAS if t != fitted]:
             if abs(theta / rope.theta - 1) <= 1e-3:
                 continue
-            from parity.model.facts import default_inv_freq
-
             for label, inv_freq in (
                 (
                     f"{rope.rope_type} RoPE with theta {theta:.6g}",

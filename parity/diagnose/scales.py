@@ -443,8 +443,8 @@ def constant_ratio(e: Evidence) -> Hint | None:
         )
     # the config's own fields first, and among them the one that belongs where the node sits (the logits'
     # scaling at the logits, the embedding's multiplier at the embedding): several may be equal
-    near = "logit" if e.kind in ("logits", "lm_head") else "embed" if "embed" in e.kind else "\0"
-    matched.sort(key=lambda item: (near not in item[0], "config's" not in item[0]))
+    near = "logit" if e.kind in ("logits", "lm_head") else "embed" if "embed" in e.kind else None
+    matched.sort(key=lambda item: (near is None or near not in item[0], "config's" not in item[0]))
     if matched and kind == "scale":
         name, value = matched[0]
         others = "".join(f", or {n}" for n, _ in matched[1:3])

@@ -99,14 +99,12 @@ def derive_facts(config, model=None) -> ArchFacts:
         type_head_dim = head_dims[layer_types.index(layer_type)] if layer_type in layer_types else head_dim
         # proportional RoPE (Gemma 4) spans the whole head, pairs (i, i + d/2), zero frequencies past the partial part
         rotary_dim = type_head_dim if params.get("rope_type") == "proportional" else int(type_head_dim * partial)
-        alpha = params.get("alpha") if params.get("rope_type") == "dynamic" else None
-        if alpha and rotary_dim > 2:  # HunYuan's fixed NTK alpha: base theta * alpha^(d / (d - 2)) at every length
+        alpha = params.get("alpha") if params.get("rope_type") == "dynamic" and rotary_dim > 2 else None
+        if alpha:  # HunYuan's fixed NTK alpha: plain RoPE at every length, base theta * alpha^(d / (d - 2))
             theta = theta * float(alpha) ** (rotary_dim / (rotary_dim - 2))
-        inv_freq, attention_factor = (
-            (default_inv_freq(theta, rotary_dim), 1.0)
-            if alpha and rotary_dim > 2
-            else rope_init(config, layer_type, params, per_type, theta, rotary_dim)
-        )
+            inv_freq, attention_factor = default_inv_freq(theta, rotary_dim), 1.0
+        else:
+            inv_freq, attention_factor = rope_init(config, layer_type, params, per_type, theta, rotary_dim)
         rope_facts[layer_type] = RopeFacts(
             rope_type=str(params.get("rope_type", "default")),
             theta=theta,

@@ -25,11 +25,6 @@ from parity.run.stages import device_of, on_device
 STILL, MOVED = 1e-5, 1e-3
 
 
-def _defaults_position_ids(model) -> bool:
-    """Whether ``model.forward`` takes ``position_ids`` and runs without them (a default)."""
-    return _defaults_argument(model, "position_ids")
-
-
 #: the node a forward without position_ids fails as (after every node of the check itself)
 UNPOSITIONED = "logits (without position_ids)"
 
@@ -44,20 +39,19 @@ def unpositioned_result(pair: Pair, run: Run, index: int) -> NodeResult | None:
     ``index``. None otherwise (no padding, a family pair, a model that needs position_ids, or one whose
     forward is not repeatable)."""
     mask = run.attention_mask
-    if not pair.alignment or mask is None or not bool((mask == 0).any()) or not _defaults_position_ids(pair.ours):
+    if (
+        not pair.alignment
+        or mask is None
+        or not bool((mask == 0).any())
+        or not _defaults_argument(pair.ours, "position_ids")
+    ):
         return None
     real = mask.bool().cpu()
 
     def logits(model, with_positions: bool) -> torch.Tensor | None:
-        device = device_of(model)
-        kwargs = {"attention_mask": on_device(device, mask)}
-        if with_positions:
-            kwargs["position_ids"] = on_device(device, run.position_ids)
-        with torch.no_grad():
-            out = model(on_device(device, run.input_ids), **kwargs)
-        t = getattr(out, "logits", None)
-        t = t if isinstance(t, torch.Tensor) else first_tensor(out)
-        return t.detach().float().cpu()[real] if isinstance(t, torch.Tensor) and t.shape[:2] == real.shape else None
+        kwargs = {"attention_mask": mask} | ({"position_ids": run.position_ids} if with_positions else {})
+        t = _forward_logits(model, run.input_ids, **kwargs)
+        return t[real] if t is not None and t.shape[:2] == real.shape else None
 
     ref_with, ref_without = logits(pair.reference, True), logits(pair.reference, False)
     ours_with, again, ours_without = logits(pair.ours, True), logits(pair.ours, True), logits(pair.ours, False)
@@ -105,19 +99,10 @@ def all_ones_mask_result(pair: Pair, run: Run, index: int) -> NodeResult | None:
     takes no mask, or one whose forward is not repeatable)."""
     if not pair.alignment or run.attention_mask is not None or not _defaults_argument(pair.ours, "attention_mask"):
         return None
-    ones = torch.ones_like(run.input_ids)
-
-    def logits(model, masked: bool) -> torch.Tensor | None:
-        device = device_of(model)
-        kwargs = {"attention_mask": on_device(device, ones)} if masked else {}
-        with torch.no_grad():
-            out = model(on_device(device, run.input_ids), **kwargs)
-        t = getattr(out, "logits", None)
-        t = t if isinstance(t, torch.Tensor) else first_tensor(out)
-        return t.detach().float().cpu() if isinstance(t, torch.Tensor) else None
-
-    ref = logits(pair.reference, True)
-    ours_plain, again, ours_masked = logits(pair.ours, False), logits(pair.ours, False), logits(pair.ours, True)
+    ones, ids = torch.ones_like(run.input_ids), run.input_ids
+    ref = _forward_logits(pair.reference, ids, attention_mask=ones)
+    ours_plain, again = _forward_logits(pair.ours, ids), _forward_logits(pair.ours, ids)
+    ours_masked = _forward_logits(pair.ours, ids, attention_mask=ones)
     if ref is None or ours_plain is None or again is None or ours_masked is None or ours_masked.shape != ref.shape:
         return None
     if not torch.equal(ours_plain, again):
@@ -137,6 +122,17 @@ def all_ones_mask_result(pair: Pair, run: Run, index: int) -> NodeResult | None:
         {"moved": moved},
     )
     return replace(result, hint=hint, detail=f"ours called with an all-ones attention_mask; {result.detail}")
+
+
+def _forward_logits(model, input_ids: torch.Tensor, **kwargs) -> torch.Tensor | None:
+    """``model``'s logits (float32, on the CPU) for ``input_ids`` and the tensors in ``kwargs``, each moved to
+    its device: its output's ``logits``, or its first tensor; None when it returns none."""
+    device = device_of(model)
+    with torch.no_grad():
+        out = model(on_device(device, input_ids), **{k: on_device(device, v) for k, v in kwargs.items()})
+    t = getattr(out, "logits", None)
+    t = t if isinstance(t, torch.Tensor) else first_tensor(out)
+    return t.detach().float().cpu() if isinstance(t, torch.Tensor) else None
 
 
 def _defaults_argument(model, name: str) -> bool:

@@ -46,7 +46,7 @@ def _badness(r) -> tuple:
     return (r.failed, math.inf if ratio is None and r.failed else (ratio if ratio is not None else -1.0))
 
 
-def _logits_of(out) -> torch.Tensor:
+def logits_of(out) -> torch.Tensor:
     """The logits a forward returned: a tensor, an output with ``.logits``, or the first tensor of a tuple/dict."""
     if isinstance(out, torch.Tensor):
         return out
@@ -82,7 +82,7 @@ def forward_logits(pair: Pair, model, ids: torch.Tensor, mask: torch.Tensor | No
                 if forward_accepts(model, "position_ids"):
                     kwargs["position_ids"] = on_device(device, positions)
             out = run_ours(pair, model, on_device(device, ids), **kwargs)
-    return _logits_of(out).detach().to("cpu", torch.float64)
+    return logits_of(out).detach().to("cpu", torch.float64)
 
 
 def kl_divergence(ref: torch.Tensor, ours: torch.Tensor) -> torch.Tensor:

@@ -515,8 +515,7 @@ def derived_before(results: list[NodeResult], bad: NodeResult, pair: Pair) -> Hi
     computes into other values at load (a norm folded into the next projection, DiffLlama's lambdas folded
     into one number: :mod:`parity.user.derived`), the nodes before agree: that computation is the likeliest
     cause, named when no detector read one."""
-    coverage = pair.loading.coverage if pair.loading is not None else None
-    derived = getattr(coverage, "derived", None)
+    derived = _derived(pair)
     if not derived:
         return None
     scope = [bad.name] + [r.name for r in _since_agreement(results, bad) if r.status == UNTAPPED]
@@ -560,6 +559,11 @@ def untapped_before(results: list[NodeResult], bad: NodeResult, facts) -> Hint |
     )
 
 
+def _derived(pair: Pair) -> dict[str, list[str]]:
+    """The pair's checkpoint keys computed at load (loader coverage's ``derived``), key -> our parameters."""
+    return getattr(pair.loading.coverage if pair.loading is not None else None, "derived", None) or {}
+
+
 def _folded_block(key: str) -> str:
     """The block a checkpoint tensor belongs to: a norm's or a projection's weight, its parent (the
     attention, the layer); a block's own tensor (DiffLlama's ``self_attn.lambda_q1``), that block."""
@@ -574,7 +578,7 @@ def folded_differences(results: list[NodeResult], pair: Pair) -> list[NodeResult
     nodes by design of the fold while the block's output agrees: those mismatches, inside a block holding
     such a tensor and followed there by agreeing nodes up to its last judged one, are untapped with the
     reason, not failed. Where the block's output differs they stay failures (``derived_at_load`` names them)."""
-    derived = getattr(pair.loading.coverage if pair.loading is not None else None, "derived", None)
+    derived = _derived(pair)
     if not derived:
         return results
     out = list(results)

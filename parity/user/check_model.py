@@ -249,7 +249,7 @@ def unplaced_message(coverage, model: nn.Module | None = None) -> str:
     """One line for reference tensors no parameter or buffer of the user's model holds: which, which
     of theirs hold nothing, the conventions parity looked for, and a likely cause when one shows
     (for a TransformerLens model, the unprocessed load parity needs)."""
-    ours = [u.split(" (")[0] for u in coverage.unwritten]
+    ours = coverage.unwritten_names()
     text = (
         f"reference tensor(s) {_first(coverage.unused)} are in no parameter or buffer of your model, in any "
         "convention parity knows (shared, copied, transposed, w + 1 or w - 1, scaled by a named constant, axes "
@@ -315,7 +315,7 @@ def build_user_pair(
         interleaved=GATE_UP_INTERLEAVED in ref.facts.features,
     )
     if coverage.unused and not _transformer_lens_processed(model):  # processed weights: the message says how
-        coverage.mark_derived({}, scalar_buffers(ref.model, coverage.unused))
+        coverage.mark_numbers(scalar_buffers(ref.model, coverage.unused))
         coverage.mark_derived(derived_keys(ours, ref, model, coverage))
     if coverage.unused:
         raise ParityError(unplaced_message(coverage, model))

@@ -30,11 +30,11 @@ PROBE_TOKENS = 12
 def _logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor | None:
     """Ours' logits for ``ids`` (``(1, PROBE_TOKENS)``), or None when the forward raises or returns no
     tensor: the probe then says nothing."""
-    from parity.run.prompt_set import _logits_of
+    from parity.run.prompt_set import logits_of
 
     try:
         with torch.no_grad():
-            return _logits_of(model(ids)).detach().to("cpu", torch.float64)
+            return logits_of(model(ids)).detach().to("cpu", torch.float64)
     except Exception:  # a user's forward failing here is judged by the check itself, with its message
         return None
 
@@ -77,10 +77,8 @@ def derived_keys(ours, ref: Reference, model: nn.Module, coverage: Coverage) -> 
         return {}
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, int(vocab), (1, PROBE_TOKENS), generator=gen)
-    unwritten = {u.split(" (")[0] for u in coverage.unwritten}
-    # a parameter coverage already read as a likely loader mistake (its reason after "; ": halves read as
-    # interleaved pairs, a weight transposed before fusing) keeps that refusal, which names the cause
-    mistaken = {u.split(" (")[0] for u in coverage.unwritten if "; " in u}
+    unwritten = set(coverage.unwritten_names())
+    mistaken = set(coverage.unwritten_names(reasoned=True))  # that refusal names the cause: it is kept
     before = _values(model, unwritten)
     first = _logits(model, ids)
 
