@@ -249,7 +249,7 @@ def unplaced_message(coverage, model: nn.Module | None = None) -> str:
     """One line for reference tensors no parameter or buffer of the user's model holds: which, which
     of theirs hold nothing, the conventions parity looked for, and a likely cause when one shows
     (for a TransformerLens model, the unprocessed load parity needs)."""
-    ours = coverage.unwritten_names()
+    ours = [u.split(" (")[0] for u in coverage.unwritten]  # (any object with the fields: a report's coverage)
     text = (
         f"reference tensor(s) {_first(coverage.unused)} are in no parameter or buffer of your model, in any "
         "convention parity knows (shared, copied, transposed, w + 1 or w - 1, scaled by a named constant, axes "
