@@ -94,6 +94,16 @@ class Source:
             return (0 if held_dim == 2 else None) if self.transposed else held_dim - 1
         return None
 
+    def row_axes(self, dim: int) -> tuple[list[int], list[int]]:
+        """``(row axes, axes within a row)`` of ours' ``dim``-axis tensor, for the rows ``rows`` counts (a
+        ``rows`` source): the axes before the last after ``permute`` (then reshaped to 2-D), the second of a
+        transposed 2-D weight (kept input-major), else the first."""
+        if self.permute is not None:
+            return list(self.permute[:-1]), [self.permute[-1]]
+        if self.transposed and dim == 2:
+            return [1], [0]
+        return [0], list(range(1, dim))
+
     @property
     def description(self) -> str:
         """How ours holds the key, in a few words (for alignment tables and coverage notes)."""
@@ -793,11 +803,15 @@ def loader_coverage(
             if parts is None and p.dim() == 2:  # a fused weight kept input-major (``x @ W``, its columns the rows)
                 parts = _fused_rows(p.data.T, free)
                 fused_input_major = parts is not None
-            if parts is None and p.dim() == 3:
-                # experts' weights fused and kept input-major per expert (DBRX's w1 and v1 as one (E, H, 2I)):
-                # its last two axes exchanged, the rows of every expert in turn
-                parts = _fused_rows(p.data.transpose(1, 2).reshape(-1, p.shape[1]), free)
-                moved_axes = (0, 2, 1) if parts is not None else None
+            for axis in range(p.dim() - 1) if parts is None and p.dim() >= 3 else ():
+                # weights fused along leading axes with the input features on another (DBRX's w1 and v1 as one
+                # (E, H, 2I), Gemma JAX's kv_einsum (2, KV heads, H, head_dim)): that axis moved last, the
+                # rows of every leading index in turn
+                last = tuple(a for a in range(p.dim()) if a != axis) + (axis,)
+                parts = _fused_rows(p.data.permute(last).reshape(-1, p.shape[axis]), free)
+                moved_axes = last if parts is not None else None
+                if parts is not None:
+                    break
             if parts is None and p.dim() == 1:
                 parts = _permuted_vector(p.data, free)  # a per-head norm's weight permuted with its q/k rows
             if parts is None and p.dim() == 1:

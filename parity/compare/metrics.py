@@ -227,6 +227,19 @@ def choice_result(our_t: torch.Tensor, ref_t: torch.Tensor, scores: torch.Tensor
         )
     found = choice_margins(our_t, ref_t, scores)
     rows = found["rows"]
+    if len(found["same_set"]) == len(rows):  # a top-k's order is no choice: the weights are compared by expert
+        return Metrics(
+            status=OK,
+            max_abs=0.0,
+            mean_abs=0.0,
+            max_rel=0.0,
+            cosine=1.0,
+            detail=f"the same choices in another order in {len(rows)} of {found['total']} rows (top-k's order is "
+            "not judged; the weights are compared choice by choice)",
+            rel_l2=0.0,
+            atol_needed=0.0,
+            rtol_needed=0.0,
+        )
     detail = f"{len(rows)} of {found['total']} rows choose differently (rows {', '.join(map(str, rows[:8]))}{', ...' if len(rows) > 8 else ''})"
     if found["same_set"]:
         detail += f"; {len(found['same_set'])} of them the same values in another order"

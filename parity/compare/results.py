@@ -34,6 +34,7 @@ from parity.compare.tolerances import Tolerances
 from parity.model.pair import NodeSpec
 from parity.record.hf_capture import OUTPUT_PROJECTIONS
 from parity.record.hooks import ABSORBED
+from parity.record.routing import CHOICES, WEIGHTS
 from parity.record.trace import Trace, one_thread
 
 if TYPE_CHECKING:  # a hint is diagnose's output; comparing only carries it
@@ -123,10 +124,16 @@ def compare_node(
     untapped: bool = False,
     scores=None,
     padding: torch.Tensor | None = None,
+    choices: tuple | None = None,
 ) -> NodeResult:
     """One node's NodeResult. ``untapped``: ours has no tap for it (a user model): not judged.
     ``scores``: for an integer node, the reference's tensor of ``spec.chosen_from``. ``padding``:
-    ``(batch, seq)``, True at padding positions, which are then not judged (:mod:`parity.compare.padding`)."""
+    ``(batch, seq)``, True at padding positions, which are then not judged (:mod:`parity.compare.padding`).
+    ``choices``: for a router's weights, ``(ours' chosen experts, the reference's)``: each side's weights
+    are put in the order of its experts' indices first (top-k's order is no part of the routing)."""
+    if choices is not None and spec.kind == WEIGHTS:
+        ref_t = ref_t.load() if ref_t is not None and not isinstance(ref_t, torch.Tensor) else ref_t  # (tokens, k)
+        our_t, ref_t = by_choice(our_t, choices[0]), by_choice(ref_t, choices[1])
     atol, rtol, source = tolerances.for_node(spec.name)
     our_t, layout = in_reference_layout(spec, our_t, ref_t, padding)
     if untapped and our_t is None:
@@ -230,6 +237,25 @@ def node_order(reference, nodes: Sequence[NodeSpec], ours_order: Sequence[str] =
     return order
 
 
+def by_choice(weights, chosen):
+    """A router's ``weights`` (``(..., k)``) with each row in the order of its ``chosen`` experts' indices
+    (same number of rows); as they are when either is missing or they do not fit."""
+    if not isinstance(weights, torch.Tensor) or not isinstance(chosen, torch.Tensor) or chosen.is_floating_point():
+        return weights
+    if weights.numel() != chosen.numel() or not weights.numel() or weights.shape[-1] != chosen.shape[-1]:
+        return weights
+    order = chosen.reshape(-1, chosen.shape[-1]).argsort(dim=-1, stable=True).to(weights.device)
+    return weights.reshape(order.shape).gather(-1, order).reshape(weights.shape)
+
+
+def choices_of(spec: NodeSpec, ours: Mapping, reference: Mapping) -> tuple | None:
+    """For a router's weights node, ``(ours' chosen experts, the reference's)`` (its block's choices node)."""
+    if spec.kind != WEIGHTS or not spec.name.endswith(WEIGHTS):
+        return None
+    chosen = spec.name[: -len(WEIGHTS)] + CHOICES
+    return ours.get(chosen), reference.get(chosen)
+
+
 def compare_traces(
     ours,
     reference,
@@ -259,6 +285,7 @@ def compare_traces(
                 name in untapped,
                 reference.tensors.get(by_name[name].chosen_from) if by_name[name].chosen_from else None,
                 padding,
+                choices_of(by_name[name], ours.tensors, reference.tensors),
             )
             for index, name in enumerate(node_order(reference, nodes, list(getattr(ours, "calls", {}))))
         ]
@@ -435,6 +462,8 @@ class NodeStream:
         self.stem_keep: set[str] = set()
         #: per attention block, the reference's row sums of its probabilities (:func:`rescaled_by_sink`)
         self._sink_mass: dict[str, torch.Tensor | None] = {}
+        #: ours' chosen experts per router (small integer tensors), for the weights compared after them
+        self._chosen: dict[str, torch.Tensor] = {}
 
     def attach(self, trace) -> None:
         trace.sink, trace.defer_inputs, self.trace = self, True, trace
@@ -448,8 +477,11 @@ class NodeStream:
         ref = store.lazy(name) if hasattr(store, "lazy") else store.get(name)  # a spilled node is read, not mapped
         scores = store.get(spec.chosen_from) if spec.chosen_from and not ours.is_floating_point() else None
         moved, layout = in_reference_layout(spec, ours, ref, self.padding)
+        if spec.kind == CHOICES:  # kept for the weights after it, compared choice by choice
+            self._chosen[name] = ours
+        choices = choices_of(spec, self._chosen, store) if spec.kind == WEIGHTS else None
         result = compare_node(
-            spec, self.index[name], ours, ref, self.tolerances, name in self.untapped, scores, self.padding
+            spec, self.index[name], ours, ref, self.tolerances, name in self.untapped, scores, self.padding, choices
         )
         if spec.kind in ("probs", "context") and result.status != OK and ref is not None:
             stem = name.rsplit(".", 1)[0]

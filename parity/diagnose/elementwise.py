@@ -36,7 +36,9 @@ def _solve_cap(h: torch.Tensor, y: torch.Tensor, form: str) -> float | None:
     return float(f"{math.sqrt(lo * hi):.4g}")  # a cap is a round number; the last digits are the fit's
 
 
-def _capped(h: torch.Tensor, y: torch.Tensor, config_cap: float | None, tol: float) -> str | None:
+def _capped(
+    h: torch.Tensor, y: torch.Tensor, config_cap: float | None, tol: float, names: dict[str, float] | None = None
+) -> str | None:
     """How ``y`` is computed from the head's output ``h``: ``"uncapped"``, ``"c * tanh(x / c)"`` or
     ``"x * tanh(x / c)"`` (c read back from the values), ``"c * tanh(x)"`` (the config's c, the division
     forgotten), or None when it is none of those."""
@@ -53,7 +55,28 @@ def _capped(h: torch.Tensor, y: torch.Tensor, config_cap: float | None, tol: flo
                 return text.format(c=c)
     if config_cap and rel(y, config_cap * torch.tanh(h)) < tol:  # the cap's division forgotten: c * tanh(x)
         return f"{config_cap:g} * tanh(x) (x not divided by the cap)"
+    if config_cap and rel(y, torch.tanh(h / config_cap)) < tol:  # the multiply-back forgotten: tanh(x / c)
+        return f"tanh(x / {config_cap:g}) (not multiplied back by the cap)"
+    scaled = _cap_input_scale(h, y, config_cap, tol)
+    if scaled is not None:
+        named = next((f" = {n}" for n, v in (names or {}).items() if abs(scaled / v - 1) < 1e-4), "")
+        return (
+            f"{config_cap:g} * tanh({scaled:.6g} x / {config_cap:g}) (x scaled by {scaled:.6g}{named} before the cap)"
+        )
     return None
+
+
+def _cap_input_scale(h: torch.Tensor, y: torch.Tensor, cap: float | None, tol: float) -> float | None:
+    """``k`` when ``y = cap * tanh(k h / cap)`` (the cap's input scaled: a pre-scaled table reused as the
+    tied head), read back through atanh where ``y`` is well inside the cap; None otherwise."""
+    if not cap:
+        return None
+    inside = y.abs() < 0.9 * cap
+    if int(inside.sum()) < 8:
+        return None
+    u, x = cap * torch.atanh(y[inside] / cap), h[inside]
+    k = float((u * x).sum() / (x * x).sum().clamp_min(1e-300))
+    return k if abs(k - 1) > 1e-3 and rel(u, k * x) < max(tol, 1e-6) else None
 
 
 def soft_capping(e: Evidence) -> Hint | None:
@@ -84,7 +107,8 @@ def soft_capping(e: Evidence) -> Hint | None:
         else:
             return None
     else:
-        ours_is, ref_is = _capped(h, e.ours, cap, tol), _capped(h, e.ref, cap, tol)
+        names = e.facts.named_constants()
+        ours_is, ref_is = _capped(h, e.ours, cap, tol, names), _capped(h, e.ref, cap, tol, names)
         if ours_is is None or ref_is is None or ours_is == ref_is:
             return None
     config = f"final_logit_softcapping {cap:g}" if cap else "no final logit soft-cap"
@@ -103,7 +127,7 @@ def _capped_head(e: Evidence) -> Hint | None:
     tol = max(EXPLAINS, 4 * torch.finfo(e.ref.dtype).eps)
     cap = e.facts.final_softcap
     for side, value, other in (("ours", e.ours, e.ref), ("the reference", e.ref, e.ours)):
-        form = _capped(other, value, cap, tol)
+        form = _capped(other, value, cap, tol, e.facts.named_constants())
         if form is not None and not form.startswith("x (no cap)"):
             config = f"final_logit_softcapping {cap:g}" if cap else "no final logit soft-cap"
             ours_is, ref_is = (form, "x (no cap)") if side == "ours" else ("x (no cap)", form)

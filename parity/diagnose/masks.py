@@ -263,6 +263,14 @@ def _extra_scores(
     rows = extra.any(-1) & both.any(-1)
     if not bool(rows.any()):
         return None
+    cap = e.facts.attn_softcap
+    if cap:  # scores read before an attention soft-cap: the softmax reads them capped, cap * tanh(s / cap)
+        capped = cap * torch.tanh(s / cap)
+        spread = [
+            float(torch.where(both, p.clamp_min(1e-300).log() - t, torch.nan).nan_to_num(0).std(-1).amax())
+            for t in (s, capped)
+        ]
+        s = capped if spread[1] < spread[0] else s
     offset = torch.where(both, p.clamp_min(1e-300).log() - s, torch.nan).nanmean(-1, keepdim=True)
     where = extra & rows.unsqueeze(-1)
     given = (p.clamp_min(1e-300).log() - offset)[where]
@@ -323,6 +331,17 @@ def future_keys(e: Evidence) -> Hint | None:
             )
         extra = seen_this & ~seen_other
         fill = _fill_value(e, this.double(), other.double(), extra)
+        cap = e.facts.attn_softcap
+        if fill is not None and cap and abs(fill / cap + 1) < 1e-3:  # the fill capped: masked before the cap
+            return Hint(
+                "softcap",
+                f"likely the mask in {side} applied before the attention soft-cap: every key the other side masks "
+                f"({int(extra.sum())} entries, future keys included) gets the score {fill:.4g} = -cap, the cap's "
+                f"{cap:g} * tanh(s / {cap:g}) of the mask's large negative fill, so masked keys keep weight e^-{cap:g}; "
+                "cap the scores first, then mask (the config: attn_logit_softcapping "
+                f"{cap:g})",
+                {"side": side, "entries": int(extra.sum()), "fill_value": fill, "cap": cap},
+            )
         if fill is not None:  # every masked key got one same score: the mask's fill value is finite
             return Hint(
                 "causal_mask",

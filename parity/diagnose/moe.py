@@ -5,6 +5,7 @@ otherwise (with the reference's margin)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, cast
 
@@ -266,7 +267,15 @@ def routing_weights(e: Evidence) -> Hint | None:
         return None
     logits, chosen = found
     ours, ref = e.ours.double().reshape(chosen.shape), e.ref.double().reshape(chosen.shape)
-    forms = _routing_forms(logits.double(), chosen)
+    gate = e.name[: -len(".router.weights")] + "."
+    bias = next(
+        (b for n, b in e.ref_trace.biases.items() if n.startswith(gate) and b.numel() == logits.shape[-1]), None
+    )
+    forms = _routing_forms(logits.double(), chosen, e.facts.routing, bias)
+    # the choices agree as sets (their node passed): each row's weights compared in value order, whatever
+    # order each side's top-k listed its experts in
+    ours, ref = ours.sort(-1).values, ref.sort(-1).values
+    forms = {text: w.sort(-1).values for text, w in forms.items()}
     reference = next((t for t, w in forms.items() if rel(ref, w) < EXPLAINS), None)
     matched = next((t for t, w in forms.items() if rel(ours, w) < EXPLAINS and t != reference), None)
     if matched is None or reference is None or ("softmax over all" in matched and "softmax over all" in reference):
@@ -326,12 +335,16 @@ def _expert_output(record, gate_up: int, down: int) -> torch.Tensor | None:
     return torch.nn.functional.linear(m.act_fn(x @ gate.T) * (x @ up.T), m.down_proj[down].detach().double())
 
 
-def _routing_forms(logits: torch.Tensor, chosen: torch.Tensor) -> dict[str, torch.Tensor]:
+def _routing_forms(
+    logits: torch.Tensor, chosen: torch.Tensor, routing: Mapping[str, float] | None = None, bias=None
+) -> dict[str, torch.Tensor]:
     """The top-k routing weights ``(tokens, k)`` a port may form from the router's logits at the chosen
-    experts: each of :data:`_FORMULAS`, a sigmoid, and the softmax's weights rounded through bfloat16."""
+    experts: each of :data:`_FORMULAS`, a sigmoid, and the softmax's weights rounded through bfloat16; for a
+    group-limited sigmoid router (``routing``: DeepSeek V3's constants, ``bias`` its correction bias), its
+    weights with and without the renormalisation, the scaling factor and the bias."""
     picked = logits.gather(-1, chosen)
+    forms = _sigmoid_router_forms(picked, chosen, routing or {}, bias)
     probs = torch.softmax(logits, -1).gather(-1, chosen)
-    forms = {}
     for text, softmax, renormalised in _FORMULAS:
         w = probs if softmax else picked
         forms[text] = w / w.sum(-1, keepdim=True) if renormalised else w
@@ -341,6 +354,37 @@ def _routing_forms(logits: torch.Tensor, chosen: torch.Tensor) -> dict[str, torc
     ).sum(-1, keepdim=True)
     forms["the softmax's weights rounded through bfloat16"] = probs.to(torch.bfloat16).double()
     forms["no weights (the chosen experts' outputs summed)"] = torch.ones_like(picked)
+    return forms
+
+
+def _sigmoid_router_forms(picked: torch.Tensor, chosen: torch.Tensor, routing: Mapping[str, float], bias) -> dict:
+    """DeepSeek V3's routing weights (``DeepseekV3MoE.route_tokens_to_experts``: the sigmoid scores at the
+    chosen experts, renormalised when ``norm_topk_prob``, times ``routed_scaling_factor``) and the ports' usual
+    departures from it, by name; empty for a router without that factor."""
+    scale = routing.get("routed_scaling_factor")
+    if not scale:
+        return {}
+    s = torch.sigmoid(picked)
+    norm = bool(routing.get("norm_topk_prob", 1))
+    both = "renormalised over the chosen" if norm else "not renormalised"
+    forms = {
+        f"the sigmoid scores at the chosen, {both}, times routed_scaling_factor ({scale:g})": (
+            (s / s.sum(-1, keepdim=True) if norm else s) * scale
+        ),
+        f"the sigmoid scores at the chosen, {both}, without routed_scaling_factor ({scale:g})": (
+            s / s.sum(-1, keepdim=True) if norm else s
+        ),
+    }
+    other = "not renormalised (norm_topk_prob ignored)" if norm else "renormalised (norm_topk_prob is false)"
+    forms[f"the sigmoid scores at the chosen, {other}, times routed_scaling_factor ({scale:g})"] = (
+        s if norm else s / s.sum(-1, keepdim=True)
+    ) * scale
+    if bias is not None:
+        biased = s + bias.double().to(s.device)[chosen]
+        forms[
+            "the biased scores (sigmoid plus e_score_correction_bias, which only the choice reads) at the chosen, "
+            f"{both}, times routed_scaling_factor ({scale:g})"
+        ] = (biased / biased.sum(-1, keepdim=True) if norm else biased) * scale
     return forms
 
 

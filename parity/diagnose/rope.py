@@ -317,8 +317,9 @@ def _rope_hint(e: Evidence, fit, side: str, layer, own: float) -> Hint | None:
     if fit.label.startswith("the RoPE of") and layer.rope is None:
         return Hint(
             "rope_unexpected",
-            f"likely RoPE where the config asks for none: this {layer.layer_type} layer is NoPE, {side} rotates it "
-            f"with {fit.label}, {amp}",
+            f"likely RoPE where the config asks for none: this {layer.layer_type} layer is NoPE"
+            + (f" ({e.facts.nope_field} marks it so)" if e.facts.nope_field else "")
+            + f", {side} rotates it with {fit.label}, {amp}",
             evidence,
         )
     if fit.label.startswith("the RoPE of"):
@@ -629,6 +630,13 @@ def rope_pattern(e: Evidence) -> Hint | None:
                 if layer is not None and nope and layer.layer_type not in nope
                 else ""
             )
+            unrotated = [str(n.index) for n in e.facts.layers if n.rope is None]
+            if layer is not None and layer.rope is not None and unrotated and e.facts.nope_field:
+                pattern = (
+                    f"; the config's {e.facts.nope_field} leaves layer(s) {', '.join(unrotated)} unrotated (NoPE) and "
+                    f"rotates this layer {layer.index}: ours may mark other layers NoPE (the list read inverted, 1 "
+                    "taken for NoPE, or their interval counted from another start)"
+                )
             return Hint(
                 "rope_missing",
                 f"likely a missing RoPE: ours applies no rotation here, the reference does (or rotates every token by "

@@ -98,7 +98,8 @@ def _olmo1(config, facts: ArchFacts) -> ArchFacts:
 def _smollm3(config, facts: ArchFacts) -> ArchFacts:
     # SmolLM3Attention rotates only where no_rope_layers[i] is 1 (the list says which layers *use* RoPE)
     use = list(getattr(config, "no_rope_layers", None) or [])
-    return with_layers(facts, rope=lambda layer: layer.rope if layer.index >= len(use) or use[layer.index] else None)
+    facts = with_layers(facts, rope=lambda layer: layer.rope if layer.index >= len(use) or use[layer.index] else None)
+    return replace(facts, nope_field="no_rope_layers") if use else facts
 
 
 @rule("qwen3", "qwen3_moe")
@@ -269,9 +270,20 @@ def _deepseek(config, facts: ArchFacts) -> ArchFacts:
     # halves before it rotates the tail of each head (apply_rotary_pos_emb_interleave)
     features = facts.features | {ROTATED_LAST}
     features |= {MLA_INTERLEAVED_ROPE} if getattr(config, "rope_interleave", False) else set()
-    routing = {
+    return replace(facts, head_dim=width, features=frozenset(features), routing=_routing(config))
+
+
+def _routing(config) -> dict[str, float]:
+    """A group-limited sigmoid router's constants, those the config has."""
+    return {
         name: float(getattr(config, name))
         for name in ("routed_scaling_factor", "n_group", "topk_group", "norm_topk_prob")
         if getattr(config, name, None) is not None
     }
-    return replace(facts, head_dim=width, features=frozenset(features), routing=routing)
+
+
+@rule("glm4_moe", "dots1")
+def _deepseek_routing(config, facts: ArchFacts) -> ArchFacts:
+    # Glm4MoeTopkRouter / Dots1TopkRouter route as DeepSeek V3 does (sigmoid scores, a correction bias for the
+    # choice, group-limited top-k, routed_scaling_factor) with standard attention
+    return replace(facts, routing=_routing(config))

@@ -405,8 +405,14 @@ class FunctionCapture(TorchFunctionMode):
         lookups: frozenset[str] | None = None,
         input_axes: dict[int, tuple[torch.Tensor, int]] | None = None,
         forget=None,
+        parts: dict[tuple[int, int, int], tuple[str, Callable]] | None = None,
     ):
         super().__init__()
+        #: ``(storage address, first element, end) -> (node, its rows)``: the block of a fused parameter holding
+        #: one node's rows alone; a product reading exactly that block is that node (``W[1]`` of a stacked gate/up)
+        self.parts = parts or {}
+        #: results of such products waiting for their bias: ``id -> the node's rows``
+        self._part_rows: dict[int, Callable] = {}
         #: ``id(weight) -> (weight, its axis holding the reference projection's input features)``, for the
         #: projection weights of ours whose layout says it (:meth:`parity.build.coverage.Source.input_axis`)
         self.input_axes = input_axes or {}
@@ -564,9 +570,16 @@ class FunctionCapture(TorchFunctionMode):
             if node is not None:
                 out = func(*args, **kwargs)
                 operands = args[1:] if op_name(func) == "einsum" else args
+                part = self._part_read(operands, out)
+                node = node if part is None else part[0]
                 x = next((t for t in operands if isinstance(t, torch.Tensor) and self.followed.of(t) is None), None)
                 if x is not None:  # what the product reads besides the weight: the node's input, for the hints
                     self.hold_input(node, x)
+                if part is not None:  # one node's block of a fused weight: that node alone
+                    if node in self._biased and not any(self.biases.of(t) is not None for t in operands):
+                        self._unbiased[id(out)], self._part_rows[id(out)] = (node, out), part[1]
+                        return out
+                    return self.record_param(node, out, part=part[1])
                 read, whole = self._share(node, operands)
                 if read < whole:  # a slice of the weight (o_proj head by head): the node is the sum of such
                     self._partials[id(out)] = (node, read, whole, out)
@@ -775,12 +788,30 @@ class FunctionCapture(TorchFunctionMode):
         """Every partial sum still followed, and every result still waiting for a bias, recorded as its
         node (the forward is over)."""
         self._settle([held[3] for held in list(self._partials.values())])
-        for node, out in list(self._unbiased.values()):
-            self.record_param(node, out)
+        for key, (node, out) in list(self._unbiased.items()):
+            rows = self._part_rows.pop(key, None)
+            self.record_param(node, out, **({} if rows is None else {"part": rows}))
         self._unbiased.clear()
         if self._weighted is not None:  # a norm's weight applied last, nothing read it after
             self.record_param(self._weighted[0], self._weighted[1])
             self._weighted = None
+
+    def _part_read(self, operands, out) -> tuple[str, Callable] | None:
+        """``(node, its rows)`` when a product's weight operand is exactly the block of a fused parameter that
+        holds one node's rows (:attr:`parts`) and its output has that many features; else None."""
+        if not self.parts or not isinstance(out, torch.Tensor):
+            return None
+        for t in operands:
+            if isinstance(t, torch.Tensor) and self.followed.of(t) is not None and t.numel():
+                start = int(t.storage_offset())
+                held = self.parts.get((t.untyped_storage().data_ptr(), start, start + int(_span_of(t))))
+                rows = getattr(held[1], "rows", None) if held is not None else None
+                wide = (
+                    out.shape[-1] if out.dim() != 4 or out.shape[-1] == len(rows or ()) else out.shape[1] * out.shape[3]
+                )
+                if held is not None and (rows is None or len(rows) == wide):
+                    return held
+        return None
 
     def _partial(self, t: torch.Tensor):
         held = self._partials.get(id(t))
@@ -815,11 +846,13 @@ class FunctionCapture(TorchFunctionMode):
             return False, args, None
         i, result = waiting[0]
         node, _ = self._unbiased.pop(id(result))
+        rows = self._part_rows.pop(id(result), None)
+        part = {} if rows is None else {"part": rows}
         others = [a for j, a in enumerate(args) if j != i]
         if op_name(func) in ("add", "__add__", "__radd__") and any(self.biases.of(a) is not None for a in others):
             # its bias, or another node's (a loader that gave this layer another layer's bias): what ours adds
-            return True, args, self.record_param(node, func(*args, **kwargs))
-        value = self.record_param(node, result)
+            return True, args, self.record_param(node, func(*args, **kwargs), **part)
+        value = self.record_param(node, result, **part)
         return False, tuple(value if j == i else a for j, a in enumerate(args)), None
 
     def _param_node(self, func, args, vector: bool = False) -> str | None:

@@ -272,6 +272,18 @@ def _record_param(
     return value
 
 
+def _record_part(rec: _Recording, node: str, tensor: torch.Tensor, rows: Callable) -> torch.Tensor:
+    """A product over the block of a fused parameter that holds one node's rows alone (``W[1]`` of a stacked
+    gate/up): that node, ``rows`` picking its outputs in the reference's order (in isolated mode, writing the
+    reference's back the same way)."""
+    _enter_block(rec, node)
+    if rec.trace.recorded(node):
+        return _read_again(rec.trace, node, tensor)
+    rec.trace.add(node, tensor, rows)
+    new = rec.replacement(node, tensor, rows)
+    return tensor if new is None else new.to(dtype=tensor.dtype, device=tensor.device)
+
+
 def _lookup_capable(lookups: frozenset[str] | None, siblings: dict[str, list[str]] | None) -> frozenset[str] | None:
     """The nodes whose parameter a lookup may read: the embeddings, and a node sharing its parameter with
     one (a tied head: the table's first node may be the head, the lookup its sibling's)."""
@@ -379,6 +391,7 @@ def recording(
     functional_expects_bias: frozenset[str] = frozenset(),
     functional_owners: dict[str, str] | None = None,
     functional_siblings: dict[str, list[str]] | None = None,
+    functional_parts: dict[tuple[int, int, int], tuple[str, Callable]] | None = None,
     functional_lookups: frozenset[str] | None = None,
     functional_blocks: dict[str, tuple[str, bool]] | None = None,
     functional_input_axes: dict[int, tuple[torch.Tensor, int]] | None = None,
@@ -526,9 +539,14 @@ def recording(
             lambda name, t: functional_tap(rec, name, t),
             lambda: _running_block(rec),
             functional,
-            lambda node, t, lookup=False: _record_param(
-                rec, node, t, (functional_siblings or {}).get(node, ()), lookup, functional_lookups or frozenset()
+            lambda node, t, lookup=False, part=None: (
+                _record_param(
+                    rec, node, t, (functional_siblings or {}).get(node, ()), lookup, functional_lookups or frozenset()
+                )
+                if part is None
+                else _record_part(rec, node, t, part)
             ),
+            parts=functional_parts,
             moe=(lambda: _running_moe(rec)) if any(n.endswith(".router.experts") for n in rec.tap_names) else None,
             biases=functional_biases,
             expects_bias=functional_expects_bias,

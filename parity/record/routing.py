@@ -112,6 +112,8 @@ class _Block:
     weights: torch.Tensor
     replacement: torch.Tensor | None = None
     recorded: bool = False
+    #: the chosen experts as ours reads them (the tensor topk handed back)
+    index: torch.Tensor | None = None
 
 
 class RoutingCapture:
@@ -135,6 +137,13 @@ class RoutingCapture:
         block = self._blocks.get(path)
         if block is None:
             return False, None
+        if name in _GATHERS and not block.recorded and _index_of(name, args, kwargs) is block.index:
+            # the weights read from another score tensor at the chosen experts (DeepSeek V3's and GLM-4.5's
+            # unbiased sigmoid scores, the choice made on the biased ones): followed from there
+            out = func(*args, **kwargs)
+            if isinstance(out, torch.Tensor) and out.is_floating_point() and out.shape == block.weights.shape:
+                block.weights = out
+            return True, out
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         if any(a is block.weights or a is block.replacement for a in tensors) and name not in _REDUCTIONS:
             return True, self._weights(block, name, func, args, kwargs)
@@ -150,7 +159,7 @@ class RoutingCapture:
             return True, out
         chosen = self.record(CHOICES, indices)
         tokens = values.numel() // values.shape[-1]
-        self._blocks[path] = _Block(tokens, chosen.detach(), values)
+        self._blocks[path] = _Block(tokens, chosen.detach(), values, index=chosen)
         # no gather yet: an expert run on every token keeps the rows the router sent to it (ExpertRows)
         _ROWS.set((torch.arange(tokens), tokens, chosen.detach()))
         return True, type(out)((values, chosen))
@@ -180,6 +189,17 @@ class RoutingCapture:
         if block.replacement is None:
             return tuple(args)
         return tuple(block.replacement if a is block.weights else a for a in args)
+
+
+#: ops reading a tensor's values at given indices along an axis (the routing weights at the chosen experts)
+_GATHERS = frozenset({"gather", "take_along_dim"})
+
+
+def _index_of(name: str, args, kwargs):
+    """The index tensor of ``gather(input, dim, index)`` / ``take_along_dim(input, indices, dim)``."""
+    if name == "gather":
+        return args[2] if len(args) > 2 else kwargs.get("index")
+    return args[1] if len(args) > 1 else kwargs.get("indices")
 
 
 def _gathered_rows(name: str, args, tokens: int) -> torch.Tensor | None:

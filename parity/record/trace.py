@@ -169,13 +169,18 @@ class Trace:
         held = self._row_parts.get(name)
         if held is None:
             n = int(rows[0].sum())
+            # tokens flattened (a router's (tokens, experts)): one row's as (1, n, ...), assembled flat again
+            flat = tensor.dim() >= 2 and tensor.shape[0] == n > 1
+            tensor = tensor.unsqueeze(0) if flat else tensor
             axes = tuple(a for a in range(1, tensor.dim()) if tensor.shape[a] == n)
             if batch < 2 or n >= seq or tensor.shape[0] != 1 or not axes or self._row_now:
                 return None
-            if not name.startswith(_INPUT):
+            if not name.startswith(_INPUT) and not flat:
                 self._row_leader = self._row_leader or name
-            held = self._row_parts[name] = (axes, cast(list[torch.Tensor], []), transform)
-        axes, parts, _ = held
+            held = self._row_parts[name] = (axes, cast(list[torch.Tensor], []), transform, flat)
+        elif held[3]:
+            tensor = tensor.unsqueeze(0)
+        axes, parts, _, flat = held
         n = int(rows[len(parts)].sum())
         expected = [n if a in axes else size for a, size in enumerate(parts[0].shape if parts else tensor.shape)]
         if tensor.shape[0] != 1 or list(tensor.shape[1:]) != expected[1:]:
@@ -197,17 +202,18 @@ class Trace:
                 shape[a - 1] = seq
                 row = row.new_zeros(shape).index_copy_(a - 1, index, row)
             rows_out.append(row)
-        return torch.stack(rows_out)
+        return torch.stack(rows_out).flatten(0, 1) if flat else torch.stack(rows_out)
 
     def finish_rows(self) -> None:
         """At the end of a forward: a node assembled per row whose rows did not all run is its first call."""
-        for name, (_, parts, transform) in list(self._row_parts.items()):
+        for name, (_, parts, transform, flat) in list(self._row_parts.items()):
             del self._row_parts[name]
+            first = parts[0][0] if flat else parts[0]
             if name.startswith(_INPUT):
-                self.hold_input(name[len(_INPUT) :], parts[0])
+                self.hold_input(name[len(_INPUT) :], first)
                 continue
             self.calls[name] = 1
-            self._store(name, parts[0], transform)
+            self._store(name, first, transform)
 
     def retract(self, name: str) -> None:
         """Forget what was recorded for ``name`` in this forward (its tensor, call count, comparison and

@@ -11,11 +11,12 @@ import datetime as _dt
 import inspect
 import math
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 import torch
 
+from parity.build.coverage import SCALED
 from parity.compare.metrics import CHUNK, MISMATCH, MISSING, UNTAPPED, chunks
 from parity.compare.padding import unpadded_rows
 from parity.compare.results import NodeResult, NodeStream, compare_traces, first_mismatch
@@ -31,6 +32,7 @@ from parity.record.hooks import FUNCTIONS, recording
 from parity.record.trace import SCALARS, Trace
 from parity.run.options import CheckOptions
 from parity.run.plan import Run, plan, versions
+from parity.user.align import Rows
 from parity.util.errors import ParityError
 from parity.util.resources import BUDGET as RESOURCE_BUDGET
 from parity.util.resources import GIB, available_bytes, require
@@ -181,6 +183,7 @@ def ours_recording(pair: Pair) -> dict:
     functional: dict[StorageKey, str] = {}
     siblings: dict[str, list[str]] = {}
     biases: dict[StorageKey, str] = {}
+    parts: dict[tuple[int, int, int], tuple[str, Callable]] = {}
     for n in pair.nodes:
         # param:W (the op reading W) or param:W+b (and the add of b that follows it)
         weight, _, bias = n.ours[len("param:") :].partition("+") if n.ours.startswith("param:") else ("", "", "")
@@ -190,6 +193,11 @@ def ours_recording(pair: Pair) -> dict:
                 siblings.setdefault(functional[ptr], []).append(n.name)
             else:
                 functional[ptr] = n.name
+        if weight in params and isinstance(n.transform, Rows) and n.transform.block is not None:
+            # one projection's rows of a fused parameter, one block of its storage: a product reading that block
+            # alone (``W[1]``, ``W[:I]``) computes this node alone, its outputs in its rows' order
+            first, end = n.transform.block
+            parts[(params[weight].untyped_storage().data_ptr(), first, end)] = (n.name, n.transform.alone())
         if bias in params and id(params[bias]) in key_of:
             # a fused bias added once for several nodes (their rows): the node its fused weight's product records
             biases.setdefault(key_of[id(params[bias])], n.name)
@@ -249,6 +257,7 @@ def ours_recording(pair: Pair) -> dict:
         functional_expects_bias=expects_bias,
         functional_owners=owners or None,
         functional_siblings=siblings or None,
+        functional_parts=parts or None,
         functional_blocks=blocks or None,
         functional_input_axes=input_axes or None,
         functional_lookups=frozenset(
@@ -564,9 +573,25 @@ def _derived(pair: Pair) -> dict[str, list[str]]:
     return getattr(pair.loading.coverage if pair.loading is not None else None, "derived", None) or {}
 
 
+def _folds(pair: Pair) -> dict[str, str]:
+    """Checkpoint keys ours holds otherwise than loaded, key -> how: computed at load (:func:`_derived`), or
+    multiplied by a named constant (a scale folded into them: GLM-4.5's routed_scaling_factor moved from the
+    routing weights into the experts' down projections)."""
+    coverage = pair.loading.coverage if pair.loading is not None else None
+    folds = {key: "computed at load from" for key in _derived(pair)}
+    for sources in (getattr(coverage, "sources", None) or {}).values():
+        for source in sources:
+            if source.how == SCALED and source.scale_name:
+                folds.setdefault(source.key, f"multiplied by {source.scale_name} at load in")
+    return folds
+
+
 def _folded_block(key: str) -> str:
     """The block a checkpoint tensor belongs to: a norm's or a projection's weight, its parent (the
-    attention, the layer); a block's own tensor (DiffLlama's ``self_attn.lambda_q1``), that block."""
+    attention, the layer); a block's own tensor (DiffLlama's ``self_attn.lambda_q1``), that block; a
+    mixture of experts' stacked weights, the MoE block (its routing weights scale their outputs)."""
+    if ".experts." in key:
+        return key.split(".experts.", 1)[0]
     module = key.rsplit(".", 1)[0]
     leaf = module.rsplit(".", 1)[-1]
     return module.rsplit(".", 1)[0] if "norm" in leaf or leaf.endswith("proj") else module
@@ -578,25 +603,24 @@ def folded_differences(results: list[NodeResult], pair: Pair) -> list[NodeResult
     nodes by design of the fold while the block's output agrees: those mismatches, inside a block holding
     such a tensor and followed there by agreeing nodes up to its last judged one, are untapped with the
     reason, not failed. Where the block's output differs they stay failures (``derived_at_load`` names them)."""
-    derived = _derived(pair)
+    derived = _folds(pair)
     if not derived:
         return results
     out = list(results)
     for block in {_folded_block(k) for k in derived}:
-        inside = [i for i, r in enumerate(out) if r.name.startswith(block + ".")]
+        inside = [i for i, r in enumerate(out) if r.name.startswith(block + ".") or r.name == block]
         failing = [i for i in inside if out[i].status == MISMATCH]
         judged = [i for i in inside if out[i].status != UNTAPPED]
         if not failing or not judged or any(out[i].failed and out[i].status != MISMATCH for i in inside):
             continue
         if judged[-1] <= max(failing) or not all(out[i].passed for i in judged if i > max(failing)):
             continue
-        keys = ", ".join(k for k in derived if _folded_block(k) == block)
+        keys = "; ".join(f"{how} {k}" for k, how in derived.items() if _folded_block(k) == block)
         for i in failing:
             out[i] = replace(
                 out[i],
                 status=UNTAPPED,
-                detail=f"{out[i].detail + '; ' if out[i].detail else ''}differs where ours holds values computed at "
-                f"load from {keys}, and "
+                detail=f"{out[i].detail + '; ' if out[i].detail else ''}differs where ours holds values {keys}, and "
                 f"{out[judged[-1]].name} agrees: the fold moves values between this block's nodes (not judged)",
             )
     return out

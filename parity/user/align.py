@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import fnmatch
 import itertools
+import math
 from dataclasses import dataclass, field, replace
 from typing import cast
 
@@ -86,14 +87,52 @@ class Rows:
     projection (the rows of the fused weight that hold its rows)."""
 
     rows: tuple[int, ...]
+    #: ``(first, end)``: the storage elements of ours' parameter holding these rows, when they are one block
+    #: (``W[1]`` of a stacked gate/up, ``W[:I]``): a product reading exactly that block computes this
+    #: projection alone, its output features the rows in ours' order (:meth:`alone`)
+    block: tuple[int, int] | None = None
+    #: the output features of the product these rows are picked from (0: unknown), to read a product that
+    #: keeps its heads apart (``bsh,nhd->bnsd``) as ``(batch, seq, heads * head_dim)``
+    width: int = 0
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
-        return t[..., list(self.rows)]
+        return _features_last(t, self.width)[..., list(self.rows)]
+
+    def alone(self) -> Rows | AsHeld:
+        """The rows as the output of a product over this projection's block alone: ranks among themselves,
+        or (in order) the product as it is, whatever its layout (``bsh,nhd->bnsd`` keeps the heads apart)."""
+        order = sorted(self.rows)
+        if list(self.rows) == order:
+            return AsHeld()
+        return Rows(tuple(order.index(r) for r in self.rows), width=len(self.rows))
 
     def inverse(self, ref: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
-        out = current.clone()
+        out = _features_last(current, self.width).clone()
         out[..., list(self.rows)] = ref.to(device=current.device, dtype=current.dtype)
-        return out
+        if out.shape == current.shape:
+            return out
+        return out.unflatten(-1, (current.shape[1], current.shape[3])).transpose(1, 2)
+
+
+def _features_last(t: torch.Tensor, width: int) -> torch.Tensor:
+    """A product's output ``(batch, heads, seq, head_dim)`` as ``(batch, seq, heads * head_dim)`` when that is
+    ``width`` features and its last axis is not; else as it is."""
+    if width and t.shape[-1] != width and t.dim() == 4 and t.shape[1] * t.shape[3] == width:
+        return t.transpose(1, 2).flatten(-2)
+    return t
+
+
+@dataclass(frozen=True)
+class AsHeld:
+    """A product over the block of a fused weight that holds one projection's rows in order: that
+    projection's output as it is (its heads read by shape when compared); isolated mode writes the
+    reference's back only where the shapes agree."""
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def inverse(self, ref: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
+        return ref
 
 
 @dataclass(frozen=True)
@@ -318,6 +357,25 @@ def expert_of(source: Source, whole: torch.Tensor, experts: int) -> int | None:
     elif source.how == SPLIT and source.part and source.part[0] == 0 and source.part[2] - source.part[1] == 1:
         found = {source.part[1]}
     return found.pop() if len(found) == 1 else None
+
+
+def _block_of(p: torch.Tensor, source: Source) -> tuple[int, int] | None:
+    """``(first, end)``: the storage elements of ``p`` holding ``source``'s rows, when they are one block and
+    not all of ``p``; None otherwise (worked out from the strides: a real model's weight is never indexed)."""
+    rows = cast(tuple[int, ...], source.rows)
+    row_axes, within = source.row_axes(p.dim())
+    shape, stride = [int(n) for n in p.shape], p.stride()
+    firsts = []
+    for r in rows:
+        start = int(p.storage_offset())
+        for axis in reversed(row_axes):
+            r, i = divmod(r, shape[axis])
+            start += i * stride[axis]
+        firsts.append(start)
+    first = min(firsts)
+    end = max(firsts) + sum((shape[a] - 1) * stride[a] for a in within) + 1
+    held = len(rows) * math.prod(shape[a] for a in within)
+    return (first, end) if end - first == held < p.numel() else None
 
 
 def _first(items: list[str], n: int = 4) -> str:
@@ -916,7 +974,9 @@ class _Aligner:
                     f"compared divided by {float(source.scale):.6g}",
                 )
             if source.how == ROWS and source.rows:  # a fused parameter read in a function: this node's rows
-                rows = Rows(cast(tuple[int, ...], source.rows))
+                held = self.ours_params[param]
+                width = math.prod(held.shape[a] for a in source.row_axes(held.dim())[0])
+                rows = Rows(cast(tuple[int, ...], source.rows), _block_of(held, source), width)
                 return replace(spec, ours=ours, transform=rows, inverse=rows.inverse), Aligned(
                     name, ours, "functional", f"rows of {param} holding {source.key}, read in a function"
                 )
@@ -1186,7 +1246,11 @@ class _Aligner:
         outputs = [leaf for leaf in scaled if leaf.rsplit(".", 1)[-1] in OUTPUT_PROJECTION_LEAVES]
         if len(scaled) != 1 or len(outputs) != 1:
             return None
-        return float(cast(float, scaled[outputs[0]]))
+        scale = float(cast(float, scaled[outputs[0]]))
+        routed = self.facts.routing.get("routed_scaling_factor")
+        if routed and abs(scale / float(routed) - 1) < 1e-6:
+            return None  # a constant the block applies itself (DeepSeek V3's, GLM-4.5's): moved inside, not out of it
+        return scale
 
     def _divide_scaled(self, base: str, source: Source) -> bool:
         """Whether ours' output from a scaled copy of ``base``'s weight is compared divided by the scale: always,
