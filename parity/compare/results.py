@@ -131,9 +131,11 @@ def compare_node(
     ``(batch, seq)``, True at padding positions, which are then not judged (:mod:`parity.compare.padding`).
     ``choices``: for a router's weights, ``(ours' chosen experts, the reference's)``: each side's weights
     are put in the order of its experts' indices first (top-k's order is no part of the routing)."""
-    if choices is not None and spec.kind == WEIGHTS:
+    if choices is not None and spec.kind == WEIGHTS and all(_choice(c) for c in choices):
         ref_t = ref_t.load() if ref_t is not None and not isinstance(ref_t, torch.Tensor) else ref_t  # (tokens, k)
-        our_t, ref_t = by_choice(our_t, choices[0]), by_choice(ref_t, choices[1])
+        mine, theirs = by_choice(our_t, choices[0]), by_choice(ref_t, choices[1])
+        if mine is not our_t and theirs is not ref_t:  # both in their experts' order, or neither
+            our_t, ref_t = mine, theirs
     atol, rtol, source = tolerances.for_node(spec.name)
     our_t, layout = in_reference_layout(spec, our_t, ref_t, padding)
     if untapped and our_t is None:
@@ -246,6 +248,10 @@ def by_choice(weights, chosen):
         return weights
     order = chosen.reshape(-1, chosen.shape[-1]).argsort(dim=-1, stable=True).to(weights.device)
     return weights.reshape(order.shape).gather(-1, order).reshape(weights.shape)
+
+
+def _choice(t) -> bool:
+    return isinstance(t, torch.Tensor) and not t.is_floating_point() and t.numel() > 0
 
 
 def choices_of(spec: NodeSpec, ours: Mapping, reference: Mapping) -> tuple | None:
