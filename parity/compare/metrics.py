@@ -190,6 +190,20 @@ def tensor_metrics(ours: torch.Tensor, ref: torch.Tensor, atol: float, rtol: flo
     )
 
 
+def _agrees(detail: str) -> Metrics:
+    return Metrics(
+        status=OK,
+        max_abs=0.0,
+        mean_abs=0.0,
+        max_rel=0.0,
+        cosine=1.0,
+        detail=detail,
+        rel_l2=0.0,
+        atol_needed=0.0,
+        rtol_needed=0.0,
+    )
+
+
 def choice_margins(ours: torch.Tensor, ref: torch.Tensor, scores: torch.Tensor | None) -> dict:
     """Where two integer tensors of one shape (top-k choices, ``(..., k)``) differ.
 
@@ -211,34 +225,20 @@ def choice_margins(ours: torch.Tensor, ref: torch.Tensor, scores: torch.Tensor |
     return {"rows": [int(r) for r in rows], "same_set": same_set, "margins": margins, "total": a.shape[0]}
 
 
-def choice_result(our_t: torch.Tensor, ref_t: torch.Tensor, scores: torch.Tensor | None) -> Metrics:
-    """Metrics of an integer node: exact equality (``ok``) or ``choice`` with the rows and margins."""
+def choice_result(
+    our_t: torch.Tensor, ref_t: torch.Tensor, scores: torch.Tensor | None, ordered: bool = True
+) -> Metrics:
+    """Metrics of an integer node: exact equality (``ok``) or ``choice`` with the rows and margins.
+    ``ordered`` False: rows choosing the same values in another order agree (a top-k's order, judged only
+    where the check is bit-exact)."""
     if torch.equal(our_t, ref_t):
-        return Metrics(
-            status=OK,
-            max_abs=0.0,
-            mean_abs=0.0,
-            max_rel=0.0,
-            cosine=1.0,
-            detail="",
-            rel_l2=0.0,
-            atol_needed=0.0,
-            rtol_needed=0.0,
-        )
+        return _agrees("")
     found = choice_margins(our_t, ref_t, scores)
     rows = found["rows"]
-    if len(found["same_set"]) == len(rows):  # a top-k's order is no choice: the weights are compared by expert
-        return Metrics(
-            status=OK,
-            max_abs=0.0,
-            mean_abs=0.0,
-            max_rel=0.0,
-            cosine=1.0,
-            detail=f"the same choices in another order in {len(rows)} of {found['total']} rows (top-k's order is "
-            "not judged; the weights are compared choice by choice)",
-            rel_l2=0.0,
-            atol_needed=0.0,
-            rtol_needed=0.0,
+    if not ordered and len(found["same_set"]) == len(rows):
+        return _agrees(
+            f"the same choices in another order in {len(rows)} of {found['total']} rows (top-k's order is not "
+            "judged within tolerances; the weights are compared choice by choice)"
         )
     detail = f"{len(rows)} of {found['total']} rows choose differently (rows {', '.join(map(str, rows[:8]))}{', ...' if len(rows) > 8 else ''})"
     if found["same_set"]:

@@ -131,12 +131,15 @@ def compare_node(
     ``(batch, seq)``, True at padding positions, which are then not judged (:mod:`parity.compare.padding`).
     ``choices``: for a router's weights, ``(ours' chosen experts, the reference's)``: each side's weights
     are put in the order of its experts' indices first (top-k's order is no part of the routing)."""
-    if choices is not None and spec.kind == WEIGHTS and all(_choice(c) for c in choices):
+    atol, rtol, source = tolerances.for_node(spec.name)
+    # a bit-exact check judges top-k's order (it decides the experts' summation order); a check within
+    # tolerances judges the choices as sets, and the weights choice by choice
+    ordered = tolerances.exact
+    if choices is not None and spec.kind == WEIGHTS and not ordered:
         ref_t = ref_t.load() if ref_t is not None and not isinstance(ref_t, torch.Tensor) else ref_t  # (tokens, k)
         mine, theirs = by_choice(our_t, choices[0]), by_choice(ref_t, choices[1])
         if mine is not our_t and theirs is not ref_t:  # both in their experts' order, or neither
             our_t, ref_t = mine, theirs
-    atol, rtol, source = tolerances.for_node(spec.name)
     our_t, layout = in_reference_layout(spec, our_t, ref_t, padding)
     if untapped and our_t is None:
         if spec.ours.startswith("unaligned:"):
@@ -164,7 +167,7 @@ def compare_node(
         metrics = Metrics(status=SHAPE, detail=f"ours {tuple(our_t.shape)} vs reference {tuple(ref_t.shape)}")
     elif not ref_t.is_floating_point() and not our_t.is_floating_point():
         ref_t = ref_t if isinstance(ref_t, torch.Tensor) else ref_t.load()  # a spilled integer node: small
-        metrics = choice_result(our_t, ref_t, scores)
+        metrics = choice_result(our_t, ref_t, scores, ordered)
     else:
         metrics = tensor_metrics(our_t, ref_t, atol, rtol)
     dtype = ref_t.dtype if ref_t is not None else our_t.dtype if our_t is not None else None
@@ -248,10 +251,6 @@ def by_choice(weights, chosen):
         return weights
     order = chosen.reshape(-1, chosen.shape[-1]).argsort(dim=-1, stable=True).to(weights.device)
     return weights.reshape(order.shape).gather(-1, order).reshape(weights.shape)
-
-
-def _choice(t) -> bool:
-    return isinstance(t, torch.Tensor) and not t.is_floating_point() and t.numel() > 0
 
 
 def choices_of(spec: NodeSpec, ours: Mapping, reference: Mapping) -> tuple | None:
@@ -468,7 +467,7 @@ class NodeStream:
         self.stem_keep: set[str] = set()
         #: per attention block, the reference's row sums of its probabilities (:func:`rescaled_by_sink`)
         self._sink_mass: dict[str, torch.Tensor | None] = {}
-        #: ours' chosen experts per router (small integer tensors), for the weights compared after them
+        #: ours' chosen experts per router, for the weights compared after them
         self._chosen: dict[str, torch.Tensor] = {}
 
     def attach(self, trace) -> None:
@@ -483,7 +482,7 @@ class NodeStream:
         ref = store.lazy(name) if hasattr(store, "lazy") else store.get(name)  # a spilled node is read, not mapped
         scores = store.get(spec.chosen_from) if spec.chosen_from and not ours.is_floating_point() else None
         moved, layout = in_reference_layout(spec, ours, ref, self.padding)
-        if spec.kind == CHOICES:  # kept for the weights after it, compared choice by choice
+        if spec.kind == CHOICES:  # kept (a small integer tensor) for the weights after it, compared choice by choice
             self._chosen[name] = ours
         choices = choices_of(spec, self._chosen, store) if spec.kind == WEIGHTS else None
         result = compare_node(

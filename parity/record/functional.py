@@ -805,11 +805,11 @@ class FunctionCapture(TorchFunctionMode):
             if isinstance(t, torch.Tensor) and self.followed.of(t) is not None and t.numel():
                 start = int(t.storage_offset())
                 held = self.parts.get((t.untyped_storage().data_ptr(), start, start + int(_span_of(t))))
-                rows = getattr(held[1], "rows", None) if held is not None else None
-                wide = (
-                    out.shape[-1] if out.dim() != 4 or out.shape[-1] == len(rows or ()) else out.shape[1] * out.shape[3]
-                )
-                if held is not None and (rows is None or len(rows) == wide):
+                if held is None:
+                    continue
+                rows = getattr(held[1], "rows", None)  # a product keeping its heads apart: heads * head_dim of them
+                features = {out.shape[-1]} | ({out.shape[1] * out.shape[3]} if out.dim() == 4 else set())
+                if rows is None or len(rows) in features:
                     return held
         return None
 

@@ -112,8 +112,6 @@ class _Block:
     weights: torch.Tensor
     replacement: torch.Tensor | None = None
     recorded: bool = False
-    #: the chosen experts as ours reads them (the tensor topk handed back)
-    index: torch.Tensor | None = None
 
 
 class RoutingCapture:
@@ -137,7 +135,7 @@ class RoutingCapture:
         block = self._blocks.get(path)
         if block is None:
             return False, None
-        if name in _GATHERS and not block.recorded and _index_of(name, args, kwargs) is block.index:
+        if name in _GATHERS and not block.recorded and _index_of(name, args, kwargs) is block.chosen:
             # the weights read from another score tensor at the chosen experts (DeepSeek V3's and GLM-4.5's
             # unbiased sigmoid scores, the choice made on the biased ones): followed from there
             out = func(*args, **kwargs)
@@ -159,7 +157,7 @@ class RoutingCapture:
             return True, out
         chosen = self.record(CHOICES, indices)
         tokens = values.numel() // values.shape[-1]
-        self._blocks[path] = _Block(tokens, chosen.detach(), values, index=chosen)
+        self._blocks[path] = _Block(tokens, chosen, values)  # chosen: the tensor ours reads (integers, no grad)
         # no gather yet: an expert run on every token keeps the rows the router sent to it (ExpertRows)
         _ROWS.set((torch.arange(tokens), tokens, chosen.detach()))
         return True, type(out)((values, chosen))

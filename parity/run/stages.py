@@ -32,7 +32,6 @@ from parity.record.hooks import FUNCTIONS, recording
 from parity.record.trace import SCALARS, Trace
 from parity.run.options import CheckOptions
 from parity.run.plan import Run, plan, versions
-from parity.user.align import Rows
 from parity.util.errors import ParityError
 from parity.util.resources import BUDGET as RESOURCE_BUDGET
 from parity.util.resources import GIB, available_bytes, require
@@ -193,11 +192,12 @@ def ours_recording(pair: Pair) -> dict:
                 siblings.setdefault(functional[ptr], []).append(n.name)
             else:
                 functional[ptr] = n.name
-        if weight in params and isinstance(n.transform, Rows) and n.transform.block is not None:
-            # one projection's rows of a fused parameter, one block of its storage: a product reading that block
-            # alone (``W[1]``, ``W[:I]``) computes this node alone, its outputs in its rows' order
-            first, end = n.transform.block
-            parts[(params[weight].untyped_storage().data_ptr(), first, end)] = (n.name, n.transform.alone())
+        block, alone = getattr(n.transform, "block", None), getattr(n.transform, "alone", None)
+        if weight in params and block is not None and alone is not None:
+            # one projection's rows of a fused parameter, one block of its storage (a Rows transform's): a product
+            # reading that block alone (``W[1]``, ``W[:I]``) computes this node alone, its outputs in its rows' order
+            first, end = block
+            parts[(params[weight].untyped_storage().data_ptr(), first, end)] = (n.name, alone())
         if bias in params and id(params[bias]) in key_of:
             # a fused bias added once for several nodes (their rows): the node its fused weight's product records
             biases.setdefault(key_of[id(params[bias])], n.name)
@@ -577,8 +577,8 @@ def _folds(pair: Pair) -> dict[str, str]:
     """Checkpoint keys ours holds otherwise than loaded, key -> how: computed at load (:func:`_derived`), or
     multiplied by a named constant (a scale folded into them: GLM-4.5's routed_scaling_factor moved from the
     routing weights into the experts' down projections)."""
-    coverage = pair.loading.coverage if pair.loading is not None else None
     folds = {key: "computed at load from" for key in _derived(pair)}
+    coverage = pair.loading.coverage if pair.loading is not None else None
     for sources in (getattr(coverage, "sources", None) or {}).values():
         for source in sources:
             if source.how == SCALED and source.scale_name:
