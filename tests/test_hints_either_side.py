@@ -135,6 +135,28 @@ def test_a_soft_cap_written_as_x_tanh_x_over_c_is_softcap_not_an_untied_head(sid
     assert wrong == "x * tanh(x / 30)" and right == "30 * tanh(x / 30)" and hint.evidence["config_cap"] == 30.0
 
 
+@pytest.mark.parametrize("side", SIDES)
+def test_a_final_soft_cap_without_its_multiply_back_is_softcap(side):
+    """Gemma 4's final cap (30) written tanh(x / c): the logits are the right ones divided by the cap."""
+    pair = pair_of("gemma4")
+    wrap_logits(pair, side, lambda y: y / 30.0)
+    hint = located(pair, "logits", "softcap")
+    wrong = hint.evidence["ours"] if side == "ours" else hint.evidence["reference"]
+    assert wrong == "tanh(x / 30) (not multiplied back by the cap)", hint
+
+
+@pytest.mark.parametrize("side", SIDES)
+def test_a_final_soft_cap_of_a_scaled_input_names_the_scale(side):
+    """The cap applied to the head's output times sqrt(hidden_size) (a pre-scaled embedding table reused as the
+    tied head): the logits read back through the cap name that constant, Gemma's embedding scale."""
+    pair = pair_of("gemma4")
+    k = pair.reference.config.get_text_config().hidden_size ** 0.5
+    wrap_logits(pair, side, lambda y: 30.0 * torch.tanh(k * torch.atanh(y / 30.0)))
+    hint = located(pair, "logits", "softcap")
+    wrong = hint.evidence["ours"] if side == "ours" else hint.evidence["reference"]
+    assert f"x scaled by {k:.6g} = the embedding scale before the cap" in wrong, hint  # Gemma's: sqrt(hidden)
+
+
 # --- positions -------------------------------------------------------------------------------------
 
 

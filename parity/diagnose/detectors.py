@@ -47,6 +47,7 @@ from parity.diagnose.moe import (
     expert_weights,
     experts_sum,
     moe_output,
+    routed_in_block,
     routing_weights,
     row_normalisation,
     shared_expert,
@@ -183,6 +184,7 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     expert_tokens,
     expert_weights,
     experts_sum,
+    routed_in_block,  # before shared_expert: a block whose routed experts ours computes in functions
     shared_expert,
     precision,
     rounding_order,
@@ -405,7 +407,8 @@ def diagnose(
             if result.status == NONFINITE
             else None
         )
-    e = Evidence(result, ours, ref, ours_trace, ref_trace, facts, positions, attention_mask)
+    permuted = spec is not None and getattr(spec.transform, "dims", None) is not None
+    e = Evidence(result, ours, ref, ours_trace, ref_trace, facts, positions, attention_mask, permuted)
     if result.status == NONFINITE:
         return nonfinite(e)
     if result.status == CHOICE:

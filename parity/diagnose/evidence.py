@@ -40,6 +40,9 @@ class Evidence:
     positions: torch.Tensor | None = None
     #: ``(batch, seq)`` 1 for real tokens, 0 for padding, when the run is padded
     attention_mask: torch.Tensor | None = None
+    #: ours' q/k rows are held permuted per head at load (the node is compared through that permutation:
+    #: its Layout's ``dims``), as a conversion between RoPE pairings permutes them
+    rows_permuted: bool = False
 
     @property
     def kind(self) -> str:

@@ -11,10 +11,11 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from parity.compare.metrics import choice_margins
+from parity.compare.metrics import UNTAPPED, choice_margins
 from parity.diagnose.evidence import EXPLAINS, Evidence, fmt_list, rel, whose
 from parity.diagnose.hints import Hint
 from parity.model.pair import NodeSpec
+from parity.record.routing import CHOICES
 
 if TYPE_CHECKING:
     from parity.record.hf_capture import ExpertEvidence
@@ -203,7 +204,7 @@ def choice(e: Evidence, spec: NodeSpec | None) -> Hint:
                 f": the reference's margin between its last chosen and first unchosen score there is "
                 f"{min(margins):.3g}..{max(margins):.3g}, not a near-tie: the router scores or the top-k differ"
             )
-    other = _chosen_otherwise(e.ours, scores)
+    other = _chosen_otherwise(e.ours, scores) or _group_limited_otherwise(e, scores)
     if other is not None:
         text += f"; ours chooses {other}"
         evidence["chosen_by"] = other
@@ -225,6 +226,55 @@ def _chosen_otherwise(ours: torch.Tensor, scores: torch.Tensor | None) -> str | 
         if torch.equal(picked.indices.sort(-1).values, mine):
             return label
     return None
+
+
+def _group_limited_otherwise(e: Evidence, logits: torch.Tensor | None) -> str | None:
+    """How ours' choices follow from the reference's router logits under a group-limited sigmoid router
+    (DeepSeek V3's ``DeepseekV3MoE.route_tokens_to_experts``, GLM-4.5's): the scores ``sigmoid(logits) +
+    e_score_correction_bias``, each group scored by the sum of its best two, the ``topk_group`` best groups
+    kept, the top k of their experts. Tries the ports' usual departures, each alone; None unless the
+    reference's own rule gives the reference's choices and exactly one departure gives ours'."""
+    routing = e.facts.routing
+    groups, kept = int(routing.get("n_group", 0) or 0), int(routing.get("topk_group", 0) or 0)
+    if logits is None or logits.dim() != 2 or e.ours.dim() != 2 or not groups or logits.shape[-1] % groups:
+        return None
+    gate = e.name[: -len(CHOICES)]
+    bias = next(
+        (b for n, b in e.ref_trace.biases.items() if n.startswith(gate) and b.numel() == logits.shape[-1]), None
+    )
+    x, k = logits.detach().double(), e.ours.shape[-1]
+    b = bias.double() if bias is not None else torch.zeros(x.shape[-1], dtype=torch.float64)
+
+    def pick(scores: torch.Tensor, group_score=lambda g: g.topk(2, -1).values.sum(-1), limited: bool = True):
+        if not limited:
+            return scores.topk(k, -1).indices
+        best = group_score(scores.unflatten(-1, (groups, -1))).topk(kept, -1).indices
+        keep = torch.zeros(scores.shape[0], groups, dtype=torch.bool).scatter(1, best, True)
+        keep = keep.repeat_interleave(scores.shape[-1] // groups, -1)
+        return scores.masked_fill(~keep, float("-inf")).topk(k, -1).indices
+
+    sig = torch.sigmoid(x)
+    ways = {
+        "with each group scored by its best expert (max) instead of the sum of its best two": pick(
+            sig + b, lambda g: g.amax(-1)
+        ),
+        "with each group scored by the sum of all its experts instead of its best two": pick(
+            sig + b, lambda g: g.sum(-1)
+        ),
+        "with no group limit (the top k over every expert, n_group and topk_group ignored)": pick(
+            sig + b, limited=False
+        ),
+        "without e_score_correction_bias added to the scores": pick(sig),
+        "from a softmax over the experts instead of a sigmoid": pick(torch.softmax(x, -1) + b),
+    }
+
+    def same(a: torch.Tensor, c: torch.Tensor) -> bool:
+        return a.shape == c.shape and torch.equal(a.long().sort(-1).values, c.long().sort(-1).values)
+
+    if not same(pick(sig + b), e.ref.reshape(-1, k)):
+        return None
+    found = [label for label, chosen in ways.items() if same(chosen, e.ours.reshape(-1, k))]
+    return found[0] if len(found) == 1 else None
 
 
 #: the top-k routing weights as a router may form them from its logits, by name
@@ -628,6 +678,47 @@ def _grouped_forms(e: Evidence, base: str, logits: torch.Tensor, chosen: torch.T
     ):  # fmt: skip
         forms[label] = routed(picked, normed(picked) * rsf) + shared
     return forms
+
+
+def routed_in_block(e: Evidence) -> Hint | None:
+    """A MoE block's own node (it holds shared experts, GLM-4.5's and DeepSeek's, added ungated) where ours
+    computes its routed experts in functions beside them, so no experts node of ours was judged: ours'
+    routed sum read as the block's output minus the shared experts' output (their node agrees), then judged
+    as the experts' sum is (:func:`experts_sum`)."""
+    experts = f"{e.name}.experts"
+    done = e.ours_trace.results.get(experts)
+    if experts not in e.ref_trace.tensors or (done is not None and done.status != UNTAPPED):
+        return None
+    if any(n.startswith(f"{e.name}.shared_expert_gate") for n in e.ref_trace.tensors):
+        return None  # a gated shared expert (Qwen2-MoE): not a plain sum, shared_expert reads it
+    shared = next(
+        (
+            n
+            for n in (
+                f"{e.name}.shared_experts",
+                f"{e.name}.shared_experts.down_proj",
+                f"{e.name}.shared_expert.down_proj",
+            )
+            if n in e.ref_trace.tensors
+        ),
+        None,
+    )
+    judged = e.ours_trace.results.get(shared) if shared is not None else None
+    if shared is None or judged is None or not judged.passed:
+        return None
+    theirs = e.ref_trace.tensors[shared].double()
+    if theirs.numel() != e.ours.numel():
+        return None
+    routed = e.ours.double() - theirs.reshape(e.ours.shape)
+    sub = replace(
+        e, ours=routed, ref=e.ref_trace.tensors[experts], result=replace(e.result, name=experts, kind="experts")
+    )
+    hint = experts_sum(sub)
+    if hint is None:
+        return None
+    return replace(
+        hint, text=f"{hint.text} (ours' routed experts read as the block's output minus its shared experts')"
+    )
 
 
 def moe_output(e: Evidence) -> Hint | None:

@@ -592,9 +592,18 @@ def rope_tables(e: Evidence) -> Hint | None:
             " (a table laid out for the other pairing gives each pair two frequencies)"
             if ours_pairs == ref_pairs
             else ""
-        ),
-        {"ours": list(ours_is[0]), "reference": list(ref_is[0])},
+        )
+        + (_PERMUTED_AT_LOAD if e.rows_permuted and ours_pairs != ref_pairs else ""),
+        {"ours": list(ours_is[0]), "reference": list(ref_is[0]), "rows_permuted": e.rows_permuted},
     )
+
+
+#: why the pairs differ where ours holds q/k's rows permuted per head at load
+_PERMUTED_AT_LOAD = (
+    "; ours holds q/k's rows permuted per head at load (the conversion between the two pairings, e.g. the Meta "
+    "to Transformers permute), so its rotation acts on the other pairing of the reference's dims: a permute "
+    "applied to a checkpoint already in the order its RoPE expects, or a permute without the matching RoPE"
+)
 
 
 def rope_pattern(e: Evidence) -> Hint | None:
@@ -624,19 +633,20 @@ def rope_pattern(e: Evidence) -> Hint | None:
         if e.close(ours, x):
             layer = e.facts.layer(e.result.layer)
             nope = sorted({t for t in e.facts.layer_types if e.facts.rope_of_type(t) is None})
-            pattern = (
-                f"; this {layer.layer_type} layer rotates in the reference while its {', '.join(nope)} layers do "
-                "not: ours may take it for one of those (the layer pattern counted from another start)"
-                if layer is not None and nope and layer.layer_type not in nope
-                else ""
-            )
             unrotated = [str(n.index) for n in e.facts.layers if n.rope is None]
             if layer is not None and layer.rope is not None and unrotated and e.facts.nope_field:
-                pattern = (
+                pattern = (  # a per-layer list says which layers are NoPE (SmolLM3), not their type
                     f"; the config's {e.facts.nope_field} leaves layer(s) {', '.join(unrotated)} unrotated (NoPE) and "
                     f"rotates this layer {layer.index}: ours may mark other layers NoPE (the list read inverted, 1 "
                     "taken for NoPE, or their interval counted from another start)"
                 )
+            elif layer is not None and nope and layer.layer_type not in nope:
+                pattern = (
+                    f"; this {layer.layer_type} layer rotates in the reference while its {', '.join(nope)} layers do "
+                    "not: ours may take it for one of those (the layer pattern counted from another start)"
+                )
+            else:
+                pattern = ""
             return Hint(
                 "rope_missing",
                 f"likely a missing RoPE: ours applies no rotation here, the reference does (or rotates every token by "
