@@ -15,7 +15,7 @@ from hypothesis import settings
 # test run within its budget; `.ci/run` uses `ci`. Both draw the same examples on every run
 # (derandomize): a gate that passed here passes in CI, and a failure reproduces. `nightly`, a long run
 # by hand, draws new examples each time: that is where new bugs are found (then kept as tests).
-settings.register_profile("default", max_examples=20, derandomize=True)
+settings.register_profile("default", max_examples=10, derandomize=True)
 settings.register_profile("ci", max_examples=200, derandomize=True)
 settings.register_profile("nightly", max_examples=3000)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))

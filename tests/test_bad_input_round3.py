@@ -720,7 +720,7 @@ def test_a_transformers_release_outside_the_tested_range_is_refused_by_name(monk
     monkeypatch.setattr(metadata, "version", lambda name: "5.3.0" if name == "transformers" else real(name))
     assert main(["check", "olmo3", "--report-dir", str(tmp_path)]) == 2
     err = one_line_error(capsys)
-    assert "Transformers 5.3.0 is installed; parity is tested with Transformers >=5.24,<6" in err
+    assert "Transformers 5.3.0 is installed; parity is tested with Transformers >=5.24,<5.25" in err
     with pytest.raises(ParityError, match=r"Transformers 5\.3\.0"):
         build_pair("tiny")
 

@@ -228,3 +228,64 @@ def test_a_bug_is_located_with_the_hint_that_names_it(model, bug, padded, node, 
 @pytest.mark.parametrize(("model", "bug", "says"), REFUSED, indirect=["bug"])
 def test_a_loader_bug_is_refused_naming_the_tensor(model, bug, says, checkpoints):
     heldout_support.assert_refused(MODELS, checkpoints, model, says)
+
+
+# --- the same kinds with the fault in the reference (a patched Transformers model, ours correct)
+
+
+def patched_reference(checkpoint: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="eager").eval()
+
+
+def test_a_mask_before_the_attention_soft_cap_in_the_reference_names_the_reference(checkpoints, monkeypatch):
+    """VaultGemma's ``eager_attention_forward`` adding the mask before its soft-cap: masked keys keep e^-cap."""
+    from transformers.models.vaultgemma import modeling_vaultgemma as hf
+
+    def masked_first(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, **kw):
+        key, value = hf.repeat_kv(key, module.num_key_value_groups), hf.repeat_kv(value, module.num_key_value_groups)
+        scores = torch.matmul(query, key.transpose(2, 3)) * scaling + attention_mask
+        probs = torch.softmax(torch.tanh(scores / softcap) * softcap, -1, dtype=torch.float32).to(query.dtype)
+        return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
+
+    monkeypatch.setattr(hf, "eager_attention_forward", masked_first)
+    import parity
+
+    res = parity.check_model(
+        heldout16_vaultgemma.build, reference=patched_reference(checkpoints["vaultgemma"]), seq_len=24
+    )
+    bad = res.first_mismatch
+    assert bad.name == "model.layers.0.self_attn.probs" and bad.hint.kind == "softcap", res.verdict()
+    assert "the mask in the reference applied before the attention soft-cap" in bad.hint.text
+
+
+def test_a_group_limited_choice_made_otherwise_in_the_reference_names_the_reference(checkpoints):
+    """GLM-4.5's ``Glm4MoeTopkRouter`` scoring each group by its best expert: the reference is the side that
+    departs from the config's rule."""
+    import types
+
+    import torch.nn.functional as F
+
+    import parity
+
+    reference = patched_reference(checkpoints["glm4_moe"])
+
+    def by_best_expert(self, hidden_states):
+        logits = F.linear(hidden_states.view(-1, self.hidden_dim).float(), self.weight.float())
+        scores = logits.sigmoid()
+        choice = scores + self.e_score_correction_bias
+        groups = choice.view(-1, self.num_group, self.num_experts // self.num_group).amax(-1)
+        keep = torch.zeros_like(groups).scatter_(1, groups.topk(self.topk_group, -1).indices, 1).bool()
+        keep = keep.repeat_interleave(self.num_experts // self.num_group, -1)
+        chosen = choice.masked_fill(~keep, float("-inf")).topk(self.top_k, -1).indices
+        weights = scores.gather(1, chosen)
+        return logits, weights / (weights.sum(-1, keepdim=True) + 1e-20) * self.routed_scaling_factor, chosen
+
+    for module in reference.modules():
+        if type(module).__name__ == "Glm4MoeTopkRouter":
+            module.forward = types.MethodType(by_best_expert, module)
+    res = parity.check_model(heldout16_glm4_moe.build, reference=reference, seq_len=24)
+    bad = res.first_mismatch
+    assert bad.name == "model.layers.2.mlp.router.experts" and bad.hint.kind == "routing", res.verdict()
+    assert "the reference chooses with each group scored by its best expert (max) instead of the sum" in bad.hint.text

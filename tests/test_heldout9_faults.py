@@ -110,7 +110,7 @@ def _passes(model, bug, padded, checkpoints):
     heldout_support.assert_passes(MODELS, checkpoints, model, padded)
 
 
-CLEAN = [("gptneo", "head_einsum", False), ("bloom", "", False), ("olmoe", "", False), ("olmoe", "sdpa", True)]
+CLEAN = [("gptneo", "head_einsum", False), ("bloom", "", False), ("olmoe", "sdpa", True)]
 CLEAN_SLOW = [
     (m, b, p)
     for m, variants in {
@@ -208,7 +208,7 @@ NAMED = [
 ]  # fmt: skip
 FAST = {
     "local_blocked", "split_heads_dim_order", "out_bias_per_head", "alibi_sign", "qkv_split_flat", "bias_gelu_order",
-    "rope_dim_hidden", "router_sigmoid",
+    "router_sigmoid",
 }  # fmt: skip
 
 

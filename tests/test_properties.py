@@ -5,7 +5,7 @@ claims it for that dtype, since such checks default to atol = rtol = 0 -- or bui
 config with one line naming the problem. Anything else fails with the shrunk case printed as the
 calls that reproduce it.
 
-Profiles (tests/conftest.py): ``default`` (a few dozen examples per family, for every test run),
+Profiles (tests/conftest.py): ``default`` (ten examples per family, for every test run),
 ``ci`` (`.ci/run`: a few hundred), ``nightly`` (thousands). Pick one with
 ``pytest --hypothesis-profile=ci tests/test_properties.py``.
 """

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
 
 import pytest
 import torch
@@ -306,6 +307,24 @@ def test_a_different_expert_choice_is_its_own_status_with_the_margin():
     assert bad.hint.evidence["chosen_by"] == "the k lowest scores (topk with largest=False)", bad.hint
     assert f"{bad.name}: choice (16 of 16 rows" in bad.line()
     assert res.counts["choice"] == 1
+
+
+def test_the_k_lowest_chosen_in_the_reference_names_the_reference():
+    """The same fault in Transformers' router (``Qwen3MoeTopKRouter``): the side that departs from the top-k
+    of the logits is the reference."""
+    pair = build_pair("tiny-moe")
+    gate = pair.reference.model.layers[2].mlp.gate
+
+    def least_probable(self, hidden_states):
+        logits = torch.nn.functional.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
+        weights, chosen = torch.topk(torch.softmax(logits, -1, dtype=torch.float), self.top_k, dim=-1, largest=False)
+        return logits, (weights / weights.sum(-1, keepdim=True)).to(logits.dtype), chosen
+
+    gate.forward = types.MethodType(least_probable, gate)
+    bad = parity.check(pair).first_mismatch
+    assert bad.name == "model.layers.2.mlp.router.experts" and bad.hint.kind == "routing", bad
+    assert bad.hint.evidence["side"] == "the reference", bad.hint
+    assert "; the reference chooses the k lowest scores (topk with largest=False)" in bad.hint.text
 
 
 # --- real widths (slow: about 7 GB of float32 weights)

@@ -54,6 +54,7 @@ from parity.diagnose.moe import (
 )
 from parity.diagnose.norms import (
     block_layout,
+    embedding_norm,
     norm_eps,
     norm_kind,
     norm_order,
@@ -89,6 +90,7 @@ from parity.diagnose.scales import (
     softmax_sink,
     softmax_temperature,
 )
+from parity.diagnose.short_conv import short_conv
 from parity.diagnose.swaps import swapped_modules, swapped_weights, used_as
 from parity.diagnose.wiring import (
     activation_skipped,
@@ -167,6 +169,7 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     kv_sharing,
     moe_output,  # before residual_add: a MoE block ours computes in functions, read after it
     residual_add,  # before sibling_match: a stream point equal to the branch's output is a missing residual
+    short_conv,  # before sibling_match: a gated short conv's out_proj reads a product nothing else holds
     activation_skipped,  # before sibling_match: equal to the node before the activation is no swap
     sibling_match,
     fused_split,  # before swapped_weights and the rotation fits: q/k cut from a fused output otherwise
@@ -198,6 +201,7 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     glu_form,
     gate_activation,
     soft_capping,
+    embedding_norm,  # before input_scale: a weight-free norm of the embeddings, eps-sized at layer 0
     input_scale,  # before the norms: a norm fed a scaled input differs only through its eps
     input_terms,
     input_source,

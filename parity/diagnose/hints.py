@@ -107,6 +107,8 @@ KINDS: dict[str, str] = {
     "chunk_boundary": "positions before the first chunk boundary agree, later ones differ: the state carried between chunks",
     "padding": "only padding positions differ: padding treated otherwise than the reference treats it (a recurrent "
     "layer that does not zero it in every call writes it into its state)",
+    "short_conv": "a gated short conv (LFM2) formed otherwise at its output projection: the taps reversed, tokens "
+    "after the current one read, the gates or in_proj's chunks in another place, an activation added or dropped, padding reaching the conv",
     "conv_state": "a short causal conv continues from other cached inputs than the reference's: in a call continuing "
     "a cache only the first kernel - 1 positions differ, or the cached inputs themselves are shifted",
     "state_not_carried": "a call continuing a cache computes as if from a zero recurrent state (ours equals the rule "

@@ -204,16 +204,19 @@ def choice(e: Evidence, spec: NodeSpec | None) -> Hint:
                 f": the reference's margin between its last chosen and first unchosen score there is "
                 f"{min(margins):.3g}..{max(margins):.3g}, not a near-tie: the router scores or the top-k differ"
             )
-    other = _chosen_otherwise(e.ours, scores) or _group_limited_otherwise(e, scores)
+    other = _chosen_otherwise(e.ours, e.ref, scores) or _group_limited_otherwise(e, scores)
     if other is not None:
-        text += f"; ours chooses {other}"
-        evidence["chosen_by"] = other
+        side, how = other
+        text += f"; {side} chooses {how}"
+        evidence["chosen_by"] = how
+        evidence["side"] = side
     return Hint("routing", text, evidence)
 
 
-def _chosen_otherwise(ours: torch.Tensor, scores: torch.Tensor | None) -> str | None:
-    """How ours' choices ``(tokens, k)`` follow from the reference's router logits ``(tokens, experts)``
-    when not by their top-k over the experts: a softmax over the tokens (``dim=0``) first, the lowest k."""
+def _chosen_otherwise(ours: torch.Tensor, ref: torch.Tensor, scores: torch.Tensor | None) -> tuple[str, str] | None:
+    """``(side, how)``: how one side's choices ``(tokens, k)`` follow from the router logits ``(tokens,
+    experts)`` when not by their top-k over the experts (a softmax over the tokens, ``dim=0``, first; the
+    lowest k), the other side's being that top-k."""
     if scores is None or scores.dim() != 2 or ours.dim() != 2 or ours.shape[0] != scores.shape[0]:
         return None
     s, k = scores.detach().double(), ours.shape[-1]
@@ -221,19 +224,24 @@ def _chosen_otherwise(ours: torch.Tensor, scores: torch.Tensor | None) -> str | 
         "by a softmax over the tokens (dim=0) instead of over the experts (dim=-1)": torch.softmax(s, 0).topk(k, -1),
         "the k lowest scores (topk with largest=False)": s.topk(k, -1, largest=False),
     }
-    mine = ours.long().sort(-1).values
-    for label, picked in ways.items():
-        if torch.equal(picked.indices.sort(-1).values, mine):
-            return label
+    usual = s.topk(k, -1).indices.sort(-1).values
+    for side, by_rule, other in (("ours", ref, ours), ("the reference", ours, ref)):
+        if by_rule.shape != usual.shape or not torch.equal(by_rule.long().sort(-1).values, usual):
+            continue
+        mine = other.long().sort(-1).values
+        for label, picked in ways.items():
+            if torch.equal(picked.indices.sort(-1).values, mine):
+                return side, label
     return None
 
 
-def _group_limited_otherwise(e: Evidence, logits: torch.Tensor | None) -> str | None:
-    """How ours' choices follow from the reference's router logits under a group-limited sigmoid router
-    (DeepSeek V3's ``DeepseekV3MoE.route_tokens_to_experts``, GLM-4.5's): the scores ``sigmoid(logits) +
-    e_score_correction_bias``, each group scored by the sum of its best two, the ``topk_group`` best groups
-    kept, the top k of their experts. Tries the ports' usual departures, each alone; None unless the
-    reference's own rule gives the reference's choices and exactly one departure gives ours'."""
+def _group_limited_otherwise(e: Evidence, logits: torch.Tensor | None) -> tuple[str, str] | None:
+    """``(side, how)``: how one side's choices follow from the router logits under a group-limited sigmoid
+    router (DeepSeek V3's ``DeepseekV3MoE.route_tokens_to_experts``, GLM-4.5's ``Glm4MoeTopkRouter``): the
+    scores ``sigmoid(logits) + e_score_correction_bias``, each group scored by the sum of its best two, the
+    ``topk_group`` best groups kept, the top k of their experts. Tries the ports' usual departures, each
+    alone; None unless the config's rule gives one side's choices and exactly one departure the other's.
+    The logits are the reference's (the router's linear agreed before its choice did)."""
     routing = e.facts.routing
     groups, kept = int(routing.get("n_group", 0) or 0), int(routing.get("topk_group", 0) or 0)
     if logits is None or logits.dim() != 2 or e.ours.dim() != 2 or not groups or logits.shape[-1] % groups:
@@ -271,10 +279,12 @@ def _group_limited_otherwise(e: Evidence, logits: torch.Tensor | None) -> str | 
     def same(a: torch.Tensor, c: torch.Tensor) -> bool:
         return a.shape == c.shape and torch.equal(a.long().sort(-1).values, c.long().sort(-1).values)
 
-    if not same(pick(sig + b), e.ref.reshape(-1, k)):
-        return None
-    found = [label for label, chosen in ways.items() if same(chosen, e.ours.reshape(-1, k))]
-    return found[0] if len(found) == 1 else None
+    ours, ref = e.ours.reshape(-1, k), e.ref.reshape(-1, k)
+    for side, by_rule, other in (("ours", ref, ours), ("the reference", ours, ref)):
+        if same(pick(sig + b), by_rule):
+            found = [label for label, chosen in ways.items() if same(chosen, other)]
+            return (side, found[0]) if len(found) == 1 else None
+    return None
 
 
 #: the top-k routing weights as a router may form them from its logits, by name
@@ -300,7 +310,7 @@ def _router_scores(e: Evidence) -> tuple[torch.Tensor, torch.Tensor] | None:
     logits = [
         t
         for name in e.ref_trace.tensors
-        if name.startswith(prefix.rsplit(".", 2)[0]) and not name.startswith(prefix + "router")
+        if name.startswith(prefix.rsplit(".", 2)[0]) and not name.startswith(prefix + "router.")
         if (t := e.ref_trace.tensors.get(name)) is not None and t.is_floating_point() and t.shape[-1] == width
         if t.numel() == chosen.shape[0] * width
     ]
@@ -394,6 +404,7 @@ def _routing_forms(
     weights with and without the renormalisation, the scaling factor and the bias."""
     picked = logits.gather(-1, chosen)
     forms = _sigmoid_router_forms(picked, chosen, routing or {}, bias)
+    forms.update(_sparsemixer_forms(logits, chosen, routing or {}))
     probs = torch.softmax(logits, -1).gather(-1, chosen)
     for text, softmax, renormalised in _FORMULAS:
         w = probs if softmax else picked
@@ -436,6 +447,44 @@ def _sigmoid_router_forms(picked: torch.Tensor, chosen: torch.Tensor, routing: M
             f"{both}, times routed_scaling_factor ({scale:g})"
         ] = (biased / biased.sum(-1, keepdim=True) if norm else biased) * scale
     return forms
+
+
+def _sparsemixer(logits: torch.Tensor, threshold: float, first_in_second: bool = False) -> torch.Tensor:
+    """SparseMixer's top-2 weights at inference (PhiMoE's ``sparsemixer``, arXiv 2409.12136), ``(tokens, 2)``:
+    the best expert's share of a softmax over the experts whose logit is within ``threshold`` of it (relative:
+    ``(best - s) / max(|s|, best)``), then the same for the second best with the first removed (kept when
+    ``first_in_second``, a port's slip)."""
+    s = logits.double()
+    weights = []
+    rest = s
+    for slot in range(2):
+        best, at = rest.max(-1, keepdim=True)
+        far = (best - s) / s.abs().clamp(min=best) > threshold
+        base = s if slot == 0 or first_in_second else rest
+        weights.append(torch.softmax(base.masked_fill(far, float("-inf")), -1).gather(-1, at))
+        rest = rest.scatter(-1, at, float("-inf"))
+    return torch.cat(weights, -1)
+
+
+def _sparsemixer_forms(logits: torch.Tensor, chosen: torch.Tensor, routing: Mapping[str, float]) -> dict:
+    """SparseMixer's weights (``routing["sparsemixer_eps"]``, PhiMoE's router_jitter_noise) at the chosen
+    experts, and the ports' usual departures from it, by name; empty for another router. Its own choice is the
+    two best logits, in that order: a row whose chosen experts are another pair gets the form's weights anyway
+    (compared as sets of values by the callers)."""
+    eps = routing.get("sparsemixer_eps")
+    if eps is None or chosen.shape[-1] != 2:
+        return {}
+    own = f"SparseMixer's weights (each of the two best experts' softmax share over the logits within 2 * jitter_eps ({2 * eps:g}) of it, the second's without the first)"
+    return {
+        own: _sparsemixer(logits, 2 * eps),
+        f"SparseMixer's weights with the threshold jitter_eps ({eps:g}), not 2 * jitter_eps": _sparsemixer(logits, eps),
+        "SparseMixer's weights with the first expert left in the second one's softmax": _sparsemixer(
+            logits, 2 * eps, first_in_second=True
+        ),
+        "SparseMixer's weights renormalised over the two chosen (they are not: each is its own softmax share)": (
+            _sparsemixer(logits, 2 * eps) / _sparsemixer(logits, 2 * eps).sum(-1, keepdim=True)
+        ),
+    }
 
 
 #: a MoE block's router node under the block: Mixtral's and DeepSeek's ``gate``, GPT-OSS's and DBRX's ``router``
@@ -576,6 +625,22 @@ def _gate_variants(module) -> dict:
         "the SwiGLU's (up + 1) written as up (the + 1 dropped)": no_plus_one,
         "the gate's clamp applied after its activation (not before)": clamp_after,
     }
+
+
+def _gate_up_swapped(record, tokens: int) -> torch.Tensor | None:
+    """Every expert on every token ``(experts, tokens, hidden)`` with the fused ``gate_up_proj`` ``(experts,
+    2 * intermediate, hidden)`` split the other way round (Mixtral's, PhiMoE's, Qwen3-MoE's experts: ``gate, up
+    = linear(x, gate_up_proj[e]).chunk(2, -1)``); None for another layout (GPT-OSS's interleaved halves)."""
+    gate_up = getattr(record.module, "gate_up_proj", None)
+    interleaved = (
+        getattr(record.module, "limit", None) is not None and getattr(record.module, "alpha", None) is not None
+    )
+    if not isinstance(gate_up, torch.Tensor) or gate_up.dim() != 3 or gate_up.shape[1] % 2 or interleaved:
+        return None
+    gate, up = gate_up.detach().chunk(2, dim=1)
+    return _with_override(
+        record, "gate_up_proj", torch.nn.Parameter(torch.cat((up, gate), 1), requires_grad=False), tokens
+    )
 
 
 def _with_override(record, attribute: str, value, tokens: int) -> torch.Tensor | None:
@@ -759,7 +824,7 @@ def moe_output(e: Evidence) -> Hint | None:
     picked = y[chosen.T, torch.arange(tokens)[None, :]]  # (k, tokens, hidden)
     forms = {
         f"the chosen experts' outputs weighted by {text}": (w.T[..., None] * picked).sum(0)
-        for text, w in _routing_forms(logits.double(), chosen).items()
+        for text, w in _routing_forms(logits.double(), chosen, e.facts.routing).items()
     }
     forms.update(_combination_forms(e, base, logits.double(), chosen, y, record))
     weights = e.ref_trace.tensors.get(f"{base}.router.weights")
@@ -778,6 +843,11 @@ def moe_output(e: Evidence) -> Hint | None:
         forms[
             "the chosen experts computed with each down_proj transposed (a square weight reshaped where it needs a transpose)"
         ] = (w.T[..., None] * yt).sum(0)
+    halves = _gate_up_swapped(record, tokens)
+    if halves is not None and weights is not None and weights.shape == chosen.shape:
+        forms[
+            "the chosen experts computed with gate_up_proj's halves swapped (up first: the activation on the up half)"
+        ] = (weights.double().T[..., None] * halves.double()[chosen.T, torch.arange(tokens)[None, :]]).sum(0)
     if e.facts.routing.get("n_group"):  # DeepSeek's group-limited sigmoid router, its shared experts added
         forms = _grouped_forms(e, base, logits.double(), chosen, y.double())
         if not forms:
@@ -797,6 +867,8 @@ def moe_output(e: Evidence) -> Hint | None:
     kind, what = (
         ("transposed_weight", "experts' weights")
         if "transposed" in both
+        else ("swapped_weights", "experts' weights")
+        if "halves swapped" in both
         else ("activation", "experts' activation")
         if "SwiGLU" in both or "clamp" in both
         else ("bias", "experts' bias")

@@ -216,6 +216,48 @@ def norm_skipped(e: Evidence) -> Hint | None:
     return None
 
 
+def embedding_norm(e: Evidence) -> Hint | None:
+    """A weight-free RMSNorm of the token embeddings before the first layer (nanochat's; no module of its
+    own, so no node) that one side does not apply: the first layer's normalised input is the embeddings
+    normalised twice on one side, once on the other, either side. The two differ only through eps, so the
+    test is each side's value itself, not a ratio."""
+    if e.result.layer is None or e.facts.norm_kind != "rmsnorm" or not e.facts.norm_eps:
+        return None
+    first = min((n.index for n in e.facts.layers), default=None)
+    if e.result.layer != first:
+        return None
+    emb = next((t for n, t in e.ref_trace.tensors.items() if e.facts.locate(n)[1] in ("embed_tokens", "wte")), None)
+    x_ours, x_ref = e.inputs()
+    if emb is None or x_ours is None or x_ref is None or not (emb.shape == x_ours.shape == x_ref.shape):
+        return None
+    eps = float(e.facts.norm_eps)
+
+    def normed(t: torch.Tensor) -> torch.Tensor:
+        return t * (t.pow(2).mean(-1, keepdim=True) + eps).rsqrt()
+
+    once = normed(emb.double())
+    twice = normed(once)
+
+    step = twice - once
+
+    def share(x: torch.Tensor) -> float:
+        # where x sits between the two forms (0: once, 1: twice), along their difference: the forms differ by
+        # eps-sized amounts, float32 rounding by less, and rounding has no direction
+        return float(((x.double() - once) * step).sum() / step.pow(2).sum().clamp_min(1e-300))
+
+    for side, lacks, has in (("ours", x_ours, x_ref), ("the reference", x_ref, x_ours)):
+        if share(lacks) < 0.25 and share(has) > 0.75 and e.close(lacks, once.to(lacks.dtype)):
+            return Hint(
+                "norm_skipped",
+                f"likely the norm of the token embeddings (RMSNorm without weights, before the first layer, "
+                f"nanochat's) not applied in {side}: {whose(side)} {e.kind} reads the embeddings normalised once (by "
+                f"this layer's norm), the other side's twice; the difference is eps-sized here, the residual stream "
+                "carries the unnormalised embeddings on",
+                {"side": side},
+            )
+    return None
+
+
 # --- norms ---------------------------------------------------------------------------------------
 
 

@@ -151,7 +151,8 @@ def _rotated_dims(e: Evidence, rotated: torch.Tensor, x: torch.Tensor) -> int:
 
 
 def _pairing(rotated: torch.Tensor, x: torch.Tensor) -> str | None:
-    """Which RoPE pairing ``rotated`` preserves (pair norms equal to the input's, up to one scale)."""
+    """Which RoPE pairing ``rotated`` preserves (pair norms equal to the input's, up to one scale per row:
+    a head at a token, which a weight-free norm after RoPE, nanochat's, rescales)."""
     d = x.shape[-1]
     layouts = {
         "half-split (i, i + d/2)": (torch.arange(d // 2), torch.arange(d // 2) + d // 2),
@@ -161,8 +162,10 @@ def _pairing(rotated: torch.Tensor, x: torch.Tensor) -> str | None:
         rn = rotated.double()[..., i].pow(2) + rotated.double()[..., j].pow(2)
         xn = x.double()[..., i].pow(2) + x.double()[..., j].pow(2)
         keep = xn > 1e-6 * xn.max()
-        ratio = rn[keep] / xn[keep]
-        if ratio.numel() and float(ratio.std()) / float(ratio.mean()) < 1e-4:
+        ratio = torch.where(keep, rn / xn.clamp_min(1e-300), torch.nan)
+        per_row = ratio / ratio.nanmean(-1, keepdim=True)
+        spread = per_row[keep]
+        if spread.numel() and float(spread.std()) < 1e-4:
             return name
     return None
 
@@ -202,14 +205,35 @@ def rope_fit(e: Evidence) -> Hint | None:
             and abs(fit.amplitude / own - 1) < 1e-3
         )
 
-    fit, side = fit_of(e.ours), "ours"
+    def rescaled(t: torch.Tensor) -> torch.Tensor:
+        """``t``'s rows (a head at a token) brought to the lengths of x's: a weight-free norm after RoPE
+        (nanochat's q/k norm) undone, since a rotation keeps each row's length."""
+        return t * (x.norm(dim=-1, keepdim=True) / t.norm(dim=-1, keepdim=True).clamp_min(1e-30))
+
+    def read(t: torch.Tensor):
+        return fit_of(t) or fit_of(rescaled(t))
+
+    fit, side = read(e.ours), "ours"
+    ref_fit = read(e.ref)
     if as_it_should(fit):
-        fit, side = fit_of(e.ref), "the reference"  # ours rotates as it should: is it the reference?
+        fit, side = ref_fit, "the reference"  # ours rotates as it should: is it the reference?
         if as_it_should(fit):
             return None  # both are this layer's RoPE: the error is not in the rotation
+    elif _alike(fit, ref_fit):
+        return None  # both sides rotate alike (the reference's own convention): the error is elsewhere
     if fit is None:
         return None
     return _rope_hint(e, fit, side, layer, own)
+
+
+def _alike(a, b) -> bool:
+    """Two rotation fits that say the same: one RoPE, the same offsets, the same cos/sin scale."""
+    return (
+        a is not None
+        and b is not None
+        and (a.label, a.offsets) == (b.label, b.offsets)
+        and abs(b.amplitude / a.amplitude - 1) < 1e-3
+    )
 
 
 def _factor_sources(rope) -> dict[str, float]:
@@ -289,10 +313,18 @@ def _rope_hint(e: Evidence, fit, side: str, layer, own: float) -> Hint | None:
             {**evidence, "rows": list(fit.rows)},
         )
     if any(fit.label == label for label, _, _ in ROTATION_MISTAKES):
+        if side == "ours":
+            return Hint(
+                "rope_rotation",
+                f"likely the rotation written wrongly: ours applies this layer's RoPE frequencies with {fit.label}, "
+                f"{amp}; the reference turns each pair by w p (x cos + rotate_half(x) sin)",
+                evidence,
+            )
         return Hint(
             "rope_rotation",
-            f"likely the rotation written wrongly: {side} applies this layer's RoPE frequencies with {fit.label}, "
-            f"{amp}; the reference turns each pair by w p (x cos + rotate_half(x) sin)",
+            f"likely the rotation's direction: the reference applies this layer's RoPE frequencies with {fit.label} "
+            f"relative to Llama's x cos + rotate_half(x) sin (its own rotate_half, as nanochat's (x2, -x1)), {amp}; "
+            "ours turns each pair by w p (Llama's rotate_half (-x2, x1)): rotate as the reference does",
             evidence,
         )
     if fit.label.startswith("this layer's RoPE"):
@@ -344,7 +376,7 @@ def _rope_hint(e: Evidence, fit, side: str, layer, own: float) -> Hint | None:
         return Hint(
             "rope_frequencies", f"likely the inverse frequencies: {side} rotates like {fit.label}, {amp}", evidence
         )
-    if "YaRN" in fit.label:
+    if "YaRN" in fit.label or fit.label.startswith("LongRoPE"):
         return Hint("rope_scaling", f"likely the RoPE scaling: {side} rotates like {fit.label}, {amp}", evidence)
     if "divide by head_dim" in fit.label or "divide by hidden_size" in fit.label:
         what = "of partial rotary" if "divide by head_dim" in fit.label else "over another head_dim"

@@ -170,6 +170,7 @@ def identify(
                 )
             )
     candidates += _yarn_variants(rope)
+    candidates += _longrope_variants(rope)
     if rope is not None and rope.rope_type == "default" and layer.head_dim and rope.rotary_dim < layer.head_dim:
         # partial rotary: theta^(-2i/r) over the rotated dims r, not over the whole head
         wide = tuple(rope.theta ** (-2 * i / layer.head_dim) for i in range(rope.rotary_dim // 2))
@@ -336,6 +337,32 @@ def _constant_positions(
     if all(c <= 0 for c in found):
         return None  # position 0 everywhere is no rotation at all: a RoPE not applied, named as such
     return tuple(found)
+
+
+def _longrope_variants(rope) -> list[tuple[str, tuple[float, ...]]]:
+    """LongRoPE (Phi-3, PhiMoE: ``_compute_longrope_parameters``) divides each default frequency by a factor
+    of ``short_factor`` while the sequence fits ``original_max_position_embeddings``, of ``long_factor``
+    past it: the other list, or none, as a port may take it."""
+    if rope is None or rope.rope_type != "longrope":
+        return []
+    short, long = rope.get("short_factor"), rope.get("long_factor")
+    base = default_inv_freq(rope.theta, rope.rotary_dim)
+    out = []
+    for label, factors in (("short_factor", short), ("long_factor", long)):
+        if factors is None or len(factors) != len(base):
+            continue
+        inv_freq = tuple(f / float(a) for f, a in zip(base, factors, strict=True))
+        if any(abs(a / b - 1) > 1e-6 for a, b in zip(inv_freq, rope.inv_freq, strict=False)):
+            out.append(
+                (
+                    f"LongRoPE with {label} (the frequencies divided by its factors) where the reference takes "
+                    f"the other list (original_max_position_embeddings {rope.get('original_max_position_embeddings')} "
+                    "decides which)",
+                    inv_freq,
+                )
+            )
+    out.append(("LongRoPE without its factors (the default frequencies, theta " + f"{rope.theta:g})", base))
+    return out
 
 
 def _yarn_variants(rope: RopeFacts | None) -> list[tuple[str, tuple[float, ...]]]:

@@ -520,6 +520,15 @@ def row_scale(e: Evidence) -> Hint | None:
                 f"{side} {label}, the other side's do not: a missing {'L2' if 'L2' in label else 'RMS'} normalisation"
             )
             evidence["unit"] = {"reference" if ref_unit else "ours": label}
+            if e.kind in ("q_rot", "k_rot") and label == "unit RMS":  # the rows are heads at tokens
+                letter, skipped = e.kind[0], "ours" if ref_unit else "the reference"
+                return Hint(
+                    "norm_skipped",
+                    f"likely the per-head {letter} norm ({letter}_norm, RMS over each head's features) skipped in "
+                    f"{skipped}: {side} unit RMS per head and token, the other side's do not; ours / reference is one "
+                    f"factor per head and token ({fmt_list(f'{v:.4g}' for v in factors[:4].tolist())})",
+                    {**evidence, "side": skipped},
+                )
             break
     return Hint(
         "row_scale",
@@ -538,9 +547,9 @@ def _qk_norm_span(e: Evidence) -> Hint | None:
         return None
     proj = e.ref_trace.tensors.get(f"{stem}.{letter}_proj")
     b, h, s, d = e.ref.shape
-    norms = (f"{letter}_norm", f"{letter}_layernorm", {"q": "query_layernorm", "k": "key_layernorm"}[letter])
-    if proj is None or proj.numel() != b * h * s * d or not any(f"{stem}.{n}" in e.ref_trace.tensors for n in norms):
-        return None  # (a norm after RoPE, HunYuan's, keeps each head's RMS: the same ratio holds)
+    if proj is None or proj.numel() != b * h * s * d:
+        return None  # (a norm after RoPE, HunYuan's or nanochat's weight-free one, keeps each head's RMS: the same
+        # ratio holds; the ratio itself, to 1e-4, is the test: no norm node needs to be seen)
     x = proj.double().reshape(b, s, h, d)
     eps = e.facts.norm_eps or 1e-6
     per_head = (x.pow(2).mean(-1) + eps).rsqrt()  # (b, s, h)

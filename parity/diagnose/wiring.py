@@ -506,15 +506,22 @@ def untied_head(e: Evidence) -> Hint | None:
     )
 
 
+#: a gated MLP's down projection -> its gate and up projections, by the names Transformers gives them
+#: (Llama's; LFM2's and Mixtral's w2 = down, w1 = gate, w3 = up)
+_GLU_NAMES = {"down_proj": ("gate_proj", "up_proj"), "w2": ("w1", "w3")}
+
+
 def gate_up_roles(e: Evidence) -> Hint | None:
     """A gated MLP's down projection reads ``act(up) * gate`` where the reference's reads ``act(gate) *
     up``: gate_proj and up_proj agree (each holds its weight), their roles are swapped (``swapped_roles``);
     or ``other(gate) * up``, another activation than the reference's (``activation``: SiLU for GELU,
     exact for tanh GELU, in a fused MLP with no node of its own for the activation)."""
-    if e.kind != "down_proj" or e.name not in e.ours_trace.inputs:
+    names = _GLU_NAMES.get(e.kind)
+    if names is None or e.name not in e.ours_trace.inputs:
         return None
+    gate_name, up_name = names
     stem = e.name.rsplit(".", 1)[0]
-    gate, up = e.ref_trace.tensors.get(f"{stem}.gate_proj"), e.ref_trace.tensors.get(f"{stem}.up_proj")
+    gate, up = e.ref_trace.tensors.get(f"{stem}.{gate_name}"), e.ref_trace.tensors.get(f"{stem}.{up_name}")
     x = e.ours_trace.inputs[e.name]
     fused = e.ref_trace.tensors.get(f"{stem}.gate_up_proj")
     if fused is None:
@@ -533,9 +540,9 @@ def gate_up_roles(e: Evidence) -> Hint | None:
             side, other = ("ours", "the reference") if ours_swapped else ("the reference", "ours")
             return Hint(
                 "swapped_roles",
-                f"likely swapped roles: gate_proj and up_proj agree on both sides, but {side} applies the activation "
-                f"({label}) to up_proj's output and multiplies by gate_proj's ({other}: act(gate) * up)",
-                {"swapped": [f"{stem}.gate_proj", f"{stem}.up_proj"], "activation": label, "side": side},
+                f"likely swapped roles: {gate_name} and {up_name} agree on both sides, but {side} applies the activation "
+                f"({label}) to {up_name}'s output and multiplies by {gate_name}'s ({other}: act(gate) * up)",
+                {"swapped": [f"{stem}.{gate_name}", f"{stem}.{up_name}"], "activation": label, "side": side},
             )
     # the roles agree, the function differs: each side's down_proj input read back as act(gate) * up
     products = {label: act(gate) * up for label, act in _activations().items()}
@@ -546,7 +553,7 @@ def gate_up_roles(e: Evidence) -> Hint | None:
             "activation",
             f"likely the activation function: ours' down_proj reads act(gate) * up with act = {ours_is}, the "
             f"reference's with {ref_is} (gate_proj and up_proj agree on both sides)",
-            {"ours": ours_is, "reference": ref_is, "input": f"{stem}.gate_proj"},
+            {"ours": ours_is, "reference": ref_is, "input": f"{stem}.{gate_name}"},
         )
     if ref_is is not None and ours_is is None:
         for what, alone in (
@@ -558,7 +565,7 @@ def gate_up_roles(e: Evidence) -> Hint | None:
                     "activation",
                     f"likely the gated product incomplete: ours' down_proj reads {what}, the reference's act(gate) * "
                     "up (one factor never multiplied in)",
-                    {"ours": what, "reference": ref_is, "input": f"{stem}.gate_proj"},
+                    {"ours": what, "reference": ref_is, "input": f"{stem}.{gate_name}"},
                 )
         # ours' down_proj input divided by up is still one smooth function of gate: another activation
         keep = up.double().abs() > 1e-2 * float(up.double().abs().max())
@@ -571,7 +578,7 @@ def gate_up_roles(e: Evidence) -> Hint | None:
                 "activation",
                 f"likely the activation function: ours' down_proj reads f(gate) * up with f another function than "
                 f"the reference's {ref_is} ({points}; gate_proj and up_proj agree on both sides)",
-                {"ours": None, "reference": ref_is, "input": f"{stem}.gate_proj", "samples": samples},
+                {"ours": None, "reference": ref_is, "input": f"{stem}.{gate_name}", "samples": samples},
             )
     return None
 

@@ -159,8 +159,9 @@ class ArchFacts:
     #: named parts of the architecture beyond the fields above (Gemma 4: "per-layer inputs", "KV
     #: sharing", "K = V", "double-wide MLP"): a node map's ``when`` and the gate's config coverage read them
     features: frozenset[str] = frozenset()
-    #: a group-limited sigmoid router's constants (DeepSeek V3: ``routed_scaling_factor``, ``n_group``,
-    #: ``topk_group``, ``norm_topk_prob``), for the hints that recompute its routing
+    #: a router's constants, for the hints that recompute its routing: a group-limited sigmoid router's
+    #: (DeepSeek V3: ``routed_scaling_factor``, ``n_group``, ``topk_group``, ``norm_topk_prob``), SparseMixer's
+    #: threshold eps (PhiMoE: ``sparsemixer_eps``)
     routing: Mapping[str, float] = field(default_factory=dict)
     #: token ids the reference swaps out before its text model sees them (a multimodal model's image,
     #: video and audio placeholders: Gemma 4 embeds pad in their place); random inputs avoid them

@@ -282,6 +282,13 @@ def _routing(config) -> dict[str, float]:
     }
 
 
+@rule("phimoe")
+def _sparsemixer_routing(config, facts: ArchFacts) -> ArchFacts:
+    # PhimoeTopKRouter routes by SparseMixer (sparsemixer in modeling_phimoe): router_jitter_noise is its
+    # threshold's eps at inference, not noise
+    return replace(facts, routing={"sparsemixer_eps": float(config.router_jitter_noise)})
+
+
 @rule("glm4_moe", "dots1")
 def _deepseek_routing(config, facts: ArchFacts) -> ArchFacts:
     # Glm4MoeTopkRouter / Dots1TopkRouter route as DeepSeek V3 does (sigmoid scores, a correction bias for the

@@ -37,9 +37,11 @@ import contextvars
 import functools
 import inspect
 import sys
+from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, cast
 
+import torch
 from torch import nn
 
 from parity.record.hooks import active_trace, running_module
@@ -65,10 +67,41 @@ def _wanted(path: str | None) -> dict[str, str]:
     return {s: f"{path}.{s}" for s in SUFFIXES if f"{path}.{s}" in trace.wanted}
 
 
+#: ``Trace.extras`` key prefix of a short conv's weights, ``f"{CONV_WEIGHTS}{module path}"``
+CONV_WEIGHTS = "conv_weights:"
+
+
+@dataclass(frozen=True)
+class ConvWeights:
+    """What a short causal conv computed with (kept for diagnosis only, never compared): ``weight``
+    ``(channels, taps)`` (tap ``taps - 1`` on the current token), ``bias`` ``(channels,)`` or None, the
+    ``activation`` after it (None, ``"silu"``)."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    activation: str | None
+
+
+def _keep_conv_weights(args: tuple, kwargs: dict) -> None:
+    """The conv's weights under the calling module's path, once per trace (``causal_conv1d_fn(x, weight,
+    bias=None, activation=None)``, the causal-conv1d package's API)."""
+    trace, path = active_trace(), running_module()
+    if trace is None or path is None or CONV_WEIGHTS + path in trace.extras:
+        return
+    given = dict(zip(("x", "weight", "bias", "activation"), args)) | kwargs
+    weight = given.get("weight")
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        bias = given.get("bias")
+        trace.extras[CONV_WEIGHTS + path] = ConvWeights(
+            weight.detach(), bias.detach() if isinstance(bias, torch.Tensor) else None, given.get("activation")
+        )
+
+
 def _conv(original):
     @functools.wraps(original)
     def conv(*args, **kwargs):
         out = original(*args, **kwargs)
+        _keep_conv_weights(args, kwargs)
         wanted = _wanted(running_module())
         if "conv_out" in wanted:
             if wanted.keys() & {"beta", "g", "delta_out"}:  # the rule follows: it knows this call's length
@@ -102,8 +135,31 @@ def _record_conv_out(trace, name: str, seq: int) -> None:
         trace.add(name, out, functools.partial(_last_tokens_channels_last, seq=seq))
 
 
-def _delta_rule(original):
+def _fla_delta_rule(
+    query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False, **kwargs
+):  # pragma: no cover - its signature only: FLA's, where the callable's own does not say
+    raise NotImplementedError
+
+
+def _signature(original) -> inspect.Signature:
+    """The delta rule's parameters. Kernels 0.19 hands the torch fallback to the modeling file as an
+    ``nn.Module`` (``Func``) whose ``forward(*args, **kwargs)`` calls it: its parameters are the function's,
+    held in that forward's closure; failing that, FLA's."""
     signature = inspect.signature(original)
+    if any(p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in signature.parameters.values()):
+        return signature
+    forward = getattr(type(original), "forward", None)
+    code, cells = getattr(forward, "__code__", None), getattr(forward, "__closure__", None) or ()
+    inner = dict(zip(code.co_freevars, (c.cell_contents for c in cells))).get("func") if code else None
+    if callable(inner):
+        found = inspect.signature(inner)
+        if "g" in found.parameters:
+            return found
+    return inspect.signature(_fla_delta_rule)
+
+
+def _delta_rule(original):
+    signature = _signature(original)
 
     @functools.wraps(original)
     def delta_rule(*args, **kwargs):
@@ -173,6 +229,15 @@ def install(reference: nn.Module) -> None:
     for module in {sys.modules.get(type(m).__module__) for m in reference.modules()}:
         if module is not None:
             _wrap(module)
+
+
+def calls_conv_kernels(reference: nn.Module) -> bool:
+    """Whether some module of the reference comes from a modeling file with a short causal conv kernel
+    (LFM2's, Gated DeltaNet's): its weights are kept under the calling module (:class:`ConvWeights`),
+    which needs the module stack."""
+    return any(
+        callable(getattr(sys.modules.get(type(m).__module__), name, None)) for m in reference.modules() for name in CONV
+    )
 
 
 def is_kernel_node(name: str) -> bool:

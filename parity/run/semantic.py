@@ -161,12 +161,33 @@ def _rebuilt(pair: Pair) -> tuple[torch.nn.Module, torch.nn.Module] | str:
     low = all_float64(ours64)
     if low is not None:
         return f"rebuilt from float64 weights it still holds another dtype ({low})"
+    altered = _altered(pair.reference, ref64)
+    if altered is not None:  # a twin built from the class would not compute what the reference given computes
+        return f"the reference given is not its class as built ({altered})"
     paths = {name for name, _ in ours64.named_modules()}
     lost = [n.ours for n in pair.nodes if "." in n.ours and split_path(n.ours)[0].partition("@")[0] not in paths]
     lost = [p for p in lost if not p.startswith(UNHOOKED)]
     if lost:
         return f"rebuilt it has no module {lost[0]}"
     return ours64.eval(), ref64.eval()
+
+
+def _altered(given: torch.nn.Module, built: torch.nn.Module) -> str | None:
+    """How a reference passed in as a model differs from its class built anew from its config (the float64
+    twin), or None: another module at some path (a norm replaced by an Identity), a forward replaced on an
+    instance, or forward hooks registered on a module. Such a reference is copied instead: a twin built from
+    the class would compute otherwise, and its difference would be taken for the reference's own rounding."""
+    mine = dict(built.named_modules())
+    for name, module in given.named_modules():
+        where = name or "the model"
+        other = mine.get(name)
+        if other is None or type(other) is not type(module):
+            return f"{where} is a {type(module).__name__}" + (f", not a {type(other).__name__}" if other else "")
+        if "forward" in vars(module):
+            return f"{where}'s forward is replaced on the instance"
+        if module._forward_hooks or module._forward_pre_hooks:
+            return f"{where} has forward hooks"
+    return None
 
 
 def _pair64(pair: Pair) -> tuple[Pair, str | None]:

@@ -95,7 +95,8 @@ def trace_reference(pair: Pair, run: Run, model=None, sink=None, into: Trace | N
         names = {n.name for n in pair.nodes}
         fused = {n.reference_path for n in pair.nodes if n.name in views}
         points += [(path, path) for path in sorted(fused) if path.rsplit(".", 1)[-1] in FUSED_QKV and path not in names]
-    kernels = any(hf_kernels.is_kernel_node(name) for name in captured)  # named after the module that calls them
+    # named after the module that calls them; a short conv's weights are kept under it
+    kernels = any(hf_kernels.is_kernel_node(name) for name in captured) or hf_kernels.calls_conv_kernels(model)
     trace = Trace.spilling(run.trace_memory, sink=sink) if into is None else into
     keep = diagnosis_inputs(pair) if sink is None else frozenset()
     device = device_of(model)
