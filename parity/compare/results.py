@@ -20,6 +20,7 @@ import torch
 from parity.compare.layouts import match_layout
 from parity.compare.metrics import (
     CHOICE,
+    MISMATCH,
     MISSING,
     NONFINITE,
     OK,
@@ -429,6 +430,15 @@ def _input_of_functional(result: NodeResult, calls: Mapping[str, int]) -> NodeRe
     )
 
 
+def moved_constant(r: NodeResult) -> bool:
+    """A ``q_rot``/``k_rot`` mismatch in the direction of the reference (ours about c x reference, a positive
+    constant: cosine over 0.99, padding positions a model running each row alone leaves at zero included):
+    what a user's model gives when it takes a constant of the reference's q and k (RoPE's attention factor)
+    on the scores instead (judged there: ``stages.read_through_scores``). A tap read in another layout is not
+    (its cosine is far lower): it stays a failure that names the layout."""
+    return r.status == MISMATCH and r.kind in ("q_rot", "k_rot") and r.cosine is not None and r.cosine > 0.99
+
+
 class NodeStream:
     """A trace sink that compares each node of ours with the stored reference as ours produces it.
 
@@ -440,7 +450,7 @@ class NodeStream:
     latest stem are held, since a later node of that stem may still fail. ``watch``: ``{node: f(ours,
     ref)}`` run on a node as it is compared (same shapes; ``ref`` may be a spilled tensor), its value
     kept in ``trace.watched``; under the key ``"*"``, run on every node, its values kept in
-    ``trace.watched["*"]`` by node.
+    ``trace.watched["*"]`` by node. ``qk_through_scores``: see the attribute.
     """
 
     def __init__(
@@ -452,8 +462,12 @@ class NodeStream:
         context: Sequence[str] = (),
         watch: Mapping | None = None,
         padding: torch.Tensor | None = None,
+        qk_through_scores: bool = False,
     ):
         self.specs = {n.name: n for n in nodes}
+        #: a q_rot/k_rot failure whose block's scores then agree is not the first failure (a user's model may
+        #: take a constant on the scores that the reference takes on q and k: ``stages.read_through_scores``)
+        self.qk_through_scores = qk_through_scores
         #: ``(batch, seq)``, True at padding positions not judged (:mod:`parity.compare.padding`)
         self.padding = padding
         self.index = {name: i for i, name in enumerate(node_order(reference, nodes))}
@@ -505,6 +519,17 @@ class NodeStream:
             self.trace.watched.setdefault("*", {})[name] = every(ours, ref)
         del ref, scores
         stem = name.rsplit(".", 1)[0]
+        first = self.first
+        if (
+            self.qk_through_scores
+            and spec.kind == "scores"
+            and result.passed
+            and first is not None
+            and moved_constant(first)
+            and first.name.rsplit(".", 1)[0] == stem
+        ):  # q and k differed, their product agrees: the failure after this one is the first
+            old, self.first, self.failure_keep = self.failure_keep, None, set()
+            self._release(old)
         if spec.kind in self.context:
             old, self.stem_keep = self.stem_keep, {n for n in self.stem_keep if n.rsplit(".", 1)[0] == stem} | {name}
             self._release(old - self.stem_keep)

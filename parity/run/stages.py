@@ -19,7 +19,7 @@ import torch
 from parity.build.coverage import SCALED
 from parity.compare.metrics import CHUNK, MISMATCH, MISSING, UNTAPPED, chunks
 from parity.compare.padding import unpadded_rows
-from parity.compare.results import NodeResult, NodeStream, compare_traces, first_mismatch
+from parity.compare.results import NodeResult, NodeStream, compare_traces, first_mismatch, moved_constant
 from parity.compare.tolerances import Tolerances
 from parity.diagnose.detectors import diagnose
 from parity.diagnose.hints import Hint
@@ -289,6 +289,10 @@ def _input_axes(pair: Pair, params: dict, ref_modules: dict) -> dict[int, tuple[
     return out
 
 
+#: ``Trace.extras`` flag of a trace of ours run in isolated mode (each node from the reference's inputs)
+ISOLATED = "isolated"
+
+
 def trace_ours(
     pair: Pair,
     run: Run,
@@ -326,8 +330,12 @@ def trace_ours(
             watch=({output: logits_effect} if output is not None else {})
             | ({"*": worst_at(int(run.input_ids.shape[1]))} if run.options.locate else {}),
             padding=unjudged_padding(pair, run),
+            # chained only: in isolated mode the scores are computed from the reference's q and k
+            qk_through_scores=bool(pair.alignment) and substitute is None,
         )
         stream.attach(trace)
+    if substitute is not None:
+        trace.extras[ISOLATED] = True
     with (
         torch.no_grad(),
         recording(
@@ -473,6 +481,8 @@ def compare_run(pair: Pair, run: Run, ours: Trace, ref: Trace, tolerances: Toler
             results, {n.name for n in pair.nodes if n.ours and not n.ours.startswith(UNHOOKED)}
         )
     results = folded_differences(results, pair)
+    if pair.alignment and not ours.extras.get(ISOLATED):  # isolated scores come from the reference's q and k
+        results = read_through_scores(results)
     bad = first_mismatch(results)
     if bad is not None and undiagnosed(bad) is None:
         spec = next((n for n in pair.nodes if n.name == bad.name), None)
@@ -624,6 +634,34 @@ def folded_differences(results: list[NodeResult], pair: Pair) -> list[NodeResult
                 detail=f"{out[i].detail + '; ' if out[i].detail else ''}differs where ours holds values {keys}, and "
                 f"{out[judged[-1]].name} agrees: the fold moves values between this block's nodes (not judged)",
             )
+    return out
+
+
+def read_through_scores(results: list[NodeResult]) -> list[NodeResult]:
+    """q and k after RoPE are read only through their product: a user's model that applies a constant to the
+    scores where the reference applies it to q and k (YaRN's attention factor on cos and sin, taken as its
+    square on the softmax scale) differs at ``q_rot``/``k_rot`` by that constant (:func:`moved_constant`) and
+    agrees at ``scores``. Such mismatches, followed by agreeing scores with nothing but q/k nodes between, are
+    untapped with the reason, not failed; where the scores differ, or q/k differ otherwise (a tap's layout),
+    they stay failures."""
+    out = list(results)
+    index = {r.name: i for i, r in enumerate(out)}
+    for i, r in enumerate(results):
+        if not moved_constant(r):
+            continue
+        at = index.get(f"{r.name.rsplit('.', 1)[0]}.scores")
+        if at is None or at < i or not out[at].passed or out[at].status == UNTAPPED:
+            continue
+        between = out[i + 1 : at]
+        if any(b.failed and b.kind not in ("q_rot", "k_rot") for b in between):
+            continue
+        out[i] = replace(
+            r,
+            status=UNTAPPED,
+            detail=f"{r.detail + '; ' if r.detail else ''}differs while {out[at].name} agrees: q and k are read only "
+            "through their product, so a constant moved between them and the scores (RoPE's attention factor "
+            "taken on the softmax scale) changes nothing (not judged)",
+        )
     return out
 
 

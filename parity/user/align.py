@@ -111,14 +111,16 @@ class Rows:
         out[..., list(self.rows)] = ref.to(device=current.device, dtype=current.dtype)
         if out.shape == current.shape:
             return out
-        return out.unflatten(-1, (current.shape[1], current.shape[3])).transpose(1, 2)
+        return out.unflatten(-1, (*current.shape[1:-2], current.shape[-1])).movedim(1, -2)
 
 
 def _features_last(t: torch.Tensor, width: int) -> torch.Tensor:
-    """A product's output ``(batch, heads, seq, head_dim)`` as ``(batch, seq, heads * head_dim)`` when that is
-    ``width`` features and its last axis is not; else as it is."""
-    if width and t.shape[-1] != width and t.dim() == 4 and t.shape[1] * t.shape[3] == width:
-        return t.transpose(1, 2).flatten(-2)
+    """A product's output that keeps its heads apart, ``(batch, heads, seq, head_dim)`` or with more head axes
+    (``(batch, kv_heads, group, seq, head_dim)``: HunYuan's q/k/v grouped per KV head), as ``(batch, seq,
+    features)`` when that is ``width`` features and its last axis is not; else as it is. The sequence is the
+    axis before the last."""
+    if width and t.shape[-1] != width and t.dim() >= 4 and math.prod(t.shape[1:-2]) * t.shape[-1] == width:
+        return t.movedim(-2, 1).flatten(2)
     return t
 
 
