@@ -5,7 +5,7 @@ with its attention factor, a sliding window, SparseMixer top-2 routing over stac
 einsum tensors), a nanochat (weight-free RMSNorms, one of them on the token embeddings, RoPE turning the
 other way from Llama's, a weight-free per-head q/k norm after RoPE, squared ReLU, a final soft-cap) and an
 LFM2 (gated short-convolution layers beside attention layers, per-head q/k norms with gains, SwiGLU with
-w1/w2/w3), each over its own parameter names and layouts. 39 bugs, four or five correct variants per family.
+w1/w2/w3), each over its own parameter names and layouts. 39 bugs, five correct variants per family.
 
 Its first measure (2026-12-03, eleventh session, with the sixteenth set's fixes and nothing fitted to this
 set, Transformers 5.25.0): 36 of 36 correct runs passed; 18 of 39 hints named the cause, 3 loader bugs were
