@@ -475,14 +475,15 @@ def _sparsemixer_forms(logits: torch.Tensor, chosen: torch.Tensor, routing: Mapp
     if eps is None or chosen.shape[-1] != 2:
         return {}
     own = f"SparseMixer's weights (each of the two best experts' softmax share over the logits within 2 * jitter_eps ({2 * eps:g}) of it, the second's without the first)"
+    weights = _sparsemixer(logits, 2 * eps)
     return {
-        own: _sparsemixer(logits, 2 * eps),
+        own: weights,
         f"SparseMixer's weights with the threshold jitter_eps ({eps:g}), not 2 * jitter_eps": _sparsemixer(logits, eps),
         "SparseMixer's weights with the first expert left in the second one's softmax": _sparsemixer(
             logits, 2 * eps, first_in_second=True
         ),
         "SparseMixer's weights renormalised over the two chosen (they are not: each is its own softmax share)": (
-            _sparsemixer(logits, 2 * eps) / _sparsemixer(logits, 2 * eps).sum(-1, keepdim=True)
+            weights / weights.sum(-1, keepdim=True)
         ),
     }
 

@@ -214,6 +214,8 @@ def rope_fit(e: Evidence) -> Hint | None:
         return fit_of(t) or fit_of(rescaled(t))
 
     fit, side = read(e.ours), "ours"
+    if fit is None:
+        return None
     ref_fit = read(e.ref)
     if as_it_should(fit):
         fit, side = ref_fit, "the reference"  # ours rotates as it should: is it the reference?

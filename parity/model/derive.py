@@ -116,8 +116,8 @@ def derive_facts(config, model=None) -> ArchFacts:
     num_experts = int(_get(config, "num_experts", "num_local_experts", default=0) or 0)
     # a per-layer list where the config gives one (HunYuan MoE's moe_topk, read as num_experts_per_tok)
     per_token = _get(config, "num_experts_per_tok", default=0) or 0
-    per_layer = [int(k) for k in per_token] if isinstance(per_token, (list, tuple)) else None
-    experts_per_token = 0 if not num_experts else max(per_layer or [0]) if per_layer else int(per_token)
+    per_layer = [int(k) for k in per_token] if num_experts and isinstance(per_token, (list, tuple)) else []
+    experts_per_token = 0 if not num_experts else max(per_layer) if per_layer else int(per_token)
     ffn = getattr(config, "ffn_config", None)  # DBRX keeps its MoE sizes in ffn_config
     if not num_experts and ffn is not None and getattr(ffn, "moe_num_experts", None):
         num_experts, experts_per_token = int(ffn.moe_num_experts), int(getattr(ffn, "moe_top_k", 0) or 0)
@@ -133,7 +133,7 @@ def derive_facts(config, model=None) -> ArchFacts:
             num_kv_heads=kv_heads[i],
             attention_scale=scalar**-0.5 if scalar else (head_dims[i] ** -0.5 if head_dims[i] else 1.0),
             num_experts=num_experts,  # every layer, unless the model_type's rule says otherwise
-            experts_per_token=per_layer[i] if num_experts and per_layer and i < len(per_layer) else experts_per_token,
+            experts_per_token=per_layer[i] if i < len(per_layer) else experts_per_token,
         )
         for i, t in enumerate(layer_types)
     )

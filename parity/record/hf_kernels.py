@@ -135,31 +135,8 @@ def _record_conv_out(trace, name: str, seq: int) -> None:
         trace.add(name, out, functools.partial(_last_tokens_channels_last, seq=seq))
 
 
-def _fla_delta_rule(
-    query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False, **kwargs
-):  # pragma: no cover - its signature only: FLA's, where the callable's own does not say
-    raise NotImplementedError
-
-
-def _signature(original) -> inspect.Signature:
-    """The delta rule's parameters. Kernels 0.19 hands the torch fallback to the modeling file as an
-    ``nn.Module`` (``Func``) whose ``forward(*args, **kwargs)`` calls it: its parameters are the function's,
-    held in that forward's closure; failing that, FLA's."""
-    signature = inspect.signature(original)
-    if any(p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in signature.parameters.values()):
-        return signature
-    forward = getattr(type(original), "forward", None)
-    code, cells = getattr(forward, "__code__", None), getattr(forward, "__closure__", None) or ()
-    inner = dict(zip(code.co_freevars, (c.cell_contents for c in cells))).get("func") if code else None
-    if callable(inner):
-        found = inspect.signature(inner)
-        if "g" in found.parameters:
-            return found
-    return inspect.signature(_fla_delta_rule)
-
-
 def _delta_rule(original):
-    signature = _signature(original)
+    signature = inspect.signature(original)
 
     @functools.wraps(original)
     def delta_rule(*args, **kwargs):
