@@ -89,19 +89,15 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 bug = heldout_support.bug_fixture(MODELS)
 
-#: known false failures, not fitted yet: the shared MLP stacked as one more expert (a router of E + 1 rows) fails a
-#: shape at the router; q/k rows permuted at load for a complex-number RoPE fail at q_rot/k_rot (cosine ~0.1:
-#: the permutation is not read back) in Arcee (beside YaRN's factor on the scores) and HunYuan (grouped q/k/v)
-KNOWN_FALSE = frozenset(
-    {("hunyuan_v1_moe", "shared_as_extra_expert"), ("hunyuan_v1_moe", "rope_complex"), ("arcee", "rope_complex")}
-)
 CLEAN = [
     ("arcee", "", False),
     ("arcee", "varlen_unpad", True),
     ("hunyuan_v1_moe", "", False),
     ("seed_oss", "sdpa_gqa", True),
+    ("hunyuan_v1_moe", "shared_as_extra_expert", False),
+    ("arcee", "rope_complex", True),
 ]
-CLEAN_SLOW = heldout_support.clean_cases(MODELS, CLEAN, KNOWN_FALSE)
+CLEAN_SLOW = heldout_support.clean_cases(MODELS, CLEAN)
 
 
 @pytest.mark.parametrize(("model", "bug", "padded"), CLEAN, indirect=["bug"], ids=str)
@@ -129,14 +125,79 @@ NAMED = [
      "ours equals relu of the reference's model.layers.0.mlp.up_proj, the reference relu squared"),
     ("arcee", "ar_yarn_mscale_dropped", False, "model.layers.0.self_attn.q_rot", "rope_attention_factor",
      "ours takes no factor (1), the reference YaRN's default 0.1 ln(4) + 1 (1.13863)"),
+    ("arcee", "ar_yarn_orig_ctx_from_max_pos", False, "model.layers.0.self_attn.q_rot", "rope_scaling",
+     "YaRN with its correction range computed from max_position_embeddings (256), not "
+     "original_max_position_embeddings (64)"),
+    ("arcee", "ar_yarn_no_truncate", False, "model.layers.0.self_attn.q_rot", "rope_band",
+     "YaRN with its correction range's bounds left unrounded (truncate is true: floor and ceil them)"),
+    ("arcee", "ar_yarn_factor_multiplies", False, "model.layers.0.self_attn.q_rot", "rope_scaling",
+     "YaRN with its interpolated frequencies multiplied by the factor 4 where they are divided by it"),
+    ("arcee", "ar_rope_interleaved", False, "model.layers.0.self_attn.q_rot", "rope_pairing",
+     "ours rotates interleaved (2i, 2i + 1) pairs"),
+    ("arcee", "ar_gqa_kv_tiled", False, "model.layers.0.self_attn.scores", "head_mapping", "heads 1, 2 differ"),
+    ("hunyuan_v1_moe", "hy_router_no_renorm", False, "model.layers.0.mlp.router.weights", "renormalisation",
+     "the reference sums to 1 in every row, ours does not"),
+    ("hunyuan_v1_moe", "hy_router_sigmoid", False, "model.layers.0.mlp.router.weights", "routing_weights",
+     "ours equals a sigmoid of the router's logits, renormalised over the chosen"),
+    ("hunyuan_v1_moe", "hy_router_softmax_seq_dim", False, "model.layers.0.mlp.router.experts", "routing",
+     "ours chooses by a softmax over the tokens (dim=0) instead of over the experts"),
+    ("hunyuan_v1_moe", "hy_topk_first_layer_for_all", False, "model.layers.2.mlp.router.experts",
+     "experts_per_token", "in ours: at layer 2 ours chooses 2, the reference 1, where the config sets 1"),
+    ("hunyuan_v1_moe", "hy_shared_mlp_dropped", False, "model.layers.0.mlp", "shared_expert",
+     "the routed experts alone (the shared MLP's output not added) in ours"),
+    ("hunyuan_v1_moe", "hy_expert_gate_up_swapped", False, "model.layers.0.mlp", "swapped_weights",
+     "the chosen experts computed with gate_up_proj's halves swapped (up first: the activation on the up half), "
+     "plus the shared MLP's output in ours"),
 ]  # fmt: skip
+FAST = {"ar_gqa_kv_tiled", "ar_yarn_no_truncate", "hy_topk_first_layer_for_all", "hy_shared_mlp_dropped"}
 
 
-@pytest.mark.parametrize(heldout_support.LOCATED, heldout_support.located_cases(NAMED, set()), indirect=["bug"])
-def test_a_bug_behind_the_moved_factor_is_located(model, bug, padded, node, kind, says, checkpoints):
-    """After a q_rot/k_rot mismatch the scores forgive, the next failure is the first, with its tensors kept
-    for the hint (the ReLU² at down_proj); a factor dropped outright still fails at q_rot, named."""
+@pytest.mark.parametrize(heldout_support.LOCATED, heldout_support.located_cases(NAMED, FAST), indirect=["bug"])
+def test_a_bug_is_located_with_the_hint_that_names_it(model, bug, padded, node, kind, says, checkpoints):
+    """After a q_rot/k_rot mismatch the scores forgive (in some heads at least: a GQA mapping wrong besides),
+    the next failure is the first, with its tensors kept for the hint (the ReLU² at down_proj); a factor
+    dropped outright still fails at q_rot, named. HunYuan's router is a ``...Gate`` returning its choice."""
     heldout_support.assert_located(MODELS, checkpoints, model, padded, node, kind, says)
+
+
+# --- the same kinds with the fault in the reference (a patched Transformers model, ours correct)
+
+
+def reference(checkpoint: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="eager").eval()
+
+
+def test_a_shared_mlp_the_reference_leaves_out_names_the_reference(checkpoints):
+    import types
+
+    import parity
+
+    ref = reference(checkpoints["hunyuan_v1_moe"])
+
+    def routed_only(self, hidden_states):  # HunYuanMoEV1Moe.forward with its shared MLP run, not added
+        shape = hidden_states.shape
+        self.shared_mlp(hidden_states)
+        _, weights, chosen = self.gate(hidden_states.view(-1, shape[-1]))
+        return self.experts(hidden_states.view(-1, shape[-1]), chosen, weights).view(*shape)
+
+    for layer in ref.model.layers:
+        layer.mlp.forward = types.MethodType(routed_only, layer.mlp)
+    bad = parity.check_model(heldout18_hunyuan_v1_moe.build, reference=ref, seq_len=24).first_mismatch
+    assert bad.name == "model.layers.0.mlp" and bad.hint.kind == "shared_expert", bad
+    assert "the routed experts alone (the shared MLP's output not added) in the reference" in bad.hint.text
+
+
+def test_a_reference_choosing_another_number_of_experts_is_named(checkpoints):
+    import parity
+
+    ref = reference(checkpoints["hunyuan_v1_moe"])
+    ref.model.layers[2].mlp.gate.top_k = 3
+    bad = parity.check_model(heldout18_hunyuan_v1_moe.build, reference=ref, seq_len=24).first_mismatch
+    assert bad.name == "model.layers.2.mlp.router.experts" and bad.hint.kind == "experts_per_token", bad
+    assert "in the reference: at layer 2 ours chooses 1, the reference 3, where the config sets 1" in bad.hint.text
+    assert "3 is layer 3's" in bad.hint.text
 
 
 def test_a_per_layer_experts_per_token_list_is_read_per_layer():
@@ -151,3 +212,18 @@ def test_a_per_layer_experts_per_token_list_is_read_per_layer():
     facts = derive_facts(config)
     assert [layer.experts_per_token for layer in facts.layers] == [2, 2, 1, 3]
     assert all(layer.num_experts == 6 for layer in facts.layers)
+
+
+def test_yarn_bounds_unrounded_in_the_reference_name_the_reference_behind_the_moved_factor(checkpoints):
+    """Ours takes YaRN's attention factor on the scores (its q_rot differs by that scale alone); the
+    reference's frequencies are YaRN's with ``truncate`` false: the reference's rotation is named."""
+    import parity
+    from parity.model.derive import derive_facts
+
+    ref = reference(checkpoints["arcee"])
+    layer = derive_facts(ref.config).layers[0]
+    unrounded = layer.rope.with_parameters({"truncate": False}, layer.head_dim, ref.config.max_position_embeddings)
+    ref.model.rotary_emb.inv_freq = torch.tensor(unrounded, dtype=torch.float32)
+    bad = parity.check_model(heldout18_arcee.build, reference=ref, seq_len=24).first_mismatch
+    assert bad.name == "model.layers.0.self_attn.q_rot" and bad.hint.kind == "rope_band", bad
+    assert "the reference rotates like YaRN with its correction range's bounds left unrounded" in bad.hint.text

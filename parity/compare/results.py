@@ -439,6 +439,35 @@ def moved_constant(r: NodeResult) -> bool:
     return r.status == MISMATCH and r.kind in ("q_rot", "k_rot") and r.cosine is not None and r.cosine > 0.99
 
 
+#: trace extras key: the ``router.weights`` nodes that differ from the reference's by one constant while their MoE
+#: block's output is judged after them (:meth:`NodeStream.__call__`): the constant (routed_scaling_factor) moved
+#: between the weights and the block's output, which judges it
+WEIGHTS_MOVED = "routing_weights_moved"
+
+
+def moved_weights(r: NodeResult) -> bool:
+    """Top-k routing weights that are the reference's times one constant (cosine 1 to rounding): what a port
+    gives that applies a scale of the reference's weights (routed_scaling_factor) to the experts' output."""
+    return r.status == MISMATCH and r.kind == WEIGHTS and r.cosine is not None and r.cosine > 1 - 1e-6
+
+
+#: trace extras key: the attention blocks (stems) whose scores agree in some heads after a q_rot/k_rot mismatch
+#: by a constant (:meth:`NodeStream.__call__`): the constant is moved to the scores, a scores failure is another bug
+QK_MOVED = "qk_moved_to_scores"
+
+
+def agreeing_heads(spec: NodeSpec, ours: torch.Tensor, ref, tolerances: Tolerances, padding) -> list[int]:
+    """The heads (axis 1 of ``(batch, heads, queries, keys)`` scores in the reference's layout) in which ours'
+    scores pass against the reference's; empty for another shape."""
+    if ref is None or ours.dim() != 4 or tuple(ours.shape) != tuple(ref.shape):
+        return []
+    return [
+        h
+        for h in range(ours.shape[1])
+        if compare_node(spec, 0, ours[:, h : h + 1], ref[:, h : h + 1], tolerances, False, None, padding).passed
+    ]
+
+
 class NodeStream:
     """A trace sink that compares each node of ours with the stored reference as ours produces it.
 
@@ -517,19 +546,28 @@ class NodeStream:
         every = self.watch.get("*")  # a function of every node: kept in trace.watched["*"][name]
         if every is not None and ref is not None and ref.shape == ours.shape:
             self.trace.watched.setdefault("*", {})[name] = every(ours, ref)
-        del ref, scores
         stem = name.rsplit(".", 1)[0]
         first = self.first
         if (
             self.qk_through_scores
             and spec.kind == "scores"
-            and result.passed
             and first is not None
             and moved_constant(first)
             and first.name.rsplit(".", 1)[0] == stem
-        ):  # q and k differed, their product agrees: the failure after this one is the first
+            and (result.passed or agreeing_heads(spec, ours, ref, self.tolerances, self.padding))
+        ):  # q and k differed, their product agrees (in some heads at least: a GQA mapping wrong besides): the
+            # constant is moved to the scores, and the failure after q and k (these scores, or later) is the first
+            cast(set, self.trace.extras.setdefault(QK_MOVED, set())).add(stem)
             old, self.first, self.failure_keep = self.failure_keep, None, set()
             self._release(old)
+        weights = first if first is not None and moved_weights(first) else None
+        block = weights.name[: -len(WEIGHTS) - 1] if weights is not None else None
+        if weights is not None and name in (block, f"{block}.experts") and result.status != UNTAPPED:
+            # the block's output, judged after its weights differed by one constant: it decides (a scale moved)
+            cast(set, self.trace.extras.setdefault(WEIGHTS_MOVED, set())).add(weights.name)
+            old, self.first, self.failure_keep = self.failure_keep, None, set()
+            self._release(old)
+        del ref, scores
         if spec.kind in self.context:
             old, self.stem_keep = self.stem_keep, {n for n in self.stem_keep if n.rsplit(".", 1)[0] == stem} | {name}
             self._release(old - self.stem_keep)

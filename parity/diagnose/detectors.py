@@ -23,6 +23,7 @@ from parity.diagnose.elementwise import (
     glu_form,
     nonfinite,
     precision,
+    quantised_input,
     rounding_order,
     soft_capping,
 )
@@ -45,7 +46,10 @@ from parity.diagnose.moe import (
     choice,
     expert_tokens,
     expert_weights,
+    experts_per_token,
+    experts_read_after,
     experts_sum,
+    moe_block,
     moe_output,
     routed_in_block,
     routing_weights,
@@ -187,8 +191,11 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     expert_tokens,
     expert_weights,
     experts_sum,
+    moe_block,  # a block whose experts nothing taps, matched against the reference's experts and shared MLP
+    experts_read_after,  # the experts' sum nothing taps, read at the input of the node after it (a post-norm)
     routed_in_block,  # before shared_expert: a block whose routed experts ours computes in functions
     shared_expert,
+    quantised_input,  # before precision: a few integer levels, not a narrower float
     precision,
     rounding_order,
     padding,
@@ -197,8 +204,8 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     state_not_carried,
     qkv_clip,  # before the generic clamp and the RoPE fits: a clip of q, k or v around RoPE
     clamped,
+    glu_form,  # before activation_function: a gated MLP's product read whole (act(gate) * up), each side's act
     activation_function,
-    glu_form,
     gate_activation,
     soft_capping,
     embedding_norm,  # before input_scale: a weight-free norm of the embeddings, eps-sized at layer 0
@@ -398,6 +405,7 @@ def diagnose(
         swapped = swapped_modules(result.name, ours_trace, ref_trace)
         return (
             swapped
+            or experts_per_token(result, facts)  # before the positions: a router's k is its last axis
             or _fewer_positions(result)
             or _one_of_many(result, ref_trace)
             or _head_split(result, facts)

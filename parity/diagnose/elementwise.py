@@ -151,6 +151,41 @@ def _node_and_input(e: Evidence, label: str) -> list[tuple[torch.Tensor, torch.T
     return pairs
 
 
+def _fake_quantised(x: torch.Tensor, levels: int, per_token: bool) -> torch.Tensor:
+    """``x`` rounded to ``levels`` steps each way of its absolute maximum (per token: along the last axis; else
+    over the whole tensor), symmetric integer quantisation and back (BitNet's per-token absmax int8)."""
+    top = x.abs().amax(-1, keepdim=True) if per_token else x.abs().amax()
+    scale = levels / top.clamp(min=1e-5)
+    return (x * scale).round().clamp(-levels - 1, levels) / scale
+
+
+def quantised_input(e: Evidence) -> Hint | None:
+    """A node whose input on one side is the other side's rounded to a few integer levels (int8 or int4,
+    per token or per tensor, scaled by the absolute maximum): activation quantisation (BitNet's ``act_quant``)
+    applied on one side only. Either side."""
+    x_ours, x_ref = e.inputs()
+    if x_ours is None or x_ref is None or x_ours.shape != x_ref.shape or not x_ref.is_floating_point():
+        return None
+    if e.close(x_ours, x_ref) or x_ref.numel() < 64:
+        return None
+    for side, this, other in (
+        ("ours", x_ours.double(), x_ref.double()),
+        ("the reference", x_ref.double(), x_ours.double()),
+    ):
+        for bits, levels in ((8, 127), (4, 7)):
+            for per_token in (True, False):
+                if e.close(this, _fake_quantised(other, levels, per_token)):
+                    how = "per token (along the last axis)" if per_token else "over the whole tensor"
+                    return Hint(
+                        "quantisation",
+                        f"likely activation quantisation in {side}: {e.kind}'s input is the other side's rounded to "
+                        f"int{bits} levels {how}, in steps of its absolute maximum / {levels} (BitNet's act_quant), "
+                        "which the other side does not apply",
+                        {"side": side, "bits": bits, "per_token": per_token},
+                    )
+    return None
+
+
 def precision(e: Evidence) -> Hint | None:
     """A float32 (or float64) node whose values on one side are all exactly representable in a
     narrower dtype (bfloat16, float16) and on the other side mostly not: that side computed the node
@@ -433,10 +468,11 @@ _GATE_UP = (("gate_proj", "up_proj"), ("gate_up_proj", ""), ("w1", "w3"), ("fc1"
 
 
 def glu_form(e: Evidence) -> Hint | None:
-    """A gated MLP's down projection whose input (ours', or the reference's) is the reference's gate and up
-    combined otherwise than ``act(gate) * up``: the activation of the product ``act(gate * up)``, of the up
-    half ``gate * act(up)``, none ``gate * up``, or the up half dropped ``act(gate)``; the activation is the
-    one that reproduces the other side's input (read, not assumed from the config). Either side."""
+    """A gated MLP's node after the product (its down projection, BitNet's ffn_sub_norm) whose input (ours', or
+    the reference's) is the reference's gate and up combined otherwise than ``act(gate) * up``: another
+    activation, the activation of the product ``act(gate * up)``, of the up half ``gate * act(up)``, none
+    ``gate * up``, or the up half left for later ``act(gate)``; each side's activation is the one that
+    reproduces its input (read, not assumed from the config). Either side."""
     x_ours, x_ref = e.inputs()
     if e.result.layer is None or x_ours is None or x_ref is None or x_ours.shape != x_ref.shape:
         return None
@@ -454,27 +490,23 @@ def glu_form(e: Evidence) -> Hint | None:
     if halves is None or halves[0].shape != x_ref.shape or e.close(x_ours, x_ref):
         return None
     g, u = halves
-    for label, act in ELEMENTWISE.items():
-        if label == "identity":
-            continue
-        forms = {
-            f"{label}(gate) * up": act(g) * u,
-            f"{label}(gate * up) (the activation of the product)": act(g * u),
-            f"gate * {label}(up) (the activation on the up half)": g * act(u),
-            "gate * up (no activation)": g * u,
-            f"{label}(gate) (the up half dropped)": act(g),
-        }
-        ours_is = next((k for k, y in forms.items() if e.close(x_ours, y.to(x_ours.dtype))), None)
-        ref_is = next((k for k, y in forms.items() if e.close(x_ref, y.to(x_ref.dtype))), None)
-        if ours_is is None or ref_is is None or ours_is == ref_is:
-            continue
-        return Hint(
-            "activation",
-            f"likely the gated MLP's activation: {e.name}'s input is {ours_is} in ours, {ref_is} in the reference "
-            "(same gate and up)",
-            {"ours": ours_is, "reference": ref_is},
-        )
-    return None
+    forms: dict[str, torch.Tensor] = {"gate * up (no activation)": g * u}
+    for label, act in _activations().items():
+        a, f = act(g), label.split(" (")[0]  # (its name without the note: "relu squared", "gelu")
+        forms[f"{f}(gate) * up"] = a * u
+        forms[f"{f}(gate * up) (the activation of the product)"] = act(g * u)
+        forms[f"gate * {f}(up) (the activation on the up half)"] = g * act(u)
+        forms[f"{f}(gate) alone (the product with up_proj taken after {e.kind}, or dropped)"] = a
+    ours_is = next((k for k, y in forms.items() if e.close(x_ours, y.to(x_ours.dtype))), None)
+    ref_is = next((k for k, y in forms.items() if e.close(x_ref, y.to(x_ref.dtype))), None)
+    if ours_is is None or ref_is is None or ours_is == ref_is:
+        return None
+    return Hint(
+        "activation",
+        f"likely the gated MLP's activation: {e.name}'s input is {ours_is} in ours, {ref_is} in the reference "
+        "(same gate and up)",
+        {"ours": ours_is, "reference": ref_is},
+    )
 
 
 def _elementwise_of(e: Evidence, y: torch.Tensor, x: torch.Tensor) -> str | None:
@@ -598,6 +630,8 @@ def _clamp_bounds(this: torch.Tensor, other: torch.Tensor, close) -> str | None:
     if close(this, other):
         return None  # nothing clipped past the noise
     lo, hi = float(this.min()), float(this.max())
+    if lo == hi:
+        return None  # one value everywhere: a constant in place of the values (all ones), not a clamp of them
     clipped_hi, clipped_lo = bool((other > hi).any()), bool((other < lo).any())
     if not (clipped_hi or clipped_lo) or not close(
         this, other.clamp(lo if clipped_lo else None, hi if clipped_hi else None)

@@ -204,7 +204,8 @@ def choice(e: Evidence, spec: NodeSpec | None) -> Hint:
                 f": the reference's margin between its last chosen and first unchosen score there is "
                 f"{min(margins):.3g}..{max(margins):.3g}, not a near-tie: the router scores or the top-k differ"
             )
-    other = _chosen_otherwise(e.ours, e.ref, scores) or _group_limited_otherwise(e, scores)
+    batch = e.positions.shape[0] if e.positions is not None and e.positions.numel() == found["total"] else 1
+    other = _chosen_otherwise(e.ours, e.ref, scores, batch) or _group_limited_otherwise(e, scores)
     if other is not None:
         side, how = other
         text += f"; {side} chooses {how}"
@@ -213,10 +214,36 @@ def choice(e: Evidence, spec: NodeSpec | None) -> Hint:
     return Hint("routing", text, evidence)
 
 
-def _chosen_otherwise(ours: torch.Tensor, ref: torch.Tensor, scores: torch.Tensor | None) -> tuple[str, str] | None:
+def experts_per_token(result, facts) -> Hint | None:
+    """A MoE layer's chosen experts ``(tokens, k)`` with another ``k`` on one side: the number of experts per
+    token read for another layer (a per-layer list, HunYuan's ``moe_topk``, taken as one number or at another
+    index) or from another config field. The side whose k is not the config's for this layer is named."""
+    if result.kind != CHOICES or not result.shape_ours or not result.shape_ref or result.layer is None:
+        return None
+    ours, ref = result.shape_ours, result.shape_ref
+    if len(ours) != len(ref) or ours[:-1] != ref[:-1]:
+        return None
+    layer = facts.layer(result.layer)
+    config_k = layer.experts_per_token if layer is not None else 0
+    side, k = ("ours", ours[-1]) if ref[-1] == config_k else ("the reference", ref[-1])
+    per_layer = [each.experts_per_token for each in facts.layers if each.sparse]
+    which = [each.index for each in facts.layers if each.sparse and each.experts_per_token == k]
+    text = (
+        f"likely the number of experts per token in {side}: at layer {result.layer} ours chooses {ours[-1]}, the "
+        f"reference {ref[-1]}, where the config sets {config_k}"
+    )
+    if len(set(per_layer)) > 1:
+        text += f" (one per layer: {per_layer})" + (f"; {k} is layer {fmt_list(which, 4)}'s" if which else "")
+    return Hint("experts_per_token", text, {"side": side, "ours": ours[-1], "reference": ref[-1], "config": config_k})
+
+
+def _chosen_otherwise(
+    ours: torch.Tensor, ref: torch.Tensor, scores: torch.Tensor | None, batch: int = 1
+) -> tuple[str, str] | None:
     """``(side, how)``: how one side's choices ``(tokens, k)`` follow from the router logits ``(tokens,
-    experts)`` when not by their top-k over the experts (a softmax over the tokens, ``dim=0``, first; the
-    lowest k), the other side's being that top-k."""
+    experts)`` when not by their top-k over the experts (a softmax over the tokens, ``dim=0``, first, or over
+    each of ``batch`` rows' positions, ``dim=1`` of ``(batch, seq, experts)``; the lowest k), the other side's
+    being that top-k."""
     if scores is None or scores.dim() != 2 or ours.dim() != 2 or ours.shape[0] != scores.shape[0]:
         return None
     s, k = scores.detach().double(), ours.shape[-1]
@@ -224,6 +251,10 @@ def _chosen_otherwise(ours: torch.Tensor, ref: torch.Tensor, scores: torch.Tenso
         "by a softmax over the tokens (dim=0) instead of over the experts (dim=-1)": torch.softmax(s, 0).topk(k, -1),
         "the k lowest scores (topk with largest=False)": s.topk(k, -1, largest=False),
     }
+    if batch > 1 and s.shape[0] % batch == 0:
+        ways["by a softmax over each row's positions (dim=1 of (batch, seq, experts)) instead of over the experts"] = (
+            torch.softmax(s.view(batch, -1, s.shape[-1]), 1).flatten(0, 1).topk(k, -1)
+        )
     usual = s.topk(k, -1).indices.sort(-1).values
     for side, by_rule, other in (("ours", ref, ours), ("the reference", ours, ref)):
         if by_rule.shape != usual.shape or not torch.equal(by_rule.long().sort(-1).values, usual):
@@ -314,7 +345,11 @@ def _router_scores(e: Evidence) -> tuple[torch.Tensor, torch.Tensor] | None:
         if (t := e.ref_trace.tensors.get(name)) is not None and t.is_floating_point() and t.shape[-1] == width
         if t.numel() == chosen.shape[0] * width
     ]
-    return (logits[0].reshape(-1, width), chosen) if len(logits) == 1 else None
+    distinct = [
+        t for i, t in enumerate(logits) if not any(torch.equal(t.reshape(-1), u.reshape(-1)) for u in logits[:i])
+    ]
+    # (one tensor under two nodes: HunYuan's gate returns its linear wg's logits)
+    return (distinct[0].reshape(-1, width), chosen) if len(distinct) == 1 else None
 
 
 def routing_weights(e: Evidence) -> Hint | None:
@@ -787,26 +822,13 @@ def routed_in_block(e: Evidence) -> Hint | None:
     )
 
 
-def moe_output(e: Evidence) -> Hint | None:
-    """A mixture of experts whose router and experts ours does not expose (a port's loop over experts in
-    plain functions): its output is read from the first point of the residual stream after it, ours'
-    minus the stream the block added to, and matched against the reference's experts weighted by each
-    formula a port may use (a sigmoid for a softmax, the top-k renormalised, weights rounded through
-    bfloat16), with the reference's own router logits and choices; either side."""
-    from parity.diagnose.residual import stream_around
-
-    around = stream_around(e)
-    if around is None:
-        return None
-    at, (block, _), (_, point) = around
-    stream, x_ours, x_ref = point.double(), at.ours, at.ref
-    if ".shared_experts" in block:  # the shared experts ran last: the block is the MoE they belong to
-        block = block.split(".shared_experts", 1)[0] + ".experts"
-    elif f"{block}.experts" in e.ref_trace.tensors:  # the MoE block's own node (it holds a shared expert too)
-        block += ".experts"
-    if not block.endswith(".experts") or e.ours_trace.results.get(block) is not None:
-        return None  # ours' block was compared itself: its own detectors read it there
-    base = block.rsplit(".", 1)[0]
+def _routed_forms(e: Evidence, base: str) -> dict[str, torch.Tensor] | None:
+    """The MoE block ``base``'s routed output ``(tokens, hidden)`` under each formula and combination a port may
+    use, from the reference's router logits, choices and experts (every expert run on every token): a sigmoid
+    for a softmax, the top-k renormalised or not, another k, weights on the experts' input, a transposed down
+    projection, gate/up swapped; DeepSeek's group-limited router's own forms (its shared experts included).
+    None where the reference's block holds no router logits, choices or experts' records."""
+    block = f"{base}.experts"
     chosen = e.ref_trace.tensors.get(f"{base}.router.experts")
     logits = next(
         (t for n in ROUTER_NODES if (t := e.ref_trace.tensors.get(f"{base}.{n}")) is not None and t.dim() == 2),
@@ -850,17 +872,60 @@ def moe_output(e: Evidence) -> Hint | None:
             "the chosen experts computed with gate_up_proj's halves swapped (up first: the activation on the up half)"
         ] = (weights.double().T[..., None] * halves.double()[chosen.T, torch.arange(tokens)[None, :]]).sum(0)
     if e.facts.routing.get("n_group"):  # DeepSeek's group-limited sigmoid router, its shared experts added
-        forms = _grouped_forms(e, base, logits.double(), chosen, y.double())
-        if not forms:
-            return None
-    ours_branch = (x_ours.double() - stream).reshape(tokens, -1)
-    ref_branch = (x_ref.double() - stream).reshape(tokens, -1)
+        return _grouped_forms(e, base, logits.double(), chosen, y.double()) or None
+    shared = _shared_output(e, base)
+    if shared is None or shared.numel() != tokens * y.shape[-1]:
+        return forms
+    # an ungated shared MLP beside the experts (HunYuan-MoE's shared_mlp): the block's output is their sum
+    shared = shared.double().reshape(tokens, -1)
+    routed = forms[f"the chosen experts' outputs weighted by {_routing_text(e, logits, chosen, weights)}"]
+    with_shared = {f"{text}, plus the shared MLP's output": f + shared for text, f in forms.items()}
+    with_shared["the routed experts alone (the shared MLP's output not added)"] = routed
+    with_shared["the shared MLP's output alone (the routed experts not added)"] = shared
+    return with_shared
+
+
+def _routing_text(e: Evidence, logits: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor | None) -> str:
+    """The name, among :func:`_routing_forms`, of the reference's own routing weights (its ``router.weights``),
+    else the softmax renormalised over the chosen."""
+    forms = _routing_forms(logits.double(), chosen, e.facts.routing)
+    if weights is not None and weights.shape == chosen.shape:
+        ref = weights.double().sort(-1).values
+        found = next((t for t, w in forms.items() if rel(ref, w.sort(-1).values) < EXPLAINS), None)
+        if found is not None:
+            return found
+    return _FORMULAS[3][0]
+
+
+#: where a MoE block's ungated shared MLP (or shared experts) leaves its output
+_SHARED_NODES = (
+    "shared_experts",
+    "shared_experts.down_proj",
+    "shared_expert.down_proj",
+    "shared_mlp.down_proj",
+    "shared_mlp",
+)
+
+
+def _shared_output(e: Evidence, base: str) -> torch.Tensor | None:
+    """The reference's output of the MoE block ``base``'s shared MLP, when it has one and no gate on it."""
+    if any(n.startswith(f"{base}.shared_expert_gate") for n in e.ref_trace.tensors):
+        return None  # Qwen2-MoE's gated shared expert: shared_expert's forms
+    return next((t for n in _SHARED_NODES if (t := e.ref_trace.tensors.get(f"{base}.{n}")) is not None), None)
+
+
+def _judge_forms(
+    e: Evidence, base: str, forms: dict, ours: torch.Tensor, ref: torch.Tensor, where: str, component: bool = True
+) -> Hint | None:
+    """Which of ``forms`` ours' and the reference's block outputs ``(tokens, hidden)`` are; a hint when they
+    are two different ones, or (:func:`_block_differs`, with ``component``) when one side is a known form and
+    the other none."""
 
     def form_of(t: torch.Tensor) -> str | None:
         return next((text for text, f in forms.items() if rel(t, f) < 1e-4), None)
 
-    ours_is, ref_is = form_of(ours_branch), form_of(ref_branch)
-    if (ours_is is None) != (ref_is is None) and float((ours_branch - ref_branch).abs().max()) > e.noise:
+    ours_is, ref_is = form_of(ours), form_of(ref)
+    if component and (ours_is is None) != (ref_is is None) and float((ours - ref).abs().max()) > e.noise:
         return _block_differs(e, base, "ours" if ours_is is None else "the reference")
     if ours_is is None or ref_is is None or ours_is == ref_is:
         return None
@@ -870,6 +935,8 @@ def moe_output(e: Evidence) -> Hint | None:
         if "transposed" in both
         else ("swapped_weights", "experts' weights")
         if "halves swapped" in both
+        else ("shared_expert", "shared MLP")
+        if "shared MLP's output alone" in both or "shared MLP's output not added" in both
         else ("activation", "experts' activation")
         if "SwiGLU" in both or "clamp" in both
         else ("bias", "experts' bias")
@@ -878,9 +945,105 @@ def moe_output(e: Evidence) -> Hint | None:
     )
     return Hint(
         kind,
-        f"likely the {what} of {base}: its output, read where the stream continues (the experts computed in "
-        f"functions nothing taps), is {ours_is} in ours, {ref_is} in the reference",
+        f"likely the {what} of {base}: its output, {where}, is {ours_is} in ours, {ref_is} in the reference",
         {"ours": ours_is, "reference": ref_is, "block": base},
+    )
+
+
+def moe_output(e: Evidence) -> Hint | None:
+    """A mixture of experts whose router and experts ours does not expose (a port's loop over experts in
+    plain functions): its output is read from the first point of the residual stream after it, ours'
+    minus the stream the block added to, and matched against the reference's experts weighted by each
+    formula a port may use (:func:`_routed_forms`), with the reference's own router logits and choices;
+    either side."""
+    from parity.diagnose.residual import stream_around
+
+    around = stream_around(e)
+    if around is None:
+        return None
+    at, (block, _), (_, point) = around
+    stream, x_ours, x_ref = point.double(), at.ours, at.ref
+    if ".shared_experts" in block:  # the shared experts ran last: the block is the MoE they belong to
+        block = block.split(".shared_experts", 1)[0] + ".experts"
+    elif f"{block}.experts" in e.ref_trace.tensors:  # the MoE block's own node (it holds a shared expert too)
+        block += ".experts"
+    if not block.endswith(".experts") or e.ours_trace.results.get(block) is not None:
+        return None  # ours' block was compared itself: its own detectors read it there
+    base = block.rsplit(".", 1)[0]
+    forms = _routed_forms(e, base)
+    if not forms:
+        return None
+    tokens = next(iter(forms.values())).shape[0]
+    ours_branch = (x_ours.double() - stream).reshape(tokens, -1)
+    ref_branch = (x_ref.double() - stream).reshape(tokens, -1)
+    return _judge_forms(
+        e,
+        base,
+        forms,
+        ours_branch,
+        ref_branch,
+        "read where the stream continues (the experts computed in functions nothing taps)",
+    )
+
+
+def _untapped(e: Evidence, name: str) -> bool:
+    judged = e.ours_trace.results.get(name)
+    return name in e.ref_trace.tensors and (judged is None or judged.status == UNTAPPED)
+
+
+def experts_read_after(e: Evidence) -> Hint | None:
+    """The experts' sum of a MoE block nothing of ours taps (ours' router and experts one module, no shared
+    MLP: FlexOlmo's), read at the input of the node after it (a post-norm, ``post_feedforward_layernorm``)
+    and judged as the experts' node is (:func:`experts_sum`, then the block's forms)."""
+    if e.result.layer is None:
+        return None
+    x_ours, x_ref = e.inputs()
+    if x_ours is None or x_ref is None or x_ours.numel() != x_ref.numel():
+        return None
+    prefix = f"{e.name.rsplit('.', 1)[0]}."
+    block = next(
+        (
+            n
+            for n, t in e.ref_trace.tensors.items()
+            if n.startswith(prefix) and n.endswith(".experts") and t.numel() == x_ref.numel()
+            and _untapped(e, n) and torch.equal(t.reshape(-1), x_ref.reshape(-1))
+        ),
+        None,
+    )  # fmt: skip
+    if block is None:
+        return None
+    ref = e.ref_trace.tensors[block]
+    sub = replace(e, ours=x_ours.reshape(ref.shape), ref=ref, result=replace(e.result, name=block, kind="experts"))
+    hint = experts_sum(sub)
+    if hint is None:
+        forms = _routed_forms(sub, block.rsplit(".", 1)[0])
+        if forms:
+            tokens = next(iter(forms.values())).shape[0]
+            hint = _judge_forms(
+                sub, block.rsplit(".", 1)[0], forms, sub.ours.double().reshape(tokens, -1),
+                ref.double().reshape(tokens, -1), "read at the input of the node after it", component=False,
+            )  # fmt: skip
+    if hint is None:
+        return None
+    return replace(hint, text=f"{hint.text} (read at {e.kind}'s input: {block}, which nothing of ours taps)")
+
+
+def moe_block(e: Evidence) -> Hint | None:
+    """A MoE block's own node (ours' block a module, its experts computed in functions nothing taps: HunYuan-
+    MoE's shared MLP beside them) matched against the reference's experts and shared MLP combined by each
+    formula a port may use (:func:`_routed_forms`); either side."""
+    if not _untapped(e, f"{e.name}.experts"):
+        return None
+    forms = _routed_forms(e, e.name)
+    if not forms:
+        return None
+    tokens = next(iter(forms.values())).shape[0]
+    if e.ours.numel() != e.ref.numel() or e.ref.numel() % tokens:
+        return None
+    ours, ref = e.ours.double().reshape(tokens, -1), e.ref.double().reshape(tokens, -1)
+    # no component-level answer here: the detectors after it (routed_in_block) read the block otherwise
+    return _judge_forms(
+        e, e.name, forms, ours, ref, "where the experts are computed in functions nothing taps", component=False
     )
 
 

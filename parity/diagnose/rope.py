@@ -213,10 +213,21 @@ def rope_fit(e: Evidence) -> Hint | None:
     def read(t: torch.Tensor):
         return fit_of(t) or fit_of(rescaled(t))
 
+    def frequencies_right(fit) -> bool:  # this layer's RoPE at the right positions, whatever its cos/sin scale
+        return (
+            fit is not None
+            and not (fit.offsets or fit.rows or fit.constant)
+            and fit.label.startswith("this layer's RoPE")
+        )
+
     fit, side = read(e.ours), "ours"
     if fit is None:
         return None
     ref_fit = read(e.ref)
+    if frequencies_right(fit) and not as_it_should(fit) and ref_fit is not None and not frequencies_right(ref_fit):
+        # ours' rotation is this layer's bar its scale (a factor a port may take on the scores), the reference's
+        # frequencies are not: the reference's rotation is the difference to name
+        return _rope_hint(e, ref_fit, "the reference", layer, own)
     if as_it_should(fit):
         fit, side = ref_fit, "the reference"  # ours rotates as it should: is it the reference?
         if as_it_should(fit):
@@ -377,6 +388,12 @@ def _rope_hint(e: Evidence, fit, side: str, layer, own: float) -> Hint | None:
     if "arange lost its step" in fit.label:
         return Hint(
             "rope_frequencies", f"likely the inverse frequencies: {side} rotates like {fit.label}, {amp}", evidence
+        )
+    if "correction range's bounds" in fit.label:  # the ramp's ends moved: a band of frequencies differs
+        return Hint(
+            "rope_band",
+            f"likely RoPE frequencies in YaRN's ramp band: {side} rotates like {fit.label}, {amp}",
+            evidence,
         )
     if "YaRN" in fit.label or fit.label.startswith("LongRoPE"):
         return Hint("rope_scaling", f"likely the RoPE scaling: {side} rotates like {fit.label}, {amp}", evidence)
@@ -611,8 +628,15 @@ def rope_tables(e: Evidence) -> Hint | None:
         combos[(whole_pairs, f"padded to head_dim with cos 1 and sin 0 past the {r} rotary dims")] = (
             x.double() * cos + _rotate(x.double(), False) * sin
         )
-    ours_is = [c for c, t in combos.items() if e.close(e.ours.double(), t.to(e.ours.dtype).double())]
-    ref_is = [c for c, t in combos.items() if e.close(e.ref.double(), t.to(e.ref.dtype).double())]
+    # each side with the layer's attention factor on cos and sin, or without it (a port taking it on the scores)
+    scales = (1.0,) if amplitude == 1.0 else (1.0, 1.0 / amplitude)
+
+    def matching(side: torch.Tensor) -> list[tuple[str, str]]:
+        return [
+            c for c, t in combos.items() if any(e.close(side.double(), (t * k).to(side.dtype).double()) for k in scales)
+        ]
+
+    ours_is, ref_is = matching(e.ours), matching(e.ref)
     if not ours_is or not ref_is or set(ours_is) & set(ref_is):
         return None
     (ours_pairs, ours_table), (ref_pairs, ref_table) = ours_is[0], ref_is[0]

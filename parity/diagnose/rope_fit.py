@@ -169,7 +169,7 @@ def identify(
                     rope.unscaled_inv_freq(),
                 )
             )
-    candidates += _yarn_variants(rope)
+    candidates += _yarn_variants(rope, layer.head_dim, max_position_embeddings)
     candidates += _longrope_variants(rope)
     if rope is not None and rope.rope_type == "default" and layer.head_dim and rope.rotary_dim < layer.head_dim:
         # partial rotary: theta^(-2i/r) over the rotated dims r, not over the whole head
@@ -365,11 +365,16 @@ def _longrope_variants(rope) -> list[tuple[str, tuple[float, ...]]]:
     return out
 
 
-def _yarn_variants(rope: RopeFacts | None) -> list[tuple[str, tuple[float, ...]]]:
+def _yarn_variants(
+    rope: RopeFacts | None, head_dim: int = 0, max_position_embeddings: int | None = None
+) -> list[tuple[str, tuple[float, ...]]]:
     """YaRN's frequencies written otherwise (Peng et al. 2023; Transformers' ``_compute_yarn_parameters``):
     every frequency divided by the factor (linear position interpolation, ``rope_type`` yarn read as
-    linear), or the ramp used the wrong way round (interpolation where it extrapolates). The ramp's
-    per-dimension blend is read back from the layer's own frequencies: ``inv = interp (1 - m) + extrap m``."""
+    linear), the ramp used the wrong way round (interpolation where it extrapolates), the interpolated
+    frequencies multiplied by the factor; with ``head_dim``, the correction range's bounds not truncated
+    (or truncated where ``truncate`` is false) and the range computed from ``max_position_embeddings`` in
+    place of ``original_max_position_embeddings``. The ramp's per-dimension blend is read back from the
+    layer's own frequencies: ``inv = interp (1 - m) + extrap m``."""
     if rope is None or rope.rope_type != "yarn" or not rope.inv_freq:
         return []
     factor = float(cast(float, rope.parameters.get("factor", 1.0)) or 1.0)
@@ -380,7 +385,7 @@ def _yarn_variants(rope: RopeFacts | None) -> list[tuple[str, tuple[float, ...]]
     inv = torch.tensor(rope.inv_freq, dtype=torch.float64)
     blend = ((inv - interp) / (extrap - interp)).clamp(0.0, 1.0)  # 1: extrapolated (kept), 0: interpolated
     inverted = interp * blend + extrap * (1 - blend)
-    return [
+    out = [
         (
             f"linear position interpolation: every frequency divided by the YaRN factor {factor:g} (rope_type yarn "
             "read as linear, no ramp)",
@@ -391,7 +396,33 @@ def _yarn_variants(rope: RopeFacts | None) -> list[tuple[str, tuple[float, ...]]
             "kept, where YaRN keeps the high ones and interpolates the low ones",
             tuple(inverted.tolist()),
         ),
+        (
+            f"YaRN with its interpolated frequencies multiplied by the factor {factor:g} where they are divided by it",
+            tuple((extrap * factor * (1 - blend) + extrap * blend).tolist()),
+        ),
     ]
+    if not head_dim:
+        return out
+    truncate = bool(rope.parameters.get("truncate", True))
+    out.append(
+        (
+            "YaRN with its correction range's bounds "
+            + ("left unrounded (truncate is true: floor and ceil them)" if truncate else "rounded (truncate is false)"),
+            rope.with_parameters({"truncate": not truncate}, head_dim, max_position_embeddings),
+        )
+    )
+    original = rope.parameters.get("original_max_position_embeddings")
+    if max_position_embeddings and original and int(cast(int, original)) != max_position_embeddings:
+        out.append(
+            (
+                f"YaRN with its correction range computed from max_position_embeddings ({max_position_embeddings}), "
+                f"not original_max_position_embeddings ({original})",
+                rope.with_parameters(
+                    {"original_max_position_embeddings": max_position_embeddings}, head_dim, max_position_embeddings
+                ),
+            )
+        )
+    return out
 
 
 def _fit_theta(angle: torch.Tensor, keep: torch.Tensor, positions: torch.Tensor, rotary_dim: int) -> float | None:

@@ -58,7 +58,15 @@ class RopeFacts:
         """This RoPE's frequencies (same type and scaling) had its theta been ``theta``."""
         if self.rope_type == "default":
             return default_inv_freq(theta, self.rotary_dim)
-        params = {**self.parameters, "rope_theta": theta}
+        return self.with_parameters({"rope_theta": theta}, head_dim, max_position_embeddings)
+
+    def with_parameters(
+        self, changes: Mapping[str, object], head_dim: int, max_position_embeddings: int | None
+    ) -> tuple[float, ...]:
+        """This RoPE's frequencies had its ``rope_parameters`` held ``changes`` (Transformers' init function of
+        its type, e.g. ``_compute_yarn_parameters``)."""
+        params = {**self.parameters, **changes}
+        theta = float(cast(float, params.get("rope_theta", self.theta)))
         inv_freq, _ = rope_init(
             RopeConfig(params, head_dim, max_position_embeddings), None, params, False, theta, self.rotary_dim
         )

@@ -300,6 +300,45 @@ def _einsum_specs(func, args) -> tuple[list[str], str, list] | None:
     return inputs.split(","), output, operands
 
 
+@dataclass(frozen=True)
+class _BatchFirst:
+    """An ``einsum`` product whose result does not lead with its input's axes (``bsh,hcnd->cbsnd``: K and V
+    of one stacked weight, the stack axis first) or keeps the weight's output axes apart (``bsh,hnd->bsnd``,
+    ``bsh,hjtd->bjtsd``): the result read as ``(input's kept axes..., features)``, the weight's output axes
+    flattened in the weight's order (its rows, as the reference's linear gives them), and put back after."""
+
+    perm: tuple[int, ...]
+    shape: tuple[int, ...]
+    lead: int
+
+    @staticmethod
+    def of(func, args, followed: Followed, out) -> _BatchFirst | None:
+        parsed = _einsum_specs(func, args)
+        if parsed is None or not isinstance(out, torch.Tensor) or "." in args[0]:
+            return None
+        specs, output, operands = parsed
+        if len(specs) != 2 or len(operands) != 2:
+            return None
+        held = [followed.of(t) is not None for t in operands]
+        if held.count(True) != 1:
+            return None
+        w_spec, x_spec = (specs[0], specs[1]) if held[0] else (specs[1], specs[0])
+        lead = [c for c in x_spec if c in output]
+        features = [c for c in w_spec if c in output and c not in x_spec]
+        if not lead or sorted(lead + features) != sorted(output):
+            return None
+        if output[0] == lead[0] and len(features) < 2:  # already (input's axes..., features)
+            return None
+        perm = tuple(output.index(c) for c in lead + features)
+        return _BatchFirst(perm, tuple(out.shape[i] for i in perm), len(lead))
+
+    def view(self, out: torch.Tensor) -> torch.Tensor:
+        return out.permute(self.perm).flatten(self.lead)
+
+    def back(self, t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(self.shape).permute(tuple(torch.tensor(self.perm).argsort().tolist()))
+
+
 def _kept_weight_axis(func, args, followed: Followed) -> int | None:
     """The axis of an ``einsum``'s result that the parameter it reads shares with its input and keeps (not
     the output features, its last letter): ``bnsh,nhd->bnsd`` keeps the head axis ``n`` at 1, one output
@@ -575,6 +614,11 @@ class FunctionCapture(TorchFunctionMode):
                 x = next((t for t in operands if isinstance(t, torch.Tensor) and self.followed.of(t) is None), None)
                 if x is not None:  # what the product reads besides the weight: the node's input, for the hints
                     self.hold_input(node, x)
+                reordered = _BatchFirst.of(func, args, self.followed, out)
+                if part is not None and reordered is not None:  # a block of a stacked weight, batch not first
+                    seen = reordered.view(out)
+                    kept = self.record_param(node, seen, part=part[1])
+                    return out if kept is seen else reordered.back(kept)
                 if part is not None:  # one node's block of a fused weight: that node alone
                     if node in self._biased and not any(self.biases.of(t) is not None for t in operands):
                         self._unbiased[id(out)], self._part_rows[id(out)] = (node, out), part[1]
@@ -591,6 +635,10 @@ class FunctionCapture(TorchFunctionMode):
                 if node in self._biased and not any(self.biases.of(t) == node for t in operands):
                     self._unbiased[id(out)] = (node, out)  # its bias comes next, as the reference's module adds it
                     return out
+                if reordered is not None:
+                    seen = reordered.view(out)
+                    kept = self.record_param(node, seen)
+                    return out if kept is seen else reordered.back(kept)
                 return self.record_param(node, out)
         if args and op_name(func) in REARRANGES and (self.followed.of(args[0]) or self.biases.of(args[0])):
             out = func(*args, **kwargs)

@@ -38,9 +38,17 @@ _ROWS: contextvars.ContextVar[tuple[torch.Tensor, int, torch.Tensor | None] | No
 
 
 def is_router(module) -> bool:
-    """Whether a reference module is a top-k router returning ``(logits, weights, chosen experts)``
-    (Transformers 5's ``...TopKRouter``: Mixtral, Qwen3-MoE)."""
-    return type(module).__name__.endswith("Router")
+    """Whether a reference module is a MoE router: Transformers 5's ``...TopKRouter`` (Mixtral, Qwen3-MoE),
+    DBRX's ``DbrxRouter``, or a gate that picks the top k itself (HunYuan-MoE's ``HunYuanMoEV1Gate``, its
+    weight in a child ``wg``)."""
+    name = type(module).__name__
+    return name.endswith("Router") or (name.endswith("Gate") and isinstance(getattr(module, "top_k", None), int))
+
+
+def returns_choice(module) -> bool:
+    """Whether a reference router returns ``(logits, weights, chosen experts)`` (a top-k router, HunYuan-MoE's
+    gate), not its logits alone for the block to choose from (DBRX's)."""
+    return is_router(module) and not type(module).__name__.endswith("DbrxRouter")
 
 
 @dataclass(frozen=True)
@@ -50,6 +58,9 @@ class TopK:
 
     experts: int
     k: int
+    #: the k of the model's other MoE layers: a top-k over the experts with one of them is ours' choice too
+    #: (a per-layer k list read as one number, or the wrong layer's entry), compared against this layer's
+    other_k: frozenset[int] = frozenset()
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         """Ours' choices as the reference's ``(tokens, k)``: a block that keeps the batch axis routes
@@ -153,7 +164,9 @@ class RoutingCapture:
     def _topk(self, path: str, topk: TopK, func, args, kwargs):
         out = func(*args, **kwargs)
         values, indices = out
-        if values.shape[-1] != topk.k or not isinstance(args[0], torch.Tensor) or args[0].shape[-1] != topk.experts:
+        if not isinstance(args[0], torch.Tensor) or args[0].shape[-1] != topk.experts:
+            return True, out
+        if values.shape[-1] != topk.k and values.shape[-1] not in topk.other_k:
             return True, out
         chosen = self.record(CHOICES, indices)
         tokens = values.numel() // values.shape[-1]

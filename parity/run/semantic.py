@@ -187,6 +187,14 @@ def _altered(given: torch.nn.Module, built: torch.nn.Module) -> str | None:
             return f"{where}'s forward is replaced on the instance"
         if module._forward_hooks or module._forward_pre_hooks:
             return f"{where} has forward hooks"
+    theirs = dict(built.named_buffers())
+    for name, buffer in given.named_buffers():  # a buffer set on the instance (RoPE's inv_freq replaced)
+        other = theirs.get(name)
+        if other is None or other.shape != buffer.shape:
+            return f"its buffer {name} is not its class's"
+        a, b = buffer.detach().double().cpu(), other.detach().double().cpu()
+        if a.is_floating_point() and not torch.allclose(a, b, rtol=1e-5, atol=1e-6, equal_nan=True):
+            return f"its buffer {name} holds other values than its class computes"
     return None
 
 

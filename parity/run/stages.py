@@ -13,13 +13,22 @@ import math
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import replace
+from typing import cast
 
 import torch
 
 from parity.build.coverage import SCALED
 from parity.compare.metrics import CHUNK, MISMATCH, MISSING, UNTAPPED, chunks
 from parity.compare.padding import unpadded_rows
-from parity.compare.results import NodeResult, NodeStream, compare_traces, first_mismatch, moved_constant
+from parity.compare.results import (
+    QK_MOVED,
+    WEIGHTS_MOVED,
+    NodeResult,
+    NodeStream,
+    compare_traces,
+    first_mismatch,
+    moved_constant,
+)
 from parity.compare.tolerances import Tolerances
 from parity.diagnose.detectors import diagnose
 from parity.diagnose.hints import Hint
@@ -482,7 +491,8 @@ def compare_run(pair: Pair, run: Run, ours: Trace, ref: Trace, tolerances: Toler
         )
     results = folded_differences(results, pair)
     if pair.alignment and not ours.extras.get(ISOLATED):  # isolated scores come from the reference's q and k
-        results = read_through_scores(results)
+        results = read_through_scores(results, frozenset(cast(set, ours.extras.get(QK_MOVED, set()))))
+        results = weights_read_through_block(results, frozenset(cast(set, ours.extras.get(WEIGHTS_MOVED, set()))))
     bad = first_mismatch(results)
     if bad is not None and undiagnosed(bad) is None:
         spec = next((n for n in pair.nodes if n.name == bad.name), None)
@@ -546,6 +556,17 @@ def derived_before(results: list[NodeResult], bad: NodeResult, pair: Pair) -> Hi
         return None
     into = sorted({p for k in keys for p in derived[k]})
     where = f" (into {', '.join(into[:3])})" if into else " (into values no parameter holds)"
+    levels = _quantised_levels(pair.ours, into)
+    if levels is not None:
+        name, count = levels
+        return Hint(
+            "derived_at_load",
+            f"likely the weights quantised at load: ours' {name} (computed from {', '.join(keys[:4])}) holds only "
+            f"{count} distinct values (e.g. ternary {{-1, 0, +1}} times a scale, BitNet's absmean quantisation) "
+            f"where the checkpoint's are full precision and the reference uses them as they are; the nodes before "
+            f"agree, and {bad.name} is the first node after them to differ",
+            {"side": "ours", "keys": keys, "into": into, "levels": count},
+        )
     return Hint(
         "derived_at_load",
         f"likely the values ours computes at load from {', '.join(keys[:4])}{where}: the nodes before agree, and "
@@ -553,6 +574,19 @@ def derived_before(results: list[NodeResult], bad: NodeResult, pair: Pair) -> Hi
         "formula (which tensor, which axis, which order)",
         {"side": "ours", "keys": keys, "into": into},
     )
+
+
+def _quantised_levels(model, params: list[str]) -> tuple[str, int] | None:
+    """``(parameter, distinct values)`` for the first of ``params`` (ours' parameters computed at load) that is
+    a matrix of at most 16 distinct values over at least 256 elements: quantised, not a float computation."""
+    held = dict(model.named_parameters()) if model is not None else {}
+    for name in params:
+        p = held.get(name)
+        if p is not None and p.dim() >= 2 and p.numel() >= 256 and p.is_floating_point():
+            count = int(torch.unique(p.detach().float().cpu()).numel())
+            if count <= 16:
+                return name, count
+    return None
 
 
 def untapped_before(results: list[NodeResult], bad: NodeResult, facts) -> Hint | None:
@@ -637,20 +671,22 @@ def folded_differences(results: list[NodeResult], pair: Pair) -> list[NodeResult
     return out
 
 
-def read_through_scores(results: list[NodeResult]) -> list[NodeResult]:
+def read_through_scores(results: list[NodeResult], moved: frozenset[str] = frozenset()) -> list[NodeResult]:
     """q and k after RoPE are read only through their product: a user's model that applies a constant to the
     scores where the reference applies it to q and k (YaRN's attention factor on cos and sin, taken as its
     square on the softmax scale) differs at ``q_rot``/``k_rot`` by that constant (:func:`moved_constant`) and
-    agrees at ``scores``. Such mismatches, followed by agreeing scores with nothing but q/k nodes between, are
-    untapped with the reason, not failed; where the scores differ, or q/k differ otherwise (a tap's layout),
-    they stay failures."""
+    agrees at ``scores`` (or, in ``moved``'s attention blocks, in some of its heads: a bug in the others). Such
+    mismatches, followed by those scores with nothing but q/k nodes between, are untapped with the reason, not
+    failed; where the scores differ in every head, or q/k differ otherwise (a tap's layout), they stay
+    failures."""
     out = list(results)
     index = {r.name: i for i, r in enumerate(out)}
     for i, r in enumerate(results):
         if not moved_constant(r):
             continue
-        at = index.get(f"{r.name.rsplit('.', 1)[0]}.scores")
-        if at is None or at < i or not out[at].passed or out[at].status == UNTAPPED:
+        stem = r.name.rsplit(".", 1)[0]
+        at = index.get(f"{stem}.scores")
+        if at is None or at < i or out[at].status == UNTAPPED or not (out[at].passed or stem in moved):
             continue
         between = out[i + 1 : at]
         if any(b.failed and b.kind not in ("q_rot", "k_rot") for b in between):
@@ -658,11 +694,33 @@ def read_through_scores(results: list[NodeResult]) -> list[NodeResult]:
         out[i] = replace(
             r,
             status=UNTAPPED,
-            detail=f"{r.detail + '; ' if r.detail else ''}differs while {out[at].name} agrees: q and k are read only "
+            detail=f"{r.detail + '; ' if r.detail else ''}differs while {out[at].name} agrees"
+            + ("" if out[at].passed else " in some heads")
+            + ": q and k are read only "
             "through their product, so a constant moved between them and the scores (RoPE's attention factor "
             "taken on the softmax scale) changes nothing (not judged)",
         )
     return out
+
+
+def weights_read_through_block(results: list[NodeResult], moved: frozenset[str]) -> list[NodeResult]:
+    """Top-k routing weights that differ from the reference's by one constant (``moved``: seen by the
+    node stream, their MoE block's output judged after them) are read through that output: a port may apply
+    routed_scaling_factor to the experts' output instead of to the weights. Untapped with the reason; the
+    block's output, pass or fail, is judged."""
+    if not moved:
+        return results
+    return [
+        replace(
+            r,
+            status=UNTAPPED,
+            detail=f"{r.detail + '; ' if r.detail else ''}the reference's times one constant: a scale of the weights "
+            "(routed_scaling_factor) taken on the experts' output instead, judged at the block's output (not judged)",
+        )
+        if r.name in moved and r.status == MISMATCH
+        else r
+        for r in results
+    ]
 
 
 def computed_otherwise(results: list[NodeResult], modules: set[str]) -> list[NodeResult]:

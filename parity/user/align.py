@@ -539,6 +539,16 @@ class _Aligner:
                 held += [_module_of(n)[0] for k in keys for n, _ in self.by_key.get(k, [])]
         return held
 
+    def _derived_holders(self, ref_path: str) -> list[str]:
+        """Our modules holding parameters derived at load from the reference module's own tensors
+        (:mod:`parity.user.derived`: HunYuan's shared MLP stacked as one more expert beside the experts)."""
+        keys = (
+            k
+            for tensor in self.ref_modules[ref_path].parameters(recurse=False)
+            for k in self.keys_by_storage.get(_storage_key(tensor), [])
+        )
+        return [_module_of(n)[0] for k in keys for n in self.coverage.derived.get(k, [])]
+
     def _is_weight_of_module(self, param: str, path: str = "") -> bool:
         module, leaf = _module_of(param)
         if module and module in self.our_modules and not self._runs(module):
@@ -554,6 +564,10 @@ class _Aligner:
         weights = [n for n in holders if any(src.key.endswith(".weight") for src in self.coverage.sources[n])]
         if weights != [param]:
             return False
+        derived = {n for names in self.coverage.derived.values() for n in names}
+        if any(_module_of(n)[0] == module and n != param for n in derived):
+            return False  # other weights of it derived at load from the reference's (HunYuan's shared MLP stacked
+            # with its experts): the module computes more than the op reading this one
         # a module whose submodules hold other reference weights computes more than the op reading this
         # one (an MLP holding w_down itself, w_gate and w_up as submodules): the op is the node, not it
         if held is None:
@@ -575,6 +589,10 @@ class _Aligner:
             # tensors held otherwise than as a module's weight (fused experts): the modules of ours holding them
             holders = self._holders(ref_path)
             (inside if ref_path == path or ref_path.startswith(prefix) else outside).extend(holders)
+            if not (
+                ref_path == path or ref_path.startswith(prefix)
+            ):  # tensors ours derived at load (stacked with others)
+                outside.extend(self._derived_holders(ref_path))
             if ref_path == path or ref_path.startswith(prefix):
                 stacked.update(holders)
             if not isinstance(getattr(module, "weight", None), torch.Tensor) or ref_path == path:
@@ -1027,7 +1045,10 @@ class _Aligner:
         experts, k = (layer.num_experts, layer.experts_per_token) if layer is not None else (0, 0)
         tap = TAP + f"{our_block}.{spec.kind}"
         if spec.kind == CHOICES:
-            topk = TopK(experts, k)
+            others = frozenset(
+                n.experts_per_token for n in self.facts.layers if n.num_experts == experts and n.experts_per_token != k
+            )
+            topk = TopK(experts, k, others)
             detail = f"the indices of torch.topk over the {experts} experts (k = {k}) under {our_block}"
             return replace(spec, ours=tap, transform=topk, inverse=topk.inverse), Aligned(
                 spec.name, tap, "routing", detail
@@ -1140,13 +1161,11 @@ class _Aligner:
             hit = held[0] if len(held) == 1 else None
         if hit is None or hit[1].how != ROWS or hit[1].rows is None:
             return None
-        rows = list(hit[1].rows)
-        if len(rows) % head_dim:
+        rows = list(hit[1].rows)  # where ours holds each of the key's rows, each head's as one run of ours' rows
+        if len(rows) % head_dim:  # (k after q in a fused qkv, HunYuan's q heads beside their group's k and v)
             return None
-        heads = [
-            tuple(r - h * head_dim for r in rows[h * head_dim : (h + 1) * head_dim])
-            for h in range(len(rows) // head_dim)
-        ]
+        runs = [rows[h : h + head_dim] for h in range(0, len(rows), head_dim)]
+        heads = [tuple(r - min(run) for r in run) for run in runs]
         if len(set(heads)) != 1 or sorted(heads[0]) != list(range(head_dim)) or heads[0] == tuple(range(head_dim)):
             return None
         return heads[0]

@@ -11,7 +11,7 @@ from torch import nn
 from parity.model.facts import ArchFacts
 from parity.model.pair import LOGITS, NodeSpec
 from parity.record.hf_capture import OUTPUT_PROJECTIONS, SUFFIXES, experts_arguments
-from parity.record.routing import CHOICES, WEIGHTS, is_router
+from parity.record.routing import CHOICES, WEIGHTS, is_router, returns_choice
 
 
 def _is_attention(module: nn.Module) -> bool:
@@ -41,18 +41,19 @@ def _moe_parts(module: nn.Module) -> tuple[str, str, int, tuple[str, str] | None
     if router is None or weight is None:
         return None
     experts = weight.shape[0]
-    own_weight = getattr(children[router], "weight", None) is weight
+    # a router that returns its choice (its weight its own, or a top-k gate's child linear, HunYuan-MoE's)
+    chooses = getattr(children[router], "weight", None) is weight or returns_choice(children[router])
     for name, child in children.items():
         if name == router:
             continue
         own = list(child.parameters(recurse=False))
         # every expert's weights stacked (experts, ., .), their biases too (GPT-OSS: gate_up_proj_bias (experts, 2 I))
         stacked = [p for p in own if p.dim() == 3]
-        if stacked and all(p.dim() in (2, 3) and p.shape[0] == experts for p in own) and own_weight:
+        if stacked and all(p.dim() in (2, 3) and p.shape[0] == experts for p in own) and chooses:
             return router, name, experts, None
         # the experts' weights in a child, stacked along the rows (DBRX: experts.mlp.w1 (experts * I, H))
         inner = list(child.parameters())
-        arguments = experts_arguments(child) if not own and not own_weight else None
+        arguments = experts_arguments(child) if not own and not chooses else None
         if arguments is not None and inner and all(p.dim() == 2 and p.shape[0] % experts == 0 for p in inner):
             return router, name, experts, arguments[1:]
     return None

@@ -30,7 +30,7 @@ FIELDS = shared_fields("tiny-moe", None) + (
         TOP_K,
         lambda cfg: cfg["num_experts_per_tok"] + 1,
         f"{MLP.format(0)}.router.experts",
-        "shape",
+        "experts_per_token",
         config="tiny-moe",
     ),
     Field("moe_intermediate_size", ints(4, 32), 24, "loader", config="tiny-moe"),
