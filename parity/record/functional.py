@@ -301,7 +301,7 @@ def _einsum_specs(func, args) -> tuple[list[str], str, list] | None:
 
 
 @dataclass(frozen=True)
-class _BatchFirst:
+class _AsLinear:
     """An ``einsum`` product whose result does not lead with its input's axes (``bsh,hcnd->cbsnd``: K and V
     of one stacked weight, the stack axis first) or keeps the weight's output axes apart (``bsh,hnd->bsnd``,
     ``bsh,hjtd->bjtsd``): the result read as ``(input's kept axes..., features)``, the weight's output axes
@@ -312,7 +312,7 @@ class _BatchFirst:
     lead: int
 
     @staticmethod
-    def of(func, args, followed: Followed, out) -> _BatchFirst | None:
+    def of(func, args, followed: Followed, out) -> _AsLinear | None:
         parsed = _einsum_specs(func, args)
         if parsed is None or not isinstance(out, torch.Tensor) or "." in args[0]:
             return None
@@ -330,7 +330,7 @@ class _BatchFirst:
         if output[0] == lead[0] and len(features) < 2:  # already (input's axes..., features)
             return None
         perm = tuple(output.index(c) for c in lead + features)
-        return _BatchFirst(perm, tuple(out.shape[i] for i in perm), len(lead))
+        return _AsLinear(perm, tuple(out.shape[i] for i in perm), len(lead))
 
     def view(self, out: torch.Tensor) -> torch.Tensor:
         return out.permute(self.perm).flatten(self.lead)
@@ -614,7 +614,7 @@ class FunctionCapture(TorchFunctionMode):
                 x = next((t for t in operands if isinstance(t, torch.Tensor) and self.followed.of(t) is None), None)
                 if x is not None:  # what the product reads besides the weight: the node's input, for the hints
                     self.hold_input(node, x)
-                reordered = _BatchFirst.of(func, args, self.followed, out)
+                reordered = _AsLinear.of(func, args, self.followed, out)
                 if part is not None and reordered is not None:  # a block of a stacked weight, batch not first
                     seen = reordered.view(out)
                     kept = self.record_param(node, seen, part=part[1])

@@ -46,9 +46,10 @@ def is_router(module) -> bool:
 
 
 def returns_choice(module) -> bool:
-    """Whether a reference router returns ``(logits, weights, chosen experts)`` (a top-k router, HunYuan-MoE's
-    gate), not its logits alone for the block to choose from (DBRX's)."""
-    return is_router(module) and not type(module).__name__.endswith("DbrxRouter")
+    """Whether a reference router picks the top k itself (it holds ``top_k``) and so returns ``(logits, weights,
+    chosen experts)`` (a top-k router, HunYuan-MoE's gate), not its logits alone for the block to choose from
+    (DBRX's)."""
+    return is_router(module) and isinstance(getattr(module, "top_k", None), int)
 
 
 @dataclass(frozen=True)

@@ -588,13 +588,12 @@ class _Aligner:
         for ref_path, module in self.ref_modules.items():
             # tensors held otherwise than as a module's weight (fused experts): the modules of ours holding them
             holders = self._holders(ref_path)
-            (inside if ref_path == path or ref_path.startswith(prefix) else outside).extend(holders)
-            if not (
-                ref_path == path or ref_path.startswith(prefix)
-            ):  # tensors ours derived at load (stacked with others)
-                outside.extend(self._derived_holders(ref_path))
-            if ref_path == path or ref_path.startswith(prefix):
+            within = ref_path == path or ref_path.startswith(prefix)
+            (inside if within else outside).extend(holders)
+            if within:
                 stacked.update(holders)
+            else:  # tensors ours derived at load from outside (stacked with others): that module computes more
+                outside.extend(self._derived_holders(ref_path))
             if not isinstance(getattr(module, "weight", None), torch.Tensor) or ref_path == path:
                 continue
             hit = self.leaf(ref_path)
