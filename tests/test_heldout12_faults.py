@@ -153,7 +153,8 @@ NAMED = [
     ("gpt_oss", "oss_yarn_as_linear_scaling", False, "model.layers.0.self_attn.q_rot", "rope_scaling",
      "every frequency divided by the YaRN factor 8"),
     ("gpt_oss", "oss_yarn_correction_range_uses_max_position", False, "model.layers.0.self_attn.q_rot", "rope_band",
-     "a yarn correction range"),
+     "YaRN with its correction range computed from max_position_embeddings (8192), not "
+     "original_max_position_embeddings (1024)"),
     ("gpt_oss", "oss_router_bias_only_in_selection", False, "model.layers.1.input_layernorm", "routing_weights",
      "weights from the router's logits without its bias"),
     ("gpt_oss", "oss_swiglu_gate_clamp_both_sides", False, "model.layers.1.input_layernorm", "activation",

@@ -125,7 +125,7 @@ NAMED = [
      "ours equals relu of the reference's model.layers.0.mlp.up_proj, the reference relu squared"),
     ("arcee", "ar_yarn_mscale_dropped", False, "model.layers.0.self_attn.q_rot", "rope_attention_factor",
      "ours takes no factor (1), the reference YaRN's default 0.1 ln(4) + 1 (1.13863)"),
-    ("arcee", "ar_yarn_orig_ctx_from_max_pos", False, "model.layers.0.self_attn.q_rot", "rope_scaling",
+    ("arcee", "ar_yarn_orig_ctx_from_max_pos", False, "model.layers.0.self_attn.q_rot", "rope_band",
      "YaRN with its correction range computed from max_position_embeddings (256), not "
      "original_max_position_embeddings (64)"),
     ("arcee", "ar_yarn_no_truncate", False, "model.layers.0.self_attn.q_rot", "rope_band",

@@ -389,7 +389,7 @@ def _rope_hint(e: Evidence, fit, side: str, layer, own: float) -> Hint | None:
         return Hint(
             "rope_frequencies", f"likely the inverse frequencies: {side} rotates like {fit.label}, {amp}", evidence
         )
-    if "correction range's bounds" in fit.label:  # the ramp's ends moved: a band of frequencies differs
+    if "correction range" in fit.label:  # the ramp's ends moved: a band of frequencies differs
         return Hint(
             "rope_band",
             f"likely RoPE frequencies in YaRN's ramp band: {side} rotates like {fit.label}, {amp}",
