@@ -34,7 +34,7 @@ def after_context(e: Evidence) -> Hint | None:
         return None
     if e.close(x_ours, x_ref):
         return None
-    named = _differential(e, stem, x_ours.double(), x_ref.double())
+    named = _differential(e, stem, x_ours.double(), x_ref.double()) or _output_gate(e, stem, x_ours, x_ref)
     if named is not None:
         return named
     return Hint(
@@ -43,6 +43,30 @@ def after_context(e: Evidence) -> Hint | None:
         "projection's input does not (a combination of the heads, a norm or a scale applied there: differential "
         "attention's o1 - lambda o2, a gate, a sub-layer norm)",
         {"block": stem},
+    )
+
+
+def _output_gate(e: Evidence, stem: str, x_ours: torch.Tensor, x_ref: torch.Tensor) -> Hint | None:
+    """An output gate between the context and the output projection (AFMoE's ``gate_proj``: ``context *
+    sigmoid(gate_proj(x))``) with another function on one side: each side's projection input read as the
+    reference's context times a function of the reference's ``gate_proj`` output (sigmoid, SiLU, none, ...)."""
+    from parity.diagnose.evidence import ELEMENTWISE
+
+    context, gate = e.ref_trace.tensors.get(f"{stem}.context"), e.ref_trace.tensors.get(f"{stem}.gate_proj")
+    if context is None or gate is None or not context.numel() == gate.numel() == x_ref.numel():
+        return None
+    c, g = context.double().reshape(x_ref.shape), gate.double().reshape(x_ref.shape)
+    forms = {f"the context times {label}(gate_proj)": c * fn(g) for label, fn in ELEMENTWISE.items()}
+    forms["the context alone (the gate not applied)"] = c
+    ours_is = next((t for t, f in forms.items() if rel(x_ours.double(), f) < EXPLAINS), None)
+    ref_is = next((t for t, f in forms.items() if rel(x_ref.double(), f) < EXPLAINS), None)
+    if ours_is is None or ref_is is None or ours_is == ref_is:
+        return None
+    return Hint(
+        "activation",
+        f"likely the attention's output gate: the input of {stem}'s output projection is {ours_is} in ours, "
+        f"{ref_is} in the reference",
+        {"ours": ours_is, "reference": ref_is, "gate": f"{stem}.gate_proj"},
     )
 
 

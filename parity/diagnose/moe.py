@@ -742,7 +742,7 @@ def _grouped_forms(e: Evidence, base: str, logits: torch.Tensor, chosen: torch.T
     shared = e.ref_trace.tensors.get(f"{base}.shared_experts.down_proj")
     if shared is None:
         shared = e.ref_trace.tensors.get(f"{base}.shared_experts")
-    bias = e.ref_trace.biases.get(f"{base}.gate")
+    bias = next((b for n in ROUTER_NODES if (b := e.ref_trace.biases.get(f"{base}.{n}")) is not None), None)
     tokens, k = chosen.shape
     if shared is None or bias is None or shared.numel() != tokens * y.shape[-1]:
         return {}
@@ -880,6 +880,10 @@ def _routed_forms(e: Evidence, base: str) -> dict[str, torch.Tensor] | None:
     shared = shared.double().reshape(tokens, -1)
     routed = forms[f"the chosen experts' outputs weighted by {_routing_text(e, logits, chosen, weights)}"]
     with_shared = {f"{text}, plus the shared MLP's output": f + shared for text, f in forms.items()}
+    # Cohere2-MoE's shared_expert_combination_strategy "average": (routed + shared) / 2, each form too
+    with_shared.update(
+        {f"{text}, averaged with the shared MLP's output": (f + shared) / 2 for text, f in forms.items()}
+    )
     with_shared["the routed experts alone (the shared MLP's output not added)"] = routed
     with_shared["the shared MLP's output alone (the routed experts not added)"] = shared
     return with_shared
@@ -936,7 +940,9 @@ def _judge_forms(
         else ("swapped_weights", "experts' weights")
         if "halves swapped" in both
         else ("shared_expert", "shared MLP")
-        if "shared MLP's output alone" in both or "shared MLP's output not added" in both
+        if "shared MLP's output alone" in both
+        or "shared MLP's output not added" in both
+        or ("averaged with" in ours_is) != ("averaged with" in ref_is)
         else ("activation", "experts' activation")
         if "SwiGLU" in both or "clamp" in both
         else ("bias", "experts' bias")

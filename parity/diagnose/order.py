@@ -8,6 +8,8 @@ independent of any value.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from parity.diagnose.evidence import Evidence, fmt_list
 from parity.diagnose.hints import Hint
 from parity.model.facts import ArchFacts
@@ -146,6 +148,17 @@ def partial_read(e: Evidence) -> Hint | None:
     )
 
 
+def _sequential_block(e: Evidence) -> Hint | None:
+    """The block layout read at this node's input (:func:`~parity.diagnose.norms.block_layout`): a parallel
+    block (Cohere's) run sequentially calls its one norm again on the stream after attention."""
+    from parity.diagnose.norms import block_layout
+
+    x_ours, x_ref = e.inputs()
+    if x_ours is None or x_ref is None or x_ours.shape != x_ref.shape:
+        return None
+    return block_layout(replace(e, ours=x_ours, ref=x_ref, result=replace(e.result, kind=f"{e.kind}@input")))
+
+
 def repeated_module(e: Evidence) -> Hint | None:
     """A node of ours that ran more often than the reference's, before the failing node: ours applies
     that module twice (the final norm applied twice, a layer called twice); its first call, the one
@@ -158,6 +171,12 @@ def repeated_module(e: Evidence) -> Hint | None:
         mine, theirs = e.ours_trace.calls.get(name, 0), e.ref_trace.calls.get(name, 0)
         tapped = name.rsplit(".", 1)[-1] in SUFFIXES  # a tap and the capture of one value count twice
         if theirs and mine > theirs and "@" not in name and not tapped:
+            layout = _sequential_block(e)
+            if layout is not None:  # a parallel block's one norm, called again on the stream after attention
+                return replace(
+                    layout,
+                    text=f"{layout.text} (ours runs {name} {mine} times in this forward, the reference {theirs})",
+                )
             return Hint(
                 "repeated_module",
                 f"likely a module applied twice: ours runs {name} {mine} times in this forward, the reference "

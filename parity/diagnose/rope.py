@@ -703,6 +703,16 @@ def rope_pattern(e: Evidence) -> Hint | None:
                     f"; this {layer.layer_type} layer rotates in the reference while its {', '.join(nope)} layers do "
                     "not: ours may take it for one of those (the layer pattern counted from another start)"
                 )
+            elif (
+                layer is not None
+                and layer.rope is not None
+                and (alike := [n.index for n in e.facts.layers if n.layer_type == layer.layer_type and n.rope is None])
+            ):
+                pattern = (
+                    f"; this {layer.layer_type} layer {layer.index} rotates in the reference while {layer.layer_type} "
+                    f"layer(s) {fmt_list(alike)} do not (a per-layer rule: Cohere2-MoE's dense prefix layers rotate, "
+                    "force_rope): ours may treat it as one of those"
+                )
             else:
                 pattern = ""
             return Hint(

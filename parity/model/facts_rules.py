@@ -289,6 +289,32 @@ def _sparsemixer_routing(config, facts: ArchFacts) -> ArchFacts:
     return replace(facts, routing={"sparsemixer_eps": float(config.router_jitter_noise)})
 
 
+@rule("afmoe")
+def _afmoe(config, facts: ArchFacts) -> ArchFacts:
+    # AfmoeAttention rotates only on its sliding (local) layers; AfmoeTokenChoiceRouter: sigmoid scores, its
+    # block's expert_bias added for the choice only, the top k renormalised and times route_scale: DeepSeek V3's
+    # router with one group
+    scale = float(getattr(config, "route_scale", 1.0) or 1.0)
+    facts = with_layers(facts, rope=lambda layer: layer.rope if layer.layer_type == SLIDING else None)
+    return replace(
+        facts, routing={"routed_scaling_factor": scale, "n_group": 1.0, "topk_group": 1.0, "norm_topk_prob": 1.0}
+    )
+
+
+@rule("cohere2_moe")
+def _cohere2_moe(config, facts: ArchFacts) -> ArchFacts:
+    # Cohere2MoeAttention rotates (interleaved pairs) on sliding layers, and on the dense prefix layers when
+    # prefix_dense_sliding_window_pattern is 1 (its force_rope); its other full layers are NoPE
+    dense = list(getattr(config, "mlp_layer_types", None) or [])
+    forced = getattr(config, "prefix_dense_sliding_window_pattern", None) == 1
+
+    def rope(layer: LayerFacts):
+        rotated = layer.layer_type == SLIDING or (forced and layer.index < len(dense) and dense[layer.index] == "dense")
+        return replace(layer.rope, interleaved=True) if layer.rope is not None and rotated else None
+
+    return replace(with_layers(facts, rope=rope), norm_kind="layernorm")
+
+
 @rule("glm4_moe", "dots1")
 def _deepseek_routing(config, facts: ArchFacts) -> ArchFacts:
     # Glm4MoeTopkRouter / Dots1TopkRouter route as DeepSeek V3 does (sigmoid scores, a correction bias for the

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
+from parity.record.routing import is_router
 from parity.record.trace import Trace, first_tensor
 from parity.util.errors import ParityError
 
@@ -524,8 +525,12 @@ def recording(
                         weight, bias = getattr(mod, "weight", None), getattr(mod, "bias", None)
                         if isinstance(weight, torch.Tensor) and weight.dim() in (1, 2):  # linear or norm weight
                             trace.weights[_name] = weight.detach()
-                        # DeepSeek's router keeps the bias it adds to the scores for the choice apart
+                        # DeepSeek's router keeps the bias it adds to the scores for the choice apart; AFMoE's
+                        # router is handed its block's (``router(hidden_states, self.expert_bias)``)
                         bias = bias if bias is not None else getattr(mod, "e_score_correction_bias", None)
+                        if bias is None and is_router(mod):
+                            bias = kwargs.get("expert_bias", args[1] if len(args) > 1 else None)
+                            bias = bias if isinstance(bias, torch.Tensor) and bias.dim() == 1 else None
                         if isinstance(bias, torch.Tensor):  # a projection's, or a LayerNorm's shift
                             trace.biases[_name] = bias.detach()
 

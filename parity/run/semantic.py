@@ -175,7 +175,8 @@ def _rebuilt(pair: Pair) -> tuple[torch.nn.Module, torch.nn.Module] | str:
 def _altered(given: torch.nn.Module, built: torch.nn.Module) -> str | None:
     """How a reference passed in as a model differs from its class built anew from its config (the float64
     twin), or None: another module at some path (a norm replaced by an Identity), a forward replaced on an
-    instance, or forward hooks registered on a module. Such a reference is copied instead: a twin built from
+    instance, forward hooks registered on a module, a plain setting changed on an instance, or a buffer holding
+    other values (RoPE's inv_freq replaced). Such a reference is copied instead: a twin built from
     the class would compute otherwise, and its difference would be taken for the reference's own rounding."""
     mine = dict(built.named_modules())
     for name, module in given.named_modules():
@@ -187,6 +188,12 @@ def _altered(given: torch.nn.Module, built: torch.nn.Module) -> str | None:
             return f"{where}'s forward is replaced on the instance"
         if module._forward_hooks or module._forward_pre_hooks:
             return f"{where} has forward hooks"
+        theirs_attrs = vars(other)
+        for key, value in vars(module).items():  # a setting changed on the instance (a combination strategy)
+            if key == "training" or key.startswith("_") or not isinstance(value, (str, int, float, bool)):
+                continue
+            if key in theirs_attrs and theirs_attrs[key] != value:
+                return f"{where}'s {key} is {value!r}, its class sets {theirs_attrs[key]!r}"
     theirs = dict(built.named_buffers())
     for name, buffer in given.named_buffers():  # a buffer set on the instance (RoPE's inv_freq replaced)
         other = theirs.get(name)
