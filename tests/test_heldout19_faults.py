@@ -205,12 +205,15 @@ def test_a_loader_bug_is_refused_naming_the_tensor(model, bug, says, checkpoints
     heldout_support.assert_refused(MODELS, checkpoints, model, says)
 
 
-def test_routing_weights_a_constant_apart_are_judged_at_the_block_output(checkpoints):
+@pytest.mark.parametrize("bug", ["d1_shared_scaled"], indirect=True)
+def test_routing_weights_a_constant_apart_are_judged_at_the_block_output(bug, checkpoints):
     """routed_scaling_factor applied to the experts' output instead of the weights: the weights differ by one
-    constant and are untapped with the reason, the block's output decides."""
+    constant and are untapped with the reason, the block's output decides (here it fails: the factor also
+    scales the shared expert)."""
     res = heldout_support.check(MODELS, checkpoints, "dots1")
     weights = next(r for r in res.nodes if r.name == "model.layers.1.mlp.router.weights")
-    assert res.passed and weights.status in ("ok", "untapped"), res.verdict()
+    assert weights.status == "untapped" and "judged at the block's output" in weights.detail, weights
+    assert res.first_mismatch.name == "model.layers.1.mlp", res.verdict()
 
 
 # --- the same kinds with the fault in the reference (a patched Transformers model, ours correct)
