@@ -315,8 +315,8 @@ def _cohere2_moe(config, facts: ArchFacts) -> ArchFacts:
     return replace(with_layers(facts, rope=rope), norm_kind="layernorm")
 
 
-@rule("glm4_moe", "dots1")
+@rule("glm4_moe", "dots1", "exaone_moe")
 def _deepseek_routing(config, facts: ArchFacts) -> ArchFacts:
-    # Glm4MoeTopkRouter / Dots1TopkRouter route as DeepSeek V3 does (sigmoid scores, a correction bias for the
-    # choice, group-limited top-k, routed_scaling_factor) with standard attention
+    # Glm4MoeTopkRouter / Dots1TopkRouter / ExaoneMoeTopkRouter route as DeepSeek V3 does (sigmoid scores, a
+    # correction bias for the choice, group-limited top-k, routed_scaling_factor) with standard attention
     return replace(facts, routing=_routing(config))
