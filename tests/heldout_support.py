@@ -3,6 +3,7 @@ no parity involved (the helpers who wrote the models verified each bug the same 
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -109,6 +110,40 @@ def assert_refused(models: dict, checkpoints: dict, model: str, says: str) -> No
     with pytest.raises(parity.ParityError, match="in no parameter or buffer") as raised:
         check(models, checkpoints, model)
     assert says in str(raised.value)
+
+
+@torch.no_grad()
+def randomise(model, gen: torch.Generator) -> None:
+    """The helpers' weights (sets 18 on): norm weights around 1, other vectors (biases) ~0.3, token embeddings
+    of unit scale, other matrices of unit gain (one draw per parameter, scaled after); a router's correction
+    bias buffer (DeepSeek V3's ``e_score_correction_bias``) ~0.3, so that it changes the choice."""
+    for name, p in model.named_parameters():
+        r = torch.randn(p.shape, generator=gen)
+        if p.dim() == 1:
+            r = 1.0 + 0.5 * r if "norm" in name else 0.3 * r
+        elif "embed_tokens" not in name:
+            r = r / math.sqrt(p.shape[-1])
+        p.copy_(r)
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            b.copy_(0.3 * torch.randn(b.shape, generator=gen))
+
+
+def reference_model(checkpoint: Path):
+    """The Transformers model of ``checkpoint`` (eager attention, eval), to patch with a fault of the reference."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="eager").eval()
+
+
+def first_mismatch(models: dict, model: str, reference, **kwargs):
+    """The first mismatch of ``parity.check_model`` on a held-back set's ``model`` against ``reference`` (a
+    model or a checkpoint; 24 tokens); fails the test if there is none."""
+    import parity
+
+    res = parity.check_model(models[model].build, reference=reference, seq_len=24, **kwargs)
+    assert res.first_mismatch is not None, res.verdict()
+    return res.first_mismatch
 
 
 def save_checkpoints(root: Path, specs: dict, randomise, seed: int, weight_seed: int) -> dict[str, Path]:

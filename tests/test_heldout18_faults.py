@@ -23,7 +23,6 @@ with none); the next session fits them.
 
 from __future__ import annotations
 
-import math
 import sys
 from pathlib import Path
 
@@ -39,19 +38,6 @@ import heldout18_hunyuan_v1_moe
 import heldout18_seed_oss
 
 MODELS = {"arcee": heldout18_arcee, "hunyuan_v1_moe": heldout18_hunyuan_v1_moe, "seed_oss": heldout18_seed_oss}
-
-
-@torch.no_grad()
-def randomise(model, gen: torch.Generator) -> None:
-    """The helper's weights: norm weights around 1, other vectors (biases) ~0.3, token embeddings of unit
-    scale, other matrices of unit gain (one draw per parameter, scaled after)."""
-    for name, p in model.named_parameters():
-        r = torch.randn(p.shape, generator=gen)
-        if p.dim() == 1:
-            r = 1.0 + 0.5 * r if "norm" in name else 0.3 * r
-        elif "embed_tokens" not in name:
-            r = r / math.sqrt(p.shape[-1])
-        p.copy_(r)
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +70,9 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
             rope_parameters={"rope_type": "default", "rope_theta": 1e7}),
     }  # fmt: skip
     specs = {name: AutoConfig.for_model(name, **common, **kw) for name, kw in kwargs.items()}
-    return heldout_support.save_checkpoints(tmp_path_factory.mktemp("heldout18"), specs, randomise, 1000, 1234)
+    return heldout_support.save_checkpoints(
+        tmp_path_factory.mktemp("heldout18"), specs, heldout_support.randomise, 1000, 1234
+    )
 
 
 bug = heldout_support.bug_fixture(MODELS)
@@ -163,18 +151,12 @@ def test_a_bug_is_located_with_the_hint_that_names_it(model, bug, padded, node, 
 # --- the same kinds with the fault in the reference (a patched Transformers model, ours correct)
 
 
-def reference(checkpoint: Path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="eager").eval()
-
-
 def test_a_shared_mlp_the_reference_leaves_out_names_the_reference(checkpoints):
     import types
 
     import parity
 
-    ref = reference(checkpoints["hunyuan_v1_moe"])
+    ref = heldout_support.reference_model(checkpoints["hunyuan_v1_moe"])
 
     def routed_only(self, hidden_states):  # HunYuanMoEV1Moe.forward with its shared MLP run, not added
         shape = hidden_states.shape
@@ -192,7 +174,7 @@ def test_a_shared_mlp_the_reference_leaves_out_names_the_reference(checkpoints):
 def test_a_reference_choosing_another_number_of_experts_is_named(checkpoints):
     import parity
 
-    ref = reference(checkpoints["hunyuan_v1_moe"])
+    ref = heldout_support.reference_model(checkpoints["hunyuan_v1_moe"])
     ref.model.layers[2].mlp.gate.top_k = 3
     bad = parity.check_model(heldout18_hunyuan_v1_moe.build, reference=ref, seq_len=24).first_mismatch
     assert bad.name == "model.layers.2.mlp.router.experts" and bad.hint.kind == "experts_per_token", bad
@@ -220,7 +202,7 @@ def test_yarn_bounds_unrounded_in_the_reference_name_the_reference_behind_the_mo
     import parity
     from parity.model.derive import derive_facts
 
-    ref = reference(checkpoints["arcee"])
+    ref = heldout_support.reference_model(checkpoints["arcee"])
     layer = derive_facts(ref.config).layers[0]
     unrounded = layer.rope.with_parameters({"truncate": False}, layer.head_dim, ref.config.max_position_embeddings)
     ref.model.rotary_emb.inv_freq = torch.tensor(unrounded, dtype=torch.float32)

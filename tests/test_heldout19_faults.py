@@ -20,7 +20,6 @@ tests below): 36 of 36 correct runs pass and 36 of 39 bugs are named, the other 
 
 from __future__ import annotations
 
-import math
 import sys
 import types
 from pathlib import Path
@@ -28,7 +27,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import parity
 from tests import heldout_support
 
 sys.path.insert(0, str(Path(__file__).parent / "user_models" / "heldout19"))
@@ -38,23 +36,6 @@ import heldout19_dots1
 import heldout19_flex_olmo
 
 MODELS = {"bitnet": heldout19_bitnet, "dots1": heldout19_dots1, "flex_olmo": heldout19_flex_olmo}
-
-
-@torch.no_grad()
-def randomise(model, gen: torch.Generator) -> None:
-    """The helper's weights: norm weights around 1, other vectors (biases) ~0.3, token embeddings of unit
-    scale, other matrices of unit gain; dots.llm1's router correction biases ~0.3 (a buffer), so that the
-    bias changes the choice."""
-    for name, p in model.named_parameters():
-        r = torch.randn(p.shape, generator=gen)
-        if p.dim() == 1:
-            r = 1.0 + 0.5 * r if "norm" in name else 0.3 * r
-        elif "embed_tokens" not in name:
-            r = r / math.sqrt(p.shape[-1])
-        p.copy_(r)
-    for name, b in model.named_buffers():
-        if name.endswith("e_score_correction_bias"):
-            b.copy_(0.3 * torch.randn(b.shape, generator=gen))
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +62,9 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
         "flex_olmo": dict(intermediate_size=96, num_experts=6, num_experts_per_tok=2),
     }  # fmt: skip
     specs = {name: AutoConfig.for_model(name, **common, **kw) for name, kw in kwargs.items()}
-    return heldout_support.save_checkpoints(tmp_path_factory.mktemp("heldout19"), specs, randomise, 1000, 1234)
+    return heldout_support.save_checkpoints(
+        tmp_path_factory.mktemp("heldout19"), specs, heldout_support.randomise, 1000, 1234
+    )
 
 
 bug = heldout_support.bug_fixture(MODELS)
@@ -219,29 +202,17 @@ def test_routing_weights_a_constant_apart_are_judged_at_the_block_output(bug, ch
 # --- the same kinds with the fault in the reference (a patched Transformers model, ours correct)
 
 
-def reference(checkpoint: Path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="eager").eval()
-
-
-def first_mismatch(model: str, ref):
-    res = parity.check_model(MODELS[model].build, reference=ref, seq_len=24)
-    assert res.first_mismatch is not None, res.verdict()
-    return res.first_mismatch
-
-
 def test_another_glu_activation_in_the_reference_names_the_reference(checkpoints):
-    ref = reference(checkpoints["bitnet"])
+    ref = heldout_support.reference_model(checkpoints["bitnet"])
     for layer in ref.model.layers:
         layer.mlp.act_fn = torch.nn.SiLU()
-    bad = first_mismatch("bitnet", ref)
+    bad = heldout_support.first_mismatch(MODELS, "bitnet", ref)
     assert bad.name == "model.layers.0.mlp.ffn_sub_norm" and bad.hint.kind == "activation", bad
     assert "relu squared(gate) * up in ours, silu(gate) * up in the reference" in bad.hint.text
 
 
 def test_activations_quantised_in_the_reference_name_the_reference(checkpoints):
-    ref = reference(checkpoints["bitnet"])
+    ref = heldout_support.reference_model(checkpoints["bitnet"])
 
     def quantised(module, args):
         x = args[0]
@@ -251,13 +222,13 @@ def test_activations_quantised_in_the_reference_name_the_reference(checkpoints):
     for layer in ref.model.layers:
         for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
             proj.register_forward_pre_hook(quantised)
-    bad = first_mismatch("bitnet", ref)
+    bad = heldout_support.first_mismatch(MODELS, "bitnet", ref)
     assert bad.name == "model.layers.0.self_attn.q_proj" and bad.hint.kind == "quantisation", bad
     assert "activation quantisation in the reference" in bad.hint.text
 
 
 def test_routed_scaling_factor_on_the_shared_expert_too_in_the_reference_names_the_reference(checkpoints):
-    ref = reference(checkpoints["dots1"])
+    ref = heldout_support.reference_model(checkpoints["dots1"])
 
     def scaled_sum(self, hidden_states):  # Dots1MoE.forward with the factor moved onto the whole sum
         shape, rsf = hidden_states.shape, self.gate.routed_scaling_factor
@@ -267,6 +238,6 @@ def test_routed_scaling_factor_on_the_shared_expert_too_in_the_reference_names_t
 
     for layer in ref.model.layers[1:]:
         layer.mlp.forward = types.MethodType(scaled_sum, layer.mlp)
-    bad = first_mismatch("dots1", ref)
+    bad = heldout_support.first_mismatch(MODELS, "dots1", ref)
     assert bad.name == "model.layers.1.mlp" and bad.hint.kind == "routing_weights", bad
     assert "routed_scaling_factor applied to the routed and the shared experts' sum in the reference" in bad.hint.text

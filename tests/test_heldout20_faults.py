@@ -21,14 +21,11 @@ naming the tensor.
 
 from __future__ import annotations
 
-import math
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-import parity
 from tests import heldout_support
 
 sys.path.insert(0, str(Path(__file__).parent / "user_models" / "heldout20"))
@@ -38,19 +35,6 @@ import heldout20_cohere2_moe
 import heldout20_jais2
 
 MODELS = {"afmoe": heldout20_afmoe, "cohere2_moe": heldout20_cohere2_moe, "jais2": heldout20_jais2}
-
-
-@torch.no_grad()
-def randomise(model, gen: torch.Generator) -> None:
-    """The helper's weights: norm weights around 1, other vectors (biases, AFMoE's expert_bias) ~0.3, token
-    embeddings of unit scale, other matrices of unit gain."""
-    for name, p in model.named_parameters():
-        r = torch.randn(p.shape, generator=gen)
-        if p.dim() == 1:
-            r = 1.0 + 0.5 * r if "norm" in name else 0.3 * r
-        elif "embed_tokens" not in name:
-            r = r / math.sqrt(p.shape[-1])
-        p.copy_(r)
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +64,9 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
         "jais2": dict(intermediate_size=96, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
     }  # fmt: skip
     specs = {name: AutoConfig.for_model(name, **common, **kw) for name, kw in kwargs.items()}
-    return heldout_support.save_checkpoints(tmp_path_factory.mktemp("heldout20"), specs, randomise, 1000, 1234)
+    return heldout_support.save_checkpoints(
+        tmp_path_factory.mktemp("heldout20"), specs, heldout_support.randomise, 1000, 1234
+    )
 
 
 bug = heldout_support.bug_fixture(MODELS)
@@ -204,24 +190,12 @@ def test_a_loader_bug_is_refused_naming_the_tensor(model, bug, says, checkpoints
 # --- the same kinds with the fault in the reference (a patched Transformers model, ours correct)
 
 
-def reference(checkpoint: Path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="eager").eval()
-
-
-def first_mismatch(model: str, ref):
-    res = parity.check_model(MODELS[model].build, reference=ref, seq_len=24)
-    assert res.first_mismatch is not None, res.verdict()
-    return res.first_mismatch
-
-
 def test_a_shared_expert_summed_in_the_reference_names_the_reference(checkpoints):
-    ref = reference(checkpoints["cohere2_moe"])
+    ref = heldout_support.reference_model(checkpoints["cohere2_moe"])
     for layer in ref.model.layers:
         if hasattr(layer.mlp, "shared_expert_combination_strategy"):
             layer.mlp.shared_expert_combination_strategy = "sum"
-    bad = first_mismatch("cohere2_moe", ref)
+    bad = heldout_support.first_mismatch(MODELS, "cohere2_moe", ref)
     assert bad.name == "model.layers.1.mlp" and bad.hint.kind == "shared_expert", bad
     assert "averaged with the shared MLP's output in ours" in bad.hint.text
     assert "plus the shared MLP's output in the reference" in bad.hint.text

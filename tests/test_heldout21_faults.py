@@ -18,12 +18,10 @@ as ``k_proj`` and the per-row transform then indexes a ``head_dim``-wide axis.
 
 from __future__ import annotations
 
-import math
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests import heldout_support
 
@@ -38,22 +36,6 @@ MODELS = {
     "granitemoeshared": heldout21_granitemoeshared,
     "exaone_moe": heldout21_exaone_moe,
 }
-
-
-@torch.no_grad()
-def randomise(model, gen: torch.Generator) -> None:
-    """The helper's weights: norm weights around 1, other vectors ~0.3, token embeddings of unit scale, other
-    matrices of unit gain; EXAONE-MoE's router correction biases ~0.3 (a buffer)."""
-    for name, p in model.named_parameters():
-        r = torch.randn(p.shape, generator=gen)
-        if p.dim() == 1:
-            r = 1.0 + 0.5 * r if "norm" in name else 0.3 * r
-        elif "embed_tokens" not in name:
-            r = r / math.sqrt(p.shape[-1])
-        p.copy_(r)
-    for name, b in model.named_buffers():
-        if name.endswith("e_score_correction_bias"):
-            b.copy_(0.3 * torch.randn(b.shape, generator=gen))
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +64,9 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
                            norm_topk_prob=True, first_k_dense_replace=1, sliding_window=8, sliding_window_pattern=2),
     }  # fmt: skip
     specs = {name: AutoConfig.for_model(name, **common, **kw) for name, kw in kwargs.items()}
-    return heldout_support.save_checkpoints(tmp_path_factory.mktemp("heldout21"), specs, randomise, 1000, 1234)
+    return heldout_support.save_checkpoints(
+        tmp_path_factory.mktemp("heldout21"), specs, heldout_support.randomise, 1000, 1234
+    )
 
 
 bug = heldout_support.bug_fixture(MODELS)

@@ -557,16 +557,12 @@ class NodeStream:
             and (result.passed or agreeing_heads(spec, ours, ref, self.tolerances, self.padding))
         ):  # q and k differed, their product agrees (in some heads at least: a GQA mapping wrong besides): the
             # constant is moved to the scores, and the failure after q and k (these scores, or later) is the first
-            cast(set, self.trace.extras.setdefault(QK_MOVED, set())).add(stem)
-            old, self.first, self.failure_keep = self.failure_keep, None, set()
-            self._release(old)
+            self._read_through(QK_MOVED, stem)
         weights = first if first is not None and moved_weights(first) else None
         block = weights.name[: -len(WEIGHTS) - 1] if weights is not None else None
         if weights is not None and name in (block, f"{block}.experts") and result.status != UNTAPPED:
             # the block's output, judged after its weights differed by one constant: it decides (a scale moved)
-            cast(set, self.trace.extras.setdefault(WEIGHTS_MOVED, set())).add(weights.name)
-            old, self.first, self.failure_keep = self.failure_keep, None, set()
-            self._release(old)
+            self._read_through(WEIGHTS_MOVED, weights.name)
         del ref, scores
         if spec.kind in self.context:
             old, self.stem_keep = self.stem_keep, {n for n in self.stem_keep if n.rsplit(".", 1)[0] == stem} | {name}
@@ -583,6 +579,13 @@ class NodeStream:
                 del self.trace.tensors[name]
             return True
         return name not in self.stem_keep  # a context node is kept (stored by the trace)
+
+    def _read_through(self, key: str, moved: str) -> None:
+        """The first failure is read through a later node (a constant moved there): ``moved`` is noted in the
+        trace's extras under ``key`` for the results after the forward, and the failure is no longer the first."""
+        cast(set, self.trace.extras.setdefault(key, set())).add(moved)
+        old, self.first, self.failure_keep = self.failure_keep, None, set()
+        self._release(old)
 
     def retract(self, name: str) -> None:
         """Forget ``name``'s comparison (:meth:`Trace.retract`): a failure it was is no longer the first

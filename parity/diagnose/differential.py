@@ -49,17 +49,21 @@ def after_context(e: Evidence) -> Hint | None:
 def _output_gate(e: Evidence, stem: str, x_ours: torch.Tensor, x_ref: torch.Tensor) -> Hint | None:
     """An output gate between the context and the output projection (AFMoE's ``gate_proj``: ``context *
     sigmoid(gate_proj(x))``) with another function on one side: each side's projection input read as the
-    reference's context times a function of the reference's ``gate_proj`` output (sigmoid, SiLU, none, ...)."""
-    from parity.diagnose.evidence import ELEMENTWISE
+    reference's context times a function of the reference's ``gate_proj`` output
+    (:func:`~parity.diagnose.elementwise.gate_function`), or the context alone."""
+    from parity.diagnose.elementwise import gate_function
 
     context, gate = e.ref_trace.tensors.get(f"{stem}.context"), e.ref_trace.tensors.get(f"{stem}.gate_proj")
     if context is None or gate is None or not context.numel() == gate.numel() == x_ref.numel():
         return None
-    c, g = context.double().reshape(x_ref.shape), gate.double().reshape(x_ref.shape)
-    forms = {f"the context times {label}(gate_proj)": c * fn(g) for label, fn in ELEMENTWISE.items()}
-    forms["the context alone (the gate not applied)"] = c
-    ours_is = next((t for t, f in forms.items() if rel(x_ours.double(), f) < EXPLAINS), None)
-    ref_is = next((t for t, f in forms.items() if rel(x_ref.double(), f) < EXPLAINS), None)
+
+    def form_of(y: torch.Tensor) -> str | None:
+        if rel(y.double(), context.double().reshape(y.shape)) < EXPLAINS:
+            return "the context alone (the gate not applied)"
+        label = gate_function(context, gate, y)
+        return f"the context times {label}(gate_proj)" if label is not None else None
+
+    ours_is, ref_is = form_of(x_ours), form_of(x_ref)
     if ours_is is None or ref_is is None or ours_is == ref_is:
         return None
     return Hint(

@@ -431,6 +431,17 @@ def _other_function(e: Evidence, ours: torch.Tensor, ref: torch.Tensor, where: s
     return None
 
 
+def gate_function(context: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> str | None:
+    """The element-wise function ``f`` (a name of :data:`ELEMENTWISE`) by which ``y`` is ``context * f(gate)``
+    (an output gate's product, all three of one shape), read as ``y / context`` where the context is not near
+    zero; None when none is."""
+    c, g = context.double().reshape(y.shape), gate.double().reshape(y.shape)
+    keep = c.abs() > 1e-2 * float(c.abs().max())
+    factor = y.double()[keep] / c[keep]
+    tol = max(EXPLAINS, 4 * torch.finfo(y.dtype).eps)
+    return next((label for label, fn in ELEMENTWISE.items() if rel(factor, fn(g)[keep]) < tol), None)
+
+
 def gate_activation(e: Evidence) -> Hint | None:
     """A gated product (``context * f(gate)`` before o_proj, Qwen3.5's output gate) where one side
     applies another function to the gate: the factor each side multiplies the reference's ``context``
@@ -441,18 +452,7 @@ def gate_activation(e: Evidence) -> Hint | None:
     context, gate = e.ref_trace.tensors.get(f"{stem}.context"), e.ref_trace.tensors.get(f"{stem}.gate")
     if context is None or gate is None or context.shape != e.ref.shape or gate.shape != e.ref.shape:
         return None
-    c, g = context.double(), gate.double()
-    keep = c.abs() > 1e-2 * float(c.abs().max())
-
-    def factor_of(y: torch.Tensor) -> str | None:
-        factor = y.double()[keep] / c[keep]
-        for label, fn in ELEMENTWISE.items():
-            expected = fn(g)[keep]
-            if rel(factor, expected) < max(EXPLAINS, 4 * torch.finfo(e.ref.dtype).eps):
-                return label
-        return None
-
-    ours_is, ref_is = factor_of(e.ours), factor_of(e.ref)
+    ours_is, ref_is = (gate_function(context, gate, y) for y in (e.ours, e.ref))
     if ours_is is None or ours_is == ref_is:
         return None
     return Hint(

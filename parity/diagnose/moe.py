@@ -739,9 +739,7 @@ def _grouped_forms(e: Evidence, base: str, logits: torch.Tensor, chosen: torch.T
     or to the shared experts too, weights from a separate top-k. Empty without the reference's shared
     experts' output or its correction bias."""
     r = e.facts.routing
-    shared = e.ref_trace.tensors.get(f"{base}.shared_experts.down_proj")
-    if shared is None:
-        shared = e.ref_trace.tensors.get(f"{base}.shared_experts")
+    shared = _shared_output(e, base)
     bias = next((b for n in ROUTER_NODES if (b := e.ref_trace.biases.get(f"{base}.{n}")) is not None), None)
     tokens, k = chosen.shape
     if shared is None or bias is None or shared.numel() != tokens * y.shape[-1]:
@@ -787,23 +785,9 @@ def routed_in_block(e: Evidence) -> Hint | None:
     routed sum read as the block's output minus the shared experts' output (their node agrees), then judged
     as the experts' sum is (:func:`experts_sum`)."""
     experts = f"{e.name}.experts"
-    done = e.ours_trace.results.get(experts)
-    if experts not in e.ref_trace.tensors or (done is not None and done.status != UNTAPPED):
+    if not _untapped(e, experts):
         return None
-    if any(n.startswith(f"{e.name}.shared_expert_gate") for n in e.ref_trace.tensors):
-        return None  # a gated shared expert (Qwen2-MoE): not a plain sum, shared_expert reads it
-    shared = next(
-        (
-            n
-            for n in (
-                f"{e.name}.shared_experts",
-                f"{e.name}.shared_experts.down_proj",
-                f"{e.name}.shared_expert.down_proj",
-            )
-            if n in e.ref_trace.tensors
-        ),
-        None,
-    )
+    shared = _shared_node(e, e.name)
     judged = e.ours_trace.results.get(shared) if shared is not None else None
     if shared is None or judged is None or not judged.passed:
         return None
@@ -845,9 +829,10 @@ def _routed_forms(e: Evidence, base: str) -> dict[str, torch.Tensor] | None:
         return None
     y = torch.stack(cast(list[torch.Tensor], outputs))  # (experts, tokens, hidden): every expert on every token
     picked = y[chosen.T, torch.arange(tokens)[None, :]]  # (k, tokens, hidden)
+    routing = _routing_forms(logits.double(), chosen, e.facts.routing)
     forms = {
         f"the chosen experts' outputs weighted by {text}": (w.T[..., None] * picked).sum(0)
-        for text, w in _routing_forms(logits.double(), chosen, e.facts.routing).items()
+        for text, w in routing.items()
     }
     forms.update(_combination_forms(e, base, logits.double(), chosen, y, record))
     weights = e.ref_trace.tensors.get(f"{base}.router.weights")
@@ -862,7 +847,7 @@ def _routed_forms(e: Evidence, base: str) -> dict[str, torch.Tensor] | None:
     transposed = [everyone.output(j, down_transposed=True) for j in range(record.num_experts)]
     if all(t is not None for t in transposed):  # a square down projection reshaped where it needed a transpose
         yt = torch.stack(cast(list[torch.Tensor], transposed))[chosen.T, torch.arange(tokens)[None, :]]
-        w = _routing_forms(logits.double(), chosen)[_FORMULAS[2][0]]
+        w = routing[_FORMULAS[2][0]]
         forms[
             "the chosen experts computed with each down_proj transposed (a square weight reshaped where it needs a transpose)"
         ] = (w.T[..., None] * yt).sum(0)
@@ -878,7 +863,7 @@ def _routed_forms(e: Evidence, base: str) -> dict[str, torch.Tensor] | None:
         return forms
     # an ungated shared MLP beside the experts (HunYuan-MoE's shared_mlp): the block's output is their sum
     shared = shared.double().reshape(tokens, -1)
-    routed = forms[f"the chosen experts' outputs weighted by {_routing_text(e, logits, chosen, weights)}"]
+    routed = forms[f"the chosen experts' outputs weighted by {_routing_text(routing, chosen, weights)}"]
     with_shared = {f"{text}, plus the shared MLP's output": f + shared for text, f in forms.items()}
     # Cohere2-MoE's shared_expert_combination_strategy "average": (routed + shared) / 2, each form too
     with_shared.update(
@@ -889,10 +874,9 @@ def _routed_forms(e: Evidence, base: str) -> dict[str, torch.Tensor] | None:
     return with_shared
 
 
-def _routing_text(e: Evidence, logits: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor | None) -> str:
-    """The name, among :func:`_routing_forms`, of the reference's own routing weights (its ``router.weights``),
-    else the softmax renormalised over the chosen."""
-    forms = _routing_forms(logits.double(), chosen, e.facts.routing)
+def _routing_text(forms: dict[str, torch.Tensor], chosen: torch.Tensor, weights: torch.Tensor | None) -> str:
+    """The name, among the routing ``forms`` (:func:`_routing_forms`), of the reference's own routing weights
+    (its ``router.weights``), else the softmax renormalised over the chosen."""
     if weights is not None and weights.shape == chosen.shape:
         ref = weights.double().sort(-1).values
         found = next((t for t, w in forms.items() if rel(ref, w.sort(-1).values) < EXPLAINS), None)
@@ -911,11 +895,18 @@ _SHARED_NODES = (
 )
 
 
-def _shared_output(e: Evidence, base: str) -> torch.Tensor | None:
-    """The reference's output of the MoE block ``base``'s shared MLP, when it has one and no gate on it."""
+def _shared_node(e: Evidence, base: str) -> str | None:
+    """The reference's node holding the output of the MoE block ``base``'s shared MLP, when it has one and no
+    gate on it (Qwen2-MoE's gated shared expert is not a plain sum: :func:`shared_expert` reads it)."""
     if any(n.startswith(f"{base}.shared_expert_gate") for n in e.ref_trace.tensors):
-        return None  # Qwen2-MoE's gated shared expert: shared_expert's forms
-    return next((t for n in _SHARED_NODES if (t := e.ref_trace.tensors.get(f"{base}.{n}")) is not None), None)
+        return None
+    return next((f"{base}.{n}" for n in _SHARED_NODES if f"{base}.{n}" in e.ref_trace.tensors), None)
+
+
+def _shared_output(e: Evidence, base: str) -> torch.Tensor | None:
+    """The reference's output of the MoE block ``base``'s ungated shared MLP (:func:`_shared_node`)."""
+    node = _shared_node(e, base)
+    return e.ref_trace.tensors.get(node) if node is not None else None
 
 
 def _judge_forms(

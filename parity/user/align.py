@@ -444,6 +444,8 @@ class _Aligner:
         self.keys_by_storage = keys_by_storage
         self.state_dict = state_dict
         # checkpoint key -> sources of ours (every name of a tied Parameter)
+        #: our parameters computed at load from checkpoint tensors (coverage's ``derived``)
+        self.derived_params = {n for names in coverage.derived.values() for n in names}
         self.by_key: dict[str, list[tuple[str, Source]]] = {}
         for name, sources in coverage.sources.items():
             for s in sources:
@@ -564,8 +566,7 @@ class _Aligner:
         weights = [n for n in holders if any(src.key.endswith(".weight") for src in self.coverage.sources[n])]
         if weights != [param]:
             return False
-        derived = {n for names in self.coverage.derived.values() for n in names}
-        if any(_module_of(n)[0] == module and n != param for n in derived):
+        if any(_module_of(n)[0] == module and n != param for n in self.derived_params):
             return False  # other weights of it derived at load from the reference's (HunYuan's shared MLP stacked
             # with its experts): the module computes more than the op reading this one
         # a module whose submodules hold other reference weights computes more than the op reading this
