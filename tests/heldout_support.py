@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from types import MappingProxyType
 
 import pytest
 import torch
@@ -60,6 +61,21 @@ def independent_max_diff(module, checkpoint: Path, padded: bool, pad_row: int = 
 
 
 PADDED = {"batch_size": 2, "left_pad": 5}
+
+#: the helpers' tiny config, shared by every family of a set (each adds its own fields)
+COMMON = MappingProxyType(
+    dict(
+        vocab_size=256,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=4,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+)
 
 #: the arguments of a held-back set's located-bug test, one case each: ``(model, bug, padded, node, kind, says)``
 LOCATED = ("model", "bug", "padded", "node", "kind", "says")

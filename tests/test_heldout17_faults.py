@@ -57,17 +57,7 @@ def randomise(model, gen: torch.Generator) -> None:
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     import transformers as T
 
-    common = dict(
-        vocab_size=256,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=4,
-        max_position_embeddings=256,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    common = heldout_support.COMMON
     specs = {
         "phimoe": T.PhimoeConfig(
             **common, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.1,

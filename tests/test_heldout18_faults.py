@@ -44,17 +44,7 @@ MODELS = {"arcee": heldout18_arcee, "hunyuan_v1_moe": heldout18_hunyuan_v1_moe, 
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     from transformers import AutoConfig
 
-    common = dict(
-        vocab_size=256,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=4,
-        max_position_embeddings=256,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    common = heldout_support.COMMON
     kwargs = {
         "arcee": dict(
             intermediate_size=96, hidden_act="relu2", rms_norm_eps=1e-5, tie_word_embeddings=False,

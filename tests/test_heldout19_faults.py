@@ -42,17 +42,7 @@ MODELS = {"bitnet": heldout19_bitnet, "dots1": heldout19_dots1, "flex_olmo": hel
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     from transformers import AutoConfig
 
-    common = dict(
-        vocab_size=256,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=4,
-        max_position_embeddings=256,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    common = heldout_support.COMMON
     kwargs = {
         "bitnet": dict(intermediate_size=96),
         "dots1": dict(

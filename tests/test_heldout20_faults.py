@@ -41,17 +41,7 @@ MODELS = {"afmoe": heldout20_afmoe, "cohere2_moe": heldout20_cohere2_moe, "jais2
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     from transformers import AutoConfig
 
-    common = dict(
-        vocab_size=256,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=4,
-        max_position_embeddings=256,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    common = heldout_support.COMMON
     kwargs = {
         "afmoe": dict(
             head_dim=32, intermediate_size=96, moe_intermediate_size=32, num_dense_layers=1, num_experts=8,

@@ -305,3 +305,22 @@ def test_interleaved_equals_half_split_after_permutation():
     inter = apply_rope(x, cos, sin, interleaved=True)
     half = apply_rope(x[..., perm], cos, sin)
     torch.testing.assert_close(inter[..., perm], half)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "interleaved"), [("helium", True), ("glm4", True), ("llama", False), ("qwen3", False)]
+)
+def test_the_facts_read_the_pairing_from_the_references_rotate_half(model_type, interleaved):
+    """A reference whose ``rotate_half`` pairs ``(2i, 2i + 1)`` (Helium's, GLM-4's) is interleaved in the facts,
+    whatever its config says; Llama's and Qwen3's half-split one is not."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from parity.model.derive import derive_facts
+
+    config = AutoConfig.for_model(
+        model_type, vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, pad_token_id=0,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config)
+    facts = derive_facts(config, model)
+    assert facts.layers[0].rope is not None and facts.layers[0].rope.interleaved is interleaved

@@ -296,7 +296,24 @@ def build_reference(reference_cls, hf_config, state_dict: Mapping[str, torch.Ten
         )
     if hf_config.tie_word_embeddings:
         reference.tie_weights()
+        _hold_loaded(reference, state_dict)
     return reference.eval()
+
+
+def _hold_loaded(reference: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
+    """Give back to the reference's parameters the state dict's own tensors where tying swapped in equal copies
+    (Transformers' ``tie_weights`` rewrites a tied head's ``bias.data``, ERNIE 4.5's): the alignment of a user's
+    model follows the checkpoint's tensors by storage."""
+    for name, param in reference.named_parameters(remove_duplicate=False):
+        loaded = state_dict.get(name)
+        if (
+            loaded is not None
+            and loaded.shape == param.shape
+            and loaded.dtype == param.dtype
+            and loaded.untyped_storage().data_ptr() != param.untyped_storage().data_ptr()
+            and torch.equal(loaded, param.detach())
+        ):
+            param.data = loaded
 
 
 def _keys(keys: list[str], n: int = 5) -> str:

@@ -610,6 +610,7 @@ def loader_coverage(
     copies_break_ties: bool = True,
     constants: dict[str, float] | None = None,
     interleaved: bool = False,
+    unread: dict[str, range] | None = None,
 ) -> Coverage:
     """Trace every parameter of ``model`` back to ``state_dict`` (the tensors it was loaded from).
 
@@ -626,7 +627,9 @@ def loader_coverage(
     of the architecture a parameter of ours may hold a checkpoint tensor multiplied by (``scaled``).
     ``interleaved``: the family's checkpoint interleaves pairs of tensors along an axis (GPT-OSS's
     gate/up), so a parameter holding every other slice of one is that tensor's part (``strided``); else it
-    is refused, with that reading named as the likely loader bug.
+    is refused, with that reading named as the likely loader bug. ``unread``: checkpoint key -> rows (over
+    its leading axes) the reference's forward never reads (:func:`parity.build.reference.unread_rows`): ours
+    may leave them out.
     """
     cov = Coverage(conversions=list(conversions or []))
     # checkpoint keys that alias one storage (state_dict() of a tied model) form one source
@@ -935,7 +938,13 @@ def loader_coverage(
         fused = state_dict[key]
         rows_total = fused.numel() if fused.dim() == 1 else fused.numel() // fused.shape[-1]  # a bias: its elements
         held = sum(len(rows) for rows, _ in copied)
-        if held != rows_total:
+        missing = set(range(rows_total)).difference(*(rows for rows, _ in copied))
+        if missing and unread and missing <= set(unread.get(key, ())):
+            cov.conversions.append(
+                f"{key}: rows {min(missing)}..{max(missing)} left out, which the reference itself never reads "
+                "(experts with no down projection: zero-compute experts)"
+            )
+        elif held != rows_total:
             cov.gaps.append(f"{key}: {rows_total - held} of {rows_total} rows copied into no parameter of ours")
         cov.conversions.append(f"{key}: copied in {len(labels)} parts ({labels[0]} .. {labels[-1]})")
     # a user's model keeping a tie of the reference as copies (plain or transposed: the embedding and the

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from parity.build.builder import (
     Reference,
@@ -85,6 +86,21 @@ def mark_by_design(ref: Reference) -> Reference:
     if ref.model is not None and text_config_of(ref.hf_config) is not ref.hf_config:
         ref.by_design = outside_text_model(set(ref.model.state_dict()), ref.facts.text_model + ".", ref.state_dict)
     return ref
+
+
+def unread_rows(model: nn.Module) -> dict[str, range]:
+    """Rows (over the leading axes) of the reference's stacked expert weights its forward never reads: the
+    ``gate_up_proj`` blocks of experts past those that have a ``down_proj`` (LongCat-Flash stores every expert's
+    block, its zero-compute identity experts' too, and computes only the routed ones)."""
+    out = {}
+    for path, module in model.named_modules():
+        gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+        if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)) or gate_up.dim() != 3:
+            continue
+        if down.dim() == 3 and down.shape[0] < gate_up.shape[0]:
+            per_expert = gate_up.shape[1]
+            out[f"{path}.gate_up_proj"] = range(down.shape[0] * per_expert, gate_up.shape[0] * per_expert)
+    return out
 
 
 def _looks_like_path(text: str) -> bool:

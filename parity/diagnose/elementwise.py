@@ -140,6 +140,21 @@ def _capped_head(e: Evidence) -> Hint | None:
     return None
 
 
+def _fits_in(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Per element of a float32 or float64 ``t``: whether ``dtype`` (bfloat16, float16) holds it exactly, read
+    from its bits (its mantissa's low bits zero, its exponent in range), not by a cast: the semantic run's
+    detectors work under :class:`~parity.run.float64.Float64Mode`, where a cast to a narrower dtype stays float64."""
+    narrow = torch.finfo(dtype)
+    mantissa = {torch.float64: 52, torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}
+    drop = mantissa[t.dtype] - mantissa[dtype]  # mantissa bits the narrower dtype lacks
+    bits = t.view(torch.int64 if t.dtype == torch.float64 else torch.int32)
+    low = (bits & ((1 << drop) - 1)) == 0
+    size = t.abs()
+    step = narrow.smallest_normal * narrow.eps  # below the normal range: multiples of the smallest subnormal
+    subnormal = (size < narrow.smallest_normal) & ((t / step) == (t / step).round())
+    return (low & (size <= narrow.max) & (size >= narrow.smallest_normal)) | subnormal
+
+
 def _node_and_input(e: Evidence, label: str) -> list[tuple[torch.Tensor, torch.Tensor, str]]:
     """``(ours, reference, where)`` of the node (``where`` empty) and, when both sides' inputs were kept and
     differ, of its input (``where`` = ``label``): an op with no node of its own between two projections
@@ -212,7 +227,9 @@ def precision(e: Evidence) -> Hint | None:
         t = t[torch.isfinite(t) & (t != 0) & (t.abs() < 1e30)]  # a mask's fill value is no computed value
         if t.numel() < 64 or float(t.abs().max()) > torch.finfo(dtype).max:
             return 0.0
-        return float((t.to(dtype).to(t.dtype) == t).double().mean())
+        if bool((t == t.round()).all()):  # whole numbers (indices, counts) fit any dtype: no evidence
+            return float("nan")
+        return float(_fits_in(t, dtype).double().mean())
 
     wide = str(e.ref.dtype).replace("torch.", "")
     # the node, or its input when that differs (an activation with no node of its own between two
@@ -221,7 +238,7 @@ def precision(e: Evidence) -> Hint | None:
         for dtype in (torch.bfloat16, torch.float16):
             name = str(dtype).replace("torch.", "")
             for side, this, other in (("ours", ours, ref), ("the reference", ref, ours)):
-                if representable(this, dtype) == 1.0 and representable(other, dtype) < 0.5:
+                if representable(this, dtype) == 1.0 and representable(other, dtype) < 0.5:  # nan: neither
                     what = (
                         f"{e.kind}'s input (the activation or op before it, which has no node of its own)"
                         if where

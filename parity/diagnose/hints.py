@@ -57,6 +57,7 @@ KINDS: dict[str, str] = {
     "between them (a combination of heads, a gate, a norm, a scale)",
     "shared_expert": "a MoE block's shared expert combined otherwise with the routed experts (its gate, the gate's "
     "sigmoid, what the gate scales)",
+    "loader_gap": "a checkpoint tensor ours holds only in part (loader coverage's gap) is where the failure sits",
     "derived_at_load": "a module whose checkpoint tensors ours computes into other values at load (folded) is where "
     "the difference enters: the computation, not the tensors, differs",
     "untapped_block": "the first node after a block ours left untapped differs while the nodes before it agree: "

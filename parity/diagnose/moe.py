@@ -5,7 +5,7 @@ otherwise (with the reference's margin)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, cast
 
@@ -266,9 +266,21 @@ def _chosen_otherwise(
     return None
 
 
+def _softmax(x: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(x, -1)
+
+
+def _router_scoring(routing: Mapping[str, float]) -> tuple[Callable[[torch.Tensor], torch.Tensor], str]:
+    """``(scores of the logits, its name)`` of a router choosing on scores plus a correction bias: a sigmoid
+    (DeepSeek V3's), or a softmax over the experts where the facts say so (``softmax_scores``: ERNIE 4.5's
+    ``Ernie4_5_MoeTopKRouter``, its ``moe_statics`` the bias)."""
+    return (_softmax, "softmax") if routing.get("softmax_scores") else (torch.sigmoid, "sigmoid")
+
+
 def _group_limited_otherwise(e: Evidence, logits: torch.Tensor | None) -> tuple[str, str] | None:
     """``(side, how)``: how one side's choices follow from the router logits under a group-limited sigmoid
-    router (DeepSeek V3's ``DeepseekV3MoE.route_tokens_to_experts``, GLM-4.5's ``Glm4MoeTopkRouter``): the
+    router (DeepSeek V3's ``DeepseekV3MoE.route_tokens_to_experts``, GLM-4.5's ``Glm4MoeTopkRouter``; a softmax
+    where :func:`_router_scoring` says): the
     scores ``sigmoid(logits) + e_score_correction_bias``, each group scored by the sum of its best two, the
     ``topk_group`` best groups kept, the top k of their experts. Tries the ports' usual departures, each
     alone; None unless the config's rule gives one side's choices and exactly one departure the other's.
@@ -292,7 +304,9 @@ def _group_limited_otherwise(e: Evidence, logits: torch.Tensor | None) -> tuple[
         keep = keep.repeat_interleave(scores.shape[-1] // groups, -1)
         return scores.masked_fill(~keep, float("-inf")).topk(k, -1).indices
 
-    sig = torch.sigmoid(x)
+    score, word = _router_scoring(routing)
+    other_score, other_word = (torch.sigmoid, "a sigmoid") if word == "softmax" else (_softmax, "a softmax")
+    sig = score(x)
     ways = {
         "with each group scored by its best expert (max) instead of the sum of its best two": pick(
             sig + b, lambda g: g.amax(-1)
@@ -304,7 +318,10 @@ def _group_limited_otherwise(e: Evidence, logits: torch.Tensor | None) -> tuple[
             sig + b, limited=False
         ),
         "without e_score_correction_bias added to the scores": pick(sig),
-        "from a softmax over the experts instead of a sigmoid": pick(torch.softmax(x, -1) + b),
+        f"from {other_word} over the experts instead of a {word}": pick(other_score(x) + b),
+        f"with e_score_correction_bias added to the router logits before the {word} (not to its scores)": pick(
+            score(x + b)
+        ),
     }
 
     def same(a: torch.Tensor, c: torch.Tensor) -> bool:
@@ -438,7 +455,7 @@ def _routing_forms(
     group-limited sigmoid router (``routing``: DeepSeek V3's constants, ``bias`` its correction bias), its
     weights with and without the renormalisation, the scaling factor and the bias."""
     picked = logits.gather(-1, chosen)
-    forms = _sigmoid_router_forms(picked, chosen, routing or {}, bias)
+    forms = _sigmoid_router_forms(logits, chosen, routing or {}, bias)
     forms.update(_sparsemixer_forms(logits, chosen, routing or {}))
     probs = torch.softmax(logits, -1).gather(-1, chosen)
     for text, softmax, renormalised in _FORMULAS:
@@ -453,33 +470,38 @@ def _routing_forms(
     return forms
 
 
-def _sigmoid_router_forms(picked: torch.Tensor, chosen: torch.Tensor, routing: Mapping[str, float], bias) -> dict:
+def _sigmoid_router_forms(logits: torch.Tensor, chosen: torch.Tensor, routing: Mapping[str, float], bias) -> dict:
     """DeepSeek V3's routing weights (``DeepseekV3MoE.route_tokens_to_experts``: the sigmoid scores at the
-    chosen experts, renormalised when ``norm_topk_prob``, times ``routed_scaling_factor``) and the ports' usual
-    departures from it, by name; empty for a router without that factor."""
+    chosen experts, renormalised when ``norm_topk_prob``, times ``routed_scaling_factor``; a softmax's where
+    :func:`_router_scoring` says, ERNIE 4.5's) and the ports' usual departures from it, by name; empty for a
+    router without that factor."""
     scale = routing.get("routed_scaling_factor")
     if not scale:
         return {}
-    s = torch.sigmoid(picked)
+    score, word = _router_scoring(routing)
+    s = score(logits).gather(-1, chosen)
     norm = bool(routing.get("norm_topk_prob", 1))
     both = "renormalised over the chosen" if norm else "not renormalised"
-    forms = {
-        f"the sigmoid scores at the chosen, {both}, times routed_scaling_factor ({scale:g})": (
-            (s / s.sum(-1, keepdim=True) if norm else s) * scale
-        ),
-        f"the sigmoid scores at the chosen, {both}, without routed_scaling_factor ({scale:g})": (
+    times = f", times routed_scaling_factor ({scale:g})" if scale != 1 else ""
+    forms = {f"the {word} scores at the chosen, {both}{times}": (s / s.sum(-1, keepdim=True) if norm else s) * scale}
+    if scale != 1:
+        forms[f"the {word} scores at the chosen, {both}, without routed_scaling_factor ({scale:g})"] = (
             s / s.sum(-1, keepdim=True) if norm else s
-        ),
-    }
+        )
     other = "not renormalised (norm_topk_prob ignored)" if norm else "renormalised (norm_topk_prob is false)"
-    forms[f"the sigmoid scores at the chosen, {other}, times routed_scaling_factor ({scale:g})"] = (
-        s if norm else s / s.sum(-1, keepdim=True)
-    ) * scale
-    if bias is not None:
-        biased = s + bias.double().to(s.device)[chosen]
+    forms[f"the {word} scores at the chosen, {other}{times}"] = (s if norm else s / s.sum(-1, keepdim=True)) * scale
+    first_zero = int(routing.get("zero_experts_from", 0) or 0)
+    if first_zero and bool((chosen >= first_zero).any()):  # LongCat-Flash's zero-compute (identity) experts
+        kept = s / s.sum(-1, keepdim=True) if norm else s
         forms[
-            "the biased scores (sigmoid plus e_score_correction_bias, which only the choice reads) at the chosen, "
-            f"{both}, times routed_scaling_factor ({scale:g})"
+            f"the {word} scores at the chosen, {both}{times}, the zero-compute experts' weights left out (0 for a "
+            f"chosen expert past the {first_zero} routed ones)"
+        ] = kept.masked_fill(chosen >= first_zero, 0.0) * scale
+    if bias is not None:
+        biased = s + bias.double().to(s.device).flatten()[chosen]
+        forms[
+            f"the biased scores ({word} plus e_score_correction_bias, which only the choice reads) at the chosen, "
+            f"{both}{times}"
         ] = (biased / biased.sum(-1, keepdim=True) if norm else biased) * scale
     return forms
 
@@ -747,8 +769,9 @@ def _grouped_forms(e: Evidence, base: str, logits: torch.Tensor, chosen: torch.T
     shared = shared.double().reshape(tokens, -1)
     rsf = float(r.get("routed_scaling_factor", 1.0))
     groups, topk_group = int(r["n_group"]), int(r.get("topk_group", 1))
-    s = torch.sigmoid(logits)
-    choice = s + bias.double()
+    score, word = _router_scoring(r)
+    s = score(logits)
+    choice = s + bias.double().flatten()
 
     def routed(picked: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return (w.T[..., None] * y[picked.T, torch.arange(tokens)[None, :]]).sum(0)
@@ -758,12 +781,14 @@ def _grouped_forms(e: Evidence, base: str, logits: torch.Tensor, chosen: torch.T
         return w / w.sum(-1, keepdim=True) if r.get("norm_topk_prob", 1.0) else w
 
     forms = {"Transformers' routing": routed(chosen, normed(chosen) * rsf) + shared}
-    forms["the correction bias kept in the weights (sigmoid + e_score_correction_bias, not only in the choice)"] = (
+    forms["the routed experts alone (the shared experts' output not added)"] = routed(chosen, normed(chosen) * rsf)
+    forms[f"the correction bias kept in the weights ({word} + e_score_correction_bias, not only in the choice)"] = (
         routed(chosen, normed(chosen, choice) * rsf) + shared
     )
-    unscaled = routed(chosen, normed(chosen)) + shared
-    forms["routed_scaling_factor not applied (applied before the renormalisation, which cancels it)"] = unscaled
-    forms["routed_scaling_factor applied to the routed and the shared experts' sum"] = unscaled * rsf
+    if rsf != 1:
+        unscaled = routed(chosen, normed(chosen)) + shared
+        forms["routed_scaling_factor not applied (applied before the renormalisation, which cancels it)"] = unscaled
+        forms["routed_scaling_factor applied to the routed and the shared experts' sum"] = unscaled * rsf
     separate = s.topk(k, dim=-1).values
     forms["weights from a separate top-k of the raw scores, paired by rank with the chosen experts"] = (
         routed(chosen, separate / separate.sum(-1, keepdim=True) * rsf) + shared

@@ -163,6 +163,15 @@ def residual_add(e: Evidence) -> Hint | None:
             rate = dropout_pattern(((value.double() - x)[keep] / f[keep]).flatten())
             if rate is not None:
                 return dropout_left_on(side, rate[0], rate[1], f"the branch {name}, before the residual add")
+            extra = _added_to(e, value.double() - x - f, stream[0], tol)
+            if extra is not None and extra != name:
+                return Hint(
+                    "residual",
+                    f"likely a branch added at another point of the stream in {side}: it computes x + f(x) + g with "
+                    f"g = the reference's {extra}, f(x) = {name} and x = {stream[0]}: {extra} added here, where the "
+                    "other side adds it elsewhere (earlier or later in the layer)",
+                    {"side": side, "branch": name, "stream": stream[0], "extra": extra},
+                )
             source = _added_to(e, value.double() - f, stream[0], tol)
             if source is not None:
                 return Hint(
@@ -207,6 +216,8 @@ def _coefficients_differ(e: Evidence, x: torch.Tensor, f: torch.Tensor, branch: 
     another field of the config, applied to the sum, or rounded to a lower precision; each coefficient
     named by the config constant it equals."""
     ours, ref = _coefficients(e.ours, x, f, tol), _coefficients(e.ref, x, f, tol)
+    if ours is None and ref is None:
+        return _branch_coefficients_differ(e, x, stream, tol)
     if ours is None or ref is None or max(abs(o - r) / max(abs(r), 1e-12) for o, r in zip(ours, ref)) < 1e-6:
         return None
     if min(abs(c) for c in (*ours, *ref)) < 1e-3:
@@ -227,6 +238,67 @@ def _coefficients_differ(e: Evidence, x: torch.Tensor, f: torch.Tensor, branch: 
         f"likely the residual add's multiplier: ours computes {form(ours)}, the reference {form(ref)}, with f(x) = "
         f"{branch} and x = {stream} ({'; '.join(named)})",
         {"ours": list(ours), "reference": list(ref), "branch": branch, "stream": stream},
+    )
+
+
+def _sub_block_outputs(e: Evidence, stream: str) -> list[tuple[str, torch.Tensor]]:
+    """Each sub-block's last output of the stream's shape in the failing node's layer after the stream point
+    ``stream``, in order: what that layer's add sums (a MoE block's routed experts and its shared MLP beside
+    them, GraniteMoeShared's ``block_sparse_moe`` and ``shared_mlp``)."""
+    names = list(e.ref_trace.tensors)
+    begin = stream.partition("@")[0]
+    after = names[names.index(begin) + 1 :] if begin in names else []
+    prefix = f"{e.facts.layer_prefix}.{e.result.layer}."
+    last: dict[str, tuple[str, torch.Tensor]] = {}
+    for name in after:
+        if name == e.name:
+            break
+        layer, kind = e.facts.locate(name)
+        shaped = _as_node(e, e.ref_trace.tensors[name])
+        if layer != e.result.layer or not name.startswith(prefix) or reads_stream(kind) or shaped is None:
+            continue
+        if "norm" not in kind:  # a sub-block's norm is no branch output
+            last[name[len(prefix) :].split(".")[0]] = (name, shaped.double())
+    return list(last.values())
+
+
+def _branch_coefficients_differ(e: Evidence, x: torch.Tensor, stream: str, tol: float) -> Hint | None:
+    """Both sides add two or more branches to the stream ``x`` as ``a x + b1 f1 + b2 f2 ...`` (least squares,
+    exact within ``tol``) with other coefficients: a residual multiplier applied to some of the branches only
+    (GraniteMoeShared's shared MLP added outside ``residual_multiplier``), each coefficient named by the config
+    constant it equals."""
+    branches = _sub_block_outputs(e, stream)
+    if len(branches) < 2:
+        return None
+    design = torch.stack([x.flatten(), *(f.flatten() for _, f in branches)], 1)
+
+    def fit(value: torch.Tensor) -> list[float] | None:
+        solution = torch.linalg.lstsq(design, value.double().flatten()[:, None]).solution.flatten()
+        exact = rel(value.double().flatten(), design @ solution) < tol
+        return [float(c) for c in solution] if exact else None
+
+    ours, ref = fit(e.ours), fit(e.ref)
+    if ours is None or ref is None:
+        return None
+    terms = ["x", *(f"f{i + 1}" for i in range(len(branches)))]
+    differ = [i for i, (o, r) in enumerate(zip(ours, ref)) if abs(o - r) > 1e-6 * max(abs(r), 1e-12)]
+    if not differ or min(abs(c) for c in (*ours, *ref)) < 1e-3:
+        return None  # a term missing: the wiring detectors' cases
+
+    def form(c: list[float]) -> str:
+        return " + ".join(f"{v:.7g} {t}" for v, t in zip(c, terms))
+
+    named = [
+        f"{terms[i]}'s coefficient {ours[i]:.7g}{_constant(e, ours[i])} in ours, "
+        f"{ref[i]:.7g}{_constant(e, ref[i])} in the reference"
+        for i in differ
+    ]
+    where = ", ".join(f"f{i + 1} = {name}" for i, (name, _) in enumerate(branches))
+    return Hint(
+        "residual",
+        f"likely the residual add's multiplier: ours computes {form(ours)}, the reference {form(ref)}, with {where} "
+        f"and x = {stream} ({'; '.join(named)}): a multiplier applied to some branches only, or to another set",
+        {"ours": ours, "reference": ref, "branches": [n for n, _ in branches], "stream": stream},
     )
 
 
@@ -255,7 +327,8 @@ def _added_to(e: Evidence, value: torch.Tensor, stream: str, tol: float) -> str 
     point a branch was added to), other than the stream itself: a node, or a module's input (the
     layer's input: a residual taken from before the attention)."""
     for name, tensor in layer_values(e, before=True):
-        if tensor.shape == value.shape and name != stream and rel(value, tensor.double()) < tol:
+        shaped = _as_node(e, tensor)  # a MoE block's output over the tokens flattened: (tokens, hidden)
+        if shaped is not None and shaped.shape == value.shape and name != stream and rel(value, shaped.double()) < tol:
             return name
     return None
 

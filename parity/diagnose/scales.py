@@ -10,6 +10,7 @@ import torch
 from parity.diagnose.evidence import EXPLAINS, Evidence, fmt_list, forms_of, part_of, rel
 from parity.diagnose.hints import Hint
 from parity.diagnose.norms import named_scale
+from parity.model.facts_rules import ROTATED_LAST
 from parity.record.hf_capture import FUSED_QKV
 from parity.record.trace import SCALARS
 
@@ -604,17 +605,40 @@ def _rotated_dims_scaled(e: Evidence, per_channel: torch.Tensor) -> Hint | None:
     rotary = rope.rotary_dim if rope is not None else 0
     if e.kind not in ("q_rot", "k_rot") or not 0 < rotary < d or per_channel.numel() != d:
         return None
-    rot, rest = per_channel[:rotary], per_channel[rotary:]
-    c = float(rot.mean())
-    if float((rot - c).abs().max()) > 1e-4 * abs(c) or float((rest - 1).abs().max()) > 1e-4 or abs(c - 1) < 1e-3:
+    last = ROTATED_LAST in e.facts.features  # MLA's heads: cat(pass-through, rotated)
+    rot, rest = (
+        (per_channel[d - rotary :], per_channel[: d - rotary]) if last else (per_channel[:rotary], per_channel[rotary:])
+    )
+
+    def one_factor(t: torch.Tensor) -> float | None:
+        c = float(t.mean())
+        return c if float((t - c).abs().max()) <= 1e-4 * abs(c) and abs(c - 1) >= 1e-3 else None
+
+    agrees = {"rotated": float((rot - 1).abs().max()) <= 1e-4, "rest": float((rest - 1).abs().max()) <= 1e-4}
+    c = one_factor(rest)
+    if c is not None and agrees["rotated"]:
+        return Hint(
+            "scale",
+            f"likely a factor that reaches only the dims RoPE leaves as they are: ours' {e.kind[0]} is the reference's "
+            f"times {c:.6g}{_scale_name(e, c)} on the {d - rotary} pass-through dims of each head and agrees on the "
+            f"{rotary} rotated ones (a scale applied to one part of each head, e.g. MLA's q_nope, where the other "
+            "side applies it to both)",
+            {"factor": c, "rotary_dim": rotary, "part": "pass-through"},
+        )
+    c = one_factor(rot)
+    if c is None or not agrees["rest"]:
         return None
+    why = (
+        "a scale applied to one part of each head, e.g. MLA's q_rope, where the other side applies it to both"
+        if last
+        else "a scale folded into the cos/sin tables, which partial rotary never applies to the pass-through dims"
+    )
     return Hint(
         "scale",
-        f"likely a factor applied with RoPE that reaches only its rotated dims: ours' {e.kind[0]} is the reference's "
-        f"times {c:.6g}{_scale_name(e, c)} on the {rotary} rotated dims of each head and agrees on the other "
-        f"{d - rotary} (a scale folded into the cos/sin tables, which partial rotary never applies to the "
-        "pass-through dims)",
-        {"factor": c, "rotary_dim": rotary},
+        f"likely a factor that reaches only the rotated dims: ours' {e.kind[0]} is the reference's times "
+        f"{c:.6g}{_scale_name(e, c)} on the {rotary} rotated dims of each head and agrees on the other "
+        f"{d - rotary} ({why})",
+        {"factor": c, "rotary_dim": rotary, "part": "rotated"},
     )
 
 

@@ -4,13 +4,23 @@
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Mapping
 from dataclasses import replace
 from types import MappingProxyType
 
 import torch
 
-from parity.model.facts import FULL, SLIDING, ArchFacts, LayerFacts, RopeFacts, default_inv_freq, rope_init
+from parity.model.facts import (
+    FULL,
+    SLIDING,
+    ArchFacts,
+    LayerFacts,
+    RopeFacts,
+    default_inv_freq,
+    rope_init,
+    with_layers,
+)
 from parity.model.facts_rules import RULES
 
 
@@ -192,7 +202,24 @@ def _from_modules(model, facts: ArchFacts) -> ArchFacts:
         norm = next((m for m in model.modules() if isinstance(m, torch.nn.LayerNorm)), None)
         if norm is not None:
             facts = replace(facts, norm_kind="layernorm", norm_eps=float(norm.eps))
+    if _rotates_interleaved(model):
+        facts = with_layers(facts, rope=lambda layer: replace(layer.rope, interleaved=True) if layer.rope else None)
     return facts
+
+
+def _rotates_interleaved(model) -> bool:
+    """Whether the reference's modeling module rotates interleaved pairs ``(2i, 2i + 1)``: its ``rotate_half``
+    (the function Transformers' ``apply_rotary_pos_emb`` calls) run on ``[0, 1, 2, 3]`` gives ``[-1, 0, -3, 2]``
+    (Helium's, GLM's, Ernie 4.5's), not the half-split ``[-2, -3, 0, 1]`` of Llama's."""
+    module = sys.modules.get(type(model).__module__)
+    rotate_half = getattr(module, "rotate_half", None)
+    if not callable(rotate_half):
+        return False
+    try:
+        out = rotate_half(torch.arange(4.0)[None])
+    except Exception:  # a rotate_half of another signature: the config's rule decides
+        return False
+    return isinstance(out, torch.Tensor) and out.flatten().tolist() == [-1.0, 0.0, -3.0, 2.0]
 
 
 #: multimodal model_type -> the config fields naming token ids its model swaps out before the text model

@@ -234,6 +234,8 @@ class ArchFacts:
                 parts = rest.split(".")
                 if len(parts) >= 3 and parts[-1].isdigit() and "norm" in parts[-3]:
                     return index, parts[-3]  # one head's norm of a per-head norm (StableLM's q_layernorm.norms.0)
+                if len(parts) >= 2 and parts[-1].isdigit() and "norm" in parts[-2]:
+                    return index, parts[-2]  # one of a list of norms (LongCat-Flash's input_layernorm.1)
                 if parts[-1] == "layer" and len(parts) >= 2:
                     return index, f"{parts[-2]}.layer"  # a module named layer (DBRX's router.layer), not the layer
                 return index, parts[-1]

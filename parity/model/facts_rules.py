@@ -39,8 +39,14 @@ def _olmo(config, facts: ArchFacts) -> ArchFacts:
 
 @rule("ernie4_5", "ernie4_5_moe")
 def _ernie(config, facts: ArchFacts) -> ArchFacts:
-    # Ernie4_5's rotate_half pairs (2i, 2i + 1): interleaved RoPE, as GPT-J's
-    return with_layers(facts, rope=lambda layer: replace(layer.rope, interleaved=True) if layer.rope else None)
+    # Ernie4_5's rotate_half pairs (2i, 2i + 1): interleaved RoPE, as GPT-J's. Ernie4_5_MoeTopKRouter: a softmax
+    # over the experts, moe_statics' correction bias added for the choice only, the chosen renormalised: DeepSeek
+    # V3's router with one group, softmax scores and no scaling factor
+    facts = with_layers(facts, rope=lambda layer: replace(layer.rope, interleaved=True) if layer.rope else None)
+    if facts.model_type != "ernie4_5_moe":
+        return facts
+    routing = {"routed_scaling_factor": 1.0, "n_group": 1.0, "topk_group": 1.0, "norm_topk_prob": 1.0}
+    return replace(facts, routing={**routing, "softmax_scores": 1.0})
 
 
 @rule("cohere", "cohere2")
@@ -273,6 +279,39 @@ def _deepseek(config, facts: ArchFacts) -> ArchFacts:
     return replace(facts, head_dim=width, features=frozenset(features), routing=_routing(config))
 
 
+@rule("longcat_flash")
+def _longcat_flash(config, facts: ArchFacts) -> ArchFacts:
+    # LongcatFlashMLA: DeepSeek's latent attention, its rope rows always interleaved (apply_rotary_pos_emb_interleave
+    # whatever the config says); LongcatFlashTopkRouter: a softmax over the routed and the zero-compute experts, the
+    # correction bias for the choice only, the chosen's probabilities not renormalised, times routed_scaling_factor
+    facts = _deepseek(config, facts)
+    experts = int(config.n_routed_experts) + int(config.zero_expert_num or 0)  # the router scores both kinds
+    facts = with_layers(facts, num_experts=lambda layer: experts if layer.num_experts else 0)
+    routing = {"routed_scaling_factor": float(config.routed_scaling_factor), "n_group": 1.0, "topk_group": 1.0}
+    hidden = float(config.hidden_size)
+    lora = {  # LongcatFlashMLA's mla_scale_q_lora and mla_scale_kv_lora, factors a hint can name
+        f"LongCat's q LoRA scale sqrt(hidden_size / q_lora_rank) ({(hidden / config.q_lora_rank) ** 0.5:g})": (
+            hidden / config.q_lora_rank
+        )
+        ** 0.5,
+        f"LongCat's kv LoRA scale sqrt(hidden_size / kv_lora_rank) ({(hidden / config.kv_lora_rank) ** 0.5:g})": (
+            hidden / config.kv_lora_rank
+        )
+        ** 0.5,
+    }
+    return replace(
+        facts,
+        features=frozenset(facts.features | {MLA_INTERLEAVED_ROPE}),
+        routing={
+            **routing,
+            "norm_topk_prob": 0.0,
+            "softmax_scores": 1.0,
+            "zero_experts_from": float(config.n_routed_experts),
+        },
+        extra_constants={**lora, **facts.extra_constants},
+    )
+
+
 def _routing(config) -> dict[str, float]:
     """A group-limited sigmoid router's constants, those the config has."""
     return {
@@ -315,8 +354,14 @@ def _cohere2_moe(config, facts: ArchFacts) -> ArchFacts:
     return replace(with_layers(facts, rope=rope), norm_kind="layernorm")
 
 
-@rule("glm4_moe", "dots1", "exaone_moe")
+@rule("glm4_moe", "dots1")
 def _deepseek_routing(config, facts: ArchFacts) -> ArchFacts:
     # Glm4MoeTopkRouter / Dots1TopkRouter / ExaoneMoeTopkRouter route as DeepSeek V3 does (sigmoid scores, a
     # correction bias for the choice, group-limited top-k, routed_scaling_factor) with standard attention
     return replace(facts, routing=_routing(config))
+
+
+@rule("exaone_moe")
+def _exaone_moe(config, facts: ArchFacts) -> ArchFacts:
+    # EXAONE 4's attention (RoPE on sliding layers only when the config has a window) with DeepSeek V3's routing
+    return _exaone4(config, _deepseek_routing(config, facts))

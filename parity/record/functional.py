@@ -34,7 +34,7 @@ import math
 import re
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 import torch
@@ -80,6 +80,29 @@ _FOLLOWED = 16
 #: a parameter's key in the maps by storage: its storage's address, or, where several parameters of ours
 #: are views into one storage (``nn.Parameter(b.chunk(3)[0])``), ``(address, first element, end)``
 StorageKey = int | tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class Block:
+    """The storage elements of a fused parameter that hold one projection's rows: ``first`` to ``end``, all of
+    them, or (``elements``, sorted) those of a strided view (``wkv[:, 0]`` of a ``(hidden, 2, kv_heads,
+    head_dim)`` weight)."""
+
+    first: int
+    end: int
+    elements: torch.Tensor | None = field(default=None, compare=False)
+
+    def read_by(self, t: torch.Tensor) -> bool:
+        """Whether the view ``t`` of the parameter's storage reads exactly these elements."""
+        start = int(t.storage_offset())
+        if start != self.first or start + _span_of(t) != self.end:
+            return False
+        if self.elements is None:
+            return t.numel() == self.end - self.first
+        if t.numel() != self.elements.numel():
+            return False
+        index = torch.arange(self.end - self.first).as_strided(t.shape, t.stride())
+        return bool(torch.equal(index.flatten().sort().values + start, self.elements))
 
 
 def storage_keys(params) -> dict[int, StorageKey]:
@@ -444,11 +467,11 @@ class FunctionCapture(TorchFunctionMode):
         lookups: frozenset[str] | None = None,
         input_axes: dict[int, tuple[torch.Tensor, int]] | None = None,
         forget=None,
-        parts: dict[tuple[int, int, int], tuple[str, Callable]] | None = None,
+        parts: dict[int, list[tuple[Block, str, Callable]]] | None = None,
     ):
         super().__init__()
-        #: ``(storage address, first element, end) -> (node, its rows)``: the block of a fused parameter holding
-        #: one node's rows alone; a product reading exactly that block is that node (``W[1]`` of a stacked gate/up)
+        #: ``storage address -> [(block, node, its rows)]``: the elements of a fused parameter holding one node's
+        #: rows alone; a product reading exactly those is that node (``W[1]`` of a stacked gate/up, ``wkv[:, 0]``)
         self.parts = parts or {}
         #: results of such products waiting for their bias: ``id -> the node's rows``
         self._part_rows: dict[int, Callable] = {}
@@ -516,6 +539,9 @@ class FunctionCapture(TorchFunctionMode):
         self._pending: dict[str, Pending] = {}
         #: per block, the (q_len, k_len) of its ``q @ k^T`` not yet multiplied with the values
         self._scored: dict[str, tuple[int, ...]] = {}
+        #: per block, the last products ``(out, q part, k part^T)`` contracting a part of each head (MLA's
+        #: ``q_nope @ k_nope^T`` and ``q_rope @ k_rope^T``): two of them summed are its ``q @ k^T``
+        self._split: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -689,9 +715,39 @@ class FunctionCapture(TorchFunctionMode):
             return self._baddbmm(block, head_dim, heads, func, args, kwargs)
         if func is EINSUM and args and isinstance(args[0], str):
             return self._einsum(block, head_dim, func, args, kwargs)
+        if op_name(func) in ("add", "__add__", "__radd__") and block in self._split and len(args) == 2:
+            joined = self._split_scores(block, head_dim, func, args, kwargs)
+            if joined is not None:
+                return joined
         out = func(*args, **kwargs)
         if func in SCALINGS:
             self._note_scaling(func, args, out)
+        return out
+
+    def _split_scores(self, block: str, head_dim: int, func, args, kwargs) -> torch.Tensor | None:
+        """``q_a @ k_a^T + q_b @ k_b^T`` whose widths make a head: the block's ``q @ k^T`` with ``q_rot`` and
+        ``k_rot`` each head's two parts concatenated (MLA's scores over its pass-through and its rotated dims,
+        computed apart: the part whose keys one head shares, the decoupled RoPE key, last, as Transformers'
+        ``cat(q_pass, q_rot)``), keys expanded to the queries' heads; None for any other sum."""
+        held = {id(out): (out, a, b) for out, a, b in self._split[block]}
+        parts = [held.get(id(t)) for t in args]
+        if any(p is None or p[0] is not t for p, t in zip(parts, args, strict=True)):
+            return None
+        first, second = cast(list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], parts)
+        if first[1].shape[-1] + second[1].shape[-1] != head_dim or first[0].shape != second[0].shape:
+            return None
+        if first[2].shape[1] == 1 and second[2].shape[1] != 1:  # the shared key's part is the rotated one
+            first, second = second, first
+        del self._split[block]
+        heads = first[1].shape[1]
+        q = torch.cat((first[1], second[1]), -1)
+        k = torch.cat([t.expand(-1, heads, -1, -1).transpose(-2, -1) for t in (first[2], second[2])], -1)
+        q_seen, k_seen = self.record("q_rot", q), self.record("k_rot", k)
+        out = func(*args, **kwargs)
+        if q_seen is not q or k_seen is not k:  # isolated mode: the reference's q and k, their product
+            out = (q_seen @ k_seen.transpose(-2, -1)).to(out.dtype)
+        self._scored[block] = tuple(out.shape[-2:])
+        self._pending[block] = Pending(out, out, Heads(out, 0).canonical)
         return out
 
     def _note_scaling(self, func, args, out) -> None:
@@ -725,8 +781,8 @@ class FunctionCapture(TorchFunctionMode):
         is this block's product of its probabilities with its values: after its softmax, or after its
         ``q @ k^T`` when the softmax is written out (exp over a sum), the probabilities then of the
         scores' shape."""
-        if dim != head_dim:
-            return False
+        if dim != head_dim:  # values of their own width (MLA's v_head_dim): only right after the softmax
+            return block in self._after_probs and self._scored.get(block, qk) == qk
         return block in self._after_probs or self._scored.get(block) == qk
 
     def _before_values(self, block: str) -> None:
@@ -851,14 +907,13 @@ class FunctionCapture(TorchFunctionMode):
             return None
         for t in operands:
             if isinstance(t, torch.Tensor) and self.followed.of(t) is not None and t.numel():
-                start = int(t.storage_offset())
-                held = self.parts.get((t.untyped_storage().data_ptr(), start, start + int(_span_of(t))))
-                if held is None:
-                    continue
-                rows = getattr(held[1], "rows", None)  # a product keeping its heads apart: heads * head_dim of them
-                features = {out.shape[-1]} | ({out.shape[1] * out.shape[3]} if out.dim() == 4 else set())
-                if rows is None or len(rows) in features:
-                    return held
+                for block, node, alone in self.parts.get(t.untyped_storage().data_ptr(), []):
+                    if not block.read_by(t):
+                        continue
+                    rows = getattr(alone, "rows", None)  # a product keeping its heads apart: heads * head_dim
+                    features = {out.shape[-1]} | ({out.shape[1] * out.shape[3]} if out.dim() == 4 else set())
+                    if rows is None or len(rows) in features:
+                        return node, alone
         return None
 
     def _partial(self, t: torch.Tensor):
@@ -941,6 +996,10 @@ class FunctionCapture(TorchFunctionMode):
             cv = folded.view(out)
             context = self.record("context", cv)
             return out if context is cv else folded.back(context)
+        if self._part_of_head(block, head_dim, heads, a, b):
+            out = func(*args, **kwargs)
+            self._split[block] = [*self._split.get(block, [])[-1:], (out, a, b)]
+            return out
         if (a.shape[-1] == head_dim and b.shape[-2] == head_dim) or self._other_head_dim(block, head_dim, heads, a, b):
             # q @ k^T: both operands carry head_dim (k transposed), the result is (..., q_len, k_len)
             if self._chunk_of(block, a):
@@ -957,6 +1016,20 @@ class FunctionCapture(TorchFunctionMode):
             self._pending[block] = Pending(out, out, folded.canonical)
             return out
         return func(*args, **kwargs)
+
+    def _part_of_head(self, block: str, head_dim: int, heads: int, a: torch.Tensor, b: torch.Tensor) -> bool:
+        """Whether ``a @ b`` may be one of two products that sum to the block's ``q @ k^T`` (see
+        :meth:`_split_scores`): 4-D, the block's heads (the keys' one head broadcast), contracting fewer
+        dims than a head's, before the block's scores."""
+        d = a.shape[-1]
+        return (
+            a.dim() == b.dim() == 4
+            and 0 < d < head_dim
+            and b.shape[-2] == d
+            and block not in self._scored
+            and a.shape[1] == heads
+            and b.shape[1] in (1, heads)
+        )
 
     def _other_head_dim(self, block: str, head_dim: int, heads: int, a: torch.Tensor, b: torch.Tensor) -> bool:
         """Whether ``a @ b`` is the block's first ``q @ k^T`` with the heads cut to another head_dim (a port

@@ -147,6 +147,8 @@ class ExpertEvidence:
             with torch.no_grad():
                 alone = _expert_alone(self.run, m, self.x[self.rows], torch.ones(len(self.rows), dtype=torch.bool), j)
             return alone.double()
+        if m.down_proj is None or j >= m.down_proj.shape[0]:
+            return None  # no weights of its own (LongCat-Flash's zero-compute experts pass their input on)
         fused = m.gate_up_proj[j].detach().double()
         gate, up = (fused[0::2], fused[1::2]) if interleaved else fused.chunk(2, dim=0)
         if swap_halves:
@@ -163,7 +165,14 @@ class ExpertEvidence:
 
     @property
     def num_experts(self) -> int:
-        return int(self.module.num_experts)
+        return experts_count(self.module)
+
+
+def experts_count(module: nn.Module) -> int:
+    """How many experts a Transformers experts module chooses among: ``num_experts``, or LongCat-Flash's
+    ``total_experts`` (its routed experts and its zero-compute identity experts after them)."""
+    count = getattr(module, "num_experts", None)
+    return int(cast(int, count if count is not None else module.total_experts))
 
 
 def _eager_experts(module: nn.Module):
@@ -193,17 +202,17 @@ def _record_experts(module, eager, hidden_states, top_k_index, top_k_weights) ->
     trace = active_trace()
     path = _paths.get(module)
     if trace is not None and path is not None:
-        sentinel = module.num_experts
+        sentinel = experts_count(module)
         ones = torch.ones_like(top_k_weights)
         x = None  # one CPU copy of the input, shared by every expert's evidence
-        for e in range(module.num_experts):
+        for e in range(sentinel):
             name = f"{path}.{e}"
             if name in trace.wanted:
                 chosen = top_k_index == e
                 only = torch.where(chosen, top_k_index, torch.full_like(top_k_index, sentinel))
                 try:
                     alone = eager(module, hidden_states, only, ones)
-                except (RuntimeError, IndexError):  # a class that takes no sentinel (GPT-OSS's one_hot over experts)
+                except (RuntimeError, IndexError, ValueError):  # a class that takes no sentinel (GPT-OSS's one_hot)
                     alone = _expert_alone(eager, module, hidden_states, chosen.any(-1), e)
                 trace.add(name, alone)
                 if name not in trace.extras:
@@ -261,7 +270,11 @@ def _expert_alone(eager, module, hidden_states: torch.Tensor, routed: torch.Tens
     if rows.numel():
         index = torch.full((rows.numel(), 1), e, dtype=torch.long, device=x.device)
         weights = torch.ones(rows.numel(), 1, dtype=x.dtype, device=x.device)
-        out[rows] = eager(module, x[rows], index, weights).reshape(rows.numel(), -1)
+        try:
+            alone = eager(module, x[rows], index, weights)
+        except ValueError:  # a class that squeezes the top-k axis (LongCat-Flash's): e chosen twice, each half
+            alone = eager(module, x[rows], index.expand(-1, 2), weights.expand(-1, 2) / 2)  # y/2 + y/2 = y exactly
+        out[rows] = alone.reshape(rows.numel(), -1)
     return out.reshape(hidden_states.shape)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
+import itertools
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ from parity.record.trace import Trace, first_tensor
 from parity.util.errors import ParityError
 
 if TYPE_CHECKING:
-    from parity.record.functional import StorageKey
+    from parity.record.functional import Block, StorageKey
 
 #: layouts a tap may declare for q_rot/k_rot/context: (batch, heads, seq, head_dim), (batch, seq, heads,
 #: head_dim), (batch, seq, heads * head_dim)
@@ -253,6 +254,14 @@ def _forget_module(rec: _Recording, module: str) -> None:
         rec.trace.retract(node)
 
 
+def _correction_bias(module: nn.Module) -> torch.Tensor | None:
+    """A router's correction bias, added to its scores for the choice only: its own ``e_score_correction_bias``
+    (DeepSeek V3's) or a child's (ERNIE 4.5's ``moe_statics``, ``(1, experts)``), flattened; else None."""
+    tensors = itertools.chain(module.named_parameters(), module.named_buffers())
+    found = next((t for n, t in tensors if n.rsplit(".", 1)[-1] == "e_score_correction_bias"), None)
+    return found.flatten() if isinstance(found, torch.Tensor) else None
+
+
 def _record_param(
     rec: _Recording, node: str, tensor: torch.Tensor, siblings, lookup: bool, lookups: frozenset[str]
 ) -> torch.Tensor:
@@ -392,7 +401,7 @@ def recording(
     functional_expects_bias: frozenset[str] = frozenset(),
     functional_owners: dict[str, str] | None = None,
     functional_siblings: dict[str, list[str]] | None = None,
-    functional_parts: dict[tuple[int, int, int], tuple[str, Callable]] | None = None,
+    functional_parts: dict[int, list[tuple[Block, str, Callable]]] | None = None,
     functional_lookups: frozenset[str] | None = None,
     functional_blocks: dict[str, tuple[str, bool]] | None = None,
     functional_input_axes: dict[int, tuple[torch.Tensor, int]] | None = None,
@@ -527,7 +536,7 @@ def recording(
                             trace.weights[_name] = weight.detach()
                         # DeepSeek's router keeps the bias it adds to the scores for the choice apart; AFMoE's
                         # router is handed its block's (``router(hidden_states, self.expert_bias)``)
-                        bias = bias if bias is not None else getattr(mod, "e_score_correction_bias", None)
+                        bias = bias if bias is not None else _correction_bias(mod)
                         if bias is None and is_router(mod):
                             bias = kwargs.get("expert_bias", args[1] if len(args) > 1 else None)
                             bias = bias if isinstance(bias, torch.Tensor) and bias.dim() == 1 else None

@@ -35,7 +35,7 @@ from parity.diagnose.hints import Hint
 from parity.diagnose.profile import error_profile, logits_effect
 from parity.model.pair import Pair
 from parity.record import hf_capture, hf_kernels
-from parity.record.functional import StorageKey, storage_keys
+from parity.record.functional import Block, StorageKey, storage_keys
 from parity.record.hf_capture import FUSED_QKV, OUTPUT_PROJECTIONS
 from parity.record.hooks import FUNCTIONS, recording
 from parity.record.trace import SCALARS, Trace
@@ -72,8 +72,18 @@ CALIBRATION_FLOOR = {torch.float32: 1e-6, torch.bfloat16: 1e-3, torch.float16: 1
 
 
 def diagnosis_inputs(pair: Pair) -> frozenset[str]:
+    """The nodes whose module input is kept for diagnosis: by kind (:data:`DIAGNOSIS_INPUT_KINDS`), and every
+    reference ``nn.Linear`` whatever its name (Granite's ``input_linear``, Mixtral's ``w1``): what a projection
+    read is the evidence of a projection reading another point of the stream."""
+    modules = dict(pair.reference.named_modules())
     return frozenset(
-        n.name for n in pair.nodes if any(k in n.kind for k in DIAGNOSIS_INPUT_KINDS) and "@" not in n.kind
+        n.name
+        for n in pair.nodes
+        if "@" not in n.kind
+        and (
+            any(k in n.kind for k in DIAGNOSIS_INPUT_KINDS)
+            or (isinstance(modules.get(n.reference_path), torch.nn.Linear) and n.layer is not None)
+        )
     )
 
 
@@ -192,7 +202,7 @@ def ours_recording(pair: Pair) -> dict:
     functional: dict[StorageKey, str] = {}
     siblings: dict[str, list[str]] = {}
     biases: dict[StorageKey, str] = {}
-    parts: dict[tuple[int, int, int], tuple[str, Callable]] = {}
+    parts: dict[int, list[tuple[Block, str, Callable]]] = {}
     for n in pair.nodes:
         # param:W (the op reading W) or param:W+b (and the add of b that follows it)
         weight, _, bias = n.ours[len("param:") :].partition("+") if n.ours.startswith("param:") else ("", "", "")
@@ -204,10 +214,9 @@ def ours_recording(pair: Pair) -> dict:
                 functional[ptr] = n.name
         block, alone = getattr(n.transform, "block", None), getattr(n.transform, "alone", None)
         if weight in params and block is not None and alone is not None:
-            # one projection's rows of a fused parameter, one block of its storage (a Rows transform's): a product
-            # reading that block alone (``W[1]``, ``W[:I]``) computes this node alone, its outputs in its rows' order
-            first, end = block
-            parts[(params[weight].untyped_storage().data_ptr(), first, end)] = (n.name, alone())
+            # one projection's rows of a fused parameter (a Rows transform's): a product reading those elements
+            # alone (``W[1]``, ``W[:I]``, ``wkv[:, 0]``) computes this node alone, its outputs in its rows' order
+            parts.setdefault(params[weight].untyped_storage().data_ptr(), []).append((block, n.name, alone()))
         if bias in params and id(params[bias]) in key_of:
             # a fused bias added once for several nodes (their rows): the node its fused weight's product records
             biases.setdefault(key_of[id(params[bias])], n.name)
@@ -239,6 +248,10 @@ def ours_recording(pair: Pair) -> dict:
             key = key_of.get(id(p))
             if p.dim() == 1 and key is not None and key not in biases and key not in functional:
                 biases[key] = ""
+    # a parameter read for several nodes is followed as its first (a tied table: the embedding): its product
+    # waits for the bias a sibling's module adds (ERNIE 4.5's tied head with a bias)
+    biased = set(biases.values()) | expects_bias
+    expects_bias |= {first for first, others in siblings.items() if biased & set(others)}
     input_axes = _input_axes(pair, params, ref_modules)
     # attention blocks ours computes in functions only: each opens when one of its projections is read and
     # closes with its last
@@ -506,6 +519,7 @@ def compare_run(pair: Pair, run: Run, ours: Trace, ref: Trace, tolerances: Toler
         hint = (
             hint
             or never_read_before(results, bad)
+            or loader_gap_before(results, bad, pair)
             or derived_before(results, bad, pair)
             or untapped_before(results, bad, pair.facts)
         )
@@ -540,6 +554,27 @@ def never_read_before(results: list[NodeResult], bad: NodeResult) -> Hint | None
     )
 
 
+def loader_gap_before(results: list[NodeResult], bad: NodeResult, pair: Pair) -> Hint | None:
+    """The failure sits in (or right after the untapped nodes of) a module some of whose checkpoint tensor ours
+    holds only in part (loader coverage's gaps: a shared MLP cut to one expert's width): that gap is the
+    likeliest cause, named with the coverage's own words."""
+    coverage = pair.loading.coverage if pair.loading is not None else None
+    gaps = list(getattr(coverage, "gaps", None) or [])
+    if not gaps:
+        return None
+    scope = [bad.name] + [r.name for r in _since_agreement(results, bad) if r.status == UNTAPPED]
+    within = [g for g in gaps if any(g.startswith(n + ".") for n in scope)]
+    if not within:
+        return None
+    return Hint(
+        "loader_gap",
+        f"likely the loader: ours holds only part of a checkpoint tensor here ({'; '.join(within[:2])}"
+        f"{f'; {len(within) - 2} more' if len(within) > 2 else ''}); the nodes before agree, and {bad.name} is "
+        "the first node after them to differ",
+        {"side": "ours", "gaps": within},
+    )
+
+
 def derived_before(results: list[NodeResult], bad: NodeResult, pair: Pair) -> Hint | None:
     """The failure sits in (or right after the untapped nodes of) a module whose checkpoint tensors ours
     computes into other values at load (a norm folded into the next projection, DiffLlama's lambdas folded
@@ -567,6 +602,13 @@ def derived_before(results: list[NodeResult], bad: NodeResult, pair: Pair) -> Hi
             f"agree, and {bad.name} is the first node after them to differ",
             {"side": "ours", "keys": keys, "into": into, "levels": count},
         )
+    permuted = _permuted_at_load(pair, keys, into)
+    if permuted is not None:
+        return Hint(
+            "derived_at_load",
+            f"likely {permuted}; the nodes before agree, and {bad.name} is the first node after them to differ",
+            {"side": "ours", "keys": keys, "into": into, "permuted": permuted},
+        )
     return Hint(
         "derived_at_load",
         f"likely the values ours computes at load from {', '.join(keys[:4])}{where}: the nodes before agree, and "
@@ -574,6 +616,65 @@ def derived_before(results: list[NodeResult], bad: NodeResult, pair: Pair) -> Hi
         "formula (which tensor, which axis, which order)",
         {"side": "ours", "keys": keys, "into": into},
     )
+
+
+def _permuted_at_load(pair: Pair, keys: list[str], into: list[str]) -> str | None:
+    """How ours holds a 2-D checkpoint tensor's values in another order (one key, one parameter of as many
+    elements): its columns (or rows) permuted, named as a transposed ``(a, b)`` grid where the order is one (a
+    ``(head_dim, heads)`` layout read as ``(heads, head_dim)``); None for anything else."""
+    held = dict(pair.ours.named_parameters())
+    if len(keys) != 1 or len(into) != 1 or into[0] not in held:
+        return None
+    # the checkpoint's tensor, or the reference's parameter of that name (the float64 pair keeps no state dict)
+    found = dict(pair.reference.named_parameters()).get(keys[0])
+    w, p = (found.detach() if found is not None else None), held[into[0]].detach()
+    if (
+        w is None
+        or w.dim() != 2
+        or p.numel() != w.numel()
+        or not torch.equal(w.flatten().sort().values, p.flatten().sort().values)
+    ):
+        return None
+    for ours, how in ((p.reshape(w.shape), ""), (p.reshape(w.shape[::-1]).T, " (transposed)")):
+        for axis, what in ((1, "input columns"), (0, "output rows")):
+            perm = _axis_permutation(w, ours, axis)
+            if perm is None:
+                continue
+            n = len(perm)
+            grid = next(
+                (
+                    (a, n // a)
+                    for a in range(2, n)
+                    if n % a == 0 and perm == [(j % a) * (n // a) + j // a for j in range(n)]
+                ),
+                None,
+            )
+            named = _grid_name(pair, grid) if grid is not None else ""
+            shape = f"a ({grid[0]}, {grid[1]}) grid transposed{named}" if grid is not None else "another order"
+            return (
+                f"{keys[0]} held by ours' {into[0]}{how} with its {what} in {shape} (ours[j] = checkpoint"
+                f"[{', '.join(map(str, perm[:6]))}, ...]): a layout reshaped where it needed a permute at load"
+            )
+    return None
+
+
+def _axis_permutation(w: torch.Tensor, ours: torch.Tensor, axis: int) -> list[int] | None:
+    """``perm`` with ``ours.select(axis, j) == w.select(axis, perm[j])`` for every ``j`` (not the identity), else None."""
+    a, b = w.movedim(axis, 0).flatten(1), ours.movedim(axis, 0).flatten(1)
+    index = {tuple(row.tolist()): i for i, row in enumerate(a)}
+    perm = [index.get(tuple(row.tolist()), -1) for row in b]
+    return perm if -1 not in perm and sorted(perm) == list(range(len(perm))) and perm != sorted(perm) else None
+
+
+def _grid_name(pair: Pair, grid: tuple[int, int]) -> str:
+    """`` (heads by head_dim)`` when the grid's sides are the model's heads and head_dim, else ``""``."""
+    heads, head_dim = pair.facts.num_heads, pair.facts.head_dim
+    if set(grid) == {heads, head_dim} and heads != head_dim:
+        # ours' j = outer * a + inner, its inner axis of grid[0]: its outer (major) axis is grid[1]'s
+        ours_major = "head_dim" if grid[1] == head_dim else "heads"
+        theirs = "heads" if ours_major == "head_dim" else "head_dim"
+        return f": ours holds them {ours_major}-major where the checkpoint is {theirs}-major"
+    return ""
 
 
 def _quantised_levels(model, params: list[str]) -> tuple[str, int] | None:

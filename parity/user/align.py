@@ -55,7 +55,7 @@ from parity.build.coverage import (
 from parity.model.facts import ArchFacts
 from parity.model.facts_rules import MLA_INTERLEAVED_ROPE, Q_PRESCALED
 from parity.model.pair import NodeSpec
-from parity.record.functional import StorageKey, first_reads, storage_keys
+from parity.record.functional import Block, StorageKey, first_reads, storage_keys
 from parity.record.hf_capture import FUSED_QKV, POSITION_TABLES, SUFFIXES
 from parity.record.hooks import FUNCTIONS, LAYOUTS
 from parity.record.ops import LOOKUP, PRODUCT
@@ -87,10 +87,10 @@ class Rows:
     projection (the rows of the fused weight that hold its rows)."""
 
     rows: tuple[int, ...]
-    #: ``(first, end)``: the storage elements of ours' parameter holding these rows, when they are one block
-    #: (``W[1]`` of a stacked gate/up, ``W[:I]``): a product reading exactly that block computes this
-    #: projection alone, its output features the rows in ours' order (:meth:`alone`)
-    block: tuple[int, int] | None = None
+    #: the storage elements of ours' parameter holding these rows, when a product can read them alone (``W[1]``
+    #: of a stacked gate/up, ``W[:I]``, ``wkv[:, 0]``): such a product computes this projection alone, its output
+    #: features the rows in ours' order (:meth:`alone`)
+    block: Block | None = None
     #: the output features of the product these rows are picked from (0: unknown), to read a product that
     #: keeps its heads apart (``bsh,nhd->bnsd``) as ``(batch, seq, heads * head_dim)``
     width: int = 0
@@ -361,9 +361,10 @@ def expert_of(source: Source, whole: torch.Tensor, experts: int) -> int | None:
     return found.pop() if len(found) == 1 else None
 
 
-def _block_of(p: torch.Tensor, source: Source) -> tuple[int, int] | None:
-    """``(first, end)``: the storage elements of ``p`` holding ``source``'s rows, when they are one block and
-    not all of ``p``; None otherwise (worked out from the strides: a real model's weight is never indexed)."""
+def _block_of(p: torch.Tensor, source: Source) -> Block | None:
+    """The storage elements of ``p`` holding ``source``'s rows, when they are not all of ``p`` and a product can
+    read them alone: one block (``W[:I]``, ``W[1]``), or a strided view (``wkv[:, 0]`` of a ``(hidden, 2, kv_heads,
+    head_dim)`` weight); None otherwise (worked out from the strides: a real model's weight is never indexed)."""
     rows = cast(tuple[int, ...], source.rows)
     row_axes, within = source.row_axes(p.dim())
     shape, stride = [int(n) for n in p.shape], p.stride()
@@ -374,10 +375,14 @@ def _block_of(p: torch.Tensor, source: Source) -> tuple[int, int] | None:
             r, i = divmod(r, shape[axis])
             start += i * stride[axis]
         firsts.append(start)
-    first = min(firsts)
-    end = max(firsts) + sum((shape[a] - 1) * stride[a] for a in within) + 1
-    held = len(rows) * math.prod(shape[a] for a in within)
-    return (first, end) if end - first == held < p.numel() else None
+    offsets = torch.zeros((), dtype=torch.long)
+    for a in within:  # each row's elements relative to its first
+        offsets = (offsets[..., None] + torch.arange(shape[a]) * stride[a]).flatten()
+    elements = (torch.tensor(firsts)[:, None] + offsets.reshape(1, -1)).flatten().sort().values
+    if elements.numel() >= p.numel() or bool((elements[1:] == elements[:-1]).any()):
+        return None
+    first, end = int(elements[0]), int(elements[-1]) + 1
+    return Block(first, end, None if end - first == elements.numel() else elements)
 
 
 def _first(items: list[str], n: int = 4) -> str:
@@ -656,9 +661,13 @@ class _Aligner:
             if p.startswith(parent + ".") and p != path and not p.startswith(path + ".")
             and any(True for _ in m.parameters(recurse=False))
         }  # fmt: skip
-        routers = {p for p in weighted if is_router(self.ref_modules[p])}
-        if weighted != routers or len(routers) != 1:
-            return None
+        routers = [p for p, m in self.ref_modules.items() if p.startswith(parent + ".") and is_router(m)]
+        if (
+            len(routers) != 1
+            or not weighted
+            or any(p != routers[0] and not p.startswith(routers[0] + ".") for p in weighted)
+        ):
+            return None  # the block holds more than one router (its own weight, or a child's: LongCat's classifier)
         block = self.container(parent)
         return block if block is not None and block in inside else None
 
@@ -958,6 +967,7 @@ class _Aligner:
                     "input" if is_input else "container",
                     f"common ancestor of the modules aligned under {base}",
                 )
+        base = self._router_linear(base) if not is_input else base
         if base in self.functional and not is_input:
             stacked = getattr(self.ref_modules.get(base), "weight", None)
             if isinstance(stacked, torch.Tensor) and stacked.dim() == 3:
@@ -1007,6 +1017,16 @@ class _Aligner:
                 f"the result of the op in ours that reads {param} ({source.description}): its module computes more",
             )
         return self._unaligned(spec, self.why.get(base) or self._unplaced(base))
+
+    def _router_linear(self, base: str) -> str:
+        """A router with no weight of its own whose logits are its one linear child's weight read in a function
+        (LongCat-Flash's ``F.linear(x, self.classifier.weight)``): that child, whose read ours' op is; else
+        ``base``."""
+        module = self.ref_modules.get(base)
+        if module is None or base in self.functional or not is_router(module) or hasattr(module, "weight"):
+            return base
+        linears = [f"{base}.{n}" for n, m in module.named_children() if isinstance(m, nn.Linear)]
+        return linears[0] if len(linears) == 1 and linears[0] in self.functional else base
 
     def _unplaced(self, base: str) -> str:
         """Why a reference node that is no module's output of its own found nothing in ours, in true words."""

@@ -29,7 +29,7 @@ from parity.build.builder import (
     default_seq_len,
 )
 from parity.build.coverage import loader_coverage
-from parity.build.reference import resolve_reference
+from parity.build.reference import resolve_reference, unread_rows
 from parity.model.facts_rules import GATE_UP_INTERLEAVED
 from parity.model.pair import Loading, Pair, PairSource, fingerprints
 from parity.report.result import CheckResult
@@ -313,6 +313,7 @@ def build_user_pair(
         copies_break_ties=False,
         constants=ref.facts.named_constants(),
         interleaved=GATE_UP_INTERLEAVED in ref.facts.features,
+        unread=unread_rows(ref.model),
     )
     if coverage.unused and not _transformer_lens_processed(model):  # processed weights: the message says how
         coverage.mark_numbers(scalar_buffers(ref.model, coverage.unused))

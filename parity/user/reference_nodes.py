@@ -5,6 +5,8 @@ experts, and what the forward returns). Used where no family builds the pair: a 
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 
@@ -15,7 +17,16 @@ from parity.record.routing import CHOICES, WEIGHTS, is_router, returns_choice
 
 
 def _is_attention(module: nn.Module) -> bool:
-    return type(module).__name__.endswith("Attention") and any(hasattr(module, n) for n in OUTPUT_PROJECTIONS)
+    """An attention block: an output projection, and a class named ``...Attention`` or a forward that calls
+    Transformers' attention interface (LongCat-Flash's ``LongcatFlashMLA``)."""
+    if not any(hasattr(module, n) for n in OUTPUT_PROJECTIONS):
+        return False
+    if type(module).__name__.endswith("Attention"):
+        return True
+    try:
+        return "attention_interface(" in inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return False
 
 
 def _router_weight(router: nn.Module) -> torch.Tensor | None:
@@ -48,8 +59,11 @@ def _moe_parts(module: nn.Module) -> tuple[str, str, int, tuple[str, str] | None
             continue
         own = list(child.parameters(recurse=False))
         # every expert's weights stacked (experts, ., .), their biases too (GPT-OSS: gate_up_proj_bias (experts, 2 I))
+        # (LongCat-Flash's down_proj holds its routed experts alone, fewer: the zero-compute ones after have none)
         stacked = [p for p in own if p.dim() == 3]
-        if stacked and all(p.dim() in (2, 3) and p.shape[0] == experts for p in own) and chooses:
+        fits = bool(stacked) and stacked[0].shape[0] == experts
+        fits = fits and all(p.dim() in (2, 3) and p.shape[0] <= experts for p in own)
+        if stacked and fits and chooses:
             return router, name, experts, None
         # the experts' weights in a child, stacked along the rows (DBRX: experts.mlp.w1 (experts * I, H))
         inner = list(child.parameters())
@@ -57,6 +71,17 @@ def _moe_parts(module: nn.Module) -> tuple[str, str, int, tuple[str, str] | None
         if arguments is not None and inner and all(p.dim() == 2 and p.shape[0] % experts == 0 for p in inner):
             return router, name, experts, arguments[1:]
     return None
+
+
+def _calls(module: nn.Module, child: str) -> bool:
+    """Whether ``module``'s forward calls its child ``child`` as a module (``self.layer(x)``, DBRX's router),
+    rather than reading its weight in a function (``F.linear(x, self.classifier.weight)``, LongCat-Flash's): a
+    child never called produces no output of its own. True when the source cannot be read."""
+    try:
+        source = inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return True
+    return f"self.{child}(" in source
 
 
 def _combines_more(module: nn.Module, router: str, experts: str) -> bool:
@@ -103,6 +128,8 @@ def discover_nodes(model: nn.Module, facts: ArchFacts) -> list[NodeSpec]:
         elif moe is not None:
             nodes += _moe_nodes(path, *moe)
             inside_moe |= {f"{path}.{moe[0]}", f"{path}.{moe[1]}"}
+            router = dict(module.named_children())[moe[0]]
+            inside_moe |= {f"{path}.{moe[0]}.{n}" for n, _ in router.named_children() if not _calls(router, n)}
             if _combines_more(module, moe[0], moe[1]):  # a shared expert beside: the block's output is a node
                 nodes.append(NodeSpec(path, path))
         elif "weight" in dict(module.named_parameters(recurse=False)):
