@@ -138,8 +138,9 @@ NAMED = [
      "or rotates every token by position 0: positions read from another axis"),
     ("glm4", "glm_embedding_grad_shrink_as_scale", False, "model.layers.0.input_layernorm", "scale",
      "times 0.1 at every position"),
-    ("glm4", "glm_scale_folded_into_rope_table_misses_pass_dims", False, "model.layers.0.self_attn.q_rot", "scale",
-     "on the 8 rotated dims of each head and agrees on the other 8"),
+    # (with GLM-4's interleaved pairs in the facts, read from its rotate_half, the RoPE fit reads the table's scale)
+    ("glm4", "glm_scale_folded_into_rope_table_misses_pass_dims", False, "model.layers.0.self_attn.q_rot",
+     "rope_attention_factor", "ours rotates with this layer's frequencies but cos/sin scaled by 0.25"),
     ("gpt_oss", "oss_sink_logit_scaled", False, "model.layers.0.self_attn.probs", "softmax_sink",
      "the attention sink's logit: ours' is the reference's times 0.25"),
     ("gpt_oss", "oss_sink_rescale_sign", False, "model.layers.0.self_attn.probs", "softmax_sink",

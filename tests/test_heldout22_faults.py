@@ -11,7 +11,8 @@ score products, zero-compute identity experts beside the routed ones). 39 bugs, 
 First measure in the thirteenth session (2026-12-04), on the code with set 21 fitted: 12 of 36 correct runs
 passed (every ERNIE run failed at its tied head's bias; every LongCat-Flash run raised inside parity: its experts
 module has no ``num_experts``); of the bugs, 18 of 39 named the cause (46%), 3 were refused naming the tensor, 13
-crashed (LongCat-Flash), 5 named the component or nothing, none a wrong cause. Fitted since, by kind: a tied
+crashed (LongCat-Flash), 4 named the component or nothing, 1 a wrong cause (ERNIE's shared MLP cut to one
+expert's width, read as the experts' weights computed at load). Fitted since, by kind: a tied
 head's bias waited for (the table's product is followed as the embedding's); tying's copy of a bias given back
 the checkpoint's tensor; experts counted by ``total_experts``, a class that squeezes the top-k axis run with the
 expert chosen twice at half weight, an expert block whose down projections cover fewer experts than its

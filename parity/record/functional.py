@@ -542,6 +542,8 @@ class FunctionCapture(TorchFunctionMode):
         #: per block, the last products ``(out, q part, k part^T)`` contracting a part of each head (MLA's
         #: ``q_nope @ k_nope^T`` and ``q_rope @ k_rope^T``): two of them summed are its ``q @ k^T``
         self._split: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        #: blocks whose ``q @ k^T`` was such a sum: their values may have a width of their own (``v_head_dim``)
+        self._split_scored: set[str] = set()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -748,6 +750,7 @@ class FunctionCapture(TorchFunctionMode):
             out = (q_seen @ k_seen.transpose(-2, -1)).to(out.dtype)
         self._scored[block] = tuple(out.shape[-2:])
         self._pending[block] = Pending(out, out, Heads(out, 0).canonical)
+        self._split_scored.add(block)
         return out
 
     def _note_scaling(self, func, args, out) -> None:
@@ -781,8 +784,8 @@ class FunctionCapture(TorchFunctionMode):
         is this block's product of its probabilities with its values: after its softmax, or after its
         ``q @ k^T`` when the softmax is written out (exp over a sum), the probabilities then of the
         scores' shape."""
-        if dim != head_dim:  # values of their own width (MLA's v_head_dim): only right after the softmax
-            return block in self._after_probs and self._scored.get(block, qk) == qk
+        if dim != head_dim:  # values of their own width (MLA's v_head_dim) after split scores' softmax only
+            return block in self._split_scored and block in self._after_probs and self._scored.get(block, qk) == qk
         return block in self._after_probs or self._scored.get(block) == qk
 
     def _before_values(self, block: str) -> None:

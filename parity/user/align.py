@@ -60,6 +60,7 @@ from parity.record.hf_capture import FUSED_QKV, POSITION_TABLES, SUFFIXES
 from parity.record.hooks import FUNCTIONS, LAYOUTS
 from parity.record.ops import LOOKUP, PRODUCT
 from parity.record.routing import CHOICES, WEIGHTS, ExpertRows, TopK, is_router
+from parity.user.reference_nodes import calls_child
 from parity.util.errors import ParityError
 
 UNALIGNED, TAP, PARAM = "unaligned:", "tap:", "param:"
@@ -1025,8 +1026,11 @@ class _Aligner:
         module = self.ref_modules.get(base)
         if module is None or base in self.functional or not is_router(module) or hasattr(module, "weight"):
             return base
-        linears = [f"{base}.{n}" for n, m in module.named_children() if isinstance(m, nn.Linear)]
-        return linears[0] if len(linears) == 1 and linears[0] in self.functional else base
+        # a child the router calls as a module (DBRX's router.layer) is a node of its own, the router's output too
+        linears = [n for n, m in module.named_children() if isinstance(m, nn.Linear)]
+        if len(linears) != 1 or calls_child(module, linears[0]):
+            return base
+        return f"{base}.{linears[0]}" if f"{base}.{linears[0]}" in self.functional else base
 
     def _unplaced(self, base: str) -> str:
         """Why a reference node that is no module's output of its own found nothing in ours, in true words."""

@@ -73,7 +73,7 @@ def _moe_parts(module: nn.Module) -> tuple[str, str, int, tuple[str, str] | None
     return None
 
 
-def _calls(module: nn.Module, child: str) -> bool:
+def calls_child(module: nn.Module, child: str) -> bool:
     """Whether ``module``'s forward calls its child ``child`` as a module (``self.layer(x)``, DBRX's router),
     rather than reading its weight in a function (``F.linear(x, self.classifier.weight)``, LongCat-Flash's): a
     child never called produces no output of its own. True when the source cannot be read."""
@@ -129,7 +129,7 @@ def discover_nodes(model: nn.Module, facts: ArchFacts) -> list[NodeSpec]:
             nodes += _moe_nodes(path, *moe)
             inside_moe |= {f"{path}.{moe[0]}", f"{path}.{moe[1]}"}
             router = dict(module.named_children())[moe[0]]
-            inside_moe |= {f"{path}.{moe[0]}.{n}" for n, _ in router.named_children() if not _calls(router, n)}
+            inside_moe |= {f"{path}.{moe[0]}.{n}" for n, _ in router.named_children() if not calls_child(router, n)}
             if _combines_more(module, moe[0], moe[1]):  # a shared expert beside: the block's output is a node
                 nodes.append(NodeSpec(path, path))
         elif "weight" in dict(module.named_parameters(recurse=False)):
