@@ -45,8 +45,7 @@ def _ernie(config, facts: ArchFacts) -> ArchFacts:
     facts = with_layers(facts, rope=lambda layer: replace(layer.rope, interleaved=True) if layer.rope else None)
     if facts.model_type != "ernie4_5_moe":
         return facts
-    routing = {"routed_scaling_factor": 1.0, "n_group": 1.0, "topk_group": 1.0, "norm_topk_prob": 1.0}
-    return replace(facts, routing={**routing, "softmax_scores": 1.0})
+    return replace(facts, routing=_one_group(1.0, renormalised=True, softmax=True))
 
 
 @rule("cohere", "cohere2")
@@ -287,7 +286,6 @@ def _longcat_flash(config, facts: ArchFacts) -> ArchFacts:
     facts = _deepseek(config, facts)
     experts = int(config.n_routed_experts) + int(config.zero_expert_num or 0)  # the router scores both kinds
     facts = with_layers(facts, num_experts=lambda layer: experts if layer.num_experts else 0)
-    routing = {"routed_scaling_factor": float(config.routed_scaling_factor), "n_group": 1.0, "topk_group": 1.0}
     hidden = float(config.hidden_size)
     lora = {  # LongcatFlashMLA's mla_scale_q_lora and mla_scale_kv_lora, factors a hint can name
         f"LongCat's q LoRA scale sqrt(hidden_size / q_lora_rank) ({(hidden / config.q_lora_rank) ** 0.5:g})": (
@@ -303,13 +301,18 @@ def _longcat_flash(config, facts: ArchFacts) -> ArchFacts:
         facts,
         features=frozenset(facts.features | {MLA_INTERLEAVED_ROPE}),
         routing={
-            **routing,
-            "norm_topk_prob": 0.0,
-            "softmax_scores": 1.0,
+            **_one_group(float(config.routed_scaling_factor), renormalised=False, softmax=True),
             "zero_experts_from": float(config.n_routed_experts),
         },
         extra_constants={**lora, **facts.extra_constants},
     )
+
+
+def _one_group(scale: float, renormalised: bool, softmax: bool = False) -> dict[str, float]:
+    """The routing constants of DeepSeek V3's router with one group (no group limit): AFMoE's, ERNIE 4.5's
+    (softmax scores), LongCat-Flash's (softmax scores, not renormalised)."""
+    routing = {"routed_scaling_factor": scale, "n_group": 1.0, "topk_group": 1.0, "norm_topk_prob": float(renormalised)}
+    return {**routing, "softmax_scores": 1.0} if softmax else routing
 
 
 def _routing(config) -> dict[str, float]:
@@ -335,9 +338,7 @@ def _afmoe(config, facts: ArchFacts) -> ArchFacts:
     # router with one group
     scale = float(getattr(config, "route_scale", 1.0) or 1.0)
     facts = with_layers(facts, rope=lambda layer: layer.rope if layer.layer_type == SLIDING else None)
-    return replace(
-        facts, routing={"routed_scaling_factor": scale, "n_group": 1.0, "topk_group": 1.0, "norm_topk_prob": 1.0}
-    )
+    return replace(facts, routing=_one_group(scale, renormalised=True))
 
 
 @rule("cohere2_moe")

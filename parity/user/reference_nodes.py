@@ -5,7 +5,9 @@ experts, and what the forward returns). Used where no family builds the pair: a 
 
 from __future__ import annotations
 
+import functools
 import inspect
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -21,12 +23,18 @@ def _is_attention(module: nn.Module) -> bool:
     Transformers' attention interface (LongCat-Flash's ``LongcatFlashMLA``)."""
     if not any(hasattr(module, n) for n in OUTPUT_PROJECTIONS):
         return False
-    if type(module).__name__.endswith("Attention"):
-        return True
+    return type(module).__name__.endswith("Attention") or "attention_interface(" in (
+        _source(type(module).forward) or ""
+    )
+
+
+@functools.cache
+def _source(function: Callable) -> str | None:
+    """The source of a module class's ``forward`` (read once per class), None when it cannot be read."""
     try:
-        return "attention_interface(" in inspect.getsource(type(module).forward)
+        return inspect.getsource(function)
     except (OSError, TypeError):
-        return False
+        return None
 
 
 def _router_weight(router: nn.Module) -> torch.Tensor | None:
@@ -62,8 +70,7 @@ def _moe_parts(module: nn.Module) -> tuple[str, str, int, tuple[str, str] | None
         # (LongCat-Flash's down_proj holds its routed experts alone, fewer: the zero-compute ones after have none)
         stacked = [p for p in own if p.dim() == 3]
         fits = bool(stacked) and stacked[0].shape[0] == experts
-        fits = fits and all(p.dim() in (2, 3) and p.shape[0] <= experts for p in own)
-        if stacked and fits and chooses:
+        if fits and chooses and all(p.dim() in (2, 3) and p.shape[0] <= experts for p in own):
             return router, name, experts, None
         # the experts' weights in a child, stacked along the rows (DBRX: experts.mlp.w1 (experts * I, H))
         inner = list(child.parameters())
@@ -77,11 +84,8 @@ def calls_child(module: nn.Module, child: str) -> bool:
     """Whether ``module``'s forward calls its child ``child`` as a module (``self.layer(x)``, DBRX's router),
     rather than reading its weight in a function (``F.linear(x, self.classifier.weight)``, LongCat-Flash's): a
     child never called produces no output of its own. True when the source cannot be read."""
-    try:
-        source = inspect.getsource(type(module).forward)
-    except (OSError, TypeError):
-        return True
-    return f"self.{child}(" in source
+    source = _source(type(module).forward)
+    return source is None or f"self.{child}(" in source
 
 
 def _combines_more(module: nn.Module, router: str, experts: str) -> bool:
