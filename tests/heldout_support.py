@@ -31,9 +31,7 @@ def independent_max_diff(module, checkpoint: Path, padded: bool, pad_row: int = 
     tokens, called without a mask and with an all-ones one; padded: batch 2, row ``pad_row`` starting with 5
     padding tokens, positions counted over each row's real tokens (padding at position 1, as generation gives
     it), real tokens compared only."""
-    from transformers import AutoModelForCausalLM
-
-    ref = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="eager").eval()
+    ref = reference_model(checkpoint)
     try:
         ours = module.build({k: v.clone() for k, v in ref.state_dict().items()}, ref.config).eval()
     except KeyError:  # a loader written against the files' names (Mixtral's per-expert w1/w2/w3)
@@ -145,11 +143,38 @@ def randomise(model, gen: torch.Generator) -> None:
             b.copy_(0.3 * torch.randn(b.shape, generator=gen))
 
 
+def randomise_with_expert_bias(model, gen: torch.Generator) -> None:
+    """:func:`randomise`, and a MoE block's ``expert_bias`` buffer (LFM2-MoE's, which the router adds for the
+    choice only) ~0.3 as well (set 23 on; the sets before keep their checkpoints)."""
+    randomise(model, gen)
+    for name, b in model.named_buffers():
+        if name.endswith("expert_bias"):
+            b.copy_(0.3 * torch.randn(b.shape, generator=gen))
+
+
+def causal_lm(config):
+    """Transformers' causal LM class for ``config``: the auto mapping's, else the class its model type's package
+    defines (Mistral 4's ``Mistral4ForCausalLM`` is in no auto mapping). Transformers alone, no parity."""
+    import importlib
+
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    package = importlib.import_module(f"transformers.models.{config.model_type}")
+    return next(
+        getattr(package, n)
+        for n in dir(package)
+        if n.endswith("ForCausalLM") and getattr(getattr(package, n), "config_class", None) is type(config)
+    )
+
+
 def reference_model(checkpoint: Path):
     """The Transformers model of ``checkpoint`` (eager attention, eval), to patch with a fault of the reference."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    return AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="eager").eval()
+    cls = causal_lm(AutoConfig.from_pretrained(checkpoint))
+    return cls.from_pretrained(checkpoint, attn_implementation="eager").eval()
 
 
 def first_mismatch(models: dict, model: str, reference, **kwargs):
@@ -165,12 +190,10 @@ def first_mismatch(models: dict, model: str, reference, **kwargs):
 def save_checkpoints(root: Path, specs: dict, randomise, seed: int, weight_seed: int) -> dict[str, Path]:
     """Each config of ``specs`` built by Transformers, its weights set by ``randomise(model, generator)``
     (``torch.manual_seed(seed + i)``, the generator seeded ``weight_seed + i``) and saved under ``root``."""
-    from transformers import AutoModelForCausalLM
-
     out = {}
     for i, (name, config) in enumerate(specs.items()):
         torch.manual_seed(seed + i)
-        model = AutoModelForCausalLM.from_config(config).float().eval()
+        model = causal_lm(config)._from_config(config).float().eval()
         randomise(model, torch.Generator().manual_seed(weight_seed + i))
         model.save_pretrained(root / name)
         out[name] = root / name

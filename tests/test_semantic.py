@@ -20,6 +20,7 @@ import torch
 
 import parity
 from parity.run.float64 import Float64Mode, float64_state_dict
+from parity.util.rounding import rounded
 
 sys.path.insert(0, str(Path(__file__).parent / "user_models"))
 
@@ -145,6 +146,18 @@ def test_float64_mode_keeps_every_cast_to_a_low_float_in_float64():
         assert torch.softmax(torch.ones(2), -1, dtype=torch.float32).dtype == torch.float64
         assert torch.tensor(0.5).dtype == torch.float64
     assert torch.get_default_dtype() == torch.float32
+
+
+def test_a_detectors_rounding_through_bfloat16_rounds_inside_the_float64_mode():
+    """A diagnosis form that models a narrower dtype (the routing weights "rounded through bfloat16") must round
+    although the semantic run's comparison runs inside the mode; the cast after it stays float64 again."""
+    x = torch.tensor([1 / 3, 2 / 3, 0.1], dtype=torch.float64)
+    expected = x.to(torch.bfloat16).double()
+    assert not torch.equal(expected, x)
+    with Float64Mode():
+        y = rounded(x, torch.bfloat16)
+        assert torch.ones(2).to(torch.bfloat16).dtype == torch.float64
+    assert y.dtype == torch.float64 and torch.equal(y, expected)
 
 
 def test_a_float64_state_dict_keeps_ties_and_views():

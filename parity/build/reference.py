@@ -4,6 +4,7 @@ need it (random probe weights unless a checkpoint or a model is given)."""
 
 from __future__ import annotations
 
+import importlib
 import os
 from pathlib import Path
 
@@ -28,12 +29,35 @@ from parity.util.version import require_transformers
 
 
 def causal_lm_class(hf_config):
+    """Transformers' causal LM class for ``hf_config``: the auto mapping's, else the ``<Name>ForCausalLM`` class
+    the config's ``architectures`` names, else one of its model type's package, whose config class is this config's
+    (Mistral 4's ``Mistral4ForCausalLM`` is in no causal LM mapping). Never remote code. Raises ConfigError when
+    there is none."""
+    import transformers
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
     try:
         return MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]
     except KeyError:
-        raise ConfigError(f"no Transformers causal LM class for model_type {hf_config.model_type!r}") from None
+        pass
+    # the names the config lists, then the causal LM classes of the model type's own package (a config made
+    # without architectures)
+    named = [
+        getattr(transformers, n, None) for n in getattr(hf_config, "architectures", None) or () if isinstance(n, str)
+    ]
+    try:
+        package = importlib.import_module(f"transformers.models.{str(hf_config.model_type).replace('-', '_')}")
+    except ImportError:
+        package = None
+    own = [getattr(package, n) for n in sorted(dir(package))] if package is not None else []
+    for cls in (*named, *own):
+        if (
+            isinstance(cls, type)
+            and cls.__name__.endswith("ForCausalLM")
+            and getattr(cls, "config_class", None) is type(hf_config)
+        ):
+            return cls
+    raise ConfigError(f"no Transformers causal LM class for model_type {hf_config.model_type!r}")
 
 
 def config_from_raw(raw: dict, where: str):

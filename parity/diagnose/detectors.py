@@ -30,6 +30,7 @@ from parity.diagnose.elementwise import (
 from parity.diagnose.embeddings import embedding_rows, position_term
 from parity.diagnose.evidence import Evidence, heads_first
 from parity.diagnose.hints import Hint
+from parity.diagnose.latent import latent_pairing, latent_rope, latent_split
 from parity.diagnose.masks import (
     attention_dropout,
     dropout_elementwise,
@@ -46,6 +47,7 @@ from parity.diagnose.moe import (
     choice,
     expert_tokens,
     expert_weights,
+    experts_at_stream,
     experts_per_token,
     experts_read_after,
     experts_sum,
@@ -88,6 +90,7 @@ from parity.diagnose.scales import (
     channel_ratio,
     constant_ratio,
     partial_head_scores,
+    position_scale,
     row_offset,
     row_scale,
     softmax_axis,
@@ -104,6 +107,7 @@ from parity.diagnose.wiring import (
     head_mapping,
     heads_merged_unmoved,
     heads_split_unmoved,
+    input_slice,
     kv_sharing,
     last_dim_permutation,
     other_layer,
@@ -126,7 +130,7 @@ UNHOOKED_PREFIXES = ("tap:", "param:", "unaligned:")
 #: the q/k norms a family applies after RoPE (HunYuan's query_layernorm, key_layernorm) -> the rotated node they read
 _NORMS_AFTER_ROPE = {"query_layernorm": "q_rot", "key_layernorm": "k_rot"}
 #: the RoPE detectors, read at such a norm's input
-_ROPE_DETECTORS = (rope_partial, rope_fit, rope_tables, rope_pattern, heads_unrotated, head_mapping)
+_ROPE_DETECTORS = (rope_partial, rope_fit, latent_pairing, rope_tables, rope_pattern, heads_unrotated, head_mapping)
 
 
 def rope_before_norm(e: Evidence) -> Hint | None:
@@ -172,10 +176,13 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     position_table_offset,  # a position table read at p + k: before detectors that read a lookup's input
     kv_sharing,
     moe_output,  # before residual_add: a MoE block ours computes in functions, read after it
+    experts_at_stream,  # the same where ours' router is a node and its experts are untapped
     residual_add,  # before sibling_match: a stream point equal to the branch's output is a missing residual
     short_conv,  # before sibling_match: a gated short conv's out_proj reads a product nothing else holds
     activation_skipped,  # before sibling_match: equal to the node before the activation is no swap
     sibling_match,
+    latent_split,  # before swapped_weights: MLA's k_nope cut from kv_b_proj's heads otherwise
+    input_slice,  # a module reading another cut of a fused output
     fused_split,  # before swapped_weights and the rotation fits: q/k cut from a fused output otherwise
     swapped_weights,
     gate_up_roles,
@@ -224,6 +231,7 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     block_layout,
     norm_order,
     norm_placement,
+    position_scale,  # before the RoPE fits: a factor per position on q is no rotation
     rope_partial,
     bias_after_rope,
     rope_fit,  # before constant_ratio: on q_rot/k_rot a constant factor is the cos/sin scale, read with its source
@@ -252,6 +260,8 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     future_keys,
     window_pattern,
     chunk_boundary,
+    latent_pairing,  # before rope_pattern: MLA's rotated tail read apart from the pass-through dims
+    latent_rope,
     rope_tables,  # before rope_pattern: a pairing and table mixed up is named, not only seen
     rope_pattern,
     channel_ratio,

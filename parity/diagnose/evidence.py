@@ -43,6 +43,9 @@ class Evidence:
     #: ours' q/k rows are held permuted per head at load (the node is compared through that permutation:
     #: its Layout's ``dims``), as a conversion between RoPE pairings permutes them
     rows_permuted: bool = False
+    #: the reference's input to RoPE ``(batch, heads, seq, rotary)`` where a detector reads RoPE on part of each
+    #: head (MLA's rotated tail: :func:`~parity.diagnose.latent.latent_rope`), else None (read from the trace)
+    rope_input: torch.Tensor | None = None
 
     @property
     def kind(self) -> str:
@@ -303,6 +306,28 @@ def layer_values(e: Evidence, before: bool = False, inputs_first: bool = False) 
         if e.facts.locate(n)[0] == e.result.layer and (held is None or n in held)
     ]
     return inputs + nodes if inputs_first else nodes + inputs
+
+
+def reference_output(e: Evidence, name: str) -> torch.Tensor | None:
+    """The reference module ``name``'s whole output (float64): its node; else, for a module traced only as parts
+    (``name[a:b]``, ``name[rows ...]``: ours holds its weight cut), its kept input times its whole weight (plus
+    its bias); else its contiguous ``[a:b]`` parts joined; None when neither is traced."""
+    out = e.ref_trace.tensors.get(name)
+    if out is not None:
+        return out.double()
+    parts = [(n, t) for n, t in e.ref_trace.tensors.items() if n.startswith(name + "[")]
+    for node, _ in parts:
+        x, weight = e.ref_trace.inputs.get(node), e.ref_trace.weights.get(node)
+        if x is not None and weight is not None and weight.dim() == 2 and x.shape[-1] == weight.shape[1]:
+            y = x.double() @ weight.double().T
+            bias = e.ref_trace.biases.get(node)
+            return y + bias.double() if bias is not None and bias.shape == y.shape[-1:] else y
+    spans = sorted((span, t) for n, t in parts if (span := part_of(n)) is not None and span[1].step == 1)
+    starts = [span[1].start for span, _ in spans]
+    stops = [span[1].stop for span, _ in spans]
+    if spans and starts[0] == 0 and starts[1:] == stops[:-1]:
+        return torch.cat([t.double() for _, t in spans], -1)
+    return None
 
 
 # --- nodes that are parts of a fused projection -------------------------------------------------

@@ -16,6 +16,7 @@ from parity.diagnose.evidence import EXPLAINS, Evidence, fmt_list, rel, whose
 from parity.diagnose.hints import Hint
 from parity.model.pair import NodeSpec
 from parity.record.routing import CHOICES
+from parity.util.rounding import rounded
 
 if TYPE_CHECKING:
     from parity.record.hf_capture import ExpertEvidence
@@ -465,7 +466,7 @@ def _routing_forms(
     forms["a sigmoid of the router's logits, renormalised over the chosen"] = torch.sigmoid(picked) / torch.sigmoid(
         picked
     ).sum(-1, keepdim=True)
-    forms["the softmax's weights rounded through bfloat16"] = probs.to(torch.bfloat16).double()
+    forms["the softmax's weights rounded through bfloat16"] = rounded(probs.double(), torch.bfloat16)
     forms["no weights (the chosen experts' outputs summed)"] = torch.ones_like(picked)
     return forms
 
@@ -759,19 +760,19 @@ def _grouped_forms(e: Evidence, base: str, logits: torch.Tensor, chosen: torch.T
     of DeepSeek V3's router may go wrong: the correction bias left in the weights, the group score from
     another statistic or without the bias, no group limit, the scaling applied before the renormalisation
     or to the shared experts too, weights from a separate top-k. Empty without the reference's shared
-    experts' output or its correction bias."""
+    experts' output; the bias's own forms only where the router has a correction bias."""
     r = e.facts.routing
     shared = _shared_output(e, base)
     bias = next((b for n in ROUTER_NODES if (b := e.ref_trace.biases.get(f"{base}.{n}")) is not None), None)
     tokens, k = chosen.shape
-    if shared is None or bias is None or shared.numel() != tokens * y.shape[-1]:
+    if shared is None or shared.numel() != tokens * y.shape[-1]:
         return {}
     shared = shared.double().reshape(tokens, -1)
     rsf = float(r.get("routed_scaling_factor", 1.0))
     groups, topk_group = int(r["n_group"]), int(r.get("topk_group", 1))
     score, word = _router_scoring(r)
     s = score(logits)
-    choice = s + bias.double().flatten()
+    choice = s + bias.double().flatten() if bias is not None else s  # Mistral 4's router has no correction bias
 
     def routed(picked: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return (w.T[..., None] * y[picked.T, torch.arange(tokens)[None, :]]).sum(0)
@@ -782,9 +783,10 @@ def _grouped_forms(e: Evidence, base: str, logits: torch.Tensor, chosen: torch.T
 
     forms = {"Transformers' routing": routed(chosen, normed(chosen) * rsf) + shared}
     forms["the routed experts alone (the shared experts' output not added)"] = routed(chosen, normed(chosen) * rsf)
-    forms[f"the correction bias kept in the weights ({word} + e_score_correction_bias, not only in the choice)"] = (
-        routed(chosen, normed(chosen, choice) * rsf) + shared
-    )
+    if bias is not None:
+        forms[f"the correction bias kept in the weights ({word} + e_score_correction_bias, not only in the choice)"] = (
+            routed(chosen, normed(chosen, choice) * rsf) + shared
+        )
     if rsf != 1:
         unscaled = routed(chosen, normed(chosen)) + shared
         forms["routed_scaling_factor not applied (applied before the renormalisation, which cancels it)"] = unscaled
@@ -796,8 +798,12 @@ def _grouped_forms(e: Evidence, base: str, logits: torch.Tensor, chosen: torch.T
     for label, picked in (
         ("experts chosen with each group scored by its best expert (max), not its two best summed",
          _grouped_choice(choice, k, groups, topk_group, "max")),
-        ("experts chosen with the groups ranked on the scores without the correction bias",
-         _grouped_choice(choice, k, groups, topk_group, "top2", ranked=s)),
+        *(
+            [("experts chosen with the groups ranked on the scores without the correction bias",
+              _grouped_choice(choice, k, groups, topk_group, "top2", ranked=s))]
+            if bias is not None
+            else []
+        ),
         ("experts chosen over every group (the group limit not applied)", choice.topk(k, dim=-1).indices),
     ):  # fmt: skip
         forms[label] = routed(picked, normed(picked) * rsf) + shared
@@ -882,7 +888,10 @@ def _routed_forms(e: Evidence, base: str) -> dict[str, torch.Tensor] | None:
             "the chosen experts computed with gate_up_proj's halves swapped (up first: the activation on the up half)"
         ] = (weights.double().T[..., None] * halves.double()[chosen.T, torch.arange(tokens)[None, :]]).sum(0)
     if e.facts.routing.get("n_group"):  # DeepSeek's group-limited sigmoid router, its shared experts added
-        return _grouped_forms(e, base, logits.double(), chosen, y.double()) or None
+        grouped = _grouped_forms(e, base, logits.double(), chosen, y.double())
+        if grouped or _shared_output(e, base) is not None:
+            return grouped or None
+        # no shared experts (LFM2-MoE's one-group router): the generic forms, each formula's weights as they are
     shared = _shared_output(e, base)
     if shared is None or shared.numel() != tokens * y.shape[-1]:
         return forms
@@ -1006,6 +1015,49 @@ def moe_output(e: Evidence) -> Hint | None:
         ref_branch,
         "read where the stream continues (the experts computed in functions nothing taps)",
     )
+
+
+def experts_at_stream(e: Evidence) -> Hint | None:
+    """A MoE block whose router ours exposes and whose experts it computes untapped (GraniteMoeShared's MoE
+    module of ours holds the router and the experts' weights), read at the first point of the residual stream
+    after it: every branch node before agrees, so the two streams differ by ``c (ours' experts - the
+    reference's)``, ``c`` the factor the branch carries (Granite's residual_multiplier, 1 elsewhere). The
+    reference's experts node is one of the block's forms (:func:`_routed_forms`); the form whose difference
+    from it ours' stream shows, at one constant ``c > 0``, is ours'. Either side."""
+    from parity.diagnose.evidence import reads_stream
+
+    if e.result.layer is None or not reads_stream(e.kind) or e.ours.shape != e.ref.shape:
+        return None
+    prefix = f"{e.facts.layer_prefix}.{e.result.layer}."
+    block = next(
+        (
+            n for n, t in e.ref_trace.tensors.items()
+            if n.startswith(prefix) and n.endswith(".experts") and t.numel() == e.ref.numel() and _untapped(e, n)
+        ),
+        None,
+    )  # fmt: skip
+    if block is None:
+        return None
+    base = block.rsplit(".", 1)[0]
+    forms = _routed_forms(e, base)
+    if not forms:
+        return None
+    tokens = next(iter(forms.values())).shape[0]
+    ref_experts = e.ref_trace.tensors[block].double().reshape(tokens, -1)
+    moved = (e.ours.double() - e.ref.double()).reshape(tokens, -1)
+    for form in forms.values():
+        delta = form - ref_experts
+        scale = float((moved * delta).sum() / delta.pow(2).sum().clamp_min(1e-300))
+        if scale > 0 and float(delta.abs().max()) > e.noise and rel(moved, scale * delta) < 1e-4:
+            hint = _judge_forms(
+                e, base, forms, ref_experts + moved / scale, ref_experts,
+                "read where the stream continues (its experts computed untapped"
+                + (f", the branch carrying them times {scale:.6g})" if abs(scale - 1) > 1e-6 else ")"),
+                component=False,
+            )  # fmt: skip
+            if hint is not None:
+                return hint
+    return None
 
 
 def _untapped(e: Evidence, name: str) -> bool:

@@ -516,17 +516,55 @@ def norm_placement(e: Evidence) -> Hint | None:
             ),
             None,
         )
+        whose_weight = (
+            None if normed else _norm_weighting(e, x_ours, _normalisers(x_ref, None, e.facts.norm_eps or 0.0)[ours_is])
+        )
         how = (
             f"; its input is already {normed}'s output: ours applies a norm again to the normalised input (the norm "
             "applied twice)"
             if normed
+            else f" weighted by {whose_weight}'s weight: ours applies {whose_weight} here, where the reference runs it "
+            f"elsewhere ({_moved_norm(e, whose_weight)})"
+            if whose_weight
             else " (pre-norm vs post-norm)"
         )
         return Hint(
             "norm_placement",
             f"likely norm placement: the input of {e.kind} in ours equals the reference's input after a {ours_is}{how}",
-            {"normaliser": ours_is, "twice": normed},
+            {"normaliser": ours_is, "twice": normed, "weight_of": whose_weight},
         )
+    # the reference's side: its input is ours' after one of its own norms, moved here (named only with the norm)
+    ref_forms = _normalisers(x_ours, None, e.facts.norm_eps or 0.0)
+    ref_is = _explained_by(x_ref, ref_forms)
+    moved = _norm_weighting(e, x_ref, ref_forms[ref_is]) if ref_is is not None else None
+    if moved is not None:
+        return Hint(
+            "norm_placement",
+            f"likely norm placement: the input of {e.kind} in the reference equals ours' input after a {ref_is} "
+            f"weighted by {moved}'s weight: the reference applies {moved} here, where ours runs it elsewhere "
+            f"({_moved_norm(e, moved)})",
+            {"normaliser": ref_is, "twice": None, "weight_of": moved, "side": "the reference"},
+        )
+    return None
+
+
+def _moved_norm(e: Evidence, norm: str) -> str:
+    """What moving ``norm`` here likely was: the final norm (outside the layers) applied before them, LFM2's
+    ``embedding_norm`` read by its name; else a norm moved."""
+    if e.facts.locate(norm)[0] is None and e.result.layer == 0:
+        return "the final norm applied to the embeddings before the first layer: LFM2 names it embedding_norm"
+    return "a norm moved"
+
+
+def _norm_weighting(e: Evidence, y: torch.Tensor, n: torch.Tensor) -> str | None:
+    """The reference norm (any layer, or outside the layers) whose weight ``w`` gives ``y = n * w`` for the
+    normalised ``n``, when ``y`` is so weighted (least squares per channel); None when none does."""
+    yf, nf = y.double().flatten(0, -2), n.double().flatten(0, -2)
+    w = (yf * nf).sum(0) / nf.pow(2).sum(0).clamp_min(1e-30)
+    for name, weight in e.ref_trace.weights.items():
+        a_norm = weight.dim() == 1 and weight.shape == w.shape and is_norm(name.rsplit(".", 1)[-1]) and name != e.name
+        if a_norm and rel(w, weight.double()) < 1e-6 and rel(nf * weight.double(), yf) < EXPLAINS:
+            return name
     return None
 
 

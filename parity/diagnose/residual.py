@@ -145,7 +145,10 @@ def residual_add(e: Evidence) -> Hint | None:
 
     ours_is, ref_is = form_of(e.ours), form_of(e.ref)
     if at_norm_input and ref_is != "x + f(x)":  # the reference's own add scales (Granite's residual_multiplier)
-        return _coefficients_differ(e, x, f, name, stream[0], tol)
+        fitted = _coefficients_differ(e, x, f, name, stream[0], tol)
+        if fitted is not None or ours_is != "x + f(x)":
+            return fitted
+        return _branch_elsewhere(e, "the reference", e.ref, x, f, name, stream[0], tol)
     for side, value, other_is in (("ours", e.ours, ref_is), ("the reference", e.ref, ours_is)):
         if other_is == "x + f(x)" and form_of(value) is None:
             keep = f.abs() > 1e-2 * float(f.abs().max())
@@ -163,15 +166,9 @@ def residual_add(e: Evidence) -> Hint | None:
             rate = dropout_pattern(((value.double() - x)[keep] / f[keep]).flatten())
             if rate is not None:
                 return dropout_left_on(side, rate[0], rate[1], f"the branch {name}, before the residual add")
-            extra = _added_to(e, value.double() - x - f, stream[0], tol)
-            if extra is not None and extra != name:
-                return Hint(
-                    "residual",
-                    f"likely a branch added at another point of the stream in {side}: it computes x + f(x) + g with "
-                    f"g = the reference's {extra}, f(x) = {name} and x = {stream[0]}: {extra} added here, where the "
-                    "other side adds it elsewhere (earlier or later in the layer)",
-                    {"side": side, "branch": name, "stream": stream[0], "extra": extra},
-                )
+            elsewhere = _branch_elsewhere(e, side, value, x, f, name, stream[0], tol)
+            if elsewhere is not None:
+                return elsewhere
             source = _added_to(e, value.double() - f, stream[0], tol)
             if source is not None:
                 return Hint(
@@ -320,6 +317,23 @@ def _constant(e: Evidence, c: float) -> str:
             if rounded != value and abs(c / rounded - 1) < 1e-9:
                 return f" (= {label} rounded to {str(dtype).removeprefix('torch.')})"
     return ""
+
+
+def _branch_elsewhere(
+    e: Evidence, side: str, value: torch.Tensor, x: torch.Tensor, f: torch.Tensor, name: str, stream: str, tol: float
+) -> Hint | None:
+    """``side``'s stream point is ``x + f(x) + g`` with ``g`` another node of the layer before it (LongCat's
+    shortcut MoE added after the first sublayer, not at the end): that branch added at another point."""
+    extra = _added_to(e, value.double() - x - f, stream, tol)
+    if extra is None or extra == name:
+        return None
+    return Hint(
+        "residual",
+        f"likely a branch added at another point of the stream in {side}: it computes x + f(x) + g with g = the "
+        f"reference's {extra}, f(x) = {name} and x = {stream}: {extra} added here, where the other side adds it "
+        "elsewhere (earlier or later in the layer)",
+        {"side": side, "branch": name, "stream": stream, "extra": extra},
+    )
 
 
 def _added_to(e: Evidence, value: torch.Tensor, stream: str, tol: float) -> str | None:

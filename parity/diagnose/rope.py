@@ -58,6 +58,8 @@ def position_table_offset(e: Evidence) -> Hint | None:
 def pre_rope(e: Evidence, n_heads: int) -> torch.Tensor | None:
     """The reference's q (or k) as RoPE reads it, ``(batch, heads, seq, head_dim)``: :func:`projection_heads`,
     clamped to [-clip_qkv, clip_qkv] where the config clips them (OLMo)."""
+    if e.rope_input is not None:
+        return e.rope_input
     x = projection_heads(e, n_heads)
     clip = e.facts.clip_qkv
     return x.clamp(-clip, clip) if x is not None and clip else x
@@ -397,6 +399,12 @@ def _rope_hint(e: Evidence, fit, side: str, layer, own: float) -> Hint | None:
         )
     if "YaRN" in fit.label or fit.label.startswith("LongRoPE"):
         return Hint("rope_scaling", f"likely the RoPE scaling: {side} rotates like {fit.label}, {amp}", evidence)
+    if "computed over the whole head" in fit.label:
+        return Hint(
+            "rope_frequencies",
+            f"likely the inverse frequencies over the wrong width: {side} rotates like {fit.label}, {amp}",
+            evidence,
+        )
     if "divide by head_dim" in fit.label or "divide by hidden_size" in fit.label:
         what = "of partial rotary" if "divide by head_dim" in fit.label else "over another head_dim"
         return Hint(

@@ -187,6 +187,17 @@ def identify(
                 wide,
             )
         )
+    if rope is not None and rope.rope_type != "default" and layer.head_dim and rope.rotary_dim < layer.head_dim:
+        # a scaled RoPE's frequencies computed for the whole head (MLA's nope + rope) and cut to the rotary dims
+        whole = rope.with_parameters({"partial_rotary_factor": 1.0}, layer.head_dim, max_position_embeddings)
+        if len(whole) >= rope.rotary_dim // 2:
+            candidates.append(
+                (
+                    f"{rope.rope_type} frequencies computed over the whole head ({layer.head_dim} dims) and cut to "
+                    f"its first {rope.rotary_dim // 2}, not computed over the {rope.rotary_dim} rotary dims",
+                    whole[: rope.rotary_dim // 2],
+                )
+            )
     if rope is not None and rope.rope_type == "default" and rope.rotary_dim >= 4:
         r = rope.rotary_dim  # the exponent's arange(0, r, 2) written arange(0, r / 2): half of every exponent
         candidates.append(

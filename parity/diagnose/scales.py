@@ -488,6 +488,66 @@ def constant_ratio(e: Evidence) -> Hint | None:
     )
 
 
+def _position_scales(e: Evidence, positions: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The query scales by position a port may write for the config's Llama 4 attention temperature
+    (``rope_parameters["llama_4_scaling_beta"]``, Mistral 4's ``get_llama_4_attn_scale``: ``1 + beta ln(1 +
+    floor(p / original_max_position_embeddings))``), by name; empty where the config has none."""
+    layer = e.facts.layer(e.result.layer)
+    rope = layer.rope if layer is not None else None
+    beta = rope.parameters.get("llama_4_scaling_beta") if rope is not None else None
+    span = rope.parameters.get("original_max_position_embeddings") if rope is not None else None
+    if not isinstance(beta, (int, float)) or not beta or not isinstance(span, (int, float)) or span <= 0:
+        return {}
+    p = positions.double() / float(span)
+    return {
+        "the Llama 4 query scale": 1 + beta * torch.log1p(torch.floor(p)),
+        "no query scale": torch.ones_like(p),
+        "the Llama 4 query scale without its floor (ln(1 + p / original_max_position_embeddings))": 1
+        + beta * torch.log1p(p),
+        "the Llama 4 query scale with p + 1 for p": 1
+        + beta * torch.log1p(torch.floor((positions.double() + 1) / span)),
+    }
+
+
+def position_scale(e: Evidence) -> Hint | None:
+    """ours / reference is one factor per position (the same over heads and dims) at q: a query scale by
+    position written otherwise (Llama 4's attention temperature in Mistral 4: missing, or its floor dropped).
+    Each side's factor read against the forms of :func:`_position_scales`; either side."""
+    if e.kind != "q_rot" or e.ours.dim() != 4 or e.positions is None:
+        return None
+    if e.positions.shape != (e.ref.shape[0], e.ref.shape[2]):
+        return None
+    forms = _position_scales(e, e.positions)
+    if not forms:
+        return None
+    a, b = e.ours.double(), e.ref.double()
+    keep = b.abs() > 1e-3 * float(b.abs().max())
+    ratio = torch.where(keep, a / torch.where(keep, b, torch.ones_like(b)), torch.nan)
+    per_position = ratio.nanmedian(dim=-1).values.nanmedian(dim=1).values  # (batch, seq)
+    if rel(a, b * per_position[:, None, :, None]) > 1e-6:
+        return None  # not one factor per position
+    truth = forms["the Llama 4 query scale"]
+    for side, factor in (("ours", per_position), ("the reference", 1 / per_position)):
+        # factor = side's scale / the other's; the other side holds the config's form
+        found = next(
+            (
+                label
+                for label, f in forms.items()
+                if label != "the Llama 4 query scale" and torch.allclose(f / truth, factor, rtol=1e-6, atol=1e-9)
+            ),
+            None,
+        )
+        if found is not None:
+            return Hint(
+                "scale",
+                f"likely the query scale by position (the config's llama_4_scaling_beta): {side} applies {found}, "
+                "the other side the Llama 4 query scale 1 + beta ln(1 + floor(p / original_max_position_embeddings)) "
+                "(one factor per position over every head and dim of q)",
+                {"side": side, "form": found},
+            )
+    return None
+
+
 def row_scale(e: Evidence) -> Hint | None:
     """ours / reference is one factor per row (the last axis: a token's or a head's vector), another
     factor for other rows: a per-vector normalisation (L2, RMS) that one side applies and the other

@@ -15,19 +15,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from parity.diagnose.evidence import Evidence
+from parity.diagnose.evidence import Evidence, reference_output
 from parity.diagnose.hints import Hint
 from parity.record.hf_kernels import CONV_WEIGHTS, ConvWeights
 
 _THE_FORM = "C * conv(B * X) (in_proj's chunks [B | C | X], the taps over the current and previous tokens)"
 
 
-def _conv(u: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, future: bool = False) -> torch.Tensor:
+def _conv(u: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, ahead: int = 0) -> torch.Tensor:
     """Depthwise conv of ``u`` ``(batch, seq, channels)`` with taps ``w`` ``(channels, L)`` along the
-    sequence: causal (tap ``L - 1`` on token t, tap 0 on t - L + 1), or, ``future``, over tokens t..t + L - 1."""
+    sequence: causal (tap ``L - 1`` on token t, tap 0 on t - L + 1), or its window moved ``ahead`` tokens
+    later (over t - L + 1 + ahead .. t + ahead: ``L - 1`` is the future alone, ``(L - 1) // 2`` padding='same')."""
     taps = w.shape[-1]
-    x = u.transpose(1, 2)
-    x = F.pad(x, (0, taps - 1) if future else (taps - 1, 0))
+    x = F.pad(u.transpose(1, 2), (taps - 1 - ahead, ahead))
     return F.conv1d(x, w[:, None], bias, groups=w.shape[0]).transpose(1, 2)
 
 
@@ -40,21 +40,27 @@ def _forms(z: torch.Tensor, kept: ConvWeights) -> dict[str, torch.Tensor]:
     def act(t: torch.Tensor) -> torch.Tensor:
         return F.silu(t) if kept.activation in ("silu", "swish") else t
 
-    def conv(u: torch.Tensor, taps: torch.Tensor = w, future: bool = False) -> torch.Tensor:
-        return act(_conv(u, taps, bias, future))
+    def conv(u: torch.Tensor, taps: torch.Tensor = w, ahead: int = 0) -> torch.Tensor:
+        return act(_conv(u, taps, bias, ahead))
 
     forms = {
         _THE_FORM: c * conv(b * x),
         "the taps reversed (tap 0 on the current token: a true convolution, or the kernel flipped at load)": c
         * conv(b * x, w.flip(-1)),
         "the current and the NEXT L - 1 tokens (the conv's output cut from its end, or padded on the right): it "
-        "sees the future": c * conv(b * x, future=True),
+        "sees the future": c * conv(b * x, ahead=w.shape[-1] - 1),
         "both gates before the conv, conv(C * B * X)": conv(c * b * x),
         "the output gate read from X's chunk and the conv's input from C's (in_proj's chunks taken as [B | X | C])": x
         * conv(b * c),
         "the output gate read from B's chunk (in_proj's chunks taken as [C | B | X] or [X | B | C])": b * conv(c * x),
         "no output gate, conv(B * X)": conv(b * x),
     }
+    for ahead in range(1, w.shape[-1] - 1):  # a centred window: nn.Conv1d(padding="same") for odd L
+        same = " (nn.Conv1d(padding='same'), not padded L - 1 on the left)" if ahead == (w.shape[-1] - 1) // 2 else ""
+        window = f"the previous {w.shape[-1] - 1 - ahead}, the current and the next {ahead} token(s)"
+        forms[f"a window moved {ahead} token(s) later ({window}){same}: it sees the future"] = c * conv(
+            b * x, ahead=ahead
+        )
     if kept.activation is None:
         forms["a SiLU after the conv (the reference's conv has no activation)"] = c * F.silu(_conv(b * x, w, bias))
     else:
@@ -69,7 +75,7 @@ def short_conv(e: Evidence) -> Hint | None:
         return None
     stem = e.name[: -len(".out_proj")]
     kept = e.ref_trace.extras.get(CONV_WEIGHTS + stem)
-    z = e.ref_trace.tensors.get(f"{stem}.in_proj")
+    z = reference_output(e, f"{stem}.in_proj")  # ours may hold in_proj cut into B, C and X
     y_ours, y_ref = e.inputs()
     if not isinstance(kept, ConvWeights) or z is None or y_ours is None or y_ref is None:
         return None

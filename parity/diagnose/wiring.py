@@ -240,6 +240,36 @@ def _heads(t: torch.Tensor, kind: str, head_dim: int | None) -> torch.Tensor | N
     return None
 
 
+def input_slice(e: Evidence) -> Hint | None:
+    """A module whose input is a cut of a wider reference node's output (a fused projection's last axis) at
+    another place on each side: ours reads columns ``[a:a + w]``, the reference ``[b:b + w]`` (MLA's
+    ``kv_a_proj_with_mqa`` output split as ``[k_rope | latent]`` where it is ``[latent | k_rope]``). The wider
+    node is one of the layer's before it; either side."""
+    x_ours, x_ref = e.inputs()
+    if x_ours is None or x_ref is None or x_ours.shape != x_ref.shape or e.close(x_ours, x_ref):
+        return None
+    w = x_ref.shape[-1]
+    a, b = x_ours.double().flatten(0, -2), x_ref.double().flatten(0, -2)
+    for name, t in layer_values(e, before=True):
+        if "@input" in name or t.shape[-1] <= w or t.numel() // t.shape[-1] != a.shape[0]:
+            continue
+        wide = t.double().reshape(a.shape[0], -1)
+
+        def at(x: torch.Tensor, wide: torch.Tensor = wide) -> int | None:
+            return next((i for i in range(wide.shape[-1] - w + 1) if e.close(x, wide[:, i : i + w])), None)
+
+        ours, ref = at(a), at(b)
+        if ours is not None and ref is not None and ours != ref:
+            return Hint(
+                "qkv_layout",
+                f"likely {name}'s output split at another place: ours' {e.kind} reads its columns [{ours}:{ours + w}], "
+                f"the reference's [{ref}:{ref + w}] of {wide.shape[-1]} (the parts of a fused output taken in another "
+                "order or at another width)",
+                {"source": name, "ours": [ours, ours + w], "reference": [ref, ref + w]},
+            )
+    return None
+
+
 def fused_split(e: Evidence) -> Hint | None:
     """q (or k) after RoPE is, on one side, a head of the fused q/k/v output cut in another layout than
     the reference's own q/k/v projections give: a fused ``query_key_value`` split per head where the

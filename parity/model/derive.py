@@ -170,6 +170,8 @@ def derive_facts(config, model=None) -> ArchFacts:
         max_position_embeddings=_get(config, "max_position_embeddings"),
     )
     adjust = RULES.get(facts.model_type)
+    if adjust is None and _get(config, "qk_nope_head_dim") and _get(config, "qk_rope_head_dim"):
+        adjust = RULES["deepseek_v3"]  # a family of multi-head latent attention with no rule of its own
     if adjust is not None:
         facts = adjust(config, facts)
     multipliers = _config_multipliers(config)

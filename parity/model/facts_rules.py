@@ -262,20 +262,36 @@ MLA_INTERLEAVED_ROPE = "MLA rope rows interleaved"
 ROTATED_LAST = "rotated dims last in each head"
 
 
-@rule("deepseek_v2", "deepseek_v3")
+@rule("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "mistral4")
 def _deepseek(config, facts: ArchFacts) -> ArchFacts:
-    # DeepseekV3Attention (multi-head latent attention): q and k are qk_nope_head_dim + qk_rope_head_dim wide
-    # (config.head_dim is the rotated part alone) and the scores scale by that width's -0.5 power
+    # DeepseekV3Attention (multi-head latent attention; GLM-4-MoE-Lite's and Mistral 4's are the same): q and k
+    # are qk_nope_head_dim + qk_rope_head_dim wide (config.head_dim is the rotated part alone) and the scores
+    # scale by that width's -0.5 power, times YaRN's mscale(factor, mscale_all_dim) squared where the RoPE is
+    # YaRN's (DeepseekV3Attention.__init__, Mistral 4's yarn_apply_mscale)
     nope, rope = getattr(config, "qk_nope_head_dim", None), getattr(config, "qk_rope_head_dim", None)
     if not nope or not rope:
         return facts
     width = int(nope) + int(rope)
-    facts = with_layers(facts, head_dim=lambda layer: width, attention_scale=lambda layer: width**-0.5)
+    scale = width**-0.5 * _yarn_softmax_mscale(config) ** 2
+    facts = with_layers(facts, head_dim=lambda layer: width, attention_scale=lambda layer: scale)
     # rope_interleave: the checkpoint's rope rows hold interleaved pairs, which Transformers reorders into
     # halves before it rotates the tail of each head (apply_rotary_pos_emb_interleave)
     features = facts.features | {ROTATED_LAST}
     features |= {MLA_INTERLEAVED_ROPE} if getattr(config, "rope_interleave", False) else set()
-    return replace(facts, head_dim=width, features=frozenset(features), routing=_routing(config))
+    routing = _routing(config)
+    if facts.model_type == "mistral4":  # Mistral4TopkRouter: DeepSeek V3's group-limited choice over a softmax
+        routing = {**routing, "softmax_scores": 1.0}
+    return replace(facts, head_dim=width, features=frozenset(features), routing=routing)
+
+
+def _yarn_softmax_mscale(config) -> float:
+    """YaRN's ``0.1 * mscale_all_dim * ln(factor) + 1`` (1 for a factor <= 1, no ``mscale_all_dim``, no YaRN), the
+    factor DeepSeek's latent attention applies twice to its softmax scale (yarn_get_mscale in Transformers)."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    factor, all_dim = float(params.get("factor") or 1.0), float(params.get("mscale_all_dim") or 0.0)
+    if params.get("rope_type", params.get("type")) != "yarn" or not all_dim or factor <= 1:
+        return 1.0
+    return 0.1 * all_dim * math.log(factor) + 1.0
 
 
 @rule("longcat_flash")
@@ -339,6 +355,15 @@ def _afmoe(config, facts: ArchFacts) -> ArchFacts:
     scale = float(getattr(config, "route_scale", 1.0) or 1.0)
     facts = with_layers(facts, rope=lambda layer: layer.rope if layer.layer_type == SLIDING else None)
     return replace(facts, routing=_one_group(scale, renormalised=True))
+
+
+@rule("lfm2_moe")
+def _lfm2_moe(config, facts: ArchFacts) -> ArchFacts:
+    # Lfm2MoeTopKRouter: sigmoid scores, its block's expert_bias added for the choice only (use_expert_bias), the
+    # top k renormalised where norm_topk_prob says so and times routed_scaling_factor: DeepSeek V3's router with
+    # one group
+    scale = float(getattr(config, "routed_scaling_factor", 1.0) or 1.0)
+    return replace(facts, routing=_one_group(scale, renormalised=bool(getattr(config, "norm_topk_prob", False))))
 
 
 @rule("cohere2_moe")

@@ -21,6 +21,7 @@ from torch.overrides import TorchFunctionMode
 
 from parity.util.errors import ParityError
 from parity.util.resources import require
+from parity.util.rounding import ROUNDING
 
 LOW = (torch.float32, torch.float16, torch.bfloat16)
 #: tensor methods that cast to a low float dtype by name
@@ -55,6 +56,8 @@ class Float64Mode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if ROUNDING.get():
+            return func(*args, **kwargs)
         if func in CASTS:
             # an integer or bool tensor's .float() too (torch.arange(0, d, 2).float() / d: RoPE frequencies)
             return func(*args, **kwargs) if args[0].is_complex() else args[0].double()

@@ -1246,10 +1246,16 @@ class _Aligner:
         first = nope if suffix == "q_rot" else weight.shape[0] - rotary  # head 0's first rope row
         for _, source in self._held(weight):
             rows = source.rows if source.how in (PART, ROWS) and source.rows else None
-            if rows is not None and first in rows:
+            if rows is None:
+                continue
+            # part: ours' row i is the key's row rows[i]; rows: the key's row j is ours' row rows[j]
+            if source.how == PART and first in rows:
                 at = rows.index(first)
-                if at + 1 < len(rows) and rows[at + 1] != first + 1:
-                    return None  # ours reordered its rope rows at load: its tail is in the reference's order
+                reordered = at + 1 < len(rows) and rows[at + 1] != first + 1
+            else:
+                reordered = source.how == ROWS and first + 1 < len(rows) and rows[first + 1] != rows[first] + 1
+            if reordered:
+                return None  # ours reordered its rope rows at load: its tail is in the reference's order
         pairs = [2 * i for i in range(rotary // 2)] + [2 * i + 1 for i in range(rotary // 2)]
         return tuple(range(nope)) + tuple(nope + p for p in pairs)
 
