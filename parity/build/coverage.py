@@ -90,7 +90,7 @@ class Source:
             return 0 if held_dim == 2 else None
         if self.how in (SCALED, ROWS, PART):
             if self.permute is not None:  # rows held with another axis last: that axis, moved last, is it
-                return self.permute[-1] if self.how == PART else None
+                return self.permute[-1] if self.how in (PART, ROWS) else None
             return (0 if held_dim == 2 else None) if self.transposed else held_dim - 1
         return None
 

@@ -70,22 +70,28 @@ def _order_at_start(e: Evidence, tail: torch.Tensor, x: torch.Tensor, orders: li
     return None
 
 
+def _tail(e: Evidence) -> tuple[int, int, torch.Tensor, list[list[int]]] | None:
+    """``(nope, rope, the reference's input to RoPE in the checkpoint's order, the orders its rotated tail may
+    hold)``: the identity and the halves Transformers makes of interleaved rope rows, the facts' likelier first."""
+    widths = _widths(e)
+    x = _rope_input(e, *widths) if widths is not None else None
+    if widths is None or x is None:
+        return None
+    rope = widths[1]
+    halves = [*range(0, rope, 2), *range(1, rope, 2)]
+    orders = [halves, list(range(rope))] if MLA_INTERLEAVED_ROPE in e.facts.features else [list(range(rope)), halves]
+    return widths[0], rope, x, orders
+
+
 def latent_pairing(e: Evidence) -> Hint | None:
     """An MLA head's rotated tail turned with other RoPE pairs than the reference's, both read in the
     checkpoint's row order: (i, i + r/2) on one side, (2i, 2i + 1) on the other (``rope_interleave``: the
     rope rows hold interleaved pairs, which Transformers reorders into halves before rotating; a port that
     rotates halves of the rows as stored pairs them wrongly). Either side."""
-    widths = _widths(e)
-    if widths is None:
+    found = _tail(e)
+    if found is None:
         return None
-    nope, rope = widths
-    x = _rope_input(e, nope, rope)
-    if x is None:
-        return None
-    halves = [*range(0, rope, 2), *range(1, rope, 2)]
-    orders = [list(range(rope)), halves]
-    if MLA_INTERLEAVED_ROPE in e.facts.features:
-        orders.reverse()
+    nope, rope, x, orders = found
     pairs = {}
     for side, t in (("ours", e.ours), ("reference", e.ref)):
         tail = t[..., nope:]
@@ -116,15 +122,10 @@ def latent_rope(e: Evidence) -> Hint | None:
     """The RoPE fits (another theta, the unscaled or another layer type's frequencies, tables laid out for other
     pairs) read on an MLA head's rotated tail alone: both sides' tails against the reference's input to RoPE in
     the order the reference rotates it (its halves of interleaved rope rows). Either side, as the fits are."""
-    widths = _widths(e)
-    if widths is None:
+    found = _tail(e)
+    if found is None:
         return None
-    nope, rope = widths
-    x = _rope_input(e, nope, rope)
-    if x is None:
-        return None
-    halves = [*range(0, rope, 2), *range(1, rope, 2)]
-    orders = [halves, list(range(rope))] if MLA_INTERLEAVED_ROPE in e.facts.features else [list(range(rope)), halves]
+    nope, rope, x, orders = found
     ours_tail, ref_tail = e.ours[..., nope:].double(), e.ref[..., nope:].double()
     order = _order_at_start(e, ref_tail, x, orders)
     if order is None or _order_at_start(e, ours_tail, x, [order]) is None:

@@ -206,7 +206,8 @@ def choice(e: Evidence, spec: NodeSpec | None) -> Hint:
                 f"{min(margins):.3g}..{max(margins):.3g}, not a near-tie: the router scores or the top-k differ"
             )
     batch = e.positions.shape[0] if e.positions is not None and e.positions.numel() == found["total"] else 1
-    other = _chosen_otherwise(e.ours, e.ref, scores, batch) or _group_limited_otherwise(e, scores)
+    order = getattr(spec.transform, "to_reference", ()) if spec is not None else ()
+    other = _chosen_otherwise(e.ours, e.ref, scores, batch) or _group_limited_otherwise(e, scores, order)
     if other is not None:
         side, how = other
         text += f"; {side} chooses {how}"
@@ -278,14 +279,18 @@ def _router_scoring(routing: Mapping[str, float]) -> tuple[Callable[[torch.Tenso
     return (_softmax, "softmax") if routing.get("softmax_scores") else (torch.sigmoid, "sigmoid")
 
 
-def _group_limited_otherwise(e: Evidence, logits: torch.Tensor | None) -> tuple[str, str] | None:
+def _group_limited_otherwise(
+    e: Evidence, logits: torch.Tensor | None, order: tuple[int, ...] = ()
+) -> tuple[str, str] | None:
     """``(side, how)``: how one side's choices follow from the router logits under a group-limited sigmoid
     router (DeepSeek V3's ``DeepseekV3MoE.route_tokens_to_experts``, GLM-4.5's ``Glm4MoeTopkRouter``; a softmax
     where :func:`_router_scoring` says): the
     scores ``sigmoid(logits) + e_score_correction_bias``, each group scored by the sum of its best two, the
     ``topk_group`` best groups kept, the top k of their experts. Tries the ports' usual departures, each
     alone; None unless the config's rule gives one side's choices and exactly one departure the other's.
-    The logits are the reference's (the router's linear agreed before its choice did)."""
+    The logits are the reference's (the router's linear agreed before its choice did); ``order``: ours' expert i
+    is the reference's ``order[i]`` (ours stacks its experts in another order), whose correction bias ours may
+    have left unpermuted."""
     routing = e.facts.routing
     groups, kept = int(routing.get("n_group", 0) or 0), int(routing.get("topk_group", 0) or 0)
     if logits is None or logits.dim() != 2 or e.ours.dim() != 2 or not groups or logits.shape[-1] % groups:
@@ -324,6 +329,11 @@ def _group_limited_otherwise(e: Evidence, logits: torch.Tensor | None) -> tuple[
             score(x + b)
         ),
     }
+    if order and bias is not None and len(order) == x.shape[-1]:
+        unmoved = torch.empty_like(b)
+        unmoved[list(order)] = b  # ours' expert i (the reference's order[i]) read the checkpoint's bias i
+        ways["with e_score_correction_bias left in the checkpoint's order while its experts (and router rows) are "
+             "reordered: each expert reads another expert's bias"] = pick(sig + unmoved)  # fmt: skip
 
     def same(a: torch.Tensor, c: torch.Tensor) -> bool:
         return a.shape == c.shape and torch.equal(a.long().sort(-1).values, c.long().sort(-1).values)

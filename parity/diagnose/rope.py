@@ -397,7 +397,7 @@ def _rope_hint(e: Evidence, fit, side: str, layer, own: float) -> Hint | None:
             f"likely RoPE frequencies in YaRN's ramp band: {side} rotates like {fit.label}, {amp}",
             evidence,
         )
-    if "YaRN" in fit.label or fit.label.startswith("LongRoPE"):
+    if "YaRN" in fit.label or fit.label.startswith("LongRoPE") or fit.label.startswith("llama3 scaling"):
         return Hint("rope_scaling", f"likely the RoPE scaling: {side} rotates like {fit.label}, {amp}", evidence)
     if "computed over the whole head" in fit.label:
         return Hint(

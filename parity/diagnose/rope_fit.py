@@ -171,6 +171,7 @@ def identify(
             )
     candidates += _yarn_variants(rope, layer.head_dim, max_position_embeddings)
     candidates += _longrope_variants(rope)
+    candidates += _llama3_variants(rope, layer.head_dim, max_position_embeddings)
     if rope is not None and rope.rope_type == "default" and layer.head_dim and rope.rotary_dim < layer.head_dim:
         # partial rotary: theta^(-2i/r) over the rotated dims r, not over the whole head
         wide = tuple(rope.theta ** (-2 * i / layer.head_dim) for i in range(rope.rotary_dim // 2))
@@ -245,6 +246,8 @@ def identify(
                 (f"the RoPE of {layer_type} layers ({other.rope_type}, theta {other.theta:g})", other.inv_freq)
             )
     for label, inv_freq in candidates:
+        if not inv_freq:
+            continue  # a variant that could not be computed for this layer
         worst = _fits(angle, keep, inv_freq, positions, tol)
         if worst is not None:
             return Fit(label, amplitude, worst, inv_freq=tuple(inv_freq))
@@ -419,21 +422,78 @@ def _yarn_variants(
         (
             "YaRN with its correction range's bounds "
             + ("left unrounded (truncate is true: floor and ceil them)" if truncate else "rounded (truncate is false)"),
-            rope.with_parameters({"truncate": not truncate}, head_dim, max_position_embeddings),
+            _recomputed(rope, {"truncate": not truncate}, head_dim, max_position_embeddings),
         )
     )
+    return out + _from_max_positions(rope, "YaRN with its correction range computed", head_dim, max_position_embeddings)
+
+
+def _from_max_positions(
+    rope: RopeFacts, what: str, head_dim: int, max_position_embeddings: int | None
+) -> list[tuple[str, tuple[float, ...]]]:
+    """``rope``'s frequencies with ``original_max_position_embeddings`` taken from ``max_position_embeddings``
+    (``what``: the variant's name), where the two differ; else nothing."""
     original = rope.parameters.get("original_max_position_embeddings")
-    if max_position_embeddings and original and int(cast(int, original)) != max_position_embeddings:
-        out.append(
-            (
-                f"YaRN with its correction range computed from max_position_embeddings ({max_position_embeddings}), "
-                f"not original_max_position_embeddings ({original})",
-                rope.with_parameters(
-                    {"original_max_position_embeddings": max_position_embeddings}, head_dim, max_position_embeddings
-                ),
-            )
+    if (
+        not head_dim
+        or not max_position_embeddings
+        or not original
+        or int(cast(int, original)) == max_position_embeddings
+    ):
+        return []
+    changes = {"original_max_position_embeddings": max_position_embeddings}
+    return [
+        (
+            f"{what} from max_position_embeddings ({max_position_embeddings}), not original_max_position_embeddings "
+            f"({int(cast(int, original))})",
+            _recomputed(rope, changes, head_dim, max_position_embeddings),
         )
-    return out
+    ]
+
+
+def _recomputed(
+    rope: RopeFacts, changes: dict, head_dim: int, max_position_embeddings: int | None
+) -> tuple[float, ...]:
+    """``rope``'s frequencies had its parameters held ``changes``, computed over ``head_dim`` or, where that gives
+    another number of frequencies than the layer's (MLA: Youtu's config.head_dim is the rope width alone, the
+    facts' the whole head), over the rotary dims; () when neither does."""
+    for dims in dict.fromkeys((head_dim, rope.rotary_dim)):
+        inv = rope.with_parameters(changes, dims, max_position_embeddings)
+        if len(inv) == len(rope.inv_freq):
+            return inv
+    return ()
+
+
+def _llama3_variants(
+    rope: RopeFacts | None, head_dim: int = 0, max_position_embeddings: int | None = None
+) -> list[tuple[str, tuple[float, ...]]]:
+    """Llama 3's frequency scaling written otherwise (Transformers' ``_compute_llama3_parameters``): the medium
+    band's blend the wrong way round (``s f / factor + (1 - s) f`` for ``(1 - s) f / factor + s f``), and the old
+    context length taken from ``max_position_embeddings`` in place of ``original_max_position_embeddings``."""
+    if rope is None or rope.rope_type != "llama3" or not rope.inv_freq:
+        return []
+    p = rope.parameters
+    factor = float(cast(float, p.get("factor", 1.0)) or 1.0)
+    low, high = float(cast(float, p.get("low_freq_factor", 1.0))), float(cast(float, p.get("high_freq_factor", 4.0)))
+    old = float(cast(float, p.get("original_max_position_embeddings", 0)) or 0)
+    if factor <= 1.0 or not old or high <= low:
+        return []
+    f = torch.tensor(rope.unscaled_inv_freq(), dtype=torch.float64)
+    wavelength = 2 * math.pi / f
+    s = ((old / wavelength - low) / (high - low)).clamp(0.0, 1.0)
+    medium = (wavelength <= old / low) & (wavelength >= old / high)
+    scaled = torch.where(wavelength > old / low, f / factor, f)
+    inverted = torch.where(medium, s * f / factor + (1 - s) * f, scaled)
+    out = [
+        (
+            "llama3 scaling with its medium band blended the wrong way round (s f / factor + (1 - s) f, where "
+            "Llama 3 has (1 - s) f / factor + s f)",
+            tuple(inverted.tolist()),
+        )
+    ]
+    return out + _from_max_positions(
+        rope, "llama3 scaling with its old context length", head_dim, max_position_embeddings
+    )
 
 
 def _fit_theta(angle: torch.Tensor, keep: torch.Tensor, positions: torch.Tensor, rotary_dim: int) -> float | None:

@@ -10,7 +10,7 @@ import torch
 from parity.diagnose.evidence import EXPLAINS, Evidence, fmt_list, forms_of, part_of, rel
 from parity.diagnose.hints import Hint
 from parity.diagnose.norms import named_scale
-from parity.model.facts_rules import ROTATED_LAST
+from parity.model.facts_rules import ROTATED_LAST, YARN_SOFTMAX_MSCALE
 from parity.record.hf_capture import FUSED_QKV
 from parity.record.trace import SCALARS
 
@@ -62,12 +62,36 @@ def _scale_name(e: Evidence, scale: float) -> str:
             f"1/head_dim (1/sqrt(head_dim={head_dim}) applied twice)": 1.0 / head_dim,
         }
     )
+    mscale = named.get(YARN_SOFTMAX_MSCALE)
+    if mscale is not None:  # latent attention with YaRN: 1/sqrt(width) times mscale squared, over each width
+        for width_name, width in _head_widths(e, head_dim).items():
+            candidates.setdefault(
+                f"1/sqrt({width_name}={width}) times the YaRN softmax mscale ({mscale:.6g}) squared",
+                width**-0.5 * mscale * mscale,
+            )
+        candidates[f"1/sqrt(head_dim={head_dim}) times the YaRN softmax mscale once (not squared)"] = (
+            head_dim**-0.5 * mscale
+        )
     for label, v in named.items():
         if "squared" not in label:
             candidates.setdefault(f"{label} / sqrt(head_dim={head_dim})", v * head_dim**-0.5)
             candidates.setdefault(f"{label} squared", v * v)
     matches = [label for label, value in candidates.items() if abs(scale / value - 1) < 1e-4]
     return f" (= {', or '.join(matches[:3])})" if matches else ""
+
+
+def _head_widths(e: Evidence, head_dim: int) -> dict[str, int]:
+    """The widths a port may take its attention scale from: head_dim, and for latent attention (MLA: each head
+    ``cat(nope, rope)``) the nope and rope parts and the values' width (read from the context node)."""
+    widths = {"head_dim": head_dim}
+    layer = e.facts.layer(e.result.layer)
+    rotary = layer.rope.rotary_dim if layer is not None and layer.rope is not None else 0
+    if ROTATED_LAST in e.facts.features and 0 < rotary < head_dim:
+        widths |= {"qk_nope_head_dim": head_dim - rotary, "qk_rope_head_dim": rotary}
+        context = e.ref_trace.tensors.get(f"{e.name.rsplit('.', 1)[0]}.context")
+        if context is not None and e.facts.num_heads and context.shape[-1] % e.facts.num_heads == 0:
+            widths["v_head_dim"] = context.shape[-1] // e.facts.num_heads
+    return widths
 
 
 def _layer_coefficient(e: Evidence, factor: float) -> str:

@@ -281,7 +281,19 @@ def _deepseek(config, facts: ArchFacts) -> ArchFacts:
     routing = _routing(config)
     if facts.model_type == "mistral4":  # Mistral4TopkRouter: DeepSeek V3's group-limited choice over a softmax
         routing = {**routing, "softmax_scores": 1.0}
-    return replace(facts, head_dim=width, features=frozenset(features), routing=routing)
+    mscale = _yarn_softmax_mscale(config)
+    named = {YARN_SOFTMAX_MSCALE: mscale} if mscale != 1.0 else {}
+    return replace(
+        facts,
+        head_dim=width,
+        features=frozenset(features),
+        routing=routing,
+        extra_constants={**named, **facts.extra_constants},
+    )
+
+
+#: the named constant of latent attention's YaRN softmax factor (applied squared to 1/sqrt(head_dim))
+YARN_SOFTMAX_MSCALE = "YaRN's softmax mscale 0.1 mscale_all_dim ln(factor) + 1"
 
 
 def _yarn_softmax_mscale(config) -> float:
@@ -364,6 +376,13 @@ def _lfm2_moe(config, facts: ArchFacts) -> ArchFacts:
     # one group
     scale = float(getattr(config, "routed_scaling_factor", 1.0) or 1.0)
     return replace(facts, routing=_one_group(scale, renormalised=bool(getattr(config, "norm_topk_prob", False))))
+
+
+@rule("minimax_m2")
+def _minimax_m2(config, facts: ArchFacts) -> ArchFacts:
+    # MiniMaxM2TopKRouter: sigmoid scores, its block's e_score_correction_bias added for the choice only, the top k
+    # renormalised, no routed scaling: DeepSeek V3's router with one group
+    return replace(facts, routing=_one_group(1.0, renormalised=True))
 
 
 @rule("cohere2_moe")

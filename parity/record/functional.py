@@ -82,6 +82,12 @@ _FOLLOWED = 16
 StorageKey = int | tuple[int, int, int]
 
 
+class FeaturesMismatch(ValueError):
+    """A node's transform given a product whose output features are not the node's (a product over part of a
+    parameter's output features: MLA's k and v read apart from one stored kv_b weight): that product is no
+    value of the node, which is left to what else records it."""
+
+
 @dataclass(frozen=True)
 class Block:
     """The storage elements of a fused parameter that hold one projection's rows: ``first`` to ``end``, all of
@@ -381,9 +387,32 @@ def _kept_weight_axis(func, args, followed: Followed) -> int | None:
     return None
 
 
+def _held_axis(t: torch.Tensor, input_axes: dict[int, tuple[torch.Tensor, int]]) -> int | None:
+    """The input axis of the projection weight ``t`` is, or is a slice of along its other axes (MLA's
+    ``w_kvb[..., dv:]``: k's rows of a weight stored ``(rank, heads, dv + dn)``): that axis kept whole, with the
+    parameter's own stride. None for anything else."""
+    held = input_axes.get(id(t))
+    if held is not None and held[0] is t:
+        return held[1]
+    if not t.dim():
+        return None
+    ptr = t.untyped_storage().data_ptr()
+    for param, axis in input_axes.values():
+        if (
+            param.dim() == t.dim()
+            and param.untyped_storage().data_ptr() == ptr
+            and t.shape[axis] == param.shape[axis]
+            and t.stride(axis) == param.stride(axis)
+            and t.numel() < param.numel()
+        ):
+            return axis
+    return None
+
+
 def _kept_input_axis(func, args, input_axes: dict[int, tuple[torch.Tensor, int]]) -> int | None:
-    """The input axis of a projection weight a product reads as it is held (no rearranged copy) when the
-    product keeps that axis instead of contracting it (see :meth:`FunctionCapture._absorbs`), else None."""
+    """The input axis of a projection weight a product reads as it is held (no rearranged copy, or a slice of
+    it along its other axes) when the product keeps that axis instead of contracting it (see
+    :meth:`FunctionCapture._absorbs`), else None."""
     name = op_name(func)
     if name == "einsum":
         parsed = _einsum_specs(func, args)
@@ -391,9 +420,9 @@ def _kept_input_axis(func, args, input_axes: dict[int, tuple[torch.Tensor, int]]
             return None
         specs, output, operands = parsed
         for spec, t in zip(specs, operands, strict=False):
-            held = input_axes.get(id(t))
-            if held is not None and held[0] is t and len(spec) == t.dim():
-                return held[1] if spec[held[1]] in output else None
+            axis = _held_axis(t, input_axes) if isinstance(t, torch.Tensor) else None
+            if axis is not None and len(spec) == t.dim():
+                return axis if spec[axis] in output else None
         return None
     # x @ W contracts W's second-to-last axis, W @ x its last, F.linear(x, W) its input features (axis 1)
     if name in ("matmul", "__matmul__", "mm", "bmm"):
@@ -405,9 +434,9 @@ def _kept_input_axis(func, args, input_axes: dict[int, tuple[torch.Tensor, int]]
     else:
         return None
     for t, contracted in slots:
-        held = input_axes.get(id(t)) if isinstance(t, torch.Tensor) else None
-        if held is not None and held[0] is t and t.dim() >= 2:
-            return held[1] if held[1] != contracted % t.dim() else None
+        axis = _held_axis(t, input_axes) if isinstance(t, torch.Tensor) else None
+        if axis is not None and t.dim() >= 2:
+            return axis if axis != contracted % t.dim() else None
     return None
 
 
@@ -888,7 +917,10 @@ class FunctionCapture(TorchFunctionMode):
         parameter it read (``Trace.extras["read_share"]``: a loop that skips part of a weight)."""
         for t in parts:
             node, read, whole, _ = self._partials.pop(id(t))
-            self.record_param(node, t)
+            try:
+                self.record_param(node, t)
+            except FeaturesMismatch:
+                continue  # a cut of the node's output features, not a partial sum: no value of the node
             self.shares[node] = read / whole
 
     def settle_all(self) -> None:

@@ -62,16 +62,32 @@ class TopK:
     #: the k of the model's other MoE layers: a top-k over the experts with one of them is ours' choice too
     #: (a per-layer k list read as one number, or the wrong layer's entry), compared against this layer's
     other_k: frozenset[int] = frozenset()
+    #: ours' expert ``i`` is the reference's expert ``to_reference[i]`` (ours stacks its experts and router rows in
+    #: another order, read from how it holds the router's weight); empty: the same order
+    to_reference: tuple[int, ...] = ()
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
-        """Ours' choices as the reference's ``(tokens, k)``: a block that keeps the batch axis routes
-        ``(batch, seq, k)``."""
-        return t.reshape(-1, t.shape[-1]) if t.dim() > 2 else t
+        """Ours' choices as the reference's ``(tokens, k)``, each expert index the reference's: a block that
+        keeps the batch axis routes ``(batch, seq, k)``."""
+        t = t.reshape(-1, t.shape[-1]) if t.dim() > 2 else t
+        if self.to_reference and not t.is_floating_point() and t.numel():
+            table = torch.tensor(self.to_reference, device=t.device, dtype=t.dtype)
+            if int(t.max()) < len(self.to_reference) and int(t.min()) >= 0:
+                t = table[t]
+        return t
 
     def inverse(self, ref: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
-        """The reference's choices in ours' shape (``(batch, seq, k)`` for ``(tokens, k)``); ours' own
-        when they cannot be (another k: compared, not replaced)."""
-        return ref.reshape(current.shape) if ref.numel() == current.numel() else current
+        """The reference's choices in ours' shape (``(batch, seq, k)`` for ``(tokens, k)``) and expert order;
+        ours' own when they cannot be (another k: compared, not replaced)."""
+        if ref.numel() != current.numel():
+            return current
+        if self.to_reference:
+            back = torch.empty(len(self.to_reference), dtype=ref.dtype, device=ref.device)
+            back[torch.tensor(self.to_reference, device=ref.device)] = torch.arange(
+                len(self.to_reference), dtype=ref.dtype, device=ref.device
+            )
+            ref = back[ref]
+        return ref.reshape(current.shape)
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,7 @@ from parity.build.coverage import (
 from parity.model.facts import ArchFacts
 from parity.model.facts_rules import MLA_INTERLEAVED_ROPE, Q_PRESCALED
 from parity.model.pair import NodeSpec
-from parity.record.functional import Block, StorageKey, first_reads, storage_keys
+from parity.record.functional import Block, FeaturesMismatch, StorageKey, first_reads, storage_keys
 from parity.record.hf_capture import FUSED_QKV, POSITION_TABLES, SUFFIXES
 from parity.record.hooks import FUNCTIONS, LAYOUTS
 from parity.record.ops import LOOKUP, PRODUCT
@@ -97,7 +97,10 @@ class Rows:
     width: int = 0
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
-        return _features_last(t, self.width)[..., list(self.rows)]
+        features = _features_last(t, self.width)
+        if self.rows and max(self.rows) >= features.shape[-1]:
+            raise FeaturesMismatch(f"{features.shape[-1]} output features, rows up to {max(self.rows)}")
+        return features[..., list(self.rows)]
 
     def alone(self) -> Rows | AsHeld:
         """The rows as the output of a product over this projection's block alone: ranks among themselves,
@@ -1072,8 +1075,13 @@ class _Aligner:
             others = frozenset(
                 n.experts_per_token for n in self.facts.layers if n.num_experts == experts and n.experts_per_token != k
             )
-            topk = TopK(experts, k, others)
-            detail = f"the indices of torch.topk over the {experts} experts (k = {k}) under {our_block}"
+            order = self._expert_order(block, experts)
+            topk = TopK(experts, k, others, order)
+            detail = f"the indices of torch.topk over the {experts} experts (k = {k}) under {our_block}" + (
+                f"; ours' experts in another order (ours' expert i is the reference's {list(order)[:8]}[i])"
+                if order
+                else ""
+            )
             return replace(spec, ours=tap, transform=topk, inverse=topk.inverse), Aligned(
                 spec.name, tap, "routing", detail
             )
@@ -1082,6 +1090,31 @@ class _Aligner:
             "cast) up to their first use on the experts' outputs"
         )
         return replace(spec, ours=tap), Aligned(spec.name, tap, "routing", detail)
+
+    def _expert_order(self, block: str, experts: int) -> tuple[int, ...]:
+        """``to_reference`` (ours' expert i is the reference's ``to_reference[i]``) when ours holds the block's
+        router weight with its rows (one per expert) in another order (an experts' stack reversed or permuted
+        at load, the router rows with it); () for the same order or when it cannot be read."""
+        router = next(
+            (
+                m
+                for name, m in self.ref_modules.items()
+                if name.rpartition(".")[0] == block
+                and is_router(m)
+                and isinstance(getattr(m, "weight", None), torch.Tensor)
+            ),
+            None,
+        )
+        weight = getattr(router, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[0] != experts:
+            return ()
+        for _, source in self._held(weight):
+            if source.how == ROWS and source.rows and sorted(source.rows) == list(range(experts)):
+                order = [0] * experts
+                for j, i in enumerate(source.rows):  # the key's row j is ours' row i
+                    order[i] = j
+                return tuple(order) if order != list(range(experts)) else ()
+        return ()
 
     def _expert(self, spec: NodeSpec, parent: str, expert: int) -> tuple[NodeSpec, Aligned]:
         """Expert ``expert`` of the reference's fused experts module ``parent``: the op in ours reading the
