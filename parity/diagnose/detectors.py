@@ -350,6 +350,40 @@ def _one_of_many(result: NodeResult, ref_trace: Trace) -> Hint | None:
     )
 
 
+def _head_cut(result: NodeResult, ours_trace: Trace, ref_trace: Trace, facts: ArchFacts) -> Hint | None:
+    """Ours' product ``(batch, heads, seq, w)`` over part of a projection whose reference output holds ``per``
+    features per head (``(batch, [1,] seq, heads * per)``, per > w): ours reads columns ``[o:o + w]`` of each
+    head. Named with MLA's parts where the projection is kv_b_proj (per head ``[k_nope | v]``): a per-head stack
+    cut at another place (Youtu's ``[v | k]`` read from the wrong end)."""
+    ours, ref = ours_trace.tensors.get(result.name), ref_trace.tensors.get(result.name)
+    if ours is None or ref is None or ours.dim() != 4 or ref.shape[-1] % max(ours.shape[1], 1):
+        return None
+    b, heads, seq, w = ours.shape
+    per = ref.shape[-1] // heads
+    if ref.numel() != b * seq * heads * per or per <= w:
+        return None
+    by_head = ref.double().reshape(b, seq, heads, per).transpose(1, 2)
+    tol = 1e-5 * max(float(by_head.abs().max()), 1e-30)
+    offset = next(
+        (o for o in range(per - w + 1) if torch.allclose(ours.double(), by_head[..., o : o + w], atol=tol)), None
+    )
+    if offset is None:
+        return None
+    layer = facts.layer(result.layer)
+    rotary = layer.rope.rotary_dim if layer is not None and layer.rope is not None else 0
+    parts = ""
+    if result.name.endswith("kv_b_proj") and layer is not None and 0 < rotary < layer.head_dim:
+        nope = layer.head_dim - rotary
+        parts = f" ({nope} k_nope then {per - nope} v: k_nope is [0:{nope}], v [{nope}:{per}])"
+    return Hint(
+        "qkv_layout",
+        f"likely a per-head cut of {result.name}'s output at another place: ours' product (its shape {tuple(ours.shape)}) "
+        f"is columns [{offset}:{offset + w}] of each head's {per}{parts} (a per-head stack of its parts read from "
+        "the wrong end, or at the wrong width)",
+        {"offset": offset, "width": w, "per_head": per},
+    )
+
+
 def _head_split(result: NodeResult, facts: ArchFacts) -> Hint | None:
     """An attention tensor of ``(batch, heads, seq, head_dim)`` cut into another number of heads of
     another width, the same total: head_dim taken as ``hidden_size / num_heads`` where the config sets
@@ -420,6 +454,7 @@ def diagnose(
             or _one_of_many(result, ref_trace)
             or _head_split(result, facts)
             or _padded_heads(result, ours_trace, ref_trace, facts)
+            or _head_cut(result, ours_trace, ref_trace, facts)
             or Hint("shape", f"likely a layout or head-count difference: {result.detail}")
         )
     ours, ref = ours_trace.tensors.get(result.name), ref_trace.tensors.get(result.name)
