@@ -28,7 +28,7 @@ from parity.diagnose.elementwise import (
     soft_capping,
 )
 from parity.diagnose.embeddings import embedding_rows, position_term
-from parity.diagnose.evidence import Evidence, heads_first
+from parity.diagnose.evidence import Evidence, cut_offset, heads_first
 from parity.diagnose.hints import Hint
 from parity.diagnose.latent import latent_pairing, latent_rope, latent_split
 from parity.diagnose.masks import (
@@ -364,9 +364,7 @@ def _head_cut(result: NodeResult, ours_trace: Trace, ref_trace: Trace, facts: Ar
         return None
     by_head = ref.double().reshape(b, seq, heads, per).transpose(1, 2)
     tol = 1e-5 * max(float(by_head.abs().max()), 1e-30)
-    offset = next(
-        (o for o in range(per - w + 1) if torch.allclose(ours.double(), by_head[..., o : o + w], atol=tol)), None
-    )
+    offset = cut_offset(ours.double(), by_head, lambda a, b: torch.allclose(a, b, atol=tol))
     if offset is None:
         return None
     layer = facts.layer(result.layer)

@@ -330,6 +330,15 @@ def reference_output(e: Evidence, name: str) -> torch.Tensor | None:
     return None
 
 
+def cut_offset(
+    part: torch.Tensor, wide: torch.Tensor, same: Callable[[torch.Tensor, torch.Tensor], bool]
+) -> int | None:
+    """The first offset ``o`` along the last axis with ``same(part, wide[..., o:o + w])`` (``w``: ``part``'s
+    width): where a side's tensor was cut from a wider one (a fused output, a per-head stack); None if nowhere."""
+    w = part.shape[-1]
+    return next((o for o in range(wide.shape[-1] - w + 1) if same(part, wide[..., o : o + w])), None)
+
+
 # --- nodes that are parts of a fused projection -------------------------------------------------
 
 _PART = re.compile(r"\[(\d+):(\d+)(?::(\d+))?\]$")

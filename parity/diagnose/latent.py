@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import torch
 
-from parity.diagnose.evidence import Evidence, reference_output
+from parity.diagnose.evidence import Evidence, cut_offset, reference_output
 from parity.diagnose.hints import Hint
 from parity.diagnose.rope import _pairing, rope_fit, rope_tables
 from parity.model.facts_rules import MLA_INTERLEAVED_ROPE, ROTATED_LAST
@@ -175,16 +175,11 @@ def latent_split(e: Evidence) -> Hint | None:
         return None
     y = y.reshape(b, seq, heads, per_head).transpose(1, 2)
 
-    def offset(t: torch.Tensor) -> int | None:
-        part = t[..., :nope].double()
-        for at in range(per_head - nope + 1):
-            cut = y[..., at : at + nope]
-            scale = float((part * cut).sum() / cut.pow(2).sum().clamp_min(1e-300))
-            if scale and e.close(part, scale * cut):
-                return at
-        return None
+    def scaled(part: torch.Tensor, cut: torch.Tensor) -> bool:
+        scale = float((part * cut).sum() / cut.pow(2).sum().clamp_min(1e-300))
+        return bool(scale) and e.close(part, scale * cut)
 
-    ours, ref = offset(e.ours), offset(e.ref)
+    ours, ref = (cut_offset(t[..., :nope].double(), y, scaled) for t in (e.ours, e.ref))
     if ours is None or ref is None or ours == ref:
         return None
     letter = e.kind[0]

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from parity.compare.metrics import UNTAPPED, choice_margins
-from parity.diagnose.evidence import EXPLAINS, Evidence, fmt_list, rel, whose
+from parity.diagnose.evidence import EXPLAINS, Evidence, fmt_list, reads_stream, rel, whose
 from parity.diagnose.hints import Hint
 from parity.model.pair import NodeSpec
 from parity.record.routing import CHOICES
@@ -897,12 +897,12 @@ def _routed_forms(e: Evidence, base: str) -> dict[str, torch.Tensor] | None:
         forms[
             "the chosen experts computed with gate_up_proj's halves swapped (up first: the activation on the up half)"
         ] = (weights.double().T[..., None] * halves.double()[chosen.T, torch.arange(tokens)[None, :]]).sum(0)
+    shared = _shared_output(e, base)
     if e.facts.routing.get("n_group"):  # DeepSeek's group-limited sigmoid router, its shared experts added
         grouped = _grouped_forms(e, base, logits.double(), chosen, y.double())
-        if grouped or _shared_output(e, base) is not None:
+        if grouped or shared is not None:
             return grouped or None
         # no shared experts (LFM2-MoE's one-group router): the generic forms, each formula's weights as they are
-    shared = _shared_output(e, base)
     if shared is None or shared.numel() != tokens * y.shape[-1]:
         return forms
     # an ungated shared MLP beside the experts (HunYuan-MoE's shared_mlp): the block's output is their sum
@@ -1034,8 +1034,6 @@ def experts_at_stream(e: Evidence) -> Hint | None:
     reference's)``, ``c`` the factor the branch carries (Granite's residual_multiplier, 1 elsewhere). The
     reference's experts node is one of the block's forms (:func:`_routed_forms`); the form whose difference
     from it ours' stream shows, at one constant ``c > 0``, is ours'. Either side."""
-    from parity.diagnose.evidence import reads_stream
-
     if e.result.layer is None or not reads_stream(e.kind) or e.ours.shape != e.ref.shape:
         return None
     prefix = f"{e.facts.layer_prefix}.{e.result.layer}."

@@ -501,7 +501,8 @@ def norm_placement(e: Evidence) -> Hint | None:
     x_ref, x_ours = e.ref_trace.inputs[e.name], e.ours_trace.inputs[e.name]
     if x_ref.shape != x_ours.shape or e.close(x_ours, x_ref):
         return None
-    ours_is = _explained_by(x_ours, _normalisers(x_ref, None, e.facts.norm_eps or 0.0))
+    ours_forms = _normalisers(x_ref, None, e.facts.norm_eps or 0.0)
+    ours_is = _explained_by(x_ours, ours_forms)
     if ours_is is not None:
         # the reference's input already a norm's output of this layer: ours normalises it a second time
         normed = next(
@@ -516,9 +517,7 @@ def norm_placement(e: Evidence) -> Hint | None:
             ),
             None,
         )
-        whose_weight = (
-            None if normed else _norm_weighting(e, x_ours, _normalisers(x_ref, None, e.facts.norm_eps or 0.0)[ours_is])
-        )
+        whose_weight = None if normed else _norm_weighting(e, x_ours, ours_forms[ours_is])
         how = (
             f"; its input is already {normed}'s output: ours applies a norm again to the normalised input (the norm "
             "applied twice)"

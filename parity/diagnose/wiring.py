@@ -12,6 +12,7 @@ from parity.diagnose.evidence import (
     EXPLAINS,
     Evidence,
     attention_values,
+    cut_offset,
     fmt_list,
     fused_layouts,
     fused_output,
@@ -254,11 +255,7 @@ def input_slice(e: Evidence) -> Hint | None:
         if "@input" in name or t.shape[-1] <= w or t.numel() // t.shape[-1] != a.shape[0]:
             continue
         wide = t.double().reshape(a.shape[0], -1)
-
-        def at(x: torch.Tensor, wide: torch.Tensor = wide) -> int | None:
-            return next((i for i in range(wide.shape[-1] - w + 1) if e.close(x, wide[:, i : i + w])), None)
-
-        ours, ref = at(a), at(b)
+        ours, ref = cut_offset(a, wide, e.close), cut_offset(b, wide, e.close)
         if ours is not None and ref is not None and ours != ref:
             return Hint(
                 "qkv_layout",

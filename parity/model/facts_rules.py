@@ -272,7 +272,8 @@ def _deepseek(config, facts: ArchFacts) -> ArchFacts:
     if not nope or not rope:
         return facts
     width = int(nope) + int(rope)
-    scale = width**-0.5 * _yarn_softmax_mscale(config) ** 2
+    mscale = _yarn_softmax_mscale(config)
+    scale = width**-0.5 * mscale**2
     facts = with_layers(facts, head_dim=lambda layer: width, attention_scale=lambda layer: scale)
     # rope_interleave: the checkpoint's rope rows hold interleaved pairs, which Transformers reorders into
     # halves before it rotates the tail of each head (apply_rotary_pos_emb_interleave)
@@ -281,7 +282,6 @@ def _deepseek(config, facts: ArchFacts) -> ArchFacts:
     routing = _routing(config)
     if facts.model_type == "mistral4":  # Mistral4TopkRouter: DeepSeek V3's group-limited choice over a softmax
         routing = {**routing, "softmax_scores": 1.0}
-    mscale = _yarn_softmax_mscale(config)
     named = {YARN_SOFTMAX_MSCALE: mscale} if mscale != 1.0 else {}
     return replace(
         facts,

@@ -81,12 +81,8 @@ class TopK:
         ours' own when they cannot be (another k: compared, not replaced)."""
         if ref.numel() != current.numel():
             return current
-        if self.to_reference:
-            back = torch.empty(len(self.to_reference), dtype=ref.dtype, device=ref.device)
-            back[torch.tensor(self.to_reference, device=ref.device)] = torch.arange(
-                len(self.to_reference), dtype=ref.dtype, device=ref.device
-            )
-            ref = back[ref]
+        if self.to_reference:  # the reference's expert j is ours' argsort(to_reference)[j]
+            ref = torch.argsort(torch.tensor(self.to_reference, device=ref.device)).to(ref.dtype)[ref]
         return ref.reshape(current.shape)
 
 

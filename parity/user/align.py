@@ -1110,9 +1110,7 @@ class _Aligner:
             return ()
         for _, source in self._held(weight):
             if source.how == ROWS and source.rows and sorted(source.rows) == list(range(experts)):
-                order = [0] * experts
-                for j, i in enumerate(source.rows):  # the key's row j is ours' row i
-                    order[i] = j
+                order = sorted(range(experts), key=source.rows.__getitem__)  # the key's row j is ours' row rows[j]
                 return tuple(order) if order != list(range(experts)) else ()
         return ()
 
