@@ -155,6 +155,26 @@ def test_an_internal_error_says_it_is_parity_s_bug_and_where_to_report_it(capsys
     assert f"parity {parity.__version__}" in last and "torch " in last
 
 
+def test_parity_s_recording_failing_inside_a_user_forward_is_parity_s_bug_not_the_model_s(
+    capsys, monkeypatch, tmp_path
+):
+    """A user's model that runs on its own, where parity's tap handling raises: not "your model's forward raised"
+    (exit 2, bad input) but parity's bug (exit 3, the traceback kept), read by running the same forward without
+    parity's hooks, function capture and taps."""
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a tap parity cannot place")
+
+    monkeypatch.setattr("parity.record.hooks._tap_node", broken)
+    ours = USER_MODELS / "book_olmo3.py"
+    argv = ["check", "--ours", f"{ours}:build", "--reference", "olmo3", "--no-semantic", "--report-dir", str(tmp_path)]
+    assert main(argv) == 3
+    err = capsys.readouterr().err
+    assert "RuntimeError: a tap parity cannot place" in err and "your model's forward" not in err, err
+    assert "runs without parity's hooks and function capture on the same input, so this is a bug of parity's" in err
+    assert "this is a bug in parity, not a problem with your input" in err.strip().splitlines()[-1]
+
+
 # --- 2. a full disk: nothing visible, the space needed said, exit 2 ------------------------------------
 
 

@@ -302,6 +302,29 @@ def test_a_scaled_copy_is_found_whatever_rows_are_zero():
     assert cov.sources["W_E"][0].description == "embed.weight * sqrt(hidden_size=8) (2.82843)"
 
 
+def _plain_model(rope: torch.Tensor, weight: torch.Tensor) -> nn.Module:
+    """A JAX-style port: its weight and its RoPE frequencies kept in plain dicts, adopted as parameters."""
+    from parity.user.check_model import adopt_plain_tensors
+
+    model = nn.Module()
+    model.w = {"proj": weight}
+    model.rope = {"full_attention": rope}
+    adopt_plain_tensors(model)
+    return model
+
+
+def test_a_plain_tensor_computed_at_build_is_no_gap_but_one_sized_like_an_unplaced_weight_is():
+    """RoPE frequencies kept in a dict hold no checkpoint tensor, as a buffer's would not (LFM3's port): state
+    computed at build. A plain tensor as large as a checkpoint tensor nothing holds may be that weight in a
+    layout parity does not know: it stays a gap, named."""
+    weight, rope = torch.randn(6, 4), 1.0 / 10000 ** (torch.arange(0, 8, 2) / 8)
+    cov = loader_coverage(_plain_model(rope, weight.clone()), {"proj.weight": weight})
+    assert cov.ok and cov.computed == ["plain__rope__full_attention"] and not cov.unwritten, cov
+    cov = loader_coverage(_plain_model(rope, weight * 3.7), {"proj.weight": weight})  # no layout parity knows
+    assert not cov.ok and cov.unused == ["proj.weight"], cov
+    assert cov.unwritten_names() == ["plain__w__proj"] and cov.computed == ["plain__rope__full_attention"], cov
+
+
 # --- layouts are decided by shapes
 
 

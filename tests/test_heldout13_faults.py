@@ -123,8 +123,8 @@ NAMED = [
      "the q_norm's statistic over every head's features together in ours"),
     ("exaone4", "ex_llama3_rope_scaling_ignored", False, "model.layers.0.self_attn.q_rot", "rope_scaling",
      "no llama3 scaling"),
-    ("exaone4", "ex_llama3_low_high_factor_swapped", False, "model.layers.0.self_attn.q_rot", "rope_band",
-     "a llama3 correction range / ramp band"),
+    ("exaone4", "ex_llama3_low_high_factor_swapped", False, "model.layers.0.self_attn.q_rot", "rope_scaling",
+     "llama3 scaling with low_freq_factor and high_freq_factor exchanged"),  # a generic band before set 25
     ("exaone4", "ex_post_attn_norm_before_o_proj", False, "model.layers.0.self_attn.o_proj", "norm_placement",
      "the reference runs post_attention_layernorm after o_proj"),
     ("exaone4", "ex_qk_norm_scale_dropped", False, "model.layers.0.self_attn.scores", "attention_scale",

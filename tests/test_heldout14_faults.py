@@ -182,17 +182,20 @@ NAMED = [
      "ours attends with full causal attention, the reference with a window of 7"),
     ("qwen2_moe", "qm_pad_drop_scatter_misaligned", True, "model.layers.0.mlp", "padding",
      "written back at the front"),
+    ("apertus", "ap_xielu_no_softplus", False, "model.layers.0.mlp.down_proj", "activation",
+     "ours with a_p = alpha_p (raw: softplus not applied) (the formula: softplus(alpha_p)); a_n = alpha_n (raw, beta "
+     "not added)"),
+    ("apertus", "ap_xielu_alpha_n_without_beta", False, "model.layers.0.mlp.down_proj", "activation",
+     "ours with a_n = softplus(alpha_n) (beta not added)"),
+    ("apertus", "ap_xielu_negative_missing_linear", False, "model.layers.0.mlp.down_proj", "activation",
+     "ours with negative x term = beta (the - x term dropped: an ELU-style branch)"),
+    ("apertus", "ap_xielu_alphas_sorted_swap", False, "model.layers.0.mlp.down_proj", "activation",
+     "ours with a_p = softplus(alpha_n) (alpha_n's: the two exchanged)"),
 ]  # fmt: skip
-#: located, the hint naming the component only (true, the cause not named): xIELU written otherwise (its
-#: parameterisation is not read back: the coefficients raw, beta left out, the linear term dropped, alpha_p and
-#: alpha_n swapped), and a q/k bias added after RoPE (ours' q_proj has none; whether it comes later is not read)
+#: located, the hint naming the component only (true, the cause not named): a q/k bias added after RoPE (ours'
+#: q_proj has none; whether it comes later is not read). xIELU written otherwise was here until the fifteenth
+#: session, which reads its coefficients back (``parity.diagnose.learned_activation``): now in NAMED
 COMPONENT = [
-    *(
-        ("apertus", b, False, "model.layers.0.mlp.down_proj", "activation",
-         "ours is another element-wise function of the reference's model.layers.0.mlp.up_proj")
-        for b in ("ap_xielu_no_softplus", "ap_xielu_alpha_n_without_beta", "ap_xielu_negative_missing_linear",
-                  "ap_xielu_alphas_sorted_swap")
-    ),
     ("qwen2_moe", "qm_qk_bias_after_rope", False, "model.layers.0.self_attn.q_proj", "bias",
      "ours adds none at model.layers.0.self_attn.q_proj"),
 ]  # fmt: skip

@@ -149,7 +149,7 @@ NAMED = [
     ("longcat_flash", "lc_kv_lora_scale_missing", False, "model.layers.0.self_attn.0.kv_b_proj[rows 0, 1, 2, 3, ...]",
      "scale", "matches 1 / LongCat's kv LoRA scale sqrt(hidden_size / kv_lora_rank)"),
     ("longcat_flash", "lc_softmax_scale_config_head_dim", False, "model.layers.0.self_attn.0.scores",
-     "attention_scale", "ours scales q k^T by 0.353553, the reference by 0.204124 (= 1/sqrt(head_dim=24))"),
+     "attention_scale", "ours scales q k^T by 0.353553 (= 1/sqrt(qk_rope_head_dim=8)), the reference by 0.204124 (= 1/sqrt(head_dim=24))"),
     ("longcat_flash", "lc_topk_renormalised", False, "model.layers.0.mlp.router.weights", "routing_weights",
      "ours equals the softmax scores at the chosen, renormalised (norm_topk_prob is false)"),
     ("longcat_flash", "lc_score_bias_ignored", False, "model.layers.0.mlp.router.experts", "routing",

@@ -159,7 +159,7 @@ NAMED = [
      "their fused gate/up rows split the other way round (up first)"),
     ("mistral4", "m4_pad_mask_dropped", True, "model.layers.0.self_attn.probs", "padding", "the mask not applied"),
     ("glm4_moe_lite", "gl_scale_config_head_dim", False, "model.layers.0.self_attn.scores", "attention_scale",
-     "ours scales q k^T by 0.353553, the reference by 0.204124 (= 1/sqrt(head_dim=24))"),
+     "ours scales q k^T by 0.353553 (= 1/sqrt(qk_rope_head_dim=8)), the reference by 0.204124 (= 1/sqrt(head_dim=24))"),
     ("glm4_moe_lite", "gl_q_split_swapped", False, "model.layers.0.self_attn.q_rot", "qkv_layout",
      "ours' q_nope is columns [8:24] of each head's 24 (16 q_nope + 8 q_rope), the reference's [0:16] (the "
      "per-head split [q_nope | q_rope] read as [q_rope | q_nope] in ours)"),

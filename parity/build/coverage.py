@@ -46,6 +46,9 @@ CONVENTIONS = {
 
 
 _NEVER_USED = "checkpoint keys never used:"
+#: the prefix of the parameters :func:`parity.user.check_model.adopt_plain_tensors` registers for a user model's
+#: plain tensors (weights kept in a dict or list attribute)
+PLAIN = "plain__"
 _HOLDING_NONE = "parameters of ours holding no checkpoint tensor:"
 
 
@@ -163,6 +166,10 @@ class Coverage:
     #: several tensors), found by perturbing each alone (:mod:`parity.user.derived`): key -> our
     #: parameters derived from it (none when it went into a plain Python number)
     derived: dict[str, list[str]] = field(default_factory=dict)
+    #: plain tensors of a user's model (kept in a dict or list, adopted as ``plain__`` parameters) that hold no
+    #: checkpoint tensor and are smaller or larger than every unplaced one: state computed at build (RoPE
+    #: frequencies), as a buffer's would be, not a gap
+    computed: list[str] = field(default_factory=list)
     #: scalar buffers of the reference (constants of the architecture its module registers, xIELU's eps) that
     #: ours holds as plain numbers: key -> value; the nodes judge the value ours uses
     numbers: dict[str, float] = field(default_factory=dict)
@@ -187,6 +194,7 @@ class Coverage:
             "untied": self.untied,
             "derived": self.derived_note(),
             "numbers": self.numbers_note(),
+            "computed": self.computed,
         }
 
     def numbers_note(self) -> str | None:
@@ -749,6 +757,7 @@ def loader_coverage(
     sliced: dict[str, list[tuple[list[tuple[int, int]], str]]] = {}
 
     unexplained: list[tuple[nn.Parameter, list[str]]] = []
+    plain: list[tuple[str, int]] = []  # plain tensors of a user's model (adopted as parameters) holding nothing
     set_aside: set[str] = set()  # checkpoint keys whose parameter was replaced after loading
     for p, names in params.values():
         label = " = ".join(names)
@@ -911,6 +920,9 @@ def loader_coverage(
                     )
                     continue
                 why = _transposed_in(p.data, free) or _strided_in(p.data, free)
+                if all(n.rsplit(".", 1)[-1].startswith(PLAIN) for n in names) and not why:
+                    plain.append((label, p.numel()))  # judged below, once every checkpoint tensor is placed
+                    continue
                 cov.unwritten.append(f"{label} (holds no checkpoint tensor in any layout parity knows{why})")
                 continue
             for key, rows in parts:
@@ -1006,6 +1018,15 @@ def loader_coverage(
                 cov.gaps.append(f"tied weights {target} and {source} are not the same Parameter in ours: {found}")
         else:
             cov.tied.append(f"{target} -> {source}: no parameter of ours holds it")
+    # a plain tensor of ours holding nothing is state computed at build (RoPE frequencies kept in a dict), as a
+    # buffer would be, unless it is as large as a checkpoint tensor nothing holds: then it may be that weight
+    # loaded in a layout parity does not know, and stays a gap
+    sizes = {state_dict[k].numel() for k in cov.unused}
+    for label, numel in plain:
+        if numel in sizes:
+            cov.unwritten.append(f"{label} (holds no checkpoint tensor in any layout parity knows)")
+        else:
+            cov.computed.append(label)
     if cov.unused:
         cov.gaps.append(f"{_NEVER_USED} {_summary(cov.unused)}")
     if cov.unwritten:

@@ -50,13 +50,15 @@ def causal_lm_class(hf_config):
     except ImportError:
         package = None
     own = [getattr(package, n) for n in sorted(dir(package))] if package is not None else []
-    for cls in (*named, *own):
-        if (
-            isinstance(cls, type)
-            and cls.__name__.endswith("ForCausalLM")
-            and getattr(cls, "config_class", None) is type(hf_config)
-        ):
-            return cls
+    # a composite model with no text-only causal LM runs text through its ...ForConditionalGeneration (GLM-5-Next)
+    for suffix in ("ForCausalLM", "ForConditionalGeneration"):
+        for cls in (*named, *own):
+            if (
+                isinstance(cls, type)
+                and cls.__name__.endswith(suffix)
+                and getattr(cls, "config_class", None) is type(hf_config)
+            ):
+                return cls
     raise ConfigError(f"no Transformers causal LM class for model_type {hf_config.model_type!r}")
 
 

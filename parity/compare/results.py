@@ -492,8 +492,15 @@ class NodeStream:
         watch: Mapping | None = None,
         padding: torch.Tensor | None = None,
         qk_through_scores: bool = False,
+        provisional: frozenset[str] = frozenset(),
     ):
         self.specs = {n.name: n for n in nodes}
+        #: blocks whose failures a pass after the forward may take back (values folded between their nodes at
+        #: load: ``stages.folded_differences``): while the first failure is in one, the earliest failure outside
+        #: that block is kept as well, to be the first if that one is taken back
+        self.provisional = provisional
+        self.second: NodeResult | None = None
+        self.second_keep: set[str] = set()
         #: a q_rot/k_rot failure whose block's scores then agree is not the first failure (a user's model may
         #: take a constant on the scores that the reference takes on q and k: ``stages.read_through_scores``)
         self.qk_through_scores = qk_through_scores
@@ -573,6 +580,18 @@ class NodeStream:
             self._release(old - self.failure_keep)
             self.trace.keep_input(name)  # held by reference since the module's pre-hook: copied now
             return bool(layout)  # kept: the trace stores it (in the reference's layout, stored already)
+        if (
+            result.failed
+            and self.first is not None
+            and self._block_of(self.first.name) is not None
+            and self._block_of(name) != self._block_of(self.first.name)
+            and (self.second is None or result.index < self.second.index)
+        ):  # the runner-up, kept with its context in case the first failure is taken back
+            old, self.second = self.second_keep, result
+            self.second_keep = {name} | {n for n in self.stem_keep if n.rsplit(".", 1)[0] == stem}
+            self._release(old - self.second_keep)
+            self.trace.keep_input(name)
+            return bool(layout)
         self.trace.drop_input(name)
         if layout:
             if name not in self.stem_keep and name in self.trace.tensors:
@@ -606,10 +625,14 @@ class NodeStream:
         self.trace.sink, self.trace.defer_inputs = None, False
         self.trace.pending.clear()
 
+    def _block_of(self, name: str) -> str | None:
+        """The provisional block ``name`` is in, or None."""
+        return next((b for b in self.provisional if name == b or name.startswith(b + ".")), None)
+
     def _release(self, names: set[str]) -> None:
         """Drop ours' tensors (and kept inputs) of ``names`` that nothing holds any more."""
         for name in names:
-            if name in self.failure_keep or name in self.stem_keep:
+            if name in self.failure_keep or name in self.stem_keep or name in self.second_keep:
                 continue
             if name in self.trace.tensors:
                 del self.trace.tensors[name]

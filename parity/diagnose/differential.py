@@ -48,29 +48,46 @@ def after_context(e: Evidence) -> Hint | None:
 
 def _output_gate(e: Evidence, stem: str, x_ours: torch.Tensor, x_ref: torch.Tensor) -> Hint | None:
     """An output gate between the context and the output projection (AFMoE's ``gate_proj``: ``context *
-    sigmoid(gate_proj(x))``) with another function on one side: each side's projection input read as the
-    reference's context times a function of the reference's ``gate_proj`` output
-    (:func:`~parity.diagnose.elementwise.gate_function`), or the context alone."""
+    sigmoid(gate_proj(x))``; LFM3's per-head ``g_proj``: one gate per head over its ``head_dim`` channels) with
+    another function or another spread over the channels on one side: each side's projection input read as the
+    reference's context times a function (:func:`~parity.diagnose.elementwise.gate_function`) of the reference's
+    gate output, a per-head gate laid over the channels head by head or tiled, or the context alone."""
     from parity.diagnose.elementwise import gate_function
 
-    context, gate = e.ref_trace.tensors.get(f"{stem}.context"), e.ref_trace.tensors.get(f"{stem}.gate_proj")
-    if context is None or gate is None or not context.numel() == gate.numel() == x_ref.numel():
+    context = e.ref_trace.tensors.get(f"{stem}.context")
+    name, gate = next(
+        ((n, t) for n in ("gate_proj", "g_proj", "gate") if (t := e.ref_trace.tensors.get(f"{stem}.{n}")) is not None),
+        (None, None),
+    )
+    if context is None or gate is None or context.numel() != x_ref.numel():
         return None
+    context = context.reshape(x_ref.shape)
+    spreads = {"": gate} if gate.numel() == x_ref.numel() else {}
+    width, heads = x_ref.shape[-1], gate.shape[-1]
+    if gate.shape[:-1] == x_ref.shape[:-1] and heads > 1 and width % heads == 0 and width > heads:
+        per = width // heads  # a per-head gate: channel c of the context belongs to head c // head_dim
+        spreads[", each head's gate over its own channels"] = gate.repeat_interleave(per, -1)
+        spreads[
+            f", the gate tiled over the channels (channel c reads head c % {heads}'s: repeat for repeat_interleave)"
+        ] = gate.repeat(*[1] * (gate.dim() - 1), per)
 
     def form_of(y: torch.Tensor) -> str | None:
-        if rel(y.double(), context.double().reshape(y.shape)) < EXPLAINS:
+        if rel(y.double(), context.double()) < EXPLAINS:
             return "the context alone (the gate not applied)"
-        label = gate_function(context, gate, y)
-        return f"the context times {label}(gate_proj)" if label is not None else None
+        for spread, g in spreads.items():
+            label = gate_function(context, g.reshape(y.shape), y)
+            if label is not None:
+                return f"the context times {label}({name}){spread}"
+        return None
 
     ours_is, ref_is = form_of(x_ours), form_of(x_ref)
     if ours_is is None or ref_is is None or ours_is == ref_is:
         return None
     return Hint(
-        "activation",
+        "activation" if ours_is.split(",")[0] != ref_is.split(",")[0] else "head_mapping",
         f"likely the attention's output gate: the input of {stem}'s output projection is {ours_is} in ours, "
         f"{ref_is} in the reference",
-        {"ours": ours_is, "reference": ref_is, "gate": f"{stem}.gate_proj"},
+        {"ours": ours_is, "reference": ref_is, "gate": f"{stem}.{name}"},
     )
 
 

@@ -11,6 +11,7 @@ import torch
 
 from parity.diagnose.evidence import ELEMENTWISE, EXPLAINS, Evidence, fmt_list, rel, seq_axis
 from parity.diagnose.hints import Hint
+from parity.diagnose.learned_activation import xielu_parameters
 
 
 def _solve_cap(h: torch.Tensor, y: torch.Tensor, form: str) -> float | None:
@@ -429,6 +430,9 @@ def _other_function(e: Evidence, ours: torch.Tensor, ref: torch.Tensor, where: s
         points = [p for p in SAMPLE_POINTS if float(x.min()) <= p <= float(x.max())]
         if len(points) < 3:
             continue
+        learned = xielu_parameters(e, ours, ref, pre, where)
+        if learned is not None:
+            return learned
         ref_is = next((label for label, fn in acts.items() if e.close(ref, fn(pre))), None)
         floor = 1e-6 * float(b.abs().max())
 

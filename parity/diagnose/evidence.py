@@ -157,6 +157,8 @@ def _fed_by_a_node(e: Evidence, x_ref: torch.Tensor) -> bool:
             return True
         if tensor.dim() == 3 and x_ref.dim() == 4 and e.close(tensor, x_ref.flatten(-2).reshape(tensor.shape)):
             return True  # (batch, seq, heads * head_dim) split into heads before a per-head norm
+        if tensor.dim() == 3 and x_ref.dim() == 4 and e.close(tensor, x_ref.transpose(1, 2).reshape(tensor.shape)):
+            return True  # the same, the heads moved ahead of the sequence: (batch, heads, seq, head_dim)
     return False
 
 

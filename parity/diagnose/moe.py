@@ -31,6 +31,8 @@ def row_normalisation(e: Evidence) -> Hint | None:
     a, b = e.ours.double().flatten(0, -2), e.ref.double().flatten(0, -2)
     if a.shape[0] < 2 or bool((b.abs() < 1e-12).any()):
         return None
+    if e.kind == "router.weights":  # each side lists its top k in its own order (sorted or not): by value
+        a, b = a.sort(-1).values, b.sort(-1).values
     ratio = a / b
     per_row = ratio.mean(-1)
     if float((ratio.std(-1) / per_row.abs()).max()) > 1e-3 or float(per_row.std() / per_row.abs().mean()) < 1e-3:
@@ -342,7 +344,12 @@ def _group_limited_otherwise(
     for side, by_rule, other in (("ours", ref, ours), ("the reference", ours, ref)):
         if same(pick(sig + b), by_rule):
             found = [label for label, chosen in ways.items() if same(chosen, other)]
-            return (side, found[0]) if len(found) == 1 else None
+            if len(found) > 2 or not found:
+                return None
+            # two departures that choose alike in this config (groups scored by their best expert choose as no group
+            # limit does when k <= topk_group): both named, neither preferred
+            how = found[0] if len(found) == 1 else f"{found[0]}, or equally here {found[1]} (the two choose alike)"
+            return side, how
     return None
 
 

@@ -314,11 +314,17 @@ def norm_weight_offset(e: Evidence) -> Hint | None:
     )
 
 
-def _normalisers(x: torch.Tensor, head_dim: int | None, eps: float = 0.0) -> dict[str, torch.Tensor]:
-    """``x`` normalised each way a norm might (``eps``: the architecture's norm eps)."""
+def _normalisers(
+    x: torch.Tensor, head_dim: int | None, eps: float = 0.0, heads: int | None = None
+) -> dict[str, torch.Tensor]:
+    """``x`` normalised each way a norm might (``eps``: the architecture's norm eps). A per-head input
+    (``(..., heads, head_dim)``, or ``(batch, heads, seq, head_dim)`` when ``heads`` says so) also normalised over
+    all its heads at once (a norm over the whole projection)."""
     x = x.double()
     centered = x - x.mean(-1, keepdim=True)
     per_head = bool(head_dim) and x.dim() >= 3 and x.shape[-1] == head_dim and x.shape[-2] > 1
+    # the heads' axis: next to head_dim, or ahead of the sequence ((batch, heads, seq, head_dim))
+    axis = 1 if per_head and heads and x.dim() == 4 and x.shape[1] == heads and x.shape[-2] != heads else -2
     out = {
         "RMSNorm over the last axis" + (" (per head)" if per_head else ""): x
         / (x.pow(2).mean(-1, keepdim=True) + eps).sqrt(),
@@ -328,7 +334,7 @@ def _normalisers(x: torch.Tensor, head_dim: int | None, eps: float = 0.0) -> dic
         h = x.unflatten(-1, (-1, head_dim))
         out["RMSNorm per head"] = (h / (h.pow(2).mean(-1, keepdim=True) + eps).sqrt()).flatten(-2)
     if per_head:  # (..., heads, head_dim)
-        out["RMSNorm over the whole projection"] = x / (x.pow(2).mean((-2, -1), keepdim=True) + eps).sqrt()
+        out["RMSNorm over the whole projection"] = x / (x.pow(2).mean((axis, -1), keepdim=True) + eps).sqrt()
     return out
 
 
@@ -477,7 +483,8 @@ def norm_kind(e: Evidence) -> Hint | None:
     x_ref = same_input(e)  # ours' input in the reference's layout (a norm called before the heads split)
     if x_ref is None:
         return None  # the input already differs (or was not kept): not this norm's own fault
-    candidates = _normalisers(x_ref, e.facts.head_dim, e.facts.norm_eps or 0.0)
+    heads = e.facts.num_heads if e.kind.startswith("q_") else e.facts.num_kv_heads if e.kind.startswith("k_") else None
+    candidates = _normalisers(x_ref, e.facts.head_dim, e.facts.norm_eps or 0.0, heads)
     ours_is, ref_is = _explained_by(e.ours, candidates), _explained_by(e.ref, candidates)
     if ours_is is None or ref_is is None or ours_is == ref_is:
         return None

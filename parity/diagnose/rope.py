@@ -420,6 +420,8 @@ def _rope_hint(e: Evidence, fit, side: str, layer, own: float) -> Hint | None:
         widths = {
             "hidden_size": e.facts.hidden_size or 0,
             "num_heads * head_dim": (e.facts.num_heads or 0) * (layer.head_dim or 0),
+            # proportional RoPE (Gemma 4, LFM3) turns the first pairs only, its exponent still over the whole head
+            "the rotated dims only (2 x the nonzero frequencies)": 2 * sum(1 for f in rope.inv_freq if f > 0),
         }
         source = next((n for n, v in widths.items() if v and v != rope.rotary_dim and abs(width / v - 1) < 1e-3), None)
         if source is not None:
@@ -519,6 +521,9 @@ def rope_partial(e: Evidence) -> Hint | None:
         ours_still = torch.where(faint, ref_still, ours_still)
         if torch.equal(ours_still, ref_still):
             return None
+    other_type = rope_fit(e)  # another layer type's RoPE (its zero frequencies pass dims through): that, named
+    if other_type is not None and other_type.kind == "rope_layer_type":
+        return other_type
     d = e.ours.shape[-1]
 
     def rotated(still: torch.Tensor) -> str:
@@ -565,9 +570,14 @@ def _faint_dims(e: Evidence, head_dim: int) -> torch.Tensor | None:
 
 
 def _one_block(still: torch.Tensor) -> bool:
-    """Whether the dims ``still`` marks form one run (or none): what partial rotary passes through."""
+    """Whether the dims ``still`` marks form one run (or none): what partial rotary passes through; or the same
+    run in each half of the head: what RoPE with its last frequencies zero (Gemma 4's proportional RoPE, pairs
+    ``(i, i + d/2)``) passes through."""
     dims = still.nonzero().flatten()
-    return dims.numel() == 0 or int(dims[-1] - dims[0]) + 1 == dims.numel()
+    if dims.numel() == 0 or int(dims[-1] - dims[0]) + 1 == dims.numel():
+        return True
+    half = still.shape[-1] // 2
+    return still.shape[-1] % 2 == 0 and torch.equal(still[:half], still[half:]) and _one_block(still[:half])
 
 
 def _dim_order(e: Evidence, t: torch.Tensor, x: torch.Tensor, start: torch.Tensor) -> list[int] | None:

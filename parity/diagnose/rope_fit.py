@@ -468,8 +468,8 @@ def _llama3_variants(
     rope: RopeFacts | None, head_dim: int = 0, max_position_embeddings: int | None = None
 ) -> list[tuple[str, tuple[float, ...]]]:
     """Llama 3's frequency scaling written otherwise (Transformers' ``_compute_llama3_parameters``): the medium
-    band's blend the wrong way round (``s f / factor + (1 - s) f`` for ``(1 - s) f / factor + s f``), and the old
-    context length taken from ``max_position_embeddings`` in place of ``original_max_position_embeddings``."""
+    band's blend the wrong way round (``s f / factor + (1 - s) f`` for ``(1 - s) f / factor + s f``), the low and
+    high frequency factors exchanged, and the old context length taken from ``max_position_embeddings`` in place of ``original_max_position_embeddings``."""
     if rope is None or rope.rope_type != "llama3" or not rope.inv_freq:
         return []
     p = rope.parameters
@@ -484,12 +484,22 @@ def _llama3_variants(
     medium = (wavelength <= old / low) & (wavelength >= old / high)
     scaled = torch.where(wavelength > old / low, f / factor, f)
     inverted = torch.where(medium, s * f / factor + (1 - s) * f, scaled)
+    # the factors exchanged, through the formula as written (its band tests and blend with low and high swapped)
+    exchanged = torch.where(wavelength > old / high, f / factor, f)
+    blend = (old / wavelength - high) / (low - high)
+    band = (wavelength >= old / low) & (wavelength <= old / high)
+    exchanged = torch.where(band, (1 - blend) * exchanged / factor + blend * exchanged, exchanged)
     out = [
         (
             "llama3 scaling with its medium band blended the wrong way round (s f / factor + (1 - s) f, where "
             "Llama 3 has (1 - s) f / factor + s f)",
             tuple(inverted.tolist()),
-        )
+        ),
+        (
+            f"llama3 scaling with low_freq_factor and high_freq_factor exchanged ({high:g} and {low:g} where the "
+            f"config has low {low:g}, high {high:g})",
+            tuple(exchanged.tolist()),
+        ),
     ]
     return out + _from_max_positions(
         rope, "llama3 scaling with its old context length", head_dim, max_position_embeddings

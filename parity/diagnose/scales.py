@@ -52,7 +52,9 @@ def _scale_name(e: Evidence, scale: float) -> str:
     layer = e.facts.layer(e.result.layer)
     head_dim = (layer.head_dim if layer is not None else None) or e.facts.head_dim
     named = {label: v for label, v in e.facts.named_constants().items() if v and not label.startswith("sqrt(")}
-    candidates = {label: v for label, v in named.items()}  # the config's own constants first
+    # another width of the head first (the values' v_head_dim): the formula, before a constant equal by chance
+    candidates = {f"1/sqrt({n}={w})": w**-0.5 for n, w in _head_widths(e, head_dim).items() if n != "head_dim"}
+    candidates.update(named)  # then the config's own constants
     candidates.update({f"1 / {label}": 1 / v for label, v in named.items()})
     candidates.update(
         {
@@ -81,16 +83,19 @@ def _scale_name(e: Evidence, scale: float) -> str:
 
 
 def _head_widths(e: Evidence, head_dim: int) -> dict[str, int]:
-    """The widths a port may take its attention scale from: head_dim, and for latent attention (MLA: each head
-    ``cat(nope, rope)``) the nope and rope parts and the values' width (read from the context node)."""
+    """The widths a port may take its attention scale from: head_dim, for latent attention (MLA: each head
+    ``cat(nope, rope)``) the nope and rope parts, and the values' width where it differs (read from the context
+    node)."""
     widths = {"head_dim": head_dim}
     layer = e.facts.layer(e.result.layer)
     rotary = layer.rope.rotary_dim if layer is not None and layer.rope is not None else 0
     if ROTATED_LAST in e.facts.features and 0 < rotary < head_dim:
         widths |= {"qk_nope_head_dim": head_dim - rotary, "qk_rope_head_dim": rotary}
-        context = e.ref_trace.tensors.get(f"{e.name.rsplit('.', 1)[0]}.context")
-        if context is not None and e.facts.num_heads and context.shape[-1] % e.facts.num_heads == 0:
-            widths["v_head_dim"] = context.shape[-1] // e.facts.num_heads
+    # the values' own width where it is not the queries' (MLA, MiMo-V2-Flash's v_head_dim)
+    context = e.ref_trace.tensors.get(f"{e.name.rsplit('.', 1)[0]}.context")
+    heads = e.facts.num_heads
+    if context is not None and heads and context.shape[-1] % heads == 0 and context.shape[-1] // heads != head_dim:
+        widths["v_head_dim"] = context.shape[-1] // heads
     return widths
 
 

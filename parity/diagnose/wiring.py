@@ -249,22 +249,48 @@ def input_slice(e: Evidence) -> Hint | None:
     x_ours, x_ref = e.inputs()
     if x_ours is None or x_ref is None or x_ours.shape != x_ref.shape or e.close(x_ours, x_ref):
         return None
+    heads = e.facts.num_heads if e.kind.startswith("q") else e.facts.num_kv_heads if e.kind.startswith("k") else None
+    if x_ref.dim() == 4:  # per head: the heads' features side by side, (batch, seq, heads * head_dim)
+        if heads and x_ref.shape[1] == heads and x_ref.shape[2] != heads:  # (batch, heads, seq, head_dim)
+            x_ours, x_ref = x_ours.transpose(1, 2), x_ref.transpose(1, 2)
+        x_ours, x_ref = x_ours.flatten(-2), x_ref.flatten(-2)
     w = x_ref.shape[-1]
     a, b = x_ours.double().flatten(0, -2), x_ref.double().flatten(0, -2)
     for name, t in layer_values(e, before=True):
         if "@input" in name or t.shape[-1] <= w or t.numel() // t.shape[-1] != a.shape[0]:
             continue
         wide = t.double().reshape(a.shape[0], -1)
-        ours, ref = cut_offset(a, wide, e.close), cut_offset(b, wide, e.close)
+        ours, ref = _cut_of(a, wide, heads, e.close), _cut_of(b, wide, heads, e.close)
         if ours is not None and ref is not None and ours != ref:
+            said = (f"its columns {ours[1]}" if isinstance(ours[0], int) else ours[1], ref[1])
             return Hint(
                 "qkv_layout",
-                f"likely {name}'s output split at another place: ours' {e.kind} reads its columns [{ours}:{ours + w}], "
-                f"the reference's [{ref}:{ref + w}] of {wide.shape[-1]} (the parts of a fused output taken in another "
-                "order or at another width)",
-                {"source": name, "ours": [ours, ours + w], "reference": [ref, ref + w]},
+                f"likely {name}'s output split at another place: ours' {e.kind} reads {said[0]}, the reference's "
+                f"{said[1]} of {wide.shape[-1]} (the parts of a fused output taken in another order or at another "
+                "width: a query and its gate fused per head read as two blocks, or the reverse)",
+                {"source": name, "ours": ours[2], "reference": ref[2]},
             )
     return None
+
+
+def _cut_of(part: torch.Tensor, wide: torch.Tensor, heads: int | None, same) -> tuple | None:
+    """Where ``part`` (``(rows, w)``) was cut from ``wide`` (``(rows, W)``), as ``(offset, words, evidence)``:
+    columns ``[a:a + w]`` (offset ``a``), or, with ``heads`` dividing both widths, each head's ``[o:o + d]`` of its
+    own ``D`` (offset None: a per-head fused layout, Qwen3-Next's ``q_proj`` holding ``[q_h | gate_h]``); None when
+    neither."""
+    w = part.shape[-1]
+    at = cut_offset(part, wide, same)
+    if at is not None:
+        return at, f"[{at}:{at + w}]", [at, at + w]
+    if not heads or w % heads or wide.shape[-1] % heads:
+        return None
+    d, per_head = w // heads, wide.unflatten(-1, (heads, -1))
+    at = next(
+        (o for o in range(0, per_head.shape[-1] - d + 1, d) if same(part, per_head[..., o : o + d].flatten(-2))), None
+    )
+    if at is None:
+        return None
+    return None, f"each head's [{at}:{at + d}] of its {per_head.shape[-1]}", {"per_head": [at, at + d]}
 
 
 def fused_split(e: Evidence) -> Hint | None:

@@ -172,6 +172,8 @@ def derive_facts(config, model=None) -> ArchFacts:
     adjust = RULES.get(facts.model_type)
     if adjust is None and _get(config, "qk_nope_head_dim") and _get(config, "qk_rope_head_dim"):
         adjust = RULES["deepseek_v3"]  # a family of multi-head latent attention with no rule of its own
+    if adjust is None and _group_limited_sigmoid(config):
+        adjust = RULES["glm4_moe"]  # standard attention, DeepSeek V3's router, no rule of its own (Solar Open)
     if adjust is not None:
         facts = adjust(config, facts)
     multipliers = _config_multipliers(config)
@@ -191,6 +193,18 @@ def derive_facts(config, model=None) -> ArchFacts:
     return facts
 
 
+def _group_limited_sigmoid(config) -> bool:
+    """Whether ``config`` names DeepSeek V3's router (sigmoid scores, group-limited top k, a routed scaling factor:
+    ``n_group``, ``topk_group``, ``routed_scaling_factor``) and not DeepSeek V2's softmax one (``scoring_func``
+    "softmax", ``topk_method`` "greedy" or "group_limited_greedy")."""
+    named = all(_get(config, n) is not None for n in ("n_group", "topk_group", "routed_scaling_factor"))
+    softmax = _get(config, "scoring_func") == "softmax" or _get(config, "topk_method") in (
+        "greedy",
+        "group_limited_greedy",
+    )
+    return named and not softmax
+
+
 def _from_modules(model, facts: ArchFacts) -> ArchFacts:
     """What the reference's modules say where its config names it otherwise (DBRX keeps its embedding at
     ``transformer.wte`` and its LayerNorms' eps out of the config): the input embedding's path, and a
@@ -206,7 +220,20 @@ def _from_modules(model, facts: ArchFacts) -> ArchFacts:
             facts = replace(facts, norm_kind="layernorm", norm_eps=float(norm.eps))
     if _rotates_interleaved(model):
         facts = with_layers(facts, rope=lambda layer: replace(layer.rope, interleaved=True) if layer.rope else None)
-    return facts
+    return _kv_heads_from_modules(modules, facts)
+
+
+def _kv_heads_from_modules(modules: dict, facts: ArchFacts) -> ArchFacts:
+    """Each layer's KV head count as its ``self_attn.k_proj`` holds it (output features / head_dim) where that
+    differs from the config's: MiMo-V2-Flash's sliding layers double ``num_key_value_heads`` in code."""
+    layers = []
+    for layer in facts.layers:
+        k_proj = modules.get(f"{facts.layer_prefix}.{layer.index}.self_attn.k_proj")
+        width = getattr(k_proj, "out_features", None)
+        if isinstance(width, int) and layer.head_dim and width % layer.head_dim == 0:
+            layer = replace(layer, num_kv_heads=width // layer.head_dim)
+        layers.append(layer)
+    return replace(facts, layers=tuple(layers)) if tuple(layers) != tuple(facts.layers) else facts
 
 
 def _rotates_interleaved(model) -> bool:
@@ -257,7 +284,7 @@ def _composite_facts(config, text_config, model=None) -> ArchFacts:
 
 def _config_multipliers(config) -> dict[str, float]:
     """The config's scalar multipliers and scalings (a number field whose name says multiplier, scaling
-    or scale, not 1), with their squares, by a name a hint can use."""
+    or scale, not 1: MiMo-V2-Flash's attention_value_scale), with their squares, by a name a hint can use."""
     try:
         fields = config.to_dict()
     except Exception:  # a config that cannot serialise itself names no constants
@@ -266,7 +293,7 @@ def _config_multipliers(config) -> dict[str, float]:
     for key, value in fields.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value in (0, 1):
             continue
-        if any(word in key for word in ("multiplier", "scaling", "scale_depth", "scalar")):
+        if any(word in key for word in ("multiplier", "scaling", "scale_depth", "scalar")) or key.endswith("_scale"):
             named[f"the config's {key} ({value:g})"] = float(value)
             named[f"the config's {key} squared ({value * value:g})"] = float(value) ** 2
     return named

@@ -154,6 +154,16 @@ def running_module() -> str | None:
     return rec.stack[-1] if rec is not None and rec.stack else None
 
 
+@contextlib.contextmanager
+def recording_paused():
+    """No recording active inside (``parity.tap`` returns its tensor unchanged), the one before restored after."""
+    token = _ACTIVE.set(None)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
 def tap(tensor: torch.Tensor, name: str, *, layout: str | None = None) -> torch.Tensor:
     """Name a tensor computed outside any module, inside a model's forward: ``q = parity.tap(q, "q_rot")``.
 

@@ -25,6 +25,7 @@ in float64 but differs in the run's dtype within its budget is rounding, counted
 from __future__ import annotations
 
 import time
+import types
 from dataclasses import replace
 from typing import cast
 
@@ -172,6 +173,19 @@ def _rebuilt(pair: Pair) -> tuple[torch.nn.Module, torch.nn.Module] | str:
     return ours64.eval(), ref64.eval()
 
 
+def _method_placed(value, twin) -> bool:
+    """Whether ``value`` (an attribute of a given module's instance) is a function its twin built from the class
+    does not hold there: a method replaced on the instance, or a function of other code. Modules, classes and
+    callables the twin holds alike (an activation function both constructors set) are not."""
+    if not isinstance(value, (types.MethodType, types.FunctionType)):
+        return False
+    mine, theirs = getattr(value, "__func__", value), getattr(twin, "__func__", twin)
+    if twin is None or mine is theirs:
+        return twin is None
+    code = getattr(theirs, "__code__", None)
+    return code is None or getattr(mine, "__code__", None) is not code
+
+
 def _altered(given: torch.nn.Module, built: torch.nn.Module) -> str | None:
     """How a reference passed in as a model differs from its class built anew from its config (the float64
     twin), or None: another module at some path (a norm replaced by an Identity), a forward replaced on an
@@ -189,6 +203,9 @@ def _altered(given: torch.nn.Module, built: torch.nn.Module) -> str | None:
         if module._forward_hooks or module._forward_pre_hooks:
             return f"{where} has forward hooks"
         theirs_attrs = vars(other)
+        replaced = next((k for k, v in vars(module).items() if _method_placed(v, theirs_attrs.get(k))), None)
+        if replaced is not None:  # another method set on the instance (xIELU's _xielu_python): forward calls it
+            return f"{where}'s {replaced} is replaced on the instance"
         for key, value in vars(module).items():  # a setting changed on the instance (a combination strategy)
             if key == "training" or key.startswith("_") or not isinstance(value, (str, int, float, bool)):
                 continue

@@ -354,6 +354,7 @@ def trace_ours(
             padding=unjudged_padding(pair, run),
             # chained only: in isolated mode the scores are computed from the reference's q and k
             qk_through_scores=bool(pair.alignment) and substitute is None,
+            provisional=frozenset(_folded_block(k) for k in _folds(pair)),
         )
         stream.attach(trace)
     if substitute is not None:
@@ -409,6 +410,16 @@ def run_ours(pair: Pair, fn, *args, **kwargs):
         if not pair.alignment and not isinstance(e, (SystemExit, KeyboardInterrupt)):
             raise
         what = f"{type(pair.ours).__module__}.{type(pair.ours).__qualname__}.forward"
+        if (
+            isinstance(e, Exception)
+            and isinstance(pair.ours, torch.nn.Module)
+            and not raises_plain(pair.ours, fn, args, kwargs)
+        ):
+            # the same call runs without parity's hooks and function capture: what raised is parity's recording
+            raise RuntimeError(
+                f"parity: {what} runs without parity's hooks and function capture on the same input, so this is a "
+                f"bug of parity's recording, not of your model ({type(e).__name__}: {one_line(e)[:200]})"
+            ) from e
         if isinstance(e, SystemExit):
             reason = f"SystemExit({e.code!r}) (sys.exit)"
         elif isinstance(e, KeyboardInterrupt):
@@ -416,6 +427,31 @@ def run_ours(pair: Pair, fn, *args, **kwargs):
         else:
             reason = f"{type(e).__name__}: {one_line(e)[:300]}"
         raise ParityError(f"your model's forward ({what}) raised {reason}{raised_where(e)}") from None
+
+
+def raises_plain(model: torch.nn.Module, fn, args: tuple, kwargs: dict) -> bool:
+    """Whether ``fn(*args, **kwargs)`` (a forward of ``model``) raises with parity's instrumentation set aside:
+    every module's forward hooks and pre-hooks removed for the call, torch function modes (parity's function
+    capture) disabled, ``parity.tap`` a pass-through, no gradients. The hooks are put back whatever happens."""
+    saved = []
+    for module in model.modules():
+        for attr in ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
+                     "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called"):  # fmt: skip
+            hooks = getattr(module, attr, None)
+            if isinstance(hooks, dict) and hooks:
+                saved.append((hooks, dict(hooks)))
+                hooks.clear()
+    from parity.record.hooks import recording_paused
+
+    try:
+        with torch.no_grad(), torch._C.DisableTorchFunction(), recording_paused():
+            fn(*args, **kwargs)
+    except BaseException:
+        return True
+    finally:
+        for hooks, kept in saved:
+            hooks.update(kept)
+    return False
 
 
 def raised_where(e: BaseException) -> str:
@@ -579,7 +615,9 @@ def derived_before(results: list[NodeResult], bad: NodeResult, pair: Pair) -> Hi
     """The failure sits in (or right after the untapped nodes of) a module whose checkpoint tensors ours
     computes into other values at load (a norm folded into the next projection, DiffLlama's lambdas folded
     into one number: :mod:`parity.user.derived`), the nodes before agree: that computation is the likeliest
-    cause, named when no detector read one."""
+    cause, named when no detector read one; unless the module has other tensors ours reads where nothing taps
+    them (a conv, a bias read in functions): then the block is named as the component, the derived values one
+    suspect among them."""
     derived = _derived(pair)
     if not derived:
         return None
@@ -608,6 +646,16 @@ def derived_before(results: list[NodeResult], bad: NodeResult, pair: Pair) -> Hi
             "derived_at_load",
             f"likely {permuted}; the nodes before agree, and {bad.name} is the first node after them to differ",
             {"side": "ours", "keys": keys, "into": into, "permuted": permuted},
+        )
+    others = _other_suspects(results, pair, keys, bad)
+    if others:  # the block computes more than the derived values untapped: one suspect of several, not the cause
+        block = keys[0].rsplit(".", 1)[0]
+        return Hint(
+            "untapped_block",
+            f"likely inside {block}: the nodes before agree and {bad.name} is the first to differ, but ours computes "
+            f"part of {block} where nothing taps it (reading {', '.join(others[:3])}), and computes "
+            f"{', '.join(keys[:2])} at load{where}: tap its internals (parity.tap) to be told which",
+            {"block": block, "keys": keys, "into": into, "untapped": others},
         )
     return Hint(
         "derived_at_load",
@@ -712,6 +760,27 @@ def untapped_before(results: list[NodeResult], bad: NodeResult, facts) -> Hint |
         "it to differ; tap its internals (parity.tap) to be told where",
         {"block": block, "untapped": stretch[:8]},
     )
+
+
+def _other_suspects(results: list[NodeResult], pair: Pair, keys: list[str], bad: NodeResult) -> list[str]:
+    """Checkpoint tensors of the modules holding ``keys`` (tensors ours computes at load) that are neither among
+    ``keys`` nor the weight of a node that agreed, of the failing node or of a judged node after it: read where
+    nothing taps them (a conv, a bias read in functions), each as much a suspect as the derived values (Qwen3-Next's
+    Gated DeltaNet: A_log computed at load beside its untapped conv1d and dt_bias)."""
+    coverage = pair.loading.coverage if pair.loading is not None else None
+    # the checkpoint's keys: the state dict, or (the float64 pair keeps names only) what coverage placed
+    state = list((pair.loading.state_dict if pair.loading is not None else None) or {}) or [
+        *(getattr(coverage, "consumed", None) or {}),
+        *_derived(pair),
+    ]
+    # a node that agreed, the failing one, or a judged node after it: none of their weights is the suspect
+    agreed = {r.name for r in results if r.passed or (r.index > bad.index and r.status != UNTAPPED)} | {bad.name}
+    modules = {k.rsplit(".", 1)[0] for k in keys}
+    return [
+        k
+        for k in state
+        if k not in keys and k.rsplit(".", 1)[0] not in agreed and any(k.startswith(m + ".") for m in modules)
+    ]
 
 
 def _derived(pair: Pair) -> dict[str, list[str]]:

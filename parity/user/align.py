@@ -830,8 +830,9 @@ class _Aligner:
             functions = our_att is None and self._in_functions(att)
             if our_att is None and not functions:
                 return self._unaligned(spec, f"attention block {att}: {self.why.get(att, 'not found')}")
-            heads = self.facts.num_kv_heads if suffix == "k_rot" else self.facts.num_heads
             layer = self.facts.layer(spec.layer)
+            kv_heads = layer.num_kv_heads if layer is not None and layer.num_kv_heads else self.facts.num_kv_heads
+            heads = kv_heads if suffix == "k_rot" else self.facts.num_heads  # per layer: MiMo's sliding ones double
             head_dim = layer.head_dim if layer is not None else self.facts.head_dim
             dims = (
                 self._head_dims(f"{att}.{'k_proj' if suffix == 'k_rot' else 'q_proj'}", head_dim)

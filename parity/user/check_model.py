@@ -28,7 +28,7 @@ from parity.build.builder import (
     build_reference,
     default_seq_len,
 )
-from parity.build.coverage import loader_coverage
+from parity.build.coverage import PLAIN, loader_coverage
 from parity.build.reference import resolve_reference, unread_rows
 from parity.model.facts_rules import GATE_UP_INTERLEAVED
 from parity.model.pair import Loading, Pair, PairSource, fingerprints
@@ -171,10 +171,6 @@ def _files_if_asked(error: KeyError, ref: Reference) -> dict | None:
     }
 
 
-#: the prefix of the parameters :func:`adopt_plain_tensors` registers for a model's plain tensors
-PLAIN = "plain__"
-
-
 def adopt_plain_tensors(model: nn.Module) -> list[str]:
     """Weights a model keeps as plain tensors in a dict, list or tuple attribute (``self.w = {key:
     tensor}``, a JAX-style port) rather than parameters or buffers: each registered on its module as a
@@ -240,6 +236,8 @@ def _held_twice(coverage, model: nn.Module | None) -> list[str]:
             holders.setdefault(source.key, []).append(name)
     lines = []
     for key, names in holders.items():
+        if any(f"{key} and " in u or f" and {key} are" in u for u in getattr(coverage, "untied", [])):
+            continue  # one tensor in the reference (a tied head): ours' copies hold what the reference means
         distinct = list({storage.get(n, id(n)): n for n in names}.values())  # one Parameter shared counts once
         lines += [f"{n} holds {key}, as {distinct[0]} does" for n in distinct[1:]]
     return lines
