@@ -143,13 +143,14 @@ NAMED = [
      "heads paired as neighbours (2i, 2i + 1)"),
     ("diffllama", "dl_scale_from_value_width", False, "model.layers.0.self_attn.scores", "attention_scale",
      "ours scales q k^T by 0.176777"),
+    # JetMoE's MoE computed in functions nothing taps: the one change to Transformers' code that agrees with ours
+    ("jetmoe", "jm_moe_gate_sigmoid", False, "model.layers.1.input_layernorm", "one_change",
+     "likely sigmoid in place of softmax at modeling_jetmoe.py:185"),
 ]  # fmt: skip
 #: located, the hint naming the component only (what it says is true; the cause is not named): lambda of
 #: another value without its reading, the combination between context and o_proj, JetMoE's attention experts
 #: computed in functions nothing aligns (their stacked weights' outputs are in the reference's dispatch order)
 COMPONENT = [
-    ("jetmoe", "jm_moe_gate_sigmoid", False, "model.layers.1.input_layernorm", "untapped_block",
-     "likely inside model.layers.0.mlp"),
     ("exaone4", "ex_window_keeps_first_token", False, "model.layers.0.self_attn.probs", "sliding_window",
      "the sliding window size or mask"),
     ("diffllama", "dl_lambda_sum_of_exp", False, "model.layers.0.self_attn.o_proj", "differential_attention",

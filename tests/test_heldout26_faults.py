@@ -10,7 +10,9 @@ head_dim check: still open, so GLM-5-Next is not in these tests), and Qwen3-Next
 ``k_proj``, a composite model's ``...ForConditionalGeneration`` taken as the causal LM, a value computed at load
 one suspect of several in a block with other untapped tensors, a query and its gate fused per head, top-k weights
 compared by value, the values' width in the attention scale, two alike router departures named together. Of the
-26 Qwen3-Next and MiMo bugs, 14 name the cause, 11 the component, 1 is refused naming the tensor.
+26 Qwen3-Next and MiMo bugs, 14 named the cause, 11 the component, 1 was refused naming the tensor; in the
+sixteenth session the one-change search (:mod:`parity.diagnose.one_change`) named 7 of the 8 Gated DeltaNet
+bugs that were component-only: 21 name the cause, 4 the component.
 """
 
 from __future__ import annotations
@@ -125,17 +127,31 @@ NAMED = [
      "ours scales q k^T by 0.25 (= 1/sqrt(v_head_dim=16)"),
     ("mimo_v2_flash", "mi_experts_gate_up_swapped", False, "model.layers.1", "swapped_weights",
      "gate_up_proj's halves swapped (up first"),
+    # inside the Gated DeltaNet ours computes untapped: the one change to Transformers' code that agrees with ours
+    ("qwen3_next", "qn_gva_tiled_heads", False, "model.layers.0.linear_attn.norm", "one_change",
+     "repeat_interleave by 2 replaced by whole-block repeats"),
+    ("qwen3_next", "qn_conv_not_causal", False, "model.layers.0.linear_attn.norm", "one_change",
+     "slice [:24] taken from the other end ([3:] of 27"),
+    ("qwen3_next", "qn_conv_no_silu", False, "model.layers.0.linear_attn.norm", "one_change",
+     "likely silu left out at activations.py:103"),
+    ("qwen3_next", "qn_decay_A_log_not_exp", False, "model.layers.0.linear_attn.norm", "one_change",
+     "likely exp left out at modeling_qwen3_next.py:727 (`g = -self.A_log.float().exp()"),
+    ("qwen3_next", "qn_no_qk_l2norm", False, "model.layers.0.linear_attn.norm", "one_change",
+     "the reciprocal square root left out (a normalisation skipped) at modeling_qwen3_next.py:366"),
+    ("qwen3_next", "qn_gated_norm_sigmoid", False, "model.layers.0.linear_attn.norm", "one_change",
+     "sigmoid in place of silu"),
+    ("qwen3_next", "qn_pad_state_leak", True, "model.layers.0.linear_attn.norm", "one_change",
+     "the broadcast factor of shape (2, 24, 1) left out (a mask or a scale) at modeling_qwen3_next.py:314"),
 ]  # fmt: skip
-#: located, the hint naming the component only (true; the cause not named): Qwen3-Next's Gated DeltaNet, whose
-#: internals the port computes where nothing taps them (A_log computed at load is one suspect among its conv and
-#: dt_bias, not the cause: the hint said so before the fifteenth session, a wrong cause for seven bugs), and
+#: located, the hint naming the component only (true; the cause not named): Qwen3-Next's Gated DeltaNet where no
+#: one change to Transformers' code explains ours (a flat split of in_proj_qkvz; A_log computed at load is one
+#: suspect among its conv and dt_bias, not the cause), and
 #: MiMo's sliding attention with sinks (its probabilities untapped in ours)
 COMPONENT = [
     *(
         ("qwen3_next", b, b == "qn_pad_state_leak", "model.layers.0.linear_attn.norm", "untapped_block",
          "likely inside model.layers.0.linear_attn")
-        for b in ("qn_qkvz_flat_split", "qn_gva_tiled_heads", "qn_conv_not_causal", "qn_conv_no_silu",
-                  "qn_decay_A_log_not_exp", "qn_no_qk_l2norm", "qn_gated_norm_sigmoid", "qn_pad_state_leak")
+        for b in ("qn_qkvz_flat_split",)
     ),
     ("mimo_v2_flash", "mi_window_off_by_one", False, "model.layers.1.self_attn.o_proj", "untapped_block",
      "likely inside model.layers.1.self_attn"),
@@ -176,6 +192,19 @@ def test_top_k_weights_left_unnormalised_in_the_reference_names_the_reference(ch
     bad = heldout_support.first_mismatch(MODELS, "qwen3_next", ref)
     assert bad.name == "model.layers.0.mlp.router.weights" and bad.hint.kind == "renormalisation", bad
     assert "ours sums to 1 in every row, the reference does not" in bad.hint.text
+
+
+def test_a_gated_norm_gating_with_sigmoid_in_the_reference_is_named_by_one_change_to_its_code(checkpoints):
+    """The fault on the reference's side (its Gated DeltaNet's output norm gates with sigmoid, ours with SiLU):
+    ours' Gated DeltaNet is computed untapped, and the one change to the reference's code that makes the two agree
+    is named with its source line (here the change undoes the reference's fault)."""
+    ref = heldout_support.reference_model(checkpoints["qwen3_next"])
+    for layer in ref.model.layers:
+        if hasattr(layer, "linear_attn"):
+            layer.linear_attn.norm.activation = "sigmoid"
+    bad = heldout_support.first_mismatch(MODELS, "qwen3_next", ref)
+    assert bad.name == "model.layers.0.linear_attn.norm" and bad.hint.kind == "one_change", bad
+    assert "silu in place of sigmoid" in bad.hint.text and "modeling_qwen3_next.py:73" in bad.hint.text, bad.hint
 
 
 def test_an_attention_scale_over_the_values_width_in_the_reference_names_the_reference(checkpoints):

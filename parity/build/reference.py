@@ -62,8 +62,26 @@ def causal_lm_class(hf_config):
     raise ConfigError(f"no Transformers causal LM class for model_type {hf_config.model_type!r}")
 
 
+#: how Transformers writes a float JSON cannot hold (``save_pretrained``'s ``{"__float__": "Infinity"}``)
+_FLOAT_TAGS = {"Infinity": float("inf"), "-Infinity": float("-inf"), "NaN": float("nan")}
+
+
+def decoded_floats(value):
+    """``value`` (parsed config.json) with Transformers' tagged floats (``{"__float__": "Infinity"}``, as
+    ``save_pretrained`` writes Nemotron-H's ``time_step_limit``) read back as floats, at any depth."""
+    if isinstance(value, dict):
+        if set(value) == {"__float__"} and value["__float__"] in _FLOAT_TAGS:
+            return _FLOAT_TAGS[value["__float__"]]
+        return {k: decoded_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [decoded_floats(v) for v in value]
+    return value
+
+
 def config_from_raw(raw: dict, where: str):
     from transformers import AutoConfig
+
+    raw = decoded_floats(raw)
 
     model_type = raw.get("model_type")
     if not model_type:

@@ -479,7 +479,7 @@ class NodeStream:
     latest stem are held, since a later node of that stem may still fail. ``watch``: ``{node: f(ours,
     ref)}`` run on a node as it is compared (same shapes; ``ref`` may be a spilled tensor), its value
     kept in ``trace.watched``; under the key ``"*"``, run on every node, its values kept in
-    ``trace.watched["*"]`` by node. ``qk_through_scores``: see the attribute.
+    ``trace.watched["*"]`` by node. ``qk_through_scores``, ``keep_layer``: see the attributes.
     """
 
     def __init__(
@@ -493,14 +493,20 @@ class NodeStream:
         padding: torch.Tensor | None = None,
         qk_through_scores: bool = False,
         provisional: frozenset[str] = frozenset(),
+        keep_layer: bool = False,
     ):
         self.specs = {n.name: n for n in nodes}
+        #: keep ours' output of the first failure's layer as well, when it fails (a user's model: where the search
+        #: for one change to the reference's code reads ours, :func:`parity.run.stages.one_change_inside`)
+        self.keep_layer = keep_layer
         #: blocks whose failures a pass after the forward may take back (values folded between their nodes at
         #: load: ``stages.folded_differences``): while the first failure is in one, the earliest failure outside
         #: that block is kept as well, to be the first if that one is taken back
         self.provisional = provisional
         self.second: NodeResult | None = None
         self.second_keep: set[str] = set()
+        #: the first failure's layer output, when it fails too (ours' tensor held)
+        self.layer_keep: set[str] = set()
         #: a q_rot/k_rot failure whose block's scores then agree is not the first failure (a user's model may
         #: take a constant on the scores that the reference takes on q and k: ``stages.read_through_scores``)
         self.qk_through_scores = qk_through_scores
@@ -592,6 +598,18 @@ class NodeStream:
             self._release(old - self.second_keep)
             self.trace.keep_input(name)
             return bool(layout)
+        if (
+            self.keep_layer
+            and result.failed
+            and self.first is not None
+            and spec.kind == "layer"
+            and result.layer is not None
+            and result.layer == self.first.layer
+            and not self.layer_keep
+        ):  # the first failure's layer output, where a search for its cause may read ours (stages.one_change_inside)
+            self.layer_keep = {name}
+            self.trace.drop_input(name)
+            return bool(layout)
         self.trace.drop_input(name)
         if layout:
             if name not in self.stem_keep and name in self.trace.tensors:
@@ -632,7 +650,12 @@ class NodeStream:
     def _release(self, names: set[str]) -> None:
         """Drop ours' tensors (and kept inputs) of ``names`` that nothing holds any more."""
         for name in names:
-            if name in self.failure_keep or name in self.stem_keep or name in self.second_keep:
+            if (
+                name in self.failure_keep
+                or name in self.stem_keep
+                or name in self.second_keep
+                or name in self.layer_keep
+            ):
                 continue
             if name in self.trace.tensors:
                 del self.trace.tensors[name]

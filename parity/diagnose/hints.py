@@ -60,6 +60,9 @@ KINDS: dict[str, str] = {
     "loader_gap": "a checkpoint tensor ours holds only in part (loader coverage's gap) is where the failure sits",
     "derived_at_load": "a module whose checkpoint tensors ours computes into other values at load (folded) is where "
     "the difference enters: the computation, not the tensors, differs",
+    "one_change": "one change to the reference's code inside a block ours computes untapped (an activation left out "
+    "or another, a scale or a parameter left out, a slice from the other end, heads tiled) makes the two agree: "
+    "the operation and the source line named",
     "untapped_block": "the first node after a block ours left untapped differs while the nodes before it agree: "
     "the difference enters inside that block",
     "moe_block": "a MoE block ours computes in functions differs where the stream continues, no routing formula "

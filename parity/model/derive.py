@@ -225,13 +225,22 @@ def _from_modules(model, facts: ArchFacts) -> ArchFacts:
 
 def _kv_heads_from_modules(modules: dict, facts: ArchFacts) -> ArchFacts:
     """Each layer's KV head count as its ``self_attn.k_proj`` holds it (output features / head_dim) where that
-    differs from the config's: MiMo-V2-Flash's sliding layers double ``num_key_value_heads`` in code."""
+    differs from the config's: MiMo-V2-Flash's sliding layers double ``num_key_value_heads`` in code; and its
+    query heads as its attention module holds them (``num_heads``, or ``num_key_value_groups`` times its KV
+    heads) where they differ from the model's: Laguna's ``num_attention_heads_per_layer``."""
     layers = []
     for layer in facts.layers:
+        attention = modules.get(f"{facts.layer_prefix}.{layer.index}.self_attn")
         k_proj = modules.get(f"{facts.layer_prefix}.{layer.index}.self_attn.k_proj")
         width = getattr(k_proj, "out_features", None)
         if isinstance(width, int) and layer.head_dim and width % layer.head_dim == 0:
             layer = replace(layer, num_kv_heads=width // layer.head_dim)
+        heads = getattr(attention, "num_heads", None)
+        groups = getattr(attention, "num_key_value_groups", None)
+        if not isinstance(heads, int) and isinstance(groups, int) and layer.num_kv_heads:
+            heads = groups * layer.num_kv_heads
+        if isinstance(heads, int) and heads > 0 and heads != facts.num_heads:
+            layer = replace(layer, num_heads=heads)
         layers.append(layer)
     return replace(facts, layers=tuple(layers)) if tuple(layers) != tuple(facts.layers) else facts
 
@@ -284,7 +293,8 @@ def _composite_facts(config, text_config, model=None) -> ArchFacts:
 
 def _config_multipliers(config) -> dict[str, float]:
     """The config's scalar multipliers and scalings (a number field whose name says multiplier, scaling
-    or scale, not 1: MiMo-V2-Flash's attention_value_scale), with their squares, by a name a hint can use."""
+    or scale, not 1: MiMo-V2-Flash's attention_value_scale), with their squares, by a name a hint can use; and
+    hidden_size over a base width the config names (muP's ``dim_model_base``: MiniCPM divides its logits by it)."""
     try:
         fields = config.to_dict()
     except Exception:  # a config that cannot serialise itself names no constants
@@ -296,6 +306,13 @@ def _config_multipliers(config) -> dict[str, float]:
         if any(word in key for word in ("multiplier", "scaling", "scale_depth", "scalar")) or key.endswith("_scale"):
             named[f"the config's {key} ({value:g})"] = float(value)
             named[f"the config's {key} squared ({value * value:g})"] = float(value) ** 2
+        hidden = fields.get("hidden_size")
+        if "base" in key and ("dim" in key or "width" in key) and isinstance(hidden, int) and hidden != value > 0:
+            # muP's base width (MiniCPM's dim_model_base): the logits are divided by hidden_size / base
+            r = hidden / value
+            named[f"the logits' width ratio hidden_size / the config's {key} ({r:g})"] = r
+            named[f"the logits' width ratio hidden_size / the config's {key}, squared ({r * r:g}: the ratio applied "
+                  "the other way round)"] = r * r  # fmt: skip
     return named
 
 

@@ -98,7 +98,9 @@ class LayerFacts:
 
     ``kv_source``: the index of the earlier layer whose keys and values this layer attends to
     instead of computing its own (cross-layer KV sharing, Gemma 4 ``num_kv_shared_layers``); None
-    when it computes them. ``k_eq_v``: its values are its key projection (no value projection)."""
+    when it computes them. ``k_eq_v``: its values are its key projection (no value projection).
+    ``num_heads``: its query heads where they differ from the model's (Laguna's
+    ``num_attention_heads_per_layer``), else 0: read with :meth:`ArchFacts.heads_at`."""
 
     index: int
     layer_type: str
@@ -111,6 +113,7 @@ class LayerFacts:
     k_eq_v: bool = False
     num_experts: int = 0
     experts_per_token: int = 0
+    num_heads: int = 0
 
     @property
     def sparse(self) -> bool:
@@ -202,6 +205,11 @@ class ArchFacts:
 
     def layer(self, index: int | None) -> LayerFacts | None:
         return self.layers[index] if index is not None and 0 <= index < len(self.layers) else None
+
+    def heads_at(self, index: int | None) -> int:
+        """Layer ``index``'s query heads: its own count where it has one, else the model's."""
+        layer = self.layer(index)
+        return layer.num_heads if layer is not None and layer.num_heads else self.num_heads
 
     def rope_of_type(self, layer_type: str) -> RopeFacts | None:
         return next((layer.rope for layer in self.layers if layer.layer_type == layer_type), None)

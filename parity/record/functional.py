@@ -212,6 +212,10 @@ class _FirstReads(TorchFunctionMode):
         super().__init__()
         self.followed = followed
         self.reads: dict[str, str] = {}
+        #: the module paths running (outermost first) while the model's forward runs
+        self.running: list[str] = []
+        #: parameter -> the modules running at its first read by any op
+        self.within: dict[str, tuple[str, ...]] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -219,6 +223,8 @@ class _FirstReads(TorchFunctionMode):
         operands = args[1:] if name == "einsum" else args
         for i, t in enumerate(operands):
             what = self.followed.of(t)
+            if what is not None and what not in self.within:
+                self.within[what] = tuple(self.running)
             if what is None or what in self.reads:
                 continue
             if name in PRODUCT_NAMES:
@@ -229,16 +235,39 @@ class _FirstReads(TorchFunctionMode):
         return out
 
 
-def first_reads(model: torch.nn.Module, names: dict[StorageKey, str], input_ids: torch.Tensor) -> dict[str, str]:
+def first_reads(
+    model: torch.nn.Module,
+    names: dict[StorageKey, str],
+    input_ids: torch.Tensor,
+    within: dict[str, tuple[str, ...]] | None = None,
+) -> dict[str, str]:
     """How ``model``'s forward on ``input_ids`` first reads each watched parameter: ``{name: "lookup" |
     "product"}`` (an embedding lookup or indexing, or a matrix product, directly or after a rearrangement);
-    ``names``: a parameter's storage -> its name. A forward that raises reads nothing: ``{}``."""
+    ``names``: a parameter's storage -> its name. ``within`` (filled when given): each parameter read by any op
+    -> the paths of the modules whose forward was running then, outermost first. A forward that raises reads
+    nothing: ``{}``."""
     mode = _FirstReads(Followed(names))
+    paths = {id(m): n for n, m in model.named_modules()}
+
+    def enter(module, _args):
+        mode.running.append(paths.get(id(module), "?"))
+
+    def leave(module, _args, _out):
+        if mode.running:
+            mode.running.pop()
+
+    handles = [m.register_forward_pre_hook(enter) for m in model.modules()]
+    handles += [m.register_forward_hook(leave, always_call=True) for m in model.modules()]
     try:
         with torch.no_grad(), mode:
             model(input_ids)
-    except Exception:  # the probe is a hint for alignment; the check itself reports a forward that raises
-        return {}
+    except (Exception, SystemExit, KeyboardInterrupt):  # the probe is a hint for alignment: the check's own call
+        return {}  # of the forward reports what it raises (stages.run_ours), sys.exit() and an interrupt included
+    finally:
+        for h in handles:
+            h.remove()
+    if within is not None:
+        within.update(mode.within)
     return mode.reads
 
 

@@ -310,9 +310,10 @@ def functional_internals(names: list[str], facts) -> tuple[dict[str, str], dict[
         if kind not in SUFFIXES:
             continue
         taps[name] = name
-        layer = facts.layer(facts.locate(name)[0])
+        index = facts.locate(name)[0]
+        layer = facts.layer(index)
         kv_heads = (layer.num_kv_heads if layer is not None else 0) or facts.num_kv_heads or facts.num_heads
-        layouts[name] = HeadsLayout(kind, facts.num_heads, kv_heads, facts.head_dim)
+        layouts[name] = HeadsLayout(kind, facts.heads_at(index), kv_heads, facts.head_dim)
     return taps, layouts
 
 

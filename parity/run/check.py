@@ -240,7 +240,12 @@ def _check_forward(pair: Pair, run: Run) -> CheckResult:
     isolated = None
     if run.mode in ("isolated", "both"):
         isolated = compare_run(
-            pair, run, trace_ours(pair, run, ref_trace, reference=ref_trace, tolerances=tolerance), ref_trace, tolerance
+            pair,
+            run,
+            trace_ours(pair, run, ref_trace, reference=ref_trace, tolerances=tolerance),
+            ref_trace,
+            tolerance,
+            search=run.mode == "isolated",
         )
     our_trace = None
     if run.mode == "isolated":

@@ -272,7 +272,7 @@ def check_semantic(pair: Pair, run: Run, notes: list[str], coverage) -> CheckRes
     with Float64Mode():
         if run.mode in ("isolated", "both"):
             iso_trace = trace_ours(pair64, run64, ref64, reference=ref64, tolerances=sem_tol)
-            isolated = compare_run(pair64, run64, iso_trace, ref64, sem_tol)
+            isolated = compare_run(pair64, run64, iso_trace, ref64, sem_tol, search=run.mode == "isolated")
             iso_trace.close()
         ours64 = None
         if run.mode != "isolated":
@@ -284,7 +284,7 @@ def check_semantic(pair: Pair, run: Run, notes: list[str], coverage) -> CheckRes
     ref = trace_reference(pair, run)
     prec_tol, noise = precision_tolerances(pair, run, ref, ref64)
     ours = trace_ours(pair, run, reference=ref, tolerances=prec_tol)
-    precision = compare_run(pair, run, ours, ref, prec_tol)
+    precision = compare_run(pair, run, ours, ref, prec_tol, search=first_mismatch(semantic) is None)
     refuse_changed_weights(pair, "during the forward passes")
     nodes = _merge(semantic, precision)
     bad = first_mismatch(nodes)

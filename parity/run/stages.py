@@ -30,6 +30,7 @@ from parity.compare.results import (
     moved_constant,
 )
 from parity.compare.tolerances import Tolerances
+from parity.diagnose import one_change
 from parity.diagnose.detectors import diagnose
 from parity.diagnose.hints import Hint
 from parity.diagnose.profile import error_profile, logits_effect
@@ -355,6 +356,7 @@ def trace_ours(
             # chained only: in isolated mode the scores are computed from the reference's q and k
             qk_through_scores=bool(pair.alignment) and substitute is None,
             provisional=frozenset(_folded_block(k) for k in _folds(pair)),
+            keep_layer=bool(pair.alignment),
         )
         stream.attach(trace)
     if substitute is not None:
@@ -530,9 +532,13 @@ def max_error(tensor, exact: torch.Tensor) -> float:
     return worst
 
 
-def compare_run(pair: Pair, run: Run, ours: Trace, ref: Trace, tolerances: Tolerances) -> list[NodeResult]:
+def compare_run(
+    pair: Pair, run: Run, ours: Trace, ref: Trace, tolerances: Tolerances, search: bool = True
+) -> list[NodeResult]:
     """Every node compared; the first judged failure carries its hint (unless it is too large to
-    diagnose in the memory available: :func:`undiagnosed`)."""
+    diagnose in the memory available: :func:`undiagnosed`). ``search``: where no detector names a cause,
+    look for one change to the reference's code that explains it (:func:`one_change_inside`; off for a
+    pass whose hint is not the verdict's)."""
     results = compare_traces(ours, ref, pair.nodes, tolerances, untapped_nodes(pair), unjudged_padding(pair, run))
     if pair.alignment:
         results = computed_otherwise(
@@ -559,8 +565,80 @@ def compare_run(pair: Pair, run: Run, ours: Trace, ref: Trace, tolerances: Toler
             or derived_before(results, bad, pair)
             or untapped_before(results, bad, pair.facts)
         )
+        if search and (hint is None or hint.kind == "untapped_block"):
+            hint = one_change_inside(pair, run, results, bad, seen_ours, seen_ref, mask, hint) or hint
         results[bad.index] = replace(bad, hint=hint)
     return results
+
+
+def one_change_inside(
+    pair: Pair,
+    run: Run,
+    results: list[NodeResult],
+    bad: NodeResult,
+    ours: Trace,
+    ref: Trace,
+    mask: torch.Tensor | None,
+    hint: Hint | None,
+) -> Hint | None:
+    """The first failure after a block ours leaves untapped (``hint``'s block), or one no detector named (its
+    own module): the one change to the reference's code inside that block after which the reference agrees
+    with ours at that node, at the block's output or at its layer's (:mod:`parity.diagnose.one_change`), None
+    when no single change does or the search cannot run (no such node is a module's output both traces kept)."""
+    if pair.reference is None:
+        return None
+    specs = {n.name: n for n in pair.nodes}
+    spec = specs.get(bad.name)
+    block = str((hint.evidence.get("block") if hint is not None else None) or (spec.reference_path if spec else ""))
+    if spec is None or not block:
+        return None
+    later = [r for r in results[bad.index + 1 :] if r.layer == bad.layer and r.layer is not None]
+    ends = [r for r in later if r.name == block or pair.facts.locate(r.name)[1] == "layer"]
+    judged = mask.detach().cpu().bool() if mask is not None else None
+
+    def close_to(target: torch.Tensor, result: NodeResult) -> Callable[[torch.Tensor], bool]:
+        """Equal to ``target`` within ``result``'s tolerance, at the positions judged."""
+        b_all = target.detach().cpu().double()
+
+        def close(value: torch.Tensor) -> bool:
+            a, b = value.detach().cpu().double(), b_all
+            if a.shape != b.shape:
+                return False
+            if judged is not None and a.dim() >= 2 and a.shape[:2] == judged.shape:
+                a, b = a[judged], b[judged]
+            atol = max(result.atol, 1e-6 * float(b.abs().max()) if b.numel() else 0.0)
+            return bool(torch.allclose(a, b, atol=atol, rtol=result.rtol))
+
+        return close
+
+    targets = []
+    for result in [bad, *ends[:2]]:
+        node = specs.get(result.name)
+        theirs, recorded = ours.tensors.get(result.name), ref.tensors.get(result.name)
+        if node is None or theirs is None or recorded is None or not theirs.is_floating_point():
+            continue
+        targets.append(
+            one_change.Target(
+                result.name,
+                node.reference_path,
+                close_to(theirs, result),
+                close_to(recorded, result),
+                node.reference_transform,
+            )
+        )
+    device = device_of(pair.reference)
+
+    def forward() -> object:
+        return pair.reference(
+            input_ids=on_device(device, run.input_ids),
+            attention_mask=on_device(device, run.attention_mask),
+            position_ids=on_device(device, run.position_ids),
+            use_cache=False,
+        )
+
+    layer = f"{pair.facts.layer_prefix}.{bad.layer}" if bad.layer is not None else None
+    found = one_change.search(pair.reference, block, targets, forward, scope=layer)
+    return one_change.named(found, block.partition("#")[0]) if found else None
 
 
 def _since_agreement(results: list[NodeResult], bad: NodeResult) -> list[NodeResult]:

@@ -423,6 +423,15 @@ def _storage_key(t: torch.Tensor) -> tuple:
     return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
 
 
+def _router_softcap(module) -> float:
+    """The soft cap a reference router applies to its logits inside its module (Laguna's
+    ``router_logit_softcapping``: ``cap * tanh(logits / cap)``), 0.0 for none or for any other module."""
+    if module is None or not is_router(module):
+        return 0.0
+    caps = [v for k, v in vars(module).items() if "softcap" in k and isinstance(v, int | float) and v > 0]
+    return float(caps[0]) if caps else 0.0
+
+
 def _common_ancestor(paths: list[str]) -> str:
     parts = [p.split(".") for p in paths]
     common = []
@@ -445,6 +454,8 @@ class _Aligner:
         self.our_modules = dict(ours.named_modules())
         self.ours_params = dict(ours.named_parameters())
         self._first_reads: dict[str, str] | None = None
+        #: each parameter of ours -> the modules running at its first read (filled with ``_first_reads``)
+        self._read_within: dict[str, tuple[str, ...]] = {}
         self.facts = facts
         self.coverage = coverage
         keys_by_storage: dict[tuple, list[str]] = {}
@@ -536,7 +547,7 @@ class _Aligner:
             names: dict[StorageKey, str] = {key_of[id(p)]: n for n, p in params.items() if id(p) in key_of}
             device = next((p.device for p in params.values()), torch.device("cpu"))
             ids = (torch.arange(4, device=device) % max(1, self.facts.vocab_size))[None]
-            self._first_reads = first_reads(self.ours, names, ids)
+            self._first_reads = first_reads(self.ours, names, ids, self._read_within)
         return self._first_reads
 
     def _holders(self, ref_path: str) -> list[str]:
@@ -639,7 +650,31 @@ class _Aligner:
         if any(o == ancestor or o.startswith(ancestor + ".") for o in outside if o not in inside):
             self.why[path] = f"{ancestor or 'the model'} also holds modules of other reference blocks"
             return None
+        if ancestor and self.facts.locate(path)[1] == "layer":
+            outside_read = self._read_outside(ancestor, prefix)
+            if outside_read is not None:  # its caller normalises the stream and adds the residual: a branch
+                self.why[path] = (
+                    f"ours' {ancestor} computes part of the layer only: {outside_read} is read outside its forward "
+                    "(its caller computes the rest: a norm, the residual add)"
+                )
+                return None
         return ancestor
+
+    def _read_outside(self, module: str, prefix: str) -> str | None:
+        """A parameter of ``module`` (or its submodules) holding checkpoint tensors under ``prefix`` only that
+        ours' forward reads while ``module`` is not running (ours' block returning its branch, the layer's norm
+        and residual add done by the caller: Nemotron-H ports), else None."""
+        self._reads()
+        for name, sources in self.coverage.sources.items():
+            owner = _module_of(name)[0]
+            if not (owner == module or owner.startswith(module + ".")):
+                continue
+            if not sources or not all(s.key.startswith(prefix) for s in sources):
+                continue
+            running = self._read_within.get(name)
+            if running is not None and module not in running:
+                return name
+        return None
 
     def _holds_only(self, module: str, prefix: str) -> bool:
         """Whether every checkpoint tensor ``module`` of ours (and its submodules) holds has a key under ``prefix``."""
@@ -832,7 +867,8 @@ class _Aligner:
                 return self._unaligned(spec, f"attention block {att}: {self.why.get(att, 'not found')}")
             layer = self.facts.layer(spec.layer)
             kv_heads = layer.num_kv_heads if layer is not None and layer.num_kv_heads else self.facts.num_kv_heads
-            heads = kv_heads if suffix == "k_rot" else self.facts.num_heads  # per layer: MiMo's sliding ones double
+            q_heads = self.facts.heads_at(spec.layer)  # per layer: Laguna's
+            heads = kv_heads if suffix == "k_rot" else q_heads  # per layer: MiMo's sliding ones double
             head_dim = layer.head_dim if layer is not None else self.facts.head_dim
             dims = (
                 self._head_dims(f"{att}.{'k_proj' if suffix == 'k_rot' else 'q_proj'}", head_dim)
@@ -843,7 +879,7 @@ class _Aligner:
                 dims = self._fused_head_dims(att, head_dim)
             if dims is None and suffix in ("q_rot", "k_rot") and MLA_INTERLEAVED_ROPE in self.facts.features:
                 dims = self._mla_dims(att, suffix, head_dim, layer.rope.rotary_dim if layer and layer.rope else 0)
-            expanded = self.facts.num_heads if suffix == "k_rot" and self.facts.num_heads != heads else 0
+            expanded = q_heads if suffix == "k_rot" and q_heads != heads else 0
             folded = (  # a scale folded into ours' q_proj, which the reference applies in its scores
                 self._folded_scale(f"{att}.{'k_proj' if suffix == 'k_rot' else 'q_proj'}")
                 if dims is None and Q_PRESCALED not in self.facts.features
@@ -912,6 +948,13 @@ class _Aligner:
                     f"nn.Embedding) cannot, so its value appears where the reference's does: the first layer's input",
                 )
             return self._scaled_lookup(spec, hit[0], cast(float, self.facts.embed_scale))
+        capped = _router_softcap(self.ref_modules.get(base))
+        if capped and not is_input and (hit is not None or base in self.functional):
+            return self._unaligned(  # the router's logits are its product transformed: no value of ours is them
+                spec,
+                f"the reference's router soft-caps its logits ({capped:g} tanh(x / {capped:g})) inside its module, "
+                "so ours' product with its weight is not its output; its routing weights and choices are compared",
+            )
         our_path: str | None
         if hit is not None:
             our_path, source = hit

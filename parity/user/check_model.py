@@ -32,6 +32,7 @@ from parity.build.coverage import PLAIN, loader_coverage
 from parity.build.reference import resolve_reference, unread_rows
 from parity.model.facts_rules import GATE_UP_INTERLEAVED
 from parity.model.pair import Loading, Pair, PairSource, fingerprints
+from parity.record.functional import first_reads, storage_keys
 from parity.report.result import CheckResult
 from parity.run.check import check
 from parity.run.float64 import Float64Mode, float64_state_dict
@@ -223,6 +224,35 @@ def _transformer_lens_processed(model: nn.Module) -> bool:
     return float(w_e.mean(-1).abs().max()) <= 1e-6 * max(float(w_e.abs().max()), 1e-30)
 
 
+def _unread_copies(coverage, model: nn.Module, tied_keys: dict[str, str] | None, vocab_size: int) -> None:
+    """A checkpoint tensor ours holds in more parameters than the reference's ties allow, where some of them ours'
+    forward never reads (a plain copy of the embedding kept beside the scaled copies forward uses): those are
+    no consumers. The gap becomes a note when the parameters read are no more than the tie's members; a probe
+    forward on four tokens says which parameters are read (:func:`parity.record.functional.first_reads`)."""
+    gaps = [g for g in coverage.gaps if " consumed " in g and " times: " in g]
+    if not gaps:
+        return
+    params = dict(model.named_parameters())
+    key_of = storage_keys(params.values())
+    names = {key_of[id(p)]: n for n, p in params.items() if id(p) in key_of}
+    device = next((p.device for p in params.values()), torch.device("cpu"))
+    read: dict[str, tuple[str, ...]] = {}
+    first_reads(model, names, (torch.arange(4, device=device) % max(1, vocab_size))[None], read)
+    if not read:  # the probe could not run: the gaps stand
+        return
+    tied = set(tied_keys or {}) | set((tied_keys or {}).values())
+    for gap in gaps:
+        key, _, rest = gap.partition(" consumed ")
+        holders = rest.partition(" times: ")[2].split(", ")
+        unread = [h for h in holders if h in params and h not in read]
+        if unread and len(holders) - len(unread) <= (2 if key in tied else 1):
+            coverage.gaps.remove(gap)
+            coverage.conversions.append(
+                f"{key}: also held by {', '.join(unread)}, which your model's forward never reads (a copy left "
+                "beside the ones it uses)"
+            )
+
+
 def _held_twice(coverage, model: nn.Module | None) -> list[str]:
     """``"ln2.weight holds model.layers.0.input_layernorm.weight, as ln1.weight does"``: a reference tensor
     copied into two parameters of ours (not one Parameter shared), where the reference has another
@@ -313,6 +343,7 @@ def build_user_pair(
         interleaved=GATE_UP_INTERLEAVED in ref.facts.features,
         unread=unread_rows(ref.model),
     )
+    _unread_copies(coverage, model, ref.tied_keys, ref.facts.vocab_size)
     if coverage.unused and not _transformer_lens_processed(model):  # processed weights: the message says how
         coverage.mark_numbers(scalar_buffers(ref.model, coverage.unused))
         coverage.mark_derived(derived_keys(ours, ref, model, coverage))

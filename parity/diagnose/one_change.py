@@ -1,0 +1,485 @@
+"""One change to the reference's code that makes it agree with ours: a failing node after a block whose
+internals ours computes where nothing taps them (a Gated DeltaNet, a Mamba mixer, an attention with sinks) is
+read by re-running the reference with one operation inside that block changed at a time, and the change
+after which the reference agrees with ours (at that node, or at the block's layer output) is named, with the
+line of the reference's source it sits on.
+
+The changes are the porting mistakes one operation can hold: an activation left out or another in its place
+(SiLU, sigmoid, GELU, ReLU, softplus), an ``exp`` left out (a log-parameterised rate used as it is), a
+normalisation's reciprocal root left out (an L2 or RMS norm skipped), a scalar factor, divisor or offset left
+out, a parameter added or multiplied left out, a clamp left out, a softmax replaced by a sigmoid or left out, a
+slice taken from the other end of its axis (a causal conv's output kept from the wrong side), heads repeated as
+whole blocks instead of interleaved (``repeat_interleave`` against ``repeat``: which value head reads which key
+head); then, in a second pass, a term of a sum left out (a skip connection) and a broadcast factor that is no
+parameter left out (a padding mask). Every call of one source line is changed together (a loop over chunks), a
+helper called from several lines also per caller, and the same change on two adjacent lines together (q and k).
+
+The search runs only where no detector named a cause, each pass re-running the failing node's decoder layer
+alone on the inputs it had and stopping once the last node read is produced, at most :data:`MAX_RUNS` passes.
+A change names which operation differs, not which side is wrong: the fault may sit in the reference (a patched
+or older Transformers) as well as in ours.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import linecache
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from types import FrameType
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from parity.diagnose.hints import Hint
+
+#: forward passes one search may take (the dry run included): the limit that decides what a search tries;
+#: the wall-clock budget in seconds only guards against a model far larger than a check's usual config
+MAX_RUNS = 300
+MAX_SECONDS = 60.0
+
+#: the activations one may stand in place of another; tanh (a soft cap's) may only be left out
+_LEFT_OUT = ("tanh",)
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "sigmoid": torch.sigmoid,
+    "gelu": F.gelu,
+    "relu": torch.relu,
+    "softplus": F.softplus,
+}
+_SCALAR_OPS = {"__mul__", "__rmul__", "mul", "__truediv__", "div", "__add__", "__radd__", "add", "__sub__", "sub"}
+#: frames of these files are not the reference's own lines: torch's, and parity's (its recording wrappers)
+_SKIP_FILES = (str(Path(torch.__file__).parent), str(Path(__file__).parent.parent))
+
+
+@dataclass(frozen=True)
+class Site:
+    """A source line of the reference's code and the operation it calls (its function's name); with a caller,
+    only the calls made from that line of the code calling it (a helper such as an activation's module or an
+    L2 norm called for q and for k)."""
+
+    op: str
+    file: str
+    line: int
+    caller: tuple[str, int] | None = None
+
+    @property
+    def where(self) -> str:
+        text = _line(self.file, self.line)
+        if self.caller is not None:
+            text += f" called from {_line(*self.caller)}"
+        return text
+
+
+def _line(file: str, line: int) -> str:
+    code = " ".join(linecache.getline(file, line).split())
+    code = code if len(code) <= 90 else code[:87] + "..."
+    return f"{Path(file).name}:{line}" + (f" (`{code}`)" if code else "")
+
+
+@dataclass(frozen=True)
+class Change:
+    """One change at a site: its words and how it rewrites the call's output from (args, kwargs, out); ``also``:
+    the same call on an adjacent line changed alike (q and k repeated, normalised, scaled the same way)."""
+
+    site: Site
+    words: str
+    rewrite: Callable[[tuple, dict, torch.Tensor], torch.Tensor]
+    also: Site | None = None
+
+    @property
+    def where(self) -> str:
+        return self.site.where + (f" and {self.also.where}" if self.also is not None else "")
+
+
+class _Stop(Exception):
+    """Raised by the node's hook once its output is kept: the rest of the forward is not needed."""
+
+
+class _Changing(TorchFunctionMode):
+    """Sees every torch call while the block runs: lists its sites (the dry run) or applies one change."""
+
+    def __init__(self, change: Change | None = None):
+        super().__init__()
+        self.inside = 0
+        self.change = change
+        #: site -> its callers' sites -> (func, args, kwargs) of the first call from each
+        self.sites: dict[Site, dict[Site, tuple]] = {}
+        #: each caller's site -> the output of its first call
+        self.outs: dict[Site, torch.Tensor] = {}
+        self.applied = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not self.inside or not isinstance(out, torch.Tensor):
+            return out
+        found = _sites(func)
+        if found is None:
+            return out
+        site, called = found
+        if self.change is None:
+            self.sites.setdefault(site, {}).setdefault(called, (func, args, kwargs))
+            self.outs.setdefault(called, out)
+        elif self.change.site in (site, called) or (
+            self.change.also is not None and self.change.also in (site, called)
+        ):
+            self.applied += 1
+            return self.change.rewrite(args, kwargs, out)
+        return out
+
+    def outputs(self, sites: list[tuple[Site, tuple]]) -> list[tuple[Site, tuple]]:
+        """``sites`` (from :meth:`candidates`) with each first call's output added to its call."""
+        out = []
+        for site, call in sites:
+            called = site if site.caller is not None else next(iter(self.sites[site]))
+            out.append((site, (*call, self.outs.get(called))))
+        return out
+
+    def candidates(self, home: str | None) -> list[tuple[Site, tuple]]:
+        """Each site with its first call, in execution order; a site called from several lines also once per
+        caller (one of them may hold the difference). ``home``: the block's source file; a site outside it
+        (an activation's module) called from one line of it is named with that line."""
+        out: list[tuple[Site, tuple]] = []
+        for site, callers in self.sites.items():
+            first = next(iter(callers.items()))
+            if len(callers) == 1:
+                caller = first[0].caller
+                out.append(
+                    first if site.file != home and caller is not None and caller[0] == home else (site, first[1])
+                )
+                continue
+            out.append((site, first[1]))
+            out += list(callers.items())
+        return out
+
+
+def _sites(func) -> tuple[Site, Site] | None:
+    """The innermost frame outside torch and parity (the reference's line that made this call), and the same
+    with the line that called it."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_SKIP_FILES):
+        frame = frame.f_back
+    if frame is None:
+        return None
+    site = Site(getattr(func, "__name__", str(func)), frame.f_code.co_filename, frame.f_lineno)
+    up = frame.f_back
+    while up is not None and up.f_code.co_filename.startswith(_SKIP_FILES):
+        up = up.f_back
+    return site, replace(site, caller=(up.f_code.co_filename, up.f_lineno) if up is not None else None)
+
+
+def changes(site: Site, func, args: tuple, kwargs: dict, params: dict[int, str]) -> list[Change]:
+    """The changes one call can hold (see the module's docstring), none for an operation outside them."""
+    op = site.op.lstrip("_").rstrip("_") if site.op.startswith("__") else site.op
+    x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    found: list[Change] = []
+    if op in _ACTIVATIONS and x is not None:
+        found.append(Change(site, f"{op} left out", lambda a, k, out: a[0]))
+        for name, act in _ACTIVATIONS.items():
+            if name != op:
+                found.append(Change(site, f"{name} in place of {op}", _applied(act)))
+    elif op in _LEFT_OUT and x is not None:
+        found.append(Change(site, f"{op} left out", _operand(0)))
+    elif op in ("exp", "rsqrt", "reciprocal") and x is not None:
+        what = {"exp": "exp left out", "rsqrt": "the reciprocal square root left out (a normalisation skipped)"}
+        keep = (lambda a, k, out: a[0]) if op == "exp" else (lambda a, k, out: torch.ones_like(out))
+        found.append(Change(site, what.get(op, f"{op} left out"), keep))
+    elif op == "normalize" and x is not None:
+        found.append(Change(site, "F.normalize left out", lambda a, k, out: a[0]))
+    elif op == "softmax" and x is not None:
+        found.append(Change(site, "softmax left out (the raw logits)", lambda a, k, out: a[0].to(out.dtype)))
+        found.append(Change(site, "sigmoid in place of softmax", lambda a, k, out: torch.sigmoid(a[0]).to(out.dtype)))
+    elif op == "repeat_interleave" and x is not None:
+        repeats = kwargs.get("repeats", args[1] if len(args) > 1 else None)
+        dim = kwargs.get("dim", args[2] if len(args) > 2 else None)
+        if isinstance(repeats, int) and isinstance(dim, int):
+            found.append(
+                Change(
+                    site,
+                    f"repeat_interleave by {repeats} replaced by whole-block repeats (tiled: item j reads j % n, "
+                    "not j // repeats)",
+                    _tiled(repeats, dim),
+                )
+            )
+    elif op == "getitem" and x is not None and len(args) > 1:
+        found += _other_end(site, x, args[1])
+    elif site.op in _SCALAR_OPS and len(args) == 2:
+        found += _operand_left_out(site, args, params)
+    elif op in ("clamp", "clamp_min", "clamp_max", "clip") and x is not None:
+        found.append(Change(site, f"{op} left out", _operand(0)))
+    return found
+
+
+def term_changes(site: Site, args: tuple, out: torch.Tensor | None, params: dict[int, str]) -> list[Change]:
+    """The second pass's changes, tried after every site's first ones: a term of a sum of two tensors left out
+    (a skip connection, D's ``x * D``), a broadcast factor that is no parameter left out (a padding mask)."""
+    op = site.op.strip("_").removeprefix("r")
+    if len(args) != 2 or not all(isinstance(a, torch.Tensor) for a in args) or out is None:
+        return []
+    if any(id(a) in params for a in args):
+        return []  # a parameter left out is a first-pass change
+    found = []
+    if op in ("add", "sub"):
+        for k in (0, 1):
+            if args[k].shape == out.shape:
+                which = "first" if k == 1 else "second"
+                found.append(Change(site, f"the {which} term of this {op} left out", _operand(k)))
+    elif op == "mul":
+        for k, d in ((0, 1), (1, 0)):
+            if args[k].shape == out.shape and args[d].numel() < out.numel():
+                words = f"the broadcast factor of shape {tuple(args[d].shape)} left out (a mask or a scale)"
+                found.append(Change(site, words, _operand(k)))
+    return found
+
+
+def _operand_left_out(site: Site, args: tuple, params: dict[int, str]) -> list[Change]:
+    """A scalar, or a parameter, that one side multiplies, divides, adds or subtracts and the other does not."""
+    verb = {"mul": "factor", "rmul": "factor", "truediv": "divisor", "div": "divisor"}.get(site.op.strip("_"), "offset")
+    found = []
+    for k, d in ((0, 1), (1, 0)):
+        keep, drop = args[k], args[d]
+        if not isinstance(keep, torch.Tensor):
+            continue
+        if isinstance(drop, int | float) and drop not in (0, 1) and not isinstance(drop, bool):
+            found.append(Change(site, f"the {verb} {drop:.6g} left out", _operand(k)))
+        elif isinstance(drop, torch.Tensor) and id(drop) in params:
+            found.append(Change(site, f"{params[id(drop)]} ({verb}) left out", _operand(k)))
+    return found
+
+
+def _applied(act: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[tuple, dict, torch.Tensor], torch.Tensor]:
+    """A rewrite applying ``act`` to the call's input in place of its own function."""
+
+    def rewrite(args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor:
+        return act(args[0])
+
+    return rewrite
+
+
+def _tiled(repeats: int, dim: int) -> Callable[[tuple, dict, torch.Tensor], torch.Tensor]:
+    """A rewrite repeating the call's input as whole blocks along ``dim`` (``repeat``) in place of interleaving."""
+
+    def rewrite(args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor:
+        return torch.cat([args[0]] * repeats, dim=dim)
+
+    return rewrite
+
+
+def _operand(k: int) -> Callable[[tuple, dict, torch.Tensor], torch.Tensor]:
+    """A rewrite returning the call's ``k``-th operand (the other one left out), in the output's dtype."""
+
+    def rewrite(args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor:
+        return args[k].to(out.dtype)
+
+    return rewrite
+
+
+def _indexed(index: tuple) -> Callable[[tuple, dict, torch.Tensor], torch.Tensor]:
+    """A rewrite indexing the call's tensor with ``index`` instead of its own."""
+
+    def rewrite(args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor:
+        return args[0][index]
+
+    return rewrite
+
+
+def _other_end(site: Site, x: torch.Tensor, index) -> list[Change]:
+    """A slice ``[..., :n]`` (or ``[..., k:]``) of an axis longer than it taken from the other end."""
+    items = index if isinstance(index, tuple) else (index,)
+    if any(i is None or isinstance(i, torch.Tensor | list) for i in items):
+        return []
+    found = []
+    ellipsis = next((p for p, i in enumerate(items) if i is Ellipsis), None)
+    for p, item in enumerate(items):
+        if not isinstance(item, slice) or item.step not in (None, 1):
+            continue
+        dim = p if ellipsis is None or p < ellipsis else x.dim() - (len(items) - p)
+        if not 0 <= dim < x.dim():
+            continue
+        size = x.shape[dim]
+        start, stop = item.start, item.stop
+        if start is None and isinstance(stop, int) and 0 < stop < size:
+            other = slice(size - stop, None)
+        elif stop is None and isinstance(start, int) and 0 < start < size:
+            other = slice(None, size - start)
+        else:
+            continue
+        moved = tuple(other if q == p else i for q, i in enumerate(items))
+        words = (
+            f"axis {dim}'s slice [{_text(item)}] taken from the other end ([{_text(other)}] of {size}: a causal "
+            "window read from the wrong side)"
+        )
+        found.append(Change(site, words, _indexed(moved)))
+    return found
+
+
+def _text(s: slice) -> str:
+    return f"{'' if s.start is None else s.start}:{'' if s.stop is None else s.stop}"
+
+
+def _output(out, index: int = 0) -> torch.Tensor | None:
+    """A module's output tensor: itself, or the ``index``-th of a tuple it returns (a router's logits, weights
+    and choices)."""
+    if isinstance(out, torch.Tensor):
+        return out if index == 0 else None
+    if isinstance(out, tuple | list) and len(out) > index and isinstance(out[index], torch.Tensor):
+        return out[index]
+    return None
+
+
+@dataclass(frozen=True)
+class Target:
+    """A node the search reads: the reference's module path producing it, the node's view of that output, and
+    two tests of a value there: ``agrees`` (equal to ours) and ``recorded`` (equal to the reference's traced
+    value: the unchanged run must reproduce it, else the node is not read)."""
+
+    name: str
+    path: str
+    agrees: Callable[[torch.Tensor], bool]
+    recorded: Callable[[torch.Tensor], bool]
+    transform: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    @property
+    def module(self) -> str:
+        """The module producing it (``path`` without a ``#n`` output index)."""
+        return self.path.partition("#")[0]
+
+    @property
+    def index(self) -> int:
+        """Which tensor of the module's output it is (``#n``; 0 for a module returning one)."""
+        tail = self.path.partition("#")[2]
+        return int(tail) if tail.isdigit() else 0
+
+
+def search(
+    model: torch.nn.Module,
+    block: str,
+    targets: list[Target],
+    forward: Callable[[], object],
+    scope: str | None = None,
+) -> list[tuple[Change, str]] | None:
+    """The changes inside ``block`` (a module path of ``model``) after which one of ``targets`` (the failing
+    node, and a later one: ours may record a node of a block it computes in functions at another step of it)
+    agrees with ours; None when the search could not run (no such module, no target produced as the trace
+    recorded it, the budget spent) or nothing agrees. ``forward()`` runs ``model`` on the run's inputs (the dry
+    run); ``scope``: a module holding the block and every target (its decoder layer), re-run alone on the inputs
+    it had there for each change. Each pass stops once the last target is produced."""
+    modules = dict(model.named_modules())
+    block = block.partition("#")[0]
+    targets = [t for t in targets if t.module in modules]
+    if block not in modules or not targets:
+        return None
+    if scope is not None and (
+        scope not in modules
+        or not all(p == scope or p.startswith(scope + ".") for p in (block, *(t.module for t in targets)))
+    ):
+        scope = None
+    called: list[tuple[tuple, dict]] = []
+
+    def inputs(_module, args, kwargs):
+        if not called:
+            called.append((args, kwargs))
+
+    params = {id(p): n for n, p in model.named_parameters()}
+    kept: dict[int, torch.Tensor] = {}
+
+    def keeper(i: int, target: Target):
+        def keep(_module, _args, out):
+            t = _output(out, target.index)
+            if t is not None and i not in kept:
+                kept[i] = target.transform(t) if target.transform is not None else t
+            if len(kept) == len(targets):
+                raise _Stop
+
+        return keep
+
+    def run(mode: _Changing) -> dict[int, torch.Tensor]:
+        kept.clear()
+
+        def enter(*_):
+            mode.inside += 1
+
+        def leave(*_):
+            mode.inside -= 1
+
+        handles = [
+            modules[block].register_forward_pre_hook(enter),
+            modules[block].register_forward_hook(leave, always_call=True),
+            *(modules[t.module].register_forward_hook(keeper(i, t)) for i, t in enumerate(targets)),
+        ]
+        if scope is not None and not called:
+            handles.append(modules[scope].register_forward_pre_hook(inputs, with_kwargs=True))
+        try:
+            with torch.no_grad(), mode:
+                if scope is not None and called:
+                    modules[scope](*called[0][0], **called[0][1])
+                else:
+                    forward()
+        except _Stop:
+            pass
+        finally:
+            for h in handles:
+                h.remove()
+            mode.inside = 0
+        return dict(kept)
+
+    started = time.monotonic()
+    dry = _Changing()
+    original = run(dry)
+    read = [i for i, value in original.items() if targets[i].recorded(value) and not targets[i].agrees(value)]
+    if not read:
+        return None
+    try:
+        home = inspect.getsourcefile(type(modules[block]))
+    except TypeError:
+        home = None
+    found: list[tuple[Change, str]] = []
+    runs = 1
+    sites = dry.candidates(home)
+    first = [c for site, (func, args, kwargs) in sites for c in changes(site, func, args, kwargs, params)]
+    terms = [c for site, (func, args, kwargs, out) in dry.outputs(sites) for c in term_changes(site, args, out, params)]
+    for change in _with_pairs(first) + terms:
+        if runs >= MAX_RUNS or time.monotonic() - started > MAX_SECONDS:
+            break
+        runs += 1
+        mode = _Changing(change)
+        try:
+            values = run(mode)
+        except Exception:  # a change the code cannot run with (a shape it rejects): not this one
+            continue
+        matched = next(
+            (i for i in read if i in values and values[i].shape == original[i].shape and targets[i].agrees(values[i])),
+            None,
+        )
+        if mode.applied and matched is not None:
+            found.append((change, targets[matched].name))
+    return found or None
+
+
+def _with_pairs(found: list[Change]) -> list[Change]:
+    """``found``, and each change made alike at two adjacent lines of one function (``repeat_interleave`` on q
+    and on k, an L2 norm of each) as one change, after the single ones."""
+    pairs = []
+    for a, b in itertools.pairwise(found):
+        x, y = a.site, b.site
+        if a.words == b.words and x.op == y.op and x.file == y.file and 0 < abs(y.line - x.line) <= 2:
+            pairs.append(Change(x, a.words, a.rewrite, also=y))
+    return found + pairs
+
+
+def named(found: list[tuple[Change, str]], block: str) -> Hint:
+    """The hint for what :func:`search` found: the first change, and up to two more that do as well."""
+    (first, at), more = found[0], found[1:3]
+    also = "".join(f"; or equally {c.words} at {c.where}" for c, _ in more)
+    return Hint(
+        "one_change",
+        f"likely {first.words} at {first.where}: with that one change inside {block}, the reference agrees with "
+        f"ours at {at}{also} (the nodes before agree; which side holds the fault, the change does not say)",
+        {"block": block, "changes": [{"op": c.site.op, "where": c.where, "words": c.words, "at": n} for c, n in found]},
+    )
