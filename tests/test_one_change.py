@@ -72,8 +72,23 @@ def test_a_parameter_or_a_scalar_left_out_is_named_and_a_weight_changed_is_not()
         no_half = F.linear(F.silu(F.linear(x, b.up) + b.bias), b.down)
         other_weight = F.linear(F.silu(F.linear(x, b.up * 1.01) + b.bias) * 0.5, b.down)
     assert [c.words for c, _ in _search(model, x, no_bias) or []] == ["block.bias (offset) left out"]
-    assert [c.words for c, _ in _search(model, x, no_half) or []] == ["the factor 0.5 left out"]
+    # reading silu's output in place of h * 0.5 is the same change said another way: named after the first
+    assert next(c.words for c, _ in _search(model, x, no_half) or []) == "the factor 0.5 left out"
     assert _search(model, x, other_weight) is None  # no one change of an operation explains a weight's difference
+
+
+def test_a_projection_reading_another_variable_is_named_with_the_line_it_read():
+    """A mix-up: the down projection reading the pre-activation sum instead of its own input (neither the
+    SiLU nor the factor left out alone explains it)."""
+    model, x = Model().eval(), torch.randn(3, 8, generator=torch.Generator().manual_seed(1))
+    b = model.block
+    with torch.no_grad():
+        target = F.linear(F.linear(x, b.up) + b.bias, b.down)
+    found = _search(model, x, target)
+    assert found is not None
+    words = [c.words for c, _ in found]
+    assert words == [f"linear reading the output of test_one_change.py:{_line('+ self.bias')} (`h = F.linear(x, "
+                     "self.up) + self.bias`) in place of its own input"], words  # fmt: skip
 
 
 def test_a_config_float_tagged_by_transformers_is_read_back():

@@ -11,7 +11,7 @@ float64) and every sum accumulated in float64, so the metrics add no error of th
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, TypeVar, cast
 
@@ -454,6 +454,9 @@ def moved_weights(r: NodeResult) -> bool:
 #: trace extras key: the attention blocks (stems) whose scores agree in some heads after a q_rot/k_rot mismatch
 #: by a constant (:meth:`NodeStream.__call__`): the constant is moved to the scores, a scores failure is another bug
 QK_MOVED = "qk_moved_to_scores"
+#: trace extra: nodes whose value ours recorded at another step than the one its next node reads (that node
+#: agrees): taken back from the failures after the forward (``stages.recorded_elsewhere``)
+RECORDED_ELSEWHERE = "recorded_elsewhere"
 
 
 def agreeing_heads(spec: NodeSpec, ours: torch.Tensor, ref, tolerances: Tolerances, padding) -> list[int]:
@@ -494,18 +497,25 @@ class NodeStream:
         qk_through_scores: bool = False,
         provisional: frozenset[str] = frozenset(),
         keep_layer: bool = False,
+        reads_another: Callable[[str, str, torch.Tensor], bool] | None = None,
     ):
         self.specs = {n.name: n for n in nodes}
         #: keep ours' output of the first failure's layer as well, when it fails (a user's model: where the search
         #: for one change to the reference's code reads ours, :func:`parity.run.stages.one_change_inside`)
         self.keep_layer = keep_layer
+        #: ``reads_another(node, next_node, ours)``: whether the reference's ``next_node`` (which agrees) reads
+        #: something else than ours' recorded value of ``node`` (the first failure just before it): that value
+        #: was recorded at another step, the failure is taken back (``stages.reads_another_value``)
+        self.reads_another = reads_another
+        self._previous: str | None = None
         #: blocks whose failures a pass after the forward may take back (values folded between their nodes at
         #: load: ``stages.folded_differences``): while the first failure is in one, the earliest failure outside
         #: that block is kept as well, to be the first if that one is taken back
         self.provisional = provisional
         self.second: NodeResult | None = None
         self.second_keep: set[str] = set()
-        #: the first failure's layer output, when it fails too (ours' tensor held)
+        #: the next failure after the first in its layer, and that layer's output, when they fail (ours' tensors
+        #: held)
         self.layer_keep: set[str] = set()
         #: a q_rot/k_rot failure whose block's scores then agree is not the first failure (a user's model may
         #: take a constant on the scores that the reference takes on q and k: ``stages.read_through_scores``)
@@ -560,7 +570,23 @@ class NodeStream:
         if every is not None and ref is not None and ref.shape == ours.shape:
             self.trace.watched.setdefault("*", {})[name] = every(ours, ref)
         stem = name.rsplit(".", 1)[0]
+        previous, self._previous = self._previous, name if result.status != UNTAPPED else self._previous
         first = self.first
+        if (
+            self.reads_another is not None
+            and result.passed
+            and first is not None
+            and first.name == previous
+            and first.layer is not None
+            and first.layer == result.layer
+            and first.status == MISMATCH
+            and first.name in self.trace.tensors
+            and self.reads_another(first.name, name, self.trace.tensors[first.name])
+        ):
+            cast(set, self.trace.extras.setdefault(RECORDED_ELSEWHERE, set())).add(first.name)
+            old, self.first, self.failure_keep = self.failure_keep, None, set()
+            self._release(old)
+            first = None
         if (
             self.qk_through_scores
             and spec.kind == "scores"
@@ -602,12 +628,12 @@ class NodeStream:
             self.keep_layer
             and result.failed
             and self.first is not None
-            and spec.kind == "layer"
             and result.layer is not None
             and result.layer == self.first.layer
-            and not self.layer_keep
+            and (spec.kind == "layer" or not self.layer_keep)
+            and not any(self.specs[n].kind == spec.kind == "layer" for n in self.layer_keep)
         ):  # the first failure's layer output, where a search for its cause may read ours (stages.one_change_inside)
-            self.layer_keep = {name}
+            self.layer_keep.add(name)
             self.trace.drop_input(name)
             return bool(layout)
         self.trace.drop_input(name)

@@ -17,7 +17,7 @@ import torch
 
 from parity.diagnose.evidence import Evidence, cut_offset, reference_output
 from parity.diagnose.hints import Hint
-from parity.diagnose.rope import _pairing, rope_fit, rope_tables
+from parity.diagnose.rope import _pairing, rope_fit, rope_pattern, rope_tables
 from parity.model.facts_rules import MLA_INTERLEAVED_ROPE, ROTATED_LAST
 
 #: the projection whose output holds each side's input to RoPE, by node kind, in the order tried
@@ -140,7 +140,7 @@ def latent_rope(e: Evidence) -> Hint | None:
     at_start, seen = x.transpose(1, 2)[start], ref_tail.transpose(1, 2)[start]
     own = float((seen * at_start).sum() / at_start.pow(2).sum().clamp_min(1e-300))
     tail = replace(e, ours=e.ours[..., nope:], ref=e.ref[..., nope:], rope_input=(own * x).to(e.ref.dtype))
-    for detect in (rope_fit, rope_tables):
+    for detect in (rope_fit, rope_tables, rope_pattern):  # rope_pattern: a tail left unrotated on one side
         hint = detect(tail)
         if hint is not None:
             return replace(

@@ -40,7 +40,7 @@ from parity.diagnose.hints import Hint
 
 #: forward passes one search may take (the dry run included): the limit that decides what a search tries;
 #: the wall-clock budget in seconds only guards against a model far larger than a check's usual config
-MAX_RUNS = 300
+MAX_RUNS = 500
 MAX_SECONDS = 60.0
 
 #: the activations one may stand in place of another; tanh (a soft cap's) may only be left out
@@ -91,10 +91,19 @@ class Change:
     words: str
     rewrite: Callable[[tuple, dict, torch.Tensor], torch.Tensor]
     also: Site | None = None
+    #: the site whose latest output the call reads in place of its first input (a variable mixed up with
+    #: another); :data:`LAYER_INPUT` for the input of the layer the block sits in
+    source: Site | None = None
 
     @property
     def where(self) -> str:
         return self.site.where + (f" and {self.also.where}" if self.also is not None else "")
+
+
+#: the source of a mix-up that is the layer's own input (the residual stream before its norm)
+LAYER_INPUT = Site("input", "the layer's input", 0)
+#: operations whose first input a mix-up may replace: a projection, a product, a gather
+_READS = ("linear", "matmul", "__matmul__", "bmm", "gather", "conv1d")
 
 
 class _Stop(Exception):
@@ -113,6 +122,9 @@ class _Changing(TorchFunctionMode):
         #: each caller's site -> the output of its first call
         self.outs: dict[Site, torch.Tensor] = {}
         self.applied = 0
+        #: the latest output of the change's source (a mix-up), and the input of the layer (set by its hook)
+        self.held: torch.Tensor | None = None
+        self.layer_input: torch.Tensor | None = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -123,15 +135,42 @@ class _Changing(TorchFunctionMode):
         if found is None:
             return out
         site, called = found
-        if self.change is None:
+        change = self.change
+        if change is None:
             self.sites.setdefault(site, {}).setdefault(called, (func, args, kwargs))
             self.outs.setdefault(called, out)
-        elif self.change.site in (site, called) or (
-            self.change.also is not None and self.change.also in (site, called)
-        ):
-            self.applied += 1
-            return self.change.rewrite(args, kwargs, out)
+            return out
+        if change.source is not None and change.source in (site, called):
+            self.held = out
+        if change.site in (site, called) or (change.also is not None and change.also in (site, called)):
+            if change.source is None:
+                self.applied += 1
+                return change.rewrite(args, kwargs, out)
+            held = self.layer_input if change.source == LAYER_INPUT else self.held
+            if held is not None and args and isinstance(args[0], torch.Tensor) and held.shape == args[0].shape:
+                self.applied += 1
+                return func(held.to(args[0].dtype), *args[1:], **kwargs)
         return out
+
+    def mix_ups(self, sites: list[tuple[Site, tuple]], layer_input: torch.Tensor | None) -> list[Change]:
+        """Each projection, product or gather reading, in place of its own first input, the output of one of the
+        two latest calls before it of that shape (or the layer's input): a variable mixed up with another."""
+        order = list(self.outs.items())  # first calls in execution order
+        found = []
+        for site, (_func, args, _kwargs) in sites:
+            if site.op not in _READS or not args or not isinstance(args[0], torch.Tensor):
+                continue
+            own = args[0]
+            called = site if site.caller is not None else next(iter(self.sites[site]))
+            before = [s for s, _ in order[: next(i for i, (s, _) in enumerate(order) if s == called)]]
+            same = [s for s in before if self.outs[s].shape == own.shape and self.outs[s] is not own][-2:]
+            for source in reversed(same):
+                words = f"{site.op} reading the output of {_line(source.file, source.line)} in place of its own input"
+                found.append(Change(site, words, _operand(0), source=source))
+            if layer_input is not None and layer_input.shape == own.shape and layer_input is not own:
+                words = f"{site.op} reading the layer's input (the residual stream before its norm) in place of its own"
+                found.append(Change(site, words, _operand(0), source=LAYER_INPUT))
+        return found
 
     def outputs(self, sites: list[tuple[Site, tuple]]) -> list[tuple[Site, tuple]]:
         """``sites`` (from :meth:`candidates`) with each first call's output added to its call."""
@@ -184,6 +223,8 @@ def changes(site: Site, func, args: tuple, kwargs: dict, params: dict[int, str])
         for name, act in _ACTIVATIONS.items():
             if name != op:
                 found.append(Change(site, f"{name} in place of {op}", _applied(act)))
+        if op == "sigmoid" and x.dim() >= 1:  # a router's scores: a softmax over the experts in its place
+            found.append(Change(site, "softmax over the last axis in place of sigmoid", _applied(_softmax_last)))
     elif op in _LEFT_OUT and x is not None:
         found.append(Change(site, f"{op} left out", _operand(0)))
     elif op in ("exp", "rsqrt", "reciprocal") and x is not None:
@@ -235,6 +276,9 @@ def term_changes(site: Site, args: tuple, out: torch.Tensor | None, params: dict
             if args[k].shape == out.shape and args[d].numel() < out.numel():
                 words = f"the broadcast factor of shape {tuple(args[d].shape)} left out (a mask or a scale)"
                 found.append(Change(site, words, _operand(k)))
+    elif op in ("div", "truediv") and args[0].shape == out.shape and args[1].numel() < out.numel():
+        words = f"the broadcast divisor of shape {tuple(args[1].shape)} left out (a normalisation: a norm, a sum to 1)"
+        found.append(Change(site, words, _operand(0)))
     return found
 
 
@@ -251,6 +295,10 @@ def _operand_left_out(site: Site, args: tuple, params: dict[int, str]) -> list[C
         elif isinstance(drop, torch.Tensor) and id(drop) in params:
             found.append(Change(site, f"{params[id(drop)]} ({verb}) left out", _operand(k)))
     return found
+
+
+def _softmax_last(x: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(x, dim=-1)
 
 
 def _applied(act: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[tuple, dict, torch.Tensor], torch.Tensor]:
@@ -386,6 +434,13 @@ def search(
         if not called:
             called.append((args, kwargs))
 
+    def layer_input(mode: _Changing):
+        def hold(_module, args, kwargs):
+            first = args[0] if args else next(iter(kwargs.values()), None)
+            mode.layer_input = first if isinstance(first, torch.Tensor) else None
+
+        return hold
+
     params = {id(p): n for n, p in model.named_parameters()}
     kept: dict[int, torch.Tensor] = {}
 
@@ -415,6 +470,8 @@ def search(
         ]
         if scope is not None and not called:
             handles.append(modules[scope].register_forward_pre_hook(inputs, with_kwargs=True))
+        if scope is not None:
+            handles.append(modules[scope].register_forward_pre_hook(layer_input(mode), with_kwargs=True))
         try:
             with torch.no_grad(), mode:
                 if scope is not None and called:
@@ -444,7 +501,7 @@ def search(
     sites = dry.candidates(home)
     first = [c for site, (func, args, kwargs) in sites for c in changes(site, func, args, kwargs, params)]
     terms = [c for site, (func, args, kwargs, out) in dry.outputs(sites) for c in term_changes(site, args, out, params)]
-    for change in _with_pairs(first) + terms:
+    for change in _with_pairs(first) + terms + dry.mix_ups(sites, dry.layer_input):
         if runs >= MAX_RUNS or time.monotonic() - started > MAX_SECONDS:
             break
         runs += 1

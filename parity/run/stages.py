@@ -22,6 +22,7 @@ from parity.compare.metrics import CHUNK, MISMATCH, MISSING, UNTAPPED, chunks
 from parity.compare.padding import unpadded_rows
 from parity.compare.results import (
     QK_MOVED,
+    RECORDED_ELSEWHERE,
     WEIGHTS_MOVED,
     NodeResult,
     NodeStream,
@@ -357,6 +358,11 @@ def trace_ours(
             qk_through_scores=bool(pair.alignment) and substitute is None,
             provisional=frozenset(_folded_block(k) for k in _folds(pair)),
             keep_layer=bool(pair.alignment),
+            reads_another=(  # chained only: in isolated mode the next node reads the reference's value
+                (lambda node, after, mine: reads_another_value(pair, reference, node, after, mine))
+                if pair.alignment and substitute is None
+                else None
+            ),
         )
         stream.attach(trace)
     if substitute is not None:
@@ -545,6 +551,8 @@ def compare_run(
             results, {n.name for n in pair.nodes if n.ours and not n.ours.startswith(UNHOOKED)}
         )
     results = folded_differences(results, pair)
+    if pair.alignment:
+        results = recorded_elsewhere(results, frozenset(cast(set, ours.extras.get(RECORDED_ELSEWHERE, set()))))
     if pair.alignment and not ours.extras.get(ISOLATED):  # isolated scores come from the reference's q and k
         results = read_through_scores(results, frozenset(cast(set, ours.extras.get(QK_MOVED, set()))))
         results = weights_read_through_block(results, frozenset(cast(set, ours.extras.get(WEIGHTS_MOVED, set()))))
@@ -565,10 +573,14 @@ def compare_run(
             or derived_before(results, bad, pair)
             or untapped_before(results, bad, pair.facts)
         )
-        if search and (hint is None or hint.kind == "untapped_block"):
+        if search and (hint is None or hint.kind in SEARCHED):
             hint = one_change_inside(pair, run, results, bad, seen_ours, seen_ref, mask, hint) or hint
         results[bad.index] = replace(bad, hint=hint)
     return results
+
+
+#: hint kinds that name a component only: a search for one change to the reference's code may name the cause
+SEARCHED = frozenset({"untapped_block", "context_to_output", "moe_block"})
 
 
 def one_change_inside(
@@ -589,11 +601,22 @@ def one_change_inside(
         return None
     specs = {n.name: n for n in pair.nodes}
     spec = specs.get(bad.name)
-    block = str((hint.evidence.get("block") if hint is not None else None) or (spec.reference_path if spec else ""))
+    named = hint.evidence.get("block") if hint is not None else None
+    if hint is not None and hint.kind == "context_to_output":  # between the attention's context and o_proj
+        named = bad.name.rsplit(".", 1)[0]
+    if named is None and spec is not None:  # no hint: the module holding the node (a norm inside its mixer)
+        path = spec.reference_path.partition("#")[0]
+        parent = path.rpartition(".")[0]
+        named = (
+            parent if bad.layer is not None and parent.startswith(f"{pair.facts.layer_prefix}.{bad.layer}") else path
+        )
+    block = str(named or "")
     if spec is None or not block:
         return None
     later = [r for r in results[bad.index + 1 :] if r.layer == bad.layer and r.layer is not None]
-    ends = [r for r in later if r.name == block or pair.facts.locate(r.name)[1] == "layer"]
+    ends = [r for r in later if r.failed and (r.name == block or pair.facts.locate(r.name)[1] == "layer")]
+    if not ends:  # the layer's output untapped in ours: the next node of the layer that fails (its o_proj)
+        ends = [r for r in later if r.failed][:1]
     judged = mask.detach().cpu().bool() if mask is not None else None
 
     def close_to(target: torch.Tensor, result: NodeResult) -> Callable[[torch.Tensor], bool]:
@@ -969,6 +992,54 @@ def weights_read_through_block(results: list[NodeResult], moved: frozenset[str])
         else r
         for r in results
     ]
+
+
+def recorded_elsewhere(results: list[NodeResult], moved: frozenset[str]) -> list[NodeResult]:
+    """A user's model's failures whose value ours recorded at another step than the one its next node reads
+    (``moved``, from the stream: :func:`reads_another_value`), untapped with the reason, not failed."""
+    return [
+        replace(
+            r,
+            status=UNTAPPED,
+            detail=f"{r.detail + '; ' if r.detail else ''}ours' value here is not what the next node reads (that node "
+            "agrees, and its weight on ours' value gives another result): recorded at another step of what ours "
+            "computes in functions, a gated norm's product before its gate (not judged)",
+        )
+        if r.name in moved and r.failed
+        else r
+        for r in results
+    ]
+
+
+def reads_another_value(pair: Pair, ref: Trace, node: str, after: str, mine: torch.Tensor) -> bool:
+    """Whether the reference's ``after`` (a projection, judged equal to ours) reads the reference's ``node`` and
+    its weight applied to ``mine`` (ours' recorded ``node``, which failed) gives another result: ours recorded
+    ``node`` at another step than what its next projection reads (Kimi Linear's and Qwen3-Next's ports hold their
+    gated norm's product before its gate). A node held per head is read flat."""
+    module = dict(pair.reference.named_modules()).get(after) if pair.reference is not None else None
+    weight = getattr(module, "weight", None)
+    theirs, read = ref.tensors.get(node), ref.tensors.get(after)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or theirs is None or read is None:
+        return False
+    width = weight.shape[1]
+    if (
+        theirs.shape != mine.shape
+        or theirs.numel() % width
+        or theirs.numel() // width * weight.shape[0] != read.numel()
+    ):
+        return False
+    w = weight.detach().cpu().double()
+    bias = getattr(module, "bias", None)
+    b = bias.detach().cpu().double() if isinstance(bias, torch.Tensor) else None
+
+    def product(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x.detach().cpu().double().reshape(-1, width), w, b).reshape(read.shape)
+
+    expected = read.detach().cpu().double()
+    scale = float(expected.abs().max()) or 1.0
+    if float((product(theirs) - expected).abs().max()) > 1e-4 * scale:
+        return False  # the reference's own node is not what its next projection reads
+    return float((product(mine) - expected).abs().max()) > 1e-2 * scale
 
 
 def computed_otherwise(results: list[NodeResult], modules: set[str]) -> list[NodeResult]:

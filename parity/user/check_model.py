@@ -344,7 +344,7 @@ def build_user_pair(
         unread=unread_rows(ref.model),
     )
     _unread_copies(coverage, model, ref.tied_keys, ref.facts.vocab_size)
-    if coverage.unused and not _transformer_lens_processed(model):  # processed weights: the message says how
+    if (coverage.unused or coverage.unwritten) and not _transformer_lens_processed(model):  # processed: see message
         coverage.mark_numbers(scalar_buffers(ref.model, coverage.unused))
         coverage.mark_derived(derived_keys(ours, ref, model, coverage))
     if coverage.unused:

@@ -62,12 +62,17 @@ def scalar_buffers(reference: nn.Module | None, keys: list[str]) -> dict[str, fl
 
 def derived_keys(ours, ref: Reference, model: nn.Module, coverage: Coverage) -> dict[str, list[str]]:
     """``{checkpoint key: [our parameters derived from it]}`` for each of ``coverage.unused`` that ours'
-    build reads in a form coverage cannot trace (see the module docstring). Empty when ``ours`` is a
+    build reads in a form coverage cannot trace (see the module docstring), and for each key held beside a
+    parameter of ours that holds none (a key both copied and computed into another value at load). Empty when ``ours`` is a
     module (nothing to call again), when more than :data:`MAX_PROBED` keys are unused, or when building
     twice from the same tensors does not give the same logits (a build that draws random values). A key
     whose perturbation changes a parameter coverage read as a likely loader mistake is left out: that
     refusal names the cause."""
-    if isinstance(ours, nn.Module) or not callable(ours) or not coverage.unused or len(coverage.unused) > MAX_PROBED:
+    if isinstance(ours, nn.Module) or not callable(ours) or len(coverage.unused) > MAX_PROBED:
+        return {}
+    beside = [k for k in _beside_unwritten(coverage) if k not in coverage.unused]
+    probed = list(coverage.unused) + beside[: MAX_PROBED - len(coverage.unused)]  # the unused keys first
+    if not probed:
         return {}
     from parity.user.check_model import build_ours
 
@@ -93,7 +98,7 @@ def derived_keys(ours, ref: Reference, model: nn.Module, coverage: Coverage) -> 
     if first is None or same is None or not torch.equal(first, same):
         return {}
     found: dict[str, list[str]] = {}
-    for key in coverage.unused:
+    for key in probed:
         state_dict = dict(ref.state_dict)
         state_dict[key] = _perturbed(state_dict[key], gen)
         model2 = rebuilt(state_dict)
@@ -104,6 +109,17 @@ def derived_keys(ours, ref: Reference, model: nn.Module, coverage: Coverage) -> 
         into = [
             n for n, t in before.items() if n in after and (after[n].shape != t.shape or not torch.equal(after[n], t))
         ]
-        if not mistaken.intersection(into):
+        if not mistaken.intersection(into) and (key in coverage.unused or into):
             found[key] = into
     return found
+
+
+def _beside_unwritten(coverage: Coverage) -> list[str]:
+    """The checkpoint keys held by the modules of ours that also hold a parameter holding none (``exp(A_log)``
+    computed at load beside a copy of ``A_log``): each may be the one that parameter is computed from."""
+    modules = {name.rpartition(".")[0] for name in coverage.unwritten_names()} - set(
+        n.rpartition(".")[0] for n in coverage.unwritten_names(reasoned=True)
+    )
+    return sorted(
+        {s.key for name, sources in coverage.sources.items() if name.rpartition(".")[0] in modules for s in sources}
+    )
