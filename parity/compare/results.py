@@ -500,8 +500,9 @@ class NodeStream:
         reads_another: Callable[[str, str, torch.Tensor], bool] | None = None,
     ):
         self.specs = {n.name: n for n in nodes}
-        #: keep ours' output of the first failure's layer as well, when it fails (a user's model: where the search
-        #: for one change to the reference's code reads ours, :func:`parity.run.stages.one_change_inside`)
+        #: keep ours' next failure in the first failure's layer and that layer's output as well, when they fail (a
+        #: user's model: where the search for one change to the reference's code reads ours,
+        #: :func:`parity.run.stages.one_change_inside`)
         self.keep_layer = keep_layer
         #: ``reads_another(node, next_node, ours)``: whether the reference's ``next_node`` (which agrees) reads
         #: something else than ours' recorded value of ``node`` (the first failure just before it): that value
@@ -630,9 +631,13 @@ class NodeStream:
             and self.first is not None
             and result.layer is not None
             and result.layer == self.first.layer
-            and (spec.kind == "layer" or not self.layer_keep)
-            and not any(self.specs[n].kind == spec.kind == "layer" for n in self.layer_keep)
-        ):  # the first failure's layer output, where a search for its cause may read ours (stages.one_change_inside)
+            and (
+                not any(self.specs[n].kind == "layer" for n in self.layer_keep)
+                if spec.kind == "layer"
+                else not self.layer_keep
+            )
+        ):  # the next failure in the first's layer, and the layer's output: where a search for the first's cause
+            # reads ours (stages.one_change_inside)
             self.layer_keep.add(name)
             self.trace.drop_input(name)
             return bool(layout)

@@ -57,8 +57,7 @@ class Evidence:
 
     def close(self, a: torch.Tensor, b: torch.Tensor) -> bool:
         """Equal within this node's tolerance (and a little slack when the tolerance is exact)."""
-        atol = max(self.result.atol, 1e-6 * float(b.abs().max()) if b.numel() else 0.0)
-        return a.shape == b.shape and bool(torch.allclose(a.double(), b.double(), atol=atol, rtol=self.result.rtol))
+        return within_tolerance(a, b, self.result)
 
     def inputs(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Both sides' kept module inputs of the node (ours, reference), ours in the reference's shape
@@ -81,6 +80,13 @@ class Evidence:
     def noise(self) -> float:
         """The node's tolerance at its largest reference value: errors below it are noise."""
         return self.result.atol + self.result.rtol * float(self.ref.abs().max())
+
+
+def within_tolerance(a: torch.Tensor, b: torch.Tensor, result: NodeResult) -> bool:
+    """``a`` equals ``b`` (the reference's side) within ``result``'s atol/rtol, with a little slack (1e-6 of
+    ``b``'s largest magnitude) when the tolerance is exact."""
+    atol = max(result.atol, 1e-6 * float(b.abs().max()) if b.numel() else 0.0)
+    return a.shape == b.shape and bool(torch.allclose(a.double(), b.double(), atol=atol, rtol=result.rtol))
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -113,7 +113,7 @@ class _Stop(Exception):
 class _Changing(TorchFunctionMode):
     """Sees every torch call while the block runs: lists its sites (the dry run) or applies one change."""
 
-    def __init__(self, change: Change | None = None):
+    def __init__(self, change: Change | None = None, layer_input: torch.Tensor | None = None):
         super().__init__()
         self.inside = 0
         self.change = change
@@ -122,9 +122,9 @@ class _Changing(TorchFunctionMode):
         #: each caller's site -> the output of its first call
         self.outs: dict[Site, torch.Tensor] = {}
         self.applied = 0
-        #: the latest output of the change's source (a mix-up), and the input of the layer (set by its hook)
+        #: the latest output of the change's source (a mix-up), and the input of the layer the block sits in
         self.held: torch.Tensor | None = None
-        self.layer_input: torch.Tensor | None = None
+        self.layer_input = layer_input
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -155,14 +155,14 @@ class _Changing(TorchFunctionMode):
     def mix_ups(self, sites: list[tuple[Site, tuple]], layer_input: torch.Tensor | None) -> list[Change]:
         """Each projection, product or gather reading, in place of its own first input, the output of one of the
         two latest calls before it of that shape (or the layer's input): a variable mixed up with another."""
-        order = list(self.outs.items())  # first calls in execution order
+        order = list(self.outs)  # first calls in execution order
+        position = {s: i for i, s in enumerate(order)}
         found = []
         for site, (_func, args, _kwargs) in sites:
             if site.op not in _READS or not args or not isinstance(args[0], torch.Tensor):
                 continue
             own = args[0]
-            called = site if site.caller is not None else next(iter(self.sites[site]))
-            before = [s for s, _ in order[: next(i for i, (s, _) in enumerate(order) if s == called)]]
+            before = order[: position[self._first_call(site)]]
             same = [s for s in before if self.outs[s].shape == own.shape and self.outs[s] is not own][-2:]
             for source in reversed(same):
                 words = f"{site.op} reading the output of {_line(source.file, source.line)} in place of its own input"
@@ -174,11 +174,11 @@ class _Changing(TorchFunctionMode):
 
     def outputs(self, sites: list[tuple[Site, tuple]]) -> list[tuple[Site, tuple]]:
         """``sites`` (from :meth:`candidates`) with each first call's output added to its call."""
-        out = []
-        for site, call in sites:
-            called = site if site.caller is not None else next(iter(self.sites[site]))
-            out.append((site, (*call, self.outs.get(called))))
-        return out
+        return [(site, (*call, self.outs.get(self._first_call(site)))) for site, call in sites]
+
+    def _first_call(self, site: Site) -> Site:
+        """The site of ``site``'s first call with its caller (``site`` itself when it names one)."""
+        return site if site.caller is not None else next(iter(self.sites[site]))
 
     def candidates(self, home: str | None) -> list[tuple[Site, tuple]]:
         """Each site with its first call, in execution order; a site called from several lines also once per
@@ -219,7 +219,7 @@ def changes(site: Site, func, args: tuple, kwargs: dict, params: dict[int, str])
     x = args[0] if args and isinstance(args[0], torch.Tensor) else None
     found: list[Change] = []
     if op in _ACTIVATIONS and x is not None:
-        found.append(Change(site, f"{op} left out", lambda a, k, out: a[0]))
+        found.append(Change(site, f"{op} left out", _operand(0)))
         for name, act in _ACTIVATIONS.items():
             if name != op:
                 found.append(Change(site, f"{name} in place of {op}", _applied(act)))
@@ -229,13 +229,12 @@ def changes(site: Site, func, args: tuple, kwargs: dict, params: dict[int, str])
         found.append(Change(site, f"{op} left out", _operand(0)))
     elif op in ("exp", "rsqrt", "reciprocal") and x is not None:
         what = {"exp": "exp left out", "rsqrt": "the reciprocal square root left out (a normalisation skipped)"}
-        keep = (lambda a, k, out: a[0]) if op == "exp" else (lambda a, k, out: torch.ones_like(out))
-        found.append(Change(site, what.get(op, f"{op} left out"), keep))
+        found.append(Change(site, what.get(op, f"{op} left out"), _operand(0) if op == "exp" else _ones))
     elif op == "normalize" and x is not None:
-        found.append(Change(site, "F.normalize left out", lambda a, k, out: a[0]))
+        found.append(Change(site, "F.normalize left out", _operand(0)))
     elif op == "softmax" and x is not None:
-        found.append(Change(site, "softmax left out (the raw logits)", lambda a, k, out: a[0].to(out.dtype)))
-        found.append(Change(site, "sigmoid in place of softmax", lambda a, k, out: torch.sigmoid(a[0]).to(out.dtype)))
+        found.append(Change(site, "softmax left out (the raw logits)", _operand(0)))
+        found.append(Change(site, "sigmoid in place of softmax", _applied(torch.sigmoid)))
     elif op == "repeat_interleave" and x is not None:
         repeats = kwargs.get("repeats", args[1] if len(args) > 1 else None)
         dim = kwargs.get("dim", args[2] if len(args) > 2 else None)
@@ -305,7 +304,7 @@ def _applied(act: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[tuple, di
     """A rewrite applying ``act`` to the call's input in place of its own function."""
 
     def rewrite(args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor:
-        return act(args[0])
+        return act(args[0]).to(out.dtype)
 
     return rewrite
 
@@ -317,6 +316,11 @@ def _tiled(repeats: int, dim: int) -> Callable[[tuple, dict, torch.Tensor], torc
         return torch.cat([args[0]] * repeats, dim=dim)
 
     return rewrite
+
+
+def _ones(args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor:
+    """A rewrite giving ones where the call gave its result (a reciprocal root: the normalisation skipped)."""
+    return torch.ones_like(out)
 
 
 def _operand(k: int) -> Callable[[tuple, dict, torch.Tensor], torch.Tensor]:
@@ -434,13 +438,6 @@ def search(
         if not called:
             called.append((args, kwargs))
 
-    def layer_input(mode: _Changing):
-        def hold(_module, args, kwargs):
-            first = args[0] if args else next(iter(kwargs.values()), None)
-            mode.layer_input = first if isinstance(first, torch.Tensor) else None
-
-        return hold
-
     params = {id(p): n for n, p in model.named_parameters()}
     kept: dict[int, torch.Tensor] = {}
 
@@ -470,8 +467,6 @@ def search(
         ]
         if scope is not None and not called:
             handles.append(modules[scope].register_forward_pre_hook(inputs, with_kwargs=True))
-        if scope is not None:
-            handles.append(modules[scope].register_forward_pre_hook(layer_input(mode), with_kwargs=True))
         try:
             with torch.no_grad(), mode:
                 if scope is not None and called:
@@ -501,11 +496,15 @@ def search(
     sites = dry.candidates(home)
     first = [c for site, (func, args, kwargs) in sites for c in changes(site, func, args, kwargs, params)]
     terms = [c for site, (func, args, kwargs, out) in dry.outputs(sites) for c in term_changes(site, args, out, params)]
-    for change in _with_pairs(first) + terms + dry.mix_ups(sites, dry.layer_input):
+    # the layer's input, as its re-runs read it: the source of a mix-up with the residual stream
+    args, kwargs = called[0] if called else ((), {})
+    first_input = args[0] if args else next(iter(kwargs.values()), None)
+    layer_input = first_input if isinstance(first_input, torch.Tensor) else None
+    for change in _with_pairs(first) + terms + dry.mix_ups(sites, layer_input):
         if runs >= MAX_RUNS or time.monotonic() - started > MAX_SECONDS:
             break
         runs += 1
-        mode = _Changing(change)
+        mode = _Changing(change, layer_input)
         try:
             values = run(mode)
         except Exception:  # a change the code cannot run with (a shape it rejects): not this one

@@ -271,6 +271,17 @@ def first_reads(
     return mode.reads
 
 
+def probe_reads(
+    model: torch.nn.Module, vocab_size: int, within: dict[str, tuple[str, ...]] | None = None
+) -> dict[str, str]:
+    """:func:`first_reads` of every parameter of ``model`` (by name) on a four-token probe of its vocabulary."""
+    params = dict(model.named_parameters())
+    key_of = storage_keys(params.values())
+    names: dict[StorageKey, str] = {key_of[id(p)]: n for n, p in params.items() if id(p) in key_of}
+    device = next((p.device for p in params.values()), torch.device("cpu"))
+    return first_reads(model, names, (torch.arange(4, device=device) % max(1, vocab_size))[None], within)
+
+
 def _scalar(x) -> bool:
     return isinstance(x, (int, float)) or (isinstance(x, torch.Tensor) and x.numel() == 1)
 

@@ -33,6 +33,7 @@ from parity.compare.results import (
 from parity.compare.tolerances import Tolerances
 from parity.diagnose import one_change
 from parity.diagnose.detectors import diagnose
+from parity.diagnose.evidence import within_tolerance
 from parity.diagnose.hints import Hint
 from parity.diagnose.profile import error_profile, logits_effect
 from parity.model.pair import Pair
@@ -538,6 +539,10 @@ def max_error(tensor, exact: torch.Tensor) -> float:
     return worst
 
 
+#: hint kinds that name a component only: a search for one change to the reference's code may name the cause
+SEARCHED = frozenset({"untapped_block", "context_to_output", "moe_block"})
+
+
 def compare_run(
     pair: Pair, run: Run, ours: Trace, ref: Trace, tolerances: Tolerances, search: bool = True
 ) -> list[NodeResult]:
@@ -579,10 +584,6 @@ def compare_run(
     return results
 
 
-#: hint kinds that name a component only: a search for one change to the reference's code may name the cause
-SEARCHED = frozenset({"untapped_block", "context_to_output", "moe_block"})
-
-
 def one_change_inside(
     pair: Pair,
     run: Run,
@@ -604,12 +605,11 @@ def one_change_inside(
     named = hint.evidence.get("block") if hint is not None else None
     if hint is not None and hint.kind == "context_to_output":  # between the attention's context and o_proj
         named = bad.name.rsplit(".", 1)[0]
+    layer = f"{pair.facts.layer_prefix}.{bad.layer}" if bad.layer is not None else None
     if named is None and spec is not None:  # no hint: the module holding the node (a norm inside its mixer)
         path = spec.reference_path.partition("#")[0]
         parent = path.rpartition(".")[0]
-        named = (
-            parent if bad.layer is not None and parent.startswith(f"{pair.facts.layer_prefix}.{bad.layer}") else path
-        )
+        named = parent if layer is not None and parent.startswith(layer) else path
     block = str(named or "")
     if spec is None or not block:
         return None
@@ -625,12 +625,9 @@ def one_change_inside(
 
         def close(value: torch.Tensor) -> bool:
             a, b = value.detach().cpu().double(), b_all
-            if a.shape != b.shape:
-                return False
-            if judged is not None and a.dim() >= 2 and a.shape[:2] == judged.shape:
+            if judged is not None and a.shape == b.shape and a.dim() >= 2 and a.shape[:2] == judged.shape:
                 a, b = a[judged], b[judged]
-            atol = max(result.atol, 1e-6 * float(b.abs().max()) if b.numel() else 0.0)
-            return bool(torch.allclose(a, b, atol=atol, rtol=result.rtol))
+            return within_tolerance(a, b, result)
 
         return close
 
@@ -659,7 +656,6 @@ def one_change_inside(
             use_cache=False,
         )
 
-    layer = f"{pair.facts.layer_prefix}.{bad.layer}" if bad.layer is not None else None
     found = one_change.search(pair.reference, block, targets, forward, scope=layer)
     return one_change.named(found, block.partition("#")[0]) if found else None
 
@@ -1016,7 +1012,10 @@ def reads_another_value(pair: Pair, ref: Trace, node: str, after: str, mine: tor
     its weight applied to ``mine`` (ours' recorded ``node``, which failed) gives another result: ours recorded
     ``node`` at another step than what its next projection reads (Kimi Linear's and Qwen3-Next's ports hold their
     gated norm's product before its gate). A node held per head is read flat."""
-    module = dict(pair.reference.named_modules()).get(after) if pair.reference is not None else None
+    try:
+        module = pair.reference.get_submodule(after) if pair.reference is not None else None
+    except AttributeError:  # a node that is no module's output (an attention's scores)
+        module = None
     weight = getattr(module, "weight", None)
     theirs, read = ref.tensors.get(node), ref.tensors.get(after)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or theirs is None or read is None:

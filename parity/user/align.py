@@ -55,7 +55,7 @@ from parity.build.coverage import (
 from parity.model.facts import ArchFacts
 from parity.model.facts_rules import MLA_INTERLEAVED_ROPE, Q_PRESCALED
 from parity.model.pair import NodeSpec
-from parity.record.functional import Block, FeaturesMismatch, StorageKey, first_reads, storage_keys
+from parity.record.functional import Block, FeaturesMismatch, probe_reads
 from parity.record.hf_capture import FUSED_QKV, POSITION_TABLES, SUFFIXES
 from parity.record.hooks import FUNCTIONS, LAYOUTS
 from parity.record.ops import LOOKUP, PRODUCT
@@ -542,12 +542,7 @@ class _Aligner:
         """How ours' forward first reads each of its parameters (:func:`~parity.record.functional.first_reads`),
         from one short probe forward, run once."""
         if self._first_reads is None:
-            params = dict(self.ours.named_parameters())
-            key_of = storage_keys(params.values())
-            names: dict[StorageKey, str] = {key_of[id(p)]: n for n, p in params.items() if id(p) in key_of}
-            device = next((p.device for p in params.values()), torch.device("cpu"))
-            ids = (torch.arange(4, device=device) % max(1, self.facts.vocab_size))[None]
-            self._first_reads = first_reads(self.ours, names, ids, self._read_within)
+            self._first_reads = probe_reads(self.ours, self.facts.vocab_size, self._read_within)
         return self._first_reads
 
     def _holders(self, ref_path: str) -> list[str]:

@@ -32,7 +32,7 @@ from parity.build.coverage import PLAIN, loader_coverage
 from parity.build.reference import resolve_reference, unread_rows
 from parity.model.facts_rules import GATE_UP_INTERLEAVED
 from parity.model.pair import Loading, Pair, PairSource, fingerprints
-from parity.record.functional import first_reads, storage_keys
+from parity.record.functional import probe_reads
 from parity.report.result import CheckResult
 from parity.run.check import check
 from parity.run.float64 import Float64Mode, float64_state_dict
@@ -229,21 +229,17 @@ def _unread_copies(coverage, model: nn.Module, tied_keys: dict[str, str] | None,
     forward never reads (a plain copy of the embedding kept beside the scaled copies forward uses): those are
     no consumers. The gap becomes a note when the parameters read are no more than the tie's members; a probe
     forward on four tokens says which parameters are read (:func:`parity.record.functional.first_reads`)."""
-    gaps = [g for g in coverage.gaps if " consumed " in g and " times: " in g]
+    gaps = {key: g for key in coverage.consumed for g in coverage.gaps if g.startswith(f"{key} consumed ")}
     if not gaps:
         return
     params = dict(model.named_parameters())
-    key_of = storage_keys(params.values())
-    names = {key_of[id(p)]: n for n, p in params.items() if id(p) in key_of}
-    device = next((p.device for p in params.values()), torch.device("cpu"))
     read: dict[str, tuple[str, ...]] = {}
-    first_reads(model, names, (torch.arange(4, device=device) % max(1, vocab_size))[None], read)
+    probe_reads(model, vocab_size, read)
     if not read:  # the probe could not run: the gaps stand
         return
     tied = set(tied_keys or {}) | set((tied_keys or {}).values())
-    for gap in gaps:
-        key, _, rest = gap.partition(" consumed ")
-        holders = rest.partition(" times: ")[2].split(", ")
+    for key, gap in gaps.items():
+        holders = coverage.consumed[key]
         unread = [h for h in holders if h in params and h not in read]
         if unread and len(holders) - len(unread) <= (2 if key in tied else 1):
             coverage.gaps.remove(gap)
