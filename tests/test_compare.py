@@ -84,3 +84,17 @@ def test_compare_traces_follows_reference_order_and_flags_missing_and_shape():
     assert [(r.name, r.status) for r in results] == [("a", "ok"), ("b", "shape"), ("c", "missing"), ("d", "missing")]
     assert first_mismatch(results).name == "b"
     assert first_mismatch(results[:1]) is None
+
+
+def test_a_node_the_reference_never_produced_is_placed_inside_its_own_block():
+    """A Mamba's conv1d whose weight the reference reads in a function (the module never runs) is listed with
+    its mixer, before the mixer's first node, not after the MLP the layer's module list declares before it."""
+    names = ["l0.mlp.up", "l0.mlp.down", "l0.mamba.conv1d", "l0.mamba.in_proj", "l0.mamba.out_proj", "l1.norm"]
+    ref, ours = Trace(), Trace()
+    for name in ["l0.mamba.in_proj", "l0.mamba.out_proj", "l0.mlp.up", "l0.mlp.down", "l1.norm"]:
+        ref.add(name, torch.ones(2))  # execution order: the mixer, then the MLP
+        ours.add(name, torch.ones(2))
+    results = compare_traces(ours, ref, [NodeSpec(n, n) for n in names], Tolerances(torch.float32))
+    assert [r.name for r in results] == [
+        "l0.mamba.conv1d", "l0.mamba.in_proj", "l0.mamba.out_proj", "l0.mlp.up", "l0.mlp.down", "l1.norm"
+    ]  # fmt: skip

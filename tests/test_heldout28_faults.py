@@ -10,7 +10,9 @@ another value than ours' recorded one taken back in a chained run (recorded at a
 exp(A_log) beside a copy of A_log) probed like an unused one; the one-change search reading the next failing node
 of the layer where its output is untapped, its block the node's parent where no hint named one, a MoE block's
 component hint searched too, a divisor of fewer elements (a normalisation) left out and a softmax in place of a
-sigmoid among its changes. After: 36 of 36 correct runs pass; 27 of 39 bugs name the cause.
+sigmoid among its changes. After: 36 of 36 correct runs pass; 27 of 39 bugs name the cause. The seventeenth
+session's structural changes of the search (a factor applied twice, parts of a split swapped, a grouped mean, a gated
+norm's gate moved) name 5 more: 32 of 39.
 """
 
 from __future__ import annotations
@@ -95,6 +97,16 @@ NAMED = [
      "repeat_interleave by 4 replaced by whole-block repeats"),
     ("falcon_h1", "fh_pad_no_post_conv_mask", True, "model.layers.0.mamba.norm", "one_change",
      "the broadcast factor of shape (2, 24, 1) left out (a mask or a scale)"),
+    ("falcon_h1", "fh_key_mult_twice", False, "model.layers.0.self_attn.o_proj", "one_change",
+     "likely the factor 0.8 applied twice at modeling_falcon_h1.py:209"),
+    ("falcon_h1", "fh_norm_before_gate", False, "model.layers.0.mamba.norm", "one_change",
+     "likely model.layers.0.mamba.norm's gate applied after its normalisation (norm(x) * silu(gate))"),
+    ("falcon_h1", "fh_norm_one_group", False, "model.layers.0.mamba.norm", "one_change",
+     "likely the mean over the last two axes together in place of the last (a grouped statistic over every group)"),
+    ("kimi_linear", "kimi_kv_b_swapped", False, "model.layers.1.self_attn.k_rot", "one_change",
+     "likely parts 0 and 1 of this split (of 2) swapped at modeling_kimi_linear.py:259"),
+    ("hy_v3", "hy_gate_up_swapped", False, "model.layers.2.input_layernorm", "one_change",
+     "likely parts 0 and 1 of this chunk (of 2) swapped at modeling_hy_v3.py:331"),
     ("kimi_linear", "kimi_mla_rope", False, "model.layers.1.self_attn.q_rot", "rope_unexpected",
      "RoPE where the reference applies no rotation"),
     ("kimi_linear", "kimi_scale_nope_only", False, "model.layers.1.self_attn.scores", "attention_scale",

@@ -91,6 +91,79 @@ def test_a_projection_reading_another_variable_is_named_with_the_line_it_read():
                      "self.up) + self.bias`) in place of its own input"], words  # fmt: skip
 
 
+class Gated(torch.nn.Module):
+    """A fused gate/up projection, a sign, a scale and a causal running sum: the sites of the search's
+    structural changes (parts of a split swapped, a factor applied twice, a minus sign, a mask's diagonal)."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(2)
+        self.gate_up = torch.nn.Parameter(torch.randn(32, 8, generator=g))
+        self.down = torch.nn.Parameter(torch.randn(8, 16, generator=g))
+
+    def forward(self, x):
+        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+        h = -F.silu(gate) * up * 1.5
+        causal = torch.tril(torch.ones(x.shape[0], x.shape[0]), diagonal=0)
+        return F.linear(causal @ h, self.down)
+
+
+def _gated(x: torch.Tensor, swap=False, twice=False, sign=-1.0, diagonal=0) -> torch.Tensor:
+    """:class:`Gated`'s output with one thing written otherwise (the user's side of a fault)."""
+    b = Gated()
+    gate, up = F.linear(x, b.gate_up).chunk(2, dim=-1)
+    if swap:
+        gate, up = up, gate
+    h = sign * F.silu(gate) * up * (1.5 * 1.5 if twice else 1.5)
+    return F.linear(torch.tril(torch.ones(x.shape[0], x.shape[0]), diagonal=diagonal) @ h, b.down)
+
+
+def _changes_named(model: torch.nn.Module, x: torch.Tensor):
+    """``words(target)``: the words of each change to ``model``'s block ``"0"`` after which its output on ``x`` is
+    ``target`` (ours' output), none when nothing explains it."""
+    with torch.no_grad():
+        recorded = model(x)
+
+    def words(target: torch.Tensor) -> list[str]:
+        close = lambda value: value.shape == target.shape and bool(torch.allclose(value, target, atol=1e-5))
+        same = lambda value: bool(torch.allclose(value, recorded, atol=1e-5))
+        found = one_change.search(model, "0", [one_change.Target("0", "0", close, same)], lambda: model(x))
+        return [c.words for c, _ in found or []]
+
+    return words
+
+
+def test_a_split_swapped_a_factor_twice_a_sign_and_a_mask_s_diagonal_are_each_named():
+    model, x = torch.nn.Sequential(Gated()).eval(), torch.randn(6, 8, generator=torch.Generator().manual_seed(3))
+    words = _changes_named(model, x)
+
+    with torch.no_grad():
+        assert words(_gated(x, swap=True)) == ["parts 0 and 1 of this chunk (of 2) swapped"]
+        assert words(_gated(x, twice=True))[0] == "the factor 1.5 applied twice"
+        assert words(_gated(x, sign=1.0)) == ["the minus sign left out"]
+        assert words(_gated(x, diagonal=-1)) == ["tril with diagonal=-1 in place of 0"]
+        assert words(_gated(x)) == []  # the same code: nothing to name (the search returns None)
+
+
+class SwappedGated(Gated):
+    """:class:`Gated` with its fused projection read as [up | gate]: the fault on the reference's side."""
+
+    def forward(self, x):
+        up, gate = F.linear(x, self.gate_up).chunk(2, dim=-1)
+        h = -F.silu(gate) * up * 1.5
+        return F.linear(torch.tril(torch.ones(x.shape[0], x.shape[0])) @ h, self.down)
+
+
+def test_a_split_swapped_in_the_reference_is_named_the_same_way():
+    model, x = torch.nn.Sequential(SwappedGated()).eval(), torch.randn(6, 8, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        recorded, target = model(x), _gated(x)
+    close = lambda value: value.shape == target.shape and bool(torch.allclose(value, target, atol=1e-5))
+    same = lambda value: bool(torch.allclose(value, recorded, atol=1e-5))
+    found = one_change.search(model, "0", [one_change.Target("0", "0", close, same)], lambda: model(x))
+    assert [c.words for c, _ in found or []] == ["parts 0 and 1 of this chunk (of 2) swapped"]
+
+
 def test_a_config_float_tagged_by_transformers_is_read_back():
     from parity.build.reference import config_from_raw, decoded_floats
 
@@ -117,3 +190,84 @@ def test_per_layer_query_heads_are_read_from_the_reference_s_attention_modules()
     facts = derive_facts(config, AutoModelForCausalLM.from_config(config))
     assert [facts.heads_at(i) for i in range(2)] == [4, 8]
     assert facts.heads_at(None) == facts.num_heads == 4
+
+
+class GatedNorm(torch.nn.Module):
+    """An RMSNorm gated by silu(gate) before it normalises (Mamba2's ``norm_before_gate=False``)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(1.0 + 0.3 * torch.randn(width, generator=torch.Generator().manual_seed(4)))
+
+    def forward(self, x, gate=None):
+        if gate is not None:
+            x = x * F.silu(gate)
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+class Mixer(torch.nn.Module):
+    """Two projections of one input (a and b), a causal depthwise conv, and a gated norm."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(5)
+        self.a = torch.nn.Linear(8, 8, bias=False)
+        self.b = torch.nn.Linear(8, 8, bias=False)
+        self.conv = torch.nn.Conv1d(8, 8, 3, groups=8, padding=2, bias=False)
+        for p in self.parameters():
+            p.data = torch.randn(p.shape, generator=g)
+        self.norm = GatedNorm(8)
+
+    def forward(self, x):  # (seq, 8)
+        h = self.conv(self.a(x).T[None])[0, :, : x.shape[0]].T
+        return self.norm(h, gate=self.b(x))
+
+
+def _mixer(x: torch.Tensor, m: Mixer, swap=False, flip=False, after=False, offset=False) -> torch.Tensor:
+    """:class:`Mixer`'s output with one thing written otherwise (the user's side of a fault)."""
+    a, b = (m.b, m.a) if swap else (m.a, m.b)
+    kernel = m.conv.weight.flip(-1) if flip else m.conv.weight
+    h = F.conv1d(a(x).T[None], kernel, padding=2, groups=8)[0, :, : x.shape[0]].T
+    w = 1 + m.norm.weight if offset else m.norm.weight
+    rms = lambda v: v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6)
+    return w * rms(h) * F.silu(b(x)) if after else w * rms(h * F.silu(b(x)))
+
+
+def test_weights_swapped_a_flipped_kernel_a_gate_moved_and_a_gain_offset_are_each_named():
+    model, x = torch.nn.Sequential(Mixer()).eval(), torch.randn(6, 8, generator=torch.Generator().manual_seed(6))
+    words = _changes_named(model, x)
+
+    m = model[0]
+    with torch.no_grad():
+        assert words(_mixer(x, m)) == []  # the same computation written otherwise: nothing to name
+        assert words(_mixer(x, m, swap=True)) == ["the weights of 0.a.weight and 0.b.weight swapped (two projections "
+                                                  "of one input)"]  # fmt: skip
+        assert words(_mixer(x, m, flip=True)) == ["the conv's kernel read in reverse (its taps flipped)"]
+        assert words(_mixer(x, m, after=True)) == [
+            "0.norm's gate applied after its normalisation (norm(x) * silu(gate))"
+        ]
+        assert words(_mixer(x, m, offset=True))[0] == (
+            "1 + 0.norm.weight in place of 0.norm.weight (a gain read as an offset from one)"
+        )
+
+
+class Scaled(torch.nn.Module):
+    """Scores scaled by 1 / sqrt(16), the width of q k; the config also holds a head_dim of 4 (a rope's)."""
+
+    def forward(self, q, k):
+        return torch.softmax(q @ k.T * 0.25, dim=-1)
+
+
+def test_a_softmax_scale_taken_from_another_config_size_is_named_with_that_field():
+    from types import SimpleNamespace
+
+    model = torch.nn.Sequential(Scaled())
+    model.config = SimpleNamespace(to_dict=lambda: {"head_dim": 4, "qk_dim": 16, "use_cache": True})
+    g = torch.Generator().manual_seed(7)
+    q, k = torch.randn(5, 16, generator=g), torch.randn(5, 16, generator=g)
+    with torch.no_grad():
+        recorded, target = model[0](q, k), torch.softmax(q @ k.T * 0.5, dim=-1)  # ours: 1 / sqrt(head_dim)
+    close = lambda value: bool(torch.allclose(value, target, atol=1e-6))
+    same = lambda value: bool(torch.allclose(value, recorded, atol=1e-6))
+    found = one_change.search(model, "0", [one_change.Target("0", "0", close, same)], lambda: model[0](q, k))
+    assert [c.words for c, _ in found or []] == ["the factor 0.25 taken as 1 / sqrt(head_dim = 4) = 0.5"]

@@ -225,22 +225,43 @@ def node_order(reference, nodes: Sequence[NodeSpec], ours_order: Sequence[str] =
     it ran in ours (``ours_order``: ours' nodes in the order ours produced them), right after the
     nearest earlier node the reference produced, so a module the reference skipped is reported where
     it would have run, not after the logits; one neither produced goes after its nearest predecessor
-    in the node list."""
+    in the node list within its own block where it has one (a Mamba's conv1d, whose weight the reference reads in
+    a function, after its in_proj: not after the MLP the layer's module list declares before the mixer)."""
     names = {n.name for n in nodes}
     order = [name for name in reference.order if name in names]
     unplaced = [n.name for n in nodes if n.name not in reference.tensors]
     ran = [name for name in ours_order if name in names]
-    for sequence in (ran, [n.name for n in nodes]):
+    for sequence, by_block in ((ran, False), ([n.name for n in nodes], True)):
         position = {name: i for i, name in enumerate(sequence)}
         for name in [u for u in unplaced if u in position]:
+            # an attention internal the reference computes unread stays after its predecessor in the list
+            inside = by_block and name.rsplit(".", 1)[-1] not in CAPTURED
             before = [
-                (position[other], k)
+                (_shared_prefix(name, other) if inside else 0, position[other], k)
                 for k, other in enumerate(order)
                 if other in position and position[other] < position[name]
             ]
-            order.insert(max(before)[1] + 1 if before else 0, name)
+            after = [
+                (_shared_prefix(name, other), -position[other], k)
+                for k, other in enumerate(order)
+                if inside and other in position and position[other] > position[name]
+            ]
+            if after and max(after)[0] > (max(before)[0] if before else 0):  # its block's first node follows it
+                order.insert(max(after)[2], name)
+            else:
+                order.insert(max(before)[2] + 1 if before else 0, name)
             unplaced.remove(name)
     return order
+
+
+def _shared_prefix(a: str, b: str) -> int:
+    """How many leading dotted parts two node names share, short of their own last ones."""
+    n = 0
+    for x, y in zip(a.split(".")[:-1], b.split(".")[:-1], strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def by_choice(weights, chosen):
@@ -436,7 +457,12 @@ def moved_constant(r: NodeResult) -> bool:
     what a user's model gives when it takes a constant of the reference's q and k (RoPE's attention factor)
     on the scores instead (judged there: ``stages.read_through_scores``). A tap read in another layout is not
     (its cosine is far lower): it stays a failure that names the layout."""
-    return r.status == MISMATCH and r.kind in ("q_rot", "k_rot") and r.cosine is not None and r.cosine > 0.99
+    return r.status == MISMATCH and r.kind in QK_KINDS and r.cosine is not None and r.cosine > 0.99
+
+
+#: the nodes of q and k before their product: a constant taken on the scores instead moves through all of them
+#: (the softmax scale folded into the q norm's gain)
+QK_KINDS = ("q_norm", "k_norm", "q_rot", "k_rot")
 
 
 #: trace extras key: the ``router.weights`` nodes that differ from the reference's by one constant while their MoE
@@ -634,10 +660,11 @@ class NodeStream:
             and (
                 not any(self.specs[n].kind == "layer" for n in self.layer_keep)
                 if spec.kind == "layer"
-                else not self.layer_keep
+                else all(self.specs[n].kind in (*CAPTURED, "layer") for n in self.layer_keep)
             )
-        ):  # the next failure in the first's layer, and the layer's output: where a search for the first's cause
-            # reads ours (stages.one_change_inside)
+        ):  # the next failure in the first's layer (up to one a module outputs: not a captured attention
+            # internal), and the layer's output: where a search for the first's cause reads ours
+            # (stages.one_change_inside)
             self.layer_keep.add(name)
             self.trace.drop_input(name)
             return bool(layout)

@@ -351,6 +351,16 @@ def future_keys(e: Evidence) -> Hint | None:
                 {"side": side, "entries": int(extra.sum()), "fill_value": fill, "queries": rows[:32]},
             )
         other_side = "the reference" if side == "ours" else "ours"
+        queries = torch.arange(this.shape[-2])[:, None] + (this.shape[-1] - this.shape[-2])  # each query's position
+        if not bool((future & (keys > queries)).any()):  # none after the query itself: a window, not causality
+            return Hint(
+                "sliding_window",
+                f"likely a key mask one side applies and the other does not: {side} gives weight to earlier keys "
+                f"{other_side} masks ({int(extra.sum())} entries, none after the query itself; queries "
+                f"{fmt_list(rows)}): a sliding window, a kept-keys top-k or a dynamic mask missing in {side}, or "
+                f"one {other_side} applies by mistake",
+                {"side": side, "entries": int(extra.sum()), "queries": rows[:32]},
+            )
         return Hint(
             "causal_mask",
             f"likely the causal mask in {side}: {side} gives weight to keys after the last one {other_side} lets a "

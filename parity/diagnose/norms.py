@@ -156,7 +156,10 @@ def norm_weight_source(e: Evidence) -> Hint | None:
     weight in the post-attention norm). The weight each side applies is read back per channel."""
     if not is_norm(e.kind):
         return None
+    # ours' input unread, or read as another operand of a norm computed in functions: the reference's input,
+    # which the fit below checks (ours' output must be that input normalised times another norm's weight)
     x = same_input(e)
+    x = x if x is not None else e.ref_trace.inputs.get(e.name)
     own = e.ref_trace.weights.get(e.name)
     if x is None or x.shape != e.ref.shape or own is None or own.dim() != 1 or own.shape[0] != x.shape[-1]:
         return None  # own: the reference module's weight, for its size (which weights may stand in)

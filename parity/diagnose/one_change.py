@@ -10,8 +10,14 @@ normalisation's reciprocal root left out (an L2 or RMS norm skipped), a scalar f
 out, a parameter added or multiplied left out, a clamp left out, a softmax replaced by a sigmoid or left out, a
 slice taken from the other end of its axis (a causal conv's output kept from the wrong side), heads repeated as
 whole blocks instead of interleaved (``repeat_interleave`` against ``repeat``: which value head reads which key
-head); then, in a second pass, a term of a sum left out (a skip connection) and a broadcast factor that is no
-parameter left out (a padding mask). Every call of one source line is changed together (a loop over chunks), a
+head), a scalar factor applied twice (folded into a weight at load and applied again), a minus sign left out, two
+parts of one shape of a split swapped (gate and up, B and C, a head's k and v), a triangular mask's diagonal moved
+by one, a grouped mean taken over every group together, a gated norm's gate applied on the other side of its
+normalisation, a conv's kernel read in reverse, the weights of two projections of one input swapped, a gain read
+as ``1 + w``, a softmax-style scale ``1 / sqrt(d)`` taken from another of the config's sizes; then, in a second
+pass, a term of a sum left out (a skip connection) and a broadcast factor that is no parameter left out (a padding
+mask); then a projection reading another variable (of its shape, or a ``(batch, heads, seq, dim)`` one with its
+heads merged). Every call of one source line is changed together (a loop over chunks), a
 helper called from several lines also per caller, and the same change on two adjacent lines together (q and k).
 
 The search runs only where no detector named a cause, each pass re-running the failing node's decoder layer
@@ -52,6 +58,8 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": torch.relu,
     "softplus": F.softplus,
 }
+#: operations returning parts of their input, two of which may be swapped
+_SPLITS = ("split", "chunk", "unbind", "tensor_split", "split_with_sizes")
 _SCALAR_OPS = {"__mul__", "__rmul__", "mul", "__truediv__", "div", "__add__", "__radd__", "add", "__sub__", "sub"}
 #: frames of these files are not the reference's own lines: torch's, and parity's (its recording wrappers)
 _SKIP_FILES = (str(Path(torch.__file__).parent), str(Path(__file__).parent.parent))
@@ -67,6 +75,9 @@ class Site:
     file: str
     line: int
     caller: tuple[str, int] | None = None
+    #: "scalar" for a call with a Python number among its operands, "parameter" for one reading a parameter: ``h *
+    #: up * 1.5`` and ``w * (x * r)`` each hold two sites
+    operand: str = ""
 
     @property
     def where(self) -> str:
@@ -89,11 +100,17 @@ class Change:
 
     site: Site
     words: str
-    rewrite: Callable[[tuple, dict, torch.Tensor], torch.Tensor]
+    #: ``(args, kwargs, out)`` -> the call's new output; for a module's change ``(module, args, kwargs, out)``
+    rewrite: Callable[..., object]
     also: Site | None = None
     #: the site whose latest output the call reads in place of its first input (a variable mixed up with
     #: another); :data:`LAYER_INPUT` for the input of the layer the block sits in
     source: Site | None = None
+    #: the source is read as ``(batch, heads, seq, dim)`` with its heads merged: ``(batch, seq, heads * dim)``
+    heads_merged: bool = False
+    #: a module path of the model whose whole call the change rewrites (a gated norm's gate moved to the
+    #: other side of its normalisation), with ``rewrite(module, args, kwargs, out)``; None for one operation
+    module: str | None = None
 
     @property
     def where(self) -> str:
@@ -113,10 +130,17 @@ class _Stop(Exception):
 class _Changing(TorchFunctionMode):
     """Sees every torch call while the block runs: lists its sites (the dry run) or applies one change."""
 
-    def __init__(self, change: Change | None = None, layer_input: torch.Tensor | None = None):
+    def __init__(
+        self,
+        change: Change | None = None,
+        layer_input: torch.Tensor | None = None,
+        params: frozenset[int] = frozenset(),
+    ):
         super().__init__()
         self.inside = 0
         self.change = change
+        #: ids of the model's parameters: a call reading one is a site of its own (``w * (x * r)``: two sites)
+        self.params = params
         #: site -> its callers' sites -> (func, args, kwargs) of the first call from each
         self.sites: dict[Site, dict[Site, tuple]] = {}
         #: each caller's site -> the output of its first call
@@ -129,16 +153,17 @@ class _Changing(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if not self.inside or not isinstance(out, torch.Tensor):
+        if not self.inside or not (isinstance(out, torch.Tensor) or _parts(out)):
             return out
-        found = _sites(func)
+        found = _sites(func, args, self.params)
         if found is None:
             return out
         site, called = found
         change = self.change
         if change is None:
             self.sites.setdefault(site, {}).setdefault(called, (func, args, kwargs))
-            self.outs.setdefault(called, out)
+            if isinstance(out, torch.Tensor):  # a split's parts are no source of a mix-up
+                self.outs.setdefault(called, out)
             return out
         if change.source is not None and change.source in (site, called):
             self.held = out
@@ -147,6 +172,8 @@ class _Changing(TorchFunctionMode):
                 self.applied += 1
                 return change.rewrite(args, kwargs, out)
             held = self.layer_input if change.source == LAYER_INPUT else self.held
+            if held is not None and change.heads_merged and held.dim() == 4:  # (batch, heads, seq, dim) as ours reads
+                held = held.transpose(1, 2).flatten(2)
             if held is not None and args and isinstance(args[0], torch.Tensor) and held.shape == args[0].shape:
                 self.applied += 1
                 return func(held.to(args[0].dtype), *args[1:], **kwargs)
@@ -167,9 +194,33 @@ class _Changing(TorchFunctionMode):
             for source in reversed(same):
                 words = f"{site.op} reading the output of {_line(source.file, source.line)} in place of its own input"
                 found.append(Change(site, words, _operand(0), source=source))
+            # a (batch, heads, seq, dim) value read with its heads merged, as a projection reads (q, k and v alike)
+            merged = [s for s in before if own.dim() == 3 and _merges_to(self.outs[s], own)][-2:]
+            for source in reversed(merged):
+                words = (
+                    f"{site.op} reading the output of {_line(source.file, source.line)} (its heads merged) in place "
+                    "of its own input"
+                )
+                found.append(Change(site, words, _operand(0), source=source, heads_merged=True))
             if layer_input is not None and layer_input.shape == own.shape and layer_input is not own:
                 words = f"{site.op} reading the layer's input (the residual stream before its norm) in place of its own"
                 found.append(Change(site, words, _operand(0), source=LAYER_INPUT))
+        return found
+
+    def weight_swaps(self, sites: list[tuple[Site, tuple]], params: dict[int, str]) -> list[Change]:
+        """Two projections of one input whose weights have one shape, each given the other's weight (two
+        checkpoint tensors swapped at load: a Gated DeltaNet's in_proj_a and in_proj_b)."""
+        linear = [
+            (site, args)
+            for site, (_func, args, _kwargs) in sites
+            if site.op == "linear" and len(args) > 1 and isinstance(args[1], torch.Tensor) and id(args[1]) in params
+        ]
+        found = []
+        for (a, x), (b, y) in itertools.combinations(linear, 2):
+            if x[0] is not y[0] or x[1].shape != y[1].shape or a == b:
+                continue
+            words = f"the weights of {params[id(x[1])]} and {params[id(y[1])]} swapped (two projections of one input)"
+            found.append(Change(a, words, _weights_swapped(x[1], y[1]), also=b))
         return found
 
     def outputs(self, sites: list[tuple[Site, tuple]]) -> list[tuple[Site, tuple]]:
@@ -198,7 +249,7 @@ class _Changing(TorchFunctionMode):
         return out
 
 
-def _sites(func) -> tuple[Site, Site] | None:
+def _sites(func, args: tuple = (), params: frozenset[int] = frozenset()) -> tuple[Site, Site] | None:
     """The innermost frame outside torch and parity (the reference's line that made this call), and the same
     with the line that called it."""
     frame: FrameType | None = sys._getframe(1)
@@ -206,7 +257,9 @@ def _sites(func) -> tuple[Site, Site] | None:
         frame = frame.f_back
     if frame is None:
         return None
-    site = Site(getattr(func, "__name__", str(func)), frame.f_code.co_filename, frame.f_lineno)
+    scalar = any(isinstance(a, int | float) and not isinstance(a, bool) for a in args[:2])
+    operand = "scalar" if scalar else "parameter" if any(id(a) in params for a in args[:2]) else ""
+    site = Site(getattr(func, "__name__", str(func)), frame.f_code.co_filename, frame.f_lineno, None, operand)
     up = frame.f_back
     while up is not None and up.f_code.co_filename.startswith(_SKIP_FILES):
         up = up.f_back
@@ -251,6 +304,23 @@ def changes(site: Site, func, args: tuple, kwargs: dict, params: dict[int, str])
         found += _other_end(site, x, args[1])
     elif site.op in _SCALAR_OPS and len(args) == 2:
         found += _operand_left_out(site, args, params)
+        found += _applied_twice(site, args)
+    elif op == "neg" and x is not None:
+        found.append(Change(site, "the minus sign left out", _operand(0)))
+    elif op in _SPLITS and x is not None:
+        found += _parts_swapped(site, func, args, kwargs)
+    elif op in ("triu", "tril") and x is not None:
+        found += _diagonal_moved(site, func, args, kwargs)
+    elif op == "conv1d" and x is not None and len(args) > 1 and isinstance(args[1], torch.Tensor):
+        found.append(Change(site, "the conv's kernel read in reverse (its taps flipped)", _flipped_kernel))
+    elif op == "mean" and x is not None and x.dim() >= 3:
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+        keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+        if dim in (-1, x.dim() - 1, [-1], (-1,)) and keepdim is True:
+            words = (
+                "the mean over the last two axes together in place of the last (a grouped statistic over every group)"
+            )
+            found.append(Change(site, words, _mean_last_two))
     elif op in ("clamp", "clamp_min", "clamp_max", "clip") and x is not None:
         found.append(Change(site, f"{op} left out", _operand(0)))
     return found
@@ -285,15 +355,129 @@ def _operand_left_out(site: Site, args: tuple, params: dict[int, str]) -> list[C
     """A scalar, or a parameter, that one side multiplies, divides, adds or subtracts and the other does not."""
     verb = {"mul": "factor", "rmul": "factor", "truediv": "divisor", "div": "divisor"}.get(site.op.strip("_"), "offset")
     found = []
+    identity = (0,) if verb == "offset" else (0, 1)
     for k, d in ((0, 1), (1, 0)):
         keep, drop = args[k], args[d]
         if not isinstance(keep, torch.Tensor):
             continue
-        if isinstance(drop, int | float) and drop not in (0, 1) and not isinstance(drop, bool):
+        if isinstance(drop, int | float) and drop not in identity and not isinstance(drop, bool):
             found.append(Change(site, f"the {verb} {drop:.6g} left out", _operand(k)))
         elif isinstance(drop, torch.Tensor) and id(drop) in params:
             found.append(Change(site, f"{params[id(drop)]} ({verb}) left out", _operand(k)))
+            if verb == "factor":  # a gain stored as an offset from one (Gemma's, Qwen3.5's norms) read as is
+                words = f"1 + {params[id(drop)]} in place of {params[id(drop)]} (a gain read as an offset from one)"
+                found.append(Change(site, words, _plus_operand(k)))
     return found
+
+
+def _plus_operand(k: int) -> Callable[[tuple, dict, torch.Tensor], torch.Tensor]:
+    """A rewrite adding the call's ``k``-th operand to its product (``x * w`` made ``x * (1 + w)``)."""
+
+    def rewrite(args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor:
+        return out + args[k].to(out.dtype)
+
+    return rewrite
+
+
+def _applied_twice(site: Site, args: tuple) -> list[Change]:
+    """A scalar factor or divisor applied twice (a multiplier folded into a weight at load and applied again)."""
+    verb = {"mul": "factor", "rmul": "factor", "truediv": "divisor", "div": "divisor"}.get(site.op.strip("_"))
+    k = 1 if isinstance(args[0], torch.Tensor) else 0
+    scalar = args[k]
+    if verb is None or not isinstance(scalar, int | float) or isinstance(scalar, bool) or scalar in (0, 1, -1):
+        return []
+    again = scalar if verb == "factor" else 1 / scalar
+
+    def rewrite(args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor:
+        return out * again
+
+    return [Change(site, f"the {verb} {scalar:.6g} applied twice", rewrite)]
+
+
+def _config_dims(model: torch.nn.Module) -> dict[str, int]:
+    """The reference's config's head and width sizes by field (``head_dim``, ``qk_rope_head_dim``, ...): the
+    sizes a softmax scale ``1 / sqrt(d)`` may have been taken from."""
+    config = getattr(model, "config", None)
+    fields: dict = getattr(config, "to_dict", dict)() if config is not None else {}
+    return {k: v for k, v in fields.items() if "dim" in k and isinstance(v, int) and not isinstance(v, bool) and v > 1}
+
+
+def _scale_from_a_dim(site: Site, args: tuple, dims: dict[str, int]) -> list[Change]:
+    """A softmax-style scale ``1 / sqrt(d)`` (a factor, or ``sqrt(d)`` as a divisor) taken from another of the
+    config's sizes (``config.head_dim`` where the attention's q k width was meant)."""
+    verb = {"mul": "factor", "rmul": "factor", "truediv": "divisor", "div": "divisor"}.get(site.op.strip("_"))
+    if verb is None or len(args) != 2:
+        return []
+    k = 1 if isinstance(args[0], torch.Tensor) else 0
+    scalar = args[k]
+    if not isinstance(scalar, float) or scalar <= 0:
+        return []
+    own = 1 / scalar**2 if verb == "factor" else scalar**2  # the d this scale is 1 / sqrt(d) of
+    if own < 2 or abs(own - round(own)) > 1e-4 * own:
+        return []  # not 1 / sqrt of a size
+    found: list[Change] = []
+    for name, d in sorted(dims.items(), key=lambda item: item[1]):
+        new = d**-0.5 if verb == "factor" else d**0.5
+        if abs(new / scalar - 1) < 1e-6 or any(c.words.endswith(f"= {new:.6g}") for c in found):
+            continue
+        ratio = new / scalar if verb == "factor" else scalar / new
+
+        def rewrite(args: tuple, kwargs: dict, out: torch.Tensor, ratio: float = ratio) -> torch.Tensor:
+            return out * ratio
+
+        what = f"1 / sqrt({name} = {d})" if verb == "factor" else f"sqrt({name} = {d})"
+        found.append(Change(site, f"the {verb} {scalar:.6g} taken as {what} = {new:.6g}", rewrite))
+    return found
+
+
+def _parts(out) -> bool:
+    """Whether ``out`` is a split's output: a tuple or list of two or more tensors."""
+    return isinstance(out, tuple | list) and len(out) > 1 and all(isinstance(t, torch.Tensor) for t in out)
+
+
+def _parts_swapped(site: Site, func, args: tuple, kwargs: dict) -> list[Change]:
+    """Two parts of one shape of a split or chunk swapped (a fused gate and up read as [up | gate], B and C,
+    a per-head [k | v] read as [v | k])."""
+    with torch.no_grad():
+        parts = func(*args, **kwargs)
+    if not _parts(parts):
+        return []
+    found = []
+    for i, j in itertools.combinations(range(len(parts)), 2):
+        if parts[i].shape != parts[j].shape:
+            continue
+
+        def rewrite(args: tuple, kwargs: dict, out, i: int = i, j: int = j):
+            swapped = list(out)
+            swapped[i], swapped[j] = out[j], out[i]
+            return type(out)(swapped) if isinstance(out, list) else tuple(swapped)
+
+        words = f"parts {i} and {j} of this {site.op.strip('_')} (of {len(parts)}) swapped"
+        found.append(Change(site, words, rewrite))
+    return found
+
+
+def _diagonal_moved(site: Site, func, args: tuple, kwargs: dict) -> list[Change]:
+    """A triangular mask's diagonal moved by one (the diagonal itself kept or masked: an off-by-one mask)."""
+    diagonal = kwargs.get("diagonal", args[1] if len(args) > 1 else 0)
+    if not isinstance(diagonal, int):
+        return []
+    found = []
+    for moved in (diagonal - 1, diagonal + 1):
+
+        def rewrite(args: tuple, kwargs: dict, out: torch.Tensor, moved: int = moved) -> torch.Tensor:
+            return func(args[0], diagonal=moved)
+
+        found.append(Change(site, f"{site.op.strip('_')} with diagonal={moved} in place of {diagonal}", rewrite))
+    return found
+
+
+def _flipped_kernel(args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor:
+    return F.conv1d(args[0], args[1].flip(-1), *args[2:], **kwargs)
+
+
+def _mean_last_two(args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor:
+    return args[0].mean(dim=(-2, -1), keepdim=True).to(out.dtype)
 
 
 def _softmax_last(x: torch.Tensor) -> torch.Tensor:
@@ -461,6 +645,7 @@ def search(
             mode.inside -= 1
 
         handles = [
+            *_module_hooks(mode, modules),
             modules[block].register_forward_pre_hook(enter),
             modules[block].register_forward_hook(leave, always_call=True),
             *(modules[t.module].register_forward_hook(keeper(i, t)) for i, t in enumerate(targets)),
@@ -482,7 +667,7 @@ def search(
         return dict(kept)
 
     started = time.monotonic()
-    dry = _Changing()
+    dry = _Changing(params=frozenset(params))
     original = run(dry)
     read = [i for i, value in original.items() if targets[i].recorded(value) and not targets[i].agrees(value)]
     if not read:
@@ -495,16 +680,19 @@ def search(
     runs = 1
     sites = dry.candidates(home)
     first = [c for site, (func, args, kwargs) in sites for c in changes(site, func, args, kwargs, params)]
+    first += [c for site, (_func, args, _kwargs) in sites for c in _scale_from_a_dim(site, args, _config_dims(model))]
     terms = [c for site, (func, args, kwargs, out) in dry.outputs(sites) for c in term_changes(site, args, out, params)]
     # the layer's input, as its re-runs read it: the source of a mix-up with the residual stream
     args, kwargs = called[0] if called else ((), {})
     first_input = args[0] if args else next(iter(kwargs.values()), None)
     layer_input = first_input if isinstance(first_input, torch.Tensor) else None
-    for change in _with_pairs(first) + terms + dry.mix_ups(sites, layer_input):
+    gated = _gated_norms(modules, block)
+    swaps = dry.weight_swaps(sites, params)
+    for change in _with_pairs(first) + gated + swaps + terms + dry.mix_ups(sites, layer_input):
         if runs >= MAX_RUNS or time.monotonic() - started > MAX_SECONDS:
             break
         runs += 1
-        mode = _Changing(change, layer_input)
+        mode = _Changing(change, layer_input, frozenset(params))
         try:
             values = run(mode)
         except Exception:  # a change the code cannot run with (a shape it rejects): not this one
@@ -516,6 +704,86 @@ def search(
         if mode.applied and matched is not None:
             found.append((change, targets[matched].name))
     return found or None
+
+
+def _module_hooks(mode: _Changing, modules: dict[str, torch.nn.Module]) -> list:
+    """A forward hook on the module a change rewrites whole (none for a change of one operation)."""
+    change = mode.change
+    if change is None or change.module is None or change.module not in modules:
+        return []
+
+    def rewrite(module, args, kwargs, out):
+        new = change.rewrite(module, args, kwargs, out)
+        if new is None:
+            return out
+        mode.applied += 1
+        return new
+
+    return [modules[change.module].register_forward_hook(rewrite, with_kwargs=True)]
+
+
+def _gated_norms(modules: dict[str, torch.nn.Module], block: str) -> list[Change]:
+    """For each gated norm inside ``block`` (a module whose forward takes a ``gate``: Mamba2's and Gated
+    DeltaNet's RMSNormGated), its gate applied on the other side of the normalisation: ``norm(x) * silu(gate)``
+    and ``norm(x * silu(gate))``, one of which is the reference's own order (Transformers' ``norm_before_gate``)."""
+    found = []
+    for path, module in modules.items():
+        if not path.startswith(block + ".") or "gate" not in inspect.signature(module.forward).parameters:
+            continue
+        try:
+            file, line = inspect.getsourcefile(type(module)), inspect.getsourcelines(type(module).forward)[1]
+        except (OSError, TypeError):
+            continue
+        site = Site(f"{type(module).__name__}.forward", file or "?", line)
+        for after in (True, False):
+            words = (
+                f"{path}'s gate applied after its normalisation (norm(x) * silu(gate))"
+                if after
+                else f"{path}'s gate applied before its normalisation (norm(x * silu(gate)))"
+            )
+            found.append(Change(site, words, _gate_moved(after), module=path))
+    return found
+
+
+def _gate_moved(after: bool) -> Callable:
+    """A gated norm's call rewritten with its gate on one side of the normalisation (the module run ungated)."""
+
+    def rewrite(module, args, kwargs, out):
+        x = args[0] if args else kwargs.get("hidden_states")
+        gate = args[1] if len(args) > 1 else kwargs.get("gate")
+        if not isinstance(x, torch.Tensor) or not isinstance(gate, torch.Tensor) or not isinstance(out, torch.Tensor):
+            return None
+        gated = F.silu(gate.float())
+        optional = inspect.signature(module.forward).parameters["gate"].default is None
+        if not optional and not bool((gated != 0).all()):
+            return None
+
+        def norm(y: torch.Tensor) -> torch.Tensor:
+            """The module's normalisation alone: run ungated, or (a gate it always applies after) divided out."""
+            return module.forward(y).float() if optional else module.forward(y, gate).float() / gated
+
+        if after:
+            return (norm(x) * gated).to(out.dtype)
+        return norm((x.float() * gated).to(x.dtype)).to(out.dtype)
+
+    return rewrite
+
+
+def _merges_to(t: torch.Tensor, own: torch.Tensor) -> bool:
+    """Whether ``t`` ``(batch, heads, seq, dim)``, its heads merged, has ``own``'s shape ``(batch, seq, width)``."""
+    return t.dim() == 4 and (t.shape[0], t.shape[2], t.shape[1] * t.shape[3]) == tuple(own.shape)
+
+
+def _weights_swapped(a: torch.Tensor, b: torch.Tensor) -> Callable[[tuple, dict, torch.Tensor], torch.Tensor]:
+    """A rewrite running a projection with weight ``a`` on ``b`` and one with ``b`` on ``a`` (biases kept)."""
+
+    def rewrite(args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor:
+        other = b if args[1] is a else a if args[1] is b else None
+        if other is None:
+            return out
+        return F.linear(args[0], other, *args[2:], **kwargs)
+
+    return rewrite
 
 
 def _with_pairs(found: list[Change]) -> list[Change]:

@@ -692,6 +692,8 @@ def rope_pattern(e: Evidence) -> Hint | None:
     tol = e.noise
     if float(per_pos[0]) > tol or float(per_pos.max()) <= tol:
         return None
+    if float((per_pos[1:] > tol).double().mean()) < 0.5:
+        return None  # a rotation differs at every later position; a few positions apart (padding leaking) are not it
     numbers = (
         f"position 0 agrees (error {float(per_pos[0]):.2g}), later positions differ "
         f"(pos 1: {float(per_pos[1]):.3g}, pos {len(per_pos) - 1}: {float(per_pos[-1]):.3g})"

@@ -600,6 +600,17 @@ def row_scale(e: Evidence) -> Hint | None:
     spans = _qk_norm_span(e)
     if spans is not None:
         return spans
+    if e.kind in ("q_rot", "k_rot") and e.ours.dim() == 4 and bool(rows.all()):
+        per_head = factors.view(e.ours.shape[:3])  # (batch, heads, tokens)
+        if float((per_head.amax(-1) / per_head.amin(-1) - 1).max()) < 1e-3:  # one factor per head, every token
+            heads = per_head[0, :, 0].tolist()
+            return Hint(
+                "scale",
+                f"likely a per-head factor on {e.kind[0]} (a learned per-head temperature or scale one side applies "
+                f"and the other does not): ours / reference is one factor per head, the same at every token "
+                f"({fmt_list(f'{v:.4g}' for v in heads[:4])})",
+                {**evidence, "per_head": heads[:64]},
+            )
     cause = "a per-vector normalisation applied on one side only"
     for label, size in (("unit L2 length", a[rows].norm(dim=-1)), ("unit RMS", a[rows].pow(2).mean(-1).sqrt())):
         ref_size = size / factors

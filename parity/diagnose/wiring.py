@@ -389,6 +389,11 @@ def head_mapping(e: Evidence) -> Hint | None:
         return None  # no head equals another: nothing here says "mapping"
     # K/V heads meet the query heads from the scores on: a head mix-up before that is not GQA's
     gqa = e.facts.num_kv_heads != e.facts.num_heads and e.kind in ("scores", "probs", "context")
+    kv = e.facts.num_kv_heads or n
+    if gqa and not moved and n % kv == 0 and set(same) != {i for i in range(n) if i // (n // kv) == i % kv}:
+        # K/V heads tiled where they were meant interleaved (or the reverse) leave exactly the heads whose two
+        # readings meet agreeing; another set of agreeing heads is a difference of some heads, not the mapping
+        return None
     if gqa:
         cause = "GQA head mapping (K/V heads expanded with repeat instead of repeat_interleave, or grouped wrongly)"
     elif e.kind in ("q_l2norm", "k_l2norm"):

@@ -61,9 +61,16 @@ def is_captured(name: str) -> bool:
 _paths: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
 
 
+#: a modeling module whose ``eager_attention_forward`` parity replaced by its recording one -> the original
+_ORIGINAL_EAGER: dict[str, Any] = {}
+#: modeling code that takes another path under any attention implementation but Transformers' own (a DSA
+#: top-k index mask built only ``if self.config._attn_implementation in ("eager", "sdpa")``)
+_NAMED_BRANCH = re.compile(r"_attn_implementation\s*(?:in\s*\(\s*\"eager\"|==\s*\"eager\")")
+
+
 def _eager_for(module: nn.Module):
     modeling = sys.modules[type(module).__module__]
-    eager = getattr(modeling, "eager_attention_forward", None)
+    eager = _ORIGINAL_EAGER.get(modeling.__name__) or getattr(modeling, "eager_attention_forward", None)
     if eager is None:
         raise ParityError(f"{type(module).__name__} has no eager_attention_forward in {modeling.__name__}")
     return eager
@@ -327,13 +334,34 @@ def dispatches(reference: nn.Module) -> bool:
     return bool(getattr(reference, "_supports_attention_backend", False) or can_set())
 
 
+def _eager_by_name(reference: nn.Module) -> bool:
+    """For modeling code that branches on the implementation's name (:data:`_NAMED_BRANCH`): the reference kept
+    on Transformers' own ``"eager"`` and its module's ``eager_attention_forward`` replaced by the recording one
+    (which calls the original), so that the reference takes the path eager takes; False for any other code."""
+    modeling = sys.modules[type(reference).__module__]
+    try:
+        source = inspect.getsource(modeling)
+    except (OSError, TypeError):
+        return False
+    if not _NAMED_BRANCH.search(source) or not callable(getattr(modeling, "eager_attention_forward", None)):
+        return False
+    if modeling.__name__ not in _ORIGINAL_EAGER:
+        _ORIGINAL_EAGER[modeling.__name__] = getattr(modeling, "eager_attention_forward")  # noqa: B009
+        setattr(modeling, "eager_attention_forward", parity_attention)  # noqa: B010
+    cast("PreTrainedModel", reference).set_attn_implementation("eager")
+    return True
+
+
 def install(reference: nn.Module) -> None:
     """Register ``parity_eager`` (attention + mask) and switch ``reference`` to it (once per model);
     wrap the kernel functions its linear-attention layers call (:mod:`parity.record.hf_kernels`). A
     model that does not dispatch attention through AttentionInterface (:func:`dispatches`) runs as it
     is: nothing inside its attention is captured."""
     hf_kernels.install(reference)
-    if getattr(reference.config, "_attn_implementation", None) == ATTN_IMPLEMENTATION and reference in _paths:
+    if reference in _paths and (
+        getattr(reference.config, "_attn_implementation", None) == ATTN_IMPLEMENTATION
+        or type(reference).__module__ in _ORIGINAL_EAGER
+    ):
         return
     if not dispatches(reference):
         for name, module in reference.named_modules():
@@ -342,10 +370,11 @@ def install(reference: nn.Module) -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
-    AttentionInterface.register(ATTN_IMPLEMENTATION, parity_attention)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, eager_mask)
     model = cast("PreTrainedModel", reference)  # a Transformers model: its own methods below
-    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    if not _eager_by_name(reference):
+        AttentionInterface.register(ATTN_IMPLEMENTATION, parity_attention)
+        AttentionMaskInterface.register(ATTN_IMPLEMENTATION, eager_mask)
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
     if model._can_set_experts_implementation() and getattr(reference.config, "_experts_implementation", None):
         from transformers.integrations.moe import ExpertsInterface
 

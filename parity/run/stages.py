@@ -18,9 +18,11 @@ from typing import cast
 import torch
 
 from parity.build.coverage import SCALED
-from parity.compare.metrics import CHUNK, MISMATCH, MISSING, UNTAPPED, chunks
+from parity.compare.metrics import CHUNK, MISMATCH, MISSING, SHAPE, UNTAPPED, chunks
 from parity.compare.padding import unpadded_rows
 from parity.compare.results import (
+    CAPTURED,
+    QK_KINDS,
     QK_MOVED,
     RECORDED_ELSEWHERE,
     WEIGHTS_MOVED,
@@ -38,7 +40,7 @@ from parity.diagnose.hints import Hint
 from parity.diagnose.profile import error_profile, logits_effect
 from parity.model.pair import Pair
 from parity.record import hf_capture, hf_kernels
-from parity.record.functional import Block, StorageKey, storage_keys
+from parity.record.functional import Block, StorageKey, probe_reads, storage_keys
 from parity.record.hf_capture import FUSED_QKV, OUTPUT_PROJECTIONS
 from parity.record.hooks import FUNCTIONS, recording
 from parity.record.trace import SCALARS, Trace
@@ -540,7 +542,7 @@ def max_error(tensor, exact: torch.Tensor) -> float:
 
 
 #: hint kinds that name a component only: a search for one change to the reference's code may name the cause
-SEARCHED = frozenset({"untapped_block", "context_to_output", "moe_block"})
+SEARCHED = frozenset({"untapped_block", "context_to_output", "moe_block", "attention_internals", "row_scale"})
 
 
 def compare_run(
@@ -561,6 +563,11 @@ def compare_run(
     if pair.alignment and not ours.extras.get(ISOLATED):  # isolated scores come from the reference's q and k
         results = read_through_scores(results, frozenset(cast(set, ours.extras.get(QK_MOVED, set()))))
         results = weights_read_through_block(results, frozenset(cast(set, ours.extras.get(WEIGHTS_MOVED, set()))))
+    if pair.alignment:
+        captured = {
+            n.name for n in pair.nodes if n.ours.removeprefix("tap:").startswith(FUNCTIONS) and n.kind in CAPTURED
+        }
+        results = misread_internals(results, frozenset(captured))
     bad = first_mismatch(results)
     if bad is not None and undiagnosed(bad) is None:
         spec = next((n for n in pair.nodes if n.name == bad.name), None)
@@ -573,7 +580,7 @@ def compare_run(
         hint = diagnose(bad, seen_ours, seen_ref, pair.facts, positions, mask, spec)
         hint = (
             hint
-            or never_read_before(results, bad)
+            or never_read_before(results, bad, pair)
             or loader_gap_before(results, bad, pair)
             or derived_before(results, bad, pair)
             or untapped_before(results, bad, pair.facts)
@@ -615,8 +622,9 @@ def one_change_inside(
         return None
     later = [r for r in results[bad.index + 1 :] if r.layer == bad.layer and r.layer is not None]
     ends = [r for r in later if r.failed and (r.name == block or pair.facts.locate(r.name)[1] == "layer")]
-    if not ends:  # the layer's output untapped in ours: the next node of the layer that fails (its o_proj)
-        ends = [r for r in later if r.failed][:1]
+    if not ends:  # the layer's output untapped in ours: the next node of the layer that fails (its o_proj), one
+        # a module outputs (a captured attention internal is none: the search cannot read it)
+        ends = [r for r in later if r.failed and r.name in specs and specs[r.name].kind not in CAPTURED][:1]
     judged = mask.detach().cpu().bool() if mask is not None else None
 
     def close_to(target: torch.Tensor, result: NodeResult) -> Callable[[torch.Tensor], bool]:
@@ -667,22 +675,28 @@ def _since_agreement(results: list[NodeResult], bad: NodeResult) -> list[NodeRes
     return before[last_ok + 1 :]
 
 
-def never_read_before(results: list[NodeResult], bad: NodeResult) -> Hint | None:
+def never_read_before(results: list[NodeResult], bad: NodeResult, pair: Pair | None = None) -> Hint | None:
     """A node between the last one that agreed and the first failure whose weight ours never read in the
     forward (a norm or projection computed in functions, skipped): the likeliest cause, named when no
-    detector read one at the failing node."""
+    detector read one at the failing node. A weight ours' forward does read by some operation (``repeat``ed
+    across heads, a norm's gain tiled) is no skipped one: nothing is said then."""
     skipped = [
         r
         for r in _since_agreement(results, bad)
         if r.status == UNTAPPED and r.detail.startswith("no product in ours read")
     ]
+    if skipped and pair is not None and pair.ours is not None:
+        specs = {n.name: n.ours for n in pair.nodes}
+        read: dict[str, tuple[str, ...]] = {}
+        probe_reads(pair.ours, pair.facts.vocab_size, within=read)
+        skipped = [r for r in skipped if specs.get(r.name, "").removeprefix("param:") not in read]
     if not skipped:
         return None
     names = ", ".join(r.name for r in skipped[:3])
     return Hint(
         "missing",
-        f"likely {names} skipped in ours: the reference runs it, ours never read its weight in this forward, and "
-        f"{bad.name} is the first node after it to differ",
+        f"likely {names} skipped in ours, or computed from another tensor than its weight: the reference runs it, "
+        f"ours never read its weight in this forward, and {bad.name} is the first node after it to differ",
         {"side": "ours", "never_read": [r.name for r in skipped]},
     )
 
@@ -719,8 +733,14 @@ def derived_before(results: list[NodeResult], bad: NodeResult, pair: Pair) -> Hi
     if not derived:
         return None
     scope = [bad.name] + [r.name for r in _since_agreement(results, bad) if r.status == UNTAPPED]
+    # a tensor of the model's root (Zaya's embedding affine, folded into the table) holds no block of its own:
+    # the nodes after it are all "inside" it, so it is no suspect of one of them
+    stack = pair.facts.layer_prefix + "."
     keys = [
-        k for k in derived if any(n == k.rsplit(".", 1)[0] or n.startswith(k.rsplit(".", 1)[0] + ".") for n in scope)
+        k
+        for k in derived
+        if not stack.startswith(k.rsplit(".", 1)[0] + ".")
+        and any(n == k.rsplit(".", 1)[0] or n.startswith(k.rsplit(".", 1)[0] + ".") for n in scope)
     ]
     if not keys:
         return None
@@ -843,20 +863,44 @@ def untapped_before(results: list[NodeResult], bad: NodeResult, facts) -> Hint |
     stretch = [r.name for r in between if r.status == UNTAPPED]
     if not stretch or len(stretch) != len(between):
         return None
-    inner = [n for n in stretch if facts.locate(n)[1] != "layer"] or stretch  # a layer's own output: its end
-    common: list[str] = []
-    for pieces in zip(*(n.rsplit(".", 1)[0].split(".") for n in inner), strict=False):
-        if len(set(pieces)) != 1:
-            break
-        common.append(pieces[0])
-    block = ".".join(common) if common else inner[-1].rsplit(".", 1)[0]
+    inner = [n for n in stretch if facts.locate(n)[1] != "layer"]
+    if not inner:  # only a layer's output (its sum) untapped: the block of that layer no agreeing node checked
+        block = _unchecked_block(results, bad, stretch[-1])
+    else:
+        common: list[str] = []
+        for pieces in zip(*(n.rsplit(".", 1)[0].split(".") for n in inner), strict=False):
+            if len(set(pieces)) != 1:
+                break
+            common.append(pieces[0])
+        block = ".".join(common) if common else inner[-1].rsplit(".", 1)[0]
     return Hint(
         "untapped_block",
-        f"likely inside {block}: the nodes before it agree, every node of it is untapped in ours ({len(stretch)}: "
-        f"computed in functions nothing taps or aligns, e.g. {stretch[0]}), and {bad.name} is the first node after "
-        "it to differ; tap its internals (parity.tap) to be told where",
+        (
+            f"likely inside {block}: the nodes before it agree, every node of it is untapped in ours ({len(stretch)}: "
+            f"computed in functions nothing taps or aligns, e.g. {stretch[0]}), and {bad.name} is the first node "
+            "after it to differ; tap its internals (parity.tap) to be told where"
+            if inner
+            else f"likely inside {block}: the nodes before agree, but ours leaves {stretch[-1]}'s output untapped "
+            f"and no node of {block} after its untapped ones agrees to check it; {bad.name} is the first node after "
+            "it to differ; tap its internals (parity.tap) to be told where"
+        ),
         {"block": block, "untapped": stretch[:8]},
     )
+
+
+def _unchecked_block(results: list[NodeResult], bad: NodeResult, layer: str) -> str:
+    """The block of ``layer`` (its child: a mixer, a MoE) holding untapped nodes that no later node of the same
+    block checked by agreeing (a MoE's experts, while its shared MLP beside them agrees and a Mamba's conv is
+    checked by its norm after it); the layer itself when none or several are."""
+    within = [r for r in results[: bad.index] if r.name.startswith(layer + ".")]
+    child = lambda name: ".".join(name.split(".")[: layer.count(".") + 2])
+    unchecked = []
+    for k, r in enumerate(within):
+        if r.status != UNTAPPED or child(r.name) in unchecked:
+            continue
+        if not any(later.passed and child(later.name) == child(r.name) for later in within[k + 1 :]):
+            unchecked.append(child(r.name))
+    return unchecked[0] if len(unchecked) == 1 else layer
 
 
 def _other_suspects(results: list[NodeResult], pair: Pair, keys: list[str], bad: NodeResult) -> list[str]:
@@ -938,6 +982,56 @@ def folded_differences(results: list[NodeResult], pair: Pair) -> list[NodeResult
     return out
 
 
+def misread_internals(results: list[NodeResult], captured: frozenset[str]) -> list[NodeResult]:
+    """Attention internals parity read from ours' functions (``captured``: no tap of the user's) that differ
+    while their block's ``o_proj`` after them agrees, with nothing but such internals failing between, or in a block
+    where another internal read so does not even fit the reference's shape: what parity read in ours is another
+    product of the block (a DSA indexer's q k^T taken for the attention's), not ours' attention. Untapped with the
+    reason, not failed; a fault inside that attention is then judged at its o_proj."""
+    out = list(results)
+    index = {r.name: i for i, r in enumerate(out)}
+    # blocks where what parity read does not even run along the reference's tokens (a (batch, heads, tokens, dim)
+    # read whose token axis is another length) and no internal read there agrees: every internal read there is
+    # suspect; a fault's shape keeps the tokens (a head_dim taken from the hidden size, values zero-padded) and is
+    # judged where it shows
+    agreed = {r.name.rsplit(".", 1)[0] for r in results if r.passed and r.name in captured}
+    misfit = {r.name.rsplit(".", 1)[0] for r in results if r.name in captured and _off_tokens(r)} - agreed
+    for i, r in enumerate(results):
+        if not r.failed or r.name not in captured:
+            continue
+        stem = r.name.rsplit(".", 1)[0]
+        at = index.get(f"{stem}.o_proj")
+        if stem in misfit:
+            reason = "another internal of this block read in ours does not fit the reference's shape"
+        elif (
+            at is None
+            or at < i
+            or not out[at].passed
+            or any(b.failed and b.name not in captured for b in out[i + 1 : at])
+        ):
+            continue
+        else:
+            reason = f"{out[at].name} agrees"
+        out[i] = replace(
+            r,
+            status=UNTAPPED,
+            detail=f"{r.detail + '; ' if r.detail else ''}differs while {reason}: what parity read in ours' "
+            "functions here is another product of the block than its attention (not judged; tap it with parity.tap "
+            "to judge it)",
+        )
+    return out
+
+
+def _off_tokens(r: NodeResult) -> bool:
+    """A shape mismatch of a captured attention internal whose token axis (axis 2 of ``(batch, heads, tokens,
+    ...)``, axis 1 of the context's ``(batch, tokens, width)``) has another length than the reference's."""
+    ours, ref = r.shape_ours, r.shape_ref
+    if r.status != SHAPE or ours is None or ref is None or len(ours) != len(ref):
+        return False
+    axis = 1 if r.kind == "context" else 2
+    return len(ours) > axis and ours[axis] != ref[axis]
+
+
 def read_through_scores(results: list[NodeResult], moved: frozenset[str] = frozenset()) -> list[NodeResult]:
     """q and k after RoPE are read only through their product: a user's model that applies a constant to the
     scores where the reference applies it to q and k (YaRN's attention factor on cos and sin, taken as its
@@ -956,7 +1050,7 @@ def read_through_scores(results: list[NodeResult], moved: frozenset[str] = froze
         if at is None or at < i or out[at].status == UNTAPPED or not (out[at].passed or stem in moved):
             continue
         between = out[i + 1 : at]
-        if any(b.failed and b.kind not in ("q_rot", "k_rot") for b in between):
+        if any(b.failed and b.kind not in QK_KINDS for b in between):
             continue
         out[i] = replace(
             r,

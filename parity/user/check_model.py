@@ -105,7 +105,13 @@ def build_ours(ours, ref: Reference) -> nn.Module:
     elif callable(ours):
         name = getattr(ours, "__qualname__", repr(ours))
         try:
-            model = _call_build(ours, name, ref.state_dict, ref.hf_config)
+            try:
+                model = _call_build(ours, name, ref.state_dict, ref.hf_config)
+            except KeyError as e:  # a tied name the files leave out (a tied lm_head.weight): given as its source
+                if e.args[:1] and e.args[0] in (ref.tied_keys or {}):
+                    model = _call_build(ours, name, _with_tied(ref.state_dict, ref.tied_keys), ref.hf_config)
+                else:
+                    raise
         except KeyError as e:
             files = _files_if_asked(e, ref)
             if files is None:
@@ -138,6 +144,13 @@ def build_ours(ours, ref: Reference) -> nn.Module:
         )
     adopt_plain_tensors(model)
     return model.eval()
+
+
+def _with_tied(state_dict: dict, tied_keys: dict[str, str] | None) -> dict:
+    """``state_dict`` with each tied name (a tied ``lm_head.weight``, which the checkpoint's files leave out)
+    holding its source's tensor, as the reference model's own ``state_dict()`` gives it to a loader."""
+    ties = {alias: state_dict[source] for alias, source in (tied_keys or {}).items() if source in state_dict}
+    return {**state_dict, **{k: v for k, v in ties.items() if k not in state_dict}} if ties else state_dict
 
 
 def _call_build(ours, name: str, state_dict: dict, hf_config) -> nn.Module:
