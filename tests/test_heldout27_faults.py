@@ -192,24 +192,18 @@ NAMED = [
 ]  # fmt: skip
 #: located, the hint naming the component only or nothing (true, the cause not named): a key/value up-projection
 #: cut per head in blocks (a shape), the padding mask of an
-#: attention computed untapped, Nemotron-H's gated norm grouped otherwise or gated after it and B/C swapped (no
-#: one change to Transformers' code), Laguna's soft cap after the sigmoid, the routed scale on the shared expert, the
-#: experts' gate/up swapped; and Laguna's single RoPE theta, named as the partial rotary it also changes on the
-#: sliding layers
+#: attention computed untapped, Laguna's soft cap after the sigmoid, the routed scale on the shared expert; and
+#: Laguna's single RoPE theta, named as the partial rotary it also changes on the sliding layers (Nemotron-H's gated
+#: norm grouped otherwise or gated after it, B/C swapped and Laguna's experts' gate/up swapped, component-only here
+#: before, are named since the seventeenth session: NAMED)
 COMPONENT = [
     ("minicpm3", "mc_kvb_blocks", False, "model.layers.0.self_attn.kv_b_proj", "shape", "ours (1, 24, 32)"),
     ("minicpm3", "mc_padding_mask_ignored", True, "model.layers.0.self_attn.o_proj", "untapped_block",
      "likely inside model.layers.0.self_attn"),
-    *(
-        ("nemotron_h", b, False, "model.layers.0.mixer.norm", "untapped_block", "likely inside model.layers.0.mixer")
-        for b in ("nh_norm_ungrouped", "nh_gate_after_norm", "nh_BC_swapped")
-    ),
     ("laguna", "lg_softcap_after_sigmoid", False, "model.layers.1.mlp.router.experts", "routing",
      "a different expert choice"),
     ("laguna", "lg_routed_scale_on_shared", False, "model.layers.1.mlp", "untapped_block",
      "likely inside model.layers.1.mlp"),
-    ("laguna", "lg_experts_gate_up_swapped", False, "model.layers.1.mlp", "untapped_block",
-     "likely inside model.layers.1.mlp.experts"),
     ("laguna", "lg_rope_theta_single", False, "model.layers.1.self_attn.q_rot", "rope_partial",
      "the reference rotates 16 of 16 dims"),
 ]  # fmt: skip
