@@ -13,9 +13,10 @@ constant moved from the q norm to the scores read through (the softmax scale fol
 derived tensor of the model's root no block's suspect; GQA's mapping named only for the heads its pattern leaves
 agreeing; a per-head factor on q or k (a key temperature) named as such, not as a skipped norm; RoPE named only
 where most later positions differ; extra weight on earlier keys a window, not causality; the search's conv kernel
-read in reverse and a projection reading another (batch, heads, seq, dim) value with its heads merged. After: 35 of
-36 correct runs pass (Doge's softmax scale folded into its q norm's gain, padded, stays a known false failure); 21
-of 42 bugs name the cause (50%), no wrong cause seen; the rest name the component (Doge's and ZAYA's MoE and router,
+read in reverse, a projection reading another (batch, heads, seq, dim) value with its heads merged and a softmax
+scale taken from another config size. After: 35 of
+36 correct runs pass (Doge's softmax scale folded into its q norm's gain, padded, stays a known false failure); 22
+of 42 bugs name the cause (52%), no wrong cause seen; the rest name the component (Doge's and ZAYA's MoE and router,
 HunYuan v4's indexer and sinks inside an attention ours computes untapped) or nothing.
 """
 
