@@ -205,14 +205,16 @@ def save_checkpoints(root: Path, specs: dict, randomise, seed: int, weight_seed:
 
 def clean_cases(models: dict, fast: list[tuple], known_false: frozenset = frozenset()) -> list:
     """Every correct variant of a set (the baseline and each module's ``CLEAN``), padded and not, outside
-    ``fast``, as pytest params; a ``(model, variant)`` in ``known_false`` is a strict xfail (a known false
-    failure or refusal)."""
+    ``fast``, as pytest params; a ``(model, variant)`` in ``known_false``, or a case id
+    (``<model>-<variant>-padded``) for one run alone, is a strict xfail (a known false failure or refusal)."""
     return [
         pytest.param(
             m,
             b,
             p,
-            marks=[pytest.mark.xfail(strict=True, reason="a known false failure")] if (m, b) in known_false else [],
+            marks=[pytest.mark.xfail(strict=True, reason="a known false failure")]
+            if (m, b) in known_false or f"{m}-{b or 'baseline'}-{'padded' if p else 'unpadded'}" in known_false
+            else [],
             id=f"{m}-{b or 'baseline'}-{'padded' if p else 'unpadded'}",
         )
         for m in models

@@ -83,12 +83,7 @@ def test_a_correct_model_passes(model, bug, padded, checkpoints):
 #: a known false failure, open: MiMo's rows run apart with their own positions (varlen_unpad), padded, fail at
 #: layer 0's probs, read as "swapped or misassigned weights"
 KNOWN_FALSE = {"mimo_v2_flash-varlen_unpad-padded"}
-CLEAN_SLOW = [
-    pytest.param(*case.values, marks=[pytest.mark.xfail(strict=True, reason="a known false failure")], id=case.id)
-    if case.id in KNOWN_FALSE
-    else case
-    for case in heldout_support.clean_cases(MODELS, CLEAN)
-]
+CLEAN_SLOW = heldout_support.clean_cases(MODELS, CLEAN, frozenset(KNOWN_FALSE))
 
 
 @pytest.mark.slow

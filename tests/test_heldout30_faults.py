@@ -88,14 +88,7 @@ KNOWN_FALSE = {"doge-doge_scale_in_qgain-padded"}
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("model", "bug", "padded"),
-    [
-        pytest.param(*case.values, marks=[pytest.mark.xfail(strict=True, reason="a known false failure")], id=case.id)
-        if case.id in KNOWN_FALSE
-        else case
-        for case in heldout_support.clean_cases(MODELS, CLEAN)
-    ],
-    indirect=["bug"],
+    ("model", "bug", "padded"), heldout_support.clean_cases(MODELS, CLEAN, frozenset(KNOWN_FALSE)), indirect=["bug"]
 )
 def test_every_correct_variant_passes(model, bug, padded, checkpoints):
     heldout_support.assert_passes(MODELS, checkpoints, model, padded)

@@ -60,6 +60,8 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 #: operations returning parts of their input, two of which may be swapped
 _SPLITS = ("split", "chunk", "unbind", "tensor_split", "split_with_sizes")
+#: what a scalar operand of a product or quotient is called (any other is an offset)
+_VERBS = {"mul": "factor", "rmul": "factor", "truediv": "divisor", "div": "divisor"}
 _SCALAR_OPS = {"__mul__", "__rmul__", "mul", "__truediv__", "div", "__add__", "__radd__", "add", "__sub__", "sub"}
 #: frames of these files are not the reference's own lines: torch's, and parity's (its recording wrappers)
 _SKIP_FILES = (str(Path(torch.__file__).parent), str(Path(__file__).parent.parent))
@@ -353,7 +355,7 @@ def term_changes(site: Site, args: tuple, out: torch.Tensor | None, params: dict
 
 def _operand_left_out(site: Site, args: tuple, params: dict[int, str]) -> list[Change]:
     """A scalar, or a parameter, that one side multiplies, divides, adds or subtracts and the other does not."""
-    verb = {"mul": "factor", "rmul": "factor", "truediv": "divisor", "div": "divisor"}.get(site.op.strip("_"), "offset")
+    verb = _VERBS.get(site.op.strip("_"), "offset")
     found = []
     identity = (0,) if verb == "offset" else (0, 1)
     for k, d in ((0, 1), (1, 0)):
@@ -381,7 +383,7 @@ def _plus_operand(k: int) -> Callable[[tuple, dict, torch.Tensor], torch.Tensor]
 
 def _applied_twice(site: Site, args: tuple) -> list[Change]:
     """A scalar factor or divisor applied twice (a multiplier folded into a weight at load and applied again)."""
-    verb = {"mul": "factor", "rmul": "factor", "truediv": "divisor", "div": "divisor"}.get(site.op.strip("_"))
+    verb = _VERBS.get(site.op.strip("_"))
     k = 1 if isinstance(args[0], torch.Tensor) else 0
     scalar = args[k]
     if verb is None or not isinstance(scalar, int | float) or isinstance(scalar, bool) or scalar in (0, 1, -1):
@@ -405,7 +407,7 @@ def _config_dims(model: torch.nn.Module) -> dict[str, int]:
 def _scale_from_a_dim(site: Site, args: tuple, dims: dict[str, int]) -> list[Change]:
     """A softmax-style scale ``1 / sqrt(d)`` (a factor, or ``sqrt(d)`` as a divisor) taken from another of the
     config's sizes (``config.head_dim`` where the attention's q k width was meant)."""
-    verb = {"mul": "factor", "rmul": "factor", "truediv": "divisor", "div": "divisor"}.get(site.op.strip("_"))
+    verb = _VERBS.get(site.op.strip("_"))
     if verb is None or len(args) != 2:
         return []
     k = 1 if isinstance(args[0], torch.Tensor) else 0
