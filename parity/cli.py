@@ -819,7 +819,8 @@ def _print_coverage(coverage, console: Console) -> None:
 
     conversions = grouped(coverage.conversions)  # a cast checkpoint converts every tensor alike: said once
     skipped = [coverage.skipped_note()] if getattr(coverage, "skipped", None) else []
-    derived = [note for note in (coverage.derived_note(), coverage.numbers_note()) if note is not None]
+    notes = (coverage.derived_note(), coverage.numbers_note(), getattr(coverage, "from_config_note", lambda: None)())
+    derived = [note for note in notes if note is not None]
     for label, lines in (
         ("tied", coverage.tied),
         ("conversion", conversions),

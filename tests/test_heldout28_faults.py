@@ -150,6 +150,9 @@ NAMED = [
      "instead of the stream x = model.layers.0.input_layernorm@input"),
     ("hy_v3", "hy_pad_mask_off_by_one", True, "model.layers.0.self_attn.probs", "padding",
      "the key padding mask moved by -1 in ours"),
+    # named in the eighteenth session (a delta-rule scan run in another step order)
+    ("kimi_linear", "kimi_decay_after_update", False, "model.layers.0.self_attn.o_norm", "one_change",
+     "the delta-rule scan with its state read and written before its decay"),
 ]  # fmt: skip
 FAST = {"fh_dt_no_softplus", "hy_bias_in_weights"}
 

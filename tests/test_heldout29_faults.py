@@ -121,6 +121,13 @@ NAMED = [
     ("granitemoehybrid", "gmh_bc_swapped", False, "model.layers.0.mamba.norm", "one_change", "parts 1 and 2 of this split (of 3) swapped"),
     ("granitemoehybrid", "gmh_A_log_as_A", False, "model.layers.0.mamba.norm", "one_change", "exp left out"),
     ("granitemoehybrid", "gmh_pad_no_post_conv_mask", True, "model.layers.0.mamba.norm", "one_change", "the broadcast factor of shape (2, 24, 1) left out (a mask or a scale)"),
+    # named in the eighteenth session (a per-head fused view read as whole blocks; a delta-rule scan's step order)
+    ("qwen3_5_text", "q35_gate_halves", False, "model.layers.1.self_attn.q_norm", "one_change",
+     "this fused output read as 2 whole blocks"),
+    ("qwen3_5_text", "q35_gdn_read_before_decay", False, "model.layers.0.linear_attn.norm", "one_change",
+     "the delta-rule scan with its state read for its prediction S^T k before this step's decay"),
+    ("olmo_hybrid", "oh_gdn_decay_after_update", False, "model.layers.0.linear_attn.o_norm", "one_change",
+     "the delta-rule scan with its state read and written before its decay"),
 ]  # fmt: skip
 FAST = {"q35_gdn_ba_swapped", "gmh_norm_before_gate"}
 

@@ -271,3 +271,141 @@ def test_a_softmax_scale_taken_from_another_config_size_is_named_with_that_field
     same = lambda value: bool(torch.allclose(value, recorded, atol=1e-6))
     found = one_change.search(model, "0", [one_change.Target("0", "0", close, same)], lambda: model[0](q, k))
     assert [c.words for c, _ in found or []] == ["the factor 0.25 taken as 1 / sqrt(head_dim = 4) = 0.5"]
+
+
+def toy_gated_delta_rule(query, key, value, g, beta, initial_state=None, output_final_state=False, order="own"):
+    """A Gated DeltaNet scan written for this test (Yang et al. 2024), ``(batch, seq, heads, dim)`` in and out,
+    with the step order a port may get wrong: "own" (decay, read, write, output), "after" (the decay after the
+    write), "read_first" (the prediction read before the decay)."""
+    q = query.float() / query.shape[-1] ** 0.5
+    state = torch.zeros(key.shape[0], key.shape[2], key.shape[3], value.shape[3])
+    out = []
+    for t in range(key.shape[1]):
+        decay = g[:, t].exp()[:, :, None, None]
+        before = state
+        state = state if order == "after" else state * decay
+        read = before if order == "read_first" else state
+        delta = beta[:, t, :, None] * (value[:, t] - torch.einsum("bhkv,bhk->bhv", read, key[:, t]))
+        state = state + torch.einsum("bhk,bhv->bhkv", key[:, t], delta)
+        state = state * decay if order == "after" else state
+        out.append(torch.einsum("bhkv,bhk->bhv", state, q[:, t]))
+    return torch.stack(out, 1), state if output_final_state else None
+
+
+class DeltaMixer(torch.nn.Module):
+    """A linear-attention block calling its scan by name (as Transformers' Gated DeltaNet calls
+    ``torch_chunk_gated_delta_rule``); ``order``: the scan's step order on this side."""
+
+    def __init__(self, order: str = "own"):
+        super().__init__()
+        g = torch.Generator().manual_seed(4)
+        self.qkv = torch.nn.Parameter(torch.randn(3 * 2 * 4, 8, generator=g) / 3)
+        self.gates = torch.nn.Parameter(torch.randn(2 * 2, 8, generator=g) / 3)
+        self.order = order
+
+    def forward(self, x):
+        q, k, v = F.linear(x, self.qkv).unflatten(-1, (3, 2, 4)).unbind(2)
+        k = F.normalize(k, dim=-1)
+        a, b = F.linear(x, self.gates).unflatten(-1, (2, 2)).unbind(2)
+        out, _ = toy_gated_delta_rule(q, k, v, g=-F.softplus(a), beta=torch.sigmoid(b), order=self.order)
+        return out.flatten(2)
+
+
+def test_a_delta_rule_s_step_order_is_named_on_either_side():
+    x = torch.randn(1, 7, 8, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        after, read_first, own = (DeltaMixer(o)(x) for o in ("after", "read_first", "own"))
+    words = _changes_named(torch.nn.Sequential(DeltaMixer()).eval(), x)
+    assert words(after) == ["the delta-rule scan with its state read and written before its decay (the state "
+                            "decayed after the update)"]  # fmt: skip
+    assert words(read_first) == ["the delta-rule scan with its state read for its prediction S^T k before this step's "
+                                 "decay"]  # fmt: skip
+    assert words(own) == []
+    # the fault in the reference: its own scan run in Transformers' order agrees with ours
+    assert _changes_named(torch.nn.Sequential(DeltaMixer("after")).eval(), x)(own) == [
+        "the delta-rule scan with its state decayed, read, written, then read for the output (Transformers' order)"
+    ]
+
+
+class Router(torch.nn.Module):
+    """A top-k router renormalising its chosen weights in place, a fused per-head [q | gate] projection viewed per
+    head, a square expert weight, a config float (a bound) and a norm gated after it: the sites of the search's
+    layout and routing changes."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(8)
+        self.router = torch.nn.Parameter(torch.randn(4, 8, generator=g))
+        self.qg = torch.nn.Parameter(torch.randn(16, 8, generator=g))
+        self.expert = torch.nn.Parameter(torch.randn(8, 8, generator=g))
+        self.norm = torch.nn.RMSNorm(8, eps=1e-6)
+        self.bound = -3.0
+
+    def forward(self, x):  # (tokens, 8)
+        top = torch.topk(F.linear(x, self.router).softmax(-1), 2, dim=-1).values
+        top /= top.sum(-1, keepdim=True)
+        q, gate = (t.flatten(1) for t in x.matmul(self.qg.T).view(x.shape[0], 2, 8).chunk(2, -1))
+        h = self.norm(q @ self.expert) * torch.sigmoid(gate)
+        return h * top[:, :1] * torch.sigmoid(self.bound * x) + top.sum(-1, keepdim=True)
+
+
+def _router(x: torch.Tensor, m: Router, unnormed=False, blocks=False, every=False, transposed=False,
+            default=False, gate_first=False) -> torch.Tensor:  # fmt: skip
+    """:class:`Router`'s output with one thing written otherwise (the user's side of a fault)."""
+    probs = F.linear(x, m.router).softmax(-1)
+    top = torch.topk(probs, 4 if every else 2, dim=-1).values
+    top = top if unnormed else top / top.sum(-1, keepdim=True)
+    flat = x.matmul(m.qg.T)
+    q, gate = (flat[:, :8], flat[:, 8:]) if blocks else (t.flatten(1) for t in flat.view(-1, 2, 8).chunk(2, -1))
+    y = q @ (m.expert.T if transposed else m.expert)
+    h = m.norm(y * torch.sigmoid(gate)) if gate_first else m.norm(y) * torch.sigmoid(gate)
+    return h * top[:, :1] * torch.sigmoid((-5.0 if default else -3.0) * x) + top.sum(-1, keepdim=True)
+
+
+def test_routing_layout_and_config_changes_are_each_named():
+    from types import SimpleNamespace
+
+    class Config(SimpleNamespace):
+        def __init__(self, bound=-5.0):
+            super().__init__(bound=bound)
+
+        def to_dict(self):
+            return {"bound": self.bound}
+
+    model, x = torch.nn.Sequential(Router()).eval(), torch.randn(5, 8, generator=torch.Generator().manual_seed(9))
+    model.config = Config(-3.0)
+    words = _changes_named(model, x)
+    m = model[0]
+    with torch.no_grad():
+        assert words(_router(x, m)) == []
+        assert words(_router(x, m, unnormed=True))[0].startswith("the broadcast divisor of shape (5, 1) left out")
+        assert words(_router(x, m, blocks=True))[0].startswith("this fused output read as 2 whole blocks")
+        assert words(_router(x, m, every=True))[0] == "topk over every one of the 4 entries (no selection: every "\
+            "expert kept)"  # fmt: skip
+        assert words(_router(x, m, transposed=True))[0] == "0.expert read transposed (a square weight's last two " \
+            "axes swapped at load)"  # fmt: skip
+        assert words(_router(x, m, default=True)) == ["config.bound (-3) read as its default -5"]
+        assert words(_router(x, m, gate_first=True))[0] == (
+            "the gate applied before 0.norm's normalisation (norm(x * g)), not after (norm(x) * g)"
+        )
+
+
+class GateFirst(Router):
+    """:class:`Router` with its gate applied before the norm: the fault on the reference's side."""
+
+    def forward(self, x):
+        top = torch.topk(F.linear(x, self.router).softmax(-1), 2, dim=-1).values
+        top /= top.sum(-1, keepdim=True)
+        q, gate = (t.flatten(1) for t in x.matmul(self.qg.T).view(x.shape[0], 2, 8).chunk(2, -1))
+        h = self.norm((q @ self.expert) * torch.sigmoid(gate))
+        return h * top[:, :1] * torch.sigmoid(self.bound * x) + top.sum(-1, keepdim=True)
+
+
+def test_a_gate_moved_before_a_norm_in_the_reference_is_named_too():
+    model, x = torch.nn.Sequential(GateFirst()).eval(), torch.randn(5, 8, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        target = _router(x, model[0])  # ours: the gate after the norm
+    assert _changes_named(model, x)(target)[0] == (
+        "0.norm's input gate (operand 1 of the product it reads) applied after its normalisation (norm(x) * g), not "
+        "before (norm(x * g))"
+    )

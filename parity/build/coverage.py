@@ -173,6 +173,9 @@ class Coverage:
     #: scalar buffers of the reference (constants of the architecture its module registers, xIELU's eps) that
     #: ours holds as plain numbers: key -> value; the nodes judge the value ours uses
     numbers: dict[str, float] = field(default_factory=dict)
+    #: buffers of the reference that its modules compute from the config when built (MiniMax's lightning decay
+    #: rates), saved with the checkpoint: ours may compute them itself; the nodes judge the values it uses
+    from_config: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -194,6 +197,7 @@ class Coverage:
             "untied": self.untied,
             "derived": self.derived_note(),
             "numbers": self.numbers_note(),
+            "from_config": self.from_config_note(),
             "computed": self.computed,
         }
 
@@ -213,6 +217,22 @@ class Coverage:
         loader mistake (a reason after ``"; "``: halves read as interleaved pairs, a weight transposed before
         fusing)."""
         return [u.split(" (")[0] for u in self.unwritten if not reasoned or "; " in u]
+
+    def from_config_note(self) -> str | None:
+        """One sentence for the reference's buffers computed from its config that ours holds no copy of, or None."""
+        if not self.from_config:
+            return None
+        n = len(self.from_config)
+        return (
+            f"{n} buffer{'s' if n != 1 else ''} of the reference computed from its config when built (a fresh model "
+            f"holds the same values) that ours computes itself: {_summary(self.from_config)}; the nodes judge the "
+            "values it uses"
+        )
+
+    def mark_from_config(self, keys: list[str]) -> None:
+        """Take ``keys`` (the reference's buffers a fresh model computes alike from its config) out of ``unused``."""
+        self.from_config += [k for k in keys if k not in self.from_config]
+        self._taken(set(keys), set())
 
     def mark_numbers(self, numbers: dict[str, float]) -> None:
         """Take ``numbers`` (the reference's scalar buffers ours holds as plain numbers, key -> value) out of

@@ -34,7 +34,7 @@ from parity.compare.padding import unpacked, without_padding
 from parity.compare.tolerances import Tolerances
 from parity.model.pair import NodeSpec
 from parity.record.hf_capture import OUTPUT_PROJECTIONS
-from parity.record.hooks import ABSORBED
+from parity.record.hooks import ABSORBED, FUNCTIONS
 from parity.record.routing import CHOICES, WEIGHTS
 from parity.record.trace import Trace, one_thread
 
@@ -171,6 +171,8 @@ def compare_node(
         metrics = choice_result(our_t, ref_t, scores, ordered)
     else:
         metrics = tensor_metrics(our_t, ref_t, atol, rtol)
+        if metrics.status == MISMATCH and padding is not None and bool(padding.any()):
+            metrics = replace(metrics, cosine=_real_cosine(spec.kind, our_t, ref_t, padding))
     dtype = ref_t.dtype if ref_t is not None else our_t.dtype if our_t is not None else None
     if layout:
         metrics = replace(metrics, detail="; ".join(d for d in (metrics.detail, f"compared as {layout}") if d))
@@ -195,6 +197,19 @@ def compare_node(
         rtol_needed=metrics.rtol_needed,
         tol_source=source,
     )
+
+
+def _real_cosine(kind: str, ours: torch.Tensor, ref, padding: torch.Tensor) -> float | None:
+    """The cosine of ``ours`` and ``ref`` over the real tokens only (padding positions zeroed on both sides): ours
+    holds the reference's values at the padding once compared, which would pull a ratio of one constant (a scale
+    folded into a gain) away from 1."""
+    ref = ref if isinstance(ref, torch.Tensor) else ref.load()
+    a = without_padding(kind, ours.double(), torch.zeros((), dtype=torch.float64).expand(ours.shape), padding)
+    b = without_padding(kind, ref.double(), torch.zeros((), dtype=torch.float64).expand(ref.shape), padding)
+    na, nb = float(a.norm()), float(b.norm())
+    if not (na > 0 and nb > 0):
+        return None if na != nb else 1.0
+    return max(-1.0, min(1.0, float((a * b).sum()) / (na * nb)))
 
 
 def in_reference_layout(
@@ -535,6 +550,8 @@ class NodeStream:
         #: was recorded at another step, the failure is taken back (``stages.reads_another_value``)
         self.reads_another = reads_another
         self._previous: str | None = None
+        #: the latest node judged, when it failed, with ours' value as compared (held until the next node)
+        self._last_failure: tuple[NodeResult, torch.Tensor] | None = None
         #: blocks whose failures a pass after the forward may take back (values folded between their nodes at
         #: load: ``stages.folded_differences``): while the first failure is in one, the earliest failure outside
         #: that block is kept as well, to be the first if that one is taken back
@@ -581,6 +598,9 @@ class NodeStream:
         result = compare_node(
             spec, self.index[name], ours, ref, self.tolerances, name in self.untapped, scores, self.padding, choices
         )
+        # an internal the reference computes where parity does not read it is no failure, here already (the
+        # results after the forward say so too): the failure after it is the first, and is kept
+        result = _uncaptured(result, self.reference) if ref is None else result
         if spec.kind in ("probs", "context") and result.status != OK and ref is not None:
             stem = name.rsplit(".", 1)[0]
             judged, self._sink_mass[stem] = rescaled_by_sink(result, ours, ref, self._sink_mass.get(stem))
@@ -598,7 +618,24 @@ class NodeStream:
             self.trace.watched.setdefault("*", {})[name] = every(ours, ref)
         stem = name.rsplit(".", 1)[0]
         previous, self._previous = self._previous, name if result.status != UNTAPPED else self._previous
+        held, self._last_failure = self._last_failure, None
+        if result.failed and result.status == MISMATCH and self.reads_another is not None:
+            self._last_failure = (result, moved)
         first = self.first
+        if (
+            self.reads_another is not None
+            and result.passed
+            and held is not None
+            and held[0] is not first
+            and first is not None
+            and self._taken_back_with(first) is not None
+            and held[0].name == previous
+            and held[0].layer is not None
+            and held[0].layer == result.layer
+            and self.reads_another(held[0].name, name, held[1])
+        ):  # a failure after a first one a pass after the forward may take back (an attention internal read in
+            # ours' functions) recorded at another step as well: noted for the results
+            cast(set, self.trace.extras.setdefault(RECORDED_ELSEWHERE, set())).add(held[0].name)
         if (
             self.reads_another is not None
             and result.passed
@@ -642,8 +679,9 @@ class NodeStream:
         if (
             result.failed
             and self.first is not None
-            and self._block_of(self.first.name) is not None
-            and self._block_of(name) != self._block_of(self.first.name)
+            and self._taken_back_with(self.first) is not None
+            and self._taken_back_with(result) != self._taken_back_with(self.first)
+            and (self._block_of(self.first.name) is not None or result.kind not in CAPTURED)
             and (self.second is None or result.index < self.second.index)
         ):  # the runner-up, kept with its context in case the first failure is taken back
             old, self.second = self.second_keep, result
@@ -700,6 +738,21 @@ class NodeStream:
         self._release(old)
         self.trace.sink, self.trace.defer_inputs = None, False
         self.trace.pending.clear()
+
+    def _taken_back_with(self, r: NodeResult) -> str | None:
+        """What a pass after the forward may take ``r``'s failure back with: its provisional block, or the
+        attention block of an internal parity read in ours' functions (``stages.misread_internals``); None for a
+        failure that stands."""
+        block = self._block_of(r.name)
+        spec = self.specs.get(r.name)
+        if (
+            block is None
+            and r.kind in CAPTURED
+            and spec is not None
+            and spec.ours.removeprefix("tap:").startswith(FUNCTIONS)
+        ):
+            return r.name.rsplit(".", 1)[0]
+        return block
 
     def _block_of(self, name: str) -> str | None:
         """The provisional block ``name`` is in, or None."""

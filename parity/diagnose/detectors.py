@@ -33,6 +33,7 @@ from parity.diagnose.hints import Hint
 from parity.diagnose.latent import latent_pairing, latent_rope, latent_split
 from parity.diagnose.masks import (
     attention_dropout,
+    chunk_phase,
     dropout_elementwise,
     future_keys,
     mask_shifted,
@@ -81,6 +82,7 @@ from parity.diagnose.rope import (
     rope_fit,
     rope_partial,
     rope_pattern,
+    rope_skipped,
     rope_tables,
     values_rotated,
 )
@@ -256,6 +258,7 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     softmax_axis,
     padding_mask_inverted,
     mask_shifted,
+    chunk_phase,
     masked_keys,
     future_keys,
     window_pattern,
@@ -264,6 +267,7 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     latent_rope,
     rope_tables,  # before rope_pattern: a pairing and table mixed up is named, not only seen
     rope_pattern,
+    rope_skipped,  # after rope_pattern: q unrotated times a factor per position (a NoPE layer's temperature)
     channel_ratio,
     added_vector,
     row_offset,

@@ -70,6 +70,58 @@ def _blocked(e: Evidence, ours_w: int | None, ref_w: int | None) -> Hint | None:
     return None
 
 
+def chunk_phase(e: Evidence) -> Hint | None:
+    """Both sides attend within blocks (chunked attention, Llama 4's), and in a left-padded row one side counts
+    its blocks from the row's first real token (``L + floor((i - L) / w) * w``) where the other counts them from
+    the padded row's index 0 (``floor(i / w) * w``, kept past the padding): the chunk boundaries moved by the
+    padding. The block size ``w`` is read from the side counting from index 0 in the rows without padding."""
+    if e.kind != "probs" or e.ours.dim() != 4 or e.attention_mask is None or e.ours.shape != e.ref.shape:
+        return None
+    mask = e.attention_mask.bool()
+    b, _, q, k = e.ours.shape
+    if q != k or tuple(mask.shape) != (b, k) or bool(mask.all()):
+        return None
+    lead = (mask.long().cumsum(-1) == 0).sum(-1)  # leading padding per row
+    i = torch.arange(q)
+    starts = {}
+    for side, t in (("ours", e.ours), ("the reference", e.ref)):
+        seen = (t.detach().cpu().abs() > 0).any(1)  # (batch, q, k): a key any head weighs
+        starts[side] = torch.where(seen, torch.arange(k), k).amin(-1)  # (batch, q)
+    full = [r for r in range(b) if int(lead[r]) == 0]
+    if not full:
+        return None
+    # the block size: where the earliest key seen jumps to the query itself (a new block) in a row without padding
+    first = starts["the reference"][full[0]]
+    jumps = [int(x) for x in i[1:][first[1:] == i[1:]]]
+    if not jumps or any(j % jumps[0] for j in jumps) or jumps[0] < 2:
+        return None
+    w = jumps[0]
+    for side, other in (("ours", "the reference"), ("the reference", "ours")):
+        moved = False
+        for r in range(b):
+            n = int(lead[r])
+            real = i >= n
+            relative = n + torch.div(i - n, w, rounding_mode="floor") * w
+            absolute = torch.maximum(torch.div(i, w, rounding_mode="floor") * w, torch.tensor(n))
+            if not (
+                torch.equal(starts[side][r][real], relative[real])
+                and torch.equal(starts[other][r][real], absolute[real])
+            ):
+                break
+            moved |= not torch.equal(relative[real], absolute[real])
+        else:
+            if moved:
+                return Hint(
+                    "padding",
+                    f"likely chunked attention's blocks counted from another start in a left-padded row: {side} starts "
+                    f"each block of {w} at the row's first real token (L + floor((i - L) / {w}) * {w}), {other} at the "
+                    f"padded row's index 0 (floor(i / {w}) * {w}): the chunk boundaries counted with or without the "
+                    "padding",
+                    {"from_first_real_token": side, "block": w},
+                )
+    return None
+
+
 def padding_mask_inverted(e: Evidence) -> Hint | None:
     """One side's real-token queries attend the padding instead of the real keys: in a padded row they
     put most of their weight on padding keys, in a row without padding (every key masked) equal weight

@@ -14,7 +14,11 @@ head), a scalar factor applied twice (folded into a weight at load and applied a
 parts of one shape of a split swapped (gate and up, B and C, a head's k and v), a triangular mask's diagonal moved
 by one, a grouped mean taken over every group together, a gated norm's gate applied on the other side of its
 normalisation, a conv's kernel read in reverse, the weights of two projections of one input swapped, a gain read
-as ``1 + w``, a softmax-style scale ``1 / sqrt(d)`` taken from another of the config's sizes; then, in a second
+as ``1 + w``, a softmax-style scale ``1 / sqrt(d)`` taken from another of the config's sizes, a per-head fused
+output (each head's q, k and v together) read as whole blocks, a top-k keeping every entry, a square weight read
+transposed, a config float read as its class's default, a gate moved across a norm (both ways), a delta-rule scan
+run with its steps in another order (:mod:`parity.diagnose.scan_order`); an in-place op (``a /= s``) is changed from
+its input's value before it; then, in a second
 pass, a term of a sum left out (a skip connection) and a broadcast factor that is no parameter left out (a padding
 mask); then a projection reading another variable (of its shape, or a ``(batch, heads, seq, dim)`` one with its
 heads merged). Every call of one source line is changed together (a loop over chunks), a
@@ -37,11 +41,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import FrameType
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from parity.diagnose import scan_order
 from parity.diagnose.hints import Hint
 
 #: forward passes one search may take (the dry run included): the limit that decides what a search tries;
@@ -61,8 +67,8 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 #: operations returning parts of their input, two of which may be swapped
 _SPLITS = ("split", "chunk", "unbind", "tensor_split", "split_with_sizes")
 #: what a scalar operand of a product or quotient is called (any other is an offset)
-_VERBS = {"mul": "factor", "rmul": "factor", "truediv": "divisor", "div": "divisor"}
-_SCALAR_OPS = {"__mul__", "__rmul__", "mul", "__truediv__", "div", "__add__", "__radd__", "add", "__sub__", "sub"}
+_VERBS = {"mul": "factor", "truediv": "divisor", "div": "divisor"}
+_SCALAR_OPS = {"mul", "truediv", "div", "add", "sub"}
 #: frames of these files are not the reference's own lines: torch's, and parity's (its recording wrappers)
 _SKIP_FILES = (str(Path(torch.__file__).parent), str(Path(__file__).parent.parent))
 
@@ -113,6 +119,13 @@ class Change:
     #: a module path of the model whose whole call the change rewrites (a gated norm's gate moved to the
     #: other side of its normalisation), with ``rewrite(module, args, kwargs, out)``; None for one operation
     module: str | None = None
+    #: a function of the reference's modeling code replaced for the pass: ``(module name, global name,
+    #: replacement)`` (a delta-rule scan run in another step order); ``rewrite`` is unused then
+    patch: tuple[str, str, Callable] | None = None
+    #: a gate moved across a norm: "before" (a product of a norm's output and a gate rewritten as the norm of the
+    #: gated input, ``rewrite(args, kwargs, out, mode)``), "after" (a norm module's gated input rewritten as the
+    #: norm of the input times the gate, ``rewrite(module, args, kwargs, out, mode)``); "" for none
+    norm_gate: str = ""
 
     @property
     def where(self) -> str:
@@ -151,9 +164,15 @@ class _Changing(TorchFunctionMode):
         #: the latest output of the change's source (a mix-up), and the input of the layer the block sits in
         self.held: torch.Tensor | None = None
         self.layer_input = layer_input
+        #: norm modules' outputs in this pass (by id) -> (module, its input); products of two tensors of one shape
+        #: (by id of the output) -> their operands, while a gate moved before a norm is tried
+        self.normed: dict[int, tuple[torch.nn.Module, torch.Tensor]] = {}
+        self.products: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        # an in-place op's input, kept while a change runs: its rewrite reads the value before the op
+        before = args[0].clone() if self.inside and self.change is not None and _in_place(func, args) else None
         out = func(*args, **kwargs)
         if not self.inside or not (isinstance(out, torch.Tensor) or _parts(out)):
             return out
@@ -167,11 +186,18 @@ class _Changing(TorchFunctionMode):
             if isinstance(out, torch.Tensor):  # a split's parts are no source of a mix-up
                 self.outs.setdefault(called, out)
             return out
+        if change.norm_gate == "after" and site.op in ("mul", "__mul__", "__rmul__") and _same_shape(args, out):
+            self.products[id(out)] = (args[0], args[1])
         if change.source is not None and change.source in (site, called):
             self.held = out
         if change.site in (site, called) or (change.also is not None and change.also in (site, called)):
             if change.source is None:
                 self.applied += 1
+                if change.norm_gate:
+                    return change.rewrite(args, kwargs, out, self)
+                if before is not None:  # ``a /= s``: rewritten from a's value before, written back into a
+                    new = cast(torch.Tensor, change.rewrite((before, *args[1:]), kwargs, out))
+                    return args[0].copy_(new) if new is not args[0] and new.shape == args[0].shape else new
                 return change.rewrite(args, kwargs, out)
             held = self.layer_input if change.source == LAYER_INPUT else self.held
             if held is not None and change.heads_merged and held.dim() == 4:  # (batch, heads, seq, dim) as ours reads
@@ -251,6 +277,20 @@ class _Changing(TorchFunctionMode):
         return out
 
 
+def _in_place(func, args: tuple) -> bool:
+    """Whether ``func`` writes its first input in place (``__itruediv__``, ``div_``)."""
+    name = getattr(func, "__name__", "")
+    dunder = name.startswith("__i") and name[3:-2] in ("add", "sub", "mul", "truediv", "div", "floordiv", "pow")
+    inplace = dunder or (name.endswith("_") and not name.endswith("__"))
+    return inplace and bool(args) and isinstance(args[0], torch.Tensor)
+
+
+def _arithmetic(op: str) -> str:
+    """An arithmetic op's plain name: ``__rmul__``, ``__imul__`` and ``mul_`` are ``mul``."""
+    op = op.strip("_")
+    return op[1:] if op[:1] in ("r", "i") and op[1:] in ("add", "sub", "mul", "truediv", "div") else op
+
+
 def _sites(func, args: tuple = (), params: frozenset[int] = frozenset()) -> tuple[Site, Site] | None:
     """The innermost frame outside torch and parity (the reference's line that made this call), and the same
     with the line that called it."""
@@ -304,7 +344,7 @@ def changes(site: Site, func, args: tuple, kwargs: dict, params: dict[int, str])
             )
     elif op == "getitem" and x is not None and len(args) > 1:
         found += _other_end(site, x, args[1])
-    elif site.op in _SCALAR_OPS and len(args) == 2:
+    elif _arithmetic(site.op) in _SCALAR_OPS and len(args) == 2:
         found += _operand_left_out(site, args, params)
         found += _applied_twice(site, args)
     elif op == "neg" and x is not None:
@@ -313,7 +353,11 @@ def changes(site: Site, func, args: tuple, kwargs: dict, params: dict[int, str])
         found += _parts_swapped(site, func, args, kwargs)
     elif op in ("triu", "tril") and x is not None:
         found += _diagonal_moved(site, func, args, kwargs)
-    elif op == "conv1d" and x is not None and len(args) > 1 and isinstance(args[1], torch.Tensor):
+    elif (
+        op == "conv1d"
+        and x is not None
+        and isinstance(args[1] if len(args) > 1 else kwargs.get("weight"), torch.Tensor)
+    ):
         found.append(Change(site, "the conv's kernel read in reverse (its taps flipped)", _flipped_kernel))
     elif op == "mean" and x is not None and x.dim() >= 3:
         dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
@@ -325,13 +369,71 @@ def changes(site: Site, func, args: tuple, kwargs: dict, params: dict[int, str])
             found.append(Change(site, words, _mean_last_two))
     elif op in ("clamp", "clamp_min", "clamp_max", "clip") and x is not None:
         found.append(Change(site, f"{op} left out", _operand(0)))
+    elif op == "topk" and x is not None:
+        dim = kwargs.get("dim", args[2] if len(args) > 2 else -1)
+        if isinstance(dim, int) and x.dim() >= 1:
+            words = f"topk over every one of the {x.shape[dim]} entries (no selection: every expert kept)"
+            found.append(Change(site, words, _every(func, dim)))
+    elif op in ("matmul", "bmm", "linear") and len(args) > 1:
+        for k in (0, 1):
+            w = args[k]
+            if isinstance(w, torch.Tensor) and id(w) in params and w.dim() >= 2 and w.shape[-1] == w.shape[-2] > 1:
+                words = f"{params[id(w)]} read transposed (a square weight's last two axes swapped at load)"
+                found.append(Change(site, words, _transposed_operand(func, k)))
+    elif op in ("view", "reshape") and x is not None and x.dim() >= 2:
+        for k in (2, 3):
+            words = (
+                f"this fused output read as {k} whole blocks (every head's part j together) in place of {k} parts "
+                "within each head's slice (a per-head layout read as flat blocks)"
+            )
+            found.append(Change(site, words, _blocked(k)))
     return found
+
+
+def _every(func, dim: int) -> Callable[[tuple, dict, object], object]:
+    """A rewrite of ``topk`` keeping every entry along ``dim`` (sorted, as topk returns them)."""
+
+    def rewrite(args: tuple, kwargs: dict, out):
+        rest = {key: v for key, v in kwargs.items() if key not in ("k", "dim")}
+        return func(args[0], args[0].shape[dim], dim, *args[3:], **rest)
+
+    return rewrite
+
+
+def _transposed_operand(func, k: int) -> Callable[[tuple, dict, torch.Tensor], torch.Tensor]:
+    """A rewrite running the product with its ``k``-th operand's last two axes swapped."""
+
+    def rewrite(args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor:
+        return func(*(a.transpose(-1, -2) if i == k else a for i, a in enumerate(args)), **kwargs)
+
+    return rewrite
+
+
+def _blocked(k: int) -> Callable[[tuple, dict, torch.Tensor], torch.Tensor]:
+    """A rewrite of ``x.view(..., heads, m)`` (the last axis split per head, each head's slice holding ``k``
+    parts: q, k and v of one head) into the view of ``x`` laid out as ``k`` whole blocks: head h's part j read
+    from block j (``[q of every head | k of every head | v ...]``). Any other view is left as it is."""
+
+    def rewrite(args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor:
+        x = args[0]
+        if (
+            out.dim() != x.dim() + 1
+            or out.shape[:-2] != x.shape[:-1]
+            or out.shape[-2] < 2
+            or out.shape[-1] % k
+            or out.shape[-2] * out.shape[-1] != x.shape[-1]
+        ):
+            return out
+        heads, width = out.shape[-2:]
+        return x.reshape(*x.shape[:-1], k, heads, width // k).transpose(-3, -2).reshape(out.shape)
+
+    return rewrite
 
 
 def term_changes(site: Site, args: tuple, out: torch.Tensor | None, params: dict[int, str]) -> list[Change]:
     """The second pass's changes, tried after every site's first ones: a term of a sum of two tensors left out
     (a skip connection, D's ``x * D``), a broadcast factor that is no parameter left out (a padding mask)."""
-    op = site.op.strip("_").removeprefix("r")
+    op = _arithmetic(site.op)
     if len(args) != 2 or not all(isinstance(a, torch.Tensor) for a in args) or out is None:
         return []
     if any(id(a) in params for a in args):
@@ -355,7 +457,7 @@ def term_changes(site: Site, args: tuple, out: torch.Tensor | None, params: dict
 
 def _operand_left_out(site: Site, args: tuple, params: dict[int, str]) -> list[Change]:
     """A scalar, or a parameter, that one side multiplies, divides, adds or subtracts and the other does not."""
-    verb = _VERBS.get(site.op.strip("_"), "offset")
+    verb = _VERBS.get(_arithmetic(site.op), "offset")
     found = []
     identity = (0,) if verb == "offset" else (0, 1)
     for k, d in ((0, 1), (1, 0)):
@@ -383,7 +485,7 @@ def _plus_operand(k: int) -> Callable[[tuple, dict, torch.Tensor], torch.Tensor]
 
 def _applied_twice(site: Site, args: tuple) -> list[Change]:
     """A scalar factor or divisor applied twice (a multiplier folded into a weight at load and applied again)."""
-    verb = _VERBS.get(site.op.strip("_"))
+    verb = _VERBS.get(_arithmetic(site.op))
     k = 1 if isinstance(args[0], torch.Tensor) else 0
     scalar = args[k]
     if verb is None or not isinstance(scalar, int | float) or isinstance(scalar, bool) or scalar in (0, 1, -1):
@@ -407,7 +509,7 @@ def _config_dims(model: torch.nn.Module) -> dict[str, int]:
 def _scale_from_a_dim(site: Site, args: tuple, dims: dict[str, int]) -> list[Change]:
     """A softmax-style scale ``1 / sqrt(d)`` (a factor, or ``sqrt(d)`` as a divisor) taken from another of the
     config's sizes (``config.head_dim`` where the attention's q k width was meant)."""
-    verb = _VERBS.get(site.op.strip("_"))
+    verb = _VERBS.get(_arithmetic(site.op))
     if verb is None or len(args) != 2:
         return []
     k = 1 if isinstance(args[0], torch.Tensor) else 0
@@ -429,6 +531,42 @@ def _scale_from_a_dim(site: Site, args: tuple, dims: dict[str, int]) -> list[Cha
 
         what = f"1 / sqrt({name} = {d})" if verb == "factor" else f"sqrt({name} = {d})"
         found.append(Change(site, f"the {verb} {scalar:.6g} taken as {what} = {new:.6g}", rewrite))
+    return found
+
+
+def _config_defaults(model: torch.nn.Module) -> dict[float, list[tuple[str, float]]]:
+    """The reference's config's float fields set otherwise than their class's default, by value: ``{-3.0:
+    [("kda_lower_bound", -5.0)]}`` (the defaults a port that hard-codes a constant, or never reads the field,
+    holds); empty when the config's class cannot be built bare."""
+    config: object = getattr(model, "config", None)
+    try:
+        fields, defaults = config.to_dict(), type(config)().to_dict()  # type: ignore[attr-defined]
+    except Exception:  # no config, or a class that needs arguments: nothing to compare with
+        return {}
+    found: dict[float, list[tuple[str, float]]] = {}
+    for name, value in fields.items():
+        default = defaults.get(name)
+        if isinstance(value, float) and isinstance(default, float) and value != default and value != 0:
+            found.setdefault(value, []).append((name, default))
+    return found
+
+
+def _default_read(site: Site, func, args: tuple, defaults: dict[float, list[tuple[str, float]]]) -> list[Change]:
+    """A scalar operand that is one of the config's values set otherwise than the default, replaced by that
+    default: the field never read (its default hard-coded, ``-5.0`` for ``kda_lower_bound``)."""
+    if _arithmetic(site.op) not in _SCALAR_OPS or len(args) != 2:
+        return []
+    found = []
+    for k in (0, 1):
+        scalar = args[k]
+        if not isinstance(scalar, float) or isinstance(args[1 - k], float):
+            continue
+        for name, default in defaults.get(scalar, []):
+
+            def rewrite(a: tuple, kwargs: dict, out: torch.Tensor, k: int = k, default: float = default):
+                return func(*(default if i == k else v for i, v in enumerate(a)), **kwargs)
+
+            found.append(Change(site, f"config.{name} ({scalar:g}) read as its default {default:g}", rewrite))
     return found
 
 
@@ -475,7 +613,9 @@ def _diagonal_moved(site: Site, func, args: tuple, kwargs: dict) -> list[Change]
 
 
 def _flipped_kernel(args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor:
-    return F.conv1d(args[0], args[1].flip(-1), *args[2:], **kwargs)
+    if len(args) > 1:
+        return F.conv1d(args[0], args[1].flip(-1), *args[2:], **kwargs)
+    return F.conv1d(args[0], **{**kwargs, "weight": kwargs["weight"].flip(-1)})  # the kernel given by name
 
 
 def _mean_last_two(args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor:
@@ -646,8 +786,10 @@ def search(
         def leave(*_):
             mode.inside -= 1
 
+        patched = _patch(mode)
         handles = [
             *_module_hooks(mode, modules),
+            *(m.register_forward_hook(_keeps_normed(mode)) for _, m in norms),
             modules[block].register_forward_pre_hook(enter),
             modules[block].register_forward_hook(leave, always_call=True),
             *(modules[t.module].register_forward_hook(keeper(i, t)) for i, t in enumerate(targets)),
@@ -665,9 +807,12 @@ def search(
         finally:
             for h in handles:
                 h.remove()
+            if patched is not None:
+                setattr(*patched)
             mode.inside = 0
         return dict(kept)
 
+    norms = _norm_modules(modules, block)
     started = time.monotonic()
     dry = _Changing(params=frozenset(params))
     original = run(dry)
@@ -683,6 +828,8 @@ def search(
     sites = dry.candidates(home)
     first = [c for site, (func, args, kwargs) in sites for c in changes(site, func, args, kwargs, params)]
     first += [c for site, (_func, args, _kwargs) in sites for c in _scale_from_a_dim(site, args, _config_dims(model))]
+    defaults = _config_defaults(model)
+    first += [c for site, (func, args, _kwargs) in sites for c in _default_read(site, func, args, defaults)]
     terms = [c for site, (func, args, kwargs, out) in dry.outputs(sites) for c in term_changes(site, args, out, params)]
     # the layer's input, as its re-runs read it: the source of a mix-up with the residual stream
     args, kwargs = called[0] if called else ((), {})
@@ -690,22 +837,173 @@ def search(
     layer_input = first_input if isinstance(first_input, torch.Tensor) else None
     gated = _gated_norms(modules, block)
     swaps = dry.weight_swaps(sites, params)
-    for change in _with_pairs(first) + gated + swaps + terms + dry.mix_ups(sites, layer_input):
+    orders = _scan_orders(modules[block]) + _gates_across_norms(dry, sites, norms)
+    unreproduced: set[str] = set()  # scans whose replacement in the reference's own order does not reproduce it
+    for change in _with_pairs(first) + gated + orders + swaps + terms + dry.mix_ups(sites, layer_input):
         if runs >= MAX_RUNS or time.monotonic() - started > MAX_SECONDS:
             break
+        if change.patch is not None and change.patch[1] in unreproduced:
+            continue
         runs += 1
         mode = _Changing(change, layer_input, frozenset(params))
         try:
             values = run(mode)
         except Exception:  # a change the code cannot run with (a shape it rejects): not this one
+            if change.patch is not None:
+                unreproduced.add(change.patch[1])
             continue
-        matched = next(
-            (i for i in read if i in values and values[i].shape == original[i].shape and targets[i].agrees(values[i])),
-            None,
-        )
+        kept_shape = [i for i in read if i in values and values[i].shape == original[i].shape]
+        matched = next((i for i in kept_shape if targets[i].agrees(values[i])), None)
         if mode.applied and matched is not None:
             found.append((change, targets[matched].name))
+        elif (
+            change.patch is not None
+            and change.words.endswith(scan_order.ORDERS[scan_order.OWN])
+            and not (mode.applied and kept_shape and all(targets[i].recorded(values[i]) for i in kept_shape))
+        ):
+            unreproduced.add(change.patch[1])  # the replacement does not compute what the original does
     return found or None
+
+
+def _same_shape(args: tuple, out) -> bool:
+    """Whether a call's first two arguments are tensors of its output's shape (a gate times a value)."""
+    return (
+        len(args) >= 2
+        and all(isinstance(a, torch.Tensor) for a in args[:2])
+        and isinstance(out, torch.Tensor)
+        and args[0].shape == args[1].shape == out.shape
+    )
+
+
+def _norm_modules(modules: dict[str, torch.nn.Module], block: str) -> list[tuple[str, torch.nn.Module]]:
+    """The norms inside ``block`` (a module whose class name says Norm and whose forward takes no gate)."""
+    found = []
+    for path, module in modules.items():
+        if not path.startswith(block + ".") or "Norm" not in type(module).__name__:
+            continue
+        try:
+            if "gate" in inspect.signature(module.forward).parameters:
+                continue  # a gated norm: _gated_norms' changes
+        except (TypeError, ValueError):
+            continue
+        found.append((path, module))
+    return found
+
+
+def _keeps_normed(mode: _Changing) -> Callable:
+    """A forward hook noting a norm module's output (by id) with the module and its input."""
+
+    def keep(module, args, out):
+        if isinstance(out, torch.Tensor) and args and isinstance(args[0], torch.Tensor):
+            mode.normed[id(out)] = (module, args[0])
+
+    return keep
+
+
+def _gates_across_norms(
+    dry: _Changing, sites: list[tuple[Site, tuple]], norms: list[tuple[str, torch.nn.Module]]
+) -> list[Change]:
+    """A gate moved across a norm, both ways: a norm's output times a gate of its shape rewritten as the norm of
+    the gated input (``norm(x) * g`` read as ``norm(x * g)``: MiniMax's output gate, a gate applied before the
+    norm), and a norm reading a product of two tensors of one shape rewritten as the norm of one times the other
+    (``norm(x * g)`` read as ``norm(x) * g``)."""
+    found = []
+    paths = {id(m): p for p, m in norms}
+    for site, (_func, args, _kwargs) in sites:
+        if site.op not in ("mul", "__mul__", "__rmul__") or len(args) < 2:
+            continue
+        for k in (0, 1):
+            hit = dry.normed.get(id(args[k]))
+            other = args[1 - k]
+            if hit is None or not isinstance(other, torch.Tensor) or other.shape != hit[1].shape:
+                continue
+            norm = paths.get(id(hit[0]), "the norm")
+            words = f"the gate applied before {norm}'s normalisation (norm(x * g)), not after (norm(x) * g)"
+            found.append(Change(site, words, _gate_before_norm, norm_gate="before"))
+    for path, module in norms:
+        inputs = [x for m, x in dry.normed.values() if m is module]
+        if not any(s.op in ("mul", "__mul__", "__rmul__") and any(o is x for x in inputs) for s, o in dry.outs.items()):
+            continue  # the norm reads no product this block made
+        try:
+            file, line = inspect.getsourcefile(type(module)), inspect.getsourcelines(type(module).forward)[1]
+        except (OSError, TypeError):
+            continue
+        for k in (0, 1):
+            words = (
+                f"{path}'s input gate (operand {1 - k} of the product it reads) applied after its normalisation "
+                "(norm(x) * g), not before (norm(x * g))"
+            )
+            found.append(
+                Change(
+                    Site(f"{type(module).__name__}.forward", file or "?", line),
+                    words,
+                    _gate_after_norm(k),
+                    module=path,
+                    norm_gate="after",
+                )
+            )
+    return found
+
+
+def _gate_before_norm(args: tuple, kwargs: dict, out: torch.Tensor, mode: _Changing) -> torch.Tensor:
+    """``norm(x) * g`` rewritten as ``norm(x * g)`` (the norm module called again on the gated input)."""
+    for k in (0, 1):
+        hit = mode.normed.get(id(args[k]))
+        gate = args[1 - k]
+        if hit is not None and isinstance(gate, torch.Tensor) and gate.shape == hit[1].shape:
+            module, x = hit
+            return module.forward((x.float() * gate.float()).to(x.dtype)).to(out.dtype)
+    return out
+
+
+def _gate_after_norm(k: int) -> Callable:
+    """A norm module's call on ``x * g`` (a product this pass made) rewritten as ``norm(x) * g``, ``x`` its
+    ``k``-th operand."""
+
+    def rewrite(module, args, kwargs, out, mode: _Changing):
+        factors = mode.products.get(id(args[0])) if args else None
+        if factors is None or not isinstance(out, torch.Tensor):
+            return None
+        x, gate = factors[k], factors[1 - k]
+        return (module.forward(x).float() * gate.float()).to(out.dtype)
+
+    return rewrite
+
+
+def _patch(mode: _Changing) -> tuple[object, str, object] | None:
+    """The change's replacement function set in the reference's modeling module for the pass (counted as
+    applied when called); what restores the original (``setattr``'s arguments), None for no such change."""
+    change = mode.change
+    if change is None or change.patch is None or change.patch[0] not in sys.modules:
+        return None
+    module, name, replacement = sys.modules[change.patch[0]], change.patch[1], change.patch[2]
+    original = getattr(module, name)
+
+    def counted(*args, **kwargs):
+        mode.applied += 1
+        return replacement(*args, **kwargs)
+
+    setattr(module, name, counted)
+    return module, name, original
+
+
+def _scan_orders(block: torch.nn.Module) -> list[Change]:
+    """Each delta-rule scan the block's modeling code calls by name, run in each step order
+    (:mod:`parity.diagnose.scan_order`), the reference's own order first: the others are tried only where that
+    one reproduces the reference's recorded value."""
+    found = []
+    for module, name, function in scan_order.scan_functions(block):
+        source = inspect.unwrap(function)  # a kernel-hub decorator's wrapper: the function it wraps
+        try:
+            file, line = inspect.getsourcefile(source), inspect.getsourcelines(source)[1]
+        except (OSError, TypeError):
+            file, line = module, 0
+        site = Site(name, file or module, line)
+        for order, state in scan_order.ORDERS.items():
+            replacement = scan_order.delta_rule(function, order)
+            words = f"the delta-rule scan with its state {state}"
+            found.append(Change(site, words, _ones, patch=(module, name, replacement)))
+    return found
 
 
 def _module_hooks(mode: _Changing, modules: dict[str, torch.nn.Module]) -> list:
@@ -715,7 +1013,11 @@ def _module_hooks(mode: _Changing, modules: dict[str, torch.nn.Module]) -> list:
         return []
 
     def rewrite(module, args, kwargs, out):
-        new = change.rewrite(module, args, kwargs, out)
+        new = (
+            change.rewrite(module, args, kwargs, out, mode)
+            if change.norm_gate
+            else change.rewrite(module, args, kwargs, out)
+        )
         if new is None:
             return out
         mode.applied += 1

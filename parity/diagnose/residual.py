@@ -213,6 +213,25 @@ def _coefficients_differ(e: Evidence, x: torch.Tensor, f: torch.Tensor, branch: 
     another field of the config, applied to the sum, or rounded to a lower precision; each coefficient
     named by the config constant it equals."""
     ours, ref = _coefficients(e.ours, x, f, tol), _coefficients(e.ref, x, f, tol)
+    normed = _normed_stream(e, stream)
+    if normed is not None and (ours is None) != (ref is None):
+        # one side adds the branch to the stream, the other to the stream's normalised value (MiniMax's residual)
+        side_fit = _coefficients((e.ref if ours is not None else e.ours), normed[1], f, tol)
+        if side_fit is not None:
+            fits = {"ours": (stream, ours or side_fit), "the reference": (stream, ref or side_fit)}
+            fits["the reference" if ours is not None else "ours"] = (normed[0], side_fit)
+            text = "; ".join(f"{side} {c[0]:.7g} x + {c[1]:.7g} f(x) with x = {at}" for side, (at, c) in fits.items())
+            return Hint(
+                "residual",
+                f"likely the residual connection: the two sides add f(x) = {branch} to another x ({text}): the "
+                f"residual taken from the normalised input ({normed[0]}'s output, MiniMax's) on one side, from the "
+                "stream itself on the other",
+                {"ours": fits["ours"][0], "reference": fits["the reference"][0], "branch": branch},
+            )
+    if ours is None and ref is None and normed is not None:  # both add to the normalised input: its coefficients
+        on_normed = _coefficients(e.ours, normed[1], f, tol), _coefficients(e.ref, normed[1], f, tol)
+        if on_normed[0] is not None and on_normed[1] is not None:
+            (ours, ref), x, stream = on_normed, normed[1], normed[0]
     if ours is None and ref is None:
         return _branch_coefficients_differ(e, x, stream, tol)
     if ours is None or ref is None or max(abs(o - r) / max(abs(r), 1e-12) for o, r in zip(ours, ref)) < 1e-6:
@@ -236,6 +255,22 @@ def _coefficients_differ(e: Evidence, x: torch.Tensor, f: torch.Tensor, branch: 
         f"{branch} and x = {stream} ({'; '.join(named)})",
         {"ours": list(ours), "reference": list(ref), "branch": branch, "stream": stream},
     )
+
+
+def _normed_stream(e: Evidence, stream: str) -> tuple[str, torch.Tensor] | None:
+    """The reference's first norm node of the failing node's layer after the stream point ``stream``, in the
+    stream's shape: the normalised stream its sub-block reads (``input_layernorm``), ``(name, tensor)``."""
+    names = list(e.ref_trace.tensors)
+    begin = stream.partition("@")[0]
+    after = names[names.index(begin) :] if begin in names else names
+    for name in after:
+        if name == e.name:
+            break
+        layer, kind = e.facts.locate(name)
+        shaped = _as_node(e, e.ref_trace.tensors[name])
+        if layer == e.result.layer and is_norm(kind) and shaped is not None and not reads_stream(kind):
+            return name, shaped.double()
+    return None
 
 
 def _sub_block_outputs(e: Evidence, stream: str) -> list[tuple[str, torch.Tensor]]:
@@ -304,12 +339,11 @@ def _constant(e: Evidence, c: float) -> str:
     or its inverse, or 1) when ``c`` is one, else ``""``."""
     if abs(c - 1) < 1e-9:
         return " (= 1, no multiplier)"
-    for label, value in e.facts.named_constants().items():
-        if not value:
-            continue
-        label = label if label.endswith(")") else f"{label} ({value:g})"
-        if abs(c / value - 1) < 1e-9:
-            return f" (= {label})"
+    constants = {(k if k.endswith(")") else f"{k} ({v:g})"): v for k, v in e.facts.named_constants().items() if v}
+    direct = next((label for label, value in constants.items() if abs(c / value - 1) < 1e-9), None)
+    if direct is not None:  # a constant itself before any inverse (0.8: a beta factor, not 1 / an alpha of 1.25)
+        return f" (= {direct})"
+    for label, value in constants.items():
         if abs(c * value - 1) < 1e-9:
             return f" (= 1 / {label})"
         for dtype in (torch.float16, torch.bfloat16):

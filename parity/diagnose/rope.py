@@ -19,6 +19,7 @@ from parity.diagnose.evidence import (
     fused_output,
     heads_first,
     pair_lengths,
+    rel,
     seq_axis,
     whose,
 )
@@ -1003,6 +1004,59 @@ def bias_after_rope(e: Evidence) -> Hint | None:
                 "without its bias, plus the bias (the bias not rotated); the bias belongs to the projection, before RoPE",
                 {"side": side, "bias": f"{stem}.{e.kind[0]}_proj"},
             )
+    return None
+
+
+def rope_skipped(e: Evidence) -> Hint | None:
+    """One side's q (k) at this layer is the projection's as RoPE would read it, unrotated (times one factor per
+    position at most: a NoPE layer's query temperature), while the other side's is not: RoPE skipped on one
+    side at this layer, a layer pattern saying which layers rotate (Llama 4's ``no_rope_layers``, 1 = RoPE)
+    read otherwise or inverted. Either side."""
+    if e.kind not in ("q_rot", "k_rot") or e.ours.dim() != 4 or e.positions is None:
+        return None
+    x = pre_rope(e, e.ours.shape[1])
+    if x is None or x.shape != e.ours.shape:
+        return None
+    x = x.double()
+
+    def per_position(t: torch.Tensor) -> torch.Tensor | None:
+        """t = x times one factor per (batch, position), or None."""
+        keep = x.abs() > 1e-3 * float(x.abs().max())
+        ratio = torch.where(keep, t.double() / torch.where(keep, x, torch.ones_like(x)), torch.nan)
+        f = ratio.nanmedian(dim=-1).values.nanmedian(dim=1).values  # (batch, seq)
+        if not bool(torch.isfinite(f).all()) or rel(t.double(), x * f[:, None, :, None]) > 1e-6:
+            return None
+        return f
+
+    layer = e.facts.layer(e.result.layer)
+    rotates = layer is not None and layer.rope is not None  # the reference's facts: RoPE on this layer
+
+    def turned(t: torch.Tensor) -> bool:
+        """t is x rotated: each pair (half-split or interleaved) keeps x's length at every position."""
+        half = t.shape[-1] // 2
+        for pairs in (
+            lambda y: y[..., :half] ** 2 + y[..., half:] ** 2,
+            lambda y: y[..., 0::2] ** 2 + y[..., 1::2] ** 2,
+        ):
+            if rel(pairs(t.double()), pairs(x)) < 1e-6:
+                return True
+        return False
+
+    for side, this, other in (("ours", e.ours, e.ref), ("the reference", e.ref, e.ours)):
+        f = per_position(this)
+        if f is None or per_position(other) is not None:
+            continue
+        if not turned(other) and (side != "ours" or not rotates):
+            continue  # the other side is no rotation of q (nor, for ours, the reference's RoPE layer): no RoPE skipped
+        scaled = float((f - 1).abs().max()) > 1e-6
+        return Hint(
+            "rope_missing" if side == "ours" else "rope_unexpected",
+            f"likely RoPE skipped in {side} at this layer: its {e.kind[0]} is the projection's, unrotated"
+            + (" (times one factor per position: a NoPE layer's query temperature)" if scaled else "")
+            + ", where the other side rotates it: the pattern of which layers use RoPE (no_rope_layers, a NoPE "
+            "interval, a layer type) read otherwise or inverted",
+            {"side": side, "per_position_factor": scaled},
+        )
     return None
 
 

@@ -441,6 +441,27 @@ def _layer_scalars(e: Evidence) -> dict[str, float]:
     }
 
 
+def _l2_for_rms(e: Evidence, mean: float, r: float) -> Hint | None:
+    """At q or k after a per-head norm, a ratio of sqrt(head_dim) where the smaller side's head vectors have unit
+    L2 length: an L2 norm on one side where the other normalises to unit RMS (Llama 4's weight-free "L2Norm" is
+    an RMS norm; F.normalize is not)."""
+    layer = e.facts.layer(e.result.layer)
+    head_dim = layer.head_dim if layer is not None else e.facts.head_dim
+    if e.kind not in ("q_rot", "k_rot", "q_norm", "k_norm") or not head_dim or abs(r / head_dim**0.5 - 1) > 1e-3:
+        return None
+    smaller, side = (e.ours, "ours") if mean < 1 else (e.ref, "the reference")
+    if smaller.shape[-1] != head_dim or float((smaller.double().norm(dim=-1) - 1).abs().max()) > 1e-3:
+        return None
+    other = "the reference" if side == "ours" else "ours"
+    return Hint(
+        "norm_kind",
+        f"likely the {e.kind[0]} norm's kind: {side} normalises each head's {e.kind[0]} to unit L2 length "
+        f"(F.normalize), {other} to unit RMS (x / sqrt(mean(x^2) + eps), Llama 4's weight-free L2Norm): the two "
+        f"differ by sqrt(head_dim={head_dim}) = {head_dim**0.5:g}, ours / reference = {mean:.6g}",
+        {"ratio": mean, "unit_l2": side},
+    )
+
+
 def constant_ratio(e: Evidence) -> Hint | None:
     """ours / reference is one constant everywhere: a missing or extra scale (named when it equals
     a known constant of the architecture)."""
@@ -457,6 +478,9 @@ def constant_ratio(e: Evidence) -> Hint | None:
         return None
     r = max(mean, 1 / mean)  # compare magnitudes >= 1, whichever side carries the extra factor
     bigger = "ours / reference" if mean > 1 else "reference / ours"
+    unit = _l2_for_rms(e, mean, r)
+    if unit is not None:
+        return unit
     matched = [
         (name, value)
         for name, value in {**e.facts.named_constants(), **_layer_scalars(e)}.items()
@@ -546,15 +570,27 @@ def position_scale(e: Evidence) -> Hint | None:
         return None
     if e.positions.shape != (e.ref.shape[0], e.ref.shape[2]):
         return None
-    forms = _position_scales(e, e.positions)
-    if not forms:
-        return None
     a, b = e.ours.double(), e.ref.double()
     keep = b.abs() > 1e-3 * float(b.abs().max())
     ratio = torch.where(keep, a / torch.where(keep, b, torch.ones_like(b)), torch.nan)
     per_position = ratio.nanmedian(dim=-1).values.nanmedian(dim=1).values  # (batch, seq)
-    if rel(a, b * per_position[:, None, :, None]) > 1e-6:
+    if not bool(torch.isfinite(per_position).all()) or rel(a, b * per_position[:, None, :, None]) > 1e-6:
         return None  # not one factor per position
+    if float(per_position.max() / per_position.min()) < 1.001:
+        return None  # one factor everywhere: a scale, not one by position
+    forms = _position_scales(e, e.positions)
+    if not forms:
+        row = int((per_position - 1).abs().amax(-1).argmax())  # the batch row that differs most
+        step = max(1, e.positions.shape[1] // 4)
+        pairs = zip(e.positions[row][::step].tolist(), per_position[row][::step].tolist(), strict=True)
+        shown = ", ".join(f"p{int(p)}: {f:.4g}" for p, f in pairs)
+        return Hint(
+            "scale",
+            "likely a query scale by position (an attention temperature) one side applies and the other does not, "
+            "or computes otherwise (its floor, its offset, the position index it reads: the token's index or its "
+            f"position id): ours / reference is one factor per position, the same over every head and dim ({shown})",
+            {"per_position": per_position[row][:64].tolist()},
+        )
     truth = forms["the Llama 4 query scale"]
     for side, factor in (("ours", per_position), ("the reference", 1 / per_position)):
         # factor = side's scale / the other's; the other side holds the config's form

@@ -292,9 +292,10 @@ def _composite_facts(config, text_config, model=None) -> ArchFacts:
 
 
 def _config_multipliers(config) -> dict[str, float]:
-    """The config's scalar multipliers and scalings (a number field whose name says multiplier, scaling
-    or scale, not 1: MiMo-V2-Flash's attention_value_scale), with their squares, by a name a hint can use; and
-    hidden_size over a base width the config names (muP's ``dim_model_base``: MiniCPM divides its logits by it)."""
+    """The config's scalar multipliers and scalings (a number field whose name says multiplier, scaling, factor
+    or scale, not 1: MiMo-V2-Flash's attention_value_scale, MiniMax's residual alpha factors), with their squares,
+    by a name a hint can use; and hidden_size over a base width the config names (muP's ``dim_model_base``: MiniCPM
+    divides its logits by it)."""
     try:
         fields = config.to_dict()
     except Exception:  # a config that cannot serialise itself names no constants
@@ -303,7 +304,8 @@ def _config_multipliers(config) -> dict[str, float]:
     for key, value in fields.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value in (0, 1):
             continue
-        if any(word in key for word in ("multiplier", "scaling", "scale_depth", "scalar")) or key.endswith("_scale"):
+        words = ("multiplier", "scaling", "scale_depth", "scalar", "_factor")
+        if any(word in key for word in words) or key.endswith("_scale"):
             named[f"the config's {key} ({value:g})"] = float(value)
             named[f"the config's {key} squared ({value * value:g})"] = float(value) ** 2
         hidden = fields.get("hidden_size")

@@ -147,6 +147,7 @@ class ExpertEvidence:
             or getattr(m, "has_bias", False)
             or not getattr(m, "has_gate", True)
             or not hasattr(m, "gate_up_proj")
+            or not hasattr(m, "act_fn")  # an activation of its own (HunYuan v4's clamped SwiGLU): its forward runs
         ):
             if self.run is None or swap_halves or interleaved or down_transposed or down_viewed:
                 return None

@@ -19,8 +19,12 @@ In isolated mode both routing nodes are replaced by the reference's, in ours' la
 
 from __future__ import annotations
 
+import ast
 import contextvars
+import inspect
+import textwrap
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -50,6 +54,38 @@ def returns_choice(module) -> bool:
     chosen experts)`` (a top-k router, HunYuan-MoE's gate), not its logits alone for the block to choose from
     (DBRX's)."""
     return is_router(module) and isinstance(getattr(module, "top_k", None), int)
+
+
+#: what a top-k router returns, by position: Transformers 5's ``(logits, weights, chosen experts)``
+ROUTER_OUTPUTS = {"logits": 0, "weights": 1, "chosen": 2}
+#: words in the names a router's ``return`` gives its outputs, by role (``router_logits``, ``router_scores``,
+#: ``router_indices``)
+_ROLE_WORDS = {
+    "logits": ("logit",),
+    "chosen": ("indic", "index", "selected", "idx"),
+    "weights": ("score", "weight", "prob"),
+}
+
+
+def router_outputs(module) -> dict[str, int]:
+    """Which output of a top-k router is its logits, its weights and its chosen experts, read from the names
+    its forward returns (``return router_scores, router_logits``: Llama 4's, scores first and no choice);
+    :data:`ROUTER_OUTPUTS` when the forward returns no tuple of plain names or a name says nothing."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(type(module).forward)))
+    except (OSError, TypeError, SyntaxError):
+        return dict(ROUTER_OUTPUTS)
+    returns = [n.value for n in ast.walk(tree) if isinstance(n, ast.Return) and isinstance(n.value, ast.Tuple)]
+    if len(returns) != 1 or not all(isinstance(e, ast.Name) for e in returns[0].elts):
+        return dict(ROUTER_OUTPUTS)
+    names = [cast(ast.Name, e).id.lower() for e in returns[0].elts]
+    found: dict[str, int] = {}
+    for i, name in enumerate(names):
+        role = next((r for r, words in _ROLE_WORDS.items() if any(w in name for w in words)), None)
+        if role is None or role in found:
+            return dict(ROUTER_OUTPUTS)
+        found[role] = i
+    return found if "logits" in found else dict(ROUTER_OUTPUTS)
 
 
 @dataclass(frozen=True)

@@ -895,6 +895,9 @@ class _Aligner:
             )
         is_input = ref_path.endswith("@input")
         base = ref_path[: -len("@input")] if is_input else ref_path
+        module_of, sep, _item = base.partition("#")
+        if sep and spec.name == module_of and is_router(self.ref_modules.get(module_of)):
+            base = module_of  # a router's logits returned after another output (Llama 4's): its weight's product
         if spec.reference_transform is not None:  # a part of that module's output, not its output
             return self._unaligned(spec, f"a view of {base}'s output (name it with node_map)")
         weight = getattr(self.ref_modules.get(base), "weight", None)

@@ -38,7 +38,7 @@ from parity.run.check import check
 from parity.run.float64 import Float64Mode, float64_state_dict
 from parity.run.options import CheckOptions
 from parity.user.align import Aligned, align
-from parity.user.derived import derived_keys, scalar_buffers
+from parity.user.derived import config_buffers, derived_keys, scalar_buffers
 from parity.user.reference_nodes import reference_nodes
 from parity.util.devices import Placement
 from parity.util.errors import ParityError
@@ -355,6 +355,7 @@ def build_user_pair(
     _unread_copies(coverage, model, ref.tied_keys, ref.facts.vocab_size)
     if (coverage.unused or coverage.unwritten) and not _transformer_lens_processed(model):  # processed: see message
         coverage.mark_numbers(scalar_buffers(ref.model, coverage.unused))
+        coverage.mark_from_config(config_buffers(ref.model, ref.hf_config, coverage.unused))
         coverage.mark_derived(derived_keys(ours, ref, model, coverage))
     if coverage.unused:
         raise ParityError(unplaced_message(coverage, model))

@@ -13,7 +13,10 @@ values derived from it. The nodes downstream judge whether the function was righ
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
+from typing import cast
 
 import torch
 from torch import nn
@@ -58,6 +61,49 @@ def scalar_buffers(reference: nn.Module | None, keys: list[str]) -> dict[str, fl
         return {}
     buffers = dict(reference.named_buffers())
     return {k: float(buffers[k].flatten()[0]) for k in keys if k in buffers and buffers[k].numel() == 1}
+
+
+def config_buffers(reference: nn.Module | None, config, keys: list[str]) -> list[str]:
+    """Those of ``keys`` that are multi-element buffers of ``reference`` (not parameters) holding what a fresh
+    model of ``config`` computes when built (MiniMax's lightning decay rates, saved with the checkpoint): state
+    of the architecture a port may compute itself, not weights it failed to load. The fresh model is built with
+    its parameters on the meta device (no weights allocated); a learned buffer (a router's correction bias)
+    holds other values than its initial ones and stays. Empty when the model cannot be built again."""
+    buffers = dict(reference.named_buffers()) if reference is not None else {}
+    wanted = [k for k in keys if k in buffers and buffers[k].numel() > 1 and buffers[k].is_floating_point()]
+    if not wanted or config is None:
+        return []
+    try:
+        with _parameters_on_meta():
+            fresh = dict(cast(type, type(reference))(copy.deepcopy(config)).named_buffers())
+    except Exception:  # a class that cannot be built from its config alone: nothing is taken as computed
+        return []
+    found = []
+    for key in wanted:
+        new, old = fresh.get(key), buffers[key]
+        if new is None or new.is_meta or new.shape != old.shape:
+            continue
+        tol = 8 * float(torch.finfo(old.dtype).eps)
+        if torch.allclose(new.to(old.device, torch.float64), old.double(), rtol=tol, atol=tol):
+            found.append(key)
+    return found
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """While open, every parameter a module registers is moved to the meta device (buffers stay real)."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param) -> None:
+        register(module, name, param)
+        if param is not None and not param.is_meta:
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign, assignment]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
 def derived_keys(ours, ref: Reference, model: nn.Module, coverage: Coverage) -> dict[str, list[str]]:

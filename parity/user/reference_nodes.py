@@ -15,7 +15,7 @@ from torch import nn
 from parity.model.facts import ArchFacts
 from parity.model.pair import LOGITS, NodeSpec
 from parity.record.hf_capture import OUTPUT_PROJECTIONS, SUFFIXES, experts_arguments
-from parity.record.routing import CHOICES, WEIGHTS, is_router, returns_choice
+from parity.record.routing import CHOICES, ROUTER_OUTPUTS, WEIGHTS, is_router, returns_choice, router_outputs
 
 
 def _is_attention(module: nn.Module) -> bool:
@@ -99,18 +99,36 @@ def _combines_more(module: nn.Module, router: str, experts: str) -> bool:
 
 
 def _moe_nodes(
-    path: str, router: str, experts_child: str, experts: int, arguments: tuple[str, str] | None = None
+    path: str,
+    router: str,
+    experts_child: str,
+    experts: int,
+    arguments: tuple[str, str] | None = None,
+    router_returns: dict[str, int] | None = None,
 ) -> list[NodeSpec]:
     """A MoE block's nodes: the router's logits, its chosen experts (compared exactly, a different choice
     reported with the logits' margin) and weights (the router's outputs 2 and 1, or the experts' forward
     arguments ``arguments``), each expert's unweighted output on its tokens (captured by
-    :mod:`parity.record.hf_capture`), and the experts' weighted sum."""
+    :mod:`parity.record.hf_capture`), and the experts' weighted sum. ``router_returns``: which of the router's
+    outputs is which (:func:`parity.record.routing.router_outputs`); a router returning no choice has no choice
+    or weights node."""
     gate, fused = f"{path}.{router}", f"{path}.{experts_child}"
-    chosen, weights = (f"{gate}#2", f"{gate}#1") if arguments is None else (f"{fused}@{a}" for a in arguments)
+    outputs = ROUTER_OUTPUTS if router_returns is None else router_returns
+    logits = None if outputs["logits"] == 0 else f"{gate}#{outputs['logits']}"
+    routing: list[NodeSpec] = []
+    if arguments is not None or "chosen" in outputs:  # a router returning no choice (Llama 4's): nothing to compare
+        chosen, weights = (
+            (f"{gate}#{outputs['chosen']}", f"{gate}#{outputs['weights']}")
+            if arguments is None
+            else (f"{fused}@{a}" for a in arguments)
+        )
+        routing = [
+            NodeSpec(f"{path}.{CHOICES}", f"{path}.{CHOICES}", reference=chosen, kind=CHOICES, chosen_from=gate),
+            NodeSpec(f"{path}.{WEIGHTS}", f"{path}.{WEIGHTS}", reference=weights, kind=WEIGHTS),
+        ]
     return [
-        NodeSpec(gate, gate),
-        NodeSpec(f"{path}.{CHOICES}", f"{path}.{CHOICES}", reference=chosen, kind=CHOICES, chosen_from=gate),
-        NodeSpec(f"{path}.{WEIGHTS}", f"{path}.{WEIGHTS}", reference=weights, kind=WEIGHTS),
+        NodeSpec(gate, gate, reference=logits),
+        *routing,
         *(NodeSpec(f"{fused}.{e}", f"{fused}.{e}", kind="expert") for e in range(experts)),
         NodeSpec(fused, fused, kind="experts"),
     ]
@@ -130,7 +148,8 @@ def discover_nodes(model: nn.Module, facts: ArchFacts) -> list[NodeSpec]:
         elif _is_attention(module):
             nodes += [NodeSpec(f"{path}.{suffix}", f"{path}.{suffix}") for suffix in SUFFIXES]
         elif moe is not None:
-            nodes += _moe_nodes(path, *moe)
+            returns = router_outputs(dict(module.named_children())[moe[0]]) if moe[3] is None else None
+            nodes += _moe_nodes(path, *moe, router_returns=returns)
             inside_moe |= {f"{path}.{moe[0]}", f"{path}.{moe[1]}"}
             router = dict(module.named_children())[moe[0]]
             inside_moe |= {f"{path}.{moe[0]}.{n}" for n, _ in router.named_children() if not calls_child(router, n)}
