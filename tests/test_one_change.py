@@ -409,3 +409,51 @@ def test_a_gate_moved_before_a_norm_in_the_reference_is_named_too():
         "0.norm's input gate (operand 1 of the product it reads) applied after its normalisation (norm(x) * g), not "
         "before (norm(x * g))"
     )
+
+
+class Gates(torch.nn.Module):
+    """RecurrentGemma-like gates: two per-head products of one input with a bias view each (``baddbmm``), a decay
+    ``-8 * softplus``, and a bias added to a rate: the sites of the search's sign and parameter changes."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(10)
+        self.w_in, self.w_rec = (torch.nn.Parameter(torch.randn(2, 4, 4, generator=g)) for _ in range(2))
+        self.b_in, self.b_rec = (torch.nn.Parameter(torch.randn(2, 4, generator=g)) for _ in range(2))
+        self.lam = torch.nn.Parameter(torch.randn(8, generator=g))
+        self.dt_bias = torch.nn.Parameter(torch.randn(8, generator=g))
+
+    def forward(self, x):  # (tokens, 8)
+        heads = x.reshape(-1, 2, 4).transpose(0, 1)
+        gate_in = torch.sigmoid(torch.baddbmm(self.b_in[:, None, :], heads, self.w_in).transpose(0, 1).reshape(-1, 8))
+        gate_rec = torch.sigmoid(
+            torch.baddbmm(self.b_rec[:, None, :], heads, self.w_rec).transpose(0, 1).reshape(-1, 8)
+        )
+        decay = torch.exp(-8.0 * gate_rec * F.softplus(self.lam))
+        rate = x + self.dt_bias[None, :]
+        return gate_in * decay * rate
+
+
+def _gates(x, m: Gates, swap=False, sign=False, small=False, twice=False) -> torch.Tensor:
+    """:class:`Gates`' output with one thing written otherwise (the user's side of a fault)."""
+    (w_in, b_in), (w_rec, b_rec) = (
+        ((m.w_rec, m.b_rec), (m.w_in, m.b_in)) if swap else ((m.w_in, m.b_in), (m.w_rec, m.b_rec))
+    )
+    heads = x.reshape(-1, 2, 4).transpose(0, 1)
+    gate_in = torch.sigmoid((heads @ w_in + b_in[:, None, :]).transpose(0, 1).reshape(-1, 8))
+    gate_rec = torch.sigmoid((heads @ w_rec + b_rec[:, None, :]).transpose(0, 1).reshape(-1, 8))
+    decay = torch.exp((-1.0 if small else -8.0) * gate_rec * F.softplus(-m.lam if sign else m.lam))
+    return gate_in * decay * (x + m.dt_bias * (2 if twice else 1))
+
+
+def test_gates_swapped_with_their_bias_views_a_sign_a_constant_s_size_and_a_bias_twice_are_named():
+    model, x = torch.nn.Sequential(Gates()).eval(), torch.randn(6, 8, generator=torch.Generator().manual_seed(11))
+    words = _changes_named(model, x)
+    m = model[0]
+    with torch.no_grad():
+        assert words(_gates(x, m)) == []
+        assert words(_gates(x, m, swap=True))[0] == "the parameters 0.b_in / 0.b_rec and 0.w_in / 0.w_rec swapped " \
+            "(two products of one input)"  # fmt: skip
+        assert words(_gates(x, m, sign=True))[0] == "softplus of the negated input"
+        assert words(_gates(x, m, small=True))[0] == "the factor -8 left out, its sign kept (-1)"
+        assert words(_gates(x, m, twice=True))[0] == "0.dt_bias (offset) added twice"

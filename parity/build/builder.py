@@ -288,7 +288,7 @@ def build_reference(reference_cls, hf_config, state_dict: Mapping[str, torch.Ten
         reasons = [line.strip() for line in str(e).splitlines()[1:] if line.strip()]
         text = summary(reasons, what="tensors in all") if reasons else one_line(e)
         raise LoaderError(f"{name} rejects the state dict: {text}") from None
-    tied_targets = set(getattr(reference, "_tied_weights_keys", None) or {}) if hf_config.tie_word_embeddings else set()
+    tied_targets = set(tied_weights(reference)) if hf_config.tie_word_embeddings else set()
     missing = [k for k in result.missing_keys if k not in tied_targets]
     if missing or result.unexpected_keys:
         raise LoaderError(
@@ -476,7 +476,15 @@ class Reference:
 
     @property
     def tied_keys(self) -> dict[str, str]:
-        return dict(getattr(self.model, "_tied_weights_keys", None) or {}) if self.hf_config.tie_word_embeddings else {}
+        return tied_weights(self.model) if self.hf_config.tie_word_embeddings else {}
+
+
+def tied_weights(model) -> dict[str, str]:
+    """A Transformers model's ties, target key -> source key: every tie its submodules declare, expanded
+    (``all_tied_weights_keys``: Zamba2's shared blocks tied by prefix, each of their weights), else the model's own
+    ``_tied_weights_keys`` (the head tied to the embedding)."""
+    expanded = getattr(model, "all_tied_weights_keys", None)
+    return dict(expanded or getattr(model, "_tied_weights_keys", None) or {})
 
 
 def random_weights(reference_cls, hf_config, seed: int, dtype: torch.dtype, what: str) -> dict[str, torch.Tensor]:

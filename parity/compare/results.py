@@ -345,12 +345,38 @@ def compare_traces(
 CAPTURED = ("q_rot", "k_rot", "scores", "probs", "context")
 
 
+#: reference ``Trace.extras`` key: the nodes whose module holds only weights tied to another module's (Zamba2's
+#: shared blocks repeated across layers, each use with its own adapters): a copy the reference may never run
+TIED_COPIES = "tied_copies"
+#: reference ``Trace.extras`` key: the nodes whose module's weight the code of the module holding it reads in a
+#: function (``self.dt_proj.weight @ x``): a module the reference may never call
+WEIGHT_READ = "weight_read"
+
+
 def _uncaptured(result: NodeResult, reference) -> NodeResult:
     """An attention node read inside the computation (q after RoPE, the scores) that the reference never
     produced while its block ran: the reference computes it in a way parity does not read (BLOOM's
     ``baddbmm`` adding ALiBi to the scores), not a module the reference skipped. Not judged; the
-    nodes after it are."""
-    if result.status != MISSING or result.shape_ref is not None or result.kind not in CAPTURED:
+    nodes after it are. So too a module whose weights are all tied to another's that the reference never ran
+    (:data:`TIED_COPIES`): ours' module holding those weights runs for the other."""
+    if result.status != MISSING or result.shape_ref is not None:
+        return result
+    if result.name in getattr(reference, "extras", {}).get(WEIGHT_READ, ()):
+        return replace(
+            result,
+            status=UNTAPPED,
+            detail="the reference never calls this module: its code reads the module's weight in a function "
+            "(Jamba's self.dt_proj.weight @ x, its bias added later), so there is no output to compare; not "
+            "judged, the nodes after it are",
+        )
+    if result.name in getattr(reference, "extras", {}).get(TIED_COPIES, ()):
+        return replace(
+            result,
+            status=UNTAPPED,
+            detail="the reference never ran this module, whose weights are all tied to another module's (a shared "
+            "block used again with other adapters): ours' module holding them runs for that other one; not judged",
+        )
+    if result.kind not in CAPTURED:
         return result
     stem = result.name.rsplit(".", 1)[0]
     if not any(name.startswith(stem + ".") for name in reference.tensors):

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import cast
 
 import torch
 
+from parity.compare.results import TIED_COPIES
 from parity.diagnose.evidence import EXPLAINS, Evidence, fmt_list, rel, same_input, whose
 from parity.diagnose.hints import Hint
 from parity.record.hf_capture import OUTPUT_PROJECTIONS
@@ -174,10 +176,14 @@ def norm_weight_source(e: Evidence) -> Hint | None:
         y = y.double().flatten(0, -2)
         return (y * x_hat).sum(0) / x_hat.pow(2).sum(0).clamp_min(1e-300)
 
-    others = {
+    tied = cast(frozenset, e.ref_trace.extras.get(TIED_COPIES, frozenset()))
+    others = {  # another norm's weight; not a copy of this one's the model ties to it (Zamba2's shared blocks)
         name: w.double() + offset
         for name, w in e.ref_trace.weights.items()
-        if name != e.name and is_norm(e.facts.locate(name)[1]) and w.shape == own.shape
+        if name != e.name
+        and is_norm(e.facts.locate(name)[1])
+        and w.shape == own.shape
+        and not (name in tied and e.name in tied and torch.equal(w, own))
     }
     for side, y, other_y in (("ours", e.ours, e.ref), ("the reference", e.ref, e.ours)):
         w_side, w_other = applied(y), applied(other_y)

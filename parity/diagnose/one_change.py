@@ -16,7 +16,9 @@ by one, a grouped mean taken over every group together, a gated norm's gate appl
 normalisation, a conv's kernel read in reverse, the weights of two projections of one input swapped, a gain read
 as ``1 + w``, a softmax-style scale ``1 / sqrt(d)`` taken from another of the config's sizes, a per-head fused
 output (each head's q, k and v together) read as whole blocks, a top-k keeping every entry, a square weight read
-transposed, a config float read as its class's default, a gate moved across a norm (both ways), a delta-rule scan
+transposed (two on nearby lines together), the parameters of two products of one input swapped (their views too),
+an activation of the negated input, a negative factor's size left out with its sign kept, a bias added twice, a
+config float read as its class's default, a gate moved across a norm (both ways), a delta-rule scan
 run with its steps in another order (:mod:`parity.diagnose.scan_order`); an in-place op (``a /= s``) is changed from
 its input's value before it; then, in a second
 pass, a term of a sum left out (a skip connection) and a broadcast factor that is no parameter left out (a padding
@@ -69,6 +71,8 @@ _SPLITS = ("split", "chunk", "unbind", "tensor_split", "split_with_sizes")
 #: what a scalar operand of a product or quotient is called (any other is an offset)
 _VERBS = {"mul": "factor", "truediv": "divisor", "div": "divisor"}
 _SCALAR_OPS = {"mul", "truediv", "div", "add", "sub"}
+#: the end of a change's words: a square weight read transposed
+_TRANSPOSED = " read transposed (a square weight's last two axes swapped at load)"
 #: frames of these files are not the reference's own lines: torch's, and parity's (its recording wrappers)
 _SKIP_FILES = (str(Path(torch.__file__).parent), str(Path(__file__).parent.parent))
 
@@ -249,6 +253,24 @@ class _Changing(TorchFunctionMode):
                 continue
             words = f"the weights of {params[id(x[1])]} and {params[id(y[1])]} swapped (two projections of one input)"
             found.append(Change(a, words, _weights_swapped(x[1], y[1]), also=b))
+        # a product with a bias and a weight (``baddbmm(b, x, W)``: RecurrentGemma's gates), both swapped
+        fused = [
+            (site, func, args)
+            for site, (func, args, _kwargs) in sites
+            if site.op in ("baddbmm", "addmm") and len(args) == 3 and all(isinstance(t, torch.Tensor) for t in args)
+        ]
+        for (a, f, x), (b, _g, y) in itertools.combinations(fused, 2):
+            # a parameter or a view of one (``bias[:, None, :]``)
+            held = [
+                i for i in (0, 2) if _param_of(x[i], params) and _param_of(y[i], params) and x[i].shape == y[i].shape
+            ]
+            if x[1] is not y[1] or a == b or not held:
+                continue
+            names = " and ".join(f"{_param_of(x[i], params)} / {_param_of(y[i], params)}" for i in held)
+            words = f"the parameters {names} swapped (two products of one input)"
+            base = {i: (_base(x[i]), _base(y[i])) for i in held}  # the parameters (a view's base)
+            partners = {id(u): v for u, v in base.values()} | {id(v): u for u, v in base.values()}
+            found.append(Change(a, words, _operands_swapped(f, partners), also=b))
         return found
 
     def outputs(self, sites: list[tuple[Site, tuple]]) -> list[tuple[Site, tuple]]:
@@ -315,6 +337,8 @@ def changes(site: Site, func, args: tuple, kwargs: dict, params: dict[int, str])
     found: list[Change] = []
     if op in _ACTIVATIONS and x is not None:
         found.append(Change(site, f"{op} left out", _operand(0)))
+        if op in ("softplus", "sigmoid"):  # a sign error in a parameterisation (softplus(-L) for softplus(L))
+            found.append(Change(site, f"{op} of the negated input", _applied(_negated(_ACTIVATIONS[op]))))
         for name, act in _ACTIVATIONS.items():
             if name != op:
                 found.append(Change(site, f"{name} in place of {op}", _applied(act)))
@@ -374,11 +398,11 @@ def changes(site: Site, func, args: tuple, kwargs: dict, params: dict[int, str])
         if isinstance(dim, int) and x.dim() >= 1:
             words = f"topk over every one of the {x.shape[dim]} entries (no selection: every expert kept)"
             found.append(Change(site, words, _every(func, dim)))
-    elif op in ("matmul", "bmm", "linear") and len(args) > 1:
-        for k in (0, 1):
+    elif op in ("matmul", "bmm", "linear", "baddbmm", "addmm") and len(args) > 1:
+        for k in range(len(args)):
             w = args[k]
             if isinstance(w, torch.Tensor) and id(w) in params and w.dim() >= 2 and w.shape[-1] == w.shape[-2] > 1:
-                words = f"{params[id(w)]} read transposed (a square weight's last two axes swapped at load)"
+                words = f"{params[id(w)]}{_TRANSPOSED}"
                 found.append(Change(site, words, _transposed_operand(func, k)))
     elif op in ("view", "reshape") and x is not None and x.dim() >= 2:
         for k in (2, 3):
@@ -388,6 +412,24 @@ def changes(site: Site, func, args: tuple, kwargs: dict, params: dict[int, str])
             )
             found.append(Change(site, words, _blocked(k)))
     return found
+
+
+def _negated(act: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``act`` of the negated input."""
+
+    def negated(t: torch.Tensor) -> torch.Tensor:
+        return act(-t)
+
+    return negated
+
+
+def _scaled(c: float) -> Callable[[tuple, dict, torch.Tensor], torch.Tensor]:
+    """A rewrite multiplying the call's output by ``c``."""
+
+    def rewrite(args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor:
+        return out * c
+
+    return rewrite
 
 
 def _every(func, dim: int) -> Callable[[tuple, dict, object], object]:
@@ -466,11 +508,17 @@ def _operand_left_out(site: Site, args: tuple, params: dict[int, str]) -> list[C
             continue
         if isinstance(drop, int | float) and drop not in identity and not isinstance(drop, bool):
             found.append(Change(site, f"the {verb} {drop:.6g} left out", _operand(k)))
-        elif isinstance(drop, torch.Tensor) and id(drop) in params:
-            found.append(Change(site, f"{params[id(drop)]} ({verb}) left out", _operand(k)))
+            if verb == "factor" and drop < 0 and drop != -1:  # ``-8.0 * x`` written ``-x``: the constant's size
+                found.append(
+                    Change(site, f"the factor {drop:.6g} left out, its sign kept (-1)", _scaled(1 / abs(drop)))
+                )
+        elif isinstance(drop, torch.Tensor) and (name := _param_of(drop, params)) is not None:  # or a view of one
+            found.append(Change(site, f"{name} ({verb}) left out", _operand(k)))
             if verb == "factor":  # a gain stored as an offset from one (Gemma's, Qwen3.5's norms) read as is
-                words = f"1 + {params[id(drop)]} in place of {params[id(drop)]} (a gain read as an offset from one)"
+                words = f"1 + {name} in place of {name} (a gain read as an offset from one)"
                 found.append(Change(site, words, _plus_operand(k)))
+            if _arithmetic(site.op) == "add":  # a bias added in a projection and again where the reference adds it
+                found.append(Change(site, f"{name} (offset) added twice", _plus_operand(d)))
     return found
 
 
@@ -1078,6 +1126,37 @@ def _merges_to(t: torch.Tensor, own: torch.Tensor) -> bool:
     return t.dim() == 4 and (t.shape[0], t.shape[2], t.shape[1] * t.shape[3]) == tuple(own.shape)
 
 
+def _param_of(t, params: dict[int, str]) -> str | None:
+    """The name of the parameter ``t`` is, or is a view of (``bias[:, None, :]``); None for any other tensor."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    return params.get(id(t)) or (params.get(id(t._base)) if t._base is not None else None)
+
+
+def _base(t: torch.Tensor) -> torch.Tensor:
+    """The tensor ``t`` views (itself when it views none)."""
+    return t._base if t._base is not None else t
+
+
+def _operands_swapped(func, others: dict[int, torch.Tensor]) -> Callable[[tuple, dict, torch.Tensor], torch.Tensor]:
+    """A rewrite running the product with each operand that is (a view of) a parameter in ``others`` (by the
+    parameter's id) replaced by its partner, viewed alike (``bias[:, None, :]`` of the other bias)."""
+
+    def swapped(a):
+        if not isinstance(a, torch.Tensor) or id(_base(a)) not in others:
+            return a
+        partner = others[id(_base(a))]
+        return partner if a is _base(a) else partner.reshape(a.shape)
+
+    def rewrite(args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor:
+        new = tuple(swapped(a) for a in args)
+        if all(n is a for n, a in zip(new, args, strict=True)):
+            return out
+        return func(*new, **kwargs)
+
+    return rewrite
+
+
 def _weights_swapped(a: torch.Tensor, b: torch.Tensor) -> Callable[[tuple, dict, torch.Tensor], torch.Tensor]:
     """A rewrite running a projection with weight ``a`` on ``b`` and one with ``b`` on ``a`` (biases kept)."""
 
@@ -1098,6 +1177,13 @@ def _with_pairs(found: list[Change]) -> list[Change]:
         x, y = a.site, b.site
         if a.words == b.words and x.op == y.op and x.file == y.file and 0 < abs(y.line - x.line) <= 2:
             pairs.append(Change(x, a.words, a.rewrite, also=y))
+    # two square weights read transposed on nearby lines (each of two gates' per-head blocks), named together
+    transposed = [c for c in found if c.words.endswith(_TRANSPOSED)]
+    for a, b in itertools.combinations(transposed, 2):
+        x, y = a.site, b.site
+        if x.op == y.op and x.file == y.file and 0 < abs(y.line - x.line) <= 3:
+            words = f"{a.words.removesuffix(_TRANSPOSED)} and {b.words.removesuffix(_TRANSPOSED)}{_TRANSPOSED}"
+            pairs.append(Change(x, words, a.rewrite, also=y))
     return found + pairs
 
 

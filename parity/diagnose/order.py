@@ -9,7 +9,9 @@ independent of any value.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import cast
 
+from parity.compare.results import TIED_COPIES
 from parity.diagnose.evidence import Evidence, fmt_list
 from parity.diagnose.hints import Hint
 from parity.model.facts import ArchFacts
@@ -37,6 +39,18 @@ def execution_order(e: Evidence) -> Hint | None:
     ours_common = [layer for layer in ours if layer in common]
     if len(common) < 2 or ours_common == common:
         return None
+    if e.name in cast(
+        frozenset, e.ref_trace.extras.get(TIED_COPIES, frozenset())
+    ):  # a block the reference ties across layers
+        return Hint(
+            "wrong_module",
+            f"likely the shared block run for another layer: {e.name}'s weights are tied across layers (one block "
+            "run for each layer that uses it, each use with its own adapters), and ours' uses of it come in another "
+            f"order than the reference's (the nodes' layers: ours {fmt_list(ours_common, 8)}, the reference "
+            f"{fmt_list(common, 8)}): the block or adapters chosen for each layer by another rule (the layer's index "
+            "where the count of the layers using shared blocks was meant, or the reverse)",
+            {"ours": ours_common, "reference": common, "shared": e.name},
+        )
     return Hint(
         "execution_order",
         f"likely the layers run in another order: ours runs layers {fmt_list(ours_common, 8)}, the reference "

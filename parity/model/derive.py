@@ -163,7 +163,7 @@ def derive_facts(config, model=None) -> ArchFacts:
         else "rmsnorm",
         norm_eps=float(eps) if eps is not None else None,
         logit_scale=_get(config, "logit_scale"),
-        final_softcap=_get(config, "final_logit_softcapping"),
+        final_softcap=_get(config, "final_logit_softcapping") or _get(config, "logits_soft_cap"),  # RecurrentGemma
         attn_softcap=_get(config, "attn_logit_softcapping"),
         clip_qkv=_get(config, "clip_qkv") or _clip_in_attn_config(config),
         tie_word_embeddings=bool(_get(config, "tie_word_embeddings", default=False)),

@@ -594,6 +594,9 @@ class FunctionCapture(TorchFunctionMode):
         # cut in another layout than its weight matches nothing): a bias-like vector ours adds next is theirs
         self._biased = {n for n in self.biases.by_storage.values() if n} | set(expects_bias)
         self._unbiased: dict[int, tuple[str, torch.Tensor]] = {}
+        #: a product waiting for its bias that ours added to another tensor first (the residual): ``id(sum) ->
+        #: the product``, recorded with the bias if the sum's next add is that bias
+        self._carried: dict[int, torch.Tensor] = {}
         #: results of products that keep an axis of the weight (``einsum("bnsh,nhd->bnsd", ctx, W_O)``: one
         #: output per head), ``id -> (node, that axis in the result, result)``, until the model sums it
         self._per_axis: dict[int, tuple[str, int, torch.Tensor]] = {}
@@ -971,6 +974,7 @@ class FunctionCapture(TorchFunctionMode):
             rows = self._part_rows.pop(key, None)
             self.record_param(node, out, **({} if rows is None else {"part": rows}))
         self._unbiased.clear()
+        self._carried.clear()
         if self._weighted is not None:  # a norm's weight applied last, nothing read it after
             self.record_param(self._weighted[0], self._weighted[1])
             self._weighted = None
@@ -1023,14 +1027,34 @@ class FunctionCapture(TorchFunctionMode):
         if not waiting:
             return False, args, None
         i, result = waiting[0]
-        node, _ = self._unbiased.pop(id(result))
+        node, product = self._unbiased.pop(id(result))
+        carried = self._carried.pop(id(result), None)
         rows = self._part_rows.pop(id(result), None)
         part = {} if rows is None else {"part": rows}
         others = [a for j, a in enumerate(args) if j != i]
-        if op_name(func) in ("add", "__add__", "__radd__") and any(self.biases.of(a) is not None for a in others):
+        adds = op_name(func) in ("add", "__add__", "__radd__")
+        bias = next((a for a in others if self.biases.of(a) is not None), None) if adds else None
+        if bias is not None and carried is not None:  # ``h + x @ W + b``: the product plus its bias, h apart
+            self.record_param(node, carried + bias, **part)
+            return True, args, func(*args, **kwargs)
+        if bias is not None:
             # its bias, or another node's (a loader that gave this layer another layer's bias): what ours adds
             return True, args, self.record_param(node, func(*args, **kwargs), **part)
-        value = self.record_param(node, result, **part)
+        if (
+            adds
+            and carried is None
+            and len(others) == 1
+            and isinstance(others[0], torch.Tensor)
+            and others[0].shape == result.shape
+        ):  # the product added to the residual first (``h + x @ W + b``): its bias may come next, to the sum
+            out = func(*args, **kwargs)
+            self._unbiased[id(out)], self._carried[id(out)] = (node, product), result
+            if rows is not None:
+                self._part_rows[id(out)] = rows
+            return True, args, out
+        value = self.record_param(node, product if carried is not None else result, **part)
+        if carried is not None:  # a sum with the residual is no node's value: nothing replaced in it
+            return False, args, None
         return False, tuple(value if j == i else a for j, a in enumerate(args)), None
 
     def _param_node(self, func, args, vector: bool = False) -> str | None:

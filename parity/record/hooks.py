@@ -21,6 +21,7 @@ import contextlib
 import contextvars
 import inspect
 import itertools
+import re
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -138,6 +139,9 @@ class _Recording:
     blocks: dict[str, tuple[str, bool]] = field(default_factory=dict)
     #: the :data:`FUNCTIONS` block ours computes now (between its first projection read and its last)
     in_block: str | None = None
+    #: a module of ours several nodes read the output of in turn (one block ours runs for each layer that
+    #: shares it, Zamba2's) -> the calls it has started in this forward
+    turns: dict[str, int] = field(default_factory=dict)
 
 
 def active_trace() -> Trace | None:
@@ -228,6 +232,24 @@ def functional_tap(rec: _Recording, name: str, tensor: torch.Tensor) -> torch.Te
     return returned
 
 
+def _turns(points: Sequence[tuple[str, str]], transforms: dict) -> dict[str, tuple[str, int]]:
+    """Node -> (module path, which call of it is the node's) for the nodes that read one module's whole output
+    in turn: several nodes on one module path of ours, none of them its input, a named argument or a part (no
+    transform): the block ours holds once and runs for each layer that shares it (Zamba2's shared transformer,
+    tied in the reference across layers); the k-th node, in execution order, is its k-th call."""
+    by_path: dict[str, list[str]] = {}
+    for name, path in points:
+        module_path, is_input, item = split_path(path)
+        if module_path and not is_input and "@" not in module_path and name not in transforms:
+            by_path.setdefault(f"{module_path}#{item}" if item is not None else module_path, []).append(name)
+    return {
+        name: (split_path(key)[0], k)
+        for key, names in by_path.items()
+        if len(names) > 1 and len({re.sub(r"\.\d+(?=\.|$)", ".N", n) for n in names}) == 1  # one node, other layers
+        for k, name in enumerate(names)
+    }
+
+
 def _joined(rec: _Recording, tensors, out: torch.Tensor) -> None:
     """A concatenation of the outputs of several calls of one node's module (an MLP run over chunks of
     the tokens): the concatenation is the node, recorded in place of the first call's output."""
@@ -286,10 +308,27 @@ def _record_param(
     if all(rec.trace.recorded(n) for n in nodes):
         return _read_again(rec.trace, nodes[0], tensor)
     value = tensor
+    taken: list[str] = []
     for other in nodes:
-        if not rec.trace.recorded(other):
-            value = _record_value(rec, other, value)
+        if rec.trace.recorded(other):
+            continue
+        view = rec.transforms.get(other)
+        if any(_same_view(view, rec.transforms.get(t)) for t in taken):
+            continue  # the same view as a node this read records: a tied copy the reference runs later (its turn)
+        value = _record_value(rec, other, value)
+        taken.append(other)
     return value
+
+
+def _same_view(a, b) -> bool:
+    """Whether two nodes read one parameter the same way (no transform, or equal ones): the reference's tied
+    copies of one module (Zamba2's shared block in each layer using it), each a later read of it in ours."""
+    if a is None or b is None:
+        return a is b
+    try:
+        return a is b or bool(a == b)
+    except Exception:  # a transform that cannot be compared: not the same view
+        return False
 
 
 def _record_part(rec: _Recording, node: str, tensor: torch.Tensor, rows: Callable) -> torch.Tensor:
@@ -482,6 +521,14 @@ def recording(
     handles = _module_stack_hooks(model, rec) if taps or module_stack or functional is not None else []
     modules = dict(model.named_modules())
     unresolved = cast("set[str]", trace.extras.setdefault(UNRESOLVED, set()))
+    turns = _turns(points, transforms)
+    for path in {p for p, _ in turns.values()}:
+        if path in modules:
+
+            def started(mod, args, _path=path):
+                rec.turns[_path] = rec.turns.get(_path, -1) + 1
+
+            handles.append(modules[path].register_forward_pre_hook(started))
     for name, path in points:
         module_path, is_input, item = split_path(path)
         module_path, at, argument = module_path.partition("@")  # a named forward argument: a.b@name
@@ -523,7 +570,9 @@ def recording(
             handles.append(module.register_forward_pre_hook(argument_hook, with_kwargs=True))
         else:
 
-            def hook(mod, args, output, _name=name, _t=transform, _n=item):
+            def hook(mod, args, output, _name=name, _t=transform, _n=item, _turn=turns.get(name)):
+                if _turn is not None and rec.turns.get(_turn[0]) != _turn[1]:
+                    return None  # another node's call of this module (the one ours runs for each layer sharing it)
                 trace.add(_name, _item(output, _n), _t)
                 _enter_block(rec, _name)
                 new = replacement(_name, _item(output, _n))

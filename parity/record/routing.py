@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import cast
 
 import torch
+from torch import nn
 
 from parity.record.ops import LOOKUPS, op_name
 
@@ -71,8 +72,20 @@ def router_outputs(module) -> dict[str, int]:
     """Which output of a top-k router is its logits, its weights and its chosen experts, read from the names
     its forward returns (``return router_scores, router_logits``: Llama 4's, scores first and no choice);
     :data:`ROUTER_OUTPUTS` when the forward returns no tuple of plain names or a name says nothing."""
+    cls = type(module)
+    if cls not in _OUTPUTS:
+        _OUTPUTS[cls] = _router_outputs(cls)
+    return dict(_OUTPUTS[cls])
+
+
+#: router class -> :func:`router_outputs` (its source parsed once per class)
+_OUTPUTS: dict[type[nn.Module], dict[str, int]] = {}
+
+
+def _router_outputs(cls: type[nn.Module]) -> dict[str, int]:
+    """:func:`router_outputs` of a router class."""
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(type(module).forward)))
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
     except (OSError, TypeError, SyntaxError):
         return dict(ROUTER_OUTPUTS)
     returns = [n.value for n in ast.walk(tree) if isinstance(n, ast.Return) and isinstance(n.value, ast.Tuple)]

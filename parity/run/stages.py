@@ -17,6 +17,7 @@ from typing import cast
 
 import torch
 
+from parity.build.builder import tied_weights
 from parity.build.coverage import SCALED
 from parity.compare.metrics import CHUNK, MISMATCH, MISSING, SHAPE, UNTAPPED, chunks
 from parity.compare.padding import unpadded_rows
@@ -25,6 +26,8 @@ from parity.compare.results import (
     QK_KINDS,
     QK_MOVED,
     RECORDED_ELSEWHERE,
+    TIED_COPIES,
+    WEIGHT_READ,
     WEIGHTS_MOVED,
     NodeResult,
     NodeStream,
@@ -159,7 +162,56 @@ def trace_reference(pair: Pair, run: Run, model=None, sink=None, into: Trace | N
                 f"the reference ({type(model).__name__}) cannot run this config: {reason[:300]}"
             ) from None
     trace.extras[SCALARS] = reference_scalars(model)
+    trace.extras[TIED_COPIES] = tied_copies(model, pair.nodes)
+    trace.extras[WEIGHT_READ] = weights_read(model, pair.nodes)
     return trace
+
+
+def weights_read(model: torch.nn.Module, nodes) -> frozenset[str]:
+    """The nodes whose module's weight the code of its parent reads directly (``self.dt_proj.weight @ x``:
+    Jamba's mixer calls dt_proj only for a quantized model): a module the reference may never call."""
+    modules = dict(model.named_modules())
+    found = set()
+    for node in nodes:
+        path = node.reference_path.partition("#")[0].partition("@")[0]
+        parent, _, child = path.rpartition(".")
+        owner = modules.get(parent)
+        if owner is None or not isinstance(getattr(modules.get(path), "weight", None), torch.Tensor):
+            continue
+        if f"self.{child}.weight" in _class_source(type(owner)):
+            found.add(node.name)
+    return frozenset(found)
+
+
+#: class -> its source text (reading it parses its module: tens of milliseconds, so once per class)
+_SOURCES: dict[type, str] = {}
+
+
+def _class_source(cls: type) -> str:
+    """A class's source text, read once per class; "" where it has none."""
+    if cls not in _SOURCES:
+        try:
+            _SOURCES[cls] = inspect.getsource(cls)
+        except (OSError, TypeError):
+            _SOURCES[cls] = ""
+    return _SOURCES[cls]
+
+
+def tied_copies(model: torch.nn.Module, nodes) -> frozenset[str]:
+    """The nodes whose reference module holds parameters and every one of them is tied, as the model declares
+    (``all_tied_weights_keys``), to another module's: Zamba2's shared transformer block under each layer that uses
+    it. A parameter two modules share by accident (a patched reference) is no declared tie."""
+    ties = tied_weights(model)
+    tied = set(ties) | set(ties.values())
+    modules = dict(model.named_modules(remove_duplicate=False))
+    found = set()
+    for node in nodes:
+        path = node.reference_path.partition("#")[0].partition("@")[0]
+        module = modules.get(path)
+        own = [name for name, _ in module.named_parameters(recurse=False)] if module is not None else []
+        if own and all(f"{path}.{name}" in tied for name in own):
+            found.add(node.name)
+    return frozenset(found)
 
 
 def reference_scalars(model: torch.nn.Module) -> dict[str, float]:

@@ -642,6 +642,11 @@ class _Aligner:
         if ancestor in set(inside) and ancestor not in owners and ancestor not in stacked:
             self.why[path] = f"its weighted modules in ours meet at {ancestor}, which is one of them"
             return None
+        if ancestor == "" and path and any(o not in inside for o in outside):
+            # a layer whose modules ours keeps apart (shared blocks, mixers) meets them only at the model's root,
+            # whose output is the logits
+            self.why[path] = "its weighted modules in ours meet only at the model's root, which holds other blocks too"
+            return None
         if any(o == ancestor or o.startswith(ancestor + ".") for o in outside if o not in inside):
             self.why[path] = f"{ancestor or 'the model'} also holds modules of other reference blocks"
             return None
