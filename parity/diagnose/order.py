@@ -39,9 +39,8 @@ def execution_order(e: Evidence) -> Hint | None:
     ours_common = [layer for layer in ours if layer in common]
     if len(common) < 2 or ours_common == common:
         return None
-    if e.name in cast(
-        frozenset, e.ref_trace.extras.get(TIED_COPIES, frozenset())
-    ):  # a block the reference ties across layers
+    tied = cast(frozenset, e.ref_trace.extras.get(TIED_COPIES, frozenset()))
+    if e.name in tied:  # a block the reference ties across layers
         return Hint(
             "wrong_module",
             f"likely the shared block run for another layer: {e.name}'s weights are tied across layers (one block "
