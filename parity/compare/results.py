@@ -332,7 +332,7 @@ def compare_traces(
             for index, name in enumerate(node_order(reference, nodes, list(getattr(ours, "calls", {}))))
         ]
     calls = getattr(ours, "calls", {})
-    results = [_uncaptured(_input_of_functional(r, calls), reference) for r in results]
+    results = [_never_produced(_input_of_functional(r, calls), reference) for r in results]
     absorbed = getattr(ours, "extras", {}).get(ABSORBED)
     if absorbed:
         results = [_absorbed(r, absorbed) for r in results]
@@ -353,12 +353,13 @@ TIED_COPIES = "tied_copies"
 WEIGHT_READ = "weight_read"
 
 
-def _uncaptured(result: NodeResult, reference) -> NodeResult:
+def _never_produced(result: NodeResult, reference) -> NodeResult:
     """An attention node read inside the computation (q after RoPE, the scores) that the reference never
     produced while its block ran: the reference computes it in a way parity does not read (BLOOM's
     ``baddbmm`` adding ALiBi to the scores), not a module the reference skipped. Not judged; the
     nodes after it are. So too a module whose weights are all tied to another's that the reference never ran
-    (:data:`TIED_COPIES`): ours' module holding those weights runs for the other."""
+    (:data:`TIED_COPIES`): ours' module holding those weights runs for the other; and one whose weight its parent
+    reads in a function instead of calling it (:data:`WEIGHT_READ`)."""
     if result.status != MISSING or result.shape_ref is not None:
         return result
     if result.name in getattr(reference, "extras", {}).get(WEIGHT_READ, ()):
@@ -626,7 +627,7 @@ class NodeStream:
         )
         # an internal the reference computes where parity does not read it is no failure, here already (the
         # results after the forward say so too): the failure after it is the first, and is kept
-        result = _uncaptured(result, self.reference) if ref is None else result
+        result = _never_produced(result, self.reference) if ref is None else result
         if spec.kind in ("probs", "context") and result.status != OK and ref is not None:
             stem = name.rsplit(".", 1)[0]
             judged, self._sink_mass[stem] = rescaled_by_sink(result, ours, ref, self._sink_mass.get(stem))

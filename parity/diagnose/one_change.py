@@ -906,7 +906,7 @@ def search(
             found.append((change, targets[matched].name))
         elif (
             change.patch is not None
-            and change.words.endswith(scan_order.ORDERS[scan_order.OWN])
+            and getattr(change.patch[2], "order", None) == scan_order.OWN
             and not (mode.applied and kept_shape and all(targets[i].recorded(values[i]) for i in kept_shape))
         ):
             unreproduced.add(change.patch[1])  # the replacement does not compute what the original does
@@ -1130,7 +1130,7 @@ def _param_of(t, params: dict[int, str]) -> str | None:
     """The name of the parameter ``t`` is, or is a view of (``bias[:, None, :]``); None for any other tensor."""
     if not isinstance(t, torch.Tensor):
         return None
-    return params.get(id(t)) or (params.get(id(t._base)) if t._base is not None else None)
+    return params.get(id(t)) or params.get(id(_base(t)))
 
 
 def _base(t: torch.Tensor) -> torch.Tensor:

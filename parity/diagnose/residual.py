@@ -9,6 +9,7 @@ the side that differs whichever side the fault sits on.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import cast
 
 import torch
 
@@ -212,29 +213,31 @@ def _coefficients_differ(e: Evidence, x: torch.Tensor, f: torch.Tensor, branch: 
     residual multiplier (Granite's, MiniCPM's depth scale) applied to the other term, taken from
     another field of the config, applied to the sum, or rounded to a lower precision; each coefficient
     named by the config constant it equals."""
-    ours, ref = _coefficients(e.ours, x, f, tol), _coefficients(e.ref, x, f, tol)
+    # x: the stream point, else the stream's normalised value (MiniMax adds its branch to the normed input)
     normed = _normed_stream(e, stream)
-    if normed is not None and (ours is None) != (ref is None):
-        # one side adds the branch to the stream, the other to the stream's normalised value (MiniMax's residual)
-        side_fit = _coefficients((e.ref if ours is not None else e.ours), normed[1], f, tol)
-        if side_fit is not None:
-            fits = {"ours": (stream, ours or side_fit), "the reference": (stream, ref or side_fit)}
-            fits["the reference" if ours is not None else "ours"] = (normed[0], side_fit)
-            text = "; ".join(f"{side} {c[0]:.7g} x + {c[1]:.7g} f(x) with x = {at}" for side, (at, c) in fits.items())
-            return Hint(
-                "residual",
-                f"likely the residual connection: the two sides add f(x) = {branch} to another x ({text}): the "
-                f"residual taken from the normalised input ({normed[0]}'s output, MiniMax's) on one side, from the "
-                "stream itself on the other",
-                {"ours": fits["ours"][0], "reference": fits["the reference"][0], "branch": branch},
-            )
-    if ours is None and ref is None and normed is not None:  # both add to the normalised input: its coefficients
-        on_normed = _coefficients(e.ours, normed[1], f, tol), _coefficients(e.ref, normed[1], f, tol)
-        if on_normed[0] is not None and on_normed[1] is not None:
-            (ours, ref), x, stream = on_normed, normed[1], normed[0]
-    if ours is None and ref is None:
-        return _branch_coefficients_differ(e, x, stream, tol)
-    if ours is None or ref is None or max(abs(o - r) / max(abs(r), 1e-12) for o, r in zip(ours, ref)) < 1e-6:
+    points = [(stream, x), *([normed] if normed is not None else [])]
+
+    def fitted(value: torch.Tensor) -> tuple[str, torch.Tensor, tuple[float, float]] | None:
+        return next(((at, p, c) for at, p in points if (c := _coefficients(value, p, f, tol)) is not None), None)
+
+    ours_fit, ref_fit = fitted(e.ours), fitted(e.ref)
+    if ours_fit is not None and ref_fit is not None and ours_fit[0] != ref_fit[0]:
+        text = "; ".join(
+            f"{side} {c[0]:.7g} x + {c[1]:.7g} f(x) with x = {at}"
+            for side, (at, _, c) in (("ours", ours_fit), ("the reference", ref_fit))
+        )
+        return Hint(
+            "residual",
+            f"likely the residual connection: the two sides add f(x) = {branch} to another x ({text}): the "
+            f"residual taken from the normalised input ({cast(tuple, normed)[0]}'s output, MiniMax's) on one side, "
+            "from the stream itself on the other",
+            {"ours": ours_fit[0], "reference": ref_fit[0], "branch": branch},
+        )
+    if ours_fit is None or ref_fit is None:
+        on_stream = any(fit is not None and fit[0] == stream for fit in (ours_fit, ref_fit))
+        return None if on_stream else _branch_coefficients_differ(e, x, stream, tol)
+    (stream, x, ours), ref = ours_fit, ref_fit[2]
+    if max(abs(o - r) / max(abs(r), 1e-12) for o, r in zip(ours, ref)) < 1e-6:
         return None
     if min(abs(c) for c in (*ours, *ref)) < 1e-3:
         return None  # a term missing (x alone: a parallel block, f alone): the wiring detectors' cases

@@ -72,6 +72,7 @@ def delta_rule(original: Callable, order: str) -> Callable:
         )
         return out, state if a.get("output_final_state") else None
 
+    scan.order = order  # type: ignore[attr-defined]  # which order it computes (OWN: the one to reproduce)
     return scan
 
 

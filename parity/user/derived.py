@@ -16,12 +16,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-from typing import cast
 
 import torch
 from torch import nn
 
-from parity.build.builder import Reference
+from parity.build.builder import Reference, construct
 from parity.build.coverage import Coverage
 
 #: at most this many keys are probed one by one (each costs a build and a forward); past it, none is
@@ -75,7 +74,7 @@ def config_buffers(reference: nn.Module | None, config, keys: list[str]) -> list
         return []
     try:
         with _parameters_on_meta():
-            fresh = dict(cast(type, type(reference))(copy.deepcopy(config)).named_buffers())
+            fresh = dict(construct(type(reference), copy.deepcopy(config)).named_buffers())
     except Exception:  # a class that cannot be built from its config alone: nothing is taken as computed
         return []
     found = []
