@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("PARITY_STRICT_DETECTORS", "1")  # a detector that raises fails its test
 
 from hypothesis import settings
 

@@ -367,6 +367,15 @@ def test_per_expert_copies_are_aligned_to_the_reference_experts_and_its_router()
             assert n.kind == "expert" and "all zeros" in n.detail
 
 
+def test_routing_weights_renormalised_in_place_are_recorded_after_it_and_pass(monkeypatch):
+    """``weights /= weights.sum(-1, keepdim=True)`` on the top-k values: the routing weights are followed through
+    the in-place division, not recorded before it."""
+    monkeypatch.setattr(conv_moe_qwen3, "IN_PLACE_RENORM", True)
+    res = parity.check_model(conv_moe_qwen3.build, "qwen3_moe", **FAST)
+    assert res.passed, res.verdict()
+    assert next(n for n in res.nodes if n.name == "model.layers.0.mlp.router.weights").status == "ok"
+
+
 @pytest.mark.parametrize(
     ("name", "kind"),
     [("no_softmax", "routing_weights"), ("no_renorm", "renormalisation")],
@@ -482,23 +491,27 @@ class _BookAttention(nn.Module):
     """q, k, v as nn.Linear, each ``(d, d)``: a square part of GPT-2's Conv1D ``c_attn`` ``(d, 3 d)``,
     transposed; the causal mask filled in place on ``q @ k^T`` before the scaling."""
 
-    def __init__(self, d: int, heads: int, scale_by_head_dim: bool = False):
+    def __init__(self, d: int, heads: int, scale_by_head_dim: bool = False, in_place: bool = False):
         super().__init__()
-        self.heads, self.scale_by_head_dim = heads, scale_by_head_dim
+        self.heads, self.scale_by_head_dim, self.in_place = heads, scale_by_head_dim, in_place
         self.q, self.k, self.v, self.out = (nn.Linear(d, d) for _ in range(4))
 
     def forward(self, x):
         b, t, d = x.shape
         q, k, v = (m(x).view(b, t, self.heads, -1).transpose(1, 2) for m in (self.q, self.k, self.v))
         scores = q @ k.transpose(-1, -2)
-        scores.masked_fill_(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
         head_dim = q.shape[-1]
+        if self.in_place:  # scaled in place before the mask (Falcon's eager attention: scores /= sqrt(d))
+            scores /= math.sqrt(head_dim)
+            scores.masked_fill_(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+            return self.out((torch.softmax(scores, dim=-1) @ v).transpose(1, 2).reshape(b, t, d))
+        scores.masked_fill_(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
         probs = torch.softmax(scores / (head_dim if self.scale_by_head_dim else math.sqrt(head_dim)), dim=-1)
         return self.out((probs @ v).transpose(1, 2).reshape(b, t, d))
 
 
 class _BookGPT2(nn.Module):
-    def __init__(self, c, scale_by_head_dim: bool = False):
+    def __init__(self, c, scale_by_head_dim: bool = False, in_place: bool = False):
         super().__init__()
         d, eps = c.n_embd, c.layer_norm_epsilon
         self.tok, self.pos = nn.Embedding(c.vocab_size, d), nn.Embedding(c.n_positions, d)
@@ -506,7 +519,7 @@ class _BookGPT2(nn.Module):
         for i in range(c.n_layer):
             block = nn.Module()
             block.ln1, block.ln2 = nn.LayerNorm(d, eps=eps), nn.LayerNorm(d, eps=eps)
-            block.attn = _BookAttention(d, c.n_head, scale_by_head_dim and i == 1)
+            block.attn = _BookAttention(d, c.n_head, scale_by_head_dim and i == 1, in_place)
             block.fc, block.proj = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
             self.blocks.append(block)
         self.ln_f, self.head = nn.LayerNorm(d, eps=eps), nn.Linear(d, c.vocab_size, bias=False)
@@ -519,9 +532,9 @@ class _BookGPT2(nn.Module):
         return self.head(self.ln_f(x))
 
 
-def build_book_gpt2(sd, c, scale_by_head_dim: bool = False) -> nn.Module:
+def build_book_gpt2(sd, c, scale_by_head_dim: bool = False, in_place: bool = False) -> nn.Module:
     assert c.activation_function == "gelu_new"
-    model, d = _BookGPT2(c, scale_by_head_dim), c.n_embd
+    model, d = _BookGPT2(c, scale_by_head_dim, in_place), c.n_embd
     with torch.no_grad():
         model.tok.weight.copy_(sd["transformer.wte.weight"])
         model.pos.weight.copy_(sd["transformer.wpe.weight"])
@@ -556,6 +569,13 @@ def test_q_k_v_cut_square_and_transposed_out_of_c_attn_pass_with_every_attention
     assert a["transformer.h.0.attn.c_attn[0:48]"].ours == "blocks.0.attn.q"  # the module computing that part
     assert a["transformer.h.1.attn.scores"].ours == "tap:blocks.1.attn.scores"
     assert sum("cut in 3 parts" in c for c in res.coverage.conversions) == 4  # weight and bias, per layer
+
+
+def test_scores_scaled_in_place_are_recorded_scaled_and_pass():
+    """``scores /= sqrt(d)`` on the product itself: the scores are the scaled product, as the reference's."""
+    res = parity.check_model(lambda sd, c: build_book_gpt2(sd, c, in_place=True), "gpt2", **FAST)
+    assert res.passed, res.verdict()
+    assert all(n.status == "ok" for n in res.nodes if n.name.endswith((".scores", ".probs")))
 
 
 def test_an_attention_scale_bug_in_a_book_gpt2_is_found_at_the_scores():

@@ -105,7 +105,8 @@ NAMED = [
     ("ministral", "mn_window_one_key_long", False, "model.layers.0.self_attn.probs", "sliding_window",
      "ours attends with a window of 8, the reference with a window of 7"),
     ("ministral", "mn_scale_hidden_over_heads", False, "model.layers.0.self_attn.scores", "attention_scale",
-     "ours scales q k^T by 0.25, the reference by 0.176777 (= 1/sqrt(head_dim=32))"),
+     "ours scales q k^T by 0.25 (= 1/sqrt(hidden_size/num_attention_heads=16)), the reference by 0.176777 (= "
+     "1/sqrt(head_dim=32))"),
     ("ministral", "mn_rope_interleaved_pairs", False, "model.layers.0.self_attn.q_rot", "rope_pairing",
      "ours rotates interleaved (2i, 2i + 1) pairs"),
     ("ministral", "mn_rope_theta_llama_default", False, "model.layers.0.self_attn.q_rot", "rope_theta",

@@ -15,7 +15,9 @@ tied copy) is no other norm's; the shared block's uses in another order named as
 ``logits_soft_cap`` read as the final soft-cap; the search's products with their parameter views swapped, square
 weights of nearby products read transposed together, a negated activation input, a negative factor's size left
 out, a bias added twice. After: 36 of 36 correct runs pass; 30 of 42 bugs name the cause (71%), and one more is
-refused naming the adapters the loader never loads; no wrong cause seen.
+refused naming the adapters the loader never loads; no wrong cause seen. In the nineteenth session the selective
+scan's step orders (``parity.diagnose.scan_order``) named three more: Jamba's B discretised by zero-order hold, its
+output read before the write, its D skip after the gate (33 of 42).
 """
 
 from __future__ import annotations
@@ -111,8 +113,8 @@ NAMED = [
      "ours attends with a window of 8, the reference with a window of 7"),
     ("zamba2", "zamba2_concat_swapped", False, "model.layers.1.shared_transformer.input_layernorm",
      "weight_permutation", "its input holds the reference's values per token in another order along the last axis"),
-    ("zamba2", "zamba2_attn_scale_full_hd", False, "model.layers.1.shared_transformer.self_attn.o_proj", "one_change",
-     "the factor 0.25 taken as 1 / sqrt(attention_head_dim = 32)"),
+    ("zamba2", "zamba2_attn_scale_full_hd", False, "model.layers.1.shared_transformer.self_attn.scores",
+     "attention_scale", "ours scales q k^T by 0.176777 (= 1/sqrt(head_dim=32)), the reference by 0.25"),
     ("zamba2", "zamba2_block_by_layer_index", False, "model.layers.1.shared_transformer.input_layernorm",
      "wrong_module", "the shared block run for another layer"),
     ("zamba2", "zamba2_gated_norm_ungrouped", False, "model.layers.0.mamba.norm", "one_change",
@@ -136,6 +138,12 @@ NAMED = [
      "parts 0 and 1 of this chunk (of 2) swapped"),
     ("jamba", "jamba_conv_taps_flipped", False, "model.layers.0.mamba.x_proj", "one_change",
      "the conv's kernel read in reverse (its taps flipped)"),
+    ("jamba", "jamba_zoh_B", False, "model.layers.0.mamba.out_proj", "one_change",
+     "B discretised by zero-order hold, not Mamba's dt B"),
+    ("jamba", "jamba_C_old_state", False, "model.layers.0.mamba.out_proj", "one_change",
+     "read for the output C h before this step's write"),
+    ("jamba", "jamba_D_after_gate", False, "model.layers.0.mamba.out_proj", "one_change",
+     "the skip D x added after the output gate silu(z)"),
     ("jamba", "jamba_attn_rope", False, "model.layers.1.self_attn.q_rot", "rope_unexpected",
      "RoPE where the reference applies no rotation (a NoPE layer)"),
     ("jamba", "jamba_moe_renorm", False, "model.layers.1.input_layernorm", "routing_weights",

@@ -327,6 +327,96 @@ def test_a_delta_rule_s_step_order_is_named_on_either_side():
     ]
 
 
+def mamba_selective_scan(hidden_states, dt, A, B, C, D=None, z=None, delta_softplus=False, order="own"):
+    """A Mamba selective scan written for this test (Gu and Dao 2023), ``(batch, channels, seq)`` in and out, ``B``
+    and ``C`` ``(batch, state, seq)``, with a step a port may get wrong: "zoh" (B discretised by zero-order hold),
+    "old_state" (the output read before the write), "d_after_gate" (the skip added after the gate)."""
+    dt = F.softplus(dt) if delta_softplus else dt
+    h = torch.zeros(hidden_states.shape[0], hidden_states.shape[1], A.shape[1])
+    ys = []
+    for t in range(hidden_states.shape[2]):
+        a = torch.exp(dt[:, :, t, None] * A)
+        b = (a - 1) / A * B[:, None, :, t] if order == "zoh" else dt[:, :, t, None] * B[:, None, :, t]
+        new = a * h + b * hidden_states[:, :, t, None]
+        ys.append(torch.einsum("bcn,bn->bc", h if order == "old_state" else new, C[:, :, t]))
+        h = new
+    y = torch.stack(ys, -1)
+    if order == "d_after_gate":
+        return y * F.silu(z) + D[:, None] * hidden_states
+    return (y + D[:, None] * hidden_states) * F.silu(z)
+
+
+class SelectiveMixer(torch.nn.Module):
+    """A Mamba mixer calling its scan by name (as Transformers' Jamba calls ``mamba_selective_scan``)."""
+
+    def __init__(self, order: str = "own"):
+        super().__init__()
+        g = torch.Generator().manual_seed(6)
+        self.in_proj = torch.nn.Parameter(torch.randn(2 * 6, 8, generator=g) / 3)
+        self.x_proj = torch.nn.Parameter(torch.randn(6 + 2 * 3, 6, generator=g) / 3)
+        self.A_log = torch.nn.Parameter(torch.rand(6, 3, generator=g))
+        self.D = torch.nn.Parameter(torch.randn(6, generator=g))
+        self.order = order
+
+    def forward(self, x):
+        u, z = F.linear(x, self.in_proj).transpose(1, 2).chunk(2, dim=1)
+        dt, B, C = F.linear(u.transpose(1, 2), self.x_proj).split([6, 3, 3], dim=-1)
+        A = -torch.exp(self.A_log)
+        y = mamba_selective_scan(
+            u, dt.transpose(1, 2), A, B.transpose(1, 2), C.transpose(1, 2), self.D, z, True, order=self.order
+        )
+        return y.transpose(1, 2)
+
+
+def test_a_selective_scan_s_discretisation_and_step_order_are_named_on_either_side():
+    x = torch.randn(1, 7, 8, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        zoh, old_state, d_after_gate, own = (SelectiveMixer(o)(x) for o in ("zoh", "old_state", "d_after_gate", "own"))
+    words = _changes_named(torch.nn.Sequential(SelectiveMixer()).eval(), x)
+    assert words(zoh) == ["the selective scan with its state written (exp(dt A) - 1) / A B x (B discretised by "
+                          "zero-order hold, not Mamba's dt B)"]  # fmt: skip
+    assert words(old_state) == ["the selective scan with its state read for the output C h before this step's write"]
+    assert words(d_after_gate) == ["the selective scan with its state read with the skip D x added after the output "
+                                   "gate silu(z), not before it"]  # fmt: skip
+    assert words(own) == []
+    # the fault in the reference: its own scan run in Mamba's order agrees with ours
+    assert _changes_named(torch.nn.Sequential(SelectiveMixer("zoh")).eval(), x)(own) == [
+        "the selective scan with its state decayed, written dt B x, then read for the output C h, D x added before "
+        "the gate (Transformers' order)"
+    ]
+
+
+class HyperMix(torch.nn.Module):
+    """Two mixes of 3 residual streams ``(batch, seq, 3, 8)`` by a per-token square matrix (hyper-connections),
+    each through its transpose (``transposed``) or as it is."""
+
+    def __init__(self, transposed: bool = True):
+        super().__init__()
+        self.mix = torch.nn.Parameter(torch.randn(9, 24, generator=torch.Generator().manual_seed(8)) / 3)
+        self.transposed = transposed
+
+    def forward(self, x):
+        comb = torch.softmax(F.linear(x.flatten(-2), self.mix).unflatten(-1, (3, 3)), -1)  # (batch, seq, 3, 3)
+        first = comb.transpose(-1, -2) if self.transposed else comb
+        h = torch.matmul(first, x)
+        second = comb.transpose(-1, -2) if self.transposed else comb
+        return torch.matmul(second, torch.tanh(h))
+
+
+def test_a_square_matrix_s_transpose_is_named_on_either_side_at_both_uses():
+    x = torch.randn(1, 5, 3, 8, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        plain, transposed = HyperMix(transposed=False)(x), HyperMix()(x)
+    # both uses differ: only the change made at both lines together explains ours
+    words = _changes_named(torch.nn.Sequential(HyperMix()).eval(), x)
+    assert words(plain)[0] == "the transpose of a square matrix left out (used as it is)"
+    assert words(transposed) == []
+    # the fault in the reference: it mixes without the transpose
+    assert _changes_named(torch.nn.Sequential(HyperMix(transposed=False)).eval(), x)(transposed)[0] == (
+        "a square matrix computed in the forward read transposed (its transpose where it is meant)"
+    )
+
+
 class Router(torch.nn.Module):
     """A top-k router renormalising its chosen weights in place, a fused per-head [q | gate] projection viewed per
     head, a square expert weight, a config float (a bound) and a norm gated after it: the sites of the search's
@@ -457,3 +547,66 @@ def test_gates_swapped_with_their_bias_views_a_sign_a_constant_s_size_and_a_bias
         assert words(_gates(x, m, sign=True))[0] == "softplus of the negated input"
         assert words(_gates(x, m, small=True))[0] == "the factor -8 left out, its sign kept (-1)"
         assert words(_gates(x, m, twice=True))[0] == "0.dt_bias (offset) added twice"
+
+
+class CellBackend(torch.nn.Module):
+    """An mLSTM cell module (as xLSTM's backend: its kernel bound at init), reading its output after each step's
+    write (Transformers' cell) or before it (a port's off-by-one, written here)."""
+
+    def __init__(self, read_first: bool):
+        super().__init__()
+        self.read_first = read_first
+
+    def forward(self, query, key, value, igate, fgate):
+        from transformers.models.xlstm import modeling_xlstm
+
+        if self.read_first:
+            return _read_first(query, key, value, igate, fgate)
+        return modeling_xlstm.mlstm_recurrent_sequence_native(query, key, value, igate, fgate, eps=1e-6)
+
+
+def _read_first(query, key, value, igate, fgate):
+    """The stabilised mLSTM step by step, the output read before each step's write."""
+    q = query * query.shape[-1] ** -0.5
+    C = torch.zeros(*query.shape[:2], query.shape[-1], value.shape[-1])
+    n, m = torch.zeros(*query.shape[:2], query.shape[-1]), torch.zeros(query.shape[:2])
+    out = []
+    for t in range(query.shape[2]):
+        num = torch.einsum("bhd,bhdv->bhv", q[:, :, t], C)
+        den = torch.maximum(torch.einsum("bhd,bhd->bh", q[:, :, t], n).abs(), torch.exp(-m)) + 1e-6
+        out.append(num / den[..., None])
+        log_f = F.logsigmoid(fgate[:, :, t])
+        m_new = torch.maximum(log_f + m, igate[:, :, t])
+        f_act, i_act = torch.exp(log_f + m - m_new), torch.exp(igate[:, :, t] - m_new)
+        written = torch.einsum("bhd,bhv->bhdv", key[:, :, t], value[:, :, t])
+        C = f_act[..., None, None] * C + i_act[..., None, None] * written
+        n, m = f_act[..., None] * n + i_act[..., None] * key[:, :, t], m_new
+    return torch.stack(out, 2)
+
+
+class CellLayer(torch.nn.Module):
+    """Projections to q, k, v ``(batch, 2 heads, seq, 4)`` and two gates ``(batch, 2 heads, seq)``, then the cell."""
+
+    def __init__(self, read_first: bool = False):
+        super().__init__()
+        self.proj = torch.nn.Parameter(torch.randn(28, 8, generator=torch.Generator().manual_seed(9)) / 3)
+        self.backend = CellBackend(read_first)
+
+    def forward(self, x):
+        qkv, gates = F.linear(x, self.proj).split([24, 4], -1)
+        q, k, v = qkv.unflatten(-1, (3, 2, 4)).permute(2, 0, 3, 1, 4).unbind(0)
+        i, f = (3 * g for g in gates.unflatten(-1, (2, 2)).permute(2, 0, 3, 1).unbind(0))
+        return self.backend(query=q, key=k, value=v, igate=i, fgate=f).transpose(1, 2).flatten(2)
+
+
+def test_an_mlstm_cell_s_read_order_is_named_on_either_side():
+    x = torch.randn(1, 6, 8, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        read_first, own = CellLayer(read_first=True)(x), CellLayer()(x)
+    assert _changes_named(torch.nn.Sequential(CellLayer()).eval(), x)(read_first) == [
+        "the mLSTM cell with its output read before this step's write"
+    ]
+    # the fault in the reference's cell: Transformers' own cell in its place agrees with ours
+    assert _changes_named(torch.nn.Sequential(CellLayer(read_first=True)).eval(), x)(own)[0].startswith(
+        "the mLSTM cell with an exp input gate, a sigmoid forget gate"
+    )

@@ -202,3 +202,23 @@ def test_a_norm_computed_in_bfloat16_is_rounding_by_this_rule():
     res = parity.check_model(build, "olmo3:yarn", dtype=torch.bfloat16)
     assert res.passed
     assert any(n.startswith("rounding: ") for n in res.notes)
+
+
+def test_a_forward_that_cannot_run_in_float64_is_judged_in_the_run_dtype_and_says_why():
+    """An op with no float64 kernel (torch's grouped matmul, a fused kernel) in ours: the semantic run cannot run,
+    the check falls back to the run's dtype with its tolerances and says so in one line."""
+
+    class Float32Only(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, in_idx, attention_mask=None):
+            if self.inner.tok_emb.weight.dtype == torch.float64:
+                raise RuntimeError("Expected mat_a to be Float32, BFloat16 or Float16 matrix, got Double")
+            return self.inner(in_idx, attention_mask=attention_mask)
+
+    res = parity.check_model(lambda sd, cfg: Float32Only(book_olmo3.build(sd, cfg)), "olmo3:yarn")
+    assert res.passed, res.verdict()
+    note = next(n for n in res.notes if n.startswith("the float64 semantic run could not run"))
+    assert "got Double" in note and note.endswith("judged in the run's dtype alone")

@@ -288,13 +288,13 @@ def build_reference(reference_cls, hf_config, state_dict: Mapping[str, torch.Ten
         reasons = [line.strip() for line in str(e).splitlines()[1:] if line.strip()]
         text = summary(reasons, what="tensors in all") if reasons else one_line(e)
         raise LoaderError(f"{name} rejects the state dict: {text}") from None
-    tied_targets = set(tied_weights(reference)) if hf_config.tie_word_embeddings else set()
+    tied_targets = set(tied_weights(reference)) if ties_embeddings(hf_config) else set()
     missing = [k for k in result.missing_keys if k not in tied_targets]
     if missing or result.unexpected_keys:
         raise LoaderError(
             f"{name} rejects the state dict: missing {_keys(missing)}; unexpected {_keys(list(result.unexpected_keys))}"
         )
-    if hf_config.tie_word_embeddings:
+    if ties_embeddings(hf_config):
         reference.tie_weights()
         _hold_loaded(reference, state_dict)
     return reference.eval()
@@ -316,22 +316,49 @@ def _hold_loaded(reference: nn.Module, state_dict: Mapping[str, torch.Tensor]) -
             param.data = loaded
 
 
+def ties_embeddings(hf_config) -> bool:
+    """Whether the config ties the output head to the embedding; a config without the field (Inkling's text
+    config) ties nothing, as Transformers' ``tie_weights`` reads it."""
+    return bool(getattr(hf_config, "tie_word_embeddings", False))
+
+
 def _keys(keys: list[str], n: int = 5) -> str:
     if not keys:
         return "none"
     return ", ".join(keys[:n]) + (f", ... ({len(keys)} keys in all)" if len(keys) > n else "")
 
 
-def _check_tensor_dtypes(state_dict: Mapping[str, torch.Tensor], where: str) -> None:
-    """Every checkpoint tensor must be floating point: both models compute in a float dtype, and an
-    integer tensor (a quantized checkpoint, a mis-saved norm) would fail deep in a loader with a
-    message about shapes."""
-    odd = [f"{k} ({str(v.dtype).replace('torch.', '')})" for k, v in state_dict.items() if not v.is_floating_point()]
+def _check_tensor_dtypes(state_dict: Mapping[str, torch.Tensor], where: str, config: dict | None = None) -> None:
+    """Every checkpoint tensor must be floating point, but for a table the model itself holds as integers
+    (DeepSeek V4's token-to-expert hash table ``tid2eid``, read from ``config``'s model on the meta device, by
+    its last name: a checkpoint may name its modules otherwise, ``ffn`` for ``mlp``): both models compute in a
+    float dtype, and an integer tensor where the model has a float one (a quantized checkpoint, a mis-saved
+    norm) would fail deep in a loader with a message about shapes. Raises LoaderError naming the first such
+    keys."""
+    odd = [k for k, v in state_dict.items() if not v.is_floating_point()]
+    if odd and config is not None:
+        tables = {t.rsplit(".", 1)[-1] for t in _integer_tables(config)}
+        odd = [k for k in odd if k.rsplit(".", 1)[-1] not in tables]
+    odd = [f"{k} ({str(state_dict[k].dtype).replace('torch.', '')})" for k in odd]
     if odd:
         raise LoaderError(
             f"{where} holds tensors that are not floating point: {_keys(odd, 3)}; parity loads float32, bfloat16, "
             "float16 or float64 weights (a quantized checkpoint is not supported)"
         )
+
+
+def _integer_tables(config: dict) -> set[str]:
+    """The state dict keys the model of a checkpoint's ``config`` holds in an integer dtype (built on the meta
+    device by its causal-LM class); none when it cannot be built (the refusal then names the tensors)."""
+    from parity.build.reference import causal_lm_class, config_from_raw
+
+    try:
+        hf_config = config_from_raw(config, "config.json")
+        with torch.device("meta"):
+            model = construct(causal_lm_class(hf_config), hf_config)
+    except Exception:  # an unknown or broken config: refused for its tensors, as before
+        return set()
+    return {k for k, v in model.state_dict().items() if not v.is_floating_point()}
 
 
 def nonfinite_notes(state_dict: Mapping[str, torch.Tensor], chunk: int = 1 << 24) -> list[str]:
@@ -405,7 +432,7 @@ def _refuse_text_config(raw: dict, where) -> None:
 def _refuse_split_tie(hf_config, composite: Composite) -> None:
     """A multimodal config whose two ``tie_word_embeddings`` disagree: the multimodal model ties its
     head by its own, a text model by its text_config's, so the two sides would differ. ConfigError."""
-    outer, text = bool(hf_config.tie_word_embeddings), bool(text_config_of(hf_config).tie_word_embeddings)
+    outer, text = ties_embeddings(hf_config), ties_embeddings(text_config_of(hf_config))
     if outer != text:
         raise ConfigError(
             f"config.json has tie_word_embeddings={outer} but text_config.tie_word_embeddings={text}: "
@@ -476,7 +503,7 @@ class Reference:
 
     @property
     def tied_keys(self) -> dict[str, str]:
-        return tied_weights(self.model) if self.hf_config.tie_word_embeddings else {}
+        return tied_weights(self.model) if ties_embeddings(self.hf_config) else {}
 
 
 def tied_weights(model) -> dict[str, str]:
@@ -584,7 +611,7 @@ def read_weights(checkpoint, dtype: torch.dtype, model_type: str | tuple[str, ..
             )
         return ckpt, ckpt.state_dict, lines
     ckpt = read_checkpoint(checkpoint, model_type=model_type)
-    _check_tensor_dtypes(ckpt.state_dict, f"checkpoint {checkpoint}")
+    _check_tensor_dtypes(ckpt.state_dict, f"checkpoint {checkpoint}", ckpt.config)
     state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in ckpt.state_dict.items()}
     conversions = [
         f"{k}: {str(v.dtype).replace('torch.', '')} -> {str(dtype).replace('torch.', '')}"

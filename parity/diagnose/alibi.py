@@ -140,3 +140,56 @@ def alibi_slopes(e: Evidence) -> Hint | None:
         + ("" if ours_is else f" (ours' slopes per head: {shown}; the reference's: {theirs})"),
         {"ours": ours.tolist(), "reference": ref.tolist(), "ours_form": ours_is, "reference_form": ref_is},
     )
+
+
+def relative_bias(e: Evidence) -> Hint | None:
+    """The probabilities differ where the scores before the bias agree, and ours' bias minus the reference's
+    depends on the head and the query-key distance alone (a learned relative position bias, T5's or Inkling's,
+    read otherwise: its extent, what lies past it, its table's layout). Read as :func:`alibi_slopes` reads the
+    bias: per row, ``log p - s`` is the bias up to the row's normaliser, taken out at distance 0. Either side."""
+    if e.kind != "probs" or e.ours.dim() != 4 or e.ours.shape != e.ref.shape or e.positions is None:
+        return None
+    scores = e.ref_trace.tensors.get(e.name.rsplit(".", 1)[0] + ".scores")
+    b, _, q, k = e.ref.shape
+    if scores is None or scores.shape != e.ref.shape or q != k or e.positions.shape != (b, q) or q < 3:
+        return None
+    pos = e.positions.double()
+    distance = (pos[:, None, :, None] - pos[:, None, None, :]).round().long()  # p_query - p_key
+    valid = (e.ours.double() > 1e-30) & (e.ref.double() > 1e-30)
+    if e.attention_mask is not None and tuple(e.attention_mask.shape) == (b, q):
+        real = e.attention_mask.bool()
+        valid = valid & real[:, None, None, :] & real[:, None, :, None]
+    diff = e.ours.double().clamp_min(1e-300).log() - e.ref.double().clamp_min(1e-300).log()
+    diff = diff - diff.diagonal(dim1=-2, dim2=-1)[..., :, None]  # each row's normaliser out (distance 0: no bias)
+    own = valid.diagonal(dim1=-2, dim2=-1)  # each query's own key: the row's reference point
+    if not bool(own.all()):
+        return None  # a query that cannot see itself on one side: a mask's (causal_mask's), not a bias
+    valid = valid & (distance >= 0)
+    if int(valid.sum()) < 4:
+        return None
+    per: dict[tuple[int, int], list[float]] = {}
+    for bi, head, qi, ki in valid.nonzero().tolist():
+        per.setdefault((head, int(distance[bi, 0, qi, ki])), []).append(float(diff[bi, head, qi, ki]))
+    scale = max(abs(x) for v in per.values() for x in v)
+    if scale < 1e-3:
+        return None
+    tol = 1e-3 * max(scale, 1.0)
+    by_distance: dict[int, list[bool]] = {}
+    for (_, d), v in per.items():
+        by_distance.setdefault(d, []).extend(abs(x) > tol for x in v)
+    if any(0 < sum(flags) < len(flags) for flags in by_distance.values()):
+        return None  # the difference is not where a distance puts it
+    differs = sorted(d for d, flags in by_distance.items() if all(flags))
+    if not differs:
+        return None
+    exact = all(max(v) - min(v) <= tol for v in per.values())  # one value per head and distance, every query
+    how = (
+        "depends on the head and the query-key distance alone" if exact else "sits exactly at some query-key distances"
+    )
+    return Hint(
+        "position_bias",
+        f"likely the relative position bias: the scores before it agree, and ours' bias minus the reference's {how}, "
+        f"from distance {differs[0]} on ({len(differs)} distances differ): its extent, what it adds past the extent "
+        "(clamped to the last entry, or zero), or its table read in another layout",
+        {"from_distance": differs[0], "distances": differs[:32], "by_distance_only": exact},
+    )

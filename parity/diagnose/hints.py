@@ -88,6 +88,12 @@ KINDS: dict[str, str] = {
     "un-normed residual, another point of the stream)",
     "partial_read": "ours computed the node as a sum of products over slices of its weight that cover only part "
     "of it (a chunked loop that drops the tail)",
+    "loop_count": "a module run in a loop (a recurrent stack, a looped block) ran another number of times before this "
+    "node's first call on one side: the loop's count read from another config field, or two counts swapped",
+    "gain_order": "a per-channel gain on q or k (a norm's weight, a learned scale) applied before RoPE on one side "
+    "and after it on the other",
+    "position_bias": "a bias added to the attention scores by query-key distance differs (a relative position "
+    "bias's extent, clamping or table layout)",
     "repeated_module": "a module ours runs more often than the reference before this node (applied twice)",
     "clamp": "one side clamps (clips, limits) values the other does not: equal below a threshold, the bound above it",
     "row_offset": "ours - ref is one value per row (token): a per-token shift, e.g. log-probabilities (log_softmax) "

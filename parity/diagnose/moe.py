@@ -650,6 +650,8 @@ def _dispatch_forms(chosen: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> d
     drops the rest, where Transformers is dropless)."""
     tokens, k = chosen.shape
     experts = y.shape[0]
+    if k > 1 and bool((chosen.sort(-1).values.diff(dim=-1) == 0).any()):
+        return {}  # a token given one expert twice (DeepSeek V4's hash routing): more slots than rows per expert
     capacity = math.ceil(tokens * k / experts)
     sliced = {"token by token": torch.zeros_like(y[0]), "slot by slot": torch.zeros_like(y[0])}
     dropped = torch.zeros_like(y[0])

@@ -468,6 +468,25 @@ def _whole_output(e: Evidence, x: torch.Tensor) -> tuple[str, torch.Tensor] | No
     )
 
 
+def _regrouped(x: torch.Tensor, counts: set[int], eps: float) -> dict[str, torch.Tensor]:
+    """A per-head input ``(..., heads, head_dim)`` normalised per group of another head count (``counts``: the
+    config's attention heads where the model reads its own, xLSTM's ``num_heads``): LayerNorm and RMSNorm."""
+    if x.dim() < 3 or x.shape[-2] < 2:
+        return {}
+    flat = x.double().flatten(-2)
+    out = {}
+    for g in sorted(c for c in counts if c and c != x.shape[-2] and flat.shape[-1] % c == 0):
+        h = flat.unflatten(-1, (g, -1))
+        c = h - h.mean(-1, keepdim=True)
+        out[f"LayerNorm per head with {g} heads (the model's own count is {x.shape[-2]})"] = (
+            c / (c.pow(2).mean(-1, keepdim=True) + eps).sqrt()
+        ).flatten(-2)
+        out[f"RMSNorm per head with {g} heads (the model's own count is {x.shape[-2]})"] = (
+            h / (h.pow(2).mean(-1, keepdim=True) + eps).sqrt()
+        ).flatten(-2)
+    return out
+
+
 def _explained_by(y: torch.Tensor, candidates: dict[str, torch.Tensor]) -> str | None:
     """The candidate n with y ~= n * w for a per-channel w (least squares), or y ~= n * w + b with a
     per-channel bias too (a LayerNorm with bias, GPT-2), if any."""
@@ -490,10 +509,17 @@ def norm_kind(e: Evidence) -> Hint | None:
     if not is_norm(e.kind):
         return None
     x_ref = same_input(e)  # ours' input in the reference's layout (a norm called before the heads split)
+    if x_ref is None and e.ours_trace.inputs.get(e.name) is None:
+        # ours computes the norm in functions from a value no node holds (xLSTM's per-head norm after its
+        # cell): its input assumed the reference's, which only an exact fit of both sides below confirms
+        x_ref = e.ref_trace.inputs.get(e.name)
     if x_ref is None:
         return None  # the input already differs (or was not kept): not this norm's own fault
     heads = e.facts.num_heads if e.kind.startswith("q_") else e.facts.num_kv_heads if e.kind.startswith("k_") else None
     candidates = _normalisers(x_ref, e.facts.head_dim, e.facts.norm_eps or 0.0, heads)
+    candidates |= _regrouped(x_ref, {e.facts.num_heads, e.facts.num_kv_heads}, e.facts.norm_eps or 0.0)
+    shape = e.ours.shape  # a per-head norm's output with its heads merged ((batch, seq, heads * head_dim))
+    candidates = {k: v.reshape(shape) if v.numel() == e.ours.numel() else v for k, v in candidates.items()}
     ours_is, ref_is = _explained_by(e.ours, candidates), _explained_by(e.ref, candidates)
     if ours_is is None or ref_is is None or ours_is == ref_is:
         return None
@@ -501,13 +527,57 @@ def norm_kind(e: Evidence) -> Hint | None:
     if "LayerNorm" in ref_is or "LayerNorm" in ours_is:
         means = x_ref.double().mean(-1).flatten()
         evidence = f"; the difference tracks each token's mean (input means {fmt_list(f'{m:.3g}' for m in means[:4].tolist())}): mean subtraction"
-    if any(w in label for w in ("per head", "whole projection") for label in (ours_is, ref_is)):
+    if any("the model's own count" in label for label in (ours_is, ref_is)):
+        evidence = "; the heads counted from another config field (each group another width)"
+    elif any(w in label for w in ("per head", "whole projection") for label in (ours_is, ref_is)):
         evidence = "; per-head vs whole-projection Q/K norm"
     return Hint(
         "norm_kind",
         f"likely the wrong norm: ours behaves like {ours_is}, the reference like {ref_is}{evidence}",
         {"ours": ours_is, "reference": ref_is},
     )
+
+
+def weightless_norm_eps(e: Evidence) -> Hint | None:
+    """A projection whose input is the reference's times one factor per token, where that input is the output
+    of a weight-free RMSNorm nothing records (HRM's, Dory's: no parameter to align, no node): another eps in
+    that norm on one side. With ``y = x / sqrt(ms + eps)`` the side using the config's eps gives each token's
+    mean square back (``ms = eps * ms_y / (1 - ms_y)``), and the other side's factor its eps; one eps must fit
+    every token. Either side."""
+    if e.name not in e.ref_trace.inputs or e.name not in e.ours_trace.inputs or e.facts.norm_kind != "rmsnorm":
+        return None
+    eps = e.facts.norm_eps
+    x_ref, x_ours = e.ref_trace.inputs[e.name], e.ours_trace.inputs[e.name]
+    if not eps or x_ref.shape != x_ours.shape or e.close(x_ours, x_ref):
+        return None
+    xo, xr = x_ours.double().flatten(0, -2), x_ref.double().flatten(0, -2)
+    real = (xr.pow(2).sum(-1) > 0) & (xo.pow(2).sum(-1) > 0)
+    xo, xr = xo[real], xr[real]
+    if xo.shape[0] < 2:
+        return None
+    factor = (xo * xr).sum(-1) / xr.pow(2).sum(-1)
+    if rel(xo, factor[:, None] * xr) > EXPLAINS or float((factor - 1).abs().max()) < 1e-4:
+        return None  # not one factor per token, or none at all
+    for side, config_side, other in (("ours", xr, xo), ("the reference", xo, xr)):
+        ms_normed, ms_other = config_side.pow(2).mean(-1), other.pow(2).mean(-1)
+        if float(ms_normed.max()) >= 1:
+            continue  # not a weight-free RMSNorm's output with the config's eps
+        ms = eps * ms_normed / (1 - ms_normed)
+        # ms_other / ms_normed = (ms + eps) / (ms + eps'): each token's eps'
+        found = (ms + eps) * ms_normed / ms_other - ms
+        middle = float(found.median())
+        # norm(c x, eps) = norm(x, eps / c^2): the other side's assumption fits too, with an eps past any real
+        # one (near 1 / eps' times larger); the eps a norm can hold is the reading
+        if not 0 < middle < 1 or float(((found - middle).abs() / middle).max()) > 0.05:
+            continue
+        return Hint(
+            "norm_eps",
+            f"likely eps of the weight-free RMSNorm before {e.kind}: {side} normalises with eps ~ {middle:.2g}, "
+            f"{'the reference' if side == 'ours' else 'ours'} with the config's {eps:g} (its input differs from the "
+            "other side's by one factor per token, largest where a token's mean square is smallest)",
+            {"side": side, "eps": middle, "config_eps": eps},
+        )
+    return None
 
 
 def norm_placement(e: Evidence) -> Hint | None:
@@ -552,6 +622,13 @@ def norm_placement(e: Evidence) -> Hint | None:
     ref_forms = _normalisers(x_ours, None, e.facts.norm_eps or 0.0)
     ref_is = _explained_by(x_ref, ref_forms)
     moved = _norm_weighting(e, x_ref, ref_forms[ref_is]) if ref_is is not None else None
+    if moved is not None and not e.ours_trace.calls.get(moved) and not e.ours_trace.reads.get(moved):
+        return Hint(
+            "norm_skipped",
+            f"likely {moved} skipped in ours: the input of {e.kind} in the reference equals ours' input after a "
+            f"{ref_is} weighted by {moved}'s weight, and ours never reads that weight in its forward",
+            {"normaliser": ref_is, "norm": moved, "side": "ours"},
+        )
     if moved is not None:
         return Hint(
             "norm_placement",

@@ -5,7 +5,7 @@ after which the reference agrees with ours (at that node, or at the block's laye
 line of the reference's source it sits on.
 
 The changes are the porting mistakes one operation can hold: an activation left out or another in its place
-(SiLU, sigmoid, GELU, ReLU, softplus), an ``exp`` left out (a log-parameterised rate used as it is), a
+(SiLU, sigmoid, GELU, ReLU, softplus), an ``abs`` left out, an ``exp`` left out (a log-parameterised rate used as it is), a
 normalisation's reciprocal root left out (an L2 or RMS norm skipped), a scalar factor, divisor or offset left
 out, a parameter added or multiplied left out, a clamp left out, a softmax replaced by a sigmoid or left out, a
 slice taken from the other end of its axis (a causal conv's output kept from the wrong side), heads repeated as
@@ -17,9 +17,9 @@ normalisation, a conv's kernel read in reverse, the weights of two projections o
 as ``1 + w``, a softmax-style scale ``1 / sqrt(d)`` taken from another of the config's sizes, a per-head fused
 output (each head's q, k and v together) read as whole blocks, a top-k keeping every entry, a square weight read
 transposed (two on nearby lines together), the parameters of two products of one input swapped (their views too),
-an activation of the negated input, a negative factor's size left out with its sign kept, a bias added twice, a
-config float read as its class's default, a gate moved across a norm (both ways), a delta-rule scan
-run with its steps in another order (:mod:`parity.diagnose.scan_order`); an in-place op (``a /= s``) is changed from
+an activation of the negated input, a negative factor's size left out with its sign kept, a square matrix's transpose left out, heads split strided, a bias added twice, a
+config float read as its class's default, a gate moved across a norm (both ways), a delta-rule or selective
+scan run with its steps in another order (:mod:`parity.diagnose.scan_order`); an in-place op (``a /= s``) is changed from
 its input's value before it; then, in a second
 pass, a term of a sum left out (a skip connection) and a broadcast factor that is no parameter left out (a padding
 mask); then a projection reading another variable (of its shape, or a ``(batch, heads, seq, dim)`` one with its
@@ -57,8 +57,11 @@ from parity.diagnose.hints import Hint
 MAX_RUNS = 500
 MAX_SECONDS = 60.0
 
-#: the activations one may stand in place of another; tanh (a soft cap's) may only be left out
-_LEFT_OUT = ("tanh",)
+#: ops that hand on a norm's output unchanged but for its shape
+_RESHAPES = frozenset({"reshape", "view", "flatten", "contiguous"})
+#: the activations one may stand in place of another; tanh (a soft cap's) and abs (a rate kept positive) may only be
+#: left out
+_LEFT_OUT = ("tanh", "abs")
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "sigmoid": torch.sigmoid,
@@ -115,6 +118,8 @@ class Change:
     #: ``(args, kwargs, out)`` -> the call's new output; for a module's change ``(module, args, kwargs, out)``
     rewrite: Callable[..., object]
     also: Site | None = None
+    #: further sites changed alike (q, k and v each split into heads on three lines)
+    more: tuple[Site, ...] = ()
     #: the site whose latest output the call reads in place of its first input (a variable mixed up with
     #: another); :data:`LAYER_INPUT` for the input of the layer the block sits in
     source: Site | None = None
@@ -133,7 +138,8 @@ class Change:
 
     @property
     def where(self) -> str:
-        return self.site.where + (f" and {self.also.where}" if self.also is not None else "")
+        others = [s.where for s in (self.also, *self.more) if s is not None]
+        return ", ".join([self.site.where, *others[:-1]]) + (f" and {others[-1]}" if others else "")
 
 
 #: the source of a mix-up that is the layer's own input (the residual stream before its norm)
@@ -178,6 +184,10 @@ class _Changing(TorchFunctionMode):
         # an in-place op's input, kept while a change runs: its rewrite reads the value before the op
         before = args[0].clone() if self.inside and self.change is not None and _in_place(func, args) else None
         out = func(*args, **kwargs)
+        if self.normed and args and isinstance(out, torch.Tensor) and getattr(func, "__name__", "") in _RESHAPES:
+            source = self.normed.get(id(args[0]))
+            if source is not None and out.numel() == args[0].numel():  # a norm's output reshaped (heads merged)
+                self.normed[id(out)] = source
         if not self.inside or not (isinstance(out, torch.Tensor) or _parts(out)):
             return out
         found = _sites(func, args, self.params)
@@ -194,7 +204,7 @@ class _Changing(TorchFunctionMode):
             self.products[id(out)] = (args[0], args[1])
         if change.source is not None and change.source in (site, called):
             self.held = out
-        if change.site in (site, called) or (change.also is not None and change.also in (site, called)):
+        if change.site in (site, called) or any(s in (site, called) for s in (change.also, *change.more) if s):
             if change.source is None:
                 self.applied += 1
                 if change.norm_gate:
@@ -253,6 +263,13 @@ class _Changing(TorchFunctionMode):
                 continue
             words = f"the weights of {params[id(x[1])]} and {params[id(y[1])]} swapped (two projections of one input)"
             found.append(Change(a, words, _weights_swapped(x[1], y[1]), also=b))
+            bx, by = (t[2] if len(t) > 2 and isinstance(t[2], torch.Tensor) else None for t in (x, y))
+            if bx is not None and by is not None and bx.shape == by.shape:  # a fused weight and bias cut otherwise
+                words = (
+                    f"the weights and biases of {params[id(x[1])]} and {params[id(y[1])]} swapped (two projections "
+                    "of one input)"
+                )
+                found.append(Change(a, words, _weights_swapped(x[1], y[1], (bx, by)), also=b))
         # a product with a bias and a weight (``baddbmm(b, x, W)``: RecurrentGemma's gates), both swapped
         fused = [
             (site, func, args)
@@ -398,11 +415,20 @@ def changes(site: Site, func, args: tuple, kwargs: dict, params: dict[int, str])
         if isinstance(dim, int) and x.dim() >= 1:
             words = f"topk over every one of the {x.shape[dim]} entries (no selection: every expert kept)"
             found.append(Change(site, words, _every(func, dim)))
+    elif op in ("transpose", "swapaxes", "swapdims") and x is not None and len(args) > 2:
+        a, b = (d % x.dim() if isinstance(d, int) else d for d in args[1:3])
+        if isinstance(a, int) and isinstance(b, int) and a != b and x.shape[a] == x.shape[b] > 1:
+            # a square matrix (a mixing matrix: hyper-connections' comb) used as it is where its transpose is meant
+            found.append(Change(site, "the transpose of a square matrix left out (used as it is)", _operand(0)))
     elif op in ("matmul", "bmm", "linear", "baddbmm", "addmm") and len(args) > 1:
         for k in range(len(args)):
             w = args[k]
             if isinstance(w, torch.Tensor) and id(w) in params and w.dim() >= 2 and w.shape[-1] == w.shape[-2] > 1:
                 words = f"{params[id(w)]}{_TRANSPOSED}"
+                found.append(Change(site, words, _transposed_operand(func, k)))
+            elif isinstance(w, torch.Tensor) and w.dim() >= 3 and 1 < w.shape[-1] == w.shape[-2] <= _SMALL_SQUARE:
+                # a small square matrix computed per token (hyper-connections' comb) used transposed
+                words = "a square matrix computed in the forward read transposed (its transpose where it is meant)"
                 found.append(Change(site, words, _transposed_operand(func, k)))
     elif op in ("view", "reshape") and x is not None and x.dim() >= 2:
         for k in (2, 3):
@@ -411,7 +437,24 @@ def changes(site: Site, func, args: tuple, kwargs: dict, params: dict[int, str])
                 "within each head's slice (a per-head layout read as flat blocks)"
             )
             found.append(Change(site, words, _blocked(k)))
+        words = (
+            "the last axis split with the heads strided (head h at every n-th feature: the head index fastest) in "
+            "place of contiguous blocks per head"
+        )
+        found.append(Change(site, words, _strided_split))
     return found
+
+
+def _strided_split(args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor:
+    """A rewrite of ``x.view(..., heads, width)`` (the last axis split into contiguous blocks per head) into the
+    split with the head index fastest (``x.view(..., width, heads)`` transposed). Any other view is left as it is."""
+    x = args[0]
+    if out.dim() != x.dim() + 1 or out.shape[:-2] != x.shape[:-1] or out.shape[-2] * out.shape[-1] != x.shape[-1]:
+        return out
+    heads, width = out.shape[-2:]
+    if heads < 2 or width < 2:
+        return out
+    return x.reshape(*x.shape[:-1], width, heads).transpose(-1, -2)
 
 
 def _negated(act: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -440,6 +483,11 @@ def _every(func, dim: int) -> Callable[[tuple, dict, object], object]:
         return func(args[0], args[0].shape[dim], dim, *args[3:], **rest)
 
     return rewrite
+
+
+#: the largest square operand (computed, not a parameter) the search reads transposed: a per-token mixing matrix
+#: (hyper-connections' streams), not a sequence's attention probabilities
+_SMALL_SQUARE = 8
 
 
 def _transposed_operand(func, k: int) -> Callable[[tuple, dict, torch.Tensor], torch.Tensor]:
@@ -885,7 +933,7 @@ def search(
     layer_input = first_input if isinstance(first_input, torch.Tensor) else None
     gated = _gated_norms(modules, block)
     swaps = dry.weight_swaps(sites, params)
-    orders = _scan_orders(modules[block]) + _gates_across_norms(dry, sites, norms)
+    orders = _scan_orders(modules[block]) + _cell_orders(modules, block) + _gates_across_norms(dry, sites, norms)
     unreproduced: set[str] = set()  # scans whose replacement in the reference's own order does not reproduce it
     for change in _with_pairs(first) + gated + orders + swaps + terms + dry.mix_ups(sites, layer_input):
         if runs >= MAX_RUNS or time.monotonic() - started > MAX_SECONDS:
@@ -906,7 +954,7 @@ def search(
             found.append((change, targets[matched].name))
         elif (
             change.patch is not None
-            and getattr(change.patch[2], "order", None) == scan_order.OWN
+            and getattr(change.patch[2], "own", False)
             and not (mode.applied and kept_shape and all(targets[i].recorded(values[i]) for i in kept_shape))
         ):
             unreproduced.add(change.patch[1])  # the replacement does not compute what the original does
@@ -963,8 +1011,8 @@ def _gates_across_norms(
         for k in (0, 1):
             hit = dry.normed.get(id(args[k]))
             other = args[1 - k]
-            if hit is None or not isinstance(other, torch.Tensor) or other.shape != hit[1].shape:
-                continue
+            if hit is None or not isinstance(other, torch.Tensor) or other.numel() != hit[1].numel():
+                continue  # a gate of the norm's input's size (its heads merged: xLSTM's (batch, seq, heads * dim))
             norm = paths.get(id(hit[0]), "the norm")
             words = f"the gate applied before {norm}'s normalisation (norm(x * g)), not after (norm(x) * g)"
             found.append(Change(site, words, _gate_before_norm, norm_gate="before"))
@@ -998,9 +1046,11 @@ def _gate_before_norm(args: tuple, kwargs: dict, out: torch.Tensor, mode: _Chang
     for k in (0, 1):
         hit = mode.normed.get(id(args[k]))
         gate = args[1 - k]
-        if hit is not None and isinstance(gate, torch.Tensor) and gate.shape == hit[1].shape:
+        if hit is not None and isinstance(gate, torch.Tensor) and gate.numel() == hit[1].numel():
             module, x = hit
-            return module.forward((x.float() * gate.float()).to(x.dtype)).to(out.dtype)
+            return (
+                module.forward((x.float() * gate.reshape(x.shape).float()).to(x.dtype)).reshape(out.shape).to(out.dtype)
+            )
     return out
 
 
@@ -1036,22 +1086,73 @@ def _patch(mode: _Changing) -> tuple[object, str, object] | None:
 
 
 def _scan_orders(block: torch.nn.Module) -> list[Change]:
-    """Each delta-rule scan the block's modeling code calls by name, run in each step order
-    (:mod:`parity.diagnose.scan_order`), the reference's own order first: the others are tried only where that
-    one reproduces the reference's recorded value."""
+    """Each recurrent scan the block's modeling code calls by name (a delta rule, a selective scan), run in each
+    step order (:mod:`parity.diagnose.scan_order`), the reference's own order first: the others are tried only
+    where that one reproduces the reference's recorded value."""
     found = []
     for module, name, function in scan_order.scan_functions(block):
         source = inspect.unwrap(function)  # a kernel-hub decorator's wrapper: the function it wraps
         try:
-            file, line = inspect.getsourcefile(source), inspect.getsourcelines(source)[1]
+            lines, line = inspect.getsourcelines(source)
+            file = inspect.getsourcefile(source)
         except (OSError, TypeError):
-            file, line = module, 0
+            lines, file, line = [], module, 0
+        line += next((i for i, text in enumerate(lines) if text.lstrip().startswith("def ")), 0)  # past decorators
         site = Site(name, file or module, line)
-        for order, state in scan_order.ORDERS.items():
-            replacement = scan_order.delta_rule(function, order)
-            words = f"the delta-rule scan with its state {state}"
+        for replacement, words in scan_order.replacements(name, function):
             found.append(Change(site, words, _ones, patch=(module, name, replacement)))
     return found
+
+
+#: the arguments of a recurrent cell module's forward that :func:`scan_order.mlstm` computes (xLSTM's backend)
+_MLSTM_ARGS = ("query", "key", "value", "igate", "fgate")
+
+
+def _cell_orders(modules: dict[str, torch.nn.Module], block: str) -> list[Change]:
+    """Each mLSTM cell module inside ``block`` (a module whose forward takes query, key, value, igate and fgate:
+    xLSTM's backend, which binds its kernels at init) run in each variant of :data:`scan_order.MLSTM_ORDERS`, its
+    output replaced; a variant other than Transformers' own is applied only where the cell in Transformers' own
+    order reproduces the module's output."""
+    found = []
+    for path, module in modules.items():
+        if not path.startswith(block + "."):
+            continue
+        try:
+            names = inspect.signature(module.forward).parameters
+            file, line = inspect.getsourcefile(type(module)), inspect.getsourcelines(type(module).forward)[1]
+        except (OSError, TypeError, ValueError):
+            continue
+        if not all(a in names for a in _MLSTM_ARGS):
+            continue
+        site = Site(f"{type(module).__name__}.forward", file or "?", line)
+        own = next(iter(scan_order.MLSTM_ORDERS))
+        for order, state in scan_order.MLSTM_ORDERS.items():
+            found.append(Change(site, f"the mLSTM cell with {state}", _cell_in(own, order), module=path))
+    return found
+
+
+def _cell_in(own: str, order: str) -> Callable:
+    """A cell module's call rewritten as :func:`scan_order.mlstm` in ``order`` (its first output replaced): in
+    ``own`` order always (the fault may sit in the reference's cell), in another where the cell in ``own`` order
+    reproduces what the module returned."""
+
+    def rewrite(module, args, kwargs, out):
+        given = dict(zip(inspect.signature(module.forward).parameters, args, strict=False)) | kwargs
+        if any(not isinstance(given.get(a), torch.Tensor) for a in _MLSTM_ARGS):
+            return None
+        h = out[0] if isinstance(out, tuple) else out
+        eps = float(getattr(getattr(module, "config", None), "eps", 1e-6))
+        q, k, v, i, f = (given[a] for a in _MLSTM_ARGS)
+        mine = scan_order.mlstm(own, q, k, v, i, f, eps)
+        if not isinstance(h, torch.Tensor) or mine.shape != h.shape:
+            return None
+        scale = float(h.double().abs().max().clamp_min(1e-30))
+        if order != own and float((mine.double() - h.double()).abs().max()) > 1e-4 * scale:
+            return None  # the cell written here does not compute the module's: no variant of it is read
+        new = scan_order.mlstm(order, q, k, v, i, f, eps).to(h.dtype)
+        return (new, *out[1:]) if isinstance(out, tuple) else new
+
+    return rewrite
 
 
 def _module_hooks(mode: _Changing, modules: dict[str, torch.nn.Module]) -> list:
@@ -1107,12 +1208,20 @@ def _gate_moved(after: bool) -> Callable:
             return None
         gated = F.silu(gate.float())
         optional = inspect.signature(module.forward).parameters["gate"].default is None
-        if not optional and not bool((gated != 0).all()):
+        divisible = bool((gated != 0).all())
+        if not optional and not divisible:
             return None
 
         def norm(y: torch.Tensor) -> torch.Tensor:
-            """The module's normalisation alone: run ungated, or (a gate it always applies after) divided out."""
-            return module.forward(y).float() if optional else module.forward(y, gate).float() / gated
+            """The module's normalisation alone: run ungated, or (a gate it always applies after, its default
+            None not handled: Lara Mini's) divided out."""
+            if optional:
+                try:
+                    return module.forward(y).float()
+                except Exception:  # a forward that reads its gate whatever its default says
+                    if not divisible:
+                        raise
+            return module.forward(y, gate).float() / gated
 
         if after:
             return (norm(x) * gated).to(out.dtype)
@@ -1157,26 +1266,46 @@ def _operands_swapped(func, others: dict[int, torch.Tensor]) -> Callable[[tuple,
     return rewrite
 
 
-def _weights_swapped(a: torch.Tensor, b: torch.Tensor) -> Callable[[tuple, dict, torch.Tensor], torch.Tensor]:
-    """A rewrite running a projection with weight ``a`` on ``b`` and one with ``b`` on ``a`` (biases kept)."""
+def _weights_swapped(
+    a: torch.Tensor, b: torch.Tensor, biases: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> Callable[[tuple, dict, torch.Tensor], torch.Tensor]:
+    """A rewrite running a projection with weight ``a`` on ``b`` and one with ``b`` on ``a``, their biases kept or
+    (``biases``: ``a``'s and ``b``'s) swapped with them."""
 
     def rewrite(args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor:
         other = b if args[1] is a else a if args[1] is b else None
         if other is None:
             return out
+        if biases is not None and len(args) > 2:
+            return F.linear(args[0], other, biases[1] if args[1] is a else biases[0], **kwargs)
         return F.linear(args[0], other, *args[2:], **kwargs)
 
     return rewrite
 
 
 def _with_pairs(found: list[Change]) -> list[Change]:
-    """``found``, and each change made alike at two adjacent lines of one function (``repeat_interleave`` on q
-    and on k, an L2 norm of each) as one change, after the single ones."""
+    """``found``, and each change made alike at two nearby lines of one function (``repeat_interleave`` on q
+    and on k, an L2 norm of each; a decoder layer's two hyper-connection mixes, after attention and after the
+    MLP), or at a run of three or more (q, k and v each split into heads), as one change, after the single ones."""
     pairs = []
-    for a, b in itertools.pairwise(found):
+    alike: dict[tuple[str, str, str], list[Change]] = {}
+    for change in found:
+        alike.setdefault((change.words, change.site.op, change.site.file), []).append(change)
+    for a, b in (pair for group in alike.values() for pair in itertools.pairwise(group)):
         x, y = a.site, b.site
-        if a.words == b.words and x.op == y.op and x.file == y.file and 0 < abs(y.line - x.line) <= 2:
+        if 0 < abs(y.line - x.line) <= 8:
             pairs.append(Change(x, a.words, a.rewrite, also=y))
+    for group in alike.values():  # runs of three or more, each within a few lines of the next: all together
+        runs: list[list[Change]] = []
+        for item in group:
+            if runs and 0 < item.site.line - runs[-1][-1].site.line <= 8:
+                runs[-1].append(item)
+            else:
+                runs.append([item])
+        for first, second, *rest in (r for r in runs if len(r) >= 3):
+            pairs.append(
+                Change(first.site, first.words, first.rewrite, also=second.site, more=tuple(c.site for c in rest))
+            )
     # two square weights read transposed on nearby lines (each of two gates' per-head blocks), named together
     transposed = [c for c in found if c.words.endswith(_TRANSPOSED)]
     for a, b in itertools.combinations(transposed, 2):

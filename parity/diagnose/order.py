@@ -8,6 +8,7 @@ independent of any value.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 from typing import cast
 
@@ -159,6 +160,63 @@ def partial_read(e: Evidence) -> Hint | None:
         f"and the slices read {share:.1%} of it (a loop over chunks or heads whose range drops the tail)",
         {"share": share},
     )
+
+
+def loop_count(e: Evidence) -> Hint | None:
+    """Modules the reference runs more than once (a recurrent stack, a looped block: HRM's two stacks run in
+    cycles, Dory's recurrent layers) that ran another number of times on each side before this node's first
+    call, read from the order each side produced its nodes (``Trace.sequence``): a loop's count read from
+    another config field or two counts swapped; or, where the reference had not run them yet, two such
+    modules run in the other order (their weights swapped at load). Nodes the reference runs once (a layer's
+    own projections, which a port may compute in another order) are no evidence."""
+    ours_seq, ref_seq = e.ours_trace.sequence, e.ref_trace.sequence
+    if e.name not in ours_seq or e.name not in ref_seq:
+        return None
+    ours_before = Counter(ours_seq[: ours_seq.index(e.name)])
+    ref_before = Counter(ref_seq[: ref_seq.index(e.name)])
+    differ = [
+        n
+        for n in dict.fromkeys([*ref_before, *ours_before])
+        if ours_before[n] != ref_before[n]
+        and e.ref_trace.calls.get(n, 0) > 1
+        and e.ours_trace.calls.get(n, 0) >= 1
+        and "@" not in n
+        and n.rsplit(".", 1)[-1] not in SUFFIXES  # a tap and the capture of one value count twice
+    ]
+    if len(differ) < 8:
+        return None  # a looped block holds a layer's worth of nodes; a module or two called again is no loop
+    (mine, theirs), _ = Counter((ours_before[n], ref_before[n]) for n in differ).most_common(1)[0]
+    group = _common_module(differ)
+    nodes = f"{group} ({len(differ)} nodes)" if group else fmt_list(differ, 4)
+    if theirs == 0:
+        return Hint(
+            "execution_order",
+            f"likely two looped blocks run in the other order: ours runs {nodes} before {e.name}'s first call, the "
+            "reference only after it (their weights swapped at load, or the loop's steps in another order)",
+            {"nodes": differ, "ours_calls": mine, "reference_calls": theirs},
+        )
+    return Hint(
+        "loop_count",
+        f"likely a loop's count: ours runs {nodes} {_times(mine)} before {e.name}'s first call, the reference "
+        f"{_times(theirs)} (the number of steps of the loop around it read from another config field, or two counts "
+        "swapped)",
+        {"nodes": differ, "ours_calls": mine, "reference_calls": theirs},
+    )
+
+
+def _times(n: int) -> str:
+    return "once" if n == 1 else "twice" if n == 2 else f"{n} times"
+
+
+def _common_module(names: list[str]) -> str:
+    """The longest module path every name lies under (``model.L_module``), or ``""``."""
+    parts = [n.split(".")[:-1] for n in names]
+    common = []
+    for level in zip(*parts, strict=False):
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    return ".".join(common)
 
 
 def _sequential_block(e: Evidence) -> Hint | None:

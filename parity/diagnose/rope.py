@@ -1007,6 +1007,51 @@ def bias_after_rope(e: Evidence) -> Hint | None:
     return None
 
 
+def gain_across_rope(e: Evidence) -> Hint | None:
+    """A rotated q or k whose per-channel gain (a q/k norm's weight, nGPT's and Dory's ``sqk``) one side applies
+    before RoPE and the other after it: position 0 agrees (no rotation), later positions differ. With ``v`` the
+    before-side's tensor rotated back (``G x``) and ``t = g_a / g_b`` per rotated pair and head, the after-side's
+    pair is ``(c v_a - s t v_b, s v_a / t + c v_b)`` (``c, s`` the layer's RoPE at each position); ``t`` is read by
+    least squares and must explain every position. Either side."""
+    if e.kind not in ("q_rot", "k_rot") or e.ours.dim() != 4 or e.positions is None:
+        return None
+    from parity.diagnose.rope_fit import _pairs
+
+    layer = e.facts.layer(e.result.layer)
+    rope = layer.rope if layer is not None else None
+    b, _, t, d = e.ref.shape
+    if rope is None or e.positions.shape != (b, t) or t < 2 or not rope.inv_freq:
+        return None
+    r = rope.rotary_dim
+    if r < d and not e.close(e.ours[..., r:], e.ref[..., r:]):
+        return None
+    angle = e.positions.double()[:, None, :, None] * torch.tensor(rope.inv_freq, dtype=torch.float64)
+    amplitude = float(rope.attention_factor)
+    c, s = amplitude * angle.cos(), amplitude * angle.sin()
+    for side, before, after in (("ours", e.ours, e.ref), ("the reference", e.ref, e.ours)):
+        v = _pairs(before, rope.interleaved, r) * torch.polar(torch.ones_like(angle), -angle) / amplitude
+        z = _pairs(after, rope.interleaved, r)
+        va, vb, ra, rb = v.real, v.imag, z.real, z.imag
+        ratio = -((ra - c * va) * s * vb).sum((0, 2)) / (s * vb).pow(2).sum((0, 2)).clamp_min(1e-300)  # (heads, pairs)
+        if not bool((ratio > 1e-6).all()):
+            continue  # a ratio of -1 is the rotation reversed (rope_fit's), not a gain; gains keep their sign
+        tt = ratio[None, :, None, :]
+        error = ((c * va - s * tt * vb - ra).pow(2) + (s * va / tt + c * vb - rb).pow(2)).sum().sqrt()
+        if float(error / (ra.pow(2) + rb.pow(2)).sum().sqrt()) > 1e-3 or float((ratio - 1).abs().max()) < 1e-2:
+            continue
+        other = "the reference" if side == "ours" else "ours"
+        letter = e.kind[0]
+        return Hint(
+            "gain_order",
+            f"likely a per-channel gain on {letter} applied before RoPE in {side}, after it in {other} (a {letter} "
+            "norm's weight or a learned q/k scale moved across the rotation): position 0 agrees, and the later "
+            "positions fit one gain ratio per rotated pair and head "
+            f"({fmt_list(f'{x:.3g}' for x in ratio.flatten()[:4].tolist())})",
+            {"side": side, "pair_ratios": ratio.flatten()[:16].tolist()},
+        )
+    return None
+
+
 def rope_skipped(e: Evidence) -> Hint | None:
     """One side's q (k) at this layer is the projection's as RoPE would read it, unrotated (times one factor per
     position at most: a NoPE layer's query temperature), while the other side's is not: RoPE skipped on one

@@ -9,7 +9,7 @@ import torch
 
 from parity.diagnose.evidence import EXPLAINS, Evidence, fmt_list, forms_of, part_of, rel
 from parity.diagnose.hints import Hint
-from parity.diagnose.norms import named_scale
+from parity.diagnose.norms import is_norm, named_scale
 from parity.model.facts_rules import ROTATED_LAST, YARN_SOFTMAX_MSCALE
 from parity.record.hf_capture import FUSED_QKV
 from parity.record.trace import SCALARS
@@ -83,7 +83,8 @@ def _scale_name(e: Evidence, scale: float) -> str:
 
 
 def _head_widths(e: Evidence, head_dim: int) -> dict[str, int]:
-    """The widths a port may take its attention scale from: head_dim, for latent attention (MLA: each head
+    """The widths a port may take its attention scale from: head_dim, hidden_size / num_attention_heads where the
+    config sets another head_dim (a port deriving it, as most configs do), for latent attention (MLA: each head
     ``cat(nope, rope)``) the nope and rope parts, and the values' width where it differs (read from the context
     node)."""
     widths = {"head_dim": head_dim}
@@ -96,6 +97,9 @@ def _head_widths(e: Evidence, head_dim: int) -> dict[str, int]:
     heads = e.facts.num_heads
     if context is not None and heads and context.shape[-1] % heads == 0 and context.shape[-1] // heads != head_dim:
         widths["v_head_dim"] = context.shape[-1] // heads
+    hidden = e.facts.hidden_size
+    if hidden and heads and hidden % heads == 0 and hidden // heads not in widths.values():
+        widths["hidden_size/num_attention_heads"] = hidden // heads  # last: a named width of that size first
     return widths
 
 
@@ -450,8 +454,15 @@ def _l2_for_rms(e: Evidence, mean: float, r: float) -> Hint | None:
     if e.kind not in ("q_rot", "k_rot", "q_norm", "k_norm") or not head_dim or abs(r / head_dim**0.5 - 1) > 1e-3:
         return None
     smaller, side = (e.ours, "ours") if mean < 1 else (e.ref, "the reference")
-    if smaller.shape[-1] != head_dim or float((smaller.double().norm(dim=-1) - 1).abs().max()) > 1e-3:
-        return None
+    if smaller.shape[-1] != head_dim or not _unit_heads(smaller):
+        # q scaled after its norm (Dory's per-channel gain): read at the block's keys, the same factor apart
+        stem = e.name.rsplit(".", 1)[0]
+        k_ours, k_ref = e.ours_trace.tensors.get(f"{stem}.k_rot"), e.ref_trace.tensors.get(f"{stem}.k_rot")
+        if e.kind != "q_rot" or k_ours is None or k_ref is None or k_ours.shape != k_ref.shape:
+            return None
+        k_smaller = k_ours if mean < 1 else k_ref
+        if k_smaller.shape[-1] != head_dim or not _unit_heads(k_smaller) or rel(k_ours, k_ref * mean) > 1e-3:
+            return None
     other = "the reference" if side == "ours" else "ours"
     return Hint(
         "norm_kind",
@@ -460,6 +471,11 @@ def _l2_for_rms(e: Evidence, mean: float, r: float) -> Hint | None:
         f"differ by sqrt(head_dim={head_dim}) = {head_dim**0.5:g}, ours / reference = {mean:.6g}",
         {"ratio": mean, "unit_l2": side},
     )
+
+
+def _unit_heads(t: torch.Tensor) -> bool:
+    """Whether every head vector (the last axis) of ``t`` has unit L2 length."""
+    return float((t.double().norm(dim=-1) - 1).abs().max()) <= 1e-3
 
 
 def constant_ratio(e: Evidence) -> Hint | None:
@@ -667,6 +683,10 @@ def row_scale(e: Evidence) -> Hint | None:
                     {**evidence, "side": skipped},
                 )
             break
+    if "unit" not in evidence and is_norm(e.kind):
+        # a norm's output on both sides, neither of unit size: not one side normalising and the other not (a gate
+        # moved across the norm gives one factor per row too: rms(x) / rms(x g)); the one-change search reads it
+        return None
     return Hint(
         "row_scale",
         f"likely {cause}: ours / reference is one factor per row (along the last axis), a different one for each "
@@ -711,11 +731,11 @@ def channel_ratio(e: Evidence) -> Hint | None:
         return None
     a, b = ours.double().flatten(0, -2), ref.double().flatten(0, -2)
     if a.shape[0] < 2 or bool((b.abs() < 1e-6).any()):
-        return None
+        return _head_channel_ratio(e)
     ratio = a / b
     spread = float((ratio.std(0) / ratio.mean(0).abs().clamp_min(1e-12)).max())
     if spread > 1e-3:
-        return None
+        return _head_channel_ratio(e)
     per_channel = ratio.mean(0)
     if float((per_channel - 1).abs().max()) < 1e-3:
         return None
@@ -728,6 +748,38 @@ def channel_ratio(e: Evidence) -> Hint | None:
         f"weight): ours / reference is constant over tokens per channel, e.g. "
         f"{fmt_list(f'{v:.4g}' for v in per_channel[:4].tolist())}",
         {"per_channel": per_channel[:16].tolist()},
+    )
+
+
+def _head_channel_ratio(e: Evidence) -> Hint | None:
+    """At q or k ``(batch, heads, seq, head_dim)``: ours / reference constant over the tokens for each head and
+    channel, different across heads (a learned per-head, per-channel gain: nGPT's and Dory's ``sqk``, a per-head
+    q/k norm weight), where one factor per channel alone does not fit."""
+    if e.kind not in ("q_rot", "k_rot", "q_norm", "k_norm") or e.ours.dim() != 4:
+        return None
+    a, b = (t.double().transpose(1, 2).flatten(0, 1) for t in (e.ours, e.ref))  # (tokens, heads, head_dim)
+    kept = b.abs() > 1e-4 * float(b.abs().max())  # entries near zero carry only rounding in their ratio
+    read = kept.sum(0) >= 2  # (heads, head_dim) read on two tokens or more: most of them must be
+    if a.shape[0] < 2 or int(read.sum()) * 2 < read.numel():
+        return None
+    ratio = torch.where(kept, a / b.where(kept, torch.ones_like(b)), torch.nan)
+    factors = ratio.nanmean(0)
+    spread = ((ratio - factors).abs() / factors.abs().clamp_min(1e-12)).nan_to_num(0.0)
+    if float(spread.max()) > 1e-3:
+        return None
+    per_head = factors.nanmean(-1, keepdim=True)
+    if float(((factors - per_head).abs() / per_head.abs().clamp_min(1e-12)).nan_to_num(0.0).max()) < 1e-3:
+        return None  # one factor per head, every channel alike: a per-head temperature (row_scale names it)
+    factors = factors[read]
+    if float((factors - 1).abs().max()) < 1e-3:
+        return None
+    letter = e.kind[0]
+    return Hint(
+        "channel_scale",
+        f"likely a per-head, per-channel gain on {letter} that differs (a learned {letter} scale applied otherwise: "
+        "squared or not, another initialisation constant, a per-head norm weight): ours / reference is constant over "
+        f"tokens for each head and channel, e.g. {fmt_list(f'{v:.4g}' for v in factors.flatten()[:4].tolist())}",
+        {"per_head_channel": factors.flatten()[:16].tolist()},
     )
 
 

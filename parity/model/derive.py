@@ -163,7 +163,10 @@ def derive_facts(config, model=None) -> ArchFacts:
         else "rmsnorm",
         norm_eps=float(eps) if eps is not None else None,
         logit_scale=_get(config, "logit_scale"),
-        final_softcap=_get(config, "final_logit_softcapping") or _get(config, "logits_soft_cap"),  # RecurrentGemma
+        # RecurrentGemma's logits_soft_cap, xLSTM's output_logit_soft_cap
+        final_softcap=_get(config, "final_logit_softcapping")
+        or _get(config, "logits_soft_cap")
+        or _get(config, "output_logit_soft_cap"),
         attn_softcap=_get(config, "attn_logit_softcapping"),
         clip_qkv=_get(config, "clip_qkv") or _clip_in_attn_config(config),
         tie_word_embeddings=bool(_get(config, "tie_word_embeddings", default=False)),
@@ -242,6 +245,17 @@ def _kv_heads_from_modules(modules: dict, facts: ArchFacts) -> ArchFacts:
         if isinstance(heads, int) and heads > 0 and heads != facts.num_heads:
             layer = replace(layer, num_heads=heads)
         layers.append(layer)
+    if not any(f"{facts.layer_prefix}.{layer.index}.self_attn.k_proj" in modules for layer in facts.layers):
+        # no layer where the config's count puts them (HRM's two stacks, run in cycles: its num_hidden_layers
+        # counts cache slots): every key projection the model holds, when one head count fits them all
+        counts = {
+            m.out_features // facts.head_dim
+            for path, m in modules.items()
+            if path.endswith("self_attn.k_proj") and isinstance(getattr(m, "out_features", None), int)
+        }
+        if len(counts) == 1 and facts.head_dim and (kv := counts.pop()) != facts.num_kv_heads:
+            layers = [replace(layer, num_kv_heads=kv) for layer in layers]
+            facts = replace(facts, num_kv_heads=kv)
     return replace(facts, layers=tuple(layers)) if tuple(layers) != tuple(facts.layers) else facts
 
 

@@ -71,6 +71,13 @@ SCALINGS = (
     torch.mul,
     torch.div,
 )
+#: in-place scalings (``scores /= math.sqrt(d)``: Falcon's eager attention), read as their out-of-place op
+IN_PLACE_SCALINGS = {
+    torch.Tensor.__itruediv__: torch.Tensor.__truediv__,
+    torch.Tensor.__imul__: torch.Tensor.__mul__,
+    torch.Tensor.div_: torch.Tensor.div,
+    torch.Tensor.mul_: torch.Tensor.mul,
+}
 
 
 #: how many rearranged parameters are followed at once (each is consumed by the next op or two)
@@ -528,6 +535,7 @@ class FunctionCapture(TorchFunctionMode):
         record_param,
         moe=None,
         biases=None,
+        scales=None,
         expects_bias: frozenset[str] = frozenset(),
         owners=None,
         retract=None,
@@ -592,7 +600,10 @@ class FunctionCapture(TorchFunctionMode):
         self.biases = Followed(biases or {})
         # and the nodes whose reference module has a bias ours' alignment gave no parameter for (a bias
         # cut in another layout than its weight matches nothing): a bias-like vector ours adds next is theirs
+        #: the vectors ours multiplies such a result by, its module's own scale (``(x @ W) * s``: Dory's head)
+        self.scales = Followed(scales or {})
         self._biased = {n for n in self.biases.by_storage.values() if n} | set(expects_bias)
+        self._biased |= {n for n in self.scales.by_storage.values() if n}
         self._unbiased: dict[int, tuple[str, torch.Tensor]] = {}
         #: a product waiting for its bias that ours added to another tensor first (the residual): ``id(sum) ->
         #: the product``, recorded with the bias if the sum's next add is that bias
@@ -764,8 +775,9 @@ class FunctionCapture(TorchFunctionMode):
         ):
             self._pending.pop(block)
             latest, product = pending.latest, pending.product
-            if func in SCALINGS and len(args) == 2 and _scalar(args[1] if args[0] is latest else args[0]):
-                self._record_in("scores", func(*[product if a is latest else a for a in args], **kwargs), pending)
+            scaling = IN_PLACE_SCALINGS.get(func, func)  # recorded out of place: the model's own op runs after
+            if scaling in SCALINGS and len(args) == 2 and _scalar(args[1] if args[0] is latest else args[0]):
+                self._record_in("scores", scaling(*[product if a is latest else a for a in args], **kwargs), pending)
             elif func in SOFTMAXES:
                 self._record_in("scores", product, pending)
             else:  # a mask, or a softmax written out (max, exp, sum): follow its result
@@ -1034,6 +1046,9 @@ class FunctionCapture(TorchFunctionMode):
         others = [a for j, a in enumerate(args) if j != i]
         adds = op_name(func) in ("add", "__add__", "__radd__")
         bias = next((a for a in others if self.biases.of(a) is not None), None) if adds else None
+        scaled = op_name(func) in ("mul", "__mul__", "__rmul__") and any(self.scales.of(a) == node for a in others)
+        if scaled and carried is None:  # the module's own scale after its product: the module's output
+            return True, args, self.record_param(node, func(*args, **kwargs), **part)
         if bias is not None and carried is not None:  # ``h + x @ W + b``: the product plus its bias, h apart
             self.record_param(node, carried + bias, **part)
             return True, args, func(*args, **kwargs)

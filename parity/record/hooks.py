@@ -306,6 +306,7 @@ def _record_param(
     if not nodes:
         return tensor
     if all(rec.trace.recorded(n) for n in nodes):
+        rec.trace.sequence.extend(nodes[1:])  # each node this read makes runs again (a loop's later step)
         return _read_again(rec.trace, nodes[0], tensor)
     value = tensor
     taken: list[str] = []
@@ -361,8 +362,10 @@ def _enter_block(rec: _Recording, node: str) -> None:
 
 
 def _read_again(trace: Trace, node: str, tensor: torch.Tensor) -> torch.Tensor:
-    """A parameter of a recorded node read again in a function: counted (``Trace.reads``), not recorded."""
+    """A parameter of a recorded node read again in a function: counted (``Trace.reads``, and in the order of
+    calls, ``Trace.sequence``), not recorded."""
     trace.reads[node] = trace.reads.get(node, 0) + 1
+    trace.sequence.append(node)
     return tensor
 
 
@@ -447,6 +450,7 @@ def recording(
     module_stack: bool = False,
     functional: dict[StorageKey, str] | None = None,
     functional_biases: dict[StorageKey, str] | None = None,
+    functional_scales: dict[StorageKey, str] | None = None,
     functional_expects_bias: frozenset[str] = frozenset(),
     functional_owners: dict[str, str] | None = None,
     functional_siblings: dict[str, list[str]] | None = None,
@@ -622,6 +626,7 @@ def recording(
             parts=functional_parts,
             moe=(lambda: _running_moe(rec)) if any(n.endswith(".router.experts") for n in rec.tap_names) else None,
             biases=functional_biases,
+            scales=functional_scales,
             expects_bias=functional_expects_bias,
             owners=(functional_owners or {}, lambda: rec.stack),
             retract=lambda kind: _retract_captured(rec, kind),

@@ -241,6 +241,8 @@ class RoutingCapture:
         """An op reading the routing weights: followed while it transforms them element by element (same
         shape: a renormalisation, a cast, a scaling); the weights recorded (and, isolated, replaced) at the
         first op doing anything else with them (indexing them, broadcasting them onto the experts' outputs)."""
+        if not block.recorded and args and args[0] is block.weights and _in_place_arithmetic(name):
+            return func(*args, **kwargs)  # ``w /= w.sum(-1, keepdim=True)`` (EXAONE-MoE's): still the weights, followed
         if not block.recorded and name not in LOOKUPS and not name.endswith("_"):
             out = func(*args, **kwargs)
             if isinstance(out, torch.Tensor) and out.is_floating_point() and out.shape == block.weights.shape:
@@ -262,6 +264,12 @@ class RoutingCapture:
         if block.replacement is None:
             return tuple(args)
         return tuple(block.replacement if a is block.weights else a for a in args)
+
+
+def _in_place_arithmetic(name: str) -> bool:
+    """Whether op ``name`` rewrites its first operand in place element by element (``/=``, ``mul_``)."""
+    plain = name[3:-2] if name.startswith("__i") and name.endswith("__") else name[:-1] if name.endswith("_") else ""
+    return plain in ("add", "sub", "mul", "truediv", "div", "clamp", "clamp_min", "clamp_max")
 
 
 #: ops reading a tensor's values at given indices along an axis (the routing weights at the chosen experts)

@@ -70,7 +70,7 @@ class Trace:
     """Recorded tensors by node name, in the order they were produced.
 
     A module that runs more than once in one forward keeps its first tensor; ``calls`` counts
-    every call so a repeated module is visible. ``inputs`` (first input) and ``weights``/``biases``
+    every call so a repeated module is visible, and ``sequence`` lists every call in order. ``inputs`` (first input) and ``weights``/``biases``
     (the module's own parameters, referenced, not copied) of selected nodes are kept for diagnosis
     only, never compared (``weights``: 1-D and 2-D ones; ``biases``: of projections and of norms); so
     are ``extras``, records a capture function leaves for a node (one expert's weights and tokens,
@@ -82,6 +82,8 @@ class Trace:
 
     tensors: MutableMapping[str, torch.Tensor] = field(default_factory=dict)
     calls: dict[str, int] = field(default_factory=dict)
+    #: every call's node name, in the order they ran (a loop's count before a node's first call is evidence)
+    sequence: list[str] = field(default_factory=list)
     wanted: frozenset[str] = frozenset()
     inputs: MutableMapping[str, torch.Tensor] = field(default_factory=dict)
     weights: dict[str, torch.Tensor] = field(default_factory=OnCpu)
@@ -130,6 +132,7 @@ class Trace:
         if tensor is None:
             return
         self.calls[name] = self.calls.get(name, 0) + 1
+        self.sequence.append(name)
         if self.rows is not None and name not in self.tensors and (self.calls[name] == 1 or name in self._row_parts):
             whole = self._by_rows(name, tensor, transform)
             if whole is _PENDING:

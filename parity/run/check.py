@@ -39,6 +39,7 @@ from parity.run.stages import (
     unjudged_padding,
 )
 from parity.util.errors import ParityError
+from parity.util.text import one_line
 
 
 def _check_decode(pair: Pair, run: Run) -> CheckResult:
@@ -163,7 +164,16 @@ def check(
         from parity.run.semantic import check_semantic
 
         coverage = _coverage(pair)
-        result = check_semantic(pair, run, _forward_notes(pair, run) + coverage_notes(coverage), coverage)
+        try:
+            result = check_semantic(pair, run, _forward_notes(pair, run) + coverage_notes(coverage), coverage)
+        except (ParityError, RuntimeError, TypeError, NotImplementedError) as err:
+            if isinstance(err, ParityError) and " raised " not in str(err):
+                raise  # bad input the semantic run found (weights changed, a refusal): not a float64 limit
+            # an op that cannot run in float64 (torch's grouped matmul): the run's dtype alone, said in one line
+            result = _check_forward(pair, run)
+            why = one_line(err)[:300]
+            note = f"the float64 semantic run could not run ({why}); judged in the run's dtype alone"
+            result = replace(result, notes=(note, *result.notes))
     else:
         result = _check_forward(pair, run)
     unpositioned = unpositioned_result(pair, run, len(result.nodes))

@@ -48,12 +48,16 @@ def unpositioned_result(pair: Pair, run: Run, index: int) -> NodeResult | None:
         return None
     real = mask.bool().cpu()
 
-    def logits(model, with_positions: bool) -> torch.Tensor | None:
+    def logits(model, with_positions: bool, **extra) -> torch.Tensor | None:
         kwargs = {"attention_mask": mask} | ({"position_ids": run.position_ids} if with_positions else {})
-        t = _forward_logits(model, run.input_ids, **kwargs)
+        t = _forward_logits(model, run.input_ids, **kwargs, **extra)
         return t[real] if t is not None and t.shape[:2] == real.shape else None
 
-    ref_with, ref_without = logits(pair.reference, True), logits(pair.reference, False)
+    # the reference without a cache, as the trace runs it (a hybrid's cache cannot always be built alone)
+    ref_with, ref_without = (
+        logits(pair.reference, True, use_cache=False),
+        logits(pair.reference, False, use_cache=False),
+    )
     ours_with, again, ours_without = logits(pair.ours, True), logits(pair.ours, True), logits(pair.ours, False)
     if ref_with is None or ref_without is None or ours_with is None or again is None or ours_without is None:
         return None
@@ -100,7 +104,7 @@ def all_ones_mask_result(pair: Pair, run: Run, index: int) -> NodeResult | None:
     if not pair.alignment or run.attention_mask is not None or not _defaults_argument(pair.ours, "attention_mask"):
         return None
     ones, ids = torch.ones_like(run.input_ids), run.input_ids
-    ref = _forward_logits(pair.reference, ids, attention_mask=ones)
+    ref = _forward_logits(pair.reference, ids, attention_mask=ones, use_cache=False)  # as the trace runs it
     ours_plain, again = _forward_logits(pair.ours, ids), _forward_logits(pair.ours, ids)
     ours_masked = _forward_logits(pair.ours, ids, attention_mask=ones)
     if ref is None or ours_plain is None or again is None or ours_masked is None or ours_masked.shape != ref.shape:
@@ -125,11 +129,12 @@ def all_ones_mask_result(pair: Pair, run: Run, index: int) -> NodeResult | None:
 
 
 def _forward_logits(model, input_ids: torch.Tensor, **kwargs) -> torch.Tensor | None:
-    """``model``'s logits (float32, on the CPU) for ``input_ids`` and the tensors in ``kwargs``, each moved to
-    its device: its output's ``logits``, or its first tensor; None when it returns none."""
+    """``model``'s logits (float32, on the CPU) for ``input_ids`` and ``kwargs`` (tensors moved to its device): its
+    output's ``logits``, or its first tensor; None when it returns none."""
     device = device_of(model)
     with torch.no_grad():
-        out = model(on_device(device, input_ids), **{k: on_device(device, v) for k, v in kwargs.items()})
+        moved = {k: on_device(device, v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        out = model(on_device(device, input_ids), **moved)
     t = getattr(out, "logits", None)
     t = t if isinstance(t, torch.Tensor) else first_tensor(out)
     return t.detach().float().cpu() if isinstance(t, torch.Tensor) else None

@@ -259,10 +259,15 @@ def ours_recording(pair: Pair) -> dict:
     functional: dict[StorageKey, str] = {}
     siblings: dict[str, list[str]] = {}
     biases: dict[StorageKey, str] = {}
+    scales: dict[StorageKey, str] = {}
     parts: dict[int, list[tuple[Block, str, Callable]]] = {}
     for n in pair.nodes:
-        # param:W (the op reading W) or param:W+b (and the add of b that follows it)
-        weight, _, bias = n.ours[len("param:") :].partition("+") if n.ours.startswith("param:") else ("", "", "")
+        # param:W (the op reading W), param:W+b (and the add of b that follows it), param:W*s (and the product
+        # with s that follows it: a projection's own scale after its product)
+        read, _, scale = n.ours[len("param:") :].partition("*") if n.ours.startswith("param:") else ("", "", "")
+        weight, _, bias = read.partition("+")
+        if scale in params and id(params[scale]) in key_of:
+            scales.setdefault(key_of[id(params[scale])], n.name)
         if weight in params and id(params[weight]) in key_of:
             ptr = key_of[id(params[weight])]
             if ptr in functional:  # a fused parameter read once for several nodes (each its rows), a tied table
@@ -334,6 +339,7 @@ def ours_recording(pair: Pair) -> dict:
         taps=taps,
         functional=functional if pair.alignment and (functional or taps) else None,
         functional_biases=biases or None,
+        functional_scales=scales or None,
         functional_expects_bias=expects_bias,
         functional_owners=owners or None,
         functional_siblings=siblings or None,
@@ -357,7 +363,7 @@ def _input_axes(pair: Pair, params: dict, ref_modules: dict) -> dict[int, tuple[
     if coverage is None:
         return out
     for n in pair.nodes:
-        weight = n.ours[len("param:") :].partition("+")[0] if n.ours.startswith("param:") else ""
+        weight = n.ours[len("param:") :].partition("*")[0].partition("+")[0] if n.ours.startswith("param:") else ""
         held = params.get(weight)
         if held is None or not isinstance(ref_modules.get(n.reference_path), torch.nn.Linear):
             continue

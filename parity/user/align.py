@@ -712,14 +712,16 @@ class _Aligner:
 
     def _in_functions(self, att: str) -> bool:
         """Whether ours computes the reference's attention block ``att`` with no module of its own, every
-        weighted module of the block found in ours (modules of a flat block that also holds the MLP's, or
-        parameters read in functions): the block is then what ours computes between running or reading
-        the first of them and the last (:data:`FUNCTIONS`)."""
+        weighted module of the block found in ours (modules of a flat block that also holds the MLP's,
+        parameters read in functions, or parameters computed from its weights at load): the block is then what
+        ours computes between running or reading the first of them and the last (:data:`FUNCTIONS`)."""
         inside = [
             p for p, m in self.ref_modules.items()
             if p.startswith(att + ".") and isinstance(getattr(m, "weight", None), torch.Tensor)
         ]  # fmt: skip
-        return len(inside) >= 2 and all(self.leaf(p) is not None or p in self.functional for p in inside)
+        # a weight ours computes from at load (Inkling's short-conv kernels, reversed into taps) is found too
+        found = [p for p in inside if self.leaf(p) is not None or p in self.functional or self._derived_holders(p)]
+        return len(inside) >= 2 and len(found) == len(inside)
 
     def split(self, spec: NodeSpec) -> list[tuple[NodeSpec, Aligned]] | None:
         """A reference module whose weight ours holds cut into parts along its output axis (TransformerLens'
@@ -815,6 +817,62 @@ class _Aligner:
         if part is not None:
             held = [(n, s) for n, s in held if s.how == SPLIT and s.part is not None and s.part[1:] == part[1:]]
         return held[0][0] if len(held) == 1 else None
+
+    def _returned_columns(self, ref_path: str, spec: NodeSpec) -> OutputPart | None:
+        """The output features of a module's product with its weight that the module returns (as its output
+        ``#k``, the node's), where that is a part of them: Inkling's router weight holds its shared experts'
+        rows too and returns the routed experts' logits alone. Found by running the module on a random input;
+        None where it returns the whole product, or cannot run alone."""
+        module = self.ref_modules.get(ref_path)
+        weight = getattr(module, "weight", None)
+        if module is None or isinstance(module, (nn.Linear, nn.Embedding)) or not isinstance(weight, torch.Tensor):
+            return None
+        if weight.dim() != 2 or weight.is_meta:
+            return None
+        k = int(spec.reference_path.rsplit("#", 1)[1]) if "#" in spec.reference_path else 0
+        x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+        try:
+            with torch.no_grad():
+                out = module(x)
+        except Exception:  # a module that needs more than its input: no part read
+            return None
+        out = out[k] if isinstance(out, (tuple, list)) and len(out) > k else out if k == 0 else None
+        if not isinstance(out, torch.Tensor) or out.dim() != 2 or not 0 < out.shape[-1] < weight.shape[0]:
+            return None
+        full = torch.nn.functional.linear(x.double(), weight.detach().double())
+        n, got = out.shape[-1], out.double()
+        tol = 1e-4 * float(got.abs().max().clamp_min(1e-30))
+        start = next(
+            (a for a in range(weight.shape[0] - n + 1) if bool(((full[:, a : a + n] - got).abs() <= tol).all())), None
+        )
+        return OutputPart(start, start + n) if start is not None else None
+
+    def _children_after(self, ref_path: str) -> list[str]:
+        """The submodules holding parameters of a reference ``nn.Embedding`` or ``nn.Linear`` subclass, which its
+        forward runs on its own op's result (Inkling's embedding normalised by its ``embed_norm``): the module's
+        output is theirs."""
+        module = self.ref_modules.get(ref_path)
+        if not isinstance(module, (nn.Embedding, nn.Linear)):
+            return []
+        return [
+            f"{ref_path}.{name}" for name, child in module.named_children() if any(True for _ in child.parameters())
+        ]
+
+    def _post_scale_of(self, ref_path: str) -> str | None:
+        """The parameter of ours holding (or computed at load from) the reference projection's one parameter
+        besides its weight and bias, a vector its forward multiplies the product by (Dory's
+        ``lm_head.logit_scale``): ours may multiply the product by it after the op reading the weight, as the
+        module does (``(x @ W) * s``)."""
+        module = self.ref_modules.get(ref_path)
+        if module is None or not isinstance(getattr(module, "weight", None), torch.Tensor):
+            return None
+        extra = [p for n, p in module.named_parameters(recurse=False) if n not in ("weight", "bias")]
+        if len(extra) != 1 or extra[0].dim() != 1 or extra[0].shape[0] != module.weight.shape[0]:
+            return None  # one factor per output feature (a router's one global scale weighs its choices instead)
+        held = [n for n, _ in self._held(extra[0]) if n in self.ours_params]
+        for key in self.keys_by_storage.get(_storage_key(extra[0]), []):  # or computed from it at load
+            held += [n for n in self.coverage.derived.get(key, []) if n in self.ours_params and n not in held]
+        return held[0] if len(held) == 1 else None
 
     def _bias_outside(self, ref_path: str, our_path: str) -> str | None:
         """The parameter of ours holding the reference projection's bias (whole, any shape) when the
@@ -1029,6 +1087,13 @@ class _Aligner:
                     "follow; the block's output is compared",
                 )
             param, source = self.functional[base]
+            after = self._children_after(base)
+            if after:
+                return self._unaligned(
+                    spec,
+                    f"{base} runs its submodules ({', '.join(after)}) on the result of the op reading its weight, "
+                    "inside its own forward: their nodes are compared, not the op ours computes in a function",
+                )
             scale = self.facts.embed_scale
             if base == self.facts.embed_module and scale not in (None, 1.0) and source.how != SCALED:
                 # a plain table read by a lookup cannot scale: the reference's scaled embedding is what the
@@ -1043,8 +1108,18 @@ class _Aligner:
                         "appears where the reference's does: the first layer's input",
                     )
                 return self._scaled_lookup(spec, PARAM + param, cast(float, scale))
-            bias = self._bias_of(base)
-            ours = PARAM + param + (f"+{bias}" if bias else "")
+            bias, scale_param = self._bias_of(base), self._post_scale_of(base)
+            ours = PARAM + param + (f"+{bias}" if bias else "") + (f"*{scale_param}" if scale_param else "")
+            columns = self._returned_columns(base, spec)
+            if columns is not None and source.how in (SHARED, COPY, TRANSPOSED):
+                return replace(spec, ours=ours, transform=columns), Aligned(
+                    name,
+                    ours,
+                    "functional",
+                    f"output features {columns.start}:{columns.stop} of the op in ours that reads {param}: "
+                    f"{base} returns those of its product alone (its weight holds more rows: a MoE router's "
+                    "shared experts' logits)",
+                )
             if source.how == SCALED and source.scale and self._divide_scaled(base, source):
                 unscaled = Unscaled(float(source.scale))  # a scale folded into the weight (and bias) at load
                 return replace(spec, ours=ours, transform=unscaled, inverse=unscaled.inverse), Aligned(

@@ -39,6 +39,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 BUG = None  # None | "no_softmax" | "no_renorm"
+#: a correct variant: the top-k weights renormalised in place (``weights /= weights.sum(...)``, EXAONE-MoE's way)
+IN_PLACE_RENORM = False
 
 
 @dataclass
@@ -165,7 +167,9 @@ class SparseMoE(nn.Module):
         else:
             scores = F.softmax(logits.float(), dim=-1)
         weights, ids = torch.topk(scores, self.a.top_k, dim=-1)
-        if self.a.norm_topk and BUG != "no_renorm":
+        if self.a.norm_topk and BUG != "no_renorm" and IN_PLACE_RENORM:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        elif self.a.norm_topk and BUG != "no_renorm":
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, ids
 
