@@ -628,6 +628,14 @@ def _fused_slices(p: torch.Tensor, candidates: dict[str, torch.Tensor]) -> list[
     return parts if len(parts) >= 2 else None
 
 
+def _pick(equal: list[str], names: list[str], consumed) -> str:
+    """Among checkpoint keys whose tensors ``names`` (a parameter of ours) equals, the one it holds: one nothing
+    consumed yet, the one named as ours names it first (an untrained checkpoint's all-ones norms or all-zero
+    tables: the assignment a port keeping the checkpoint's names means)."""
+    ordered = sorted(equal, key=lambda k: not _named_alike(k, names))
+    return next((k for k in ordered if k not in consumed), ordered[0])
+
+
 def _named_alike(key: str, names: list[str]) -> bool:
     """Whether one of ``names`` (a parameter of ours) is ``key`` (a checkpoint key), or either ends with the
     other at a dot (ours under a prefix of its own: ``inner.model.norm.weight`` for ``model.norm.weight``)."""
@@ -699,10 +707,7 @@ def loader_coverage(
         equal = [k for k in by_shape.get(tuple(p.shape), []) if torch.equal(p, state_dict[k].to(p.dtype))]
         match: str | None
         if equal:
-            # one nothing consumed yet, the one named as ours names it first (all-ones norms of an untrained
-            # checkpoint: the assignment a port keeping the checkpoint's names means)
-            equal.sort(key=lambda k: not _named_alike(k, names))
-            match = next((k for k in equal if k not in cov.consumed), equal[0])
+            match = _pick(equal, names, cov.consumed)
             record(names, match, COPY)
             cov.copies.append(f"{label} is a copy of {match}")
             return True
@@ -831,17 +836,13 @@ def loader_coverage(
         elif not b.is_meta and b.is_floating_point():
             by_value(b.detach(), names)
         elif not b.is_meta:  # an integer table (DeepSeek V4's tid2eid): an exact copy of an integer tensor only
-            equal = sorted(
-                (
-                    k
-                    for k in by_shape.get(tuple(b.shape), [])
-                    if not state_dict[k].is_floating_point() and torch.equal(b, state_dict[k].to(b.dtype))
-                ),
-                key=lambda k: not _named_alike(k, names),
-            )
-            # among equal tables (untrained ones are all zeros) one nothing consumed yet, as for a copy by value
-            match = next((k for k in equal if k not in cov.consumed), equal[0] if equal else None)
-            if match is not None:
+            equal = [
+                k
+                for k in by_shape.get(tuple(b.shape), [])
+                if not state_dict[k].is_floating_point() and torch.equal(b, state_dict[k].to(b.dtype))
+            ]
+            if equal:
+                match = _pick(equal, names, cov.consumed)
                 record(names, match, COPY)
                 cov.copies.append(f"{' = '.join(names)} is a copy of {match}")
     parts_of: dict[str, list[tuple[tuple[int, ...], str]]] = {}

@@ -306,8 +306,9 @@ def _record_param(
     if not nodes:
         return tensor
     if all(rec.trace.recorded(n) for n in nodes):
-        rec.trace.sequence.extend(nodes[1:])  # each node this read makes runs again (a loop's later step)
-        return _read_again(rec.trace, nodes[0], tensor)
+        again = _read_again(rec.trace, nodes[0], tensor)
+        rec.trace.sequence.extend(nodes[1:])  # each node this read makes runs again, in order (a loop's later step)
+        return again
     value = tensor
     taken: list[str] = []
     for other in nodes:

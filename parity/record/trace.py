@@ -70,10 +70,10 @@ class Trace:
     """Recorded tensors by node name, in the order they were produced.
 
     A module that runs more than once in one forward keeps its first tensor; ``calls`` counts
-    every call so a repeated module is visible, and ``sequence`` lists every call in order. ``inputs`` (first input) and ``weights``/``biases``
-    (the module's own parameters, referenced, not copied) of selected nodes are kept for diagnosis
-    only, never compared (``weights``: 1-D and 2-D ones; ``biases``: of projections and of norms); so
-    are ``extras``, records a capture function leaves for a node (one expert's weights and tokens,
+    every call so a repeated module is visible, and ``sequence`` lists every call in order. ``inputs`` (first
+    input) and ``weights``/``biases`` (the module's own parameters, referenced, not copied) of selected nodes are
+    kept for diagnosis only, never compared (``weights``: 1-D and 2-D ones; ``biases``: of projections and of
+    norms); so are ``extras``, records a capture function leaves for a node (one expert's weights and tokens,
     see :mod:`parity.record.hf_capture`). ``tensors`` and ``inputs`` share one :class:`Spill` (``spill``):
     past its budget they live on disk. ``sink(name, tensor) -> bool``, when set, sees each node's
     first tensor before it is stored and returns True when it consumed it (nothing is stored); it
