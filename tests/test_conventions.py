@@ -607,3 +607,63 @@ def test_a_moe_keeping_the_batch_axis_and_running_every_expert_on_every_token_pa
     assert status["model.layers.0.mlp.router.experts"] == status["model.layers.0.mlp.experts.3"] == "ok"
     judged = [n for n in res.nodes if n.kind == "expert" and n.status != "untapped"]
     assert len(judged) >= 4 and all(n.status == "ok" for n in judged)
+
+
+# --- rows of one tensor partly fused with others, vectors stacked as rows, a vector kept 1 + w in another shape
+
+
+def test_rows_fused_with_others_and_held_apart_and_stacked_vectors_are_each_placed():
+    """A per-head [query | gate] q_proj whose query rows ours fuses with k and v (its gate rows in a parameter of
+    their own), a LayerNorm's weight and bias stacked as one (2, hidden) tensor, and a grouped norm's vector kept
+    1 + w as (streams, hidden): every checkpoint tensor placed, no gap."""
+    from parity.build.coverage import FUSED_PART, OFFSET, ROWS
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n, 8, generator=g) for n in (16, 4, 4))  # q: 2 heads of [query (4) | gate (4)]
+    ln_w, ln_b, hc = torch.randn(8, generator=g), torch.randn(8, generator=g), torch.randn(12, generator=g)
+    query = torch.cat([q[0:4], q[8:12]])
+    gate = torch.cat([q[4:8], q[12:16]])
+    model = nn.Module()
+    model.w_qkv = nn.Parameter(torch.cat([query, k, v]).T.contiguous())  # kept input-major
+    model.w_gate = nn.Parameter(gate.clone())
+    model.ln = nn.Parameter(torch.stack([ln_w, ln_b]))
+    model.gain = nn.Parameter((1 + hc).view(3, 4))
+    state = {"q.weight": q, "k.weight": k, "v.weight": v, "ln.weight": ln_w, "ln.bias": ln_b, "hc.weight": hc}
+    cov = loader_coverage(model, state)
+    assert cov.ok, cov.gaps
+    how = {(param, s.key): s.how for param, held in cov.sources.items() for s in held}
+    assert how["w_qkv", "q.weight"] == FUSED_PART and how["w_gate", "q.weight"] == "part"
+    assert how["w_qkv", "k.weight"] == ROWS and how["ln", "ln.bias"] == ROWS and how["gain", "hc.weight"] == OFFSET
+    fused = next(s for s in cov.sources["w_qkv"] if s.key == "q.weight")
+    assert fused.key_rows == (0, 1, 2, 3, 8, 9, 10, 11) and fused.rows == tuple(range(8))
+    # the gate rows left out of ours: a gap naming them
+    del model.w_gate
+    assert any("8 of 16 rows copied into no parameter" in gap for gap in loader_coverage(model, state).gaps)
+
+
+def test_a_reference_rewriting_its_weights_on_its_first_forward_is_settled_with_the_originals_kept():
+    """RWKV's kind: a module dividing its weight in place the first time it runs (eval mode). ``settle`` runs it
+    once, keeps what it wrote, and returns each tensor as it was; a module that writes nothing returns {}."""
+    from parity.build.settle import settle
+
+    class Rescaling(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 4)
+            self.out = nn.Linear(4, 4)
+            self.done = False
+
+        def forward(self, input_ids, use_cache=False):
+            if not self.done:
+                with torch.no_grad():
+                    self.out.weight.div_(2)
+                self.done = True
+            return self.out(self.emb(input_ids))
+
+    model = Rescaling().eval()
+    before = model.out.weight.detach().clone()
+    state = dict(model.state_dict())
+    originals = settle(model, state, 10)
+    assert set(originals) == {"out.weight"} and torch.equal(originals["out.weight"], before)
+    assert torch.equal(model.out.weight, before / 2)
+    assert settle(model, state, 10) == {}  # the rewrite happens once

@@ -17,7 +17,9 @@ run in the other order) read from the order each side ran its nodes; a per-chann
 side; a per-head, per-channel q gain that differs; an L2-for-RMS q/k norm read at the keys where the queries carry a
 gain; a square matrix's transpose left out at two nearby lines and an ``abs`` left out (the one-change search); a
 detector that raises skipped (no hint from it), not a failed check. After: 34 of 34 correct runs pass; 24 of 42 bugs
-name the cause (two by refusing the tensor never loaded); no wrong cause seen.
+name the cause (two by refusing the tensor never loaded); no wrong cause seen. In the twentieth session a node the
+reference runs more than once is compared on every call (:mod:`parity.compare.later_calls`): HRM's input injection
+and Dory's loop that never re-adds its input section's output are named at the pass that first differs (26 of 42).
 """
 
 from __future__ import annotations
@@ -112,6 +114,10 @@ NAMED = [
      "so a query reads the future"),
     ("hrm_text", "hrm_rms_eps_default", False, "model.L_module.layers.0.self_attn.q_proj", "norm_eps",
      "ours normalises with eps ~ 1e-06, the reference with the config's 0.01"),
+    ("hrm_text", "hrm_x_injection", False, "model.L_module.layers.0.self_attn.q_proj (call 3)", "loop_input",
+     "model.L_module, which the reference runs 6 times, agrees on its earlier passes; on pass 3 its first node"),
+    ("dory", "dory_loop_no_reinject", False, "model.layers.1.self_attn.q_proj (call 2)", "loop_input",
+     "model.layers.1, which the reference runs 3 times, agrees on its earlier passes; on pass 2"),
     ("hrm_text", "hrm_padding_mask_ignored", True, "model.L_module.layers.0.self_attn.probs", "padding",
      "the padding mask in ours"),
     ("dory", "dory_qk_rms_norm", False, "model.layers.0.self_attn.q_rot", "norm_kind",
@@ -141,7 +147,7 @@ NAMED = [
     ("deepseek_v4", "shared_expert_no_clamp", False, "model.layers.0.mlp.shared_experts.down_proj", "clamp",
      "beyond +-1.5"),
 ]  # fmt: skip
-FAST = {"hrm_cycles_swapped", "hrm_rms_eps_default", "dory_qk_rms_norm"}
+FAST = {"hrm_cycles_swapped", "hrm_rms_eps_default", "dory_qk_rms_norm", "hrm_x_injection"}
 
 
 @pytest.mark.parametrize(heldout_support.LOCATED, heldout_support.located_cases(NAMED, FAST), indirect=["bug"])
@@ -156,3 +162,20 @@ def test_a_bug_is_located_with_the_hint_that_names_it(model, bug, padded, node, 
 )
 def test_a_tensor_the_loader_never_loads_is_refused_by_name(model, bug, says, checkpoints):
     heldout_support.assert_refused(MODELS, checkpoints, model, says)
+
+
+def test_a_later_pass_fed_otherwise_in_the_reference_is_named_at_that_pass(checkpoints):
+    """The fault in the reference: its low stack fed half its input from the second pass on (every first call
+    agrees). The pass is named, not the node after the loop; a correct model passes on every call (above)."""
+    ref = heldout_support.reference_model(checkpoints["hrm_text"])
+    passes = []
+
+    def halved_after_first(module, args, kwargs):
+        passes.append(1)
+        return (args[0] * 0.5, *args[1:]) if len(passes) > 1 else args, kwargs
+
+    ref.register_forward_pre_hook(lambda module, args: passes.clear())  # counted per forward
+    ref.model.L_module.register_forward_pre_hook(halved_after_first, with_kwargs=True)
+    bad = heldout_support.first_mismatch(MODELS, "hrm_text", ref)
+    assert bad.name == "model.L_module.layers.0.self_attn.q_proj (call 2)" and bad.hint.kind == "loop_input", bad
+    assert "on pass 2 its first node" in bad.hint.text

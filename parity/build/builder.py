@@ -500,6 +500,9 @@ class Reference:
     #: reference holds them otherwise (Transformers 5 fuses Mixtral's per-expert w1/w2/w3 on load):
     #: a user's loader written against the files asks for those names
     file_tensors: Callable[[], dict] | None = None
+    #: key -> the tensor as the checkpoint holds it, for the tensors the reference's own forward rewrote in place
+    #: when it first ran (RWKV's rescaled output weights: :mod:`parity.build.settle`)
+    rewritten: dict = field(default_factory=dict)
 
     @property
     def tied_keys(self) -> dict[str, str]:

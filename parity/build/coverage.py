@@ -23,7 +23,7 @@ from parity.model.weights import storage_key
 
 SHARED, COPY, TRANSPOSED, ROWS, SLICE = "shared", "copy", "transposed", "rows", "slice"
 OFFSET, LAYOUT, PART, SCALED, SPLIT = "offset", "layout", "part", "scaled", "split"
-STRIDED = "strided"
+STRIDED, FUSED_PART = "strided", "fused part"
 #: every way a parameter (or buffer) of ours may hold a checkpoint tensor, in the words reports use
 CONVENTIONS = {
     SHARED: "the checkpoint tensor itself (same storage)",
@@ -35,6 +35,8 @@ CONVENTIONS = {
     ROWS: "its rows in another order, or fused with other tensors' rows in any order (qkv, gate_up; "
     "q/k rows permuted per head for interleaved RoPE)",
     PART: "a copy of some of its rows (one expert of a fused experts tensor copied into a module of its own)",
+    FUSED_PART: "some of its rows fused with other tensors' rows, its other rows held elsewhere (the query rows of a "
+    "per-head [query | gate] q_proj fused with k and v, the gate rows in a parameter of their own)",
     STRIDED: "every other slice of it along one axis (its interleaved pairs), where the family's checkpoint "
     "interleaves two tensors so (GPT-OSS's gate_up_proj: gate at [..., 0::2], up at [..., 1::2])",
     SPLIT: "a copy of an equal part of it along one axis, then axes permuted and reshaped, for weights and 1-D "
@@ -82,6 +84,8 @@ class Source:
     #: ``(axis, start, stop)``: the part of the key ours holds (``how`` is ``split``); ``(axis, start, step)``
     #: for ``strided``
     part: tuple[int, int, int] | None = None
+    #: the key's rows ours holds (``how`` is ``fused part``): ours' row ``rows[j]`` holds the key's row ``key_rows[j]``
+    key_rows: tuple[int, ...] | None = None
 
     def input_axis(self, held_dim: int, key_dim: int) -> int | None:
         """The axis of ours' tensor (``held_dim`` axes) that holds the key's last axis (``key_dim`` axes): an
@@ -91,9 +95,9 @@ class Source:
             return held_dim - 1 if held_dim == key_dim else None
         if self.how == TRANSPOSED:
             return 0 if held_dim == 2 else None
-        if self.how in (SCALED, ROWS, PART):
+        if self.how in (SCALED, ROWS, PART, FUSED_PART):
             if self.permute is not None:  # rows held with another axis last: that axis, moved last, is it
-                return self.permute[-1] if self.how in (PART, ROWS) else None
+                return self.permute[-1] if self.how in (PART, ROWS, FUSED_PART) else None
             return (0 if held_dim == 2 else None) if self.transposed else held_dim - 1
         return None
 
@@ -117,7 +121,7 @@ class Source:
             return f"{self.key} {'+' if offset > 0 else '-'} {abs(offset):g}"
         if self.how == LAYOUT:
             return f"{self.key}{'.T' if self.transposed else ''} as permute{self.permute} then reshape"
-        if self.how == PART:
+        if self.how in (PART, FUSED_PART):
             return f"{len(cast(tuple[int, ...], self.rows))} rows of {self.key}"
         if self.how == STRIDED and self.part is not None:
             axis, start, step = self.part
@@ -515,6 +519,10 @@ def _fused_rows(p: torch.Tensor, candidates: dict[str, torch.Tensor]) -> list[tu
     taken: set[int] = set()
     parts = []
     for key, t in candidates.items():
+        if t.dim() not in (0, 2) and p.dim() == 2 and t.numel() == t.shape[-1] and t.is_floating_point():
+            # a vector (RWKV's (1, 1, hidden) mix too) stacked as one row: a LayerNorm's weight and bias kept as
+            # one (2, hidden) tensor
+            t = t.reshape(1, -1)
         if t.dim() != p.dim() or tuple(t.shape[1:]) != tuple(p.shape[1:]) or t.shape[0] > p.shape[0]:
             continue
         rows = []
@@ -531,6 +539,55 @@ def _fused_rows(p: torch.Tensor, candidates: dict[str, torch.Tensor]) -> list[tu
     if len(parts) == 1 and parts[0][1] == tuple(range(p.shape[0])):
         return None  # the identity: a copy, judged as such
     return parts
+
+
+def _fused_with_part(
+    p: torch.Tensor, candidates: dict[str, torch.Tensor]
+) -> tuple[list[tuple[str, tuple[int, ...]]], list[tuple[str, tuple[int, ...], tuple[int, ...]]]] | None:
+    """``p``'s rows as whole checkpoint tensors' rows (as :func:`_fused_rows` reads them) and, for the rows left,
+    some rows of other tensors, each of several distinct rows: ``(whole parts, [(key, ours' rows, the key's
+    rows)])``; None unless every row of ``p`` is explained, one tensor at least whole and one partial (a per-head
+    ``[query | gate]`` q_proj whose query rows ours fuses with k and v, its gate rows held apart)."""
+    if p.dim() != 2 or p.shape[0] < 2:
+        return None
+    where: dict[bytes, list[int]] = {}
+    for r, b in enumerate(_row_bytes(p)):
+        where.setdefault(b, []).append(r)
+    taken: set[int] = set()
+    whole: list[tuple[str, tuple[int, ...]]] = []
+    fitting = {
+        k: t for k, t in candidates.items() if t.dim() == 2 and t.shape[1] == p.shape[1] and t.is_floating_point()
+    }
+    rows_of = {k: _row_bytes(t.to(p.dtype)) for k, t in fitting.items()}
+    for key, row_bytes in rows_of.items():
+        rows: list[int] = []
+        for b in row_bytes:
+            free = [r for r in where.get(b, []) if r not in taken and r not in rows]
+            if not free:
+                break
+            rows.append(free[0])
+        else:
+            if len(row_bytes) <= p.shape[0]:
+                taken.update(rows)
+                whole.append((key, tuple(rows)))
+    partial: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
+    for key, row_bytes in rows_of.items():
+        if len(taken) == p.shape[0]:
+            break
+        if any(k == key for k, _ in whole) or len(set(row_bytes)) < 2:
+            continue
+        ours_rows, key_rows = [], []
+        for j, b in enumerate(row_bytes):
+            free = [r for r in where.get(b, []) if r not in taken and r not in ours_rows]
+            if free:
+                ours_rows.append(free[0])
+                key_rows.append(j)
+        if len(key_rows) >= 2 and len({row_bytes[j] for j in key_rows}) >= 2:
+            taken.update(ours_rows)
+            partial.append((key, tuple(ours_rows), tuple(key_rows)))
+    if len(taken) != p.shape[0] or not partial or not whole:  # one tensor's rows alone: a part (_part_rows)
+        return None
+    return whole, partial
 
 
 def _transposed_in(p: torch.Tensor, free: dict[str, torch.Tensor]) -> str:
@@ -742,6 +799,13 @@ def loader_coverage(
                 record(names, key, OFFSET, offset=offset)
                 cov.conversions.append(f"{key}: into {label} as {'1 + w' if offset > 0 else 'w - 1'}")
                 return True
+        for key, t in state_dict.items() if p.dim() >= 2 else ():
+            # a norm's vector kept as 1 + w in another shape (a grouped norm's (streams, hidden) for (streams * hidden,))
+            offset = _offset(p.reshape(-1), t) if t.dim() == 1 and t.numel() == p.numel() else None
+            if offset is not None and key not in cov.consumed:
+                record(names, key, OFFSET, offset=offset)
+                cov.conversions.append(f"{key}: into {label} {tuple(p.shape)} as {'1 + w' if offset > 0 else 'w - 1'}")
+                return True
         for key, t in state_dict.items():
             if t.numel() != p.numel() or key in cov.consumed:
                 continue
@@ -868,6 +932,26 @@ def loader_coverage(
                 moved_axes = last if parts is not None else None
                 if parts is not None:
                     break
+            if parts is None and p.dim() == 2:
+                # some of a tensor's rows fused with whole others, its other rows held elsewhere: parts of both kinds
+                fused_part = next(
+                    (
+                        (f, flipped)
+                        for held, flipped in ((p.data, False), (p.data.T, True))
+                        if (f := _fused_with_part(held, free))
+                    ),
+                    None,
+                )
+                if fused_part is not None:
+                    (whole_parts, partial_parts), flipped = fused_part
+                    for key, held_rows in whole_parts:
+                        record(names, key, ROWS, held_rows, transposed=flipped)
+                        cov.conversions.append(f"{key}: rows of {label}")
+                        free.pop(key, None)
+                    for key, held_rows, key_rows in partial_parts:
+                        record(names, key, FUSED_PART, held_rows, transposed=flipped, key_rows=key_rows)
+                        parts_of.setdefault(key, []).append((key_rows, label))
+                    continue
             if parts is None and p.dim() == 1:
                 parts = _permuted_vector(p.data, free)  # a per-head norm's weight permuted with its q/k rows
             if parts is None and p.dim() == 1:

@@ -76,6 +76,7 @@ from parity.diagnose.norms import (
 from parity.diagnose.order import (
     execution_order,
     head_on_embedding,
+    iteration_count,
     loop_count,
     partial_read,
     repeated_module,
@@ -111,6 +112,7 @@ from parity.diagnose.scales import (
 )
 from parity.diagnose.short_conv import short_conv
 from parity.diagnose.swaps import swapped_modules, swapped_weights, used_as
+from parity.diagnose.token_shift import token_shift
 from parity.diagnose.wiring import (
     activation_skipped,
     attention_rows_moved,
@@ -188,6 +190,7 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     partial_read,
     execution_order,
     loop_count,
+    iteration_count,  # a node in a loop both sides run, ours another number of times: no value fit is evidence
     embedding_rows,
     position_term,
     position_table_offset,  # a position table read at p + k: before detectors that read a lookup's input
@@ -206,6 +209,7 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     used_as,
     values_source,
     rotated_other_projection,
+    token_shift,  # before projection_input: a projection's input mixed with its neighbour token otherwise
     projection_input,
     other_layer,
     untied_head,

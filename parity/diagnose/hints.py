@@ -90,6 +90,13 @@ KINDS: dict[str, str] = {
     "of it (a chunked loop that drops the tail)",
     "loop_count": "a module run in a loop (a recurrent stack, a looped block) ran another number of times before this "
     "node's first call on one side: the loop's count read from another config field, or two counts swapped",
+    "loop_input": "a block the reference runs more than once (a looped stack, a recurrent section) agrees on its "
+    "earlier passes and differs from a later pass's first node: what ours feeds it on that pass (the carried state, "
+    "an input added before each pass) differs",
+    "loop_call": "a node agrees on its first call and differs on a later one while the nodes before it in that pass "
+    "agree: it computes otherwise on later calls (a per-pass constant, a cache slot, a state kept between calls)",
+    "token_shift": "a projection's input mixes each token with its neighbour (RWKV's time_mix) otherwise on one side: "
+    "the next token, no neighbour, or the two weights exchanged",
     "gain_order": "a per-channel gain on q or k (a norm's weight, a learned scale) applied before RoPE on one side "
     "and after it on the other",
     "position_bias": "a bias added to the attention scores by query-key distance differs (a relative position "

@@ -487,6 +487,24 @@ def _regrouped(x: torch.Tensor, counts: set[int], eps: float) -> dict[str, torch
     return out
 
 
+def _per_stream(x: torch.Tensor, hidden: int, eps: float) -> dict[str, torch.Tensor]:
+    """An input of several hidden-size streams side by side ``(..., streams * hidden)`` (hyper-connections'
+    residual streams) normalised per stream and over all of them at once: RMSNorm both ways."""
+    width = x.shape[-1]
+    if not hidden or width % hidden or width // hidden < 2:
+        return {}
+    streams = width // hidden
+    h = x.double().unflatten(-1, (streams, hidden))
+    flat = x.double()
+    return {
+        f"RMSNorm per stream ({streams} groups of hidden_size {hidden})": (
+            h / (h.pow(2).mean(-1, keepdim=True) + eps).sqrt()
+        ).flatten(-2),
+        f"RMSNorm over all {width} features at once ({streams} streams of hidden_size {hidden} together)": flat
+        / (flat.pow(2).mean(-1, keepdim=True) + eps).sqrt(),
+    }
+
+
 def _explained_by(y: torch.Tensor, candidates: dict[str, torch.Tensor]) -> str | None:
     """The candidate n with y ~= n * w for a per-channel w (least squares), or y ~= n * w + b with a
     per-channel bias too (a LayerNorm with bias, GPT-2), if any."""
@@ -516,11 +534,16 @@ def norm_kind(e: Evidence) -> Hint | None:
     if x_ref is None:
         return None  # the input already differs (or was not kept): not this norm's own fault
     heads = e.facts.num_heads if e.kind.startswith("q_") else e.facts.num_kv_heads if e.kind.startswith("k_") else None
-    candidates = _normalisers(x_ref, e.facts.head_dim, e.facts.norm_eps or 0.0, heads)
-    candidates |= _regrouped(x_ref, {e.facts.num_heads, e.facts.num_kv_heads}, e.facts.norm_eps or 0.0)
     shape = e.ours.shape  # a per-head norm's output with its heads merged ((batch, seq, heads * head_dim))
-    candidates = {k: v.reshape(shape) if v.numel() == e.ours.numel() else v for k, v in candidates.items()}
-    ours_is, ref_is = _explained_by(e.ours, candidates), _explained_by(e.ref, candidates)
+    # the config's eps first, then the eps a module hard-codes (DeepSeek V3.2's indexer LayerNorm: 1e-6)
+    for eps in dict.fromkeys((e.facts.norm_eps or 0.0, 1e-6, 1e-5)):
+        candidates = _normalisers(x_ref, e.facts.head_dim, eps, heads)
+        candidates |= _regrouped(x_ref, {e.facts.num_heads, e.facts.num_kv_heads}, eps)
+        candidates |= _per_stream(x_ref, e.facts.hidden_size, eps)
+        candidates = {k: v.reshape(shape) if v.numel() == e.ours.numel() else v for k, v in candidates.items()}
+        ours_is, ref_is = _explained_by(e.ours, candidates), _explained_by(e.ref, candidates)
+        if ours_is is not None and ref_is is not None:
+            break
     if ours_is is None or ref_is is None or ours_is == ref_is:
         return None
     evidence = ""

@@ -230,6 +230,23 @@ def _sequential_block(e: Evidence) -> Hint | None:
     return block_layout(replace(e, ours=x_ours, ref=x_ref, result=replace(e.result, kind=f"{e.kind}@input")))
 
 
+def iteration_count(e: Evidence) -> Hint | None:
+    """The failing node runs in a loop on both sides (several calls each in one forward) and ours runs it another
+    number of times than the reference: the loop around it iterates otherwise (its bounds: which tokens or blocks
+    it visits), so its first call may already read another iteration's values, and no value fit of that call is
+    evidence (Qwen4-Exp's QSA indexer pools and normalises keys once per query and block)."""
+    runs_ours, runs_ref = Counter(e.ours_trace.sequence)[e.name], Counter(e.ref_trace.sequence)[e.name]
+    if runs_ours < 2 or runs_ref < 2 or runs_ours == runs_ref:
+        return None
+    return Hint(
+        "loop_count",
+        f"likely the loop around {e.name}: ours runs it {runs_ours} times in this forward, the reference {runs_ref} "
+        "(once per iteration of a loop: which tokens, blocks or steps it visits differs), so its first call already "
+        "reads another iteration's values",
+        {"node": e.name, "calls": runs_ours, "reference_calls": runs_ref},
+    )
+
+
 def repeated_module(e: Evidence) -> Hint | None:
     """A node of ours that ran more often than the reference's, before the failing node: ours applies
     that module twice (the final norm applied twice, a layer called twice); its first call, the one

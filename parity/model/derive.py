@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 import sys
 from collections.abc import Mapping
@@ -21,7 +22,7 @@ from parity.model.facts import (
     rope_init,
     with_layers,
 )
-from parity.model.facts_rules import RULES
+from parity.model.facts_rules import MLA_INTERLEAVED_ROPE, ROTATED_LAST, RULES
 
 
 def _clip_in_attn_config(config) -> float | None:
@@ -223,7 +224,46 @@ def _from_modules(model, facts: ArchFacts) -> ArchFacts:
             facts = replace(facts, norm_kind="layernorm", norm_eps=float(norm.eps))
     if _rotates_interleaved(model):
         facts = with_layers(facts, rope=lambda layer: replace(layer.rope, interleaved=True) if layer.rope else None)
+    boundaries = _boundary_tokens(model)
+    if boundaries and not facts.boundary_tokens:
+        facts = replace(facts, boundary_tokens=boundaries)
+    if ROTATED_LAST in facts.features and _latent_rope_always_interleaved(modules):
+        facts = replace(facts, features=facts.features | {MLA_INTERLEAVED_ROPE})
     return _kv_heads_from_modules(modules, facts)
+
+
+def _boundary_tokens(model) -> tuple[int, ...]:
+    """The config's ``eos_token_id`` (its first) when a module class of the reference reads it in its own code (the
+    forward treats the token as a boundary: Qwen4-Exp's n-gram context restarts after it), else ()."""
+    eos = getattr(getattr(model, "config", None), "eos_token_id", None)
+    eos = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
+    if not isinstance(eos, int):
+        return ()
+    for cls in {type(m) for m in model.modules()}:
+        if not cls.__module__.startswith("transformers.models."):
+            continue
+        try:
+            if "eos_token_id" in inspect.getsource(cls):
+                return (eos,)
+        except (OSError, TypeError):
+            continue
+    return ()
+
+
+def _latent_rope_always_interleaved(modules: dict) -> bool:
+    """Whether the reference's latent attention reorders its rope rows from interleaved pairs whatever its config
+    says: a module holding ``qk_rope_head_dim`` whose forward calls ``apply_rotary_pos_emb_interleave`` and never
+    reads ``rope_interleave`` (DeepSeek V3.2's, LongCat-Flash's)."""
+    for module in modules.values():
+        if not isinstance(getattr(module, "qk_rope_head_dim", None), int):
+            continue
+        try:
+            source = inspect.getsource(type(module).forward)
+        except (OSError, TypeError):
+            continue
+        if "apply_rotary_pos_emb_interleave" in source and "rope_interleave" not in source:
+            return True
+    return False
 
 
 def _kv_heads_from_modules(modules: dict, facts: ArchFacts) -> ArchFacts:

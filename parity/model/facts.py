@@ -177,6 +177,9 @@ class ArchFacts:
     #: token ids the reference swaps out before its text model sees them (a multimodal model's image,
     #: video and audio placeholders: Gemma 4 embeds pad in their place); random inputs avoid them
     placeholder_tokens: tuple[int, ...] = ()
+    #: token ids the reference's own modules treat as a boundary in its forward (Qwen4-Exp's per-layer n-gram
+    #: embedding restarts its context after ``eos_token_id``): random inputs hold each once, mid-sequence
+    boundary_tokens: tuple[int, ...] = ()
     #: the config field that says which layers apply no RoPE, where a per-layer list does (SmolLM3's
     #: ``no_rope_layers``: 1 marks a layer that *uses* RoPE); "" where the layer types say it or none is NoPE
     nope_field: str = ""

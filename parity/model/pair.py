@@ -204,7 +204,8 @@ class Pair:
 
     def make_inputs(self, seq_len: int | None = None, batch_size: int = 1, seed: int | None = None) -> torch.Tensor:
         """Seeded random token ids ``(batch_size, seq_len)`` in ``[0, vocab_size)``, int64, none of them a
-        placeholder the reference swaps out (``facts.placeholder_tokens``; without any, the same ids as ever)."""
+        placeholder the reference swaps out (``facts.placeholder_tokens``; without any, the same ids as ever), each
+        boundary token its forward acts on (``facts.boundary_tokens``: an EOS) once, from the middle on."""
         gen = torch.Generator().manual_seed(self.source.seed if seed is None else seed)
         skip = self.facts.placeholder_tokens
         ids = torch.randint(
@@ -212,6 +213,9 @@ class Pair:
         )
         for token in sorted(skip):  # ascending: each shift moves the ids at or past it one up, over it
             ids = ids + (ids >= token).long()
+        for i, token in enumerate(self.facts.boundary_tokens):  # a boundary the reference's forward acts on, once
+            if 0 <= token < self.vocab_size and ids.shape[1] > 2 * (i + 1):
+                ids[:, ids.shape[1] // 2 + i] = token
         return ids
 
 

@@ -536,6 +536,7 @@ class FunctionCapture(TorchFunctionMode):
         moe=None,
         biases=None,
         scales=None,
+        vectors=None,
         expects_bias: frozenset[str] = frozenset(),
         owners=None,
         retract=None,
@@ -602,6 +603,9 @@ class FunctionCapture(TorchFunctionMode):
         # cut in another layout than its weight matches nothing): a bias-like vector ours adds next is theirs
         #: the vectors ours multiplies such a result by, its module's own scale (``(x @ W) * s``: Dory's head)
         self.scales = Followed(scales or {})
+        #: the parameters holding a checkpoint vector in another shape (a grouped norm's ``(streams, hidden)``
+        #: gain): a norm's weight, read as a vector is
+        self.vectors = Followed(vectors or {})
         self._biased = {n for n in self.biases.by_storage.values() if n} | set(expects_bias)
         self._biased |= {n for n in self.scales.by_storage.values() if n}
         self._unbiased: dict[int, tuple[str, torch.Tensor]] = {}
@@ -1080,7 +1084,8 @@ class FunctionCapture(TorchFunctionMode):
             operands = [
                 t
                 for t in operands
-                if isinstance(t, torch.Tensor) and (t.dim() == 1 or self.followed.rearranged_vector(t))
+                if isinstance(t, torch.Tensor)
+                and (t.dim() == 1 or self.followed.rearranged_vector(t) or self.vectors.of(t) is not None)
             ]
         node = next((node for t in operands if (node := self.followed.of(t)) is not None), None)
         owner = self.owners.get(node) if node is not None else None

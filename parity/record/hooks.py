@@ -307,7 +307,10 @@ def _record_param(
         return tensor
     if all(rec.trace.recorded(n) for n in nodes):
         again = _read_again(rec.trace, nodes[0], tensor)
-        rec.trace.sequence.extend(nodes[1:])  # each node this read makes runs again, in order (a loop's later step)
+        for other in nodes[1:]:  # each node this read makes runs again, in order (a loop's later step)
+            rec.trace.ran(other)
+        for other in nodes:
+            rec.trace.keep_later(other, tensor, rec.transforms.get(other))
         return again
     value = tensor
     taken: list[str] = []
@@ -339,7 +342,9 @@ def _record_part(rec: _Recording, node: str, tensor: torch.Tensor, rows: Callabl
     reference's back the same way)."""
     _enter_block(rec, node)
     if rec.trace.recorded(node):
-        return _read_again(rec.trace, node, tensor)
+        again = _read_again(rec.trace, node, tensor)
+        rec.trace.keep_later(node, tensor, rows)
+        return again
     rec.trace.add(node, tensor, rows)
     new = rec.replacement(node, tensor, rows)
     return tensor if new is None else new.to(dtype=tensor.dtype, device=tensor.device)
@@ -366,7 +371,7 @@ def _read_again(trace: Trace, node: str, tensor: torch.Tensor) -> torch.Tensor:
     """A parameter of a recorded node read again in a function: counted (``Trace.reads``, and in the order of
     calls, ``Trace.sequence``), not recorded."""
     trace.reads[node] = trace.reads.get(node, 0) + 1
-    trace.sequence.append(node)
+    trace.ran(node)
     return tensor
 
 
@@ -452,6 +457,7 @@ def recording(
     functional: dict[StorageKey, str] | None = None,
     functional_biases: dict[StorageKey, str] | None = None,
     functional_scales: dict[StorageKey, str] | None = None,
+    functional_vectors: dict[StorageKey, str] | None = None,
     functional_expects_bias: frozenset[str] = frozenset(),
     functional_owners: dict[str, str] | None = None,
     functional_siblings: dict[str, list[str]] | None = None,
@@ -628,6 +634,7 @@ def recording(
             moe=(lambda: _running_moe(rec)) if any(n.endswith(".router.experts") for n in rec.tap_names) else None,
             biases=functional_biases,
             scales=functional_scales,
+            vectors=functional_vectors,
             expects_bias=functional_expects_bias,
             owners=(functional_owners or {}, lambda: rec.stack),
             retract=lambda kind: _retract_captured(rec, kind),

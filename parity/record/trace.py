@@ -59,6 +59,11 @@ def _version(tensor: torch.Tensor) -> int | None:
         return None
 
 
+def later_call(name: str, call: int) -> str:
+    """The node name of ``name``'s call number ``call`` (2 or more): a block run again in a loop, a shared module."""
+    return f"{name} (call {call})"
+
+
 #: :meth:`Trace._by_rows`'s answer while a per-row node still waits for rows
 _PENDING = object()
 #: prefix of a module input's key among the per-row parts (its output's key is the node's name)
@@ -70,7 +75,8 @@ class Trace:
     """Recorded tensors by node name, in the order they were produced.
 
     A module that runs more than once in one forward keeps its first tensor; ``calls`` counts
-    every call so a repeated module is visible, and ``sequence`` lists every call in order. ``inputs`` (first
+    every call so a repeated module is visible, and ``sequence`` lists every call in order. The later calls of
+    the nodes in ``repeats`` (every node's with ``repeats=None``) are kept in ``later`` by :func:`later_call` name. ``inputs`` (first
     input) and ``weights``/``biases`` (the module's own parameters, referenced, not copied) of selected nodes are
     kept for diagnosis only, never compared (``weights``: 1-D and 2-D ones; ``biases``: of projections and of
     norms); so are ``extras``, records a capture function leaves for a node (one expert's weights and tokens,
@@ -84,6 +90,10 @@ class Trace:
     calls: dict[str, int] = field(default_factory=dict)
     #: every call's node name, in the order they ran (a loop's count before a node's first call is evidence)
     sequence: list[str] = field(default_factory=list)
+    #: nodes whose later calls are kept: None keeps every node's (the reference's side, which decides which
+    #: nodes repeat), the empty set none
+    repeats: frozenset[str] | None = frozenset()
+    later: MutableMapping[str, torch.Tensor] = field(default_factory=dict)
     wanted: frozenset[str] = frozenset()
     inputs: MutableMapping[str, torch.Tensor] = field(default_factory=dict)
     weights: dict[str, torch.Tensor] = field(default_factory=OnCpu)
@@ -120,19 +130,23 @@ class Trace:
     _row_now: int = field(default=0, repr=False)
     #: nodes (and ``@input:`` module inputs) assembled from per-row calls: zeros at the padding positions
     assembled: set[str] = field(default_factory=set, repr=False)
+    #: each node's calls in ``sequence`` so far (:meth:`ran`)
+    _runs: dict[str, int] = field(default_factory=dict, repr=False)
 
     @classmethod
     def spilling(cls, budget: int | None, **kwargs) -> Trace:
         """An empty trace whose tensors and inputs spill to disk past ``budget`` bytes."""
         spill = Spill(budget)
-        return cls(tensors=TensorStore(spill), inputs=TensorStore(spill), spill=spill, **kwargs)
+        return cls(
+            tensors=TensorStore(spill), inputs=TensorStore(spill), later=TensorStore(spill), spill=spill, **kwargs
+        )
 
     def add(self, name: str, value, transform: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         tensor = first_tensor(value)
         if tensor is None:
             return
         self.calls[name] = self.calls.get(name, 0) + 1
-        self.sequence.append(name)
+        self.ran(name)
         if self.rows is not None and name not in self.tensors and (self.calls[name] == 1 or name in self._row_parts):
             whole = self._by_rows(name, tensor, transform)
             if whole is _PENDING:
@@ -140,8 +154,35 @@ class Trace:
             if whole is not None:
                 tensor, self.calls[name] = whole, 1
         if self.calls[name] > 1 or name in self.tensors:
+            if self.calls[name] > 1:
+                self.keep_later(name, tensor, transform)
             return
         self._store(name, tensor, transform)
+
+    def ran(self, name: str) -> None:
+        """One more call of ``name`` in ``sequence`` (a module's, or a read again of the parameter of a node ours
+        computes in functions)."""
+        self.sequence.append(name)
+        self._runs[name] = self._runs.get(name, 0) + 1
+
+    def keep_later(self, name: str, value, transform: Callable | None = None) -> None:
+        """A later call of ``name`` (its count in ``sequence`` numbers it), kept when ``repeats`` asks for it and
+        the node is not assembled from calls per row: a module's hook calling again, or ours reading the
+        parameter of a node it computes in functions again (:mod:`parity.record.hooks`)."""
+        tensor = first_tensor(value)
+        if tensor is None or (self.repeats is not None and name not in self.repeats):
+            return
+        if name in self.assembled or name in self._row_parts:
+            return
+        tensor = tensor.detach()
+        if transform is not None:
+            tensor = transform(tensor)
+        with one_thread():
+            key = later_call(name, self._runs.get(name, 0))
+            if isinstance(self.later, TensorStore):
+                self.later.put(key, tensor)
+            else:
+                self.later[key] = tensor.to("cpu", copy=True)
 
     def _store(self, name: str, tensor: torch.Tensor, transform: Callable | None) -> None:
         if self.live is not None:

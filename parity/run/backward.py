@@ -696,8 +696,8 @@ def to_key_layout(
         t = t.detach().cpu()
         if source.how == TRANSPOSED:
             return t.T
-        if source.how == OFFSET and values:
-            return t - float(source.offset or 0.0)
+        if source.how == OFFSET and values:  # a vector may be held in another shape (a grouped norm's)
+            return (t - float(source.offset or 0.0)).reshape(key_like.shape)
         if source.how == LAYOUT:
             perm = source.permute or tuple(range(t.dim()))
             target = tuple(key_like.shape[::-1]) if source.transposed else tuple(key_like.shape)

@@ -186,6 +186,13 @@ def _method_placed(value, twin) -> bool:
     return code is None or getattr(mine, "__code__", None) is not code
 
 
+def _setting(value) -> bool:
+    """A plain setting of a module: a number, a string, None, or a tuple or list of such."""
+    if isinstance(value, (tuple, list)):
+        return all(_setting(v) for v in value)
+    return value is None or isinstance(value, (str, int, float, bool))
+
+
 def _altered(given: torch.nn.Module, built: torch.nn.Module) -> str | None:
     """How a reference passed in as a model differs from its class built anew from its config (the float64
     twin), or None: another module at some path (a norm replaced by an Identity), a forward replaced on an
@@ -206,10 +213,11 @@ def _altered(given: torch.nn.Module, built: torch.nn.Module) -> str | None:
         replaced = next((k for k, v in vars(module).items() if _method_placed(v, theirs_attrs.get(k))), None)
         if replaced is not None:  # another method set on the instance (xIELU's _xielu_python): forward calls it
             return f"{where}'s {replaced} is replaced on the instance"
-        for key, value in vars(module).items():  # a setting changed on the instance (a combination strategy)
-            if key == "training" or key.startswith("_") or not isinstance(value, (str, int, float, bool)):
+        for key, value in vars(module).items():  # a setting changed on the instance (a combination strategy, a
+            # padding, a group size set to None)
+            if key == "training" or key.startswith("_") or not _setting(value) or key not in theirs_attrs:
                 continue
-            if key in theirs_attrs and theirs_attrs[key] != value:
+            if _setting(theirs_attrs[key]) and theirs_attrs[key] != value:
                 return f"{where}'s {key} is {value!r}, its class sets {theirs_attrs[key]!r}"
     theirs = dict(built.named_buffers())
     for name, buffer in given.named_buffers():  # a buffer set on the instance (RoPE's inv_freq replaced)

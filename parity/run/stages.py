@@ -19,6 +19,7 @@ import torch
 
 from parity.build.builder import tied_weights
 from parity.build.coverage import SCALED
+from parity.compare.later_calls import call_of, with_later_calls
 from parity.compare.metrics import CHUNK, MISMATCH, MISSING, SHAPE, UNTAPPED, chunks
 from parity.compare.padding import unpadded_rows
 from parity.compare.results import (
@@ -40,6 +41,7 @@ from parity.diagnose import one_change
 from parity.diagnose.detectors import diagnose
 from parity.diagnose.evidence import within_tolerance
 from parity.diagnose.hints import Hint
+from parity.diagnose.later_calls import later_call_hint
 from parity.diagnose.profile import error_profile, logits_effect
 from parity.model.pair import Pair
 from parity.record import hf_capture, hf_kernels
@@ -124,7 +126,8 @@ def trace_reference(pair: Pair, run: Run, model=None, sink=None, into: Trace | N
         points += [(path, path) for path in sorted(fused) if path.rsplit(".", 1)[-1] in FUSED_QKV and path not in names]
     # named after the module that calls them; a short conv's weights are kept under it
     kernels = any(hf_kernels.is_kernel_node(name) for name in captured) or hf_kernels.calls_conv_kernels(model)
-    trace = Trace.spilling(run.trace_memory, sink=sink) if into is None else into
+    # every node's later calls kept: ours keeps those of the nodes the reference ran more than once (a loop)
+    trace = Trace.spilling(run.trace_memory, sink=sink, repeats=None) if into is None else into
     keep = diagnosis_inputs(pair) if sink is None else frozenset()
     device = device_of(model)
     own: dict = {}
@@ -315,6 +318,18 @@ def ours_recording(pair: Pair) -> dict:
     biased = set(biases.values()) | expects_bias
     expects_bias |= {first for first, others in siblings.items() if biased & set(others)}
     input_axes = _input_axes(pair, params, ref_modules)
+    # parameters holding a checkpoint vector in another shape (a grouped norm's gain kept (streams, hidden)): read
+    # as a norm's weight vector is
+    coverage, state_dict = pair.loading.coverage, pair.loading.state_dict
+    vectors = {
+        key_of[id(p)]: name
+        for name, p in params.items()
+        if p.dim() >= 2
+        and id(p) in key_of
+        and coverage is not None
+        and (held := coverage.sources.get(name))
+        and all(isinstance(state_dict.get(s.key), torch.Tensor) and state_dict[s.key].dim() == 1 for s in held)
+    }
     # attention blocks ours computes in functions only: each opens when one of its projections is read and
     # closes with its last
     blocks: dict[str, tuple[str, bool]] = {}
@@ -340,6 +355,7 @@ def ours_recording(pair: Pair) -> dict:
         functional=functional if pair.alignment and (functional or taps) else None,
         functional_biases=biases or None,
         functional_scales=scales or None,
+        functional_vectors=vectors or None,
         functional_expects_bias=expects_bias,
         functional_owners=owners or None,
         functional_siblings=siblings or None,
@@ -400,7 +416,13 @@ def trace_ours(
         kwargs["attention_mask"] = on_device(device, run.attention_mask)
         if forward_accepts(pair.ours, "position_ids"):
             kwargs["position_ids"] = on_device(device, run.position_ids)
-    trace = Trace.spilling(run.trace_memory)
+    # a chained run keeps the later calls of the nodes the reference ran more than once (compared after the forward)
+    repeats = (
+        frozenset(n for n, c in reference.calls.items() if c > 1)
+        if reference is not None and substitute is None
+        else None
+    )
+    trace = Trace.spilling(run.trace_memory, repeats=repeats or frozenset())
     if pair.alignment and run.attention_mask is not None:  # a user's model may run each row alone (varlen)
         trace.rows = run.attention_mask.bool().cpu()
     stream = None
@@ -626,8 +648,12 @@ def compare_run(
             n.name for n in pair.nodes if n.ours.removeprefix("tap:").startswith(FUNCTIONS) and n.kind in CAPTURED
         }
         results = misread_internals(results, frozenset(captured))
+    if not ours.extras.get(ISOLATED):  # isolated mode substitutes first calls only: later ones run on ours' values
+        results = with_later_calls(results, ours, ref, pair.nodes, tolerances, unjudged_padding(pair, run))
     bad = first_mismatch(results)
-    if bad is not None and undiagnosed(bad) is None:
+    if bad is not None and call_of(bad.name) is not None:
+        results[bad.index] = replace(bad, hint=later_call_hint(results, bad, ref.calls))
+    elif bad is not None and undiagnosed(bad) is None:
         spec = next((n for n in pair.nodes if n.name == bad.name), None)
         seen_ours, seen_ref = ours, ref
         mask: torch.Tensor | None = run.attention_mask

@@ -41,6 +41,7 @@ from torch import nn
 from parity.build.coverage import (
     CONVENTIONS,
     COPY,
+    FUSED_PART,
     LAYOUT,
     PART,
     ROWS,
@@ -363,6 +364,11 @@ def expert_of(source: Source, whole: torch.Tensor, experts: int) -> int | None:
     elif source.how == SPLIT and source.part and source.part[0] == 0 and source.part[2] - source.part[1] == 1:
         found = {source.part[1]}
     return found.pop() if len(found) == 1 else None
+
+
+def _key_rows(source: Source) -> tuple[int, ...]:
+    """The rows of its checkpoint tensor a ``part`` or ``fused part`` source holds."""
+    return cast(tuple[int, ...], source.key_rows if source.how == FUSED_PART else source.rows)
 
 
 def _block_of(p: torch.Tensor, source: Source) -> Block | None:
@@ -733,11 +739,13 @@ class _Aligner:
         if spec.reference_transform is not None or not isinstance(weight, torch.Tensor):
             return None
         held = self._held(weight)
-        rows = [(n, s) for n, s in held if s.how == PART and s.rows and weight.dim() == 2]
+        rows = [(n, s) for n, s in held if s.how in (PART, FUSED_PART) and s.rows and weight.dim() == 2]
         whole = [n for n, s in held if s.how in (SHARED, COPY, TRANSPOSED)]  # a fused copy kept beside its parts
         if rows and len(rows) + len(whole) == len({n for n, _ in held}) and len(rows) > 1:
-            # separate modules holding rows of one fused weight (Phi-3's qkv_proj as wq, wk, wv): one node each
-            ordered = sorted(rows, key=lambda ns: min(cast(tuple[int, ...], ns[1].rows)))
+            # separate modules holding rows of one fused weight (Phi-3's qkv_proj as wq, wk, wv), or some of its rows
+            # fused with other weights (Qwen3-Next's per-head [query | gate] q_proj: the queries fused with k and v,
+            # the gates apart): one node each
+            ordered = sorted(rows, key=lambda ns: min(_key_rows(ns[1])))
             paired = self._bias_parts(spec.reference_path, len(ordered))
             return [self._rows_node(spec, n, s, paired[i] if paired else None) for i, (n, s) in enumerate(ordered)]
         parts = sorted({s.part: (n, s) for n, s in held if s.how == SPLIT and s.part}.items())
@@ -774,7 +782,7 @@ class _Aligner:
     ) -> tuple[NodeSpec, Aligned]:
         """The reference's output features ``source.rows`` (a module of ours holds those rows of its fused
         weight) against that module's output: ``<node>[a:b]``, ``[a:b:step]`` for evenly spaced rows."""
-        rows = tuple(cast(tuple[int, ...], source.rows))
+        rows = _key_rows(source)
         step = rows[1] - rows[0] if len(rows) > 1 else 1
         even = step > 0 and all(b - a == step for a, b in itertools.pairwise(rows))
         where = (
@@ -801,6 +809,12 @@ class _Aligner:
         )
         detail = f"output features {where} of {spec.reference_path}: {source.description} held by {param}"
         new = replace(spec, name=name, ours=ours, reference=spec.reference_path, reference_transform=view)
+        if source.how == FUSED_PART:  # ours' product holds other tensors' rows too: this part's picked from it
+            fused = self.ours_params[param]
+            width = math.prod(fused.shape[a] for a in source.row_axes(fused.dim())[0])
+            pick = Rows(cast(tuple[int, ...], source.rows), _block_of(fused, source), width)
+            new = replace(new, transform=pick, inverse=pick.inverse)
+            detail += ", fused with other rows there"
         return new, Aligned(name, ours, "part" if ours.startswith(PARAM) else "weights", detail)
 
     def _held(self, tensor: torch.Tensor) -> list[tuple[str, Source]]:
@@ -1079,6 +1093,12 @@ class _Aligner:
         base = self._router_linear(base) if not is_input else base
         if base in self.functional and not is_input:
             stacked = getattr(self.ref_modules.get(base), "weight", None)
+            if isinstance(self.ref_modules.get(base), nn.modules.conv._ConvNd):
+                return self._unaligned(
+                    spec,
+                    f"{base} is a convolution ours computes in a function reading {self.functional[base][0]}: no op of "
+                    "ours is read as its output; the nodes after it are compared",
+                )
             if isinstance(stacked, torch.Tensor) and stacked.dim() == 3:
                 return self._unaligned(
                     spec,
@@ -1129,7 +1149,12 @@ class _Aligner:
                     f"the result of the op in ours that reads {param} ({source.description}: a scaled copy), "
                     f"compared divided by {float(source.scale):.6g}",
                 )
-            if source.how == ROWS and source.rows:  # a fused parameter read in a function: this node's rows
+            # a vector held as one row of a stacked parameter (a LayerNorm's (2, hidden) [weight; bias]): read as the
+            # vector it is, not as a product's rows (a vector permuted in place, a per-head norm's, is one)
+            key = self.state_dict.get(source.key)
+            vector = key is not None and key.dim() > 0 and key.numel() == key.shape[-1]
+            vector = vector and self.ours_params[param].dim() == 2
+            if source.how == ROWS and source.rows and not vector:  # a fused parameter read in a function: its rows
                 held = self.ours_params[param]
                 width = math.prod(held.shape[a] for a in source.row_axes(held.dim())[0])
                 rows = Rows(cast(tuple[int, ...], source.rows), _block_of(held, source), width)

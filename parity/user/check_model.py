@@ -30,6 +30,7 @@ from parity.build.builder import (
 )
 from parity.build.coverage import PLAIN, loader_coverage
 from parity.build.reference import resolve_reference, unread_rows
+from parity.build.settle import settle
 from parity.model.facts_rules import GATE_UP_INTERLEAVED
 from parity.model.pair import Loading, Pair, PairSource, fingerprints
 from parity.record.functional import probe_reads
@@ -338,25 +339,37 @@ def build_user_pair(
         ref.model = placement.dispatch(ref.model, placement.plan(type(ref.model), ref.hf_config, dtype))
         on_device = ref.model.state_dict()
         ref.state_dict = {k: on_device.get(k, v) for k, v in ref.state_dict.items()}
-    model = build_ours(ours, ref)
+    # a reference rewriting its own weights on its first forward (RWKV's rescaling) does it now; ours is built
+    # from the tensors as the checkpoint holds them
+    ref.rewritten = rewritten = settle(ref.model, ref.state_dict, ref.facts.vocab_size)
+    loaded = dataclasses.replace(ref, state_dict={**ref.state_dict, **rewritten}) if rewritten else ref
+    model = build_ours(ours, loaded)
     if not placement.is_cpu:
         model = placement.dispatch(model)
-    coverage = loader_coverage(
-        model,
-        ref.state_dict,
-        ref.tied_keys,
-        ref.conversions,
-        by_design=ref.by_design,
-        copies_break_ties=False,
-        constants=ref.facts.named_constants(),
-        interleaved=GATE_UP_INTERLEAVED in ref.facts.features,
-        unread=unread_rows(ref.model),
-    )
+
+    reference_model = ref.model  # the closure below keeps it narrowed (not None)
+
+    def coverage_of(state_dict: dict):
+        return loader_coverage(
+            model,
+            state_dict,
+            ref.tied_keys,
+            ref.conversions,
+            by_design=ref.by_design,
+            copies_break_ties=False,
+            constants=ref.facts.named_constants(),
+            interleaved=GATE_UP_INTERLEAVED in ref.facts.features,
+            unread=unread_rows(reference_model),
+        )
+
+    coverage = coverage_of(ref.state_dict)  # the tensors as the reference runs them
+    if rewritten and set(coverage.unused) & set(rewritten):  # ours applies the rewrite in its forward instead
+        coverage = coverage_of({**ref.state_dict, **rewritten})
     _unread_copies(coverage, model, ref.tied_keys, ref.facts.vocab_size)
     if (coverage.unused or coverage.unwritten) and not _transformer_lens_processed(model):  # processed: see message
         coverage.mark_numbers(scalar_buffers(ref.model, coverage.unused))
         coverage.mark_from_config(config_buffers(ref.model, ref.hf_config, coverage.unused))
-        coverage.mark_derived(derived_keys(ours, ref, model, coverage))
+        coverage.mark_derived(derived_keys(ours, loaded, model, coverage))
     if coverage.unused:
         raise ParityError(unplaced_message(coverage, model))
     nodes, _ = reference_nodes(ref.model, ref.facts)
@@ -415,12 +428,14 @@ def _rebuild64(ours, ref: Reference) -> Callable[[], tuple[nn.Module, nn.Module]
     reference_cls = type(ref.model)
 
     def rebuild() -> tuple[nn.Module, nn.Module]:
-        state_dict = float64_state_dict(ref.state_dict)
+        state_dict = float64_state_dict({**ref.state_dict, **ref.rewritten})  # as the checkpoint holds them
         files = ref.file_tensors
         config = copy.deepcopy(ref.hf_config)
         config.dtype = torch.float64
         with Float64Mode():
             reference = build_reference(reference_cls, config, state_dict)
+            settled = settle(reference, state_dict, ref.facts.vocab_size)  # as the float32 one was
+            state_dict = {**state_dict, **settled}
             # a build that asks for the files' names gets their tensors again, in float64, as build_ours retries
             float64_files = (lambda: float64_state_dict(files())) if files is not None else None
             model = build_ours(
