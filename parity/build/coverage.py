@@ -84,7 +84,8 @@ class Source:
     #: ``(axis, start, stop)``: the part of the key ours holds (``how`` is ``split``); ``(axis, start, step)``
     #: for ``strided``
     part: tuple[int, int, int] | None = None
-    #: the key's rows ours holds (``how`` is ``fused part``): ours' row ``rows[j]`` holds the key's row ``key_rows[j]``
+    #: the key's rows ours holds (``how`` is ``fused part``): ours' row ``rows[j]`` holds the key's row
+    #: ``key_rows[j]``
     key_rows: tuple[int, ...] | None = None
 
     def input_axis(self, held_dim: int, key_dim: int) -> int | None:
@@ -800,11 +801,13 @@ def loader_coverage(
                 cov.conversions.append(f"{key}: into {label} as {'1 + w' if offset > 0 else 'w - 1'}")
                 return True
         for key, t in state_dict.items() if p.dim() >= 2 else ():
-            # a norm's vector kept as 1 + w in another shape (a grouped norm's (streams, hidden) for (streams * hidden,))
+            # a norm's vector kept as 1 + w in another shape (a grouped norm's (streams, hidden) gain for its
+            # (streams * hidden,) weight)
             offset = _offset(p.reshape(-1), t) if t.dim() == 1 and t.numel() == p.numel() else None
             if offset is not None and key not in cov.consumed:
                 record(names, key, OFFSET, offset=offset)
-                cov.conversions.append(f"{key}: into {label} {tuple(p.shape)} as {'1 + w' if offset > 0 else 'w - 1'}")
+                as_held = "1 + w" if offset > 0 else "w - 1"
+                cov.conversions.append(f"{key}: into {label} {tuple(p.shape)} as {as_held}")
                 return True
         for key, t in state_dict.items():
             if t.numel() != p.numel() or key in cov.consumed:

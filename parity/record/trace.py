@@ -76,7 +76,8 @@ class Trace:
 
     A module that runs more than once in one forward keeps its first tensor; ``calls`` counts
     every call so a repeated module is visible, and ``sequence`` lists every call in order. The later calls of
-    the nodes in ``repeats`` (every node's with ``repeats=None``) are kept in ``later`` by :func:`later_call` name. ``inputs`` (first
+    the nodes in ``repeats`` (every node's with ``repeats=None``) are kept in ``later`` by :func:`later_call`
+    name. ``inputs`` (first
     input) and ``weights``/``biases`` (the module's own parameters, referenced, not copied) of selected nodes are
     kept for diagnosis only, never compared (``weights``: 1-D and 2-D ones; ``biases``: of projections and of
     norms); so are ``extras``, records a capture function leaves for a node (one expert's weights and tokens,
