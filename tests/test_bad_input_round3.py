@@ -413,7 +413,11 @@ def test_a_killed_runs_spill_folder_is_removed_by_the_next_run_and_said(tmp_path
 # --- 7. more from the same round -------------------------------------------------------------------------
 
 
-def test_a_build_that_edits_the_reference_weights_in_place_is_refused():
+def test_a_build_that_edits_the_reference_weights_in_place_is_judged_on_copies(monkeypatch):
+    """The reference holds the state dict's very tensors: a build editing them in place would change both sides
+    alike (was: PASS). They are put back and the build runs again on copies of its own, so its edit is judged
+    (a doubled up_proj read at down_proj's input); where a copy does not fit in memory it is refused by name."""
+
     def scales_in_place(state_dict, hf_config):
         state_dict["model.layers.0.mlp.up_proj.weight"].mul_(2)
         return litgpt_llama.build(state_dict, hf_config)
@@ -422,9 +426,17 @@ def test_a_build_that_edits_the_reference_weights_in_place_is_refused():
         state_dict["model.layers.1.self_attn.q_proj.weight"].data[:] = 0
         return litgpt_llama.build(state_dict, hf_config)
 
+    res = parity.check_model(scales_in_place, "llama3", semantic=False)
+    assert not res.passed and res.first_mismatch.name == "model.layers.0.mlp.down_proj", res.verdict()
+    assert "times 2 at every position" in res.first_mismatch.hint.text
+    assert any("edits 1 tensor(s) of the state dict in place (model.layers.0.mlp.up_proj.weight)" in c
+               for c in res.coverage.conversions)  # fmt: skip
+    with pytest.raises(ParityError, match=r"model.layers.1.self_attn.q_proj.weight.* are in no parameter"):
+        parity.check_model(edits_through_data, "llama3", semantic=False)  # ours' zeroed copy holds no q_proj
+    monkeypatch.setattr("parity.user.check_model.available_bytes", lambda: 1)  # no room for a copy
     for build in (scales_in_place, edits_through_data):
         with pytest.raises(ParityError, match=r"changed 1 reference tensor\(s\) in place \(model.layers"):
-            parity.check_model(build, "llama3", semantic=False)  # was: PASS, both sides changed alike
+            parity.check_model(build, "llama3", semantic=False)
 
     def consumes_its_keys(state_dict, hf_config):  # a loader that pops what it placed: its own dict, no harm
         model = litgpt_llama.build(state_dict, hf_config)

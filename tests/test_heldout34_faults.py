@@ -137,6 +137,8 @@ NAMED = [
     ("lara_mini", "lara_gva_tiled", False, "model.layers.0.linear_attn.norm", "one_change",
      "replaced by whole-block repeats (tiled"),
     ("lara_mini", "lara_decay_no_exp", False, "model.layers.0.linear_attn.norm", "one_change", "exp left out"),
+    ("lara_mini", "lara_dt_bias_outside", False, "model.layers.0.linear_attn.norm", "one_change",
+     "model.layers.0.linear_attn.dt_bias added after the softplus instead of to its input"),  # the twenty-first session
     ("lara_mini", "lara_error_before_decay", False, "model.layers.0.linear_attn.norm", "one_change",
      "read for its prediction S^T k before this step's decay"),
     ("lara_mini", "lara_conv_no_silu", False, "model.layers.0.linear_attn.norm", "one_change", "silu left out"),

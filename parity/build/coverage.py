@@ -113,6 +113,18 @@ class Source:
         return [0], list(range(1, dim))
 
     @property
+    def slice_rows(self) -> tuple[int, ...] | None:
+        """The key's rows a ``slice`` source holds when it is a block of whole rows (``[128:320, :]``, a bias's
+        ``[128:320]``: Mamba-2's in_proj cut into z, xBC and dt at load, each a view); else None."""
+        if self.how != SLICE or not self.region:
+            return None
+        first, *rest = (a.strip() for a in self.region.strip("[]").split(","))
+        start, colon, stop = first.partition(":")
+        if not colon or not start.isdigit() or not stop.isdigit() or any(a != ":" for a in rest):
+            return None
+        return tuple(range(int(start), int(stop)))
+
+    @property
     def description(self) -> str:
         """How ours holds the key, in a few words (for alignment tables and coverage notes)."""
         if self.how == SCALED:
@@ -443,11 +455,12 @@ def _companion_bias(p: torch.Tensor, weight_sources: list, state_dict: dict) -> 
     """``(bias key, rows)`` when the module's weight holds some rows of a fused checkpoint weight and
     ``p`` holds the same elements of that weight's bias."""
     for source in weight_sources:
-        if source.how not in (PART, ROWS) or not source.rows or not source.key.endswith(".weight"):
+        held = source.rows if source.how in (PART, ROWS) else source.slice_rows  # a block of rows kept as a view
+        if not held or not source.key.endswith(".weight"):
             continue
         key = source.key[: -len("weight")] + "bias"
         bias = state_dict.get(key)
-        rows = tuple(source.rows)
+        rows = tuple(held)
         if bias is None or bias.dim() != 1 or len(rows) != p.numel() or max(rows) >= bias.numel():
             continue
         if torch.equal(p, bias[list(rows)].to(p.dtype)):
@@ -508,26 +521,36 @@ def _split_gaps(key: str, whole: torch.Tensor, parts: list[tuple[tuple[int, int,
     return gaps
 
 
-def _fused_rows(p: torch.Tensor, candidates: dict[str, torch.Tensor]) -> list[tuple[str, tuple[int, ...]]] | None:
-    """The checkpoint tensors whose rows, all of them, make up every row of ``p`` (in any order), as
-    ``[(key, our row of each of its rows)]``; None unless they explain ``p`` exactly. One tensor whose
-    rows ``p`` holds in another order counts too (q/k rows permuted per head for interleaved RoPE)."""
-    if p.dim() < 2 or p.shape[0] < 2:
-        return None
+def _row_index(p: torch.Tensor) -> dict[bytes, list[int]]:
+    """``p``'s rows by their bytes: each row's indices in ``p``."""
     where: dict[bytes, list[int]] = {}
     for r, b in enumerate(_row_bytes(p)):
         where.setdefault(b, []).append(r)
+    return where
+
+
+def _whole_parts(
+    p: torch.Tensor, candidates: dict[str, torch.Tensor], where: dict[bytes, list[int]], cache: dict | None = None
+) -> tuple[list[tuple[str, tuple[int, ...]]], set[int]]:
+    """The candidates whose rows, all of them, are rows of ``p`` not taken by an earlier one: ``([(key, our row of
+    each of its rows)], the rows of ``p`` they take)``. A vector (or a ``(1, 1, hidden)`` tensor) counts as one row
+    of a 2-D ``p`` (a LayerNorm's weight and bias kept as one ``(2, hidden)`` tensor, RWKV's mixes stacked).
+    ``cache``: key -> its rows' bytes, filled here for a caller that reads the same candidates again."""
     taken: set[int] = set()
     parts = []
     for key, t in candidates.items():
         if t.dim() not in (0, 2) and p.dim() == 2 and t.numel() == t.shape[-1] and t.is_floating_point():
-            # a vector (RWKV's (1, 1, hidden) mix too) stacked as one row: a LayerNorm's weight and bias kept as
-            # one (2, hidden) tensor
             t = t.reshape(1, -1)
-        if t.dim() != p.dim() or tuple(t.shape[1:]) != tuple(p.shape[1:]) or t.shape[0] > p.shape[0]:
+        taller = t.shape[0] > p.shape[0] if t.dim() else True
+        if t.dim() != p.dim() or tuple(t.shape[1:]) != tuple(p.shape[1:]) or (taller and cache is None):
             continue
-        rows = []
-        for b in _row_bytes(t.to(p.dtype)):
+        row_bytes = _row_bytes(t.to(p.dtype))
+        if cache is not None:  # a taller tensor too: some of its rows may be p's
+            cache[key] = row_bytes
+        if taller:
+            continue
+        rows: list[int] = []
+        for b in row_bytes:
             free = [r for r in where.get(b, []) if r not in taken and r not in rows]
             if not free:
                 break
@@ -535,6 +558,16 @@ def _fused_rows(p: torch.Tensor, candidates: dict[str, torch.Tensor]) -> list[tu
         else:
             taken.update(rows)
             parts.append((key, tuple(rows)))
+    return parts, taken
+
+
+def _fused_rows(p: torch.Tensor, candidates: dict[str, torch.Tensor]) -> list[tuple[str, tuple[int, ...]]] | None:
+    """The checkpoint tensors whose rows, all of them, make up every row of ``p`` (in any order), as
+    ``[(key, our row of each of its rows)]``; None unless they explain ``p`` exactly. One tensor whose
+    rows ``p`` holds in another order counts too (q/k rows permuted per head for interleaved RoPE)."""
+    if p.dim() < 2 or p.shape[0] < 2:
+        return None
+    parts, taken = _whole_parts(p, candidates, _row_index(p))
     if len(taken) != p.shape[0] or not parts:
         return None
     if len(parts) == 1 and parts[0][1] == tuple(range(p.shape[0])):
@@ -551,26 +584,12 @@ def _fused_with_part(
     ``[query | gate]`` q_proj whose query rows ours fuses with k and v, its gate rows held apart)."""
     if p.dim() != 2 or p.shape[0] < 2:
         return None
-    where: dict[bytes, list[int]] = {}
-    for r, b in enumerate(_row_bytes(p)):
-        where.setdefault(b, []).append(r)
-    taken: set[int] = set()
-    whole: list[tuple[str, tuple[int, ...]]] = []
+    where = _row_index(p)
     fitting = {
         k: t for k, t in candidates.items() if t.dim() == 2 and t.shape[1] == p.shape[1] and t.is_floating_point()
     }
-    rows_of = {k: _row_bytes(t.to(p.dtype)) for k, t in fitting.items()}
-    for key, row_bytes in rows_of.items():
-        rows: list[int] = []
-        for b in row_bytes:
-            free = [r for r in where.get(b, []) if r not in taken and r not in rows]
-            if not free:
-                break
-            rows.append(free[0])
-        else:
-            if len(row_bytes) <= p.shape[0]:
-                taken.update(rows)
-                whole.append((key, tuple(rows)))
+    rows_of: dict[str, list[bytes]] = {}
+    whole, taken = _whole_parts(p, fitting, where, rows_of)
     partial: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
     for key, row_bytes in rows_of.items():
         if len(taken) == p.shape[0]:
@@ -1080,6 +1099,13 @@ def loader_coverage(
         labels = [label for _, label in copied]
         fused = state_dict[key]
         rows_total = fused.numel() if fused.dim() == 1 else fused.numel() // fused.shape[-1]  # a bias: its elements
+        # rows held as views of the key (a block of whole rows kept as ``w[a:b]``) beside the copied parts
+        copied = copied + [
+            (rows, label)
+            for label, held_by in cov.sources.items()
+            for src in held_by
+            if src.key == key and (rows := src.slice_rows) is not None
+        ]
         held = sum(len(rows) for rows, _ in copied)
         missing = set(range(rows_total)).difference(*(rows for rows, _ in copied))
         if missing and unread and missing <= set(unread.get(key, ())):
@@ -1117,9 +1143,13 @@ def loader_coverage(
             cov.gaps.append(f"{key} consumed whole and in {len(sliced[key])} parts: {', '.join(targets[:4])}")
         elif whole > tie_members.get(key, 1):
             cov.gaps.append(f"{key} consumed {len(targets)} times: {', '.join(targets)}")
+    row_views = {src.key for held_by in cov.sources.values() for src in held_by if src.how == SLICE and src.slice_rows}
+    other_views = {
+        src.key for held_by in cov.sources.values() for src in held_by if src.how == SLICE and not src.slice_rows
+    }
     for key, views in sliced.items():
-        if key in set_aside:
-            continue
+        if key in set_aside or (key in parts_of and key in row_views and key not in other_views):
+            continue  # blocks of rows viewed beside copied rows: judged with them, row by row (above)
         cov.gaps += _slice_gaps(key, state_dict[key], views)
         labels = [label for _, label in views]
         shown = labels[0] if len(labels) == 1 else f"{labels[0]} .. {labels[-1]}"

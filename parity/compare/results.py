@@ -585,6 +585,10 @@ class NodeStream:
         self.provisional = provisional
         self.second: NodeResult | None = None
         self.second_keep: set[str] = set()
+        #: the earliest failure no pass may take back, kept while the first and the runner-up both may be (a bias
+        #: folded the same way in every layer's attention: each layer's block taken back, this one is the first)
+        self.standing: NodeResult | None = None
+        self.standing_keep: set[str] = set()
         #: the next failure after the first in its layer, and that layer's output, when they fail (ours' tensors
         #: held)
         self.layer_keep: set[str] = set()
@@ -717,6 +721,20 @@ class NodeStream:
             self.trace.keep_input(name)
             return bool(layout)
         if (
+            result.failed
+            and self.first is not None
+            and self.second is not None
+            and self._taken_back_with(self.first) is not None
+            and self._taken_back_with(self.second) is not None
+            and self._taken_back_with(result) is None
+            and (self.standing is None or result.index < self.standing.index)
+        ):
+            old, self.standing = self.standing_keep, result
+            self.standing_keep = {name} | {n for n in self.stem_keep if n.rsplit(".", 1)[0] == stem}
+            self._release(old - self.standing_keep)
+            self.trace.keep_input(name)
+            return bool(layout)
+        if (
             self.keep_layer
             and result.failed
             and self.first is not None
@@ -792,6 +810,7 @@ class NodeStream:
                 name in self.failure_keep
                 or name in self.stem_keep
                 or name in self.second_keep
+                or name in self.standing_keep
                 or name in self.layer_keep
             ):
                 continue

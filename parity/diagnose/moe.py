@@ -784,10 +784,13 @@ def _grouped_forms(e: Evidence, base: str, logits: torch.Tensor, chosen: torch.T
     shared = _shared_output(e, base)
     bias = next((b for n in ROUTER_NODES if (b := e.ref_trace.biases.get(f"{base}.{n}")) is not None), None)
     tokens, k = chosen.shape
-    if shared is None or shared.numel() != tokens * y.shape[-1]:
+    if shared is not None and shared.numel() != tokens * y.shape[-1]:
         return {}
-    shared = shared.double().reshape(tokens, -1)
-    rsf = float(r.get("routed_scaling_factor", 1.0))
+    alone = shared is None  # no shared experts (Beam's): the forms of the experts' sum, before any scaling factor
+    shared = (
+        torch.zeros(tokens, y.shape[-1], dtype=torch.float64) if shared is None else shared.double().reshape(tokens, -1)
+    )
+    rsf = 1.0 if alone else float(r.get("routed_scaling_factor", 1.0))
     groups, topk_group = int(r["n_group"]), int(r.get("topk_group", 1))
     score, word = _router_scoring(r)
     s = score(logits)
@@ -801,7 +804,8 @@ def _grouped_forms(e: Evidence, base: str, logits: torch.Tensor, chosen: torch.T
         return w / w.sum(-1, keepdim=True) if r.get("norm_topk_prob", 1.0) else w
 
     forms = {"Transformers' routing": routed(chosen, normed(chosen) * rsf) + shared}
-    forms["the routed experts alone (the shared experts' output not added)"] = routed(chosen, normed(chosen) * rsf)
+    if not alone:
+        forms["the routed experts alone (the shared experts' output not added)"] = routed(chosen, normed(chosen) * rsf)
     if bias is not None:
         forms[f"the correction bias kept in the weights ({word} + e_score_correction_bias, not only in the choice)"] = (
             routed(chosen, normed(chosen, choice) * rsf) + shared
@@ -909,9 +913,11 @@ def _routed_forms(e: Evidence, base: str) -> dict[str, torch.Tensor] | None:
     shared = _shared_output(e, base)
     if e.facts.routing.get("n_group"):  # DeepSeek's group-limited sigmoid router, its shared experts added
         grouped = _grouped_forms(e, base, logits.double(), chosen, y.double())
-        if grouped or shared is not None:
+        if shared is not None:
             return grouped or None
-        # no shared experts (LFM2-MoE's one-group router): the generic forms, each formula's weights as they are
+        # no shared experts (LFM2-MoE's one-group router, Beam's): the generic forms, each formula's weights as they
+        # are, and the group-limited router's own departures (the experts' sum, as Transformers' routing gives it)
+        forms.update({text: f for text, f in grouped.items() if text != "Transformers' routing"})
     if shared is None or shared.numel() != tokens * y.shape[-1]:
         return forms
     # an ungated shared MLP beside the experts (HunYuan-MoE's shared_mlp): the block's output is their sum
@@ -1082,6 +1088,17 @@ def _untapped(e: Evidence, name: str) -> bool:
     return name in e.ref_trace.tensors and (judged is None or judged.status == UNTAPPED)
 
 
+def _factor_of(experts: torch.Tensor, x: torch.Tensor) -> float | None:
+    """``c`` when ``x`` is ``c * experts`` (1.0 when equal; the rounding of one float product allowed), else None."""
+    a, b = experts.reshape(-1), x.reshape(-1)
+    if torch.equal(a, b):
+        return 1.0
+    a, b = a.double(), b.double()
+    c = float((a * b).sum() / a.pow(2).sum().clamp_min(1e-300))
+    tiny = torch.finfo(x.dtype).eps * 4 if x.is_floating_point() else 0.0
+    return c if c != 0 and float((b - c * a).abs().max()) <= tiny * float(b.abs().max()) else None
+
+
 def experts_read_after(e: Evidence) -> Hint | None:
     """The experts' sum of a MoE block nothing of ours taps (ours' router and experts one module, no shared
     MLP: FlexOlmo's), read at the input of the node after it (a post-norm, ``post_feedforward_layernorm``)
@@ -1092,28 +1109,34 @@ def experts_read_after(e: Evidence) -> Hint | None:
     if x_ours is None or x_ref is None or x_ours.numel() != x_ref.numel():
         return None
     prefix = f"{e.name.rsplit('.', 1)[0]}."
-    block = next(
+    found = next(
         (
-            n
+            (n, c)
             for n, t in e.ref_trace.tensors.items()
-            if n.startswith(prefix) and n.endswith(".experts") and t.numel() == x_ref.numel()
-            and _untapped(e, n) and torch.equal(t.reshape(-1), x_ref.reshape(-1))
+            if n.startswith(prefix) and n.endswith(".experts") and t.numel() == x_ref.numel() and _untapped(e, n)
+            and (c := _factor_of(t, x_ref)) is not None
         ),
         None,
     )  # fmt: skip
-    if block is None:
+    if found is None:
         return None
+    block, factor = found
     ref = e.ref_trace.tensors[block]
-    sub = replace(e, ours=x_ours.reshape(ref.shape), ref=ref, result=replace(e.result, name=block, kind="experts"))
-    hint = experts_sum(sub)
-    if hint is None:
-        forms = _routed_forms(sub, block.rsplit(".", 1)[0])
-        if forms:
-            tokens = next(iter(forms.values())).shape[0]
-            hint = _judge_forms(
-                sub, block.rsplit(".", 1)[0], forms, sub.ours.double().reshape(tokens, -1),
-                ref.double().reshape(tokens, -1), "read at the input of the node after it", component=False,
-            )  # fmt: skip
+    # the block may scale its experts' sum before returning it (Beam's and DeepSeek's routed_scaling_factor):
+    # ours' sum is read through the same factor
+    ours = (x_ours.double() / factor).to(x_ours.dtype) if factor != 1.0 else x_ours
+    sub = replace(e, ours=ours.reshape(ref.shape), ref=ref, result=replace(e.result, name=block, kind="experts"))
+    # the block's own forms first: one that names how the weights were formed (the correction bias kept in them)
+    # says more than the experts' sum read alone (the right experts, other weights)
+    hint = None
+    forms = _routed_forms(sub, block.rsplit(".", 1)[0])
+    if forms:
+        tokens = next(iter(forms.values())).shape[0]
+        hint = _judge_forms(
+            sub, block.rsplit(".", 1)[0], forms, sub.ours.double().reshape(tokens, -1),
+            ref.double().reshape(tokens, -1), "read at the input of the node after it", component=False,
+        )  # fmt: skip
+    hint = hint or experts_sum(sub)
     if hint is None:
         return None
     return replace(hint, text=f"{hint.text} (read at {e.kind}'s input: {block}, which nothing of ours taps)")

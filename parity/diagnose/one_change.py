@@ -11,7 +11,8 @@ out, a parameter added or multiplied left out, a clamp left out, a softmax repla
 slice taken from the other end of its axis (a causal conv's output kept from the wrong side), heads repeated as
 whole blocks instead of interleaved (``repeat_interleave`` against ``repeat``: which value head reads which key
 head), a scalar factor applied twice (folded into a weight at load and applied again), a minus sign left out, two
-parts of one shape of a split swapped (gate and up, B and C, a head's k and v), a triangular mask's diagonal moved
+parts of one shape of a split swapped (gate and up, B and C, a head's k and v), two neighbouring parts of
+unequal sizes read in the other order from the fused tensor (Mamba-2's z and xBC), a triangular mask's diagonal moved
 by one, a grouped mean taken over every group together, a gated norm's gate applied on the other side of its
 normalisation, a conv's kernel read in reverse, the weights of two projections of one input swapped, a gain read
 as ``1 + w``, a softmax-style scale ``1 / sqrt(d)`` taken from another of the config's sizes, a per-head fused
@@ -21,8 +22,8 @@ an activation of the negated input, a negative factor's size left out with its s
 config float read as its class's default, a gate moved across a norm (both ways), a delta-rule or selective
 scan run with its steps in another order (:mod:`parity.diagnose.scan_order`); an in-place op (``a /= s``) is changed from
 its input's value before it; then, in a second
-pass, a term of a sum left out (a skip connection) and a broadcast factor that is no parameter left out (a padding
-mask); then a projection reading another variable (of its shape, or a ``(batch, heads, seq, dim)`` one with its
+pass, a term of a sum left out (a skip connection), a broadcast factor that is no parameter left out (a padding
+mask) and a parameter added to an activation's input added to its output instead (``softplus(dt) + dt_bias``); then a projection reading another variable (of its shape, or a ``(batch, heads, seq, dim)`` one with its
 heads merged). Every call of one source line is changed together (a loop over chunks), a
 helper called from several lines also per caller, and the same change on two adjacent lines together (q and k).
 
@@ -690,6 +691,39 @@ def _parts_swapped(site: Site, func, args: tuple, kwargs: dict) -> list[Change]:
 
         words = f"parts {i} and {j} of this {site.op.strip('_')} (of {len(parts)}) swapped"
         found.append(Change(site, words, rewrite))
+    return found + _unequal_parts_reordered(site, args, kwargs, parts)
+
+
+def _unequal_parts_reordered(site: Site, args: tuple, kwargs: dict, parts) -> list[Change]:
+    """Two neighbouring parts of a split of unequal sizes read in the other order from the fused tensor (Mamba-2's
+    in_proj output cut as [xBC | z | dt] where it is [z | xBC | dt]): the first takes the features after the
+    second's, each keeping its size."""
+    x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    dim = kwargs.get("dim", args[2] if len(args) > 2 else 0)
+    if x is None or not isinstance(dim, int) or site.op not in ("split", "split_with_sizes", "tensor_split"):
+        return []
+    dim = dim % x.dim()
+    sizes = [p.shape[dim] for p in parts]
+    if sum(sizes) != x.shape[dim]:
+        return []
+    found = []
+    nonempty = [i for i, n in enumerate(sizes) if n]
+    for i, k in itertools.pairwise(nonempty):
+        if sizes[i] == sizes[k]:
+            continue  # equal parts: the plain swap above
+        start = sum(sizes[:i])
+
+        def rewrite(args: tuple, kwargs: dict, out, i: int = i, k: int = k, start: int = start):
+            x, a, b = args[0], sizes[i], sizes[k]
+            moved = list(out)
+            moved[i], moved[k] = x.narrow(dim, start + b, a), x.narrow(dim, start, b)
+            return type(out)(moved) if isinstance(out, list) else tuple(moved)
+
+        words = (
+            f"parts {i} and {k} of this {site.op} (sizes {sizes[i]} and {sizes[k]}) read in the other order from the "
+            f"fused tensor (part {k}'s {sizes[k]} features first, each part keeping its size)"
+        )
+        found.append(Change(site, words, rewrite))
     return found
 
 
@@ -927,6 +961,7 @@ def search(
     defaults = _config_defaults(model)
     first += [c for site, (func, args, _kwargs) in sites for c in _default_read(site, func, args, defaults)]
     terms = [c for site, (func, args, kwargs, out) in dry.outputs(sites) for c in term_changes(site, args, out, params)]
+    terms += _added_after_activation(dry.outputs(sites), params)
     # the layer's input, as its re-runs read it: the source of a mix-up with the residual stream
     args, kwargs = called[0] if called else ((), {})
     first_input = args[0] if args else next(iter(kwargs.values()), None)
@@ -959,6 +994,32 @@ def search(
         ):
             unreproduced.add(change.patch[1])  # the replacement does not compute what the original does
     return found or None
+
+
+def _added_after_activation(sites: list[tuple[Site, tuple]], params: dict[int, str]) -> list[Change]:
+    """A parameter added to an activation's input added to its output instead (``softplus(dt) + dt_bias`` for
+    ``softplus(dt + dt_bias)``: Mamba-2's and Lara Mini's time step): the activation's site rewritten as
+    ``act(z - b) + b``, ``z`` its input, ``b`` the parameter the add before it read."""
+    sums = {
+        id(out): (site, b)
+        for site, (_func, args, _kwargs, out) in sites
+        if _arithmetic(site.op) == "add" and isinstance(out, torch.Tensor) and len(args) == 2
+        for b in args
+        if isinstance(b, torch.Tensor) and id(b) in params
+    }
+    found = []
+    for site, (func, args, kwargs, _out) in sites:
+        op = site.op.strip("_")
+        if op not in _ACTIVATIONS or not args or not isinstance(args[0], torch.Tensor) or id(args[0]) not in sums:
+            continue
+        _add, b = sums[id(args[0])]
+
+        def rewrite(args: tuple, kwargs: dict, out, func=func, b=b):
+            return func(args[0] - b, *args[1:], **kwargs) + b
+
+        words = f"{params[id(b)]} added after the {op} instead of to its input ({op}(x) + b for {op}(x + b))"
+        found.append(Change(site, words, rewrite))
+    return found
 
 
 def _same_shape(args: tuple, out) -> bool:

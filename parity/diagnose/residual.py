@@ -568,7 +568,39 @@ def input_source(e: Evidence) -> Hint | None:
         in_layer_stream = tensor.shape == x_ours.shape and e.facts.locate(name)[0] == e.result.layer
         if in_layer_stream and e.close(x_ours, tensor + x_ref):
             return _placement(e, f"the sum after the residual add (its reference input plus {name})", name)
+        if not in_layer_stream:
+            continue
+        # the branch scaled before the add (a residual multiplier): the same placement, on either side; each side's
+        # input is a combination of the stream and the other's, the sum's the one of two positive weights
+        fits = [
+            (side, weights)
+            for side, this, other in (("ours", x_ours, x_ref), ("the reference", x_ref, x_ours))
+            if (weights := _sum_of(this, tensor, other)) is not None and min(weights) > 0
+        ]
+        if len(fits) == 1:
+            side, (a, b) = fits[0]
+            whose, twin = ("ours'", "the reference") if side == "ours" else ("the reference's", "ours")
+            return Hint(
+                "norm_placement",
+                f"likely norm placement: {whose} {e.kind} normalises the sum after the residual add ({a:.6g} x "
+                f"{name} + {b:.6g} x {twin}'s input to it); {twin}'s normalises the sub-layer's output before the add",
+                {"side": side, "reads": name, "stream": a, "branch": b},
+            )
     return None
+
+
+def _sum_of(x: torch.Tensor, stream: torch.Tensor, branch: torch.Tensor) -> tuple[float, float] | None:
+    """``(a, b)`` when ``x`` is ``a * stream + b * branch`` exactly (both weights nonzero; the rounding of one
+    sum allowed), else None."""
+    basis = torch.stack([stream.double().flatten(), branch.double().flatten()], dim=1)
+    y = x.double().flatten()
+    if int(torch.linalg.matrix_rank(basis)) < 2:
+        return None
+    a, b = (float(w) for w in torch.linalg.lstsq(basis, y.unsqueeze(1)).solution.flatten())
+    exact = max(1e-6, 8 * torch.finfo(x.dtype).eps)
+    if min(abs(a), abs(b)) < 1e-6 or rel(basis @ torch.tensor([a, b], dtype=torch.float64), y) >= exact:
+        return None
+    return a, b
 
 
 def _placement(e: Evidence, what: str, name: str) -> Hint:

@@ -518,7 +518,10 @@ def constant_ratio(e: Evidence) -> Hint | None:
     if matched and kind == "scale":
         name, value = matched[0]
         others = "".join(f", or {n}" for n, _ in matched[1:3])
-        known = f"; matches {bigger} = {name} ({max(value, 1 / value):.6g}){others}"
+        expr = name if value >= 1 else f"1 / {name}"  # the ratio read is at least 1: a value below 1 is its inverse
+        known = f"; matches {bigger} = {expr} ({max(value, 1 / value):.6g}){others}"
+        if name.startswith("the config's") and name.split(" (")[0].endswith("squared"):
+            known += " (one side divides by it where the other multiplies)"
         if "attention factor" in name:
             kind = "rope_attention_factor"
         elif name == "logit_scale":
@@ -874,12 +877,35 @@ def added_vector(e: Evidence) -> Hint | None:
             f"likely the bias: {named} (ours - reference is one vector at every position, norm {float(v.norm()):.4g})",
             {**evidence, "source": named},
         )
+    tiled = _tiled_per_head(e, v)
+    if tiled is not None:
+        return Hint("bias", tiled, {**evidence, "tiled": True})
     return Hint(
         "bias",
         f"likely a bias one side adds and the other does not: ours - reference is the same vector at every "
         f"position (norm {float(v.norm()):.4g}, largest |element| {float(v.abs().max()):.4g}) at {e.kind}",
         evidence,
     )
+
+
+def _tiled_per_head(e: Evidence, v: torch.Tensor) -> str | None:
+    """The vector one side adds (``v``, ours - reference) is a few values, one per head, tiled across the
+    features (feature j reads value j % heads): a per-head vector (Beam's per-head gate bias) expanded with
+    ``repeat`` at load where each head's value belongs to its own head_dim features (``repeat_interleave``)."""
+    n = v.shape[0]
+    heads = [h for h in (e.facts.num_heads, e.facts.num_kv_heads) if h and 1 < h < n and n % h == 0]
+    for h in dict.fromkeys(heads):
+        values = v[:h].double()
+        if float(values.max() - values.min()) <= 1e-6 * float(values.abs().max()):
+            continue  # one value throughout: no per-head pattern to read
+        if float((v.double() - values.repeat(n // h)).abs().max()) <= 1e-5 * float(values.abs().max()):
+            return (
+                f"likely a per-head vector expanded in another layout: ours - reference at {e.kind} is {h} values "
+                f"tiled across its {n} features (feature j reads value j % {h}), a vector of one value per head "
+                f"expanded with repeat where each head's value belongs to its own {n // h} features "
+                "(repeat_interleave), or added on one side only"
+            )
+    return None
 
 
 def _bias_block(e: Evidence, full: torch.Tensor, v: torch.Tensor) -> str | None:

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import inspect
 import math
 import sys
 from collections.abc import Mapping
@@ -23,6 +22,7 @@ from parity.model.facts import (
     with_layers,
 )
 from parity.model.facts_rules import MLA_INTERLEAVED_ROPE, ROTATED_LAST, RULES
+from parity.util.source import source_of
 
 
 def _clip_in_attn_config(config) -> float | None:
@@ -63,7 +63,8 @@ def _rope_by_type(config, layer_types: tuple[str, ...]) -> dict[str, dict | None
     if (
         isinstance(params, Mapping)
         and set(params) & set(layer_types)
-        and all(isinstance(v, Mapping) for v in params.values())
+        and all(v is None or isinstance(v, Mapping) for v in params.values())  # None: a NoPE type (Beam's full layers)
+        and any(isinstance(v, Mapping) for v in params.values())
     ):
         return {t: (dict(params[t]) if params.get(t) is not None else None) for t in set(layer_types)}
     return {t: dict(params) for t in set(layer_types)}
@@ -239,31 +240,18 @@ def _boundary_tokens(model) -> tuple[int, ...]:
     eos = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
     if not isinstance(eos, int):
         return ()
-    for cls in {type(m) for m in model.modules()}:
-        if not cls.__module__.startswith("transformers.models."):
-            continue
-        try:
-            if "eos_token_id" in inspect.getsource(cls):
-                return (eos,)
-        except (OSError, TypeError):
-            continue
-    return ()
+    classes = {type(m) for m in model.modules()}
+    found = any(c.__module__.startswith("transformers.models.") and "eos_token_id" in source_of(c) for c in classes)
+    return (eos,) if found else ()
 
 
 def _latent_rope_always_interleaved(modules: dict) -> bool:
     """Whether the reference's latent attention reorders its rope rows from interleaved pairs whatever its config
     says: a module holding ``qk_rope_head_dim`` whose forward calls ``apply_rotary_pos_emb_interleave`` and never
     reads ``rope_interleave`` (DeepSeek V3.2's, LongCat-Flash's)."""
-    for module in modules.values():
-        if not isinstance(getattr(module, "qk_rope_head_dim", None), int):
-            continue
-        try:
-            source = inspect.getsource(type(module).forward)
-        except (OSError, TypeError):
-            continue
-        if "apply_rotary_pos_emb_interleave" in source and "rope_interleave" not in source:
-            return True
-    return False
+    classes = {type(m) for m in modules.values() if isinstance(getattr(m, "qk_rope_head_dim", None), int)}
+    sources = [source_of(cls.forward) for cls in classes]  # one per class, not per layer
+    return any("apply_rotary_pos_emb_interleave" in s and "rope_interleave" not in s for s in sources)
 
 
 def _kv_heads_from_modules(modules: dict, facts: ArchFacts) -> ArchFacts:

@@ -264,9 +264,12 @@ def _joined(rec: _Recording, tensors, out: torch.Tensor) -> None:
             return
 
 
-def _hold_functional_input(trace: Trace, node: str, x: torch.Tensor) -> None:
+def _hold_functional_input(trace: Trace, node: str, x: torch.Tensor, siblings=()) -> None:
     """The input of a node ours computes in a function (``F.linear(x, W)``, ``x @ W``), held for the hints
-    as a module's input is (the first call's; the stream drops it once the node passes)."""
+    as a module's input is (the first call's; the stream drops it once the node passes). A parameter serving
+    several nodes (norm gains stacked as rows of one tensor): the input is the next unrecorded one's, as the
+    read's result is (:func:`_record_param`)."""
+    node = next((n for n in (node, *siblings) if not trace.recorded(n)), node)
     if not trace.recorded(node) and node not in trace.inputs and node not in trace.pending:
         trace.hold_input(node, x)
 
@@ -638,7 +641,9 @@ def recording(
             expects_bias=functional_expects_bias,
             owners=(functional_owners or {}, lambda: rec.stack),
             retract=lambda kind: _retract_captured(rec, kind),
-            hold_input=lambda node, x: _hold_functional_input(trace, node, x),
+            hold_input=lambda node, x: _hold_functional_input(
+                trace, node, x, (functional_siblings or {}).get(node, ())
+            ),
             joined=lambda tensors, out: _joined(rec, tensors, out),
             lookups=_lookup_capable(functional_lookups, functional_siblings),
             input_axes=functional_input_axes,

@@ -11,7 +11,7 @@ import datetime as _dt
 import inspect
 import math
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import cast
 
@@ -54,6 +54,7 @@ from parity.run.plan import Run, plan, versions
 from parity.util.errors import ParityError
 from parity.util.resources import BUDGET as RESOURCE_BUDGET
 from parity.util.resources import GIB, available_bytes, require
+from parity.util.source import source_of
 from parity.util.text import one_line
 
 #: node kinds whose module input (and weight) is kept for diagnosis (norm placement, norm kind, transposes)
@@ -181,23 +182,9 @@ def weights_read(model: torch.nn.Module, nodes) -> frozenset[str]:
         owner = modules.get(parent)
         if owner is None or not isinstance(getattr(modules.get(path), "weight", None), torch.Tensor):
             continue
-        if f"self.{child}.weight" in _class_source(type(owner)):
+        if f"self.{child}.weight" in source_of(type(owner)):
             found.add(node.name)
     return frozenset(found)
-
-
-#: class -> its source text (reading it parses its module: tens of milliseconds, so once per class)
-_SOURCES: dict[type, str] = {}
-
-
-def _class_source(cls: type) -> str:
-    """A class's source text, read once per class; "" where it has none."""
-    if cls not in _SOURCES:
-        try:
-            _SOURCES[cls] = inspect.getsource(cls)
-        except (OSError, TypeError):
-            _SOURCES[cls] = ""
-    return _SOURCES[cls]
 
 
 def tied_copies(model: torch.nn.Module, nodes) -> frozenset[str]:
@@ -252,10 +239,12 @@ def untapped_nodes(pair: Pair) -> frozenset[str]:
     return frozenset(n.name for n in pair.nodes if n.ours.startswith(UNHOOKED))
 
 
-def ours_recording(pair: Pair) -> dict:
+def ours_recording(pair: Pair, order: Sequence[str] = ()) -> dict:
     """The arguments of :func:`~parity.record.hooks.recording` for ours: module points, layouts,
     taps, and for a user's model the functional capture (attention internals computed in functions,
-    projections computed from a parameter of a bigger module)."""
+    projections computed from a parameter of a bigger module). ``order``: the reference's nodes in the order it
+    ran them, where known: the nodes one parameter of ours serves (norm gains stacked as rows of one tensor) take
+    its reads in that order."""
     taps = {n.ours[len("tap:") :]: n.name for n in pair.nodes if n.ours.startswith("tap:")}
     params = dict(pair.ours.named_parameters()) if pair.alignment else {}
     key_of = storage_keys(params.values())  # parameters that view one storage told apart by their elements
@@ -285,6 +274,13 @@ def ours_recording(pair: Pair) -> dict:
         if bias in params and id(params[bias]) in key_of:
             # a fused bias added once for several nodes (their rows): the node its fused weight's product records
             biases.setdefault(key_of[id(params[bias])], n.name)
+    if order:  # each read of a parameter serving several nodes is the next of them as the reference ran them
+        rank = {name: i for i, name in enumerate(order)}
+        for ptr, first in list(functional.items()):
+            group = sorted([first, *siblings.pop(first, [])], key=lambda name: rank.get(name, len(rank)))
+            functional[ptr] = group[0]
+            if group[1:]:
+                siblings[group[0]] = group[1:]
     # a module of ours aligned by its weight whose forward never runs (F.linear(x, self.head.weight) in its
     # parent): the product reading that weight outside the module is the node
     modules = dict(pair.ours.named_modules()) if pair.alignment else {}
@@ -317,6 +313,10 @@ def ours_recording(pair: Pair) -> dict:
     # waits for the bias a sibling's module adds (ERNIE 4.5's tied head with a bias)
     biased = set(biases.values()) | expects_bias
     expects_bias |= {first for first, others in siblings.items() if biased & set(others)}
+    # each product over one part's block of a fused weight whose fused bias ours adds (``x @ W[:, a:b] + b[a:b]``)
+    # waits for its slice of that bias as the whole product would
+    part_nodes = {name for held in parts.values() for _, name, alone in held if alone is not None}
+    expects_bias |= {o for first, others in siblings.items() if first in biased for o in others if o in part_nodes}
     input_axes = _input_axes(pair, params, ref_modules)
     # parameters holding a checkpoint vector in another shape (a grouped norm's gain kept (streams, hidden)): read
     # as a norm's weight vector is
@@ -458,7 +458,7 @@ def trace_ours(
             inverses=inverses,
             keep_inputs=diagnosis_inputs(pair),
             into=trace,
-            **ours_recording(pair),
+            **ours_recording(pair, reference.order if reference is not None else ()),
         ),
     ):
         run_ours(pair, pair.ours, on_device(device, run.input_ids), **kwargs)
@@ -632,7 +632,8 @@ def compare_run(
     diagnose in the memory available: :func:`undiagnosed`). ``search``: where no detector names a cause,
     look for one change to the reference's code that explains it (:func:`one_change_inside`; off for a
     pass whose hint is not the verdict's)."""
-    results = compare_traces(ours, ref, pair.nodes, tolerances, untapped_nodes(pair), unjudged_padding(pair, run))
+    padding = unjudged_padding(pair, run)
+    results = compare_traces(ours, ref, pair.nodes, tolerances, untapped_nodes(pair), padding)
     if pair.alignment:
         results = computed_otherwise(
             results, {n.name for n in pair.nodes if n.ours and not n.ours.startswith(UNHOOKED)}
@@ -649,7 +650,7 @@ def compare_run(
         }
         results = misread_internals(results, frozenset(captured))
     if not ours.extras.get(ISOLATED):  # isolated mode substitutes first calls only: later ones run on ours' values
-        results = with_later_calls(results, ours, ref, pair.nodes, tolerances, unjudged_padding(pair, run))
+        results = with_later_calls(results, ours, ref, pair.nodes, tolerances, padding)
     bad = first_mismatch(results)
     if bad is not None and call_of(bad.name) is not None:
         results[bad.index] = replace(bad, hint=later_call_hint(results, bad, ref.calls))

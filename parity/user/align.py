@@ -366,6 +366,19 @@ def expert_of(source: Source, whole: torch.Tensor, experts: int) -> int | None:
     return found.pop() if len(found) == 1 else None
 
 
+def _rows_of(fused: torch.Tensor, source: Source) -> Rows:
+    """The output features of ours' product with the fused parameter ``fused`` that hold ``source``'s rows."""
+    width = math.prod(fused.shape[a] for a in source.row_axes(fused.dim())[0])
+    return Rows(cast(tuple[int, ...], source.rows), _block_of(fused, source), width)
+
+
+def _as_rows(source: Source) -> Source:
+    """A ``slice`` source that is a block of whole rows (``[128:320, :]``, a bias's ``[128:320]``: Mamba-2's in_proj
+    cut into z, xBC and dt at load, each a view) as the ``part`` it is, holding those rows; any other as it is."""
+    rows = source.slice_rows
+    return source if rows is None else replace(source, how=PART, rows=rows, region=None)
+
+
 def _key_rows(source: Source) -> tuple[int, ...]:
     """The rows of its checkpoint tensor a ``part`` or ``fused part`` source holds."""
     return cast(tuple[int, ...], source.key_rows if source.how == FUSED_PART else source.rows)
@@ -657,6 +670,7 @@ class _Aligner:
             self.why[path] = f"{ancestor or 'the model'} also holds modules of other reference blocks"
             return None
         if ancestor and self.facts.locate(path)[1] == "layer":
+            ancestor = self._layer_level(ancestor, set(outside) - set(inside))
             outside_read = self._read_outside(ancestor, prefix)
             if outside_read is not None:  # its caller normalises the stream and adds the residual: a branch
                 self.why[path] = (
@@ -665,6 +679,18 @@ class _Aligner:
                 )
                 return None
         return ancestor
+
+    def _layer_level(self, ancestor: str, others: set[str]) -> str:
+        """The highest module of ours at or above ``ancestor`` that runs and holds none of ``others`` (the modules
+        holding other reference blocks' weights): ours' layer, where the modules found under a reference layer meet
+        lower (a norm folded into the next projection at load leaves only the mixer's modules found)."""
+        up = ancestor
+        while "." in up:
+            parent = up.rpartition(".")[0]
+            if not self._runs(parent) or any(o == parent or o.startswith(parent + ".") for o in others):
+                break
+            up = parent
+        return up
 
     def _read_outside(self, module: str, prefix: str) -> str | None:
         """A parameter of ``module`` (or its submodules) holding checkpoint tensors under ``prefix`` only that
@@ -738,7 +764,7 @@ class _Aligner:
         weight = getattr(module, "weight", None)
         if spec.reference_transform is not None or not isinstance(weight, torch.Tensor):
             return None
-        held = self._held(weight)
+        held = [(n, _as_rows(s)) for n, s in self._held(weight)]
         rows = [(n, s) for n, s in held if s.how in (PART, FUSED_PART) and s.rows and weight.dim() == 2]
         whole = [n for n, s in held if s.how in (SHARED, COPY, TRANSPOSED)]  # a fused copy kept beside its parts
         if rows and len(rows) + len(whole) == len({n for n, _ in held}) and len(rows) > 1:
@@ -796,7 +822,7 @@ class _Aligner:
         view = OutputRows(rows)
         bias = getattr(self.ref_modules.get(spec.reference_path), "bias", None)
         held_bias = (
-            [n for n, s in self._held(bias) if s.how == PART and s.rows == source.rows]
+            [n for n, s in self._held(bias) if _as_rows(s).how == PART and _as_rows(s).rows == source.rows]
             if isinstance(bias, torch.Tensor)
             else []
         )  # the same rows of the fused bias, which ours adds after the product (``x @ W + b``)
@@ -810,9 +836,7 @@ class _Aligner:
         detail = f"output features {where} of {spec.reference_path}: {source.description} held by {param}"
         new = replace(spec, name=name, ours=ours, reference=spec.reference_path, reference_transform=view)
         if source.how == FUSED_PART:  # ours' product holds other tensors' rows too: this part's picked from it
-            fused = self.ours_params[param]
-            width = math.prod(fused.shape[a] for a in source.row_axes(fused.dim())[0])
-            pick = Rows(cast(tuple[int, ...], source.rows), _block_of(fused, source), width)
+            pick = _rows_of(self.ours_params[param], source)
             new = replace(new, transform=pick, inverse=pick.inverse)
             detail += ", fused with other rows there"
         return new, Aligned(name, ours, "part" if ours.startswith(PARAM) else "weights", detail)
@@ -1155,9 +1179,7 @@ class _Aligner:
             vector = key is not None and key.dim() > 0 and key.numel() == key.shape[-1]
             vector = vector and self.ours_params[param].dim() == 2
             if source.how == ROWS and source.rows and not vector:  # a fused parameter read in a function: its rows
-                held = self.ours_params[param]
-                width = math.prod(held.shape[a] for a in source.row_axes(held.dim())[0])
-                rows = Rows(cast(tuple[int, ...], source.rows), _block_of(held, source), width)
+                rows = _rows_of(self.ours_params[param], source)
                 return replace(spec, ours=ours, transform=rows, inverse=rows.inverse), Aligned(
                     name, ours, "functional", f"rows of {param} holding {source.key}, read in a function"
                 )

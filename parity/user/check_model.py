@@ -28,7 +28,7 @@ from parity.build.builder import (
     build_reference,
     default_seq_len,
 )
-from parity.build.coverage import PLAIN, loader_coverage
+from parity.build.coverage import FUSED_PART, PART, PLAIN, SLICE, SPLIT, STRIDED, loader_coverage
 from parity.build.reference import resolve_reference, unread_rows
 from parity.build.settle import settle
 from parity.model.facts_rules import GATE_UP_INTERLEAVED
@@ -43,6 +43,7 @@ from parity.user.derived import config_buffers, derived_keys, scalar_buffers
 from parity.user.reference_nodes import reference_nodes
 from parity.util.devices import Placement
 from parity.util.errors import ParityError
+from parity.util.resources import available_bytes
 from parity.util.text import one_line
 
 if TYPE_CHECKING:
@@ -107,10 +108,12 @@ def build_ours(ours, ref: Reference) -> nn.Module:
         name = getattr(ours, "__qualname__", repr(ours))
         try:
             try:
-                model = _call_build(ours, name, ref.state_dict, ref.hf_config)
+                model = _call_build(ours, name, ref.state_dict, ref.hf_config, ref.conversions)
             except KeyError as e:  # a tied name the files leave out (a tied lm_head.weight): given as its source
                 if e.args[:1] and e.args[0] in (ref.tied_keys or {}):
-                    model = _call_build(ours, name, _with_tied(ref.state_dict, ref.tied_keys), ref.hf_config)
+                    model = _call_build(
+                        ours, name, _with_tied(ref.state_dict, ref.tied_keys), ref.hf_config, ref.conversions
+                    )
                 else:
                     raise
         except KeyError as e:
@@ -154,18 +157,41 @@ def _with_tied(state_dict: dict, tied_keys: dict[str, str] | None) -> dict:
     return {**state_dict, **{k: v for k, v in ties.items() if k not in state_dict}} if ties else state_dict
 
 
-def _call_build(ours, name: str, state_dict: dict, hf_config) -> nn.Module:
+def _call_build(ours, name: str, state_dict: dict, hf_config, notes: list[str] | None = None) -> nn.Module:
     """``ours(state_dict, hf_config)`` on a dict of its own (a loader may pop the keys it consumed);
-    what it raises passes through. Raises ParityError when it edits a tensor of ``state_dict`` in place."""
+    what it raises passes through. A build that edits tensors of ``state_dict`` in place (a norm folded into a
+    weight it holds as a view, ``w.mul_(g)``) edits the reference's: where a copy of the state dict fits in memory,
+    the reference's tensors are put back and the build is called again on copies of its own (said in ``notes``);
+    else it raises ParityError."""
     before = fingerprints(state_dict)
+    size = sum(t.numel() * t.element_size() for t in state_dict.values() if isinstance(t, torch.Tensor))
+    room = available_bytes()
+    kept = (
+        {k: t.detach().clone() for k, t in state_dict.items() if isinstance(t, torch.Tensor)}
+        if room is not None and size * 4 <= room
+        else None
+    )
     model = ours(dict(state_dict), hf_config)
     after = fingerprints(state_dict)
     changed = [k for k, v in before.items() if after.get(k) != v]
-    if changed:  # the reference holds these very tensors: an in-place edit changes both sides and hides it
+    if changed and kept is not None:  # the reference's tensors put back, the build given copies to edit
+        with torch.no_grad():
+            for k in changed:
+                state_dict[k].copy_(kept[k])
+        del model
+        model = ours({k: t.detach().clone() if isinstance(t, torch.Tensor) else t for k, t in state_dict.items()},
+                     hf_config)  # fmt: skip
+        if notes is not None:
+            notes.append(
+                f"build {name} edits {len(changed)} tensor(s) of the state dict in place ({_first(changed, 3)}): "
+                "the reference's were put back and the build was called again on copies of its own"
+            )
+    elif changed:  # the reference holds these very tensors: an in-place edit changes both sides and hides it
         raise ParityError(
             f"build {name}(state_dict, hf_config) changed {len(changed)} reference tensor(s) in place "
-            f"({_first(changed, 3)}): the reference holds the same tensors, so both sides changed; "
-            "compute a new tensor (w * 2, w.clone().mul_(2)) instead of editing the state dict's"
+            f"({_first(changed, 3)}): the reference holds the same tensors, so both sides changed, and a copy to "
+            "build from does not fit in memory; compute a new tensor (w * 2, w.clone().mul_(2)) instead of editing "
+            "the state dict's"
         )
     return model
 
@@ -273,6 +299,8 @@ def _held_twice(coverage, model: nn.Module | None) -> list[str]:
     holders: dict[str, list[str]] = {}
     for name, sources in coverage.sources.items():
         for source in sources:
+            if source.how in (PART, FUSED_PART, SLICE, SPLIT, STRIDED):  # a part of it: others hold the rest
+                continue
             holders.setdefault(source.key, []).append(name)
     lines = []
     for key, names in holders.items():
