@@ -145,7 +145,7 @@ NAMED = [
     ("flex_olmo", "fo_expert_outputs_unweighted", False, "model.layers.0.mlp.router.weights", "routing_weights",
      "ours equals no weights (the chosen experts' outputs summed)"),
     ("flex_olmo", "fo_gate_up_swapped", False, "model.layers.0.post_feedforward_layernorm", "swapped_weights",
-     "their fused gate/up rows split the other way round (up first)"),
+     "the chosen experts computed with gate_up_proj's halves swapped (up first"),
     ("flex_olmo", "fo_rope_theta_default", False, "model.layers.0.self_attn.q_rot", "rope_theta", "theta 10000"),
     ("flex_olmo", "fo_gqa_tiled", False, "model.layers.0.self_attn.scores", "head_mapping", "heads 1, 2 differ"),
     ("flex_olmo", "fo_pad_mask_query_axis", True, "model.layers.0.self_attn.probs", "padding",

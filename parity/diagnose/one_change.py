@@ -23,7 +23,8 @@ config float read as its class's default, a gate moved across a norm (both ways)
 scan run with its steps in another order (:mod:`parity.diagnose.scan_order`); an in-place op (``a /= s``) is changed from
 its input's value before it; then, in a second
 pass, a term of a sum left out (a skip connection), a broadcast factor that is no parameter left out (a padding
-mask) and a parameter added to an activation's input added to its output instead (``softplus(dt) + dt_bias``); then a projection reading another variable (of its shape, or a ``(batch, heads, seq, dim)`` one with its
+mask) and a parameter added to an activation's input added to its output instead (``softplus(dt) + dt_bias``);
+then a projection reading another variable (of its shape, or a ``(batch, heads, seq, dim)`` one with its
 heads merged). Every call of one source line is changed together (a loop over chunks), a
 helper called from several lines also per caller, and the same change on two adjacent lines together (q and k).
 
@@ -1000,8 +1001,8 @@ def _added_after_activation(sites: list[tuple[Site, tuple]], params: dict[int, s
     """A parameter added to an activation's input added to its output instead (``softplus(dt) + dt_bias`` for
     ``softplus(dt + dt_bias)``: Mamba-2's and Lara Mini's time step): the activation's site rewritten as
     ``act(z - b) + b``, ``z`` its input, ``b`` the parameter the add before it read."""
-    sums = {
-        id(out): (site, b)
+    sums = {  # a sum's output -> the parameter it added
+        id(out): b
         for site, (_func, args, _kwargs, out) in sites
         if _arithmetic(site.op) == "add" and isinstance(out, torch.Tensor) and len(args) == 2
         for b in args
@@ -1012,7 +1013,7 @@ def _added_after_activation(sites: list[tuple[Site, tuple]], params: dict[int, s
         op = site.op.strip("_")
         if op not in _ACTIVATIONS or not args or not isinstance(args[0], torch.Tensor) or id(args[0]) not in sums:
             continue
-        _add, b = sums[id(args[0])]
+        b = sums[id(args[0])]
 
         def rewrite(args: tuple, kwargs: dict, out, func=func, b=b):
             return func(args[0] - b, *args[1:], **kwargs) + b

@@ -28,7 +28,7 @@ from parity.build.builder import (
     build_reference,
     default_seq_len,
 )
-from parity.build.coverage import FUSED_PART, PART, PLAIN, SLICE, SPLIT, STRIDED, loader_coverage
+from parity.build.coverage import FUSED_PART, PART, PLAIN, SLICE, loader_coverage
 from parity.build.reference import resolve_reference, unread_rows
 from parity.build.settle import settle
 from parity.model.facts_rules import GATE_UP_INTERLEAVED
@@ -189,9 +189,9 @@ def _call_build(ours, name: str, state_dict: dict, hf_config, notes: list[str] |
     elif changed:  # the reference holds these very tensors: an in-place edit changes both sides and hides it
         raise ParityError(
             f"build {name}(state_dict, hf_config) changed {len(changed)} reference tensor(s) in place "
-            f"({_first(changed, 3)}): the reference holds the same tensors, so both sides changed, and a copy to "
-            "build from does not fit in memory; compute a new tensor (w * 2, w.clone().mul_(2)) instead of editing "
-            "the state dict's"
+            f"({_first(changed, 3)}): the reference holds the same tensors, so both sides changed, and no copy to "
+            "build from fits in the memory known to be free; compute a new tensor (w * 2, w.clone().mul_(2)) instead "
+            "of editing the state dict's"
         )
     return model
 
@@ -296,19 +296,34 @@ def _held_twice(coverage, model: nn.Module | None) -> list[str]:
     if model is None or not hasattr(coverage, "sources"):
         return []
     storage = {n: p.untyped_storage().data_ptr() for n, p in model.named_parameters(remove_duplicate=False)}
-    holders: dict[str, list[str]] = {}
+    holders: dict[str, list[tuple[str, frozenset[int] | None]]] = {}
     for name, sources in coverage.sources.items():
         for source in sources:
-            if source.how in (PART, FUSED_PART, SLICE, SPLIT, STRIDED):  # a part of it: others hold the rest
-                continue
-            holders.setdefault(source.key, []).append(name)
+            holders.setdefault(source.key, []).append((name, _rows_held(source)))
     lines = []
-    for key, names in holders.items():
+    for key, held in holders.items():
         if any(f"{key} and " in u or f" and {key} are" in u for u in getattr(coverage, "untied", [])):
             continue  # one tensor in the reference (a tied head): ours' copies hold what the reference means
-        distinct = list({storage.get(n, id(n)): n for n in names}.values())  # one Parameter shared counts once
-        lines += [f"{n} holds {key}, as {distinct[0]} does" for n in distinct[1:]]
+        distinct = list({storage.get(n, id(n)): (n, rows) for n, rows in held}.values())  # one Parameter counts once
+        first, first_rows = distinct[0]
+        # parts of one fused tensor held apart (Mamba-2's in_proj as z, xBC and dt) are no tensor held twice
+        lines += [
+            f"{n} holds {key}, as {first} does"
+            for n, rows in distinct[1:]
+            if rows is None or first_rows is None or rows & first_rows
+        ]
     return lines
+
+
+def _rows_held(source) -> frozenset[int] | None:
+    """The key's rows a source holds, where it holds part of them (a part, a fused part, a block of rows kept as a
+    view); None for the whole tensor, or a cut parity does not count by rows."""
+    if source.how == PART and source.rows:
+        return frozenset(source.rows)
+    if source.how == FUSED_PART and source.key_rows:
+        return frozenset(source.key_rows)
+    rows = source.slice_rows if source.how == SLICE else None
+    return frozenset(rows) if rows else None
 
 
 def unplaced_message(coverage, model: nn.Module | None = None) -> str:
