@@ -949,6 +949,9 @@ def untapped_before(results: list[NodeResult], bad: NodeResult, facts) -> Hint |
     if not stretch or len(stretch) != len(between):
         return None
     inner = [n for n in stretch if facts.locate(n)[1] != "layer"]
+    layers = sorted({facts.locate(n)[0] for n in inner if facts.locate(n)[0] is not None})
+    if len(layers) > 1:  # a stretch over two layers: the difference enters in the first (its later ones read it)
+        inner = [n for n in inner if facts.locate(n)[0] == layers[0]]
     if not inner:  # only a layer's output (its sum) untapped: the block of that layer no agreeing node checked
         block = _unchecked_block(results, bad, stretch[-1])
     else:
