@@ -131,3 +131,29 @@ def test_a_per_layer_type_rope_with_a_nope_type_marked_none():
     layers = derive_facts(config).layers
     assert layers[1].rope is None
     assert layers[0].rope is not None and layers[0].rope.theta == 500.0
+
+
+def test_an_untapped_stretch_over_two_layers_names_the_first_layers_block():
+    """Qwen4-Exp's MoE of layer 0 computed in functions, then layer 1's hyper-connection internals untapped too, the
+    first judged node in layer 1 differing: the block named (and searched for one change) is layer 0, where the
+    difference enters, not the layers' common container (``model.layers``, a ModuleList with no code of its own to
+    change)."""
+    from parity.compare.metrics import MISMATCH, OK, UNTAPPED
+    from parity.compare.results import NodeResult
+    from parity.run.stages import untapped_before
+
+    facts = _facts()
+    names = [
+        ("model.layers.0.self_attn.o_proj", OK),
+        ("model.layers.0.mlp.gate", UNTAPPED),
+        ("model.layers.0.mlp", UNTAPPED),
+        ("model.layers.1.attn_hyper_connection.input_mix", UNTAPPED),
+        ("model.layers.1.input_layernorm", MISMATCH),
+    ]
+    results = [
+        NodeResult(n, i, status, facts.locate(n)[0], facts.locate(n)[1], None, None, None, 0.0, 0.0, 0.0, 1.0, 0, 0)
+        for i, (n, status) in enumerate(names)
+    ]
+    hint = untapped_before(results, results[-1], facts)
+    assert hint is not None and hint.kind == "untapped_block", hint
+    assert hint.evidence["block"] == "model.layers.0", hint.evidence  # was model.layers: both layers' container
