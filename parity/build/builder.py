@@ -503,6 +503,8 @@ class Reference:
     #: key -> the tensor as the checkpoint holds it, for the tensors the reference's own forward rewrote in place
     #: when it first ran (RWKV's rescaled output weights: :mod:`parity.build.settle`)
     rewritten: dict = field(default_factory=dict)
+    #: a user's build edits the tensors it is given in place: it is given copies (``check_model``'s builds)
+    build_on_copies: bool = False
 
     @property
     def tied_keys(self) -> dict[str, str]:

@@ -1095,17 +1095,21 @@ def loader_coverage(
                     cov.skipped[k] = by_design[k]
                 elif not (tied_keys and k in tied_keys):
                     cov.unused.append(k)
+    # views of a key by the rows they hold (a block of whole rows kept as ``w[a:b]``: Mamba-2's in_proj), and the keys
+    # viewed otherwise (any other slice): row blocks beside copied parts are judged with them, row by row
+    row_views: dict[str, list[tuple[tuple[int, ...], str]]] = {}
+    other_views: set[str] = set()
+    for label, held_by in cov.sources.items():
+        for src in held_by:
+            if src.how == SLICE and (rows := src.slice_rows):
+                row_views.setdefault(src.key, []).append((rows, label))
+            elif src.how == SLICE:
+                other_views.add(src.key)
     for key, copied in parts_of.items():
         labels = [label for _, label in copied]
         fused = state_dict[key]
         rows_total = fused.numel() if fused.dim() == 1 else fused.numel() // fused.shape[-1]  # a bias: its elements
-        # rows held as views of the key (a block of whole rows kept as ``w[a:b]``) beside the copied parts
-        copied = copied + [
-            (rows, label)
-            for label, held_by in cov.sources.items()
-            for src in held_by
-            if src.key == key and (rows := src.slice_rows) is not None
-        ]
+        copied = copied + row_views.get(key, [])
         held = sum(len(rows) for rows, _ in copied)
         missing = set(range(rows_total)).difference(*(rows for rows, _ in copied))
         if missing and unread and missing <= set(unread.get(key, ())):
@@ -1143,10 +1147,6 @@ def loader_coverage(
             cov.gaps.append(f"{key} consumed whole and in {len(sliced[key])} parts: {', '.join(targets[:4])}")
         elif whole > tie_members.get(key, 1):
             cov.gaps.append(f"{key} consumed {len(targets)} times: {', '.join(targets)}")
-    row_views = {src.key for held_by in cov.sources.values() for src in held_by if src.how == SLICE and src.slice_rows}
-    other_views = {
-        src.key for held_by in cov.sources.values() for src in held_by if src.how == SLICE and not src.slice_rows
-    }
     for key, views in sliced.items():
         if key in set_aside or (key in parts_of and key in row_views and key not in other_views):
             continue  # blocks of rows viewed beside copied rows: judged with them, row by row (above)

@@ -702,10 +702,8 @@ class NodeStream:
             old, self.stem_keep = self.stem_keep, {n for n in self.stem_keep if n.rsplit(".", 1)[0] == stem} | {name}
             self._release(old - self.stem_keep)
         if result.failed and (self.first is None or result.index < self.first.index):
-            old, self.first = self.failure_keep, result
-            self.failure_keep = {name} | {n for n in self.stem_keep if n.rsplit(".", 1)[0] == stem}
-            self._release(old - self.failure_keep)
-            self.trace.keep_input(name)  # held by reference since the module's pre-hook: copied now
+            self.first = result
+            self._kept("failure_keep", name, stem)
             return bool(layout)  # kept: the trace stores it (in the reference's layout, stored already)
         if (
             result.failed
@@ -715,10 +713,8 @@ class NodeStream:
             and (self._block_of(self.first.name) is not None or result.kind not in CAPTURED)
             and (self.second is None or result.index < self.second.index)
         ):  # the runner-up, kept with its context in case the first failure is taken back
-            old, self.second = self.second_keep, result
-            self.second_keep = {name} | {n for n in self.stem_keep if n.rsplit(".", 1)[0] == stem}
-            self._release(old - self.second_keep)
-            self.trace.keep_input(name)
+            self.second = result
+            self._kept("second_keep", name, stem)
             return bool(layout)
         if (
             result.failed
@@ -729,10 +725,8 @@ class NodeStream:
             and self._taken_back_with(result) is None
             and (self.standing is None or result.index < self.standing.index)
         ):
-            old, self.standing = self.standing_keep, result
-            self.standing_keep = {name} | {n for n in self.stem_keep if n.rsplit(".", 1)[0] == stem}
-            self._release(old - self.standing_keep)
-            self.trace.keep_input(name)
+            self.standing = result
+            self._kept("standing_keep", name, stem)
             return bool(layout)
         if (
             self.keep_layer
@@ -802,6 +796,15 @@ class NodeStream:
     def _block_of(self, name: str) -> str | None:
         """The provisional block ``name`` is in, or None."""
         return next((b for b in self.provisional if name == b or name.startswith(b + ".")), None)
+
+    def _kept(self, role: str, name: str, stem: str) -> None:
+        """Keep failure ``name`` with its attention block's context (``stem``'s nodes held) as the names of ``role``
+        (``failure_keep``, ``second_keep``, ``standing_keep``), releasing those it held before that nothing else
+        holds. Its input, held by reference since the module's pre-hook, is copied now."""
+        old = getattr(self, role)
+        setattr(self, role, {name} | {n for n in self.stem_keep if n.rsplit(".", 1)[0] == stem})
+        self._release(old - getattr(self, role))
+        self.trace.keep_input(name)
 
     def _release(self, names: set[str]) -> None:
         """Drop ours' tensors (and kept inputs) of ``names`` that nothing holds any more."""

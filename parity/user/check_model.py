@@ -108,11 +108,11 @@ def build_ours(ours, ref: Reference) -> nn.Module:
         name = getattr(ours, "__qualname__", repr(ours))
         try:
             try:
-                model = _call_build(ours, name, ref.state_dict, ref.hf_config, ref.conversions)
+                model = _call_build(ours, name, ref.state_dict, ref.hf_config, ref.build_on_copies)
             except KeyError as e:  # a tied name the files leave out (a tied lm_head.weight): given as its source
                 if e.args[:1] and e.args[0] in (ref.tied_keys or {}):
                     model = _call_build(
-                        ours, name, _with_tied(ref.state_dict, ref.tied_keys), ref.hf_config, ref.conversions
+                        ours, name, _with_tied(ref.state_dict, ref.tied_keys), ref.hf_config, ref.build_on_copies
                     )
                 else:
                     raise
@@ -121,7 +121,9 @@ def build_ours(ours, ref: Reference) -> nn.Module:
             if files is None:
                 raise ParityError(f"build {name}(state_dict, hf_config) raised {_raised(e)}") from None
             try:
-                model = _call_build(ours, name, files, ref.hf_config)
+                model = _call_build(ours, name, files, ref.hf_config, ref.build_on_copies)
+            except EditedInPlace:
+                raise
             except (Exception, SystemExit, KeyboardInterrupt) as again:
                 raise ParityError(
                     f"build {name}(state_dict, hf_config) raised {_raised(again)} (called with the checkpoint files' "
@@ -131,6 +133,8 @@ def build_ours(ours, ref: Reference) -> nn.Module:
                 f"build {name} asked for {e.args[0]!r}, a name of the checkpoint's files that the reference model holds "
                 "under another name or fused: it was called with the files' tensors as they are stored"
             )
+        except EditedInPlace:
+            raise
         except (Exception, SystemExit, KeyboardInterrupt) as e:  # sys.exit() in user code is no exit 0 of parity's
             raise ParityError(f"build {name}(state_dict, hf_config) raised {_raised(e)}") from None
         if not isinstance(model, nn.Module):
@@ -157,43 +161,41 @@ def _with_tied(state_dict: dict, tied_keys: dict[str, str] | None) -> dict:
     return {**state_dict, **{k: v for k, v in ties.items() if k not in state_dict}} if ties else state_dict
 
 
-def _call_build(ours, name: str, state_dict: dict, hf_config, notes: list[str] | None = None) -> nn.Module:
-    """``ours(state_dict, hf_config)`` on a dict of its own (a loader may pop the keys it consumed);
-    what it raises passes through. A build that edits tensors of ``state_dict`` in place (a norm folded into a
-    weight it holds as a view, ``w.mul_(g)``) edits the reference's: where a copy of the state dict fits in memory,
-    the reference's tensors are put back and the build is called again on copies of its own (said in ``notes``);
-    else it raises ParityError."""
-    before = fingerprints(state_dict)
-    size = sum(t.numel() * t.element_size() for t in state_dict.values() if isinstance(t, torch.Tensor))
-    room = available_bytes()
-    kept = (
-        {k: t.detach().clone() for k, t in state_dict.items() if isinstance(t, torch.Tensor)}
-        if room is not None and size * 4 <= room
-        else None
-    )
-    model = ours(dict(state_dict), hf_config)
-    after = fingerprints(state_dict)
-    changed = [k for k, v in before.items() if after.get(k) != v]
-    if changed and kept is not None:  # the reference's tensors put back, the build given copies to edit
-        with torch.no_grad():
-            for k in changed:
-                state_dict[k].copy_(kept[k])
-        del model
-        model = ours({k: t.detach().clone() if isinstance(t, torch.Tensor) else t for k, t in state_dict.items()},
-                     hf_config)  # fmt: skip
-        if notes is not None:
-            notes.append(
-                f"build {name} edits {len(changed)} tensor(s) of the state dict in place ({_first(changed, 3)}): "
-                "the reference's were put back and the build was called again on copies of its own"
-            )
-    elif changed:  # the reference holds these very tensors: an in-place edit changes both sides and hides it
-        raise ParityError(
+class EditedInPlace(ParityError):
+    """A build edited tensors of the state dict it was given in place (``changed``): the reference's own, which it
+    holds too, so both sides changed alike."""
+
+    def __init__(self, name: str, changed: list[str]):
+        super().__init__(
             f"build {name}(state_dict, hf_config) changed {len(changed)} reference tensor(s) in place "
             f"({_first(changed, 3)}): the reference holds the same tensors, so both sides changed, and no copy to "
             "build from fits in the memory known to be free; compute a new tensor (w * 2, w.clone().mul_(2)) instead "
             "of editing the state dict's"
         )
+        self.changed = changed
+
+
+def _call_build(ours, name: str, state_dict: dict, hf_config, copies: bool = False) -> nn.Module:
+    """``ours(state_dict, hf_config)`` on a dict of its own (a loader may pop the keys it consumed), of copies of
+    the tensors with ``copies``; what it raises passes through. Raises :class:`EditedInPlace` when it edits a tensor
+    of ``state_dict`` in place (a norm folded into a weight it holds as a view, ``w.mul_(g)``)."""
+    if copies:
+        return ours({k: t.detach().clone() if isinstance(t, torch.Tensor) else t for k, t in state_dict.items()},
+                    hf_config)  # fmt: skip
+    before = fingerprints(state_dict)
+    model = ours(dict(state_dict), hf_config)
+    after = fingerprints(state_dict)
+    changed = [k for k, v in before.items() if after.get(k) != v]
+    if changed:  # the reference holds these very tensors: an in-place edit changes both sides and hides it
+        raise EditedInPlace(name, changed)
     return model
+
+
+def _room_for_copies(state_dict: dict) -> bool:
+    """Whether a copy of ``state_dict``'s tensors fits in the memory known to be free (twice over)."""
+    size = sum(t.numel() * t.element_size() for t in state_dict.values() if isinstance(t, torch.Tensor))
+    room = available_bytes()
+    return room is not None and size * 2 <= room
 
 
 def _files_if_asked(error: KeyError, ref: Reference) -> dict | None:
@@ -376,17 +378,34 @@ def build_user_pair(
     """The Pair of a user's model and the reference, nodes aligned by shared weights. Raises
     ParityError for bad input (see :func:`check_model`)."""
     placement = Placement.of(device, device_map)
-    ref, family = resolve_reference(reference, dtype, seed)
-    assert ref.model is not None  # resolve_reference builds it
-    if not placement.is_cpu:  # the reference on its device(s) first; build() then receives those tensors
-        ref.model = placement.dispatch(ref.model, placement.plan(type(ref.model), ref.hf_config, dtype))
-        on_device = ref.model.state_dict()
-        ref.state_dict = {k: on_device.get(k, v) for k, v in ref.state_dict.items()}
-    # a reference rewriting its own weights on its first forward (RWKV's rescaling) does it now; ours is built
-    # from the tensors as the checkpoint holds them
-    ref.rewritten = rewritten = settle(ref.model, ref.state_dict, ref.facts.vocab_size)
-    loaded = dataclasses.replace(ref, state_dict={**ref.state_dict, **rewritten}) if rewritten else ref
-    model = build_ours(ours, loaded)
+
+    def prepared() -> tuple[Reference, str, Reference]:
+        ref, family = resolve_reference(reference, dtype, seed)
+        assert ref.model is not None  # resolve_reference builds it
+        if not placement.is_cpu:  # the reference on its device(s) first; build() then receives those tensors
+            ref.model = placement.dispatch(ref.model, placement.plan(type(ref.model), ref.hf_config, dtype))
+            on_device = ref.model.state_dict()
+            ref.state_dict = {k: on_device.get(k, v) for k, v in ref.state_dict.items()}
+        # a reference rewriting its own weights on its first forward (RWKV's rescaling) does it now; ours is built
+        # from the tensors as the checkpoint holds them
+        ref.rewritten = rewritten = settle(ref.model, ref.state_dict, ref.facts.vocab_size)
+        return ref, family, dataclasses.replace(ref, state_dict={**ref.state_dict, **rewritten}) if rewritten else ref
+
+    ref, family, loaded = prepared()
+    try:
+        model = build_ours(ours, loaded)
+    except EditedInPlace as edited:  # it edited the reference's own tensors: a fresh reference, copies to build from
+        if not _room_for_copies(loaded.state_dict):
+            raise
+        ref, family, loaded = prepared()
+        ref.build_on_copies = loaded.build_on_copies = True
+        model = build_ours(ours, loaded)
+        ref.conversions.append(
+            f"build {getattr(ours, '__qualname__', repr(ours))} edits {len(edited.changed)} tensor(s) of the state dict "
+            f"in place ({_first(edited.changed, 3)}): the reference was loaded again and the build called on copies"
+        )
+    assert ref.model is not None  # prepared() builds it
+    rewritten = ref.rewritten
     if not placement.is_cpu:
         model = placement.dispatch(model)
 
