@@ -198,8 +198,8 @@ NAMED = [
 #: before, are named since the seventeenth session: NAMED)
 COMPONENT = [
     ("minicpm3", "mc_kvb_blocks", False, "model.layers.0.self_attn.kv_b_proj", "shape", "ours (1, 24, 32)"),
-    ("minicpm3", "mc_padding_mask_ignored", True, "model.layers.0.self_attn.o_proj", "untapped_block",
-     "likely inside model.layers.0.self_attn"),
+    ("minicpm3", "mc_padding_mask_ignored", True, "model.layers.0.self_attn.o_proj", "one_change",
+     "the mask's padding left out (the causal part alone: padding keys read)"),
     ("laguna", "lg_softcap_after_sigmoid", False, "model.layers.1.mlp.router.experts", "routing",
      "a different expert choice"),
     ("laguna", "lg_routed_scale_on_shared", False, "model.layers.1.mlp", "untapped_block",

@@ -112,7 +112,7 @@ NAMED = [
     ("recurrent_gemma", "rg_window_off_by_one", False, "model.layers.0.temporal_block.probs", "sliding_window",
      "ours attends with a window of 8, the reference with a window of 7"),
     ("zamba2", "zamba2_concat_swapped", False, "model.layers.1.shared_transformer.input_layernorm",
-     "weight_permutation", "its input holds the reference's values per token in another order along the last axis"),
+     "concat_order", "input_layernorm's input holds the reference's last 64 features first, then its first 64"),
     ("zamba2", "zamba2_attn_scale_full_hd", False, "model.layers.1.shared_transformer.self_attn.scores",
      "attention_scale", "ours scales q k^T by 0.176777 (= 1/sqrt(head_dim=32)), the reference by 0.25"),
     ("zamba2", "zamba2_block_by_layer_index", False, "model.layers.1.shared_transformer.input_layernorm",

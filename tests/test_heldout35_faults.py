@@ -21,7 +21,10 @@ changed on an instance (a padding, a group size set to None) copied for the floa
 After: 34 of 36 correct runs pass (the two left: RWKV with its rescaling folded into each LayerNorm's eps, equal at
 the logits but not node by node, a known false failure); 31 of 42 bugs name the cause (four by refusing or naming the
 tensor never loaded); no wrong cause seen (``qsa_tail_dropped`` reads as a mask hiding every key of the first
-queries, which is what dropping the trailing block does to them, under the padding kind).
+queries, which is what dropping the trailing block does to them, under the padding kind). Then (twenty-second session) a grouped norm gain read in the float64 pass too, where the
+weights are known by name only: the sigmoid router is named; an additive mask's padding left out (the indexer's) by
+the one-change search; RWKV's key and value mixes read by each other's weights named as the key reading the value's
+input (34 of 42).
 """
 
 from __future__ import annotations
@@ -117,6 +120,8 @@ NAMED = [
      "ours runs it 41 times in this forward, the reference 39"),
     ("qwen4_exp", "hc_norm_ungrouped", False, "model.layers.0.attn_hyper_connection.hc_norm", "norm_kind",
      "ours behaves like RMSNorm over the last axis, the reference like RMSNorm per stream (3 groups of hidden_size"),
+    ("qwen4_exp", "moe_sigmoid_router", False, "model.layers.1.attn_hyper_connection.hc_norm", "one_change",
+     "sigmoid in place of softmax"),
     ("qwen4_exp", "ple_no_eos_reset", False, "model.layers.0.ple.ple_embedding.ngram_embedding", "one_change",
      "`position_in_segment = positions.unsqueeze(0) - segment_start`"),
     ("deepseek_v32", "mla_kv_b_global_split", False, "model.layers.0.self_attn.k_rot", "head_mapping",
@@ -134,6 +139,8 @@ NAMED = [
      "model.layers.0.self_attn.q_a_layernorm skipped in ours"),
     ("deepseek_v32", "indexer_topk_before_mask", False, "model.layers.0.self_attn.o_proj", "one_change",
      "`index_scores = index_scores + attention_mask`"),
+    ("deepseek_v32", "indexer_causal_only", True, "model.layers.0.self_attn.o_proj", "one_change",
+     "the mask's padding left out (the causal part alone"),
     ("deepseek_v32", "router_weights_biased", False, "model.layers.2.input_layernorm", "routing_weights",
      "the correction bias kept in the weights"),
     ("deepseek_v32", "router_group_max", False, "model.layers.2.input_layernorm", "routing_weights",
@@ -151,11 +158,13 @@ NAMED = [
      "ours equals relu of the reference's rwkv.blocks.0.feed_forward.key, the reference relu squared"),
     ("rwkv", "rwkv_ffn_shift_zero", False, "rwkv.blocks.0.feed_forward.key", "token_shift",
      "ours mixes in no neighbour"),
+    ("rwkv", "rwkv_kv_split_swapped", False, "rwkv.blocks.0.attention.key", "projection_input",
+     "its input is the reference's rwkv.blocks.0.attention.value@input"),
     ("rwkv", "rwkv_pre_ln_skipped", False, "rwkv.blocks.0.ln1", "missing", "rwkv.blocks.0.pre_ln skipped in ours"),
     ("rwkv", "rwkv_ln_out_eps_config", False, "rwkv.ln_out", "norm_eps",
      "as eps 0.001 in ours and 1e-05 in the reference give"),
 ]  # fmt: skip
-FAST = {"hc_norm_ungrouped", "indexer_k_rmsnorm", "rwkv_mix_inverted"}
+FAST = {"hc_norm_ungrouped", "indexer_k_rmsnorm", "rwkv_mix_inverted", "moe_sigmoid_router"}
 
 
 @pytest.mark.parametrize(heldout_support.LOCATED, heldout_support.located_cases(NAMED, FAST), indirect=["bug"])

@@ -28,6 +28,7 @@ KINDS: dict[str, str] = {
     "renormalisation": "ours / ref is one factor per row and one side's rows sum to 1 (top-k weights renormalised on one side only)",
     "transposed_weight": "ours equals the reference computed with a transposed weight (Conv1D-style load)",
     "weight_permutation": "same values per token in another order along the last axis (a row permutation)",
+    "concat_order": "two parts concatenated in the other order along the last axis (cat(b, a) for cat(a, b))",
     "head_layout": "heads merged or split in another axis order (a reshape without the transpose before it)",
     "alibi": "the ALiBi bias added to the scores with other slopes (sign, order over the heads, exponents, scale, none)",
     "head_dim": "q/k cut into another number of heads of another width (head_dim taken as hidden_size / num_heads)",
@@ -58,6 +59,8 @@ KINDS: dict[str, str] = {
     "shared_expert": "a MoE block's shared expert combined otherwise with the routed experts (its gate, the gate's "
     "sigmoid, what the gate scales)",
     "loader_gap": "a checkpoint tensor ours holds only in part (loader coverage's gap) is where the failure sits",
+    "reshaped_weight": "ours holds a checkpoint tensor in its own element order under permuted axis sizes (a reshape "
+    "where a transpose is meant) where the failure sits",
     "derived_at_load": "a module whose checkpoint tensors ours computes into other values at load (folded) is where "
     "the difference enters: the computation, not the tensors, differs",
     "one_change": "one change to the reference's code inside a block ours computes untapped (an activation left out "

@@ -21,7 +21,7 @@ from parity.diagnose.rope import _pairing, rope_fit, rope_pattern, rope_tables
 from parity.model.facts_rules import MLA_INTERLEAVED_ROPE, ROTATED_LAST
 
 #: the projection whose output holds each side's input to RoPE, by node kind, in the order tried
-_ROPE_SOURCES = {"q_rot": ("q_b_proj", "q_proj"), "k_rot": ("kv_a_proj_with_mqa",)}
+_ROPE_SOURCES = {"q_rot": ("q_b_proj", "q_proj", "q_gate_proj"), "k_rot": ("kv_a_proj_with_mqa",)}
 
 
 def _widths(e: Evidence) -> tuple[int, int] | None:
@@ -38,7 +38,9 @@ def _widths(e: Evidence) -> tuple[int, int] | None:
 
 def _rope_input(e: Evidence, nope: int, rope: int) -> torch.Tensor | None:
     """The reference's input to RoPE ``(batch, heads, seq, rope)`` in the checkpoint's row order: the tail of
-    each q head of ``q_b_proj``'s output, or k's shared tail, ``kv_a_proj_with_mqa``'s last ``rope`` columns."""
+    each q head of ``q_b_proj``'s output (of each head's q, its first ``nope + rope`` dims, where the projection
+    holds a gate after them: A.X-K2's ``q_gate_proj``), or k's shared tail, ``kv_a_proj_with_mqa``'s last ``rope``
+    columns."""
     stem = e.name.rsplit(".", 1)[0]
     b, heads, seq, d = e.ref.shape
     for source in _ROPE_SOURCES[e.kind]:
@@ -46,8 +48,8 @@ def _rope_input(e: Evidence, nope: int, rope: int) -> torch.Tensor | None:
         if y is None or y.dim() < 3 or y.shape[-2] != seq:
             continue
         y = y.reshape(b, seq, y.shape[-1])
-        if e.kind == "q_rot" and y.shape[-1] == heads * d:
-            return y.unflatten(-1, (heads, d)).transpose(1, 2)[..., nope:]
+        if e.kind == "q_rot" and y.shape[-1] % heads == 0 and y.shape[-1] // heads >= d:
+            return y.unflatten(-1, (heads, -1)).transpose(1, 2)[..., nope:d]
         if e.kind == "k_rot" and y.shape[-1] > rope:
             return y[..., -rope:][:, None].expand(b, heads, seq, rope)
     return None

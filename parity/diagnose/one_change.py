@@ -13,7 +13,7 @@ whole blocks instead of interleaved (``repeat_interleave`` against ``repeat``: w
 head), a scalar factor applied twice (folded into a weight at load and applied again), a minus sign left out, two
 parts of one shape of a split swapped (gate and up, B and C, a head's k and v), two neighbouring parts of
 unequal sizes read in the other order from the fused tensor (Mamba-2's z and xBC), a triangular mask's diagonal moved
-by one, a grouped mean taken over every group together, a gated norm's gate applied on the other side of its
+by one, a grouped mean taken over every group together or over another axis, a gated norm's gate applied on the other side of its
 normalisation, a conv's kernel read in reverse, the weights of two projections of one input swapped, a gain read
 as ``1 + w``, a softmax-style scale ``1 / sqrt(d)`` taken from another of the config's sizes, a per-head fused
 output (each head's q, k and v together) read as whole blocks, a top-k keeping every entry, a square weight read
@@ -170,6 +170,8 @@ class _Changing(TorchFunctionMode):
         self.params = params
         #: site -> its callers' sites -> (func, args, kwargs) of the first call from each
         self.sites: dict[Site, dict[Site, tuple]] = {}
+        #: per site called from one line of a module's forward, its first call per line calling that module
+        self.outer: dict[Site, dict[Site, tuple]] = {}
         #: each caller's site -> the output of its first call
         self.outs: dict[Site, torch.Tensor] = {}
         self.applied = 0
@@ -195,10 +197,12 @@ class _Changing(TorchFunctionMode):
         found = _sites(func, args, self.params)
         if found is None:
             return out
-        site, called = found
+        site, called, outer = found
         change = self.change
         if change is None:
             self.sites.setdefault(site, {}).setdefault(called, (func, args, kwargs))
+            if outer is not None:
+                self.outer.setdefault(site, {}).setdefault(outer, (func, args, kwargs))
             if isinstance(out, torch.Tensor):  # a split's parts are no source of a mix-up
                 self.outs.setdefault(called, out)
             return out
@@ -206,7 +210,8 @@ class _Changing(TorchFunctionMode):
             self.products[id(out)] = (args[0], args[1])
         if change.source is not None and change.source in (site, called):
             self.held = out
-        if change.site in (site, called) or any(s in (site, called) for s in (change.also, *change.more) if s):
+        here = (site, called, outer)
+        if change.site in here or any(s in here for s in (change.also, *change.more) if s):
             if change.source is None:
                 self.applied += 1
                 if change.norm_gate:
@@ -312,6 +317,9 @@ class _Changing(TorchFunctionMode):
                 out.append(
                     first if site.file != home and caller is not None and caller[0] == home else (site, first[1])
                 )
+                outer = self.outer.get(site, {})
+                if len(outer) > 1:  # one module's forward line, its instances called from several lines
+                    out += list(outer.items())
                 continue
             out.append((site, first[1]))
             out += list(callers.items())
@@ -332,9 +340,10 @@ def _arithmetic(op: str) -> str:
     return op[1:] if op[:1] in ("r", "i") and op[1:] in ("add", "sub", "mul", "truediv", "div") else op
 
 
-def _sites(func, args: tuple = (), params: frozenset[int] = frozenset()) -> tuple[Site, Site] | None:
-    """The innermost frame outside torch and parity (the reference's line that made this call), and the same
-    with the line that called it."""
+def _sites(func, args: tuple = (), params: frozenset[int] = frozenset()) -> tuple[Site, Site, Site | None] | None:
+    """The innermost frame outside torch and parity (the reference's line that made this call), the same with the
+    line that called it, and, where that line is a module's ``forward`` (one line for every instance: a weightless
+    RMS norm's), the same with the line that called that module (which instance: B's norm or C's)."""
     frame: FrameType | None = sys._getframe(1)
     while frame is not None and frame.f_code.co_filename.startswith(_SKIP_FILES):
         frame = frame.f_back
@@ -343,10 +352,22 @@ def _sites(func, args: tuple = (), params: frozenset[int] = frozenset()) -> tupl
     scalar = any(isinstance(a, int | float) and not isinstance(a, bool) for a in args[:2])
     operand = "scalar" if scalar else "parameter" if any(id(a) in params for a in args[:2]) else ""
     site = Site(getattr(func, "__name__", str(func)), frame.f_code.co_filename, frame.f_lineno, None, operand)
-    up = frame.f_back
-    while up is not None and up.f_code.co_filename.startswith(_SKIP_FILES):
-        up = up.f_back
-    return site, replace(site, caller=(up.f_code.co_filename, up.f_lineno) if up is not None else None)
+    up = _outside(frame.f_back)
+    called = replace(site, caller=(up.f_code.co_filename, up.f_lineno) if up is not None else None)
+    owner = up.f_locals.get("self") if up is not None and up.f_code.co_name == "forward" else None
+    if up is None or not isinstance(owner, torch.nn.Module):
+        return site, called, None
+    outer = _outside(up.f_back)
+    while outer is not None and outer.f_locals.get("self") is owner:
+        outer = _outside(outer.f_back)
+    return site, called, replace(site, caller=(outer.f_code.co_filename, outer.f_lineno)) if outer is not None else None
+
+
+def _outside(frame: FrameType | None) -> FrameType | None:
+    """``frame`` or the first frame above it outside torch and parity."""
+    while frame is not None and frame.f_code.co_filename.startswith(_SKIP_FILES):
+        frame = frame.f_back
+    return frame
 
 
 def changes(site: Site, func, args: tuple, kwargs: dict, params: dict[int, str]) -> list[Change]:
@@ -390,6 +411,8 @@ def changes(site: Site, func, args: tuple, kwargs: dict, params: dict[int, str])
     elif _arithmetic(site.op) in _SCALAR_OPS and len(args) == 2:
         found += _operand_left_out(site, args, params)
         found += _applied_twice(site, args)
+        if _arithmetic(site.op) == "add":
+            found += _mask_changes(site, args)
     elif op == "neg" and x is not None:
         found.append(Change(site, "the minus sign left out", _operand(0)))
     elif op in _SPLITS and x is not None:
@@ -410,6 +433,10 @@ def changes(site: Site, func, args: tuple, kwargs: dict, params: dict[int, str])
                 "the mean over the last two axes together in place of the last (a grouped statistic over every group)"
             )
             found.append(Change(site, words, _mean_last_two))
+            for axis in range(1, x.dim() - 1):  # another axis than the features (a (batch, dim, seq) layout's seq)
+                if x.shape[axis] > 1:
+                    words = f"the mean over axis {axis} (of {x.shape[axis]}) in place of the last (of {x.shape[-1]})"
+                    found.append(Change(site, words, _mean_over(axis)))
     elif op in ("clamp", "clamp_min", "clamp_max", "clip") and x is not None:
         found.append(Change(site, f"{op} left out", _operand(0)))
     elif op == "topk" and x is not None:
@@ -444,7 +471,44 @@ def changes(site: Site, func, args: tuple, kwargs: dict, params: dict[int, str])
             "place of contiguous blocks per head"
         )
         found.append(Change(site, words, _strided_split))
+        out = func(*args, **kwargs) if isinstance(x, torch.Tensor) else None
+        split = _split_axis(x, out) if isinstance(out, torch.Tensor) else None
+        if split is not None and 2 <= out.shape[split + 1] <= 3:
+            k = out.shape[split + 1]
+            words = (
+                f"axis {split}'s rows read as {k} contiguous blocks in place of interleaved ({k} parts of each row "
+                f"group side by side: row {k}c + j is part j of c)"
+            )
+            found.append(Change(site, words, _contiguous_parts(split, k)))
     return found
+
+
+def _split_axis(x: torch.Tensor, out: torch.Tensor) -> int | None:
+    """The axis of ``x`` that ``out`` (a view of it) splits into two, the others kept; None for any other view."""
+    if out.dim() != x.dim() + 1:
+        return None
+    for a in range(x.dim()):
+        if (
+            out.shape[:a] == x.shape[:a]
+            and out.shape[a + 2 :] == x.shape[a + 1 :]
+            and out.shape[a] * out.shape[a + 1] == x.shape[a]
+        ):
+            return a
+    return None
+
+
+def _contiguous_parts(axis: int, k: int) -> Callable[[tuple, dict, torch.Tensor], torch.Tensor]:
+    """A rewrite of a view splitting ``axis`` into ``(m, k)`` (interleaved parts: Zamba's in_proj rows) into the
+    view of the axis laid out as ``k`` contiguous blocks of ``m``: part j of group c read from row ``j m + c``."""
+
+    def rewrite(args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor:
+        x = args[0]
+        if _split_axis(x, out) != axis or out.shape[axis + 1] != k:
+            return out
+        m = out.shape[axis]
+        return x.reshape(*x.shape[:axis], k, m, *x.shape[axis + 1 :]).transpose(axis, axis + 1).reshape(out.shape)
+
+    return rewrite
 
 
 def _strided_split(args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor:
@@ -541,10 +605,74 @@ def term_changes(site: Site, args: tuple, out: torch.Tensor | None, params: dict
             if args[k].shape == out.shape and args[d].numel() < out.numel():
                 words = f"the broadcast factor of shape {tuple(args[d].shape)} left out (a mask or a scale)"
                 found.append(Change(site, words, _operand(k)))
+            elif args[k].shape != out.shape and args[d].shape != out.shape and args[k].dim() == out.dim():
+                # an outer product of two broadcast operands (Mamba's dt[..., None] * B[:, None]): one left out
+                words = (
+                    f"the factor of shape {tuple(args[d].shape)} left out of this broadcast product (the one of shape "
+                    f"{tuple(args[k].shape)} alone)"
+                )
+                found.append(Change(site, words, _expanded(k)))
     elif op in ("div", "truediv") and args[0].shape == out.shape and args[1].numel() < out.numel():
         words = f"the broadcast divisor of shape {tuple(args[1].shape)} left out (a normalisation: a norm, a sum to 1)"
         found.append(Change(site, words, _operand(0)))
     return found
+
+
+def _additive_mask(t) -> bool:
+    """Whether ``t`` is an additive attention mask ``(..., queries, keys)``: zeros where a key is read, a very large
+    negative number (or -inf) where it is not, both present, as many keys as queries or more."""
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() < 2 or t.shape[-1] < t.shape[-2] < 2:
+        return False
+    hidden = t < -1e4
+    return bool(hidden.any()) and bool(((t == 0) | hidden).all()) and bool((t == 0).any())
+
+
+def _mask_changes(site: Site, args: tuple) -> list[Change]:
+    """An additive mask added to scores (an indexer's, an attention's built in functions) changed as a port may
+    build it: its diagonal masked too (a query kept from its own key: ``triu(0)`` for ``triu(1)``), the next key
+    unmasked (a query reads one key ahead), or the padding left out (the causal part alone)."""
+    k = next((i for i in (0, 1) if _additive_mask(args[i]) and isinstance(args[1 - i], torch.Tensor)), None)
+    if k is None:
+        return []
+    return [
+        Change(site, "the mask's diagonal masked as well (a query kept from its own key: triu(0) for triu(1))",
+               _mask_rewrite(k, 0)),
+        Change(site, "the mask's next key unmasked (a query reads one key ahead: the diagonal moved by one)",
+               _mask_rewrite(k, 2)),
+        Change(site, "the mask's padding left out (the causal part alone: padding keys read)", _mask_rewrite(k, 1)),
+    ]  # fmt: skip
+
+
+def _mask_rewrite(k: int, mode: int) -> Callable[[tuple, dict, torch.Tensor], torch.Tensor]:
+    """A rewrite of ``scores + mask`` (the mask the ``k``-th operand) with the mask remade: the causal part's
+    diagonal at ``mode - 1`` keys from the query's own (0: its own key hidden too; 2: the next one read), or
+    (``mode`` 1) the causal part alone."""
+
+    def rewrite(args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor:
+        mask, other = args[k], args[1 - k]
+        q, t = mask.shape[-2], mask.shape[-1]
+        low = torch.finfo(mask.dtype).min
+        offset = t - q  # keys before the first query (a cache)
+        causal = torch.ones(q, t, dtype=torch.bool, device=mask.device).triu(offset + (1 if mode == 1 else mode))
+        if mode == 1:
+            new = torch.zeros_like(mask).masked_fill(causal, low)
+        elif mode == 0:
+            new = mask.masked_fill(causal, low)
+        else:  # the next key read where the mask hid it only for being in the future
+            ahead = torch.ones(q, t, dtype=torch.bool, device=mask.device).triu(offset + 1) & ~causal
+            new = torch.where(ahead, torch.zeros_like(mask), mask)
+        return other + new if k == 1 else new + other
+
+    return rewrite
+
+
+def _expanded(k: int) -> Callable[[tuple, dict, torch.Tensor], torch.Tensor]:
+    """A rewrite giving the call's ``k``-th operand alone, broadcast to the output's shape."""
+
+    def rewrite(args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor:
+        return args[k].expand_as(out).to(out.dtype)
+
+    return rewrite
 
 
 def _operand_left_out(site: Site, args: tuple, params: dict[int, str]) -> list[Change]:
@@ -633,25 +761,34 @@ def _scale_from_a_dim(site: Site, args: tuple, dims: dict[str, int]) -> list[Cha
 
 
 def _config_defaults(model: torch.nn.Module) -> dict[float, list[tuple[str, float]]]:
-    """The reference's config's float fields set otherwise than their class's default, by value: ``{-3.0:
-    [("kda_lower_bound", -5.0)]}`` (the defaults a port that hard-codes a constant, or never reads the field,
-    holds); empty when the config's class cannot be built bare."""
+    """What a port may hold in place of each of the reference's config floats, by value: the field's class default
+    where the config sets another (a port that hard-codes a constant, or never reads the field), and the value of
+    another eps field (``mixer_rms_eps`` read as ``layer_norm_epsilon``): ``{-3.0: [("config.kda_lower_bound (-3)
+    read as its default -5", -5.0)]}``; empty when the config's class cannot be built bare."""
     config: object = getattr(model, "config", None)
     try:
         fields, defaults = config.to_dict(), type(config)().to_dict()  # type: ignore[attr-defined]
     except Exception:  # no config, or a class that needs arguments: nothing to compare with
         return {}
     found: dict[float, list[tuple[str, float]]] = {}
-    for name, value in fields.items():
+    floats = {name: v for name, v in fields.items() if isinstance(v, float) and not isinstance(v, bool)}
+    eps = {name: v for name, v in floats.items() if "eps" in name and v > 0}
+    for name, value in floats.items():
         default = defaults.get(name)
-        if isinstance(value, float) and isinstance(default, float) and value != default and value != 0:
-            found.setdefault(value, []).append((name, default))
+        if isinstance(default, float) and value != default and value != 0:
+            found.setdefault(value, []).append((f"config.{name} ({value:g}) read as its default {default:g}", default))
+        for other, theirs in eps.items() if name in eps else ():
+            if theirs != value:
+                found.setdefault(value, []).append(
+                    (f"config.{other} ({theirs:g}) used in place of config.{name} ({value:g})", theirs)
+                )
     return found
 
 
 def _default_read(site: Site, func, args: tuple, defaults: dict[float, list[tuple[str, float]]]) -> list[Change]:
-    """A scalar operand that is one of the config's values set otherwise than the default, replaced by that
-    default: the field never read (its default hard-coded, ``-5.0`` for ``kda_lower_bound``)."""
+    """A scalar operand that is one of the config's values replaced by what a port may hold instead
+    (:func:`_config_defaults`): the field never read (its default hard-coded, ``-5.0`` for ``kda_lower_bound``),
+    or another eps field of the config read for it."""
     if _arithmetic(site.op) not in _SCALAR_OPS or len(args) != 2:
         return []
     found = []
@@ -659,12 +796,12 @@ def _default_read(site: Site, func, args: tuple, defaults: dict[float, list[tupl
         scalar = args[k]
         if not isinstance(scalar, float) or isinstance(args[1 - k], float):
             continue
-        for name, default in defaults.get(scalar, []):
+        for words, default in defaults.get(scalar, []):
 
             def rewrite(a: tuple, kwargs: dict, out: torch.Tensor, k: int = k, default: float = default):
                 return func(*(default if i == k else v for i, v in enumerate(a)), **kwargs)
 
-            found.append(Change(site, f"config.{name} ({scalar:g}) read as its default {default:g}", rewrite))
+            found.append(Change(site, words, rewrite))
     return found
 
 
@@ -753,6 +890,13 @@ def _mean_last_two(args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor
     return args[0].mean(dim=(-2, -1), keepdim=True).to(out.dtype)
 
 
+def _mean_over(axis: int) -> Callable[[tuple, dict, torch.Tensor], torch.Tensor]:
+    def rewrite(args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor:
+        return args[0].mean(dim=axis, keepdim=True).to(out.dtype)
+
+    return rewrite
+
+
 def _softmax_last(x: torch.Tensor) -> torch.Tensor:
     return torch.softmax(x, dim=-1)
 
@@ -825,6 +969,14 @@ def _other_end(site: Site, x: torch.Tensor, index) -> list[Change]:
             "window read from the wrong side)"
         )
         found.append(Change(site, words, _indexed(moved)))
+        if start is None and stop is not None and stop + 1 <= size:  # a conv's padding one short on the left
+            later = slice(1, stop + 1)
+            shifted = tuple(later if q == p else i for q, i in enumerate(items))
+            words = (
+                f"axis {dim}'s slice [{_text(item)}] taken one step later ([{_text(later)}] of {size}: a causal "
+                "window shifted one step into the future, its padding one short on the left)"
+            )
+            found.append(Change(site, words, _indexed(shifted)))
     return found
 
 
@@ -999,28 +1151,40 @@ def search(
 
 def _added_after_activation(sites: list[tuple[Site, tuple]], params: dict[int, str]) -> list[Change]:
     """A parameter added to an activation's input added to its output instead (``softplus(dt) + dt_bias`` for
-    ``softplus(dt + dt_bias)``: Mamba-2's and Lara Mini's time step): the activation's site rewritten as
-    ``act(z - b) + b``, ``z`` its input, ``b`` the parameter the add before it read."""
-    sums = {  # a sum's output -> the parameter it added
-        id(out): b
+    ``softplus(dt + dt_bias)``: Mamba-2's and Lara Mini's time step, Zamba's per head): the add's site rewritten to
+    leave the parameter out, and the activation's to add it to its output; call by call, so a loop over heads adds
+    each head's own bias."""
+    sums = {  # a sum's output -> the parameter (or a view of it) it added, and the sum's site
+        id(out): (b, site)
         for site, (_func, args, _kwargs, out) in sites
         if _arithmetic(site.op) == "add" and isinstance(out, torch.Tensor) and len(args) == 2
         for b in args
-        if isinstance(b, torch.Tensor) and id(b) in params
+        if _param_of(b, params) is not None  # the parameter, or a view of it (one head's ``bias[h][..., None]``)
     }
     found = []
-    for site, (func, args, kwargs, _out) in sites:
+    for site, (_func, args, _kwargs, _out) in sites:
         op = site.op.strip("_")
         if op not in _ACTIVATIONS or not args or not isinstance(args[0], torch.Tensor) or id(args[0]) not in sums:
             continue
-        b = sums[id(args[0])]
-
-        def rewrite(args: tuple, kwargs: dict, out, func=func, b=b):
-            return func(args[0] - b, *args[1:], **kwargs) + b
-
-        words = f"{params[id(b)]} added after the {op} instead of to its input ({op}(x) + b for {op}(x + b))"
-        found.append(Change(site, words, rewrite))
+        b, add = sums[id(args[0])]
+        words = f"{_param_of(b, params)} added after the {op} instead of to its input ({op}(x) + b for {op}(x + b))"
+        found.append(Change(site, words, _bias_moved(params), also=add))
     return found
+
+
+def _bias_moved(params: dict[int, str]) -> Callable[[tuple, dict, torch.Tensor], torch.Tensor]:
+    """The rewrite of :func:`_added_after_activation`, at both sites: the add returns its other operand and holds
+    the parameter; the activation's output gets the held parameter added."""
+    held: list[torch.Tensor] = []
+
+    def rewrite(args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor:
+        bias = next((a for a in args[:2] if _param_of(a, params) is not None), None) if len(args) == 2 else None
+        if bias is not None:  # the add: the other operand alone
+            held[:] = [bias]
+            return next(a for a in args[:2] if a is not bias)
+        return out + held[0] if held else out
+
+    return rewrite
 
 
 def _same_shape(args: tuple, out) -> bool:
@@ -1345,6 +1509,14 @@ def _weights_swapped(
     return rewrite
 
 
+def _callers_near(x: Site, y: Site) -> bool:
+    """Whether ``x`` and ``y`` are one line of a helper called from two nearby lines of one function (an RMS norm
+    of B and one of C)."""
+    if x.line != y.line or x.caller is None or y.caller is None or x.caller[0] != y.caller[0]:
+        return False
+    return 0 < abs(x.caller[1] - y.caller[1]) <= 8
+
+
 def _with_pairs(found: list[Change]) -> list[Change]:
     """``found``, and each change made alike at two nearby lines of one function (``repeat_interleave`` on q
     and on k, an L2 norm of each; a decoder layer's two hyper-connection mixes, after attention and after the
@@ -1355,7 +1527,7 @@ def _with_pairs(found: list[Change]) -> list[Change]:
         alike.setdefault((change.words, change.site.op, change.site.file), []).append(change)
     for a, b in (pair for group in alike.values() for pair in itertools.pairwise(group)):
         x, y = a.site, b.site
-        if 0 < abs(y.line - x.line) <= 8:
+        if 0 < abs(y.line - x.line) <= 8 or _callers_near(x, y):
             pairs.append(Change(x, a.words, a.rewrite, also=y))
     for group in alike.values():  # runs of three or more, each within a few lines of the next: all together
         runs: list[list[Change]] = []

@@ -586,6 +586,40 @@ def input_source(e: Evidence) -> Hint | None:
                 f"{name} + {b:.6g} x {twin}'s input to it); {twin}'s normalises the sub-layer's output before the add",
                 {"side": side, "reads": name, "stream": a, "branch": b},
             )
+    return _branch_added(e, x_ours, x_ref, before)
+
+
+def _branch_added(e: Evidence, x_ours: torch.Tensor, x_ref: torch.Tensor, before: list[str]) -> Hint | None:
+    """The norm's input on one side is the other's plus one node of the previous layer (a branch added to the
+    residual stream as well: Zamba's transformer output, which the reference feeds to the Mamba layer's
+    input alone, added to the stream too): named with the node and the side holding the extra term."""
+    layer = e.result.layer
+    assert layer is not None  # input_source's caller checked it
+    diff = (x_ours.double() - x_ref.double()).flatten()
+    for name in reversed(before):
+        at = e.facts.locate(name)[0]
+        tensor = e.ref_trace.tensors.get(name)
+        # the layer before's (a branch of this layer missing from the stream is a block layout: its own detectors)
+        if at != layer - 1 or tensor is None or tensor.shape != x_ours.shape:
+            continue
+        t = tensor.double().flatten()
+        norm = float(t @ t)
+        if norm == 0:
+            continue
+        c = float(diff @ t) / norm
+        if abs(c) < 1e-3 or not e.close((x_ref.double() + c * tensor.double()).to(x_ours.dtype), x_ours):
+            continue
+        if c < 0 and name not in e.ours_trace.tensors:
+            return None  # a branch ours never computed: a module missing in ours (the never-read hints' case)
+        side, other = ("ours", "the reference") if c > 0 else ("the reference", "ours")
+        own = {"ours": "ours'", "the reference": "the reference's"}
+        times = "" if abs(abs(c) - 1) < 1e-6 else f"{abs(c):.6g} x "
+        return Hint(
+            "residual",
+            f"likely the residual stream: {own[side]} input to {e.kind} is {own[other]} plus {times}{name} (a branch's "
+            f"output added to the stream as well, where {other} feeds it on without adding it)",
+            {"side": side, "added": name, "factor": abs(c)},
+        )
     return None
 
 

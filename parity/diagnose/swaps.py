@@ -45,10 +45,15 @@ def _siblings(name: str, ref_trace: Trace) -> list[str]:
     return [n for n in ref_trace.order if n != name and n.rpartition(".")[0] == parent and "@" not in n]
 
 
+#: projections named by their role alone (RWKV's time mix: key, value, receptance)
+_BARE_PROJECTIONS = frozenset({"query", "key", "value", "receptance"})
+
+
 def _role(name: str) -> str:
-    """What a module's name says it does after its prefix: ``norm`` for ``q_norm``, ``proj`` for ``k_proj``."""
+    """What a module's name says it does after its prefix: ``norm`` for ``q_norm``, ``proj`` for ``k_proj`` and for
+    a projection named by its role alone (RWKV's ``key``)."""
     leaf = name.rpartition(".")[2]
-    return leaf.rpartition("_")[2] if "_" in leaf else ""
+    return leaf.rpartition("_")[2] if "_" in leaf else "proj" if leaf in _BARE_PROJECTIONS else ""
 
 
 def swapped_modules(name: str, ours_trace: Trace, ref_trace: Trace) -> Hint | None:

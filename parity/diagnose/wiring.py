@@ -435,7 +435,7 @@ def last_dim_permutation(e: Evidence) -> Hint | None:
     if rel(a, b[:, perm]) > EXPLAINS:  # ours[..., j] = reference[..., perm[j]] on every token
         return None
     evidence: dict = {"permutation": perm[:64], "moved": len(moved)}
-    swapped = _parts_swapped(e, perm)
+    swapped = _parts_swapped(e, perm) or _concat_order(e, perm, "")
     if swapped is not None:
         return swapped
     within = ""
@@ -471,6 +471,9 @@ def _input_permuted(e: Evidence) -> Hint | None:
     perm = [int((b[0] - a[0, j]).abs().argmin()) for j in range(a.shape[-1])]
     if perm == list(range(len(perm))) or len(set(perm)) != len(perm) or rel(a, b[:, perm]) > EXPLAINS:
         return None
+    swapped = _concat_order(e, perm, "input")
+    if swapped is not None:
+        return swapped
     return Hint(
         "weight_permutation",
         f"likely a permutation of weight rows before {e.kind}: its input holds the reference's values per token in "
@@ -478,6 +481,30 @@ def _input_permuted(e: Evidence) -> Hint | None:
         "reference's order, is applied to them (q/k rows permuted at load where the reference keeps them, or the "
         "reverse)",
         {"permutation": perm[:64], "at": "input"},
+    )
+
+
+def _concat_order(e: Evidence, perm: list[int], at: str) -> Hint | None:
+    """``perm`` (ours[j] = reference[perm[j]]) a rotation of two blocks of whole features: the reference's two parts
+    ``cat(a, b)`` concatenated as ``cat(b, a)`` (Zamba's ``cat(hidden, embeddings)``, A.X-K2's q_gate_proj reading
+    ``cat(q_resid, q_compressed)``), at the node's ``input`` or (``at`` empty) at its output. Either side."""
+    n = len(perm)
+    first = perm[0]
+    # two parts of some size each (a quarter of the features at least): a row permutation rolled by a few is no join
+    if not 0 < first < n or 4 * min(first, n - first) < n or perm != [*range(first, n), *range(first)]:
+        return None
+    where = f"{e.kind}'s input" if at else e.kind
+    a, b = first, n - first
+    return Hint(
+        "concat_order",
+        f"likely two parts concatenated in the other order: {where} holds the reference's last {b} features first, "
+        f"then its first {a} (one side builds cat(b, a) where the other builds cat(a, b)"
+        + (
+            "; the node's own weight is applied to them in the reference's order)"
+            if at
+            else ": two outputs joined in the other order, or a weight's two blocks of rows swapped at load)"
+        ),
+        {"first_part": a, "second_part": b, "at": at or "output"},
     )
 
 

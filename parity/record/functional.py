@@ -546,8 +546,12 @@ class FunctionCapture(TorchFunctionMode):
         input_axes: dict[int, tuple[torch.Tensor, int]] | None = None,
         forget=None,
         parts: dict[int, list[tuple[Block, str, Callable]]] | None = None,
+        widths: dict[str, int] | None = None,
     ):
         super().__init__()
+        #: norm node -> the reference's weight vector's length: a product reading a shorter slice of it is part of
+        #: the node (:meth:`_vector_slice`)
+        self.widths = widths or {}
         #: ``storage address -> [(block, node, its rows)]``: the elements of a fused parameter holding one node's
         #: rows alone; a product reading exactly those is that node (``W[1]`` of a stacked gate/up, ``wkv[:, 0]``)
         self.parts = parts or {}
@@ -631,6 +635,8 @@ class FunctionCapture(TorchFunctionMode):
         self._split: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
         #: blocks whose ``q @ k^T`` was such a sum: their values may have a width of their own (``v_head_dim``)
         self._split_scored: set[str] = set()
+        #: per norm node, the slices of its weight vector read so far: storage offset -> (output, its input)
+        self._vector_slices: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor | None]]] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -676,8 +682,20 @@ class FunctionCapture(TorchFunctionMode):
             # F.layer_norm / F.rms_norm hand their weight and bias to __torch_function__ as keywords
             operands = (*args, *kwargs.values())
             node = self._param_node(func, operands, vector=True)
+            weight = next((t for t in operands if self._another_weight(t, node)), None) if node is not None else None
+            if weight is not None and name in ("mul", "__mul__", "__rmul__"):
+                out = func(*args, **kwargs)
+                if isinstance(out, torch.Tensor) and out.shape == weight.shape:
+                    # a norm's gain folded into the next projection's weight at call time (``(g * n) W = n (g W)``):
+                    # that weight in another form, whose product is its node; the norm's own output is never computed
+                    self.followed.keep(out, weight)
+                    self.record_param(node, None)
+                return out
             if node is not None:
                 out = func(*args, **kwargs)
+                sliced = self._vector_slice(operands, node, out)
+                if sliced is not None:
+                    return sliced
                 if self._statistic is None and name in ("mul", "__mul__", "__rmul__") and isinstance(out, torch.Tensor):
                     # the weight applied before any statistic: the norm may normalise ``w * x`` next
                     self._weighted = (node, out, next(a for a in args if isinstance(a, torch.Tensor) and a is not None))
@@ -1075,6 +1093,39 @@ class FunctionCapture(TorchFunctionMode):
         if carried is not None:  # a sum with the residual is no node's value: nothing replaced in it
             return False, args, None
         return False, tuple(value if j == i else a for j, a in enumerate(args)), None
+
+    def _vector_slice(self, operands, node: str, out) -> torch.Tensor | None:
+        """``out`` when it applies a slice of ``node``'s weight vector (``x_h * r * w[:H]`` beside ``x_e * r * w[H:]``:
+        one norm over two halves never concatenated): held until slices covering the vector are read, then their
+        outputs, in the vector's order, are the node (their inputs its input). None for a read of the whole."""
+        t = next(
+            (t for t in operands if isinstance(t, torch.Tensor) and t.dim() == 1 and self.followed.of(t) == node), None
+        )
+        if t is None or not isinstance(out, torch.Tensor) or out.shape[-1] != t.numel():
+            return None
+        whole = self.widths.get(node, 0)
+        if t.numel() >= whole or not t.is_contiguous():
+            return None
+        x, self._statistic = self._statistic, None
+        held = self._vector_slices.setdefault(node, {})
+        held[int(t.storage_offset())] = (out, x if x is not None and x.shape == out.shape else None)
+        if sum(o.shape[-1] for o, _ in held.values()) < whole:
+            return out
+        del self._vector_slices[node]
+        parts = [held[k] for k in sorted(held)]
+        try:
+            joined = torch.cat([o for o, _ in parts], -1)
+        except RuntimeError:  # slices of differently shaped reads: no one node
+            return out
+        inputs = [x for _, x in parts if x is not None]
+        if len(inputs) == len(parts):
+            self.hold_input(node, torch.cat(inputs, -1))
+        self.record_param(node, joined)
+        return out
+
+    def _another_weight(self, t, node: str) -> bool:
+        """Whether ``t`` is a matrix of another node's parameter (or its rearranged copy) than ``node``'s."""
+        return isinstance(t, torch.Tensor) and t.dim() >= 2 and self.followed.of(t) not in (None, node)
 
     def _param_node(self, func, args, vector: bool = False) -> str | None:
         """The node whose parameter this op reads (``vector``: only a 1-D one, a norm's weight, read as it

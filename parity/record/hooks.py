@@ -308,6 +308,12 @@ def _record_param(
     nodes = [n for n in (node, *siblings) if (n in lookups) == lookup]
     if not nodes:
         return tensor
+    if tensor is None:  # a read that computes none of them (a norm's gain folded into the next weight): the next
+        # node of a parameter several nodes share is passed over, its output never computed
+        passed = next((n for n in nodes if not rec.trace.recorded(n)), None)
+        if passed is not None:
+            rec.trace.pass_over(passed)
+        return tensor
     if all(rec.trace.recorded(n) for n in nodes):
         again = _read_again(rec.trace, nodes[0], tensor)
         for other in nodes[1:]:  # each node this read makes runs again, in order (a loop's later step)
@@ -461,6 +467,7 @@ def recording(
     functional_biases: dict[StorageKey, str] | None = None,
     functional_scales: dict[StorageKey, str] | None = None,
     functional_vectors: dict[StorageKey, str] | None = None,
+    functional_widths: dict[str, int] | None = None,
     functional_expects_bias: frozenset[str] = frozenset(),
     functional_owners: dict[str, str] | None = None,
     functional_siblings: dict[str, list[str]] | None = None,
@@ -638,6 +645,7 @@ def recording(
             biases=functional_biases,
             scales=functional_scales,
             vectors=functional_vectors,
+            widths=functional_widths,
             expects_bias=functional_expects_bias,
             owners=(functional_owners or {}, lambda: rec.stack),
             retract=lambda kind: _retract_captured(rec, kind),

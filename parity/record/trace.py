@@ -160,6 +160,12 @@ class Trace:
             return
         self._store(name, tensor, transform)
 
+    def pass_over(self, name: str) -> None:
+        """``name``'s turn came and went without its value (ours reads its parameter in a form that computes none):
+        a parameter's later reads go to the nodes after it; nothing is stored, so the node is not judged."""
+        self.calls[name] = self.calls.get(name, 0) + 1
+        self.ran(name)
+
     def ran(self, name: str) -> None:
         """One more call of ``name`` in ``sequence`` (a module's, or a read again of the parameter of a node ours
         computes in functions)."""

@@ -239,6 +239,14 @@ def untapped_nodes(pair: Pair) -> frozenset[str]:
     return frozenset(n.name for n in pair.nodes if n.ours.startswith(UNHOOKED))
 
 
+def _key_dims(pair: Pair) -> dict[str, int]:
+    """Checkpoint key -> its number of axes: the state dict's, or (the float64 pair keeps names only) the
+    reference's tensor of that name."""
+    dims = {k: t.dim() for k, t in pair.reference.state_dict(keep_vars=True).items()}
+    dims.update({k: t.dim() for k, t in pair.loading.state_dict.items() if isinstance(t, torch.Tensor)})
+    return dims
+
+
 def ours_recording(pair: Pair, order: Sequence[str] = ()) -> dict:
     """The arguments of :func:`~parity.record.hooks.recording` for ours: module points, layouts,
     taps, and for a user's model the functional capture (attention internals computed in functions,
@@ -320,7 +328,8 @@ def ours_recording(pair: Pair, order: Sequence[str] = ()) -> dict:
     input_axes = _input_axes(pair, params, ref_modules)
     # parameters holding a checkpoint vector in another shape (a grouped norm's gain kept (streams, hidden)): read
     # as a norm's weight vector is
-    coverage, state_dict = pair.loading.coverage, pair.loading.state_dict
+    coverage = pair.loading.coverage
+    dims = _key_dims(pair) if coverage is not None else {}
     vectors = {
         key_of[id(p)]: name
         for name, p in params.items()
@@ -328,7 +337,7 @@ def ours_recording(pair: Pair, order: Sequence[str] = ()) -> dict:
         and id(p) in key_of
         and coverage is not None
         and (held := coverage.sources.get(name))
-        and all(isinstance(state_dict.get(s.key), torch.Tensor) and state_dict[s.key].dim() == 1 for s in held)
+        and all(dims.get(s.key) == 1 for s in held)
     }
     # attention blocks ours computes in functions only: each opens when one of its projections is read and
     # closes with its last
@@ -356,6 +365,13 @@ def ours_recording(pair: Pair, order: Sequence[str] = ()) -> dict:
         functional_biases=biases or None,
         functional_scales=scales or None,
         functional_vectors=vectors or None,
+        functional_widths={
+            n.name: w.numel()
+            for n in pair.nodes
+            if n.ours.startswith("param:")
+            and isinstance(w := getattr(ref_modules.get(n.reference_path), "weight", None), torch.Tensor)
+            and w.dim() == 1
+        },
         functional_expects_bias=expects_bias,
         functional_owners=owners or None,
         functional_siblings=siblings or None,
@@ -667,6 +683,7 @@ def compare_run(
             hint
             or never_read_before(results, bad, pair)
             or loader_gap_before(results, bad, pair)
+            or reshaped_before(results, bad, pair)
             or derived_before(results, bad, pair)
             or untapped_before(results, bad, pair.facts)
         )
@@ -805,6 +822,40 @@ def loader_gap_before(results: list[NodeResult], bad: NodeResult, pair: Pair) ->
         "the first node after them to differ",
         {"side": "ours", "gaps": within},
     )
+
+
+def reshaped_before(results: list[NodeResult], bad: NodeResult, pair: Pair) -> Hint | None:
+    """The failure sits in (or right after the untapped nodes of) a module one of whose checkpoint tensors ours holds
+    as a view of all its elements in their order under the key's axis sizes permuted (``(heads, out, in)`` kept as
+    ``(heads, in, out)`` by ``reshape``, not ``transpose``): the values land on other axes than the key's."""
+    coverage = pair.loading.coverage if pair.loading is not None else None
+    if coverage is None:
+        return None
+    scope = [bad.name] + [r.name for r in _since_agreement(results, bad) if r.status == UNTAPPED]
+    shapes = {k: tuple(t.shape) for k, t in pair.reference.state_dict(keep_vars=True).items()}
+    params = dict(pair.ours.named_parameters())
+    for name, sources in coverage.sources.items():
+        for source in sources:
+            held = params.get(name)
+            key = shapes.get(source.key)
+            module = source.key.rsplit(".", 1)[0]
+            if (
+                source.how != "slice"
+                or held is None
+                or key is None
+                or not any(n == module or n.startswith(module + ".") for n in scope)
+            ):
+                continue
+            mine = tuple(held.shape)
+            if mine != key and sorted(mine) == sorted(key) and held.numel() == math.prod(key):
+                return Hint(
+                    "reshaped_weight",
+                    f"likely the loader: ours holds {source.key} {key} as {name} {mine}, its elements in the "
+                    f"checkpoint's order (a reshape, where a transpose or permute would move them onto those axes); "
+                    f"the nodes before agree, and {bad.name} is the first node after it to differ",
+                    {"side": "ours", "key": source.key, "param": name, "key_shape": key, "shape": mine},
+                )
+    return None
 
 
 def derived_before(results: list[NodeResult], bad: NodeResult, pair: Pair) -> Hint | None:

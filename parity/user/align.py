@@ -177,6 +177,26 @@ class Layout:
     #: the constant ours' q (k) holds the reference's times: a scale folded into its projection at load
     #: (the attention scale in q_proj's weight and bias), compared divided by it
     scale: float = 1.0
+    #: ``dims`` is a guess the weights cannot settle (a latent attention's rope tail: in pair order when ours
+    #: rotates the pairs where the checkpoint lays them, in the reference's halves when ours rotates as Transformers
+    #: does): the reference's order is the :meth:`alternative`, taken for good once it agrees
+    guessed: bool = False
+
+    def _dims(self) -> tuple[int, ...] | None:
+        return None if self.seen.get("dims") == "reference" else self.dims
+
+    def alternative(self, t: torch.Tensor) -> torch.Tensor | None:
+        """``t`` (this layout's output) with the guessed dims put back in ours' order, or None when the dims are
+        no guess or already settled. Either order holds the same q . k when q and k share it: the scores judge."""
+        if not self.guessed or self.dims is None or "dims" in self.seen:
+            return None
+        return t[..., torch.tensor(self.dims).argsort().tolist()]
+
+    def take_alternative(self) -> str:
+        """Settle the guess for the reference's order (this node's later calls and the inverse follow); the words
+        for the node's detail."""
+        self.seen["dims"] = "reference"
+        return "its rope dims in the reference's order (ours rotates them as the reference does, not pair by pair)"
 
     def with_layout(self, layout: str) -> Layout:
         """This layout with the tap's declared ``layout``; raises ParityError for an unknown one."""
@@ -238,7 +258,8 @@ class Layout:
             if self.expanded and t.dim() == 4 and t.shape[1] == self.expanded != self.heads:
                 t = _kv_heads(t, self.heads)
             t = t if self.scale == 1.0 else t / self.scale
-            return t if self.dims is None else t[..., list(self.dims)]
+            dims = self._dims()
+            return t if dims is None else t[..., list(dims)]
         if self.kind == "context":
             if layout == "bhsd":
                 return t.transpose(1, 2).flatten(-2)
@@ -253,8 +274,9 @@ class Layout:
                 flat.unflatten(1, current.shape[1:3]) if flat.shape[1] == current.shape[1] * current.shape[2] else flat
             )
         complex_, layout = self._steps(current)
-        if self.kind in ("q_rot", "k_rot") and self.dims is not None:
-            ref = ref[..., torch.tensor(self.dims).argsort().tolist()]
+        dims = self._dims()
+        if self.kind in ("q_rot", "k_rot") and dims is not None:
+            ref = ref[..., torch.tensor(dims).argsort().tolist()]
         if self.kind in ("q_rot", "k_rot") and self.scale != 1.0:
             ref = ref * self.scale
         if self.kind in ("q_rot", "k_rot") and self.expanded:
@@ -973,7 +995,8 @@ class _Aligner:
             )
             if dims is None and suffix in ("q_rot", "k_rot"):
                 dims = self._fused_head_dims(att, head_dim)
-            if dims is None and suffix in ("q_rot", "k_rot") and MLA_INTERLEAVED_ROPE in self.facts.features:
+            guessed = dims is None and suffix in ("q_rot", "k_rot") and MLA_INTERLEAVED_ROPE in self.facts.features
+            if guessed:
                 dims = self._mla_dims(att, suffix, head_dim, layer.rope.rotary_dim if layer and layer.rope else 0)
             expanded = q_heads if suffix == "k_rot" and q_heads != heads else 0
             folded = (  # a scale folded into ours' q_proj, which the reference applies in its scores
@@ -981,7 +1004,15 @@ class _Aligner:
                 if dims is None and Q_PRESCALED not in self.facts.features
                 else 1.0
             )
-            layout = Layout(suffix, heads, head_dim, expanded=expanded, dims=dims, scale=folded)
+            layout = Layout(
+                suffix,
+                heads,
+                head_dim,
+                expanded=expanded,
+                dims=dims,
+                scale=folded,
+                guessed=guessed and dims is not None,
+            )
             tap = f"{FUNCTIONS}{att}.{suffix}" if functions else f"{our_att}.{suffix}"
             detail = (
                 f"what ours computes between running (or reading the weight of) {att}'s first projection and its last"
