@@ -18,7 +18,7 @@ from typing import cast
 import torch
 
 from parity.build.builder import tied_weights
-from parity.build.coverage import SCALED
+from parity.build.coverage import SCALED, SLICE
 from parity.compare.later_calls import call_of, with_later_calls
 from parity.compare.metrics import CHUNK, MISMATCH, MISSING, SHAPE, UNTAPPED, chunks
 from parity.compare.padding import unpadded_rows
@@ -239,12 +239,12 @@ def untapped_nodes(pair: Pair) -> frozenset[str]:
     return frozenset(n.name for n in pair.nodes if n.ours.startswith(UNHOOKED))
 
 
-def _key_dims(pair: Pair) -> dict[str, int]:
-    """Checkpoint key -> its number of axes: the state dict's, or (the float64 pair keeps names only) the
-    reference's tensor of that name."""
-    dims = {k: t.dim() for k, t in pair.reference.state_dict(keep_vars=True).items()}
-    dims.update({k: t.dim() for k, t in pair.loading.state_dict.items() if isinstance(t, torch.Tensor)})
-    return dims
+def _key_shapes(pair: Pair) -> dict[str, tuple[int, ...]]:
+    """Checkpoint key -> its shape: the state dict's, or (the float64 pair keeps names only) the reference's tensor
+    of that name."""
+    shapes = {k: tuple(t.shape) for k, t in pair.reference.state_dict(keep_vars=True).items()}
+    shapes.update({k: tuple(t.shape) for k, t in pair.loading.state_dict.items() if isinstance(t, torch.Tensor)})
+    return shapes
 
 
 def ours_recording(pair: Pair, order: Sequence[str] = ()) -> dict:
@@ -329,7 +329,7 @@ def ours_recording(pair: Pair, order: Sequence[str] = ()) -> dict:
     # parameters holding a checkpoint vector in another shape (a grouped norm's gain kept (streams, hidden)): read
     # as a norm's weight vector is
     coverage = pair.loading.coverage
-    dims = _key_dims(pair) if coverage is not None else {}
+    shapes = _key_shapes(pair) if coverage is not None else {}
     vectors = {
         key_of[id(p)]: name
         for name, p in params.items()
@@ -337,7 +337,7 @@ def ours_recording(pair: Pair, order: Sequence[str] = ()) -> dict:
         and id(p) in key_of
         and coverage is not None
         and (held := coverage.sources.get(name))
-        and all(dims.get(s.key) == 1 for s in held)
+        and all(len(shapes.get(s.key, ())) == 1 for s in held)
     }
     # attention blocks ours computes in functions only: each opens when one of its projections is read and
     # closes with its last
@@ -803,6 +803,17 @@ def never_read_before(results: list[NodeResult], bad: NodeResult, pair: Pair | N
     )
 
 
+def _failure_scope(results: list[NodeResult], bad: NodeResult) -> list[str]:
+    """The failing node and the untapped nodes since the last agreement before it: where its cause may sit."""
+    return [bad.name] + [r.name for r in _since_agreement(results, bad) if r.status == UNTAPPED]
+
+
+def _module_in(key: str, scope: list[str]) -> bool:
+    """Whether the module holding checkpoint tensor ``key`` is one of ``scope``'s nodes or holds one."""
+    module = key.rsplit(".", 1)[0]
+    return any(n == module or n.startswith(module + ".") for n in scope)
+
+
 def loader_gap_before(results: list[NodeResult], bad: NodeResult, pair: Pair) -> Hint | None:
     """The failure sits in (or right after the untapped nodes of) a module some of whose checkpoint tensor ours
     holds only in part (loader coverage's gaps: a shared MLP cut to one expert's width): that gap is the
@@ -811,7 +822,7 @@ def loader_gap_before(results: list[NodeResult], bad: NodeResult, pair: Pair) ->
     gaps = list(getattr(coverage, "gaps", None) or [])
     if not gaps:
         return None
-    scope = [bad.name] + [r.name for r in _since_agreement(results, bad) if r.status == UNTAPPED]
+    scope = _failure_scope(results, bad)
     within = [g for g in gaps if any(g.startswith(n + ".") for n in scope)]
     if not within:
         return None
@@ -831,20 +842,14 @@ def reshaped_before(results: list[NodeResult], bad: NodeResult, pair: Pair) -> H
     coverage = pair.loading.coverage if pair.loading is not None else None
     if coverage is None:
         return None
-    scope = [bad.name] + [r.name for r in _since_agreement(results, bad) if r.status == UNTAPPED]
-    shapes = {k: tuple(t.shape) for k, t in pair.reference.state_dict(keep_vars=True).items()}
+    scope = _failure_scope(results, bad)
+    shapes = _key_shapes(pair)
     params = dict(pair.ours.named_parameters())
     for name, sources in coverage.sources.items():
         for source in sources:
             held = params.get(name)
             key = shapes.get(source.key)
-            module = source.key.rsplit(".", 1)[0]
-            if (
-                source.how != "slice"
-                or held is None
-                or key is None
-                or not any(n == module or n.startswith(module + ".") for n in scope)
-            ):
+            if source.how != SLICE or held is None or key is None or not _module_in(source.key, scope):
                 continue
             mine = tuple(held.shape)
             if mine != key and sorted(mine) == sorted(key) and held.numel() == math.prod(key):
@@ -868,16 +873,11 @@ def derived_before(results: list[NodeResult], bad: NodeResult, pair: Pair) -> Hi
     derived = _derived(pair)
     if not derived:
         return None
-    scope = [bad.name] + [r.name for r in _since_agreement(results, bad) if r.status == UNTAPPED]
+    scope = _failure_scope(results, bad)
     # a tensor of the model's root (Zaya's embedding affine, folded into the table) holds no block of its own:
     # the nodes after it are all "inside" it, so it is no suspect of one of them
     stack = pair.facts.layer_prefix + "."
-    keys = [
-        k
-        for k in derived
-        if not stack.startswith(k.rsplit(".", 1)[0] + ".")
-        and any(n == k.rsplit(".", 1)[0] or n.startswith(k.rsplit(".", 1)[0] + ".") for n in scope)
-    ]
+    keys = [k for k in derived if not stack.startswith(k.rsplit(".", 1)[0] + ".") and _module_in(k, scope)]
     if not keys:
         return None
     into = sorted({p for k in keys for p in derived[k]})
