@@ -89,7 +89,7 @@ bug = heldout_support.bug_fixture(MODELS)
 CLEAN = [("qwen4_exp", "", False), ("deepseek_v32", "", False), ("rwkv", "", True)]
 #: RWKV with its rescaling replaced by each LayerNorm's eps scaled to match: the stream differs from the reference's by
 #: a power of two at every node a later LayerNorm cancels (a port equal at the logits, not node by node)
-KNOWN_FALSE = frozenset({("rwkv", "rwkv_eps_folded_rescale")})
+KNOWN_FALSE: frozenset[tuple[str, str]] = frozenset()
 
 
 @pytest.mark.parametrize(("model", "bug", "padded"), CLEAN, indirect=["bug"], ids=str)
@@ -122,6 +122,8 @@ NAMED = [
      "ours behaves like RMSNorm over the last axis, the reference like RMSNorm per stream (3 groups of hidden_size"),
     ("qwen4_exp", "moe_sigmoid_router", False, "model.layers.1.attn_hyper_connection.hc_norm", "one_change",
      "sigmoid in place of softmax"),
+    ("qwen4_exp", "ple_conv_undilated", False, "model.layers.0.attn_hyper_connection.hc_norm", "one_change",
+     "the conv's dilation 1 in place of 3 (each output reads its nearest steps)"),
     ("qwen4_exp", "ple_no_eos_reset", False, "model.layers.0.ple.ple_embedding.ngram_embedding", "one_change",
      "`position_in_segment = positions.unsqueeze(0) - segment_start`"),
     ("deepseek_v32", "mla_kv_b_global_split", False, "model.layers.0.self_attn.k_rot", "head_mapping",
@@ -139,6 +141,8 @@ NAMED = [
      "model.layers.0.self_attn.q_a_layernorm skipped in ours"),
     ("deepseek_v32", "indexer_topk_before_mask", False, "model.layers.0.self_attn.o_proj", "one_change",
      "`index_scores = index_scores + attention_mask`"),
+    ("deepseek_v32", "indexer_rope_interleaved", False, "model.layers.0.self_attn.o_proj", "one_change",
+     "RoPE's pairs read interleaved (2i, 2i + 1) in place of half-split (i, i + d/2)"),
     ("deepseek_v32", "indexer_causal_only", True, "model.layers.0.self_attn.o_proj", "one_change",
      "the mask's padding left out (the causal part alone"),
     ("deepseek_v32", "router_weights_biased", False, "model.layers.2.input_layernorm", "routing_weights",
@@ -150,6 +154,11 @@ NAMED = [
     ("rwkv", "rwkv_decay_no_exp", False, "rwkv.blocks.0.attention.output", "one_change", "exp left out"),
     ("rwkv", "rwkv_bonus_skipped", False, "rwkv.blocks.0.attention.output", "one_change",
      "rwkv.blocks.0.attention.time_first (offset) left out"),
+    ("rwkv", "rwkv_state_before_output", False, "rwkv.blocks.0.attention.output", "one_change",
+     "the WKV recurrence with its state written with this step's e^{k_t} v_t before it is read for the output"),
+    ("rwkv", "rwkv_rescale_weights_only", False, "rwkv.blocks.2.ln1", "scale",
+     "ours' input to it is the reference's times 2 at every position; matches the hidden states' halving every "
+     "config.rescale_every (2) layers"),
     ("rwkv", "rwkv_shift_future", False, "rwkv.blocks.0.attention.key", "token_shift",
      "ours mixes each token with the next one"),
     ("rwkv", "rwkv_mix_inverted", False, "rwkv.blocks.0.attention.key", "token_shift",

@@ -83,7 +83,7 @@ CLEAN = [("mamba2", "", False), ("beam", "", True), ("hyperclovax", "", False)]
 #: Beam's residual accumulated unscaled, each norm's eps scaled by the depth to match (equal at the logits, a factor
 #: sqrt(n) apart at every layer's output); Mamba-2 with its norms' gains folded into the next weights at load (in_proj's
 #: columns scaled per channel: a convention loader coverage does not read)
-KNOWN_FALSE = frozenset({("beam", "beam_clean_unscaled_residual"), ("mamba2", "norm_weight_folded")})
+KNOWN_FALSE = frozenset({("beam", "beam_clean_unscaled_residual")})
 
 
 @pytest.mark.parametrize(("model", "bug", "padded"), CLEAN, indirect=["bug"], ids=str)
@@ -111,6 +111,8 @@ NAMED = [
     ("mamba2", "conv_trim_wrong_end", False, MIXER_NORM, "one_change", "a causal window read from the wrong side"),
     ("mamba2", "conv_taps_reversed", False, MIXER_NORM, "one_change", "the conv's kernel read in reverse"),
     ("mamba2", "a_log_exp_missing", False, MIXER_NORM, "one_change", "exp left out"),
+    ("mamba2", "d_skip_discretized", False, MIXER_NORM, "one_change",
+     "the selective scan with its state read with the skip on the discretised input (D dt x), not D x"),
     ("mamba2", "dt_bias_after_softplus", False, MIXER_NORM, "one_change",
      "backbone.layers.0.mixer.dt_bias added after the softplus instead of to its input (softplus(x) + b for"),
     ("mamba2", "bc_groups_tiled", False, MIXER_NORM, "one_change",

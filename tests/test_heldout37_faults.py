@@ -102,6 +102,8 @@ NAMED = [
      "the mean over axis 1 (of 24) in place of the last (of 16)"),
     ("falcon_mamba", "fm_mixer_eps_from_ln", False, MIXER, "one_change",
      "config.layer_norm_epsilon (1e-05) used in place of config.mixer_rms_eps (0.01)"),
+    ("falcon_mamba", "fm_dt_norm_after_proj", False, MIXER, "one_change",
+     "dt_layernorm's normalisation applied to the output of the product reading it"),
     ("falcon_mamba", "fm_A_no_exp", False, MIXER, "one_change", "exp left out"),
     ("falcon_mamba", "fm_dt_bias_twice", False, MIXER, "one_change", "dt_proj.bias (offset) added twice"),
     ("falcon_mamba", "fm_B_not_discretized", False, MIXER, "one_change",

@@ -111,8 +111,10 @@ def test_a_branch_added_to_the_residual_stream_as_well_is_named(side):
 class Norm(torch.nn.Module):
     """A weightless RMS norm over the last axis, one module per input (FalconMamba's b_layernorm and c_layernorm)."""
 
+    eps = 1e-2
+
     def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-2)
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
 
 
 class Mixer(torch.nn.Module):
@@ -138,7 +140,10 @@ class Mixer(torch.nn.Module):
             u, z = (t.squeeze(2) for t in h.view(b, -1, 2, seq).chunk(2, dim=2))
         conv = F.conv1d(u, self.conv, padding=2, groups=8)
         u = F.silu(conv[..., 1 : seq + 1] if self.fault == "late" else conv[..., :seq])
-        B, C = F.linear(self.u_norm(u.transpose(1, 2)), self.x_proj).chunk(2, dim=-1)
+        if self.fault == "norm after":  # the norm moved across the product: over x_proj's 16 output features
+            B, C = self.u_norm(F.linear(u.transpose(1, 2), self.x_proj)).chunk(2, dim=-1)
+        else:
+            B, C = F.linear(self.u_norm(u.transpose(1, 2)), self.x_proj).chunk(2, dim=-1)
         if self.fault == "axis":
             B, C = (t.transpose(1, 2) for t in (self.b_norm(B.transpose(1, 2)), self.c_norm(C.transpose(1, 2))))
         else:
@@ -204,6 +209,7 @@ def _search_for(fault: str, mask_fault: str = ""):
         ("halves", "", "axis 1's rows read as 2 contiguous blocks in place of interleaved"),
         ("late", "", "axis 2's slice [:6] taken one step later ([1:7] of 8"),
         ("axis", "", "the mean over axis 1 (of 6) in place of the last (of 8)"),
+        ("norm after", "", "mixer.u_norm's normalisation applied to the output of the product reading it"),
         ("bias after", "", "mixer.bias added after the softplus instead of to its input"),
         ("factor", "", "left out of this broadcast product (the one of shape (2, 1, 6, 8) alone)"),
         ("", "diagonal", "the mask's diagonal masked as well (a query kept from its own key"),

@@ -9,6 +9,7 @@ import torch
 from transformers.models.bamba import modeling_bamba
 from transformers.models.jamba import modeling_jamba
 from transformers.models.qwen3_next import modeling_qwen3_next
+from transformers.models.rwkv import modeling_rwkv
 from transformers.models.xlstm import modeling_xlstm
 
 from parity.diagnose import scan_order
@@ -58,6 +59,26 @@ def test_the_replacement_in_the_reference_s_order_computes_transformers_scan_and
         out, state = replacement(*args, **kwargs)
         assert out.shape == want.shape and state.shape == want_state.shape, words
         same = torch.allclose(out.float(), want.float(), atol=1e-5) and torch.allclose(state, want_state, atol=1e-5)
+        assert same == replacement.own, words
+
+
+def test_the_wkv_recurrence_in_transformers_order_computes_rwkvs_and_no_other_order_does():
+    """RWKV's state is a list ``[numerator, denominator, max]``, compared as the real state ``num * e^max``."""
+    g = torch.Generator().manual_seed(0)
+    batch, seq, channels = 2, 9, 6
+    k, v = (torch.randn(batch, seq, channels, generator=g) for _ in range(2))
+    decay, first = torch.randn(channels, generator=g), torch.randn(channels, generator=g)
+    original = modeling_rwkv.rwkv_linear_attention
+    want, want_state = original(decay, first, k, v, return_state=True)
+    replacements = scan_order.replacements("rwkv_linear_attention", original)
+    assert [r.order for r, _ in replacements] == list(scan_order.WKV_ORDERS)
+    assert [r.own for r, _ in replacements] == [True, False, False]
+    real = lambda s: (s[0] * s[2].exp(), s[1] * s[2].exp())
+    for replacement, words in replacements:
+        out, state = replacement(decay, first, k, v, return_state=True)
+        same = torch.allclose(out, want, atol=1e-5) and all(
+            torch.allclose(a, b, rtol=1e-4) for a, b in zip(real(state), real(want_state))
+        )
         assert same == replacement.own, words
 
 

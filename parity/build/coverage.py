@@ -183,6 +183,9 @@ class Coverage:
     #: several tensors), found by perturbing each alone (:mod:`parity.user.derived`): key -> our
     #: parameters derived from it (none when it went into a plain Python number)
     derived: dict[str, list[str]] = field(default_factory=dict)
+    #: a norm's gain folded into the input columns of the projections reading that norm, at load: gain key ->
+    #: those projections' weight keys (:mod:`parity.user.folded`); ours runs the norm without its gain
+    folded: dict[str, list[str]] = field(default_factory=dict)
     #: plain tensors of a user's model (kept in a dict or list, adopted as ``plain__`` parameters) that hold no
     #: checkpoint tensor and are smaller or larger than every unplaced one: state computed at build (RoPE
     #: frequencies), as a buffer's would be, not a gap
@@ -342,7 +345,7 @@ def _runs(t: torch.Tensor) -> list[tuple[int, int]]:
 
 def _region(view: torch.Tensor, whole: torch.Tensor) -> str:
     """``view``'s place in ``whole`` as an index expression (``[3, 0:16, :]``) when it is a block of
-    it with ``whole``'s strides, else its element range."""
+    it with ``whole``'s strides or whole rows of it in another shape, else its element range."""
     offset = view.storage_offset() - whole.storage_offset()
     if (
         whole.is_contiguous()
@@ -356,6 +359,11 @@ def _region(view: torch.Tensor, whole: torch.Tensor) -> str:
             lead = d < whole.dim() - view.dim()
             parts.append(str(a) if lead else ":" if n == whole.shape[d] else f"{a}:{a + n}")
         return "[" + ", ".join(parts) + "]"
+    row = whole[0].numel() if whole.dim() >= 2 and whole.shape[0] else 0
+    if whole.is_contiguous() and view.is_contiguous() and row and offset % row == 0 and view.numel() % row == 0:
+        # whole rows in another shape (``kv_b[:heads * d].view(heads, d, -1)``): those rows
+        first = offset // row
+        return f"[{first}:{first + view.numel() // row}" + ", :" * (whole.dim() - 1) + "]"
     return f"[elements {offset}..{offset + view.numel() - 1}]"
 
 

@@ -413,3 +413,15 @@ ELEMENTWISE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "exp": torch.exp,
     "identity": lambda x: x,
 }
+
+
+def constant_named(e: Evidence, ratio: float) -> str:
+    """``; matches the config's embedding_multiplier (6)`` (every constant ``ratio`` or its inverse equals,
+    the config's own first), else ``""``."""
+    named = sorted(e.facts.named_constants().items(), key=lambda item: "config" not in item[0])
+    matches = [
+        f"{label}{'' if label.endswith(')') else f' = {value:g}'}"
+        for label, value in named
+        if value and abs(ratio / value - 1) < 1e-3
+    ] + [f"1 / {label}" for label, value in named if value and abs(ratio * value - 1) < 1e-3]
+    return f"; matches {', or '.join(matches[:3])}" if matches else ""

@@ -175,6 +175,7 @@ def latent_split(e: Evidence) -> Hint | None:
     per_head = y.numel() // (b * seq * heads)
     if per_head <= nope:
         return None
+    flat = y.reshape(b, seq, heads * per_head)
     y = y.reshape(b, seq, heads, per_head).transpose(1, 2)
 
     def scaled(part: torch.Tensor, cut: torch.Tensor) -> bool:
@@ -182,10 +183,26 @@ def latent_split(e: Evidence) -> Hint | None:
         return bool(scale) and e.close(part, scale * cut)
 
     ours, ref = (cut_offset(t[..., :nope].double(), y, scaled) for t in (e.ours, e.ref))
-    if ours is None or ref is None or ours == ref:
-        return None
     letter = e.kind[0]
     other = "v" if letter == "k" else f"{letter}_rope"
+    # every head's pass-through dims first, then every head's other part: the per-head layout read as two blocks
+    blocked = flat[..., : heads * nope].reshape(b, seq, heads, nope).transpose(1, 2).double()
+    for side, this, theirs in (("ours", e.ours, ref), ("the reference", e.ref, ours)):
+        if (
+            theirs is not None
+            and (ours if side == "ours" else ref) is None
+            and scaled(this[..., :nope].double(), blocked)
+        ):
+            return Hint(
+                "qkv_layout",
+                f"likely {source}'s output cut as whole blocks in {side}: its {letter}_nope for head h is features "
+                f"[{nope}h:{nope}h + {nope}] of the output (every head's {letter}_nope first, then every head's "
+                f"{other}), where each head's {per_head} features hold [{letter}_nope | {other}] (the per-head "
+                f"layout read as [all {letter}_nope | all {other}])",
+                {"side": side, "per_head": per_head, "source": source, "blocked": True},
+            )
+    if ours is None or ref is None or ours == ref:
+        return None
     rest = per_head - nope
     swapped = {ours, ref} == {0, rest}
     return Hint(

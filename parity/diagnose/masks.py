@@ -459,6 +459,22 @@ def _diagonal_hidden(e: Evidence) -> Hint | None:
     return None
 
 
+def _layer_type_read_otherwise(e: Evidence, ours_w: int | None, ref_w: int | None) -> str:
+    """``; this sliding_attention layer ...``: one side windowless at a layer the config's layer types make sliding,
+    or windowed at a full one, while layers of the other type exist: the layer pattern read otherwise, else ``""``."""
+    layer = e.facts.layer(e.result.layer)
+    if layer is None or (ours_w is None) == (ref_w is None):
+        return ""
+    others = sorted({n.layer_type for n in e.facts.layers if n.layer_type != layer.layer_type and n.layer_type})
+    if not others or not layer.layer_type:
+        return ""
+    side = "ours" if (ours_w is None) == (layer.window is not None) else "the reference"
+    return (
+        f"; this is a {layer.layer_type} layer in the config, and {side} attends as its {', '.join(others)} layers "
+        "do: the layer pattern (config.layer_types, or the rule deriving it) read otherwise"
+    )
+
+
 def window_pattern(e: Evidence) -> Hint | None:
     """Only the query positions from some point up to the window on differ: the first position
     that can see a key the window decides about (the smaller of ours' and the reference's window),
@@ -476,7 +492,7 @@ def window_pattern(e: Evidence) -> Hint | None:
             return Hint(
                 "sliding_window",
                 f"likely the sliding window size or mask: ours attends with {show(ours_w)}, the reference with "
-                f"{show(ref_w)} (read from which keys get any weight)",
+                f"{show(ref_w)} (read from which keys get any weight){_layer_type_read_otherwise(e, ours_w, ref_w)}",
                 {"ours": ours_w, "reference": ref_w},
             )
     layer = e.facts.layer(e.result.layer)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from parity.compare.metrics import UNTAPPED, choice_margins
-from parity.diagnose.evidence import EXPLAINS, Evidence, fmt_list, reads_stream, rel, whose
+from parity.diagnose.evidence import EXPLAINS, Evidence, constant_named, fmt_list, reads_stream, rel, whose
 from parity.diagnose.hints import Hint
 from parity.model.pair import NodeSpec
 from parity.record.routing import CHOICES
@@ -130,8 +130,18 @@ def experts_sum(e: Evidence) -> Hint | None:
     if rel(ours, (solved[..., None] * parts).sum(1)) < EXPLAINS:
         layouts = {"the (tokens, k) weights transposed before they are flattened": w.t().reshape(tokens, k)}
         how = next((label for label, v in layouts.items() if rel(solved, v) < 1e-4), None)
+        kept = w.abs() > 1e-6
+        c = float((solved[kept] / w[kept]).median()) if bool(kept.any()) else 1.0
         shown = fmt_list([f"({', '.join(f'{v:.3g}' for v in row)})" for row in solved[:3].tolist()], 3)
         theirs = fmt_list([f"({', '.join(f'{v:.3g}' for v in row)})" for row in w[:3].tolist()], 3)
+        if how is None and abs(c - 1) > 1e-3 and rel(solved, c * w) < 1e-4:  # one factor on every weight
+            return Hint(
+                "routing_weights",
+                f"likely a scale of the routing weights on one side only: ours sums the right experts' outputs with "
+                f"the reference's weights times {c:.6g} at every token{constant_named(e, c)} (tokens 0-2: {shown}; "
+                f"the reference's {theirs})",
+                {"ours_weights": solved[:8].tolist(), "factor": c},
+            )
         return Hint(
             "routing_weights",
             f"likely the routing weights applied to the wrong experts or tokens: ours sums the right experts' outputs "

@@ -23,8 +23,9 @@ def _ms(x: torch.Tensor, centered: bool) -> torch.Tensor:
 
 
 def is_norm(kind: str) -> bool:
-    """A norm node's kind: ``*norm*`` (Llama, OLMo, Gemma...) or GPT-2's ``ln_1``, ``ln_2``, ``ln_f``."""
-    return "norm" in kind or kind.startswith("ln_")
+    """A norm node's kind: ``*norm*`` (Llama, OLMo, Gemma...), GPT-2's ``ln_1``, ``ln_2``, ``ln_f``, RWKV's ``ln1``,
+    ``ln_out`` and ``pre_ln``."""
+    return "norm" in kind or kind.startswith("ln") or kind.endswith("_ln")
 
 
 def _factor(r: float) -> str:
@@ -290,7 +291,7 @@ def norm_weight_offset(e: Evidence) -> Hint | None:
     in Gemma 4), or ``2 + w`` (the 1 added to a weight already stored as ``1 + w``). Both offsets are
     read back from the outputs alone (their ratio per channel is ``(w + a) / (w + o)``), whichever side
     holds the fault."""
-    if "norm" not in e.kind or e.name not in e.ref_trace.inputs or e.name not in e.ours_trace.inputs:
+    if not is_norm(e.kind) or e.name not in e.ref_trace.inputs or e.name not in e.ours_trace.inputs:
         return None
     w = e.ref_trace.weights.get(e.name)
     x_ref, x_ours = e.ref_trace.inputs[e.name], e.ours_trace.inputs[e.name]
@@ -737,6 +738,8 @@ def norm_order(e: Evidence) -> Hint | None:
         block = moved_back or moved_ahead
         if (norm != e.name and e.name not in block) or not any(n.rsplit(".", 1)[-1] in BRANCH_OUTPUTS for n in block):
             continue  # a norm moved across a whole sub-block (its output projection too), not among q/k/v
+        if _part_of_sub_block(e, layer, block, shared, norm):
+            continue  # one branch of a sub-block moved across it (a shared expert added after): no placement
         post, pre = ("ours", "the reference") if moved_back else ("the reference", "ours")
         kind = e.facts.locate(norm)[1]
         return Hint(
@@ -747,6 +750,16 @@ def norm_order(e: Evidence) -> Hint | None:
             {"post_norm": "ours" if moved_back else "reference", "norm": norm, "moved": block},
         )
     return None
+
+
+def _part_of_sub_block(e: Evidence, layer: int, block: list[str], shared: list[str], norm: str) -> bool:
+    """Whether the nodes moved across ``norm`` are part of a sub-block only (the layer's child holding them has
+    other nodes, both sides' alike, that stay on their side of the norm: a MoE's router while its shared expert
+    moved), not the whole sub-block a pre-norm and a post-norm run on opposite sides of it."""
+    depth = f"{e.facts.layer_prefix}.{layer}".count(".") + 2
+    child = lambda name: ".".join(name.split(".")[:depth])
+    subs = {child(n) for n in block}
+    return any(n not in block and n != norm and child(n) in subs for n in shared)
 
 
 def _layer_node(e: Evidence, layer: int, kind: str) -> torch.Tensor | None:

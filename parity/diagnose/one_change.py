@@ -19,8 +19,11 @@ as ``1 + w``, a softmax-style scale ``1 / sqrt(d)`` taken from another of the co
 output (each head's q, k and v together) read as whole blocks, a top-k keeping every entry, a square weight read
 transposed (two on nearby lines together), the parameters of two products of one input swapped (their views too),
 an activation of the negated input, a negative factor's size left out with its sign kept, a square matrix's transpose left out, heads split strided, a bias added twice, a
-config float read as its class's default, a gate moved across a norm (both ways), a delta-rule or selective
-scan run with its steps in another order (:mod:`parity.diagnose.scan_order`); an in-place op (``a /= s``) is changed from
+config float read as its class's default, a gate moved across a norm (both ways), a weightless norm or an
+activation moved across the product reading it (``norm(x @ W)``, ``relu(w @ s)``), a mask filled after the softmax
+(its probabilities zeroed), a dilated conv run undilated, a delta-rule, selective or WKV scan run with its steps in
+another order (:mod:`parity.diagnose.scan_order`), RoPE's pairs in the other convention (per calling line too:
+:mod:`parity.diagnose.rope_pairs`), a top-k ranking an activation of the scores; an in-place op (``a /= s``) is changed from
 its input's value before it; then, in a second
 pass, a term of a sum left out (a skip connection), a broadcast factor that is no parameter left out (a padding
 mask) and a parameter added to an activation's input added to its output instead (``softplus(dt) + dt_bias``);
@@ -51,7 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from parity.diagnose import scan_order
+from parity.diagnose import rope_pairs, scan_order
 from parity.diagnose.hints import Hint
 
 #: forward passes one search may take (the dry run included): the limit that decides what a search tries;
@@ -61,6 +64,10 @@ MAX_SECONDS = 60.0
 
 #: ops that hand on a norm's output unchanged but for its shape
 _RESHAPES = frozenset({"reshape", "view", "flatten", "contiguous"})
+#: ops that hand on a skipped norm's input to the product that reads it (its axes or its dtype changed)
+_HANDS_ON = _RESHAPES | {"transpose", "permute", "to", "float", "type_as", "unsqueeze", "squeeze"}
+#: products whose output a norm moved across them normalises
+_PRODUCTS = ("linear", "matmul", "__matmul__", "bmm")
 #: the activations one may stand in place of another; tanh (a soft cap's) and abs (a rate kept positive) may only be
 #: left out
 _LEFT_OUT = ("tanh", "abs")
@@ -135,7 +142,8 @@ class Change:
     patch: tuple[str, str, Callable] | None = None
     #: a gate moved across a norm: "before" (a product of a norm's output and a gate rewritten as the norm of the
     #: gated input, ``rewrite(args, kwargs, out, mode)``), "after" (a norm module's gated input rewritten as the
-    #: norm of the input times the gate, ``rewrite(module, args, kwargs, out, mode)``); "" for none
+    #: norm of the input times the gate, ``rewrite(module, args, kwargs, out, mode)``); "moved" (a weightless norm
+    #: module's call skipped, the product reading its input normalised: :func:`_norms_moved`); "" for none
     norm_gate: str = ""
 
     @property
@@ -182,6 +190,12 @@ class _Changing(TorchFunctionMode):
         #: (by id of the output) -> their operands, while a gate moved before a norm is tried
         self.normed: dict[int, tuple[torch.nn.Module, torch.Tensor]] = {}
         self.products: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        #: a skipped norm's (or activation's) input as the pass hands it on (by id) -> what the product reading it
+        #: applies to its output instead, ``(output, axis of the features it makes) -> new output``, while a norm or
+        #: an activation moved across a product is tried
+        self.skipped: dict[int, Callable[[torch.Tensor, int], torch.Tensor]] = {}
+        #: a boolean mask whose fill was skipped, zeroing the probabilities of the next softmax instead
+        self.after_softmax: torch.Tensor | None = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -194,6 +208,12 @@ class _Changing(TorchFunctionMode):
                 self.normed[id(out)] = source
         if not self.inside or not (isinstance(out, torch.Tensor) or _parts(out)):
             return out
+        if self.skipped and isinstance(out, torch.Tensor):
+            out = self._moved_across(func, args, out)
+        if self.after_softmax is not None and isinstance(out, torch.Tensor) and _name(func) == "softmax":
+            mask, self.after_softmax = self.after_softmax, None
+            self.applied += 1
+            out = out.masked_fill(mask, 0.0)
         found = _sites(func, args, self.params)
         if found is None:
             return out
@@ -227,6 +247,25 @@ class _Changing(TorchFunctionMode):
                 self.applied += 1
                 return func(held.to(args[0].dtype), *args[1:], **kwargs)
         return out
+
+    def _moved_across(self, func, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        """A skipped norm's or activation's input handed on (``x.transpose(1, 2)``, ``x.float()``), or the first
+        product reading it with the norm or activation applied to its output instead (a norm over the features
+        the product makes: ``x @ W`` and ``linear(x, W)`` the last axis, ``W @ x`` the one before)."""
+        name = _name(func)
+        held = [k for k, a in enumerate(args[:2]) if isinstance(a, torch.Tensor) and id(a) in self.skipped]
+        if not held:
+            return out
+        applied = self.skipped[id(args[held[0]])]
+        if name in _HANDS_ON:
+            if held[0] == 0 and out.numel() == args[0].numel():
+                self.skipped[id(out)] = applied
+            return out
+        if name not in _PRODUCTS:
+            return out
+        self.skipped.clear()
+        self.applied += 1
+        return applied(out, -2 if name != "linear" and held[0] == 1 else -1)
 
     def mix_ups(self, sites: list[tuple[Site, tuple]], layer_input: torch.Tensor | None) -> list[Change]:
         """Each projection, product or gather reading, in place of its own first input, the output of one of the
@@ -326,6 +365,10 @@ class _Changing(TorchFunctionMode):
         return out
 
 
+def _name(func) -> str:
+    return getattr(func, "__name__", "")
+
+
 def _in_place(func, args: tuple) -> bool:
     """Whether ``func`` writes its first input in place (``__itruediv__``, ``div_``)."""
     name = getattr(func, "__name__", "")
@@ -384,6 +427,13 @@ def changes(site: Site, func, args: tuple, kwargs: dict, params: dict[int, str])
                 found.append(Change(site, f"{name} in place of {op}", _applied(act)))
         if op == "sigmoid" and x.dim() >= 1:  # a router's scores: a softmax over the experts in its place
             found.append(Change(site, "softmax over the last axis in place of sigmoid", _applied(_softmax_last)))
+        words = (
+            f"{op} applied to the output of the product reading its result, not before it (act(x @ W) for act(x) @ W)"
+        )
+        found.append(Change(site, words, _activation_skipped(_ACTIVATIONS[op]), norm_gate="moved"))
+    elif op == "masked_fill" and x is not None and len(args) > 2 and _filled_out(args[1], args[2]):
+        words = "the mask filled here applied after the softmax instead (its probabilities zeroed, the rest not renormalised)"
+        found.append(Change(site, words, _fill_after_softmax, norm_gate="after_softmax"))
     elif op in _LEFT_OUT and x is not None:
         found.append(Change(site, f"{op} left out", _operand(0)))
     elif op in ("exp", "rsqrt", "reciprocal") and x is not None:
@@ -425,6 +475,11 @@ def changes(site: Site, func, args: tuple, kwargs: dict, params: dict[int, str])
         and isinstance(args[1] if len(args) > 1 else kwargs.get("weight"), torch.Tensor)
     ):
         found.append(Change(site, "the conv's kernel read in reverse (its taps flipped)", _flipped_kernel))
+        dilation = kwargs.get("dilation", args[5] if len(args) > 5 else 1)
+        dilation = dilation[0] if isinstance(dilation, (tuple, list)) and dilation else dilation
+        if isinstance(dilation, int) and dilation > 1:
+            words = f"the conv's dilation 1 in place of {dilation} (each output reads its nearest steps)"
+            found.append(Change(site, words, _undilated(func)))
     elif op == "mean" and x is not None and x.dim() >= 3:
         dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
         keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
@@ -880,6 +935,40 @@ def _diagonal_moved(site: Site, func, args: tuple, kwargs: dict) -> list[Change]
     return found
 
 
+def _activation_skipped(act: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
+    """An activation's call skipped: its input handed on, marked for the product that reads it (which applies
+    ``act`` to its output)."""
+
+    def rewrite(args: tuple, kwargs: dict, out: torch.Tensor, mode: _Changing) -> torch.Tensor:
+        x = args[0]
+        mode.skipped[id(x)] = lambda y, _axis: act(y)
+        return x
+
+    return rewrite
+
+
+def _filled_out(mask, value) -> bool:
+    """A boolean mask filled with a value that takes its positions out of a softmax (-inf, or below -1e4)."""
+    return isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and isinstance(value, float) and value <= -1e4
+
+
+def _fill_after_softmax(args: tuple, kwargs: dict, out: torch.Tensor, mode: _Changing) -> torch.Tensor:
+    """A fill of masked positions skipped; the next softmax zeroes those probabilities instead."""
+    mode.after_softmax = args[1]
+    return args[0]
+
+
+def _undilated(func) -> Callable[[tuple, dict, torch.Tensor], torch.Tensor]:
+    """A dilated conv run undilated, its last outputs kept (a causal conv's: each reads its nearest steps)."""
+
+    def rewrite(args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor:
+        rest = dict(kwargs)
+        rest["dilation"] = 1
+        return func(*args[:5], **rest, **({"groups": args[6]} if len(args) > 6 else {}))[..., -out.shape[-1] :]
+
+    return rewrite
+
+
 def _flipped_kernel(args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor:
     if len(args) > 1:
         return F.conv1d(args[0], args[1].flip(-1), *args[2:], **kwargs)
@@ -1115,6 +1204,7 @@ def search(
     first += [c for site, (func, args, _kwargs) in sites for c in _default_read(site, func, args, defaults)]
     terms = [c for site, (func, args, kwargs, out) in dry.outputs(sites) for c in term_changes(site, args, out, params)]
     terms += _added_after_activation(dry.outputs(sites), params)
+    terms += _ranked_activated(dry.outputs(sites), {**{id(b): n for n, b in model.named_buffers()}, **params})
     # the layer's input, as its re-runs read it: the source of a mix-up with the residual stream
     args, kwargs = called[0] if called else ((), {})
     first_input = args[0] if args else next(iter(kwargs.values()), None)
@@ -1122,6 +1212,7 @@ def search(
     gated = _gated_norms(modules, block)
     swaps = dry.weight_swaps(sites, params)
     orders = _scan_orders(modules[block]) + _cell_orders(modules, block) + _gates_across_norms(dry, sites, norms)
+    orders += _norms_moved(norms) + _rope_pairings(modules[block])
     unreproduced: set[str] = set()  # scans whose replacement in the reference's own order does not reproduce it
     for change in _with_pairs(first) + gated + orders + swaps + terms + dry.mix_ups(sites, layer_input):
         if runs >= MAX_RUNS or time.monotonic() - started > MAX_SECONDS:
@@ -1170,6 +1261,36 @@ def _added_after_activation(sites: list[tuple[Site, tuple]], params: dict[int, s
         words = f"{_param_of(b, params)} added after the {op} instead of to its input ({op}(x) + b for {op}(x + b))"
         found.append(Change(site, words, _bias_moved(params), also=add))
     return found
+
+
+def _ranked_activated(sites: list[tuple[Site, tuple]], names: dict[int, str]) -> list[Change]:
+    """The scores a top-k ranks built from an activation of the logits: ``sigmoid(logits) + bias`` (DeepSeek-V3's
+    choice) in place of ``logits + bias`` (Kolibri's), at an add of a vector (a correction bias, a parameter or a
+    buffer: ``names``, by id) whose output a ``topk`` reads."""
+    ranked = [args[0] for site, (_f, args, _k, _o) in sites if site.op == "topk" and args]
+    found = []
+    for site, (_func, args, _kwargs, out) in sites:
+        if _arithmetic(site.op) != "add" or len(args) != 2 or not any(out is r for r in ranked):
+            continue
+        for k in (0, 1):
+            x, bias = args[k], args[1 - k]
+            if not (isinstance(x, torch.Tensor) and isinstance(bias, torch.Tensor)) or bias.dim() != 1 or x.dim() < 2:
+                continue
+            name = _param_of(bias, names) or "the bias"
+            for act, fn in (("sigmoid", torch.sigmoid), ("softmax", _softmax_last)):
+                words = f"the top-k ranking {act}(scores) + {name} in place of scores + {name} (an activation first)"
+                found.append(Change(site, words, _operand_activated(k, fn)))
+    return found
+
+
+def _operand_activated(k: int, act: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
+    """An add's ``k``-th operand passed through ``act`` first."""
+
+    def rewrite(args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor:
+        x = act(args[k].float()).to(args[k].dtype)
+        return (x + args[1 - k] if k == 0 else args[1 - k] + x).to(out.dtype)
+
+    return rewrite
 
 
 def _bias_moved(params: dict[int, str]) -> Callable[[tuple, dict, torch.Tensor], torch.Tensor]:
@@ -1267,6 +1388,46 @@ def _gates_across_norms(
     return found
 
 
+def _norms_moved(norms: list[tuple[str, torch.nn.Module]]) -> list[Change]:
+    """Each weightless norm (no parameter but ones: FalconMamba's dt, B and C norms) moved across the product
+    that reads its output: its call skipped, that product's output normalised over the features it makes
+    (``norm(x) @ W`` read as ``norm(x @ W)``: a time-step norm applied after dt_proj)."""
+    found = []
+    for path, module in norms:
+        if any(bool((p != 1).any()) for p in module.parameters()):
+            continue
+        try:
+            file, line = inspect.getsourcefile(type(module)), inspect.getsourcelines(type(module).forward)[1]
+        except (OSError, TypeError):
+            continue
+        words = (
+            f"{path}'s normalisation applied to the output of the product reading it (norm(x @ W), over the "
+            "features it makes), not to its input (norm(x) @ W)"
+        )
+        site = Site(f"{type(module).__name__}.forward", file or "?", line)
+        found.append(Change(site, words, _norm_skipped, module=path, norm_gate="moved"))
+    return found
+
+
+def _norm_skipped(module, args, kwargs, out, mode: _Changing) -> torch.Tensor | None:
+    """A norm module's call skipped: its input handed on, marked for the product that reads it."""
+    x = args[0] if args else next(iter(kwargs.values()), None)
+    if not isinstance(x, torch.Tensor) or not isinstance(out, torch.Tensor) or x.shape != out.shape:
+        return None
+    y = x.to(out.dtype)
+    eps = next(
+        (getattr(module, n) for n in ("eps", "variance_epsilon") if isinstance(getattr(module, n, None), float)), 1e-6
+    )
+    mode.skipped[id(y)] = lambda out, axis: _rms(out, axis, eps)
+    return y
+
+
+def _rms(out: torch.Tensor, axis: int, eps: float) -> torch.Tensor:
+    """``out`` normalised by its root mean square over ``axis`` (computed in float32 at least)."""
+    y = out.to(torch.promote_types(out.dtype, torch.float32))
+    return (y * torch.rsqrt(y.pow(2).mean(axis, keepdim=True) + eps)).to(out.dtype)
+
+
 def _gate_before_norm(args: tuple, kwargs: dict, out: torch.Tensor, mode: _Changing) -> torch.Tensor:
     """``norm(x) * g`` rewritten as ``norm(x * g)`` (the norm module called again on the gated input)."""
     for k in (0, 1):
@@ -1317,17 +1478,39 @@ def _scan_orders(block: torch.nn.Module) -> list[Change]:
     where that one reproduces the reference's recorded value."""
     found = []
     for module, name, function in scan_order.scan_functions(block):
-        source = inspect.unwrap(function)  # a kernel-hub decorator's wrapper: the function it wraps
-        try:
-            lines, line = inspect.getsourcelines(source)
-            file = inspect.getsourcefile(source)
-        except (OSError, TypeError):
-            lines, file, line = [], module, 0
-        line += next((i for i, text in enumerate(lines) if text.lstrip().startswith("def ")), 0)  # past decorators
-        site = Site(name, file or module, line)
+        site = _function_site(module, name, function)
         for replacement, words in scan_order.replacements(name, function):
             found.append(Change(site, words, _ones, patch=(module, name, replacement)))
     return found
+
+
+def _rope_pairings(block: torch.nn.Module) -> list[Change]:
+    """Each RoPE function the block's modeling code calls by name run over the other pairs
+    (:mod:`parity.diagnose.rope_pairs`: half-split read as interleaved, or the reverse)."""
+    found = []
+    for module, name, function in rope_pairs.rope_functions(block):
+        site = _function_site(module, name, function)
+        replacement, words = rope_pairs.other_pairs(name, function)
+        found.append(Change(site, words, _ones, patch=(module, name, replacement)))
+        lines = rope_pairs.callers(module, name)
+        file = inspect.getsourcefile(sys.modules[module]) or module
+        for line in lines if len(lines) > 1 else []:  # an attention's and its indexer's calls told apart
+            replacement, words = rope_pairs.other_pairs(name, function, (file, line))
+            found.append(Change(replace(site, caller=(file, line)), words, _ones, patch=(module, name, replacement)))
+    return found
+
+
+def _function_site(module: str, name: str, function: Callable) -> Site:
+    """The site of a module-level function of the reference's modeling code: its ``def`` line (past decorators;
+    a kernel-hub decorator's wrapper read as the function it wraps)."""
+    source = inspect.unwrap(function)
+    try:
+        lines, line = inspect.getsourcelines(source)
+        file = inspect.getsourcefile(source)
+    except (OSError, TypeError):
+        lines, file, line = [], module, 0
+    line += next((i for i, text in enumerate(lines) if text.lstrip().startswith("def ")), 0)
+    return Site(name, file or module, line)
 
 
 #: the arguments of a recurrent cell module's forward that :func:`scan_order.mlstm` computes (xLSTM's backend)

@@ -13,7 +13,16 @@ from typing import cast
 
 import torch
 
-from parity.diagnose.evidence import EXPLAINS, Evidence, forms_of, layer_values, reads_stream, rel, whose
+from parity.diagnose.evidence import (
+    EXPLAINS,
+    Evidence,
+    constant_named,
+    forms_of,
+    layer_values,
+    reads_stream,
+    rel,
+    whose,
+)
 from parity.diagnose.hints import Hint
 from parity.diagnose.masks import dropout_left_on, dropout_pattern
 from parity.diagnose.norms import is_norm, norm_statistics, residual_into
@@ -103,7 +112,7 @@ def stream_around(e: Evidence) -> tuple[Evidence, tuple[str, torch.Tensor], tupl
     if not reads_stream(e.kind):
         # a norm reading the stream (a pre-norm after the add): its inputs are the stream's values
         x_ours, x_ref = e.inputs()
-        if "norm" not in e.kind or x_ours is None or x_ref is None or x_ours.shape != x_ref.shape:
+        if not is_norm(e.kind) or x_ours is None or x_ref is None or x_ours.shape != x_ref.shape:
             return None
         e = replace(e, ours=x_ours, ref=x_ref)
     if e.ours.shape != e.ref.shape:
@@ -159,7 +168,7 @@ def residual_add(e: Evidence) -> Hint | None:
                 return Hint(
                     "residual",
                     f"likely the branch scaled before the residual add in {side}: it adds {c:.6g} * f(x), f(x) = {name}, "
-                    f"to x = {stream[0]}{_named(e, c)} (a depth or branch scale one side applies: MiniCPM's "
+                    f"to x = {stream[0]}{constant_named(e, c)} (a depth or branch scale one side applies: MiniCPM's "
                     "scale_depth / sqrt(num_layers))",
                     {"side": side, "branch": name, "stream": stream[0], "branch_scale": c},
                 )
@@ -396,21 +405,9 @@ def _stream_scaled(e: Evidence, ours_x: torch.Tensor, x: torch.Tensor, where: st
     return Hint(
         "scale",
         f"likely a missing or extra scale on the residual stream: ours' stream at {where} (before this add) is the "
-        f"reference's times {ratio:.6g}{_named(e, ratio)} (a scale applied outside any module, on one side only)",
+        f"reference's times {ratio:.6g}{constant_named(e, ratio)} (a scale applied outside any module, on one side only)",
         {"ratio": ratio, "where": where},
     )
-
-
-def _named(e: Evidence, ratio: float) -> str:
-    """``; matches the config's embedding_multiplier (6)`` (every constant ``ratio`` or its inverse equals,
-    the config's own first), else ``""``."""
-    named = sorted(e.facts.named_constants().items(), key=lambda item: "config" not in item[0])
-    matches = [
-        f"{label}{'' if label.endswith(')') else f' = {value:g}'}"
-        for label, value in named
-        if value and abs(ratio / value - 1) < 1e-3
-    ] + [f"1 / {label}" for label, value in named if value and abs(ratio * value - 1) < 1e-3]
-    return f"; matches {', or '.join(matches[:3])}" if matches else ""
 
 
 def input_scale(e: Evidence) -> Hint | None:
@@ -426,7 +423,7 @@ def input_scale(e: Evidence) -> Hint | None:
     ratio = float((a[keep] / b[keep]).median())
     if abs(ratio - 1) < 1e-3 or rel(a, ratio * b) > max(EXPLAINS, 8 * torch.finfo(x_ref.dtype).eps):
         return None
-    match = _named(e, ratio)
+    match = constant_named(e, ratio)
     return Hint(
         "scale",
         f"likely a missing or extra scale before {e.kind}: ours' input to it is the reference's times {ratio:.6g} at "
@@ -517,7 +514,7 @@ def input_terms(e: Evidence) -> Hint | None:
 
     i = differ[0]
     ratio = float(w_ours[i] / w_ref[i])
-    match = _named(e, ratio)
+    match = constant_named(e, ratio)
     what = f"weighted {ratio:.6g}x in ours{match}"
     return Hint(
         "scale",
@@ -538,7 +535,7 @@ def input_source(e: Evidence) -> Hint | None:
     reference computes after the norm (ours normalises the sub-layer's output: a post-norm where the
     reference has a pre-norm), or the reference's input plus the stream before the sub-layer (ours
     normalises after the residual add)."""
-    if "norm" not in e.kind or e.result.layer is None:
+    if not is_norm(e.kind) or e.result.layer is None:
         return None
     x_ours, x_ref = e.inputs()
     if x_ref is None or x_ours is None or x_ours.shape != x_ref.shape or e.close(x_ours, x_ref):
@@ -586,22 +583,28 @@ def input_source(e: Evidence) -> Hint | None:
                 f"{name} + {b:.6g} x {twin}'s input to it); {twin}'s normalises the sub-layer's output before the add",
                 {"side": side, "reads": name, "stream": a, "branch": b},
             )
-    return _branch_added(e, x_ours, x_ref, before)
+    return _branch_added(e, x_ours, x_ref, before, later)
 
 
-def _branch_added(e: Evidence, x_ours: torch.Tensor, x_ref: torch.Tensor, before: list[str]) -> Hint | None:
+def _branch_added(
+    e: Evidence, x_ours: torch.Tensor, x_ref: torch.Tensor, before: list[str], later: list[str]
+) -> Hint | None:
     """The norm's input on one side is the other's plus one node of the previous layer (a branch added to the
     residual stream as well: Zamba's transformer output, which the reference feeds to the Mamba layer's
-    input alone, added to the stream too): named with the node and the side holding the extra term."""
+    input alone, added to the stream too), or plus one node of its own layer both sides computed (a term of
+    the sum it normalises added after it: Kolibri's shared expert added after the post-MoE norm): named with
+    the node and the side holding the extra term. ``before`` and ``later``: the reference's nodes before and
+    after the norm (a branch the reference adds after it runs later there)."""
     layer = e.result.layer
     assert layer is not None  # input_source's caller checked it
     diff = (x_ours.double() - x_ref.double()).flatten()
-    for name in reversed(before):
+    for name in [*reversed(before), *(n for n in later if e.facts.locate(n)[0] == layer)]:
         at = e.facts.locate(name)[0]
         tensor = e.ref_trace.tensors.get(name)
-        # the layer before's (a branch of this layer missing from the stream is a block layout: its own detectors)
-        if at != layer - 1 or tensor is None or tensor.shape != x_ours.shape:
+        if at not in (layer - 1, layer) or tensor is None or tensor.shape != x_ours.shape:
             continue
+        if at == layer and not _computed_in_ours(e, name):
+            continue  # a branch of this layer ours never computed is a block layout: its own detectors
         t = tensor.double().flatten()
         norm = float(t @ t)
         if norm == 0:
@@ -609,11 +612,21 @@ def _branch_added(e: Evidence, x_ours: torch.Tensor, x_ref: torch.Tensor, before
         c = float(diff @ t) / norm
         if abs(c) < 1e-3 or not e.close((x_ref.double() + c * tensor.double()).to(x_ours.dtype), x_ours):
             continue
-        if c < 0 and name not in e.ours_trace.tensors:
+        if c < 0 and not _computed_in_ours(e, name):
             return None  # a branch ours never computed: a module missing in ours (the never-read hints' case)
         side, other = ("ours", "the reference") if c > 0 else ("the reference", "ours")
         own = {"ours": "ours'", "the reference": "the reference's"}
         times = "" if abs(abs(c) - 1) < 1e-6 else f"{abs(c):.6g} x "
+        if at == layer and _stream_point(e, x_ref if c > 0 else x_ours, before):
+            return None  # the side without the term reads the stream itself (a stale residual): the block's layout
+        if at == layer:
+            return Hint(
+                "residual",
+                f"likely a term of the sum {e.kind} normalises: {own[side]} input to it is {own[other]} plus "
+                f"{times}{name}, which {other} adds after the norm or not at all (that branch's output left out "
+                "of what the norm reads)",
+                {"side": side, "added": name, "factor": abs(c), "same_layer": True},
+            )
         return Hint(
             "residual",
             f"likely the residual stream: {own[side]} input to {e.kind} is {own[other]} plus {times}{name} (a branch's "
@@ -621,6 +634,19 @@ def _branch_added(e: Evidence, x_ours: torch.Tensor, x_ref: torch.Tensor, before
             {"side": side, "added": name, "factor": abs(c)},
         )
     return None
+
+
+def _stream_point(e: Evidence, x: torch.Tensor, before: list[str]) -> bool:
+    """Whether ``x`` is the residual stream at a point the reference recorded before the norm (a norm's input
+    of this layer or the one before, a stream node)."""
+    points = [e.ref_trace.inputs.get(n) for n in before if is_norm(e.facts.locate(n)[1])]
+    points += [e.ref_trace.tensors.get(n) for n in before if reads_stream(e.facts.locate(n)[1])]
+    return any(p is not None and p.shape == x.shape and e.close(x, p) for p in points)
+
+
+def _computed_in_ours(e: Evidence, name: str) -> bool:
+    """Whether ours produced the node (kept, or called and dropped once compared)."""
+    return name in e.ours_trace.tensors or bool(e.ours_trace.calls.get(name))
 
 
 def _sum_of(x: torch.Tensor, stream: torch.Tensor, branch: torch.Tensor) -> tuple[float, float] | None:
@@ -700,7 +726,7 @@ def _weightless_norm(
 def projection_source(e: Evidence) -> Hint | None:
     """A projection whose input in ours is another value the reference computed in this layer (the MLP
     reading the normalised attention branch instead of the residual stream), either side."""
-    if e.result.layer is None or "norm" in e.kind or reads_stream(e.kind):
+    if e.result.layer is None or is_norm(e.kind) or reads_stream(e.kind):
         return None
     x_ours, x_ref = e.inputs()
     if x_ref is None or x_ours is None or x_ours.shape != x_ref.shape or e.close(x_ours, x_ref):

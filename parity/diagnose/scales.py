@@ -54,8 +54,9 @@ def _scale_name(e: Evidence, scale: float) -> str:
     named = {label: v for label, v in e.facts.named_constants().items() if v and not label.startswith("sqrt(")}
     # another width of the head first (the values' v_head_dim): the formula, before a constant equal by chance
     candidates = {f"1/sqrt({n}={w})": w**-0.5 for n, w in _head_widths(e, head_dim).items() if n != "head_dim"}
-    candidates.update(named)  # then the config's own constants
-    candidates.update({f"1 / {label}": 1 / v for label, v in named.items()})
+    # then the config's own constants, the usual formulas, and last the constants squared or inverted (a square
+    # of a residual multiplier equal to 1/sqrt(head_dim) by chance is no reading before the formula)
+    candidates.update({label: v for label, v in named.items() if "squared" not in label})
     candidates.update(
         {
             "1 (no scale)": 1.0,
@@ -64,6 +65,8 @@ def _scale_name(e: Evidence, scale: float) -> str:
             f"1/head_dim (1/sqrt(head_dim={head_dim}) applied twice)": 1.0 / head_dim,
         }
     )
+    candidates.update({label: v for label, v in named.items() if "squared" in label})
+    candidates.update({f"1 / {label}": 1 / v for label, v in named.items()})
     mscale = named.get(YARN_SOFTMAX_MSCALE)
     if mscale is not None:  # latent attention with YaRN: 1/sqrt(width) times mscale squared, over each width
         for width_name, width in _head_widths(e, head_dim).items():
@@ -85,13 +88,15 @@ def _scale_name(e: Evidence, scale: float) -> str:
 def _head_widths(e: Evidence, head_dim: int) -> dict[str, int]:
     """The widths a port may take its attention scale from: head_dim, hidden_size / num_attention_heads where the
     config sets another head_dim (a port deriving it, as most configs do), for latent attention (MLA: each head
-    ``cat(nope, rope)``) the nope and rope parts, and the values' width where it differs (read from the context
+    ``cat(nope, rope)``) the nope and rope parts, with partial rotary the rotated width, and the values' width where it differs (read from the context
     node)."""
     widths = {"head_dim": head_dim}
     layer = e.facts.layer(e.result.layer)
     rotary = layer.rope.rotary_dim if layer is not None and layer.rope is not None else 0
     if ROTATED_LAST in e.facts.features and 0 < rotary < head_dim:
         widths |= {"qk_nope_head_dim": head_dim - rotary, "qk_rope_head_dim": rotary}
+    elif 0 < rotary < head_dim:  # partial rotary: the rotated share's width (Bamba's head_dim * 0.5)
+        widths["rotary_dim"] = rotary
     # the values' own width where it is not the queries' (MLA, MiMo-V2-Flash's v_head_dim)
     context = e.ref_trace.tensors.get(f"{e.name.rsplit('.', 1)[0]}.context")
     heads = e.facts.num_heads

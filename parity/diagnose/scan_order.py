@@ -8,6 +8,8 @@ written here in one order:
 * a selective scan (:func:`selective_scan`: Mamba's ``mamba_selective_scan``, Mamba-2's ``mamba2_chunk_scan``),
   its state decayed and written in another order, its input matrix discretised by zero-order hold instead of
   Mamba's Euler step, the output read before the write, the skip ``D x`` added after the gate;
+* RWKV's WKV recurrence (:func:`wkv`: Transformers' ``rwkv_linear_attention``), its output read after this
+  step's write (no bonus), its state decayed after the write;
 * an mLSTM cell (:func:`mlstm`: xLSTM's kernels, bound by its backend module at init, so the module's output is
   replaced instead), its gates through other functions, the output read before the write, the old state decayed
   without the stabiliser.
@@ -42,7 +44,18 @@ SSM_ORDERS: dict[str, str] = {
     "output_before_update": "read for the output C h before this step's write",
     "decay_after_update": "written before its decay (exp(dt A) (h + dt B x))",
     "D_after_gate": "read with the skip D x added after the output gate silu(z), not before it",
+    "D_discretised": "read with the skip on the discretised input (D dt x), not D x",
 }
+#: the orders of RWKV's WKV step (Peng et al., "RWKV: Reinventing RNNs for the Transformer Era", 2023, eq. 14-16:
+#: ``wkv_t = (a + e^{u + k_t} v_t) / (b + e^{u + k_t})``, then ``a = e^w a + e^{k_t} v_t`` with ``w = -exp(decay)``);
+#: the first is Transformers'
+WKV_ORDERS: dict[str, str] = {
+    "bonus_first": "read for the output with the bonus e^{u + k_t}, then decayed and written (Transformers' order)",
+    "output_after_update": "written with this step's e^{k_t} v_t before it is read for the output (no bonus u)",
+    "decay_after_update": "written before its decay (e^w (a + e^{k_t} v_t))",
+}
+#: names of the reference's WKV functions
+WKV_NAMES = ("rwkv_linear_attention",)
 #: the order Transformers' delta-rule scans run (the replacement's in that order must reproduce the original's)
 OWN = "decay_first"
 #: names of the reference's delta-rule scan functions (module-level, called by name in the block's forward)
@@ -59,7 +72,11 @@ def scan_functions(block: torch.nn.Module) -> list[tuple[str, str, Callable]]:
         return []
     found = []
     for name, value in vars(module).items():
-        if callable(value) and not inspect.isclass(value) and (any(n in name for n in _NAMES) or name in SSM_NAMES):
+        if (
+            callable(value)
+            and not inspect.isclass(value)
+            and (any(n in name for n in _NAMES) or name in SSM_NAMES or name in WKV_NAMES)
+        ):
             found.append((module.__name__, name, value))
     return found
 
@@ -75,7 +92,53 @@ def replacements(name: str, original: Callable) -> list[tuple[Callable, str]]:
             for o, w in SSM_ORDERS.items()
             if gated or o != "D_after_gate"
         ]
+    if name in WKV_NAMES:
+        return [(wkv(original, o), f"the WKV recurrence with its state {w}") for o, w in WKV_ORDERS.items()]
     return [(delta_rule(original, o), f"the delta-rule scan with its state {w}") for o, w in ORDERS.items()]
+
+
+def wkv(original: Callable, order: str) -> Callable:
+    """A replacement for ``original``, RWKV's ``rwkv_linear_attention(time_decay, time_first, key, value, state,
+    return_state)`` (``time_decay`` and ``time_first`` ``(channels,)``, ``key`` and ``value`` ``(batch, seq,
+    channels)``, ``state`` the list ``[numerator, denominator, max]`` of ``(batch, channels)`` or None), computing
+    the recurrence step by step in ``order`` (a key of :data:`WKV_ORDERS`), stabilised by the running max as
+    Transformers' CPU path is; returns ``(output (batch, seq, channels), state or None)``. Raises TypeError when
+    the call does not bind to the original's signature."""
+    signature = inspect.signature(original)
+
+    def scan(*args, **kwargs):
+        a = _arguments(signature, args, kwargs)
+        k, v = _wide(a["key"]), _wide(a["value"])
+        w, u = -torch.exp(_wide(a["time_decay"])), _wide(a["time_first"])
+        state = a.get("state")
+        if state is None:
+            num, den = torch.zeros_like(k[:, 0]), torch.zeros_like(k[:, 0])
+            top = torch.full_like(k[:, 0], -1e38)
+        else:
+            num, den, top = (_wide(s) for s in state)
+        outs = []
+        for t in range(k.shape[1]):
+            k_t, v_t = k[:, t], v[:, t]
+            if order != "output_after_update":
+                m = torch.maximum(top, u + k_t)
+                e1, e2 = torch.exp(top - m), torch.exp(u + k_t - m)
+                outs.append((e1 * num + e2 * v_t) / (e1 * den + e2))
+            if order == "decay_after_update":
+                m = torch.maximum(top, k_t)
+                e1, e2 = torch.exp(top - m), torch.exp(k_t - m)
+                num, den, top = e1 * num + e2 * v_t, e1 * den + e2, m + w
+            else:
+                m = torch.maximum(top + w, k_t)
+                e1, e2 = torch.exp(top + w - m), torch.exp(k_t - m)
+                num, den, top = e1 * num + e2 * v_t, e1 * den + e2, m
+            if order == "output_after_update":
+                outs.append(num / den)
+        out = torch.stack(outs, 1).to(a["key"].dtype)
+        return out, ([num, den, top] if a.get("return_state") or state is not None else None)
+
+    scan.order = order  # type: ignore[attr-defined]
+    scan.own = order == next(iter(WKV_ORDERS))  # type: ignore[attr-defined]
+    return scan
 
 
 def delta_rule(original: Callable, order: str) -> Callable:
@@ -179,8 +242,9 @@ def _mamba1(order: str, a: dict):
     out = out.transpose(1, 2)  # (batch, channels, seq)
     D, z = a.get("D"), a.get("z")
     gate = torch.nn.functional.silu(_wide(z)) if z is not None else None
+    skip = u * dt if order == "D_discretised" else u
     if D is not None and not (order == "D_after_gate" and gate is not None):
-        out = out + u * _wide(D)[None, :, None]
+        out = out + skip * _wide(D)[None, :, None]
     if gate is not None:
         out = out * gate
     if D is not None and order == "D_after_gate" and gate is not None:
@@ -210,7 +274,7 @@ def _mamba2(order: str, a: dict):
     out, state = _ssm_steps(order, x, dt[..., None].expand_as(x), A[:, None, None], B, C, state)
     D = a.get("D")
     if D is not None:
-        out = out + x * _wide(D)[:, None]
+        out = out + (x * dt[..., None] if order == "D_discretised" else x) * _wide(D)[:, None]
     return (out, state) if a.get("return_final_states") else out
 
 

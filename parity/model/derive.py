@@ -336,7 +336,8 @@ def _composite_facts(config, text_config, model=None) -> ArchFacts:
 def _config_multipliers(config) -> dict[str, float]:
     """The config's scalar multipliers and scalings (a number field whose name says multiplier, scaling, factor
     or scale, not 1: MiMo-V2-Flash's attention_value_scale, MiniMax's residual alpha factors), with their squares,
-    by a name a hint can use; and hidden_size over a base width the config names (muP's ``dim_model_base``: MiniCPM
+    by a name a hint can use; RWKV's factor 2 its hidden states are halved by every ``rescale_every`` layers; and
+    hidden_size over a base width the config names (muP's ``dim_model_base``: MiniCPM
     divides its logits by it)."""
     try:
         fields = config.to_dict()
@@ -350,6 +351,8 @@ def _config_multipliers(config) -> dict[str, float]:
         if any(word in key for word in words) or key.endswith("_scale"):
             named[f"the config's {key} ({value:g})"] = float(value)
             named[f"the config's {key} squared ({value * value:g})"] = float(value) ** 2
+        if key == "rescale_every" and isinstance(value, int) and value > 0:  # RWKV's inference halving
+            named[f"the hidden states' halving every config.rescale_every ({value}) layers (RWKV at inference)"] = 2.0
         hidden = fields.get("hidden_size")
         if "base" in key and ("dim" in key or "width" in key) and isinstance(hidden, int) and hidden != value > 0:
             # muP's base width (MiniCPM's dim_model_base): the logits are divided by hidden_size / base

@@ -59,12 +59,20 @@ def _cohere(config, facts: ArchFacts) -> ArchFacts:
     return replace(with_layers(facts, rope=rope), norm_kind="layernorm")
 
 
-@rule("exaone4")
+@rule("exaone4", "kolibri1")
 def _exaone4(config, facts: ArchFacts) -> ArchFacts:
-    # Exaone4Attention rotates only on sliding layers when the config has a window (its full layers are NoPE)
+    # Exaone4Attention (and Kolibri1Attention, its subclass) rotates only on sliding layers when the config has a
+    # window (its full layers are NoPE)
     if not getattr(config, "sliding_window", None):
         return facts
     return with_layers(facts, rope=lambda layer: layer.rope if layer.layer_type == SLIDING else None)
+
+
+@rule("flint")
+def _flint(config, facts: ArchFacts) -> ArchFacts:
+    # FlintAttention rotates only on sliding layers, and only with a window in the config (else on none)
+    window = getattr(config, "sliding_window", None)
+    return with_layers(facts, rope=lambda layer: layer.rope if window and layer.layer_type == SLIDING else None)
 
 
 @rule("gptj", "codegen")

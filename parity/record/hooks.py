@@ -313,6 +313,10 @@ def _record_param(
         passed = next((n for n in nodes if not rec.trace.recorded(n)), None)
         if passed is not None:
             rec.trace.pass_over(passed)
+            cast(dict, rec.trace.extras.setdefault(ABSORBED, {}))[passed] = (
+                "its gain multiplied into the next weight (g[:, None] * W): ours runs it without its gain, so its "
+                "output is not the reference's: not judged; the projection reading it is"
+            )
         return tensor
     if all(rec.trace.recorded(n) for n in nodes):
         again = _read_again(rec.trace, nodes[0], tensor)
@@ -673,7 +677,7 @@ def recording(
             trace.extras[PARTS_REDUCED] = dict(reductions)
         absorbed = getattr(capture, "absorbed", None)
         if absorbed:
-            trace.extras[ABSORBED] = dict(absorbed)
+            trace.extras[ABSORBED] = {**cast(dict, trace.extras.get(ABSORBED, {})), **absorbed}
         _ACTIVE.reset(token)
         for handle in handles:
             handle.remove()

@@ -42,6 +42,7 @@ from parity.diagnose.detectors import diagnose
 from parity.diagnose.evidence import within_tolerance
 from parity.diagnose.hints import Hint
 from parity.diagnose.later_calls import later_call_hint
+from parity.diagnose.norms import is_norm
 from parity.diagnose.profile import error_profile, logits_effect
 from parity.model.pair import Pair
 from parity.record import hf_capture, hf_kernels
@@ -93,6 +94,7 @@ def diagnosis_inputs(pair: Pair) -> frozenset[str]:
         if "@" not in n.kind
         and (
             any(k in n.kind for k in DIAGNOSIS_INPUT_KINDS)
+            or is_norm(n.kind)
             or (isinstance(modules.get(n.reference_path), torch.nn.Linear) and n.layer is not None)
         )
     )
@@ -289,6 +291,7 @@ def ours_recording(pair: Pair, order: Sequence[str] = ()) -> dict:
             functional[ptr] = group[0]
             if group[1:]:
                 siblings[group[0]] = group[1:]
+    _stacked_rows(pair, params, key_of, functional, siblings)
     # a module of ours aligned by its weight whose forward never runs (F.linear(x, self.head.weight) in its
     # parent): the product reading that weight outside the module is the node
     modules = dict(pair.ours.named_modules()) if pair.alignment else {}
@@ -384,6 +387,33 @@ def ours_recording(pair: Pair, order: Sequence[str] = ()) -> dict:
             if n.ours.startswith("param:") and isinstance(ref_modules.get(n.reference_path), torch.nn.Embedding)
         ),
     )
+
+
+def _stacked_rows(
+    pair: Pair, params: dict, key_of: dict, functional: dict[StorageKey, str], siblings: dict[str, list[str]]
+) -> None:
+    """Norm gains stacked as rows of one parameter of ours (``norms[i]``), each row one node's checkpoint vector
+    (loader coverage says which): a read of a row is that row's node, whatever the order ours reads them in (a
+    gain folded into the next weight at load is never read, and the read after it is not its node). Rewrites
+    ``functional`` and ``siblings`` in place: the parameter's key becomes one region per row."""
+    coverage = pair.loading.coverage
+    if coverage is None:
+        return
+    by_key = {f"{n.reference_path}.weight": n.name for n in pair.nodes if n.ours.startswith("param:")}
+    for name, p in params.items():
+        key = key_of.get(id(p))
+        if p.dim() != 2 or key is None or key not in functional:
+            continue
+        group = {functional[key], *siblings.get(functional[key], [])}
+        held = coverage.sources.get(name, [])
+        rows = {by_key.get(s.key): s.rows[0] for s in held if s.rows is not None and len(s.rows) == 1}
+        if len(group) < 2 or set(rows) != group or len(set(rows.values())) != len(rows):
+            continue
+        ptr = p.untyped_storage().data_ptr()
+        siblings.pop(functional.pop(key), None)
+        for node, row in rows.items():
+            start = p.storage_offset() + row * p.stride(0)
+            functional[(ptr, start, start + (p.shape[1] - 1) * p.stride(1) + 1)] = cast(str, node)
 
 
 def _input_axes(pair: Pair, params: dict, ref_modules: dict) -> dict[int, tuple[torch.Tensor, int]]:

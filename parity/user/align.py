@@ -976,6 +976,10 @@ class _Aligner:
         moe = self._moe(spec)
         if moe is not None:
             return moe
+        gain_in = self.coverage.folded.get(f"{ref_path}.weight")
+        if gain_in:  # its gain is in the projections reading it: ours' norm output is not the reference's
+            projections = ", ".join(k.removesuffix(".weight") for k in gain_in[:3])
+            return self._unaligned(spec, f"its gain folded into {projections} at load (compared there)")
         suffix = name.rsplit(".", 1)[-1]
         if suffix in SUFFIXES and name.endswith("." + suffix) and ref_path == name:
             att = name[: -len(suffix) - 1]
@@ -1090,7 +1094,10 @@ class _Aligner:
             our_path, source = hit
             ours = our_path + ("@input" if is_input else "")
             outside = None if is_input else self._bias_outside(base, our_path)
-            if source.how == ROWS and not is_input:
+            vector = source.key in self.state_dict and self.state_dict[source.key].dim() < 2
+            if (
+                source.how == ROWS and not is_input and not vector
+            ):  # a norm's gain stacked with others: its whole output
                 rows = Rows(cast(tuple[int, ...], source.rows))  # a ROWS source has its rows
                 if outside is not None:
                     plus = PlusBias(self.ours_params[outside], rows)

@@ -40,6 +40,7 @@ from parity.run.float64 import Float64Mode, float64_state_dict
 from parity.run.options import CheckOptions
 from parity.user.align import Aligned, align
 from parity.user.derived import config_buffers, derived_keys, scalar_buffers
+from parity.user.folded import folded_tensors, norm_readers
 from parity.user.reference_nodes import reference_nodes
 from parity.util.devices import Placement
 from parity.util.errors import ParityError
@@ -266,6 +267,31 @@ def _transformer_lens_processed(model: nn.Module) -> bool:
     return float(w_e.mean(-1).abs().max()) <= 1e-6 * max(float(w_e.abs().max()), 1e-30)
 
 
+def _with_folded_gains(ref: Reference, held: dict, coverage, coverage_of):
+    """Loader coverage of ``held`` (the checkpoint's tensors) with the norm gains a port folded into the next projections at load
+    (:mod:`parity.user.folded`) read so, when that leaves fewer checkpoint tensors unplaced; else as given. Each
+    fold is a conversion line; a gain no parameter holds as well counts as computed into those projections."""
+    assert ref.model is not None  # prepared() builds it
+    folds, into = folded_tensors(norm_readers(ref.model, ref.facts.vocab_size), held, coverage.unused)
+    trial = coverage_of({**held, **folds}) if folds else coverage
+    # a gain folded into some of its projections only is no fold ours made (one folded otherwise: a wrong fold,
+    # judged at its node as a value computed at load)
+    partial = {g for g, weights in into.items() if set(weights) & set(trial.unused)}
+    if partial:
+        into = {g: weights for g, weights in into.items() if g not in partial}
+        folds = {w: folds[w] for weights in into.values() for w in weights}
+        trial = coverage_of({**held, **folds}) if folds else coverage
+    if not folds or len(trial.unused) >= len(coverage.unused):
+        return coverage
+    holders = {s.key: s.param for sources in trial.sources.values() for s in sources}
+    trial.folded.update(into)
+    for g, weights in into.items():
+        trial.conversions.append(f"{g}: folded into the input columns of {', '.join(weights)} (W * g, at load)")
+        if g in trial.unused:
+            trial.mark_derived({g: sorted({holders[w] for w in weights if w in holders})})
+    return trial
+
+
 def _unread_copies(coverage, model: nn.Module, tied_keys: dict[str, str] | None, vocab_size: int) -> None:
     """A checkpoint tensor ours holds in more parameters than the reference's ties allow, where some of them ours'
     forward never reads (a plain copy of the embedding kept beside the scaled copies forward uses): those are
@@ -424,9 +450,13 @@ def build_user_pair(
             unread=unread_rows(reference_model),
         )
 
-    coverage = coverage_of(ref.state_dict)  # the tensors as the reference runs them
+    held = ref.state_dict  # the tensors as the reference runs them
+    coverage = coverage_of(held)
     if rewritten and set(coverage.unused) & set(rewritten):  # ours applies the rewrite in its forward instead
-        coverage = coverage_of({**ref.state_dict, **rewritten})
+        held = {**ref.state_dict, **rewritten}
+        coverage = coverage_of(held)
+    if coverage.unused:  # a norm's gain folded into the projections reading it, at load
+        coverage = _with_folded_gains(ref, held, coverage, coverage_of)
     _unread_copies(coverage, model, ref.tied_keys, ref.facts.vocab_size)
     if (coverage.unused or coverage.unwritten) and not _transformer_lens_processed(model):  # processed: see message
         coverage.mark_numbers(scalar_buffers(ref.model, coverage.unused))
