@@ -126,7 +126,7 @@ NAMED = [
     ("exaone4", "ex_llama3_low_high_factor_swapped", False, "model.layers.0.self_attn.q_rot", "rope_scaling",
      "llama3 scaling with low_freq_factor and high_freq_factor exchanged"),  # a generic band before set 25
     ("exaone4", "ex_post_attn_norm_before_o_proj", False, "model.layers.0.self_attn.o_proj", "norm_placement",
-     "the reference runs post_attention_layernorm after o_proj"),
+     "ours applies model.layers.0.post_attention_layernorm here, where the reference runs it elsewhere"),
     ("exaone4", "ex_qk_norm_scale_dropped", False, "model.layers.0.self_attn.scores", "attention_scale",
      "ours scales q k^T by 1 (= 1 (no scale))"),
     ("diffllama", "dl_lambda_init_layer_from_one", False, "model.layers.0.self_attn.o_proj", "differential_attention",

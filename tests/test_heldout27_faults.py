@@ -197,7 +197,8 @@ NAMED = [
 #: norm grouped otherwise or gated after it, B/C swapped and Laguna's experts' gate/up swapped, component-only here
 #: before, are named since the seventeenth session: NAMED)
 COMPONENT = [
-    ("minicpm3", "mc_kvb_blocks", False, "model.layers.0.self_attn.kv_b_proj", "shape", "ours (1, 24, 32)"),
+    ("minicpm3", "mc_kvb_blocks", False, "model.layers.0.self_attn.k_rot", "qkv_layout",
+     "the per-head layout read as [all k_nope | all v]"),
     ("minicpm3", "mc_padding_mask_ignored", True, "model.layers.0.self_attn.o_proj", "one_change",
      "the mask's padding left out (the causal part alone: padding keys read)"),
     ("laguna", "lg_softcap_after_sigmoid", False, "model.layers.1.mlp.router.experts", "routing",

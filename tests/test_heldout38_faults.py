@@ -6,7 +6,8 @@ first fits of older sets' leftovers (a norm moved across a product, RWKV's WKV s
 norms), nothing fitted to set 38: correct runs 34 of 36 (Kolibri's input norm gain folded into its fused q/k/v weight
 at load: the stacked gains' next read, ``norms[1]``, was taken for the folded gain's node); 38 of 42 bugs named
 (90%: Flint's interleaved gate/up by refusing, naming that layout); one wrong cause (Kolibri's shared expert added
-after the post-MoE norm read as a pre-norm/post-norm swap). Fitted after, by kind: stacked norm gains read by row; a
+after the post-MoE norm read as a pre-norm/post-norm swap). Fitted after, by kind: stacked norm gains read by row
+where one is folded; a
 gain folded into the projections at load read as such (``parity/user/folded.py``); a term of the sum a norm reads
 left out of it, and no placement claimed for part of a sub-block; NoPE full layers in Flint's and Kolibri's facts;
 ``1/sqrt(rotary_dim)`` named; one-change kinds: a top-k ranking an activation of the logits, the skip ``D`` on the
@@ -136,7 +137,8 @@ NAMED = [
     ("flint", "sliding_mask_without_padding", True, "model.layers.0.self_attn.probs", "padding",
      "ours gives weight to 80 earlier padding keys the other side masks"),
     ("kolibri1", "norm_names_swapped", False, "model.layers.0.post_self_attn_layernorm", "swapped_weights",
-     "the weights of post_attention_layernorm and post_self_attn_layernorm loaded into each other's places"),
+     "ours' model.layers.0.post_self_attn_layernorm multiplies by the weight of "
+     "model.layers.0.post_attention_layernorm"),
     ("kolibri1", "post_attn_norm_after_residual", False, "model.layers.0.post_self_attn_layernorm", "norm_placement",
      "ours' post_self_attn_layernorm normalises the sum after the residual add"),
     ("kolibri1", "shared_expert_after_post_norm", False, "model.layers.0.post_mlp_layernorm", "residual",

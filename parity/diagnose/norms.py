@@ -759,6 +759,8 @@ def _part_of_sub_block(e: Evidence, layer: int, block: list[str], shared: list[s
     depth = f"{e.facts.layer_prefix}.{layer}".count(".") + 2
     child = lambda name: ".".join(name.split(".")[:depth])
     subs = {child(n) for n in block}
+    if child(norm) in subs:  # a norm inside that sub-block (BitNet's attn_sub_norm): a placement within it
+        return False
     return any(n not in block and n != norm and child(n) in subs for n in shared)
 
 

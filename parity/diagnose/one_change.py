@@ -64,9 +64,9 @@ MAX_SECONDS = 60.0
 
 #: ops that hand on a norm's output unchanged but for its shape
 _RESHAPES = frozenset({"reshape", "view", "flatten", "contiguous"})
-#: ops that hand on a skipped norm's input to the product that reads it (its axes or its dtype changed)
+#: ops that hand on a skipped norm's or activation's input to the product that reads it (its axes or dtype changed)
 _HANDS_ON = _RESHAPES | {"transpose", "permute", "to", "float", "type_as", "unsqueeze", "squeeze"}
-#: products whose output a norm moved across them normalises
+#: products a norm or an activation moved across them applies to their output
 _PRODUCTS = ("linear", "matmul", "__matmul__", "bmm")
 #: the activations one may stand in place of another; tanh (a soft cap's) and abs (a rate kept positive) may only be
 #: left out
@@ -143,7 +143,9 @@ class Change:
     #: a gate moved across a norm: "before" (a product of a norm's output and a gate rewritten as the norm of the
     #: gated input, ``rewrite(args, kwargs, out, mode)``), "after" (a norm module's gated input rewritten as the
     #: norm of the input times the gate, ``rewrite(module, args, kwargs, out, mode)``); "moved" (a weightless norm
-    #: module's call skipped, the product reading its input normalised: :func:`_norms_moved`); "" for none
+    #: module's call or an activation skipped, the product reading its input normalised or activated:
+    #: :func:`_norms_moved`, :func:`_activation_skipped`); "after_softmax" (a mask's fill skipped, the next softmax's
+    #: probabilities zeroed there: :func:`_fill_after_softmax`); "" for none
     norm_gate: str = ""
 
     @property
@@ -371,7 +373,7 @@ def _name(func) -> str:
 
 def _in_place(func, args: tuple) -> bool:
     """Whether ``func`` writes its first input in place (``__itruediv__``, ``div_``)."""
-    name = getattr(func, "__name__", "")
+    name = _name(func)
     dunder = name.startswith("__i") and name[3:-2] in ("add", "sub", "mul", "truediv", "div", "floordiv", "pow")
     inplace = dunder or (name.endswith("_") and not name.endswith("__"))
     return inplace and bool(args) and isinstance(args[0], torch.Tensor)

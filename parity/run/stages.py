@@ -393,11 +393,13 @@ def _stacked_rows(
     pair: Pair, params: dict, key_of: dict, functional: dict[StorageKey, str], siblings: dict[str, list[str]]
 ) -> None:
     """Norm gains stacked as rows of one parameter of ours (``norms[i]``), each row one node's checkpoint vector
-    (loader coverage says which): a read of a row is that row's node, whatever the order ours reads them in (a
-    gain folded into the next weight at load is never read, and the read after it is not its node). Rewrites
-    ``functional`` and ``siblings`` in place: the parameter's key becomes one region per row."""
+    (loader coverage says which), one of them folded into the next weights at load (``Coverage.folded``): a read
+    of a row is that row's node, as the folded gain's row is never read and the read after it is not its node.
+    Otherwise the reads go to the nodes in the reference's order (a row read where another norm runs is that
+    norm's weight applied there: the hint names it). Rewrites ``functional`` and ``siblings`` in place: the
+    parameter's key becomes one region per row."""
     coverage = pair.loading.coverage
-    if coverage is None:
+    if coverage is None or not coverage.folded:
         return
     by_key = {f"{n.reference_path}.weight": n.name for n in pair.nodes if n.ours.startswith("param:")}
     for name, p in params.items():
@@ -406,6 +408,8 @@ def _stacked_rows(
             continue
         group = {functional[key], *siblings.get(functional[key], [])}
         held = coverage.sources.get(name, [])
+        if not any(s.key in coverage.folded for s in held):
+            continue
         rows = {by_key.get(s.key): s.rows[0] for s in held if s.rows is not None and len(s.rows) == 1}
         if len(group) < 2 or set(rows) != group or len(set(rows.values())) != len(rows):
             continue

@@ -1094,10 +1094,15 @@ class _Aligner:
             our_path, source = hit
             ours = our_path + ("@input" if is_input else "")
             outside = None if is_input else self._bias_outside(base, our_path)
-            vector = source.key in self.state_dict and self.state_dict[source.key].dim() < 2
-            if (
-                source.how == ROWS and not is_input and not vector
-            ):  # a norm's gain stacked with others: its whole output
+            # a norm's gain held whole as one row of a stacked tensor is no fused projection's rows: its module makes
+            # its whole output (a vector held with its elements reordered is: its rows are those elements)
+            stacked = (
+                source.key in self.state_dict
+                and self.state_dict[source.key].dim() < 2
+                and source.rows is not None
+                and len(source.rows) == 1
+            )
+            if source.how == ROWS and not is_input and not stacked:
                 rows = Rows(cast(tuple[int, ...], source.rows))  # a ROWS source has its rows
                 if outside is not None:
                     plus = PlusBias(self.ours_params[outside], rows)

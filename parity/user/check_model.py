@@ -268,9 +268,10 @@ def _transformer_lens_processed(model: nn.Module) -> bool:
 
 
 def _with_folded_gains(ref: Reference, held: dict, coverage, coverage_of):
-    """Loader coverage of ``held`` (the checkpoint's tensors) with the norm gains a port folded into the next projections at load
-    (:mod:`parity.user.folded`) read so, when that leaves fewer checkpoint tensors unplaced; else as given. Each
-    fold is a conversion line; a gain no parameter holds as well counts as computed into those projections."""
+    """Loader coverage of ``held`` (the checkpoint's tensors) with the norm gains a port folded into the next
+    projections at load (:mod:`parity.user.folded`) read so, when that leaves fewer checkpoint tensors unplaced;
+    else ``coverage`` as given. Each fold is a conversion line; a gain no parameter holds as well counts as
+    computed into those projections."""
     assert ref.model is not None  # prepared() builds it
     folds, into = folded_tensors(norm_readers(ref.model, ref.facts.vocab_size), held, coverage.unused)
     trial = coverage_of({**held, **folds}) if folds else coverage
