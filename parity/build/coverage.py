@@ -113,6 +113,12 @@ class Source:
         return [0], list(range(1, dim))
 
     @property
+    def one_row(self) -> int | None:
+        """The row of ours a ``rows`` source holds the key in whole (a norm's vector stacked with others as
+        ``norms[i]``, or a weight and bias as ``wb[0]``, ``wb[1]``); None for any other."""
+        return self.rows[0] if self.how == ROWS and self.rows is not None and len(self.rows) == 1 else None
+
+    @property
     def slice_rows(self) -> tuple[int, ...] | None:
         """The key's rows a ``slice`` source holds when it is a block of whole rows (``[128:320, :]``, a bias's
         ``[128:320]``: Mamba-2's in_proj cut into z, xBC and dt at load, each a view); else None."""

@@ -204,7 +204,7 @@ class _Changing(TorchFunctionMode):
         # an in-place op's input, kept while a change runs: its rewrite reads the value before the op
         before = args[0].clone() if self.inside and self.change is not None and _in_place(func, args) else None
         out = func(*args, **kwargs)
-        if self.normed and args and isinstance(out, torch.Tensor) and getattr(func, "__name__", "") in _RESHAPES:
+        if self.normed and args and isinstance(out, torch.Tensor) and _name(func) in _RESHAPES:
             source = self.normed.get(id(args[0]))
             if source is not None and out.numel() == args[0].numel():  # a norm's output reshaped (heads merged)
                 self.normed[id(out)] = source

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from parity.diagnose.scan_order import _arguments
+from parity.diagnose.scan_order import bound_arguments
 
 #: the prefix of the reference's RoPE functions
 PREFIX = "apply_rotary_pos_emb"
@@ -67,7 +67,7 @@ def other_pairs(name: str, original: Callable, caller: tuple[str, int] | None = 
                 frame = frame.f_back
             if (frame.f_code.co_filename, frame.f_lineno) != caller:
                 return original(*args, **kwargs)
-        a = _arguments(signature, args, kwargs)
+        a = bound_arguments(signature, args, kwargs)
         dim = a.get("unsqueeze_dim", 1)
         cos, sin = a["cos"].unsqueeze(dim), a["sin"].unsqueeze(dim)
         turn = _half_split if interleaved else _interleaved

@@ -107,7 +107,7 @@ def wkv(original: Callable, order: str) -> Callable:
     signature = inspect.signature(original)
 
     def scan(*args, **kwargs):
-        a = _arguments(signature, args, kwargs)
+        a = bound_arguments(signature, args, kwargs)
         k, v = _wide(a["key"]), _wide(a["value"])
         w, u = -torch.exp(_wide(a["time_decay"])), _wide(a["time_first"])
         state = a.get("state")
@@ -151,7 +151,7 @@ def delta_rule(original: Callable, order: str) -> Callable:
     signature = inspect.signature(original)
 
     def scan(*args, **kwargs):
-        a = _arguments(signature, args, kwargs)
+        a = bound_arguments(signature, args, kwargs)
         out, state = _recurrence(
             order,
             a["query"],
@@ -188,7 +188,7 @@ def selective_scan(original: Callable, order: str) -> Callable:
     signature = inspect.signature(original)
 
     def scan(*args, **kwargs):
-        a = _arguments(signature, args, kwargs)
+        a = bound_arguments(signature, args, kwargs)
         if "chunk_size" in a:
             return _mamba2(order, a)
         return _mamba1(order, a)
@@ -278,7 +278,7 @@ def _mamba2(order: str, a: dict):
     return (out, state) if a.get("return_final_states") else out
 
 
-def _arguments(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict:
+def bound_arguments(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict:
     """A call's arguments by name, defaults filled and ``**kwargs`` spread (TypeError when they do not bind)."""
     bound = signature.bind(*args, **kwargs)
     bound.apply_defaults()

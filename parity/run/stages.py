@@ -410,7 +410,7 @@ def _stacked_rows(
         held = coverage.sources.get(name, [])
         if not any(s.key in coverage.folded for s in held):
             continue
-        rows = {by_key.get(s.key): s.rows[0] for s in held if s.rows is not None and len(s.rows) == 1}
+        rows = {by_key.get(s.key): s.one_row for s in held if s.one_row is not None}
         if len(group) < 2 or set(rows) != group or len(set(rows.values())) != len(rows):
             continue
         ptr = p.untyped_storage().data_ptr()

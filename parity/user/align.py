@@ -1097,10 +1097,7 @@ class _Aligner:
             # a norm's gain held whole as one row of a stacked tensor is no fused projection's rows: its module makes
             # its whole output (a vector held with its elements reordered is: its rows are those elements)
             stacked = (
-                source.key in self.state_dict
-                and self.state_dict[source.key].dim() < 2
-                and source.rows is not None
-                and len(source.rows) == 1
+                source.one_row is not None and source.key in self.state_dict and self.state_dict[source.key].dim() < 2
             )
             if source.how == ROWS and not is_input and not stacked:
                 rows = Rows(cast(tuple[int, ...], source.rows))  # a ROWS source has its rows
