@@ -24,7 +24,8 @@ tensor never loaded); no wrong cause seen (``qsa_tail_dropped`` reads as a mask 
 queries, which is what dropping the trailing block does to them, under the padding kind). Then (twenty-second session) a grouped norm gain read in the float64 pass too, where the
 weights are known by name only: the sigmoid router is named; an additive mask's padding left out (the indexer's) by
 the one-change search; RWKV's key and value mixes read by each other's weights named as the key reading the value's
-input (34 of 42).
+input (34 of 42). Twenty-fourth session: the indexer's key norm applied to each key before the block's mean pools
+them, named as a module applied before a reduction (the false shape before).
 """
 
 from __future__ import annotations
@@ -118,6 +119,8 @@ NAMED = [
      "this fused output read as 2 whole blocks (every head's part j together)"),
     ("qwen4_exp", "qsa_blocks_absolute", True, "model.layers.1.self_attn.indexer.k_layernorm", "loop_count",
      "ours runs it 41 times in this forward, the reference 39"),
+    ("qwen4_exp", "qsa_knorm_before_pool", False, "model.layers.1.self_attn.indexer.k_layernorm", "reduction_order",
+     "ours applies it to each of the 3 vectors along axis 1 (output (1, 3, 12)) and takes their mean after"),
     ("qwen4_exp", "hc_norm_ungrouped", False, "model.layers.0.attn_hyper_connection.hc_norm", "norm_kind",
      "ours behaves like RMSNorm over the last axis, the reference like RMSNorm per stream (3 groups of hidden_size"),
     ("qwen4_exp", "moe_sigmoid_router", False, "model.layers.1.attn_hyper_connection.hc_norm", "one_change",

@@ -12,7 +12,9 @@ full layers named as the layer pattern; the routing weights scaled by one named 
 formula read before a square of a config constant; one-change kinds: RoPE's pairs in the other convention (per
 calling line: an indexer's call told from its attention's), an activation moved across the product reading it, a
 mask filled after the softmax. After: 36 of 36 correct runs, 41 of 42 bugs named, no wrong cause seen; unnamed:
-GLM's shared indexer layer reading the first full layer's choice instead of the latest (a value of another layer).
+GLM's shared indexer layer reading the first full layer's choice instead of the latest (a value of another layer),
+named in the twenty-fourth session by the one-change search's argument of a layer's call given the value another
+layer received or returned.
 """
 
 from __future__ import annotations
@@ -147,6 +149,8 @@ NAMED = [
      "the per-head layout read as [all k_nope | all v]"),
     ("glm_moe_dsa", "latent_norm_eps_config", False, f"{ATTN}.q_a_layernorm", "norm_eps",
      "as eps 0.01 in ours and 1e-06 in the reference give"),
+    ("glm_moe_dsa", "shared_topk_stale", False, "model.layers.3.self_attn.o_proj", "one_change",
+     "model.layers.3's `prev_topk_indices` given the value model.layers.0's call returned (its output 1)"),
     ("glm_moe_dsa", "indexer_causal_only", True, f"{ATTN}.o_proj", "one_change",
      "the mask's padding left out (the causal part alone"),
     ("granitemoe_swa", "attn_scale_rsqrt_head_dim", False, f"{ATTN}.scores", "attention_scale",

@@ -610,3 +610,87 @@ def test_an_mlstm_cell_s_read_order_is_named_on_either_side():
     assert _changes_named(torch.nn.Sequential(CellLayer(read_first=True)).eval(), x)(own)[0].startswith(
         "the mLSTM cell with an exp input gate, a sigmoid forget gate"
     )
+
+
+class Selecting(torch.nn.Module):
+    """Picks 2 of 8 features per token (``select``) and mixes the picked ones back into the stream."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.score = torch.nn.Parameter(torch.randn(8, 8, generator=g))
+        self.value = torch.nn.Parameter(torch.randn(8, 8, generator=g) / 3)
+
+    def select(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.topk(F.linear(x, self.score), 2, dim=-1).indices
+
+    def forward(self, x: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(torch.gather(F.linear(x, self.value), -1, chosen).sum(-1, keepdim=True)) * x
+
+
+class SharingLayer(torch.nn.Module):
+    """A layer choosing its own features ("full") or reusing the ones handed on to it ("shared"), GLM-MoE-DSA's
+    indexer pattern."""
+
+    def __init__(self, seed: int, shared: bool):
+        super().__init__()
+        self.mix, self.shared = Selecting(seed), shared
+
+    def forward(self, x: torch.Tensor, prev_chosen: torch.Tensor | None = None):
+        chosen = prev_chosen if self.shared and prev_chosen is not None else self.mix.select(x)
+        return x + self.mix(x, chosen), chosen
+
+
+class Sharing(torch.nn.Module):
+    """Four layers, full and shared in turn; ``stale``: a shared layer reuses the FIRST full layer's choice instead
+    of the latest one."""
+
+    def __init__(self, stale: bool = False):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(SharingLayer(i, shared=i % 2 == 1) for i in range(4))
+        self.stale = stale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first = chosen = None
+        for layer in self.layers:
+            handed = first if self.stale and layer.shared else chosen
+            x, chosen = layer(x, prev_chosen=handed)
+            first = chosen if first is None else first
+        return x
+
+
+def _layer_3_output(model: Sharing, x: torch.Tensor) -> torch.Tensor:
+    kept: list[torch.Tensor] = []
+    hook = model.layers[3].mix.register_forward_hook(lambda _m, _a, out: kept.append(out))
+    with torch.no_grad():
+        model(x)
+    hook.remove()
+    return kept[0]
+
+
+def _handed_words(reference: Sharing, ours: Sharing, x: torch.Tensor) -> list[str]:
+    ours.load_state_dict(reference.state_dict())
+    theirs, recorded = _layer_3_output(ours, x), _layer_3_output(reference, x)
+    assert not torch.allclose(theirs, recorded, atol=1e-4)  # the fault shows at layer 3
+    close = lambda value: bool(torch.allclose(value, theirs, atol=1e-6))
+    same = lambda value: bool(torch.allclose(value, recorded, atol=1e-6))
+    target = one_change.Target("layers.3.mix", "layers.3.mix", close, same)
+    found = one_change.search(reference, "layers.3.mix", [target], lambda: reference(x), scope="layers.3")
+    assert found is not None
+    assert found[0][0].where.endswith(
+        "(`def forward(self, x: torch.Tensor, prev_chosen: torch.Tensor | None = None):`)"
+    )
+    return [c.words for c, _ in found]
+
+
+def test_a_value_handed_on_from_another_layer_is_named_on_either_side():
+    """Layer 3 (shared) reads the choice layer 2 made; the stale side reads layer 0's: re-running the reference's
+    layer 3 with that argument taken from what layer 0 returned (ours stale) or layer 2 returned (the reference
+    stale) makes the sides agree."""
+    x = torch.randn(1, 6, 8, generator=torch.Generator().manual_seed(4))
+    assert _handed_words(Sharing(), Sharing(stale=True), x)[0].startswith(
+        "layers.3's `prev_chosen` given the value layers.0's call returned (its output 1)"
+    )
+    assert _handed_words(Sharing(stale=True), Sharing(), x)[0].startswith(
+        "layers.3's `prev_chosen` given the value layers.2's call returned (its output 1)"
+    )

@@ -192,8 +192,8 @@ class Coverage:
     #: a norm's gain folded into the input columns of the projections reading that norm, at load: gain key ->
     #: those projections' weight keys (:mod:`parity.user.folded`); ours runs the norm without its gain
     folded: dict[str, list[str]] = field(default_factory=dict)
-    #: plain tensors of a user's model (kept in a dict or list, adopted as ``plain__`` parameters) that hold no
-    #: checkpoint tensor and are smaller or larger than every unplaced one: state computed at build (RoPE
+    #: plain tensors of a user's model (kept in a dict or list, adopted as ``plain__`` parameters) and RoPE
+    #: frequencies kept as frozen parameters (``requires_grad=False``) that hold no checkpoint tensor and are smaller or larger than every unplaced one: state computed at build (RoPE
     #: frequencies), as a buffer's would be, not a gap
     computed: list[str] = field(default_factory=list)
     #: scalar buffers of the reference (constants of the architecture its module registers, xIELU's eps) that
@@ -509,6 +509,28 @@ def _split_part(p: torch.Tensor, t: torch.Tensor) -> tuple[tuple[int, int, int],
             found = _layout(p, part)
             if found is not None:
                 return (axis, start, start + size), found[0], found[1]
+    return _vector_slice(p, t)
+
+
+def _frequencies(t: torch.Tensor) -> bool:
+    """Whether ``t`` looks like RoPE's inverse frequencies: a float vector of positive values, none above 1,
+    never rising (``theta ** (-2i / d)``, scaled or not)."""
+    if t.dim() != 1 or t.numel() < 2 or not t.is_floating_point():
+        return False
+    return bool((t > 0).all() and (t <= 1).all() and (t[1:] <= t[:-1]).all())
+
+
+def _vector_slice(p: torch.Tensor, t: torch.Tensor) -> tuple[tuple[int, int, int], tuple[int, ...], bool] | None:
+    """``((0, start, stop), identity, False)`` when ``p`` holds a contiguous slice of the vector ``t`` in another
+    shape, the vector cut into unequal parts (Mamba-2's in_proj bias cut into z, x, B, C and dt at load, each
+    kept per head as ``(heads, head_dim)``); None otherwise."""
+    if t.dim() != 1 or p.dim() < 2:
+        return None
+    flat = p.reshape(-1).to(t.dtype)
+    for start in (flat[0] == t).nonzero().flatten().tolist():
+        stop = start + flat.numel()
+        if stop <= t.numel() and torch.equal(t[start:stop], flat):
+            return (0, start, stop), tuple(range(p.dim())), False
     return None
 
 
@@ -1084,7 +1106,12 @@ def loader_coverage(
                     )
                     continue
                 why = _transposed_in(p.data, free) or _strided_in(p.data, free)
-                if all(n.rsplit(".", 1)[-1].startswith(PLAIN) for n in names) and not why:
+                # a plain tensor adopted as a parameter, or RoPE's inverse frequencies kept as a frozen one
+                # (``requires_grad=False``): state, as a buffer is
+                state = all(n.rsplit(".", 1)[-1].startswith(PLAIN) for n in names) or (
+                    not p.requires_grad and _frequencies(p.data)
+                )
+                if state and not why:
                     plain.append((label, p.numel()))  # judged below, once every checkpoint tensor is placed
                     continue
                 cov.unwritten.append(f"{label} (holds no checkpoint tensor in any layout parity knows{why})")
@@ -1119,6 +1146,10 @@ def loader_coverage(
                 row_views.setdefault(src.key, []).append((rows, label))
             elif src.how == SLICE:
                 other_views.add(src.key)
+    # a vector cut both ways (Mamba-2's in_proj bias: some parts kept per head, one copied as rows): its cuts along
+    # its one axis are rows too, judged together
+    for key in [k for k in splits_of if k in parts_of and state_dict[k].dim() == 1]:
+        parts_of[key] += [(tuple(range(start, stop)), label) for (_, start, stop), label in splits_of.pop(key)]
     for key, copied in parts_of.items():
         labels = [label for _, label in copied]
         fused = state_dict[key]
@@ -1193,8 +1224,8 @@ def loader_coverage(
                 cov.gaps.append(f"tied weights {target} and {source} are not the same Parameter in ours: {found}")
         else:
             cov.tied.append(f"{target} -> {source}: no parameter of ours holds it")
-    # a plain tensor of ours holding nothing is state computed at build (RoPE frequencies kept in a dict), as a
-    # buffer would be, unless it is as large as a checkpoint tensor nothing holds: then it may be that weight
+    # a plain (or frozen) tensor of ours holding nothing is state computed at build (RoPE frequencies kept in a
+    # dict), as a buffer would be, unless it is as large as a checkpoint tensor nothing holds: then it may be that weight
     # loaded in a layout parity does not know, and stays a gap
     sizes = {state_dict[k].numel() for k in cov.unused}
     for label, numel in plain:

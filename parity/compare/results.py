@@ -11,8 +11,10 @@ float64) and every sum accumulated in float64, so the metrics add no error of th
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from typing import TYPE_CHECKING, TypeVar, cast
 
 import torch
@@ -116,6 +118,65 @@ class NodeResult:
         )
 
 
+#: a node of one expert of a MoE block (``mlp.experts.3``)
+_EXPERT = re.compile(r"\.experts\.\d+$")
+
+
+def _first_along(ref: torch.Tensor, axis: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """``ref``'s first entry along ``axis``, in ``shape``."""
+    return ref.narrow(axis, 0, 1).reshape(shape)
+
+
+def _every(ref: torch.Tensor, step: int) -> torch.Tensor:
+    """Every ``step``-th row of ``ref`` (each sequence's first of tokens flattened over the batch)."""
+    return ref[::step]
+
+
+def _one_position(
+    name: str, our_t: torch.Tensor, ref_t, atol: float, rtol: float, padding: torch.Tensor | None = None
+) -> Metrics | None:
+    """Ours holds one position of the reference's node (its sequence axis dropped, or of size 1; a router's
+    ``(batch * seq, experts)`` one row per sequence) and agrees with the reference's first: a model run one token
+    per call inside its forward (a decode loop, llama2.c's ``forward(token, pos)``), its first call recorded; not
+    judged beyond it. An expert's node (its first call is the first token routed to it, in no fixed place) is not
+    judged at all. ``padding``: ``(batch, seq)``, True at padding: a row whose first position is padding is not
+    judged. None for any other shape difference, one differing at the first position too (a shape difference:
+    the diagnosis reads it)."""
+    shape = tuple(ref_t.shape)
+    firsts: list[tuple[int, int, Callable[[torch.Tensor], torch.Tensor]]] = []
+    for axis, size in enumerate(shape[:-1]):  # the last axis holds features (a router's k): never the positions
+        dropped, kept = shape[:axis] + shape[axis + 1 :], shape[:axis] + (1,) + shape[axis + 1 :]
+        if size >= 2 and tuple(our_t.shape) in (dropped, kept):
+            firsts.append((axis, size, partial(_first_along, axis=axis, shape=tuple(our_t.shape))))
+    if padding is not None and padding.dim() == 2 and shape and shape[0] == padding.numel() > padding.shape[0]:
+        seq = padding.shape[1]  # tokens flattened over the batch: each sequence's first is every seq-th row
+        if tuple(our_t.shape) == (padding.shape[0], *shape[1:]):
+            firsts.append((0, seq, partial(_every, step=seq)))
+    for axis, size, pick in firsts:
+        ref = ref_t if isinstance(ref_t, torch.Tensor) else ref_t.load()
+        first = pick(ref)
+        if first.is_floating_point() != our_t.is_floating_point():
+            continue
+        held = f"ours holds one position of {size} (axis {axis}): a forward run one token per call (a decode loop)"
+        if _EXPERT.search(name):
+            return Metrics(status=UNTAPPED, detail=f"{held}; an expert's first call is no fixed position: not judged")
+        mine = our_t
+        if padding is not None and padding.dim() == 2 and our_t.dim() and our_t.shape[0] == padding.shape[0]:
+            real = ~padding[:, 0].to(our_t.device)  # rows whose first position is a real token
+            mine, first = our_t[real], first[real]
+        agrees = mine.numel() == 0 or (
+            tensor_metrics(mine, first, atol, rtol).status == OK
+            if first.is_floating_point()
+            else torch.equal(mine.sort(-1).values, first.sort(-1).values)  # a router's choices, a set per row
+        )
+        if agrees:
+            return Metrics(
+                status=UNTAPPED,
+                detail=f"{held}, its first call recorded, which agrees with the reference's first; not judged beyond it",
+            )
+    return None
+
+
 def compare_node(
     spec: NodeSpec,
     index: int,
@@ -165,7 +226,9 @@ def compare_node(
             where = "the value its forward returns (no tensor, nor a tuple, list or dict holding one first)"
         metrics = Metrics(status=MISSING, detail=f"{side} produced no tensor at {where}")
     elif ref_t.shape != our_t.shape:
-        metrics = Metrics(status=SHAPE, detail=f"ours {tuple(our_t.shape)} vs reference {tuple(ref_t.shape)}")
+        metrics = _one_position(spec.name, our_t, ref_t, atol, rtol, padding) or Metrics(
+            status=SHAPE, detail=f"ours {tuple(our_t.shape)} vs reference {tuple(ref_t.shape)}"
+        )
     elif not ref_t.is_floating_point() and not our_t.is_floating_point():
         ref_t = ref_t if isinstance(ref_t, torch.Tensor) else ref_t.load()  # a spilled integer node: small
         metrics = choice_result(our_t, ref_t, scores, ordered)

@@ -74,6 +74,7 @@ from parity.diagnose.norms import (
     weightless_norm_eps,
 )
 from parity.diagnose.order import (
+    before_reduction,
     execution_order,
     head_on_embedding,
     iteration_count,
@@ -473,6 +474,7 @@ def diagnose(
         swapped = swapped_modules(result.name, ours_trace, ref_trace)
         return (
             swapped
+            or before_reduction(result, ours_trace, ref_trace)
             or experts_per_token(result, facts)  # before the positions: a router's k is its last axis
             or _fewer_positions(result)
             or _one_of_many(result, ref_trace)

@@ -110,6 +110,8 @@ KINDS: dict[str, str] = {
     "returned for logits",
     "token_ids": "ours reads other rows of the token embedding table than the ids (ids shifted: a BOS or vocabulary "
     "offset, or another mapping)",
+    "reduction_order": "a module applied to each vector before a reduction (a mean, a sum over an axis) on one side "
+    "and to the reduced vector on the other: the side applying it first holds one axis more",
     "execution_order": "ours runs the same modules in another order than the reference (layers reversed, the MLP "
     "before the attention)",
     "wrong_module": "ours never runs this node's module and runs another node's module more often than the "

@@ -19,8 +19,9 @@ as ``1 + w``, a softmax-style scale ``1 / sqrt(d)`` taken from another of the co
 output (each head's q, k and v together) read as whole blocks, a top-k keeping every entry, a square weight read
 transposed (two on nearby lines together), the parameters of two products of one input swapped (their views too),
 an activation of the negated input, a negative factor's size left out with its sign kept, a square matrix's transpose left out, heads split strided, a bias added twice, a
-config float read as its class's default, a gate moved across a norm (both ways), a weightless norm or an
-activation moved across the product reading it (``norm(x @ W)``, ``relu(w @ s)``), a mask filled after the softmax
+config float read as its class's default, a gate moved across a norm (both ways), a weightless norm left out (Gemma's
+value norm), a weightless norm or an activation moved across the product reading it (``norm(x @ W)``, ``relu(w @
+s)``), a mask filled after the softmax
 (its probabilities zeroed), a dilated conv run undilated, a delta-rule, selective or WKV scan run with its steps in
 another order (:mod:`parity.diagnose.scan_order`), RoPE's pairs in the other convention (per calling line too:
 :mod:`parity.diagnose.rope_pairs`), a top-k ranking an activation of the scores; an in-place op (``a /= s``) is changed from
@@ -30,6 +31,10 @@ mask) and a parameter added to an activation's input added to its output instead
 then a projection reading another variable (of its shape, or a ``(batch, heads, seq, dim)`` one with its
 heads merged). Every call of one source line is changed together (a loop over chunks), a
 helper called from several lines also per caller, and the same change on two adjacent lines together (q and k).
+
+First of all, a tensor argument of the layer's call (not its hidden states) given the value an earlier layer's call
+received or returned for it, where that differs: a value handed between layers taken from another layer (a shared
+indexer layer reading the first full layer's top-k instead of the latest).
 
 The search runs only where no detector named a cause, each pass re-running the failing node's decoder layer
 alone on the inputs it had and stopping once the last node read is produced, at most :data:`MAX_RUNS` passes.
@@ -144,9 +149,13 @@ class Change:
     #: gated input, ``rewrite(args, kwargs, out, mode)``), "after" (a norm module's gated input rewritten as the
     #: norm of the input times the gate, ``rewrite(module, args, kwargs, out, mode)``); "moved" (a weightless norm
     #: module's call or an activation skipped, the product reading its input normalised or activated:
-    #: :func:`_norms_moved`, :func:`_activation_skipped`); "after_softmax" (a mask's fill skipped, the next softmax's
+    #: :func:`_norms_moved`, :func:`_activation_skipped`); "left_out" (a weightless norm module's call left out:
+    #: :func:`_norm_left_out`); "after_softmax" (a mask's fill skipped, the next softmax's
     #: probabilities zeroed there: :func:`_fill_after_softmax`); "" for none
     norm_gate: str = ""
+    #: the layer's call re-run with one argument (a keyword or a position) given the value another layer's call
+    #: received for it: ``(argument, value)`` (a value handed from layer to layer taken from another layer)
+    argument: tuple[str | int, torch.Tensor] | None = None
 
     @property
     def where(self) -> str:
@@ -196,6 +205,8 @@ class _Changing(TorchFunctionMode):
         #: applies to its output instead, ``(output, axis of the features it makes) -> new output``, while a norm or
         #: an activation moved across a product is tried
         self.skipped: dict[int, Callable[[torch.Tensor, int], torch.Tensor]] = {}
+        #: whether a skipped norm or activation was applied to a product's output (else it was only skipped)
+        self.moved = False
         #: a boolean mask whose fill was skipped, zeroing the probabilities of the next softmax instead
         self.after_softmax: torch.Tensor | None = None
 
@@ -267,6 +278,7 @@ class _Changing(TorchFunctionMode):
             return out
         self.skipped.clear()
         self.applied += 1
+        self.moved = True
         return applied(out, -2 if name != "linear" and held[0] == 1 else -1)
 
     def mix_ups(self, sites: list[tuple[Site, tuple]], layer_input: torch.Tensor | None) -> list[Change]:
@@ -1133,10 +1145,26 @@ def search(
     ):
         scope = None
     called: list[tuple[tuple, dict]] = []
+    #: the calls of the scope's sibling layers before it (their path -> (args, kwargs)) and what they returned,
+    #: from the dry run
+    siblings: dict[str, tuple[tuple, dict]] = {}
+    returned: dict[str, object] = {}
 
     def inputs(_module, args, kwargs):
         if not called:
             called.append((args, kwargs))
+
+    def sibling(path: str):
+        def keep(_module, args, kwargs):
+            siblings.setdefault(path, (args, kwargs))
+
+        return keep
+
+    def sibling_out(path: str):
+        def keep(_module, _args, out):
+            returned.setdefault(path, out)
+
+        return keep
 
     params = {id(p): n for n, p in model.named_parameters()}
     kept: dict[int, torch.Tensor] = {}
@@ -1170,10 +1198,17 @@ def search(
         ]
         if scope is not None and not called:
             handles.append(modules[scope].register_forward_pre_hook(inputs, with_kwargs=True))
+            for p in _sibling_layers(modules, scope):
+                handles.append(modules[p].register_forward_pre_hook(sibling(p), with_kwargs=True))
+                handles.append(modules[p].register_forward_hook(sibling_out(p)))
         try:
             with torch.no_grad(), mode:
                 if scope is not None and called:
-                    modules[scope](*called[0][0], **called[0][1])
+                    args, kwargs = called[0]
+                    if mode.change is not None and mode.change.argument is not None:
+                        args, kwargs = _with_argument(args, kwargs, *mode.change.argument)
+                        mode.applied += 1
+                    modules[scope](*args, **kwargs)
                 else:
                     forward()
         except _Stop:
@@ -1216,7 +1251,9 @@ def search(
     orders = _scan_orders(modules[block]) + _cell_orders(modules, block) + _gates_across_norms(dry, sites, norms)
     orders += _norms_moved(norms) + _rope_pairings(modules[block])
     unreproduced: set[str] = set()  # scans whose replacement in the reference's own order does not reproduce it
-    for change in _with_pairs(first) + gated + orders + swaps + terms + dry.mix_ups(sites, layer_input):
+    # first: a handful of passes, one per distinct value another layer received
+    handed = _arguments_of_other_layers(scope, modules, called, siblings, returned)
+    for change in handed + _with_pairs(first) + gated + orders + swaps + terms + dry.mix_ups(sites, layer_input):
         if runs >= MAX_RUNS or time.monotonic() - started > MAX_SECONDS:
             break
         if change.patch is not None and change.patch[1] in unreproduced:
@@ -1231,7 +1268,10 @@ def search(
             continue
         kept_shape = [i for i in read if i in values and values[i].shape == original[i].shape]
         matched = next((i for i in kept_shape if targets[i].agrees(values[i])), None)
-        if mode.applied and matched is not None:
+        # a norm or activation moved across a product counts only once it was applied there (only skipped, it is
+        # another change: the skip, named by its own kind)
+        moved = change.norm_gate != "moved" or mode.moved
+        if mode.applied and matched is not None and moved:
             found.append((change, targets[matched].name))
         elif (
             change.patch is not None
@@ -1240,6 +1280,81 @@ def search(
         ):
             unreproduced.add(change.patch[1])  # the replacement does not compute what the original does
     return found or None
+
+
+def _sibling_layers(modules: dict[str, torch.nn.Module], scope: str) -> list[str]:
+    """The other layers of ``scope``'s list (``model.layers.1`` for ``model.layers.3``) of its class."""
+    stem, _, index = scope.rpartition(".")
+    if not index.isdigit():
+        return []
+    kind = type(modules[scope])
+    return [
+        p
+        for p, m in modules.items()
+        if p != scope and p.rpartition(".")[0] == stem and p.rpartition(".")[2].isdigit() and type(m) is kind
+    ]
+
+
+def _with_argument(args: tuple, kwargs: dict, key: str | int, value: torch.Tensor) -> tuple[tuple, dict]:
+    """The call's ``(args, kwargs)`` with one argument (a position or a keyword) replaced by ``value``."""
+    if isinstance(key, int):
+        return (*args[:key], value, *args[key + 1 :]), kwargs
+    return args, {**kwargs, key: value}
+
+
+def _arguments_of_other_layers(
+    scope: str | None,
+    modules: dict[str, torch.nn.Module],
+    called: list[tuple[tuple, dict]],
+    siblings: dict[str, tuple[tuple, dict]],
+    returned: dict[str, object],
+) -> list[Change]:
+    """The layer's call with one tensor argument other than its hidden states (a top-k selection, a state handed
+    on from layer to layer) given the value an earlier layer's call received for it or returned (a tensor of its
+    output after the first, of the argument's shape and dtype), where that value differs from its own: a value
+    handed between layers taken from another layer (a shared layer reading the first full layer's selection
+    instead of the latest one, or the reverse). One change per distinct value, named by the first layer that
+    received or returned it."""
+    if scope is None or not called or not siblings:
+        return []
+    args, kwargs = called[0]
+    keys: list[tuple[str | int, torch.Tensor]] = [(k, a) for k, a in enumerate(args) if k > 0]
+    keys += list(kwargs.items())
+    try:  # named at the layer's forward (its signature)
+        forward = inspect.unwrap(type(modules[scope]).forward)
+        lines, start = inspect.getsourcelines(forward)
+        start += next((i for i, line in enumerate(lines) if line.lstrip().startswith("def ")), 0)  # past decorators
+        site = Site("argument", inspect.getsourcefile(forward) or "", start)
+    except (TypeError, OSError):
+        return []
+    found = []
+    for key, own in keys:
+        if not isinstance(own, torch.Tensor):
+            continue
+        seen: list[torch.Tensor] = [own]
+        name = f"`{key}`" if isinstance(key, str) else f"argument {key}"
+        for path, (other_args, other_kwargs) in siblings.items():
+            value = other_args[key] if isinstance(key, int) and key < len(other_args) else other_kwargs.get(key)
+            out = returned.get(path)
+            offered = [(value, "received for it")]
+            offered += (
+                [(t, f"returned (its output {i})") for i, t in enumerate(out) if i] if isinstance(out, tuple) else []
+            )
+            for candidate, how in offered:
+                if (
+                    not isinstance(candidate, torch.Tensor)
+                    or candidate.shape != own.shape
+                    or candidate.dtype != own.dtype
+                    or any(torch.equal(candidate, v) for v in seen)
+                ):
+                    continue
+                seen.append(candidate)
+                words = (
+                    f"{scope}'s {name} given the value {path}'s call {how} (a value that differs from layer to layer "
+                    "taken from another layer)"
+                )
+                found.append(Change(site, words, _ones, argument=(key, candidate)))
+    return found
 
 
 def _added_after_activation(sites: list[tuple[Site, tuple]], params: dict[int, str]) -> list[Change]:
@@ -1407,8 +1522,18 @@ def _norms_moved(norms: list[tuple[str, torch.nn.Module]]) -> list[Change]:
             "features it makes), not to its input (norm(x) @ W)"
         )
         site = Site(f"{type(module).__name__}.forward", file or "?", line)
+        left_out = f"{path}'s normalisation left out (its input handed on as it is)"
+        found.append(Change(site, left_out, _norm_left_out, module=path, norm_gate="left_out"))
         found.append(Change(site, words, _norm_skipped, module=path, norm_gate="moved"))
     return found
+
+
+def _norm_left_out(module, args, kwargs, out, mode: _Changing) -> torch.Tensor | None:
+    """A weightless norm module's call left out: its input handed on (Gemma 3n's and 4's value norm skipped)."""
+    x = args[0] if args else next(iter(kwargs.values()), None)
+    if not isinstance(x, torch.Tensor) or not isinstance(out, torch.Tensor) or x.shape != out.shape:
+        return None
+    return x.to(out.dtype)
 
 
 def _norm_skipped(module, args, kwargs, out, mode: _Changing) -> torch.Tensor | None:

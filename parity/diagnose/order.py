@@ -1,5 +1,6 @@
-"""Detectors of what ran, when: layers run in another order, and a module of ours run where the
-reference runs another one (so the reference's module is never run by ours).
+"""Detectors of what ran, when: layers run in another order, a module of ours run where the
+reference runs another one (so the reference's module is never run by ours), and a module applied
+before a reduction the other side applies first.
 
 Both traces record nodes in the order each side produced them (``Trace.calls`` keeps first calls in
 order, also when a stream compares and drops the tensors), so the order is evidence of its own,
@@ -12,7 +13,9 @@ from collections import Counter
 from dataclasses import replace
 from typing import cast
 
-from parity.compare.results import TIED_COPIES
+import torch
+
+from parity.compare.results import TIED_COPIES, NodeResult
 from parity.diagnose.evidence import Evidence, fmt_list
 from parity.diagnose.hints import Hint
 from parity.model.facts import ArchFacts
@@ -271,4 +274,43 @@ def repeated_module(e: Evidence) -> Hint | None:
                 f"{theirs} (its first call, the one compared, agrees; what follows reads the repeated one)",
                 {"node": name, "calls": mine, "reference_calls": theirs},
             )
+    return None
+
+
+def before_reduction(result: NodeResult, ours: Trace, ref: Trace) -> Hint | None:
+    """One side's node holds one axis more than the other's, and that side's input reduced over that
+    axis (its mean or its sum) is the other side's input: the side with the axis applies the module to
+    each vector before the reduction the other applies first (a norm applied to every key of a block
+    before the block's mean pools them, where the reference normalises the pooled key)."""
+    name = result.name
+    for side, longer, shorter in (("ours", ours, ref), ("the reference", ref, ours)):
+        out_l, out_s = longer.tensors.get(name), shorter.tensors.get(name)
+        in_l, in_s = longer.inputs.get(name), shorter.inputs.get(name)
+        if out_l is None or out_s is None or in_l is None or in_s is None:
+            continue
+        if out_l.dim() != out_s.dim() + 1 or in_l.dim() != in_s.dim() + 1 or not in_s.is_floating_point():
+            continue
+        for axis in range(in_l.dim()):
+            size = in_l.shape[axis]
+            kept = in_l.shape[:axis] + in_l.shape[axis + 1 :]
+            if size < 2 or kept != in_s.shape or out_l.shape[:axis] + out_l.shape[axis + 1 :] != out_s.shape:
+                continue
+            target = in_s.double()
+            atol = 1e-5 * (1.0 + float(target.abs().max()))
+            for how, reduce in (("mean", torch.mean), ("sum", torch.sum)):
+                if torch.allclose(reduce(in_l.double(), dim=axis), target, rtol=1e-4, atol=atol):
+                    other = "the reference" if side == "ours" else "ours"
+                    whose = "ours'" if side == "ours" else "the reference's"
+                    return Hint(
+                        "reduction_order",
+                        f"likely {name} applied before a {how}: {side} applies it to each of the {size} vectors "
+                        f"along axis {axis} (output {tuple(out_l.shape)}) and takes their {how} after; {other} "
+                        f"applies it to their {how} (its input is the {how} over that axis of {whose} input)",
+                        {
+                            "side": "ours" if side == "ours" else "reference",
+                            "axis": axis,
+                            "size": size,
+                            "reduction": how,
+                        },
+                    )
     return None

@@ -49,6 +49,11 @@ def _attr(config, name: str, layer: int = 0):
         return getattr(config.per_layer_config[layer], name, None)
 
 
+def _widest(size):
+    """A size given per layer (Gemma 3n's ``intermediate_size`` list) as its largest; one size as it is."""
+    return max(size) if isinstance(size, list | tuple) and size else size
+
+
 def _per_layer(config, name: str, n_layers: int, default):
     """The value of ``name`` at each layer (``default`` where a layer does not set it)."""
     if not getattr(config, "is_heterogeneous", False) or name not in (config.per_layer_attributes or ()):
@@ -84,6 +89,17 @@ def derive_facts(config, model=None) -> ArchFacts:
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     if text_config is not config:
         return _composite_facts(config, text_config, model)
+    try:
+        return _homogeneous_facts(config, model)
+    except RuntimeError:  # AmbiguousGlobalPerLayerAttributeError: a field read globally that varies per layer
+        if not (getattr(config, "is_heterogeneous", False) and getattr(config, "per_layer_config", None)):
+            raise
+        return _heterogeneous_facts(config, model)
+
+
+def _homogeneous_facts(config, model) -> ArchFacts:
+    """:func:`derive_facts` of a config whose fields are read as the model's (a heterogeneous config's
+    per-layer fields where the model's rule reads them per layer, as Gemma 4's)."""
     hidden = int(_get(config, "hidden_size", "n_embd", default=0))
     heads = int(_get(config, "num_attention_heads", "n_head", default=0))
     kv = _get(config, "num_key_value_heads", default=None)
@@ -154,7 +170,7 @@ def derive_facts(config, model=None) -> ArchFacts:
         model_type=str(getattr(config, "model_type", "") or ""),
         vocab_size=int(_get(config, "vocab_size", default=0)),
         hidden_size=hidden,
-        intermediate_size=_get(config, "intermediate_size", "n_inner"),
+        intermediate_size=_widest(_get(config, "intermediate_size", "n_inner")),
         num_layers=n_layers,
         num_heads=heads,
         num_kv_heads=kv,
@@ -196,6 +212,22 @@ def derive_facts(config, model=None) -> ArchFacts:
             if isinstance(scale, (int, float)) and scale not in (0, 1):
                 facts = replace(facts, embed_scale=float(scale))
     return facts
+
+
+def _heterogeneous_facts(config, model) -> ArchFacts:
+    """The facts of a heterogeneous config (Transformers' ``per_layer_config``: dots.3-note's sliding layers with
+    their own heads, latent ranks and head widths): each layer's from its own layer config, which holds the
+    model's fields with that layer's values; the model's from its first layer's. Only where reading a per-layer
+    field globally raised: a rule reading them per layer (Gemma 4's) keeps its own facts."""
+    n_layers = int(_get(config, "num_hidden_layers", default=0))
+    facts = derive_facts(config.per_layer_config[0], model)
+    own = [derive_facts(config.per_layer_config[i]) for i in range(n_layers)]
+    layers = tuple(
+        replace(layer.layers[i], num_heads=layer.num_heads if layer.num_heads != facts.num_heads else 0)
+        for i, layer in enumerate(own)
+        if i < len(layer.layers)
+    )
+    return replace(facts, layers=layers) if len(layers) == n_layers else facts
 
 
 def _group_limited_sigmoid(config) -> bool:
@@ -380,6 +412,8 @@ def find_layer_prefix(model, num_layers: int) -> str | None:
 
 #: Transformers config fields that count something: a positive integer, or null where a model derives
 #: it (``head_dim`` from the width); minimum per field (a mixture's expert counts may be 0: dense)
+#: count fields a config may give per layer, as a list (Gemma 3n's MLP widths)
+PER_LAYER_COUNTS = frozenset({"intermediate_size"})
 COUNT_FIELDS = {
     "num_hidden_layers": 1,
     "num_attention_heads": 1,
@@ -422,9 +456,12 @@ def count_field_problems(config) -> list[str]:
                 continue
             if value is None:
                 continue
-            if isinstance(value, bool) or not isinstance(value, int):
-                problems.append(f"{prefix}{name} is {value!r}; it must be an integer")
-            elif value < minimum:
+            # one per layer where the architecture sizes each layer (Gemma 3n's intermediate_size)
+            values = list(value) if name in PER_LAYER_COUNTS and isinstance(value, list | tuple) and value else [value]
+            if any(isinstance(v, bool) or not isinstance(v, int) for v in values):
+                what = "an integer, or one per layer" if name in PER_LAYER_COUNTS else "an integer"
+                problems.append(f"{prefix}{name} is {value!r}; it must be {what}")
+            elif min(values) < minimum:
                 problems.append(f"{prefix}{name} is {value!r}; it must be at least {minimum}")
     return problems
 

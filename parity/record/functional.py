@@ -247,21 +247,26 @@ def first_reads(
     names: dict[StorageKey, str],
     input_ids: torch.Tensor,
     within: dict[str, tuple[str, ...]] | None = None,
+    widths: dict[str, int] | None = None,
 ) -> dict[str, str]:
     """How ``model``'s forward on ``input_ids`` first reads each watched parameter: ``{name: "lookup" |
     "product"}`` (an embedding lookup or indexing, or a matrix product, directly or after a rearrangement);
     ``names``: a parameter's storage -> its name. ``within`` (filled when given): each parameter read by any op
-    -> the paths of the modules whose forward was running then, outermost first. A forward that raises reads
-    nothing: ``{}``."""
+    -> the paths of the modules whose forward was running then, outermost first. ``widths`` (filled when
+    given): each module's path -> the last axis of the first tensor its first call returned. A forward that
+    raises reads nothing: ``{}``."""
     mode = _FirstReads(Followed(names))
     paths = {id(m): n for n, m in model.named_modules()}
 
     def enter(module, _args):
         mode.running.append(paths.get(id(module), "?"))
 
-    def leave(module, _args, _out):
+    def leave(module, _args, out):
         if mode.running:
-            mode.running.pop()
+            path = mode.running.pop()
+            first = out[0] if isinstance(out, tuple | list) and out else out
+            if widths is not None and isinstance(first, torch.Tensor) and first.dim():
+                widths.setdefault(path, first.shape[-1])
 
     handles = [m.register_forward_pre_hook(enter) for m in model.modules()]
     handles += [m.register_forward_hook(leave, always_call=True) for m in model.modules()]
@@ -279,14 +284,18 @@ def first_reads(
 
 
 def probe_reads(
-    model: torch.nn.Module, vocab_size: int, within: dict[str, tuple[str, ...]] | None = None
+    model: torch.nn.Module,
+    vocab_size: int,
+    within: dict[str, tuple[str, ...]] | None = None,
+    widths: dict[str, int] | None = None,
 ) -> dict[str, str]:
     """:func:`first_reads` of every parameter of ``model`` (by name) on a four-token probe of its vocabulary."""
     params = dict(model.named_parameters())
     key_of = storage_keys(params.values())
     names: dict[StorageKey, str] = {key_of[id(p)]: n for n, p in params.items() if id(p) in key_of}
     device = next((p.device for p in params.values()), torch.device("cpu"))
-    return first_reads(model, names, (torch.arange(4, device=device) % max(1, vocab_size))[None], within)
+    probe = (torch.arange(4, device=device) % max(1, vocab_size))[None]
+    return first_reads(model, names, probe, within, widths)
 
 
 def _scalar(x) -> bool:
@@ -435,8 +444,9 @@ def _kept_weight_axis(func, args, followed: Followed) -> int | None:
 
 
 def _held_axis(t: torch.Tensor, input_axes: dict[int, tuple[torch.Tensor, int]]) -> int | None:
-    """The input axis of the projection weight ``t`` is, or is a slice of along its other axes (MLA's
-    ``w_kvb[..., dv:]``: k's rows of a weight stored ``(rank, heads, dv + dn)``): that axis kept whole, with the
+    """The input axis of the projection weight ``t`` is, or is a view of in another shape or a slice of along
+    its other axes (MLA's ``w_kvb[..., dv:]``: k's rows of a weight stored ``(rank, heads, dv + dn)``; DeepSeek's
+    ``wkv_b.weight.view(heads, -1, rank)[:, :nope]``): the one axis of ``t`` holding that axis whole, with the
     parameter's own stride. None for anything else."""
     held = input_axes.get(id(t))
     if held is not None and held[0] is t:
@@ -445,14 +455,12 @@ def _held_axis(t: torch.Tensor, input_axes: dict[int, tuple[torch.Tensor, int]])
         return None
     ptr = t.untyped_storage().data_ptr()
     for param, axis in input_axes.values():
-        if (
-            param.dim() == t.dim()
-            and param.untyped_storage().data_ptr() == ptr
-            and t.shape[axis] == param.shape[axis]
-            and t.stride(axis) == param.stride(axis)
-            and t.numel() < param.numel()
-        ):
-            return axis
+        if param.untyped_storage().data_ptr() != ptr or t.numel() > param.numel():
+            continue
+        size, stride = param.shape[axis], param.stride(axis)
+        same = [i for i in range(t.dim()) if t.shape[i] == size and t.stride(i) == stride]
+        if len(same) == 1 and size > 1:
+            return same[0]
     return None
 
 
@@ -577,9 +585,18 @@ class FunctionCapture(TorchFunctionMode):
         #: per block, the queries its ``q @ k^T`` products read; the same queries again: attention over key
         #: chunks (an online softmax), whose partial scores are no node: the block is then left alone
         self._queries: dict[str, list[weakref.ref]] = {}
+        #: per block, the keys its products read, as views of their storage (``k.transpose(-1, -2)`` is a new
+        #: tensor each time, its storage the same); the same keys again: attention over query chunks
+        self._keys: dict[str, list[tuple[weakref.ref, tuple]]] = {}
         #: results of products that read a slice of a node's parameter: ``id -> (node, elements read, elements
         #: of the parameter, result)``, summed until the whole parameter is read (o_proj head by head)
         self._partials: dict[int, tuple[str, int, int, torch.Tensor]] = {}
+        #: results of products that read some of a node's output features (a column slice of its weight, whole
+        #: along what the product sums over: Gemma 3n's per-layer projection computed per layer): node -> ``(first
+        #: element read, elements read, elements of the parameter, result)``, joined once the forward is over
+        self._slices: dict[str, list[tuple[int, int, int, torch.Tensor]]] = {}
+        #: id of a partial result above that is such a slice -> its first element
+        self._slice_at: dict[int, int] = {}
         #: node -> the share of its parameter its recorded value read (below 1: part of the weight skipped)
         self.shares: dict[str, float] = {}
         #: node -> ``(reduction, parts)`` when its partial products were stacked and reduced otherwise than
@@ -662,6 +679,8 @@ class FunctionCapture(TorchFunctionMode):
                 # products over slices of one weight's output rows, joined (a vocabulary-parallel head)
                 joined_node, whole = self._partials[id(parts[0])][0], self._partials[id(parts[0])][2]
                 read = sum(self._partials.pop(id(t))[1] for t in parts)
+                for t in parts:
+                    self._slice_at.pop(id(t), None)
                 if read >= whole:
                     return self.record_param(joined_node, out)
                 self._partials[id(out)] = (joined_node, read, whole, out)
@@ -760,6 +779,9 @@ class FunctionCapture(TorchFunctionMode):
                 read, whole = self._share(node, operands)
                 if read < whole:  # a slice of the weight (o_proj head by head): the node is the sum of such
                     self._partials[id(out)] = (node, read, whole, out)
+                    offset = self._output_slice(func, args, node)
+                    if offset is not None:  # or some of its output features: such slices side by side (joined)
+                        self._slice_at[id(out)] = offset
                     return out
                 kept = _kept_weight_axis(func, args, self.followed) if isinstance(out, torch.Tensor) else None
                 if kept is not None:  # per head, a head axis of the weight kept: the node is its sum over it
@@ -830,6 +852,8 @@ class FunctionCapture(TorchFunctionMode):
         out = func(*args, **kwargs)
         if func in SCALINGS:
             self._note_scaling(func, args, out)
+        elif op_name(func) in REARRANGES and args and isinstance(args[0], torch.Tensor):
+            self._carry_scaling(func, args, kwargs, out)
         return out
 
     def _split_scores(self, block: str, head_dim: int, func, args, kwargs) -> torch.Tensor | None:
@@ -858,6 +882,14 @@ class FunctionCapture(TorchFunctionMode):
         self._pending[block] = Pending(out, out, Heads(out, 0).canonical)
         self._split_scored.add(block)
         return out
+
+    def _carry_scaling(self, func, args, kwargs, out) -> None:
+        """A scaled query rearranged after its scaling (JAX's ``(q * c).reshape(B, T, K, G, H)``): the same
+        rearrangement of the query before it, with that scaling, so q_rot is still read before it."""
+        held = self._scaled.get(id(args[0]))
+        if held is None or held[0]() is not args[0] or not isinstance(out, torch.Tensor):
+            return
+        self._scaled[id(out)] = (weakref.ref(out), func(held[1], *args[1:], **kwargs), held[2])
 
     def _note_scaling(self, func, args, out) -> None:
         """Remember ``out = t * c`` (or ``t / c``) for a tensor ``t`` of heads and a scalar ``c``: queries the
@@ -994,16 +1026,49 @@ class FunctionCapture(TorchFunctionMode):
         parameter it read (``Trace.extras["read_share"]``: a loop that skips part of a weight)."""
         for t in parts:
             node, read, whole, _ = self._partials.pop(id(t))
+            offset = self._slice_at.pop(id(t), None)
+            if offset is not None:  # some of the node's output features, used apart: joined once the forward is over
+                self._slices.setdefault(node, []).append((offset, read, whole, t))
+                continue
             try:
                 self.record_param(node, t)
             except FeaturesMismatch:
                 continue  # a cut of the node's output features, not a partial sum: no value of the node
             self.shares[node] = read / whole
 
+    def _output_slice(self, func, args, node: str) -> int | None:
+        """The first storage element of ``node``'s 2-D weight this product reads when it reads a slice of the
+        weight's output features, whole along the axis the product sums over (``x @ W[:, a:b]``, ``F.linear(x,
+        W[a:b])``); None for any other read (a slice of its input features: o_proj head by head)."""
+        name = op_name(func)
+        slot = {"matmul": (1, 0), "__matmul__": (1, 0), "mm": (1, 0), "linear": (1, 1)}.get(name)
+        if slot is None or len(args) <= slot[0]:
+            return None
+        t = args[slot[0]]
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or self.followed.of(t) != node or t.stride(1) != 1:
+            return None
+        row = t.stride(0)  # a view of a row-major weight: its rows' length, and so its row count
+        if row <= 0 or self.followed.size_of(t) % row:
+            return None
+        full = (self.followed.size_of(t) // row, row)[slot[1]]
+        return int(t.storage_offset()) if t.shape[slot[1]] == full else None
+
+    def _join_slices(self) -> None:
+        """Each node computed as slices of its output features that ours never joins (a model's own ``cat`` of
+        them is the node: a vocabulary-parallel head): the slices side by side, in the order they sit in its
+        weight, recorded as the node once together they read the whole weight."""
+        for node, held in self._slices.items():
+            read, whole = sum(h[1] for h in held), held[0][2]
+            outs = [h[3] for h in sorted(held, key=lambda h: h[0])]
+            if read == whole and len({o.shape[:-1] for o in outs}) == 1:
+                self.record_param(node, torch.cat(outs, dim=-1))
+        self._slices.clear()
+
     def settle_all(self) -> None:
         """Every partial sum still followed, and every result still waiting for a bias, recorded as its
         node (the forward is over)."""
         self._settle([held[3] for held in list(self._partials.values())])
+        self._join_slices()
         for key, (node, out) in list(self._unbiased.items()):
             rows = self._part_rows.pop(key, None)
             self.record_param(node, out, **({} if rows is None else {"part": rows}))
@@ -1172,7 +1237,7 @@ class FunctionCapture(TorchFunctionMode):
             return out
         if (a.shape[-1] == head_dim and b.shape[-2] == head_dim) or self._other_head_dim(block, head_dim, heads, a, b):
             # q @ k^T: both operands carry head_dim (k transposed), the result is (..., q_len, k_len)
-            if self._chunk_of(block, a):
+            if self._chunk_of(block, a, b):
                 return func(*args, **kwargs)
             kt = b.transpose(-2, -1)
             base, scaling = self._unscaled(a)  # the softmax scale applied to q first: q_rot is before it
@@ -1228,7 +1293,7 @@ class FunctionCapture(TorchFunctionMode):
         if not all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in (a, b)) or bias is None:
             return func(*args, **kwargs)
         a, b = cast(torch.Tensor, a), cast(torch.Tensor, b)
-        if a.shape[-1] != head_dim or b.shape[-2] != head_dim or self._chunk_of(block, a):
+        if a.shape[-1] != head_dim or b.shape[-2] != head_dim or self._chunk_of(block, a, b):
             return func(*args, **kwargs)
         folded = Heads(a, heads)
         qv, kv = folded.view(a), folded.view(b.transpose(-2, -1))
@@ -1297,16 +1362,20 @@ class FunctionCapture(TorchFunctionMode):
         for kind in ("scores", "probs", "context", "q_rot", "k_rot"):
             self.retract(kind)
 
-    def _chunk_of(self, block: str, q: torch.Tensor) -> bool:
-        """Whether this ``q @ k^T`` reads queries a product of this block read before in this forward:
-        attention computed over chunks of the keys (flash-style, an online softmax). Its scores,
-        probabilities and context are then partial: what was captured for the block is retracted (those
-        nodes stay untapped, not failed) and nothing more is captured for it."""
+    def _chunk_of(self, block: str, q: torch.Tensor, k: torch.Tensor) -> bool:
+        """Whether this ``q @ k^T`` reads queries a product of this block read before in this forward
+        (attention computed over chunks of the keys: flash-style, an online softmax), or the same keys
+        (over chunks of the queries: memory-efficient attention). Its scores, probabilities and context are
+        then partial: what was captured for the block is retracted (those nodes stay untapped, not failed)
+        and nothing more is captured for it."""
         seen = self._queries.setdefault(block, [])
-        if any(ref() is q for ref in seen):
+        keys = self._keys.setdefault(block, [])
+        storage, layout = k.untyped_storage(), (k.storage_offset(), tuple(k.shape), tuple(k.stride()))
+        if any(ref() is q for ref in seen) or any(ref() is storage and view == layout for ref, view in keys):
             self._leave_alone(block)
             return True
         seen.append(weakref.ref(q))
+        keys.append((weakref.ref(storage), layout))
         return False
 
     def _einsum(self, block: str, head_dim: int, func, args, kwargs):
@@ -1331,11 +1400,13 @@ class FunctionCapture(TorchFunctionMode):
         # probabilities keep their query axis next to the key axis the product sums over (``bngqk``), whatever
         # order the output lists them in (``bqngd``)
         before_keys = a_letters[a_letters.index(c) - 1] if a_letters.index(c) > 0 else ""
-        query = [before_keys] if before_keys in only_a else only_a[-1:]
+        query = _as_many(a, a_letters, only_a, a.shape[a_letters.index(c)]) or (
+            [before_keys] if before_keys in only_a else only_a[-1:]
+        )
         qk = (a.shape[a_letters.index(query[0])], a.shape[a_letters.index(c)])
         values = self._values_product(block, head_dim, qk, b.shape[b_letters.index(only_b[0])])
-        if not values:
-            query = only_a[-1:]
+        if not values:  # q . k: the query axis, as many as the keys (JAX's ``BTKGH,BSKH->BTKGS``: T, not G)
+            query = _as_many(a, a_letters, only_a, b.shape[b_letters.index(only_b[0])]) or only_a[-1:]
         heads = kv + [x for x in only_a if x not in query]  # as repeat_kv numbers the query heads: KV head, group
         if values:
             self._before_values(block)  # probabilities . values
@@ -1347,7 +1418,7 @@ class FunctionCapture(TorchFunctionMode):
             return result if context is cc.value else cc.back(context)
         if a.shape[a_letters.index(c)] != head_dim:
             return func(*args, **kwargs)
-        if self._chunk_of(block, a):
+        if self._chunk_of(block, a, b):
             return func(*args, **kwargs)
         base, scaling = self._unscaled(a)  # the softmax scale applied to q first: q_rot is before it
         qc = Canonical(base, a_letters, [batch, heads, query, [c]])
@@ -1361,6 +1432,14 @@ class FunctionCapture(TorchFunctionMode):
         self._scored[block] = tuple(Canonical(product, out, groups).value.shape[-2:])
         self._pending[block] = Pending(product, product, lambda t: _canonical_of(t, out, groups))
         return product
+
+
+def _as_many(t: torch.Tensor, letters: str, among: list[str], keys: int) -> list[str]:
+    """The one axis of ``among`` (``t``'s letters) with as many entries as there are keys: the query axis of
+    a self-attention product whose heads are kept as (KV heads, group), the group next to the head dim
+    (``BTKGH``); empty where none or several are (a decode step, as many heads as tokens)."""
+    sized = [x for x in among if t.shape[letters.index(x)] == keys]
+    return sized if len(sized) == 1 else []
 
 
 def _canonical_of(t: torch.Tensor, letters: str, groups: list[list[str]]):

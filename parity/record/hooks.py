@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
+from parity.record.functional import FeaturesMismatch
 from parity.record.routing import is_router
 from parity.record.trace import Trace, first_tensor
 from parity.util.errors import ParityError
@@ -97,6 +98,44 @@ def _replace_item(value, n: int | None, new: torch.Tensor):
     items = list(value)
     items[n] = _replace_first_tensor(items[n], new)
     return type(value)(items)
+
+
+def _with_residual(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(x, residual)`` of a call handing a module a second tensor of its input's shape (vLLM's fused add and
+    RMSNorm, ``norm(x, residual)``), which such a module adds to its input before normalising; None for any
+    other call."""
+    x = args[0] if args else next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
+    second = args[1] if len(args) > 1 else kwargs.get("residual")
+    if isinstance(x, torch.Tensor) and isinstance(second, torch.Tensor) and second.shape == x.shape:
+        return x, second
+    return None
+
+
+def _residual_sum(pair: tuple[torch.Tensor, torch.Tensor], output) -> torch.Tensor:
+    """The input a fused add-and-norm normalised: the sum ``x + residual`` it returns beside its output
+    (``(norm(x + r), x + r)``), else its first argument, as for any module."""
+    x, residual = pair
+    if isinstance(output, tuple | list):
+        total = x + residual
+        for item in output[1:]:
+            if isinstance(item, torch.Tensor) and item.shape == total.shape and torch.equal(item, total):
+                return item
+    return x
+
+
+def _carries_residual(node: str, module: nn.Module, output) -> bool:
+    """Whether a decoder layer's output is ``(f(x), residual)``, the stream carried as two tensors summed by the
+    next layer's fused add-and-norm (vLLM's layers, ``forward(..., residual)``): its hidden states are their
+    sum."""
+    if not node.rpartition(".")[2].isdigit() or not isinstance(output, tuple) or len(output) < 2:
+        return False
+    a, b = output[0], output[1]
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape):
+        return False
+    try:
+        return "residual" in inspect.signature(type(module).forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def split_path(path: str) -> tuple[str, bool, int | None]:
@@ -563,8 +602,13 @@ def recording(
             continue
         transform = transforms.get(name)
         if is_input:
+            summing: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-            def pre_hook(mod, args, kwargs, _name=name, _t=transform):
+            def pre_hook(mod, args, kwargs, _name=name, _t=transform, _summing=summing):
+                pair = _with_residual(args, kwargs)
+                if pair is not None:  # read after the call: the sum it makes inside may be the input
+                    _summing[id(mod)] = pair
+                    return None
                 trace.add(_name, args if args else kwargs, _t)
                 new = replacement(_name, args if args else kwargs)
                 if new is None:
@@ -574,7 +618,13 @@ def recording(
                 key = next(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
                 return args, {**kwargs, key: _replace_first_tensor(kwargs[key], new)}
 
+            def summed_hook(mod, args, output, _name=name, _t=transform, _summing=summing):
+                pair = _summing.pop(id(mod), None)
+                if pair is not None:
+                    trace.add(_name, _residual_sum(pair, output), _t)
+
             handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+            handles.append(module.register_forward_hook(summed_hook))
         elif at:
 
             def argument_hook(mod, args, kwargs, _name=name, _t=transform, _arg=argument):
@@ -598,15 +648,20 @@ def recording(
             def hook(mod, args, output, _name=name, _t=transform, _n=item, _turn=turns.get(name)):
                 if _turn is not None and rec.turns.get(_turn[0]) != _turn[1]:
                     return None  # another node's call of this module (the one ours runs for each layer sharing it)
-                trace.add(_name, _item(output, _n), _t)
+                carried = _n is None and _carries_residual(_name, mod, output)
+                value = output[0] + output[1] if carried else _item(output, _n)
+                try:
+                    trace.add(_name, value, _t)
+                except FeaturesMismatch:  # the module returns other features than the rows it holds: no value of
+                    return None  # the node (AltUp's projections stacked in a module returning the streams)
                 _enter_block(rec, _name)
-                new = replacement(_name, _item(output, _n))
+                new = replacement(_name, value)
                 if new is None:
-                    value = first_tensor(_item(output, _n))
+                    value = first_tensor(value)
                     if value is not None:  # every call's output: a cat of them is the node (token chunks)
                         rec.call_outputs.setdefault(_name, []).append(weakref.ref(value))
                     return None
-                return _replace_item(output, _n, new)
+                return _replace_item(output, _n, new - output[1] if carried else new)
 
             handles.append(module.register_forward_hook(hook))
             if name in keep_inputs:

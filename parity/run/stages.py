@@ -256,7 +256,8 @@ def ours_recording(pair: Pair, order: Sequence[str] = ()) -> dict:
     ran them, where known: the nodes one parameter of ours serves (norm gains stacked as rows of one tensor) take
     its reads in that order."""
     taps = {n.ours[len("tap:") :]: n.name for n in pair.nodes if n.ours.startswith("tap:")}
-    params = dict(pair.ours.named_parameters()) if pair.alignment else {}
+    # buffers too: a model may hold its weights as buffers (stacked per kind, read in functions)
+    params = {**dict(pair.ours.named_buffers()), **dict(pair.ours.named_parameters())} if pair.alignment else {}
     key_of = storage_keys(params.values())  # parameters that view one storage told apart by their elements
     functional: dict[StorageKey, str] = {}
     siblings: dict[str, list[str]] = {}
@@ -393,43 +394,50 @@ def _stacked_rows(
     pair: Pair, params: dict, key_of: dict, functional: dict[StorageKey, str], siblings: dict[str, list[str]]
 ) -> None:
     """Norm gains stacked as rows of one parameter of ours (``norms[i]``), each row one node's checkpoint vector
-    (loader coverage says which), one of them folded into the next weights at load (``Coverage.folded``): a read
-    of a row is that row's node, as the folded gain's row is never read and the read after it is not its node.
-    Otherwise the reads go to the nodes in the reference's order (a row read where another norm runs is that
-    norm's weight applied there: the hint names it). Rewrites ``functional`` and ``siblings`` in place: the
-    parameter's key becomes one region per row."""
+    (loader coverage says which): a read of a row is that row's node, whatever order ours runs them in (Gemma
+    3n's port normalises k before q; a gain folded into the next weights at load is never read). A row read
+    again once its node is recorded goes to the next node of the rows not yet recorded, in the reference's
+    order (a row read where another norm runs is that norm's weight applied there: the hint names it).
+    Rewrites ``functional`` and ``siblings`` in place: the parameter's key becomes one region per row, each
+    with the other rows' nodes as its siblings."""
     coverage = pair.loading.coverage
-    if coverage is None or not coverage.folded:
+    if coverage is None:
         return
     by_key = {f"{n.reference_path}.weight": n.name for n in pair.nodes if n.ours.startswith("param:")}
     for name, p in params.items():
         key = key_of.get(id(p))
         if p.dim() != 2 or key is None or key not in functional:
             continue
-        group = {functional[key], *siblings.get(functional[key], [])}
-        held = coverage.sources.get(name, [])
-        if not any(s.key in coverage.folded for s in held):
-            continue
-        rows = {by_key.get(s.key): s.one_row for s in held if s.one_row is not None}
-        if len(group) < 2 or set(rows) != group or len(set(rows.values())) != len(rows):
+        group = [functional[key], *siblings.get(functional[key], [])]  # the reference's order
+        # rows of norms the reference runs as no node of its own (Gemma 4's post_feedforward_layernorm_1) are
+        # read by no node
+        held = {by_key.get(s.key): s.one_row for s in coverage.sources.get(name, []) if s.one_row is not None}
+        rows = {n: row for n, row in held.items() if n in group}
+        if len(group) < 2 or set(rows) != set(group) or len(set(rows.values())) != len(rows):
             continue
         ptr = p.untyped_storage().data_ptr()
         siblings.pop(functional.pop(key), None)
         for node, row in rows.items():
             start = p.storage_offset() + row * p.stride(0)
             functional[(ptr, start, start + (p.shape[1] - 1) * p.stride(1) + 1)] = cast(str, node)
+            siblings[cast(str, node)] = [n for n in group if n != node]
 
 
 def _input_axes(pair: Pair, params: dict, ref_modules: dict) -> dict[int, tuple[torch.Tensor, int]]:
     """``id(weight) -> (weight, its axis holding the input features)`` for each of ours' parameters that a
-    node reads in a function as a reference ``nn.Linear``'s weight, where loader coverage says that axis
-    (every checkpoint tensor it holds agreeing)."""
+    node reads in a function as a reference ``nn.Linear``'s weight (or that a module of ours holds as its
+    ``weight``, which a function may read without running it), where loader coverage says that axis (every
+    checkpoint tensor it holds agreeing)."""
     coverage = pair.loading.coverage
     out: dict[int, tuple[torch.Tensor, int]] = {}
     if coverage is None:
         return out
     for n in pair.nodes:
-        weight = n.ours[len("param:") :].partition("*")[0].partition("+")[0] if n.ours.startswith("param:") else ""
+        weight = (
+            n.ours[len("param:") :].partition("*")[0].partition("+")[0]
+            if n.ours.startswith("param:")
+            else f"{n.ours}.weight"
+        )
         held = params.get(weight)
         if held is None or not isinstance(ref_modules.get(n.reference_path), torch.nn.Linear):
             continue

@@ -493,10 +493,13 @@ class _Aligner:
         self.ref_modules = dict(reference.named_modules())
         self.ours = ours
         self.our_modules = dict(ours.named_modules())
-        self.ours_params = dict(ours.named_parameters())
+        # buffers too: a model may hold its weights as buffers (stacked per kind, read in functions)
+        self.ours_params = {**dict(ours.named_buffers()), **dict(ours.named_parameters())}
         self._first_reads: dict[str, str] | None = None
         #: each parameter of ours -> the modules running at its first read (filled with ``_first_reads``)
         self._read_within: dict[str, tuple[str, ...]] = {}
+        #: each module of ours -> the last axis of what its first call returned (filled with ``_first_reads``)
+        self._widths: dict[str, int] = {}
         self.facts = facts
         self.coverage = coverage
         keys_by_storage: dict[tuple, list[str]] = {}
@@ -583,7 +586,7 @@ class _Aligner:
         """How ours' forward first reads each of its parameters (:func:`~parity.record.functional.first_reads`),
         from one short probe forward, run once."""
         if self._first_reads is None:
-            self._first_reads = probe_reads(self.ours, self.facts.vocab_size, self._read_within)
+            self._first_reads = probe_reads(self.ours, self.facts.vocab_size, self._read_within, self._widths)
         return self._first_reads
 
     def _holders(self, ref_path: str) -> list[str]:
@@ -611,9 +614,13 @@ class _Aligner:
         module, leaf = _module_of(param)
         if module and module in self.our_modules and not self._runs(module):
             return False  # a ParameterDict's entry (``emb["tok"]``): no forward of its own, the op reading it is
-        if leaf == "weight":
-            return True
         held = self.ours_params.get(param)
+        if leaf == "weight":
+            # unless its module returns neither of the matrix's widths (a router returning its top-k weights and
+            # ids, DeepSeek's Gate): it computes more than the product reading it, which is the node
+            return held is None or (
+                (held.dim() != 2 or self._returns_width(module, held.shape)) and self._returns_rows(module, param)
+            )
         if not module and held is not None and (held.dim() == 1 or path == self.facts.embed_module):
             # a tensor of the whole model (a final norm's vector beside the blocks, the embedding's table): the op
             # reading it; a root table read as the head stays the model's output (place() says which)
@@ -626,13 +633,19 @@ class _Aligner:
             return False  # other weights of it derived at load from the reference's (HunYuan's shared MLP stacked
             # with its experts): the module computes more than the op reading this one
         # a module whose submodules hold other reference weights computes more than the op reading this
-        # one (an MLP holding w_down itself, w_gate and w_up as submodules): the op is the node, not it
+        # one (an MLP holding w_down itself, w_gate and w_up as submodules; a layer holding its norm's gain
+        # beside its mixer): the op is the node, not it
         if held is None:
             return True
         if held.dim() < 2 and all(self.state_dict[src.key].dim() < 2 for src in self.coverage.sources[param]):
-            return True  # a norm's one vector (``scale``, ``g``): its module is the norm
+            # a norm's one vector (``scale``, ``g``, beside its bias): its module is the norm, unless a submodule
+            # holds other reference weights (a layer holding its norm's gain beside its mixer: the op is the node)
+            return not any(
+                module and n.startswith(module + ".") and "." in n[len(module) + 1 :] for n in self.coverage.sources
+            )
         # (a linear's (1, in) weight kept flat, Qwen2-MoE's shared_expert_gate, is no norm: judged as a matrix)
-        return not any(module and n.startswith(module + ".") and n != param for n in self.coverage.sources)
+        inner = any(module and n.startswith(module + ".") and n != param for n in self.coverage.sources)
+        return not inner and self._returns_rows(module, param)
 
     def container(self, path: str) -> str | None:
         """Our module that plays the role of the reference container ``path``."""
@@ -1046,7 +1059,7 @@ class _Aligner:
             and weight.shape[0] == self.facts.vocab_size
             and base != self.facts.embed_module  # the table itself, tied: its lookup is the embedding's node
         )
-        if hit is not None and hit[0] == "" and not is_input and head:
+        if hit is not None and not is_input and head and (hit[0] == "" or self._embedding_module(hit[0])):
             after = [
                 what
                 for what, value in (("soft-caps", self.facts.final_softcap), ("scales", self.facts.logit_scale))
@@ -1376,6 +1389,28 @@ class _Aligner:
         if len(found) != 1:
             found = [k for k in keys if k.endswith("down_proj")]
         return found[0] if len(found) == 1 else None
+
+    def _returns_width(self, module: str, shape: torch.Size) -> bool:
+        """Whether ours' ``module`` returns one of ``shape``'s widths on its last axis, as a product with a
+        weight of that shape does (True where the probe forward did not say)."""
+        self._reads()
+        width = self._widths.get(module)
+        return width is None or width in tuple(shape)
+
+    def _embedding_module(self, our_path: str) -> bool:
+        """Whether ours' ``our_path`` is the module ours looks its tokens up in (the reference's embedding's): a
+        tied head reading its table computes the head's product outside it (``h @ self.tok.table.t()``)."""
+        found = self.leaf(self.facts.embed_module)
+        return found is not None and found[0] == our_path
+
+    def _returns_rows(self, module: str, param: str) -> bool:
+        """Whether ours' ``module`` returns as many features as the rows ``param`` holds of fused reference
+        weights (a module holding AltUp's projections stacked returns the streams, one projection's width):
+        else it is no product with the fused weight (True where the probe forward did not say)."""
+        self._reads()
+        width = self._widths.get(module)
+        rows = [max(s.rows) for s in self.coverage.sources.get(param, []) if s.how == ROWS and s.rows]
+        return width is None or not rows or max(rows) < width
 
     def _runs(self, our_path: str) -> bool:
         """Whether ours' module has a forward of its own (an ``nn.ModuleList`` of experts has none)."""
