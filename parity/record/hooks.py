@@ -100,10 +100,12 @@ def _replace_item(value, n: int | None, new: torch.Tensor):
     return type(value)(items)
 
 
-def _with_residual(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(x, residual)`` of a call handing a module a second tensor of its input's shape (vLLM's fused add and
-    RMSNorm, ``norm(x, residual)``), which such a module adds to its input before normalising; None for any
-    other call."""
+def _with_residual(module: nn.Module, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(x, residual)`` of a call handing a module whose forward takes a ``residual`` a second tensor of its
+    input's shape (vLLM's fused add and RMSNorm, ``norm(x, residual)``), which such a module adds to its input
+    before normalising; None for any other call (a gated norm's ``norm(x, gate)``)."""
+    if not _takes_residual(module):
+        return None
     x = args[0] if args else next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
     second = args[1] if len(args) > 1 else kwargs.get("residual")
     if isinstance(x, torch.Tensor) and isinstance(second, torch.Tensor) and second.shape == x.shape:
@@ -132,6 +134,11 @@ def _carries_residual(node: str, module: nn.Module, output) -> bool:
     a, b = output[0], output[1]
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape):
         return False
+    return _takes_residual(module)
+
+
+def _takes_residual(module: nn.Module) -> bool:
+    """Whether ``module``'s forward takes a ``residual`` (vLLM's convention for the stream carried apart)."""
     try:
         return "residual" in inspect.signature(type(module).forward).parameters
     except (TypeError, ValueError):
@@ -605,7 +612,7 @@ def recording(
             summing: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
             def pre_hook(mod, args, kwargs, _name=name, _t=transform, _summing=summing):
-                pair = _with_residual(args, kwargs)
+                pair = _with_residual(mod, args, kwargs)
                 if pair is not None:  # read after the call: the sum it makes inside may be the input
                     _summing[id(mod)] = pair
                     return None
