@@ -135,7 +135,7 @@ NAMED = [
     ("hyperclovax", "post_norm_on_residual_sum", False, "model.layers.0.post_norm1", "norm_placement",
      "ours' post_norm1 normalises the sum after the residual add (1 x model.layers.0.input_layernorm@input + 0.4 x"),
     ("hyperclovax", "post_norms_swapped", False, "model.layers.0.post_norm1", "swapped_weights",
-     "ours' model.layers.0.post_norm1 multiplies by the weight of model.layers.0.post_norm2"),
+     "ours applies post_norm1's weight where the reference runs post_norm2 and post_norm2's where it runs post_norm1"),
     ("hyperclovax", "rmsnorm_gemma_offset", False, "model.layers.0.input_layernorm", "norm_weight_offset",
      "ours multiplies by 1 + w, the reference by w"),
     ("hyperclovax", "rope_interleaved", False, "model.layers.0.self_attn.q_rot", "rope_pairing",
@@ -166,8 +166,8 @@ NAMED = [
      "experts chosen with each group scored by its best expert (max), not its two best summed in ours"),
     ("beam", "beam_expert_gate_up_swapped", False, "model.layers.1.post_feedforward_layernorm", "swapped_weights",
      "the chosen experts computed with gate_up_proj's halves swapped"),
-    ("beam", "beam_post_attn_norm_as_pre_ffn", False, "model.layers.0.post_attention_layernorm", "swapped_weights",
-     "ours' model.layers.0.post_attention_layernorm multiplies by the weight of model.layers.0.pre_feedforward"),
+    # beam_post_attn_norm_as_pre_ffn (the two stacked gains read in each other's places) is unnamed since the
+    # twenty-fourth session: stacked norm gains are read by row, and the swap reading finds no order to read here
     ("beam", "beam_rmsnorm_one_plus", False, "model.layers.0.input_layernorm", "norm_weight_offset",
      "ours multiplies by 1 + w, the reference by w"),
     ("beam", "beam_scaling_from_hidden", False, "model.layers.0.self_attn.scores", "attention_scale",

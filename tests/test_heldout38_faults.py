@@ -137,8 +137,8 @@ NAMED = [
     ("flint", "sliding_mask_without_padding", True, "model.layers.0.self_attn.probs", "padding",
      "ours gives weight to 80 earlier padding keys the other side masks"),
     ("kolibri1", "norm_names_swapped", False, "model.layers.0.post_self_attn_layernorm", "swapped_weights",
-     "ours' model.layers.0.post_self_attn_layernorm multiplies by the weight of "
-     "model.layers.0.post_attention_layernorm"),
+     "ours applies post_self_attn_layernorm's weight where the reference runs post_attention_layernorm and "
+     "post_attention_layernorm's where it runs post_self_attn_layernorm"),
     ("kolibri1", "post_attn_norm_after_residual", False, "model.layers.0.post_self_attn_layernorm", "norm_placement",
      "ours' post_self_attn_layernorm normalises the sum after the residual add"),
     ("kolibri1", "shared_expert_after_post_norm", False, "model.layers.0.post_mlp_layernorm", "residual",
