@@ -11,7 +11,6 @@ float64) and every sum accumulated in float64, so the metrics add no error of th
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from functools import partial
@@ -35,7 +34,7 @@ from parity.compare.metrics import (
 from parity.compare.padding import unpacked, without_padding
 from parity.compare.tolerances import Tolerances
 from parity.model.pair import NodeSpec
-from parity.record.hf_capture import OUTPUT_PROJECTIONS
+from parity.record.hf_capture import EXPERT_NODE, OUTPUT_PROJECTIONS
 from parity.record.hooks import ABSORBED, FUNCTIONS
 from parity.record.routing import CHOICES, WEIGHTS
 from parity.record.trace import Trace, one_thread
@@ -118,10 +117,6 @@ class NodeResult:
         )
 
 
-#: a node of one expert of a MoE block (``mlp.experts.3``)
-_EXPERT = re.compile(r"\.experts\.\d+$")
-
-
 def _first_along(ref: torch.Tensor, axis: int, shape: tuple[int, ...]) -> torch.Tensor:
     """``ref``'s first entry along ``axis``, in ``shape``."""
     return ref.narrow(axis, 0, 1).reshape(shape)
@@ -152,13 +147,13 @@ def _one_position(
         seq = padding.shape[1]  # tokens flattened over the batch: each sequence's first is every seq-th row
         if tuple(our_t.shape) == (padding.shape[0], *shape[1:]):
             firsts.append((0, seq, partial(_every, step=seq)))
+    ref = ref_t if isinstance(ref_t, torch.Tensor) or not firsts else ref_t.load()  # a spilled node, read once
     for axis, size, pick in firsts:
-        ref = ref_t if isinstance(ref_t, torch.Tensor) else ref_t.load()
         first = pick(ref)
         if first.is_floating_point() != our_t.is_floating_point():
             continue
         held = f"ours holds one position of {size} (axis {axis}): a forward run one token per call (a decode loop)"
-        if _EXPERT.search(name):
+        if EXPERT_NODE.search(name):
             return Metrics(status=UNTAPPED, detail=f"{held}; an expert's first call is no fixed position: not judged")
         mine = our_t
         if padding is not None and padding.dim() == 2 and our_t.dim() and our_t.shape[0] == padding.shape[0]:

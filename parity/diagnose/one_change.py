@@ -1537,11 +1537,11 @@ def _norm_left_out(module, args, kwargs, out, mode: _Changing) -> torch.Tensor |
 
 
 def _norm_skipped(module, args, kwargs, out, mode: _Changing) -> torch.Tensor | None:
-    """A norm module's call skipped: its input handed on, marked for the product that reads it."""
-    x = args[0] if args else next(iter(kwargs.values()), None)
-    if not isinstance(x, torch.Tensor) or not isinstance(out, torch.Tensor) or x.shape != out.shape:
+    """A norm module's call skipped (:func:`_norm_left_out`): its input handed on, marked for the product that
+    reads it."""
+    y = _norm_left_out(module, args, kwargs, out, mode)
+    if y is None:
         return None
-    y = x.to(out.dtype)
     eps = next(
         (getattr(module, n) for n in ("eps", "variance_epsilon") if isinstance(getattr(module, n, None), float)), 1e-6
     )

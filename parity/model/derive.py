@@ -221,7 +221,7 @@ def _heterogeneous_facts(config, model) -> ArchFacts:
     field globally raised: a rule reading them per layer (Gemma 4's) keeps its own facts."""
     n_layers = int(_get(config, "num_hidden_layers", default=0))
     facts = derive_facts(config.per_layer_config[0], model)
-    own = [derive_facts(config.per_layer_config[i]) for i in range(n_layers)]
+    own = [facts, *(derive_facts(config.per_layer_config[i]) for i in range(1, n_layers))]
     layers = tuple(
         replace(layer.layers[i], num_heads=layer.num_heads if layer.num_heads != facts.num_heads else 0)
         for i, layer in enumerate(own)

@@ -48,14 +48,15 @@ POSITION_TABLES = ("embed_positions", "wpe", "position_embeddings")
 #: a fused q/k/v projection's name in Transformers' families (BLOOM/Falcon/NeoX, GPT-2, Phi-3, MPT, Baichuan)
 FUSED_QKV = ("query_key_value", "c_attn", "qkv_proj", "Wqkv", "W_pack")
 #: a node that is one expert of an experts module: ``...mlp.experts.<e>``
-_EXPERT_NODE = re.compile(r"\.experts\.\d+$")
+#: a node of one expert of a MoE block (``mlp.experts.3``)
+EXPERT_NODE = re.compile(r"\.experts\.\d+$")
 
 
 def is_captured(name: str) -> bool:
     """Whether the reference's node ``name`` is recorded by a capture function (attention internals
     and one expert's output here, kernel internals in :mod:`parity.record.hf_kernels`) rather than by a
     module hook."""
-    return name.rsplit(".", 1)[-1] in SUFFIXES or bool(_EXPERT_NODE.search(name)) or hf_kernels.is_kernel_node(name)
+    return name.rsplit(".", 1)[-1] in SUFFIXES or bool(EXPERT_NODE.search(name)) or hf_kernels.is_kernel_node(name)
 
 
 _paths: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()

@@ -1390,11 +1390,15 @@ class _Aligner:
             found = [k for k in keys if k.endswith("down_proj")]
         return found[0] if len(found) == 1 else None
 
+    def _width(self, module: str) -> int | None:
+        """The last axis of what ours' ``module`` returned in the probe forward (None where it did not say)."""
+        self._reads()
+        return self._widths.get(module)
+
     def _returns_width(self, module: str, shape: torch.Size) -> bool:
         """Whether ours' ``module`` returns one of ``shape``'s widths on its last axis, as a product with a
         weight of that shape does (True where the probe forward did not say)."""
-        self._reads()
-        width = self._widths.get(module)
+        width = self._width(module)
         return width is None or width in tuple(shape)
 
     def _embedding_module(self, our_path: str) -> bool:
@@ -1407,8 +1411,7 @@ class _Aligner:
         """Whether ours' ``module`` returns as many features as the rows ``param`` holds of fused reference
         weights (a module holding AltUp's projections stacked returns the streams, one projection's width):
         else it is no product with the fused weight (True where the probe forward did not say)."""
-        self._reads()
-        width = self._widths.get(module)
+        width = self._width(module)
         rows = [max(s.rows) for s in self.coverage.sources.get(param, []) if s.how == ROWS and s.rows]
         return width is None or not rows or max(rows) < width
 
