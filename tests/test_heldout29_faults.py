@@ -89,7 +89,7 @@ def test_every_correct_variant_passes(model, bug, padded, checkpoints):
 
 NAMED = [
     ("qwen3_5_text", "q35_norm_no_offset", False, "model.layers.0.input_layernorm", "norm_weight_offset", "the norm weight offset"),
-    ("qwen3_5_text", "q35_gated_norm_offset", False, "model.layers.0.linear_attn.norm", "one_change", "likely 1 + model.layers.0.linear_attn.norm.weight in place o"),
+    ("qwen3_5_text", "q35_gated_norm_offset", False, "model.layers.0.linear_attn.norm", "norm_weight_offset", "ours multiplies by 1 + w, the reference by w"),
     ("qwen3_5_text", "q35_gate_silu", False, "model.layers.1.self_attn.o_proj", "activation", "the attention's output gate"),
     ("qwen3_5_text", "q35_rope_freq_headdim", False, "model.layers.1.self_attn.q_rot", "rope_frequencies", "the inverse frequencies of partial rotary"),
     ("qwen3_5_text", "q35_rope_on_tail", False, "model.layers.1.self_attn.q_rot", "rope_partial", "partial rotary"),

@@ -113,8 +113,8 @@ GDN_NORM = "model.layers.0.linear_attn.norm"
 NAMED = [
     ("qwen4_exp", "gdn_heads_tiled", False, GDN_NORM, "one_change", "replaced by whole-block repeats (tiled"),
     ("qwen4_exp", "gdn_gate_act_hidden_act", False, GDN_NORM, "one_change", "silu in place of sigmoid"),
-    ("qwen4_exp", "gdn_gated_norm_offset", False, GDN_NORM, "one_change",
-     "1 + model.layers.0.linear_attn.norm.weight in place of model.layers.0.linear_attn.norm.weight"),
+    ("qwen4_exp", "gdn_gated_norm_offset", False, GDN_NORM, "norm_weight_offset",
+     "ours multiplies by 1 + w, the reference by w"),
     ("qwen4_exp", "attn_q_gate_halves", False, "model.layers.1.self_attn.q_norm", "one_change",
      "this fused output read as 2 whole blocks (every head's part j together)"),
     ("qwen4_exp", "qsa_blocks_absolute", True, "model.layers.1.self_attn.indexer.k_layernorm", "loop_count",

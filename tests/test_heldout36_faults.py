@@ -166,8 +166,8 @@ NAMED = [
      "experts chosen with each group scored by its best expert (max), not its two best summed in ours"),
     ("beam", "beam_expert_gate_up_swapped", False, "model.layers.1.post_feedforward_layernorm", "swapped_weights",
      "the chosen experts computed with gate_up_proj's halves swapped"),
-    # beam_post_attn_norm_as_pre_ffn (the two stacked gains read in each other's places) is unnamed since the
-    # twenty-fourth session: stacked norm gains are read by row, and the swap reading finds no order to read here
+    ("beam", "beam_post_attn_norm_as_pre_ffn", False, "model.layers.0.post_attention_layernorm", "swapped_weights",
+     "ours applies post_attention_layernorm's weight where the reference runs pre_feedforward_layernorm"),
     ("beam", "beam_rmsnorm_one_plus", False, "model.layers.0.input_layernorm", "norm_weight_offset",
      "ours multiplies by 1 + w, the reference by w"),
     ("beam", "beam_scaling_from_hidden", False, "model.layers.0.self_attn.scores", "attention_scale",

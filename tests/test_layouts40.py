@@ -135,9 +135,9 @@ FAST = [
 ]
 
 
-#: known false failures, strict xfails: absorbed MLA in a padded batch (its router's experts are not put back on the
-#: tokens there: expert 3's rows in ours, (19, 64), against the reference's every token, (48, 64))
-KNOWN_FALSE = frozenset({"deepseek_v3-dsv3_absorbed_mla-padded"})
+#: known false failures, strict xfails (none left: absorbed MLA in a padded batch, whose experts ran on the tokens
+#: routed to them with no routing read, passes since expert rows are put on the tokens the reference routes)
+KNOWN_FALSE: frozenset[str] = frozenset()
 
 
 @pytest.mark.parametrize(("model", "bug", "padded"), FAST, indirect=["bug"], ids=str)

@@ -950,13 +950,18 @@ def loader_coverage(
             continue
         if not by_value(p.data, names):
             unexplained.append((p, names))
+    stacked_buffers: set[int] = set()
     for b, names in buffers.values():
         keys = sources.get(storage_key(b))
         if keys:
             for key in keys:
                 record(names, key, SHARED)
         elif not b.is_meta and b.is_floating_point():
-            by_value(b.detach(), names)
+            if not by_value(b.detach(), names):
+                # rows of several checkpoint tensors stacked in a buffer (per-layer router biases), tried as fused
+                # rows below; any other buffer is state of ours (a cos/sin table, a mask), no gap
+                unexplained.append((cast(nn.Parameter, b), names))  # read as a parameter's value is
+                stacked_buffers.add(id(b))
         elif not b.is_meta:  # an integer table (DeepSeek V4's tid2eid): an exact copy of an integer tensor only
             equal = [
                 k
@@ -976,6 +981,8 @@ def loader_coverage(
         for p, names in unexplained:
             label = " = ".join(names)
             parts = _fused_rows(p.data, free) or _fused_slices(p.data, free)
+            if parts is None and id(p) in stacked_buffers:
+                continue
             fused_input_major = False
             moved_axes: tuple[int, ...] | None = None
             if parts is None and p.dim() == 2:  # a fused weight kept input-major (``x @ W``, its columns the rows)

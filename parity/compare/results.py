@@ -33,7 +33,7 @@ from parity.compare.metrics import (
 )
 from parity.compare.padding import unpacked, without_padding
 from parity.compare.tolerances import Tolerances
-from parity.model.pair import NodeSpec
+from parity.model.pair import LOGITS, NodeSpec
 from parity.record.hf_capture import EXPERT_NODE, OUTPUT_PROJECTIONS
 from parity.record.hooks import ABSORBED, FUNCTIONS
 from parity.record.routing import CHOICES, WEIGHTS
@@ -125,6 +125,50 @@ def _first_along(ref: torch.Tensor, axis: int, shape: tuple[int, ...]) -> torch.
 def _every(ref: torch.Tensor, step: int) -> torch.Tensor:
     """Every ``step``-th row of ``ref`` (each sequence's first of tokens flattened over the batch)."""
     return ref[::step]
+
+
+def _routed_rows(
+    name: str, our_t: torch.Tensor, ref_t, padding: torch.Tensor | None
+) -> tuple[torch.Tensor, str] | None:
+    """An expert's output of ours on the tokens routed to it alone ``(n, hidden)``, no routing read to place them
+    (a port with no module for its MoE block gathers ``x[chosen == e]`` in functions): put on the tokens the
+    reference routes to that expert, in token order (the reference's node is zero on the others), when it routes
+    as many; with ``padding``, the reference's real tokens among them when ours skips the padding. ``(ours on
+    every token, how)``, or None when the counts differ (the routing differs: a failure, read by shape)."""
+    if not EXPERT_NODE.search(name) or our_t.dim() != 2 or not our_t.is_floating_point():
+        return None
+    ref = ref_t if isinstance(ref_t, torch.Tensor) else ref_t.load()
+    if ref.dim() != 2 or ref.shape[1] != our_t.shape[1] or our_t.shape[0] >= ref.shape[0]:
+        return None
+    routed = ref.ne(0).any(-1)
+    ways = [(routed, "the tokens the reference routes to this expert")]
+    if padding is not None and padding.numel() == ref.shape[0]:
+        ways.append((routed & ~padding.flatten().to(routed.device), "the real tokens the reference routes to it"))
+    for rows, which in ways:
+        if int(rows.sum()) == our_t.shape[0]:
+            out = ref.new_zeros(ref.shape, dtype=our_t.dtype)
+            out[rows] = our_t.to(out.device)
+            if padding is not None and padding.numel() == ref.shape[0]:  # padding tokens: not judged
+                out = torch.where(padding.flatten()[:, None].to(out.device), ref.to(out.dtype), out)
+            return out, f"ours' {our_t.shape[0]} rows put on {which}, in token order (ours runs it on those alone)"
+    if padding is not None and padding.numel() == ref.shape[0] and int(padding.any(-1).sum()) == 1:
+        # ours routes some padding tokens the reference does not (their states are no one's): with one row padded,
+        # on the left, the rows ours has beyond the reference's real ones are that row's, before its real tokens
+        real = routed & ~padding.flatten().to(routed.device)
+        extra = our_t.shape[0] - int(real.sum())
+        row = int(padding.any(-1).nonzero()[0])
+        seq = padding.shape[1]
+        before = int(real[: row * seq].sum())
+        if 0 < extra <= int(padding[row].sum()):
+            mine = torch.cat([our_t[:before], our_t[before + extra :]])
+            out = ref.new_zeros(ref.shape, dtype=our_t.dtype)
+            out[real] = mine.to(out.device)
+            out = torch.where(padding.flatten()[:, None].to(out.device), ref.to(out.dtype), out)
+            return out, (
+                f"ours' {our_t.shape[0]} rows put on the real tokens the reference routes to this expert, in token "
+                f"order, past the {extra} padding tokens ours routes to it too (ours runs it on those alone)"
+            )
+    return None
 
 
 def _one_position(
@@ -220,10 +264,14 @@ def compare_node(
         if not where:  # the root: what forward returned held no tensor
             where = "the value its forward returns (no tensor, nor a tuple, list or dict holding one first)"
         metrics = Metrics(status=MISSING, detail=f"{side} produced no tensor at {where}")
+    elif ref_t.shape != our_t.shape and (one := _one_position(spec.name, our_t, ref_t, atol, rtol, padding)):
+        metrics = one
+    elif ref_t.shape != our_t.shape and (routed := _routed_rows(spec.name, our_t, ref_t, padding)) is not None:
+        our_t, how = routed
+        metrics = tensor_metrics(our_t, ref_t, atol, rtol)
+        metrics = replace(metrics, detail="; ".join(d for d in (metrics.detail, how) if d))
     elif ref_t.shape != our_t.shape:
-        metrics = _one_position(spec.name, our_t, ref_t, atol, rtol, padding) or Metrics(
-            status=SHAPE, detail=f"ours {tuple(our_t.shape)} vs reference {tuple(ref_t.shape)}"
-        )
+        metrics = Metrics(status=SHAPE, detail=f"ours {tuple(our_t.shape)} vs reference {tuple(ref_t.shape)}")
     elif not ref_t.is_floating_point() and not our_t.is_floating_point():
         ref_t = ref_t if isinstance(ref_t, torch.Tensor) else ref_t.load()  # a spilled integer node: small
         metrics = choice_result(our_t, ref_t, scores, ordered)
@@ -270,6 +318,52 @@ def _real_cosine(kind: str, ours: torch.Tensor, ref, padding: torch.Tensor) -> f
     return max(-1.0, min(1.0, float((a * b).sum()) / (na * nb)))
 
 
+def _post_head_scale(store, names) -> float | None:
+    """The one constant ``c`` (not 1) the reference's logits are its head's output times (Falcon-H1's
+    ``lm_head_multiplier``, Cohere's ``logit_scale``), its head the node among ``names`` of the logits' shape;
+    None when there is none."""
+    logits = store.get(LOGITS)
+    logits = logits if logits is None or isinstance(logits, torch.Tensor) else logits.load()
+    for name in names:
+        head = store.get(name) if name != LOGITS else None
+        head = head if head is None or isinstance(head, torch.Tensor) else head.load()
+        if logits is None or head is None or head.shape != logits.shape or not head.is_floating_point():
+            continue
+        r, lg = head.double().flatten(), logits.double().flatten()
+        c = float((r * lg).sum() / r.pow(2).sum().clamp_min(1e-300))
+        if abs(c - 1) > 1e-6 and (lg - c * r).norm() <= 1e-5 * lg.norm():
+            return c
+    return None
+
+
+def _agrees_at_start(t, ref, padding: torch.Tensor | None) -> bool:
+    """Whether ``t`` (a rotated q or k ``(batch, heads, seq, head_dim)`` in the reference's layout) equals the
+    reference at each row's first real token (left padding skipped), where RoPE turns nothing."""
+    if not isinstance(t, torch.Tensor) or not isinstance(ref, torch.Tensor) or t.shape != ref.shape or t.dim() != 4:
+        return False
+    b, s = t.shape[0], t.shape[2]
+    first = torch.zeros(b, dtype=torch.long)
+    if padding is not None and tuple(padding.shape) == (b, s):
+        first = (~padding.bool()).int().argmax(-1)
+    rows = torch.arange(b)
+    a, r = t[rows, :, first].double(), ref[rows, :, first].double()
+    return bool((a - r).norm() <= 1e-3 * r.norm().clamp_min(1e-30))
+
+
+def _without_sink_column(kind: str, ours: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, str] | None:
+    """Ours' attention probabilities (scores) with one key column more than the reference's: an attention sink
+    kept as an extra key (GPT-OSS's sinks, a "softmax over [scores | sink]" whose sink column a port keeps, with a
+    zero value row) that the reference drops after the softmax. ``(ours without it, how)``: the column at either
+    end, the closer of the two to the reference; None when the shapes differ otherwise."""
+    if kind not in ("probs", "scores") or ours.dim() != ref.dim() or ours.shape[:-1] != ref.shape[:-1]:
+        return None
+    if ours.shape[-1] != ref.shape[-1] + 1:
+        return None
+    ends = {"last": ours[..., :-1], "first": ours[..., 1:]}
+    end = min(ends, key=lambda e: float((ends[e].double() - ref.double()).abs().nan_to_num(float("inf")).max()))
+    return ends[end], f"ours without its {end} key column (an attention sink kept as an extra key)"
+
+
 def in_reference_layout(
     spec: NodeSpec, ours: _Ours, ref, padding: torch.Tensor | None = None
 ) -> tuple[_Ours | torch.Tensor, str]:
@@ -285,6 +379,8 @@ def in_reference_layout(
         found = match_layout(ours, full) if ours.numel() == full.numel() else None
         if found is not None:
             moved, how = found
+        elif (sunk := _without_sink_column(spec.kind, moved, full)) is not None:
+            moved, how = sunk
         elif padding is not None and (packed := unpacked(spec.kind, moved, full, padding)) is not None:
             moved, how = packed, "the real tokens packed into one sequence (padding skipped)"
     if padding is not None and tuple(moved.shape) == tuple(ref.shape) and moved.dtype != torch.bool:
@@ -656,6 +752,12 @@ class NodeStream:
         #: ``(batch, seq)``, True at padding positions not judged (:mod:`parity.compare.padding`)
         self.padding = padding
         self.index = {name: i for i, name in enumerate(node_order(reference, nodes))}
+        last_layer = max((self.index.get(n.name, -1) for n in nodes if n.layer is not None), default=-1)
+        #: the nodes after the last layer's (the final norm, the head): a constant the reference applies to its
+        #: logits ours may apply to any of them (folded into the final norm's gain)
+        self._after_layers = frozenset(
+            n.name for n in nodes if n.layer is None and self.index.get(n.name, -1) > last_layer
+        )
         self.reference, self.tolerances, self.untapped = reference, tolerances, untapped
         self.context = frozenset(context)
         self.watch = dict(watch or {})
@@ -695,6 +797,23 @@ class NodeStream:
                 result, ours = replace(again, detail=f"compared with {take()}"), other
                 moved, layout = in_reference_layout(spec, ours, ref, self.padding)
                 layout = layout or "alternative"
+            elif _agrees_at_start(other, ref, self.padding) and not _agrees_at_start(ours, ref, self.padding):
+                # neither order agrees (a RoPE that differs), but only the reference's order agrees at each row's
+                # first token, where RoPE turns nothing: the order is the reference's, the mismatch the rotation's
+                result, ours = replace(again, detail=f"compared with {take()}"), other
+                moved, layout = in_reference_layout(spec, ours, ref, self.padding)
+                layout = layout or "alternative"
+        after = result.failed and ref is not None and name != LOGITS and name in self._after_layers
+        factor = _post_head_scale(store, sorted(self._after_layers)) if after else None
+        if factor is not None and isinstance(ours, torch.Tensor) and ours.is_floating_point():
+            # ours applies here the scale the reference applies after its head
+            again = compare_node(spec, self.index[name], ours / factor, ref, self.tolerances, False, None, self.padding)
+            if again.passed:
+                how = (
+                    f"compared divided by {factor:.6g}: ours applies here the scale the reference applies to its "
+                    "head's output after it (its logits are the head's times that), which the logits judge"
+                )
+                result = replace(again, detail="; ".join(d for d in (again.detail, how) if d))
         # an internal the reference computes where parity does not read it is no failure, here already (the
         # results after the forward say so too): the failure after it is the first, and is kept
         result = _never_produced(result, self.reference) if ref is None else result

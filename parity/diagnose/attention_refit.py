@@ -14,12 +14,14 @@ import math
 
 import torch
 
+from parity.diagnose import masks
 from parity.diagnose.evidence import EXPLAINS, Evidence, golden_minimum, rel
 from parity.diagnose.hints import Hint
 from parity.diagnose.scales import scale_readings
 
-#: the attention internals parity reads in a block (none of them in ours: the attention was not read)
-_INTERNALS = ("q_rot", "k_rot", "scores", "probs", "context")
+#: the attention internals after the rotated queries and keys (none of them read in ours: a fused kernel such
+#: as scaled_dot_product_attention runs them; the rotated queries and keys, read or not, agree)
+_CORE = ("scores", "probs", "context")
 
 
 def unread_attention(e: Evidence) -> Hint | None:
@@ -29,18 +31,35 @@ def unread_attention(e: Evidence) -> Hint | None:
     if e.kind != "o_proj":
         return None
     stem = e.name.rsplit(".", 1)[0]
-    if any(f"{stem}.{k}" in e.ours_trace.tensors for k in _INTERNALS):
+    # ours' probabilities or context read (and agreeing, or the first failure would be there): the detectors of the
+    # nodes after them judge what differs (differential attention's combination, an output gate); its scores alone
+    # read agree with a mask or softmax that differs after them
+    read = [e.ours_trace.results.get(f"{stem}.{k}") for k in ("probs", "context")]
+    if any(f"{stem}.{k}" in e.ours_trace.tensors for k in _CORE) or any(r is not None and r.judged for r in read):
         return None
     scores, probs, context = (e.ref_trace.tensors.get(f"{stem}.{k}") for k in ("scores", "probs", "context"))
-    x_ours, _ = e.inputs()
+    x_ours, x_ref = e.inputs()
     if scores is None or probs is None or context is None or x_ours is None or probs.dim() != 4:
         return None
-    if x_ours.numel() != context.numel() or e.close(x_ours.reshape(context.shape), context):
-        return None  # the context agrees: the projection itself differs, for the weight detectors
+    if x_ours.numel() != context.numel() or (x_ref is not None and e.close(x_ours, x_ref)):
+        return None  # the projection's input agrees: the projection itself differs, for the weight detectors
     b, h, q, _ = probs.shape
     if scores.shape != probs.shape or context.numel() % (b * h * q):
         return None
     ours = _per_head(x_ours.double(), b, h, q)
+    if x_ref is not None and x_ref.shape == x_ours.shape:
+        # an output gate between the context and the projection (Qwen3.5's gated attention): elementwise, as the
+        # gate projection agrees, so ours' context is its projection input over the reference's gate
+        gate = _per_head(x_ref.double(), b, h, q) / _per_head(context.double(), b, h, q)
+        if not bool(torch.isfinite(gate).all()) or bool((gate == 0).any()):
+            return None
+        if rel(gate, torch.ones_like(gate)) > 1e-9:
+            mapped = _gate_heads(e, ours / _per_head(context.double(), b, h, q), gate)
+            if mapped is not None:
+                return mapped
+            ours = ours / gate
+    if e.close(ours.transpose(1, 2).reshape(context.shape).to(context.dtype), context):
+        return None  # the context agrees: the gate or the projection itself differs
     factor = _temperature(scores.double(), probs.double(), _per_head(context.double(), b, h, q), ours)
     if factor is not None:
         return Hint(
@@ -50,6 +69,9 @@ def unread_attention(e: Evidence) -> Hint | None:
             f"{scale_readings(e, factor)}",
             {"factor": factor},
         )
+    mask = _mask_refit(e, stem, probs.double(), _per_head(context.double(), b, h, q), ours)
+    if mask is not None:
+        return mask
     return Hint(
         "attention_internals",
         f"ours' attention output (the context {stem}.o_proj reads) differs from the reference's while every "
@@ -83,3 +105,112 @@ def _temperature(scores: torch.Tensor, probs: torch.Tensor, context: torch.Tenso
     if residual(log_c) > EXPLAINS or abs(factor - 1) < 1e-3:
         return None
     return factor
+
+
+def _mask_refit(e: Evidence, stem: str, probs: torch.Tensor, context: torch.Tensor, ours: torch.Tensor) -> Hint | None:
+    """The key mask that reproduces ours' context (``(batch, heads, q, head_dim)``) from the reference's own
+    attention: the reference's raw scores ``c * q_rot @ k_rot^T`` (``c`` fitted where it attends), its values
+    solved from ``context = probs @ v``, softmax over another mask: the sliding window a key or two wider or
+    narrower, no window, or the key padding left unmasked. Hint ``sliding_window`` or ``padding``; None when
+    no such mask explains ours (or the reference's own attention cannot be recomputed so)."""
+    q_rot, k_rot = (e.ref_trace.tensors.get(f"{stem}.{k}") for k in ("q_rot", "k_rot"))
+    if q_rot is None or k_rot is None or q_rot.dim() != 4 or k_rot.dim() != 4:
+        return None
+    b, h, n, _ = probs.shape
+    if q_rot.shape[:3] != (b, h, n) or k_rot.shape[2] != n or h % k_rot.shape[1] or k_rot.shape[-1] != q_rot.shape[-1]:
+        return None
+    raw = q_rot.double() @ k_rot.double().repeat_interleave(h // k_rot.shape[1], 1).transpose(-1, -2)
+    allowed = probs > 0
+    scores = e.ref_trace.tensors.get(f"{stem}.scores")
+    if scores is None or scores.shape != probs.shape:
+        return None
+    s, r = scores.double()[allowed], raw[allowed]
+    c = float((s * r).sum() / r.pow(2).sum().clamp_min(1e-300))
+    q_pos, k_pos = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    causal = k_pos <= q_pos
+    real_key = torch.ones(b, 1, 1, n, dtype=torch.bool)
+    real_query = torch.ones(b, 1, n, 1, dtype=torch.bool)
+    if e.attention_mask is not None and tuple(e.attention_mask.shape) == (b, n):
+        real_key, real_query = e.attention_mask.bool()[:, None, None, :], e.attention_mask.bool()[:, None, :, None]
+    rows = real_query.expand(b, h, n, 1).squeeze(-1)
+    # the values from the real queries' rows alone (a padding query's row is whatever its mask made it)
+    values = torch.linalg.lstsq(probs * rows[..., None], context * rows[..., None]).solution
+    known = (allowed & rows[..., None]).any(-2, keepdim=True)  # (b, h, 1, k): keys whose values that solves
+    if rel(c * r, s) > 1e-6 or rel((probs @ values)[rows], context[rows]) > 1e-6:
+        return None  # the reference's attention is more than a scaled q k^T under a mask (a soft-cap, a bias)
+
+    # an attention sink's share of each row (GPT-OSS's, MiMo's: a softmax over [scores | sink], the sink column
+    # dropped): the row's normaliser read from any key it keeps, the sink's term what the kept keys leave of it
+    logits = c * raw
+    log_z = (logits - probs.clamp_min(1e-300).log()).masked_fill(~allowed, float("nan")).nanmedian(-1).values
+    sunk = (1 - probs.sum(-1)).clamp_min(0.0)
+    log_sink = torch.where(sunk > 1e-9, sunk.clamp_min(1e-300).log() + log_z, torch.full_like(sunk, float("-inf")))
+
+    def context_under(mask: torch.Tensor) -> torch.Tensor:
+        kept = logits.masked_fill(~mask, float("-inf"))
+        total = torch.logaddexp(torch.logsumexp(kept, -1), log_sink)
+        return torch.exp(kept - total[..., None]).nan_to_num(0.0) @ values
+
+    if rel(context_under(allowed)[rows], context[rows]) > 1e-6:
+        return None  # the probabilities are not one softmax over the keys they keep (and a sink)
+    window = masks._window_of(probs, e.attention_mask)
+    candidates: list[tuple[str, str, torch.Tensor]] = []
+    if window is not None:
+        for w in (window + 1, window - 1, window + 2, window - 2):
+            if w > 0:
+                said = f"a window of {w} keys where the reference keeps {window} (q - k < {w})"
+                candidates.append(("sliding_window", said, causal & (q_pos - k_pos < w) & real_key))
+        said = f"no window: every earlier key, where the reference keeps the last {window}"
+        candidates.append(("sliding_window", said, causal & real_key))
+    if not bool(real_key.all()):
+        kept = allowed | (causal & ~real_key & (q_pos - k_pos < (window or n + 1)))
+        candidates.append(("padding", "the padding keys left unmasked", kept))
+    for kind, said, mask in candidates:
+        mask = torch.where(rows[..., None], mask.expand(b, h, n, n), allowed)  # padding queries: not judged
+        if torch.equal(mask, allowed) or bool((mask & rows[..., None] & ~known).any()):
+            continue  # no other mask, or one over keys no real query of the reference attends (values unknown)
+        if rel(context_under(mask)[rows], ours[rows]) < EXPLAINS:
+            return Hint(
+                kind,
+                f"likely the attention mask of an attention parity could not read in ours (a fused kernel): ours' "
+                f"context is the reference's attention recomputed with {said}",
+                {"mask": said, "window": window},
+            )
+    return None
+
+
+def _gate_heads(e: Evidence, ours_gate: torch.Tensor, gate: torch.Tensor) -> Hint | None:
+    """The output gate of ours applied with another head's value: ``ours_gate`` (ours' projection input over the
+    reference's context) and ``gate`` (the reference's, one value per head, ``(batch, heads, q, head_dim)``) hold
+    the same per-token columns, ours' feature ``f`` holding head ``m(f)``'s where the reference's holds head
+    ``f // head_dim``'s (a per-head gate tiled along the features: ``m(f) = f mod heads``). Hint ``head_mapping``;
+    None when ours' columns are not the reference's gates, or are in the reference's places."""
+    b, h, q, d = gate.shape
+    per_head = gate[..., 0]  # (b, h, q)
+    if rel(gate, per_head[..., None].expand_as(gate)) > 1e-9:
+        return None  # not one gate value per head
+    columns = per_head.permute(0, 2, 1).reshape(b * q, h)  # (tokens, heads)
+    found = ours_gate.permute(0, 2, 1, 3).reshape(b * q, h * d)  # (tokens, features)
+    mapping = []
+    for f in range(h * d):
+        head = next((j for j in range(h) if rel(found[:, f], columns[:, j]) < 1e-6), None)
+        if head is None:
+            return None
+        mapping.append(head)
+    own = [f // d for f in range(h * d)]
+    if mapping == own:
+        return None
+    tiled = mapping == [f % h for f in range(h * d)]
+    how = (
+        f"the per-head gate tiled along the features (feature f gated by head f mod {h}, gate.repeat(..., {d}) "
+        f"where each head's {d} features need their own head's gate: repeat_interleave or a broadcast per head)"
+        if tiled
+        else "each feature gated by the head " + ", ".join(f"{j}" for j in mapping[:: max(1, d)]) + " at every "
+        f"{d}th feature where the reference gates each head's {d} features by its own head"
+    )
+    return Hint(
+        "head_mapping",
+        f"likely the attention's output gate broadcast over the wrong axis in ours: ours' input to {e.kind} is the "
+        f"reference's context times the reference's gate values in other places: {how}",
+        {"mapping": mapping, "tiled": tiled},
+    )

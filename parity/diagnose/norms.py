@@ -291,10 +291,14 @@ def norm_weight_offset(e: Evidence) -> Hint | None:
     in Gemma 4), or ``2 + w`` (the 1 added to a weight already stored as ``1 + w``). Both offsets are
     read back from the outputs alone (their ratio per channel is ``(w + a) / (w + o)``), whichever side
     holds the fault."""
-    if not is_norm(e.kind) or e.name not in e.ref_trace.inputs or e.name not in e.ours_trace.inputs:
+    if not is_norm(e.kind) or e.name not in e.ref_trace.inputs:
         return None
     w = e.ref_trace.weights.get(e.name)
-    x_ref, x_ours = e.ref_trace.inputs[e.name], e.ours_trace.inputs[e.name]
+    # ours' input, where kept, agrees (a norm computed in functions may keep none: a gated norm's gate multiplies
+    # after it; one factor per channel constant over tokens is then the evidence inputs that agree give)
+    x_ours, x_ref = e.inputs()  # in the reference's layout (a per-head norm's (batch, seq, heads, d) as tokens)
+    x_ref = x_ref if x_ref is not None else e.ref_trace.inputs[e.name]
+    x_ours = x_ours if x_ours is not None and x_ours.shape == x_ref.shape else x_ref
     if w is None or w.dim() != 1 or w.shape[0] != e.ref.shape[-1] or not e.close(x_ours, x_ref):
         return None
     w = w.double()
@@ -713,12 +717,20 @@ def norm_order(e: Evidence) -> Hint | None:
         return [n for n in ref_after if n not in ours_after], [n for n in ours_after if n not in ref_after]
 
     layer_norms = [n for n in shared if is_norm(e.facts.locate(n)[1]) and "@" not in n]
-    moving = {n: bool(back) for n in layer_norms for back, ahead in [moves(n)] if bool(back) != bool(ahead)}
-    if len(set(moving.values())) > 1:
-        # one norm moved back, another ahead: the nodes are aligned by weight, so each norm's weight is applied
-        # where the other norm runs (a loader that swapped them), not a block run in another order
-        back = next(n for n, b in moving.items() if b)
-        ahead = next(n for n, b in moving.items() if not b)
+    moved = {n: moves(n) for n in layer_norms}
+    moving = {n: bool(back) for n, (back, ahead) in moved.items() if bool(back) != bool(ahead)}
+    # one norm moved back across another that moved ahead across it: the nodes are aligned by weight, so each
+    # norm's weight is applied where the other norm runs (a loader that swapped them), not a block run in another
+    # order (a q_norm moved back across projections ours runs first is no swap: no norm moved the other way)
+    pairs = [
+        (back, ahead)
+        for back, b in moving.items()
+        if b
+        for ahead, a in moving.items()
+        if not a and ahead in moved[back][0] and back in moved[ahead][1]
+    ]
+    if pairs:
+        back, ahead = next((p for p in pairs if e.name in p), pairs[0])
         if e.name not in (back, ahead):
             return None
         a, b = (e.facts.locate(n)[1] for n in (ahead, back))
@@ -784,10 +796,19 @@ def residual_into(e: Evidence, layer: int) -> torch.Tensor | None:
 def block_layout(e: Evidence) -> Hint | None:
     """The MLP branch reads the residual after attention on one side and the layer's input on the
     other: a parallel block (``x + attn(N(x)) + mlp(N(x))``) run sequentially, or the reverse."""
-    if e.result.layer is None or not (e.kind.endswith("@input") or is_norm(e.kind)):
+    if e.result.layer is None:
+        return None
+    ours_y: torch.Tensor | None = e.ours
+    ref_y: torch.Tensor | None = e.ref
+    if not (e.kind.endswith("@input") or is_norm(e.kind)):
+        # the MLP's first projection, its input read (Cohere's parallel block, one norm for both branches)
+        if e.kind not in ("gate_proj", "up_proj", "fc1", "c_fc", "w1", "w3"):
+            return None
+        ours_y, ref_y = e.inputs()
+    if ours_y is None or ref_y is None:
         return None
     x, attn = residual_into(e, e.result.layer), _layer_node(e, e.result.layer, "o_proj")
-    if x is None or attn is None or x.shape != e.ref.shape or attn.shape != x.shape:
+    if x is None or attn is None or x.shape != ref_y.shape or attn.shape != x.shape or ours_y.shape != x.shape:
         return None
     candidates = {
         "the residual after attention (sequential block)": x.double() + attn.double(),
@@ -800,11 +821,12 @@ def block_layout(e: Evidence) -> Hint | None:
                 return label
         return None
 
-    ours_is, ref_is = explained(e.ours), explained(e.ref)
+    ours_is, ref_is = explained(ours_y), explained(ref_y)
     if ours_is is None or ref_is is None or ours_is == ref_is:
         return None
+    what = e.kind if ours_y is e.ours else f"input of {e.kind}"
     return Hint(
         "block_layout",
-        f"likely the block layout: the {e.kind} of ours is computed from {ours_is}, the reference's from {ref_is}",
+        f"likely the block layout: the {what} of ours is computed from {ours_is}, the reference's from {ref_is}",
         {"ours": ours_is, "reference": ref_is},
     )

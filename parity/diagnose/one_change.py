@@ -156,6 +156,9 @@ class Change:
     #: the layer's call re-run with one argument (a keyword or a position) given the value another layer's call
     #: received for it: ``(argument, value)`` (a value handed from layer to layer taken from another layer)
     argument: tuple[str | int, torch.Tensor] | None = None
+    #: a boolean flag of a module the block holds (set from its config: Bailing-hybrid's ``safe_gate``) flipped for
+    #: the pass: ``(module path, attribute)``; the branch the other value takes is code the trace never ran
+    attribute: tuple[str, str] | None = None
 
     @property
     def where(self) -> str:
@@ -288,7 +291,12 @@ class _Changing(TorchFunctionMode):
         position = {s: i for i, s in enumerate(order)}
         found = []
         for site, (_func, args, _kwargs) in sites:
-            if site.op not in _READS or not args or not isinstance(args[0], torch.Tensor):
+            # (an activation too: a SwiGLU's sigmoid reading the soft-capped gate, the raw one meant)
+            if (
+                (site.op not in _READS and site.op not in _ACTIVATIONS)
+                or not args
+                or not isinstance(args[0], torch.Tensor)
+            ):
                 continue
             own = args[0]
             before = order[: position[self._first_call(site)]]
@@ -1189,6 +1197,10 @@ def search(
             mode.inside -= 1
 
         patched = _patch(mode)
+        flipped = mode.change.attribute if mode.change is not None else None
+        if flipped is not None:
+            setattr(modules[flipped[0]], flipped[1], not getattr(modules[flipped[0]], flipped[1]))
+            mode.applied += 1
         handles = [
             *_module_hooks(mode, modules),
             *(m.register_forward_hook(_keeps_normed(mode)) for _, m in norms),
@@ -1218,6 +1230,8 @@ def search(
                 h.remove()
             if patched is not None:
                 setattr(*patched)
+            if flipped is not None:
+                setattr(modules[flipped[0]], flipped[1], not getattr(modules[flipped[0]], flipped[1]))
             mode.inside = 0
         return dict(kept)
 
@@ -1253,7 +1267,10 @@ def search(
     unreproduced: set[str] = set()  # scans whose replacement in the reference's own order does not reproduce it
     # first: a handful of passes, one per distinct value another layer received
     handed = _arguments_of_other_layers(scope, modules, called, siblings, returned)
-    for change in handed + _with_pairs(first) + gated + orders + swaps + terms + dry.mix_ups(sites, layer_input):
+    flags = _flags(modules, block, model)
+    for change in (
+        handed + _with_pairs(first) + gated + orders + swaps + terms + flags + dry.mix_ups(sites, layer_input)
+    ):
         if runs >= MAX_RUNS or time.monotonic() - started > MAX_SECONDS:
             break
         if change.patch is not None and change.patch[1] in unreproduced:
@@ -1280,6 +1297,35 @@ def search(
         ):
             unreproduced.add(change.patch[1])  # the replacement does not compute what the original does
     return found or None
+
+
+def _flags(modules: dict[str, torch.nn.Module], block: str, model: torch.nn.Module) -> list[Change]:
+    """Each boolean attribute of the block's modules that holds a boolean field of the config (by value: a
+    ``self.safe_gate = config.kda_safe_gate`` whose branch a port never took) flipped for one pass."""
+    config = getattr(model, "config", None)
+    to_dict = getattr(config, "to_dict", None)
+    fields: dict = to_dict() if callable(to_dict) else {}
+    found = []
+    for path, module in modules.items():
+        if path != block and not path.startswith(block + "."):
+            continue
+        try:
+            file = inspect.getsourcefile(type(module)) or ""
+            line = inspect.getsourcelines(type(module))[1]
+        except (TypeError, OSError):
+            continue
+        for attr, value in vars(module).items():
+            if attr.startswith("_") or not isinstance(value, bool) or attr == "training":
+                continue
+            named = [f for f, v in fields.items() if isinstance(v, bool) and v == value and attr in f]
+            if not named:
+                continue  # only a flag the config sets (by its name): a port reading that field otherwise
+            words = (
+                f"{path}.{attr} = {not value} (config.{named[0]} read as {not value}: the branch the config's "
+                f"{value} skips taken)"
+            )
+            found.append(Change(Site("flag", file, line), words, _ones, attribute=(path, attr)))
+    return found
 
 
 def _sibling_layers(modules: dict[str, torch.nn.Module], scope: str) -> list[str]:

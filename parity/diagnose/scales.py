@@ -691,6 +691,18 @@ def row_scale(e: Evidence) -> Hint | None:
                     {**evidence, "side": skipped},
                 )
             break
+    capped = (factors - 1).abs() < 1e-6
+    if "unit" not in evidence and bool(capped.any()) and not bool(capped.all()):
+        # some rows agree exactly, the others differ by one factor each: a per-row cap on both sides (an L2 clip:
+        # rows over the threshold brought to it) after a scale one side applies, the rows the cap reaches agreeing
+        c = float(factors[(factors.log().abs()).argmax()])
+        return Hint(
+            "scale",
+            f"likely a scale on {e.kind}'s values before a per-row cap (an L2 clip) both sides apply: "
+            f"{int(capped.sum())} of {len(factors)} rows agree exactly (the cap reached on both sides), the others "
+            f"differ by one factor each, up to {c:.6g} (ours / reference where neither side's row reaches the cap)",
+            {**evidence, "factor": c, "capped_rows": int(capped.sum())},
+        )
     if "unit" not in evidence and is_norm(e.kind):
         # a norm's output on both sides, neither of unit size: not one side normalising and the other not (a gate
         # moved across the norm gives one factor per row too: rms(x) / rms(x g)); the one-change search reads it

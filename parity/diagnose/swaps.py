@@ -83,9 +83,9 @@ def swapped_modules(name: str, ours_trace: Trace, ref_trace: Trace) -> Hint | No
     return Hint(
         "swapped_weights",
         f"likely the weights of {name.rpartition('.')[2]} and {other.rpartition('.')[2]} loaded into each other's "
-        f"modules: ours' module holding {name}'s weight (aligned here by it) runs where the reference's {other} "
-        f"does (its output has {other}'s shape {tuple(ref_trace.tensors[other].shape)} and equals it up to one "
-        "factor per channel: another weight)",
+        f"modules, or the two modules fed each other's inputs: ours' module holding {name}'s weight (aligned here "
+        f"by it) runs where the reference's {other} does, on its input (its output has {other}'s shape "
+        f"{tuple(ref_trace.tensors[other].shape)} and equals it up to one factor per channel: another weight)",
         {"runs_as": other},
     )
 

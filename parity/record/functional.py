@@ -546,6 +546,7 @@ class FunctionCapture(TorchFunctionMode):
         scales=None,
         vectors=None,
         expects_bias: frozenset[str] = frozenset(),
+        gated: frozenset[str] = frozenset(),
         owners=None,
         retract=None,
         hold_input=None,
@@ -629,6 +630,10 @@ class FunctionCapture(TorchFunctionMode):
         self.vectors = Followed(vectors or {})
         self._biased = {n for n in self.biases.by_storage.values() if n} | set(expects_bias)
         self._biased |= {n for n in self.scales.by_storage.values() if n}
+        #: norms whose reference module multiplies its output by a gate it is given (Qwen3-Next's gated RMSNorm,
+        #: ``norm(x) * w * silu(z)``): ours' product with the weight waits for that gate as for a bias
+        self._gated = set(gated)
+        self._biased |= self._gated
         self._unbiased: dict[int, tuple[str, torch.Tensor]] = {}
         #: a product waiting for its bias that ours added to another tensor first (the residual): ``id(sum) ->
         #: the product``, recorded with the bias if the sum's next add is that bias
@@ -1135,6 +1140,15 @@ class FunctionCapture(TorchFunctionMode):
         bias = next((a for a in others if self.biases.of(a) is not None), None) if adds else None
         scaled = op_name(func) in ("mul", "__mul__", "__rmul__") and any(self.scales.of(a) == node for a in others)
         if scaled and carried is None:  # the module's own scale after its product: the module's output
+            return True, args, self.record_param(node, func(*args, **kwargs), **part)
+        gates = (
+            node in self._gated
+            and op_name(func) in ("mul", "__mul__", "__rmul__")
+            and any(
+                isinstance(a, torch.Tensor) and a.shape == result.shape and self.followed.of(a) is None for a in others
+            )
+        )
+        if gates and carried is None:  # a gated norm's gate after its weight: the module's output
             return True, args, self.record_param(node, func(*args, **kwargs), **part)
         if bias is not None and carried is not None:  # ``h + x @ W + b``: the product plus its bias, h apart
             self.record_param(node, carried + bias, **part)

@@ -170,11 +170,26 @@ class ExpertEvidence:
             down = down.T
         if down_viewed:  # (H, I) read as (I, H) and used as x @ W
             down = down.reshape(down.shape[1], down.shape[0]).T
+        if _gates_up(m.act_fn):  # an activation of the gate and up halves together (Inkling-2's soft-capped SwiGLU)
+            return nn.functional.linear(m.act_fn(x @ gate.T, x @ up.T), down)
         return nn.functional.linear(m.act_fn(x @ gate.T) * (x @ up.T), down)
 
     @property
     def num_experts(self) -> int:
         return experts_count(self.module)
+
+
+def _gates_up(act) -> bool:
+    """Whether an experts module's ``act_fn`` takes the gate and the up halves both (``act_fn(gate, up)``, the
+    gated product) rather than the gate alone."""
+    forward = getattr(type(act), "forward", None) if isinstance(act, nn.Module) else act
+    if not callable(forward):
+        return False
+    try:
+        params = [p for p in inspect.signature(forward).parameters.values() if p.name != "self"]
+    except (TypeError, ValueError):
+        return False
+    return len([p for p in params if p.default is inspect.Parameter.empty]) >= 2
 
 
 def experts_count(module: nn.Module) -> int:

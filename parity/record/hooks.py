@@ -519,6 +519,7 @@ def recording(
     functional_vectors: dict[StorageKey, str] | None = None,
     functional_widths: dict[str, int] | None = None,
     functional_expects_bias: frozenset[str] = frozenset(),
+    functional_gated: frozenset[str] = frozenset(),
     functional_owners: dict[str, str] | None = None,
     functional_siblings: dict[str, list[str]] | None = None,
     functional_parts: dict[int, list[tuple[Block, str, Callable]]] | None = None,
@@ -549,6 +550,7 @@ def recording(
     nodes nothing tapped, and, keyed by a parameter's storage, the node of the op that reads it;
     ``functional_biases``: keyed the same way, the node whose op's result ours adds that bias to next;
     ``functional_expects_bias``: nodes whose reference module has a bias no parameter of ours aligned to;
+    ``functional_gated``: norm nodes whose reference module multiplies its output by a gate it is given;
     ``functional_owners``: node -> the module of ours holding its weight, whose own hook records the node
     (an op reading that weight counts only while the module is not running). ``functional_blocks``: node
     read in a function -> (the :data:`FUNCTIONS` tap path of the attention block it belongs to, whether it
@@ -713,6 +715,7 @@ def recording(
             vectors=functional_vectors,
             widths=functional_widths,
             expects_bias=functional_expects_bias,
+            gated=functional_gated,
             owners=(functional_owners or {}, lambda: rec.stack),
             retract=lambda kind: _retract_captured(rec, kind),
             hold_input=lambda node, x: _hold_functional_input(

@@ -39,7 +39,7 @@ from parity.compare.results import (
 from parity.compare.tolerances import Tolerances
 from parity.diagnose import one_change
 from parity.diagnose.detectors import diagnose
-from parity.diagnose.evidence import within_tolerance
+from parity.diagnose.evidence import fmt_list, within_tolerance
 from parity.diagnose.hints import Hint
 from parity.diagnose.later_calls import later_call_hint
 from parity.diagnose.norms import is_norm
@@ -377,6 +377,9 @@ def ours_recording(pair: Pair, order: Sequence[str] = ()) -> dict:
             and w.dim() == 1
         },
         functional_expects_bias=expects_bias,
+        functional_gated=frozenset(
+            n.name for n in pair.nodes if n.ours.startswith("param:") and _takes_gate(ref_modules.get(n.reference_path))
+        ),
         functional_owners=owners or None,
         functional_siblings=siblings or None,
         functional_parts=parts or None,
@@ -819,16 +822,30 @@ def _since_agreement(results: list[NodeResult], bad: NodeResult) -> list[NodeRes
     return before[last_ok + 1 :]
 
 
+def _takes_gate(module) -> bool:
+    """Whether a reference module's forward takes a ``gate`` it multiplies its output by (a gated RMSNorm)."""
+    if module is None:
+        return False
+    try:
+        return "gate" in inspect.signature(type(module).forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def never_read_before(results: list[NodeResult], bad: NodeResult, pair: Pair | None = None) -> Hint | None:
     """A node between the last one that agreed and the first failure whose weight ours never read in the
     forward (a norm or projection computed in functions, skipped): the likeliest cause, named when no
     detector read one at the failing node. A weight ours' forward does read by some operation (``repeat``ed
     across heads, a norm's gain tiled) is no skipped one: nothing is said then."""
-    skipped = [
-        r
-        for r in _since_agreement(results, bad)
-        if r.status == UNTAPPED and r.detail.startswith("no product in ours read")
+    # since the last agreement, or earlier in the failing node's own block (a norm on one branch of an attention,
+    # MLA's rope key, whose other branches' nodes agree in between)
+    block = bad.name.rsplit(".", 1)[0] + "."
+    scope = _since_agreement(results, bad) + [
+        r for r in results[: bad.index] if r.name.startswith(block) and "[" not in r.name
     ]
+    skipped = list(
+        {r.name: r for r in scope if r.status == UNTAPPED and r.detail.startswith("no product in ours read")}.values()
+    )
     if skipped and pair is not None and pair.ours is not None:
         specs = {n.name: n.ours for n in pair.nodes}
         read: dict[str, tuple[str, ...]] = {}
@@ -905,6 +922,10 @@ def reshaped_before(results: list[NodeResult], bad: NodeResult, pair: Pair) -> H
     return None
 
 
+#: the attention internals parity reads (computed from no checkpoint tensor of their own)
+ATTENTION_INTERNALS = frozenset({"q_rot", "k_rot", "scores", "probs", "context"})
+
+
 def derived_before(results: list[NodeResult], bad: NodeResult, pair: Pair) -> Hint | None:
     """The failure sits in (or right after the untapped nodes of) a module whose checkpoint tensors ours
     computes into other values at load (a norm folded into the next projection, DiffLlama's lambdas folded
@@ -943,12 +964,26 @@ def derived_before(results: list[NodeResult], bad: NodeResult, pair: Pair) -> Hi
             {"side": "ours", "keys": keys, "into": into, "permuted": permuted},
         )
     others = _other_suspects(results, pair, keys, bad)
+    # an attention's internals untapped before the failure (its mask, scale, softmax: computed from no tensor of
+    # the checkpoint) are as much a suspect as the derived values
+    internals = [
+        r.name for r in _since_agreement(results, bad) if r.status == UNTAPPED and r.kind in ATTENTION_INTERNALS
+    ]
+    others += internals
     if others:  # the block computes more than the derived values untapped: one suspect of several, not the cause
         block = keys[0].rsplit(".", 1)[0]
+        if internals:
+            block = internals[0].rsplit(".", 1)[0]
         return Hint(
             "untapped_block",
             f"likely inside {block}: the nodes before agree and {bad.name} is the first to differ, but ours computes "
-            f"part of {block} where nothing taps it (reading {', '.join(others[:3])}), and computes "
+            f"part of {block} where nothing taps it ("
+            + (
+                f"its {fmt_list(n.rsplit('.', 1)[1] for n in internals)}"
+                if internals
+                else "reading " + ", ".join(others[:3])
+            )
+            + "), and computes "
             f"{', '.join(keys[:2])} at load{where}: tap its internals (parity.tap) to be told which",
             {"block": block, "keys": keys, "into": into, "untapped": others},
         )

@@ -545,6 +545,11 @@ class _Aligner:
                 candidates[our_path] = s
         if not candidates and found and ref_is_embedding:  # a user's own embedding class: accept any holder
             candidates = {_module_of(n)[0]: s for n, s in found}
+            looked_up = [(n, s) for n, s in held if self._reads().get(n) == LOOKUP]
+            if looked_up and not any(n in dict(looked_up) for n, _ in found):
+                # the table is looked up as a parameter of a module holding others (a backbone's ``emb``), and the
+                # module holding it as its weight is a tied head multiplying by it: the lookup is that op
+                candidates, found, held = {}, [], looked_up
         if len(candidates) > 1:
             candidates = self._by_reading_op(candidates, found, ref_is_embedding)
         if not candidates and found and path == self.facts.head_module:
@@ -1230,7 +1235,11 @@ class _Aligner:
             # vector it is, not as a product's rows (a vector permuted in place, a per-head norm's, is one)
             key = self.state_dict.get(source.key)
             vector = key is not None and key.dim() > 0 and key.numel() == key.shape[-1]
-            vector = vector and self.ours_params[param].dim() == 2
+            # (a linear's one-row weight, Qwen3-Next's (1, hidden) shared-expert gate fused beside the router's, is
+            # a product's row)
+            vector = (
+                vector and self.ours_params[param].dim() == 2 and not isinstance(self.ref_modules.get(base), nn.Linear)
+            )
             if source.how == ROWS and source.rows and not vector:  # a fused parameter read in a function: its rows
                 rows = _rows_of(self.ours_params[param], source)
                 return replace(spec, ours=ours, transform=rows, inverse=rows.inverse), Aligned(
