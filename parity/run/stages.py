@@ -378,7 +378,9 @@ def ours_recording(pair: Pair, order: Sequence[str] = ()) -> dict:
         },
         functional_expects_bias=expects_bias,
         functional_gated=frozenset(
-            n.name for n in pair.nodes if n.ours.startswith("param:") and _takes_gate(ref_modules.get(n.reference_path))
+            n.name
+            for n in pair.nodes
+            if n.ours.startswith("param:") and is_norm(n.kind) and _takes_gate(ref_modules.get(n.reference_path))
         ),
         functional_owners=owners or None,
         functional_siblings=siblings or None,
