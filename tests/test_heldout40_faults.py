@@ -12,7 +12,7 @@ read per layer, stacked norm gains read by row, a module returning fewer feature
 no node, a tied head computed from the embedding module's table, a product over a column slice of a node's weight
 joined with the others, a weightless norm left out. After: 36 of 36 correct runs, 30 of 42 bugs named, no wrong
 cause seen. Named in the twenty-fifth session: dots.3-note's rope key norm skipped (a norm of the failing node's own
-block whose weight ours never read), per-head gate tiled (the output gate's values read back per feature), sliding
+block whose weight ours never read), per-head gate tiled (the output gate's forms read where ours' context is not), sliding
 window (the attention recomputed under other masks where ours runs a fused kernel) and RoPE theta at its sliding
 layers (the rope tail's order settled at the first token, where RoPE turns nothing): 34 of 42. Unnamed: Gemma 3n's
 per-layer table clamped or unpacked transposed, LAuReL's residual unnormed and the sparsity's unbiased std; Gemma 4's
@@ -183,7 +183,7 @@ NAMED = [
     ("dots3_note_text", "swa_rope_theta_global", False, "model.layers.1.self_attn.q_rot", "rope_theta",
      "ours rotates like default RoPE with theta 10000"),
     ("dots3_note_text", "gate_heads_tiled", False, f"{ATTN}.o_proj", "head_mapping",
-     "the per-head gate tiled along the features (feature f gated by head f mod 4"),
+     "the gate tiled over the channels (channel c reads head c % 4's"),
     ("dots3_note_text", "k_rope_norm_skipped", False, f"{ATTN}.k_rot", "missing",
      "model.layers.0.self_attn.k_rope_only_layernorm skipped in ours"),
 ]  # fmt: skip

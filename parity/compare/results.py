@@ -141,17 +141,25 @@ def _routed_rows(
     if ref.dim() != 2 or ref.shape[1] != our_t.shape[1] or our_t.shape[0] >= ref.shape[0]:
         return None
     routed = ref.ne(0).any(-1)
+    padded = padding is not None and padding.numel() == ref.shape[0]
+
+    def placed(rows: torch.Tensor, mine: torch.Tensor) -> torch.Tensor:
+        """``mine`` on ``rows``, zero elsewhere, the reference's values at the padding (not judged)."""
+        out = ref.new_zeros(ref.shape, dtype=mine.dtype)
+        out[rows] = mine.to(out.device)
+        if padding is not None and padded:
+            out = torch.where(padding.flatten()[:, None].to(out.device), ref.to(out.dtype), out)
+        return out
+
     ways = [(routed, "the tokens the reference routes to this expert")]
-    if padding is not None and padding.numel() == ref.shape[0]:
+    if padding is not None and padded:
         ways.append((routed & ~padding.flatten().to(routed.device), "the real tokens the reference routes to it"))
     for rows, which in ways:
         if int(rows.sum()) == our_t.shape[0]:
-            out = ref.new_zeros(ref.shape, dtype=our_t.dtype)
-            out[rows] = our_t.to(out.device)
-            if padding is not None and padding.numel() == ref.shape[0]:  # padding tokens: not judged
-                out = torch.where(padding.flatten()[:, None].to(out.device), ref.to(out.dtype), out)
-            return out, f"ours' {our_t.shape[0]} rows put on {which}, in token order (ours runs it on those alone)"
-    if padding is not None and padding.numel() == ref.shape[0] and int(padding.any(-1).sum()) == 1:
+            return placed(rows, our_t), (
+                f"ours' {our_t.shape[0]} rows put on {which}, in token order (ours runs it on those alone)"
+            )
+    if padding is not None and padded and int(padding.any(-1).sum()) == 1:
         # ours routes some padding tokens the reference does not (their states are no one's): with one row padded,
         # on the left, the rows ours has beyond the reference's real ones are that row's, before its real tokens
         real = routed & ~padding.flatten().to(routed.device)
@@ -160,11 +168,7 @@ def _routed_rows(
         seq = padding.shape[1]
         before = int(real[: row * seq].sum())
         if 0 < extra <= int(padding[row].sum()):
-            mine = torch.cat([our_t[:before], our_t[before + extra :]])
-            out = ref.new_zeros(ref.shape, dtype=our_t.dtype)
-            out[real] = mine.to(out.device)
-            out = torch.where(padding.flatten()[:, None].to(out.device), ref.to(out.dtype), out)
-            return out, (
+            return placed(real, torch.cat([our_t[:before], our_t[before + extra :]])), (
                 f"ours' {our_t.shape[0]} rows put on the real tokens the reference routes to this expert, in token "
                 f"order, past the {extra} padding tokens ours routes to it too (ours runs it on those alone)"
             )
@@ -316,6 +320,10 @@ def _real_cosine(kind: str, ours: torch.Tensor, ref, padding: torch.Tensor) -> f
     if not (na > 0 and nb > 0):
         return None if na != nb else 1.0
     return max(-1.0, min(1.0, float((a * b).sum()) / (na * nb)))
+
+
+#: a value not read yet (None is a reading: no such constant)
+_UNREAD = object()
 
 
 def _post_head_scale(store, names) -> float | None:
@@ -758,6 +766,7 @@ class NodeStream:
         self._after_layers = frozenset(
             n.name for n in nodes if n.layer is None and self.index.get(n.name, -1) > last_layer
         )
+        self._head_factor: object = _UNREAD  # the reference's logits over its head's output (_post_head_scale)
         self.reference, self.tolerances, self.untapped = reference, tolerances, untapped
         self.context = frozenset(context)
         self.watch = dict(watch or {})
@@ -804,7 +813,9 @@ class NodeStream:
                 moved, layout = in_reference_layout(spec, ours, ref, self.padding)
                 layout = layout or "alternative"
         after = result.failed and ref is not None and name != LOGITS and name in self._after_layers
-        factor = _post_head_scale(store, sorted(self._after_layers)) if after else None
+        if after and self._head_factor is _UNREAD:  # read once per run, at the first failure after the layers
+            self._head_factor = _post_head_scale(store, sorted(self._after_layers))
+        factor = cast("float | None", self._head_factor) if after else None
         if factor is not None and isinstance(ours, torch.Tensor) and ours.is_floating_point():
             # ours applies here the scale the reference applies after its head
             again = compare_node(spec, self.index[name], ours / factor, ref, self.tolerances, False, None, self.padding)

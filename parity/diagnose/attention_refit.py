@@ -15,6 +15,7 @@ import math
 import torch
 
 from parity.diagnose import masks
+from parity.diagnose.differential import output_gate
 from parity.diagnose.evidence import EXPLAINS, Evidence, golden_minimum, rel
 from parity.diagnose.hints import Hint
 from parity.diagnose.scales import scale_readings
@@ -54,9 +55,9 @@ def unread_attention(e: Evidence) -> Hint | None:
         if not bool(torch.isfinite(gate).all()) or bool((gate == 0).any()):
             return None
         if rel(gate, torch.ones_like(gate)) > 1e-9:
-            mapped = _gate_heads(e, ours / _per_head(context.double(), b, h, q), gate)
-            if mapped is not None:
-                return mapped
+            spread = output_gate(e, stem, x_ours, x_ref)  # the gate applied otherwise (tiled over the channels)
+            if spread is not None:
+                return spread
             ours = ours / gate
     if e.close(ours.transpose(1, 2).reshape(context.shape).to(context.dtype), context):
         return None  # the context agrees: the gate or the projection itself differs
@@ -177,40 +178,3 @@ def _mask_refit(e: Evidence, stem: str, probs: torch.Tensor, context: torch.Tens
                 {"mask": said, "window": window},
             )
     return None
-
-
-def _gate_heads(e: Evidence, ours_gate: torch.Tensor, gate: torch.Tensor) -> Hint | None:
-    """The output gate of ours applied with another head's value: ``ours_gate`` (ours' projection input over the
-    reference's context) and ``gate`` (the reference's, one value per head, ``(batch, heads, q, head_dim)``) hold
-    the same per-token columns, ours' feature ``f`` holding head ``m(f)``'s where the reference's holds head
-    ``f // head_dim``'s (a per-head gate tiled along the features: ``m(f) = f mod heads``). Hint ``head_mapping``;
-    None when ours' columns are not the reference's gates, or are in the reference's places."""
-    b, h, q, d = gate.shape
-    per_head = gate[..., 0]  # (b, h, q)
-    if rel(gate, per_head[..., None].expand_as(gate)) > 1e-9:
-        return None  # not one gate value per head
-    columns = per_head.permute(0, 2, 1).reshape(b * q, h)  # (tokens, heads)
-    found = ours_gate.permute(0, 2, 1, 3).reshape(b * q, h * d)  # (tokens, features)
-    mapping = []
-    for f in range(h * d):
-        head = next((j for j in range(h) if rel(found[:, f], columns[:, j]) < 1e-6), None)
-        if head is None:
-            return None
-        mapping.append(head)
-    own = [f // d for f in range(h * d)]
-    if mapping == own:
-        return None
-    tiled = mapping == [f % h for f in range(h * d)]
-    how = (
-        f"the per-head gate tiled along the features (feature f gated by head f mod {h}, gate.repeat(..., {d}) "
-        f"where each head's {d} features need their own head's gate: repeat_interleave or a broadcast per head)"
-        if tiled
-        else "each feature gated by the head " + ", ".join(f"{j}" for j in mapping[:: max(1, d)]) + " at every "
-        f"{d}th feature where the reference gates each head's {d} features by its own head"
-    )
-    return Hint(
-        "head_mapping",
-        f"likely the attention's output gate broadcast over the wrong axis in ours: ours' input to {e.kind} is the "
-        f"reference's context times the reference's gate values in other places: {how}",
-        {"mapping": mapping, "tiled": tiled},
-    )

@@ -34,7 +34,7 @@ def after_context(e: Evidence) -> Hint | None:
         return None
     if e.close(x_ours, x_ref):
         return None
-    named = _differential(e, stem, x_ours.double(), x_ref.double()) or _output_gate(e, stem, x_ours, x_ref)
+    named = _differential(e, stem, x_ours.double(), x_ref.double()) or output_gate(e, stem, x_ours, x_ref)
     if named is not None:
         return named
     return Hint(
@@ -46,7 +46,7 @@ def after_context(e: Evidence) -> Hint | None:
     )
 
 
-def _output_gate(e: Evidence, stem: str, x_ours: torch.Tensor, x_ref: torch.Tensor) -> Hint | None:
+def output_gate(e: Evidence, stem: str, x_ours: torch.Tensor, x_ref: torch.Tensor) -> Hint | None:
     """An output gate between the context and the output projection (AFMoE's ``gate_proj``: ``context *
     sigmoid(gate_proj(x))``; LFM3's per-head ``g_proj``: one gate per head over its ``head_dim`` channels) with
     another function or another spread over the channels on one side: each side's projection input read as the

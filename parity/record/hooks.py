@@ -104,7 +104,7 @@ def _with_residual(module: nn.Module, args: tuple, kwargs: dict) -> tuple[torch.
     """``(x, residual)`` of a call handing a module whose forward takes a ``residual`` a second tensor of its
     input's shape (vLLM's fused add and RMSNorm, ``norm(x, residual)``), which such a module adds to its input
     before normalising; None for any other call (a gated norm's ``norm(x, gate)``)."""
-    if not _takes_residual(module):
+    if not forward_takes(module, "residual"):
         return None
     x = args[0] if args else next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
     second = args[1] if len(args) > 1 else kwargs.get("residual")
@@ -134,13 +134,16 @@ def _carries_residual(node: str, module: nn.Module, output) -> bool:
     a, b = output[0], output[1]
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape):
         return False
-    return _takes_residual(module)
+    return forward_takes(module, "residual")
 
 
-def _takes_residual(module: nn.Module) -> bool:
-    """Whether ``module``'s forward takes a ``residual`` (vLLM's convention for the stream carried apart)."""
+def forward_takes(module: nn.Module | None, name: str) -> bool:
+    """Whether ``module``'s forward takes an argument called ``name``: a ``residual`` (vLLM's convention for the
+    stream carried apart), a ``gate`` (a gated RMSNorm multiplying its output by it)."""
+    if module is None:
+        return False
     try:
-        return "residual" in inspect.signature(type(module).forward).parameters
+        return name in inspect.signature(type(module).forward).parameters
     except (TypeError, ValueError):
         return False
 

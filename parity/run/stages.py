@@ -48,7 +48,7 @@ from parity.model.pair import Pair
 from parity.record import hf_capture, hf_kernels
 from parity.record.functional import Block, StorageKey, probe_reads, storage_keys
 from parity.record.hf_capture import FUSED_QKV, OUTPUT_PROJECTIONS
-from parity.record.hooks import FUNCTIONS, recording
+from parity.record.hooks import FUNCTIONS, forward_takes, recording
 from parity.record.trace import SCALARS, Trace
 from parity.run.options import CheckOptions
 from parity.run.plan import Run, plan, versions
@@ -380,7 +380,9 @@ def ours_recording(pair: Pair, order: Sequence[str] = ()) -> dict:
         functional_gated=frozenset(
             n.name
             for n in pair.nodes
-            if n.ours.startswith("param:") and is_norm(n.kind) and _takes_gate(ref_modules.get(n.reference_path))
+            if n.ours.startswith("param:")
+            and is_norm(n.kind)
+            and forward_takes(ref_modules.get(n.reference_path), "gate")
         ),
         functional_owners=owners or None,
         functional_siblings=siblings or None,
@@ -824,16 +826,6 @@ def _since_agreement(results: list[NodeResult], bad: NodeResult) -> list[NodeRes
     return before[last_ok + 1 :]
 
 
-def _takes_gate(module) -> bool:
-    """Whether a reference module's forward takes a ``gate`` it multiplies its output by (a gated RMSNorm)."""
-    if module is None:
-        return False
-    try:
-        return "gate" in inspect.signature(type(module).forward).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 def never_read_before(results: list[NodeResult], bad: NodeResult, pair: Pair | None = None) -> Hint | None:
     """A node between the last one that agreed and the first failure whose weight ours never read in the
     forward (a norm or projection computed in functions, skipped): the likeliest cause, named when no
@@ -924,10 +916,6 @@ def reshaped_before(results: list[NodeResult], bad: NodeResult, pair: Pair) -> H
     return None
 
 
-#: the attention internals parity reads (computed from no checkpoint tensor of their own)
-ATTENTION_INTERNALS = frozenset({"q_rot", "k_rot", "scores", "probs", "context"})
-
-
 def derived_before(results: list[NodeResult], bad: NodeResult, pair: Pair) -> Hint | None:
     """The failure sits in (or right after the untapped nodes of) a module whose checkpoint tensors ours
     computes into other values at load (a norm folded into the next projection, DiffLlama's lambdas folded
@@ -968,9 +956,7 @@ def derived_before(results: list[NodeResult], bad: NodeResult, pair: Pair) -> Hi
     others = _other_suspects(results, pair, keys, bad)
     # an attention's internals untapped before the failure (its mask, scale, softmax: computed from no tensor of
     # the checkpoint) are as much a suspect as the derived values
-    internals = [
-        r.name for r in _since_agreement(results, bad) if r.status == UNTAPPED and r.kind in ATTENTION_INTERNALS
-    ]
+    internals = [r.name for r in _since_agreement(results, bad) if r.status == UNTAPPED and r.kind in CAPTURED]
     others += internals
     if others:  # the block computes more than the derived values untapped: one suspect of several, not the cause
         block = keys[0].rsplit(".", 1)[0]
