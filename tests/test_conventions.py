@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import parity
-from parity.build.coverage import CONVENTIONS, SCALED, SPLIT, loader_coverage
+from parity.build.coverage import CONVENTIONS, FLIPPED, SCALED, SPLIT, loader_coverage
 from parity.compare.layouts import layouts, match_layout
 from parity.user.check_model import build_user_pair
 
@@ -300,6 +300,21 @@ def test_a_scaled_copy_is_found_whatever_rows_are_zero():
     cov = loader_coverage(model, {"embed.weight": table}, constants={"sqrt(hidden_size=8)": 8**0.5})
     assert cov.ok and cov.sources["W_E"][0].how == SCALED
     assert cov.sources["W_E"][0].description == "embed.weight * sqrt(hidden_size=8) (2.82843)"
+
+
+def test_conv_taps_kept_in_lag_order_are_found_but_rows_in_reverse_are_rows_reordered():
+    """A short conv's ``(channels, 1, K)`` taps held ``(channels, K)`` reversed (the newest token's tap first, applied by
+    a shifted sum) are the checkpoint's tensor reversed along its last axis; a matrix's rows held in reverse (experts
+    stacked the other way round) are rows reordered, never a reversal."""
+    taps, router = torch.randn(6, 1, 4), torch.randn(5, 8)
+    model = nn.Module()
+    model.lag = nn.Parameter(taps.reshape(6, 4).flip(-1).clone())
+    model.gate = nn.Parameter(router.flip(0).clone())
+    cov = loader_coverage(model, {"conv1d.weight": taps, "gate.weight": router})
+    assert cov.ok, cov
+    assert cov.sources["lag"][0].how == FLIPPED and cov.sources["lag"][0].flip_axis == 1
+    assert cov.sources["gate"][0].how != FLIPPED
+    assert any("conv1d.weight: into lag (6, 4) reversed along axis 1" in c for c in cov.conversions)
 
 
 def _plain_model(rope: torch.Tensor, weight: torch.Tensor) -> nn.Module:

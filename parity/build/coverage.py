@@ -23,6 +23,8 @@ from parity.model.weights import storage_key
 
 SHARED, COPY, TRANSPOSED, ROWS, SLICE = "shared", "copy", "transposed", "rows", "slice"
 OFFSET, LAYOUT, PART, SCALED, SPLIT = "offset", "layout", "part", "scaled", "split"
+#: a tensor held reversed along one axis (a conv's taps kept in lag order, applied by a shifted sum)
+FLIPPED = "flipped"
 STRIDED, FUSED_PART = "strided", "fused part"
 #: every way a parameter (or buffer) of ours may hold a checkpoint tensor, in the words reports use
 CONVENTIONS = {
@@ -44,6 +46,8 @@ CONVENTIONS = {
     "c_attn)",
     SCALED: "its values times a named constant of the architecture (an embedding pre-multiplied by "
     "sqrt(hidden_size), as TransformerLens keeps Gemma's)",
+    FLIPPED: "its values reshaped and reversed along one axis (a short conv's taps kept in lag order, the newest "
+    "token's first, applied by a shifted sum)",
 }
 
 
@@ -66,8 +70,8 @@ class Source:
     axes permuted by ``permute`` and reshaped, is the key, or its transpose when ``transposed``) or
     ``part`` (ours' rows are the key's rows ``rows`` of the key seen as ``(-1, ours' last dim)``) or
     ``scaled`` (ours = key * ``scale``, the constant ``scale_name``) or ``split`` (ours, axes permuted by
-    ``permute`` and reshaped, is the key's ``region``, ``part`` = ``(axis, start, stop)``). See
-    :data:`CONVENTIONS`.
+    ``permute`` and reshaped, is the key's ``region``, ``part`` = ``(axis, start, stop)``) or ``flipped`` (ours
+    is the key reshaped and reversed along ``flip_axis``). See :data:`CONVENTIONS`.
     """
 
     param: str
@@ -87,6 +91,8 @@ class Source:
     #: the key's rows ours holds (``how`` is ``fused part``): ours' row ``rows[j]`` holds the key's row
     #: ``key_rows[j]``
     key_rows: tuple[int, ...] | None = None
+    #: the axis of ours along which it holds the key (reshaped to ours' shape) reversed (``how`` is ``flipped``)
+    flip_axis: int | None = None
 
     def input_axis(self, held_dim: int, key_dim: int) -> int | None:
         """The axis of ours' tensor (``held_dim`` axes) that holds the key's last axis (``key_dim`` axes): an
@@ -436,6 +442,23 @@ def _layout(p: torch.Tensor, t: torch.Tensor) -> tuple[tuple[int, ...], bool] | 
                 continue
             if torch.equal(shaped, target.to(p.dtype)):
                 return perm, transposed
+    return None
+
+
+def _flipped(p: torch.Tensor, t: torch.Tensor) -> int | None:
+    """The axis of ``p`` along which it holds ``t`` (reshaped to ``p``'s shape) reversed, its last: a short
+    conv's ``(channels, 1, K)`` taps kept ``(channels, K)`` in lag order (the newest token's tap first, applied
+    by a shifted sum); None otherwise."""
+    if p.numel() < 2 or not p.is_floating_point():
+        return None
+    try:
+        q = t.to(p.dtype).reshape(p.shape)
+    except RuntimeError:
+        return None
+    # the last axis only: rows in another order (experts reversed) are rows reordered, read with the fused rows
+    axis = p.dim() - 1
+    if p.shape[axis] > 1 and not torch.equal(p, q) and torch.equal(p, q.flip(axis)):
+        return axis
     return None
 
 
@@ -874,6 +897,14 @@ def loader_coverage(
                 cov.conversions.append(
                     f"{key}: into {label} {tuple(p.shape)} (axes {perm}{', transposed' if transposed else ''})"
                 )
+                return True
+        for key, t in state_dict.items():
+            if t.numel() != p.numel() or key in cov.consumed or not t.is_floating_point():
+                continue
+            axis = _flipped(p, t)
+            if axis is not None:
+                record(names, key, FLIPPED, flip_axis=axis)
+                cov.conversions.append(f"{key}: into {label} {tuple(p.shape)} reversed along axis {axis}")
                 return True
         # a copy scaled by a constant: of a tensor nothing consumed yet first, else of a tie's tensor (its
         # other copy already holds it: TransformerLens' W_U beside W_E * sqrt(hidden_size))

@@ -372,6 +372,50 @@ def _without_sink_column(kind: str, ours: torch.Tensor, ref: torch.Tensor) -> tu
     return ends[end], f"ours without its {end} key column (an attention sink kept as an extra key)"
 
 
+def _repeated_heads(ours: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, str] | None:
+    """Ours' keys or values after GQA's expansion (each KV head repeated for its query heads) where the reference
+    records them before it: one axis ``g`` times the reference's, its ``g`` copies exactly equal, interleaved
+    (``repeat_interleave``) or tiled (``repeat``). ``(ours with one copy each, how)``; None otherwise. Which
+    query head reads which copy is judged at the scores."""
+    if ours.dim() != ref.dim() or ours.dim() < 3:
+        return None
+    axes = [a for a in range(ours.dim()) if ours.shape[a] != ref.shape[a]]
+    if len(axes) != 1:
+        return None
+    axis = axes[0]
+    n, m = ref.shape[axis], ours.shape[axis]
+    if n < 1 or m % n or m == n:
+        return None
+    g = m // n
+    for grouped, taken, how in ((ours.unflatten(axis, (n, g)), axis + 1, "repeat_interleave"),
+                                (ours.unflatten(axis, (g, n)), axis, "repeat")):  # fmt: skip
+        first = grouped.narrow(taken, 0, 1)
+        if torch.equal(grouped, first.expand_as(grouped)):
+            return first.squeeze(taken), f"ours' heads {g} copies of each of the reference's ({how}: GQA expanded)"
+    return None
+
+
+def _without_sink_key(kind: str, ours: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, str] | None:
+    """Ours' keys with one all-zero key more than the reference's along the token axis (an attention sink kept as an
+    extra key, its score set by the mask), at either end, dropped; GQA's expansion of the rest read back too
+    (:func:`_repeated_heads`). ``(ours without it, how)``; None otherwise."""
+    if kind != "k_rot" or ours.dim() != ref.dim() or ours.dim() < 3:
+        return None
+    for axis in (a for a in range(ours.dim()) if ours.shape[a] == ref.shape[a] + 1):
+        n = ours.shape[axis]
+        for end, kept, dropped in (("last", (0, n - 1), n - 1), ("first", (1, n - 1), 0)):
+            if bool(ours.narrow(axis, dropped, 1).any()):
+                continue
+            rest = ours.narrow(axis, *kept)
+            how = f"ours without its {end} key (all zeros: an attention sink kept as an extra key)"
+            if rest.shape == ref.shape:
+                return rest, how
+            repeated = _repeated_heads(rest, ref)
+            if repeated is not None:
+                return repeated[0], f"{how}; {repeated[1]}"
+    return None
+
+
 def in_reference_layout(
     spec: NodeSpec, ours: _Ours, ref, padding: torch.Tensor | None = None
 ) -> tuple[_Ours | torch.Tensor, str]:
@@ -389,6 +433,10 @@ def in_reference_layout(
             moved, how = found
         elif (sunk := _without_sink_column(spec.kind, moved, full)) is not None:
             moved, how = sunk
+        elif (repeated := _repeated_heads(moved, full)) is not None:
+            moved, how = repeated
+        elif (sunk_key := _without_sink_key(spec.kind, moved, full)) is not None:
+            moved, how = sunk_key
         elif padding is not None and (packed := unpacked(spec.kind, moved, full, padding)) is not None:
             moved, how = packed, "the real tokens packed into one sequence (padding skipped)"
     if padding is not None and tuple(moved.shape) == tuple(ref.shape) and moved.dtype != torch.bool:

@@ -42,11 +42,13 @@ from parity.diagnose.masks import (
     padding,
     padding_mask_inverted,
     sequence_shift,
+    sparse_selection,
     tokens_moved,
     window_pattern,
 )
 from parity.diagnose.moe import (
     choice,
+    combination_scale,
     expert_tokens,
     expert_weights,
     experts_at_stream,
@@ -224,6 +226,7 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     experts_read_after,  # the experts' sum nothing taps, read at the input of the node after it (a post-norm)
     routed_in_block,  # before shared_expert: a block whose routed experts ours computes in functions
     shared_expert,
+    combination_scale,  # after shared_expert: a shared expert's gate is another form, no coefficient
     quantised_input,  # before precision: a few integer levels, not a narrower float
     precision,
     rounding_order,
@@ -282,6 +285,7 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     mask_shifted,
     chunk_phase,
     masked_keys,
+    sparse_selection,  # before future_keys and window_pattern: a mask with holes is no window
     future_keys,
     window_pattern,
     chunk_boundary,

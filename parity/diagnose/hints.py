@@ -56,6 +56,9 @@ KINDS: dict[str, str] = {
     "1 - lambda_init) formed otherwise: lambda, the scale, the norm's width or the head pairing",
     "context_to_output": "the attention's context agrees and its output projection's input does not: what is done "
     "between them (a combination of heads, a gate, a norm, a scale)",
+    "moe_combination": "a MoE block's routed sum and shared expert added with other coefficients (a routed scaling "
+    "factor applied to their sum, or to the other term)",
+    "sparse_selection": "a dynamic sparse attention's chosen keys (an indexer's or a top-k's key blocks) differ",
     "shared_expert": "a MoE block's shared expert combined otherwise with the routed experts (its gate, the gate's "
     "sigmoid, what the gate scales)",
     "loader_gap": "a checkpoint tensor ours holds only in part (loader coverage's gap) is where the failure sits",

@@ -351,6 +351,71 @@ def _fill_value(e: Evidence, p: torch.Tensor, other: torch.Tensor, extra: torch.
     return None if value is None else value if abs(value) > 1e-6 else 0.0
 
 
+def _gapped(probs: torch.Tensor, valid: torch.Tensor | None) -> bool:
+    """Whether some query of ``probs`` ``(b, h, q, k)`` gives no weight to a real earlier key between the first
+    key it reads and itself: a mask with holes (key blocks chosen per query), no window, causal or chunk
+    (each of those keeps a contiguous run of keys ending at the query)."""
+    seen = probs.abs() > 0
+    n, m = seen.shape[-2], seen.shape[-1]
+    if n != m:
+        return False
+    real = torch.ones(seen.shape[0], m, dtype=torch.bool)
+    if valid is not None and tuple(valid.shape) == (seen.shape[0], m):
+        real = valid.bool().cpu()
+    keys = torch.arange(m)
+    first = torch.where(seen, keys, m).amin(-1, keepdim=True)  # (b, h, q, 1)
+    inside = (keys >= first) & (keys <= torch.arange(n)[:, None])  # between its first key and itself
+    rows = real[:, None, :, None] & real[:, None, None, :]  # real queries, real keys
+    return bool((inside & ~seen & rows).any())
+
+
+def sparse_selection(e: Evidence) -> Hint | None:
+    """The two sides keep other keys where at least one side's mask has holes: a dynamic sparse attention (a
+    lightning indexer's or a top-k's chosen key blocks, MiniMax-M3's, DeepSeek's sparse attention) chose
+    otherwise. Named by the kept keys that differ; a window, causal or padding mask (contiguous) is read by the
+    detectors after it."""
+    if e.kind != "probs" or e.ours.dim() != 4 or e.ours.shape != e.ref.shape:
+        return None
+    holes = [side for side, p in (("ours", e.ours), ("the reference", e.ref)) if _gapped(p, e.attention_mask)]
+    if not holes:
+        return None
+    seen_ours, seen_ref = e.ours.abs() > 0, e.ref.abs() > 0
+    keys, queries = torch.arange(e.ref.shape[-1]), torch.arange(e.ref.shape[-2])[:, None]
+    real = torch.ones(e.ref.shape[0], e.ref.shape[-1], dtype=torch.bool)
+    if e.attention_mask is not None and tuple(e.attention_mask.shape) == tuple(real.shape):
+        real = e.attention_mask.bool().cpu()
+    rows = real[:, None, :, None] & real[:, None, None, :]
+    if bool(((seen_ours | seen_ref) & (keys > queries) & real[:, None, :, None]).any()):
+        return None  # a real query reading a key after it: the causal mask's detectors
+    only_ours, only_ref = seen_ours & ~seen_ref & rows, seen_ref & ~seen_ours & rows
+    if not bool(only_ours.any() or only_ref.any()):
+        return None
+    stem = e.name.rsplit(".", 1)[0]
+    words = ("index", "select", "topk")
+    parts = next(
+        (n.split(".") for n in e.ref_trace.tensors if n.startswith(stem + ".") and any(w in n for w in words)), None
+    )
+    selector = None
+    if parts is not None:  # the module holding the selection (its q_proj a node of it): up to the part naming it
+        selector = ".".join(parts[: next(i for i, p in enumerate(parts) if any(w in p for w in words)) + 1])
+    bad = (only_ours | only_ref).any(-1).flatten(0, 1).any(0).nonzero().flatten().tolist()
+    chooser = f"{selector}'s" if selector else "the attention's dynamic"
+    masks = "ours' and the reference's masks have" if len(holes) == 2 else f"{holes[0]}'s mask has".replace("s's", "s'")
+    return Hint(
+        "sparse_selection",
+        f"likely the keys {chooser} key selection keeps: {masks} holes (key blocks chosen per "
+        f"query, no window), and ours reads {int(only_ours.sum())} earlier keys the reference masks, the reference "
+        f"{int(only_ref.sum())} ours masks (queries {fmt_list(bad)}): the selection's scores, its causal mask, "
+        "its local blocks or the positions it reads differ",
+        {
+            "side": holes[0],
+            "selector": selector,
+            "ours_only": int(only_ours.sum()),
+            "reference_only": int(only_ref.sum()),
+        },
+    )
+
+
 def future_keys(e: Evidence) -> Hint | None:
     """Ours gives weight to keys the reference masks, later than the last key the reference lets each
     query see: the causal mask lets a query see the future (a decode-time mask off by one, a chunk

@@ -295,7 +295,7 @@ def _group_limited_otherwise(
     e: Evidence, logits: torch.Tensor | None, order: tuple[int, ...] = ()
 ) -> tuple[str, str] | None:
     """``(side, how)``: how one side's choices follow from the router logits under a group-limited sigmoid
-    router (DeepSeek V3's ``DeepseekV3MoE.route_tokens_to_experts``, GLM-4.5's ``Glm4MoeTopkRouter``; a softmax
+    router (or one with a correction bias and no groups: MiniMax-M3's, the group departures left out) (DeepSeek V3's ``DeepseekV3MoE.route_tokens_to_experts``, GLM-4.5's ``Glm4MoeTopkRouter``; a softmax
     where :func:`_router_scoring` says): the
     scores ``sigmoid(logits) + e_score_correction_bias``, each group scored by the sum of its best two, the
     ``topk_group`` best groups kept, the top k of their experts. Tries the ports' usual departures, each
@@ -305,16 +305,18 @@ def _group_limited_otherwise(
     have left unpermuted."""
     routing = e.facts.routing
     groups, kept = int(routing.get("n_group", 0) or 0), int(routing.get("topk_group", 0) or 0)
-    if logits is None or logits.dim() != 2 or e.ours.dim() != 2 or not groups or logits.shape[-1] % groups:
+    if logits is None or logits.dim() != 2 or e.ours.dim() != 2 or (groups and logits.shape[-1] % groups):
         return None
     gate = e.name[: -len(CHOICES)]
     bias = next(
         (b for n, b in e.ref_trace.biases.items() if n.startswith(gate) and b.numel() == logits.shape[-1]), None
     )
+    if not groups and bias is None:
+        return None  # neither groups nor a correction bias: no such router
     x, k = logits.detach().double(), e.ours.shape[-1]
     b = bias.double() if bias is not None else torch.zeros(x.shape[-1], dtype=torch.float64)
 
-    def pick(scores: torch.Tensor, group_score=lambda g: g.topk(2, -1).values.sum(-1), limited: bool = True):
+    def pick(scores: torch.Tensor, group_score=lambda g: g.topk(2, -1).values.sum(-1), limited: bool = bool(groups)):
         if not limited:
             return scores.topk(k, -1).indices
         best = group_score(scores.unflatten(-1, (groups, -1))).topk(kept, -1).indices
@@ -325,7 +327,7 @@ def _group_limited_otherwise(
     score, word = _router_scoring(routing)
     other_score, other_word = (torch.sigmoid, "a sigmoid") if word == "softmax" else (_softmax, "a softmax")
     sig = score(x)
-    ways = {
+    grouped = {
         "with each group scored by its best expert (max) instead of the sum of its best two": pick(
             sig + b, lambda g: g.amax(-1)
         ),
@@ -335,6 +337,9 @@ def _group_limited_otherwise(
         "with no group limit (the top k over every expert, n_group and topk_group ignored)": pick(
             sig + b, limited=False
         ),
+    }
+    ways = {
+        **(grouped if groups else {}),
         "without e_score_correction_bias added to the scores": pick(sig),
         f"from {other_word} over the experts instead of a {word}": pick(other_score(x) + b),
         f"with e_score_correction_bias added to the router logits before the {word} (not to its scores)": pick(
@@ -1185,6 +1190,68 @@ def _shared_forms(r: torch.Tensor, sh: torch.Tensor, g: torch.Tensor) -> dict[st
         "routed + (1 - sigmoid(gate)) * shared": r + (1 - s) * sh,
         "routed alone (the shared expert left out)": r,
     }
+
+
+def combination_scale(e: Evidence) -> Hint | None:
+    """A MoE block's output as ``a routed + b shared`` on both sides (the routed experts' sum and the shared
+    expert's output: their reference nodes, before it), with other coefficients: the routed scaling factor
+    applied to the sum where the reference scales the routed part alone (``c (routed + shared)`` against
+    ``c routed + shared``, DeepSeek-V3's and Step's blocks), or to the shared expert instead; each coefficient
+    named by the config constant it equals. At the block's node, or (ours computes the block in functions
+    nothing taps) read where the stream continues after it. Either side."""
+    from parity.diagnose.residual import stream_around
+
+    if f"{e.name}.experts" in e.ref_trace.tensors:
+        return _combination(e, e.name, e.ours, e.ref)
+    around = stream_around(e)
+    if around is None:
+        return None
+    at, (block, _), (_, point) = around
+    base = block.split(".shared_expert", 1)[0] if ".shared_expert" in block else block.removesuffix(".experts")
+    if f"{base}.experts" not in e.ref_trace.tensors or e.ours_trace.results.get(base) is not None:
+        return None  # no MoE block before this point, or ours' block was compared itself: read there
+    stream = point.double()
+    hint = _combination(e, base, at.ours.double() - stream, at.ref.double() - stream)
+    if hint is None:
+        return None
+    return Hint(hint.kind, f"{hint.text} (read where the stream continues: ours computes the block in functions)",
+                hint.evidence)  # fmt: skip
+
+
+def _combination(e: Evidence, base: str, ours_value: torch.Tensor, ref_value: torch.Tensor) -> Hint | None:
+    """:func:`combination_scale`'s fit of the block ``base``'s output, ``ours_value`` and ``ref_value``."""
+    from parity.diagnose.residual import _coefficients, _constant
+
+    shared = next(
+        (n for n in (f"{base}.{s}{d}" for s in ("shared_experts", "shared_expert") for d in ("", ".down_proj"))
+         if n in e.ref_trace.tensors),
+        None,
+    )  # fmt: skip
+    r, sh = e.ref_trace.tensors.get(f"{base}.experts"), e.ref_trace.tensors.get(shared) if shared else None
+    n = ref_value.numel()
+    if r is None or sh is None or r.numel() != n or sh.numel() != n or ours_value.numel() != n:
+        return None
+    if any(getattr(e.ours_trace.results.get(k), "failed", False) for k in (f"{base}.experts", shared)):
+        return None
+    x, f = r.double().reshape(ref_value.shape), sh.double().reshape(ref_value.shape)
+    ours = _coefficients(ours_value.reshape(ref_value.shape), x, f, EXPLAINS)
+    ref = _coefficients(ref_value, x, f, EXPLAINS)
+    if ours is None or ref is None or max(abs(o - t) / max(abs(t), 1e-12) for o, t in zip(ours, ref)) < 1e-6:
+        return None
+    if min(abs(c) for c in (*ours, *ref)) < 1e-3:
+        return None  # a term missing: the shared expert or the routed experts left out, read by other detectors
+    differ = [
+        f"{which}'s coefficient {o:.7g}{_constant(e, o)} in ours, {t:.7g}{_constant(e, t)} in the reference"
+        for which, o, t in (("the routed sum", ours[0], ref[0]), ("the shared expert", ours[1], ref[1]))
+        if abs(o - t) > 1e-6 * max(abs(t), 1e-12)
+    ]
+    return Hint(
+        "moe_combination",
+        f"likely the MoE block's combination: ours computes {ours[0]:.7g} routed + {ours[1]:.7g} shared, the "
+        f"reference {ref[0]:.7g} routed + {ref[1]:.7g} shared, with routed = {base}.experts and shared = {shared} "
+        f"({'; '.join(differ)}): a scale applied to the other term, or to their sum",
+        {"ours": list(ours), "reference": list(ref), "shared": shared},
+    )
 
 
 def shared_expert(e: Evidence) -> Hint | None:

@@ -47,6 +47,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import linecache
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -150,7 +151,8 @@ class Change:
     #: norm of the input times the gate, ``rewrite(module, args, kwargs, out, mode)``); "moved" (a weightless norm
     #: module's call or an activation skipped, the product reading its input normalised or activated:
     #: :func:`_norms_moved`, :func:`_activation_skipped`); "left_out" (a weightless norm module's call left out:
-    #: :func:`_norm_left_out`); "after_softmax" (a mask's fill skipped, the next softmax's
+    #: :func:`_norm_left_out`); "read_before" (one operand of a product reading a norm's input in place of its
+    #: output: :func:`_read_before_norm`); "after_softmax" (a mask's fill skipped, the next softmax's
     #: probabilities zeroed there: :func:`_fill_after_softmax`); "" for none
     norm_gate: str = ""
     #: the layer's call re-run with one argument (a keyword or a position) given the value another layer's call
@@ -170,6 +172,9 @@ class Change:
 LAYER_INPUT = Site("input", "the layer's input", 0)
 #: operations whose first input a mix-up may replace: a projection, a product, a gather
 _READS = ("linear", "matmul", "__matmul__", "bmm", "gather", "conv1d")
+#: a softmax's or a log-sum-exp's input may be mixed up too (a sink's log-sum-exp read from the scores before
+#: their mask, a softmax reading the scores before a cap)
+_NORMALISERS = ("logsumexp", "softmax", "log_softmax")
 
 
 class _Stop(Exception):
@@ -293,7 +298,7 @@ class _Changing(TorchFunctionMode):
         for site, (_func, args, _kwargs) in sites:
             # (an activation too: a SwiGLU's sigmoid reading the soft-capped gate, the raw one meant)
             if (
-                (site.op not in _READS and site.op not in _ACTIVATIONS)
+                (site.op not in _READS and site.op not in _ACTIVATIONS and site.op not in _NORMALISERS)
                 or not args
                 or not isinstance(args[0], torch.Tensor)
             ):
@@ -516,6 +521,10 @@ def changes(site: Site, func, args: tuple, kwargs: dict, params: dict[int, str])
                     found.append(Change(site, words, _mean_over(axis)))
     elif op in ("clamp", "clamp_min", "clamp_max", "clip") and x is not None:
         found.append(Change(site, f"{op} left out", _operand(0)))
+        bounds = [*args[1:3], kwargs.get("min"), kwargs.get("max")]
+        if any(isinstance(b, float) and math.isinf(b) for b in bounds):  # a bound meaning "no clamp"
+            words = f"{op}'s infinite bound (no clamp) taken as 0 (a config's 0 meaning \"no limit\" read as the bound)"
+            found.append(Change(site, words, _infinite_bounds_zero(func)))
     elif op == "topk" and x is not None:
         dim = kwargs.get("dim", args[2] if len(args) > 2 else -1)
         if isinstance(dim, int) and x.dim() >= 1:
@@ -572,6 +581,18 @@ def _split_axis(x: torch.Tensor, out: torch.Tensor) -> int | None:
         ):
             return a
     return None
+
+
+def _infinite_bounds_zero(func) -> Callable[[tuple, dict, torch.Tensor], torch.Tensor]:
+    """A rewrite of a clamp whose infinite bounds become 0 (``clamp(x, max=inf)`` read as ``clamp(x, max=0)``)."""
+
+    def zero(b):
+        return 0.0 if isinstance(b, float) and math.isinf(b) else b
+
+    def rewrite(args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor:
+        return func(args[0], *(zero(a) for a in args[1:]), **{k: zero(v) for k, v in kwargs.items()})
+
+    return rewrite
 
 
 def _contiguous_parts(axis: int, k: int) -> Callable[[tuple, dict, torch.Tensor], torch.Tensor]:
@@ -1135,13 +1156,15 @@ def search(
     targets: list[Target],
     forward: Callable[[], object],
     scope: str | None = None,
+    unseen: tuple[str, ...] = (),
 ) -> list[tuple[Change, str]] | None:
     """The changes inside ``block`` (a module path of ``model``) after which one of ``targets`` (the failing
     node, and a later one: ours may record a node of a block it computes in functions at another step of it)
     agrees with ours; None when the search could not run (no such module, no target produced as the trace
     recorded it, the budget spent) or nothing agrees. ``forward()`` runs ``model`` on the run's inputs (the dry
     run); ``scope``: a module holding the block and every target (its decoder layer), re-run alone on the inputs
-    it had there for each change. Each pass stops once the last target is produced."""
+    it had there for each change. Each pass stops once the last target is produced. ``unseen``: modules no node
+    records (an attention residual computing the MLP's input), each tried left out: its input handed on."""
     modules = dict(model.named_modules())
     block = block.partition("#")[0]
     targets = [t for t in targets if t.module in modules]
@@ -1260,7 +1283,7 @@ def search(
     args, kwargs = called[0] if called else ((), {})
     first_input = args[0] if args else next(iter(kwargs.values()), None)
     layer_input = first_input if isinstance(first_input, torch.Tensor) else None
-    gated = _gated_norms(modules, block)
+    gated = _gated_norms(modules, block) + _read_before_norm(dry, sites, norms)
     swaps = dry.weight_swaps(sites, params)
     orders = _scan_orders(modules[block]) + _cell_orders(modules, block) + _gates_across_norms(dry, sites, norms)
     orders += _norms_moved(norms) + _rope_pairings(modules[block])
@@ -1268,6 +1291,8 @@ def search(
     # first: a handful of passes, one per distinct value another layer received
     handed = _arguments_of_other_layers(scope, modules, called, siblings, returned)
     flags = _flags(modules, block, model)
+    inside = [p for p in unseen if p in modules and (scope is None or p.startswith(scope + "."))]
+    flags += [_left_out(p, modules[p]) for p in inside]
     for change in (
         handed + _with_pairs(first) + gated + orders + swaps + terms + flags + dry.mix_ups(sites, layer_input)
     ):
@@ -1574,6 +1599,42 @@ def _norms_moved(norms: list[tuple[str, torch.nn.Module]]) -> list[Change]:
     return found
 
 
+def _read_before_norm(
+    dry: _Changing, sites: list[tuple[Site, tuple]], norms: list[tuple[str, torch.nn.Module]]
+) -> list[Change]:
+    """Each product or projection reading a norm's output, rewritten to read that norm's input (the value before
+    its normalisation: a block attention residual's values taken from the raw states, its keys from the normed
+    ones), that operand only: the norm's other readers keep its output."""
+    found = []
+    paths = {id(m): p for p, m in norms}
+    for site, (func, args, _kwargs) in sites:
+        if site.op not in _READS:
+            continue
+        for k, a in enumerate(args[:2]):
+            hit = dry.normed.get(id(a)) if isinstance(a, torch.Tensor) else None
+            if hit is None or hit[1].numel() != a.numel():
+                continue
+            words = (
+                f"{site.op} reading {paths.get(id(hit[0]), 'the norm')}'s input (the value before its normalisation) "
+                f"in place of its output (operand {k})"
+            )
+            found.append(Change(site, words, _unnormed_operand(func, k), norm_gate="read_before"))
+    return found
+
+
+def _unnormed_operand(func, k: int) -> Callable:
+    """The call re-run with its ``k``-th operand, a norm's output this pass made, replaced by that norm's input."""
+
+    def rewrite(args: tuple, kwargs: dict, out: torch.Tensor, mode: _Changing) -> torch.Tensor:
+        hit = mode.normed.get(id(args[k])) if len(args) > k else None
+        if hit is None or hit[1].numel() != args[k].numel():
+            return out
+        raw = hit[1].reshape(args[k].shape).to(args[k].dtype)
+        return func(*args[:k], raw, *args[k + 1 :], **kwargs)
+
+    return rewrite
+
+
 def _norm_left_out(module, args, kwargs, out, mode: _Changing) -> torch.Tensor | None:
     """A weightless norm module's call left out: its input handed on (Gemma 3n's and 4's value norm skipped)."""
     x = args[0] if args else next(iter(kwargs.values()), None)
@@ -1643,6 +1704,30 @@ def _patch(mode: _Changing) -> tuple[object, str, object] | None:
 
     setattr(module, name, counted)
     return module, name, original
+
+
+def _left_out(path: str, module: torch.nn.Module) -> Change:
+    """``path``'s call left out: each output of its input's shape replaced by that input (Inkling-2's final block
+    attention residual skipped, the last layer's output normalised as it is)."""
+    try:
+        file, line = inspect.getsourcefile(type(module)) or "?", inspect.getsourcelines(type(module).forward)[1]
+    except (OSError, TypeError):
+        file, line = "?", 0
+
+    def rewrite(module, args, kwargs, out):
+        inputs = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+
+        def handed_on(t):
+            same = [a for a in inputs if isinstance(t, torch.Tensor) and a.shape == t.shape]
+            return same[-1].to(t.dtype) if same else t
+
+        if isinstance(out, tuple | list):
+            new = type(out)(handed_on(t) for t in out)
+            return new if any(a is not b for a, b in zip(new, out, strict=True)) else None
+        return handed_on(out) if handed_on(out) is not out else None
+
+    site = Site(f"{type(module).__name__}.forward", file, line)
+    return Change(site, f"{path} left out (its input handed on as it is)", rewrite, module=path)
 
 
 def _scan_orders(block: torch.nn.Module) -> list[Change]:
@@ -1910,6 +1995,8 @@ def named(found: list[tuple[Change, str]], block: str) -> Hint:
     """The hint for what :func:`search` found: the first change, and up to two more that do as well."""
     (first, at), more = found[0], found[1:3]
     also = "".join(f"; or equally {c.words} at {c.where}" for c, _ in more)
+    if first.module is not None and not first.module.startswith(block):  # a module beside the block, left out
+        block = first.module
     return Hint(
         "one_change",
         f"likely {first.words} at {first.where}: with that one change inside {block}, the reference agrees with "

@@ -166,6 +166,9 @@ READ_SHARE = "read_share"
 PARTS_REDUCED = "parts_reduced"
 #: ``Trace.extras`` key: reference module -> why ours never computes its output (its weight absorbed into
 #: another product, :meth:`~parity.record.functional.FunctionCapture._absorbs`)
+#: trace extra: the nodes parity read in ours' functions inside a module of ours (no tap of the user's), which
+#: may be another product of the block than the one the node names
+CAPTURED_IN_FUNCTIONS = "captured_in_functions"
 ABSORBED = "absorbed"
 
 
@@ -746,6 +749,8 @@ def recording(
         absorbed = getattr(capture, "absorbed", None)
         if absorbed:
             trace.extras[ABSORBED] = {**cast(dict, trace.extras.get(ABSORBED, {})), **absorbed}
+        if rec.captured:
+            trace.extras[CAPTURED_IN_FUNCTIONS] = frozenset(rec.captured)
         _ACTIVE.reset(token)
         for handle in handles:
             handle.remove()

@@ -83,6 +83,8 @@ RULE = (
 
 def _scale(trace: Trace, name: str) -> float:
     tensor = trace.tensors.get(name)
+    if tensor is None:
+        tensor = trace.later.get(name)  # a later call of a node (a loop's pass)
     if tensor is None or not tensor.is_floating_point() or tensor.numel() == 0:
         return 1.0
     return float(tensor.detach().abs().double().nan_to_num(0.0, 0.0, 0.0).max()) or 1.0
@@ -113,6 +115,8 @@ def baked_sensitivity(
 
     def measure(name: str, tensor: torch.Tensor) -> bool:
         base = ref64.tensors.get(name)
+        if base is None:
+            base = ref64.later.get(name)  # a later call of a node (a loop's pass)
         if base is not None and tuple(base.shape) == tuple(tensor.shape) and tensor.is_floating_point():
             moves[name] = max_error(base, tensor.to("cpu"))
         return True
@@ -126,7 +130,8 @@ def semantic_tolerances(ref64: Trace, run: Run, baked: dict[str, float]) -> Tole
     """Per node ``(max(BAKED_ULPS x its movement under float32 ulps, SEMANTIC x max |ref|), 0)`` in
     float64; node patterns the user gave win."""
     per = {
-        name: (max(BAKED_ULPS * baked.get(name, 0.0), SEMANTIC * _scale(ref64, name)), 0.0) for name in ref64.tensors
+        name: (max(BAKED_ULPS * baked.get(name, 0.0), SEMANTIC * _scale(ref64, name)), 0.0)
+        for name in [*ref64.tensors, *ref64.later]
     }
     return Tolerances(
         torch.float64, per_node=dict(run.tolerances.per_node), calibrated=per, calibrated_source="semantic"
@@ -136,8 +141,9 @@ def semantic_tolerances(ref64: Trace, run: Run, baked: dict[str, float]) -> Tole
 def precision_tolerances(pair: Pair, run: Run, ref: Trace, ref64: Trace) -> tuple[Tolerances, dict[str, float]]:
     """Per node ``(SAFETY_FACTOR x the reference's own error against float64, 0)``, floored; and the noise."""
     noise = {}
-    for name in ref.tensors:
-        a, b = ref.tensors.lazy(name) if hasattr(ref.tensors, "lazy") else ref.tensors[name], ref64.tensors.get(name)
+    for name in [*ref.tensors, *ref.later]:
+        store, store64 = (ref.later, ref64.later) if name not in ref.tensors else (ref.tensors, ref64.tensors)
+        a, b = store.lazy(name) if hasattr(store, "lazy") else store[name], store64.get(name)
         if b is not None and a is not None and tuple(a.shape) == tuple(b.shape) and a.is_floating_point():
             noise[name] = max_error(a, b)
     floor = CALIBRATION_FLOOR.get(pair.dtype, 1e-6)

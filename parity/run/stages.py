@@ -44,11 +44,11 @@ from parity.diagnose.hints import Hint
 from parity.diagnose.later_calls import later_call_hint
 from parity.diagnose.norms import is_norm
 from parity.diagnose.profile import error_profile, logits_effect
-from parity.model.pair import Pair
+from parity.model.pair import NodeSpec, Pair
 from parity.record import hf_capture, hf_kernels
 from parity.record.functional import Block, StorageKey, probe_reads, storage_keys
 from parity.record.hf_capture import FUSED_QKV, OUTPUT_PROJECTIONS
-from parity.record.hooks import FUNCTIONS, forward_takes, recording
+from parity.record.hooks import CAPTURED_IN_FUNCTIONS, FUNCTIONS, forward_takes, recording
 from parity.record.trace import SCALARS, Trace
 from parity.run.options import CheckOptions
 from parity.run.plan import Run, plan, versions
@@ -646,7 +646,7 @@ def reference_noise(pair: Pair, run: Run, ref_trace: Trace) -> dict[str, float]:
     noise = {}
 
     def measure(name: str, exact: torch.Tensor) -> bool:
-        store = ref_trace.tensors
+        store = ref_trace.later if call_of(name) is not None else ref_trace.tensors  # a later call: its own noise
         tensor = store.lazy(name) if hasattr(store, "lazy") else store.get(name)
         if tensor is not None and tensor.shape == exact.shape:
             noise[name] = max_error(tensor, exact.to("cpu"))
@@ -662,7 +662,7 @@ def reference_noise(pair: Pair, run: Run, ref_trace: Trace) -> dict[str, float]:
             trace_reference(pair, run, model=ref64, sink=measure).close()
     finally:
         del ref64
-    return {name: noise[name] for name in ref_trace.tensors if name in noise}
+    return {name: noise[name] for name in [*ref_trace.tensors, *ref_trace.later] if name in noise}
 
 
 def calibrate_tolerances(
@@ -710,8 +710,11 @@ def compare_run(
         results = read_through_scores(results, frozenset(cast(set, ours.extras.get(QK_MOVED, set()))))
         results = weights_read_through_block(results, frozenset(cast(set, ours.extras.get(WEIGHTS_MOVED, set()))))
     if pair.alignment:
+        read = cast(frozenset, ours.extras.get(CAPTURED_IN_FUNCTIONS, frozenset()))
         captured = {
-            n.name for n in pair.nodes if n.ours.removeprefix("tap:").startswith(FUNCTIONS) and n.kind in CAPTURED
+            n.name
+            for n in pair.nodes
+            if (n.ours.removeprefix("tap:").startswith(FUNCTIONS) or n.name in read) and n.kind in CAPTURED
         }
         results = misread_internals(results, frozenset(captured))
     if not ours.extras.get(ISOLATED):  # isolated mode substitutes first calls only: later ones run on ours' values
@@ -815,8 +818,26 @@ def one_change_inside(
             use_cache=False,
         )
 
-    found = one_change.search(pair.reference, block, targets, forward, scope=layer)
+    found = one_change.search(pair.reference, block, targets, forward, scope=layer, unseen=_unseen(pair, spec))
     return one_change.named(found, block.partition("#")[0]) if found else None
+
+
+def _unseen(pair: Pair, spec: NodeSpec) -> tuple[str, ...]:
+    """The modules beside the failing node's (children of its parent) that no node records, nor anything inside
+    them: steps of the reference the trace never saw (an attention residual computing the MLP's input)."""
+    assert pair.reference is not None
+    paths = {n.reference_path.partition("#")[0] for n in pair.nodes if n.reference_path}
+    parent = spec.reference_path.partition("#")[0].rpartition(".")[0]
+    holder = pair.reference.get_submodule(parent) if parent else pair.reference
+    found = []
+    for name, child in holder.named_children():
+        path = f"{parent}.{name}" if parent else name
+        if isinstance(child, torch.nn.ModuleList | torch.nn.ModuleDict) or not list(child.parameters()):
+            continue  # the layers' list; a rotary embedding or a weightless helper
+        if any(p == path or p.startswith(path + ".") for p in paths):
+            continue
+        found.append(path)
+    return tuple(found)
 
 
 def _since_agreement(results: list[NodeResult], bad: NodeResult) -> list[NodeResult]:
@@ -946,6 +967,13 @@ def derived_before(results: list[NodeResult], bad: NodeResult, pair: Pair) -> Hi
             f"agree, and {bad.name} is the first node after them to differ",
             {"side": "ours", "keys": keys, "into": into, "levels": count},
         )
+    offset = _offset_at_load(pair, keys, into)
+    if offset is not None:
+        return Hint(
+            "norm_weight_offset",
+            f"likely {offset}; the nodes before agree, and {bad.name} is the first node after them to differ",
+            {"side": "ours", "keys": keys, "into": into},
+        )
     permuted = _permuted_at_load(pair, keys, into)
     if permuted is not None:
         return Hint(
@@ -982,6 +1010,56 @@ def derived_before(results: list[NodeResult], bad: NodeResult, pair: Pair) -> Hi
         "formula (which tensor, which axis, which order)",
         {"side": "ours", "keys": keys, "into": into},
     )
+
+
+def _offset_at_load(pair: Pair, keys: list[str], into: list[str]) -> str | None:
+    """How ours holds a norm's weight ``w`` as ``1 + w`` (or ``w - 1``), a row of a parameter it computes at load
+    (two norms' gains stacked), where the reference's norm multiplies by ``w`` as it is (or by ``1 + w``): its
+    words, None when no derived row is such an offset or the reference's norm takes the same form."""
+    held = dict(pair.ours.named_parameters())
+    modules = dict(pair.reference.named_modules()) if pair.reference is not None else {}
+    weights = dict(pair.reference.named_parameters()) if pair.reference is not None else {}
+    for key in keys:
+        param = weights.get(key)
+        norm = modules.get(key.rpartition(".")[0])
+        if param is None or param.dim() != 1 or norm is None or "Norm" not in type(norm).__name__:
+            continue
+        w = param.detach().float().cpu()
+        theirs = _norm_offset(norm, w)
+        for name in into:
+            p = held.get(name)
+            if p is None or p.numel() % w.numel():
+                continue
+            rows = p.detach().float().cpu().reshape(-1, w.numel())
+            for offset in (1.0, -1.0):
+                row = next((r for r in range(len(rows)) if torch.allclose(rows[r], w + offset, atol=1e-6)), None)
+                # ours multiplies by what it holds (1 + w), or by 1 plus it (w - 1 held: w): the reference's form
+                # alike is no fault, nor one parity cannot read
+                if row is None or theirs is None or theirs == (1.0 if offset > 0 else 0.0):
+                    continue
+                held_as, their_form = ("1 + w", "w") if offset > 0 else ("w - 1", "1 + w")
+                return (
+                    f"the norm weight offset: ours holds {key} as {held_as} (row {row} of {name}, computed at load) "
+                    f"where the reference's norm multiplies by {their_form}"
+                )
+    return None
+
+
+def _norm_offset(norm: torch.nn.Module, w: torch.Tensor) -> float | None:
+    """1.0 when ``norm`` (an RMS norm of weight ``w``) multiplies by ``1 + w``, 0.0 when by ``w``; None when
+    neither (it centres, or takes more arguments)."""
+    x = torch.randn(3, w.numel(), generator=torch.Generator().manual_seed(0))
+    weight = next(iter(norm.parameters()))
+    try:
+        with torch.no_grad():
+            y = norm(x.to(weight.dtype)).float()
+    except Exception:  # a norm that takes more than one input
+        return None
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    for offset in (0.0, 1.0):
+        if torch.allclose(y, normed * (w + offset), rtol=1e-3, atol=1e-3):
+            return offset
+    return None
 
 
 def _permuted_at_load(pair: Pair, keys: list[str], into: list[str]) -> str | None:
@@ -1167,15 +1245,23 @@ def folded_differences(results: list[NodeResult], pair: Pair) -> list[NodeResult
     if not derived:
         return results
     out = list(results)
-    for block in {_folded_block(k) for k in derived}:
+    # a folded tensor the reference ties to another (a scaled embedding table its tied head reads too): the tie's
+    # block holds it as well, and may hand the fold on to the node after it (the head's input scaled down by as much)
+    ties = tied_weights(pair.reference) if pair.reference is not None else {}
+    tied = {_folded_block(target): source for target, source in ties.items() if source in derived}
+    for block in {_folded_block(k) for k in derived} | set(tied):
         inside = [i for i, r in enumerate(out) if r.name.startswith(block + ".") or r.name == block]
         failing = [i for i in inside if out[i].status == MISMATCH]
         judged = [i for i in inside if out[i].status != UNTAPPED]
+        if block in tied and inside:
+            judged += [i for i in range(inside[-1] + 1, len(out)) if out[i].status != UNTAPPED][:1]
         if not failing or not judged or any(out[i].failed and out[i].status != MISMATCH for i in inside):
             continue
         if judged[-1] <= max(failing) or not all(out[i].passed for i in judged if i > max(failing)):
             continue
-        keys = "; ".join(f"{how} {k}" for k, how in derived.items() if _folded_block(k) == block)
+        keys = "; ".join(
+            f"{how} {k}" for k, how in derived.items() if _folded_block(k) == block or tied.get(block) == k
+        )
         for i in failing:
             out[i] = replace(
                 out[i],

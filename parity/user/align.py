@@ -41,6 +41,7 @@ from torch import nn
 from parity.build.coverage import (
     CONVENTIONS,
     COPY,
+    FLIPPED,
     FUSED_PART,
     LAYOUT,
     PART,
@@ -964,7 +965,7 @@ class _Aligner:
         held = [
             n
             for n, s in self._held(bias)
-            if s.how in (SHARED, COPY, LAYOUT, SLICE)
+            if s.how in (SHARED, COPY, LAYOUT, SLICE, FLIPPED)
             and n in self.ours_params
             and self.ours_params[n].numel() == bias.numel()
         ]

@@ -364,7 +364,7 @@ def unplaced_message(coverage, model: nn.Module | None = None) -> str:
         f"reference tensor(s) {_first(coverage.unused)} are in no parameter or buffer of your model, in any "
         "convention parity knows (shared, copied, transposed, w + 1 or w - 1, scaled by a named constant, axes "
         "permuted and reshaped, rows reordered or fused, rows copied out of a fused tensor, a part cut along one "
-        "axis then permuted and reshaped)"
+        "axis then permuted and reshaped, reversed along one axis)"
     )
     text += f"; parameters of yours that hold no reference tensor: {_first(ours)}" if ours else ""
     why = next((u.split("; ", 1)[1].rstrip(")") for u in coverage.unwritten if "; " in u), None)

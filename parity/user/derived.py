@@ -6,8 +6,8 @@ number per layer, a norm's weight folded into the next projection's input column
 ours then holds the tensor by storage or value in any convention loader coverage knows
 (:mod:`parity.build.coverage`), yet the model reads it. Coverage traces tensors, not functions of
 several, so for those keys the question is asked of the build itself: each is perturbed alone and
-``build`` called again; a key whose perturbation changes ours' logits is read (derived at load), one
-that changes nothing is never read and stays a gap. Parameters of ours that change with it are the
+``build`` called again; a key whose perturbation changes ours' logits, or a parameter of ours coverage
+could not explain, is read (derived at load), one that changes nothing is never read and stays a gap. Parameters of ours that change with it are the
 values derived from it. The nodes downstream judge whether the function was right.
 """
 
@@ -16,15 +16,21 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import time
+from typing import cast
 
 import torch
 from torch import nn
 
 from parity.build.builder import Reference, construct
 from parity.build.coverage import Coverage
+from parity.record.functional import probe_reads
 
-#: at most this many keys are probed one by one (each costs a build and a forward); past it, none is
+#: at most this many keys are probed one by one (each costs a build and a forward); past it, none is, unless
+#: the probes fit :data:`PROBE_SECONDS` (a tiny config whose loader folds every norm into its projections)
 MAX_PROBED = 64
+#: the time the probes may take, judged from one build and forward, when more than MAX_PROBED keys are unused
+PROBE_SECONDS = 45.0
 #: tokens of the probe forward
 PROBE_TOKENS = 12
 
@@ -109,14 +115,15 @@ def derived_keys(ours, ref: Reference, model: nn.Module, coverage: Coverage) -> 
     """``{checkpoint key: [our parameters derived from it]}`` for each of ``coverage.unused`` that ours'
     build reads in a form coverage cannot trace (see the module docstring), and for each key held beside a
     parameter of ours that holds none (a key both copied and computed into another value at load). Empty when ``ours`` is a
-    module (nothing to call again), when more than :data:`MAX_PROBED` keys are unused, or when building
+    module (nothing to call again), when more than :data:`MAX_PROBED` keys are unused and probing them all would
+    take longer than :data:`PROBE_SECONDS` (judged from one build), or when building
     twice from the same tensors does not give the same logits (a build that draws random values). A key
     whose perturbation changes a parameter coverage read as a likely loader mistake is left out: that
     refusal names the cause."""
-    if isinstance(ours, nn.Module) or not callable(ours) or len(coverage.unused) > MAX_PROBED:
+    if isinstance(ours, nn.Module) or not callable(ours):
         return {}
     beside = [k for k in _beside_unwritten(coverage) if k not in coverage.unused]
-    probed = list(coverage.unused) + beside[: MAX_PROBED - len(coverage.unused)]  # the unused keys first
+    probed = list(coverage.unused) + beside[: max(MAX_PROBED - len(coverage.unused), 0)]  # the unused keys first
     if not probed:
         return {}
     from parity.user.check_model import build_ours
@@ -138,22 +145,42 @@ def derived_keys(ours, ref: Reference, model: nn.Module, coverage: Coverage) -> 
         except Exception:  # a build that fails on other values: no evidence either way
             return None
 
+    started = time.monotonic()
     again = rebuilt(dict(ref.state_dict))
     same = None if again is None else _logits(again, ids)
     if first is None or same is None or not torch.equal(first, same):
         return {}
+    if len(probed) > MAX_PROBED and len(probed) * (time.monotonic() - started) > PROBE_SECONDS:
+        return {}  # too many keys to probe in the time a check may take
+    twice = _values(cast(nn.Module, again), unwritten)
+    # a parameter that differs between two builds from the same tensors is drawn at random (never written): no
+    # perturbation's evidence
+    drawn = {
+        n for n, t in before.items() if n not in twice or twice[n].shape != t.shape or not torch.equal(twice[n], t)
+    }
     found: dict[str, list[str]] = {}
+    read: set[str] | None = None  # the parameters ours' forward reads, found when first needed
     for key in probed:
         state_dict = dict(ref.state_dict)
         state_dict[key] = _perturbed(state_dict[key], gen)
         model2 = rebuilt(state_dict)
         logits = None if model2 is None else _logits(model2, ids)
-        if logits is None or torch.equal(logits, first):
+        if logits is None:
             continue
-        after = _values(model2, unwritten) if model2 is not None else {}
+        after = _values(cast(nn.Module, model2), unwritten)
         into = [
-            n for n, t in before.items() if n in after and (after[n].shape != t.shape or not torch.equal(after[n], t))
+            n
+            for n, t in before.items()
+            if n in after and n not in drawn and (after[n].shape != t.shape or not torch.equal(after[n], t))
         ]
+        if torch.equal(logits, first):
+            # a parameter it changes that the forward reads is evidence too: the probe's tokens may not reach what
+            # it decides (a lightning indexer's norms where every key block is kept); one never read is not
+            if read is None:
+                read = set(probe_reads(model, int(vocab)))
+            into = [n for n in into if n in read]
+            if not into:
+                continue
         if not mistaken.intersection(into) and (key in coverage.unused or into):
             found[key] = into
     return found
