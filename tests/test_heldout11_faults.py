@@ -146,8 +146,9 @@ NAMED = [
      "q's parts concatenated in the other order in ours"),
     ("deepseek", "mla_absorbed_scale_from_latent_dim", False, "model.layers.0.self_attn.o_proj", "attention_scale",
      "ours scales q k^T by 0.158114"),
-    ("deepseek", "mla_absorbed_unnormed_latent", False, "model.layers.0.self_attn.o_proj", "attention_internals",
-     "the difference is inside that attention"),
+    ("deepseek", "mla_absorbed_unnormed_latent", False, "model.layers.0.self_attn.o_proj", "one_change",
+     "reading model.layers.0.self_attn.kv_a_layernorm's input (the value before its normalisation) in place of its "
+     "output"),
     ("deepseek", "mla_kv_norm_over_rope", False, "model.layers.0.self_attn.kv_a_layernorm", "norm_kind",
      "the RMS over all of model.layers.0.self_attn.kv_a_proj_with_mqa's output (40 features"),
     ("deepseek", "mla_v_pad_slice_wrong_end", False, "model.layers.0.self_attn.context", "shape",

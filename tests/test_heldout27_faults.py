@@ -189,10 +189,13 @@ NAMED = [
      "ours attends with a window of 9, the reference with a window of 8"),
     ("laguna", "lg_sliding_pad_ignored", True, "model.layers.1.self_attn.probs", "padding",
      "ours gives weight to 200 earlier padding keys the other side masks"),
+    ("laguna", "lg_routed_scale_on_shared", False, "model.layers.1.mlp", "moe_combination",
+     "ours computes 1.5 routed + 1.5 shared, the reference 1.5 routed + 1 shared"),
 ]  # fmt: skip
 #: located, the hint naming the component only or nothing (true, the cause not named): a key/value up-projection
 #: cut per head in blocks (a shape), the padding mask of an
-#: attention computed untapped, Laguna's soft cap after the sigmoid, the routed scale on the shared expert; and
+#: attention computed untapped, Laguna's soft cap after the sigmoid (its routed scale on the shared expert is named
+#: since the twenty-sixth session: NAMED); and
 #: Laguna's single RoPE theta, named as the partial rotary it also changes on the sliding layers (Nemotron-H's gated
 #: norm grouped otherwise or gated after it, B/C swapped and Laguna's experts' gate/up swapped, component-only here
 #: before, are named since the seventeenth session: NAMED)
@@ -203,8 +206,6 @@ COMPONENT = [
      "the mask's padding left out (the causal part alone: padding keys read)"),
     ("laguna", "lg_softcap_after_sigmoid", False, "model.layers.1.mlp.router.experts", "routing",
      "a different expert choice"),
-    ("laguna", "lg_routed_scale_on_shared", False, "model.layers.1.mlp", "untapped_block",
-     "likely inside model.layers.1.mlp"),
     ("laguna", "lg_rope_theta_single", False, "model.layers.1.self_attn.q_rot", "rope_partial",
      "the reference rotates 16 of 16 dims"),
 ]  # fmt: skip

@@ -15,6 +15,7 @@ from parity.diagnose.evidence import (
     fmt_list,
     positions_axis,
     seq_axis,
+    whose,
 )
 from parity.diagnose.hints import Hint
 
@@ -363,10 +364,15 @@ def _gapped(probs: torch.Tensor, valid: torch.Tensor | None) -> bool:
     if valid is not None and tuple(valid.shape) == (seen.shape[0], m):
         real = valid.bool().cpu()
     keys = torch.arange(m)
-    first = torch.where(seen, keys, m).amin(-1, keepdim=True)  # (b, h, q, 1)
-    inside = (keys >= first) & (keys <= torch.arange(n)[:, None])  # between its first key and itself
     rows = real[:, None, :, None] & real[:, None, None, :]  # real queries, real keys
-    return bool((inside & ~seen & rows).any())
+    later = keys[None, :] <= torch.arange(n)[:, None]  # (q, k): the key at or before the query
+    # keys every real query at or after them reads (a window that keeps the first token, StreamingLLM's sink): no
+    # part of a per-query choice, left out before the holes are looked for
+    kept = (seen | ~(later & rows)).all(-2, keepdim=True)  # (b, h, 1, k)
+    chosen = seen & ~kept
+    first = torch.where(chosen, keys, m).amin(-1, keepdim=True)  # (b, h, q, 1)
+    inside = (keys >= first) & later  # between its first chosen key and itself
+    return bool((inside & ~seen & ~kept & rows).any())
 
 
 def sparse_selection(e: Evidence) -> Hint | None:
@@ -400,7 +406,7 @@ def sparse_selection(e: Evidence) -> Hint | None:
         selector = ".".join(parts[: next(i for i, p in enumerate(parts) if any(w in p for w in words)) + 1])
     bad = (only_ours | only_ref).any(-1).flatten(0, 1).any(0).nonzero().flatten().tolist()
     chooser = f"{selector}'s" if selector else "the attention's dynamic"
-    masks = "ours' and the reference's masks have" if len(holes) == 2 else f"{holes[0]}'s mask has".replace("s's", "s'")
+    masks = "ours' and the reference's masks have" if len(holes) == 2 else f"{whose(holes[0])} mask has"
     return Hint(
         "sparse_selection",
         f"likely the keys {chooser} key selection keeps: {masks} holes (key blocks chosen per "
