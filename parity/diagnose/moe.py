@@ -295,8 +295,9 @@ def _group_limited_otherwise(
     e: Evidence, logits: torch.Tensor | None, order: tuple[int, ...] = ()
 ) -> tuple[str, str] | None:
     """``(side, how)``: how one side's choices follow from the router logits under a group-limited sigmoid
-    router (or one with a correction bias and no groups: MiniMax-M3's, the group departures left out) (DeepSeek V3's ``DeepseekV3MoE.route_tokens_to_experts``, GLM-4.5's ``Glm4MoeTopkRouter``; a softmax
-    where :func:`_router_scoring` says): the
+    router (DeepSeek V3's ``DeepseekV3MoE.route_tokens_to_experts``, GLM-4.5's ``Glm4MoeTopkRouter``; a softmax
+    where :func:`_router_scoring` says; without groups, one with a correction bias alone, MiniMax-M3's: the group
+    departures left out): the
     scores ``sigmoid(logits) + e_score_correction_bias``, each group scored by the sum of its best two, the
     ``topk_group`` best groups kept, the top k of their experts. Tries the ports' usual departures, each
     alone; None unless the config's rule gives one side's choices and exactly one departure the other's.
@@ -1220,7 +1221,7 @@ def combination_scale(e: Evidence) -> Hint | None:
 
 def _combination(e: Evidence, base: str, ours_value: torch.Tensor, ref_value: torch.Tensor) -> Hint | None:
     """:func:`combination_scale`'s fit of the block ``base``'s output, ``ours_value`` and ``ref_value``."""
-    from parity.diagnose.residual import _coefficients, _constant
+    from parity.diagnose.residual import coefficients, constant_words
 
     shared = next(
         (n for n in (f"{base}.{s}{d}" for s in ("shared_experts", "shared_expert") for d in ("", ".down_proj"))
@@ -1234,14 +1235,14 @@ def _combination(e: Evidence, base: str, ours_value: torch.Tensor, ref_value: to
     if any(getattr(e.ours_trace.results.get(k), "failed", False) for k in (f"{base}.experts", shared)):
         return None
     x, f = r.double().reshape(ref_value.shape), sh.double().reshape(ref_value.shape)
-    ours = _coefficients(ours_value.reshape(ref_value.shape), x, f, EXPLAINS)
-    ref = _coefficients(ref_value, x, f, EXPLAINS)
+    ours = coefficients(ours_value.reshape(ref_value.shape), x, f, EXPLAINS)
+    ref = coefficients(ref_value, x, f, EXPLAINS)
     if ours is None or ref is None or max(abs(o - t) / max(abs(t), 1e-12) for o, t in zip(ours, ref)) < 1e-6:
         return None
     if min(abs(c) for c in (*ours, *ref)) < 1e-3:
         return None  # a term missing: the shared expert or the routed experts left out, read by other detectors
     differ = [
-        f"{which}'s coefficient {o:.7g}{_constant(e, o)} in ours, {t:.7g}{_constant(e, t)} in the reference"
+        f"{which}'s coefficient {o:.7g}{constant_words(e, o)} in ours, {t:.7g}{constant_words(e, t)} in the reference"
         for which, o, t in (("the routed sum", ours[0], ref[0]), ("the shared expert", ours[1], ref[1]))
         if abs(o - t) > 1e-6 * max(abs(t), 1e-12)
     ]

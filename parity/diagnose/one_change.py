@@ -22,14 +22,16 @@ an activation of the negated input, a negative factor's size left out with its s
 config float read as its class's default, a gate moved across a norm (both ways), a weightless norm left out (Gemma's
 value norm), a weightless norm or an activation moved across the product reading it (``norm(x @ W)``, ``relu(w @
 s)``), a mask filled after the softmax
-(its probabilities zeroed), a dilated conv run undilated, a delta-rule, selective or WKV scan run with its steps in
+(its probabilities zeroed), a clamp's infinite bound (no clamp) taken as 0, a product reading a norm's input in place
+of its output, a dilated conv run undilated, a delta-rule, selective or WKV scan run with its steps in
 another order (:mod:`parity.diagnose.scan_order`), RoPE's pairs in the other convention (per calling line too:
 :mod:`parity.diagnose.rope_pairs`), a top-k ranking an activation of the scores; an in-place op (``a /= s``) is changed from
 its input's value before it; then, in a second
 pass, a term of a sum left out (a skip connection), a broadcast factor that is no parameter left out (a padding
 mask) and a parameter added to an activation's input added to its output instead (``softplus(dt) + dt_bias``);
-then a projection reading another variable (of its shape, or a ``(batch, heads, seq, dim)`` one with its
-heads merged). Every call of one source line is changed together (a loop over chunks), a
+then a projection, an activation, a softmax or a log-sum-exp reading another variable (of its shape, or a
+``(batch, heads, seq, dim)`` one with its heads merged); a module beside the failing node that no node records left
+out (its input handed on). Every call of one source line is changed together (a loop over chunks), a
 helper called from several lines also per caller, and the same change on two adjacent lines together (q and k).
 
 First of all, a tensor argument of the layer's call (not its hidden states) given the value an earlier layer's call
@@ -1722,9 +1724,10 @@ def _left_out(path: str, module: torch.nn.Module) -> Change:
             return same[-1].to(t.dtype) if same else t
 
         if isinstance(out, tuple | list):
-            new = type(out)(handed_on(t) for t in out)
-            return new if any(a is not b for a, b in zip(new, out, strict=True)) else None
-        return handed_on(out) if handed_on(out) is not out else None
+            parts = type(out)(handed_on(t) for t in out)
+            return parts if any(a is not b for a, b in zip(parts, out, strict=True)) else None
+        new = handed_on(out)
+        return new if new is not out else None
 
     site = Site(f"{type(module).__name__}.forward", file, line)
     return Change(site, f"{path} left out (its input handed on as it is)", rewrite, module=path)
@@ -1995,7 +1998,8 @@ def named(found: list[tuple[Change, str]], block: str) -> Hint:
     """The hint for what :func:`search` found: the first change, and up to two more that do as well."""
     (first, at), more = found[0], found[1:3]
     also = "".join(f"; or equally {c.words} at {c.where}" for c, _ in more)
-    if first.module is not None and not first.module.startswith(block):  # a module beside the block, left out
+    if first.module is not None and first.module != block and not first.module.startswith(block + "."):
+        # a module beside the block (no node records it), left out: named as where the change sits
         block = first.module
     return Hint(
         "one_change",

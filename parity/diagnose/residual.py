@@ -209,7 +209,7 @@ def residual_add(e: Evidence) -> Hint | None:
     )
 
 
-def _coefficients(value: torch.Tensor, x: torch.Tensor, f: torch.Tensor, tol: float) -> tuple[float, float] | None:
+def coefficients(value: torch.Tensor, x: torch.Tensor, f: torch.Tensor, tol: float) -> tuple[float, float] | None:
     """``(a, b)`` when ``value`` is ``a x + b f`` (least squares, exact within ``tol``), else None."""
     design = torch.stack([x.flatten(), f.flatten()], 1)
     solution = torch.linalg.lstsq(design, value.double().flatten()[:, None]).solution.flatten()
@@ -227,7 +227,7 @@ def _coefficients_differ(e: Evidence, x: torch.Tensor, f: torch.Tensor, branch: 
     points = [(stream, x), *([normed] if normed is not None else [])]
 
     def fitted(value: torch.Tensor) -> tuple[str, torch.Tensor, tuple[float, float]] | None:
-        return next(((at, p, c) for at, p in points if (c := _coefficients(value, p, f, tol)) is not None), None)
+        return next(((at, p, c) for at, p in points if (c := coefficients(value, p, f, tol)) is not None), None)
 
     ours_fit, ref_fit = fitted(e.ours), fitted(e.ref)
     if ours_fit is not None and ref_fit is not None and ours_fit[0] != ref_fit[0]:
@@ -257,7 +257,7 @@ def _coefficients_differ(e: Evidence, x: torch.Tensor, f: torch.Tensor, branch: 
         return f"{c[0]:.7g} x + {c[1]:.7g} f(x)"
 
     named = [
-        f"{which} {o:.7g}{_constant(e, o)} in ours, {r:.7g}{_constant(e, r)} in the reference"
+        f"{which} {o:.7g}{constant_words(e, o)} in ours, {r:.7g}{constant_words(e, r)} in the reference"
         for which, o, r in (("x's coefficient", ours[0], ref[0]), ("f(x)'s coefficient", ours[1], ref[1]))
         if abs(o - r) > 1e-6 * max(abs(r), 1e-12)
     ]
@@ -333,8 +333,8 @@ def _branch_coefficients_differ(e: Evidence, x: torch.Tensor, stream: str, tol: 
         return " + ".join(f"{v:.7g} {t}" for v, t in zip(c, terms))
 
     named = [
-        f"{terms[i]}'s coefficient {ours[i]:.7g}{_constant(e, ours[i])} in ours, "
-        f"{ref[i]:.7g}{_constant(e, ref[i])} in the reference"
+        f"{terms[i]}'s coefficient {ours[i]:.7g}{constant_words(e, ours[i])} in ours, "
+        f"{ref[i]:.7g}{constant_words(e, ref[i])} in the reference"
         for i in differ
     ]
     where = ", ".join(f"f{i + 1} = {name}" for i, (name, _) in enumerate(branches))
@@ -346,7 +346,7 @@ def _branch_coefficients_differ(e: Evidence, x: torch.Tensor, stream: str, tol: 
     )
 
 
-def _constant(e: Evidence, c: float) -> str:
+def constant_words(e: Evidence, c: float) -> str:
     """`` (= the config's residual_multiplier (0.22))`` (or that constant rounded to float16 or bfloat16,
     or its inverse, or 1) when ``c`` is one, else ``""``."""
     if abs(c - 1) < 1e-9:

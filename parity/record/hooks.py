@@ -166,10 +166,10 @@ READ_SHARE = "read_share"
 PARTS_REDUCED = "parts_reduced"
 #: ``Trace.extras`` key: reference module -> why ours never computes its output (its weight absorbed into
 #: another product, :meth:`~parity.record.functional.FunctionCapture._absorbs`)
-#: trace extra: the nodes parity read in ours' functions inside a module of ours (no tap of the user's), which
-#: may be another product of the block than the one the node names
-CAPTURED_IN_FUNCTIONS = "captured_in_functions"
 ABSORBED = "absorbed"
+#: ``Trace.extras`` key: the nodes parity read in ours' functions inside a module of ours (no tap of the user's),
+#: which may be another product of the block than the one the node names
+CAPTURED_IN_FUNCTIONS = "captured_in_functions"
 
 
 @dataclass

@@ -6,9 +6,10 @@ number per layer, a norm's weight folded into the next projection's input column
 ours then holds the tensor by storage or value in any convention loader coverage knows
 (:mod:`parity.build.coverage`), yet the model reads it. Coverage traces tensors, not functions of
 several, so for those keys the question is asked of the build itself: each is perturbed alone and
-``build`` called again; a key whose perturbation changes ours' logits, or a parameter of ours coverage
-could not explain, is read (derived at load), one that changes nothing is never read and stays a gap. Parameters of ours that change with it are the
-values derived from it. The nodes downstream judge whether the function was right.
+``build`` called again; a key whose perturbation changes ours' logits, or a parameter of ours that coverage
+could not explain and the forward reads (the probe's tokens may not reach what it decides), is read
+(derived at load); one that changes nothing is never read and stays a gap. Parameters of ours that change
+with it are the values derived from it. The nodes downstream judge whether the function was right.
 """
 
 from __future__ import annotations
