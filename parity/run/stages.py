@@ -710,7 +710,11 @@ def compare_run(
         results = read_through_scores(results, frozenset(cast(set, ours.extras.get(QK_MOVED, set()))))
         results = weights_read_through_block(results, frozenset(cast(set, ours.extras.get(WEIGHTS_MOVED, set()))))
     if pair.alignment:
-        read = cast(frozenset, ours.extras.get(CAPTURED_IN_FUNCTIONS, frozenset()))
+        # (chained only: in isolated mode each node reads the reference's inputs, so o_proj agreeing says nothing of
+        # what parity read in ours inside a module)
+        read = cast(
+            frozenset, frozenset() if ours.extras.get(ISOLATED) else ours.extras.get(CAPTURED_IN_FUNCTIONS, frozenset())
+        )
         captured = {
             n.name
             for n in pair.nodes
