@@ -81,10 +81,14 @@ RULE = (
 )
 
 
-def _scale(trace: Trace, name: str) -> float:
+def _node(trace: Trace, name: str):
+    """The tensor ``trace`` holds for node ``name``: a first call's, or a later call's (a loop's pass)."""
     tensor = trace.tensors.get(name)
-    if tensor is None:
-        tensor = trace.later.get(name)  # a later call of a node (a loop's pass)
+    return trace.later.get(name) if tensor is None else tensor
+
+
+def _scale(trace: Trace, name: str) -> float:
+    tensor = _node(trace, name)
     if tensor is None or not tensor.is_floating_point() or tensor.numel() == 0:
         return 1.0
     return float(tensor.detach().abs().double().nan_to_num(0.0, 0.0, 0.0).max()) or 1.0
@@ -114,9 +118,7 @@ def baked_sensitivity(
     moves: dict[str, float] = {}
 
     def measure(name: str, tensor: torch.Tensor) -> bool:
-        base = ref64.tensors.get(name)
-        if base is None:
-            base = ref64.later.get(name)  # a later call of a node (a loop's pass)
+        base = _node(ref64, name)
         if base is not None and tuple(base.shape) == tuple(tensor.shape) and tensor.is_floating_point():
             moves[name] = max_error(base, tensor.to("cpu"))
         return True
