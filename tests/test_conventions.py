@@ -682,3 +682,54 @@ def test_a_reference_rewriting_its_weights_on_its_first_forward_is_settled_with_
     assert set(originals) == {"out.weight"} and torch.equal(originals["out.weight"], before)
     assert torch.equal(model.out.weight, before / 2)
     assert settle(model, state, 10) == {}  # the rewrite happens once
+
+
+# --- vectors stacked or fused the ways a one-forward port holds them (Apertus 1.5's, set 43)
+
+
+def test_gains_stacked_over_layers_and_biases_fused_then_stacked_are_rows_of_ours():
+    """Every layer's two norm gains as one ``(layers, 2, hidden)`` tensor, and each layer's q, k and v biases fused
+    end to end and stacked ``(layers, q + k + v)``: each checkpoint vector is rows of ours (the flattened leading
+    axes; the elements of the flattened tensor), no gap and nothing read as computed at load; a bias out of order is
+    still found where it is, one missing is a gap."""
+    gains = {f"layers.{i}.{n}.weight": torch.randn(8) for i in range(3) for n in ("attn_norm", "mlp_norm")}
+    biases = {f"layers.{i}.{p}.bias": torch.randn(w) for i in range(3) for p, w in (("q", 8), ("k", 4), ("v", 4))}
+    model = nn.Module()
+    model.gains = nn.Parameter(
+        torch.stack([torch.stack([gains[f"layers.{i}.attn_norm.weight"], gains[f"layers.{i}.mlp_norm.weight"]])
+                     for i in range(3)])
+    )  # fmt: skip
+    model.b_qkv = nn.Parameter(
+        torch.stack([torch.cat([biases[f"layers.{i}.{p}.bias"] for p in ("q", "k", "v")]) for i in range(3)])
+    )
+    cov = loader_coverage(model, {**gains, **biases})
+    assert cov.ok and not cov.derived, cov
+    mlp = cov.sources["gains"][[s.key for s in cov.sources["gains"]].index("layers.1.mlp_norm.weight")]
+    assert mlp.rows == (3,) and mlp.row_axes(3) == ([0, 1], [2])
+    k = cov.sources["b_qkv"][[s.key for s in cov.sources["b_qkv"]].index("layers.1.k.bias")]
+    assert k.flat and k.rows == tuple(range(24, 28)) and k.row_axes(2) == ([0, 1], [])
+    model.b_qkv = nn.Parameter(model.b_qkv.detach()[:, :12].contiguous())  # v's biases left out
+    assert not loader_coverage(model, {**gains, **biases}).ok
+
+
+def test_a_tensor_computed_in_parts_is_compared_on_its_part():
+    """One head (or one tensor-parallel rank's heads) of a node ours computes in parts is compared there, the rest
+    not judged; a part whose values differ still fails; ours' tokens flattened sequence first are read batch first."""
+    from parity.compare.metrics import MISMATCH, OK
+    from parity.compare.results import _part_of_reference, _sequence_first, compare_node
+    from parity.compare.tolerances import Tolerances
+    from parity.model.pair import NodeSpec
+
+    ref = torch.randn(1, 4, 6, 8)
+    moved, how = _part_of_reference(ref[:, 2:3, :, :].reshape(6, 8), ref)
+    assert torch.equal(moved, ref) and "2:3 of 4 along the reference's axis 1" in how
+    wrong, _ = _part_of_reference(ref[:, 2:3].reshape(6, 8) * 1.01, ref)
+    spec = NodeSpec("layers.0.attn.q_rot", "", layer=0, kind="q_rot")
+    tolerances = Tolerances(atol=1e-6, rtol=0.0)
+    assert compare_node(spec, 0, moved, ref, tolerances).status == OK
+    assert compare_node(spec, 0, wrong, ref, tolerances).status == MISMATCH
+    assert _part_of_reference(torch.randn(6, 8), ref) is None  # no part of the reference's
+    tokens = torch.randn(2, 5, 3)  # (batch, seq, features)
+    seq_first = tokens.transpose(0, 1).reshape(10, 3)
+    assert torch.equal(_sequence_first(seq_first, torch.zeros(2, 5, dtype=torch.bool)), tokens.reshape(10, 3))
+    assert _sequence_first(seq_first, torch.zeros(1, 10, dtype=torch.bool)) is None

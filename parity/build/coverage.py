@@ -93,6 +93,9 @@ class Source:
     key_rows: tuple[int, ...] | None = None
     #: the axis of ours along which it holds the key (reshaped to ours' shape) reversed (``how`` is ``flipped``)
     flip_axis: int | None = None
+    #: ``rows`` count ours' elements, ours flattened (``how`` is ``rows``): vectors fused end to end, then stacked
+    #: (per-layer q, k and v biases as one ``(layers, q + k + v)`` tensor)
+    flat: bool = False
 
     def input_axis(self, held_dim: int, key_dim: int) -> int | None:
         """The axis of ours' tensor (``held_dim`` axes) that holds the key's last axis (``key_dim`` axes): an
@@ -103,6 +106,8 @@ class Source:
         if self.how == TRANSPOSED:
             return 0 if held_dim == 2 else None
         if self.how in (SCALED, ROWS, PART, FUSED_PART):
+            if self.flat:
+                return None
             if self.permute is not None:  # rows held with another axis last: that axis, moved last, is it
                 return self.permute[-1] if self.how in (PART, ROWS, FUSED_PART) else None
             return (0 if held_dim == 2 else None) if self.transposed else held_dim - 1
@@ -111,7 +116,9 @@ class Source:
     def row_axes(self, dim: int) -> tuple[list[int], list[int]]:
         """``(row axes, axes within a row)`` of ours' ``dim``-axis tensor, for the rows ``rows`` counts (a
         ``rows`` source): the axes before the last after ``permute`` (then reshaped to 2-D), the second of a
-        transposed 2-D weight (kept input-major), else the first."""
+        transposed 2-D weight (kept input-major), else the first; every axis for ``flat`` rows (each an element)."""
+        if self.flat:
+            return list(range(dim)), []
         if self.permute is not None:
             return list(self.permute[:-1]), [self.permute[-1]]
         if self.transposed and dim == 2:
@@ -1028,6 +1035,14 @@ def loader_coverage(
                 moved_axes = last if parts is not None else None
                 if parts is not None:
                     break
+            if parts is None and p.dim() >= 3:  # vectors stacked along several leading axes: (layers, 2, hidden) gains
+                vectors = {k: t for k, t in free.items() if t.dim() == 1}  # (matrices' rows: parts, below)
+                parts = _fused_rows(p.data.reshape(-1, p.shape[-1]), vectors)
+                moved_axes = tuple(range(p.dim())) if parts is not None else None
+            end_to_end = False
+            if parts is None and p.dim() >= 2:  # vectors fused end to end, then stacked: (layers, q + k + v) biases
+                parts = _fused_slices(p.data.reshape(-1), free)
+                end_to_end = parts is not None
             if parts is None and p.dim() == 2:
                 # some of a tensor's rows fused with whole others, its other rows held elsewhere: parts of both kinds
                 fused_part = next(
@@ -1155,7 +1170,7 @@ def loader_coverage(
                 cov.unwritten.append(f"{label} (holds no checkpoint tensor in any layout parity knows{why})")
                 continue
             for key, rows in parts:
-                record(names, key, ROWS, rows, transposed=fused_input_major, permute=moved_axes)
+                record(names, key, ROWS, rows, transposed=fused_input_major, permute=moved_axes, flat=end_to_end)
                 span = (
                     f"{rows[0]}..{rows[-1]}"
                     if list(rows) == list(range(rows[0], rows[-1] + 1))

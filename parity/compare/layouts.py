@@ -135,7 +135,8 @@ def _keeps_last(layout: Layout) -> bool:
     return bool((rows - rows[:, :1] == torch.arange(last)).all()) and bool((rows[:, 0] % last == 0).all())
 
 
-def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The cosine of two tensors' values, flattened (1 for two zeros, 0 for one)."""
     a, b = a.double().reshape(-1), b.double().reshape(-1)
     na, nb = float(a.norm()), float(b.norm())
     if na == 0 or nb == 0:
@@ -157,6 +158,6 @@ def match_layout(ours: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, s
     for layout in found:
         moved = layout(ours)
         finite = bool(torch.isfinite(moved).all())
-        scored.append((_cosine(moved, ref) if finite else -2.0, layout, moved))
+        scored.append((cosine(moved, ref) if finite else -2.0, layout, moved))
     _, best, moved = max(scored, key=lambda item: item[0])
     return moved, f"{best.description}; the closest of {len(found)} layouts that fit the shapes"

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, TypeVar, cast
 
 import torch
 
-from parity.compare.layouts import match_layout
+from parity.compare.layouts import cosine, match_layout
 from parity.compare.metrics import (
     CHOICE,
     MISMATCH,
@@ -416,6 +416,55 @@ def _without_sink_key(kind: str, ours: torch.Tensor, ref: torch.Tensor) -> tuple
     return None
 
 
+def _sequence_first(ours, padding: torch.Tensor | None) -> torch.Tensor | None:
+    """Ours' ``(tokens, ...)`` read as flattened ``(seq, batch)`` and put back ``(batch, seq)`` order, for a batch of
+    several rows (``padding``'s ``(batch, seq)``); None where that cannot be (one row, another token count)."""
+    if not isinstance(ours, torch.Tensor) or padding is None or padding.dim() != 2 or ours.dim() < 2:
+        return None
+    batch, seq = padding.shape
+    if batch < 2 or ours.shape[0] != batch * seq:
+        return None
+    return ours.reshape(seq, batch, *ours.shape[1:]).transpose(0, 1).reshape(ours.shape)
+
+
+def _part_of_reference(ours: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, str] | None:
+    """Ours holding one part of the reference's tensor along one axis (a port computing heads one at a time, or one
+    tensor-parallel rank's heads, read on its first call): the reference's tensor with that part put in ours' place,
+    the part whose layout (:func:`match_layout`) is closest to ours, when it is close (cosine over 0.5, padding
+    positions included); the rest the reference's own values, not judged here (the nodes after it read every part).
+    ``(that tensor, how)``; None otherwise."""
+    if not ours.is_floating_point() or not ours.numel() or ours.numel() >= ref.numel() or ref.numel() % ours.numel():
+        return None
+    parts = ref.numel() // ours.numel()
+    best: tuple[float, int, int, int, torch.Tensor] | None = None
+    for axis in range(ref.dim()):
+        n = ref.shape[axis]
+        if n % parts:
+            continue
+        size = n // parts
+        for start in range(0, n, size):
+            part = ref.narrow(axis, start, size)
+            moved = ours if ours.shape == part.shape else (match_layout(ours, part) or (None, ""))[0]
+            if moved is None:
+                continue
+            # scored on the values both hold (a mask's -inf or float32 min on both sides is no evidence)
+            real = torch.isfinite(moved) & (moved.abs() < 1e30)
+            if not torch.equal(real, torch.isfinite(part) & (part.abs() < 1e30)) or not bool(real.any()):
+                continue
+            score = cosine(moved[real], part[real])
+            if best is None or score > best[0]:
+                best = (score, axis, start, size, moved)
+    if best is None or best[0] < 0.5:  # (padding positions' values, never judged, count here)
+        return None
+    _, axis, start, size, moved = best
+    whole = ref.clone()
+    whole.narrow(axis, start, size).copy_(moved.to(whole.dtype))
+    return whole, (
+        f"ours computes it in parts ({start}:{start + size} of {ref.shape[axis]} along the reference's axis {axis}: "
+        "one head at a time, or one tensor-parallel rank's): that part compared, the rest not judged here"
+    )
+
+
 def in_reference_layout(
     spec: NodeSpec, ours: _Ours, ref, padding: torch.Tensor | None = None
 ) -> tuple[_Ours | torch.Tensor, str]:
@@ -437,6 +486,8 @@ def in_reference_layout(
             moved, how = repeated
         elif (sunk_key := _without_sink_key(spec.kind, moved, full)) is not None:
             moved, how = sunk_key
+        elif (part := _part_of_reference(moved, full)) is not None:
+            moved, how = part
         elif padding is not None and (packed := unpacked(spec.kind, moved, full, padding)) is not None:
             moved, how = packed, "the real tokens packed into one sequence (padding skipped)"
     if padding is not None and tuple(moved.shape) == tuple(ref.shape) and moved.dtype != torch.bool:
@@ -860,6 +911,15 @@ class NodeStream:
                 result, ours = replace(again, detail=f"compared with {take()}"), other
                 moved, layout = in_reference_layout(spec, ours, ref, self.padding)
                 layout = layout or "alternative"
+        flipped = _sequence_first(ours, self.padding) if result.failed and ref is not None else None
+        if flipped is not None:  # tokens flattened (seq, batch) where the reference flattens (batch, seq)
+            again = compare_node(
+                spec, self.index[name], flipped, ref, self.tolerances, False, scores, self.padding, choices
+            )
+            if again.passed:
+                how = "ours' tokens flattened sequence first ((seq, batch), Megatron's layout), read batch first"
+                result, ours = replace(again, detail="; ".join(d for d in (again.detail, how) if d)), flipped
+                moved, layout = in_reference_layout(spec, ours, ref, self.padding)
         after = result.failed and ref is not None and name != LOGITS and name in self._after_layers
         if after and self._head_factor is _UNREAD:  # read once per run, at the first failure after the layers
             self._head_factor = _post_head_scale(store, sorted(self._after_layers))

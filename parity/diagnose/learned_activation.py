@@ -41,13 +41,14 @@ def _xielu_scalars(e: Evidence) -> dict[str, float] | None:
     return next((v for v in found.values() if len(v) == len(_NAMES)), None)
 
 
-def _fit(x: torch.Tensor, y: torch.Tensor) -> tuple[float, float, float, float] | None:
-    """``(p2, p1, n1, n2)`` with ``y = p2 x^2 + p1 x`` where ``x > 0`` and ``y = n1 expm1(x) + n2 x`` where
-    ``x <= 0`` (least squares in float64), or None when either branch has too few points or the fit does not
-    reproduce ``y``."""
+def _fit(x: torch.Tensor, y: torch.Tensor) -> tuple[float, float, float, float, float] | None:
+    """``(p2, p1, n1, n2, n0)`` with ``y = p2 x^2 + p1 x`` where ``x > 0`` and ``y = n1 expm1(x) + n2 x + n0`` where
+    ``x <= 0`` (least squares in float64; ``n0`` is ``n1`` for ``exp`` in place of ``expm1``), or None when either
+    branch has too few points or the fit does not reproduce ``y``."""
     x, y = x.double().flatten(), y.double().flatten()
     coefficients = []
-    for keep, basis in ((x > 0, lambda t: (t * t, t)), (x <= 0, lambda t: (torch.expm1(t), t))):
+    negative = (x <= 0, lambda t: (torch.expm1(t), t, torch.ones_like(t)))
+    for keep, basis in ((x > 0, lambda t: (t * t, t)), negative):
         if int(keep.sum()) < 8:
             return None
         a = torch.stack(basis(x[keep]), dim=1)
@@ -55,8 +56,8 @@ def _fit(x: torch.Tensor, y: torch.Tensor) -> tuple[float, float, float, float] 
         if rel(a @ solution, y[keep]) > EXPLAINS:
             return None
         coefficients += [float(c) for c in solution]
-    p2, p1, n1, n2 = coefficients
-    return p2, p1, n1, n2
+    p2, p1, n1, n2, n0 = coefficients
+    return p2, p1, n1, n2, n0
 
 
 def _named(value: float, candidates: dict[str, float]) -> str:
@@ -67,9 +68,9 @@ def _named(value: float, candidates: dict[str, float]) -> str:
     return f"{value:.4g}"
 
 
-def _read(coefficients: tuple[float, float, float, float], s: dict[str, float]) -> dict[str, str]:
+def _read(coefficients: tuple[float, float, float, float, float], s: dict[str, float]) -> dict[str, str]:
     """Each coefficient of one side's fit named by an expression of the reference's scalars."""
-    p2, p1, n1, n2 = coefficients
+    p2, p1, n1, n2, n0 = coefficients
     ap, an, beta = s["alpha_p"], s["alpha_n"], s["beta"]
     sp = {"alpha_p": float(F.softplus(torch.tensor(ap, dtype=torch.float64))),
           "alpha_n": float(F.softplus(torch.tensor(an, dtype=torch.float64)))}  # fmt: skip
@@ -94,6 +95,7 @@ def _read(coefficients: tuple[float, float, float, float], s: dict[str, float]) 
         "positive x term": _named(p1, {"beta": beta, "0 (beta x dropped)": 0.0, "1": 1.0}),
         "a_n": _named(n1, a_n),
         "negative x term": _named(n2, x_terms),
+        "negative constant": _named(n0, {"0": 0.0, "a_n (exp(x) in place of expm1(x) = exp(x) - 1)": n1}),
     }
 
 
@@ -103,6 +105,7 @@ _CANONICAL = {
     "positive x term": "beta",
     "a_n": "beta + softplus(alpha_n)",
     "negative x term": "beta - a_n (xIELU's - x term)",
+    "negative constant": "0",
 }
 
 

@@ -1048,7 +1048,7 @@ def moe_output(e: Evidence) -> Hint | None:
     tokens = next(iter(forms.values())).shape[0]
     ours_branch = (x_ours.double() - stream).reshape(tokens, -1)
     ref_branch = (x_ref.double() - stream).reshape(tokens, -1)
-    return _judge_forms(
+    hint = _judge_forms(
         e,
         base,
         forms,
@@ -1056,6 +1056,9 @@ def moe_output(e: Evidence) -> Hint | None:
         ref_branch,
         "read where the stream continues (the experts computed in functions nothing taps)",
     )
+    if hint is not None and hint.kind == "moe_block":  # no routing form: the two terms weighted otherwise?
+        return combination_scale(e) or hint
+    return hint
 
 
 def experts_at_stream(e: Evidence) -> Hint | None:

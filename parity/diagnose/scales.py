@@ -762,6 +762,9 @@ def channel_ratio(e: Evidence) -> Hint | None:
     rotated = _rotated_dims_scaled(e, per_channel)
     if rotated is not None:
         return rotated
+    named = _channels_as_weight(e, per_channel)
+    if named is not None:
+        return named
     return Hint(
         "channel_scale",
         "likely a per-channel weight difference (a norm weight used as w instead of 1 + w, or a wrong norm "
@@ -769,6 +772,34 @@ def channel_ratio(e: Evidence) -> Hint | None:
         f"{fmt_list(f'{v:.4g}' for v in per_channel[:4].tolist())}",
         {"per_channel": per_channel[:16].tolist()},
     )
+
+
+def _channels_as_weight(e: Evidence, per_channel: torch.Tensor) -> Hint | None:
+    """ours / reference per channel that is a norm weight of the reference's in this layer (repeated over the heads,
+    or its reciprocal): a weight applied here by one side alone (Gemma 4's K = V values normalised with the keys'
+    k_norm weight where the reference's v_norm has none)."""
+    n = per_channel.numel()
+    for name, weight in e.ref_trace.weights.items():
+        layer, kind = e.facts.locate(name)
+        if layer != e.result.layer or weight.dim() != 1 or n % weight.numel() or not is_norm(kind):
+            continue
+        tiled = (weight.double() + float(e.facts.norm_weight_offset or 0.0)).repeat(n // weight.numel())
+        for side, expected in (("ours", tiled), ("the reference", 1 / tiled)):
+            if bool(torch.isfinite(expected).all()) and rel(per_channel, expected) < 1e-4:
+                heads = f" (repeated over {n // weight.numel()} heads)" if n > weight.numel() else ""
+                values = (
+                    " (a K = V layer's values: the keys' projection normalised without a weight in the reference, "
+                    "ours normalised them with the keys' norm)"
+                    if e.kind == "context" and kind == "k_norm" and side == "ours"
+                    else ""
+                )
+                return Hint(
+                    "channel_scale",
+                    f"likely {name}'s weight applied here by {side} alone: ours / reference per channel is "
+                    f"{'that weight' if side == 'ours' else 'its reciprocal'}{heads}{values}",
+                    {"weight": name, "side": side},
+                )
+    return None
 
 
 def _head_channel_ratio(e: Evidence) -> Hint | None:

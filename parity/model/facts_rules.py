@@ -192,7 +192,7 @@ def kv_sources(config) -> dict[int, int]:
     return {i: producers[types[i]] for i in range(first, n)}
 
 
-@rule("gemma4_text")
+@rule("gemma4_text", "gemma4_unified_text")
 def _gemma4(config, facts: ArchFacts) -> ArchFacts:
     # Gemma4TextAttention: scaling 1.0 (q and k are RMS-normalised per head), K = V on full layers
     # with attention_k_eq_v, keys and values of the last num_kv_shared_layers read from an earlier layer

@@ -635,6 +635,9 @@ class FunctionCapture(TorchFunctionMode):
         self._gated = set(gated)
         self._biased |= self._gated
         self._unbiased: dict[int, tuple[str, torch.Tensor]] = {}
+        #: a product waiting for its bias whose einsum result does not lead with its input's axes: ``id -> how it
+        #: reads as a linear's output`` (:class:`_AsLinear`), applied to it once its bias is added
+        self._reordered: dict[int, tuple[torch.Tensor, _AsLinear]] = {}
         #: a product waiting for its bias that ours added to another tensor first (the residual): ``id(sum) ->
         #: the product``, recorded with the bias if the sum's next add is that bias
         self._carried: dict[int, torch.Tensor] = {}
@@ -794,6 +797,8 @@ class FunctionCapture(TorchFunctionMode):
                     return out
                 if node in self._biased and not any(self.biases.of(t) == node for t in operands):
                     self._unbiased[id(out)] = (node, out)  # its bias comes next, as the reference's module adds it
+                    if reordered is not None:
+                        self._reordered[id(out)] = (out, reordered)
                     return out
                 if reordered is not None:
                     seen = reordered.view(out)
@@ -970,9 +975,14 @@ class FunctionCapture(TorchFunctionMode):
         """An add of products that each read a slice of one parameter (and scalars, ``sum()``'s 0): the
         sum of all of them, once it has read the whole parameter, is the node; ``(handled, result)``."""
         parts = [a for a in args if isinstance(a, torch.Tensor) and self._partial(a) is not None]
-        others = [a for a in args if isinstance(a, torch.Tensor) and self._partial(a) is None and a.numel() > 1]
         if not parts:
             return False, None
+        # (an all-zero tensor is an accumulator's start, ``torch.zeros_like(x)``, as sum()'s 0 is)
+        others = [
+            a
+            for a in args
+            if isinstance(a, torch.Tensor) and self._partial(a) is None and a.numel() > 1 and bool(a.any())
+        ]
         nodes = {self._partials[id(a)][0] for a in parts}
         # the node's own bias added to a slice's product (each row-parallel shard adding it): still the sum
         biases = [a for a in others if len(nodes) == 1 and self.biases.of(a) in nodes]
@@ -990,6 +1000,8 @@ class FunctionCapture(TorchFunctionMode):
                 return True, out
             return True, self.record_param(node, out)
         self._partials[id(out)] = (node, read, whole, out)
+        if len(parts) == 1 and id(parts[0]) in self._slice_at:  # a slice's product plus its bias: still that slice
+            self._slice_at[id(out)] = self._slice_at.pop(id(parts[0]))
         return True, out
 
     def _stack(self, func, args, kwargs):
@@ -1050,7 +1062,12 @@ class FunctionCapture(TorchFunctionMode):
         if slot is None or len(args) <= slot[0]:
             return None
         t = args[slot[0]]
-        if not isinstance(t, torch.Tensor) or t.dim() != 2 or self.followed.of(t) != node or t.stride(1) != 1:
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or self.followed.of(t) != node:
+            return None
+        if slot == (1, 0) and t.stride(0) == 1 and t.stride(1) == t.shape[0]:  # x @ W[a:b].T: W's rows a:b
+            t = t.T
+            slot = (1, 1)
+        if t.stride(1) != 1:
             return None
         row = t.stride(0)  # a view of a row-major weight: its rows' length, and so its row count
         if row <= 0 or self.followed.size_of(t) % row:
@@ -1063,10 +1080,19 @@ class FunctionCapture(TorchFunctionMode):
         them is the node: a vocabulary-parallel head): the slices side by side, in the order they sit in its
         weight, recorded as the node once together they read the whole weight."""
         for node, held in self._slices.items():
-            read, whole = sum(h[1] for h in held), held[0][2]
-            outs = [h[3] for h in sorted(held, key=lambda h: h[0])]
-            if read == whole and len({o.shape[:-1] for o in outs}) == 1:
-                self.record_param(node, torch.cat(outs, dim=-1))
+            # the same features read again are another call's (Gemma 4's shared-KV layers running an earlier
+            # layer's projection again), not the other slices: each call's slices joined apart, in turn
+            calls: list[list[tuple]] = []
+            for h in held:
+                call = next((c for c in calls if all(o[0] != h[0] for o in c)), None)
+                if call is None:
+                    calls.append(call := [])
+                call.append(h)
+            for call in calls:
+                read, whole = sum(h[1] for h in call), call[0][2]
+                outs = [h[3] for h in sorted(call, key=lambda h: h[0])]
+                if read == whole and len({o.shape[:-1] for o in outs}) == 1:
+                    self.record_param(node, torch.cat(outs, dim=-1))
         self._slices.clear()
 
     def settle_all(self) -> None:
@@ -1076,8 +1102,11 @@ class FunctionCapture(TorchFunctionMode):
         self._join_slices()
         for key, (node, out) in list(self._unbiased.items()):
             rows = self._part_rows.pop(key, None)
-            self.record_param(node, out, **({} if rows is None else {"part": rows}))
+            reordered = self._read_as_linear(out)
+            seen = out if reordered is None else reordered.view(out)
+            self.record_param(node, seen, **({} if rows is None else {"part": rows}))
         self._unbiased.clear()
+        self._reordered.clear()
         self._carried.clear()
         if self._weighted is not None:  # a norm's weight applied last, nothing read it after
             self.record_param(self._weighted[0], self._weighted[1])
@@ -1135,6 +1164,18 @@ class FunctionCapture(TorchFunctionMode):
         carried = self._carried.pop(id(result), None)
         rows = self._part_rows.pop(id(result), None)
         part = {} if rows is None else {"part": rows}
+        reordered = self._read_as_linear(result)
+        if reordered is not None and carried is None:  # (an einsum's result read as a linear's: bsh,hcnd->cbsnd)
+            biased = func(*args, **kwargs)
+            adds_bias = op_name(func) in ("add", "__add__", "__radd__") and any(
+                self.biases.of(a) is not None for j, a in enumerate(args) if j != i
+            )
+            seen = reordered.view(biased if adds_bias else result)
+            kept = self.record_param(node, seen, **part)
+            if adds_bias:
+                return True, args, biased if kept is seen else reordered.back(kept)
+            value = result if kept is seen else reordered.back(kept)
+            return False, tuple(value if j == i else a for j, a in enumerate(args)), None
         others = [a for j, a in enumerate(args) if j != i]
         adds = op_name(func) in ("add", "__add__", "__radd__")
         bias = next((a for a in others if self.biases.of(a) is not None), None) if adds else None
@@ -1172,6 +1213,12 @@ class FunctionCapture(TorchFunctionMode):
         if carried is not None:  # a sum with the residual is no node's value: nothing replaced in it
             return False, args, None
         return False, tuple(value if j == i else a for j, a in enumerate(args)), None
+
+    def _read_as_linear(self, result: torch.Tensor) -> _AsLinear | None:
+        """How ``result`` (a product waiting for its bias) reads as a linear's output, when an einsum's layout
+        needs it (:attr:`_reordered`); None otherwise."""
+        held = self._reordered.pop(id(result), None)
+        return held[1] if held is not None and held[0] is result else None
 
     def _vector_slice(self, operands, node: str, out) -> torch.Tensor | None:
         """``out`` when it applies a slice of ``node``'s weight vector (``x_h * r * w[:H]`` beside ``x_e * r * w[H:]``:

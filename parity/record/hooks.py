@@ -356,8 +356,10 @@ def _record_param(
     reads it this way (a lookup for an embedding, a product for a projection: a tied table is both; a
     fused weight read once gives every part its rows by its transform); in isolated mode each writes
     the reference's rows back in turn."""
-    _enter_block(rec, node)
     nodes = [n for n in (node, *siblings) if (n in lookups) == lookup]
+    read_again = bool(nodes) and tensor is not None and all(rec.trace.recorded(n) for n in nodes)
+    if not (read_again and _inside_another_block(rec, node)):
+        _enter_block(rec, node)
     if not nodes:
         return tensor
     if tensor is None:  # a read that computes none of them (a norm's gain folded into the next weight): the next
@@ -430,6 +432,14 @@ def _enter_block(rec: _Recording, node: str) -> None:
     if rec.blocks:
         block, last = rec.blocks.get(node, (None, True))
         rec.in_block = None if last else block
+
+
+def _inside_another_block(rec: _Recording, node: str) -> bool:
+    """Whether ``node``'s parameter, read again, is read inside another block still running: an earlier layer's
+    projection run again by a later layer's attention (Gemma 4's shared-KV layers computing an earlier layer's
+    keys anew), which leaves that later block running (its internals are its own)."""
+    block, last = rec.blocks.get(node, (None, True)) if rec.blocks else (None, True)
+    return rec.in_block is not None and block is not None and block != rec.in_block and not last
 
 
 def _read_again(trace: Trace, node: str, tensor: torch.Tensor) -> torch.Tensor:

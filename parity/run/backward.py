@@ -711,6 +711,8 @@ def to_key_layout(
         held = t.T if source.transposed else t  # a fused weight kept input-major: its columns are the rows
         if source.permute is not None:  # experts' weights fused with their last two axes exchanged
             held = t.permute(source.permute).reshape(-1, key_like.shape[-1])
+        if source.flat:  # vectors fused end to end, then stacked: each row one element
+            held = t.reshape(-1)
         return held[list(source.rows or ())].reshape(tuple(key_like.shape))
     dtype = parts[0][2].dtype
     full = torch.zeros(tuple(key_like.shape), dtype=dtype)

@@ -389,10 +389,11 @@ def ours_recording(pair: Pair, order: Sequence[str] = ()) -> dict:
         functional_parts=parts or None,
         functional_blocks=blocks or None,
         functional_input_axes=input_axes or None,
-        functional_lookups=frozenset(
+        functional_lookups=frozenset(  # (a module of ours whose table forward reads in a lookup, F.embedding, too)
             n.name
             for n in pair.nodes
-            if n.ours.startswith("param:") and isinstance(ref_modules.get(n.reference_path), torch.nn.Embedding)
+            if (n.ours.startswith("param:") or n.name in owners)
+            and isinstance(ref_modules.get(n.reference_path), torch.nn.Embedding)
         ),
     )
 

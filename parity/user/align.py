@@ -117,17 +117,31 @@ class Rows:
         out[..., list(self.rows)] = ref.to(device=current.device, dtype=current.dtype)
         if out.shape == current.shape:
             return out
+        if _heads_apart(current, self.width) == "heads last":
+            return out.unflatten(-1, current.shape[-2:])
         return out.unflatten(-1, (*current.shape[1:-2], current.shape[-1])).movedim(1, -2)
+
+
+def _heads_apart(t: torch.Tensor, width: int) -> str:
+    """How a product's output of ``width`` features keeps its heads apart: ``"seq before last"`` (``(batch, heads,
+    seq, head_dim)``, or more head axes before the sequence), ``"heads last"`` (``(batch, seq, heads, head_dim)``:
+    a JAX port's ``btc,chd->bthd``), or ``""`` (its last axis holds the features)."""
+    if not width or t.shape[-1] == width or t.dim() < 4:
+        return ""
+    if math.prod(t.shape[1:-2]) * t.shape[-1] == width:
+        return "seq before last"
+    return "heads last" if t.shape[-2] * t.shape[-1] == width else ""
 
 
 def _features_last(t: torch.Tensor, width: int) -> torch.Tensor:
     """A product's output that keeps its heads apart, ``(batch, heads, seq, head_dim)`` or with more head axes
-    (``(batch, kv_heads, group, seq, head_dim)``: HunYuan's q/k/v grouped per KV head), as ``(batch, seq,
-    features)`` when that is ``width`` features and its last axis is not; else as it is. The sequence is the
-    axis before the last."""
-    if width and t.shape[-1] != width and t.dim() >= 4 and math.prod(t.shape[1:-2]) * t.shape[-1] == width:
+    (``(batch, kv_heads, group, seq, head_dim)``: HunYuan's q/k/v grouped per KV head), or ``(batch, seq, heads,
+    head_dim)``, as ``(batch, seq, features)`` when that is ``width`` features and its last axis is not; else as it
+    is (:func:`_heads_apart`)."""
+    apart = _heads_apart(t, width)
+    if apart == "seq before last":
         return t.movedim(-2, 1).flatten(2)
-    return t
+    return t.flatten(-2) if apart == "heads last" else t
 
 
 @dataclass(frozen=True)
@@ -180,7 +194,8 @@ class Layout:
     scale: float = 1.0
     #: ``dims`` is a guess the weights cannot settle (a latent attention's rope tail: in pair order when ours
     #: rotates the pairs where the checkpoint lays them, in the reference's halves when ours rotates as Transformers
-    #: does): the reference's order is the :meth:`alternative`, taken for good once it agrees
+    #: does; a context whose values are the keys, K = V, in the keys' order unless ours puts it back): the
+    #: reference's order is the :meth:`alternative`, taken for good once it agrees
     guessed: bool = False
 
     def _dims(self) -> tuple[int, ...] | None:
@@ -191,7 +206,14 @@ class Layout:
         no guess or already settled. Either order holds the same q . k when q and k share it: the scores judge."""
         if not self.guessed or self.dims is None or "dims" in self.seen:
             return None
-        return t[..., torch.tensor(self.dims).argsort().tolist()]
+        return self._per_head(t, torch.tensor(self.dims).argsort().tolist())
+
+    def _per_head(self, t: torch.Tensor, order: list[int]) -> torch.Tensor:
+        """``t`` in the reference's layout with each head's dims taken in ``order`` (the context's heads are
+        flattened: unflattened for it)."""
+        if self.kind == "context":
+            return t.unflatten(-1, (-1, len(order)))[..., order].flatten(-2)
+        return t[..., order]
 
     def take_alternative(self) -> str:
         """Settle the guess for the reference's order (this node's later calls and the inverse follow); the words
@@ -263,9 +285,11 @@ class Layout:
             return t if dims is None else t[..., list(dims)]
         if self.kind == "context":
             if layout == "bhsd":
-                return t.transpose(1, 2).flatten(-2)
-            if layout == "bshd":
-                return t.flatten(-2)
+                t = t.transpose(1, 2).flatten(-2)
+            elif layout == "bshd":
+                t = t.flatten(-2)
+            dims = self._dims()
+            return t if dims is None or t.shape[-1] % len(dims) else self._per_head(t, list(dims))
         return t
 
     def inverse(self, ref: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
@@ -276,6 +300,8 @@ class Layout:
             )
         complex_, layout = self._steps(current)
         dims = self._dims()
+        if self.kind == "context" and dims is not None and ref.shape[-1] % len(dims) == 0:
+            ref = self._per_head(ref, torch.tensor(dims).argsort().tolist())
         if self.kind in ("q_rot", "k_rot") and dims is not None:
             ref = ref[..., torch.tensor(dims).argsort().tolist()]
         if self.kind in ("q_rot", "k_rot") and self.scale != 1.0:
@@ -563,6 +589,16 @@ class _Aligner:
                 f"ours computes it from {found[0][0]} with no module of its own, and something follows the head"
             )
             return None
+        if (
+            len(candidates) == 1
+            and is_router(module)
+            and not isinstance(self.our_modules.get(next(iter(candidates))), nn.Linear)
+        ):
+            # a router module of ours computing more than its logits (Megatron's returns the routing probabilities
+            # and map): the reference router's node is its logits, the product of its weight, read as an op
+            self.functional[path] = next((n, s) for n, s in found if _module_of(n)[0] in candidates)
+            self.why[path] = f"ours' router module {next(iter(candidates))} computes more than its logits"
+            return None
         if len(candidates) == 1:
             self.leaves[path] = next(iter(candidates.items()))
             return self.leaves[path]
@@ -808,6 +844,14 @@ class _Aligner:
         held = [(n, _as_rows(s)) for n, s in self._held(weight)]
         rows = [(n, s) for n, s in held if s.how in (PART, FUSED_PART) and s.rows and weight.dim() == 2]
         whole = [n for n, s in held if s.how in (SHARED, COPY, TRANSPOSED)]  # a fused copy kept beside its parts
+        if rows and isinstance(module, nn.Embedding):  # a table's rows are token ids, not output features
+            return [
+                self._unaligned(
+                    spec,
+                    f"ours holds its table in parts by token id ({', '.join(n for n, _ in rows[:4])}: a vocabulary-"
+                    "parallel embedding): its lookups are compared where the stream reads them",
+                )
+            ]
         if rows and len(rows) + len(whole) == len({n for n, _ in held}) and len(rows) > 1:
             # separate modules holding rows of one fused weight (Phi-3's qkv_proj as wq, wk, wv), or some of its rows
             # fused with other weights (Qwen3-Next's per-head [query | gate] q_proj: the queries fused with k and v,
@@ -1021,6 +1065,9 @@ class _Aligner:
             guessed = dims is None and suffix in ("q_rot", "k_rot") and MLA_INTERLEAVED_ROPE in self.facts.features
             if guessed:
                 dims = self._mla_dims(att, suffix, head_dim, layer.rope.rotary_dim if layer and layer.rope else 0)
+            if suffix == "context":  # values that are the keys (K = V): in the keys' order, unless ours undoes it
+                dims = self._value_dims(att, head_dim)
+                guessed = dims is not None
             expanded = q_heads if suffix == "k_rot" and q_heads != heads else 0
             folded = (  # a scale folded into ours' q_proj, which the reference applies in its scores
                 self._folded_scale(f"{att}.{'k_proj' if suffix == 'k_rot' else 'q_proj'}")
@@ -1043,7 +1090,11 @@ class _Aligner:
                 else f"parity.tap(tensor, {suffix!r}) inside {our_att}, or what its functions compute"
             )
             if dims is not None:
-                detail += "; each head's dims in ours' order (its q/k rows are permuted per head)"
+                detail += (
+                    "; each head's dims in ours' order (its q/k rows are permuted per head)"
+                    if suffix != "context"
+                    else "; each head's dims in the order of ours' keys (its values are the keys), if ours keeps it"
+                )
             return (
                 replace(spec, ours=TAP + tap, transform=layout, inverse=layout.inverse),
                 Aligned(name, TAP + tap, "tap", detail),
@@ -1239,7 +1290,7 @@ class _Aligner:
             # (a linear's one-row weight, Qwen3-Next's (1, hidden) shared-expert gate fused beside the router's, is
             # a product's row)
             vector = (
-                vector and self.ours_params[param].dim() == 2 and not isinstance(self.ref_modules.get(base), nn.Linear)
+                vector and self.ours_params[param].dim() >= 2 and not isinstance(self.ref_modules.get(base), nn.Linear)
             )
             if source.how == ROWS and source.rows and not vector:  # a fused parameter read in a function: its rows
                 rows = _rows_of(self.ours_params[param], source)
@@ -1481,6 +1532,24 @@ class _Aligner:
         if len(set(heads)) != 1 or sorted(heads[0]) != list(range(head_dim)) or heads[0] == tuple(range(head_dim)):
             return None
         return heads[0]
+
+    def _value_dims(self, att: str, head_dim: int) -> tuple[int, ...] | None:
+        """:meth:`_head_dims` of the keys the values of attention ``att`` are (Gemma 4's K = V layers: no v_proj,
+        its values the k_proj's output), or, for a layer reading an earlier layer's keys and values (a shared KV
+        layer: neither), those of the K = V layers' keys of its head size. None when its values are its own."""
+        if f"{att}.v_proj" in self.ref_modules:
+            return None
+        if f"{att}.k_proj" in self.ref_modules:
+            return self._head_dims(f"{att}.k_proj", head_dim)
+        found = {
+            self._head_dims(name, head_dim)
+            for name, module in self.ref_modules.items()
+            if name.endswith(".k_proj")
+            and f"{name.removesuffix('.k_proj')}.v_proj" not in self.ref_modules
+            and isinstance(getattr(module, "weight", None), torch.Tensor)
+            and module.weight.shape[0] % head_dim == 0
+        }
+        return found.pop() if len(found) == 1 else None
 
     def _folded_scale(self, projection: str) -> float:
         """The named constant ours' weight of ``projection`` (q_proj, k_proj) holds the reference's times (a
