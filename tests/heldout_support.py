@@ -203,6 +203,20 @@ def save_checkpoints(root: Path, specs: dict, randomise, seed: int, weight_seed:
     return out
 
 
+def save_each_alone(root: Path, configs: dict) -> dict[str, Path]:
+    """Each config (a Transformers config, or the keyword arguments of ``AutoConfig.for_model`` beside
+    :data:`COMMON`, by model type) saved under ``root`` seeded alone, as its helper's checker saves it (sets 42 on):
+    :func:`save_checkpoints` with :func:`randomise_with_expert_bias`, seeds 1000 and 1234, one family at a time."""
+    from transformers import AutoConfig
+
+    out = {}
+    for name, config in configs.items():
+        if isinstance(config, dict):
+            config = AutoConfig.for_model(name, **{**COMMON, **config})
+        out.update(save_checkpoints(root, {name: config}, randomise_with_expert_bias, 1000, 1234))
+    return out
+
+
 def clean_cases(models: dict, fast: list[tuple], known_false: frozenset = frozenset()) -> list:
     """Every correct variant of a set (the baseline and each module's ``CLEAN``), padded and not, outside
     ``fast``, as pytest params; a ``(model, variant)`` in ``known_false``, or a case id

@@ -72,15 +72,7 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
             tie_word_embeddings=False,
         ),
     }  # fmt: skip
-    root = tmp_path_factory.mktemp("heldout42")
-    out = {}
-    for name, config in configs.items():  # each family seeded alone, as its helper verified it
-        out.update(
-            heldout_support.save_checkpoints(
-                root, {name: config}, heldout_support.randomise_with_expert_bias, 1000, 1234
-            )
-        )
-    return out
+    return heldout_support.save_each_alone(tmp_path_factory.mktemp("heldout42"), configs)
 
 
 bug = heldout_support.bug_fixture(MODELS)

@@ -38,8 +38,6 @@ MODELS = {
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
-    from transformers import AutoConfig
-
     configs = {
         "apertus1p5_text": dict(
             intermediate_size=128, attention_bias=True, output_vocab_size=200, rms_norm_eps=1e-5,
@@ -58,16 +56,7 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
             tie_word_embeddings=False,
         ),
     }  # fmt: skip
-    root = tmp_path_factory.mktemp("heldout43")
-    out = {}
-    for name, kwargs in configs.items():  # each family seeded alone, as its helper verified it
-        config = AutoConfig.for_model(name, **{**heldout_support.COMMON, **kwargs})
-        out.update(
-            heldout_support.save_checkpoints(
-                root, {name: config}, heldout_support.randomise_with_expert_bias, 1000, 1234
-            )
-        )
-    return out
+    return heldout_support.save_each_alone(tmp_path_factory.mktemp("heldout43"), configs)
 
 
 bug = heldout_support.bug_fixture(MODELS)

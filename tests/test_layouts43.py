@@ -34,8 +34,6 @@ MODELS = {"axk1": layouts43_axk1, "sarvam_moe": layouts43_sarvam_moe, "glm": lay
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
-    from transformers import AutoConfig
-
     configs = {
         "axk1": dict(
             num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
@@ -55,16 +53,7 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
         ),
     }  # fmt: skip
-    root = tmp_path_factory.mktemp("layouts43")
-    out = {}
-    for name, kwargs in configs.items():  # each family seeded alone, as its helper verified it
-        config = AutoConfig.for_model(name, **{**heldout_support.COMMON, **kwargs})
-        out.update(
-            heldout_support.save_checkpoints(
-                root, {name: config}, heldout_support.randomise_with_expert_bias, 1000, 1234
-            )
-        )
-    return out
+    return heldout_support.save_each_alone(tmp_path_factory.mktemp("layouts43"), configs)
 
 
 bug = heldout_support.bug_fixture(MODELS)

@@ -427,6 +427,12 @@ def _sequence_first(ours, padding: torch.Tensor | None) -> torch.Tensor | None:
     return ours.reshape(seq, batch, *ours.shape[1:]).transpose(0, 1).reshape(ours.shape)
 
 
+def _read_in_functions(spec: NodeSpec) -> bool:
+    """Whether ours' value of the node is an op parity read in ours' functions (a parameter's product, an attention
+    internal): one such op may compute a part of the node (a module's hook gives its whole output)."""
+    return spec.ours.startswith(("param:", f"tap:{FUNCTIONS}"))
+
+
 def _part_of_reference(ours: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, str] | None:
     """Ours holding one part of the reference's tensor along one axis (a port computing heads one at a time, or one
     tensor-parallel rank's heads, read on its first call): the reference's tensor with that part put in ours' place,
@@ -486,7 +492,7 @@ def in_reference_layout(
             moved, how = repeated
         elif (sunk_key := _without_sink_key(spec.kind, moved, full)) is not None:
             moved, how = sunk_key
-        elif (part := _part_of_reference(moved, full)) is not None:
+        elif _read_in_functions(spec) and (part := _part_of_reference(moved, full)) is not None:
             moved, how = part
         elif padding is not None and (packed := unpacked(spec.kind, moved, full, padding)) is not None:
             moved, how = packed, "the real tokens packed into one sequence (padding skipped)"
