@@ -127,8 +127,8 @@ NAMED = [
     ("hy_v3", "hy_no_renorm", False, "model.layers.2.input_layernorm", "one_change",
      "likely the broadcast divisor of shape (24, 1) left out (a normalisation: a norm, a sum to 1) at "
      "modeling_hy_v3.py:293"),
-    ("hy_v3", "hy_no_route_scale", False, "model.layers.2.input_layernorm", "one_change",
-     "likely the factor 2.826 left out at modeling_hy_v3.py:295"),
+    ("hy_v3", "hy_no_route_scale", False, "model.layers.2.input_layernorm", "moe_combination",
+     "the routed sum's coefficient 0.353857 (= 1 / the config's router_scaling_factor (2.826)) in ours"),
     ("kimi_linear", "kimi_group_max", False, "model.layers.2.input_layernorm", "routing_weights",
      "each group scored by its best expert (max)"),
     ("kimi_linear", "kimi_bias_in_weights", False, "model.layers.2.input_layernorm", "routing_weights",
