@@ -1164,21 +1164,18 @@ class FunctionCapture(TorchFunctionMode):
         carried = self._carried.pop(id(result), None)
         rows = self._part_rows.pop(id(result), None)
         part = {} if rows is None else {"part": rows}
-        reordered = self._read_as_linear(result)
-        if reordered is not None and carried is None:  # (an einsum's result read as a linear's: bsh,hcnd->cbsnd)
-            biased = func(*args, **kwargs)
-            adds_bias = op_name(func) in ("add", "__add__", "__radd__") and any(
-                self.biases.of(a) is not None for j, a in enumerate(args) if j != i
-            )
-            seen = reordered.view(biased if adds_bias else result)
-            kept = self.record_param(node, seen, **part)
-            if adds_bias:
-                return True, args, biased if kept is seen else reordered.back(kept)
-            value = result if kept is seen else reordered.back(kept)
-            return False, tuple(value if j == i else a for j, a in enumerate(args)), None
         others = [a for j, a in enumerate(args) if j != i]
         adds = op_name(func) in ("add", "__add__", "__radd__")
         bias = next((a for a in others if self.biases.of(a) is not None), None) if adds else None
+        reordered = self._read_as_linear(result)
+        if reordered is not None and carried is None:  # (an einsum's result read as a linear's: bsh,hcnd->cbsnd)
+            biased = func(*args, **kwargs) if bias is not None else None  # the op runs once: here, or the caller's
+            seen = reordered.view(biased if biased is not None else result)
+            kept = self.record_param(node, seen, **part)
+            if biased is not None:
+                return True, args, biased if kept is seen else reordered.back(kept)
+            value = result if kept is seen else reordered.back(kept)
+            return False, tuple(value if j == i else a for j, a in enumerate(args)), None
         scaled = op_name(func) in ("mul", "__mul__", "__rmul__") and any(self.scales.of(a) == node for a in others)
         if scaled and carried is None:  # the module's own scale after its product: the module's output
             return True, args, self.record_param(node, func(*args, **kwargs), **part)
