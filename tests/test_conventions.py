@@ -716,19 +716,31 @@ def test_a_tensor_computed_in_parts_is_compared_on_its_part():
     """One head (or one tensor-parallel rank's heads) of a node ours computes in parts is compared there, the rest
     not judged; a part whose values differ still fails; ours' tokens flattened sequence first are read batch first."""
     from parity.compare.metrics import MISMATCH, OK
-    from parity.compare.results import _part_of_reference, _sequence_first, compare_node
+    from parity.compare.results import _part_of_reference, _sequence_first, compare_node, in_reference_layout
     from parity.compare.tolerances import Tolerances
     from parity.model.pair import NodeSpec
 
     ref = torch.randn(1, 4, 6, 8)
-    moved, how = _part_of_reference(ref[:, 2:3, :, :].reshape(6, 8), ref)
+    moved, how = _part_of_reference(ref[:, 2:3, :, :].reshape(6, 8), ref, (1, 6))
     assert torch.equal(moved, ref) and "2:3 of 4 along the reference's axis 1" in how
-    wrong, _ = _part_of_reference(ref[:, 2:3].reshape(6, 8) * 1.01, ref)
+    wrong, _ = _part_of_reference(ref[:, 2:3].reshape(6, 8) * 1.01, ref, (1, 6))
     spec = NodeSpec("layers.0.attn.q_rot", "", layer=0, kind="q_rot")
     tolerances = Tolerances(atol=1e-6, rtol=0.0)
     assert compare_node(spec, 0, moved, ref, tolerances).status == OK
     assert compare_node(spec, 0, wrong, ref, tolerances).status == MISMATCH
-    assert _part_of_reference(torch.randn(6, 8), ref) is None  # no part of the reference's
+    assert _part_of_reference(torch.randn(6, 8), ref, (1, 6)) is None  # no part of the reference's
+    normed = torch.randn(1, 24, 4, 16)  # (batch, seq, heads, head_dim): a q_norm's output, one rank's two heads
+    assert "2:4 of 4 along the reference's axis 2" in _part_of_reference(normed[:, :, 2:4], normed, (1, 24))[1]
+    # a decode step's tokens are no part: of a projection (batch, seq, features), of a router's (tokens, experts)
+    projection, router = torch.randn(2, 24, 96), torch.randn(48, 8)
+    assert _part_of_reference(projection[:, 0], projection, (2, 24)) is None
+    assert _part_of_reference(router[[0, 24]], router, (2, 24)) is None
+    assert _part_of_reference(router[22:24], router, (2, 24)) is None
+    # an expert's product on the tokens routed to it is no part of its features: its rows are placed on them
+    expert = NodeSpec("model.layers.0.mlp.experts.3", "param:experts.3.w2", layer=0, kind="expert", match_layout=True)
+    routed = torch.zeros(24, 8)
+    routed[2:4] = torch.randn(2, 8)
+    assert in_reference_layout(expert, routed[2:4], routed)[1] == ""
     tokens = torch.randn(2, 5, 3)  # (batch, seq, features)
     seq_first = tokens.transpose(0, 1).reshape(10, 3)
     assert torch.equal(_sequence_first(seq_first, torch.zeros(2, 5, dtype=torch.bool)), tokens.reshape(10, 3))

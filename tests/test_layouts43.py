@@ -70,16 +70,13 @@ FAST = [
 #: over one layer's slice of a stacked weight (its product read as a partial one, (tokens, 2, I)); every norm folded
 #: with 1/rms applied after the product (the head's product is no node's value); RoPE as separate real and imaginary
 #: projections, the scores a sum of three products per head; the key/value up-projection folded into the query and
-#: output weights (multi-query attention over the latent: no internal has the reference's shape); Sarvam-MoE's tokens
-#: sorted by expert with its experts held per expert (passed when measured mid-session, fails at experts.0 since a
-#: later fit of this session: to be found)
+#: output weights (multi-query attention over the latent: no internal has the reference's shape)
 KNOWN_FALSE: frozenset[tuple[str, str]] = frozenset(
     {
         ("axk1", "flax_scan"),
         ("axk1", "folded_rotmat"),
         ("axk1", "per_head_reim"),
         ("axk1", "mqa_latent"),
-        ("sarvam_moe", "meta_complex_sorted"),
     }
 )
 

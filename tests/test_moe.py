@@ -299,3 +299,23 @@ def test_checkpoint_conversion_merges_per_expert_tensors_into_the_models_layout(
         out["model.layers.0.mlp.experts.gate_up_proj"], torch.stack([torch.cat([g, u]) for g, u in zip(gate, up)])
     )
     assert out["model.norm.weight"] is norm and len(notes) == 1 and "(6 tensors): merged into" in notes[0]
+
+
+def test_a_recording_reads_no_earlier_recordings_expert_rows():
+    """The tokens a MoE block gathered are one recording's own: an expert's output recorded by a later recording (a
+    model whose MoE parity reads no routing of) is not masked by an earlier one's last choices (a decode step's two
+    tokens zeroed a later model's expert row)."""
+    from parity.record import routing
+
+    stale = routing._ROWS.set((torch.arange(2), 2, torch.tensor([[0], [3]])))  # an earlier run's last choices
+    try:
+        expert = routing.ExpertRows(expert=3)
+        out = torch.ones(2, 4)
+        assert torch.equal(expert(out), torch.tensor([[0.0] * 4, [1.0] * 4]))  # what the stale rows did
+        model = nn.Sequential(nn.Linear(4, 4))
+        with recording(model, [("out", "0")], transforms={"out": expert}) as trace:
+            model(out)
+        assert torch.equal(trace.tensors["out"], model(out).detach())
+        assert routing._ROWS.get() is not None  # the caller's own value is back after the recording
+    finally:
+        routing._ROWS.reset(stale)

@@ -230,12 +230,14 @@ def compare_node(
     scores=None,
     padding: torch.Tensor | None = None,
     choices: tuple | None = None,
+    tokens: tuple[int, int] | None = None,
 ) -> NodeResult:
     """One node's NodeResult. ``untapped``: ours has no tap for it (a user model): not judged.
     ``scores``: for an integer node, the reference's tensor of ``spec.chosen_from``. ``padding``:
     ``(batch, seq)``, True at padding positions, which are then not judged (:mod:`parity.compare.padding`).
     ``choices``: for a router's weights, ``(ours' chosen experts, the reference's)``: each side's weights
-    are put in the order of its experts' indices first (top-k's order is no part of the routing)."""
+    are put in the order of its experts' indices first (top-k's order is no part of the routing). ``tokens``: the
+    run's ``(batch, seq)`` (:func:`token_shape`), for :func:`in_reference_layout`."""
     atol, rtol, source = tolerances.for_node(spec.name)
     # a bit-exact check judges top-k's order (it decides the experts' summation order); a check within
     # tolerances judges the choices as sets, and the weights choice by choice
@@ -245,7 +247,7 @@ def compare_node(
         mine, theirs = by_choice(our_t, choices[0]), by_choice(ref_t, choices[1])
         if mine is not our_t and theirs is not ref_t:  # both in their experts' order, or neither
             our_t, ref_t = mine, theirs
-    our_t, layout = in_reference_layout(spec, our_t, ref_t, padding)
+    our_t, layout = in_reference_layout(spec, our_t, ref_t, padding, tokens)
     if untapped and our_t is None:
         if spec.ours.startswith("unaligned:"):
             detail = "not aligned: " + spec.ours[len("unaligned:") :]
@@ -429,21 +431,29 @@ def _sequence_first(ours, padding: torch.Tensor | None) -> torch.Tensor | None:
 
 def _read_in_functions(spec: NodeSpec) -> bool:
     """Whether ours' value of the node is an op parity read in ours' functions (a parameter's product, an attention
-    internal): one such op may compute a part of the node (a module's hook gives its whole output)."""
-    return spec.ours.startswith(("param:", f"tap:{FUNCTIONS}"))
+    internal): one such op may compute a part of the node (a module's hook gives its whole output). An expert's
+    product holds the rows of the tokens routed to it, not a part of its features (:func:`_routed_rows` places
+    them)."""
+    return spec.ours.startswith(("param:", f"tap:{FUNCTIONS}")) and not EXPERT_NODE.search(spec.name)
 
 
-def _part_of_reference(ours: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, str] | None:
-    """Ours holding one part of the reference's tensor along one axis (a port computing heads one at a time, or one
-    tensor-parallel rank's heads, read on its first call): the reference's tensor with that part put in ours' place,
-    the part whose layout (:func:`match_layout`) is closest to ours, when it is close (cosine over 0.5, padding
-    positions included); the rest the reference's own values, not judged here (the nodes after it read every part).
-    ``(that tensor, how)``; None otherwise."""
+def _part_of_reference(
+    ours: torch.Tensor, ref: torch.Tensor, tokens: tuple[int, int] | None
+) -> tuple[torch.Tensor, str] | None:
+    """Ours holding one part of the reference's tensor along its heads' or features' axis (a port computing heads one
+    at a time, or one tensor-parallel rank's heads, read on its first call): the reference's tensor with that part put
+    in ours' place, the part whose layout (:func:`match_layout`) is closest to ours, when it is close (cosine over
+    0.5, padding positions included); the rest the reference's own values, not judged here (the nodes after it read
+    every part). ``(that tensor, how)``; None otherwise. Never a part of the tokens (the batch, and with ``tokens``, the run's
+    ``(batch, seq)``, an axis of ``seq`` or ``batch * seq``): a decode step's one token is no part of the heads."""
     if not ours.is_floating_point() or not ours.numel() or ours.numel() >= ref.numel() or ref.numel() % ours.numel():
         return None
     parts = ref.numel() // ours.numel()
     best: tuple[float, int, int, int, torch.Tensor] | None = None
-    for axis in range(ref.dim()):
+    token_sizes = () if tokens is None else (tokens[1], tokens[0] * tokens[1])
+    for axis in range(1, ref.dim()):
+        if ref.shape[axis] in token_sizes:
+            continue
         n = ref.shape[axis]
         if n % parts:
             continue
@@ -472,12 +482,13 @@ def _part_of_reference(ours: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Ten
 
 
 def in_reference_layout(
-    spec: NodeSpec, ours: _Ours, ref, padding: torch.Tensor | None = None
+    spec: NodeSpec, ours: _Ours, ref, padding: torch.Tensor | None = None, tokens: tuple[int, int] | None = None
 ) -> tuple[_Ours | torch.Tensor, str]:
     """``(ours, how)``: ours in the reference's layout when the node may be (``spec.match_layout``)
     and only the layout differs (:func:`parity.compare.layouts.match_layout`), else as it is, ``""``.
     With ``padding`` (True at padding positions), ours holding the real tokens alone is unpacked,
-    and ours' padding positions take the reference's values: they are not judged."""
+    and ours' padding positions take the reference's values: they are not judged. ``tokens``: the run's
+    ``(batch, seq)``, which axes hold tokens (:func:`_part_of_reference`)."""
     if ours is None or ref is None or not isinstance(ours, torch.Tensor):
         return ours, ""
     how, moved = "", cast(torch.Tensor, ours)
@@ -492,7 +503,7 @@ def in_reference_layout(
             moved, how = repeated
         elif (sunk_key := _without_sink_key(spec.kind, moved, full)) is not None:
             moved, how = sunk_key
-        elif _read_in_functions(spec) and (part := _part_of_reference(moved, full)) is not None:
+        elif _read_in_functions(spec) and (part := _part_of_reference(moved, full, tokens)) is not None:
             moved, how = part
         elif padding is not None and (packed := unpacked(spec.kind, moved, full, padding)) is not None:
             moved, how = packed, "the real tokens packed into one sequence (padding skipped)"
@@ -565,6 +576,17 @@ def choices_of(spec: NodeSpec, ours: Mapping, reference: Mapping) -> tuple | Non
     return ours.get(chosen), reference.get(chosen)
 
 
+def token_shape(nodes: Sequence[NodeSpec], store) -> tuple[int, int] | None:
+    """The run's ``(batch, seq)``: the reference's embedding output's ``(batch, seq, hidden)`` in ``store`` (a trace's
+    tensors), else its logits'; None when it holds neither so."""
+    names = [n.name for n in nodes if n.kind == "embed_tokens"] + [LOGITS]
+    for name in names:
+        t = store.lazy(name) if hasattr(store, "lazy") else store.get(name)
+        if t is not None and t.dim() == 3:
+            return int(t.shape[0]), int(t.shape[1])
+    return None
+
+
 def compare_traces(
     ours,
     reference,
@@ -581,6 +603,7 @@ def compare_traces(
     """
     by_name = {n.name: n for n in nodes}
     done = getattr(ours, "results", {})
+    tokens = token_shape(nodes, reference.tensors)
     with one_thread():
         results = [
             done[name]
@@ -595,6 +618,7 @@ def compare_traces(
                 reference.tensors.get(by_name[name].chosen_from) if by_name[name].chosen_from else None,
                 padding,
                 choices_of(by_name[name], ours.tensors, reference.tensors),
+                tokens,
             )
             for index, name in enumerate(node_order(reference, nodes, list(getattr(ours, "calls", {}))))
         ]
@@ -865,6 +889,8 @@ class NodeStream:
         #: ``(batch, seq)``, True at padding positions not judged (:mod:`parity.compare.padding`)
         self.padding = padding
         self.index = {name: i for i, name in enumerate(node_order(reference, nodes))}
+        #: the run's ``(batch, seq)``: which axes of a node hold tokens (:func:`in_reference_layout`)
+        self.tokens = token_shape(nodes, reference.tensors)
         last_layer = max((self.index.get(n.name, -1) for n in nodes if n.layer is not None), default=-1)
         #: the nodes after the last layer's (the final norm, the head): a constant the reference applies to its
         #: logits ours may apply to any of them (folded into the final norm's gain)
@@ -896,43 +922,65 @@ class NodeStream:
         store = self.reference.tensors
         ref = store.lazy(name) if hasattr(store, "lazy") else store.get(name)  # a spilled node is read, not mapped
         scores = store.get(spec.chosen_from) if spec.chosen_from and not ours.is_floating_point() else None
-        moved, layout = in_reference_layout(spec, ours, ref, self.padding)
+        moved, layout = in_reference_layout(spec, ours, ref, self.padding, self.tokens)
         if spec.kind == CHOICES:  # kept (a small integer tensor) for the weights after it, compared choice by choice
             self._chosen[name] = ours
         choices = choices_of(spec, self._chosen, store) if spec.kind == WEIGHTS else None
         result = compare_node(
-            spec, self.index[name], ours, ref, self.tolerances, name in self.untapped, scores, self.padding, choices
+            spec,
+            self.index[name],
+            ours,
+            ref,
+            self.tolerances,
+            name in self.untapped,
+            scores,
+            self.padding,
+            choices,
+            self.tokens,
         )
         alternative, take = (getattr(spec.transform, a, None) for a in ("alternative", "take_alternative"))
         other = alternative(ours) if result.failed and ref is not None and alternative is not None else None
         if other is not None and take is not None:  # a layout the weights could not settle (a rope tail's order)
-            again = compare_node(spec, self.index[name], other, ref, self.tolerances, False, None, self.padding)
+            again = compare_node(
+                spec, self.index[name], other, ref, self.tolerances, False, None, self.padding, None, self.tokens
+            )
             if again.passed:
                 result, ours = replace(again, detail=f"compared with {take()}"), other
-                moved, layout = in_reference_layout(spec, ours, ref, self.padding)
+                moved, layout = in_reference_layout(spec, ours, ref, self.padding, self.tokens)
                 layout = layout or "alternative"
             elif _agrees_at_start(other, ref, self.padding) and not _agrees_at_start(ours, ref, self.padding):
                 # neither order agrees (a RoPE that differs), but only the reference's order agrees at each row's
                 # first token, where RoPE turns nothing: the order is the reference's, the mismatch the rotation's
                 result, ours = replace(again, detail=f"compared with {take()}"), other
-                moved, layout = in_reference_layout(spec, ours, ref, self.padding)
+                moved, layout = in_reference_layout(spec, ours, ref, self.padding, self.tokens)
                 layout = layout or "alternative"
         flipped = _sequence_first(ours, self.padding) if result.failed and ref is not None else None
         if flipped is not None:  # tokens flattened (seq, batch) where the reference flattens (batch, seq)
             again = compare_node(
-                spec, self.index[name], flipped, ref, self.tolerances, False, scores, self.padding, choices
+                spec, self.index[name], flipped, ref, self.tolerances, False, scores, self.padding, choices, self.tokens
             )
             if again.passed:
                 how = "ours' tokens flattened sequence first ((seq, batch), Megatron's layout), read batch first"
                 result, ours = replace(again, detail="; ".join(d for d in (again.detail, how) if d)), flipped
-                moved, layout = in_reference_layout(spec, ours, ref, self.padding)
+                moved, layout = in_reference_layout(spec, ours, ref, self.padding, self.tokens)
         after = result.failed and ref is not None and name != LOGITS and name in self._after_layers
         if after and self._head_factor is _UNREAD:  # read once per run, at the first failure after the layers
             self._head_factor = _post_head_scale(store, sorted(self._after_layers))
         factor = cast("float | None", self._head_factor) if after else None
         if factor is not None and isinstance(ours, torch.Tensor) and ours.is_floating_point():
             # ours applies here the scale the reference applies after its head
-            again = compare_node(spec, self.index[name], ours / factor, ref, self.tolerances, False, None, self.padding)
+            again = compare_node(
+                spec,
+                self.index[name],
+                ours / factor,
+                ref,
+                self.tolerances,
+                False,
+                None,
+                self.padding,
+                None,
+                self.tokens,
+            )
             if again.passed:
                 how = (
                     f"compared divided by {factor:.6g}: ours applies here the scale the reference applies to its "

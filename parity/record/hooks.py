@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from parity.record.functional import FeaturesMismatch
-from parity.record.routing import is_router
+from parity.record.routing import is_router, own_expert_rows
 from parity.record.trace import Trace, first_tensor
 from parity.util.errors import ParityError
 
@@ -743,7 +743,7 @@ def recording(
             forget=lambda module: _forget_module(rec, module),
         )
     try:
-        with capture:
+        with capture, own_expert_rows():
             yield trace
             trace.finish_rows()
             settle = getattr(capture, "settle_all", None)

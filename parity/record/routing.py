@@ -20,9 +20,11 @@ In isolated mode both routing nodes are replaced by the reference's, in ours' la
 from __future__ import annotations
 
 import ast
+import contextlib
 import contextvars
 import inspect
 import textwrap
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import cast
 
@@ -40,6 +42,18 @@ _REDUCTIONS = frozenset({"sum", "mean", "amax", "amin", "max", "min", "norm", "p
 _ROWS: contextvars.ContextVar[tuple[torch.Tensor, int, torch.Tensor | None] | None] = contextvars.ContextVar(
     "parity_expert_rows", default=None
 )
+
+
+@contextlib.contextmanager
+def own_expert_rows() -> Iterator[None]:
+    """A recording's :class:`ExpertRows` read only the gathers of its own forward: none of an earlier recording's
+    (the context variable outlives it: a decode's last step's two tokens and choices zeroed a later model's expert
+    rows, when that model's MoE had no routing parity read)."""
+    token = _ROWS.set(None)
+    try:
+        yield
+    finally:
+        _ROWS.reset(token)
 
 
 def is_router(module) -> bool:
