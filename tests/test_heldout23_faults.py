@@ -140,7 +140,7 @@ NAMED = [
     ("mistral4", "m4_yarn_mscale_missing", False, "model.layers.0.self_attn.scores", "attention_scale",
      "ours scales q k^T by 0.204124 (= 1/sqrt(head_dim=24)), the reference by 0.333006"),
     ("mistral4", "m4_llama4_scale_missing", False, "model.layers.0.self_attn.q_rot", "scale",
-     "ours applies no query scale, the other side the Llama 4 query scale"),
+     "ours applies no query scale; or the Llama 4 query scale over max_position_embeddings (128)"),
     ("mistral4", "m4_llama4_scale_no_floor", False, "model.layers.0.self_attn.q_rot", "scale",
      "ours applies the Llama 4 query scale without its floor"),
     ("mistral4", "m4_kv_b_split_swapped", False, "model.layers.0.self_attn.k_rot", "qkv_layout",

@@ -96,6 +96,7 @@ from parity.diagnose.rope import (
     rope_fit,
     rope_partial,
     rope_pattern,
+    rope_precision,
     rope_skipped,
     rope_tables,
     values_rotated,
@@ -246,6 +247,7 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     input_source,
     projection_source,
     rope_before_norm,  # a q/k norm after RoPE (HunYuan): RoPE read at its input, before the norm fits
+    rope_precision,  # a cos/sin table rounded to bfloat16: before the fits, which read one amplitude per rotation
     norm_after_rope,
     norm_statistic,  # the module's own weight: exact, before the eps fit reads a per-token ratio
     norm_eps,

@@ -79,6 +79,7 @@ KINDS: dict[str, str] = {
     "sliding_window": "only query positions at or past the window differ",
     "rope_pairing": "RoPE pairs (i, i + d/2) on one side and (2i, 2i + 1) on the other",
     "rope_frequencies": "position 0 agrees, the error grows with position (frequencies, scaling, offset)",
+    "rope_precision": "the RoPE's cos/sin table rounded to a lower precision (bfloat16, float16) on one side",
     "rope_band": "the error is confined to a band of rotary frequencies (YaRN / llama3 ramp band)",
     "rope_missing": "ours does not rotate where the reference does",
     "rope_partial": "ours rotates other dims of each head than the reference (partial_rotary_factor: how many dims, which pairs)",

@@ -141,6 +141,9 @@ def latent_rope(e: Evidence) -> Hint | None:
     x = x[..., order]
     at_start, seen = x.transpose(1, 2)[start], ref_tail.transpose(1, 2)[start]
     own = float((seen * at_start).sum() / at_start.pow(2).sum().clamp_min(1e-300))
+    layer = e.facts.layer(e.result.layer)
+    if layer is not None and layer.rope is not None and layer.rope.attention_factor:
+        own /= layer.rope.attention_factor  # the factor before RoPE: the fits read cos/sin's own from what follows
     tail = replace(e, ours=e.ours[..., nope:], ref=e.ref[..., nope:], rope_input=(own * x).to(e.ref.dtype))
     for detect in (rope_fit, rope_tables, rope_pattern):  # rope_pattern: a tail left unrotated on one side
         hint = detect(tail)

@@ -38,19 +38,29 @@ def row_normalisation(e: Evidence) -> Hint | None:
     if float((ratio.std(-1) / per_row.abs()).max()) > 1e-3 or float(per_row.std() / per_row.abs().mean()) < 1e-3:
         return None  # not one factor per row, or one factor everywhere (constant_ratio's case)
     tol = max(1e-3, 4 * float(torch.finfo(e.ref.dtype).eps))
-    ours_one, ref_one = bool(((a.sum(-1) - 1).abs() < tol).all()), bool(((b.sum(-1) - 1).abs() < tol).all())
-    if ours_one == ref_one:
+
+    def total(t: torch.Tensor) -> float | None:
+        """The one sum every row has (1, or a scale after the normalisation: DeepSeek's routed_scaling_factor)."""
+        sums = t.sum(-1)
+        c = float(sums.mean())
+        return c if c > 0 and bool(((sums - c).abs() < tol * c).all()) else None
+
+    ours_total, ref_total = total(a), total(b)
+    if (ours_total is None) == (ref_total is None):
         return None
-    side, other = ("ours", "the reference") if ours_one else ("the reference", "ours")
+    side, other = ("ours", "the reference") if ours_total is not None else ("the reference", "ours")
+    c = cast(float, ours_total if ours_total is not None else ref_total)
+    sums = "1" if abs(c - 1) < tol else f"{c:.6g} (1 times a scale after it{constant_named(e, c)})"
     return Hint(
         "renormalisation",
-        f"likely a normalisation over the last axis on one side only: {side} sums to 1 in every row, {other} does "
-        f"not, and ours / reference is one factor per row ({float(per_row.min()):.4g}..{float(per_row.max()):.4g}); "
-        "for top-k routing weights: renormalised over the chosen experts where the config says not, or the reverse "
-        "(norm_topk_prob)",
+        f"likely a normalisation over the last axis on one side only: {side} sums to {sums} in every row, {other} "
+        f"does not, and ours / reference is one factor per row ({float(per_row.min()):.4g}.."
+        f"{float(per_row.max()):.4g}); for top-k routing weights: renormalised over the chosen experts where the "
+        "config says not, or the reverse (norm_topk_prob)",
         {
-            "ours_sums_to_one": ours_one,
-            "reference_sums_to_one": ref_one,
+            "ours_sums_to_one": ours_total is not None and abs(ours_total - 1) < tol,
+            "reference_sums_to_one": ref_total is not None and abs(ref_total - 1) < tol,
+            "row_sum": c,
             "ratio_min": float(per_row.min()),
             "ratio_max": float(per_row.max()),
         },
@@ -317,24 +327,39 @@ def _group_limited_otherwise(
     x, k = logits.detach().double(), e.ours.shape[-1]
     b = bias.double() if bias is not None else torch.zeros(x.shape[-1], dtype=torch.float64)
 
-    def pick(scores: torch.Tensor, group_score=lambda g: g.topk(2, -1).values.sum(-1), limited: bool = bool(groups)):
+    def best_two(g: torch.Tensor) -> torch.Tensor:
+        return g.topk(2, -1).values.sum(-1)
+
+    def best_one(g: torch.Tensor) -> torch.Tensor:
+        return g.amax(-1)
+
+    # DeepSeek V3 scores a group by the sum of its best two experts, DeepSeek V2's group_limited_greedy by its best
+    own_score, own_words = (best_one, "its best expert (max)") if routing.get("group_max") else (best_two, "")
+    own_words = own_words or "the sum of its best two"
+
+    def pick(scores: torch.Tensor, group_score=own_score, limited: bool = bool(groups), strided: bool = False):
         if not limited:
             return scores.topk(k, -1).indices
-        best = group_score(scores.unflatten(-1, (groups, -1))).topk(kept, -1).indices
+        cut = scores.unflatten(-1, (-1, groups)).transpose(-1, -2) if strided else scores.unflatten(-1, (groups, -1))
+        best = group_score(cut).topk(kept, -1).indices
         keep = torch.zeros(scores.shape[0], groups, dtype=torch.bool).scatter(1, best, True)
-        keep = keep.repeat_interleave(scores.shape[-1] // groups, -1)
+        per = scores.shape[-1] // groups
+        keep = keep.repeat(1, per) if strided else keep.repeat_interleave(per, -1)
         return scores.masked_fill(~keep, float("-inf")).topk(k, -1).indices
 
     score, word = _router_scoring(routing)
     other_score, other_word = (torch.sigmoid, "a sigmoid") if word == "softmax" else (_softmax, "a softmax")
     sig = score(x)
+    other_group = (
+        (best_two, "the sum of its best two") if own_score is best_one else (best_one, "its best expert (max)")
+    )
     grouped = {
-        "with each group scored by its best expert (max) instead of the sum of its best two": pick(
-            sig + b, lambda g: g.amax(-1)
-        ),
-        "with each group scored by the sum of all its experts instead of its best two": pick(
+        f"with each group scored by {other_group[1]} instead of {own_words}": pick(sig + b, other_group[0]),
+        f"with each group scored by the sum of all its experts instead of {own_words}": pick(
             sig + b, lambda g: g.sum(-1)
         ),
+        "with the groups taken strided (expert e in group e % n_group) where each group is a contiguous block of "
+        "n_experts / n_group experts": pick(sig + b, strided=True),
         "with no group limit (the top k over every expert, n_group and topk_group ignored)": pick(
             sig + b, limited=False
         ),
@@ -524,6 +549,22 @@ def _sigmoid_router_forms(logits: torch.Tensor, chosen: torch.Tensor, routing: M
         )
     other = "not renormalised (norm_topk_prob ignored)" if norm else "renormalised (norm_topk_prob is false)"
     forms[f"the {word} scores at the chosen, {other}{times}"] = (s if norm else s / s.sum(-1, keepdim=True)) * scale
+    groups, kept_groups = int(routing.get("n_group", 1) or 1), int(routing.get("topk_group", 1) or 1)
+    experts = logits.shape[-1]
+    if word == "softmax" and 1 < kept_groups < groups and experts % groups == 0:
+        # the groups not kept masked on the logits before the softmax (which then renormalises over the kept
+        # groups' experts), where the reference takes the softmax over every expert and masks after it
+        member = chosen.div(experts // groups, rounding_mode="floor")
+        group_of = torch.arange(experts, device=logits.device).div(experts // groups, rounding_mode="floor")
+        held = (group_of[None, :] == member[..., None]).any(-2)  # the chosen's groups (tokens, experts)
+        best = logits.view(*logits.shape[:-1], groups, -1).amax(-1).topk(kept_groups, -1).indices  # max per group
+        top = (group_of[None, :] == best[..., None]).any(-2)
+        keep = torch.where(held.view(-1, experts).sum(-1, keepdim=True) == kept_groups * (experts // groups), held, top)
+        masked = torch.softmax(logits.masked_fill(~keep, float("-inf")), -1).gather(-1, chosen)
+        forms[
+            f"the softmax over the kept groups' experts alone (the other groups masked on the logits before the "
+            f"softmax, not after it: it renormalises over the {kept_groups} of {groups} groups kept){times}"
+        ] = masked * scale
     first_zero = int(routing.get("zero_experts_from", 0) or 0)
     if first_zero and bool((chosen >= first_zero).any()):  # LongCat-Flash's zero-compute (identity) experts
         kept = s / s.sum(-1, keepdim=True) if norm else s

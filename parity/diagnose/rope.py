@@ -3,6 +3,7 @@ per-layer type) and a learned position table read off by k."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from typing import TYPE_CHECKING, cast
@@ -205,7 +206,7 @@ def rope_fit(e: Evidence) -> Hint | None:
             and not fit.rows
             and not fit.constant
             and fit.label.startswith("this layer's RoPE")
-            and abs(fit.amplitude / own - 1) < 1e-3
+            and (fit.rescaled or abs(fit.amplitude / own - 1) < 1e-3)  # (a rescaled read has no cos/sin scale to judge)
         )
 
     def rescaled(t: torch.Tensor) -> torch.Tensor:
@@ -214,7 +215,11 @@ def rope_fit(e: Evidence) -> Hint | None:
         return t * (x.norm(dim=-1, keepdim=True) / t.norm(dim=-1, keepdim=True).clamp_min(1e-30))
 
     def read(t: torch.Tensor):
-        return fit_of(t) or fit_of(rescaled(t))
+        fit = fit_of(t)
+        if fit is not None:
+            return fit
+        fit = fit_of(rescaled(t))
+        return None if fit is None else dataclasses.replace(fit, rescaled=True)
 
     def frequencies_right(fit) -> bool:  # this layer's RoPE at the right positions, whatever its cos/sin scale
         return (
@@ -277,7 +282,14 @@ def _factor_sources(rope) -> dict[str, float]:
 def _rope_hint(e: Evidence, fit, side: str, layer, own: float) -> Hint | None:
     """The hint for ``side``'s rotation ``fit`` (a :class:`~parity.diagnose.rope_fit.Fit`)."""
     other = "the reference" if side == "ours" else "ours"
-    amp = f"cos/sin scaled by {fit.amplitude:.6g} (this layer's RoPE: {own:.6g})"
+    amp = (
+        f"cos/sin scaled by {fit.amplitude:.6g} (this layer's RoPE: {own:.6g})"
+        if not fit.rescaled
+        else "its cos/sin scale not read (each row's length differs from the unrotated one's by token: a per-token "
+        "scale on q/k, or a norm after RoPE)"
+    )
+    if fit.same_as:  # the candidates that rotate alike here: the run cannot tell them apart
+        amp += "; the same frequencies here as " + "; or ".join(fit.same_as)
     evidence = {
         "side": side,
         side.replace("the ", ""): fit.label,
@@ -400,7 +412,7 @@ def _rope_hint(e: Evidence, fit, side: str, layer, own: float) -> Hint | None:
         )
     if "YaRN" in fit.label or fit.label.startswith("LongRoPE") or fit.label.startswith("llama3 scaling"):
         return Hint("rope_scaling", f"likely the RoPE scaling: {side} rotates like {fit.label}, {amp}", evidence)
-    if "computed over the whole head" in fit.label:
+    if "computed over the whole head" in fit.label or "computed over hidden_size / num_heads" in fit.label:
         return Hint(
             "rope_frequencies",
             f"likely the inverse frequencies over the wrong width: {side} rotates like {fit.label}, {amp}",
@@ -798,6 +810,64 @@ def rope_pattern(e: Evidence) -> Hint | None:
     return Hint("rope_frequencies", f"likely RoPE frequencies, scaling or offset: {numbers}", evidence)
 
 
+def rope_precision(e: Evidence) -> Hint | None:
+    """q/k rotated by the layer's cos/sin table rounded to bfloat16 or float16 on one side (a table built or cached
+    in a low precision, used with float32 activations), the float32 table on the other: every position differs a
+    little, position 0 too where the attention factor is inside the table (YaRN's)."""
+    if e.kind not in ("q_rot", "k_rot") or e.ours.dim() != 4 or e.ours.shape != e.ref.shape:
+        return None
+    x = pre_rope(e, e.ours.shape[1])
+    found = _rounded_table(e, x) if x is not None and x.shape == e.ours.shape else None
+    if found is None:
+        return None
+    side, dtype = found
+    return Hint(
+        "rope_precision",
+        f"likely the RoPE's cos/sin table rounded to {dtype} in {side} (built or cached in {dtype}, then used with "
+        f"float32 q/k): {whose(side)} {e.kind} is the rotation by the rounded table, "
+        f"{whose('the reference' if side == 'ours' else 'ours')} by the float32 one",
+        {"side": side, "dtype": dtype},
+    )
+
+
+def _rounded_table(e: Evidence, x: torch.Tensor) -> tuple[str, str] | None:
+    """``(side, dtype)``: one side's rotation of ``x`` (the unrotated q/k, ``(batch, heads, seq, head_dim)``) uses
+    this layer's cos/sin (its attention factor inside) rounded to bfloat16 or float16, the other side's the float32
+    table (Transformers' ``..RotaryEmbedding`` returns cos/sin in the activations' dtype): each side's value read up
+    to one factor per position (a query scale by position after RoPE, Llama 4's)."""
+    layer = e.facts.layer(e.result.layer)
+    if layer is None or layer.rope is None or e.positions is None or e.positions.shape != (x.shape[0], x.shape[2]):
+        return None
+    rope, d = layer.rope, layer.rope.rotary_dim
+    if layer.rope.interleaved or d % 2 or d > x.shape[-1]:
+        return None
+    angle = e.positions.double()[:, None, :, None] * torch.tensor(rope.inv_freq, dtype=torch.float32).double()
+    angle = torch.cat((angle, angle), -1).float()  # as Transformers: float32 angles, cos/sin times the factor
+    cos, sin = angle.cos() * rope.attention_factor, angle.sin() * rope.attention_factor
+    xd = x.double()
+    half = torch.cat((-xd[..., d // 2 : d], xd[..., : d // 2]), -1)
+
+    def rotated(c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        out = xd.clone()
+        out[..., :d] = xd[..., :d] * c.double() + half * s.double()
+        return out
+
+    def fits(value: torch.Tensor, form: torch.Tensor) -> bool:
+        v = value.double()
+        scale = (v * form).sum((1, 3), keepdim=True) / form.pow(2).sum((1, 3), keepdim=True).clamp_min(1e-30)
+        return rel(v, form * scale) < 1e-6
+
+    exact = rotated(cos, sin)
+    for dtype in (torch.bfloat16, torch.float16):
+        low = rotated(cos.to(dtype), sin.to(dtype))
+        if rel(low, exact) < 1e-6:
+            continue  # rounding changes nothing here
+        for side, value, other in (("ours", e.ours, e.ref), ("the reference", e.ref, e.ours)):
+            if fits(value, low) and fits(other, exact):
+                return side, str(dtype).replace("torch.", "")
+    return None
+
+
 def _frequency_precision(e: Evidence, x: torch.Tensor, pairing: str | None) -> float | None:
     """The largest relative difference of ours' rotation angles from the reference's, when every
     frequency is off by under 1% (a precision problem, not a different formula), else None."""
@@ -830,13 +900,20 @@ def norm_after_rope(e: Evidence) -> Hint | None:
     if not (e.kind.startswith(("q_", "k_")) and "norm" in e.kind) or e.positions is None:
         return None
     x_ref, x_ours = e.ref_trace.inputs.get(e.name), e.ours_trace.inputs.get(e.name)
-    if x_ref is None or x_ours is None or x_ref.numel() != x_ours.numel() or x_ref.dim() < 3:
+    if x_ref is None or x_ref.dim() < 3:
         return None
     b, seq = e.positions.shape
     d = e.facts.head_dim
     if not d or d % 2 or x_ref.shape[-1] % d or x_ref.numel() % (b * seq * d):
         return None
     n_heads = x_ref.numel() // (b * seq * d)
+    if x_ours is None:  # ours' norm computed in functions, its input unread: its output and the norm's gain instead
+        found = _normalised_both(e, x_ref, n_heads, d, seq)
+        if found is None:
+            return None
+        x_ref, x_ours = found
+    if x_ref.numel() != x_ours.numel():
+        return None
     ref = heads_first(x_ref.reshape(b, seq, n_heads * d) if x_ref.shape[1] == seq else x_ref, n_heads, d, seq)
     start = e.positions == 0
     if ref is None or not bool(start.any()) or bool(start.all()):
@@ -862,6 +939,30 @@ def norm_after_rope(e: Evidence) -> Hint | None:
                 {"ours_reads": "after RoPE"},
             )
     return None
+
+
+def _normalised_both(
+    e: Evidence, x_ref: torch.Tensor, n_heads: int, d: int, seq: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(the reference's q/k norm output, ours')``, each divided by the norm's per-dim gain (read from the reference:
+    its output over its input's RMS-normalised rows, one factor per dim), ``(batch, heads, seq, head_dim)``; None when
+    the reference's output is no such norm of its input, or ours' has another shape."""
+    ref_in = heads_first(x_ref.double().reshape(x_ref.shape[0], seq, n_heads * d), n_heads, d, seq)
+    ref_out = (
+        heads_first(e.ref.double().reshape(e.ref.shape[0], seq, -1), n_heads, d, seq) if e.ref.dim() >= 3 else None
+    )
+    ours = (
+        heads_first(e.ours.double().reshape(e.ours.shape[0], seq, -1), n_heads, d, seq) if e.ours.dim() >= 3 else None
+    )
+    if ref_in is None or ref_out is None or ours is None or ours.shape != ref_out.shape:
+        return None
+    normed = ref_in * ref_in.pow(2).mean(-1, keepdim=True).add(e.facts.norm_eps or 1e-30).rsqrt()
+    keep = normed.abs() > 1e-6
+    gain = torch.where(keep, ref_out / torch.where(keep, normed, torch.ones_like(normed)), torch.nan)
+    gain = gain.flatten(0, -2).nanmedian(0).values  # (head_dim,): one factor per dim
+    if not bool(torch.isfinite(gain).all()) or bool((gain.abs() < 1e-6).any()) or rel(normed * gain, ref_out) > 1e-3:
+        return None
+    return normed, ours / gain
 
 
 def values_rotated(e: Evidence) -> Hint | None:

@@ -79,6 +79,11 @@ class Fit:
     rows: tuple[int, ...] = ()
     #: per batch row, the one position every token of it was rotated at (positions read from another axis)
     constant: tuple[int, ...] = ()
+    #: the other candidates with the same frequencies (within the angle tolerance): a fit that cannot tell them apart
+    same_as: tuple[str, ...] = ()
+    #: read after each row was brought to the unrotated row's length (a per-token scale, or a norm after RoPE):
+    #: ``amplitude`` says nothing of the cos/sin scale
+    rescaled: bool = False
 
 
 def _fits(
@@ -199,6 +204,21 @@ def identify(
                     whole[: rope.rotary_dim // 2],
                 )
             )
+    if (
+        rope is not None
+        and rope.rope_type != "default"
+        and hidden_per_head
+        and hidden_per_head not in (rope.rotary_dim, layer.head_dim)
+    ):  # a scaled RoPE's frequencies computed over hidden_size / num_heads dims and cut to the rotary dims
+        wide = rope.with_parameters({"partial_rotary_factor": 1.0}, hidden_per_head, max_position_embeddings)
+        if len(wide) >= rope.rotary_dim // 2:
+            candidates.append(
+                (
+                    f"{rope.rope_type} frequencies computed over hidden_size / num_heads ({hidden_per_head} dims) and "
+                    f"cut to its first {rope.rotary_dim // 2}, not computed over the {rope.rotary_dim} rotary dims",
+                    wide[: rope.rotary_dim // 2],
+                )
+            )
     if rope is not None and rope.rope_type == "default" and rope.rotary_dim >= 4:
         r = rope.rotary_dim  # the exponent's arange(0, r, 2) written arange(0, r / 2): half of every exponent
         candidates.append(
@@ -245,12 +265,17 @@ def identify(
             candidates.append(
                 (f"the RoPE of {layer_type} layers ({other.rope_type}, theta {other.theta:g})", other.inv_freq)
             )
-    for label, inv_freq in candidates:
+    for i, (label, inv_freq) in enumerate(candidates):
         if not inv_freq:
             continue  # a variant that could not be computed for this layer
         worst = _fits(angle, keep, inv_freq, positions, tol)
         if worst is not None:
-            return Fit(label, amplitude, worst, inv_freq=tuple(inv_freq))
+            same = tuple(
+                other
+                for other, freqs in candidates[i + 1 :]
+                if freqs and _fits(angle, keep, freqs, positions, tol) is not None
+            )
+            return Fit(label, amplitude, worst, inv_freq=tuple(inv_freq), same_as=same)
     if rope is not None:
         # this layer's frequencies with the rotation written otherwise: cos and sin exchanged turns
         # (a + ib) e^{iwp} into (a + ib) i e^{-iwp} (angle pi/2 - wp); a negated sin rotates by -wp
@@ -425,6 +450,16 @@ def _yarn_variants(
             _recomputed(rope, {"truncate": not truncate}, head_dim, max_position_embeddings),
         )
     )
+    fast, slow = (rope.parameters.get(k) for k in ("beta_fast", "beta_slow"))
+    fast, slow = float(cast(float, fast or 32.0)), float(cast(float, slow or 1.0))
+    if fast != slow:  # the two betas read each for the other: the ramp's ends swapped
+        out.append(
+            (
+                f"YaRN with its correction range from beta_fast and beta_slow swapped (beta_fast {slow:g}, "
+                f"beta_slow {fast:g})",
+                _recomputed(rope, {"beta_fast": slow, "beta_slow": fast}, head_dim, max_position_embeddings),
+            )
+        )
     return out + _from_max_positions(rope, "YaRN with its correction range computed", head_dim, max_position_embeddings)
 
 

@@ -576,33 +576,66 @@ def _position_scales(e: Evidence, positions: torch.Tensor) -> dict[str, torch.Te
     if not isinstance(beta, (int, float)) or not beta or not isinstance(span, (int, float)) or span <= 0:
         return {}
     p = positions.double() / float(span)
-    return {
+    index = torch.arange(positions.shape[-1], dtype=torch.float64).expand_as(p) / float(span)
+    forms = {
         "the Llama 4 query scale": 1 + beta * torch.log1p(torch.floor(p)),
         "no query scale": torch.ones_like(p),
         "the Llama 4 query scale without its floor (ln(1 + p / original_max_position_embeddings))": 1
         + beta * torch.log1p(p),
         "the Llama 4 query scale with p + 1 for p": 1
         + beta * torch.log1p(torch.floor((positions.double() + 1) / span)),
+        "the Llama 4 query scale at each token's index in its row (arange(seq)), not at its position id (a "
+        "left-padded row's positions start after its padding)": 1 + beta * torch.log1p(torch.floor(index)),
     }
+    longest = e.facts.max_position_embeddings
+    if longest and longest != span:
+        label = (
+            f"the Llama 4 query scale over max_position_embeddings ({longest}), not original_max_position_embeddings"
+        )
+        forms[f"{label} ({span:g})"] = 1 + beta * torch.log1p(torch.floor(positions.double() / float(longest)))
+    return forms
 
 
 def position_scale(e: Evidence) -> Hint | None:
     """ours / reference is one factor per position (the same over heads and dims) at q: a query scale by
     position written otherwise (Llama 4's attention temperature in Mistral 4: missing, or its floor dropped).
-    Each side's factor read against the forms of :func:`_position_scales`; either side."""
-    if e.kind != "q_rot" or e.ours.dim() != 4 or e.positions is None:
+    Each side's factor read against the forms of :func:`_position_scales`; either side. At k: the query's scale
+    applied to the keys as well. Padding positions are not judged."""
+    if e.kind not in ("q_rot", "k_rot") or e.ours.dim() != 4 or e.positions is None:
         return None
     if e.positions.shape != (e.ref.shape[0], e.ref.shape[2]):
         return None
     a, b = e.ours.double(), e.ref.double()
-    keep = b.abs() > 1e-3 * float(b.abs().max())
+    real = torch.ones(e.positions.shape, dtype=torch.bool) if e.attention_mask is None else e.attention_mask.bool()
+    if real.shape != e.positions.shape:
+        return None
+    keep = (b.abs() > 1e-3 * float(b.abs().max())) & real[:, None, :, None]
     ratio = torch.where(keep, a / torch.where(keep, b, torch.ones_like(b)), torch.nan)
     per_position = ratio.nanmedian(dim=-1).values.nanmedian(dim=1).values  # (batch, seq)
-    if not bool(torch.isfinite(per_position).all()) or rel(a, b * per_position[:, None, :, None]) > 1e-6:
+    per_position = torch.where(real, per_position, torch.ones_like(per_position))
+    judged = real[:, None, :, None].expand_as(a)
+    if (
+        not bool(torch.isfinite(per_position).all())
+        or rel(a[judged], (b * per_position[:, None, :, None])[judged]) > 1e-6
+    ):
         return None  # not one factor per position
-    if float(per_position.max() / per_position.min()) < 1.001:
+    if float(per_position[real].max() / per_position[real].min()) < 1.001:
         return None  # one factor everywhere: a scale, not one by position
     forms = _position_scales(e, e.positions)
+    if e.kind == "k_rot":
+        if not forms:
+            return None
+        truth = forms["the Llama 4 query scale"]
+        for side, factor in (("ours", per_position), ("the reference", 1 / per_position)):
+            if torch.allclose(truth[real], factor[real], rtol=1e-6, atol=1e-9):
+                return Hint(
+                    "scale",
+                    f"likely the query scale by position (the config's llama_4_scaling_beta, 1 + beta ln(1 + floor(p / "
+                    f"original_max_position_embeddings))) applied to the keys as well in {side}: it scales the "
+                    "queries alone (one factor per position over every head and dim of k)",
+                    {"side": side, "form": "on the keys"},
+                )
+        return None
     if not forms:
         row = int((per_position - 1).abs().amax(-1).argmax())  # the batch row that differs most
         step = max(1, e.positions.shape[1] // 4)
@@ -618,15 +651,14 @@ def position_scale(e: Evidence) -> Hint | None:
     truth = forms["the Llama 4 query scale"]
     for side, factor in (("ours", per_position), ("the reference", 1 / per_position)):
         # factor = side's scale / the other's; the other side holds the config's form
-        found = next(
-            (
-                label
-                for label, f in forms.items()
-                if label != "the Llama 4 query scale" and torch.allclose(f / truth, factor, rtol=1e-6, atol=1e-9)
-            ),
-            None,
+        # every form that fits (positions short of a span make two forms one: say both)
+        found = "; or ".join(
+            label
+            for label, f in forms.items()
+            if label != "the Llama 4 query scale"
+            and torch.allclose((f / truth)[real], factor[real], rtol=1e-6, atol=1e-9)
         )
-        if found is not None:
+        if found:
             return Hint(
                 "scale",
                 f"likely the query scale by position (the config's llama_4_scaling_beta): {side} applies {found}, "

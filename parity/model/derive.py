@@ -383,6 +383,10 @@ def _config_multipliers(config) -> dict[str, float]:
         if any(word in key for word in words) or key.endswith("_scale"):
             named[f"the config's {key} ({value:g})"] = float(value)
             named[f"the config's {key} squared ({value * value:g})"] = float(value) ** 2
+        if key == "linear_key_head_dim" and isinstance(value, int) and value > 1:  # Gated DeltaNet's query scale
+            named[f"the delta rule's query scale 1 / sqrt(linear_key_head_dim={value}) ({value**-0.5:.6g})"] = (
+                value**-0.5
+            )
         if key == "rescale_every" and isinstance(value, int) and value > 0:  # RWKV's inference halving
             named[f"the hidden states' halving every config.rescale_every ({value}) layers (RWKV at inference)"] = 2.0
         hidden = fields.get("hidden_size")

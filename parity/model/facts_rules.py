@@ -290,6 +290,12 @@ def _deepseek(config, facts: ArchFacts) -> ArchFacts:
     routing = _routing(config)
     if facts.model_type == "mistral4":  # Mistral4TopkRouter: DeepSeek V3's group-limited choice over a softmax
         routing = {**routing, "softmax_scores": 1.0}
+    if facts.model_type == "deepseek_v2":  # DeepseekV2Moe: a softmax; group_limited_greedy scores a group by its best
+        limited = getattr(config, "topk_method", "greedy") == "group_limited_greedy"
+        routing = {**routing, "softmax_scores": 1.0, "group_max": 1.0}
+        routing = routing if limited else {**routing, "n_group": 1.0, "topk_group": 1.0}  # greedy: no group limit
+        # its apply_rotary_emb turns (2i, 2i + 1) pairs as complex numbers (no rotate_half to read it from)
+        facts = with_layers(facts, rope=lambda layer: replace(layer.rope, interleaved=True) if layer.rope else None)
     named = {YARN_SOFTMAX_MSCALE: mscale} if mscale != 1.0 else {}
     return replace(
         facts,
