@@ -334,8 +334,9 @@ def _group_limited_otherwise(
         return g.amax(-1)
 
     # DeepSeek V3 scores a group by the sum of its best two experts, DeepSeek V2's group_limited_greedy by its best
-    own_score, own_words = (best_one, "its best expert (max)") if routing.get("group_max") else (best_two, "")
-    own_words = own_words or "the sum of its best two"
+    best_words = {best_one: "its best expert (max)", best_two: "the sum of its best two"}
+    own_score = best_one if routing.get("group_max") else best_two
+    own_words = best_words[own_score]
 
     def pick(scores: torch.Tensor, group_score=own_score, limited: bool = bool(groups), strided: bool = False):
         if not limited:
@@ -350,11 +351,9 @@ def _group_limited_otherwise(
     score, word = _router_scoring(routing)
     other_score, other_word = (torch.sigmoid, "a sigmoid") if word == "softmax" else (_softmax, "a softmax")
     sig = score(x)
-    other_group = (
-        (best_two, "the sum of its best two") if own_score is best_one else (best_one, "its best expert (max)")
-    )
+    second = best_two if own_score is best_one else best_one
     grouped = {
-        f"with each group scored by {other_group[1]} instead of {own_words}": pick(sig + b, other_group[0]),
+        f"with each group scored by {best_words[second]} instead of {own_words}": pick(sig + b, second),
         f"with each group scored by the sum of all its experts instead of {own_words}": pick(
             sig + b, lambda g: g.sum(-1)
         ),
