@@ -85,6 +85,9 @@ def tool_env(tmp_path: Path) -> dict:
         PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
         HF_HUB_OFFLINE="1",
         PRE_COMMIT_HOME=str(tmp_path / "pre-commit-home"),
+        # torch._dynamo (imported with Transformers' modeling code) makes its cache folder in $TMPDIR unless
+        # this is set, and sets it in os.environ: tests that read $TMPDIR would depend on what ran before
+        TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "torchinductor"),
         GIT_CONFIG_NOSYSTEM="1",
         HOME=str(tmp_path / "home"),
         GIT_AUTHOR_NAME="t",
@@ -388,6 +391,33 @@ def test_sigterm_leaves_no_staging_or_temporary_folder(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert list(tmp.iterdir()) == [] and list(reports.iterdir()) == []
+
+
+@pytest.mark.parametrize("kind", ["staging", "temporary"])
+def test_a_live_folder_is_marked_before_it_exists(tmp_path, monkeypatch, kind):
+    """No instant holds a made but unmarked folder: a SIGTERM there left the gate's temporary
+    checkpoint folder behind (CI, stop 57: the folder made by mkdtemp, then marked)."""
+    import tempfile
+
+    from parity.util import files
+
+    seen = []
+    real_mkdir = Path.mkdir
+
+    def mkdir(self, *args, **kwargs):
+        if self.name.startswith((".staging-", "parity-gate-")):
+            seen.append(self in files._LIVE)
+        return real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    folder = files.staging_folder(tmp_path / "reports") if kind == "staging" else files.temporary_folder("parity-gate-")
+    try:
+        assert seen == [True] and folder.is_dir() and folder in files._LIVE
+        assert folder.stat().st_mode & 0o777 == (0o700 if kind == "temporary" else 0o777 & ~files._umask())
+    finally:
+        files.discard(folder)
+    assert not folder.exists() and folder not in files._LIVE
 
 
 def test_folders_left_by_sigkill_are_swept_on_the_next_run(tmp_path):

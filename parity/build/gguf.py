@@ -25,8 +25,6 @@ import hashlib
 import logging
 import math
 import os
-import shutil
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -302,8 +300,9 @@ def gguf_tokenizer(checkpoint: str | Path, cache: str | Path | None = None) -> P
         ) from None
     finally:
         logging.getLogger("transformers").setLevel(previous)
-    folder.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=folder))
+    from parity.util.files import discard, staging_folder
+
+    staging = staging_folder(folder)  # live: removed on SIGTERM, swept when a killed run left it
     try:
         tokenizer.save_pretrained(str(staging))
         os.replace(staging, target)  # atomic: a reader sees no folder or a whole one
@@ -311,5 +310,5 @@ def gguf_tokenizer(checkpoint: str | Path, cache: str | Path | None = None) -> P
         if not (target / "tokenizer_config.json").is_file():
             raise
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        discard(staging)
     return target

@@ -20,6 +20,7 @@ import errno
 import hashlib
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -272,15 +273,15 @@ def sweep(parent: Path, prefix: str, sizes: dict[Path, int] | None = None) -> li
 def staging_folder(parent: Path) -> Path:
     """A new hidden, live staging folder in ``parent`` (created), after sweeping stale ones.
 
-    mkdtemp makes it 0700; it gets the umask's mode instead, like any folder ``mkdir`` makes (and
+    It is made 0700 (like mkdtemp's); it gets the umask's mode instead, like any folder ``mkdir`` makes (and
     like the files :func:`atomic_write` puts in it), so a published report is as readable as its files.
     """
     parent = Path(parent)
     parent.mkdir(parents=True, exist_ok=True)
     sweep(parent, ".staging-")
-    folder = Path(tempfile.mkdtemp(prefix=_live_name(".staging-"), dir=parent))
+    folder = _new_live_folder(parent, ".staging-")
     os.chmod(folder, 0o777 & ~_umask())
-    return live(folder)
+    return folder
 
 
 def temporary_folder(prefix: str) -> Path:
@@ -288,7 +289,26 @@ def temporary_folder(prefix: str) -> Path:
     removes it and calls :func:`done`."""
     parent = Path(tempfile.gettempdir())
     sweep(parent, prefix)
-    return live(Path(tempfile.mkdtemp(prefix=_live_name(prefix), dir=parent)))
+    return _new_live_folder(parent, prefix)
+
+
+def _new_live_folder(parent: Path, prefix: str) -> Path:
+    """Make ``parent/<prefix><host>-<pid>-<random>`` (mode 0700), marked live *before* it exists:
+    a SIGTERM between making a folder and marking it would leave it behind (a handler removing a
+    folder not yet made removes nothing, and the process ends before making it)."""
+    for _ in range(100):
+        folder = parent / (_live_name(prefix) + secrets.token_hex(4))
+        live(folder)
+        try:
+            folder.mkdir(mode=0o700)
+        except FileExistsError:
+            done(folder)
+            continue
+        except BaseException:
+            done(folder)
+            raise
+        return folder
+    raise FileExistsError(errno.EEXIST, "no free temporary folder name", str(parent / _live_name(prefix)))
 
 
 def publish_folder(staging: Path, parent: Path, stem: str) -> Path:
