@@ -56,6 +56,7 @@ _NEVER_USED = "checkpoint keys never used:"
 #: plain tensors (weights kept in a dict or list attribute)
 PLAIN = "plain__"
 _HOLDING_NONE = "parameters of ours holding no checkpoint tensor:"
+_ROWS_UNHELD = "rows copied into no parameter of ours"
 
 
 @dataclass(frozen=True)
@@ -202,6 +203,9 @@ class Coverage:
     #: several tensors), found by perturbing each alone (:mod:`parity.user.derived`): key -> our
     #: parameters derived from it (none when it went into a plain Python number)
     derived: dict[str, list[str]] = field(default_factory=dict)
+    #: checkpoint keys some of whose rows (of the key flattened to ``(-1, last axis)``) no parameter of ours holds:
+    #: key -> those rows (a gap, unless the build reads them in a form coverage cannot trace: :meth:`mark_derived`)
+    rows_unheld: dict[str, tuple[int, ...]] = field(default_factory=dict)
     #: a norm's gain folded into the input columns of the projections reading that norm, at load: gain key ->
     #: those projections' weight keys (:mod:`parity.user.folded`); ours runs the norm without its gain
     folded: dict[str, list[str]] = field(default_factory=dict)
@@ -293,6 +297,9 @@ class Coverage:
             return
         self.unused = [k for k in self.unused if k not in keys]
         self.unwritten = [u for u in self.unwritten if u.split(" (")[0] not in params]
+        # rows of a key no parameter holds, read in a derived form: no gap either
+        folded = {k for k in keys if self.rows_unheld.pop(k, None) is not None}
+        self.gaps = [g for g in self.gaps if not (g.endswith(_ROWS_UNHELD) and g.split(": ", 1)[0] in folded)]
         self.gaps = [g for g in self.gaps if not g.startswith((_NEVER_USED, _HOLDING_NONE))]
         if self.unused:
             self.gaps.append(f"{_NEVER_USED} {_summary(self.unused)}")
@@ -639,6 +646,22 @@ def _fused_rows(p: torch.Tensor, candidates: dict[str, torch.Tensor]) -> list[tu
     if len(parts) == 1 and parts[0][1] == tuple(range(p.shape[0])):
         return None  # the identity: a copy, judged as such
     return parts
+
+
+def _neutral_rows(
+    p: torch.Tensor, vectors: dict[str, torch.Tensor]
+) -> tuple[list[tuple[str, tuple[int, ...]]], list[int]] | None:
+    """Checkpoint vectors making up every row of the 2-D ``p`` but some, each of those all ones or all zeros (a
+    neutral slot: no module of the reference there), as ``(parts, the neutral rows)``; None otherwise, or when
+    they are most rows (a table of gains not loaded at all is no stack of vectors)."""
+    if p.dim() != 2 or p.shape[0] < 3 or not vectors:
+        return None
+    parts, taken = _whole_parts(p, vectors, _row_index(p))
+    rest = [r for r in range(p.shape[0]) if r not in taken]
+    if not parts or not rest or len(rest) * 2 >= p.shape[0]:
+        return None
+    neutral = all(bool((p[r] == 1).all()) or bool((p[r] == 0).all()) for r in rest)
+    return (parts, rest) if neutral else None
 
 
 def _fused_with_part(
@@ -1035,10 +1058,22 @@ def loader_coverage(
                 moved_axes = last if parts is not None else None
                 if parts is not None:
                     break
-            if parts is None and p.dim() >= 3:  # vectors stacked along several leading axes: (layers, 2, hidden) gains
+            if parts is None and p.dim() >= 2:
+                # vectors stacked (along several leading axes: (layers, 2, hidden) gains), some slots neutral: a
+                # row of ones or zeros where the reference has no module (ModernBERT's layer-0 attention norm is
+                # an identity: its slot holds ones), each named in the conversions
                 vectors = {k: t for k, t in free.items() if t.dim() == 1}  # (matrices' rows: parts, below)
-                parts = _fused_rows(p.data.reshape(-1, p.shape[-1]), vectors)
-                moved_axes = tuple(range(p.dim())) if parts is not None else None
+                rows_of = p.data.reshape(-1, p.shape[-1])
+                parts = _fused_rows(rows_of, vectors) if p.dim() >= 3 else None
+                neutral = _neutral_rows(rows_of, vectors) if parts is None else None
+                if neutral is not None:
+                    parts, slots = neutral
+                    cov.conversions.append(
+                        f"{label}: {'row' if len(slots) == 1 else 'rows'} {', '.join(map(str, slots))} (of {label} "
+                        "flattened to rows) held by no checkpoint tensor, neutral (ones or zeros): a slot where the "
+                        "reference has no module"
+                    )
+                moved_axes = tuple(range(p.dim())) if parts is not None and p.dim() >= 3 else None
             end_to_end = False
             if parts is None and p.dim() >= 2:  # vectors fused end to end, then stacked: (layers, q + k + v) biases
                 parts = _fused_slices(p.data.reshape(-1), free)
@@ -1216,7 +1251,9 @@ def loader_coverage(
                 "(experts with no down projection: zero-compute experts)"
             )
         elif held != rows_total:
-            cov.gaps.append(f"{key}: {rows_total - held} of {rows_total} rows copied into no parameter of ours")
+            cov.gaps.append(f"{key}: {rows_total - held} of {rows_total} {_ROWS_UNHELD}")
+            if missing:
+                cov.rows_unheld[key] = tuple(sorted(missing))
         cov.conversions.append(f"{key}: copied in {len(labels)} parts ({labels[0]} .. {labels[-1]})")
     # a user's model keeping a tie of the reference as copies (plain or transposed: the embedding and the
     # head) consumes its tensor once per member of the tie: judged below as a tie, a note (our families'

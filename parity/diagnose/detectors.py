@@ -65,6 +65,7 @@ from parity.diagnose.moe import (
 from parity.diagnose.norms import (
     block_layout,
     embedding_norm,
+    norm_around_activation,
     norm_eps,
     norm_kind,
     norm_order,
@@ -257,6 +258,7 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     norm_kind,
     block_layout,
     norm_order,
+    norm_around_activation,
     weightless_norm_eps,  # before norm_placement: a norm nothing records, its eps read at the projection
     norm_placement,
     position_scale,  # before the RoPE fits: a factor per position on q is no rotation

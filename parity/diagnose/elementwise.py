@@ -284,7 +284,7 @@ def rounding_order(e: Evidence) -> Hint | None:
     )
 
 
-def _activations() -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+def activations() -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     """Activations a port may use instead of the reference's, by Transformers name, computed as the
     references compute them (in the tensor's own dtype)."""
     F = torch.nn.functional
@@ -336,7 +336,7 @@ def activation_function(e: Evidence) -> Hint | None:
     SiLU for GELU."""
     if e.result.layer is None:
         return None
-    acts = _activations()
+    acts = activations()
     # the node itself, or its input (the activation between two projections that has no node of its own:
     # StarCoder2's c_fc -> act -> c_proj), when ours' input was kept and differs
     pairs = _node_and_input(e, f"{e.kind}'s input: ")
@@ -508,13 +508,25 @@ def glu_form(e: Evidence) -> Hint | None:
             halves = (gate.double(), up.double())
         if halves is not None:
             break
+    if halves is None:  # a fused gate/up by another name (ModernBERT's Wi: ``input, gate = Wi(x).chunk(2)``)
+        fused = [
+            t
+            for name, t in e.ref_trace.tensors.items()
+            if name.rsplit(".", 1)[0] == stem
+            and isinstance(t, torch.Tensor)
+            and t.shape[:-1] == x_ref.shape[:-1]
+            and t.shape[-1] == 2 * x_ref.shape[-1]
+        ]
+        halves = fused[0].double().chunk(2, -1) if len(fused) == 1 else None
     if halves is None or halves[0].shape != x_ref.shape or e.close(x_ours, x_ref):
         return None
     g, u = halves
     forms: dict[str, torch.Tensor] = {"gate * up (no activation)": g * u}
-    for label, act in _activations().items():
+    for label, act in activations().items():
         a, f = act(g), label.split(" (")[0]  # (its name without the note: "relu squared", "gelu")
-        forms[f"{f}(gate) * up"] = a * u
+        # (GELU's forms differ by their note alone: exact, or which tanh approximation)
+        note = label.partition(" (")[2].removesuffix(")") if f.startswith("gelu") else ""
+        forms[f"{f}(gate) * up" + (f" ({note})" if note else "")] = a * u
         forms[f"{f}(gate * up) (the activation of the product)"] = act(g * u)
         forms[f"gate * {f}(up) (the activation on the up half)"] = g * act(u)
         forms[f"{f}(gate) alone (the product with up_proj taken after {e.kind}, or dropped)"] = a

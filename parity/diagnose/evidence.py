@@ -62,19 +62,31 @@ class Evidence:
     def inputs(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Both sides' kept module inputs of the node (ours, reference), ours in the reference's shape
         when the two differ only by how the leading axes are flattened (OPT's MLP runs on
-        ``(batch * seq, hidden)``, a port on ``(batch, seq, hidden)``); None where not kept."""
+        ``(batch * seq, hidden)``, a port on ``(batch, seq, hidden)``) or ordered (a per-head norm's input
+        ``(batch, heads, seq, head_dim)`` where the reference's is ``(batch, seq, heads, head_dim)``: the order
+        whose values line up best with the reference's); None where not kept."""
         x_ours, x_ref = self.ours_trace.inputs.get(self.name), self.ref_trace.inputs.get(self.name)
         if (
-            x_ours is not None
-            and x_ref is not None
-            and x_ours.shape != x_ref.shape
-            and x_ours.numel() == x_ref.numel()
-            and x_ours.dim() > 0
-            and x_ref.dim() > 0
-            and x_ours.shape[-1] == x_ref.shape[-1]
+            x_ours is None
+            or x_ref is None
+            or x_ours.shape == x_ref.shape
+            or x_ours.numel() != x_ref.numel()
+            or not x_ours.dim()
+            or not x_ref.dim()
         ):
-            x_ours = x_ours.reshape(x_ref.shape)
-        return x_ours, x_ref
+            return x_ours, x_ref
+        candidates = [x_ours.reshape(x_ref.shape)] if x_ours.shape[-1] == x_ref.shape[-1] else []
+        if 2 < x_ours.dim() <= 4:
+            candidates += [
+                t
+                for order in itertools.permutations(range(x_ours.dim()))
+                if (t := x_ours.permute(order)).shape == x_ref.shape
+            ]
+        if len(candidates) > 1:
+            ref = x_ref.double().flatten()
+            return max(candidates, key=lambda t: abs(float(torch.nn.functional.cosine_similarity(
+                t.double().flatten(), ref, dim=0)))), x_ref  # fmt: skip
+        return (candidates[0] if candidates else x_ours), x_ref
 
     @property
     def noise(self) -> float:

@@ -661,6 +661,11 @@ def _combination_forms(
         "the softmax's weights at the chosen experts divided by their L2 norm (torch.norm's default p=2, not p=1)"
     ] = combine(chosen, probs / probs.norm(dim=-1, keepdim=True))
     forms["every chosen expert weighted by the first slot's weight"] = combine(chosen, w[:, :1].expand(tokens, k))
+    # the chosen ids sorted (to group tokens by expert), their weights left in the top-k's order
+    forms[
+        "the chosen experts sorted by id while their weights keep the top-k's order (each weight applied to "
+        "another expert: sort the weights with the ids)"
+    ] = combine(chosen.sort(-1).values, w)
     last = chosen.argmax(-1, keepdim=True)
     forms[
         "only the last chosen expert of each token (in expert order) kept: outputs assigned (out[idx] = y) where "

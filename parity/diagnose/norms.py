@@ -10,6 +10,7 @@ from typing import cast
 import torch
 
 from parity.compare.results import TIED_COPIES
+from parity.diagnose.elementwise import activations
 from parity.diagnose.evidence import EXPLAINS, Evidence, fmt_list, rel, same_input, whose
 from parity.diagnose.hints import Hint
 from parity.record.hf_capture import OUTPUT_PROJECTIONS
@@ -666,6 +667,41 @@ def norm_placement(e: Evidence) -> Hint | None:
             {"normaliser": ref_is, "twice": None, "weight_of": moved, "side": "the reference"},
         )
     return None
+
+
+def norm_around_activation(e: Evidence) -> Hint | None:
+    """A norm one side runs before an element-wise activation and the other after it (ModernBERT's prediction
+    head ``dense -> act -> norm``, ported ``dense -> norm -> act``): at the norm, each side's output is a norm (any
+    per-channel weight and bias) of the node before it in its block, through the activation on one side only.
+    Either side."""
+    if not is_norm(e.kind) or e.ours.shape != e.ref.shape:
+        return None
+    names = [n for n in e.ref_trace.tensors if "@" not in n]
+    if e.name not in names:
+        return None
+    stem = e.name.rsplit(".", 1)[0]
+    before = [n for n in names[: names.index(e.name)] if n.rsplit(".", 1)[0] == stem]
+    x = e.ref_trace.tensors[before[-1]] if before else None
+    if x is None or x.shape != e.ref.shape:
+        return None
+    eps = e.facts.norm_eps or 0.0
+    forms = {"": x.double(), **{label: act(x.double()) for label, act in activations().items()}}
+
+    def through(y: torch.Tensor) -> str | None:
+        return next((f for f, v in forms.items() if _explained_by(y, _normalisers(v, None, eps)) is not None), None)
+
+    ours_is, ref_is = through(e.ours), through(e.ref)
+    if ours_is is None or ref_is is None or ours_is == ref_is or "" not in (ours_is, ref_is):
+        return None
+    act = (ours_is or ref_is).split(" (")[0]
+    first, then = ("ours", "the reference") if ours_is == "" else ("the reference", "ours")
+    source = before[-1].rsplit(".", 1)[-1]
+    return Hint(
+        "norm_placement",
+        f"likely the order of {e.kind} and the activation: {first} normalises {source}'s output before the {act} "
+        f"activation ({source} -> {e.kind} -> {act}), {then} after it ({source} -> {act} -> {e.kind})",
+        {"activation": act, "before_activation": first, "input": before[-1]},
+    )
 
 
 def _moved_norm(e: Evidence, norm: str) -> str:

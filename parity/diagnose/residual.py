@@ -742,10 +742,10 @@ def projection_source(e: Evidence) -> Hint | None:
         if name.partition("@")[0] == e.name or tensor.numel() != x_ours.numel():
             continue
         if e.close(x_ours.reshape(tensor.shape), tensor):  # a router reads the tokens flattened: (tokens, hidden)
-            from parity.diagnose.elementwise import _activations
+            from parity.diagnose.elementwise import activations
 
             act = next(
-                (label for label, fn in _activations().items() if e.close(x_ref.reshape(tensor.shape), fn(tensor))),
+                (label for label, fn in activations().items() if e.close(x_ref.reshape(tensor.shape), fn(tensor))),
                 None,
             )
             skipped = next(

@@ -270,10 +270,12 @@ def identify(
             continue  # a variant that could not be computed for this layer
         worst = _fits(angle, keep, inv_freq, positions, tol)
         if worst is not None:
+            # (this layer's own RoPE fitting: its frequencies are right, a variant rotating alike here is no cause)
+            own = rope is not None and i == 0
             same = tuple(
                 other
                 for other, freqs in candidates[i + 1 :]
-                if freqs and _fits(angle, keep, freqs, positions, tol) is not None
+                if not own and freqs and _fits(angle, keep, freqs, positions, tol) is not None
             )
             return Fit(label, amplitude, worst, inv_freq=tuple(inv_freq), same_as=same)
     if rope is not None:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from parity.diagnose.elementwise import _activations, function_of
+from parity.diagnose.elementwise import activations, function_of
 from parity.diagnose.evidence import (
     EXPLAINS,
     Evidence,
@@ -49,7 +49,7 @@ def activation_skipped(e: Evidence) -> Hint | None:
         if ours_plain == ref_plain:
             continue
         applied = e.ref if ours_plain else e.ours
-        label = next((label for label, act in _activations().items() if e.close(applied, act(tensor))), None)
+        label = next((label for label, act in activations().items() if e.close(applied, act(tensor))), None)
         if label is None:
             continue
         side = "ours" if ours_plain else "the reference"
@@ -617,7 +617,7 @@ def gate_up_roles(e: Evidence) -> Hint | None:
         return None
 
     x_ref = e.ref_trace.inputs.get(e.name) if hasattr(e.ref_trace.inputs, "get") else None
-    for label, act in _activations().items():
+    for label, act in activations().items():
         right, swapped = act(gate) * up, act(up) * gate
         ours_swapped = e.close(x, swapped) and not e.close(x, right)
         ref_swapped = x_ref is not None and e.close(x_ref, swapped) and e.close(x, right) and not e.close(x_ref, right)
@@ -630,7 +630,7 @@ def gate_up_roles(e: Evidence) -> Hint | None:
                 {"swapped": [f"{stem}.{gate_name}", f"{stem}.{up_name}"], "activation": label, "side": side},
             )
     # the roles agree, the function differs: each side's down_proj input read back as act(gate) * up
-    products = {label: act(gate) * up for label, act in _activations().items()}
+    products = {label: act(gate) * up for label, act in activations().items()}
     ours_is = next((label for label, y in products.items() if e.close(x, y)), None)
     ref_is = next((label for label, y in products.items() if x_ref is not None and e.close(x_ref, y)), None)
     if ours_is is not None and ref_is is not None and ours_is != ref_is:
@@ -642,7 +642,7 @@ def gate_up_roles(e: Evidence) -> Hint | None:
         )
     if ref_is is not None and ours_is is None:
         for what, alone in (
-            (f"act(gate) alone ({ref_is}(gate_proj))", _activations()[ref_is](gate)),
+            (f"act(gate) alone ({ref_is}(gate_proj))", activations()[ref_is](gate)),
             ("up_proj alone", up),
         ):
             if e.close(x, alone):
@@ -696,7 +696,7 @@ def _fused_split(e: Evidence, fused: torch.Tensor, x: torch.Tensor) -> Hint | No
         "interleaved rows (gate = rows 0::2, up = rows 1::2)": (fused[..., 0::2], fused[..., 1::2]),
     }
     x_ref = e.ref_trace.inputs.get(e.name)
-    for label, act in _activations().items():
+    for label, act in activations().items():
         products = {how: act(g) * u for how, (g, u) in splits.items()}
         ref_is = next((how for how, y in products.items() if x_ref is not None and e.close(x_ref, y)), None)
         ours_is = next((how for how, y in products.items() if e.close(x, y)), None)

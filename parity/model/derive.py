@@ -379,6 +379,8 @@ def _config_multipliers(config) -> dict[str, float]:
     for key, value in fields.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value in (0, 1):
             continue
+        if key.startswith(("initializer", "init_")):  # how weights were drawn at training start: no forward reads it
+            continue
         words = ("multiplier", "scaling", "scale_depth", "scalar", "_factor")
         if any(word in key for word in words) or key.endswith("_scale"):
             named[f"the config's {key} ({value:g})"] = float(value)

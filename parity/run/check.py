@@ -16,6 +16,7 @@ from dataclasses import replace
 import torch
 
 from parity.build.coverage import loader_coverage
+from parity.compare.arbiter import arbitrated_like, arbitrated_note
 from parity.compare.results import first_mismatch
 from parity.diagnose.origin import find_origin
 from parity.model.pair import Pair
@@ -263,7 +264,10 @@ def _check_forward(pair: Pair, run: Run) -> CheckResult:
         nodes = isolated
     else:
         our_trace = trace_ours(pair, run, reference=ref_trace, tolerances=tolerance)  # compared as it runs
-        nodes = borrow_isolated_hint(compare_run(pair, run, our_trace, ref_trace, tolerance), isolated)
+        nodes = compare_run(pair, run, our_trace, ref_trace, tolerance)
+        if isolated is not None:
+            isolated = arbitrated_like(isolated, nodes)
+        nodes = borrow_isolated_hint(nodes, isolated)
     refuse_changed_weights(pair, "during the forward passes")
     origin, origin_reason = None, ""
     if isolated is not None and run.mode == "both" and not run.tolerances.exact and first_mismatch(nodes) is not None:
@@ -275,6 +279,7 @@ def _check_forward(pair: Pair, run: Run) -> CheckResult:
         if trace is not None:
             trace.close()
     notes += [note for results in (nodes, isolated or []) if (note := undiagnosed_note(results))]
+    notes += [note] if (note := arbitrated_note(nodes)) else []
     meta = run_meta(pair, run, diffs, time.perf_counter() - start)
     meta["trace_spilled_bytes"] = spilled
     if run.options.locate and our_trace is not None:

@@ -31,6 +31,7 @@ from typing import cast
 
 import torch
 
+from parity.compare.arbiter import arbitrated_like, arbitrated_note, is_arbitrated
 from parity.compare.results import NodeResult, first_mismatch
 from parity.compare.tolerances import Tolerances
 from parity.model.pair import Loading, Pair
@@ -263,12 +264,14 @@ def _names_only(loading: Loading) -> Loading:
 
 
 def _merge(semantic: list[NodeResult], precision: list[NodeResult]) -> list[NodeResult]:
-    """Per node the semantic result when it fails, else the precision one (the same node order)."""
+    """Per node the semantic result when it fails or was arbitrated by the logits (a value misread in ours is so in
+    any dtype: a bfloat16 run's logits are too rough to arbitrate it again), else the precision one (the same node
+    order)."""
     by_name = {r.name: r for r in precision}
     out = []
     for r in semantic:
         p = by_name.get(r.name)
-        out.append(r if r.failed or p is None else p)
+        out.append(r if r.failed or p is None or is_arbitrated(r) else p)
     return out
 
 
@@ -293,7 +296,10 @@ def check_semantic(pair: Pair, run: Run, notes: list[str], coverage) -> CheckRes
         ours64 = None
         if run.mode != "isolated":
             ours64 = trace_ours(pair64, run64, reference=ref64, tolerances=sem_tol)
-            semantic = borrow_isolated_hint(compare_run(pair64, run64, ours64, ref64, sem_tol), isolated)
+            semantic = compare_run(pair64, run64, ours64, ref64, sem_tol)
+            if isolated is not None:
+                isolated = arbitrated_like(isolated, semantic)
+            semantic = borrow_isolated_hint(semantic, isolated)
         else:
             assert isolated is not None  # compared just above for this mode
             semantic = isolated
@@ -317,6 +323,8 @@ def check_semantic(pair: Pair, run: Run, notes: list[str], coverage) -> CheckRes
         what="tables a model derives" if copied is None else "weights and tables",
     )
     notes = [*notes, rule]
+    if (arbitrated := arbitrated_note(nodes)) is not None:
+        notes.append(arbitrated)
     if copied is not None:
         notes.append(
             f"the float64 run uses float64 copies of both models: {copied}; float32 tables or weights ours derived "

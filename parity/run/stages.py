@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import inspect
+import itertools
 import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -18,7 +19,8 @@ from typing import cast
 import torch
 
 from parity.build.builder import tied_weights
-from parity.build.coverage import SCALED, SLICE
+from parity.build.coverage import LAYOUT, ROWS, SCALED, SLICE
+from parity.compare.arbiter import output_arbitrates
 from parity.compare.later_calls import call_of, with_later_calls
 from parity.compare.metrics import CHUNK, MISMATCH, MISSING, SHAPE, UNTAPPED, chunks
 from parity.compare.padding import unpadded_rows
@@ -292,7 +294,7 @@ def ours_recording(pair: Pair, order: Sequence[str] = ()) -> dict:
             functional[ptr] = group[0]
             if group[1:]:
                 siblings[group[0]] = group[1:]
-    _stacked_rows(pair, params, key_of, functional, siblings)
+    rebased = _stacked_rows(pair, params, key_of, functional, siblings)
     # a module of ours aligned by its weight whose forward never runs (F.linear(x, self.head.weight) in its
     # parent): the product reading that weight outside the module is the node
     modules = dict(pair.ours.named_modules()) if pair.alignment else {}
@@ -363,7 +365,9 @@ def ours_recording(pair: Pair, order: Sequence[str] = ()) -> dict:
         blocks.update({m: (path, m == last) for m in members})
     return dict(
         points=[(n.name, n.ours) for n in pair.nodes if not n.ours.startswith(UNHOOKED)],
-        transforms={n.name: n.transform for n in pair.nodes if n.transform is not None},
+        transforms={**{n.name: n.transform for n in pair.nodes if n.transform is not None}, **rebased},
+        # (the nodes' own inverses are the caller's: the rebased ones replace them)
+        inverses={name: getattr(rows, "inverse") for name, rows in rebased.items()},  # noqa: B009
         taps=taps,
         functional=functional if pair.alignment and (functional or taps) else None,
         functional_biases=biases or None,
@@ -398,37 +402,104 @@ def ours_recording(pair: Pair, order: Sequence[str] = ()) -> dict:
     )
 
 
+def with_inverses(args: dict, inverses: dict) -> dict:
+    """:func:`ours_recording`'s ``args`` with the nodes' own ``inverses`` under those it rebased."""
+    return {**args, "inverses": {**inverses, **args.get("inverses", {})}}
+
+
 def _stacked_rows(
     pair: Pair, params: dict, key_of: dict, functional: dict[StorageKey, str], siblings: dict[str, list[str]]
-) -> None:
-    """Norm gains stacked as rows of one parameter of ours (``norms[i]``), each row one node's checkpoint vector
-    (loader coverage says which): a read of a row is that row's node, whatever order ours runs them in (Gemma
-    3n's port normalises k before q; a gain folded into the next weights at load is never read). A row read
-    again once its node is recorded goes to the next node of the rows not yet recorded, in the reference's
-    order (a row read where another norm runs is that norm's weight applied there: the hint names it).
-    Rewrites ``functional`` and ``siblings`` in place: the parameter's key becomes one region per row, each
-    with the other rows' nodes as its siblings."""
+) -> dict[str, Callable]:
+    """A parameter of ours stacking several nodes' checkpoint tensors (loader coverage says where each is), read in
+    parts: each part's read is its own nodes', whatever order ours runs them in.
+
+    - Vectors, one node each: norm gains stacked as rows (``norms[i]``) or side by side in a row (``qk_norm[i] =
+      [q_norm | k_norm]``). A read of one is its node (Gemma 3n's port normalises k before q; a gain folded into
+      the next weights at load is never read); one read again once its node is recorded goes to the next node
+      not yet recorded, in the reference's order (a row read where another norm runs is that norm's weight
+      applied there: the hint names it).
+    - Matrices stacked over the first axis (``wqkv[layer]`` holding a layer's q, k and v projections): a read of
+      one slab is the nodes it holds (each taking its rows), never another slab's.
+
+    Rewrites ``functional`` and ``siblings`` in place: the parameter's key becomes one region per part. Returns
+    the slabs' nodes' transforms, their rows counted within their slab (what a read of it computes)."""
     coverage = pair.loading.coverage
+    rebased: dict[str, Callable] = {}
     if coverage is None:
-        return
+        return rebased
+    transforms = {n.name: n.transform for n in pair.nodes}
     by_key = {f"{n.reference_path}.weight": n.name for n in pair.nodes if n.ours.startswith("param:")}
     for name, p in params.items():
         key = key_of.get(id(p))
-        if p.dim() != 2 or key is None or key not in functional:
+        if p.dim() < 2 or key is None or key not in functional:
             continue
         group = [functional[key], *siblings.get(functional[key], [])]  # the reference's order
         # rows of norms the reference runs as no node of its own (Gemma 4's post_feedforward_layernorm_1) are
         # read by no node
-        held = {by_key.get(s.key): s.one_row for s in coverage.sources.get(name, []) if s.one_row is not None}
-        rows = {n: row for n, row in held.items() if n in group}
-        if len(group) < 2 or set(rows) != set(group) or len(set(rows.values())) != len(rows):
+        sources = {by_key.get(s.key): s for s in coverage.sources.get(name, [])}
+        held = {n: _held_elements(p, s) for n, s in sources.items()}
+        regions = {n: span for n, span in held.items() if n in group and span is not None}
+        spans = sorted(set(regions.values()))
+        if len(group) < 2 or set(regions) != set(group) or len(spans) < 2:
             continue
+        if any(a[1] > b[0] for a, b in itertools.pairwise(spans)):
+            continue  # parts overlapping in storage: no read tells them apart
+        one_each = len(spans) == len(regions)
         ptr = p.untyped_storage().data_ptr()
         siblings.pop(functional.pop(key), None)
-        for node, row in rows.items():
-            start = p.storage_offset() + row * p.stride(0)
-            functional[(ptr, start, start + (p.shape[1] - 1) * p.stride(1) + 1)] = cast(str, node)
-            siblings[cast(str, node)] = [n for n in group if n != node]
+        for start, end in spans:
+            members = [n for n in group if regions[n] == (start, end)]
+            functional[(ptr, start, end)] = cast(str, members[0])
+            others = [n for n in group if n != members[0]] if one_each else members[1:]
+            if others:
+                siblings[cast(str, members[0])] = others
+        if p.dim() >= 3:
+            for node in group:
+                rows = transforms.get(node)
+                if isinstance(getattr(rows, "rows", None), tuple) and not sources[node].flat:
+                    rebased[node] = _within_slab(p, sources[node], rows)
+    return rebased
+
+
+def _within_slab(p: torch.Tensor, source, rows):
+    """``rows`` (a :class:`parity.user.align.Rows` of ``p``'s product over all its slabs) counted within the one
+    slab holding them: what a product over that slab (``x @ W[layer]``) gives."""
+    order = source.permute or tuple(range(p.dim()))
+    per_slab = math.prod(p.shape[i] for i in order[1:-1])
+    first = (rows.rows[0] // per_slab) * per_slab
+    return replace(rows, rows=tuple(r - first for r in rows.rows), block=None, width=per_slab)
+
+
+def _held_elements(p: torch.Tensor, source) -> tuple[int, int] | None:
+    """The storage elements ``[start, end)`` of the parameter ``p`` (two axes or more) holding ``source``'s tensor:
+    one whole row (``norms[i]``, ``ln[layer, 1]``); a run of one row's elements (``qk_norm[i] = [q_norm |
+    k_norm]``: a flat source whose elements follow each other in storage); the one slab along the first axis holding a matrix's rows
+    (``wqkv[layer]``, three axes or more); None for any other source."""
+    order = source.permute or tuple(range(p.dim()))
+    if source.one_row is not None and tuple(order) == tuple(range(p.dim())):  # a row of p's leading axes flattened
+        index = torch.unravel_index(torch.tensor(source.one_row), tuple(p.shape[:-1]))
+        start = int(p.storage_offset()) + sum(int(i) * int(st) for i, st in zip(index, p.stride()[:-1], strict=True))
+        return start, start + (int(p.shape[-1]) - 1) * int(p.stride(-1)) + 1
+    rows = source.rows
+    if source.how != ROWS or not rows:
+        return None
+    if not source.flat:  # rows of p's view in the source's axis order, every axis but the last flattened
+        if p.dim() < 3 or order[0] != 0:
+            return None
+        per_slab = math.prod(p.shape[i] for i in order[1:-1])
+        slab = rows[0] // per_slab
+        if rows[-1] // per_slab != slab or any(r // per_slab != slab for r in rows):
+            return None
+        start = p.storage_offset() + slab * p.stride(0)
+        return start, start + 1 + sum((n - 1) * st for n, st in zip(p.shape[1:], p.stride()[1:], strict=True))
+    if p.dim() != 2 or tuple(rows) != tuple(range(rows[0], rows[-1] + 1)):
+        return None
+    first, last = divmod(rows[0], p.shape[1]), divmod(rows[-1], p.shape[1])
+    if first[0] != last[0]:  # one row's elements only: a vector spread over rows is another layout
+        return None
+    start = p.storage_offset() + first[0] * p.stride(0) + first[1] * p.stride(1)
+    end = p.storage_offset() + last[0] * p.stride(0) + last[1] * p.stride(1) + 1
+    return (start, end) if end - start == len(rows) else None
 
 
 def _input_axes(pair: Pair, params: dict, ref_modules: dict) -> dict[int, tuple[torch.Tensor, int]]:
@@ -521,10 +592,9 @@ def trace_ours(
         recording(
             pair.ours,
             substitute=substitute,
-            inverses=inverses,
             keep_inputs=diagnosis_inputs(pair),
             into=trace,
-            **ours_recording(pair, reference.order if reference is not None else ()),
+            **with_inverses(ours_recording(pair, reference.order if reference is not None else ()), inverses),
         ),
     ):
         run_ours(pair, pair.ours, on_device(device, run.input_ids), **kwargs)
@@ -724,6 +794,11 @@ def compare_run(
         results = misread_internals(results, frozenset(captured))
     if not ours.extras.get(ISOLATED):  # isolated mode substitutes first calls only: later ones run on ours' values
         results = with_later_calls(results, ours, ref, pair.nodes, tolerances, padding)
+    if pair.alignment and not ours.extras.get(ISOLATED):  # ours' own logits: a gross internal difference is misread
+        declared = frozenset(
+            n.name for n in pair.nodes if n.ours.startswith("tap:") and not n.ours.startswith(f"tap:{FUNCTIONS}")
+        )
+        results = output_arbitrates(results, declared)
     bad = first_mismatch(results)
     if bad is not None and call_of(bad.name) is not None:
         results[bad.index] = replace(bad, hint=later_call_hint(results, bad, ref.calls))
@@ -736,6 +811,13 @@ def compare_run(
         if rows is not None:  # ours ran each row alone (zeros at the padding): the detectors read the full rows
             seen_ours, seen_ref, mask, positions = rows
         hint = diagnose(bad, seen_ours, seen_ref, pair.facts, positions, mask, spec)
+        if hint is not None and hint.kind in SEARCHED:  # a block's generic verdict: the loader's own evidence first
+            hint = (
+                never_read_before(results, bad, pair)
+                or loader_gap_before(results, bad, pair)
+                or reshaped_before(results, bad, pair)
+                or hint
+            )
         hint = (
             hint
             or never_read_before(results, bad, pair)
@@ -928,7 +1010,12 @@ def reshaped_before(results: list[NodeResult], bad: NodeResult, pair: Pair) -> H
         for source in sources:
             held = params.get(name)
             key = shapes.get(source.key)
-            if source.how != SLICE or held is None or key is None or not _module_in(source.key, scope):
+            # a view (slice) or a copy in another shape whose elements keep the checkpoint's order (a layout with
+            # no axis moved)
+            reshaped = source.how == SLICE or (
+                source.how == LAYOUT and tuple(source.permute or ()) == tuple(range(len(source.permute or ())))
+            )
+            if not reshaped or held is None or key is None or not _module_in(source.key, scope):
                 continue
             mine = tuple(held.shape)
             if mine != key and sorted(mine) == sorted(key) and held.numel() == math.prod(key):

@@ -48,10 +48,15 @@ def _logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def _perturbed(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """A new tensor near ``t`` and different from it everywhere (zeros included)."""
+def _perturbed(t: torch.Tensor, gen: torch.Generator, rows: tuple[int, ...] | None = None) -> torch.Tensor:
+    """A new tensor near ``t`` and different from it everywhere (zeros included); with ``rows``, only in those rows
+    of ``t`` flattened to ``(-1, last axis)``."""
     noise = torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.dtype)
     scale = float(t.float().abs().mean()) if t.numel() else 0.0
+    if rows is not None and t.dim() > 1:
+        keep = torch.zeros(t.numel() // t.shape[-1], 1, dtype=t.dtype)
+        keep[list(rows)] = 1
+        noise = noise * keep.expand(-1, t.shape[-1]).reshape(t.shape)
     return t + noise * (0.25 * scale if scale > 0 else 0.1)
 
 
@@ -114,8 +119,9 @@ def _parameters_on_meta():
 
 def derived_keys(ours, ref: Reference, model: nn.Module, coverage: Coverage) -> dict[str, list[str]]:
     """``{checkpoint key: [our parameters derived from it]}`` for each of ``coverage.unused`` that ours'
-    build reads in a form coverage cannot trace (see the module docstring), and for each key held beside a
-    parameter of ours that holds none (a key both copied and computed into another value at load). Empty when ``ours`` is a
+    build reads in a form coverage cannot trace (see the module docstring), for each key held beside a
+    parameter of ours that holds none (a key both copied and computed into another value at load), and for each
+    key some of whose rows no parameter holds (those rows perturbed alone: folded into another weight). Empty when ``ours`` is a
     module (nothing to call again), when more than :data:`MAX_PROBED` keys are unused and probing them all would
     take longer than :data:`PROBE_SECONDS` (judged from one build), or when building
     twice from the same tensors does not give the same logits (a build that draws random values). A key
@@ -124,7 +130,10 @@ def derived_keys(ours, ref: Reference, model: nn.Module, coverage: Coverage) -> 
     if isinstance(ours, nn.Module) or not callable(ours):
         return {}
     beside = [k for k in _beside_unwritten(coverage) if k not in coverage.unused]
-    probed = list(coverage.unused) + beside[: max(MAX_PROBED - len(coverage.unused), 0)]  # the unused keys first
+    # keys some of whose rows no parameter holds (the key/value up-projection folded into the query's weights):
+    # those rows alone perturbed
+    partial = [k for k in coverage.rows_unheld if k not in coverage.unused and k not in beside]
+    probed = list(coverage.unused) + (beside + partial)[: max(MAX_PROBED - len(coverage.unused), 0)]
     if not probed:
         return {}
     from parity.user.check_model import build_ours
@@ -163,7 +172,7 @@ def derived_keys(ours, ref: Reference, model: nn.Module, coverage: Coverage) -> 
     read: set[str] | None = None  # the parameters ours' forward reads, found when first needed
     for key in probed:
         state_dict = dict(ref.state_dict)
-        state_dict[key] = _perturbed(state_dict[key], gen)
+        state_dict[key] = _perturbed(state_dict[key], gen, coverage.rows_unheld.get(key))
         model2 = rebuilt(state_dict)
         logits = None if model2 is None else _logits(model2, ids)
         if logits is None:
@@ -182,7 +191,7 @@ def derived_keys(ours, ref: Reference, model: nn.Module, coverage: Coverage) -> 
             into = [n for n in into if n in read]
             if not into:
                 continue
-        if not mistaken.intersection(into) and (key in coverage.unused or into):
+        if not mistaken.intersection(into) and (key in coverage.unused or key in coverage.rows_unheld or into):
             found[key] = into
     return found
 
