@@ -80,10 +80,10 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 bug = heldout_support.bug_fixture(MODELS)
 
 CLEAN = [("mamba2", "", False), ("beam", "", True), ("hyperclovax", "", False)]
-#: Beam's residual accumulated unscaled, each norm's eps scaled by the depth to match (equal at the logits, a factor
-#: sqrt(n) apart at every layer's output); Mamba-2 with its norms' gains folded into the next weights at load (in_proj's
-#: columns scaled per channel: a convention loader coverage does not read)
-KNOWN_FALSE = frozenset({("beam", "beam_clean_unscaled_residual")})
+#: known false failures, strict xfails: none. (Beam's residual accumulated unscaled, each norm's eps scaled by the
+#: depth to match, equal at the logits and a factor sqrt(n) apart at every layer's output, was one until the
+#: twenty-ninth session: the logits now arbitrate such gross internal differences, each node named in a note.)
+KNOWN_FALSE: frozenset[tuple[str, str]] = frozenset()
 
 
 @pytest.mark.parametrize(("model", "bug", "padded"), CLEAN, indirect=["bug"], ids=str)

@@ -48,6 +48,12 @@ def embedding_rows(e: Evidence) -> Hint | None:
     if not _is_lookup(e.kind):
         return None
     table, ids = e.ref_trace.weights.get(e.name), e.ref_trace.inputs.get(e.name)
+    if table is not None and table.dim() == 2 and e.kind in POSITION_TABLES:
+        # a position table whose module derives its positions (BioGPT's from the attention mask, offset by 2): the
+        # rows each side reads, from its output
+        rows = _position_rows(e, table)
+        if rows is not None:
+            return rows
     if table is None or ids is None or table.dim() != 2 or ids.is_floating_point() or ids.numel() == 0:
         return None
     if e.ref.shape[:-1] != ids.shape or e.ref.shape[-1] != table.shape[1]:
@@ -66,6 +72,35 @@ def embedding_rows(e: Evidence) -> Hint | None:
             return None
         return _mapping_hint(e, side, read.reshape(ids.shape), ids)
     return None
+
+
+def _position_rows(e: Evidence, table: torch.Tensor) -> Hint | None:
+    """A position table's rows read on each side (each output row a row of the table: a plain lookup) where the
+    module's input is no position (a mask it derives them from): the side whose rows count each batch row's tokens
+    from 0 (an arange over the padding) named against the other's; None unless both sides read table rows and
+    one side's rows count the tokens."""
+    if e.ours.shape != e.ref.shape or e.ref.dim() < 2 or e.ref.shape[-1] != table.shape[1]:
+        return None
+    shape = e.ref.shape[:-1]
+    ours, ref = _rows_read(e.ours, table, 1.0), _rows_read(e.ref, table, 1.0)
+    if ours is None or ref is None:
+        return None
+    ours, ref = ours.reshape(shape), ref.reshape(shape)
+    if bool((ours == ref).all()):
+        return None
+    valid = torch.ones(shape, dtype=torch.bool)
+    if e.attention_mask is not None and tuple(e.attention_mask.shape) == tuple(shape):
+        valid = e.attention_mask.bool()  # (what the padding holds is not judged: it may be either side's)
+    for side, read, other in (("ours", ours, ref), ("the reference", ref, ours)):
+        if _counts_tokens(read, valid):
+            return _mapping_hint(e, side, read, other)
+    return None
+
+
+def _counts_tokens(rows: torch.Tensor, valid: torch.Tensor) -> bool:
+    """Whether ``rows`` ``(batch, seq)`` are ``arange(seq) + c`` at every ``valid`` token (one offset ``c``)."""
+    shift = (rows - torch.arange(rows.shape[-1]).expand_as(rows))[valid]
+    return shift.numel() > 0 and bool((shift == shift[0]).all())
 
 
 def _mapping_hint(e: Evidence, side: str, read: torch.Tensor, ids: torch.Tensor) -> Hint | None:
@@ -98,13 +133,14 @@ def _mapping_hint(e: Evidence, side: str, read: torch.Tensor, ids: torch.Tensor)
     if position:
         n = ids.shape[-1]
         counted = torch.arange(n).expand_as(read)
-        if e.attention_mask is not None and bool((read[valid] == counted[valid]).all()):
+        offset = int((read - counted)[valid][0])  # a table offset (OPT's and BioGPT's +2) kept on both sides
+        if e.attention_mask is not None and bool((read[valid] == counted[valid] + offset).all()):
             pads = [int(p) for p in (e.attention_mask == 0).sum(1)]
             return Hint(
                 kind,
-                f"likely positions not derived from the attention mask in {side}: it reads position rows 0..{n - 1} in "
-                f"every batch row, the other side each row's position_ids (pad counts {pads}): position_ids ignored "
-                "(an arange over the padding)",
+                f"likely positions not derived from the attention mask in {side}: it reads position rows "
+                f"{offset}..{n - 1 + offset} in every batch row, the other side each row's position_ids (pad counts "
+                f"{pads}): position_ids ignored (an arange over the padding)",
                 {**evidence, "pad_counts": pads},
             )
         last = int(ids[valid].max())

@@ -76,16 +76,20 @@ class Evidence:
         ):
             return x_ours, x_ref
         candidates = [x_ours.reshape(x_ref.shape)] if x_ours.shape[-1] == x_ref.shape[-1] else []
-        if 2 < x_ours.dim() <= 4:
+        if 2 < x_ours.dim() <= 4:  # the features stay last: the leading axes in another order
+            last = x_ours.dim() - 1
             candidates += [
                 t
-                for order in itertools.permutations(range(x_ours.dim()))
-                if (t := x_ours.permute(order)).shape == x_ref.shape
+                for order in itertools.permutations(range(last))
+                if (t := x_ours.permute(*order, last)).shape == x_ref.shape
             ]
         if len(candidates) > 1:
             ref = x_ref.double().flatten()
-            return max(candidates, key=lambda t: abs(float(torch.nn.functional.cosine_similarity(
-                t.double().flatten(), ref, dim=0)))), x_ref  # fmt: skip
+
+            def alike(t: torch.Tensor) -> float:
+                return abs(float(torch.nn.functional.cosine_similarity(t.double().flatten(), ref, dim=0)))
+
+            return max(candidates, key=alike), x_ref
         return (candidates[0] if candidates else x_ours), x_ref
 
     @property

@@ -382,7 +382,7 @@ def _rope_hint(e: Evidence, fit, side: str, layer, own: float) -> Hint | None:
             + f", {side} rotates it with {fit.label}, {amp}",
             evidence,
         )
-    if fit.label.startswith("the RoPE of"):
+    if fit.label.startswith("the RoPE of") or "scaling applied to this" in fit.label:
         return Hint(
             "rope_layer_type",
             f"likely RoPE per layer type: this {layer.layer_type} layer of {side} uses {fit.label}, {amp}; "

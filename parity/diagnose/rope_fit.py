@@ -265,6 +265,19 @@ def identify(
             candidates.append(
                 (f"the RoPE of {layer_type} layers ({other.rope_type}, theta {other.theta:g})", other.inv_freq)
             )
+            if rope is not None and other.rope_type != "default" and rope.rope_type == "default" and layer.head_dim:
+                # this layer's theta with the other layer type's scaling (Gemma 3's linear factor of its global
+                # layers applied to its local ones too)
+                scaled = other.with_parameters({"rope_theta": rope.theta}, layer.head_dim, max_position_embeddings)
+                factor = other.get("factor")
+                candidates.append(
+                    (
+                        f"{other.rope_type} RoPE{f' (factor {factor:g})' if factor else ''} with this layer's theta "
+                        f"{rope.theta:g}: the {layer_type} layers' {other.rope_type} scaling applied to this "
+                        f"{layer.layer_type} layer too, whose rope_parameters have none",
+                        scaled,
+                    )
+                )
     for i, (label, inv_freq) in enumerate(candidates):
         if not inv_freq:
             continue  # a variant that could not be computed for this layer

@@ -57,6 +57,9 @@ def _scale_name(e: Evidence, scale: float) -> str:
     # then the config's own constants, the usual formulas, and last the constants squared or inverted (a square
     # of a residual multiplier equal to 1/sqrt(head_dim) by chance is no reading before the formula)
     candidates.update({label: v for label, v in named.items() if "squared" not in label})
+    scalar = e.facts.query_pre_attn_scalar
+    if scalar and scalar != head_dim:  # Gemma's attention scale where it is not head_dim's (Gemma 3 27B: 168, 128)
+        candidates[f"1/sqrt(query_pre_attn_scalar={scalar:g})"] = scalar**-0.5
     candidates.update(
         {
             "1 (no scale)": 1.0,
@@ -1036,7 +1039,14 @@ def _bias_source(e: Evidence, v: torch.Tensor) -> str | None:
     weight = e.ref_trace.weights.get(e.name)
     for side, added in (("ours", own + v), ("the reference", own - v)):  # the other side adding b
         if same(added, torch.zeros_like(added)):
-            return f"{side} adds none at {e.name}, the other side its bias"
+            # a query's or key's bias added after RoPE reads as none here, where the product is compared
+            later = (
+                " (left out, or added later: a query or key bias added after RoPE, where the rotation would turn it)"
+                if e.kind in ("q_proj", "k_proj", "query", "key")
+                and any(k.endswith("_rot") for k in e.ref_trace.tensors)
+                else ""
+            )
+            return f"{side} adds none at {e.name}, the other side its bias{later}"
         if same(added, 2 * own):
             return f"{side} adds {e.name}'s bias twice"
         scale = float((added * own).sum() / own.pow(2).sum().clamp_min(1e-300))

@@ -181,6 +181,7 @@ def _homogeneous_facts(config, model) -> ArchFacts:
         else "rmsnorm",
         norm_eps=float(eps) if eps is not None else None,
         logit_scale=_get(config, "logit_scale"),
+        query_pre_attn_scalar=scalar,
         # RecurrentGemma's logits_soft_cap, xLSTM's output_logit_soft_cap
         final_softcap=_get(config, "final_logit_softcapping")
         or _get(config, "logits_soft_cap")

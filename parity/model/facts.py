@@ -156,6 +156,8 @@ class ArchFacts:
     norm_weight_offset: float = 0.0
     qk_norm: str | None = None
     logit_scale: float | None = None
+    #: the config's query_pre_attn_scalar (Gemma 2/3: the attention scales by its inverse square root, not head_dim's)
+    query_pre_attn_scalar: float | None = None
     final_softcap: float | None = None
     attn_softcap: float | None = None
     #: OLMo's ``clip_qkv``: q, k and v clamped to [-c, c] right after their projections (None: no clip)

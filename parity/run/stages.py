@@ -14,7 +14,7 @@ import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import cast
+from typing import Any, cast
 
 import torch
 
@@ -294,7 +294,8 @@ def ours_recording(pair: Pair, order: Sequence[str] = ()) -> dict:
             functional[ptr] = group[0]
             if group[1:]:
                 siblings[group[0]] = group[1:]
-    rebased = _stacked_rows(pair, params, key_of, functional, siblings)
+    rebased = _stacked_rows(pair, params, key_of, functional, siblings, biases)
+    _rowed_biases(pair, params, key_of, functional, biases)
     # a module of ours aligned by its weight whose forward never runs (F.linear(x, self.head.weight) in its
     # parent): the product reading that weight outside the module is the node
     modules = dict(pair.ours.named_modules()) if pair.alignment else {}
@@ -367,7 +368,7 @@ def ours_recording(pair: Pair, order: Sequence[str] = ()) -> dict:
         points=[(n.name, n.ours) for n in pair.nodes if not n.ours.startswith(UNHOOKED)],
         transforms={**{n.name: n.transform for n in pair.nodes if n.transform is not None}, **rebased},
         # (the nodes' own inverses are the caller's: the rebased ones replace them)
-        inverses={name: getattr(rows, "inverse") for name, rows in rebased.items()},  # noqa: B009
+        inverses={name: rows.inverse for name, rows in rebased.items()},
         taps=taps,
         functional=functional if pair.alignment and (functional or taps) else None,
         functional_biases=biases or None,
@@ -408,8 +409,13 @@ def with_inverses(args: dict, inverses: dict) -> dict:
 
 
 def _stacked_rows(
-    pair: Pair, params: dict, key_of: dict, functional: dict[StorageKey, str], siblings: dict[str, list[str]]
-) -> dict[str, Callable]:
+    pair: Pair,
+    params: dict,
+    key_of: dict,
+    functional: dict[StorageKey, str],
+    siblings: dict[str, list[str]],
+    biases: dict[StorageKey, str],
+) -> dict[str, Any]:
     """A parameter of ours stacking several nodes' checkpoint tensors (loader coverage says where each is), read in
     parts: each part's read is its own nodes', whatever order ours runs them in.
 
@@ -419,12 +425,13 @@ def _stacked_rows(
       not yet recorded, in the reference's order (a row read where another norm runs is that norm's weight
       applied there: the hint names it).
     - Matrices stacked over the first axis (``wqkv[layer]`` holding a layer's q, k and v projections): a read of
-      one slab is the nodes it holds (each taking its rows), never another slab's.
+      one slab is the nodes it holds (each taking its rows), never another slab's; their biases stacked alike
+      (``bqkv[layer]``) are that slab's bias.
 
     Rewrites ``functional`` and ``siblings`` in place: the parameter's key becomes one region per part. Returns
     the slabs' nodes' transforms, their rows counted within their slab (what a read of it computes)."""
     coverage = pair.loading.coverage
-    rebased: dict[str, Callable] = {}
+    rebased: dict[str, Any] = {}  # node -> its Rows (parity.user.align) counted within its slab
     if coverage is None:
         return rebased
     transforms = {n.name: n.transform for n in pair.nodes}
@@ -458,7 +465,71 @@ def _stacked_rows(
                 rows = transforms.get(node)
                 if isinstance(getattr(rows, "rows", None), tuple) and not sources[node].flat:
                     rebased[node] = _within_slab(p, sources[node], rows)
+            _stacked_biases(pair, params, key_of, biases, [[n for n in group if regions[n] == span] for span in spans])
     return rebased
+
+
+def _stacked_biases(
+    pair: Pair, params: dict, key_of: dict, biases: dict[StorageKey, str], slabs: list[list[str]]
+) -> None:
+    """The biases of a stacked weight's slabs (``slabs``: each slab's nodes, its first the one its read records)
+    held stacked alike, one row per slab (``bqkv[layer]``): each row the bias of its slab's first node, in place of
+    the whole parameter's (which named one node for every layer's add)."""
+    coverage = pair.loading.coverage
+    if coverage is None:
+        return
+    paths = {n.name: n.reference_path for n in pair.nodes}
+    held = {s.key: (name, s) for name, sources in coverage.sources.items() for s in sources}
+    for members in slabs:
+        rows: set[tuple[str, int]] = set()
+        for node in members:
+            found = held.get(f"{paths.get(node)}.bias")
+            b = params.get(found[0]) if found is not None else None
+            if found is None or b is None or b.dim() != 2 or not found[1].flat or not found[1].rows:
+                rows = set()
+                break
+            rows |= {(found[0], r // b.shape[1]) for r in found[1].rows}
+        if len(rows) != 1:
+            continue  # a slab's biases on several rows, or none of them stacked: left as they are
+        ((name, row),) = rows
+        b = params[name]
+        whole = key_of.get(id(b))
+        if whole is not None:
+            biases.pop(whole, None)
+        start = b.storage_offset() + row * b.stride(0)
+        biases[(b.untyped_storage().data_ptr(), start, start + (b.shape[1] - 1) * b.stride(1) + 1)] = members[0]
+
+
+def _rowed_biases(
+    pair: Pair, params: dict, key_of: dict, functional: dict[StorageKey, str], biases: dict[StorageKey, str]
+) -> None:
+    """A norm's weight and bias held as rows of one parameter of ours (``ln = [weight; bias]``, ``(2, hidden)``, or
+    every layer's stacked), read in functions (``x_hat * ln[0] + ln[1]``): the weight's row is the node's read, the
+    bias's row its bias, added after it as the reference's LayerNorm adds it. Rewrites ``functional`` (the whole
+    parameter's key becomes the weight's row where it stood for that node) and adds to ``biases`` in place."""
+    coverage = pair.loading.coverage
+    if coverage is None:
+        return
+    nodes = {f"{n.reference_path}.weight": n.name for n in pair.nodes if n.ours.startswith("param:")}
+    for name, p in params.items():
+        key = key_of.get(id(p))
+        if p.dim() < 2 or key is None:
+            continue
+        sources = {s.key: s for s in coverage.sources.get(name, [])}
+        ptr = p.untyped_storage().data_ptr()
+        for bias_key, bias_source in sources.items():
+            node = nodes.get(bias_key.removesuffix(".bias") + ".weight") if bias_key.endswith(".bias") else None
+            weight_source = sources.get(bias_key.removesuffix(".bias") + ".weight")
+            if node is None or weight_source is None:
+                continue
+            weight, bias = _held_elements(p, weight_source), _held_elements(p, bias_source)
+            if weight is None or bias is None or not (weight[1] <= bias[0] or bias[1] <= weight[0]):
+                continue
+            if functional.get(key) == node:  # the whole parameter stood for the node: its weight's row now does
+                del functional[key]
+                key = (ptr, weight[0], weight[1])
+                functional[key] = node
+            biases[(ptr, bias[0], bias[1])] = node
 
 
 def _within_slab(p: torch.Tensor, source, rows):
@@ -473,8 +544,8 @@ def _within_slab(p: torch.Tensor, source, rows):
 def _held_elements(p: torch.Tensor, source) -> tuple[int, int] | None:
     """The storage elements ``[start, end)`` of the parameter ``p`` (two axes or more) holding ``source``'s tensor:
     one whole row (``norms[i]``, ``ln[layer, 1]``); a run of one row's elements (``qk_norm[i] = [q_norm |
-    k_norm]``: a flat source whose elements follow each other in storage); the one slab along the first axis holding a matrix's rows
-    (``wqkv[layer]``, three axes or more); None for any other source."""
+    k_norm]``: a flat source whose elements follow each other in storage); the one slab along the first axis
+    holding a matrix's rows (``wqkv[layer]``, three axes or more); None for any other source."""
     order = source.permute or tuple(range(p.dim()))
     if source.one_row is not None and tuple(order) == tuple(range(p.dim())):  # a row of p's leading axes flattened
         index = torch.unravel_index(torch.tensor(source.one_row), tuple(p.shape[:-1]))
@@ -488,7 +559,7 @@ def _held_elements(p: torch.Tensor, source) -> tuple[int, int] | None:
             return None
         per_slab = math.prod(p.shape[i] for i in order[1:-1])
         slab = rows[0] // per_slab
-        if rows[-1] // per_slab != slab or any(r // per_slab != slab for r in rows):
+        if any(r // per_slab != slab for r in rows):
             return None
         start = p.storage_offset() + slab * p.stride(0)
         return start, start + 1 + sum((n - 1) * st for n, st in zip(p.shape[1:], p.stride()[1:], strict=True))
