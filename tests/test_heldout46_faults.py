@@ -139,7 +139,8 @@ NAMED = [
      "a sandwich post-norm as Gemma 2's post_attention_layernorm"),
     ("glm", "causal_diag_masked", False, f"{ATTN}.probs", "causal_mask", "ours gives the key at the query's own "
      "position no weight"),
-    ("biogpt", "no_pos_offset", False, "biogpt.embed_positions", "position_offset", "positions off by -2 in ours"),
+    ("biogpt", "no_pos_offset", False, "biogpt.embed_positions", "position_offset",
+     "positions off by -2: ours at position p equals the reference at position p - 2"),
     ("biogpt", "embed_scale_head_dim", False, f"{BIO}.self_attn_layer_norm", "scale",
      "biogpt.embed_tokens weighted 0.5x in ours"),
     ("biogpt", "scale_after_pos", False, f"{BIO}.self_attn_layer_norm", "position_offset",

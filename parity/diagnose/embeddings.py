@@ -48,21 +48,23 @@ def embedding_rows(e: Evidence) -> Hint | None:
     if not _is_lookup(e.kind):
         return None
     table, ids = e.ref_trace.weights.get(e.name), e.ref_trace.inputs.get(e.name)
-    if table is not None and table.dim() == 2 and e.kind in POSITION_TABLES:
-        # a position table whose module derives its positions (BioGPT's from the attention mask, offset by 2): the
-        # rows each side reads, from its output
-        rows = _position_rows(e, table)
-        if rows is not None:
-            return rows
-    if table is None or ids is None or table.dim() != 2 or ids.is_floating_point() or ids.numel() == 0:
+    if table is None or table.dim() != 2:
         return None
+
+    # a position table whose module derives its positions (BioGPT's from the attention mask, offset by 2): the rows
+    # each side reads, from its output, where its input is no ids to read at
+    def derived() -> Hint | None:
+        return _position_rows(e, table) if e.kind in POSITION_TABLES else None
+
+    if ids is None or ids.is_floating_point() or ids.numel() == 0:
+        return derived()
     if e.ref.shape[:-1] != ids.shape or e.ref.shape[-1] != table.shape[1]:
-        return None
+        return derived()
     ids = ids.long()
     expected = table[ids.clamp(0, table.shape[0] - 1)].double()
     keep = expected.abs() > 1e-6 * float(expected.abs().max())
     if not bool(keep.any()):
-        return None
+        return derived()
     for side, right, wrong in (("ours", e.ref, e.ours), ("the reference", e.ours, e.ref)):
         scale = float((right.double()[keep] / expected[keep]).median())  # the module's constant (Gemma: sqrt(h))
         if scale == 0 or not e.close(right, (expected * scale).to(right.dtype)):
@@ -71,14 +73,14 @@ def embedding_rows(e: Evidence) -> Hint | None:
         if read is None:
             return None
         return _mapping_hint(e, side, read.reshape(ids.shape), ids)
-    return None
+    return derived()  # neither side reads the table at its input: the input is no ids
 
 
 def _position_rows(e: Evidence, table: torch.Tensor) -> Hint | None:
     """A position table's rows read on each side (each output row a row of the table: a plain lookup) where the
     module's input is no position (a mask it derives them from): the side whose rows count each batch row's tokens
-    from 0 (an arange over the padding) named against the other's; None unless both sides read table rows and
-    one side's rows count the tokens."""
+    from 0 (an arange over the padding) named against the other's, whose rows follow the mask; None unless both
+    sides read table rows and one side's rows count the tokens where the other's follow the padding."""
     if e.ours.shape != e.ref.shape or e.ref.dim() < 2 or e.ref.shape[-1] != table.shape[1]:
         return None
     shape = e.ref.shape[:-1]
@@ -92,8 +94,9 @@ def _position_rows(e: Evidence, table: torch.Tensor) -> Hint | None:
     if e.attention_mask is not None and tuple(e.attention_mask.shape) == tuple(shape):
         valid = e.attention_mask.bool()  # (what the padding holds is not judged: it may be either side's)
     for side, read, other in (("ours", ours, ref), ("the reference", ref, ours)):
-        if _counts_tokens(read, valid):
-            return _mapping_hint(e, side, read, other)
+        hint = _mapping_hint(e, side, read, other) if _counts_tokens(read, valid) else None
+        if hint is not None and "pad_counts" in hint.evidence:  # (a table offset is position_table_offset's)
+            return hint
     return None
 
 
