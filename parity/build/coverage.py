@@ -345,7 +345,7 @@ class Coverage:
         )
 
 
-def _span(t: torch.Tensor) -> tuple[int, int]:
+def storage_span(t: torch.Tensor) -> tuple[int, int]:
     """First and one-past-last element offset ``t`` touches in its storage."""
     offset = cast(int, t.storage_offset())
     if t.numel() == 0:
@@ -964,8 +964,8 @@ def loader_coverage(
         (a whole tensor in another layout, a transpose, is judged by value below)."""
         for key in by_ptr.get(st[:2], []):
             whole = state_dict[key]
-            lo, hi = _span(whole)
-            part = t is not None and lo <= _span(t)[0] and _span(t)[1] <= hi and t.dtype == whole.dtype
+            lo, hi = storage_span(whole)
+            part = t is not None and lo <= storage_span(t)[0] and storage_span(t)[1] <= hi and t.dtype == whole.dtype
             # all of it in the same element order (one expert of one, a reshape) is a part too; not a transpose
             if t is None or (part and (t.numel() < whole.numel() or (t.is_contiguous() and whole.is_contiguous()))):
                 return key
@@ -1339,7 +1339,7 @@ def _taken(parts: list[tuple[tuple[int, ...], str]], rows: tuple[int, ...]) -> b
 def _slice_gaps(key: str, whole: torch.Tensor, parts: list[tuple[list[tuple[int, int]], str]]) -> list[str]:
     """Every element of a fused checkpoint tensor in exactly one parameter: overlaps and holes, one line each."""
     runs = sorted((a, b, label) for intervals, label in parts for a, b in intervals)
-    lo, hi = _span(whole)
+    lo, hi = storage_span(whole)
     gaps, reach, last = [], lo, None
     holes = overlaps = 0
     for a, b, label in runs:

@@ -8,6 +8,7 @@ hint is better than a wrong one.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import re
@@ -60,6 +61,11 @@ class Evidence:
         return within_tolerance(a, b, self.result)
 
     def inputs(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """:attr:`_inputs`, read once per node (two dozen detectors ask)."""
+        return self._inputs
+
+    @functools.cached_property
+    def _inputs(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Both sides' kept module inputs of the node (ours, reference), ours in the reference's shape
         when the two differ only by how the leading axes are flattened (OPT's MLP runs on
         ``(batch * seq, hidden)``, a port on ``(batch, seq, hidden)``) or ordered (a per-head norm's input

@@ -16,7 +16,7 @@ from dataclasses import replace
 import torch
 
 from parity.build.coverage import loader_coverage
-from parity.compare.arbiter import arbitrated_like, arbitrated_note
+from parity.compare.arbiter import arbitrated_note
 from parity.compare.results import first_mismatch
 from parity.diagnose.origin import find_origin
 from parity.model.pair import Pair
@@ -26,7 +26,6 @@ from parity.run.plan import Run, decode_chunk_notes, decode_window_notes, plan
 from parity.run.positions import all_ones_mask_result, unpositioned_result
 from parity.run.stages import (
     analyse,
-    borrow_isolated_hint,
     calibrate_tolerances,
     compare_run,
     config_diff,
@@ -34,6 +33,7 @@ from parity.run.stages import (
     reference_noise,
     refuse_changed_weights,
     run_meta,
+    settle_with_isolated,
     trace_ours,
     trace_reference,
     undiagnosed_note,
@@ -264,10 +264,7 @@ def _check_forward(pair: Pair, run: Run) -> CheckResult:
         nodes = isolated
     else:
         our_trace = trace_ours(pair, run, reference=ref_trace, tolerances=tolerance)  # compared as it runs
-        nodes = compare_run(pair, run, our_trace, ref_trace, tolerance)
-        if isolated is not None:
-            isolated = arbitrated_like(isolated, nodes)
-        nodes = borrow_isolated_hint(nodes, isolated)
+        nodes, isolated = settle_with_isolated(compare_run(pair, run, our_trace, ref_trace, tolerance), isolated)
     refuse_changed_weights(pair, "during the forward passes")
     origin, origin_reason = None, ""
     if isolated is not None and run.mode == "both" and not run.tolerances.exact and first_mismatch(nodes) is not None:

@@ -31,7 +31,7 @@ from typing import cast
 
 import torch
 
-from parity.compare.arbiter import arbitrated_like, arbitrated_note, is_arbitrated
+from parity.compare.arbiter import arbitrated_note, is_arbitrated
 from parity.compare.results import NodeResult, first_mismatch
 from parity.compare.tolerances import Tolerances
 from parity.model.pair import Loading, Pair
@@ -45,12 +45,12 @@ from parity.run.stages import (
     SAFETY_FACTOR,
     UNHOOKED,
     analyse,
-    borrow_isolated_hint,
     compare_run,
     config_diff,
     max_error,
     refuse_changed_weights,
     run_meta,
+    settle_with_isolated,
     trace_ours,
     trace_reference,
 )
@@ -296,10 +296,7 @@ def check_semantic(pair: Pair, run: Run, notes: list[str], coverage) -> CheckRes
         ours64 = None
         if run.mode != "isolated":
             ours64 = trace_ours(pair64, run64, reference=ref64, tolerances=sem_tol)
-            semantic = compare_run(pair64, run64, ours64, ref64, sem_tol)
-            if isolated is not None:
-                isolated = arbitrated_like(isolated, semantic)
-            semantic = borrow_isolated_hint(semantic, isolated)
+            semantic, isolated = settle_with_isolated(compare_run(pair64, run64, ours64, ref64, sem_tol), isolated)
         else:
             assert isolated is not None  # compared just above for this mode
             semantic = isolated

@@ -19,8 +19,8 @@ from typing import Any, cast
 import torch
 
 from parity.build.builder import tied_weights
-from parity.build.coverage import LAYOUT, ROWS, SCALED, SLICE
-from parity.compare.arbiter import output_arbitrates
+from parity.build.coverage import LAYOUT, ROWS, SCALED, SLICE, storage_span
+from parity.compare.arbiter import arbitrated_like, output_arbitrates
 from parity.compare.later_calls import call_of, with_later_calls
 from parity.compare.metrics import CHUNK, MISMATCH, MISSING, SHAPE, UNTAPPED, chunks
 from parity.compare.padding import unpadded_rows
@@ -496,8 +496,8 @@ def _stacked_biases(
         whole = key_of.get(id(b))
         if whole is not None:
             biases.pop(whole, None)
-        start = b.storage_offset() + row * b.stride(0)
-        biases[(b.untyped_storage().data_ptr(), start, start + (b.shape[1] - 1) * b.stride(1) + 1)] = members[0]
+        start, end = storage_span(b[row])
+        biases[(b.untyped_storage().data_ptr(), start, end)] = members[0]
 
 
 def _rowed_biases(
@@ -549,8 +549,7 @@ def _held_elements(p: torch.Tensor, source) -> tuple[int, int] | None:
     order = source.permute or tuple(range(p.dim()))
     if source.one_row is not None and tuple(order) == tuple(range(p.dim())):  # a row of p's leading axes flattened
         index = torch.unravel_index(torch.tensor(source.one_row), tuple(p.shape[:-1]))
-        start = int(p.storage_offset()) + sum(int(i) * int(st) for i, st in zip(index, p.stride()[:-1], strict=True))
-        return start, start + (int(p.shape[-1]) - 1) * int(p.stride(-1)) + 1
+        return storage_span(p[tuple(int(i) for i in index)])
     rows = source.rows
     if source.how != ROWS or not rows:
         return None
@@ -559,18 +558,14 @@ def _held_elements(p: torch.Tensor, source) -> tuple[int, int] | None:
             return None
         per_slab = math.prod(p.shape[i] for i in order[1:-1])
         slab = rows[0] // per_slab
-        if any(r // per_slab != slab for r in rows):
-            return None
-        start = p.storage_offset() + slab * p.stride(0)
-        return start, start + 1 + sum((n - 1) * st for n, st in zip(p.shape[1:], p.stride()[1:], strict=True))
+        return storage_span(p[slab]) if all(r // per_slab == slab for r in rows) else None
     if p.dim() != 2 or tuple(rows) != tuple(range(rows[0], rows[-1] + 1)):
         return None
-    first, last = divmod(rows[0], p.shape[1]), divmod(rows[-1], p.shape[1])
-    if first[0] != last[0]:  # one row's elements only: a vector spread over rows is another layout
+    (row, first), (last_row, last) = divmod(rows[0], p.shape[1]), divmod(rows[-1], p.shape[1])
+    if row != last_row:  # one row's elements only: a vector spread over rows is another layout
         return None
-    start = p.storage_offset() + first[0] * p.stride(0) + first[1] * p.stride(1)
-    end = p.storage_offset() + last[0] * p.stride(0) + last[1] * p.stride(1) + 1
-    return (start, end) if end - start == len(rows) else None
+    start, end = storage_span(p[row, first : last + 1])
+    return (start, end) if end - start == len(rows) else None  # elements next to each other in storage
 
 
 def _input_axes(pair: Pair, params: dict, ref_modules: dict) -> dict[int, tuple[torch.Tensor, int]]:
@@ -882,21 +877,14 @@ def compare_run(
         if rows is not None:  # ours ran each row alone (zeros at the padding): the detectors read the full rows
             seen_ours, seen_ref, mask, positions = rows
         hint = diagnose(bad, seen_ours, seen_ref, pair.facts, positions, mask, spec)
-        if hint is not None and hint.kind in SEARCHED:  # a block's generic verdict: the loader's own evidence first
+        if hint is None or hint.kind in SEARCHED:  # none, or a block's generic verdict: the loader's evidence first
             hint = (
                 never_read_before(results, bad, pair)
                 or loader_gap_before(results, bad, pair)
                 or reshaped_before(results, bad, pair)
                 or hint
             )
-        hint = (
-            hint
-            or never_read_before(results, bad, pair)
-            or loader_gap_before(results, bad, pair)
-            or reshaped_before(results, bad, pair)
-            or derived_before(results, bad, pair)
-            or untapped_before(results, bad, pair.facts)
-        )
+        hint = hint or derived_before(results, bad, pair) or untapped_before(results, bad, pair.facts)
         if search and (hint is None or hint.kind in SEARCHED):
             hint = one_change_inside(pair, run, results, bad, seen_ours, seen_ref, mask, hint) or hint
         results[bad.index] = replace(bad, hint=hint)
@@ -1613,6 +1601,17 @@ def computed_otherwise(results: list[NodeResult], modules: set[str]) -> list[Nod
         else r
         for r in results
     ]
+
+
+def settle_with_isolated(
+    nodes: list[NodeResult], isolated: list[NodeResult] | None
+) -> tuple[list[NodeResult], list[NodeResult] | None]:
+    """The chained run's results and the isolated run's, each settled by the other: the isolated run's failures at
+    the nodes the chained run's logits arbitrated untapped alike (:func:`~parity.compare.arbiter.arbitrated_like`),
+    then the chained run's first failure with no hint given the isolated run's (:func:`borrow_isolated_hint`)."""
+    if isolated is not None:
+        isolated = arbitrated_like(isolated, nodes)
+    return borrow_isolated_hint(nodes, isolated), isolated
 
 
 def borrow_isolated_hint(nodes: list[NodeResult], isolated: list[NodeResult] | None) -> list[NodeResult]:
