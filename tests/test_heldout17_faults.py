@@ -166,11 +166,11 @@ NAMED = [
     ("phimoe", "pm_gate_up_swapped", False, "model.layers.0", "swapped_weights",
      "the chosen experts computed with gate_up_proj's halves swapped (up first: the activation on the up half) in ours"),
     ("phimoe", "pm_mscale_ignored", False, "model.layers.0.self_attn.q_rot", "rope_attention_factor",
-     "ours takes no factor (1), the reference 1.1547"),
+     "ours takes no factor (1), the reference LongRoPE's sqrt(1 + ln(4) / ln(original_max_position_embeddings 64))"),
     ("phimoe", "pm_mscale_on_q_only", False, "model.layers.0.self_attn.k_rot", "rope_attention_factor",
-     "ours takes no factor (1), the reference 1.1547"),
+     "ours takes no factor (1), the reference LongRoPE's sqrt(1 + ln(4) / ln(original_max_position_embeddings 64))"),
     ("phimoe", "pm_rope_long_factor", False, "model.layers.0.self_attn.q_rot", "rope_scaling",
-     "ours rotates like LongRoPE with long_factor (the frequencies divided by its factors) where the reference takes "
+     "ours rotates like LongRoPE with long_factor (the frequencies divided by its factors) where the config takes "
      "the other list"),
     ("phimoe", "pm_sliding_window_ignored", False, "model.layers.0.self_attn.probs", "sliding_window",
      "ours attends with full causal attention, the reference with a window of 16"),

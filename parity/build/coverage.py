@@ -67,8 +67,9 @@ class Source:
     ``how``: ``shared`` (same storage), ``copy`` (equal values), ``transposed`` (ours is the key's
     transpose), ``rows`` (ours holds the key's rows at ``rows[j]`` for the key's row ``j``) or
     ``slice`` (ours is a view of part of the key: ``region`` says which, e.g. ``[3, 0:16, :]``),
-    ``offset`` (ours = key + ``offset``: 1 for a norm weight kept as ``1 + w``), ``layout`` (ours,
-    axes permuted by ``permute`` and reshaped, is the key, or its transpose when ``transposed``) or
+    ``offset`` (ours = key + ``offset``: 1 for a norm weight kept as ``1 + w``; set on ``rows`` too, for gains
+    stacked so), ``layout`` (ours, axes permuted by ``permute`` and reshaped, is the key, or its transpose when
+    ``transposed``) or
     ``part`` (ours' rows are the key's rows ``rows`` of the key seen as ``(-1, ours' last dim)``) or
     ``scaled`` (ours = key * ``scale``, the constant ``scale_name``) or ``split`` (ours, axes permuted by
     ``permute`` and reshaped, is the key's ``region``, ``part`` = ``(axis, start, stop)``) or ``flipped`` (ours
@@ -1046,6 +1047,7 @@ def loader_coverage(
                 continue
             fused_input_major = False
             moved_axes: tuple[int, ...] | None = None
+            stacked_offset: float | None = None  # rows of ours = the checkpoint's vectors + this (1 + w gains)
             if parts is None and p.dim() == 2:  # a fused weight kept input-major (``x @ W``, its columns the rows)
                 parts = _fused_rows(p.data.T, free)
                 fused_input_major = parts is not None
@@ -1065,6 +1067,13 @@ def loader_coverage(
                 vectors = {k: t for k, t in free.items() if t.dim() == 1}  # (matrices' rows: parts, below)
                 rows_of = p.data.reshape(-1, p.shape[-1])
                 parts = _fused_rows(rows_of, vectors) if p.dim() >= 3 else None
+                for offset in (1.0, -1.0) if parts is None and p.dim() >= 3 else ():
+                    # norm gains kept as 1 + w (Gemma's), stacked: (layers, 4, hidden)
+                    parts = _fused_rows(rows_of, {k: t + offset for k, t in vectors.items()})  # as ours adds it
+                    if parts is not None:
+                        stacked_offset = offset
+                        cov.conversions.append(f"{label}: its rows kept as w {'+' if offset > 0 else '-'} 1")
+                        break
                 neutral = _neutral_rows(rows_of, vectors) if parts is None else None
                 if neutral is not None:
                     parts, slots = neutral
@@ -1205,7 +1214,16 @@ def loader_coverage(
                 cov.unwritten.append(f"{label} (holds no checkpoint tensor in any layout parity knows{why})")
                 continue
             for key, rows in parts:
-                record(names, key, ROWS, rows, transposed=fused_input_major, permute=moved_axes, flat=end_to_end)
+                record(
+                    names,
+                    key,
+                    ROWS,
+                    rows,
+                    transposed=fused_input_major,
+                    permute=moved_axes,
+                    flat=end_to_end,
+                    offset=stacked_offset,
+                )
                 span = (
                     f"{rows[0]}..{rows[-1]}"
                     if list(rows) == list(range(rows[0], rows[-1] + 1))

@@ -92,6 +92,7 @@ from parity.diagnose.rope import (
     gain_across_rope,
     heads_unrotated,
     norm_after_rope,
+    norm_after_rope_at_rotation,
     position_table_offset,
     qkv_clip,
     rope_fit,
@@ -262,6 +263,7 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     weightless_norm_eps,  # before norm_placement: a norm nothing records, its eps read at the projection
     norm_placement,
     position_scale,  # before the RoPE fits: a factor per position on q is no rotation
+    norm_after_rope_at_rotation,  # before rope_partial: a norm after RoPE changes every dim
     rope_partial,
     bias_after_rope,
     gain_across_rope,  # before rope_fit: position 0 agrees, as for another frequency

@@ -130,8 +130,11 @@ def latent_rope(e: Evidence) -> Hint | None:
     nope, rope, x, orders = found
     ours_tail, ref_tail = e.ours[..., nope:].double(), e.ref[..., nope:].double()
     order = _order_at_start(e, ref_tail, x, orders)
-    if order is None or _order_at_start(e, ours_tail, x, [order]) is None:
-        return None  # ours' tail in another order than the reference's: the pairing reading says it
+    if order is None:
+        return None
+    # ours' tail in another order than the reference's: the pairing reading says it; or ours rotates some row's
+    # first token at another position (one row's positions for the whole batch): only a position fit names it
+    positions_only = _order_at_start(e, ours_tail, x, [order]) is None
     factor = float((ours_tail * ref_tail).sum() / ref_tail.pow(2).sum().clamp_min(1e-300))
     if e.close(ours_tail, factor * ref_tail):
         return None  # one constant apart: a scale on the rotated dims (channel_ratio reads it), not RoPE
@@ -147,7 +150,7 @@ def latent_rope(e: Evidence) -> Hint | None:
     tail = replace(e, ours=e.ours[..., nope:], ref=e.ref[..., nope:], rope_input=(own * x).to(e.ref.dtype))
     for detect in (rope_fit, rope_tables, rope_pattern):  # rope_pattern: a tail left unrotated on one side
         hint = detect(tail)
-        if hint is not None:
+        if hint is not None and (not positions_only or hint.kind == "position_offset"):
             return replace(
                 hint, text=f"{hint.text} (read on the last {rope} dims of each {e.kind[0]} head, the rotated ones)"
             )
@@ -190,12 +193,12 @@ def latent_split(e: Evidence) -> Hint | None:
     other = "v" if letter == "k" else f"{letter}_rope"
     # every head's pass-through dims first, then every head's other part: the per-head layout read as two blocks
     blocked = flat[..., : heads * nope].reshape(b, seq, heads, nope).transpose(1, 2).double()
+    # the output's features unpacked as (per_head, heads), the heads the inner axis: head h's feature j at j H + h
+    strided = flat.reshape(b, seq, per_head, heads).permute(0, 3, 1, 2)[..., :nope].double()
     for side, this, theirs in (("ours", e.ours, ref), ("the reference", e.ref, ours)):
-        if (
-            theirs is not None
-            and (ours if side == "ours" else ref) is None
-            and scaled(this[..., :nope].double(), blocked)
-        ):
+        if theirs is None or (ours if side == "ours" else ref) is not None:
+            continue
+        if scaled(this[..., :nope].double(), blocked):
             return Hint(
                 "qkv_layout",
                 f"likely {source}'s output cut as whole blocks in {side}: its {letter}_nope for head h is features "
@@ -203,6 +206,15 @@ def latent_split(e: Evidence) -> Hint | None:
                 f"{other}), where each head's {per_head} features hold [{letter}_nope | {other}] (the per-head "
                 f"layout read as [all {letter}_nope | all {other}])",
                 {"side": side, "per_head": per_head, "source": source, "blocked": True},
+            )
+        if scaled(this[..., :nope].double(), strided):
+            return Hint(
+                "qkv_layout",
+                f"likely {source}'s output (or weight rows) unpacked with the axes the other way round in {side}: as "
+                f"({per_head}, heads) where it holds (heads, {per_head}), so its {letter}_nope for head h takes "
+                f"features j * {heads} + h of the output, not h * {per_head} + j (a view(heads, {per_head}) written "
+                f"view({per_head}, heads), or a transpose after it missing)",
+                {"side": side, "per_head": per_head, "source": source, "strided": True},
             )
     if ours is None or ref is None or ours == ref:
         return None

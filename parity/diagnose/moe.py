@@ -338,11 +338,17 @@ def _group_limited_otherwise(
     own_score = best_one if routing.get("group_max") else best_two
     own_words = best_words[own_score]
 
-    def pick(scores: torch.Tensor, group_score=own_score, limited: bool = bool(groups), strided: bool = False):
+    def pick(
+        scores: torch.Tensor,
+        group_score=own_score,
+        limited: bool = bool(groups),
+        strided: bool = False,
+        n_kept: int = kept,
+    ):
         if not limited:
             return scores.topk(k, -1).indices
         cut = scores.unflatten(-1, (-1, groups)).transpose(-1, -2) if strided else scores.unflatten(-1, (groups, -1))
-        best = group_score(cut).topk(kept, -1).indices
+        best = group_score(cut).topk(n_kept, -1).indices
         keep = torch.zeros(scores.shape[0], groups, dtype=torch.bool).scatter(1, best, True)
         per = scores.shape[-1] // groups
         keep = keep.repeat(1, per) if strided else keep.repeat_interleave(per, -1)
@@ -359,6 +365,10 @@ def _group_limited_otherwise(
         ),
         "with the groups taken strided (expert e in group e % n_group) where each group is a contiguous block of "
         "n_experts / n_group experts": pick(sig + b, strided=True),
+        **{
+            f"with the best {n} groups kept ({field}) where topk_group keeps {kept}": pick(sig + b, n_kept=n)
+            for n, field in _group_counts(k, groups, kept)
+        },
         "with no group limit (the top k over every expert, n_group and topk_group ignored)": pick(
             sig + b, limited=False
         ),
@@ -835,6 +845,17 @@ def _grouped_choice(
     return choice.masked_fill(mask == 0, 0.0).topk(k, dim=-1).indices
 
 
+def _group_counts(k: int, groups: int, topk_group: int) -> list[tuple[int, str]]:
+    """The group counts a port may keep in place of ``topk_group``, with where each comes from:
+    ``num_experts_per_tok`` (the two top-k fields confused), half of ``n_group``, one group; only those that
+    limit the choice otherwise (fewer than every group, not topk_group itself), each once."""
+    counts: dict[int, str] = {}
+    for kept, field in ((k, "num_experts_per_tok"), (groups // 2, "half of n_group"), (1, "one group")):
+        if 0 < kept < groups and kept != topk_group:
+            counts.setdefault(kept, field)
+    return list(counts.items())
+
+
 def _grouped_forms(e: Evidence, base: str, logits: torch.Tensor, chosen: torch.Tensor, y: torch.Tensor):
     """The block's output ``(tokens, hidden)`` (routed experts plus the shared ones) under each way a port
     of DeepSeek V3's router may go wrong: the correction bias left in the weights, the group score from
@@ -864,6 +885,26 @@ def _grouped_forms(e: Evidence, base: str, logits: torch.Tensor, chosen: torch.T
         w = scores.gather(-1, picked)
         return w / w.sum(-1, keepdim=True) if r.get("norm_topk_prob", 1.0) else w
 
+    choices = [
+        ("experts chosen with each group scored by its best expert (max), not its two best summed",
+         _grouped_choice(choice, k, groups, topk_group, "max")),
+        *(
+            [("experts chosen with the groups ranked on the scores without the correction bias",
+              _grouped_choice(choice, k, groups, topk_group, "top2", ranked=s))]
+            if bias is not None
+            else []
+        ),
+        *(
+            (f"experts chosen from the best {kept} groups ({field}) where topk_group keeps {topk_group}",
+             _grouped_choice(choice, k, groups, kept, "top2"))
+            for kept, field in _group_counts(k, groups, topk_group)
+        ),
+        ("experts chosen over every group (the group limit not applied)", choice.topk(k, dim=-1).indices),
+    ]  # fmt: skip
+    rule = _grouped_choice(choice, k, groups, topk_group, "top2")
+    departed = not r.get("group_max") and not _same_choice(rule, chosen)  # (DeepSeek V2 scores groups by max)
+    if departed and any(_same_choice(picked, chosen) for _, picked in choices):
+        chosen = rule  # the reference itself chose by one of the departures: the config's rule is the base
     forms = {"Transformers' routing": routed(chosen, normed(chosen) * rsf) + shared}
     if not alone:
         forms["the routed experts alone (the shared experts' output not added)"] = routed(chosen, normed(chosen) * rsf)
@@ -879,19 +920,14 @@ def _grouped_forms(e: Evidence, base: str, logits: torch.Tensor, chosen: torch.T
     forms["weights from a separate top-k of the raw scores, paired by rank with the chosen experts"] = (
         routed(chosen, separate / separate.sum(-1, keepdim=True) * rsf) + shared
     )
-    for label, picked in (
-        ("experts chosen with each group scored by its best expert (max), not its two best summed",
-         _grouped_choice(choice, k, groups, topk_group, "max")),
-        *(
-            [("experts chosen with the groups ranked on the scores without the correction bias",
-              _grouped_choice(choice, k, groups, topk_group, "top2", ranked=s))]
-            if bias is not None
-            else []
-        ),
-        ("experts chosen over every group (the group limit not applied)", choice.topk(k, dim=-1).indices),
-    ):  # fmt: skip
+    for label, picked in choices:
         forms[label] = routed(picked, normed(picked) * rsf) + shared
     return forms
+
+
+def _same_choice(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two ``(tokens, k)`` expert choices pick the same experts for every token (in any order)."""
+    return a.shape == b.shape and torch.equal(a.long().sort(-1).values, b.long().sort(-1).values)
 
 
 def routed_in_block(e: Evidence) -> Hint | None:

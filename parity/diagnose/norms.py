@@ -372,6 +372,8 @@ def norm_statistics(x: torch.Tensor, eps: float, layernorm: bool, heads: int | N
         "the sum of squares for the mean (x / sqrt(sum(x^2) + eps), no 1/N)": x
         / (x.pow(2).sum(-1, keepdim=True) + eps).sqrt(),
         "the variance not centred ((x - mean) / sqrt(mean(x^2) + eps))": c / (ms + eps).sqrt(),
+        "the variance for the mean of squares (x / sqrt(var(x) + eps): the mean subtracted in the statistic only)": x
+        / (var + eps).sqrt(),
     }
     for groups in dict.fromkeys(g for g in (heads, 2, 4) if g):  # one statistic per part of the vector
         if n % groups == 0 and n // groups > 1:
@@ -843,11 +845,23 @@ def block_layout(e: Evidence) -> Hint | None:
         ours_y, ref_y = e.inputs()
     if ours_y is None or ref_y is None:
         return None
-    x, attn = residual_into(e, e.result.layer), _layer_node(e, e.result.layer, "o_proj")
+    x = residual_into(e, e.result.layer)
+    attn = next(
+        (t for kind in OUTPUT_PROJECTIONS if (t := _layer_node(e, e.result.layer, kind)) is not None), None
+    )  # o_proj, NeoX's dense, ...
     if x is None or attn is None or x.shape != ref_y.shape or attn.shape != x.shape or ours_y.shape != x.shape:
         return None
+    after = x.double() + attn.double()
+    for kept in e.inputs() if is_norm(e.kind) else ():
+        # a bias added beside the projection (GPT-NeoX-Japanese's dense_bias): a sequential side's own stream
+        # after attention, where it is x + attn plus one vector
+        if kept is not None and kept.shape == x.shape:
+            bias = (kept.double() - after).flatten(0, -2).mean(0)
+            if rel(kept.double(), after + bias) < EXPLAINS:
+                after = after + bias
+                break
     candidates = {
-        "the residual after attention (sequential block)": x.double() + attn.double(),
+        "the residual after attention (sequential block)": after,
         "the layer's input (parallel block)": x.double(),
     }
 

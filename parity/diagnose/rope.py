@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -115,8 +116,8 @@ def _pre_rope_fused(e: Evidence, n_heads: int, stem: str) -> torch.Tensor | None
     """The reference's q (or k) before RoPE from a fused projection (GPT-2's ``c_attn``, Falcon's
     ``query_key_value``, Phi-3's ``qkv_proj``): a node of the attention before the failing one whose
     last axis holds whole heads, each of the rotated tensor's heads taken from the fused head that
-    equals it at position 0 (where RoPE turns nothing; everywhere without RoPE). The heads are found
-    one by one, so any fused layout (q heads first, or q, k, v per KV group) gives them."""
+    equals it at position 0 (where RoPE turns nothing but scales the rotated dims by its cos/sin factor;
+    everywhere without RoPE). The heads are found one by one, so any fused layout (q heads first, or q, k, v per KV group) gives them."""
     if e.positions is None or e.ref.dim() != 4:
         return None
     b, _, t, d = e.ref.shape
@@ -124,6 +125,21 @@ def _pre_rope_fused(e: Evidence, n_heads: int, stem: str) -> torch.Tensor | None
     if e.positions.shape != (b, t) or not bool(start.any()):
         return None
     target = e.ref.transpose(1, 2)[start]  # (tokens at position 0, heads, head_dim)
+    layer = e.facts.layer(e.result.layer)
+    rope = layer.rope if layer is not None else None
+    r = 0 if rope is None else rope.rotary_dim if 0 < rope.rotary_dim <= d else d  # the dims RoPE turns
+
+    def equals(part: torch.Tensor, head: torch.Tensor) -> bool:
+        """The fused head ``part`` is ``head`` before RoPE: equal on the pass-through dims and, at position 0,
+        one factor apart on the rotated ones (RoPE's cos/sin factor: LongRoPE's, YaRN's, whatever its source)."""
+        if not e.close(part[..., r:], head[..., r:]):
+            return False
+        if not r:
+            return True
+        a, b = part[..., :r].double(), head[..., :r].double()
+        factor = float((a * b).sum() / a.pow(2).sum().clamp_min(1e-300))
+        return 0.25 < factor < 4 and e.close((a * factor).to(head.dtype), head[..., :r])
+
     for name, tensor in e.ref_trace.tensors.items():
         if name == e.name:
             break
@@ -134,7 +150,7 @@ def _pre_rope_fused(e: Evidence, n_heads: int, stem: str) -> torch.Tensor | None
         picked: list[int] = []
         for head in range(n_heads):
             match = next(
-                (j for j in range(fused.shape[2]) if j not in picked and e.close(at_start[:, j], target[:, head])),
+                (j for j in range(fused.shape[2]) if j not in picked and equals(at_start[:, j], target[:, head])),
                 None,
             )
             if match is None:
@@ -231,6 +247,8 @@ def rope_fit(e: Evidence) -> Hint | None:
     fit, side = read(e.ours), "ours"
     if fit is None:
         return None
+    if frequencies_right(fit) and not as_it_should(fit) and _scaled_throughout(e, x, fit.amplitude / own):
+        return None  # the pass-through dims scaled alike: a factor on all of q (k), not RoPE's cos/sin
     ref_fit = read(e.ref)
     if frequencies_right(fit) and not as_it_should(fit) and ref_fit is not None and not frequencies_right(ref_fit):
         # ours' rotation is this layer's bar its scale (a factor a port may take on the scores), the reference's
@@ -247,6 +265,17 @@ def rope_fit(e: Evidence) -> Hint | None:
     return _rope_hint(e, fit, side, layer, own)
 
 
+def _scaled_throughout(e: Evidence, x: torch.Tensor, factor: float) -> bool:
+    """Whether ours' dims past the rotary ones (partial rotary passes them through) are ``x``'s times ``factor``
+    too (not ``x``'s): one factor on the whole head, which RoPE's cos/sin factor never reaches."""
+    layer = e.facts.layer(e.result.layer)
+    r = layer.rope.rotary_dim if layer is not None and layer.rope is not None else x.shape[-1]
+    if r >= x.shape[-1] or abs(factor - 1) < 1e-4:
+        return False
+    rest, theirs = e.ours[..., r:], x[..., r:]
+    return not e.close(rest, theirs) and e.close(rest, (theirs.double() * factor).to(rest.dtype))
+
+
 def _alike(a, b) -> bool:
     """Two rotation fits that say the same: one RoPE, the same offsets, the same cos/sin scale."""
     return (
@@ -257,16 +286,29 @@ def _alike(a, b) -> bool:
     )
 
 
-def _factor_sources(rope) -> dict[str, float]:
+def _factor_sources(rope, max_position_embeddings: int | None = None) -> dict[str, float]:
     """Where a cos/sin factor may come from, by name: none, the config's ``attention_factor``, YaRN's
     default ``0.1 ln(s) + 1`` (Peng et al. 2023, arXiv:2309.00071 eq. 22; Transformers'
-    ``get_mscale``), with the config's ``mscale`` / ``mscale_all_dim`` (DeepSeek's ratio), squared."""
+    ``get_mscale``), with the config's ``mscale`` / ``mscale_all_dim`` (DeepSeek's ratio), squared;
+    LongRoPE's ``sqrt(1 + ln(s) / ln(original_max_position_embeddings))`` (Transformers'
+    ``_compute_longrope_parameters``, s = max / original positions) and its misreadings."""
     sources = {"no factor (1)": 1.0}
     if rope is None:
         return sources
     explicit = rope.get("attention_factor")
     if isinstance(explicit, (int, float)):
         sources[f"the config's attention_factor ({explicit:.6g})"] = float(explicit)
+    original = rope.get("original_max_position_embeddings")
+    if rope.rope_type == "longrope" and isinstance(original, int) and original > 1 and max_position_embeddings:
+        s = rope.get("factor") or max_position_embeddings / original
+        if isinstance(s, (int, float)) and s > 1:
+            logs = {
+                f"original_max_position_embeddings {original}": math.log(original),
+                f"max_position_embeddings {max_position_embeddings}": math.log(max_position_embeddings),
+            }
+            for name, log in logs.items():
+                sources[f"LongRoPE's sqrt(1 + ln({s:g}) / ln({name}))"] = math.sqrt(1 + math.log(s) / log)
+                sources[f"LongRoPE's 1 + ln({s:g}) / ln({name}) without its square root"] = 1 + math.log(s) / log
     s = rope.get("factor")
     if isinstance(s, (int, float)) and s > 1:
         formula = 0.1 * math.log(s) + 1
@@ -356,7 +398,7 @@ def _rope_hint(e: Evidence, fit, side: str, layer, own: float) -> Hint | None:
             evidence,
         )
     if fit.label.startswith("this layer's RoPE"):
-        sources = _factor_sources(layer.rope)
+        sources = _factor_sources(layer.rope, e.facts.max_position_embeddings)
         source = next((label for label, v in sources.items() if abs(fit.amplitude / v - 1) < 1e-3), None)
         if source is not None:
             own_source = next((label for label, v in sources.items() if abs(own / v - 1) < 1e-3), f"{own:.6g}")
@@ -517,18 +559,29 @@ def rope_partial(e: Evidence) -> Hint | None:
     ):
         return None
     start = (e.positions == 0)[:, None, :, None].expand_as(x)
-    if bool(start.any()) and not e.close(e.ref[start], x[start]):
+    layer = e.facts.layer(e.result.layer)
+    factor = layer.rope.attention_factor if layer is not None and layer.rope is not None else 1.0
+    at_start = x  # RoPE at position 0: the rotated dims times its cos/sin factor (LongRoPE's, YaRN's), the rest as is
+    if factor != 1.0 and layer is not None and layer.rope is not None:
+        at_start = x.clone()
+        at_start[..., : layer.rope.rotary_dim] *= factor
+    if bool(start.any()) and not e.close(e.ref[start], at_start[start]):
         return None  # RoPE leaves position 0 as it is: a side that changes it differs before RoPE
     ours, order = e.ours, None
-    if bool(start.any()) and not e.close(ours[start], x[start]):
-        # ours' head dims in another order (the rotated part put first): read them in the reference's order
-        order = _dim_order(e, ours, x, e.positions == 0)
+    if bool(start.any()) and not e.close(ours[start], at_start[start]):
+        # ours' head dims in another order (the rotated part put first), or its factor on other dims: read them in
+        # the reference's order
+        order = _dim_order(e, ours, x, e.positions == 0, factor)
         if order is None:
             return None
         ours = ours[..., order]
+        if order == sorted(order):
+            order = None  # the dims in place, ours' factor on other dims than the reference's: no other order
     ours_still, ref_still = _unrotated_dims(e, ours, x, moved), _unrotated_dims(e, e.ref, x, moved)
     if torch.equal(ours_still, ref_still) or bool(ref_still.all()) or bool(ours_still.all()):  # no RoPE: rope_pattern
         return None
+    if not (_turns_alone(ours, x, ~ours_still, moved) and _turns_alone(e.ref, x, ~ref_still, moved)):
+        return None  # the dims a side changes are no rotation (their lengths change: a norm after RoPE)
     faint = _faint_dims(e, x.shape[-1])
     if faint is not None:  # dims this layer's RoPE turns too little to see: no evidence either way
         ours_still = torch.where(faint, ref_still, ours_still)
@@ -564,6 +617,19 @@ def rope_partial(e: Evidence) -> Hint | None:
     )
 
 
+def _turns_alone(t: torch.Tensor, x: torch.Tensor, dims: torch.Tensor, moved: torch.Tensor) -> bool:
+    """Whether ``t`` changes ``x``'s ``dims`` (``(head_dim,)`` bool) as a rotation does at the tokens past position 0
+    (``moved``): the length of those dims kept at every head and token, up to one factor for all (RoPE's cos/sin
+    factor). A norm applied after RoPE rescales each row by its own statistic."""
+    a = t.transpose(1, 2)[moved][..., dims].double().pow(2).sum(-1)  # (tokens, heads)
+    b = x.transpose(1, 2)[moved][..., dims].double().pow(2).sum(-1)
+    keep = b > 1e-12 * float(b.max()) if b.numel() else b > 0
+    if not bool(keep.any()):
+        return True
+    ratio = a[keep] / b[keep]
+    return float(ratio.std()) <= 1e-3 * float(ratio.mean()) if ratio.numel() > 1 else True
+
+
 def _faint_dims(e: Evidence, head_dim: int) -> torch.Tensor | None:
     """``(head_dim,)`` bool: the dims this layer's RoPE turns, but by under 5e-3 radians at the run's last
     position (its lowest nonzero frequencies): a port's other frequencies may leave them bit for bit as
@@ -593,13 +659,20 @@ def _one_block(still: torch.Tensor) -> bool:
     return still.shape[-1] % 2 == 0 and torch.equal(still[:half], still[half:]) and _one_block(still[:half])
 
 
-def _dim_order(e: Evidence, t: torch.Tensor, x: torch.Tensor, start: torch.Tensor) -> list[int] | None:
-    """``order`` with ``t[..., order]`` equal to ``x`` at the tokens at position 0 (``start``, ``(batch,
-    seq)``): which of ``t``'s head dims holds each of ``x``'s; None when some dim of ``x`` is in none."""
+def _dim_order(
+    e: Evidence, t: torch.Tensor, x: torch.Tensor, start: torch.Tensor, factor: float = 1.0
+) -> list[int] | None:
+    """``order`` with ``t[..., order]`` equal to ``x`` (or, on a rotated dim, ``x`` times RoPE's cos/sin
+    ``factor``) at the tokens at position 0 (``start``, ``(batch, seq)``): which of ``t``'s head dims holds
+    each of ``x``'s; None when some dim of ``x`` is in none."""
     a, b = t.transpose(1, 2)[start], x.transpose(1, 2)[start]  # (tokens, heads, head_dim)
     order: list[int] = []
+
+    def holds(j: int, i: int) -> bool:
+        return e.close(a[..., j], b[..., i]) or (factor != 1.0 and e.close(a[..., j], b[..., i] * factor))
+
     for i in range(b.shape[-1]):
-        j = next((j for j in range(a.shape[-1]) if j not in order and e.close(a[..., j], b[..., i])), None)
+        j = next((j for j in range(a.shape[-1]) if j not in order and holds(j, i)), None)
         if j is None:
             return None
         order.append(j)
@@ -671,17 +744,18 @@ def rope_tables(e: Evidence) -> Hint | None:
     if not ours_is or not ref_is or set(ours_is) & set(ref_is):
         return None
     (ours_pairs, ours_table), (ref_pairs, ref_table) = ours_is[0], ref_is[0]
-    if ours_table == ref_table:
+
+    def for_other(pairs: str, table: str) -> bool:  # a table laid out for the other pairing: two frequencies a pair
+        return ("interleaved" in pairs) != (table == "repeated per pair")
+
+    mixed = ours_pairs == ref_pairs or for_other(ours_pairs, ours_table) or for_other(ref_pairs, ref_table)
+    if ours_table == ref_table and not mixed:
         return None  # the pairing alone: rope_pattern's pairing reading says it
     return Hint(
         "rope_pairing",
         f"likely RoPE's pairs and cos/sin table: ours rotates {ours_pairs} pairs with the table's frequencies "
         f"{ours_table}, the reference {ref_pairs} pairs with them {ref_table}"
-        + (
-            " (a table laid out for the other pairing gives each pair two frequencies)"
-            if ours_pairs == ref_pairs
-            else ""
-        )
+        + (" (a table laid out for the other pairing gives each pair two frequencies)" if mixed else "")
         + (_PERMUTED_AT_LOAD if e.rows_permuted and ours_pairs != ref_pairs else ""),
         {"ours": list(ours_is[0]), "reference": list(ref_is[0]), "rows_permuted": e.rows_permuted},
     )
@@ -938,6 +1012,98 @@ def norm_after_rope(e: Evidence) -> Hint | None:
                 f"at position 0, each rotated pair of the same length), the reference normalises before RoPE",
                 {"ours_reads": "after RoPE"},
             )
+    return None
+
+
+def norm_after_rope_at_rotation(e: Evidence) -> Hint | None:
+    """A rotated q (or k) whose q/k norm ours computes untapped (its per-head gains held in one table), and
+    applies after RoPE: ours' ``q_rot`` is the reference's norm (its statistic, its gains and bias) of the
+    reference's input to that norm rotated, where the reference rotates the norm's output. Read with the
+    norm's statistic that reproduces the reference's own norm (RMS, or LayerNorm's: StableLM's per-head
+    ``q_layernorm``)."""
+    from parity.diagnose.rope_fit import rotate
+
+    if e.kind not in ("q_rot", "k_rot") or e.ours.dim() != 4 or e.positions is None:
+        return None
+    layer = e.facts.layer(e.result.layer)
+    if layer is None or layer.rope is None or e.ours.shape != e.ref.shape:
+        return None
+    b, h, seq, d = e.ref.shape
+    found = qk_norm_function(e, e.name.rsplit(".", 1)[0], e.kind[0], h, d, seq)
+    if found is None or e.positions.shape != (b, seq):
+        return None
+    normed, x = found
+    after = normed(rotate(x, layer.rope, e.positions))
+    if e.close(e.ours, after.to(e.ours.dtype)) and not e.close(e.ref, after.to(e.ref.dtype)):
+        return Hint(
+            "norm_placement",
+            f"likely norm placement: ours' {e.kind} is the reference's {e.kind[0]} norm applied after RoPE (its "
+            f"input rotated, then normalised with its gains), the reference normalises {e.kind[0]} before RoPE",
+            {"ours_reads": "after RoPE"},
+        )
+    return None
+
+
+def qk_norm_function(
+    e: Evidence, stem: str, letter: str, heads: int, d: int, seq: int
+) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor] | None:
+    """``(the reference's q (k) norm of the attention stem as a function of (batch, heads, seq, head_dim) values,
+    its input)``: the statistic (RMS, or LayerNorm's mean-subtracted one) that reproduces the reference's own
+    norm output from its input, with its gains and bias; None without such a norm."""
+    norm = _qk_norm(e, stem, letter, heads, d, seq)
+    if norm is None:
+        return None
+    x, y, weight, bias = norm
+    eps = e.facts.norm_eps or 1e-6
+    for centred in (False, True):
+
+        def normed(t: torch.Tensor, centred: bool = centred) -> torch.Tensor:
+            t = t.double()
+            t = t - t.mean(-1, keepdim=True) if centred else t
+            return t * t.pow(2).mean(-1, keepdim=True).add(eps).rsqrt() * weight + bias
+
+        if rel(normed(x), y) <= 1e-4:
+            return normed, x
+    return None
+
+
+def _qk_norm(
+    e: Evidence, stem: str, letter: str, heads: int, d: int, seq: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The reference's q (k) norm of the attention ``stem``: its input and output ``(batch, heads, seq, head_dim)``,
+    its gains and bias ``(heads, 1, head_dim)`` (per head, StableLM's ``q_layernorm.norms.<h>``) or ``(head_dim,)``
+    (zeros without a bias); None without one."""
+    for kind in (f"{letter}_norm", f"{letter}_layernorm"):
+        base = f"{stem}.{kind}"
+        names = [f"{base}.norms.{i}" for i in range(heads)]
+        if all(n in e.ref_trace.inputs for n in names):
+            parts = [(e.ref_trace.inputs[n], e.ref_trace.tensors.get(n), e.ref_trace.weights.get(n)) for n in names]
+            if any(out is None or w is None or w.shape != (d,) or x.dim() != 4 for x, out, w in parts):
+                return None
+            x = torch.cat([x for x, _, _ in parts], 1).double()
+            y = torch.cat([cast(torch.Tensor, out) for _, out, _ in parts], 1).double()
+            weight = torch.stack([cast(torch.Tensor, w) for _, _, w in parts])[:, None].double()
+            biases = [e.ref_trace.biases.get(n) for n in names]
+            bias = (
+                torch.stack([cast(torch.Tensor, c) for c in biases])[:, None].double()
+                if all(c is not None and c.shape == (d,) for c in biases)
+                else torch.zeros(d, dtype=torch.float64)
+            )
+        elif (
+            base in e.ref_trace.inputs
+            and base in e.ref_trace.tensors
+            and (w := e.ref_trace.weights.get(base)) is not None
+        ):
+            x_in = heads_first(e.ref_trace.inputs[base], heads, d, seq)
+            y_out = heads_first(e.ref_trace.tensors[base], heads, d, seq)
+            if x_in is None or y_out is None or w.shape != (d,):
+                return None
+            x, y, weight = x_in.double(), y_out.double(), w.double()
+            c = e.ref_trace.biases.get(base)
+            bias = c.double() if c is not None and c.shape == (d,) else torch.zeros(d, dtype=torch.float64)
+        else:
+            continue
+        return (x, y, weight, bias) if x.shape == y.shape == (e.ref.shape[0], heads, seq, d) else None
     return None
 
 

@@ -175,7 +175,7 @@ def identify(
                 )
             )
     candidates += _yarn_variants(rope, layer.head_dim, max_position_embeddings)
-    candidates += _longrope_variants(rope)
+    candidates += _longrope_variants(rope, layer.head_dim)
     candidates += _llama3_variants(rope, layer.head_dim, max_position_embeddings)
     if rope is not None and rope.rope_type == "default" and layer.head_dim and rope.rotary_dim < layer.head_dim:
         # partial rotary: theta^(-2i/r) over the rotated dims r, not over the whole head
@@ -393,26 +393,51 @@ def _constant_positions(
     return tuple(found)
 
 
-def _longrope_variants(rope) -> list[tuple[str, tuple[float, ...]]]:
+def _longrope_variants(rope, head_dim: int = 0) -> list[tuple[str, tuple[float, ...]]]:
     """LongRoPE (Phi-3, PhiMoE: ``_compute_longrope_parameters``) divides each default frequency by a factor
     of ``short_factor`` while the sequence fits ``original_max_position_embeddings``, of ``long_factor``
-    past it: the other list, or none, as a port may take it."""
+    past it: the other list, or none, as a port may take it; the factors multiplied in where they divide;
+    with partial rotary and ``head_dim``, the exponents over the whole head (``theta^(-2i/head_dim)``)."""
     if rope is None or rope.rope_type != "longrope":
         return []
     short, long = rope.get("short_factor"), rope.get("long_factor")
     base = default_inv_freq(rope.theta, rope.rotary_dim)
+    n = len(base)
+    wide = (
+        tuple(rope.theta ** (-2 * i / head_dim) for i in range(n)) if head_dim and head_dim != rope.rotary_dim else ()
+    )
+    original = rope.get("original_max_position_embeddings")
     out = []
     for label, factors in (("short_factor", short), ("long_factor", long)):
-        if factors is None or len(factors) != len(base):
+        if factors is None or len(factors) != n:
             continue
         inv_freq = tuple(f / float(a) for f, a in zip(base, factors, strict=True))
         if any(abs(a / b - 1) > 1e-6 for a, b in zip(inv_freq, rope.inv_freq, strict=False)):
             out.append(
                 (
-                    f"LongRoPE with {label} (the frequencies divided by its factors) where the reference takes "
-                    f"the other list (original_max_position_embeddings {rope.get('original_max_position_embeddings')} "
-                    "decides which)",
+                    f"LongRoPE with {label} (the frequencies divided by its factors) where the config takes the "
+                    f"other list (original_max_position_embeddings {original} decides which, by the sequence "
+                    "length)",
                     inv_freq,
+                )
+            )
+    for label, factors in (("short_factor", short), ("long_factor", long)):
+        if factors is None or len(factors) != n:
+            continue
+        out.append(
+            (
+                f"LongRoPE with its {label} multiplying the frequencies (inv_freq * factor) where LongRoPE divides "
+                "them (1 / (factor * theta^(2i/d)))",
+                tuple(f * float(a) for f, a in zip(base, factors, strict=True)),
+            )
+        )
+        if wide:
+            out.append(
+                (
+                    f"LongRoPE whose exponents divide by head_dim ({head_dim}), not by the rotary dims "
+                    f"({rope.rotary_dim}): 1 / ({label} * theta^(2i/{head_dim})) where the config gives "
+                    f"theta^(2i/{rope.rotary_dim})",
+                    tuple(f / float(a) for f, a in zip(wide, factors, strict=True)),
                 )
             )
     out.append(("LongRoPE without its factors (the default frequencies, theta " + f"{rope.theta:g})", base))

@@ -70,6 +70,12 @@ def _scale_name(e: Evidence, scale: float) -> str:
     )
     candidates.update({label: v for label, v in named.items() if "squared" in label})
     candidates.update({f"1 / {label}": 1 / v for label, v in named.items()})
+    cap = e.facts.attn_softcap
+    if cap:  # the soft-cap's x / cap taken on the raw q k^T, its scale applied only after the tanh (Gemma 2)
+        candidates[
+            f"1/attn_logit_softcapping (1/{cap:g}): the soft-cap's tanh(x / cap) taken on the unscaled q k^T, the "
+            "attention scale applied after it"
+        ] = 1 / cap
     mscale = named.get(YARN_SOFTMAX_MSCALE)
     if mscale is not None:  # latent attention with YaRN: 1/sqrt(width) times mscale squared, over each width
         for width_name, width in _head_widths(e, head_dim).items():

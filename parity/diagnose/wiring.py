@@ -26,9 +26,10 @@ from parity.diagnose.evidence import (
 )
 from parity.diagnose.hints import Hint
 from parity.diagnose.profile import HEAD_MAJOR, HEAD_MERGED, SEQ_HEADS
-from parity.diagnose.rope import pre_rope
+from parity.diagnose.rope import pre_rope, qk_norm_function
 from parity.diagnose.rope_fit import rotate
 from parity.model.facts_rules import ROTATED_LAST
+from parity.record.hf_capture import OUTPUT_PROJECTIONS
 
 if TYPE_CHECKING:
     from parity.model.facts import LayerFacts
@@ -338,9 +339,16 @@ def fused_split(e: Evidence) -> Hint | None:
         layouts["each projection's features as (head_dim, heads), the heads the fast axis"] = fast
     rope = layer.rope if layer is not None else None
     index = 0 if e.kind.startswith("q") else 1
+    # a q/k norm between the projection and RoPE that ours computes untapped (StableLM's per-head LayerNorms): each
+    # layout's q (k) normalised as the reference's own norm does, then read as RoPE keeps it
+    norm = None if qk_norm else qk_norm_function(e, stem, e.kind[0], mine.shape[1], d, mine.shape[2])
+    normed = norm[0] if norm is not None else None
 
     def lengths(t: torch.Tensor) -> torch.Tensor:  # what RoPE keeps; no RoPE (or before it): the values
         return pair_lengths(t, rope.rotary_dim, rope.interleaved) if rope is not None and not qk_norm else t.double()
+
+    def as_rotated(t: torch.Tensor) -> torch.Tensor:
+        return normed(t) if normed is not None and t.shape == mine.shape else t
 
     def layouts_of(t: torch.Tensor) -> list[str]:
         """Every layout whose q (k) this is: layouts that cut q alike (per head [q; k; v] and CodeGen's
@@ -351,7 +359,7 @@ def fused_split(e: Evidence) -> Hint | None:
         for label, qkv in layouts.items():
             if qkv[index].shape != t.shape:
                 continue
-            theirs = lengths(qkv[index])
+            theirs = lengths(as_rotated(qkv[index]))
             scale = float((mine * theirs).sum() / theirs.pow(2).sum().clamp_min(1e-300))  # OPT scales q in forward
             if scale > 0 and torch.allclose(mine, scale * theirs, atol=atol, rtol=1e-5):
                 found.append(label)
@@ -715,7 +723,7 @@ def heads_merged_unmoved(e: Evidence) -> Hint | None:
     holds the reference's numbers in another order: ours reshaped ``(batch, heads, seq, head_dim)``
     straight to ``(batch, seq, heads * head_dim)`` without moving the heads axis back next to
     ``head_dim`` (``.transpose(1, 2)`` before the reshape), so each row mixes positions and heads."""
-    if e.kind != "o_proj":
+    if e.kind not in OUTPUT_PROJECTIONS:  # o_proj, NeoX's dense, GPT-2's c_proj, ...
         return None
     x_ours, x_ref = e.inputs()
     h, d = e.facts.num_heads, e.facts.head_dim
@@ -729,7 +737,7 @@ def heads_merged_unmoved(e: Evidence) -> Hint | None:
         return None
     return Hint(
         "head_layout",
-        "likely the heads merged in the wrong axis order: ours' o_proj input is the context (batch, heads, seq, "
+        f"likely the heads merged in the wrong axis order: ours' {e.kind} input is the context (batch, heads, seq, "
         "head_dim) reshaped to (batch, seq, heads * head_dim) without moving the heads axis next to head_dim first "
         "(transpose(1, 2) before the reshape), so each position's row mixes positions and heads",
         {"ours": "reshape without transpose"},

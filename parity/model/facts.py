@@ -288,6 +288,13 @@ class ArchFacts:
             named[f"sqrt(head_dim / (hidden_size / num_heads)) = sqrt({self.head_dim}/{alt})"] = math.sqrt(
                 self.head_dim / alt
             )
+        for n, width in ((self.head_dim, "head_dim"), (self.hidden_size, "hidden_size")):
+            if n and n > 1:  # a per-row factor of a LayerNorm (or a q/k norm) whose variance divides by N - 1
+                named.setdefault(
+                    f"sqrt(({width} - 1) / {width}) = sqrt({n - 1}/{n}) (a norm's variance taken unbiased, "
+                    "sum / (N - 1): torch.var's default)",
+                    math.sqrt((n - 1) / n),
+                )
         named.update(self.extra_constants)
         return named
 
