@@ -712,6 +712,27 @@ def test_gains_stacked_over_layers_and_biases_fused_then_stacked_are_rows_of_our
     assert not loader_coverage(model, {**gains, **biases}).ok
 
 
+
+def test_matrices_stacked_as_stored_and_gains_stacked_as_one_plus_w_are_rows_of_ours():
+    """Every layer's square projection stacked as the checkpoint stores it, ``(layers, out, in)`` (no transpose: its
+    rows are the stack's last-axis rows), and every layer's norm gains kept as ``1 + w`` rows of one ``(layers, 2,
+    hidden)`` table (Gemma's convention, sets 48-49): each key placed, none computed at load or left unwritten."""
+    weights = {f"layers.{i}.o_proj.weight": torch.randn(8, 8) for i in range(3)}
+    gains = {f"layers.{i}.{n}.weight": torch.randn(8) for i in range(3) for n in ("attn_norm", "mlp_norm")}
+    model = nn.Module()
+    model.wo = nn.Parameter(torch.stack([weights[f"layers.{i}.o_proj.weight"] for i in range(3)]))
+    model.gains = nn.Parameter(
+        torch.stack([torch.stack([1.0 + gains[f"layers.{i}.{n}.weight"] for n in ("attn_norm", "mlp_norm")])
+                     for i in range(3)])
+    )  # fmt: skip
+    cov = loader_coverage(model, {**weights, **gains})
+    assert cov.ok and not cov.derived and not cov.unwritten, cov
+    o1 = cov.sources["wo"][[s.key for s in cov.sources["wo"]].index("layers.1.o_proj.weight")]
+    assert o1.how == "rows" and o1.rows == tuple(range(8, 16)) and o1.permute == (0, 1, 2)
+    mlp = cov.sources["gains"][[s.key for s in cov.sources["gains"]].index("layers.1.mlp_norm.weight")]
+    assert mlp.how == "rows" and mlp.rows == (3,) and mlp.offset == 1.0
+    assert any("its rows kept as w + 1" in c for c in cov.conversions), cov.conversions
+
 def test_a_tensor_computed_in_parts_is_compared_on_its_part():
     """One head (or one tensor-parallel rank's heads) of a node ours computes in parts is compared there, the rest
     not judged; a part whose values differ still fails; ours' tokens flattened sequence first are read batch first."""

@@ -1051,10 +1051,10 @@ def loader_coverage(
             if parts is None and p.dim() == 2:  # a fused weight kept input-major (``x @ W``, its columns the rows)
                 parts = _fused_rows(p.data.T, free)
                 fused_input_major = parts is not None
-            for axis in range(p.dim() - 1) if parts is None and p.dim() >= 3 else ():
-                # weights fused along leading axes with the input features on another (DBRX's w1 and v1 as one
-                # (E, H, 2I), Gemma JAX's kv_einsum (2, KV heads, H, head_dim)): that axis moved last, the
-                # rows of every leading index in turn
+            for axis in range(p.dim() - 1, -1, -1) if parts is None and p.dim() >= 3 else ():
+                # weights stacked along leading axes as they are stored ((layers, out, in): the last axis kept), or
+                # fused with the input features on another axis (DBRX's w1 and v1 as one (E, H, 2I), Gemma JAX's
+                # kv_einsum (2, KV heads, H, head_dim)): that axis moved last, the rows of every leading index in turn
                 last = tuple(a for a in range(p.dim()) if a != axis) + (axis,)
                 parts = _fused_rows(p.data.permute(last).reshape(-1, p.shape[axis]), free)
                 moved_axes = last if parts is not None else None
