@@ -142,6 +142,23 @@ def test_zero_heads_in_a_config_json_is_exit_2_not_a_traceback(source, checkpoin
     assert "num_attention_heads is 0; it must be at least 1" in one_line_error(capsys)
 
 
+def test_a_config_naming_no_attention_heads_is_attention_free_not_zero_heads():
+    """Mamba's config has no attention heads at all (absent, or null): an attention-free model, checked; the same
+    config with an explicit num_attention_heads of 0 is still refused by name."""
+    from transformers import AutoConfig
+
+    from parity.model.derive import derive_facts, validate_facts
+    from parity.model.facts_rules import ATTENTION_FREE
+
+    sizes = dict(vocab_size=64, hidden_size=16, num_hidden_layers=2, state_size=4, time_step_rank=2)
+    for extra in ({}, {"num_attention_heads": None}):
+        facts = derive_facts(AutoConfig.for_model("mamba", **sizes, **extra))
+        assert ATTENTION_FREE in facts.features and validate_facts(facts) == []
+    zero = derive_facts(AutoConfig.for_model("mamba", **sizes, num_attention_heads=0))
+    assert ATTENTION_FREE not in zero.features
+    assert "num_attention_heads is 0; it must be at least 1" in validate_facts(zero)
+
+
 def test_zero_layers_without_layer_types_is_refused_by_name(checkpoint):
     edit_config(checkpoint, drop=["layer_types"], num_hidden_layers=0)
     with pytest.raises(ConfigError, match="num_hidden_layers is 0; it must be at least 1"):

@@ -712,7 +712,6 @@ def test_gains_stacked_over_layers_and_biases_fused_then_stacked_are_rows_of_our
     assert not loader_coverage(model, {**gains, **biases}).ok
 
 
-
 def test_matrices_stacked_as_stored_and_gains_stacked_as_one_plus_w_are_rows_of_ours():
     """Every layer's square projection stacked as the checkpoint stores it, ``(layers, out, in)`` (no transpose: its
     rows are the stack's last-axis rows), and every layer's norm gains kept as ``1 + w`` rows of one ``(layers, 2,
@@ -732,6 +731,7 @@ def test_matrices_stacked_as_stored_and_gains_stacked_as_one_plus_w_are_rows_of_
     mlp = cov.sources["gains"][[s.key for s in cov.sources["gains"]].index("layers.1.mlp_norm.weight")]
     assert mlp.how == "rows" and mlp.rows == (3,) and mlp.offset == 1.0
     assert any("its rows kept as w + 1" in c for c in cov.conversions), cov.conversions
+
 
 def test_a_tensor_computed_in_parts_is_compared_on_its_part():
     """One head (or one tensor-parallel rank's heads) of a node ours computes in parts is compared there, the rest

@@ -738,6 +738,16 @@ def projection_source(e: Evidence) -> Hint | None:
     weightless = _weightless_norm(e, x_ours, x_ref, stream)
     if weightless is not None:
         return weightless
+    width = x_ours.shape[-1]
+    for name, tensor in list(values):  # a fused output's parts (Mamba's in_proj: [x | z]): its x before the conv
+        if (
+            tensor.dim() == x_ours.dim()
+            and tensor.shape[:-1] == x_ours.shape[:-1]
+            and tensor.shape[-1] in (2 * width, 3 * width)
+        ):
+            values += [
+                (f"{name}[{a}:{a + width}]", tensor[..., a : a + width]) for a in range(0, tensor.shape[-1], width)
+            ]
     for name, tensor in values:
         if name.partition("@")[0] == e.name or tensor.numel() != x_ours.numel():
             continue

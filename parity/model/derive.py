@@ -21,7 +21,7 @@ from parity.model.facts import (
     rope_init,
     with_layers,
 )
-from parity.model.facts_rules import MLA_INTERLEAVED_ROPE, ROTATED_LAST, RULES
+from parity.model.facts_rules import ATTENTION_FREE, MLA_INTERLEAVED_ROPE, ROTATED_LAST, RULES
 from parity.util.source import source_of
 
 
@@ -198,6 +198,9 @@ def _homogeneous_facts(config, model) -> ArchFacts:
         adjust = RULES["glm4_moe"]  # standard attention, DeepSeek V3's router, no rule of its own (Solar Open)
     if adjust is not None:
         facts = adjust(config, facts)
+    if _get(config, "num_attention_heads", "n_head") is None and not heads:
+        # no attention heads in the config at all (Mamba's): no attention to size, nothing to refuse
+        facts = replace(facts, features=frozenset(facts.features | {ATTENTION_FREE}))
     multipliers = _config_multipliers(config)
     if multipliers:  # Granite's embedding/residual/attention multipliers, logits_scaling: factors a hint can name
         facts = replace(facts, extra_constants={**multipliers, **facts.extra_constants})
@@ -477,13 +480,17 @@ def validate_facts(facts: ArchFacts) -> list[str]:
     """Reasons these facts describe a model no check can run on (one line each, naming the
     Transformers field); empty when the shapes make sense."""
     problems = []
+    attention = ATTENTION_FREE not in facts.features  # (an explicit 0 heads is refused: only a config naming none)
     for label, value, minimum in (
         ("num_hidden_layers", facts.num_layers, 1),
-        ("num_attention_heads", facts.num_heads, 1),
-        ("num_key_value_heads", facts.num_kv_heads, 1),
+        *(
+            (("num_attention_heads", facts.num_heads, 1), ("num_key_value_heads", facts.num_kv_heads, 1))
+            if attention
+            else ()
+        ),
         ("hidden_size", facts.hidden_size, 1),
         ("vocab_size", facts.vocab_size, 2),
-        ("head_dim", facts.head_dim, 1),
+        *((("head_dim", facts.head_dim, 1),) if attention else ()),
     ):
         if not isinstance(value, int) or value < minimum:
             problems.append(f"{label} is {value!r}; it must be at least {minimum}")

@@ -242,6 +242,11 @@ def _gpt2(config, facts: ArchFacts) -> ArchFacts:
     )
 
 
+#: a feature: the config names no attention heads at all (Mamba's): a model without attention, whose heads and head
+#: size are not asked for
+ATTENTION_FREE = "no attention"
+
+
 #: a feature: the reference multiplies q by the attention scale right after q_proj (fairseq's habit), so its
 #: q (the q_rot node) is already scaled and its scores take no further scale
 Q_PRESCALED = "q scaled after q_proj"
