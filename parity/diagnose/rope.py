@@ -117,7 +117,8 @@ def _pre_rope_fused(e: Evidence, n_heads: int, stem: str) -> torch.Tensor | None
     ``query_key_value``, Phi-3's ``qkv_proj``): a node of the attention before the failing one whose
     last axis holds whole heads, each of the rotated tensor's heads taken from the fused head that
     equals it at position 0 (where RoPE turns nothing but scales the rotated dims by its cos/sin factor;
-    everywhere without RoPE). The heads are found one by one, so any fused layout (q heads first, or q, k, v per KV group) gives them."""
+    everywhere without RoPE). The heads are found one by one, so any fused layout (q heads first, or q, k, v per
+    KV group) gives them."""
     if e.positions is None or e.ref.dim() != 4:
         return None
     b, _, t, d = e.ref.shape
