@@ -13,6 +13,7 @@ user's model to the reference.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -649,6 +650,13 @@ def _fused_rows(p: torch.Tensor, candidates: dict[str, torch.Tensor]) -> list[tu
     return parts
 
 
+def _one_slab_each(parts: list[tuple[str, tuple[int, ...]]], p: torch.Tensor) -> bool:
+    """Whether each key's rows (of ``p`` seen as rows of its last axis) lie in one slab along ``p``'s first axis: a
+    stack of whole tensors per layer, not tensors cut across the stack."""
+    per_slab = math.prod(p.shape[1:-1])
+    return all(len({r // per_slab for r in rows}) == 1 for _, rows in parts)
+
+
 def _neutral_rows(
     p: torch.Tensor, vectors: dict[str, torch.Tensor]
 ) -> tuple[list[tuple[str, tuple[int, ...]]], list[int]] | None:
@@ -1051,12 +1059,14 @@ def loader_coverage(
             if parts is None and p.dim() == 2:  # a fused weight kept input-major (``x @ W``, its columns the rows)
                 parts = _fused_rows(p.data.T, free)
                 fused_input_major = parts is not None
-            for axis in range(p.dim() - 1, -1, -1) if parts is None and p.dim() >= 3 else ():
-                # weights stacked along leading axes as they are stored ((layers, out, in): the last axis kept), or
-                # fused with the input features on another axis (DBRX's w1 and v1 as one (E, H, 2I), Gemma JAX's
-                # kv_einsum (2, KV heads, H, head_dim)): that axis moved last, the rows of every leading index in turn
+            for axis in (*range(p.dim() - 1), p.dim() - 1) if parts is None and p.dim() >= 3 else ():
+                # weights fused along leading axes with the input features on another (DBRX's w1 and v1 as one
+                # (E, H, 2I), Gemma JAX's kv_einsum (2, KV heads, H, head_dim)): that axis moved last, the rows of
+                # every leading index in turn; last, stacked as they are stored ((layers, out, in): the last axis kept)
                 last = tuple(a for a in range(p.dim()) if a != axis) + (axis,)
                 parts = _fused_rows(p.data.permute(last).reshape(-1, p.shape[axis]), free)
+                if parts is not None and axis == p.dim() - 1 and not _one_slab_each(parts, p):
+                    parts = None  # (a key across slabs: a per-group fused weight, Jais2's (kv groups, q..k v, in))
                 moved_axes = last if parts is not None else None
                 if parts is not None:
                     break
