@@ -387,13 +387,10 @@ def _group_limited_otherwise(
         ways["with e_score_correction_bias left in the checkpoint's order while its experts (and router rows) are "
              "reordered: each expert reads another expert's bias"] = pick(sig + unmoved)  # fmt: skip
 
-    def same(a: torch.Tensor, c: torch.Tensor) -> bool:
-        return a.shape == c.shape and torch.equal(a.long().sort(-1).values, c.long().sort(-1).values)
-
     ours, ref = e.ours.reshape(-1, k), e.ref.reshape(-1, k)
     for side, by_rule, other in (("ours", ref, ours), ("the reference", ours, ref)):
-        if same(pick(sig + b), by_rule):
-            found = [label for label, chosen in ways.items() if same(chosen, other)]
+        if _same_choice(pick(sig + b), by_rule):
+            found = [label for label, chosen in ways.items() if _same_choice(chosen, other)]
             if len(found) > 2 or not found:
                 return None
             # two departures that choose alike in this config (groups scored by their best expert choose as no group

@@ -1054,14 +1054,14 @@ def qk_norm_function(
     norm = _qk_norm(e, stem, letter, heads, d, seq)
     if norm is None:
         return None
+    from parity.diagnose.norms import _normalisers
+
     x, y, weight, bias = norm
     eps = e.facts.norm_eps or 1e-6
-    for centred in (False, True):
+    for statistic in ("RMSNorm over the last axis", "LayerNorm (mean-subtracting)"):
 
-        def normed(t: torch.Tensor, centred: bool = centred) -> torch.Tensor:
-            t = t.double()
-            t = t - t.mean(-1, keepdim=True) if centred else t
-            return t * t.pow(2).mean(-1, keepdim=True).add(eps).rsqrt() * weight + bias
+        def normed(t: torch.Tensor, statistic: str = statistic) -> torch.Tensor:
+            return _normalisers(t, None, eps)[statistic] * weight + bias
 
         if rel(normed(x), y) <= 1e-4:
             return normed, x

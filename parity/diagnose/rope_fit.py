@@ -407,13 +407,15 @@ def _longrope_variants(rope, head_dim: int = 0) -> list[tuple[str, tuple[float, 
         tuple(rope.theta ** (-2 * i / head_dim) for i in range(n)) if head_dim and head_dim != rope.rotary_dim else ()
     )
     original = rope.get("original_max_position_embeddings")
-    out = []
+    # the other list first (the likelier port), then each list misread: multiplied in, or over the whole head
+    other_list: list[tuple[str, tuple[float, ...]]] = []
+    misread: list[tuple[str, tuple[float, ...]]] = []
     for label, factors in (("short_factor", short), ("long_factor", long)):
         if factors is None or len(factors) != n:
             continue
         inv_freq = tuple(f / float(a) for f, a in zip(base, factors, strict=True))
         if any(abs(a / b - 1) > 1e-6 for a, b in zip(inv_freq, rope.inv_freq, strict=False)):
-            out.append(
+            other_list.append(
                 (
                     f"LongRoPE with {label} (the frequencies divided by its factors) where the config takes the "
                     f"other list (original_max_position_embeddings {original} decides which, by the sequence "
@@ -421,10 +423,7 @@ def _longrope_variants(rope, head_dim: int = 0) -> list[tuple[str, tuple[float, 
                     inv_freq,
                 )
             )
-    for label, factors in (("short_factor", short), ("long_factor", long)):
-        if factors is None or len(factors) != n:
-            continue
-        out.append(
+        misread.append(
             (
                 f"LongRoPE with its {label} multiplying the frequencies (inv_freq * factor) where LongRoPE divides "
                 "them (1 / (factor * theta^(2i/d)))",
@@ -432,7 +431,7 @@ def _longrope_variants(rope, head_dim: int = 0) -> list[tuple[str, tuple[float, 
             )
         )
         if wide:
-            out.append(
+            misread.append(
                 (
                     f"LongRoPE whose exponents divide by head_dim ({head_dim}), not by the rotary dims "
                     f"({rope.rotary_dim}): 1 / ({label} * theta^(2i/{head_dim})) where the config gives "
@@ -440,6 +439,7 @@ def _longrope_variants(rope, head_dim: int = 0) -> list[tuple[str, tuple[float, 
                     tuple(f / float(a) for f, a in zip(wide, factors, strict=True)),
                 )
             )
+    out = other_list + misread
     out.append(("LongRoPE without its factors (the default frequencies, theta " + f"{rope.theta:g})", base))
     return out
 
