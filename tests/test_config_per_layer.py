@@ -51,3 +51,22 @@ def test_a_count_field_given_per_layer_is_read_as_a_list_of_counts():
     assert count_field_problems({"intermediate_size": [64, 0]}) == [
         "intermediate_size is [64, 0]; it must be at least 1"
     ]
+
+
+@pytest.mark.parametrize(
+    ("model_type", "fields", "nope"),
+    [
+        ("granite_swa", {"layer_rope_theta": [1000.0, 0, 50000.0, 1000.0]}, [1]),  # a theta of 0: a NoPE layer
+        ("llama4_text", {"no_rope_layers": [1, 0, 0, 1]}, [1, 2]),  # 1 marks a layer that uses RoPE
+        ("llama", {}, []),  # no such list: every layer rotates
+    ],
+)
+def test_a_per_layer_list_saying_which_layers_rotate_gives_those_layers_no_rope(model_type, fields, nope):
+    """``layer_rope_theta`` (0: NoPE; Granite-SWA's, Muse Spark's) and ``no_rope_layers`` (0: NoPE; Llama 4's,
+    Mistral Large 4's) read for any family with no rule of its own: those layers carry no RoPE facts and the field
+    is named (a rotation there is then named as RoPE applied at a NoPE layer)."""
+    from transformers import AutoConfig
+
+    facts = derive_facts(AutoConfig.for_model(model_type, **{**heldout_support.COMMON, **fields}))
+    assert [i for i in range(4) if facts.layer(i).rope is None] == nope
+    assert facts.nope_field == next(iter(fields), "")

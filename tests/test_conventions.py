@@ -733,6 +733,26 @@ def test_matrices_stacked_as_stored_and_gains_stacked_as_one_plus_w_are_rows_of_
     assert any("its rows kept as w + 1" in c for c in cov.conversions), cov.conversions
 
 
+def test_parts_of_per_layer_fused_weights_stacked_are_fused_parts_of_ours():
+    """Every layer's fused ``query_key_value`` (rows laid per KV group, ``[q, q, k, v]``) cut at load into q, k and v,
+    each stacked over layers and kept input-major, ``(layers, in, out)`` (Falcon's port, set 50): each slab of ours
+    holds its layer's rows of that layer's key, every row of every key placed once, nothing unwritten."""
+    fused = {f"layers.{i}.query_key_value.weight": torch.randn(12, 8) for i in range(3)}
+    groups = [fused[f"layers.{i}.query_key_value.weight"].unflatten(0, (2, 3, 2)) for i in range(3)]  # (kv, q q k.. )
+    model = nn.Module()
+    model.wq = nn.Parameter(torch.stack([g[:, :1].reshape(4, 8).T for g in groups]))  # (layers, in, q rows)
+    model.wk = nn.Parameter(torch.stack([g[:, 1].reshape(4, 8).T for g in groups]))
+    model.wv = nn.Parameter(torch.stack([g[:, 2].reshape(4, 8).T for g in groups]))
+    cov = loader_coverage(model, fused)
+    assert cov.ok and not cov.unwritten and not cov.gaps and not cov.derived, cov
+    k1 = cov.sources["wk"][[s.key for s in cov.sources["wk"]].index("layers.1.query_key_value.weight")]
+    assert k1.how == "fused part" and k1.permute == (0, 2, 1), k1
+    assert k1.rows == tuple(range(4, 8)) and k1.key_rows == (2, 3, 8, 9), k1  # slab 1; each group's k rows
+    # a stack whose slabs are no part of any key (a layer's q rows scaled at load) is still left unwritten
+    model.wq.data[1] *= 2.0
+    assert any(u.startswith("wq") for u in loader_coverage(model, fused).unwritten)
+
+
 def test_a_tensor_computed_in_parts_is_compared_on_its_part():
     """One head (or one tensor-parallel rank's heads) of a node ours computes in parts is compared there, the rest
     not judged; a part whose values differ still fails; ours' tokens flattened sequence first are read batch first."""

@@ -657,6 +657,44 @@ def _one_slab_each(parts: list[tuple[str, tuple[int, ...]]], p: torch.Tensor) ->
     return all(len({r // per_slab for r in rows}) == 1 for _, rows in parts)
 
 
+def _stacked_parts(
+    p: torch.Tensor, candidates: dict[str, torch.Tensor], cache: dict | None = None
+) -> tuple[tuple[int, ...], list[tuple[str, tuple[int, ...], tuple[int, ...]]]] | None:
+    """``p`` (three axes or more) as a stack along its first axis of parts of checkpoint tensors, one tensor per
+    slab (Falcon's fused ``query_key_value`` cut into q, k and v at load, each stacked over layers and kept
+    input-major: ``(layers, hidden, heads * head_dim)``): ``(the axes' order whose last holds the key's input
+    features, [(key, ours' rows, the key's rows)])`` with ours' rows counted in ``p`` permuted so, every axis but
+    the last flattened; None unless every slab is some rows of one tensor, a distinct tensor each."""
+    if p.dim() < 3 or p.shape[0] < 2 or not p.is_floating_point():
+        return None
+    flat = p.flatten()
+    if bool((flat == flat[0]).all()):
+        return None  # a constant matches any tensor's equal rows
+    for axis in (*range(1, p.dim() - 1), p.dim() - 1):
+        order = tuple(a for a in range(p.dim()) if a != axis) + (axis,)
+        held = p.permute(order)
+        per_slab = math.prod(held.shape[1:-1])
+        rows = held.reshape(-1, held.shape[-1])
+        fitting = {k: t for k, t in candidates.items() if t.dim() >= 2 and t.shape[-1] == held.shape[-1]}
+        found: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
+        for slab in range(p.shape[0]):
+            ours = tuple(range(slab * per_slab, (slab + 1) * per_slab))
+            hit = next(
+                (
+                    (k, key_rows)
+                    for k, t in fitting.items()
+                    if k not in {f[0] for f in found} and (key_rows := _part_rows(rows[list(ours)], t, cache))
+                ),
+                None,
+            )
+            if hit is None:
+                break
+            found.append((hit[0], ours, hit[1]))
+        else:
+            return order, found
+    return None
+
+
 def _neutral_rows(
     p: torch.Tensor, vectors: dict[str, torch.Tensor]
 ) -> tuple[list[tuple[str, tuple[int, ...]]], list[int]] | None:
@@ -1049,6 +1087,8 @@ def loader_coverage(
     if unexplained:  # fused tensors: only now, and only against what nothing else consumed
         free = {k: t for k, t in state_dict.items() if k not in cov.consumed}
         for p, names in unexplained:
+            if p.numel() == 0:
+                continue  # an empty tensor (a bias of no features) holds nothing to trace
             label = " = ".join(names)
             parts = _fused_rows(p.data, free) or _fused_slices(p.data, free)
             if parts is None and id(p) in stacked_buffers:
@@ -1117,6 +1157,25 @@ def loader_coverage(
                         record(names, key, FUSED_PART, held_rows, transposed=flipped, key_rows=key_rows)
                         parts_of.setdefault(key, []).append((key_rows, label))
                     continue
+            stacked = (
+                _stacked_parts(
+                    p.data, {k: t for k, t in state_dict.items() if k not in cov.consumed or k in parts_of}, row_cache
+                )
+                if parts is None and p.dim() >= 3
+                else None
+            )
+            if stacked is not None and not any(
+                _taken(parts_of.get(key, []), key_rows) for key, _, key_rows in stacked[1]
+            ):
+                order, slabs = stacked
+                for key, held_rows, key_rows in slabs:
+                    record(names, key, FUSED_PART, held_rows, permute=order, key_rows=key_rows)
+                    parts_of.setdefault(key, []).append((key_rows, label))
+                cov.conversions.append(
+                    f"{label}: a stack of parts, one per slab ({slabs[0][0]}, ... {len(slabs)} tensors), "
+                    f"as permute{order} then reshape"
+                )
+                continue
             if parts is None and p.dim() == 1:
                 parts = _permuted_vector(p.data, free)  # a per-head norm's weight permuted with its q/k rows
             if parts is None and p.dim() == 1:

@@ -323,6 +323,11 @@ def fused_split(e: Evidence) -> Hint | None:
         fused = torch.cat([cast(torch.Tensor, p).double() for p in parts], dim=-1)
     elif raw is not None and raw.dim() == 3:  # the reference's own fused output, in its own layout (BLOOM's)
         fused = raw.double()
+        # the KV heads it holds, from its width: Falcon's new decoder holds num_kv_heads of them and expands them
+        # to every query head after the split (the facts' count, the attention's)
+        kv_heads = (fused.shape[-1] // d - heads) // 2
+        if kv_heads < 1 or (heads + 2 * kv_heads) * d != fused.shape[-1]:
+            return None
         parts = list(fused.split([heads * d, kv_heads * d, kv_heads * d], dim=-1))
     else:
         return None

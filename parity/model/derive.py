@@ -198,6 +198,7 @@ def _homogeneous_facts(config, model) -> ArchFacts:
         adjust = RULES["glm4_moe"]  # standard attention, DeepSeek V3's router, no rule of its own (Solar Open)
     if adjust is not None:
         facts = adjust(config, facts)
+    facts = _nope_layers(config, facts)
     if _get(config, "num_attention_heads", "n_head") is None and not heads:
         # no attention heads in the config at all (Mamba's): no attention to size, nothing to refuse
         facts = replace(facts, features=frozenset(facts.features | {ATTENTION_FREE}))
@@ -215,6 +216,22 @@ def _homogeneous_facts(config, model) -> ArchFacts:
                 scale = float(scale)
             if isinstance(scale, (int, float)) and scale not in (0, 1):
                 facts = replace(facts, embed_scale=float(scale))
+    return facts
+
+
+def _nope_layers(config, facts: ArchFacts) -> ArchFacts:
+    """The layers a per-layer list in the config leaves without RoPE, where no rule said it: ``no_rope_layers``
+    (1 marks a layer that uses RoPE: SmolLM3's, Mistral Large 4's) or ``layer_rope_theta`` (a theta of 0 is a NoPE
+    layer: Granite-SWA's, Muse Spark's); their RoPE facts dropped and the field named."""
+    if facts.nope_field:
+        return facts
+    n = len(facts.layers)
+    for field, nope in (("no_rope_layers", lambda v: not v), ("layer_rope_theta", lambda v: v == 0)):
+        values = _get(config, field)
+        if isinstance(values, list | tuple) and len(values) >= n and any(nope(values[i]) for i in range(n)):
+            unrotated = {i for i in range(n) if nope(values[i])}
+            facts = with_layers(facts, rope=lambda layer, off=unrotated: None if layer.index in off else layer.rope)
+            return replace(facts, nope_field=field)
     return facts
 
 

@@ -43,8 +43,9 @@ EXPERTS_IMPLEMENTATION = "parity_eager"
 SUFFIXES = ("q_rot", "k_rot", "scores", "probs", "context")
 #: the names an attention block's output projection goes by (Llama, OPT/BART, GPT-NeoX/Phi, GPT-2, T5)
 OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "dense", "c_proj", "wo", "Wo")  # Wo: ModernBERT's
-#: a position table's name in Transformers' families (GPT-2's wpe, OPT's and XGLM's embed_positions, BERT's)
-POSITION_TABLES = ("embed_positions", "wpe", "position_embeddings")
+#: a position table's name in Transformers' families (GPT-2's wpe, OPT's and XGLM's embed_positions, BERT's, GPT-1's
+#: positions_embed)
+POSITION_TABLES = ("embed_positions", "wpe", "position_embeddings", "positions_embed")
 #: a fused q/k/v projection's name in Transformers' families (BLOOM/Falcon/NeoX, GPT-2, Phi-3, MPT, Baichuan)
 FUSED_QKV = ("query_key_value", "c_attn", "qkv_proj", "Wqkv", "W_pack")
 #: a node that is one expert of an experts module: ``...mlp.experts.<e>``

@@ -19,7 +19,7 @@ from typing import Any, cast
 import torch
 
 from parity.build.builder import tied_weights
-from parity.build.coverage import LAYOUT, ROWS, SCALED, SLICE, storage_span
+from parity.build.coverage import FUSED_PART, LAYOUT, ROWS, SCALED, SLICE, storage_span
 from parity.compare.arbiter import arbitrated_like, output_arbitrates
 from parity.compare.later_calls import call_of, with_later_calls
 from parity.compare.metrics import CHUNK, MISMATCH, MISSING, SHAPE, UNTAPPED, chunks
@@ -435,7 +435,7 @@ def _stacked_rows(
     if coverage is None:
         return rebased
     transforms = {n.name: n.transform for n in pair.nodes}
-    by_key = {f"{n.reference_path}.weight": n.name for n in pair.nodes if n.ours.startswith("param:")}
+    weight_key = {n.name: f"{n.reference_path}.weight" for n in pair.nodes if n.ours.startswith("param:")}
     for name, p in params.items():
         key = key_of.get(id(p))
         if p.dim() < 2 or key is None or key not in functional:
@@ -443,7 +443,10 @@ def _stacked_rows(
         group = [functional[key], *siblings.get(functional[key], [])]  # the reference's order
         # rows of norms the reference runs as no node of its own (Gemma 4's post_feedforward_layernorm_1) are
         # read by no node
-        sources = {by_key.get(s.key): s for s in coverage.sources.get(name, [])}
+        # each node of the group with the source of its weight (several nodes may read parts of one fused key:
+        # Falcon's q, k and v rows of a layer's query_key_value, each stacked over layers in its own parameter)
+        by_key = {s.key: s for s in coverage.sources.get(name, [])}
+        sources = {n: by_key[weight_key[n]] for n in group if weight_key.get(n) in by_key}
         held = {n: _held_elements(p, s) for n, s in sources.items()}
         regions = {n: span for n, span in held.items() if n in group and span is not None}
         spans = sorted(set(regions.values()))
@@ -551,7 +554,7 @@ def _held_elements(p: torch.Tensor, source) -> tuple[int, int] | None:
         index = torch.unravel_index(torch.tensor(source.one_row), tuple(p.shape[:-1]))
         return storage_span(p[tuple(int(i) for i in index)])
     rows = source.rows
-    if source.how != ROWS or not rows:
+    if source.how not in (ROWS, FUSED_PART) or not rows:
         return None
     if not source.flat:  # rows of p's view in the source's axis order, every axis but the last flattened
         if p.dim() < 3 or order[0] != 0:

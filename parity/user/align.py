@@ -941,11 +941,10 @@ class _Aligner:
             held = [(n, s) for n, s in held if s.how == SPLIT and s.part is not None and s.part[1:] == part[1:]]
         return held[0][0] if len(held) == 1 else None
 
-    def _returned_columns(self, ref_path: str, spec: NodeSpec) -> OutputPart | None:
-        """The output features of a module's product with its weight that the module returns (as its output
-        ``#k``, the node's), where that is a part of them: Inkling's router weight holds its shared experts'
-        rows too and returns the routed experts' logits alone. Found by running the module on a random input;
-        None where it returns the whole product, or cannot run alone."""
+    def _returned(self, ref_path: str, spec: NodeSpec) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(what the module returns as the node's output #k, its plain product with its weight)`` on a random
+        input ``(3, in)``, both float64, for a reference module (not a plain ``nn.Linear``) holding a 2-D weight;
+        None where it cannot run alone on such an input."""
         module = self.ref_modules.get(ref_path)
         weight = getattr(module, "weight", None)
         if module is None or isinstance(module, (nn.Linear, nn.Embedding)) or not isinstance(weight, torch.Tensor):
@@ -957,13 +956,37 @@ class _Aligner:
         try:
             with torch.no_grad():
                 out = module(x)
-        except Exception:  # a module that needs more than its input: no part read
+        except Exception:  # a module that needs more than its input: nothing read
             return None
         out = out[k] if isinstance(out, (tuple, list)) and len(out) > k else out if k == 0 else None
-        if not isinstance(out, torch.Tensor) or out.dim() != 2 or not 0 < out.shape[-1] < weight.shape[0]:
+        if not isinstance(out, torch.Tensor) or out.dim() != 2 or not out.is_floating_point():
             return None
-        full = torch.nn.functional.linear(x.double(), weight.detach().double())
-        n, got = out.shape[-1], out.double()
+        return out.double(), torch.nn.functional.linear(x.double(), weight.detach().double())
+
+    def _returned_scale(self, ref_path: str, spec: NodeSpec) -> float | None:
+        """The constant a module multiplies its whole product by before returning it (Muse Spark's router:
+        its logits times the config's ``output_multiplier``), found by running it on a random input; None where
+        it returns the product itself or anything else."""
+        found = self._returned(ref_path, spec)
+        if found is None or found[0].shape != found[1].shape:
+            return None
+        got, full = found
+        c = float((got * full).sum() / (full * full).sum().clamp_min(1e-300))
+        if c == 0 or abs(c - 1) < 1e-6 or float((got - c * full).abs().max()) > 1e-5 * float(got.abs().max()):
+            return None
+        return c
+
+    def _returned_columns(self, ref_path: str, spec: NodeSpec) -> OutputPart | None:
+        """The output features of a module's product with its weight that the module returns (as its output
+        ``#k``, the node's), where that is a part of them: Inkling's router weight holds its shared experts'
+        rows too and returns the routed experts' logits alone. Found by running the module on a random input;
+        None where it returns the whole product, or cannot run alone."""
+        found = self._returned(ref_path, spec)
+        if found is None or not 0 < found[0].shape[-1] < found[1].shape[-1]:
+            return None
+        got, full = found
+        weight = cast(torch.Tensor, self.ref_modules[ref_path].weight)
+        n = got.shape[-1]
         tol = 1e-4 * float(got.abs().max().clamp_min(1e-30))
         start = next(
             (a for a in range(weight.shape[0] - n + 1) if bool(((full[:, a : a + n] - got).abs() <= tol).all())), None
@@ -973,12 +996,15 @@ class _Aligner:
     def _children_after(self, ref_path: str) -> list[str]:
         """The submodules holding parameters of a reference ``nn.Embedding`` or ``nn.Linear`` subclass, which its
         forward runs on its own op's result (Inkling's embedding normalised by its ``embed_norm``): the module's
-        output is theirs."""
+        output is theirs. An embedding's submodules without parameters too (Muse Spark's weightless
+        ``embed_norm``): a table holds nothing else a lookup could apply."""
         module = self.ref_modules.get(ref_path)
         if not isinstance(module, (nn.Embedding, nn.Linear)):
             return []
         return [
-            f"{ref_path}.{name}" for name, child in module.named_children() if any(True for _ in child.parameters())
+            f"{ref_path}.{name}"
+            for name, child in module.named_children()
+            if isinstance(module, nn.Embedding) or any(True for _ in child.parameters())
         ]
 
     def _post_scale_of(self, ref_path: str) -> str | None:
@@ -1273,6 +1299,16 @@ class _Aligner:
                     f"output features {columns.start}:{columns.stop} of the op in ours that reads {param}: "
                     f"{base} returns those of its product alone (its weight holds more rows: a MoE router's "
                     "shared experts' logits)",
+                )
+            returned = self._returned_scale(base, spec) if source.how in (SHARED, COPY, TRANSPOSED) else None
+            if returned is not None:
+                times = Unscaled(1.0 / returned)
+                return replace(spec, ours=ours, transform=times, inverse=times.inverse), Aligned(
+                    name,
+                    ours,
+                    "functional",
+                    f"{base} returns its product times {returned:.6g} (a constant inside its forward); the op in "
+                    f"ours that reads {param} is compared times it (ours applies it after, judged at the nodes after)",
                 )
             if source.how == SCALED and source.scale and self._divide_scaled(base, source):
                 unscaled = Unscaled(float(source.scale))  # a scale folded into the weight (and bias) at load
