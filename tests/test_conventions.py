@@ -753,6 +753,24 @@ def test_parts_of_per_layer_fused_weights_stacked_are_fused_parts_of_ours():
     assert any(u.startswith("wq") for u in loader_coverage(model, fused).unwritten)
 
 
+def test_conv1d_weights_stacked_per_layer_output_major_are_rows_of_ours():
+    """GPT-1's Conv1D ``c_attn`` weights, ``(in, 3 * out)`` per layer, stacked as ``(layers, 3, heads, head_dim, in)``
+    (each layer's transpose, its output features split): each key's columns are one slab's rows of ours. A stack of
+    other tensors' transposes across the first axis (two (experts, hidden) tables kept as (experts, 2, hidden)) is
+    not read so."""
+    keys = {f"h.{i}.attn.c_attn.weight": torch.randn(8, 24) for i in range(3)}
+    model = nn.Module()
+    model.w_qkv = nn.Parameter(torch.stack([keys[f"h.{i}.attn.c_attn.weight"].T.reshape(3, 2, 4, 8) for i in range(3)]))
+    cov = loader_coverage(model, keys)
+    assert cov.ok and not cov.unwritten and not cov.derived, cov
+    h1 = cov.sources["w_qkv"][[s.key for s in cov.sources["w_qkv"]].index("h.1.attn.c_attn.weight")]
+    assert h1.how == "rows" and h1.transposed and h1.rows == tuple(range(24, 48)), h1
+    tables = {"down_embed": torch.randn(6, 8), "up_embed": torch.randn(6, 8)}
+    mem = nn.Module()
+    mem.mem = nn.Parameter(torch.stack([tables["down_embed"], tables["up_embed"]], dim=1))  # (experts, 2, hidden)
+    assert not any(s.transposed for s in loader_coverage(mem, tables).sources.get("mem", []))
+
+
 def test_a_tensor_computed_in_parts_is_compared_on_its_part():
     """One head (or one tensor-parallel rank's heads) of a node ours computes in parts is compared there, the rest
     not judged; a part whose values differ still fails; ours' tokens flattened sequence first are read batch first."""

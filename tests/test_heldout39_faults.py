@@ -163,7 +163,7 @@ NAMED = [
     ("granitemoe_swa", "layer_types_default_rule", False, f"{ATTN}.probs", "sliding_window",
      "this is a sliding_attention layer in the config, and ours attends as its full_attention layers do"),
     ("granitemoe_swa", "nope_falls_back_to_global_theta", False, "model.layers.1.self_attn.q_rot", "rope_unexpected",
-     "RoPE where the reference applies no rotation (a NoPE layer)"),
+     "this full_attention layer is NoPE (layer_rope_theta marks it so), ours rotates it"),
     ("granitemoe_swa", "rope_interleaved", False, f"{ATTN}.q_rot", "rope_pairing",
      "ours rotates interleaved (2i, 2i + 1) pairs, the reference half-split (i, i + d/2)"),
     ("granitemoe_swa", "gqa_kv_tiled", False, f"{ATTN}.scores", "head_mapping",

@@ -1099,16 +1099,39 @@ def loader_coverage(
             if parts is None and p.dim() == 2:  # a fused weight kept input-major (``x @ W``, its columns the rows)
                 parts = _fused_rows(p.data.T, free)
                 fused_input_major = parts is not None
-            for axis in (*range(p.dim() - 1), p.dim() - 1) if parts is None and p.dim() >= 3 else ():
+            # Conv1D weights (GPT-1's and GPT-2's, (in, out)) as their transposes: ours may stack them output-major
+            # (a square one's transpose is its axes exchanged: the moved-axis layouts read it)
+            conv1d = (
+                {k: t.T for k, t in free.items() if t.dim() == 2 and t.shape[0] != t.shape[1] and t.is_floating_point()}
+                if p.dim() >= 3
+                else {}
+            )
+            layouts = [
+                (axis, keys_transposed)
+                for keys_transposed in (False, True)
+                for axis in (*range(p.dim() - 1), p.dim() - 1)
+                if parts is None and p.dim() >= 3
+            ]
+            for axis, keys_transposed in layouts:
                 # weights fused along leading axes with the input features on another (DBRX's w1 and v1 as one
                 # (E, H, 2I), Gemma JAX's kv_einsum (2, KV heads, H, head_dim)): that axis moved last, the rows of
-                # every leading index in turn; last, stacked as they are stored ((layers, out, in): the last axis kept)
+                # every leading index in turn; last, stacked as they are stored ((layers, out, in): the last axis kept);
+                # then Conv1D weights stacked so ((layers, 3, heads, head_dim, hidden): GPT-1's c_attn per layer)
                 last = tuple(a for a in range(p.dim()) if a != axis) + (axis,)
-                parts = _fused_rows(p.data.permute(last).reshape(-1, p.shape[axis]), free)
+                parts = _fused_rows(
+                    p.data.permute(last).reshape(-1, p.shape[axis]), conv1d if keys_transposed else free
+                )
                 if parts is not None and axis == p.dim() - 1 and not _one_slab_each(parts, p):
                     parts = None  # (a key across slabs: a per-group fused weight, Jais2's (kv groups, q..k v, in))
+                if (
+                    parts is not None
+                    and keys_transposed
+                    and (last[0] != 0 or not _one_slab_each(parts, p.permute(last)))
+                ):
+                    parts = None  # Conv1D weights stacked per layer only: each whole in one slab of the first axis
                 moved_axes = last if parts is not None else None
                 if parts is not None:
+                    fused_input_major = keys_transposed  # the key's columns are ours' rows
                     break
             if parts is None and p.dim() >= 2:
                 # vectors stacked (along several leading axes: (layers, 2, hidden) gains), some slots neutral: a
@@ -1117,8 +1140,8 @@ def loader_coverage(
                 vectors = {k: t for k, t in free.items() if t.dim() == 1}  # (matrices' rows: parts, below)
                 rows_of = p.data.reshape(-1, p.shape[-1])
                 parts = _fused_rows(rows_of, vectors) if p.dim() >= 3 else None
-                for offset in (1.0, -1.0) if parts is None and p.dim() >= 3 else ():
-                    # norm gains kept as 1 + w (Gemma's), stacked: (layers, 4, hidden)
+                for offset in (1.0, -1.0) if parts is None else ():
+                    # norm gains kept as 1 + w (Gemma's), stacked: (layers, 4, hidden), or a block's two: (2, hidden)
                     parts = _fused_rows(rows_of, {k: t + offset for k, t in vectors.items()})  # as ours adds it
                     if parts is not None:
                         stacked_offset = offset

@@ -49,6 +49,7 @@ from parity.diagnose.masks import (
 from parity.diagnose.moe import (
     choice,
     combination_scale,
+    expert_rows,
     expert_tokens,
     expert_weights,
     experts_at_stream,
@@ -86,7 +87,14 @@ from parity.diagnose.order import (
     repeated_module,
     reused_module,
 )
-from parity.diagnose.residual import input_scale, input_source, input_terms, projection_source, residual_add
+from parity.diagnose.residual import (
+    input_scale,
+    input_source,
+    input_terms,
+    projection_source,
+    residual_add,
+    residual_around_norm,
+)
 from parity.diagnose.rope import (
     bias_after_rope,
     gain_across_rope,
@@ -246,6 +254,7 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     embedding_norm,  # before input_scale: a weight-free norm of the embeddings, eps-sized at layer 0
     input_scale,  # before the norms: a norm fed a scaled input differs only through its eps
     input_terms,
+    residual_around_norm,  # after input_terms: a norm's input in place of its output is no reweighted term
     input_source,
     projection_source,
     rope_before_norm,  # a q/k norm after RoPE (HunYuan): RoPE read at its input, before the norm fits
@@ -486,6 +495,7 @@ def diagnose(
             swapped
             or before_reduction(result, ours_trace, ref_trace)
             or experts_per_token(result, facts)  # before the positions: a router's k is its last axis
+            or expert_rows(result, ref_trace)  # an expert's node over other tokens: routing or placement
             or _fewer_positions(result)
             or _one_of_many(result, ref_trace)
             or _head_split(result, facts)

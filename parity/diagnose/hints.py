@@ -23,6 +23,8 @@ KINDS: dict[str, str] = {
     "expert_missing": "the experts' weighted sum without one expert's share (a loop over experts that stops short)",
     "routing": "an integer node (the experts a router chose) differs: where, same set or not, and the reference's margin (a near-tie?)",
     "quantisation": "one side's input is the other's rounded to a few integer levels (activation quantisation, int8 absmax per token)",
+    "expert_rows": "a node inside one expert over other tokens: run once after the experts' sum (a per-expert norm moved "
+    "out of the experts), or the router chose other experts upstream",
     "experts_per_token": "a MoE layer chooses another number of experts per token (k of another layer, a per-layer list misread)",
     "routing_weights": "the top-k routing weights formed otherwise from the router's logits (the raw logits, no softmax)",
     "renormalisation": "ours / ref is one factor per row and one side's rows sum to 1 (top-k weights renormalised on one side only)",

@@ -1364,3 +1364,39 @@ def shared_expert(e: Evidence) -> Hint | None:
         f"reference {ref_is} (the routed sum, the shared expert and its gate agree)",
         {"ours": ours_is, "reference": ref_is},
     )
+
+
+def expert_rows(result, ref_trace) -> Hint | None:
+    """A node inside one expert (``...experts.<e>...`` or a module the experts run per expert, Muse Spark's
+    ``experts.post_expert_norm``) holding another number of tokens on each side, the features alike: ours runs it
+    once over every token (after the experts' outputs are combined) where the reference runs it per expert on the
+    tokens routed there; or the expert received other tokens (the router chose otherwise upstream)."""
+    ours, ref = result.shape_ours, result.shape_ref
+    if not ours or not ref or len(ours) != 2 or len(ref) != 2 or ours[1] != ref[1] or ours[0] == ref[0]:
+        return None
+    if ".experts." not in f".{result.name}.":
+        return None
+    tokens = next(
+        (
+            math.prod(t.shape[:-1])
+            for name, t in ref_trace.tensors.items()
+            if isinstance(t, torch.Tensor) and t.dim() >= 2 and name.rsplit(".", 1)[-1] in ("embed_tokens", "wte")
+        ),
+        None,
+    )
+    leaf = result.name.rsplit(".", 1)[-1]
+    if tokens is not None and ours[0] == tokens > ref[0]:
+        return Hint(
+            "expert_rows",
+            f"likely {leaf} applied once to the experts' combined output in ours: it runs over all {tokens} tokens, "
+            f"where the reference runs it inside each expert on the tokens routed to it ({ref[0]} here), before the "
+            "routing weights and the sum",
+            {"ours_rows": ours[0], "reference_rows": ref[0], "tokens": tokens},
+        )
+    return Hint(
+        "expert_rows",
+        f"likely the routing chose other experts upstream: this expert's {leaf} gets {ours[0]} token(s) in ours, "
+        f"{ref[0]} in the reference (the router's logits, their scale or bias, or its top-k read otherwise: its "
+        "choices are the first to differ)",
+        {"ours_rows": ours[0], "reference_rows": ref[0]},
+    )

@@ -739,8 +739,23 @@ def _mask_changes(site: Site, args: tuple) -> list[Change]:
                _mask_rewrite(k, 0)),
         Change(site, "the mask's next key unmasked (a query reads one key ahead: the diagonal moved by one)",
                _mask_rewrite(k, 2)),
-        Change(site, "the mask's padding left out (the causal part alone: padding keys read)", _mask_rewrite(k, 1)),
+        Change(site, f"the mask's {_beyond_causal(args[k])} left out (the causal part alone: {_beyond_causal(args[k], True)} read)",
+               _mask_rewrite(k, 1)),
     ]  # fmt: skip
+
+
+def _beyond_causal(mask: torch.Tensor, keys: bool = False) -> str:
+    """What an additive mask hides besides the future keys: whole key columns (padding), or keys chosen per query
+    (a sparse selection: an indexer's top-k, a window); ``keys``: the keys it hides, named."""
+    q, t = mask.shape[-2], mask.shape[-1]
+    future = torch.ones(q, t, dtype=torch.bool, device=mask.device).triu(t - q + 1)
+    past = (mask < -1e4) & ~future  # hidden, though not in the future
+    # padding hides a key from every query that could see it: each hidden key hidden from every later query
+    seen = ~future
+    per_key = (past | ~seen).all(dim=-2, keepdim=True) & past.any(dim=-2, keepdim=True)
+    if not bool(past.any()) or bool((past == (per_key & seen)).all()):
+        return "padding keys" if keys else "padding"
+    return "keys it does not select" if keys else "selection (a sparse top-k or window)"
 
 
 def _mask_rewrite(k: int, mode: int) -> Callable[[tuple, dict, torch.Tensor], torch.Tensor]:

@@ -524,6 +524,38 @@ def input_terms(e: Evidence) -> Hint | None:
     )
 
 
+def residual_around_norm(e: Evidence) -> Hint | None:
+    """Ours' module input differs from the reference's by an earlier norm's input less its output, in this layer:
+    one side adds the stream from before that norm where the other adds the norm's output (a post-norm block, GPT-1's
+    and BERT's ``ln_2(ln_1(x + attn) + mlp)``, whose residual is the normed sum; or a pre-norm stream read after the
+    norm). Either side."""
+    x_ours, x_ref = e.inputs()
+    if x_ref is None or x_ours is None or x_ref.shape != x_ours.shape or e.close(x_ours, x_ref):
+        return None
+    layer = e.result.layer
+    diff = x_ours.double() - x_ref.double()
+    for name, out in e.ref_trace.tensors.items():
+        if name == e.name:
+            break
+        norm_in = e.ref_trace.inputs.get(name)
+        if e.facts.locate(name)[0] != layer or not is_norm(e.facts.locate(name)[1] or "") or norm_in is None:
+            continue
+        if out.shape != x_ref.shape or norm_in.shape != x_ref.shape or e.close(x_ref, out) or e.close(x_ours, out):
+            continue  # (a node reading the norm's output itself: a projection's input, not a residual sum)
+        step = norm_in.double() - out.double()  # what adding the norm's input in place of its output adds
+        for side, sign in (("ours", 1.0), ("the reference", -1.0)):
+            if rel(sign * diff, step) < 1e-5:
+                short = name.rsplit(".", 1)[-1]
+                return Hint(
+                    "residual",
+                    f"likely the residual taken around {short} in {side}: {whose(side)} {e.kind} input adds {short}'s "
+                    f"input (the stream before the norm) where the other side adds {short}'s output (a post-norm "
+                    "block's residual is the normed sum: ln_2(ln_1(x + attn) + mlp))",
+                    {"side": side, "norm": name},
+                )
+    return None
+
+
 def terms_of(w: torch.Tensor, used: list[int], names: list[str]) -> str:
     """A fitted sum as ``1 x out_proj + 1 x fc2``, its nonzero terms only."""
     return " + ".join(f"{float(w[i]):.4g} x {names[i].rsplit('.', 1)[-1]}" for i in used if w[i] != 0) or "0"

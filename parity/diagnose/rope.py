@@ -201,8 +201,6 @@ def rope_fit(e: Evidence) -> Hint | None:
     if e.kind not in ("q_rot", "k_rot") or e.ours.dim() != 4 or e.positions is None:
         return None
     layer = e.facts.layer(e.result.layer)
-    if layer is not None and layer.rope is None:
-        return None  # a NoPE layer by the reference's config: a rotation on one side is rope_skipped's
     x = pre_rope(e, e.ours.shape[1])
     if layer is None or x is None or x.shape != e.ours.shape or e.positions.shape != (e.ours.shape[0], e.ours.shape[2]):
         return None
@@ -778,9 +776,6 @@ def rope_pattern(e: Evidence) -> Hint | None:
     # Only where RoPE acts: after attention, position 0 agrees trivially (it sees one key).
     if e.kind not in ("q_rot", "k_rot") or ours.dim() != 4 or ours.shape[2] < 3:
         return None
-    layer = e.facts.layer(e.result.layer)
-    if layer is not None and layer.rope is None and (skipped := rope_skipped(e)) is not None:
-        return skipped  # a NoPE layer by the reference's config, its q (k) normalised before: named as such
     per_pos = by_position(ours, ref, 2)
     tol = e.noise
     if float(per_pos[0]) > tol or float(per_pos.max()) <= tol:
@@ -1338,12 +1333,11 @@ def rope_skipped(e: Evidence) -> Hint | None:
     x = x.double()
 
     def per_position(t: torch.Tensor) -> torch.Tensor | None:
-        """t = x times one factor per (batch, head, position): a temperature, or a weightless per-head norm
-        (Muse Spark's qk_norm times its qk_scale_factor) between the projection and RoPE; or None."""
+        """t = x times one factor per (batch, position), or None."""
         keep = x.abs() > 1e-3 * float(x.abs().max())
         ratio = torch.where(keep, t.double() / torch.where(keep, x, torch.ones_like(x)), torch.nan)
-        f = ratio.nanmedian(dim=-1).values  # (batch, heads, seq)
-        if not bool(torch.isfinite(f).all()) or rel(t.double(), x * f[..., None]) > 1e-6:
+        f = ratio.nanmedian(dim=-1).values.nanmedian(dim=1).values  # (batch, seq)
+        if not bool(torch.isfinite(f).all()) or rel(t.double(), x * f[:, None, :, None]) > 1e-6:
             return None
         return f
 
@@ -1351,16 +1345,13 @@ def rope_skipped(e: Evidence) -> Hint | None:
     rotates = layer is not None and layer.rope is not None  # the reference's facts: RoPE on this layer
 
     def turned(t: torch.Tensor) -> bool:
-        """t is x rotated: each pair (half-split or interleaved) keeps x's length at every position (up to one
-        factor per head and position, as per_position allows)."""
+        """t is x rotated: each pair (half-split or interleaved) keeps x's length at every position."""
         half = t.shape[-1] // 2
         for pairs in (
             lambda y: y[..., :half] ** 2 + y[..., half:] ** 2,
             lambda y: y[..., 0::2] ** 2 + y[..., 1::2] ** 2,
         ):
-            mine, theirs = pairs(t.double()), pairs(x)
-            c = (mine * theirs).sum(-1, keepdim=True) / (theirs * theirs).sum(-1, keepdim=True).clamp_min(1e-300)
-            if rel(mine, c * theirs) < 1e-6:
+            if rel(pairs(t.double()), pairs(x)) < 1e-6:
                 return True
         return False
 
@@ -1371,24 +1362,10 @@ def rope_skipped(e: Evidence) -> Hint | None:
         if not turned(other) and (side != "ours" or not rotates):
             continue  # the other side is no rotation of q (nor, for ours, the reference's RoPE layer): no RoPE skipped
         scaled = float((f - 1).abs().max()) > 1e-6
-        if side == "the reference" and not rotates:
-            return Hint(
-                "rope_unexpected",
-                f"likely RoPE applied in ours at a layer without it: the reference's config makes layer "
-                f"{e.result.layer} a NoPE layer (its {e.kind[0]} unrotated"
-                + (", times one factor per position or head" if scaled else "")
-                + "), ours rotates it: the pattern of which layers use RoPE (a per-layer theta of 0, no_rope_layers, "
-                "a layer type) not read",
-                {"side": "ours", "per_position_factor": scaled, "nope_layer": e.result.layer},
-            )
         return Hint(
             "rope_missing" if side == "ours" else "rope_unexpected",
             f"likely RoPE skipped in {side} at this layer: its {e.kind[0]} is the projection's, unrotated"
-            + (
-                " (times one factor per position or head: a NoPE layer's query temperature, a weightless norm)"
-                if scaled
-                else ""
-            )
+            + (" (times one factor per position: a NoPE layer's query temperature)" if scaled else "")
             + ", where the other side rotates it: the pattern of which layers use RoPE (no_rope_layers, a NoPE "
             "interval, a layer type) read otherwise or inverted",
             {"side": side, "per_position_factor": scaled},

@@ -627,7 +627,7 @@ def position_scale(e: Evidence) -> Hint | None:
         not bool(torch.isfinite(per_position).all())
         or rel(a[judged], (b * per_position[:, None, :, None])[judged]) > 1e-6
     ):
-        return None  # not one factor per position
+        return _head_position_scale(e, a, b, keep, real)  # not one factor per position: one per head and position?
     if float(per_position[real].max() / per_position[real].min()) < 1.001:
         return None  # one factor everywhere: a scale, not one by position
     forms = _position_scales(e, e.positions)
@@ -676,6 +676,42 @@ def position_scale(e: Evidence) -> Hint | None:
                 {"side": side, "form": found},
             )
     return None
+
+
+def _head_position_scale(
+    e: Evidence, a: torch.Tensor, b: torch.Tensor, keep: torch.Tensor, real: torch.Tensor
+) -> Hint | None:
+    """At q: ours / reference one factor per head and position (the same over the dims), 1 at position 0 and not
+    later: a query scale by position with its own coefficients per head (Mistral Large 4's log-position softmax
+    scaling, ``scale_h ln(p + 1) + bias_h``) one side computes otherwise (the position it reads, its log)."""
+    positions = e.positions
+    if e.kind != "q_rot" or a.shape[1] < 2 or positions is None:
+        return None
+    ratio = torch.where(keep, a / torch.where(keep, b, torch.ones_like(b)), torch.nan)
+    factor = ratio.nanmedian(dim=-1).values  # (batch, heads, seq)
+    judged = real[:, None, :, None].expand_as(a)
+    if not bool(torch.isfinite(factor[real[:, None, :].expand_as(factor)]).all()):
+        return None
+    if rel(a[judged], (b * factor.nan_to_num(1.0)[..., None])[judged]) > 1e-6:
+        return None  # not one factor per head and position
+    first = positions == positions.min()
+    at_start = factor.permute(0, 2, 1)[first & real]  # (tokens at the first position, heads)
+    later = factor.permute(0, 2, 1)[~first & real]
+    if at_start.numel() == 0 or later.numel() == 0 or float((at_start - 1).abs().max()) > 1e-5:
+        return None
+    if float((later - 1).abs().max()) < 1e-3:
+        return None
+    row = int(real.sum(1).argmax())
+    step = max(1, positions.shape[1] // 4)
+    pairs = zip(positions[row][::step].tolist(), factor[row, 0][::step].tolist(), strict=True)
+    shown = ", ".join(f"p{int(p)}: {f:.4g}" for p, f in pairs)
+    return Hint(
+        "scale",
+        "likely a query scale by position with coefficients per head (a log-position softmax scaling, scale_h "
+        "ln(p + 1) + bias_h) computed otherwise on one side (the position it reads, p or p + 1, its log or floor): "
+        f"ours / reference is one factor per head and position, 1 at position 0 (head 0: {shown})",
+        {"per_head_position": True},
+    )
 
 
 def row_scale(e: Evidence) -> Hint | None:

@@ -134,6 +134,31 @@ def storage_keys(params) -> dict[int, StorageKey]:
     return keys
 
 
+def _normalised(x: torch.Tensor, out: torch.Tensor, weights: list[torch.Tensor]) -> bool:
+    """Whether ``out``, a norm's output with its weight (one of ``weights``, broadcast) applied, can be ``x``
+    normalised: divided by the weight, each row is ``x``'s, or ``x`` less its mean, times one factor. A statistic
+    read on an earlier tensor (a weightless norm before a residual gate, then this norm on the gate's output) is no
+    input of this norm; where the weight is unknown, the input is kept."""
+    if len(weights) != 1 or x.dim() < 1 or x.shape[-1] < 4:
+        return True
+    w = weights[0].detach().double()
+    try:
+        plain = (out.detach().double() / torch.where(w.abs() > 1e-12, w, torch.ones_like(w))).flatten(0, -2)
+    except RuntimeError:
+        return True
+    a = x.detach().double().flatten(0, -2)
+    if plain.shape != a.shape:
+        return True
+    width = a.shape[-1]
+    for size in (d for d in range(width, 3, -1) if width % d == 0):  # the whole row, or groups of it (group norms)
+        rows, held = a.reshape(-1, size), plain.reshape(-1, size)
+        for form in (rows, rows - rows.mean(-1, keepdim=True)):
+            c = (held * form).sum(-1, keepdim=True) / (form * form).sum(-1, keepdim=True).clamp_min(1e-300)
+            if float((held - c * form).norm()) <= 1e-3 * float(held.norm()):
+                return True
+    return False
+
+
 def _span_of(t: torch.Tensor) -> int:
     """How many elements of its storage ``t`` reaches from its first (its numel when packed)."""
     return 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True) if n > 0)
@@ -728,7 +753,14 @@ class FunctionCapture(TorchFunctionMode):
                     self._weighted = (node, out, next(a for a in args if isinstance(a, torch.Tensor) and a is not None))
                     return out
                 x, self._statistic = self._statistic, None
-                if x is not None and isinstance(out, torch.Tensor) and x.shape == out.shape:
+                if (
+                    x is not None
+                    and isinstance(out, torch.Tensor)
+                    and x.shape == out.shape
+                    and _normalised(
+                        x, out, [t for t in operands if isinstance(t, torch.Tensor) and t.shape != out.shape]
+                    )
+                ):
                     self.hold_input(node, x)  # its input, for the hints (a module's would be kept)
                 if node in self._biased and not any(self.biases.of(t) == node for t in operands):
                     self._unbiased[id(out)] = (node, out)  # a LayerNorm's shift comes next: x_hat * w + b
@@ -776,6 +808,11 @@ class FunctionCapture(TorchFunctionMode):
                     self.hold_input(node, x)
                 reordered = _AsLinear.of(func, args, self.followed, out)
                 if part is not None and reordered is not None:  # a block of a stacked weight, batch not first
+                    if node in self._biased and not any(self.biases.of(t) is not None for t in operands):
+                        # its bias (a row of a stacked bias: GPT-1's port's b_qkv[layer]) comes next
+                        self._unbiased[id(out)], self._part_rows[id(out)] = (node, out), part[1]
+                        self._reordered[id(out)] = (out, reordered)
+                        return out
                     seen = reordered.view(out)
                     kept = self.record_param(node, seen, part=part[1])
                     return out if kept is seen else reordered.back(kept)

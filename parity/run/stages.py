@@ -320,9 +320,18 @@ def ours_recording(pair: Pair, order: Sequence[str] = ()) -> dict:
         and isinstance(getattr(ref_modules.get(n.reference_path), "bias", None), torch.Tensor)
     )
     if expects_bias:
-        for p in params.values():
+        # a vector, or a stack of them computed at load in no layout parity knows (GPT-1's port's b_qkv (layers, 3,
+        # heads, head_dim) read per head interleaved): what ours adds there is still its bias
+        coverage = pair.loading.coverage
+        unwritten = (
+            set(coverage.unwritten_names()) | {n for held in coverage.derived.values() for n in held}
+            if coverage is not None
+            else set()
+        )
+        for name, p in params.items():
             key = key_of.get(id(p))
-            if p.dim() == 1 and key is not None and key not in biases and key not in functional:
+            vector = p.dim() == 1 or (name in unwritten and p.dim() >= 2 and p.shape[-1] < p.numel() ** 0.5)
+            if vector and key is not None and key not in biases and key not in functional:
                 biases[key] = ""
     # a parameter read for several nodes is followed as its first (a tied table: the embedding): its product
     # waits for the bias a sibling's module adds (ERNIE 4.5's tied head with a bias)
@@ -488,10 +497,11 @@ def _stacked_biases(
         for node in members:
             found = held.get(f"{paths.get(node)}.bias")
             b = params.get(found[0]) if found is not None else None
-            if found is None or b is None or b.dim() != 2 or not found[1].flat or not found[1].rows:
+            if found is None or b is None or b.dim() < 2 or not found[1].flat or not found[1].rows:
                 rows = set()
                 break
-            rows |= {(found[0], r // b.shape[1]) for r in found[1].rows}
+            # one row per slab, whatever its shape (GPT-1's port's b_qkv (layers, 3, heads, head_dim))
+            rows |= {(found[0], r // math.prod(b.shape[1:])) for r in found[1].rows}
         if len(rows) != 1:
             continue  # a slab's biases on several rows, or none of them stacked: left as they are
         ((name, row),) = rows

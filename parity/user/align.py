@@ -117,20 +117,30 @@ class Rows:
         out[..., list(self.rows)] = ref.to(device=current.device, dtype=current.dtype)
         if out.shape == current.shape:
             return out
-        if _heads_apart(current, self.width) == "heads last":
+        apart = _heads_apart(current, self.width)
+        if apart == "heads last":
             return out.unflatten(-1, current.shape[-2:])
+        if (
+            apart == "parts first"
+        ):  # (batch, seq, parts * heads * head_dim) back to (parts, batch, heads, seq, head_dim)
+            held = (current.shape[0], *current.shape[2:-2], current.shape[-1])
+            return out.unflatten(-1, held).movedim(1, -2).movedim(0, 1)
         return out.unflatten(-1, (*current.shape[1:-2], current.shape[-1])).movedim(1, -2)
 
 
 def _heads_apart(t: torch.Tensor, width: int) -> str:
     """How a product's output of ``width`` features keeps its heads apart: ``"seq before last"`` (``(batch, heads,
     seq, head_dim)``, or more head axes before the sequence), ``"heads last"`` (``(batch, seq, heads, head_dim)``:
-    a JAX port's ``btc,chd->bthd``), or ``""`` (its last axis holds the features)."""
+    a JAX port's ``btc,chd->bthd``), ``"parts first"`` (``(parts, batch, heads, seq, head_dim)``), or ``""`` (its
+    last axis holds the features)."""
     if not width or t.shape[-1] == width or t.dim() < 4:
         return ""
     if math.prod(t.shape[1:-2]) * t.shape[-1] == width:
         return "seq before last"
-    return "heads last" if t.shape[-2] * t.shape[-1] == width else ""
+    if t.shape[-2] * t.shape[-1] == width:
+        return "heads last"
+    # (parts, batch, heads, seq, head_dim): q, k and v in one product first (GPT-1's port's ``btc,shdc->sbhtd``)
+    return "parts first" if t.dim() >= 5 and t.shape[0] * math.prod(t.shape[2:-2]) * t.shape[-1] == width else ""
 
 
 def _features_last(t: torch.Tensor, width: int) -> torch.Tensor:
@@ -139,6 +149,8 @@ def _features_last(t: torch.Tensor, width: int) -> torch.Tensor:
     head_dim)``, as ``(batch, seq, features)`` when that is ``width`` features and its last axis is not; else as it
     is (:func:`_heads_apart`)."""
     apart = _heads_apart(t, width)
+    if apart == "parts first":
+        return t.movedim(1, 0).movedim(-2, 1).flatten(2)
     if apart == "seq before last":
         return t.movedim(-2, 1).flatten(2)
     return t.flatten(-2) if apart == "heads last" else t
