@@ -495,7 +495,7 @@ def diagnose(
             swapped
             or before_reduction(result, ours_trace, ref_trace)
             or experts_per_token(result, facts)  # before the positions: a router's k is its last axis
-            or expert_rows(result, ref_trace)  # an expert's node over other tokens: routing or placement
+            or expert_rows(result, ref_trace, facts)  # an expert's node over other tokens: routing or placement
             or _fewer_positions(result)
             or _one_of_many(result, ref_trace)
             or _head_split(result, facts)

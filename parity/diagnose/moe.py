@@ -1366,7 +1366,7 @@ def shared_expert(e: Evidence) -> Hint | None:
     )
 
 
-def expert_rows(result, ref_trace) -> Hint | None:
+def expert_rows(result, ref_trace, facts) -> Hint | None:
     """A node inside one expert (``...experts.<e>...`` or a module the experts run per expert, Muse Spark's
     ``experts.post_expert_norm``) holding another number of tokens on each side, the features alike: ours runs it
     once over every token (after the experts' outputs are combined) where the reference runs it per expert on the
@@ -1376,14 +1376,8 @@ def expert_rows(result, ref_trace) -> Hint | None:
         return None
     if ".experts." not in f".{result.name}.":
         return None
-    tokens = next(
-        (
-            math.prod(t.shape[:-1])
-            for name, t in ref_trace.tensors.items()
-            if isinstance(t, torch.Tensor) and t.dim() >= 2 and name.rsplit(".", 1)[-1] in ("embed_tokens", "wte")
-        ),
-        None,
-    )
+    embedding = ref_trace.tensors.get(facts.embed_module)  # (batch, seq, hidden): every token of the run
+    tokens = math.prod(embedding.shape[:-1]) if isinstance(embedding, torch.Tensor) and embedding.dim() >= 2 else None
     leaf = result.name.rsplit(".", 1)[-1]
     if tokens is not None and ours[0] == tokens > ref[0]:
         return Hint(

@@ -120,9 +120,7 @@ class Rows:
         apart = _heads_apart(current, self.width)
         if apart == "heads last":
             return out.unflatten(-1, current.shape[-2:])
-        if (
-            apart == "parts first"
-        ):  # (batch, seq, parts * heads * head_dim) back to (parts, batch, heads, seq, head_dim)
+        if apart == "parts first":  # (batch, seq, parts * heads * head_dim) to (parts, batch, heads, seq, head_dim)
             held = (current.shape[0], *current.shape[2:-2], current.shape[-1])
             return out.unflatten(-1, held).movedim(1, -2).movedim(0, 1)
         return out.unflatten(-1, (*current.shape[1:-2], current.shape[-1])).movedim(1, -2)
@@ -539,6 +537,8 @@ class _Aligner:
         self._read_within: dict[str, tuple[str, ...]] = {}
         #: each module of ours -> the last axis of what its first call returned (filled with ``_first_reads``)
         self._widths: dict[str, int] = {}
+        #: (reference module, output index) -> what it returns on a random input and its plain product (``_returned``)
+        self._returns: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor] | None] = {}
         self.facts = facts
         self.coverage = coverage
         keys_by_storage: dict[tuple, list[str]] = {}
@@ -964,16 +964,20 @@ class _Aligner:
         if weight.dim() != 2 or weight.is_meta:
             return None
         k = int(spec.reference_path.rsplit("#", 1)[1]) if "#" in spec.reference_path else 0
+        if (ref_path, k) in self._returns:  # (its scale and its columns are both read from one run)
+            return self._returns[(ref_path, k)]
         x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
         try:
             with torch.no_grad():
                 out = module(x)
         except Exception:  # a module that needs more than its input: nothing read
-            return None
+            out = None
         out = out[k] if isinstance(out, (tuple, list)) and len(out) > k else out if k == 0 else None
-        if not isinstance(out, torch.Tensor) or out.dim() != 2 or not out.is_floating_point():
-            return None
-        return out.double(), torch.nn.functional.linear(x.double(), weight.detach().double())
+        found = None
+        if isinstance(out, torch.Tensor) and out.dim() == 2 and out.is_floating_point():
+            found = out.double(), torch.nn.functional.linear(x.double(), weight.detach().double())
+        self._returns[(ref_path, k)] = found
+        return found
 
     def _returned_scale(self, ref_path: str, spec: NodeSpec) -> float | None:
         """The constant a module multiplies its whole product by before returning it (Muse Spark's router:
