@@ -677,19 +677,21 @@ def _stacked_parts(
         rows = held.reshape(-1, held.shape[-1])
         fitting = {k: t for k, t in candidates.items() if t.dim() >= 2 and t.shape[-1] == held.shape[-1]}
         found: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
+        used: set[str] = set()
         for slab in range(p.shape[0]):
-            ours = tuple(range(slab * per_slab, (slab + 1) * per_slab))
+            start, stop = slab * per_slab, (slab + 1) * per_slab
             hit = next(
                 (
                     (k, key_rows)
                     for k, t in fitting.items()
-                    if k not in {f[0] for f in found} and (key_rows := _part_rows(rows[list(ours)], t, cache))
+                    if k not in used and (key_rows := _part_rows(rows[start:stop], t, cache))
                 ),
                 None,
             )
             if hit is None:
                 break
-            found.append((hit[0], ours, hit[1]))
+            used.add(hit[0])
+            found.append((hit[0], tuple(range(start, stop)), hit[1]))
         else:
             return order, found
     return None

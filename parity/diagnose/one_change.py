@@ -734,19 +734,19 @@ def _mask_changes(site: Site, args: tuple) -> list[Change]:
     k = next((i for i in (0, 1) if _additive_mask(args[i]) and isinstance(args[1 - i], torch.Tensor)), None)
     if k is None:
         return []
+    beyond, hidden = _beyond_causal(args[k])
     return [
         Change(site, "the mask's diagonal masked as well (a query kept from its own key: triu(0) for triu(1))",
                _mask_rewrite(k, 0)),
         Change(site, "the mask's next key unmasked (a query reads one key ahead: the diagonal moved by one)",
                _mask_rewrite(k, 2)),
-        Change(site, f"the mask's {_beyond_causal(args[k])} left out (the causal part alone: {_beyond_causal(args[k], True)} read)",
-               _mask_rewrite(k, 1)),
+        Change(site, f"the mask's {beyond} left out (the causal part alone: {hidden} read)", _mask_rewrite(k, 1)),
     ]  # fmt: skip
 
 
-def _beyond_causal(mask: torch.Tensor, keys: bool = False) -> str:
-    """What an additive mask hides besides the future keys: whole key columns (padding), or keys chosen per query
-    (a sparse selection: an indexer's top-k, a window); ``keys``: the keys it hides, named."""
+def _beyond_causal(mask: torch.Tensor) -> tuple[str, str]:
+    """What an additive mask hides besides the future keys, and those keys, named: whole key columns (padding), or
+    keys chosen per query (a sparse selection: an indexer's top-k, a window)."""
     q, t = mask.shape[-2], mask.shape[-1]
     future = torch.ones(q, t, dtype=torch.bool, device=mask.device).triu(t - q + 1)
     past = (mask < -1e4) & ~future  # hidden, though not in the future
@@ -754,8 +754,8 @@ def _beyond_causal(mask: torch.Tensor, keys: bool = False) -> str:
     seen = ~future
     per_key = (past | ~seen).all(dim=-2, keepdim=True) & past.any(dim=-2, keepdim=True)
     if not bool(past.any()) or bool((past == (per_key & seen)).all()):
-        return "padding keys" if keys else "padding"
-    return "keys it does not select" if keys else "selection (a sparse top-k or window)"
+        return "padding", "padding keys"
+    return "selection (a sparse top-k or window)", "keys it does not select"
 
 
 def _mask_rewrite(k: int, mode: int) -> Callable[[tuple, dict, torch.Tensor], torch.Tensor]:

@@ -538,7 +538,8 @@ def residual_around_norm(e: Evidence) -> Hint | None:
         if name == e.name:
             break
         norm_in = e.ref_trace.inputs.get(name)
-        if e.facts.locate(name)[0] != layer or not is_norm(e.facts.locate(name)[1] or "") or norm_in is None:
+        at, kind = e.facts.locate(name)
+        if at != layer or not is_norm(kind or "") or norm_in is None:
             continue
         if out.shape != x_ref.shape or norm_in.shape != x_ref.shape or e.close(x_ref, out) or e.close(x_ours, out):
             continue  # (a node reading the norm's output itself: a projection's input, not a residual sum)

@@ -627,7 +627,7 @@ def position_scale(e: Evidence) -> Hint | None:
         not bool(torch.isfinite(per_position).all())
         or rel(a[judged], (b * per_position[:, None, :, None])[judged]) > 1e-6
     ):
-        return _head_position_scale(e, a, b, keep, real)  # not one factor per position: one per head and position?
+        return _head_position_scale(e, a, b, ratio, real)  # not one factor per position: one per head and position?
     if float(per_position[real].max() / per_position[real].min()) < 1.001:
         return None  # one factor everywhere: a scale, not one by position
     forms = _position_scales(e, e.positions)
@@ -679,7 +679,7 @@ def position_scale(e: Evidence) -> Hint | None:
 
 
 def _head_position_scale(
-    e: Evidence, a: torch.Tensor, b: torch.Tensor, keep: torch.Tensor, real: torch.Tensor
+    e: Evidence, a: torch.Tensor, b: torch.Tensor, ratio: torch.Tensor, real: torch.Tensor
 ) -> Hint | None:
     """At q: ours / reference one factor per head and position (the same over the dims), 1 at position 0 and not
     later: a query scale by position with its own coefficients per head (Mistral Large 4's log-position softmax
@@ -687,8 +687,7 @@ def _head_position_scale(
     positions = e.positions
     if e.kind != "q_rot" or a.shape[1] < 2 or positions is None:
         return None
-    ratio = torch.where(keep, a / torch.where(keep, b, torch.ones_like(b)), torch.nan)
-    factor = ratio.nanmedian(dim=-1).values  # (batch, heads, seq)
+    factor = ratio.nanmedian(dim=-1).values  # (batch, heads, seq): ``ratio`` is ours / reference where judged
     judged = real[:, None, :, None].expand_as(a)
     if not bool(torch.isfinite(factor[real[:, None, :].expand_as(factor)]).all()):
         return None
