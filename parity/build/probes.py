@@ -62,7 +62,7 @@ def probe_weights(
         if (
             len(shape) == 1
             and not name.endswith(".bias")
-            and ("norm" in name or "ln_" in name or "scal" in name.rsplit(".", 1)[-1])
+            and ("norm" in name.lower() or "ln_" in name or "scal" in name.rsplit(".", 1)[-1])
         ):
             t = 1.0 + 0.1 * torch.randn(shape, generator=gen)
         elif len(shape) == 1:

@@ -19,6 +19,7 @@ from parity.diagnose.differential import output_gate
 from parity.diagnose.evidence import EXPLAINS, Evidence, golden_minimum, rel
 from parity.diagnose.hints import Hint
 from parity.diagnose.scales import scale_readings
+from parity.record.hf_capture import OUTPUT_PROJECTIONS
 
 #: the attention internals after the rotated queries and keys (none of them read in ours: a fused kernel such
 #: as scaled_dot_product_attention runs them; the rotated queries and keys, read or not, agree)
@@ -29,9 +30,9 @@ def unread_attention(e: Evidence) -> Hint | None:
     """The output projection of an attention block fails, parity read none of ours' internals of that
     block, and ours' context differs from the reference's: the temperature that reproduces ours' context
     (Hint ``attention_scale``), else the attention itself (``attention_internals``)."""
-    if e.kind != "o_proj":
+    stem = internals_stem(e)
+    if stem is None:
         return None
-    stem = e.name.rsplit(".", 1)[0]
     # ours' probabilities or context read (and agreeing, or the first failure would be there): the detectors of the
     # nodes after them judge what differs (differential attention's combination, an output gate); its scores alone
     # read agree with a mask or softmax that differs after them
@@ -75,12 +76,48 @@ def unread_attention(e: Evidence) -> Hint | None:
         return mask
     return Hint(
         "attention_internals",
-        f"ours' attention output (the context {stem}.o_proj reads) differs from the reference's while every "
+        f"ours' attention output (the context {e.name} reads) differs from the reference's while every "
         "projection feeding it agrees, and parity read none of ours' attention internals there (a weight "
         "absorbed into the query, a fused kernel): the difference is inside that attention: its scale, mask or "
         "softmax, or the keys and values it attends over (tap them with parity.tap to be told which)",
         {"block": stem},
     )
+
+
+def internals_stem(e: Evidence) -> str | None:
+    """The module path whose attention internals (``<stem>.scores``, ``.probs``, ``.context``) the reference traced
+    for the output projection ``e`` (``o_proj``, NeoX's ``dense``, GPT-2's ``c_proj``): its own block's, or a
+    sibling's where the projection sits in a module of its own beside the attention (BERT's and RoBERTa's
+    ``attention.output.dense`` after ``attention.self``); None for any other node (an MLP's ``dense``)."""
+    if e.kind not in OUTPUT_PROJECTIONS:
+        return None
+    stem = e.name.rsplit(".", 1)[0]
+    if f"{stem}.scores" in e.ref_trace.tensors:
+        return stem
+    parent = stem.rsplit(".", 1)[0] + "."
+    siblings = {
+        n[: -len(".scores")]
+        for n in e.ref_trace.tensors
+        if n.endswith(".scores") and n.startswith(parent) and "." not in n[len(parent) : -len(".scores")]
+    }
+    return siblings.pop() if len(siblings) == 1 else None
+
+
+def _traced_values(e: Evidence, stem: str, context: torch.Tensor) -> torch.Tensor | None:
+    """The reference's values ``(batch, heads, seq, head_dim)`` from its traced value projection (``v_proj``,
+    BERT's ``value``) in the attention ``stem``, repeated over the query heads (GQA), for ``context``
+    ``(batch, heads, seq, head_dim)``; None where none is traced or its width does not cut into heads."""
+    b, h, n, d = context.shape
+    v = next(
+        (e.ref_trace.tensors.get(f"{stem}.{k}") for k in ("v_proj", "value") if f"{stem}.{k}" in e.ref_trace.tensors),
+        None,
+    )
+    if v is None or v.numel() % (b * n * d):
+        return None
+    kv = v.numel() // (b * n * d)
+    if not kv or h % kv:
+        return None
+    return v.double().reshape(b, n, kv, d).transpose(1, 2).repeat_interleave(h // kv, 1)
 
 
 def _per_head(context: torch.Tensor, b: int, h: int, q: int) -> torch.Tensor:
@@ -137,6 +174,9 @@ def _mask_refit(e: Evidence, stem: str, probs: torch.Tensor, context: torch.Tens
     # the values from the real queries' rows alone (a padding query's row is whatever its mask made it)
     values = torch.linalg.lstsq(probs * rows[..., None], context * rows[..., None]).solution
     known = (allowed & rows[..., None]).any(-2, keepdim=True)  # (b, h, 1, k): keys whose values that solves
+    traced = _traced_values(e, stem, context)
+    if traced is not None and rel((probs @ traced)[rows], context[rows]) < 1e-6:
+        values, known = traced, torch.ones_like(known)  # the value projection's own output: every key's
     if rel(c * r, s) > 1e-6 or rel((probs @ values)[rows], context[rows]) > 1e-6:
         return None  # the reference's attention is more than a scaled q k^T under a mask (a soft-cap, a bias)
 
@@ -147,15 +187,15 @@ def _mask_refit(e: Evidence, stem: str, probs: torch.Tensor, context: torch.Tens
     sunk = (1 - probs.sum(-1)).clamp_min(0.0)
     log_sink = torch.where(sunk > 1e-9, sunk.clamp_min(1e-300).log() + log_z, torch.full_like(sunk, float("-inf")))
 
-    def context_under(mask: torch.Tensor) -> torch.Tensor:
-        kept = logits.masked_fill(~mask, float("-inf"))
+    def context_under(mask: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        kept = (logits if bias is None else logits + bias).masked_fill(~mask, float("-inf"))
         total = torch.logaddexp(torch.logsumexp(kept, -1), log_sink)
         return torch.exp(kept - total[..., None]).nan_to_num(0.0) @ values
 
     if rel(context_under(allowed)[rows], context[rows]) > 1e-6:
         return None  # the probabilities are not one softmax over the keys they keep (and a sink)
     window = masks._window_of(probs, e.attention_mask)
-    candidates: list[tuple[str, str, torch.Tensor]] = []
+    candidates: list[tuple[str, str, torch.Tensor] | tuple[str, str, torch.Tensor, torch.Tensor]] = []
     if window is not None:
         for w in (window + 1, window - 1, window + 2, window - 2):
             if w > 0:
@@ -166,11 +206,18 @@ def _mask_refit(e: Evidence, stem: str, probs: torch.Tensor, context: torch.Tens
     if not bool(real_key.all()):
         kept = allowed | (causal & ~real_key & (q_pos - k_pos < (window or n + 1)))
         candidates.append(("padding", "the padding keys left unmasked", kept))
-    for kind, said, mask in candidates:
+        said = "the 0/1 attention_mask added to the scores as is (never turned into 0 / -inf: the padding keys read)"
+        candidates.append(("padding", said, kept, real_key.double().expand(b, 1, 1, n)))
+    if window is None:
+        said = "no causal mask: every key, later ones too (an encoder's bidirectional attention: is_decoder ignored)"
+        candidates.append(("causal_mask", said, real_key.expand(b, 1, n, n)))
+        said = "the causal mask one key wider: each query also sees the next token (triu's diagonal off by one)"
+        candidates.append(("causal_mask", said, (k_pos <= q_pos + 1) & real_key))
+    for kind, said, mask, *bias in candidates:
         mask = torch.where(rows[..., None], mask.expand(b, h, n, n), allowed)  # padding queries: not judged
-        if torch.equal(mask, allowed) or bool((mask & rows[..., None] & ~known).any()):
+        if (torch.equal(mask, allowed) and not bias) or bool((mask & rows[..., None] & ~known).any()):
             continue  # no other mask, or one over keys no real query of the reference attends (values unknown)
-        if rel(context_under(mask)[rows], ours[rows]) < EXPLAINS:
+        if rel(context_under(mask, *bias)[rows], ours[rows]) < EXPLAINS:
             return Hint(
                 kind,
                 f"likely the attention mask of an attention parity could not read in ours (a fused kernel): ours' "

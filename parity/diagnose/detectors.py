@@ -86,6 +86,7 @@ from parity.diagnose.order import (
     partial_read,
     repeated_module,
     reused_module,
+    swapped_in_order,
 )
 from parity.diagnose.residual import (
     input_scale,
@@ -203,6 +204,7 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     tap_layout,
     partial_read,
     execution_order,
+    swapped_in_order,
     loop_count,
     iteration_count,  # a node in a loop both sides run, ours another number of times: no value fit is evidence
     embedding_rows,

@@ -10,6 +10,7 @@ ignored), or another mapping.
 
 from __future__ import annotations
 
+import math
 from typing import cast
 
 import torch
@@ -130,7 +131,16 @@ def _mapping_hint(e: Evidence, side: str, read: torch.Tensor, ids: torch.Tensor)
             f"likely {what} off by {k:+d} in {side}: it reads row id {'+' if k > 0 else '-'} {abs(k)} of the {e.name} "
             f"table where the other side reads row id (ids {fmt_list(ids[0].tolist())}, rows read "
             f"{fmt_list(read[0].tolist())})"
-            + (": position ids counted from 1, or a table offset (OPT's +2)" if position else ": a vocabulary offset"),
+            + (
+                (
+                    ": position ids counted from 1, or a table offset (OPT's +2) the other side has not"
+                    if k > 0
+                    else ": the table's offset left out (RoBERTa's padding_idx + 1, OPT's +2: the real tokens' rows "
+                    "start past the padding row)"
+                )
+                if position
+                else ": a vocabulary offset"
+            ),
             {**evidence, "offset": k},
         )
     if position:
@@ -162,14 +172,18 @@ def _mapping_hint(e: Evidence, side: str, read: torch.Tensor, ids: torch.Tensor)
     )
 
 
-def _sinusoids(p: torch.Tensor, dim: int, step: float, start: int, layout: str) -> torch.Tensor:
+def _sinusoids(
+    p: torch.Tensor, dim: int, step: float, start: float, layout: str, cos_shift: float = 0.0
+) -> torch.Tensor:
     """Sinusoidal position embeddings ``(n, dim)`` at positions ``p`` ``(n,)``: angle ``p * w_i`` with
     ``w_i = exp(-step * (i + start))`` for ``i < dim / 2``, laid ``sin|cos`` (fairseq, Transformers' XGLM,
-    ``cat(sin, cos)``), ``cos|sin`` or ``interleaved`` (``sin, cos`` pairs: Vaswani et al.'s table)."""
+    ``cat(sin, cos)``), ``cos|sin`` or ``interleaved`` (``sin, cos`` pairs: Vaswani et al.'s table).
+    ``cos_shift``: the cosines' index moved by that much (0.5: a per-column rate ``10000^(-c / dim)`` over all
+    ``dim`` columns ``c``, the floor of ``10000^(-2 floor(c / 2) / dim)`` left out, CTRL's table's port)."""
     half = dim // 2
-    w = torch.exp(-step * (torch.arange(half, dtype=torch.float64) + start))
-    angle = p.double()[:, None] * w[None, :]
-    sin, cos = angle.sin(), angle.cos()
+    index = torch.arange(half, dtype=torch.float64) + start
+    angle = p.double()[:, None] * torch.exp(-step * index)[None, :]
+    sin, cos = angle.sin(), (p.double()[:, None] * torch.exp(-step * (index + cos_shift))[None, :]).cos()
     if layout == "interleaved":
         return torch.stack([sin, cos], -1).flatten(-2)
     return torch.cat([sin, cos] if layout == "sin|cos" else [cos, sin], -1)
@@ -202,15 +216,24 @@ def position_term(e: Evidence) -> Hint | None:
         return None  # only the first layer's first node reads the embedding and the positions alone
     if embed.shape != x_ref.shape:
         return None
-    pos = x_ref.double() - embed.double()  # the reference's own position term
-    if float(pos.abs().max()) <= 1e-3 * float(embed.abs().max()):
+    for scale in _token_scales(e, x_ref.double(), embed.double()):
+        hint = _term_reading(e, scale, x_ours.double(), x_ref.double(), embed.double())
+        if hint is not None:
+            return hint
+    return None
+
+
+def _term_reading(e: Evidence, s: float, x_ours: torch.Tensor, x_ref: torch.Tensor, embed: torch.Tensor) -> Hint | None:
+    """:func:`position_term`'s reading with the token embedding held ``s`` times in the first layer's input."""
+    pos = x_ref - s * embed  # the reference's own position term
+    if float(pos.abs().max()) <= 1e-3 * float(s * embed.abs().max()):
         return None  # no positions added before the first layer (RoPE models)
-    e_flat = embed.double().flatten()
+    e_flat = embed.flatten()
     k = float((pos.flatten() @ e_flat) / (e_flat @ e_flat).clamp_min(1e-300))
-    if rel(pos, k * embed.double()) < 1e-3:
+    if rel(pos, k * embed) < 1e-3:
         return None  # the embedding scaled after its node (Granite's multiplier), no positions
     pos_name = "the reference's position embedding"
-    term = x_ours.double() - embed.double()
+    term = x_ours - s * embed
     if e.close(term, pos):
         return None
     real = torch.ones(term.shape[:-1], dtype=torch.bool)
@@ -218,7 +241,7 @@ def position_term(e: Evidence) -> Hint | None:
         real = e.attention_mask.bool().cpu()
     mine, theirs = term[real], pos[real]  # (tokens, hidden)
     side = "ours"
-    found = _scaled_term(e, mine, theirs) or _rows_zeroed(e, mine, theirs, real)
+    found = _scaled_term(e, mine, theirs, token_scale=s) or _rows_zeroed(e, mine, theirs, real)
     if found is None and _transformers_table(e, mine) and not _transformers_table(e, theirs):
         side = "the reference"  # ours' sinusoids are Transformers' own, the reference's another convention
         found = _sinusoid_reading(e, theirs, mine, "ours")
@@ -226,7 +249,7 @@ def position_term(e: Evidence) -> Hint | None:
         found = _sinusoid_reading(e, mine, theirs)
     if found is None:  # the reference's term the odd one: ours' the reference's formula at its own positions
         side = "the reference"
-        found = _scaled_term(e, theirs, mine, "ours")
+        found = _scaled_term(e, theirs, mine, "ours", token_scale=s) or _sinusoid_reading(e, theirs, mine, "ours")
     if found is None:
         return None
     text, evidence = found
@@ -237,17 +260,32 @@ def position_term(e: Evidence) -> Hint | None:
     )
 
 
+def _token_scales(e: Evidence, x_ref: torch.Tensor, embed: torch.Tensor) -> list[float]:
+    """The factors the reference's first layer input may hold its embedding node's output by: 1, ``sqrt(hidden_size)``
+    (an embedding scale applied inside the model's forward after the node: CTRL's ``inputs_embeds *= sqrt(n_embd)``)
+    and the facts' scale, nearest first to the input's projection on the embedding (a position term is nearly
+    orthogonal to random token rows, not quite where it is large)."""
+    k = float((x_ref.flatten() @ embed.flatten()) / (embed.flatten() @ embed.flatten()).clamp_min(1e-300))
+    candidates = {1.0, math.sqrt(e.facts.hidden_size)} | (
+        {float(e.facts.embed_scale)} if e.facts.embed_scale else set()
+    )
+    return sorted(candidates, key=lambda c: abs(math.log(max(abs(k), 1e-12) / c)))
+
+
 def _scaled_term(
-    e: Evidence, mine: torch.Tensor, theirs: torch.Tensor, other: str = "the reference"
+    e: Evidence, mine: torch.Tensor, theirs: torch.Tensor, other: str = "the reference", token_scale: float = 1.0
 ) -> tuple[str, dict] | None:
     """One side's position term (``mine``) is the other's (``theirs``, of ``other``) times one constant."""
     k = float((mine * theirs).sum() / theirs.pow(2).sum().clamp_min(1e-300))
     if abs(k - 1) < 1e-3 or rel(mine, k * theirs) > 1e-5:
         return None
-    scale = e.facts.embed_scale
+    scale = e.facts.embed_scale or (token_scale if token_scale != 1.0 else None)
+    if scale not in (None, 1.0) and abs(k * float(scale) - 1) < 1e-4:
+        return None  # the other side's term is this one times the scale: that side scaled the sum, read from it
     if scale not in (None, 1.0) and abs(k / float(scale) - 1) < 1e-4:
+        owner = "ours" if other == "ours" else f"{other}'s"
         return (
-            f"the positions times {k:.6g} = the embedding scale (sqrt(hidden_size)) of {other}'s: the sum (token + "
+            f"the positions times {k:.6g} = the embedding scale (sqrt(hidden_size)) of {owner}: the sum (token + "
             "position) scaled where only the token embedding is",
             {"scale": k},
         )
@@ -321,8 +359,8 @@ def _sinusoid_reading(
     steps = _steps(half)
     layouts = ("sin|cos", "cos|sin", "interleaved")
 
-    def fits(t: torch.Tensor, p: torch.Tensor, step: float, start: int, layout: str) -> bool:
-        return bool(((t - _sinusoids(p, dim, step, start, layout)).abs() <= tol).all())
+    def fits(t: torch.Tensor, p: torch.Tensor, step: float, start: int, layout: str, cos_shift: float = 0.0) -> bool:
+        return bool(((t - _sinusoids(p, dim, step, start, layout, cos_shift)).abs() <= tol).all())
 
     ref = next(
         (
@@ -342,11 +380,16 @@ def _sinusoid_reading(
         where["the token ids"] = token_ids + offset
     for shift in (1, -1, 2, -2):
         where[f"the positions {shift:+d}"] = positions + offset + shift
+    if e.attention_mask is not None and e.attention_mask.shape == real.shape and not bool(real.all()):
+        slots = torch.arange(real.shape[-1], dtype=torch.float64).expand(real.shape)
+        where["each row's slots 0 .. seq - 1 (the padding counted: the position ids given ignored)"] = (
+            slots[real] + offset
+        )
     for at, p in where.items():
         for step_name, step in steps.items():
-            for start in (0, 1):
+            for start, cos_shift in ((0, 0.0), (1, 0.0), (0, 0.5)):
                 for layout in layouts:
-                    if not fits(mine, p, step, start, layout):
+                    if not fits(mine, p, step, start, layout, cos_shift):
                         continue
                     differ = []
                     if layout != ref_layout:
@@ -355,6 +398,11 @@ def _sinusoid_reading(
                         differ.append(f"a frequency step of {step_name} where {other} uses {ref_step}")
                     if start:
                         differ.append("the frequency index counted from 1 (w_i = exp(-step * (i + 1)))")
+                    if cos_shift:
+                        differ.append(
+                            "the rate's floor left out: 10000^(-c / dim) per column c, so the cosines run at odd "
+                            "exponents, where 10000^(-2 floor(c / 2) / dim) gives a sine and its cosine one frequency"
+                        )
                     if at != "the positions":
                         differ.append(f"the table read at {at} (plus {other}'s offset {offset})")
                     if not differ:

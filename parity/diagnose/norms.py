@@ -24,9 +24,9 @@ def _ms(x: torch.Tensor, centered: bool) -> torch.Tensor:
 
 
 def is_norm(kind: str) -> bool:
-    """A norm node's kind: ``*norm*`` (Llama, OLMo, Gemma...), GPT-2's ``ln_1``, ``ln_2``, ``ln_f``, RWKV's ``ln1``,
-    ``ln_out`` and ``pre_ln``."""
-    return "norm" in kind or kind.startswith("ln") or kind.endswith("_ln")
+    """A norm node's kind: ``*norm*`` (Llama, OLMo, Gemma...; BERT's and RoBERTa's ``LayerNorm``), GPT-2's ``ln_1``,
+    ``ln_2``, ``ln_f``, RWKV's ``ln1``, ``ln_out`` and ``pre_ln``."""
+    return "norm" in kind.lower() or kind.startswith("ln") or kind.endswith("_ln")
 
 
 def _factor(r: float) -> str:

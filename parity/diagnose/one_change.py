@@ -305,8 +305,10 @@ class _Changing(TorchFunctionMode):
                 or not isinstance(args[0], torch.Tensor)
             ):
                 continue
-            own = args[0]
-            before = order[: position[self._first_call(site)]]
+            own, at = args[0], position.get(self._first_call(site))
+            if at is None:
+                continue  # a call no output was kept of (a parameter's site): nothing read before it to mix up
+            before = order[:at]
             same = [s for s in before if self.outs[s].shape == own.shape and self.outs[s] is not own][-2:]
             for source in reversed(same):
                 words = f"{site.op} reading the output of {_line(source.file, source.line)} in place of its own input"

@@ -63,6 +63,35 @@ def execution_order(e: Evidence) -> Hint | None:
     )
 
 
+def swapped_in_order(e: Evidence) -> Hint | None:
+    """Ours produces this node and another of its kind in the same layer each in the other's place in the
+    order (the reference's attention-output norm where its FFN-output norm comes, and the reverse): parity
+    follows each weight to the node it belongs to, so one side holds the two modules' weights in each other's
+    slots (a loader matching ``output.LayerNorm`` by suffix) or calls each module where the other belongs."""
+    if e.result.layer is None:
+        return None
+    kind = e.kind
+    ours = [n for n in e.ours_trace.calls if e.facts.locate(n)[0] == e.result.layer]
+    ref = [n for n in e.ref_trace.calls if e.facts.locate(n)[0] == e.result.layer and n in ours]
+    ours = [n for n in ours if n in ref]
+    if e.name not in ref or ours == ref:
+        return None
+    for other in ref:
+        if other == e.name or e.facts.locate(other)[1] != kind:
+            continue
+        if [other if n == e.name else e.name if n == other else n for n in ours] == ref:
+            return Hint(
+                "swapped_weights",
+                f"likely the weights of {e.name} and {other} swapped on one side: each is run where the other "
+                f"belongs (ours produces {e.name} where the reference produces {other}, and the reverse; parity "
+                "follows each weight to its node): their weights loaded into each other's slots (a checkpoint key "
+                "matched by its suffix, two stacked rows in the other order), or the two modules called in each "
+                "other's place",
+                {"swapped": [e.name, other]},
+            )
+    return None
+
+
 def reused_module(name: str, ours: Trace, ref: Trace, facts: ArchFacts) -> Hint | None:
     """Ours never ran ``name``'s module, and a module of ours aligned to another node of the same kind
     ran more often than the reference's: ours calls that module where the reference runs this one

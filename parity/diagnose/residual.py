@@ -94,7 +94,7 @@ def _stream_before(e: Evidence, branch: str) -> tuple[str, torch.Tensor] | None:
             return name, point
     # the input of the last norm before the branch (the pre-norm that read the stream), else of the
     # layer's first node with one (the layer's input)
-    for name in [*[n for n in reversed(before) if "norm" in e.facts.locate(n)[1]], *before]:
+    for name in [*[n for n in reversed(before) if "norm" in e.facts.locate(n)[1].lower()], *before]:
         x = e.ref_trace.inputs.get(name)
         x = _as_node(e, x) if x is not None else None
         if e.facts.locate(name)[0] == at and x is not None:
@@ -723,7 +723,7 @@ def _weightless_norm(
     values = [(n, t) for n, t in layer_values(e, before=True) if t.shape == stream.shape and t.is_floating_point()]
     earlier = [(n, t) for n, t in values if "@" not in n]
     # the normed stream: a norm's node, or (a weightless norm has none) the first projection's input
-    normed = [(f"{n}'s output", t) for n, t in earlier if "norm" in n.rsplit(".", 1)[-1]]
+    normed = [(f"{n}'s output", t) for n, t in earlier if "norm" in n.rsplit(".", 1)[-1].lower()]
     normed += [(f"{n.partition('@')[0]}'s input (the normed stream)", t) for n, t in values if "@" in n][:1]
     for branch, b in earlier:  # the stream after a sub-block: a base plus its output
         bases = [("the stream entering the layer", stream)] + normed

@@ -293,6 +293,35 @@ def row_offset(e: Evidence) -> Hint | None:
     )
 
 
+def _scaled_after_the_scores(e: Evidence, ratio: float) -> Hint | None:
+    """Scores one factor apart whose probabilities are not that temperature apart: ours' probability rows are the
+    reference's, each times one factor (the same softmax over the keys, another share left to an extra logit), so
+    ours softmaxes scores scaled after the point parity read them (a scale applied to ``[scores | sink]`` together),
+    and what differs is the sink's term: Hint ``softmax_sink``; None where ours' probabilities are not read, agree,
+    or differ otherwise."""
+    stem = e.name.rsplit(".", 1)[0]
+    p_o, p_r = e.ours_trace.tensors.get(f"{stem}.probs"), e.ref_trace.tensors.get(f"{stem}.probs")
+    if p_o is None or p_r is None or p_o.shape != p_r.shape:
+        return None
+    p_o, p_r = p_o.double(), p_r.double()
+    s_o, s_r = p_o.sum(-1), p_r.sum(-1)
+    real = s_r > 1e-6
+    if not bool(real.any()) or float((s_o - s_r)[real].abs().max()) < 1e-6:
+        return None
+    if rel((p_r * (s_o / s_r.clamp_min(1e-300))[..., None])[real], p_o[real]) > EXPLAINS:
+        return None  # another softmax over the keys: a temperature (or more) indeed
+    return Hint(
+        "softmax_sink",
+        f"likely the attention sink's logit in ours: its scores read {ratio:.6g}x the reference's, yet its "
+        "probabilities are the reference's rows, each times one factor (rows summing to "
+        f"{float(s_o[real].min()):.4g}..{float(s_o[real].max()):.4g} where the reference's sum to "
+        f"{float(s_r[real].min()):.4g}..{float(s_r[real].max()):.4g}): ours scales its scores after the point "
+        "parity reads them, and the extra logit in the softmax's denominator (the sink) differs: scaled with the "
+        "scores (concatenated before the scale), or another value",
+        {"ratio": ratio, "side": "ours"},
+    )
+
+
 def softmax_sink(e: Evidence) -> Hint | None:
     """Attention probabilities whose rows on one side sum to less than 1, each row the other side's
     times one factor: the softmax's denominator has an extra term ``exp(c)``, a logit no key holds (an
@@ -541,6 +570,9 @@ def constant_ratio(e: Evidence) -> Hint | None:
         elif name == "logit_scale":
             kind = "logit_scale"
     if kind == "attention_scale":
+        after = _scaled_after_the_scores(e, mean)
+        if after is not None:
+            return after
         named = f"; matches {matched[0][0]}" if matched else ""
         return Hint(
             kind,

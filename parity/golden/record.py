@@ -112,7 +112,7 @@ def _plan(pair: Pair, options: CheckOptions, tolerances: Tolerances, summaries: 
     return Run(
         input_ids=input_ids,
         attention_mask=mask,
-        position_ids=generation_positions(mask, batch, seq),
+        position_ids=generation_positions(mask, batch, seq, pair.facts.position_offset),
         options=options,
         tolerances=tolerances,
         notes=text_notes + tuple(window_notes(pair, seq)) + tuple(position_notes(pair, seq)),

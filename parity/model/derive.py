@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
 from collections.abc import Mapping
@@ -283,7 +284,21 @@ def _from_modules(model, facts: ArchFacts) -> ArchFacts:
         facts = replace(facts, boundary_tokens=boundaries)
     if ROTATED_LAST in facts.features and _latent_rope_always_interleaved(modules):
         facts = replace(facts, features=facts.features | {MLA_INTERLEAVED_ROPE})
+    offset = _position_offset(modules)
+    if offset:
+        facts = replace(facts, position_offset=offset)
     return _kv_heads_from_modules(modules, facts)
+
+
+def _position_offset(modules: dict) -> int:
+    """``padding_idx + 1`` where an embedding module of the reference derives position ids from the input ids
+    itself when given none (RobertaEmbeddings' ``create_position_ids_from_input_ids``: the real tokens count from
+    ``padding_idx + 1``, fairseq's convention, which its checkpoints were trained with); 0 otherwise."""
+    for module in modules.values():
+        padding = getattr(module, "padding_idx", None)
+        if callable(getattr(module, "create_position_ids_from_input_ids", None)) and isinstance(padding, int):
+            return padding + 1
+    return 0
 
 
 def _boundary_tokens(model) -> tuple[int, ...]:
@@ -412,6 +427,8 @@ def _config_multipliers(config) -> dict[str, float]:
             )
         if key == "rescale_every" and isinstance(value, int) and value > 0:  # RWKV's inference halving
             named[f"the hidden states' halving every config.rescale_every ({value}) layers (RWKV at inference)"] = 2.0
+        if "conv" in key and "kernel" in key and isinstance(value, int) and value > 1:
+            named.update(_conv_normalisers(key, value))
         hidden = fields.get("hidden_size")
         if "base" in key and ("dim" in key or "width" in key) and isinstance(hidden, int) and hidden != value > 0:
             # muP's base width (MiniCPM's dim_model_base): the logits are divided by hidden_size / base
@@ -419,6 +436,17 @@ def _config_multipliers(config) -> dict[str, float]:
             named[f"the logits' width ratio hidden_size / the config's {key} ({r:g})"] = r
             named[f"the logits' width ratio hidden_size / the config's {key}, squared ({r * r:g}: the ratio applied "
                   "the other way round)"] = r * r  # fmt: skip
+    return named
+
+
+def _conv_normalisers(key: str, k: int) -> dict[str, float]:
+    """The factors a short convolution of kernel width ``k`` (the config's ``key``) divides its output by (its
+    taps and the residual summed: ``sqrt(k)``, ``sqrt(k + 1)``, ``sqrt(2k + 1)``, Inkling2-Loop's static and dynamic
+    convs), and each one's ratio to another (one conv's normaliser where another's belongs)."""
+    forms = {f"sqrt({key})": k, f"sqrt({key} + 1)": k + 1, f"sqrt(2 {key} + 1)": 2 * k + 1}
+    named = {f"{name} ({math.sqrt(n):.6g}: a short conv's normaliser)": math.sqrt(n) for name, n in forms.items()}
+    for (a, n), (b, m) in itertools.combinations(forms.items(), 2):
+        named[f"{b} / {a} = sqrt({m}/{n}) (one short conv's normaliser where the other's belongs)"] = math.sqrt(m / n)
     return named
 
 

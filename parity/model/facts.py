@@ -185,6 +185,10 @@ class ArchFacts:
     #: the config field that says which layers apply no RoPE, where a per-layer list does (SmolLM3's
     #: ``no_rope_layers``: 1 marks a layer that *uses* RoPE); "" where the layer types say it or none is NoPE
     nope_field: str = ""
+    #: the position the reference's embedding gives the first token when it derives positions from the ids itself
+    #: (RoBERTa's, XLM-R's ``create_position_ids_from_input_ids``: ``padding_idx + 1``, the padding at
+    #: ``padding_idx``); 0 where positions count from 0 (every check hands both sides positions from this one)
+    position_offset: int = 0
 
     @property
     def text_model(self) -> str:

@@ -623,7 +623,9 @@ def run_decode(
         if attention_mask is None
         else torch.cat([attention_mask.long(), torch.ones(batch, plan.steps, dtype=torch.long)], dim=1)
     )
-    positions = generation_positions(mask if attention_mask is not None else None, batch, plan.total)
+    positions = generation_positions(
+        mask if attention_mask is not None else None, batch, plan.total, pair.facts.position_offset
+    )
     protocol = protocol_for(pair)
     lenient = not exact_lengths(pair)
     ref_cache, our_cache = new_caches(pair, protocol)

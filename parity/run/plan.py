@@ -98,14 +98,17 @@ def run_inputs(pair: Pair, options: CheckOptions, input_ids=None, attention_mask
     return input_ids, attention_mask
 
 
-def generation_positions(attention_mask: torch.Tensor | None, batch: int, seq: int) -> torch.Tensor:
+def generation_positions(attention_mask: torch.Tensor | None, batch: int, seq: int, offset: int = 0) -> torch.Tensor:
     """``(batch, seq)`` positions as ``generate`` derives them: ``0 .. seq - 1`` without padding; with
     an attention mask, real tokens counted from 0 in each row (padding gets 1, as in Transformers'
-    ``prepare_inputs_for_generation``)."""
+    ``prepare_inputs_for_generation``). ``offset`` (:attr:`ArchFacts.position_offset`): a reference whose
+    embedding counts positions from ``padding_idx + 1`` (RoBERTa's ``create_position_ids_from_input_ids``)
+    gets its own convention, real tokens counted from ``offset`` and padding at ``offset - 1``, the table's
+    padding row."""
     if attention_mask is None:
-        return torch.arange(seq).expand(batch, seq)
-    positions = attention_mask.long().cumsum(-1) - 1
-    return positions.masked_fill(attention_mask == 0, 1)
+        return torch.arange(seq).expand(batch, seq) + offset
+    positions = attention_mask.long().cumsum(-1) - 1 + offset
+    return positions.masked_fill(attention_mask == 0, offset - 1 if offset else 1)
 
 
 def window_notes(pair: Pair, seq_len: int) -> list[str]:
@@ -196,7 +199,7 @@ def plan(pair: Pair, options: CheckOptions | None = None, input_ids=None, attent
     return Run(
         input_ids=input_ids,
         attention_mask=attention_mask,
-        position_ids=generation_positions(attention_mask, batch, seq),
+        position_ids=generation_positions(attention_mask, batch, seq, pair.facts.position_offset),
         options=options,
         tolerances=options.tolerance_rule(pair.dtype, options.resolved_exact(pair.exact)),
         notes=((swept,) if swept else ())

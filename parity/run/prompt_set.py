@@ -66,7 +66,8 @@ def forward_logits(pair: Pair, model, ids: torch.Tensor, mask: torch.Tensor | No
     from parity.run.stages import device_of, forward_accepts, on_device, run_ours
 
     device = device_of(model)
-    positions = generation_positions(mask, *ids.shape)
+    batch, seq = ids.shape
+    positions = generation_positions(mask, batch, seq, pair.facts.position_offset)
     with torch.no_grad():
         if reference:
             out = model(

@@ -377,7 +377,7 @@ def unplaced_message(coverage, model: nn.Module | None = None) -> str:
         if again
         else ""
     )
-    norms = [k for k in coverage.unused if "norm" in k or "ln_" in k]
+    norms = [k for k in coverage.unused if "norm" in k.lower() or "ln_" in k]
     if model is not None and _transformer_lens_processed(model):
         text += (
             "; a TransformerLens model needs its weights unprocessed: HookedTransformer.from_pretrained_no_processing, "
@@ -566,9 +566,10 @@ def check_model(
     The model's contract: ``forward(input_ids, attention_mask=None, position_ids=None) -> logits``.
     ``input_ids`` is ``(batch, seq)`` int64; ``attention_mask`` (1 for real tokens, 0 for padding)
     is passed only to a padded run (``left_pad``), and a forward without that argument is refused
-    there; ``position_ids`` (``(batch, seq)``, as ``generate`` derives them from the mask) comes with
-    the mask when forward takes it (take it, or a padded row's positions may differ from the
-    reference's); what forward returns is compared as the ``logits`` node: a tensor
+    there; ``position_ids`` (``(batch, seq)``, as ``generate`` derives them from the mask; counted from
+    ``padding_idx + 1`` for a reference whose embedding derives them so, RoBERTa's) comes with the mask
+    when forward takes it (take it, or a padded row's positions may differ from the reference's); what
+    forward returns is compared as the ``logits`` node: a tensor
     ``(batch, seq, vocab)``, or a tuple or dict whose first tensor is that.
 
     ``reference``: ``"family[:config]"`` (e.g. ``"olmo3:yarn"``: a

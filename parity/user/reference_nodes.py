@@ -19,13 +19,12 @@ from parity.record.routing import CHOICES, ROUTER_OUTPUTS, WEIGHTS, is_router, r
 
 
 def _is_attention(module: nn.Module) -> bool:
-    """An attention block: an output projection, and a class named ``...Attention`` or a forward that calls
-    Transformers' attention interface (LongCat-Flash's ``LongcatFlashMLA``)."""
-    if not any(hasattr(module, n) for n in OUTPUT_PROJECTIONS):
-        return False
-    return type(module).__name__.endswith("Attention") or "attention_interface(" in (
-        _source(type(module).forward) or ""
-    )
+    """An attention block: a forward that calls Transformers' attention interface (LongCat-Flash's
+    ``LongcatFlashMLA``; BERT's and RoBERTa's ``...SelfAttention``, whose output projection is a sibling module's),
+    or a class named ``...Attention`` that holds an output projection."""
+    if "attention_interface(" in (_source(type(module).forward) or ""):
+        return True
+    return type(module).__name__.endswith("Attention") and any(hasattr(module, n) for n in OUTPUT_PROJECTIONS)
 
 
 @functools.cache
