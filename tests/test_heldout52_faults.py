@@ -19,17 +19,17 @@ runs 30 of 36 (every unpadded RoBERTa run failed at its position table), bugs na
 - BERT-style attention: a module calling the attention interface is an attention block without an output
   projection of its own (its internals traced), the output projection's internals found in its sibling
   (``attention_refit.internals_stem``); an unread attention's mask refitted with the value projection's own output
-  (every key's value): the causal mask left out or a key wider, the 0/1 mask added as is, padding keys read;
+  (every key's value): the causal mask left out or a key wider, the 0/1 mask added as is, padding keys read; q, k
+  and v recut from the fused output per head ``(heads, 3, head_dim)`` (``attention_refit._layout_refit``);
 - a norm kind named ``LayerNorm`` is a norm (its input kept, its statistic read); two nodes of one kind produced in
   each other's place in a layer: their weights swapped (``order.swapped_in_order``);
 - scores one factor apart whose probabilities are the reference's rows times one factor each: ours scales after the
   point parity reads, and its sink differs (``scales._scaled_after_the_scores``); a short conv's normalisers
   (sqrt(K), sqrt(K + 1), sqrt(2K + 1)) and their ratios are named constants.
 
-After: correct runs 36 of 36, bugs named 37 of 42 (88%), no wrong cause. Left, asserted at their node only
-(``LOCATED``): RoBERTa's fused q/k/v split per head in its forward (the attention read as a whole), Inkling2-Loop's
-dynamic conv taps reshaped for a transpose in its forward, a block list appending the layer's output, and the loop's
-block bookkeeping (two bugs).
+After: correct runs 36 of 36, bugs named 38 of 42 (90%), no wrong cause. Left, asserted at their node only
+(``LOCATED``): Inkling2-Loop's dynamic conv taps reshaped for a transpose in its forward, a block list appending the
+layer's output, and the loop's block bookkeeping (two bugs).
 """
 
 from __future__ import annotations
@@ -124,6 +124,8 @@ NAMED = [
      "the 0/1 attention_mask added to the scores as is"),
     ("roberta", "pad_mask_query_axis", True, f"{ROBERTA}.attention.output.dense", "padding",
      "the padding keys left unmasked"),
+    ("roberta", "qkv_interleave", False, f"{ROBERTA}.attention.output.dense", "qkv_layout",
+     "read per head (heads, 3, head_dim: GPT-NeoX / BLOOM) where the reference keeps them stacked"),
     ("ctrl", "pe_interleaved", False, f"{CTRL}.layernorm1", "position_offset",
      "its halves laid interleaved where the reference lays them sin|cos"),
     ("ctrl", "pe_rate_no_floor", False, f"{CTRL}.layernorm1", "position_offset", "the rate's floor left out"),
@@ -235,7 +237,6 @@ def test_a_reference_calling_its_two_norms_in_each_others_place_is_named(checkpo
 
 #: located at their node, with no hint that names the cause (see the module docstring)
 LOCATED = [
-    ("roberta", "qkv_interleave", False, f"{ROBERTA}.attention.output.dense"),
     ("inkling2_loop_text", "dyn_conv_static_no_transpose", False, "model.layers.5.self_attn.k_rot"),
     ("inkling2_loop_text", "block_append_output", False, "model.layers.1.input_layernorm"),
     ("inkling2_loop_text", "loop_message_blocks_off_by_one", False, "model.layers.2.q_message_gate.down_proj"),

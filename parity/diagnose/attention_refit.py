@@ -74,6 +74,9 @@ def unread_attention(e: Evidence) -> Hint | None:
     mask = _mask_refit(e, stem, probs.double(), _per_head(context.double(), b, h, q), ours)
     if mask is not None:
         return mask
+    layout = _layout_refit(e, stem, scores.double(), probs.double(), ours)
+    if layout is not None:
+        return layout
     return Hint(
         "attention_internals",
         f"ours' attention output (the context {e.name} reads) differs from the reference's while every "
@@ -101,6 +104,49 @@ def internals_stem(e: Evidence) -> str | None:
         if n.endswith(".scores") and n.startswith(parent) and "." not in n[len(parent) : -len(".scores")]
     }
     return siblings.pop() if len(siblings) == 1 else None
+
+
+#: each projection's names, as the reference's attention modules call them (Llama's, BERT's)
+_PROJECTIONS = {"q": ("q_proj", "query"), "k": ("k_proj", "key"), "v": ("v_proj", "value")}
+
+
+def _layout_refit(e: Evidence, stem: str, scores: torch.Tensor, probs: torch.Tensor, ours: torch.Tensor) -> Hint | None:
+    """Ours' context ``(batch, heads, seq, head_dim)`` as the reference's attention (its scale, its mask: the keys
+    its probabilities keep) over q, k and v cut from their fused output ``[q | k | v]`` per head, ``(heads, 3,
+    head_dim)`` (GPT-NeoX's, BLOOM's layout), where the reference keeps them stacked: a fused projection's output
+    split in another layout inside ours' forward (its weight held right). Only without RoPE (the q and k nodes are
+    what the scores read) and without GQA (every part one width). Hint ``qkv_layout``; None otherwise."""
+    parts = []
+    for names in _PROJECTIONS.values():
+        found = next((e.ref_trace.tensors[f"{stem}.{n}"] for n in names if f"{stem}.{n}" in e.ref_trace.tensors), None)
+        if found is None:
+            return None
+        parts.append(found.double())
+    q, k, v = parts
+    b, h, n, d = ours.shape
+    if not (q.shape == k.shape == v.shape == (b, n, h * d)):
+        return None
+    raw = q.view(b, n, h, d).transpose(1, 2) @ k.view(b, n, h, d).transpose(1, 2).transpose(-1, -2)
+    allowed = probs > 0
+    if not bool(allowed.any()):
+        return None
+    s, r = scores[allowed], raw[allowed]
+    c = float((s * r).sum() / r.pow(2).sum().clamp_min(1e-300))
+    if rel(c * r, s) > 1e-6:
+        return None  # the scores are more than the traced q k^T scaled (RoPE, a bias): no recut recomputes them
+    recut = torch.cat([q, k, v], -1).view(b, n, h, 3, d).permute(3, 0, 2, 1, 4)  # (3, batch, heads, seq, d)
+    logits = (c * recut[0] @ recut[1].transpose(-1, -2)).masked_fill(~allowed, float("-inf"))
+    context = torch.softmax(logits, -1).nan_to_num(0.0) @ recut[2]
+    rows = allowed.any(-1)
+    if rel(context[rows], ours[rows]) > EXPLAINS:
+        return None
+    return Hint(
+        "qkv_layout",
+        "likely q, k and v cut from the fused projection's output in another layout in ours: its context is the "
+        "reference's attention over them read per head (heads, 3, head_dim: GPT-NeoX / BLOOM) where the reference "
+        "keeps them stacked [q; k; v] (the fused weight is held right: its split in the forward differs)",
+        {"layout": "per head (heads, 3, head_dim)", "side": "ours"},
+    )
 
 
 def _traced_values(e: Evidence, stem: str, context: torch.Tensor) -> torch.Tensor | None:

@@ -301,30 +301,23 @@ def _router_scoring(routing: Mapping[str, float]) -> tuple[Callable[[torch.Tenso
     return (_softmax, "softmax") if routing.get("softmax_scores") else (torch.sigmoid, "sigmoid")
 
 
-def _group_limited_otherwise(
-    e: Evidence, logits: torch.Tensor | None, order: tuple[int, ...] = ()
-) -> tuple[str, str] | None:
-    """``(side, how)``: how one side's choices follow from the router logits under a group-limited sigmoid
-    router (DeepSeek V3's ``DeepseekV3MoE.route_tokens_to_experts``, GLM-4.5's ``Glm4MoeTopkRouter``; a softmax
-    where :func:`_router_scoring` says; without groups, one with a correction bias alone, MiniMax-M3's: the group
-    departures left out): the
-    scores ``sigmoid(logits) + e_score_correction_bias``, each group scored by the sum of its best two, the
-    ``topk_group`` best groups kept, the top k of their experts. Tries the ports' usual departures, each
-    alone; None unless the config's rule gives one side's choices and exactly one departure the other's.
-    The logits are the reference's (the router's linear agreed before its choice did); ``order``: ours' expert i
-    is the reference's ``order[i]`` (ours stacks its experts in another order), whose correction bias ours may
-    have left unpermuted."""
+def _group_limited_choices(
+    e: Evidence, gate: str, logits: torch.Tensor, k: int, order: tuple[int, ...] = ()
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
+    """``(the rule's choice, {departure: choice})``, each ``(tokens, k)`` expert indices a group-limited sigmoid
+    router (see :func:`_group_limited_otherwise`) makes from ``logits`` ``(tokens, experts)``: the config's rule,
+    and each of the ports' usual departures alone; ``gate``: the router's path prefix (its correction bias's).
+    None where the router has neither groups nor a correction bias."""
     routing = e.facts.routing
     groups, kept = int(routing.get("n_group", 0) or 0), int(routing.get("topk_group", 0) or 0)
-    if logits is None or logits.dim() != 2 or e.ours.dim() != 2 or (groups and logits.shape[-1] % groups):
+    if logits is None or logits.dim() != 2 or (groups and logits.shape[-1] % groups):
         return None
-    gate = e.name[: -len(CHOICES)]
     bias = next(
         (b for n, b in e.ref_trace.biases.items() if n.startswith(gate) and b.numel() == logits.shape[-1]), None
     )
     if not groups and bias is None:
         return None  # neither groups nor a correction bias: no such router
-    x, k = logits.detach().double(), e.ours.shape[-1]
+    x = logits.detach().double()
     b = bias.double() if bias is not None else torch.zeros(x.shape[-1], dtype=torch.float64)
 
     def best_two(g: torch.Tensor) -> torch.Tensor:
@@ -387,9 +380,32 @@ def _group_limited_otherwise(
         ways["with e_score_correction_bias left in the checkpoint's order while its experts (and router rows) are "
              "reordered: each expert reads another expert's bias"] = pick(sig + unmoved)  # fmt: skip
 
+    return pick(sig + b), ways
+
+
+def _group_limited_otherwise(
+    e: Evidence, logits: torch.Tensor | None, order: tuple[int, ...] = ()
+) -> tuple[str, str] | None:
+    """``(side, how)``: how one side's choices follow from the router logits under a group-limited sigmoid
+    router (DeepSeek V3's ``DeepseekV3MoE.route_tokens_to_experts``, GLM-4.5's ``Glm4MoeTopkRouter``; a softmax
+    where :func:`_router_scoring` says; without groups, one with a correction bias alone, MiniMax-M3's: the group
+    departures left out): the
+    scores ``sigmoid(logits) + e_score_correction_bias``, each group scored by the sum of its best two, the
+    ``topk_group`` best groups kept, the top k of their experts. Tries the ports' usual departures, each
+    alone; None unless the config's rule gives one side's choices and exactly one departure the other's.
+    The logits are the reference's (the router's linear agreed before its choice did); ``order``: ours' expert i
+    is the reference's ``order[i]`` (ours stacks its experts in another order), whose correction bias ours may
+    have left unpermuted."""
+    if logits is None or logits.dim() != 2 or e.ours.dim() != 2:
+        return None
+    k = e.ours.shape[-1]
+    choices = _group_limited_choices(e, e.name[: -len(CHOICES)], logits, k, order)
+    if choices is None:
+        return None
+    rule, ways = choices
     ours, ref = e.ours.reshape(-1, k), e.ref.reshape(-1, k)
     for side, by_rule, other in (("ours", ref, ours), ("the reference", ours, ref)):
-        if _same_choice(pick(sig + b), by_rule):
+        if _same_choice(rule, by_rule):
             found = [label for label, chosen in ways.items() if _same_choice(chosen, other)]
             if len(found) > 2 or not found:
                 return None
@@ -814,6 +830,13 @@ def _with_override(record, attribute: str, value, tokens: int) -> torch.Tensor |
 def _block_differs(e: Evidence, base: str, side: str) -> Hint:
     """The MoE block ``base`` (computed in functions nothing in ours taps) differs where the stream continues,
     and no routing formula or combination reproduces ``side``'s output: the block is the component."""
+    from parity.diagnose.residual import input_terms  # (residual reads the norms this module's callers hold)
+
+    # the node's input read as a sum of the reference's nodes first: the stream added before a norm after the block
+    # (its residual moved) is no fault of the experts
+    specific = input_terms(e)
+    if specific is not None and specific.kind in ("norm_placement", "residual"):
+        return specific
     router = next((r for n in ROUTER_NODES if (r := e.ours_trace.results.get(f"{base}.{n}")) is not None), None)
     agrees = router is not None and router.status == "ok"
     return Hint(
@@ -1196,6 +1219,21 @@ def _factor_of(experts: torch.Tensor, x: torch.Tensor) -> float | None:
     return c if c != 0 and float((b - c * a).abs().max()) <= tiny * float(b.abs().max()) else None
 
 
+def _agreeing_shared_output(e: Evidence, prefix: str, x_ref: torch.Tensor) -> torch.Tensor | None:
+    """The output of the shared expert of the block at ``prefix`` (its module's node, else its down projection's)
+    where both sides agree on it, of ``x_ref``'s size; None where the block has none traced or it differs."""
+    for n, t in e.ref_trace.tensors.items():
+        leaf = n[len(prefix) :] if n.startswith(prefix) else ""
+        if not leaf.startswith("shared_expert") or t.numel() != x_ref.numel():
+            continue
+        if "." in leaf and not leaf.endswith(("down_proj", "w2", "c_proj")):
+            continue
+        result = e.ours_trace.results.get(n)
+        if result is not None and result.passed:
+            return t
+    return None
+
+
 def experts_read_after(e: Evidence) -> Hint | None:
     """The experts' sum of a MoE block nothing of ours taps (ours' router and experts one module, no shared
     MLP: FlexOlmo's), read at the input of the node after it (a post-norm, ``post_feedforward_layernorm``)
@@ -1206,6 +1244,11 @@ def experts_read_after(e: Evidence) -> Hint | None:
     if x_ours is None or x_ref is None or x_ours.numel() != x_ref.numel():
         return None
     prefix = f"{e.name.rsplit('.', 1)[0]}."
+    whole = x_ours, x_ref  # the block's output before the norm: the forms with a shared expert are of it
+    shared = _agreeing_shared_output(e, prefix, x_ref)
+    if shared is not None:  # the shared expert's output added before the norm (A.X-K1's): taken off both sides
+        x_ours = (x_ours.double() - shared.double().reshape(x_ours.shape)).to(x_ours.dtype)
+        x_ref = (x_ref.double() - shared.double().reshape(x_ref.shape)).to(x_ref.dtype)
     found = next(
         (
             (n, c)
@@ -1229,9 +1272,11 @@ def experts_read_after(e: Evidence) -> Hint | None:
     forms = _routed_forms(sub, block.rsplit(".", 1)[0])
     if forms:
         tokens = next(iter(forms.values())).shape[0]
+        # a shared expert beside the experts: the forms are of the block's whole output (routed plus shared)
+        judged = (whole[0], whole[1]) if shared is not None else (sub.ours, ref)
         hint = _judge_forms(
-            sub, block.rsplit(".", 1)[0], forms, sub.ours.double().reshape(tokens, -1),
-            ref.double().reshape(tokens, -1), "read at the input of the node after it", component=False,
+            sub, block.rsplit(".", 1)[0], forms, judged[0].double().reshape(tokens, -1),
+            judged[1].double().reshape(tokens, -1), "read at the input of the node after it", component=False,
         )  # fmt: skip
     hint = hint or experts_sum(sub)
     if hint is None:

@@ -615,8 +615,17 @@ def _contiguous_parts(axis: int, k: int) -> Callable[[tuple, dict, torch.Tensor]
 
 def _strided_split(args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor:
     """A rewrite of ``x.view(..., heads, width)`` (the last axis split into contiguous blocks per head) into the
-    split with the head index fastest (``x.view(..., width, heads)`` transposed). Any other view is left as it is."""
+    split with the head index fastest (``x.view(..., width, heads)`` transposed), and of the merge back
+    (``(..., heads, width)`` viewed as ``(..., heads * width)``) into its inverse, the features of each head strided
+    (a port splitting and merging both ways alike). Any other view is left as it is."""
     x = args[0]
+    if (
+        out.dim() == x.dim() - 1
+        and out.shape[:-1] == x.shape[:-2]
+        and out.shape[-1] == x.shape[-2] * x.shape[-1]
+        and min(x.shape[-2:]) >= 2
+    ):
+        return x.transpose(-1, -2).reshape(out.shape)
     if out.dim() != x.dim() + 1 or out.shape[:-2] != x.shape[:-1] or out.shape[-2] * out.shape[-1] != x.shape[-1]:
         return out
     heads, width = out.shape[-2:]
@@ -841,12 +850,21 @@ def _applied_twice(site: Site, args: tuple) -> list[Change]:
     return [Change(site, f"the {verb} {scalar:.6g} applied twice", rewrite)]
 
 
+#: the config's width fields a softmax scale may be taken from beside its ``*dim*`` ones (a port scaling by the model's
+#: width where a head's was meant: BERT's, RoFormer's, GPT-2's)
+_WIDTHS = ("hidden_size", "embedding_size", "n_embd", "d_model")
+
+
 def _config_dims(model: torch.nn.Module) -> dict[str, int]:
-    """The reference's config's head and width sizes by field (``head_dim``, ``qk_rope_head_dim``, ...): the
-    sizes a softmax scale ``1 / sqrt(d)`` may have been taken from."""
+    """The reference's config's head and width sizes by field (``head_dim``, ``qk_rope_head_dim``, ``hidden_size``,
+    ...): the sizes a softmax scale ``1 / sqrt(d)`` may have been taken from."""
     config = getattr(model, "config", None)
     fields: dict = getattr(config, "to_dict", dict)() if config is not None else {}
-    return {k: v for k, v in fields.items() if "dim" in k and isinstance(v, int) and not isinstance(v, bool) and v > 1}
+    return {
+        k: v
+        for k, v in fields.items()
+        if ("dim" in k or k in _WIDTHS) and isinstance(v, int) and not isinstance(v, bool) and v > 1
+    }
 
 
 def _scale_from_a_dim(site: Site, args: tuple, dims: dict[str, int]) -> list[Change]:
@@ -1990,17 +2008,25 @@ def _with_pairs(found: list[Change]) -> list[Change]:
         x, y = a.site, b.site
         if 0 < abs(y.line - x.line) <= 8 or _callers_near(x, y):
             pairs.append(Change(x, a.words, a.rewrite, also=y))
-    for group in alike.values():  # runs of three or more, each within a few lines of the next: all together
-        runs: list[list[Change]] = []
-        for item in group:
-            if runs and 0 < item.site.line - runs[-1][-1].site.line <= 8:
-                runs[-1].append(item)
-            else:
-                runs.append([item])
-        for first, second, *rest in (r for r in runs if len(r) >= 3):
-            pairs.append(
-                Change(first.site, first.words, first.rewrite, also=second.site, more=tuple(c.site for c in rest))
-            )
+    # runs of three or more, each within a few lines of the next: all together; then within a function's length
+    # (RoFormer's q split into heads two dozen lines before k and v, its context merged back 40 lines on)
+    seen_runs: set[tuple[str, tuple[Site, ...]]] = set()
+    for gap in (8, 64):
+        for group in alike.values():
+            runs: list[list[Change]] = []
+            for item in group:
+                if runs and 0 < item.site.line - runs[-1][-1].site.line <= gap:
+                    runs[-1].append(item)
+                else:
+                    runs.append([item])
+            for first, second, *rest in (r for r in runs if len(r) >= 3):
+                key = (first.words, tuple(c.site for c in (first, second, *rest)))
+                if key in seen_runs:
+                    continue
+                seen_runs.add(key)
+                pairs.append(
+                    Change(first.site, first.words, first.rewrite, also=second.site, more=tuple(c.site for c in rest))
+                )
     # two square weights read transposed on nearby lines (each of two gates' per-head blocks), named together
     transposed = [c for c in found if c.words.endswith(_TRANSPOSED)]
     for a, b in itertools.combinations(transposed, 2):

@@ -510,6 +510,11 @@ def input_terms(e: Evidence) -> Hint | None:
                 f"({names[i]} missing in {side}: a residual variable not refreshed after that branch was added)",
                 {"term": names[i], "side": side},
             )
+        elsewhere = _residual_elsewhere(e, w_ours, w_ref, differ, left, used, names) or _stream_before_norm(
+            e, w_ours, w_ref, differ, left, used, names
+        )
+        if elsewhere is not None:
+            return elsewhere
         return None  # a term one side leaves out: another point of the stream (the wiring detectors' reading)
 
     i = differ[0]
@@ -522,6 +527,75 @@ def input_terms(e: Evidence) -> Hint | None:
         f"reference's {terms_of(w_ref, used, names)} ({names[i]} {what}; the other terms agree)",
         {"term": names[i], "ours": [float(w_ours[j]) for j in used], "reference": [float(w_ref[j]) for j in used]},
     )
+
+
+def _residual_elsewhere(
+    e: Evidence,
+    w_ours: torch.Tensor,
+    w_ref: torch.Tensor,
+    differ: list[int],
+    left: list[int],
+    used: list[int],
+    names: list[str],
+) -> Hint | None:
+    """Every differing term one side's alone, one side holding a single one where the other holds one or more, all
+    of one weight: a skip connection reading another point of the stream (the layer's input kept where the
+    attention block's output was meant, a norm's output where its input was: one value in place of a sum of
+    terms), either side. Hint ``residual``; None otherwise."""
+    if set(differ) != set(left):
+        return None
+    around = residual_around_norm(e)  # one value a norm's input where the other side reads its output: named so
+    if around is not None:
+        return around
+    only_ours = [i for i in left if w_ref[i] == 0]
+    only_ref = [i for i in left if w_ours[i] == 0]
+    weights = [float(w_ours[i]) for i in only_ours] + [float(w_ref[i]) for i in only_ref]
+    if not only_ours or not only_ref or max(weights) - min(weights) > 1e-3 * max(1.0, abs(weights[0])):
+        return None
+    if len(only_ours) != 1 and len(only_ref) != 1:
+        return None
+    ours_sum = " + ".join(names[i] for i in only_ours)
+    ref_sum = " + ".join(names[i] for i in only_ref)
+    return Hint(
+        "residual",
+        f"likely the residual taken from another point of the stream: {e.kind}'s input is "
+        f"{terms_of(w_ours, used, names)} in ours, {terms_of(w_ref, used, names)} in the reference ({ours_sum} in "
+        f"ours where the reference adds {ref_sum}: the skip connection reads another variable, the layer's input "
+        "kept where the sub-block's output was meant, a norm's output where its input was, or the reverse)",
+        {"ours": [names[i] for i in only_ours], "reference": [names[i] for i in only_ref]},
+    )
+
+
+def _stream_before_norm(
+    e: Evidence,
+    w_ours: torch.Tensor,
+    w_ref: torch.Tensor,
+    differ: list[int],
+    left: list[int],
+    used: list[int],
+    names: list[str],
+) -> Hint | None:
+    """A norm whose input on one side is the other side's plus the residual stream (the layer's input and the
+    branches added to it so far, each weight 1): that side adds the residual before the norm, which then
+    normalises the stream with the block's output (A.X-K1's ``post_mlp_layernorm`` moved past the residual add),
+    either side. Hint ``norm_placement``; None otherwise."""
+    if not is_norm(e.kind) or set(differ) != set(left):
+        return None
+    for side, extra, other in (("ours", w_ours, w_ref), ("the reference", w_ref, w_ours)):
+        added = [i for i in left if other[i] == 0]
+        if len(added) != len(left) or any(abs(float(extra[i]) - 1) > 1e-3 for i in added):
+            continue
+        if not any(names[i].startswith("the stream entering") for i in added):
+            continue  # the terms added are no stream (a lookup left out beside others): the wiring detectors' reading
+        return Hint(
+            "norm_placement",
+            f"likely the residual added before {e.kind} in {side}: its input there is {terms_of(extra, used, names)}, "
+            f"on the other side {terms_of(other, used, names)} ({' + '.join(names[i] for i in added)} added in "
+            f"{side}: the stream summed with the block's output before the norm, which the other side applies to the "
+            "block's output alone, adding the residual after it)",
+            {"side": side, "added": [names[i] for i in added]},
+        )
+    return None
 
 
 def residual_around_norm(e: Evidence) -> Hint | None:

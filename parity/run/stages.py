@@ -49,7 +49,7 @@ from parity.diagnose.profile import error_profile, logits_effect
 from parity.model.pair import NodeSpec, Pair
 from parity.record import hf_capture, hf_kernels
 from parity.record.functional import Block, StorageKey, probe_reads, storage_keys
-from parity.record.hf_capture import FUSED_QKV, OUTPUT_PROJECTIONS
+from parity.record.hf_capture import FUSED_QKV, OUTPUT_PROJECTIONS, POSITION_TABLES
 from parity.record.hooks import CAPTURED_IN_FUNCTIONS, FUNCTIONS, forward_takes, recording
 from parity.record.trace import SCALARS, Trace
 from parity.run.options import CheckOptions
@@ -904,6 +904,28 @@ def compare_run(
     return results
 
 
+#: the query and key projections' names an attention module holds (Llama's, BERT's, GPT-2's fused one)
+_QUERY_KEY = (("q_proj", "k_proj"), ("query", "key"), ("c_attn", "c_attn"), ("query_key_value", "query_key_value"))
+
+
+def _attention_around(model: torch.nn.Module, parent: str, layer: str) -> str:
+    """``parent`` (an output projection's module), or the module above it where its attention's q and k are a
+    sibling module's (BERT's, RoFormer's ``attention.self`` beside ``attention.output``): the search's block must
+    hold the attention's code, where the output projection's own module holds only the projection."""
+    modules = dict(model.named_modules())
+
+    def holds_attention(path: str) -> bool:
+        module = modules.get(path)
+        return module is not None and any(
+            all(hasattr(m, n) for n in pair) for m in module.modules() for pair in _QUERY_KEY
+        )
+
+    grand = parent.rpartition(".")[0]
+    if holds_attention(parent) or not grand.startswith(layer) or not holds_attention(grand):
+        return parent
+    return grand
+
+
 def one_change_inside(
     pair: Pair,
     run: Run,
@@ -930,6 +952,8 @@ def one_change_inside(
         path = spec.reference_path.partition("#")[0]
         parent = path.rpartition(".")[0]
         named = parent if layer is not None and parent.startswith(layer) else path
+        if layer is not None and spec.kind in OUTPUT_PROJECTIONS and named == parent:
+            named = _attention_around(pair.reference, parent, layer)
     block = str(named or "")
     if spec is None or not block:
         return None
@@ -1014,9 +1038,14 @@ def never_read_before(results: list[NodeResult], bad: NodeResult, pair: Pair | N
     # since the last agreement, or earlier in the failing node's own block (a norm on one branch of an attention,
     # MLA's rope key, whose other branches' nodes agree in between)
     block = bad.name.rsplit(".", 1)[0] + "."
-    scope = _since_agreement(results, bad) + [
-        r for r in results[: bad.index] if r.name.startswith(block) and "[" not in r.name
-    ]
+    # a lookup that agrees vouches for no other lookup summed beside it (a token-type table skipped between the
+    # token and position embeddings, all read before the first layer's first node)
+    last_ok = max((r.index for r in results[: bad.index] if r.passed and not _is_lookup(r.name)), default=-1)
+    scope = (
+        _since_agreement(results, bad)
+        + [r for r in results[: bad.index] if r.name.startswith(block) and "[" not in r.name]
+        + [r for r in results[last_ok + 1 : bad.index] if _is_lookup(r.name)]
+    )
     skipped = list(
         {r.name: r for r in scope if r.status == UNTAPPED and r.detail.startswith("no product in ours read")}.values()
     )
@@ -1034,6 +1063,13 @@ def never_read_before(results: list[NodeResult], bad: NodeResult, pair: Pair | N
         f"ours never read its weight in this forward, and {bad.name} is the first node after it to differ",
         {"side": "ours", "never_read": [r.name for r in skipped]},
     )
+
+
+def _is_lookup(name: str) -> bool:
+    """An embedding table's node (token, position or token-type rows read by id): ``embed_tokens``, ``wte``,
+    BERT's ``token_type_embeddings``, the position tables of :data:`POSITION_TABLES`."""
+    leaf = name.rsplit(".", 1)[-1]
+    return "embed" in leaf.lower() or leaf in ("wte", *POSITION_TABLES)
 
 
 def _failure_scope(results: list[NodeResult], bad: NodeResult) -> list[str]:
