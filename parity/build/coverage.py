@@ -221,6 +221,9 @@ class Coverage:
     #: buffers of the reference that its modules compute from the config when built (MiniMax's lightning decay
     #: rates), saved with the checkpoint: ours may compute them itself; the nodes judge the values it uses
     from_config: list[str] = field(default_factory=list)
+    #: checkpoint keys the reference's own forward never reads in this config (MBart's decoder run alone: its
+    #: cross-attention's weights, with no encoder states to attend): nothing of ours needs to hold them
+    unread_by_reference: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -284,6 +287,12 @@ class Coverage:
         ``unused``: the nodes judge the values."""
         self.numbers.update(numbers)
         self._taken(set(numbers), set())
+
+    def mark_unread_by_reference(self, keys: list[str]) -> None:
+        """Take ``keys`` (checkpoint keys the reference's forward never reads) out of ``unused``: no computation of
+        the check reads them, on either side."""
+        self.unread_by_reference.extend(k for k in keys if k not in self.unread_by_reference)
+        self._taken(set(keys), set())
 
     def mark_derived(self, found: dict[str, list[str]]) -> None:
         """Take the keys of ``found`` (checkpoint key -> our parameters derived from it) out of ``unused`` and

@@ -11,6 +11,7 @@ attention as the component (every projection feeding it agrees, or the first mis
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 
@@ -18,7 +19,7 @@ from parity.diagnose import masks
 from parity.diagnose.differential import output_gate
 from parity.diagnose.evidence import EXPLAINS, Evidence, golden_minimum, rel
 from parity.diagnose.hints import Hint
-from parity.diagnose.scales import scale_readings
+from parity.diagnose.scales import layer_coefficient, scale_readings
 from parity.record.hf_capture import OUTPUT_PROJECTIONS
 
 #: the attention internals after the rotated queries and keys (none of them read in ours: a fused kernel such
@@ -147,6 +148,103 @@ def _layout_refit(e: Evidence, stem: str, scores: torch.Tensor, probs: torch.Ten
         "keeps them stacked [q; k; v] (the fused weight is held right: its split in the forward differs)",
         {"layout": "per head (heads, 3, head_dim)", "side": "ours"},
     )
+
+
+def inline_attention(e: Evidence) -> Hint | None:
+    """The output projection of an attention the reference computes inline (no attention interface, so no
+    internals traced: RoFormer's, Megatron-BERT's), parity reading none of ours' either: the reference's own
+    context recomputed from its traced q, k and v (scaled ``q k^T`` by ``1 / sqrt(head_dim)``, causal, the padding
+    keys masked) to confirm the formula, then ours' context matched against that attention with one thing
+    otherwise: q, k and v recut from their fused output per head, the heads split without moving their axis, or
+    another softmax temperature. Only without RoPE and GQA (the formula must give the reference's context); the
+    one-change search reads the rest (a mask, a scale taken from another size). Hints ``qkv_layout``,
+    ``head_layout``, ``attention_scale``; None otherwise."""
+    if e.kind not in OUTPUT_PROJECTIONS or internals_stem(e) is not None or e.result.layer is None:
+        return None
+    x_ours, x_ref = e.inputs()
+    if x_ours is None or x_ref is None or x_ours.shape != x_ref.shape or x_ref.dim() != 3 or e.close(x_ours, x_ref):
+        return None
+    parts = _inline_projections(e)
+    if parts is None:
+        return None
+    q, k, v = parts
+    b, n, width = x_ref.shape
+    h = e.facts.heads_at(e.result.layer)
+    if not h or width % h or not (q.shape == k.shape == v.shape == (b, n, width)):
+        return None
+    d = width // h
+    allowed = torch.ones(b, 1, n, n, dtype=torch.bool).tril()
+    rows = torch.ones(b, n, dtype=torch.bool)
+    if e.attention_mask is not None and tuple(e.attention_mask.shape) == (b, n):
+        allowed = allowed & e.attention_mask.bool()[:, None, None, :]
+        rows = e.attention_mask.bool()
+
+    def split(t: torch.Tensor) -> torch.Tensor:
+        return t.view(b, n, h, d).transpose(1, 2)
+
+    def attend(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, c: float = d**-0.5) -> torch.Tensor:
+        logits = (c * qh @ kh.transpose(-1, -2)).masked_fill(~allowed, float("-inf"))
+        return (torch.softmax(logits, -1).nan_to_num(0.0) @ vh).transpose(1, 2).reshape(b, n, width)
+
+    q, k, v = q.double(), k.double(), v.double()
+    ours, ref = x_ours.double(), x_ref.double()
+    if rel(attend(split(q), split(k), split(v))[rows], ref[rows]) > 1e-6:
+        return None  # the reference's attention is more than this formula (RoPE, a bias, a soft-cap)
+    recut = torch.cat([q, k, v], -1).view(b, n, h, 3, d).permute(3, 0, 2, 1, 4)
+    q_u, k_u, v_u = (t.reshape(b, h, n, d) for t in (q, k, v))  # the heads split with no transpose
+    variants = {
+        ("qkv_layout", "q, k and v cut from the fused projection's output per head (heads, 3, head_dim: GPT-NeoX / "
+         "BLOOM) where the reference keeps them stacked [q; k; v]"): attend(recut[0], recut[1], recut[2]),
+        ("head_layout", "the heads split without moving their axis: each projection (batch, seq, heads * head_dim) "
+         "viewed as (batch, heads, seq, head_dim) directly, with no view(batch, seq, heads, head_dim).transpose(1, "
+         "2)"): attend(q_u, k_u, v_u),
+    }  # fmt: skip
+    for (kind, said), context in variants.items():
+        if rel(context[rows], ours[rows]) < EXPLAINS:
+            return Hint(
+                kind,
+                f"likely {said} in ours: its context (what {e.name} reads) is the reference's attention, recomputed "
+                "from its q, k and v, with that one change",
+                {"side": "ours", "reading": said},
+            )
+
+    def residual(log_c: float) -> float:
+        return rel(attend(split(q), split(k), split(v), math.exp(log_c) * d**-0.5)[rows], ours[rows])
+
+    log_c = golden_minimum(residual, [math.log(0.05) + i * (math.log(20.0) - math.log(0.05)) / 60 for i in range(61)])
+    factor = math.exp(log_c)
+    if residual(log_c) < EXPLAINS and abs(factor - 1) > 1e-3:
+        return Hint(
+            "attention_scale",
+            f"likely the attention scale (softmax temperature) in ours: its context is the reference's attention, "
+            f"recomputed from its q, k and v, with the scores times {factor:.6g}{layer_coefficient(e, factor)}"
+            f"{scale_readings(e, factor)}",
+            {"factor": factor},
+        )
+    return None
+
+
+def _inline_projections(e: Evidence) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The reference's traced q, k and v projections of the attention whose output projection ``e`` is: modules
+    named by :data:`_PROJECTIONS` beside it or in a sibling module (BERT's ``attention.self``); None where any is
+    missing."""
+    stem = e.name.rsplit(".", 1)[0]
+    for holder in (stem, stem.rsplit(".", 1)[0]):
+        prefix = holder + "."
+        found = []
+        for names in _PROJECTIONS.values():
+            hit = next(
+                (
+                    t
+                    for m, t in e.ref_trace.tensors.items()
+                    if m.startswith(prefix) and m.rsplit(".", 1)[-1] in names and m.count(".") - holder.count(".") <= 2
+                ),
+                None,
+            )
+            found.append(hit)
+        if all(t is not None for t in found):
+            return cast(tuple[torch.Tensor, torch.Tensor, torch.Tensor], tuple(found))
+    return None
 
 
 def _traced_values(e: Evidence, stem: str, context: torch.Tensor) -> torch.Tensor | None:

@@ -13,7 +13,7 @@ import torch
 from parity.compare.metrics import CHOICE, MISSING, NONFINITE, SHAPE
 from parity.compare.results import NodeResult
 from parity.diagnose.alibi import alibi_slopes, relative_bias
-from parity.diagnose.attention_refit import unread_attention
+from parity.diagnose.attention_refit import inline_attention, unread_attention
 from parity.diagnose.cache import cached_state, chunk_boundary, conv_context, state_not_carried
 from parity.diagnose.differential import after_context
 from parity.diagnose.elementwise import (
@@ -294,6 +294,7 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     alibi_slopes,  # before the temperature: a bias per key distance, not a scale of the scores
     softmax_temperature,
     unread_attention,  # an attention parity read none of in ours, judged at its output projection
+    inline_attention,  # the same where the reference's attention is inline (no internals): recomputed from q, k, v
     attention_softcap,
     partial_head_scores,
     softmax_sink,

@@ -70,14 +70,15 @@ def swapped_in_order(e: Evidence) -> Hint | None:
     slots (a loader matching ``output.LayerNorm`` by suffix) or calls each module where the other belongs."""
     if e.result.layer is None:
         return None
-    kind = e.kind
     ours = [n for n in e.ours_trace.calls if e.facts.locate(n)[0] == e.result.layer]
-    ref = [n for n in e.ref_trace.calls if e.facts.locate(n)[0] == e.result.layer and n in ours]
-    ours = [n for n in ours if n in ref]
-    if e.name not in ref or ours == ref:
+    held = set(ours)
+    ref = [n for n in e.ref_trace.calls if n in held and e.facts.locate(n)[0] == e.result.layer]
+    common = set(ref)
+    ours = [n for n in ours if n in common]
+    if e.name not in common or ours == ref:
         return None
     for other in ref:
-        if other == e.name or e.facts.locate(other)[1] != kind:
+        if other == e.name or e.facts.locate(other)[1] != e.kind:
             continue
         if [other if n == e.name else e.name if n == other else n for n in ours] == ref:
             return Hint(

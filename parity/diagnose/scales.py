@@ -117,7 +117,7 @@ def _head_widths(e: Evidence, head_dim: int) -> dict[str, int]:
     return widths
 
 
-def _layer_coefficient(e: Evidence, factor: float) -> str:
+def layer_coefficient(e: Evidence, factor: float) -> str:
     """`` (= 1 / (layer index + 1) ...)``: a factor equal to the layer's number or its inverse, past the first
     layer (Megatron's ``apply_query_key_layer_scaling``: q divided by the layer number and multiplied back in
     the softmax), else ``""``."""
@@ -172,7 +172,7 @@ def softmax_temperature(e: Evidence) -> Hint | None:
     return Hint(
         "attention_scale",
         f"likely the attention scale (softmax temperature): q and k agree, and ours' probabilities are the "
-        f"softmax of the reference's scores times {c:.6g}{_layer_coefficient(e, c)}{scale_readings(e, c)}",
+        f"softmax of the reference's scores times {c:.6g}{layer_coefficient(e, c)}{scale_readings(e, c)}",
         {"factor": c},
     )
 
@@ -577,7 +577,7 @@ def constant_ratio(e: Evidence) -> Hint | None:
         return Hint(
             kind,
             f"likely the attention scale (softmax temperature): q and k agree, the pre-softmax scores "
-            f"differ by one factor, ours / reference = {mean:.6g}{_layer_coefficient(e, mean)}"
+            f"differ by one factor, ours / reference = {mean:.6g}{layer_coefficient(e, mean)}"
             f"{scale_readings(e, mean) or named}",
             {"ratio": mean, "matches": matched[0][0] if matched else None},
         )

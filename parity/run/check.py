@@ -93,6 +93,13 @@ def coverage_notes(coverage) -> list[str]:
             f"; ... ({len(coverage.constants)} in all)" if len(coverage.constants) > 3 else ""
         )
         notes.append(f"neutral parameters of ours, no reference tensor: {shown}")
+    unread = getattr(coverage, "unread_by_reference", [])
+    if unread:
+        shown = ", ".join(unread[:3]) + (f", ... ({len(unread)} in all)" if len(unread) > 3 else "")
+        notes.append(
+            f"reference tensors its own forward never reads in this config, not required of ours: {shown} (a "
+            "decoder's cross-attention run without encoder states)"
+        )
     return notes
 
 

@@ -616,9 +616,13 @@ class _Aligner:
             return self.leaves[path]
         if not candidates and held and (not isinstance(module, nn.Embedding) or not found):
             # a parameter of a module that holds several (TransformerLens' W_Q in attn): the op reading it
-            # computes this module's output
-            self.functional[path] = held[0]
-            self.why[path] = f"ours holds its weight as {held[0][0]}, a parameter of a module that holds others too"
+            # computes this module's output; of copies of one tensor (a tied table copied twice), the one the forward
+            # reads, by a lookup for an embedding
+            reads = self._reads()
+            chosen = next((h for h in held if reads.get(h[0]) == LOOKUP), None) if ref_is_embedding else None
+            chosen = chosen or next((h for h in held if reads.get(h[0])), held[0])
+            self.functional[path] = chosen
+            self.why[path] = f"ours holds its weight as {chosen[0]}, a parameter of a module that holds others too"
             return None
         if not candidates:
             self.why[path] = f"no module of ours holds {', '.join(keys) or 'its weight'}"

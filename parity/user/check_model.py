@@ -98,7 +98,7 @@ def _raised(e: BaseException) -> str:
 
 def build_ours(ours, ref: Reference) -> nn.Module:
     """Call the user's ``build(state_dict, hf_config)`` (or take the module as it is). ``state_dict`` is
-    the reference model's own; a build that asks for a name only the checkpoint's files have (a loader
+    the reference model's own, its tied names included as ``state_dict()`` gives them; a build that asks for a name only the checkpoint's files have (a loader
     written against the files, where Transformers renames or fuses tensors on load: Mixtral's
     per-expert ``w1``/``w2``/``w3``) is called again with the files' tensors, and the pair's conversions
     say so. Raises ParityError when it raises, returns something else than an nn.Module, or leaves
@@ -108,15 +108,11 @@ def build_ours(ours, ref: Reference) -> nn.Module:
     elif callable(ours):
         name = getattr(ours, "__qualname__", repr(ours))
         try:
-            try:
-                model = _call_build(ours, name, ref.state_dict, ref.hf_config, ref.build_on_copies)
-            except KeyError as e:  # a tied name the files leave out (a tied lm_head.weight): given as its source
-                if e.args[:1] and e.args[0] in (ref.tied_keys or {}):
-                    model = _call_build(
-                        ours, name, _with_tied(ref.state_dict, ref.tied_keys), ref.hf_config, ref.build_on_copies
-                    )
-                else:
-                    raise
+            # the tied names the files leave out (a tied lm_head.weight, BERT's decoder.bias) given as their sources,
+            # as the reference model's own state_dict() holds them: a loader may read one where it is present
+            model = _call_build(
+                ours, name, _with_tied(ref.state_dict, ref.tied_keys), ref.hf_config, ref.build_on_copies
+            )
         except KeyError as e:
             files = _files_if_asked(e, ref)
             if files is None:
@@ -355,6 +351,26 @@ def _rows_held(source) -> frozenset[int] | None:
     return frozenset(rows) if rows else None
 
 
+def unread_by_reference(reference: nn.Module, vocab_size: int, keys: list[str]) -> list[str]:
+    """The ``keys`` among the reference's parameters that its own forward, on a short probe, never reads (MBart's
+    decoder run as a causal LM: its cross-attention without encoder states); [] where the probe cannot run."""
+    ran: set[str] = set()
+    paths = {id(m): n for n, m in reference.named_modules()}
+    handles = [m.register_forward_pre_hook(lambda m, _args: ran.add(paths[id(m)])) for m in reference.modules()]
+    handles.append(reference.register_forward_hook(lambda m, _args, _out: ran.add("<returned>")))
+    read: dict[str, tuple[str, ...]] = {}
+    try:
+        probe_reads(reference, vocab_size, read)  # the products and lookups reading each parameter, and every call
+    finally:
+        for handle in handles:
+            handle.remove()
+    if "<returned>" not in ran:
+        return []  # the probe's forward did not finish: what it never reached says nothing
+    params = dict(reference.named_parameters())
+    # unread: its module never called and no product or lookup read it (a parent reading a child's weight itself)
+    return [k for k in keys if k in params and k not in read and k.rpartition(".")[0] not in ran]
+
+
 def unplaced_message(coverage, model: nn.Module | None = None) -> str:
     """One line for reference tensors no parameter or buffer of the user's model holds: which, which
     of theirs hold nothing, the conventions parity looked for, and a likely cause when one shows
@@ -463,6 +479,8 @@ def build_user_pair(
         coverage.mark_numbers(scalar_buffers(ref.model, coverage.unused))
         coverage.mark_from_config(config_buffers(ref.model, ref.hf_config, coverage.unused))
         coverage.mark_derived(derived_keys(ours, loaded, model, coverage))
+    if coverage.unused:  # tensors the reference's forward never reads in this config: not required of ours
+        coverage.mark_unread_by_reference(unread_by_reference(ref.model, ref.facts.vocab_size, coverage.unused))
     if coverage.unused:
         raise ParityError(unplaced_message(coverage, model))
     nodes, _ = reference_nodes(ref.model, ref.facts)

@@ -18,13 +18,16 @@ from parity.record.hf_capture import OUTPUT_PROJECTIONS, SUFFIXES, experts_argum
 from parity.record.routing import CHOICES, ROUTER_OUTPUTS, WEIGHTS, is_router, returns_choice, router_outputs
 
 
-def _is_attention(module: nn.Module) -> bool:
-    """An attention block: a forward that calls Transformers' attention interface (LongCat-Flash's
-    ``LongcatFlashMLA``; BERT's and RoBERTa's ``...SelfAttention``, whose output projection is a sibling module's),
-    or a class named ``...Attention`` that holds an output projection."""
-    if "attention_interface(" in (_source(type(module).forward) or ""):
-        return True
-    return type(module).__name__.endswith("Attention") and any(hasattr(module, n) for n in OUTPUT_PROJECTIONS)
+def _is_attention(module: nn.Module, parent: nn.Module | None = None) -> bool:
+    """An attention block: an output projection, and a class named ``...Attention`` or a forward that calls
+    Transformers' attention interface (LongCat-Flash's ``LongcatFlashMLA``); or a forward calling that interface
+    whose output projection is a sibling module's (BERT's and RoBERTa's ``attention.self`` beside
+    ``attention.output.dense``, both children of ``parent``)."""
+    calls = "attention_interface(" in (_source(type(module).forward) or "")
+    if any(hasattr(module, n) for n in OUTPUT_PROJECTIONS):
+        return type(module).__name__.endswith("Attention") or calls
+    siblings = [m for m in parent.children() if m is not module] if parent is not None else []
+    return calls and any(hasattr(m, n) for m in siblings for n in OUTPUT_PROJECTIONS)
 
 
 @functools.cache
@@ -138,13 +141,14 @@ def discover_nodes(model: nn.Module, facts: ArchFacts) -> list[NodeSpec]:
     nodes = []
     layers = {f"{facts.layer_prefix}.{i}" for i in range(facts.num_layers)}
     inside_moe: set[str] = set()
-    for path, module in model.named_modules():
+    modules = dict(model.named_modules())
+    for path, module in modules.items():
         if not path or path in inside_moe:
             continue
         moe = _moe_parts(module)
         if path in layers:
             nodes.append(NodeSpec(path, path))
-        elif _is_attention(module):
+        elif _is_attention(module, modules.get(path.rpartition(".")[0])):
             nodes += [NodeSpec(f"{path}.{suffix}", f"{path}.{suffix}") for suffix in SUFFIXES]
         elif moe is not None:
             returns = router_outputs(dict(module.named_children())[moe[0]]) if moe[3] is None else None
