@@ -9,7 +9,7 @@ the side that differs whichever side the fault sits on.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import cast
+from typing import NamedTuple, cast
 
 import torch
 
@@ -510,9 +510,8 @@ def input_terms(e: Evidence) -> Hint | None:
                 f"({names[i]} missing in {side}: a residual variable not refreshed after that branch was added)",
                 {"term": names[i], "side": side},
             )
-        elsewhere = _residual_elsewhere(e, w_ours, w_ref, differ, left, used, names) or _stream_before_norm(
-            e, w_ours, w_ref, differ, left, used, names
-        )
+        terms = _TermFit(w_ours, w_ref, differ, left, used, names)
+        elsewhere = _residual_elsewhere(e, terms) or _stream_before_norm(e, terms)
         if elsewhere is not None:
             return elsewhere
         return None  # a term one side leaves out: another point of the stream (the wiring detectors' reading)
@@ -529,19 +528,24 @@ def input_terms(e: Evidence) -> Hint | None:
     )
 
 
-def _residual_elsewhere(
-    e: Evidence,
-    w_ours: torch.Tensor,
-    w_ref: torch.Tensor,
-    differ: list[int],
-    left: list[int],
-    used: list[int],
-    names: list[str],
-) -> Hint | None:
+class _TermFit(NamedTuple):
+    """:func:`input_terms`' fit of both sides' inputs: each term's weight on each side, the terms whose weights
+    differ, those one side alone holds, those either side holds, and every term's name."""
+
+    w_ours: torch.Tensor
+    w_ref: torch.Tensor
+    differ: list[int]
+    left: list[int]
+    used: list[int]
+    names: list[str]
+
+
+def _residual_elsewhere(e: Evidence, fit: _TermFit) -> Hint | None:
     """Every differing term one side's alone, one side holding a single one where the other holds one or more, all
     of one weight: a skip connection reading another point of the stream (the layer's input kept where the
     attention block's output was meant, a norm's output where its input was: one value in place of a sum of
     terms), either side. Hint ``residual``; None otherwise."""
+    w_ours, w_ref, differ, left, used, names = fit
     if set(differ) != set(left):
         return None
     around = residual_around_norm(e)  # one value a norm's input where the other side reads its output: named so
@@ -566,19 +570,12 @@ def _residual_elsewhere(
     )
 
 
-def _stream_before_norm(
-    e: Evidence,
-    w_ours: torch.Tensor,
-    w_ref: torch.Tensor,
-    differ: list[int],
-    left: list[int],
-    used: list[int],
-    names: list[str],
-) -> Hint | None:
+def _stream_before_norm(e: Evidence, fit: _TermFit) -> Hint | None:
     """A norm whose input on one side is the other side's plus the residual stream (the layer's input and the
     branches added to it so far, each weight 1): that side adds the residual before the norm, which then
     normalises the stream with the block's output (A.X-K1's ``post_mlp_layernorm`` moved past the residual add),
     either side. Hint ``norm_placement``; None otherwise."""
+    w_ours, w_ref, differ, left, used, names = fit
     if not is_norm(e.kind) or set(differ) != set(left):
         return None
     for side, extra, other in (("ours", w_ours, w_ref), ("the reference", w_ref, w_ours)):
