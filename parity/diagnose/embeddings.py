@@ -201,7 +201,8 @@ def _steps(half: int) -> dict[str, float]:
 
 def position_term(e: Evidence) -> Hint | None:
     """At the first layer's first node (its input is the scaled token embedding plus the position
-    embedding), ours' input less the reference's token embedding is ours' position term, read against
+    embedding), ours' input less the reference's token embedding (times the scale a model applies to it inside
+    its forward, CTRL's sqrt(d): :func:`_token_scales`, each tried) is ours' position term, read against
     the reference's position embedding: scaled by a constant (the embedding scale applied after the
     positions are added), other rows zeroed, or another sinusoid table (halves in the other order, the
     frequency step or index of another convention, read at other positions or at the token ids). The

@@ -98,10 +98,10 @@ def _raised(e: BaseException) -> str:
 
 def build_ours(ours, ref: Reference) -> nn.Module:
     """Call the user's ``build(state_dict, hf_config)`` (or take the module as it is). ``state_dict`` is
-    the reference model's own, its tied names included as ``state_dict()`` gives them; a build that asks for a name only the checkpoint's files have (a loader
-    written against the files, where Transformers renames or fuses tensors on load: Mixtral's
-    per-expert ``w1``/``w2``/``w3``) is called again with the files' tensors, and the pair's conversions
-    say so. Raises ParityError when it raises, returns something else than an nn.Module, or leaves
+    the reference model's own, its tied names included as ``state_dict()`` gives them; a build that asks
+    for a name only the checkpoint's files have (a loader written against the files, where Transformers
+    renames or fuses tensors on load: Mixtral's per-expert ``w1``/``w2``/``w3``) is called again with the
+    files' tensors, and the pair's conversions say so. Raises ParityError when it raises, returns something else than an nn.Module, or leaves
     weights on the meta device."""
     if isinstance(ours, nn.Module):
         model = ours
