@@ -193,6 +193,4 @@ LOCATED = [("mbart", "positions_over_real_tokens", True, "model.decoder.layernor
 @pytest.mark.slow
 @pytest.mark.parametrize(("model", "bug", "padded", "node"), LOCATED, indirect=["bug"], ids=str)
 def test_a_bug_not_yet_named_is_still_located(model, bug, padded, node, checkpoints):
-    assert not heldout_support.independent_max_diff(MODELS[model], checkpoints[model], padded) <= 1e-6
-    res = heldout_support.check(MODELS, checkpoints, model, padded)
-    assert res.first_mismatch is not None and res.first_mismatch.name == node, res.verdict()
+    heldout_support.assert_located_only(MODELS, checkpoints, model, padded, node)

@@ -117,13 +117,10 @@ def _layout_refit(e: Evidence, stem: str, scores: torch.Tensor, probs: torch.Ten
     head_dim)`` (GPT-NeoX's, BLOOM's layout), where the reference keeps them stacked: a fused projection's output
     split in another layout inside ours' forward (its weight held right). Only without RoPE (the q and k nodes are
     what the scores read) and without GQA (every part one width). Hint ``qkv_layout``; None otherwise."""
-    parts = []
-    for names in _PROJECTIONS.values():
-        found = next((e.ref_trace.tensors[f"{stem}.{n}"] for n in names if f"{stem}.{n}" in e.ref_trace.tensors), None)
-        if found is None:
-            return None
-        parts.append(found.double())
-    q, k, v = parts
+    found = [_traced_projection(e, stem, part) for part in _PROJECTIONS]
+    if any(t is None for t in found):
+        return None
+    q, k, v = (cast(torch.Tensor, t).double() for t in found)
     b, h, n, d = ours.shape
     if not (q.shape == k.shape == v.shape == (b, n, h * d)):
         return None
@@ -135,7 +132,7 @@ def _layout_refit(e: Evidence, stem: str, scores: torch.Tensor, probs: torch.Ten
     c = float((s * r).sum() / r.pow(2).sum().clamp_min(1e-300))
     if rel(c * r, s) > 1e-6:
         return None  # the scores are more than the traced q k^T scaled (RoPE, a bias): no recut recomputes them
-    recut = torch.cat([q, k, v], -1).view(b, n, h, 3, d).permute(3, 0, 2, 1, 4)  # (3, batch, heads, seq, d)
+    recut = _per_head_recut(q, k, v, h)
     logits = (c * recut[0] @ recut[1].transpose(-1, -2)).masked_fill(~allowed, float("-inf"))
     context = torch.softmax(logits, -1).nan_to_num(0.0) @ recut[2]
     rows = allowed.any(-1)
@@ -190,7 +187,7 @@ def inline_attention(e: Evidence) -> Hint | None:
     ours, ref = x_ours.double(), x_ref.double()
     if rel(attend(split(q), split(k), split(v))[rows], ref[rows]) > 1e-6:
         return None  # the reference's attention is more than this formula (RoPE, a bias, a soft-cap)
-    recut = torch.cat([q, k, v], -1).view(b, n, h, 3, d).permute(3, 0, 2, 1, 4)
+    recut = _per_head_recut(q, k, v, h)
     q_u, k_u, v_u = (t.reshape(b, h, n, d) for t in (q, k, v))  # the heads split with no transpose
     variants = {
         ("qkv_layout", "q, k and v cut from the fused projection's output per head (heads, 3, head_dim: GPT-NeoX / "
@@ -247,15 +244,27 @@ def _inline_projections(e: Evidence) -> tuple[torch.Tensor, torch.Tensor, torch.
     return None
 
 
+def _per_head_recut(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
+    """q, k and v ``(batch, seq, heads * head_dim)`` concatenated ``[q | k | v]`` and cut again per head
+    ``(heads, 3, head_dim)`` (GPT-NeoX's, BLOOM's layout): ``(3, batch, heads, seq, head_dim)``."""
+    b, n, width = q.shape
+    return torch.cat([q, k, v], -1).view(b, n, heads, 3, width // heads).permute(3, 0, 2, 1, 4)
+
+
+def _traced_projection(e: Evidence, stem: str, part: str) -> torch.Tensor | None:
+    """The reference's traced ``part`` projection (``"q"``, ``"k"``, ``"v"``: :data:`_PROJECTIONS`' names) of the
+    attention ``stem``; None where none is traced."""
+    return next(
+        (e.ref_trace.tensors[f"{stem}.{n}"] for n in _PROJECTIONS[part] if f"{stem}.{n}" in e.ref_trace.tensors), None
+    )
+
+
 def _traced_values(e: Evidence, stem: str, context: torch.Tensor) -> torch.Tensor | None:
     """The reference's values ``(batch, heads, seq, head_dim)`` from its traced value projection (``v_proj``,
     BERT's ``value``) in the attention ``stem``, repeated over the query heads (GQA), for ``context``
     ``(batch, heads, seq, head_dim)``; None where none is traced or its width does not cut into heads."""
     b, h, n, d = context.shape
-    v = next(
-        (e.ref_trace.tensors.get(f"{stem}.{k}") for k in ("v_proj", "value") if f"{stem}.{k}" in e.ref_trace.tensors),
-        None,
-    )
+    v = _traced_projection(e, stem, "v")
     if v is None or v.numel() % (b * n * d):
         return None
     kv = v.numel() // (b * n * d)
