@@ -22,10 +22,12 @@ are no nodes, and the search for one change looked in the output projection's ow
   the group-limited router's forms judged on the whole (groups scored by their best expert, the correction bias
   kept in the weights, the scaling factor cancelled by the renormalisation).
 
-After: correct runs 36 of 36, bugs named 39 of 42 (93%), no wrong cause. Left, asserted at their node only
-(``LOCATED``): RoFormer's rotary pairs read half-split and its positions counted from 1 (its rotation is a static
-method of its own signature, its sinusoid table no node of ours), and A.X-K1's ``kv_a_proj_with_mqa`` output split
-``[k_rope | latent]`` where ours also holds the rotary rows reordered (no contiguous cut of the reference's output).
+After: correct runs 36 of 36, bugs named 39 of 42 (93%), no wrong cause. RoFormer's rotary pairs read half-split and
+its positions counted from 1 (its rotation is a static method of its own signature, its sinusoid table no node of
+ours) named in the thirty-third session (41 of 42): its inline attention recomputed with its own table's RoPE, then
+with the other pairing or shifted positions (``attention_refit.inline_attention``). Left, asserted at its node only
+(``LOCATED``): A.X-K1's ``kv_a_proj_with_mqa`` output split ``[k_rope | latent]`` where ours also holds the rotary
+rows reordered (no contiguous cut of the reference's output).
 """
 
 from __future__ import annotations
@@ -104,8 +106,8 @@ NAMED = [
      "rotary_value = False"),
     ("roformer", "rope_sin_cos_swapped", False, f"{ROFORMER}.attention.output.dense", "one_change",
      "parts 0 and 1 of this chunk (of 2) swapped"),
-    ("roformer", "attn_scale_hidden", False, f"{ROFORMER}.attention.output.dense", "one_change",
-     "the divisor 4 taken as sqrt(hidden_size = 64) = 8"),
+    ("roformer", "attn_scale_hidden", False, f"{ROFORMER}.attention.output.dense", "attention_scale",
+     "ours scales q k^T by 0.125 (= 1/sqrt(hidden_size=64)), the reference by 0.25 (= 1/sqrt(head_dim=16))"),
     ("roformer", "ln_unbiased_var", False, "roformer.embeddings.LayerNorm", "norm_kind",
      "ours normalises by the unbiased variance"),
     ("roformer", "ffn_residual_block_input", False, f"{ROFORMER}.output.LayerNorm", "residual",
@@ -167,6 +169,10 @@ NAMED = [
     ("axk1", "yarn_attn_factor_ignores_mscale", False, f"{AXK1}.q_rot", "scale",
      "a factor that reaches only the rotated dims"),
     ("axk1", "pad_mask_query_axis", True, f"{AXK1}.o_proj", "one_change", "the mask's padding left out"),
+    ("roformer", "rope_neox_halves", False, f"{ROFORMER}.attention.output.dense", "rope_pairing",
+     "RoPE's pairs taken as halves (i, i + d/2: GPT-NeoX's rotate_half) where the reference rotates adjacent pairs"),
+    ("roformer", "rope_pos_from_one", False, f"{ROFORMER}.attention.output.dense", "position_offset",
+     "RoPE's positions +1 (counted from 1, the reference's from 0)"),
 ]  # fmt: skip
 FAST = {"heads_transposed", "ffn_residual_block_input", "no_type_embedding", "group_score_max"}
 
@@ -201,8 +207,6 @@ def test_a_reference_whose_ffn_residual_reads_the_layer_input_is_named(checkpoin
 
 #: located at their node, with no hint that names the cause (see the module docstring)
 LOCATED = [
-    ("roformer", "rope_neox_halves", False, f"{ROFORMER}.attention.output.dense"),
-    ("roformer", "rope_pos_from_one", False, f"{ROFORMER}.attention.output.dense"),
     ("axk1", "kv_a_split_order", False, f"{AXK1}.kv_a_layernorm"),
 ]
 

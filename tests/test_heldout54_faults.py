@@ -19,9 +19,10 @@ build was handed the state dict without the tied ``decoder.bias`` its loader rea
   split without moving their axis, or another temperature (a per-layer coefficient named)
   (``attention_refit.inline_attention``).
 
-After: correct runs 36 of 36, bugs named 41 of 42 (98%), no wrong cause. Left, asserted at its node only
-(``LOCATED``): mBART's positions counted over the real tokens in a padded batch (its position table no node of ours:
-read in functions; the reference numbers positions by the sequence index whatever ``position_ids`` says).
+After: correct runs 36 of 36, bugs named 41 of 42 (98%), no wrong cause. The one left, mBART's positions counted
+over the real tokens in a padded batch (its position table no node of ours: read in functions; the reference numbers
+positions by the sequence index whatever ``position_ids`` says), named in the thirty-third session: the first node
+past the lookups reads its position term as rows of the reference's table (``embeddings._table_rows``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests import heldout_support
 
@@ -91,7 +93,8 @@ REMBERT = "rembert.encoder.layer.0"
 NAMED = [
     ("mbart", "embed_scale_on_sum", False, "model.decoder.layernorm_embedding", "scale",
      "model.decoder.embed_positions weighted 8x in ours"),
-    ("mbart", "pos_no_offset", False, "model.decoder.layernorm_embedding", "one_change", "the offset 2 left out"),
+    ("mbart", "pos_no_offset", False, "model.decoder.layernorm_embedding", "position_offset",
+     "row p - 2 at position p, where the reference reads row p: the table's offset left out"),
     ("mbart", "ln_emb_before_pos", False, "model.decoder.layernorm_embedding", "one_change",
      "`hidden_states = inputs_embeds + position_ids"),
     ("mbart", "no_final_layer_norm", False, "lm_head", "missing", "model.decoder.layer_norm skipped in ours"),
@@ -106,6 +109,9 @@ NAMED = [
     ("mbart", "pad_mask_query_axis", True, f"{MBART}.self_attn.probs", "padding", "padding keys"),
     ("mbart", "lm_head_scaled", False, "logits", "scale", "ours / reference = 8"),
     ("mbart", "attn_probs_bf16", False, f"{MBART}.self_attn.probs", "precision", "bfloat16"),
+    ("mbart", "positions_over_real_tokens", True, "model.decoder.layernorm_embedding", "position_offset",
+     "in ours: its first node past the lookups reads the token embedding plus rows counted over each batch row's "
+     "real tokens"),
     ("megatron-bert", "post_ln", False, f"{MEGATRON}.attention.ln", "norm_placement", "post-norm"),
     ("megatron-bert", "ln_swapped", False, f"{MEGATRON}.attention.ln", "swapped_weights",
      f"{MEGATRON}.attention.ln and {MEGATRON}.ln swapped on one side"),
@@ -186,11 +192,20 @@ def test_weights_the_reference_never_reads_are_required_of_no_one(checkpoints):
     assert "model.decoder.layers.0.encoder_attn" in note
 
 
-#: located at their node, with no hint that names the cause (see the module docstring)
-LOCATED = [("mbart", "positions_over_real_tokens", True, "model.decoder.layernorm_embedding")]
+def test_a_reference_counting_positions_over_the_real_tokens_is_named(checkpoints):
+    """mBART's reference reading its position table over each row's real tokens in a padded batch (ours correct:
+    the sequence index, as mBART's decoder numbers them): named at layernorm_embedding on the reference's side."""
+    import torch.nn as nn
 
+    ref = heldout_support.reference_model(checkpoints["mbart"])
+    table = ref.model.decoder.embed_positions
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("model", "bug", "padded", "node"), LOCATED, indirect=["bug"], ids=str)
-def test_a_bug_not_yet_named_is_still_located(model, bug, padded, node, checkpoints):
-    heldout_support.assert_located_only(MODELS, checkpoints, model, padded, node)
+    def over_real_tokens(input_ids, cache_length=0, position_ids=None):
+        positions = torch.arange(input_ids.shape[1]).expand(input_ids.shape[0], -1).clone()
+        positions[:-1] = (positions[:-1] - heldout_support.PADDED["left_pad"]).clamp(min=0)  # parity pads every row
+        return nn.Embedding.forward(table, positions + table.offset)  # but the last, on the left
+
+    table.forward = over_real_tokens
+    bad = heldout_support.first_mismatch(MODELS, "mbart", ref, **heldout_support.PADDED)
+    assert bad.name == "model.decoder.layernorm_embedding" and bad.hint.kind == "position_offset", bad
+    assert "in the reference" in bad.hint.text and "where ours counts every slot" in bad.hint.text

@@ -507,10 +507,34 @@ def in_reference_layout(
             moved, how = part
         elif padding is not None and (packed := unpacked(spec.kind, moved, full, padding)) is not None:
             moved, how = packed, "the real tokens packed into one sequence (padding skipped)"
+        elif (row := _broadcast_row(moved, full, padding)) is not None:
+            moved, how = row
+            return moved, how  # (its padding already the reference's: one row of the batch, compared alone)
     if padding is not None and tuple(moved.shape) == tuple(ref.shape) and moved.dtype != torch.bool:
         # (expert choices too: a router's choice at a padding token is as unspecified as its scores)
         moved = without_padding(spec.kind, moved, ref if isinstance(ref, torch.Tensor) else ref.load(), padding)
     return moved, how
+
+
+def _broadcast_row(
+    ours: torch.Tensor, ref: torch.Tensor, padding: torch.Tensor | None
+) -> tuple[torch.Tensor, str] | None:
+    """Ours ``(batch, *ref.shape)`` where the reference's node holds one value broadcast over the batch (Pegasus's
+    sinusoid positions ``(seq, hidden)``, added to every row): ours' row farthest from it, its padding positions
+    (``padding`` ``(batch, seq)``, True there) the reference's, not judged; None unless the shapes say so."""
+    if ours.dim() != ref.dim() + 1 or tuple(ours.shape[1:]) != tuple(ref.shape) or not ours.is_floating_point():
+        return None
+    rows = ours.detach().clone()
+    if padding is not None and tuple(padding.shape) == tuple(ours.shape[:2]) and ref.dim() >= 1:
+        pad = padding.to(torch.bool)
+        for i in range(rows.shape[0]):
+            rows[i][pad[i]] = ref[pad[i]].to(rows.dtype)
+    gaps = [float((r.double() - ref.double()).abs().max()) if r.numel() else 0.0 for r in rows]
+    worst = max(range(len(gaps)), key=gaps.__getitem__)
+    return rows[worst], (
+        f"the reference's node holds one value broadcast over the batch, ours one per row ({rows.shape[0]} rows): "
+        f"compared at row {worst}, the farthest from it"
+    )
 
 
 def node_order(reference, nodes: Sequence[NodeSpec], ours_order: Sequence[str] = ()) -> list[str]:

@@ -10,6 +10,7 @@ attention as the component (every projection feeding it agrees, or the first mis
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import cast
 
@@ -20,7 +21,8 @@ from parity.diagnose.differential import output_gate
 from parity.diagnose.evidence import EXPLAINS, Evidence, golden_minimum, rel
 from parity.diagnose.hints import Hint
 from parity.diagnose.scales import layer_coefficient, scale_readings
-from parity.record.hf_capture import OUTPUT_PROJECTIONS
+from parity.model.facts import default_inv_freq
+from parity.record.hf_capture import OUTPUT_PROJECTIONS, POSITION_TABLES
 
 #: the attention internals after the rotated queries and keys (none of them read in ours: a fused kernel such
 #: as scaled_dot_product_attention runs them; the rotated queries and keys, read or not, agree)
@@ -185,17 +187,53 @@ def inline_attention(e: Evidence) -> Hint | None:
 
     q, k, v = q.double(), k.double(), v.double()
     ours, ref = x_ours.double(), x_ref.double()
-    if rel(attend(split(q), split(k), split(v))[rows], ref[rows]) > 1e-6:
-        return None  # the reference's attention is more than this formula (RoPE, a bias, a soft-cap)
+    heads = (split(q), split(k), split(v))
+    slots = torch.arange(n).expand(b, n)
+    table = _sinusoid_table(e, d, n)
+    found = next(  # the reference's inline RoPE (RoFormer's) and the positions it rotates by
+        (
+            (r, p)
+            for r in _INLINE_ROPES
+            for p in ([slots] if e.positions is None else [slots, e.positions.cpu()])
+            if rel(attend(*_rotated(heads, r, p, table))[rows], ref[rows]) <= 1e-6
+        ),
+        None,
+    )
+    if found is None and rel(attend(*heads)[rows], ref[rows]) > 1e-6:
+        return None  # the reference's attention is more than this formula (another RoPE, a bias, a soft-cap)
+    rope, positions = found if found is not None else (None, slots)
+
+    def prep(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (qh, kh, vh) if rope is None else _rotated((qh, kh, vh), rope, positions, table)
+
     recut = _per_head_recut(q, k, v, h)
     q_u, k_u, v_u = (t.reshape(b, h, n, d) for t in (q, k, v))  # the heads split with no transpose
     variants = {
         ("qkv_layout", "q, k and v cut from the fused projection's output per head (heads, 3, head_dim: GPT-NeoX / "
-         "BLOOM) where the reference keeps them stacked [q; k; v]"): attend(recut[0], recut[1], recut[2]),
+         "BLOOM) where the reference keeps them stacked [q; k; v]"): attend(*prep(recut[0], recut[1], recut[2])),
         ("head_layout", "the heads split without moving their axis: each projection (batch, seq, heads * head_dim) "
          "viewed as (batch, heads, seq, head_dim) directly, with no view(batch, seq, heads, head_dim).transpose(1, "
-         "2)"): attend(q_u, k_u, v_u),
+         "2)"): attend(*prep(q_u, k_u, v_u)),
     }  # fmt: skip
+    if rope is not None:  # the reference's inline RoPE (RoFormer's) with its pairs or positions otherwise
+        other = dataclasses.replace(rope, interleaved=not rope.interleaved)
+        pairs = {True: "adjacent pairs (2i, 2i + 1: RoFormer's)", False: "halves (i, i + d/2: GPT-NeoX's rotate_half)"}
+        variants[
+            (
+                "rope_pairing",
+                f"RoPE's pairs taken as {pairs[other.interleaved]} where the reference rotates "
+                f"{pairs[rope.interleaved]}",
+            )
+        ] = attend(*_rotated(heads, other, positions, table))
+        for shift in (1, -1):
+            variants[
+                (
+                    "position_offset",
+                    f"RoPE's positions {shift:+d} (counted from {shift}, the reference's from 0)"
+                    if shift > 0
+                    else f"RoPE's positions {shift:+d}",
+                )
+            ] = attend(*_rotated(heads, rope, positions + shift, table))
     for (kind, said), context in variants.items():
         if rel(context[rows], ours[rows]) < EXPLAINS:
             return Hint(
@@ -206,7 +244,7 @@ def inline_attention(e: Evidence) -> Hint | None:
             )
 
     def residual(log_c: float) -> float:
-        return rel(attend(split(q), split(k), split(v), math.exp(log_c) * d**-0.5)[rows], ours[rows])
+        return rel(attend(*prep(*heads), math.exp(log_c) * d**-0.5)[rows], ours[rows])
 
     log_c = golden_minimum(residual, [math.log(0.05) + i * (math.log(20.0) - math.log(0.05)) / 60 for i in range(61)])
     factor = math.exp(log_c)
@@ -215,10 +253,59 @@ def inline_attention(e: Evidence) -> Hint | None:
             "attention_scale",
             f"likely the attention scale (softmax temperature) in ours: its context is the reference's attention, "
             f"recomputed from its q, k and v, with the scores times {factor:.6g}{layer_coefficient(e, factor)}"
-            f"{scale_readings(e, factor)}",
+            f"{scale_readings(e, factor, d**-0.5)}",
             {"factor": factor},
         )
     return None
+
+
+@dataclasses.dataclass(frozen=True)
+class _InlineRope:
+    """A RoPE an attention computes inline over the whole head (RoFormer's, from its sinusoid table)."""
+
+    interleaved: bool
+    values: bool  # the values rotated too (RoFormer's ``rotary_value``)
+
+
+_INLINE_ROPES = tuple(_InlineRope(i, v) for i in (True, False) for v in (False, True))
+
+
+def _rotated(
+    heads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    rope: _InlineRope,
+    positions: torch.Tensor,
+    table: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v ``(batch, heads, seq, head_dim)`` with q and k (and v where ``rope.values``) rotated at ``positions``
+    ``(batch, seq)`` by the sinusoid ``table`` ``(max_positions, head_dim)``, laid ``sin | cos`` (Su et al. 2021;
+    RoFormer's ``apply_rotary_position_embeddings``: each pair times ``cos + i sin`` of its position's row)."""
+    d = heads[0].shape[-1]
+    rows = table.double()[positions.clamp(0, table.shape[0] - 1)][:, None]  # (batch, 1, seq, head_dim)
+    turn = torch.complex(rows[..., d // 2 :], rows[..., : d // 2])
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        if rope.interleaved:
+            z = torch.complex(x[..., 0::2], x[..., 1::2]) * turn
+            return torch.stack([z.real, z.imag], -1).flatten(-2)
+        z = torch.complex(x[..., : d // 2], x[..., d // 2 :]) * turn
+        return torch.cat([z.real, z.imag], -1)
+
+    q, k, v = heads
+    return rotate(q), rotate(k), rotate(v) if rope.values else v
+
+
+def _sinusoid_table(e: Evidence, head_dim: int, n: int) -> torch.Tensor:
+    """The reference's position table of ``head_dim`` columns (RoFormer's ``embed_positions``, whatever its
+    weights), else the theta-10000 sinusoids ``(n, head_dim)`` laid ``sin | cos``."""
+    table = next(
+        (w for m, w in e.ref_trace.weights.items()
+         if m.rpartition(".")[2] in POSITION_TABLES and w.dim() == 2 and w.shape[1] == head_dim),
+        None,
+    )  # fmt: skip
+    if table is not None:
+        return table.double()
+    angle = torch.arange(n + 2, dtype=torch.float64)[:, None] * torch.tensor(default_inv_freq(10000.0, head_dim))
+    return torch.cat([angle.sin(), angle.cos()], -1)
 
 
 def _inline_projections(e: Evidence) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:

@@ -22,6 +22,7 @@ from parity.diagnose.elementwise import (
     clamped,
     gate_activation,
     glu_form,
+    input_floored_at_zero,
     nonfinite,
     precision,
     quantised_input,
@@ -29,7 +30,7 @@ from parity.diagnose.elementwise import (
     soft_capping,
 )
 from parity.diagnose.embeddings import embedding_rows, position_term
-from parity.diagnose.evidence import Evidence, cut_offset, heads_first
+from parity.diagnose.evidence import Evidence, cut_offset, fmt_list, heads_first
 from parity.diagnose.hints import Hint
 from parity.diagnose.latent import latent_pairing, latent_rope, latent_split
 from parity.diagnose.masks import (
@@ -70,6 +71,7 @@ from parity.diagnose.norms import (
     norm_eps,
     norm_kind,
     norm_order,
+    norm_past_projection,
     norm_placement,
     norm_skipped,
     norm_statistic,
@@ -98,6 +100,7 @@ from parity.diagnose.residual import (
 )
 from parity.diagnose.rope import (
     bias_after_rope,
+    bias_scaled_apart,
     gain_across_rope,
     heads_unrotated,
     norm_after_rope,
@@ -137,6 +140,7 @@ from parity.diagnose.wiring import (
     heads_merged_unmoved,
     heads_split_unmoved,
     input_slice,
+    input_slots_strided,
     kv_sharing,
     last_dim_permutation,
     other_layer,
@@ -219,6 +223,7 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     sibling_match,
     latent_split,  # before swapped_weights: MLA's k_nope cut from kv_b_proj's heads otherwise
     input_slice,  # a module reading another cut of a fused output
+    input_slots_strided,
     fused_split,  # before swapped_weights and the rotation fits: q/k cut from a fused output otherwise
     swapped_weights,
     gate_up_roles,
@@ -241,6 +246,7 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     shared_expert,
     combination_scale,  # after shared_expert: a shared expert's gate is another form, no coefficient
     quantised_input,  # before precision: a few integer levels, not a narrower float
+    input_floored_at_zero,
     precision,
     rounding_order,
     padding,
@@ -270,6 +276,7 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     norm_kind,
     block_layout,
     norm_order,
+    norm_past_projection,
     norm_around_activation,
     weightless_norm_eps,  # before norm_placement: a norm nothing records, its eps read at the projection
     norm_placement,
@@ -277,6 +284,7 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     norm_after_rope_at_rotation,  # before rope_partial: a norm after RoPE changes every dim
     rope_partial,
     bias_after_rope,
+    bias_scaled_apart,
     gain_across_rope,  # before rope_fit: position 0 agrees, as for another frequency
     rope_fit,  # before constant_ratio: on q_rot/k_rot a constant factor is the cos/sin scale, read with its source
     values_rotated,
@@ -399,6 +407,45 @@ def _one_of_many(result: NodeResult, ref_trace: Trace) -> Hint | None:
     )
 
 
+def _chosen_otherwise(result: NodeResult, ours_trace: Trace, ref_trace: Trace) -> Hint | None:
+    """One of several parallel modules (``adapter_modules.en_XX``, ``experts.3``: siblings under one parent) run on
+    rows by one side and on none by the other (its output's first axis 0): ours chose another of them. Names the
+    sibling the other side ran where this one did not (X-MOD's adapter of ``config.default_language`` where no
+    ``lang_ids`` are given)."""
+    a, b = result.shape_ours, result.shape_ref
+    if not a or not b or len(a) != len(b) or a[1:] != b[1:] or (a[0] == 0) == (b[0] == 0):
+        return None
+    parts = result.name.split(".")
+    # the siblings: the same path with one component (the choice) otherwise, run with rows on the other side
+    for i in range(len(parts) - (1 if parts[-1].isdigit() else 2), 0, -1):  # (a leaf's siblings: other kinds)
+        stem, tail = ".".join(parts[:i]) + ".", "." + ".".join(parts[i + 1 :]) if i + 1 < len(parts) else ""
+        siblings = [
+            n for n in {*ours_trace.tensors, *ref_trace.tensors}
+            if n != result.name and n.startswith(stem) and n.endswith(tail) and "." not in n[len(stem) : len(n) - len(tail)]
+        ]  # fmt: skip
+        if siblings:
+            break
+    else:
+        return None
+
+    def rows(trace: Trace, name: str) -> int:
+        t = trace.tensors.get(name)
+        return 0 if t is None or t.dim() == 0 else t.shape[0]
+
+    runner, other = ("ours", "the reference") if a[0] else ("the reference", "ours")
+    mine, theirs = (ours_trace, ref_trace) if a[0] else (ref_trace, ours_trace)
+    instead = sorted(n for n in siblings if rows(theirs, n) and not rows(mine, n))
+    said = f"; {other} runs {fmt_list(instead)} there, which {runner} runs on no row" if instead else ""
+    # (which side chose right the two traces cannot say: each runs one the other does not)
+    return Hint(
+        "routing",
+        f"likely another of the parallel modules chosen on one side: {runner} runs {result.name} on "
+        f"{max(a[0], b[0])} rows where {other} runs it on none{said} (a per-language adapter chosen otherwise, "
+        "X-MOD's lang_ids or config.default_language, or an expert or branch selected by another rule)",
+        {"runs": runner, "instead": instead},
+    )
+
+
 def _head_cut(result: NodeResult, ours_trace: Trace, ref_trace: Trace, facts: ArchFacts) -> Hint | None:
     """Ours' product ``(batch, heads, seq, w)`` over part of a projection whose reference output holds ``per``
     features per head (``(batch, [1,] seq, heads * per)``, per > w): ours reads columns ``[o:o + w]`` of each
@@ -501,6 +548,7 @@ def diagnose(
             or expert_rows(result, ref_trace, facts)  # an expert's node over other tokens: routing or placement
             or _fewer_positions(result)
             or _one_of_many(result, ref_trace)
+            or _chosen_otherwise(result, ours_trace, ref_trace)
             or _head_split(result, facts)
             or _padded_heads(result, ours_trace, ref_trace, facts)
             or _head_cut(result, ours_trace, ref_trace, facts)
@@ -514,6 +562,12 @@ def diagnose(
             else None
         )
     permuted = spec is not None and getattr(spec.transform, "dims", None) is not None
+    if positions is not None and result.kind in ("q_rot", "k_rot") and ref.dim() == 4:
+        b, seq = ref.shape[0], ref.shape[-2]
+        if positions.dim() == 2 and positions.shape[-1] != seq:
+            # a stack over another sequence than the input's (BLT's global transformer over its patches): it numbers
+            # its own positions from 0; the run's padding says nothing of its rows
+            positions, attention_mask = torch.arange(seq).expand(b, seq), None
     e = Evidence(result, ours, ref, ours_trace, ref_trace, facts, positions, attention_mask, permuted)
     if result.status == NONFINITE:
         return nonfinite(e)

@@ -202,6 +202,29 @@ def quantised_input(e: Evidence) -> Hint | None:
     return None
 
 
+def input_floored_at_zero(e: Evidence) -> Hint | None:
+    """A node whose input on one side is the other side's with every negative value replaced by zero: a max that
+    also counts a zero it starts from (a pooling ``zeros.scatter_reduce(..., "amax", include_self=True)`` where
+    the reference leaves the starting zeros out, BLT's ``patch_reduce``), or a ReLU on one side only. Either side."""
+    x_ours, x_ref = e.inputs()
+    if x_ours is None or x_ref is None or x_ours.shape != x_ref.shape or not x_ref.is_floating_point():
+        return None
+    if e.close(x_ours, x_ref) or x_ref.numel() < 16:
+        return None
+    for side, this, other in (("ours", x_ours, x_ref), ("the reference", x_ref, x_ours)):
+        negative = other < 0
+        if bool(negative.any()) and e.close(this.double(), other.double().clamp(min=0)):
+            return Hint(
+                "activation",
+                f"likely {e.kind}'s input floored at zero in {side}: it is the other side's with its "
+                f"{int(negative.sum())} negative values replaced by 0: a max-pool over a zero-filled tensor that "
+                "counts the zeros (scatter_reduce amax with include_self=True, where the other side leaves them out), "
+                "or a ReLU the other side does not apply",
+                {"side": side, "negatives": int(negative.sum())},
+            )
+    return None
+
+
 def precision(e: Evidence) -> Hint | None:
     """A float32 (or float64) node whose values on one side are all exactly representable in a
     narrower dtype (bfloat16, float16) and on the other side mostly not: that side computed the node

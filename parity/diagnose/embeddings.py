@@ -46,9 +46,10 @@ def embedding_rows(e: Evidence) -> Hint | None:
     the module was given (the other side reads them at the ids): ``row = table[f(id)]``. Names a
     constant shift, a reversed table, positions counted over the padding (each row shifted by its pad
     count), or lists the mapping; either side."""
-    if not _is_lookup(e.kind):
-        return None
     table, ids = e.ref_trace.weights.get(e.name), e.ref_trace.inputs.get(e.name)
+    looked_up = ids is not None and not ids.is_floating_point() and ids.dtype != torch.bool
+    if not _is_lookup(e.kind) and not (looked_up and table is not None and table.dim() == 2):
+        return None  # (any table read at integer ids: BLT's hash n-gram embedding too)
     if table is None or table.dim() != 2:
         return None
 
@@ -73,8 +74,62 @@ def embedding_rows(e: Evidence) -> Hint | None:
         read = _rows_read(wrong, table, scale)
         if read is None:
             return None
-        return _mapping_hint(e, side, read.reshape(ids.shape), ids)
+        hashed = _hash_reading(e, side, read.reshape(ids.shape), ids)
+        return hashed or _mapping_hint(e, side, read.reshape(ids.shape), ids)
     return derived()  # neither side reads the table at its input: the input is no ids
+
+
+#: the primes of BLT's hash functions, one per function (``compute_hash_embeddings``' list, cycled)
+_HASH_PRIMES = (1000000007, 5915587277, 1500450271, 3267000013, 5754853343, 4093082899, 9576890767, 3628273133)
+
+
+def _ngram_hashes(tokens: torch.Tensor, n: int, prime: int, vocab: int, form: str) -> torch.Tensor:
+    """The hash id of the ``n``-gram ending at each token ``(batch, seq)`` (the sequence left-padded with ``n - 1``
+    zeros), ``sum_i token_i * prime^i`` in wrapping int64 (BLT's ``rolling_polynomial_hash``) modulo ``vocab``, or
+    another form a port writes: ``reversed`` (the newest token times ``prime^0``), ``unsigned`` (the wrapped sum read
+    as a uint64 before the modulo)."""
+    windows = torch.cat([tokens.new_zeros(tokens.shape[0], n - 1), tokens.long()], 1).unfold(1, n, 1)
+    powers = torch.tensor(prime, dtype=torch.int64) ** torch.arange(n)
+    if form == "reversed":
+        powers = powers.flip(0)
+    hashed = (windows * powers).sum(-1)
+    if form == "unsigned":
+        return torch.tensor([[(int(h) % 2**64) % vocab for h in row] for row in hashed.tolist()], dtype=torch.int64)
+    return hashed % vocab
+
+
+def _hash_reading(e: Evidence, side: str, read: torch.Tensor, ids: torch.Tensor) -> Hint | None:
+    """A hash n-gram embedding's first group (BLT's ``encoder_hash_tok_embedding``, its first call) whose ids the
+    reference computes as its formula gives them from the byte ids, ``side`` reading rows another form of the hash
+    gives: named by that form. None unless the facts name such an embedding and its formula is the reference's."""
+    spec = e.facts.ngram_hash
+    tokens = e.ref_trace.inputs.get(e.facts.embed_module)
+    sizes, vocab = cast(tuple, spec.get("group_sizes", ())), cast(int, spec.get("vocab", 0))
+    if not sizes or not vocab or tokens is None or tokens.shape != ids.shape:
+        return None
+    n, prime = int(sizes[0]), _HASH_PRIMES[0]
+    plain = _ngram_hashes(tokens, n, prime, vocab, "plain")
+    if torch.equal(plain, ids.long()):
+        odd = read  # the reference's ids are the formula's: the side reading other rows computed them otherwise
+    elif torch.equal(plain, read.long()):
+        odd, side = ids, ("the reference" if side == "ours" else "ours")  # the other side's rows are the formula's
+    else:
+        return None  # neither side's the first group's ids as the formula gives them: another call or formula
+    forms = {
+        "reversed": "the powers of the prime reversed (the newest byte of each window times prime^0, where the "
+        "reference gives the oldest prime^0: sum_i token_i * prime^i over the window in order)",
+        "unsigned": "the wrapped 64-bit sum read as unsigned before the modulo (where the reference keeps torch's "
+        "signed int64, whose % gives a non-negative remainder of the signed value)",
+    }
+    for form, said in forms.items():
+        if torch.equal(_ngram_hashes(tokens, n, prime, vocab, form), odd.long()):
+            return Hint(
+                "token_ids",
+                f"likely the hash n-gram ids computed otherwise in {side}: it reads the {e.name} rows of {said} "
+                f"({n}-byte windows, prime {prime}, modulo {vocab})",
+                {"side": side, "form": form},
+            )
+    return None
 
 
 def _position_rows(e: Evidence, table: torch.Tensor) -> Hint | None:
@@ -88,6 +143,8 @@ def _position_rows(e: Evidence, table: torch.Tensor) -> Hint | None:
     ours, ref = _rows_read(e.ours, table, 1.0), _rows_read(e.ref, table, 1.0)
     if ours is None or ref is None:
         return None
+    if len(shape) == 1:  # one row broadcast over the batch (Pegasus's positions (seq, hidden)): as a batch of one
+        shape = torch.Size((1, *shape))
     ours, ref = ours.reshape(shape), ref.reshape(shape)
     if bool((ours == ref).all()):
         return None
@@ -153,7 +210,13 @@ def _mapping_hint(e: Evidence, side: str, read: torch.Tensor, ids: torch.Tensor)
                 kind,
                 f"likely positions not derived from the attention mask in {side}: it reads position rows "
                 f"{offset}..{n - 1 + offset} in every batch row, the other side each row's position_ids (pad counts "
-                f"{pads}): position_ids ignored (an arange over the padding)",
+                f"{pads}): position_ids ignored (an arange over the padding)"
+                + (
+                    "; the reference's own convention, its table called with the input's shape alone (Pegasus's "
+                    "decoder numbers every slot): ours must count over the padding too"
+                    if side == "the reference" and e.ref_trace.inputs.get(e.name) is None  # (called with a shape)
+                    else ""
+                ),
                 {**evidence, "pad_counts": pads},
             )
         last = int(ids[valid].max())
@@ -208,19 +271,32 @@ def position_term(e: Evidence) -> Hint | None:
     frequency step or index of another convention, read at other positions or at the token ids). The
     reference's own table is first fitted to Transformers' sinusoid formula (XGLM's, fairseq's) at its
     position ids plus an offset; a learned table gets the first two readings only."""
-    if e.result.layer != 0:
-        return None
-    first = next((n for n in e.ref_trace.tensors if e.facts.locate(n)[0] == 0), None)
     x_ours, x_ref = e.inputs()
     embed = e.ref_trace.tensors.get(e.facts.embed_module)
-    if first != e.name or x_ours is None or x_ref is None or embed is None or x_ours.shape != x_ref.shape:
-        return None  # only the first layer's first node reads the embedding and the positions alone
+    if embed is None or _first_reader(e, embed) != e.name or x_ours is None or x_ref is None:
+        return None  # only the first node after the lookups reads the embedding and the positions alone
+    if x_ours.shape != x_ref.shape:
+        return None
     if embed.shape != x_ref.shape:
         return None
     for scale in _token_scales(e, x_ref.double(), embed.double()):
         hint = _term_reading(e, scale, x_ours.double(), x_ref.double(), embed.double())
         if hint is not None:
             return hint
+    return None
+
+
+def _first_reader(e: Evidence, embed: torch.Tensor) -> str | None:
+    """The reference's first node on the embeddings: the first layer's first node, or a node before it that is
+    no lookup and reads a tensor of the embedding's shape (mBART's ``layernorm_embedding``)."""
+    for name in e.ref_trace.tensors:
+        if e.facts.locate(name)[0] == 0:
+            return name
+        x = e.ref_trace.inputs.get(name)
+        if name == e.facts.embed_module or _is_lookup(name.rpartition(".")[2]) or x is None:
+            continue
+        if e.facts.locate(name)[0] is None and x.shape == embed.shape:
+            return name
     return None
 
 
@@ -243,7 +319,10 @@ def _term_reading(e: Evidence, s: float, x_ours: torch.Tensor, x_ref: torch.Tens
     mine, theirs = term[real], pos[real]  # (tokens, hidden)
     side = "ours"
     found = _scaled_term(e, mine, theirs, token_scale=s) or _rows_zeroed(e, mine, theirs, real)
-    if found is None and _transformers_table(e, mine) and not _transformers_table(e, theirs):
+    read = _table_rows(e, term, pos, real) if found is None else None
+    if read is not None:
+        side, found = read
+    elif found is None and _transformers_table(e, mine) and not _transformers_table(e, theirs):
         side = "the reference"  # ours' sinusoids are Transformers' own, the reference's another convention
         found = _sinusoid_reading(e, theirs, mine, "ours")
     elif found is None:
@@ -256,7 +335,8 @@ def _term_reading(e: Evidence, s: float, x_ours: torch.Tensor, x_ref: torch.Tens
     text, evidence = found
     return Hint(
         "position_offset",
-        f"likely the position embedding in {side}: its first layer reads the token embedding plus {text}",
+        f"likely the position embedding in {side}: its first node past the lookups reads the token embedding plus "
+        f"{text}",
         {"positions": pos_name, "side": side, **evidence},
     )
 
@@ -315,6 +395,61 @@ def _rows_zeroed(e: Evidence, mine: torch.Tensor, theirs: torch.Tensor, real: to
             {"not_zeroed": sorted(set(positions))},
         )
     return None
+
+
+def _table_rows(
+    e: Evidence, term: torch.Tensor, pos: torch.Tensor, real: torch.Tensor
+) -> tuple[str, tuple[str, dict]] | None:
+    """Both sides' position terms ``(batch, seq, hidden)`` as rows of the reference's learned position table, read
+    at other positions: ``(side, (text, evidence))`` naming a constant shift, or positions counted over each row's
+    real tokens (the mask's cumulative sum) where the other side counts every slot (mBART's and Pegasus's decoders:
+    ``arange(seq)`` whatever the mask or position_ids); None without such a table or where a term is no row."""
+    table = next(
+        (
+            w
+            for n, w in e.ref_trace.weights.items()
+            if n.rpartition(".")[2] in POSITION_TABLES and w.dim() == 2 and w.shape[1] == term.shape[-1]
+        ),
+        None,
+    )
+    if table is None:
+        return None
+    ours, ref = _rows_read(term, table, 1.0), _rows_read(pos, table, 1.0)
+    if ours is None or ref is None:
+        return None
+    ours, ref = ours.reshape(real.shape), ref.reshape(real.shape)
+    shift = (ours - ref)[real]
+    if not bool(shift.any()):
+        return None
+    evidence: dict[str, object] = {"rows_read": ours[0].tolist()[:8], "reference_rows": ref[0].tolist()[:8]}
+    if bool((shift == shift[0]).all()):
+        k = int(shift[0])
+        return "ours", (
+            f"the position table's row {'p + ' if k > 0 else 'p - '}{abs(k)} at position p, where the reference reads "
+            + (
+                f"row p: an offset of {k} the reference's table has not"
+                if k > 0
+                else "row p: the table's offset left out (mBART's and OPT's +2 rows before position 0)"
+            ),
+            {**evidence, "offset": k},
+        )
+    slots = torch.arange(real.shape[-1]).expand(real.shape)
+    counted = real.long().cumsum(-1) - 1
+    for side, mine, theirs in (("ours", ours, ref), ("the reference", ref, ours)):
+        c = (theirs - slots)[real]
+        if bool((c == c[0]).all()) and bool((mine[real] == (counted + c[0])[real]).all()):
+            other = "the reference" if side == "ours" else "ours"
+            return side, (
+                f"rows counted over each batch row's real tokens (the attention mask's cumulative sum, position_ids "
+                f"followed), where {other} counts every slot, the padding included (arange(seq) + {int(c[0])} "
+                "whatever the mask or position_ids: mBART's and Pegasus's decoders)",
+                {**evidence, "counted_over_real_tokens": True},
+            )
+    return "ours", (
+        f"the position table's rows {fmt_list(ours[0].tolist())} where the reference reads rows "
+        f"{fmt_list(ref[0].tolist())}",
+        evidence,
+    )
 
 
 def _real(e: Evidence) -> torch.Tensor:

@@ -29,12 +29,19 @@ def looped_block(node: str, calls: Mapping[str, int]) -> str:
     return node
 
 
-def later_call_hint(results: Sequence[NodeResult], bad: NodeResult, reference_calls: Mapping[str, int]) -> Hint | None:
-    """The cause of ``bad``, a later call's failure with every node before it agreeing (None for a first call)."""
+def later_call_hint(
+    results: Sequence[NodeResult], bad: NodeResult, reference_calls: Mapping[str, int], ours=None, ref=None
+) -> Hint | None:
+    """The cause of ``bad``, a later call's failure with every node before it agreeing (None for a first call).
+    ``ours``, ``ref``: the two traces, where a table read again (BLT's hash embedding, once per n-gram group) is
+    read for the rows each side took on that call."""
     parsed = call_of(bad.name)
     if parsed is None:
         return None
     node, call = parsed
+    rows = _rows_on_call(bad.name, node, ours, ref) if ours is not None and ref is not None else None
+    if rows is not None:
+        return rows
     block = looped_block(node, reference_calls)
     runs = reference_calls.get(node, call)
     before = [r for r in results[: bad.index] if r.judged]
@@ -56,4 +63,36 @@ def later_call_hint(results: Sequence[NodeResult], bad: NodeResult, reference_ca
         f"from one pass to the next, or the input added before each pass (the embeddings, another stack's output, "
         f"the input section's output), not the block's own computation",
         evidence,
+    )
+
+
+def _rows_on_call(name: str, node: str, ours, ref) -> Hint | None:
+    """A table (``node``'s 2-D weight) whose later call ``name`` reads, on both sides, rows of it, ours each at a
+    constant offset from the reference's: the ids of that call offset otherwise."""
+    from parity.diagnose.embeddings import _rows_read  # (the table reading of first calls)
+
+    table, a, b = ref.weights.get(node), ours.later.get(name), ref.later.get(name)
+    if (
+        table is None
+        or table.dim() != 2
+        or a is None
+        or b is None
+        or a.shape != b.shape
+        or a.shape[-1] != table.shape[1]
+    ):
+        return None
+    mine, theirs = _rows_read(a, table, 1.0), _rows_read(b, table, 1.0)
+    if mine is None or theirs is None or bool((mine == theirs).all()):
+        return None
+    shift = mine - theirs
+    if not bool((shift == shift[0]).all()):
+        return None
+    k, call = int(shift[0]), name.rpartition("(call ")[2].rstrip(")")
+    return Hint(
+        "token_ids",
+        f"likely the ids of {node}'s call {call} offset by {k:+d} in ours: on that call it reads row id "
+        f"{'+' if k > 0 else '-'} {abs(k)} of the table where the reference reads row id (its earlier calls agree): a per-call offset into one table shared "
+        f"by several lookups (BLT's hash n-gram groups, each at j x encoder_hash_byte_group_vocab) left out or "
+        f"taken otherwise",
+        {"offset": k, "call": int(call) if call.isdigit() else call},
     )

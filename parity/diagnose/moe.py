@@ -1171,7 +1171,7 @@ def experts_at_stream(e: Evidence) -> Hint | None:
     from it ours' stream shows, at one constant ``c > 0``, is ours'. Either side."""
     if e.result.layer is None or not reads_stream(e.kind) or e.ours.shape != e.ref.shape:
         return None
-    prefix = f"{e.facts.layer_prefix}.{e.result.layer}."
+    prefix = f"{e.facts.layer_path(e.result.layer)}."
     block = next(
         (
             n for n, t in e.ref_trace.tensors.items()

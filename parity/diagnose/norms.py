@@ -726,9 +726,66 @@ def _norm_weighting(e: Evidence, y: torch.Tensor, n: torch.Tensor) -> str | None
     return None
 
 
+def _reused_weight(e: Evidence, pair: tuple[str, str]) -> str | None:
+    """The node of ``pair`` whose weight ours applies at this node (one of the pair) in place of this node's own: the
+    per-feature weight fitted from ours' input and output here (``y = norm(x) * w + b``, either norm's statistic) is
+    the reference's weight of the other node. Parity follows each weight to its node, so a weight read twice (one
+    norm's weight reused for another) has its second read stand for the node never read; a swap or a call order
+    gives each node its own weight. None otherwise."""
+    others = [n for n in pair if n != e.name]
+    if len(others) != 1:
+        return None
+    other = others[0]
+    x, y = e.inputs()[0], e.ours
+    w_other, w_own = e.ref_trace.weights.get(other), e.ref_trace.weights.get(e.name)
+    if x is None or w_other is None or w_own is None or x.shape != y.shape or w_own.shape != x.shape[-1:]:
+        return None
+    rows, out = x.double().flatten(0, -2), y.double().flatten(0, -2)
+    if rows.shape[0] < 4:
+        return None
+    for n in (rows - rows.mean(-1, keepdim=True), rows):  # LayerNorm's statistic, RMSNorm's
+        n = n / n.pow(2).mean(-1, keepdim=True).add(1e-30).sqrt()
+        nc, oc = n - n.mean(0), out - out.mean(0)
+        w = (nc * oc).sum(0) / nc.pow(2).sum(0).clamp_min(1e-30)
+        if rel(w, w_other.double()) < 1e-3 and rel(w, w_own.double()) > 1e-2:
+            return other
+    return None
+
+
 #: the last projection of a sub-block (attention's output, the MLP's down projection) by the names
 #: Transformers' families give it
 BRANCH_OUTPUTS = OUTPUT_PROJECTIONS + ("down_proj", "fc2", "dense_4h_to_h", "w2")
+
+
+def norm_past_projection(e: Evidence) -> Hint | None:
+    """A q or k norm the reference applies to its projection's input (``q_proj(q_norm(x))``: BLT's cross-attention)
+    that ours applies to the projection's output (``q_norm(q_proj(x))``, Qwen3's order): ours' norm node is the norm
+    (its own weight, either statistic) of the reference's projection of the norm's input. Ours' side only: the
+    reference's order is the model's."""
+    if e.kind not in ("q_norm", "k_norm") or e.ours.shape != e.ref.shape:
+        return None
+    stem = e.name.rsplit(".", 1)[0]
+    x, w = e.ref_trace.inputs.get(e.name), e.ref_trace.weights.get(e.name)
+    proj = e.ref_trace.weights.get(f"{stem}.{e.kind[0]}_proj")
+    if x is None or w is None or proj is None or proj.dim() != 2 or x.shape[-1] != proj.shape[1]:
+        return None
+    if proj.shape[0] != w.shape[-1] or x.shape[:-1] != e.ours.shape[:-1] or e.ours.shape[-1] != proj.shape[0]:
+        return None
+    y = x.double() @ proj.double().T
+    eps = e.facts.norm_eps or 1e-6
+    for statistic, normed in (
+        ("RMSNorm", y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)),
+        ("LayerNorm", torch.nn.functional.layer_norm(y, y.shape[-1:], eps=eps)),
+    ):
+        if e.close(e.ours, (normed * w.double()).to(e.ours.dtype)):
+            return Hint(
+                "norm_placement",
+                f"likely {e.kind} applied after {e.kind[0]}_proj in ours: its {e.kind} is the norm of the projection's "
+                f"output ({e.kind}({e.kind[0]}_proj(x)), Qwen3's order), where the reference normalises the "
+                f"projection's input ({e.kind[0]}_proj({e.kind}(x)))",
+                {"side": "ours", "statistic": statistic},
+            )
+    return None
 
 
 def norm_order(e: Evidence) -> Hint | None:
@@ -772,10 +829,21 @@ def norm_order(e: Evidence) -> Hint | None:
         if e.name not in (back, ahead):
             return None
         a, b = (e.facts.locate(n)[1] for n in (ahead, back))
+        reused = _reused_weight(e, (ahead, back))
+        if reused is not None:
+            used, lost = e.facts.locate(reused)[1], e.facts.locate(e.name)[1]
+            return Hint(
+                "wrong_module",
+                f"likely {used}'s weight applied where the reference runs {lost} too: ours normalises with {used}'s "
+                f"weight at both places and never reads {lost}'s own (one norm's weight reused for another; parity "
+                f"follows each weight to its node, so ours' second read of {used}'s weight stands for {lost})",
+                {"nodes": [ahead, back], "reused": reused},
+            )
         return Hint(
             "swapped_weights",
-            f"likely the weights of {a} and {b} loaded into each other's places: ours applies {b}'s weight "
-            f"where the reference runs {a} and {a}'s where it runs {b} (read from the order each side used them)",
+            f"likely the weights of {a} and {b} loaded into each other's places, or the two norms called in each "
+            f"other's order: ours applies {b}'s weight where the reference runs {a} and {a}'s where it runs {b} "
+            "(read from the order each side used them)",
             {"nodes": [ahead, back]},
         )
     norms = [e.name] if is_norm(e.kind) else layer_norms
@@ -806,7 +874,7 @@ def _part_of_sub_block(e: Evidence, layer: int, block: list[str], shared: list[s
     """Whether the nodes moved across ``norm`` are part of a sub-block only (the layer's child holding them has
     other nodes, both sides' alike, that stay on their side of the norm: a MoE's router while its shared expert
     moved), not the whole sub-block a pre-norm and a post-norm run on opposite sides of it."""
-    depth = f"{e.facts.layer_prefix}.{layer}".count(".") + 2
+    depth = e.facts.layer_path(layer).count(".") + 2
     child = lambda name: ".".join(name.split(".")[:depth])
     subs = {child(n) for n in block}
     if child(norm) in subs:  # a norm inside that sub-block (BitNet's attn_sub_norm): a placement within it

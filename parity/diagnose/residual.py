@@ -292,7 +292,7 @@ def _sub_block_outputs(e: Evidence, stream: str) -> list[tuple[str, torch.Tensor
     names = list(e.ref_trace.tensors)
     begin = stream.partition("@")[0]
     after = names[names.index(begin) + 1 :] if begin in names else []
-    prefix = f"{e.facts.layer_prefix}.{e.result.layer}."
+    prefix = f"{e.facts.layer_path(e.result.layer)}." if e.result.layer is not None else "\0"  # (no layer: none)
     last: dict[str, tuple[str, torch.Tensor]] = {}
     for name in after:
         if name == e.name:
@@ -452,7 +452,7 @@ def input_terms(e: Evidence) -> Hint | None:
     for name, tensor in e.ref_trace.tensors.items():
         if name == e.name:
             break
-        if first and layer and name == f"{e.facts.layer_prefix}.{layer - 1}":
+        if first and layer and name == e.facts.layer_path(layer - 1):
             continue  # the previous layer's output is the sum itself: its terms are what is read
         if (
             e.facts.locate(name)[0] in layers

@@ -36,7 +36,7 @@ def position_table_offset(e: Evidence) -> Hint | None:
     """A position embedding node (``wpe``, ``embed_positions``) where ours at position ``p`` equals the
     reference at ``p + k`` for every ``p`` both have (``k`` != 0): a learned position table indexed with
     ``position + k``. Other nodes shifted along the sequence are :func:`sequence_shift`'s."""
-    axis = seq_axis(e.kind)
+    axis = seq_axis(e.kind) if e.ours.dim() > 2 else 0  # (a table's rows broadcast over the batch: (seq, hidden))
     if ("pos" not in e.kind and e.kind != "wpe") or e.ours.dim() <= axis or e.ours.shape[axis] < 4:
         return None
     n = e.ours.shape[axis]
@@ -222,6 +222,7 @@ def rope_fit(e: Evidence) -> Hint | None:
             and not fit.offsets
             and not fit.rows
             and not fit.constant
+            and not fit.read
             and fit.label.startswith("this layer's RoPE")
             and (fit.rescaled or abs(fit.amplitude / own - 1) < 1e-3)  # (a rescaled read has no cos/sin scale to judge)
         )
@@ -241,7 +242,7 @@ def rope_fit(e: Evidence) -> Hint | None:
     def frequencies_right(fit) -> bool:  # this layer's RoPE at the right positions, whatever its cos/sin scale
         return (
             fit is not None
-            and not (fit.offsets or fit.rows or fit.constant)
+            and not (fit.offsets or fit.rows or fit.constant or fit.read)
             and fit.label.startswith("this layer's RoPE")
         )
 
@@ -373,6 +374,17 @@ def _rope_hint(e: Evidence, fit, side: str, layer, own: float) -> Hint | None:
             f"likely positions read from another axis: {side} rotates every token of batch row b at one position "
             f"({fmt_list(fit.constant)} for rows 0..{len(fit.constant) - 1}){batch}, {other} each token at its own",
             {**evidence, "constant_positions": list(fit.constant)},
+        )
+    if fit.read and e.positions is not None:
+        rows = [r for r, row in enumerate(fit.read) if list(row) != e.positions[r].tolist()]
+        r = rows[0] if rows else 0
+        return Hint(
+            "position_offset",
+            f"likely other positions given to this layer's RoPE in {side}: it rotates batch row {r} at positions "
+            f"{fmt_list(fit.read[r])}, {other} at {fmt_list(e.positions[r].tolist())} (read from the rotation: this "
+            "layer's own frequencies at those integer positions; a stack handed another sequence's positions, as the "
+            "bytes' position_ids for BLT's patches, or positions counted otherwise)",
+            {**evidence, "positions": [list(row) for row in fit.read]},
         )
     if fit.rows:
         moved = [row for row, source in enumerate(fit.rows) if source != row]
@@ -1272,6 +1284,46 @@ def bias_after_rope(e: Evidence) -> Hint | None:
                 "without its bias, plus the bias (the bias not rotated); the bias belongs to the projection, before RoPE",
                 {"side": side, "bias": f"{stem}.{e.kind[0]}_proj"},
             )
+    return None
+
+
+def bias_scaled_apart(e: Evidence) -> Hint | None:
+    """A q (or k) without RoPE, one side's the other's plus its projection's bias times one constant at every token:
+    the bias scaled otherwise than the weight (fairseq's ``q_proj(x) * scaling`` ported as the scale folded into
+    ``q_proj``'s weight alone: ours - reference = (1 - scaling) x bias). Either side, by the sign of the factor."""
+    if e.kind not in ("q_rot", "k_rot") or e.ours.dim() != 4 or e.ours.shape != e.ref.shape:
+        return None
+    layer = e.facts.layer(e.result.layer)
+    stem = e.name.rsplit(".", 1)[0]
+    bias = e.ref_trace.biases.get(f"{stem}.{e.kind[0]}_proj")
+    b, h, t, d = e.ref.shape
+    if layer is None or layer.rope is not None or bias is None or bias.numel() != h * d or b * t < 2:
+        return None
+    ours, ref = (x.double().permute(0, 2, 1, 3).reshape(b * t, h * d) for x in (e.ours, e.ref))
+    if e.attention_mask is not None and tuple(e.attention_mask.shape) == (b, t):
+        real = e.attention_mask.reshape(-1).bool()
+        ours, ref = ours[real], ref[real]
+    bias, scale = bias.double().flatten(), d**-0.5
+    # ours = a x reference + k x bias at every token: a = 1 (compared unscaled), or scaling (ours' q scaled, the
+    # reference's scaled in its attention): the weight scaled with one factor, the bias with another
+    for a in (1.0, scale, 1 / scale):
+        diff = ours - a * ref
+        vector = diff.mean(0)
+        k = float(vector @ bias / (bias @ bias).clamp_min(1e-300))
+        if rel(diff, vector.expand_as(diff)) > 1e-4 or abs(k) < 1e-6 or rel(vector, k * bias) > 1e-4:
+            continue
+        side = (
+            "ours" if (a == scale and k > 0) or (a == 1.0 and k > 0) or (a == 1 / scale and k < 0) else "the reference"
+        )
+        weight = {1.0: "", scale: f" times scaling (head_dim^-0.5 = {scale:.6g})", 1 / scale: " over scaling"}[a]
+        return Hint(
+            "bias",
+            f"likely {e.kind[0]}_proj's bias scaled otherwise than its weight in {side}: ours' {e.kind} is the "
+            f"reference's{weight} {'plus' if k > 0 else 'less'} {abs(k):.6g} x the bias at every token (the softmax "
+            f"scale folded into {e.kind[0]}_proj's weight and not its bias, where the reference scales the "
+            "projection's output, bias included)",
+            {"side": side, "factor": k, "weight_factor": a},
+        )
     return None
 
 

@@ -79,6 +79,9 @@ class Fit:
     rows: tuple[int, ...] = ()
     #: per batch row, the one position every token of it was rotated at (positions read from another axis)
     constant: tuple[int, ...] = ()
+    #: the positions each token was rotated at ``(batch, seq)``, read from the rotation itself where no rule of the
+    #: run's positions gives them (a stack handed another sequence's positions: BLT's bytes' for its patches)
+    read: tuple[tuple[int, ...], ...] = ()
     #: the other candidates with the same frequencies (within the angle tolerance): a fit that cannot tell them apart
     same_as: tuple[str, ...] = ()
     #: read after each row was brought to the unrotated row's length (a per-token scale, or a norm after RoPE):
@@ -334,6 +337,9 @@ def identify(
             return Fit(
                 "this layer's RoPE at another row's positions", amplitude, 0.0, inv_freq=rope.inv_freq, rows=rows
             )
+        read = _read_positions(angle, keep, rope.inv_freq, positions, tol)
+        if read is not None:
+            return Fit("this layer's RoPE at other positions", amplitude, 0.0, inv_freq=rope.inv_freq, read=read)
         fitted = _fit_theta(angle, keep, positions, probe.rotary_dim)
         # the fit reads frequency 1, which a scaling (llama3's smooth band) may move: the thetas templates
         # hard-code are tried too
@@ -351,6 +357,29 @@ def identify(
                 if worst is not None:
                     return Fit(label, amplitude, worst, inv_freq=inv_freq)
     return None
+
+
+def _read_positions(
+    angle: torch.Tensor, keep: torch.Tensor, inv_freq, positions: torch.Tensor, tol: float
+) -> tuple[tuple[int, ...], ...] | None:
+    """The integer position of each token ``(batch, seq)`` that this RoPE's frequencies turn it by, read from its
+    slowest frequency (a turn below pi over the run's positions) and confirmed at every frequency; None where they
+    are the run's own or no integer positions reproduce the angles."""
+    if not inv_freq:
+        return None
+    slow = min(range(len(inv_freq)), key=lambda i: inv_freq[i])
+    f = float(inv_freq[slow])
+    if f <= 0 or f * (int(positions.max()) + positions.shape[-1]) >= math.pi:
+        return None  # the slowest frequency wraps within the positions a run holds: no unique reading
+    read = torch.round(angle[..., slow] / f).long()  # (batch, seq)
+    if bool((read == read[:, :1]).all()):
+        return None  # one position per row (none rotated at all: a NoPE layer or RoPE left out) is others' to name
+    if (
+        torch.equal(read[keep.any(-1)], positions.long()[keep.any(-1)])
+        or _fits(angle, keep, inv_freq, read, tol) is None
+    ):
+        return None
+    return tuple(tuple(int(p) for p in row) for row in read)
 
 
 #: thetas a template or a default hard-codes (Llama 2's 10000, Llama 3's 500000, Qwen's 1e6, ...)

@@ -134,10 +134,11 @@ def layer_coefficient(e: Evidence, factor: float) -> str:
     return ""
 
 
-def scale_readings(e: Evidence, factor: float) -> str:
+def scale_readings(e: Evidence, factor: float, reference: float | None = None) -> str:
     """``: ours scales q k^T by 0.25 (= 1/sqrt(head_dim=16)), the reference by 0.0625 (= ...)`` for ours'
-    scores being the reference's times ``factor``, when the reference's scale is readable."""
-    reference = _reference_scale(e)
+    scores being the reference's times ``factor``, when the reference's scale is readable (``reference``: known
+    otherwise, an attention recomputed at that scale)."""
+    reference = reference if reference is not None else _reference_scale(e)
     if reference is None:
         return ""
     ours = factor * reference

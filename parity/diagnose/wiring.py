@@ -242,6 +242,32 @@ def _heads(t: torch.Tensor, kind: str, head_dim: int | None) -> torch.Tensor | N
     return None
 
 
+def input_slots_strided(e: Evidence) -> Hint | None:
+    """A node whose input ``(batch, rows * k, d)`` is a wider tensor ``(batch, rows, k * d)`` cut into ``k`` slots
+    per row, ours cutting them with a stride (slot ``j`` = features ``j::k``: ``view(rows, d, k).transpose``) where
+    the reference cuts contiguous chunks (slot ``j`` = features ``j*d .. (j+1)*d``: BLT's patch projection reshaped
+    into ``cross_attn_k`` slots), or the reverse. Read from the two inputs alone."""
+    x_ours, x_ref = e.inputs()
+    if x_ours is None or x_ref is None or x_ours.shape != x_ref.shape or x_ref.dim() != 3 or e.close(x_ours, x_ref):
+        return None
+    b, n, d = x_ref.shape
+    for k in (2, 3, 4, 8):
+        if n % k or n // k < 1:
+            continue
+        for side, value in (("ours", x_ours), ("the reference", x_ref)):
+            other = x_ref if side == "ours" else x_ours
+            cut = other.reshape(b, n // k, k * d).reshape(b, n // k, d, k).transpose(-1, -2).reshape(b, n, d)
+            if e.close(value, cut.to(value.dtype)) and not e.close(value, other):
+                return Hint(
+                    "qkv_layout",
+                    f"likely {e.name}'s input cut into {k} slots per row with a stride in {side}: each row of {k * d} "
+                    f"features split as view(rows, {d}, {k}).transpose (slot j = features j::{k}) where the other side "
+                    f"takes contiguous chunks (slot j = features j*{d}..(j+1)*{d}: view(rows * {k}, {d}))",
+                    {"side": side, "slots": k},
+                )
+    return None
+
+
 def input_slice(e: Evidence) -> Hint | None:
     """A module whose input is a cut of a wider reference node's output (a fused projection's last axis) at
     another place on each side: ours reads columns ``[a:a + w]``, the reference ``[b:b + w]`` (MLA's
@@ -320,6 +346,8 @@ def fused_split(e: Evidence) -> Hint | None:
     if not d or not heads:
         return None
     if all(p is not None and p.dim() == 3 for p in parts):
+        if len({cast(torch.Tensor, p).shape[:-1] for p in parts}) != 1:
+            return None  # a cross-attention's queries and keys over other sequences: no fused projection
         fused = torch.cat([cast(torch.Tensor, p).double() for p in parts], dim=-1)
     elif raw is not None and raw.dim() == 3:  # the reference's own fused output, in its own layout (BLOOM's)
         fused = raw.double()
@@ -873,8 +901,8 @@ def values_source(e: Evidence) -> Hint | None:
         "the queries (q_rot)": e.ref_trace.tensors.get(f"{stem}.q_rot"),
     }
 
-    def context(x: torch.Tensor) -> torch.Tensor | None:
-        if x.dim() != 4 or x.shape[0] != b or x.shape[2] != t or h % x.shape[1]:
+    def context(x: torch.Tensor) -> torch.Tensor | None:  # (x: the values, one row per key: cross-attention's too)
+        if x.dim() != 4 or x.shape[0] != b or x.shape[2] != probs.shape[-1] or h % x.shape[1]:
             return None
         c = probs.double() @ x.double().repeat_interleave(h // x.shape[1], dim=1)  # (b, h, t, d)
         d = c.shape[-1]
@@ -897,6 +925,7 @@ def values_source(e: Evidence) -> Hint | None:
                 else v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps) * w.double()
             )
             candidates[f"the values through {name.rsplit('.', 1)[-1]}"] = normed
+    candidates.update(_values_past_the_norm(e, stem, h, e.ref.shape[-1]))
     forms = {label: c for label, x in candidates.items() if x is not None and (c := context(x)) is not None}
     for side, value, other in (("ours", e.ours, e.ref), ("the reference", e.ref, e.ours)):
         for label, c in forms.items():
@@ -909,6 +938,27 @@ def values_source(e: Evidence) -> Hint | None:
                     {"side": side, "values": label},
                 )
     return None
+
+
+def _values_past_the_norm(e: Evidence, stem: str, heads: int, width: int) -> dict[str, torch.Tensor]:
+    """The values as v_proj gives them from the input of the norm its keys are read through (BLT's cross-attention
+    normalises the states once, k_norm, for both k_proj and v_proj): ``(batch, kv heads, seq, head_dim)`` per such
+    norm, labelled."""
+    w = e.ref_trace.weights.get(f"{stem}.v_proj")
+    if w is None or w.dim() != 2 or not heads or width % heads:
+        return {}
+    d = width // heads
+    bias = e.ref_trace.biases.get(f"{stem}.v_proj")
+    found: dict[str, torch.Tensor] = {}
+    for norm in ("k_norm", "k_layernorm", "kv_norm"):
+        x = e.ref_trace.inputs.get(f"{stem}.{norm}")
+        if x is None or x.dim() != 3 or x.shape[-1] != w.shape[1] or w.shape[0] % d:
+            continue
+        v = x.double() @ w.double().T + (bias.double() if bias is not None else 0.0)
+        found[f"v_proj of {norm}'s input (the states before the norm: the values read without {norm})"] = v.unflatten(
+            -1, (-1, d)
+        ).transpose(1, 2)
+    return found
 
 
 def attention_rows_moved(e: Evidence) -> Hint | None:
@@ -957,6 +1007,8 @@ def attention_rows_moved(e: Evidence) -> Hint | None:
             ),
             None,
         )
+        if how is None and bool((mapping // t == torch.arange(h)[None, :, None])[known].all()):
+            how = _queries_regrouped(mapping % t, known, t)
         bi, hi, qi = ((mapping != rows[None]) & known).nonzero()[0].tolist()
         src = divmod(int(mapping[bi, hi, qi]), t)
         example = f"(head {hi}, query {qi}) holds the other side's (head {src[0]}, query {src[1]})"
@@ -967,6 +1019,29 @@ def attention_rows_moved(e: Evidence) -> Hint | None:
             + (how or "a reshape or view of the (heads, queries) axes in another order"),
             {"side": side, "rows_moved": moved, "layout": how},
         )
+    return None
+
+
+def _queries_regrouped(source: torch.Tensor, known: torch.Tensor, t: int) -> str | None:
+    """How rows moved within each head (``source`` ``(batch, heads, queries)``: the query each row is the other's)
+    read as ``t = groups * k`` queries laid group-major on one side and slot-major on the other: ``repeat`` where
+    the other side uses ``repeat_interleave`` (BLT's ``cross_attn_k`` slots per patch); None otherwise."""
+    q = torch.arange(t)
+    for k in (2, 3, 4, 8):
+        if t % k:
+            continue
+        groups = t // k
+        for label, f in (
+            (f"slot-major (slot j of group g at j * {groups} + g: repeat) where the other side lays them group-major "
+             f"(g * {k} + j: repeat_interleave)", (q % k) * groups + q // k),
+            (f"group-major (g * {k} + j: repeat_interleave) where the other side lays them slot-major (j * {groups} + "
+             "g: repeat)", (q % groups) * k + q // groups),
+        ):  # fmt: skip
+            if torch.equal(source[known], f[None, None].expand_as(source)[known]):
+                return (
+                    f"its {t} queries in another order within each head, {groups} groups of {k} slots laid {label}: a "
+                    f"mask or a query tensor expanded with the other repeat"
+                )
     return None
 
 

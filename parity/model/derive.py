@@ -329,8 +329,8 @@ def _kv_heads_from_modules(modules: dict, facts: ArchFacts) -> ArchFacts:
     heads) where they differ from the model's: Laguna's ``num_attention_heads_per_layer``."""
     layers = []
     for layer in facts.layers:
-        attention = modules.get(f"{facts.layer_prefix}.{layer.index}.self_attn")
-        k_proj = modules.get(f"{facts.layer_prefix}.{layer.index}.self_attn.k_proj")
+        attention = modules.get(f"{facts.layer_path(layer.index)}.self_attn")
+        k_proj = modules.get(f"{facts.layer_path(layer.index)}.self_attn.k_proj")
         width = getattr(k_proj, "out_features", None)
         if isinstance(width, int) and layer.head_dim and width % layer.head_dim == 0:
             layer = replace(layer, num_kv_heads=width // layer.head_dim)
@@ -341,7 +341,7 @@ def _kv_heads_from_modules(modules: dict, facts: ArchFacts) -> ArchFacts:
         if isinstance(heads, int) and heads > 0 and heads != facts.num_heads:
             layer = replace(layer, num_heads=heads)
         layers.append(layer)
-    if not any(f"{facts.layer_prefix}.{layer.index}.self_attn.k_proj" in modules for layer in facts.layers):
+    if not any(f"{facts.layer_path(layer.index)}.self_attn.k_proj" in modules for layer in facts.layers):
         # no layer where the config's count puts them (HRM's two stacks, run in cycles: its num_hidden_layers
         # counts cache slots): every key projection the model holds, when one head count fits them all
         counts = {

@@ -189,6 +189,13 @@ class ArchFacts:
     #: (RoBERTa's, XLM-R's ``create_position_ids_from_input_ids``: ``padding_idx + 1``, the padding at
     #: ``padding_idx``); 0 where positions count from 0 (every check hands both sides positions from this one)
     position_offset: int = 0
+    #: further stacks of layers after the first (``layer_prefix``'s), in the order the model runs them: ``(module
+    #: path of its ModuleList, the index its layer 0 takes in ``layers``)`` (BLT's global transformer and local
+    #: decoder after its local encoder); each layer's facts (heads, head_dim, RoPE) are its own stack's
+    stacks: tuple[tuple[str, int], ...] = ()
+    #: a hash n-gram embedding's constants (BLT's ``encoder_hash_tok_embedding``): ``group_sizes`` (the n of each
+    #: group), ``vocab`` (rows per group), ``functions`` (hash functions, each with its prime); empty where none
+    ngram_hash: Mapping[str, object] = field(default_factory=dict)
 
     @property
     def text_model(self) -> str:
@@ -235,12 +242,15 @@ class ArchFacts:
         ignored.
         """
         bare = name.split("/", 1)[1] if re.match(r"^step\d+/", name) else name
-        prefix = self.layer_prefix + "."
+        prefix, offset = next(
+            ((f"{p}.", o) for p, o in ((self.layer_prefix, 0), *self.stacks) if bare.startswith(f"{p}.")),
+            (self.layer_prefix + ".", 0),
+        )
         if bare.startswith(prefix):
             head, _, rest = bare[len(prefix) :].partition(".")
             layer_part, at, after_at = head.partition("@")
             if layer_part.isdigit():
-                index = int(layer_part)
+                index = int(layer_part) + offset
                 if at:
                     return index, "layer@" + after_at
                 if not rest:
@@ -260,6 +270,14 @@ class ArchFacts:
             path, _, what = bare.partition("@")
             return None, f"{path.rsplit('.', 1)[-1]}@{what}"
         return None, bare.rsplit(".", 1)[-1] if bare else "logits"
+
+    def layer_path(self, index: int) -> str:
+        """The module path of layer ``index`` (``model.layers.3``; in a model of several stacks, the stack's own
+        numbering: BLT's ``model.global_transformer.layers.0``)."""
+        prefix, offset = max(
+            ((p, o) for p, o in ((self.layer_prefix, 0), *self.stacks) if o <= index), key=lambda item: item[1]
+        )
+        return f"{prefix}.{index - offset}"
 
     def named_constants(self) -> dict[str, float]:
         """Scalars a missing or extra factor is likely to equal, by name (for constant-ratio hints)."""

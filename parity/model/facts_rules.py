@@ -429,3 +429,50 @@ def _deepseek_routing(config, facts: ArchFacts) -> ArchFacts:
 def _exaone_moe(config, facts: ArchFacts) -> ArchFacts:
     # EXAONE 4's attention (RoPE on sliding layers only when the config has a window) with DeepSeek V3's routing
     return _exaone4(config, _deepseek_routing(config, facts))
+
+
+#: BLT's three stacks of layers, in the order it runs them: (the ModuleList's path, the sub-config sizing it)
+_BLT_STACKS = (
+    ("model.local_encoder.layers", "encoder_config"),
+    ("model.global_transformer.layers", "global_config"),
+    ("model.local_decoder.layers", "decoder_config"),
+)
+
+
+@rule("blt")
+def _blt(config, facts: ArchFacts) -> ArchFacts:
+    # BltModel runs a local encoder over the bytes, a global transformer over the patches and a local decoder over
+    # the bytes again, each a stack of its own sub-config's width, heads and RoPE theta (BltLocalEncoderConfig,
+    # BltGlobalTransformerConfig, BltLocalDecoderConfig): one numbering of the layers across the three stacks
+    from parity.model.derive import derive_facts  # (derive applies these rules)
+
+    layers: list[LayerFacts] = []
+    stacks: list[tuple[str, int]] = []
+    for path, field in _BLT_STACKS:
+        sub = getattr(config, field, None)
+        if sub is None:
+            return facts
+        own = derive_facts(sub)
+        stacks.append((path, len(layers)))
+        layers += [replace(layer, index=len(layers) + i, num_heads=own.num_heads) for i, layer in enumerate(own.layers)]
+    first = derive_facts(config.encoder_config)
+    return replace(
+        facts,
+        layers=tuple(layers),
+        num_layers=len(layers),
+        layer_prefix=stacks[0][0],
+        stacks=tuple(stacks[1:]),
+        hidden_size=first.hidden_size,
+        num_heads=first.num_heads,
+        num_kv_heads=first.num_kv_heads,
+        head_dim=first.head_dim,
+        norm_kind=first.norm_kind,
+        norm_eps=first.norm_eps,
+        ngram_hash=MappingProxyType(
+            {
+                "group_sizes": tuple(getattr(config, "encoder_hash_byte_group_size", None) or ()),
+                "vocab": int(getattr(config, "encoder_hash_byte_group_vocab", 0) or 0),
+                "functions": int(getattr(config, "encoder_hash_byte_group_nb_functions", 0) or 0),
+            }
+        ),
+    )

@@ -693,7 +693,13 @@ def recording(
 
                 def keep(mod, args, kwargs, _name=name):
                     tensor = first_tensor(args if args else kwargs)
-                    if tensor is not None and not trace.recorded(_name) and _name not in trace.inputs:
+                    if trace.recorded(_name) or _name in trace.inputs:
+                        return
+                    if tensor is None:  # a table called with a shape (RoFormer's sinusoids): its rows only
+                        weight = getattr(mod, "weight", None)
+                        if isinstance(weight, torch.Tensor) and weight.dim() == 2 and _name not in trace.weights:
+                            trace.weights[_name] = weight.detach()
+                    else:
                         trace.hold_input(_name, tensor)
                         weight, bias = getattr(mod, "weight", None), getattr(mod, "bias", None)
                         if isinstance(weight, torch.Tensor) and weight.dim() in (1, 2):  # linear or norm weight

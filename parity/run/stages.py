@@ -493,24 +493,30 @@ def _stacked_biases(
     paths = {n.name: n.reference_path for n in pair.nodes}
     held = {s.key: (name, s) for name, sources in coverage.sources.items() for s in sources}
     for members in slabs:
-        rows: set[tuple[str, int]] = set()
+        elements: set[tuple[str, int]] = set()
         for node in members:
             found = held.get(f"{paths.get(node)}.bias")
             b = params.get(found[0]) if found is not None else None
-            if found is None or b is None or b.dim() < 2 or not found[1].flat or not found[1].rows:
-                rows = set()
+            if found is None or b is None or b.dim() < 2 or not found[1].rows or found[1].how != ROWS:
+                elements = set()
                 break
-            # one row per slab, whatever its shape (GPT-1's port's b_qkv (layers, 3, heads, head_dim))
-            rows |= {(found[0], r // math.prod(b.shape[1:])) for r in found[1].rows}
-        if len(rows) != 1:
-            continue  # a slab's biases on several rows, or none of them stacked: left as they are
-        ((name, row),) = rows
+            width = 1 if found[1].flat else b.shape[-1]  # (rows count elements, or rows of (-1, last axis))
+            elements |= {(found[0], r * width + j) for r in found[1].rows for j in range(width)}
+        names = {name for name, _ in elements}
+        if len(names) != 1:
+            continue  # none of the slab's biases stacked, or in several parameters: left as they are
+        (name,) = names
         b = params[name]
+        first, last = min(r for _, r in elements), max(r for _, r in elements)
+        if not b.is_contiguous() or last + 1 - first != len(elements):
+            continue  # the slab's biases not one run of the parameter's elements
+        # one run per slab, whatever the stacking: a layer's row (GPT-1's port's b_qkv (layers, 3, heads, head_dim))
+        # or a (layer, language) cell (X-MOD's port's adapter biases (layers, languages, bottleneck))
         whole = key_of.get(id(b))
         if whole is not None:
             biases.pop(whole, None)
-        start, end = storage_span(b[row])
-        biases[(b.untyped_storage().data_ptr(), start, end)] = members[0]
+        start = cast(int, b.storage_offset())
+        biases[(b.untyped_storage().data_ptr(), start + first, start + last + 1)] = members[0]
 
 
 def _rowed_biases(
@@ -880,7 +886,7 @@ def compare_run(
         results = output_arbitrates(results, declared)
     bad = first_mismatch(results)
     if bad is not None and call_of(bad.name) is not None:
-        results[bad.index] = replace(bad, hint=later_call_hint(results, bad, ref.calls))
+        results[bad.index] = replace(bad, hint=later_call_hint(results, bad, ref.calls, ours, ref))
     elif bad is not None and undiagnosed(bad) is None:
         spec = next((n for n in pair.nodes if n.name == bad.name), None)
         seen_ours, seen_ref = ours, ref
@@ -947,7 +953,7 @@ def one_change_inside(
     named = hint.evidence.get("block") if hint is not None else None
     if hint is not None and hint.kind == "context_to_output":  # between the attention's context and o_proj
         named = bad.name.rsplit(".", 1)[0]
-    layer = f"{pair.facts.layer_prefix}.{bad.layer}" if bad.layer is not None else None
+    layer = pair.facts.layer_path(bad.layer) if bad.layer is not None else None
     if named is None and spec is not None:  # no hint: the module holding the node (a norm inside its mixer)
         path = spec.reference_path.partition("#")[0]
         parent = path.rpartition(".")[0]

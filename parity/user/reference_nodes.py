@@ -139,7 +139,7 @@ def _moe_nodes(
 def discover_nodes(model: nn.Module, facts: ArchFacts) -> list[NodeSpec]:
     """Nodes of a Transformers causal LM found from its modules (see the module docstring)."""
     nodes = []
-    layers = {f"{facts.layer_prefix}.{i}" for i in range(facts.num_layers)}
+    layers = {facts.layer_path(i) for i in range(facts.num_layers)}
     inside_moe: set[str] = set()
     modules = dict(model.named_modules())
     for path, module in modules.items():
