@@ -188,7 +188,7 @@ def test_weights_the_reference_never_reads_are_required_of_no_one(checkpoints):
     passes, and the notes say which tensors were not required."""
     res = heldout_support.check(MODELS, checkpoints, "mbart")
     assert res.passed, res.verdict()
-    note = next(n for n in res.notes if "never reads in this config" in n)
+    note = next(n for n in res.notes if "never depend on in this config" in n)
     assert "model.decoder.layers.0.encoder_attn" in note
 
 

@@ -221,8 +221,9 @@ class Coverage:
     #: buffers of the reference that its modules compute from the config when built (MiniMax's lightning decay
     #: rates), saved with the checkpoint: ours may compute them itself; the nodes judge the values it uses
     from_config: list[str] = field(default_factory=list)
-    #: checkpoint keys the reference's own forward never reads in this config (MBart's decoder run alone: its
-    #: cross-attention's weights, with no encoder states to attend): nothing of ours needs to hold them
+    #: checkpoint keys the reference's logits never depend on in this config (MBart's decoder run alone: its
+    #: cross-attention's weights, with no encoder states to attend; BigBird's pooler, computed beside the LM head):
+    #: nothing of ours needs to hold them
     unread_by_reference: list[str] = field(default_factory=list)
 
     @property

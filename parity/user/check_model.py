@@ -368,7 +368,37 @@ def unread_by_reference(reference: nn.Module, vocab_size: int, keys: list[str]) 
         return []  # the probe's forward did not finish: what it never reached says nothing
     params = dict(reference.named_parameters())
     # unread: its module never called and no product or lookup read it (a parent reading a child's weight itself)
-    return [k for k in keys if k in params and k not in read and k.rpartition(".")[0] not in ran]
+    unread = [k for k in keys if k in params and k not in read and k.rpartition(".")[0] not in ran]
+    return unread + [k for k in _outside_the_logits(reference, vocab_size, keys) if k not in unread]
+
+
+def _outside_the_logits(reference: nn.Module, vocab_size: int, keys: list[str]) -> list[str]:
+    """The ``keys`` among the reference's parameters its logits do not depend on, on a short probe: no gradient
+    reaches them from the logits (BigBird's pooler, computed beside the LM head and never read by it; Reformer's
+    ``lm_head.bias``, a parameter its head holds and never adds); [] where the probe cannot run."""
+    params = dict(reference.named_parameters())
+    wanted = [params[k] for k in keys if k in params and params[k].is_floating_point()]
+    if not wanted:
+        return []
+    before = {id(p): p.requires_grad for p in wanted}
+    ids = torch.randint(0, max(vocab_size, 2), (1, 8), generator=torch.Generator().manual_seed(0))
+    try:
+        for p in wanted:
+            p.requires_grad_(True)
+        with torch.enable_grad():
+            out = reference(ids.to(wanted[0].device))
+            logits = getattr(out, "logits", None)
+            logits = logits if isinstance(logits, torch.Tensor) else out[0] if isinstance(out, tuple) else None
+            if not isinstance(logits, torch.Tensor) or not logits.requires_grad:
+                return []
+            grads = torch.autograd.grad(logits.float().sum(), wanted, allow_unused=True)
+    except Exception:  # the probe cannot run this way: nothing is said
+        return []
+    finally:
+        for p in wanted:
+            p.requires_grad_(before[id(p)])
+    outside = {id(p) for p, g in zip(wanted, grads, strict=True) if g is None}
+    return [k for k in keys if k in params and id(params[k]) in outside]
 
 
 def unplaced_message(coverage, model: nn.Module | None = None) -> str:
