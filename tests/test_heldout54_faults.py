@@ -91,8 +91,9 @@ MBART = "model.decoder.layers.0"
 MEGATRON = "bert.encoder.layer.0"
 REMBERT = "rembert.encoder.layer.0"
 NAMED = [
-    ("mbart", "embed_scale_on_sum", False, "model.decoder.layernorm_embedding", "scale",
-     "model.decoder.embed_positions weighted 8x in ours"),
+    ("mbart", "embed_scale_on_sum", False, "model.decoder.layernorm_embedding", "position_offset",
+     "the positions times 8 = the embedding scale (sqrt(hidden_size)) of the reference's: the sum (token + position) "
+     "scaled where only the token embedding is"),
     ("mbart", "pos_no_offset", False, "model.decoder.layernorm_embedding", "position_offset",
      "row p - 2 at position p, where the reference reads row p: the table's offset left out"),
     ("mbart", "ln_emb_before_pos", False, "model.decoder.layernorm_embedding", "one_change",

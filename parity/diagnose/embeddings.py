@@ -47,7 +47,8 @@ def embedding_rows(e: Evidence) -> Hint | None:
     constant shift, a reversed table, positions counted over the padding (each row shifted by its pad
     count), or lists the mapping; either side."""
     table, ids = e.ref_trace.weights.get(e.name), e.ref_trace.inputs.get(e.name)
-    looked_up = ids is not None and not ids.is_floating_point() and ids.dtype != torch.bool
+    # (one id per token: a table read several times per token, Qwen4-Exp's n-gram lookups, is its detectors')
+    looked_up = ids is not None and not ids.is_floating_point() and ids.dtype != torch.bool and ids.dim() == 2
     if not _is_lookup(e.kind) and not (looked_up and table is not None and table.dim() == 2):
         return None  # (any table read at integer ids: BLT's hash n-gram embedding too)
     if table is None or table.dim() != 2:
