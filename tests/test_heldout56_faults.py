@@ -10,7 +10,7 @@ correct runs 12 of 36 (every Reformer and BigBird run refused: Reformer's ``lm_h
 holds and never adds, and BigBird's pooler, computed beside the LM head and never read by it, were required of ours),
 bugs named 4 of 42 (10%), 37 wrong causes (28 refusals; 8 XLM attention bugs named as "the values ours computes at
 load" from q and k, where ours folds the softmax scale into its fused q weights; a language embedding added named as
-skipped). Fitted, by kind: reference tensors no gradient from the logits reaches on a probe are required of no
+skipped). Fitted, by kind: reference tensors whose moving changes none of a probe's logits are required of no
 parameter of ours, and a note says which (``check_model._outside_the_logits``).
 
 After: correct runs 36 of 36, bugs named 19 of 42 (45%): BigBird 12 of 14, Reformer 3 of 14 (its chunked attention
@@ -86,7 +86,7 @@ def test_every_correct_variant_passes(model, bug, padded, checkpoints):
 @pytest.mark.parametrize(("model", "held"), [("reformer", "lm_head.bias"), ("big_bird", "bert.pooler.weight")])
 def test_tensors_the_logits_never_depend_on_are_required_of_no_one(model, held, checkpoints):
     """Reformer's ``lm_head.bias`` (its head adds ``lm_head.decoder.bias``) and BigBird's pooler (computed beside the
-    LM head): no gradient from the logits reaches them, so a port holding none passes, and the notes say so."""
+    LM head): moving them changes no logit, so a port holding none passes, and the notes say so."""
     res = heldout_support.check(MODELS, checkpoints, model)
     assert res.passed, res.verdict()
     note = next(n for n in res.notes if "never depend on in this config" in n)

@@ -409,9 +409,9 @@ def _one_of_many(result: NodeResult, ref_trace: Trace) -> Hint | None:
 
 def _chosen_otherwise(result: NodeResult, ours_trace: Trace, ref_trace: Trace) -> Hint | None:
     """One of several parallel modules (``adapter_modules.en_XX``, ``experts.3``: siblings under one parent) run on
-    rows by one side and on none by the other (its output's first axis 0): ours chose another of them. Names the
-    sibling the other side ran where this one did not (X-MOD's adapter of ``config.default_language`` where no
-    ``lang_ids`` are given)."""
+    rows by one side and on none by the other (its output's first axis 0): the two sides chose different ones (which
+    chose right, the traces cannot say). Names the sibling the other side ran where this one did not (X-MOD's adapter
+    of ``config.default_language`` where no ``lang_ids`` are given)."""
     a, b = result.shape_ours, result.shape_ref
     if not a or not b or len(a) != len(b) or a[1:] != b[1:] or (a[0] == 0) == (b[0] == 0):
         return None

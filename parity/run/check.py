@@ -98,8 +98,8 @@ def coverage_notes(coverage) -> list[str]:
         shown = ", ".join(unread[:3]) + (f", ... ({len(unread)} in all)" if len(unread) > 3 else "")
         notes.append(
             f"reference tensors its logits never depend on in this config, not required of ours: {shown} (never "
-            "read, as a decoder's cross-attention run without encoder states, or read where no gradient from the "
-            "logits reaches them, as a pooler beside the LM head)"
+            "read, as a decoder's cross-attention run without encoder states, or read where moving them changes no "
+            "logit, as a pooler beside the LM head)"
         )
     return notes
 

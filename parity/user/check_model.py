@@ -373,32 +373,44 @@ def unread_by_reference(reference: nn.Module, vocab_size: int, keys: list[str]) 
 
 
 def _outside_the_logits(reference: nn.Module, vocab_size: int, keys: list[str]) -> list[str]:
-    """The ``keys`` among the reference's parameters its logits do not depend on, on a short probe: no gradient
-    reaches them from the logits (BigBird's pooler, computed beside the LM head and never read by it; Reformer's
-    ``lm_head.bias``, a parameter its head holds and never adds); [] where the probe cannot run."""
+    """The ``keys`` among the reference's parameters its logits do not depend on, on a short probe: each moved by
+    noise in turn (put back after), the logits exactly as before (BigBird's pooler, computed beside the LM head and
+    never read by it; Reformer's ``lm_head.bias``, a parameter its head holds and never adds). Moved, not
+    differentiated: a model may read a parameter under ``no_grad`` (HRM's initial states). [] where the probe cannot
+    run; at most 32 keys are probed."""
     params = dict(reference.named_parameters())
-    wanted = [params[k] for k in keys if k in params and params[k].is_floating_point()]
+    wanted = [k for k in keys if k in params and params[k].is_floating_point()][:32]
     if not wanted:
         return []
-    before = {id(p): p.requires_grad for p in wanted}
     ids = torch.randint(0, max(vocab_size, 2), (1, 8), generator=torch.Generator().manual_seed(0))
-    try:
-        for p in wanted:
-            p.requires_grad_(True)
-        with torch.enable_grad():
-            out = reference(ids.to(wanted[0].device))
-            logits = getattr(out, "logits", None)
-            logits = logits if isinstance(logits, torch.Tensor) else out[0] if isinstance(out, tuple) else None
-            if not isinstance(logits, torch.Tensor) or not logits.requires_grad:
+
+    def logits() -> torch.Tensor | None:
+        out = reference(ids.to(params[wanted[0]].device))
+        t = getattr(out, "logits", None)
+        t = t if isinstance(t, torch.Tensor) else out[0] if isinstance(out, tuple) else None
+        return t.detach().clone() if isinstance(t, torch.Tensor) else None
+
+    outside: list[str] = []
+    with torch.no_grad():
+        try:
+            before = logits()
+            if before is None:
                 return []
-            grads = torch.autograd.grad(logits.float().sum(), wanted, allow_unused=True)
-    except Exception:  # the probe cannot run this way: nothing is said
-        return []
-    finally:
-        for p in wanted:
-            p.requires_grad_(before[id(p)])
-    outside = {id(p) for p, g in zip(wanted, grads, strict=True) if g is None}
-    return [k for k in keys if k in params and id(params[k]) in outside]
+            for k in wanted:
+                p = params[k]
+                kept = p.detach().clone()
+                try:
+                    p.add_(
+                        torch.randn(p.shape, generator=torch.Generator().manual_seed(1)).to(p) * (kept.abs().max() + 1)
+                    )
+                    after = logits()
+                finally:
+                    p.copy_(kept)
+                if after is not None and torch.equal(after, before):
+                    outside.append(k)
+        except Exception:  # the probe cannot run this way: nothing is said
+            return []
+    return outside
 
 
 def unplaced_message(coverage, model: nn.Module | None = None) -> str:
