@@ -18,11 +18,12 @@ import torch
 
 from parity.diagnose import masks
 from parity.diagnose.differential import output_gate
+from parity.diagnose.embeddings import position_table
 from parity.diagnose.evidence import EXPLAINS, Evidence, golden_minimum, rel
 from parity.diagnose.hints import Hint
 from parity.diagnose.scales import layer_coefficient, scale_readings
 from parity.model.facts import default_inv_freq
-from parity.record.hf_capture import OUTPUT_PROJECTIONS, POSITION_TABLES
+from parity.record.hf_capture import OUTPUT_PROJECTIONS
 
 #: the attention internals after the rotated queries and keys (none of them read in ours: a fused kernel such
 #: as scaled_dot_product_attention runs them; the rotated queries and keys, read or not, agree)
@@ -297,11 +298,7 @@ def _rotated(
 def _sinusoid_table(e: Evidence, head_dim: int, n: int) -> torch.Tensor:
     """The reference's position table of ``head_dim`` columns (RoFormer's ``embed_positions``, whatever its
     weights), else the theta-10000 sinusoids ``(n, head_dim)`` laid ``sin | cos``."""
-    table = next(
-        (w for m, w in e.ref_trace.weights.items()
-         if m.rpartition(".")[2] in POSITION_TABLES and w.dim() == 2 and w.shape[1] == head_dim),
-        None,
-    )  # fmt: skip
+    table = position_table(e, head_dim)
     if table is not None:
         return table.double()
     angle = torch.arange(n + 2, dtype=torch.float64)[:, None] * torch.tensor(default_inv_freq(10000.0, head_dim))

@@ -27,7 +27,7 @@ def _is_lookup(kind: str) -> bool:
     return kind in ("wte", "embed_tokens", "word_embeddings", *POSITION_TABLES)
 
 
-def _rows_read(out: torch.Tensor, table: torch.Tensor, scale: float) -> torch.Tensor | None:
+def rows_read(out: torch.Tensor, table: torch.Tensor, scale: float) -> torch.Tensor | None:
     """The table row each output row equals (``(n,)``), or None when some row is no row of the table."""
     rows = out.reshape(-1, out.shape[-1]).double() / scale
     t = table.double()
@@ -72,7 +72,7 @@ def embedding_rows(e: Evidence) -> Hint | None:
         scale = float((right.double()[keep] / expected[keep]).median())  # the module's constant (Gemma: sqrt(h))
         if scale == 0 or not e.close(right, (expected * scale).to(right.dtype)):
             continue  # this side is no scaled lookup at the ids: look at the other
-        read = _rows_read(wrong, table, scale)
+        read = rows_read(wrong, table, scale)
         if read is None:
             return None
         hashed = _hash_reading(e, side, read.reshape(ids.shape), ids)
@@ -141,7 +141,7 @@ def _position_rows(e: Evidence, table: torch.Tensor) -> Hint | None:
     if e.ours.shape != e.ref.shape or e.ref.dim() < 2 or e.ref.shape[-1] != table.shape[1]:
         return None
     shape = e.ref.shape[:-1]
-    ours, ref = _rows_read(e.ours, table, 1.0), _rows_read(e.ref, table, 1.0)
+    ours, ref = rows_read(e.ours, table, 1.0), rows_read(e.ref, table, 1.0)
     if ours is None or ref is None:
         return None
     if len(shape) == 1:  # one row broadcast over the batch (Pegasus's positions (seq, hidden)): as a batch of one
@@ -405,17 +405,10 @@ def _table_rows(
     at other positions: ``(side, (text, evidence))`` naming a constant shift, or positions counted over each row's
     real tokens (the mask's cumulative sum) where the other side counts every slot (mBART's and Pegasus's decoders:
     ``arange(seq)`` whatever the mask or position_ids); None without such a table or where a term is no row."""
-    table = next(
-        (
-            w
-            for n, w in e.ref_trace.weights.items()
-            if n.rpartition(".")[2] in POSITION_TABLES and w.dim() == 2 and w.shape[1] == term.shape[-1]
-        ),
-        None,
-    )
+    table = position_table(e, term.shape[-1])
     if table is None:
         return None
-    ours, ref = _rows_read(term, table, 1.0), _rows_read(pos, table, 1.0)
+    ours, ref = rows_read(term, table, 1.0), rows_read(pos, table, 1.0)
     if ours is None or ref is None:
         return None
     ours, ref = ours.reshape(real.shape), ref.reshape(real.shape)
@@ -450,6 +443,19 @@ def _table_rows(
         f"the position table's rows {fmt_list(ours[0].tolist())} where the reference reads rows "
         f"{fmt_list(ref[0].tolist())}",
         evidence,
+    )
+
+
+def position_table(e: Evidence, width: int) -> torch.Tensor | None:
+    """The reference's traced position table ``(positions, width)`` (a module named by :data:`POSITION_TABLES`:
+    mBART's learned one, RoFormer's sinusoids, whatever its weights), or None."""
+    return next(
+        (
+            w
+            for n, w in e.ref_trace.weights.items()
+            if n.rpartition(".")[2] in POSITION_TABLES and w.dim() == 2 and w.shape[1] == width
+        ),
+        None,
     )
 
 

@@ -69,7 +69,7 @@ def later_call_hint(
 def _rows_on_call(name: str, node: str, ours, ref) -> Hint | None:
     """A table (``node``'s 2-D weight) whose later call ``name`` reads, on both sides, rows of it, ours each at a
     constant offset from the reference's: the ids of that call offset otherwise."""
-    from parity.diagnose.embeddings import _rows_read  # (the table reading of first calls)
+    from parity.diagnose.embeddings import rows_read  # (the table reading of first calls)
 
     table, a, b = ref.weights.get(node), ours.later.get(name), ref.later.get(name)
     if (
@@ -81,7 +81,7 @@ def _rows_on_call(name: str, node: str, ours, ref) -> Hint | None:
         or a.shape[-1] != table.shape[1]
     ):
         return None
-    mine, theirs = _rows_read(a, table, 1.0), _rows_read(b, table, 1.0)
+    mine, theirs = rows_read(a, table, 1.0), rows_read(b, table, 1.0)
     if mine is None or theirs is None or bool((mine == theirs).all()):
         return None
     shift = mine - theirs

@@ -743,8 +743,7 @@ def _reused_weight(e: Evidence, pair: tuple[str, str]) -> str | None:
     rows, out = x.double().flatten(0, -2), y.double().flatten(0, -2)
     if rows.shape[0] < 4:
         return None
-    for n in (rows - rows.mean(-1, keepdim=True), rows):  # LayerNorm's statistic, RMSNorm's
-        n = n / n.pow(2).mean(-1, keepdim=True).add(1e-30).sqrt()
+    for n in _normalisers(rows, None, 1e-30).values():  # either statistic: RMSNorm's, LayerNorm's
         nc, oc = n - n.mean(0), out - out.mean(0)
         w = (nc * oc).sum(0) / nc.pow(2).sum(0).clamp_min(1e-30)
         if rel(w, w_other.double()) < 1e-3 and rel(w, w_own.double()) > 1e-2:
@@ -772,11 +771,7 @@ def norm_past_projection(e: Evidence) -> Hint | None:
     if proj.shape[0] != w.shape[-1] or x.shape[:-1] != e.ours.shape[:-1] or e.ours.shape[-1] != proj.shape[0]:
         return None
     y = x.double() @ proj.double().T
-    eps = e.facts.norm_eps or 1e-6
-    for statistic, normed in (
-        ("RMSNorm", y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)),
-        ("LayerNorm", torch.nn.functional.layer_norm(y, y.shape[-1:], eps=eps)),
-    ):
+    for statistic, normed in _normalisers(y, None, e.facts.norm_eps or 1e-6).items():
         if e.close(e.ours, (normed * w.double()).to(e.ours.dtype)):
             return Hint(
                 "norm_placement",
