@@ -98,3 +98,27 @@ def test_a_node_the_reference_never_produced_is_placed_inside_its_own_block():
     assert [r.name for r in results] == [
         "l0.mamba.conv1d", "l0.mamba.in_proj", "l0.mamba.out_proj", "l0.mlp.up", "l0.mlp.down", "l1.norm"
     ]  # fmt: skip
+
+
+def test_scores_masked_on_both_sides_with_different_fills_agree():
+    """Scores recorded after the causal mask on both sides, one filled with float32's lowest (a port cast to
+    float32), the other with float64's (the reference's float64 run) or -inf: the positions both mask agree, a
+    position only one side masks still fails, as does a real score off."""
+    causal = torch.ones(4, 4, dtype=torch.bool).triu(1)
+    scores = torch.randn(1, 2, 4, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    ref = Trace()
+    ref.add("a.scores", scores.masked_fill(causal, torch.finfo(torch.float64).min))
+    spec = [NodeSpec("a.scores", "a.scores", kind="scores")]
+
+    def judged(ours: torch.Tensor) -> str:
+        trace = Trace()
+        trace.add("a.scores", ours)
+        return compare_traces(trace, ref, spec, Tolerances(torch.float32))[0].status
+
+    ours = scores.float()
+    assert judged(ours.masked_fill(causal, torch.finfo(torch.float32).min)) == "ok"
+    assert judged(ours.masked_fill(causal, float("-inf"))) == "ok"
+    assert judged(ours.masked_fill(causal.triu(2), torch.finfo(torch.float32).min)) == "mismatch"  # a key unmasked
+    off = ours.masked_fill(causal, torch.finfo(torch.float32).min)
+    off[0, 0, 3, 0] += 1.0
+    assert judged(off) == "mismatch"

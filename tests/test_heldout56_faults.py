@@ -124,6 +124,9 @@ NAMED = [
     ("xlm", "no_pred_bias", False, "pred_layer.proj", "bias", "ours adds none at pred_layer.proj"),
     ("xlm", "pos_offset", False, "transformer.position_embeddings", "position_offset", "positions off by +1 in ours"),
     ("xlm", "ln_unbiased_var", False, "transformer.layer_norm_emb", "norm_kind", "unbiased variance"),
+    ("xlm", "attn_scale_emb_dim", False, "transformer.attentions.0.out_lin", "attention_scale",
+     "ours scales q k^T by 0.125 (= 1/sqrt(hidden_size=64)), the reference by 0.25"),
+    ("xlm", "non_causal", False, "transformer.attentions.0.out_lin", "causal_mask", "recomputed with no causal mask"),
 ]  # fmt: skip
 FAST = {"attn_scale_inverted", "final_concat_order", "no_pred_bias"}
 
@@ -160,9 +163,7 @@ LOCATED = [
     ("reformer", "ffn_reads_old_stream", False, f"{REFORMER}.feed_forward.layer_norm"),
     ("reformer", "final_norm_per_stream", False, "reformer.encoder.layer_norm"),
     ("reformer", "mask_value_zero", False, f"{REFORMER}.attention.output.dense"),
-    ("xlm", "attn_scale_emb_dim", False, "transformer.attentions.0.out_lin"),
     ("xlm", "head_split_axis", False, "transformer.attentions.0.out_lin"),
-    ("xlm", "non_causal", False, "transformer.attentions.0.out_lin"),
     ("xlm", "default_lang_emb", False, "transformer.layer_norm_emb"),
 ]
 

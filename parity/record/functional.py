@@ -327,6 +327,12 @@ def _scalar(x) -> bool:
     return isinstance(x, (int, float)) or (isinstance(x, torch.Tensor) and x.numel() == 1)
 
 
+def _template_only(func, args, latest: torch.Tensor) -> bool:
+    """Whether ``func`` reads ``latest`` for its shape or dtype alone (``mask.expand_as(scores)``, XLM's padding
+    mask; ``x.type_as(scores)``): the scores go on unchanged, the op's result is no step of theirs."""
+    return op_name(func).endswith("_as") and bool(args) and args[0] is not latest
+
+
 def _normalisable(args) -> bool:
     return bool(args) and isinstance(args[0], torch.Tensor) and args[0].is_floating_point() and args[0].dim() >= 2
 
@@ -863,6 +869,7 @@ class FunctionCapture(TorchFunctionMode):
             pending is not None
             and not product_op  # a product reading it is the values' (a softmax written as exp / sum)
             and any(a is pending.latest for a in args if isinstance(a, torch.Tensor))
+            and not _template_only(func, args, pending.latest)
         ):
             self._pending.pop(block)
             latest, product = pending.latest, pending.product

@@ -42,7 +42,7 @@ ATTN_IMPLEMENTATION = "parity_eager"
 EXPERTS_IMPLEMENTATION = "parity_eager"
 SUFFIXES = ("q_rot", "k_rot", "scores", "probs", "context")
 #: the names an attention block's output projection goes by (Llama, OPT/BART, GPT-NeoX/Phi, GPT-2, T5)
-OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "dense", "c_proj", "wo", "Wo")  # Wo: ModernBERT's
+OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "dense", "c_proj", "wo", "Wo", "out_lin")  # Wo: ModernBERT's
 #: a position table's name in Transformers' families (GPT-2's wpe, OPT's and XGLM's embed_positions, BERT's, GPT-1's
 #: positions_embed)
 POSITION_TABLES = ("embed_positions", "wpe", "position_embeddings", "positions_embed")
