@@ -120,7 +120,7 @@ NAMED = [
     ("qwen2", "pad_mask_after_softmax", f"{L0}.self_attn.probs", "padding", "after the softmax"),
     ("qwen2", "mlp_chunk_tail", f"{L0}.mlp.down_proj", "partial_read", "75.0%"),
     ("qwen2", "rms_weight_before_norm", f"{L0}.input_layernorm", "norm_kind", "weight applied before"),
-    ("qwen2", "final_norm_twice", "lm_head", "repeated_module", "model.norm 2 times"),
+    ("qwen2", "final_norm_twice", "lm_head", "norm_placement", "model.norm's output: ours applies a norm again"),
     ("qwen2", "returns_log_softmax", "logits", "row_offset", "log_softmax"),
     ("qwen2", "residual_bf16", L0, "precision", "bfloat16"),
     (

@@ -124,6 +124,7 @@ from parity.diagnose.scales import (
     position_scale,
     row_offset,
     row_scale,
+    scaled_before_bias,
     softmax_axis,
     softmax_sink,
     softmax_temperature,
@@ -137,6 +138,7 @@ from parity.diagnose.wiring import (
     fused_split,
     gate_up_roles,
     head_mapping,
+    head_reads_table,
     heads_merged_unmoved,
     heads_split_unmoved,
     input_slice,
@@ -233,6 +235,7 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     token_shift,  # before projection_input: a projection's input mixed with its neighbour token otherwise
     projection_input,
     other_layer,
+    head_reads_table,  # before untied_head: the table the head reads named
     untied_head,
     transposed_weight,
     heads_merged_unmoved,
@@ -285,6 +288,7 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     rope_partial,
     bias_after_rope,
     bias_scaled_apart,
+    scaled_before_bias,
     gain_across_rope,  # before rope_fit: position 0 agrees, as for another frequency
     rope_fit,  # before constant_ratio: on q_rot/k_rot a constant factor is the cos/sin scale, read with its source
     values_rotated,

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from parity.diagnose.evidence import EXPLAINS, Evidence, fmt_list, forms_of, part_of, rel
+from parity.diagnose.evidence import EXPLAINS, Evidence, constant_named, fmt_list, forms_of, part_of, rel
 from parity.diagnose.hints import Hint
 from parity.diagnose.norms import is_norm, named_scale
 from parity.model.facts_rules import ROTATED_LAST, YARN_SOFTMAX_MSCALE
@@ -1012,6 +1012,32 @@ def softmax_axis(e: Evidence) -> Hint | None:
         f"likely the softmax axis: ours' attention probabilities sum to 1 over {labels[ours_axis]}, the reference's "
         f"over {labels[ref_axis]} (softmax(scores, dim=-1) normalises over the keys)",
         {"ours_axis": ours_axis, "reference_axis": ref_axis, "side": side},
+    )
+
+
+def scaled_before_bias(e: Evidence) -> Hint | None:
+    """A projection with a bias, one side's output the other's product ``x W`` times one constant plus the same
+    bias: ``s x W + b`` against ``x W + b`` (fairseq's ``q_proj(x) * scaling`` ported as the scale folded into the
+    weight alone, the projection then recorded with it). Either side, by which is scaled; the constant named
+    where the config gives it (``1 / sqrt(head_dim)``)."""
+    bias = e.ref_trace.biases.get(e.name)
+    if bias is None or e.ours.shape != e.ref.shape or e.ref.shape[-1] != bias.numel() or not bool(bias.any()):
+        return None
+    b = bias.double()
+    ours, ref = (t.double().reshape(-1, b.numel()) - b for t in (e.ours, e.ref))
+    if ours.shape[0] < 2:
+        return None
+    c = float((ours * ref).sum() / ref.pow(2).sum().clamp_min(1e-300))
+    if c == 0 or abs(c - 1) < 1e-3 or rel(ours, c * ref) > max(EXPLAINS, 16 * torch.finfo(e.ref.dtype).eps):
+        return None
+    side, factor = ("ours", c) if abs(c) < 1 else ("the reference", 1 / c)
+    named = constant_named(e, factor)
+    return Hint(
+        "bias",
+        f"likely {e.kind}'s product scaled before its bias is added in {side}: one side's output is "
+        f"{factor:.6g} x (x W) + b, the other's x W + b (the scale folded into the weight and not the bias, where "
+        f"the reference scales the whole projection after it, bias included){named}",
+        {"side": side, "factor": factor},
     )
 
 

@@ -611,6 +611,50 @@ def _features_gathered(e: Evidence, a: torch.Tensor, b: torch.Tensor, side: str)
     )
 
 
+def head_reads_table(e: Evidence) -> Hint | None:
+    """The logits (or the output head's node) one side computes from the head's input times another table of the
+    reference's shape ``(vocab, hidden)``: the token embedding where the reference has a head of its own (a head
+    tied although ``tie_word_embeddings`` is false, or left untied where it is true), its bias added or not."""
+    head = e.facts.head_module
+    if e.kind not in (head.rsplit(".", 1)[-1], "logits") or e.ours.shape != e.ref.shape:
+        return None
+    if head not in e.ref_trace.inputs:  # a head by another name (ELECTRA's generator_lm_head): the linear to the vocab
+        head = next(
+            (
+                n
+                for n, w in e.ref_trace.weights.items()
+                if w.dim() == 2
+                and w.shape[0] == e.ours.shape[-1]
+                and n in e.ref_trace.inputs
+                and e.ref_trace.inputs[n].is_floating_point()
+                and e.ref_trace.inputs[n].shape[-1] == w.shape[1]
+            ),
+            head,
+        )
+    x, weight = e.ref_trace.inputs.get(head), e.ref_trace.weights.get(head)
+    if x is None or weight is None or weight.dim() != 2 or e.ours.shape[-1] != weight.shape[0]:
+        return None
+    bias = e.ref_trace.biases.get(head)
+    ours = e.ours.double()
+    for name, table in e.ref_trace.weights.items():
+        if name == head or table.shape != weight.shape or torch.equal(table, weight):
+            continue
+        product = x.double() @ table.double().T
+        for added in (bias, None) if bias is not None else (None,):
+            value = product if added is None else product + added.double()
+            if value.shape == ours.shape and e.close(value.to(e.ours.dtype), e.ours):
+                tied = "tied" if e.facts.tie_word_embeddings else "not tied"
+                return Hint(
+                    "untied_head",
+                    f"likely the output head reading another table in ours: its logits are {head}'s input times "
+                    f"{name} ({tuple(table.shape)}){' plus the head bias' if added is not None else ''}, where the "
+                    f"reference's head multiplies by its own {head}.weight (the config's head is {tied} to the "
+                    "embedding: tie_word_embeddings)",
+                    {"side": "ours", "table": name},
+                )
+    return None
+
+
 def untied_head(e: Evidence) -> Hint | None:
     """Everything before the output agrees but the logits are uncorrelated: an unloaded or untied head."""
     if (

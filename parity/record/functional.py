@@ -1196,6 +1196,15 @@ class FunctionCapture(TorchFunctionMode):
         self.record_param(node, held)
         return out
 
+    def _recorded(self, node: str, value: torch.Tensor, **part) -> torch.Tensor:
+        """``value`` recorded as ``node`` (what :attr:`record_param` returns), or as it is when its output features
+        are not the node's (a product over a scaled slice of a fused weight, ``x @ (W[:, :d] * s)``, plus a slice of
+        the fused bias): no value of the node, left to what else records it."""
+        try:
+            return self.record_param(node, value, **part)
+        except FeaturesMismatch:
+            return value
+
     def _bias(self, func, args, kwargs) -> tuple[bool, tuple, object]:
         """A result waiting for its bias, read by this op: recorded with the bias when the op adds it
         (``(True, args, sum)``), else as it is before the op reads it (in isolated mode the op then reads
@@ -1215,14 +1224,14 @@ class FunctionCapture(TorchFunctionMode):
         if reordered is not None and carried is None:  # (an einsum's result read as a linear's: bsh,hcnd->cbsnd)
             biased = func(*args, **kwargs) if bias is not None else None  # the op runs once: here, or the caller's
             seen = reordered.view(biased if biased is not None else result)
-            kept = self.record_param(node, seen, **part)
+            kept = self._recorded(node, seen, **part)
             if biased is not None:
                 return True, args, biased if kept is seen else reordered.back(kept)
             value = result if kept is seen else reordered.back(kept)
             return False, tuple(value if j == i else a for j, a in enumerate(args)), None
         scaled = op_name(func) in ("mul", "__mul__", "__rmul__") and any(self.scales.of(a) == node for a in others)
         if scaled and carried is None:  # the module's own scale after its product: the module's output
-            return True, args, self.record_param(node, func(*args, **kwargs), **part)
+            return True, args, self._recorded(node, func(*args, **kwargs), **part)
         gates = (
             node in self._gated
             and op_name(func) in ("mul", "__mul__", "__rmul__")
@@ -1231,13 +1240,13 @@ class FunctionCapture(TorchFunctionMode):
             )
         )
         if gates and carried is None:  # a gated norm's gate after its weight: the module's output
-            return True, args, self.record_param(node, func(*args, **kwargs), **part)
+            return True, args, self._recorded(node, func(*args, **kwargs), **part)
         if bias is not None and carried is not None:  # ``h + x @ W + b``: the product plus its bias, h apart
-            self.record_param(node, carried + bias, **part)
+            self._recorded(node, carried + bias, **part)
             return True, args, func(*args, **kwargs)
         if bias is not None:
             # its bias, or another node's (a loader that gave this layer another layer's bias): what ours adds
-            return True, args, self.record_param(node, func(*args, **kwargs), **part)
+            return True, args, self._recorded(node, func(*args, **kwargs), **part)
         if (
             adds
             and carried is None
@@ -1250,7 +1259,7 @@ class FunctionCapture(TorchFunctionMode):
             if rows is not None:
                 self._part_rows[id(out)] = rows
             return True, args, out
-        value = self.record_param(node, product if carried is not None else result, **part)
+        value = self._recorded(node, product if carried is not None else result, **part)
         if carried is not None:  # a sum with the residual is no node's value: nothing replaced in it
             return False, args, None
         return False, tuple(value if j == i else a for j, a in enumerate(args)), None

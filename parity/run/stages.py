@@ -97,9 +97,20 @@ def diagnosis_inputs(pair: Pair) -> frozenset[str]:
         and (
             any(k in n.kind for k in DIAGNOSIS_INPUT_KINDS)
             or is_norm(n.kind)
-            or (isinstance(modules.get(n.reference_path), torch.nn.Linear) and n.layer is not None)
+            or (isinstance(modules.get(n.reference_path), torch.nn.Linear) and _in_a_list(n))
+            # the output head, whatever its name (ELECTRA's generator_lm_head): which table the logits read
+            or (
+                isinstance(module := modules.get(n.reference_path), torch.nn.Linear)
+                and module.out_features == pair.facts.vocab_size
+            )
         )
     )
+
+
+def _in_a_list(node: NodeSpec) -> bool:
+    """Whether ``node`` is a layer's, or a module of a ModuleList beside the layers (XLM's ``attentions.N`` kept
+    apart from its ``ffns.N``): a path with an index in it. The head outside the layers is not."""
+    return node.layer is not None or any(part.isdigit() for part in node.reference_path.split("."))
 
 
 def device_of(model) -> torch.device:
@@ -898,7 +909,8 @@ def compare_run(
         hint = diagnose(bad, seen_ours, seen_ref, pair.facts, positions, mask, spec)
         if hint is None or hint.kind in SEARCHED:  # none, or a block's generic verdict: the loader's evidence first
             hint = (
-                never_read_before(results, bad, pair)
+                unequal_fold_before(results, bad, pair)
+                or never_read_before(results, bad, pair)
                 or loader_gap_before(results, bad, pair)
                 or reshaped_before(results, bad, pair)
                 or hint
@@ -1140,6 +1152,57 @@ def reshaped_before(results: list[NodeResult], bad: NodeResult, pair: Pair) -> H
                     f"the nodes before agree, and {bad.name} is the first node after it to differ",
                     {"side": "ours", "key": source.key, "param": name, "key_shape": key, "shape": mine},
                 )
+    return None
+
+
+#: the ways coverage finds a checkpoint tensor held with its values unchanged (a scale of one)
+_AS_IS = frozenset({"shared", "copy", "transposed", "rows", "slice", "layout", "split", "strided"})
+
+
+def _scale_at_load(pair: Pair, key: str, params: dict[str, torch.Tensor]) -> tuple[str, float] | None:
+    """``(parameter, c)``: where ours holds checkpoint tensor ``key``, times ``c`` (1 as it is), from coverage's
+    sources or, for a key computed at load, a block of the parameters derived from it; None when neither says."""
+    from parity.user.derived import scale_held
+
+    coverage = pair.loading.coverage if pair.loading is not None else None
+    for name, sources in (getattr(coverage, "sources", None) or {}).items():
+        for source in sources:
+            if source.key == key and source.how == SCALED and source.scale is not None:
+                return name, float(source.scale)
+            if source.key == key and source.how in _AS_IS:
+                return name, 1.0
+    into = _derived(pair).get(key)
+    tensor = dict(pair.reference.named_parameters()).get(key) if pair.reference is not None else None
+    if not into or tensor is None:
+        return None
+    return scale_held(params, tensor, into)
+
+
+def unequal_fold_before(results: list[NodeResult], bad: NodeResult, pair: Pair) -> Hint | None:
+    """The failure sits in (or right after the untapped nodes of) a projection whose weight ours holds times one
+    number and whose bias times another (``1 / sqrt(head_dim)`` folded into the query's weight at load and not
+    into its bias: ``(x W + b) s`` needs both scaled): that fold named, with both factors."""
+    if not _derived(pair) and not any(
+        s.how == SCALED for ss in getattr(getattr(pair.loading, "coverage", None), "sources", {}).values() for s in ss
+    ):
+        return None
+    scope = _failure_scope(results, bad)
+    keys = {k for k, _ in pair.reference.named_parameters()} if pair.reference is not None else set()
+    params = dict(pair.ours.named_parameters())
+    for weight in sorted(k for k in keys if k.endswith(".weight") and _module_in(k, scope)):
+        bias = weight[: -len("weight")] + "bias"
+        if bias not in keys:
+            continue
+        w, b = _scale_at_load(pair, weight, params), _scale_at_load(pair, bias, params)
+        if w is None or b is None or abs(w[1] - b[1]) <= 1e-4 * max(abs(w[1]), abs(b[1])):
+            continue
+        return Hint(
+            "derived_at_load",
+            f"likely a scale folded in at load into the weight and not the bias (or not alike): ours holds {weight} "
+            f"times {w[1]:.6g} (in {w[0]}) and {bias} times {b[1]:.6g} (in {b[0]}), where (x W + b) * s needs "
+            f"both times s; the nodes before agree, and {bad.name} is the first node after them to differ",
+            {"side": "ours", "keys": [weight, bias], "into": sorted({w[0], b[0]}), "scales": [w[1], b[1]]},
+        )
     return None
 
 
