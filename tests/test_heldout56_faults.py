@@ -13,7 +13,12 @@ load" from q and k, where ours folds the softmax scale into its fused q weights;
 skipped). Fitted, by kind: reference tensors whose moving changes none of a probe's logits are required of no
 parameter of ours, and a note says which (``check_model._outside_the_logits``).
 
-After: correct runs 36 of 36, bugs named 19 of 42 (45%): BigBird 12 of 14, Reformer 3 of 14 (its chunked attention
+Thirty-fourth session: XLM's ``out_lin`` is an output projection; its padding mask built with
+``expand_as(scores)`` no longer taken for a step of the scores; its attention's projections keep their inputs and
+biases (modules of a ModuleList beside the layers); so its attention scale, causal mask, head split and the query's
+bias left unscaled are named (21 of 42 after, no wrong cause but the language embedding's and BigBird's head).
+
+After (thirty-third session): correct runs 36 of 36, bugs named 19 of 42 (45%): BigBird 12 of 14, Reformer 3 of 14 (its chunked attention
 computes inline with no internals parity reads, nine bugs located at the attention output with no hint), XLM 4 of 14.
 Wrong causes left: XLM's eight attention bugs still named as its load-time fold (XLM's layers are parallel lists,
 ``attentions.N`` beside ``ffns.N``, and its output projection ``out_lin`` is no attention block parity knows, so no
@@ -127,6 +132,9 @@ NAMED = [
     ("xlm", "attn_scale_emb_dim", False, "transformer.attentions.0.out_lin", "attention_scale",
      "ours scales q k^T by 0.125 (= 1/sqrt(hidden_size=64)), the reference by 0.25"),
     ("xlm", "non_causal", False, "transformer.attentions.0.out_lin", "causal_mask", "recomputed with no causal mask"),
+    ("xlm", "q_bias_unscaled", False, "transformer.attentions.0.out_lin", "bias", "q = 0.25 * (x W) + b"),
+    ("xlm", "head_split_axis", False, "transformer.attentions.0.out_lin", "head_layout",
+     "the heads split without moving their axis in ours"),
 ]  # fmt: skip
 FAST = {"attn_scale_inverted", "final_concat_order", "no_pred_bias"}
 
@@ -163,7 +171,6 @@ LOCATED = [
     ("reformer", "ffn_reads_old_stream", False, f"{REFORMER}.feed_forward.layer_norm"),
     ("reformer", "final_norm_per_stream", False, "reformer.encoder.layer_norm"),
     ("reformer", "mask_value_zero", False, f"{REFORMER}.attention.output.dense"),
-    ("xlm", "head_split_axis", False, "transformer.attentions.0.out_lin"),
     ("xlm", "default_lang_emb", False, "transformer.layer_norm_emb"),
 ]
 

@@ -164,3 +164,27 @@ def test_a_bug_that_leaves_a_tensor_unloaded_is_refused_with_its_name(model, bug
     """A table recomputed from the formula, a norm loaded from another norm's tensors, a head tied to the
     embedding: each leaves a checkpoint tensor the logits depend on in no parameter, refused by name."""
     heldout_support.assert_refused(MODELS, checkpoints, model, says)
+
+
+def test_a_reference_scaling_its_query_product_before_the_bias_is_named(checkpoints):
+    """Marian's reference computing q = s x W + b (its q_proj's weight scaled, its bias not, the attention's own
+    scaling then 1; ours correct): the product scaled before its bias named at q_proj on the reference's side."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    class ScaledBeforeBias(nn.Linear):
+        scale = 1.0
+
+        def forward(self, x):
+            return F.linear(x, self.weight * self.scale, self.bias)
+
+    ref = heldout_support.reference_model(checkpoints["marian"])
+    for layer in ref.model.decoder.layers:
+        attention = layer.self_attn
+        q = ScaledBeforeBias(attention.q_proj.in_features, attention.q_proj.out_features)
+        q.load_state_dict(attention.q_proj.state_dict())
+        q.scale, attention.scaling, attention.q_proj = attention.scaling, 1.0, q
+    bad = heldout_support.first_mismatch(MODELS, "marian", ref)
+    assert bad.name == f"{M_LAYER}.self_attn.q_proj" and bad.hint.kind == "bias", bad
+    assert "scaled before its bias is added in the reference" in bad.hint.text
+    assert "0.25 x (x W) + b" in bad.hint.text

@@ -153,7 +153,7 @@ def test_attention_internals_are_compared(model, bug, checkpoints):
         ("gptj", "functional_dropout_in_eval", "transformer.h.0.attn.probs", "dropout", "p = 0.1"),
         ("qwen3", "rmsnorm_mean_over_tokens", "model.layers.0.input_layernorm", "norm_kind", "over the sequence axis"),
         # named after the measure: a weight never read before the first failure; a row given another's mask
-        ("qwen3", "final_norm_skipped", "lm_head", "missing", "model.norm skipped in ours"),
+        ("qwen3", "final_norm_skipped", "lm_head", "norm_skipped", "model.norm skipped in ours"),
         ("qwen3", "pad_mask_first_row_only", "model.layers.0.self_attn.probs", "padding", "another row's padding mask"),
     ],
     indirect=["bug"],

@@ -1483,3 +1483,40 @@ def _slice_gaps(key: str, whole: torch.Tensor, parts: list[tuple[list[tuple[int,
 
 def _summary(items: list[str], n: int = 6) -> str:
     return ", ".join(items[:n]) + (f", ... ({len(items)} in all)" if len(items) > n else "")
+
+
+def _blocks(p: torch.Tensor, shape: tuple[int, ...]):
+    """Each block of ``p`` (slices along its leading axes, then runs of rows, in ``p``'s layout or transposed)
+    of ``shape``: where a loader may put one checkpoint tensor in a parameter holding several (a fused q/k/v
+    ``(3 * out, in)`` or ``(in, 3 * out)``, stacked over layers ``(layers, ...)``)."""
+    if p.dim() > len(shape):
+        for i in range(p.shape[0]):
+            yield from _blocks(p[i], shape)
+        return
+    if p.dim() != len(shape) or not shape:
+        return
+    for view in (p, p.T) if p.dim() == 2 else (p,):
+        n = shape[0]
+        if tuple(view.shape[1:]) == shape[1:] and view.shape[0] % n == 0:
+            for start in range(0, view.shape[0], n):
+                yield view[start : start + n]
+
+
+def scale_held(params: dict[str, torch.Tensor], key: torch.Tensor, into: list[str]) -> tuple[str, float] | None:
+    """``(parameter, c)`` when a block of one of ``into``'s parameters (:func:`_blocks`) is the checkpoint tensor
+    ``key`` times one number ``c`` (a scale folded in at load: the softmax's ``1 / sqrt(head_dim)`` moved into
+    the query's weights), to float32's rounding; None when no block is (another function of it)."""
+    t = key.detach().double()
+    norm = float(t.norm())
+    if not t.numel() or norm == 0:
+        return None
+    for name in into:
+        p = params.get(name)
+        if p is None or not p.is_floating_point() or p.numel() < t.numel():
+            continue
+        for block in _blocks(p.detach(), tuple(t.shape)):
+            b = block.double()
+            c = float((b * t).sum()) / norm**2
+            if c != 0 and float((b - c * t).norm()) <= 1e-5 * abs(c) * norm:
+                return name, c
+    return None

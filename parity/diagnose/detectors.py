@@ -29,7 +29,7 @@ from parity.diagnose.elementwise import (
     rounding_order,
     soft_capping,
 )
-from parity.diagnose.embeddings import embedding_rows, position_term
+from parity.diagnose.embeddings import embedding_rows, position_term, positions_added_before
 from parity.diagnose.evidence import Evidence, cut_offset, fmt_list, heads_first
 from parity.diagnose.hints import Hint
 from parity.diagnose.latent import latent_pairing, latent_rope, latent_split
@@ -215,6 +215,7 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     iteration_count,  # a node in a loop both sides run, ours another number of times: no value fit is evidence
     embedding_rows,
     position_term,
+    positions_added_before,
     position_table_offset,  # a position table read at p + k: before detectors that read a lookup's input
     kv_sharing,
     moe_output,  # before residual_add: a MoE block ours computes in functions, read after it

@@ -147,6 +147,8 @@ def _fits_in(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     detectors work under :class:`~parity.run.float64.Float64Mode`, where a cast to a narrower dtype stays float64."""
     narrow = torch.finfo(dtype)
     mantissa = {torch.float64: 52, torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}
+    if t.dtype not in (torch.float32, torch.float64):  # held in a narrow dtype itself (a port's bfloat16 input)
+        return torch.ones_like(t, dtype=torch.bool) if t.dtype == dtype else _fits_in(t.float(), dtype)
     drop = mantissa[t.dtype] - mantissa[dtype]  # mantissa bits the narrower dtype lacks
     bits = t.view(torch.int64 if t.dtype == torch.float64 else torch.int32)
     low = (bits & ((1 << drop) - 1)) == 0

@@ -287,6 +287,38 @@ def position_term(e: Evidence) -> Hint | None:
     return None
 
 
+def positions_added_before(e: Evidence) -> Hint | None:
+    """The reference's first node after the lookups, one side's input that of the other plus the reference's
+    position embedding: the positions added before that node on one side and after it on the other
+    (BlenderbotSmall's ``layernorm_embedding`` over the tokens alone, the positions added after it; BART's over
+    tokens + positions). Either side."""
+    x_ours, x_ref = e.inputs()
+    embed = e.ref_trace.tensors.get(e.facts.embed_module)
+    if embed is None or x_ours is None or x_ref is None or x_ours.shape != x_ref.shape:
+        return None
+    if _first_reader(e, embed) != e.name:
+        return None
+    table = next((t for n, t in e.ref_trace.tensors.items() if n.rpartition(".")[2] in POSITION_TABLES), None)
+    if table is None or table.shape[-1] != x_ref.shape[-1] or table.dim() > x_ref.dim():
+        return None
+    try:
+        pos = table.double().expand_as(x_ref)
+    except RuntimeError:
+        return None
+    diff = x_ours.double() - x_ref.double()
+    for side, d in (("ours", diff), ("the reference", -diff)):
+        if e.close(d, pos):
+            other = "the reference" if side == "ours" else "ours"
+            return Hint(
+                "norm_placement",
+                f"likely the positions added before {e.kind} in {side}: its input there is {other}'s plus the "
+                f"reference's position embedding, where {other} adds the positions after {e.kind} (BART's "
+                f"layernorm_embedding normalises tokens + positions, BlenderbotSmall's the tokens alone)",
+                {"side": side},
+            )
+    return None
+
+
 def _first_reader(e: Evidence, embed: torch.Tensor) -> str | None:
     """The reference's first node on the embeddings: the first layer's first node, or a node before it that is
     no lookup and reads a tensor of the embedding's shape (mBART's ``layernorm_embedding``)."""

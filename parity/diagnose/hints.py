@@ -125,6 +125,9 @@ KINDS: dict[str, str] = {
     "cache_length": "a cache holds another number of tokens than the reference's (a sliding layer keeps window - 1, a "
     "linear-attention layer's conv state the kernel's width); a user's cache: fewer than the reference's attention "
     "reads (the missing positions named)",
+    "argument_slot": "an argument of the forward read in another's place: ours' logits move with an input no "
+    "computation of that name can change them by (an all-ones attention_mask moving the last token: the mask passed "
+    "positionally as token_type_ids)",
     "cache_not_read": "a call continuing a KV cache reads only its own keys: the cached ones are stored but not read",
     "causal_mask": "ours gives weight to keys the reference masks, later than the query (a query sees the future)",
     "rounding_order": "every difference is within one or two units in the last place of the dtype (cast order)",

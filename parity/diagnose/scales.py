@@ -665,8 +665,17 @@ def position_scale(e: Evidence) -> Hint | None:
         return None  # one factor everywhere: a scale, not one by position
     forms = _position_scales(e, e.positions)
     if e.kind == "k_rot":
-        if not forms:
-            return None
+        if not forms:  # no form of the config's to read it against (Llama 4's own temperature): the factor shown
+            row = int((per_position - 1).abs().amax(-1).argmax())
+            step = max(1, e.positions.shape[1] // 4)
+            pairs = zip(e.positions[row][::step].tolist(), per_position[row][::step].tolist(), strict=True)
+            return Hint(
+                "scale",
+                "likely a scale by position on the keys one side applies and the other does not (an attention "
+                "temperature meant for the queries applied to the keys as well): ours / reference is one factor per "
+                f"position, the same over every head and dim of k ({', '.join(f'p{int(p)}: {f:.4g}' for p, f in pairs)})",
+                {"per_position": per_position[row][:64].tolist(), "form": "on the keys"},
+            )
         truth = forms["the Llama 4 query scale"]
         for side, factor in (("ours", per_position), ("the reference", 1 / per_position)):
             if torch.allclose(truth[real], factor[real], rtol=1e-6, atol=1e-9):

@@ -327,6 +327,26 @@ def _scalar(x) -> bool:
     return isinstance(x, (int, float)) or (isinstance(x, torch.Tensor) and x.numel() == 1)
 
 
+#: ops that change a tensor's dtype alone
+_CASTS = frozenset({"float", "double", "half", "bfloat16", "to", "type_as"})
+#: ops that cut a tensor into pieces along one axis
+_SPLITS = frozenset({"split", "chunk", "split_with_sizes", "tensor_split"})
+
+
+def _feature_offsets(whole: torch.Tensor, pieces) -> list[int] | None:
+    """Each piece's first feature where ``pieces`` cut ``whole`` along its last axis in order (views side by side
+    covering it); None for any other cut."""
+    if not isinstance(pieces, (tuple, list)) or not pieces or not all(isinstance(p, torch.Tensor) for p in pieces):
+        return None
+    offsets, at = [], 0
+    for p in pieces:
+        if p.shape[:-1] != whole.shape[:-1] or p.storage_offset() - whole.storage_offset() != at * whole.stride(-1):
+            return None
+        offsets.append(at)
+        at += p.shape[-1]
+    return offsets if at == whole.shape[-1] else None
+
+
 def _template_only(func, args, latest: torch.Tensor) -> bool:
     """Whether ``func`` reads ``latest`` for its shape or dtype alone (``mask.expand_as(scores)``, XLM's padding
     mask; ``x.type_as(scores)``): the scores go on unchanged, the op's result is no step of theirs."""
@@ -629,6 +649,11 @@ class FunctionCapture(TorchFunctionMode):
         self._slices: dict[str, list[tuple[int, int, int, torch.Tensor]]] = {}
         #: id of a partial result above that is such a slice -> its first element
         self._slice_at: dict[int, int] = {}
+        #: a product waiting for its bias, split along its output features before the bias is added (``q, k, v =
+        #: (x @ W_qkv).split(d, -1)``, then ``q + b_q``): ``id(piece) -> (node, first feature, piece)``; each piece's
+        #: value (its bias added, or as read) in ``_piece_values[node]`` until all the product's features are in
+        self._pieces: dict[int, tuple[str, int, torch.Tensor]] = {}
+        self._piece_values: dict[str, tuple[int, dict[int, torch.Tensor]]] = {}
         #: node -> the share of its parameter its recorded value read (below 1: part of the weight skipped)
         self.shares: dict[str, float] = {}
         #: node -> ``(reduction, parts)`` when its partial products were stacked and reduced otherwise than
@@ -706,6 +731,10 @@ class FunctionCapture(TorchFunctionMode):
             held = next((a for a in args if isinstance(a, torch.Tensor) and id(a) in self._per_axis), None)
             if held is not None:
                 return self._summed(held, func, args, kwargs)
+        if self._pieces:
+            handled, out = self._piece_read(func, args, kwargs)
+            if handled:
+                return out
         if self._unbiased:
             handled, args, out = self._bias(func, args, kwargs)
             if handled:
@@ -775,7 +804,8 @@ class FunctionCapture(TorchFunctionMode):
         if self.params and name in LOOKUPS and args:  # a table read by a lookup outside its module
             node = self._lookup_node(func, name, args)
             if node is not None and (self.lookups is None or node in self.lookups):
-                return self.record_param(node, func(*args, **kwargs), True)
+                ids = args[0] if name == "embedding" else args[1]
+                return self.record_param(node, func(*args, **kwargs), True, ids=ids)
             table = args[0]
             if name == "__getitem__" and len(args) > 1 and isinstance(args[1], slice) and self.lookups:
                 # a learned position table read as a block of rows (``wpe[:seq]``, ``wpe[-seq:]``): its lookup
@@ -1139,6 +1169,25 @@ class FunctionCapture(TorchFunctionMode):
                     self.record_param(node, torch.cat(outs, dim=-1))
         self._slices.clear()
 
+    def _piece_read(self, func, args, kwargs) -> tuple[bool, object]:
+        """An op reading a piece of a split product waiting for its bias (:attr:`_pieces`): the piece plus a bias is
+        its value (``(True, sum)``); any other op takes the piece as it is (``(False, None)``, the op runs on). Once
+        every piece has its value, the pieces side by side are the node's."""
+        held = [a for a in args if isinstance(a, torch.Tensor) and id(a) in self._pieces]
+        if not held:
+            return False, None
+        piece = held[0]
+        node, offset, _ = self._pieces.pop(id(piece))
+        others = [a for a in args if a is not piece]
+        biased = op_name(func) in ("add", "__add__", "__radd__") and any(self.biases.of(a) is not None for a in others)
+        out = func(*args, **kwargs) if biased else None
+        total, values = self._piece_values.get(node, (0, {}))
+        values[offset] = out if isinstance(out, torch.Tensor) and out.shape == piece.shape else piece
+        if sum(v.shape[-1] for v in values.values()) >= total:
+            self._piece_values.pop(node, None)
+            self._recorded(node, torch.cat([values[o] for o in sorted(values)], dim=-1))
+        return biased, out
+
     def settle_all(self) -> None:
         """Every partial sum still followed, and every result still waiting for a bias, recorded as its
         node (the forward is over)."""
@@ -1152,6 +1201,13 @@ class FunctionCapture(TorchFunctionMode):
         self._unbiased.clear()
         self._reordered.clear()
         self._carried.clear()
+        for node, offset, piece in list(self._pieces.values()):  # pieces nothing read after the split: as they are
+            self._piece_values.get(node, (0, {}))[1].setdefault(offset, piece)
+        for node, (total, values) in self._piece_values.items():
+            if values and sum(v.shape[-1] for v in values.values()) >= total:
+                self._recorded(node, torch.cat([values[o] for o in sorted(values)], dim=-1))
+        self._pieces.clear()
+        self._piece_values.clear()
         if self._weighted is not None:  # a norm's weight applied last, nothing read it after
             self.record_param(self._weighted[0], self._weighted[1])
             self._weighted = None
@@ -1213,6 +1269,27 @@ class FunctionCapture(TorchFunctionMode):
         if not waiting:
             return False, args, None
         i, result = waiting[0]
+        if i == 0 and op_name(func) in _CASTS and id(result) not in self._part_rows and id(result) not in self._carried:
+            out = func(*args, **kwargs)  # a product cast before its bias (a bfloat16 head's output made float32)
+            if isinstance(out, torch.Tensor) and out.shape == result.shape and self._read_as_linear(result) is None:
+                self._unbiased[id(out)] = (self._unbiased.pop(id(result))[0], out)
+                return True, args, out
+            return False, args, None  # the op runs again as the caller's: a cast has no side effect
+        if (
+            i == 0
+            and op_name(func) in _SPLITS
+            and id(result) not in self._part_rows
+            and id(result) not in self._carried
+        ):
+            out = func(*args, **kwargs)
+            offsets = _feature_offsets(result, out)
+            if offsets is not None and self._read_as_linear(result) is None:
+                node, _ = self._unbiased.pop(id(result))
+                for piece, offset in zip(out, offsets):
+                    self._pieces[id(piece)] = (node, offset, piece)
+                self._piece_values[node] = (result.shape[-1], {})
+                return True, args, out
+            return False, args, None  # the op runs again as the caller's: a split has no side effect
         node, product = self._unbiased.pop(id(result))
         carried = self._carried.pop(id(result), None)
         rows = self._part_rows.pop(id(result), None)

@@ -350,13 +350,34 @@ def _correction_bias(module: nn.Module) -> torch.Tensor | None:
 
 
 def _record_param(
-    rec: _Recording, node: str, tensor: torch.Tensor, siblings, lookup: bool, lookups: frozenset[str]
+    rec: _Recording,
+    node: str,
+    tensor: torch.Tensor,
+    siblings,
+    lookup: bool,
+    lookups: frozenset[str],
+    ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The result of an op reading a node's parameter: recorded as each node sharing that parameter that
     reads it this way (a lookup for an embedding, a product for a projection: a tied table is both; a
     fused weight read once gives every part its rows by its transform); in isolated mode each writes
-    the reference's rows back in turn."""
+    the reference's rows back in turn. A lookup at ``ids`` of a table whose rows hold several nodes' tables
+    (ERNIE's token-type and task-type tables stacked): the node whose rows hold the ids, the rows read as they are."""
     nodes = [n for n in (node, *siblings) if (n in lookups) == lookup]
+    if lookup and ids is not None:
+        read = {int(i) for i in ids.flatten().unique()}
+        held = [n for n in nodes if getattr(rec.transforms.get(n), "rows", None)]
+        if held:
+            within = [n for n in held if read <= set(rec.transforms[n].rows)]
+            if not within:
+                return tensor
+            node = within[0]
+            if rec.trace.recorded(node):
+                rec.trace.keep_later(node, tensor, None)
+                return tensor
+            rec.trace.add(node, tensor, None)
+            new = rec.replacement(node, tensor, None)
+            return tensor if new is None else new.to(dtype=tensor.dtype, device=tensor.device)
     read_again = bool(nodes) and tensor is not None and all(rec.trace.recorded(n) for n in nodes)
     if not (read_again and _inside_another_block(rec, node)):
         _enter_block(rec, node)
@@ -723,9 +744,15 @@ def recording(
             lambda name, t: functional_tap(rec, name, t),
             lambda: _running_block(rec),
             functional,
-            lambda node, t, lookup=False, part=None: (
+            lambda node, t, lookup=False, part=None, ids=None: (
                 _record_param(
-                    rec, node, t, (functional_siblings or {}).get(node, ()), lookup, functional_lookups or frozenset()
+                    rec,
+                    node,
+                    t,
+                    (functional_siblings or {}).get(node, ()),
+                    lookup,
+                    functional_lookups or frozenset(),
+                    ids,
                 )
                 if part is None
                 else _record_part(rec, node, t, part)

@@ -117,6 +117,19 @@ def all_ones_mask_result(pair: Pair, run: Run, index: int) -> NodeResult | None:
         return None
     spec = NodeSpec(ALL_ONES, ALL_ONES, reference="", kind="logits")
     result = compare_node(spec, index, ours_masked, ref, Tolerances(atol=0.0, rtol=0.0))
+    if ids.shape[-1] > 1 and _causal_with(pair.ours, ids, ones, scale):
+        # ours stays causal with the mask (a later token changed moves no earlier logit): the mask moves something
+        # else than which keys a query sees
+        hint = Hint(
+            "argument_slot",
+            f"likely the attention_mask read as another input in ours: with an all-ones mask (no padding at all) ours "
+            f"moves its logits by up to {moved:.3g} from its own without one, while it stays causal with it (changing "
+            "the last token moves no earlier position's logits): the mask passed where another input goes "
+            "(token_type_ids, position ids: a positional argument in the wrong slot), the reference does not move; the "
+            "check's own nodes call ours without a mask, so only this call shows it",
+            {"moved": moved},
+        )
+        return replace(result, hint=hint, detail=f"ours called with an all-ones attention_mask; {result.detail}")
     hint = Hint(
         "causal_mask",
         f"likely the mask ours builds when given an attention_mask: with an all-ones mask (no padding at all) ours "
@@ -126,6 +139,18 @@ def all_ones_mask_result(pair: Pair, run: Run, index: int) -> NodeResult | None:
         {"moved": moved},
     )
     return replace(result, hint=hint, detail=f"ours called with an all-ones attention_mask; {result.detail}")
+
+
+def _causal_with(model, ids: torch.Tensor, mask: torch.Tensor, scale: float) -> bool:
+    """Whether ``model`` called with ``mask`` keeps every position but the last where it was when the last token
+    alone is changed (no earlier position sees a later one)."""
+    other = ids.clone()
+    other[:, -1] = (other[:, -1] + 1) % max(int(ids.max()) + 1, 2)
+    first, second = _forward_logits(model, ids, attention_mask=mask), _forward_logits(model, other, attention_mask=mask)
+    if first is None or second is None or first.shape != second.shape:
+        return False
+    # a causal forward computes each earlier position over the same keys, their weights unchanged: the same numbers
+    return float((first[:, :-1] - second[:, :-1]).abs().max()) <= 1e-6 * scale
 
 
 def _forward_logits(model, input_ids: torch.Tensor, **kwargs) -> torch.Tensor | None:

@@ -19,7 +19,7 @@ from typing import Any, cast
 import torch
 
 from parity.build.builder import tied_weights
-from parity.build.coverage import FUSED_PART, LAYOUT, ROWS, SCALED, SLICE, storage_span
+from parity.build.coverage import FUSED_PART, LAYOUT, ROWS, SCALED, SLICE, scale_held, storage_span
 from parity.compare.arbiter import arbitrated_like, output_arbitrates
 from parity.compare.later_calls import call_of, with_later_calls
 from parity.compare.metrics import CHUNK, MISMATCH, MISSING, SHAPE, UNTAPPED, chunks
@@ -1065,7 +1065,12 @@ def never_read_before(results: list[NodeResult], bad: NodeResult, pair: Pair | N
         + [r for r in results[last_ok + 1 : bad.index] if _is_lookup(r.name)]
     )
     skipped = list(
-        {r.name: r for r in scope if r.status == UNTAPPED and r.detail.startswith("no product in ours read")}.values()
+        {
+            r.name: r
+            for r in scope
+            # (a node the reference never ran either, XLM's language embedding with no languages given: not skipped)
+            if r.status == UNTAPPED and r.detail.startswith("no product in ours read") and r.shape_ref is not None
+        }.values()
     )
     if skipped and pair is not None and pair.ours is not None:
         specs = {n.name: n.ours for n in pair.nodes}
@@ -1162,8 +1167,6 @@ _AS_IS = frozenset({"shared", "copy", "transposed", "rows", "slice", "layout", "
 def _scale_at_load(pair: Pair, key: str, params: dict[str, torch.Tensor]) -> tuple[str, float] | None:
     """``(parameter, c)``: where ours holds checkpoint tensor ``key``, times ``c`` (1 as it is), from coverage's
     sources or, for a key computed at load, a block of the parameters derived from it; None when neither says."""
-    from parity.user.derived import scale_held
-
     coverage = pair.loading.coverage if pair.loading is not None else None
     for name, sources in (getattr(coverage, "sources", None) or {}).items():
         for source in sources:
