@@ -543,6 +543,10 @@ def _broadcast_row(
     """Ours ``(batch, *ref.shape)`` where the reference's node holds one value broadcast over the batch (Pegasus's
     sinusoid positions ``(seq, hidden)``, added to every row): ours' row farthest from it, its padding positions
     (``padding`` ``(batch, seq)``, True there) the reference's, not judged; None unless the shapes say so."""
+    if ours.dim() == ref.dim() and ref.dim() >= 2 and ref.shape[0] == 1 < ours.shape[0]:
+        # a batch of one broadcast over the run's rows (PLBart's positions, (1, seq, hidden)): its one row
+        row = _broadcast_row(ours, ref[0], padding)
+        return None if row is None else (row[0][None], row[1])
     if ours.dim() != ref.dim() + 1 or tuple(ours.shape[1:]) != tuple(ref.shape) or not ours.is_floating_point():
         return None
     rows = ours.detach().clone()

@@ -121,8 +121,9 @@ def _layout_refit(e: Evidence, stem: str, scores: torch.Tensor, probs: torch.Ten
     its probabilities keep) over q, k and v cut from their fused output ``[q | k | v]`` per head, ``(heads, 3,
     head_dim)`` (GPT-NeoX's, BLOOM's layout), where the reference keeps them stacked: a fused projection's output
     split in another layout inside ours' forward (its weight held right); or each projection's heads split without
-    moving their axis. Only without RoPE (the q and k nodes are what the scores read) and without GQA (every part one
-    width). Hint ``qkv_layout`` or ``head_layout``; None otherwise."""
+    moving their axis; or the softmax taken over the queries. Only without RoPE (the q and k nodes are what the scores
+    read) and without GQA (every part one width). Hint ``qkv_layout``, ``head_layout`` or ``softmax_axis``; None
+    otherwise."""
     found = [_traced_projection(e, stem, part) for part in _PROJECTIONS]
     if any(t is None for t in found):
         return None
@@ -160,6 +161,16 @@ def _layout_refit(e: Evidence, stem: str, scores: torch.Tensor, probs: torch.Ten
             "each projection (batch, seq, heads * head_dim) viewed as (batch, heads, seq, head_dim) directly, with no "
             "view(batch, seq, heads, head_dim).transpose(1, 2)",
             {"layout": "heads split unmoved", "side": "ours"},
+        )
+    qh, kh, vh = (t.view(b, n, h, d).transpose(1, 2) for t in (q, k, v))
+    logits = (c * qh @ kh.transpose(-1, -2)).masked_fill(~allowed, float("-inf"))
+    if rel((torch.softmax(logits, -2).nan_to_num(0.0) @ vh)[rows], ours[rows]) <= EXPLAINS:
+        return Hint(
+            "softmax_axis",
+            "likely the softmax taken over the queries in ours: its context is the reference's attention with each "
+            "key's column of scores normalised (softmax(scores, dim=-2)) where the reference normalises each query's "
+            "row over the keys (dim=-1)",
+            {"side": "ours", "axis": -2},
         )
     return None
 

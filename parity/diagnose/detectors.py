@@ -135,6 +135,7 @@ from parity.diagnose.token_shift import token_shift
 from parity.diagnose.wiring import (
     activation_skipped,
     attention_rows_moved,
+    concatenated_parts,
     fused_split,
     gate_up_roles,
     head_mapping,
@@ -227,6 +228,7 @@ DETECTORS: tuple[Callable[[Evidence], Hint | None], ...] = (
     latent_split,  # before swapped_weights: MLA's k_nope cut from kv_b_proj's heads otherwise
     input_slice,  # a module reading another cut of a fused output
     input_slots_strided,
+    concatenated_parts,  # a linear over a concatenation of traced nodes: its parts joined otherwise, or left out
     fused_split,  # before swapped_weights and the rotation fits: q/k cut from a fused output otherwise
     swapped_weights,
     gate_up_roles,

@@ -308,10 +308,10 @@ def positions_added_before(e: Evidence) -> Hint | None:
     diff = x_ours.double() - x_ref.double()
     for side, d in (("ours", diff), ("the reference", -diff)):
         if e.close(d, pos):
-            other = "the reference" if side == "ours" else "ours"
+            other, others = ("the reference", "the reference's") if side == "ours" else ("ours", "ours'")
             return Hint(
                 "norm_placement",
-                f"likely the positions added before {e.kind} in {side}: its input there is {other}'s plus the "
+                f"likely the positions added before {e.kind} in {side}: its input there is {others} plus the "
                 f"reference's position embedding, where {other} adds the positions after {e.kind} (BART's "
                 f"layernorm_embedding normalises tokens + positions, BlenderbotSmall's the tokens alone)",
                 {"side": side},

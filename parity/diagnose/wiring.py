@@ -462,6 +462,90 @@ def head_mapping(e: Evidence) -> Hint | None:
     )
 
 
+def _input_parts(e: Evidence, x: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+    """The reference's traced nodes that, side by side along the last axis, are ``x`` (RoCBERT's ``cat(word, shape,
+    pronunciation)`` embeddings read by ``map_inputs_layer``): ``[(name, tensor)]`` in their order, two or more of
+    them; None where ``x`` is no such concatenation."""
+    parts: list[tuple[str, torch.Tensor]] = []
+    at, width = 0, x.shape[-1]
+    while at < width:
+        found = next(
+            (
+                (n, t)
+                for n, t in e.ref_trace.tensors.items()
+                if n != e.name
+                and isinstance(t, torch.Tensor)
+                and t.is_floating_point()
+                and t.shape[:-1] == x.shape[:-1]
+                and 0 < t.shape[-1] <= width - at
+                and t.shape[-1] < width
+                and torch.equal(t.to(x.dtype), x[..., at : at + t.shape[-1]])
+            ),
+            None,
+        )
+        if found is None:
+            return None
+        parts.append(found)
+        at += found[1].shape[-1]
+    return parts if len(parts) >= 2 else None
+
+
+def concatenated_parts(e: Evidence) -> Hint | None:
+    """A linear node whose reference input is a concatenation of traced nodes (:func:`_input_parts`), ours' output
+    the reference's product over those parts in another order, or with some of them zeros: the parts joined
+    otherwise (``cat(word, pronunciation, shape)`` for ``cat(word, shape, pronunciation)``), or left out. Ours'
+    side (its weight's columns, in the reference's order, applied to them)."""
+    import itertools
+
+    x, weight = e.ref_trace.inputs.get(e.name), e.ref_trace.weights.get(e.name)
+    if (
+        x is None
+        or weight is None
+        or weight.dim() != 2
+        or x.shape[-1] != weight.shape[1]
+        or e.ours.shape != e.ref.shape
+    ):
+        return None
+    parts = _input_parts(e, x)
+    if parts is None or len(parts) > 4:
+        return None
+    bias = e.ref_trace.biases.get(e.name)
+
+    def out(tensors: list[torch.Tensor]) -> torch.Tensor:
+        y = torch.cat([t.double() for t in tensors], -1) @ weight.double().T
+        return y + bias.double() if bias is not None else y
+
+    names = [n for n, _ in parts]
+    for order in itertools.permutations(range(len(parts))):
+        if list(order) == list(range(len(parts))):
+            continue
+        if [parts[i][1].shape[-1] for i in order] and e.close(
+            out([parts[i][1] for i in order]).to(e.ours.dtype), e.ours
+        ):
+            joined = ", ".join(names[i].rsplit(".", 1)[-1] for i in order)
+            meant = ", ".join(n.rsplit(".", 1)[-1] for n in names)
+            return Hint(
+                "concat_order",
+                f"likely the parts of {e.kind}'s input concatenated in another order in ours: its output is the "
+                f"reference's {e.kind} over cat({joined}) where the reference reads cat({meant}) (its weight's "
+                "columns in the reference's order)",
+                {"side": "ours", "order": [names[i] for i in order]},
+            )
+    for k in range(1, len(parts)):
+        for left in itertools.combinations(range(len(parts)), k):
+            tensors = [torch.zeros_like(t) if i in left else t for i, (_, t) in enumerate(parts)]
+            if e.close(out(tensors).to(e.ours.dtype), e.ours):
+                what = ", ".join(names[i] for i in left)
+                return Hint(
+                    "missing",
+                    f"likely {what} left out of {e.kind}'s input in ours (zeros in its place): its output is the "
+                    f"reference's {e.kind} over the same concatenation with {'that part' if k == 1 else 'those parts'} "
+                    "zero",
+                    {"side": "ours", "left_out": [names[i] for i in left]},
+                )
+    return None
+
+
 def last_dim_permutation(e: Evidence) -> Hint | None:
     """Same values, other order along the last axis: a row permutation of a weight (RoPE layout
     permutation with a wrong head count, half-split vs interleaved Q/K rows). The identity is never
@@ -532,17 +616,29 @@ def _concat_order(e: Evidence, perm: list[int], at: str) -> Hint | None:
     """``perm`` (ours[j] = reference[perm[j]]) a rotation of two blocks of whole features: the reference's two parts
     ``cat(a, b)`` concatenated as ``cat(b, a)`` (Zamba's ``cat(hidden, embeddings)``, A.X-K2's q_gate_proj reading
     ``cat(q_resid, q_compressed)``), at the node's ``input`` or (``at`` empty) at its output. Either side."""
-    n = len(perm)
-    first = perm[0]
-    # two parts of some size each (a quarter of the features at least): a row permutation rolled by a few is no join
-    if not 0 < first < n or 4 * min(first, n - first) < n or perm != [*range(first, n), *range(first)]:
+    moved = [j for j, p in enumerate(perm) if p != j]
+    if not moved:
+        return None
+    lo, hi = (
+        moved[0],
+        moved[-1] + 1,
+    )  # the swapped parts may sit among others kept in place (cat(x, b, a) for cat(x, a, b))
+    first = perm[lo] - lo
+    n = hi - lo
+    # two parts of some size each (a quarter of the range at least): a row permutation rolled by a few is no join
+    if (
+        not 0 < first < n
+        or 4 * min(first, n - first) < n
+        or perm[lo:hi] != [*range(lo + first, hi), *range(lo, lo + first)]
+    ):
         return None
     where = f"{e.kind}'s input" if at else e.kind
     a, b = first, n - first
+    span = "" if (lo, hi) == (0, len(perm)) else f" (features {lo}:{hi}, the others in place)"
     return Hint(
         "concat_order",
-        f"likely two parts concatenated in the other order: {where} holds the reference's last {b} features first, "
-        f"then its first {a} (one side builds cat(b, a) where the other builds cat(a, b)"
+        f"likely two parts concatenated in the other order: {where} holds the reference's last {b} features{span} "
+        f"first, then its first {a} (one side builds cat(b, a) where the other builds cat(a, b)"
         + (
             "; the node's own weight is applied to them in the reference's order)"
             if at

@@ -87,8 +87,8 @@ CALIBRATION_FLOOR = {torch.float32: 1e-6, torch.bfloat16: 1e-3, torch.float16: 1
 
 def diagnosis_inputs(pair: Pair) -> frozenset[str]:
     """The nodes whose module input is kept for diagnosis: by kind (:data:`DIAGNOSIS_INPUT_KINDS`), and every
-    reference ``nn.Linear`` whatever its name (Granite's ``input_linear``, Mixtral's ``w1``): what a projection
-    read is the evidence of a projection reading another point of the stream."""
+    reference ``nn.Linear`` whatever its name or place (Granite's ``input_linear``, Mixtral's ``w1``, a head): what a
+    projection read is the evidence of a projection reading another point of the stream."""
     modules = dict(pair.reference.named_modules())
     return frozenset(
         n.name
@@ -97,20 +97,11 @@ def diagnosis_inputs(pair: Pair) -> frozenset[str]:
         and (
             any(k in n.kind for k in DIAGNOSIS_INPUT_KINDS)
             or is_norm(n.kind)
-            or (isinstance(modules.get(n.reference_path), torch.nn.Linear) and _in_a_list(n))
-            # the output head, whatever its name (ELECTRA's generator_lm_head): which table the logits read
-            or (
-                isinstance(module := modules.get(n.reference_path), torch.nn.Linear)
-                and module.out_features == pair.facts.vocab_size
-            )
+            # every linear, in a layer or not (XLM's attentions beside its layers, RoCBERT's map_inputs_layer over
+            # its embeddings, ELECTRA's generator_lm_head): what it read, which table the logits read
+            or isinstance(modules.get(n.reference_path), torch.nn.Linear)
         )
     )
-
-
-def _in_a_list(node: NodeSpec) -> bool:
-    """Whether ``node`` is a layer's, or a module of a ModuleList beside the layers (XLM's ``attentions.N`` kept
-    apart from its ``ffns.N``): a path with an index in it. The head outside the layers is not."""
-    return node.layer is not None or any(part.isdigit() for part in node.reference_path.split("."))
 
 
 def device_of(model) -> torch.device:
