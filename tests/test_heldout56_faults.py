@@ -119,7 +119,7 @@ NAMED = [
      "positions not derived from the attention mask in ours"),
     ("big_bird", "o_proj_not_transposed", False, f"{BERT}.attention.output.LayerNorm", "one_change",
      "dense.weight read transposed"),
-    ("big_bird", "lm_bias_dropped", False, "cls.predictions.decoder", "bias", "the same vector at every position"),
+    ("big_bird", "lm_bias_dropped", False, "cls.predictions.decoder", "bias", "ours adds none at cls.predictions.decoder"),
     ("big_bird", "head_act_after_norm", False, "cls.predictions.transform.LayerNorm", "norm_placement",
      "ours normalises dense's output before the gelu activation"),
     ("reformer", "double_scale", False, f"{REFORMER}.attention.output.dense", "one_change", "the divisor 4 applied twice"),

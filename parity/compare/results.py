@@ -283,7 +283,8 @@ def compare_node(
         metrics = choice_result(our_t, ref_t, scores, ordered)
     else:
         metrics = tensor_metrics(our_t, ref_t, atol, rtol)
-        if metrics.status in (MISMATCH, NONFINITE) and spec.kind == "scores" and metrics.max_abs >= MASKED:
+        masked = metrics.max_abs is not None and metrics.max_abs >= MASKED
+        if metrics.status in (MISMATCH, NONFINITE) and spec.kind == "scores" and masked:
             our_t, metrics = _masked_alike(our_t, ref_t, atol, rtol, metrics)
         if metrics.status == MISMATCH and padding is not None and bool(padding.any()):
             metrics = replace(metrics, cosine=_real_cosine(spec.kind, our_t, ref_t, padding))

@@ -1182,7 +1182,7 @@ def unequal_fold_before(results: list[NodeResult], bad: NodeResult, pair: Pair) 
         return None
     scope = _failure_scope(results, bad)
     keys = {k for k, _ in pair.reference.named_parameters()} if pair.reference is not None else set()
-    params = dict(pair.ours.named_parameters())
+    params: dict[str, torch.Tensor] = dict(pair.ours.named_parameters())
     for weight in sorted(k for k in keys if k.endswith(".weight") and _module_in(k, scope)):
         bias = weight[: -len("weight")] + "bias"
         if bias not in keys:
