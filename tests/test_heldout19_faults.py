@@ -137,7 +137,7 @@ NAMED = [
      "the input of q_proj in ours equals the reference's input after a RMSNorm"),
     ("flex_olmo", "fo_norm_outside_residual", False, "model.layers.0.post_attention_layernorm", "norm_placement",
      "normalises the sum after the residual add"),
-    ("flex_olmo", "fo_final_norm_skipped", False, "lm_head", "missing", "model.norm skipped in ours"),
+    ("flex_olmo", "fo_final_norm_skipped", False, "lm_head", "norm_skipped", "model.norm skipped in ours"),
     ("flex_olmo", "fo_down_proj_view_not_transpose", False, "model.layers.0.post_feedforward_layernorm",
      "swapped_weights", "reshaped to (intermediate, hidden) where it is transposed (.view instead of .transpose)"),
     ("flex_olmo", "fo_router_sigmoid", False, "model.layers.0.mlp.router.weights", "routing_weights",

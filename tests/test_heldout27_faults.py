@@ -135,7 +135,7 @@ NAMED = [
     ("minicpm3", "mc_depth_attn_only", False, "model.layers.1.input_layernorm", "residual",
      "ours computes 1 x + 1 f(x), the reference 1 x + 0.7 f(x), with f(x) = model.layers.0.mlp.down_proj"),
     ("minicpm3", "mc_logit_scale_inverted", False, "lm_head", "scale",
-     "matches ours / reference = the logits' width ratio hidden_size / the config's dim_model_base, squared"),
+     "the logits' width ratio hidden_size / the config's dim_model_base, squared (4: the ratio applied the other way"),
     ("minicpm3", "mc_kv_split_swapped", False, "model.layers.0.self_attn.kv_a_layernorm", "qkv_layout",
      "ours' kv_a_layernorm reads its columns [8:24], the reference's [0:16] of 24"),
     ("minicpm3", "mc_q_split_swapped", False, "model.layers.0.self_attn.q_rot", "qkv_layout",

@@ -160,7 +160,7 @@ NAMED = [
     ("stablelm", "qkv_split_neox", False, Q, "qkv_layout",
      "q in ours is the projections' output (fused or not) read per head (heads, 3, head_dim): GPT-NeoX / BLOOM, in "
      "the reference stacked [q; k; v]"),
-    ("stablelm", "lm_head_tied", False, "logits", "missing", "ours never read its weight in this forward"),
+    ("stablelm", "lm_head_tied", False, "logits", "untied_head", "its logits are lm_head's input times model.embed_tokens"),
     ("stablelm", "ln_bias_dropped", False, "model.layers.0.input_layernorm", "bias",
      "ours adds none at model.layers.0.input_layernorm"),
     ("stablelm", "pad_mask_query_axis", True, f"{ATTN}.probs", "padding", "laid along the queries"),

@@ -158,7 +158,7 @@ NAMED = [
      "ours equals relu"),
     ("xmod", "head_ln_before_gelu", False, "lm_head.layer_norm", "norm_placement",
      "ours normalises dense's output before the gelu activation"),
-    ("xmod", "decoder_bias_dropped", False, "lm_head.decoder", "bias", "the same vector at every position"),
+    ("xmod", "decoder_bias_dropped", False, "lm_head.decoder", "bias", "ours adds none at lm_head.decoder"),
     ("xmod", "no_causal_mask", False, f"{XMOD}.attention.output.dense", "causal_mask", "no causal mask"),
     ("xmod", "pad_mask_query_axis", True, f"{XMOD}.attention.output.dense", "padding", "padding keys left unmasked"),
     ("xmod", "ln_unbiased_var", False, "roberta.embeddings.LayerNorm", "norm_kind", "unbiased variance"),

@@ -16,7 +16,8 @@ parameter of ours, and a note says which (``check_model._outside_the_logits``).
 Thirty-fourth session: XLM's ``out_lin`` is an output projection; its padding mask built with
 ``expand_as(scores)`` no longer taken for a step of the scores; its attention's projections keep their inputs and
 biases (modules of a ModuleList beside the layers); so its attention scale, causal mask, head split and the query's
-bias left unscaled are named (21 of 42 after, no wrong cause but the language embedding's and BigBird's head).
+bias left unscaled are named: 23 of 42 after (XLM 8 of 14); its language embedding added is located with no hint (no
+longer named as skipped: the reference never ran it); the one wrong cause left is BigBird's prescaled head.
 
 After (thirty-third session): correct runs 36 of 36, bugs named 19 of 42 (45%): BigBird 12 of 14, Reformer 3 of 14 (its chunked attention
 computes inline with no internals parity reads, nine bugs located at the attention output with no hint), XLM 4 of 14.
