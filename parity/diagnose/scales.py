@@ -1039,7 +1039,18 @@ def scaled_before_bias(e: Evidence) -> Hint | None:
     c = float((ours * ref).sum() / ref.pow(2).sum().clamp_min(1e-300))
     if c == 0 or abs(c - 1) < 1e-3 or rel(ours, c * ref) > max(EXPLAINS, 16 * torch.finfo(e.ref.dtype).eps):
         return None
-    side, factor = ("ours", c) if abs(c) < 1 else ("the reference", 1 / c)
+    # the side whose output is not its module's plain x W^T + b holds the scale (by the reference's own weight and
+    # input where kept; else the scale taken as below one: the softmax's 1 / sqrt(head_dim))
+    x, weight = e.ref_trace.inputs.get(e.name), e.ref_trace.weights.get(e.name)
+    plain = None
+    if x is not None and weight is not None and weight.dim() == 2 and x.shape[-1] == weight.shape[1]:
+        plain = (x.double() @ weight.double().T + b).reshape(-1, b.numel())
+    if plain is not None and plain.shape == ours.shape and rel(plain - b, ref) <= EXPLAINS:
+        side, factor = "ours", c
+    elif plain is not None and plain.shape == ours.shape and rel(plain - b, ours) <= EXPLAINS:
+        side, factor = "the reference", 1 / c
+    else:
+        side, factor = ("ours", c) if abs(c) < 1 else ("the reference", 1 / c)
     named = constant_named(e, factor)
     return Hint(
         "bias",
