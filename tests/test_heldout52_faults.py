@@ -20,7 +20,7 @@ runs 30 of 36 (every unpadded RoBERTa run failed at its position table), bugs na
   projection of its own (its internals traced), the output projection's internals found in its sibling
   (``attention_refit.internals_stem``); an unread attention's mask refitted with the value projection's own output
   (every key's value): the causal mask left out or a key wider, the 0/1 mask added as is, padding keys read; q, k
-  and v recut from the fused output per head ``(heads, 3, head_dim)`` (``attention_refit._layout_refit``);
+  and v recut from the fused output per head ``(heads, 3, head_dim)`` (``attention_refit._traced_refit``);
 - a norm kind named ``LayerNorm`` is a norm (its input kept, its statistic read); two nodes of one kind produced in
   each other's place in a layer: their weights swapped (``order.swapped_in_order``);
 - scores one factor apart whose probabilities are the reference's rows times one factor each: ours scales after the

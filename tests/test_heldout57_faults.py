@@ -14,7 +14,7 @@ its bias, taken for the q_proj node's output features), TrOCR's named as its q/k
 three refusals are right: each names the checkpoint tensor the bug leaves unloaded.
 
 Fitted, by kind: a projection's product scaled before its bias (``scales.scaled_before_bias`` at a traced node,
-``attention_refit._bias_scale_refit`` at an attention parity cannot read, ``stages.unequal_fold_before`` where the
+``attention_refit._traced_refit`` at an attention parity cannot read, ``stages.unequal_fold_before`` where the
 loader folds the scale into the weight alone: XLM's of set 56 too); the output head reading another table
 (``wiring.head_reads_table``: the head found by its output width, its input kept); a bias added to a product over
 part of a fused weight no longer taken for that node's value (``functional._recorded``).

@@ -78,9 +78,7 @@ def unread_attention(e: Evidence) -> Hint | None:
     mask = _mask_refit(e, stem, probs.double(), _per_head(context.double(), b, h, q), ours)
     if mask is not None:
         return mask
-    layout = _layout_refit(e, stem, scores.double(), probs.double(), ours) or _bias_scale_refit(
-        e, stem, scores.double(), probs.double(), ours
-    )
+    layout = _traced_refit(e, stem, scores.double(), probs.double(), ours)
     if layout is not None:
         return layout
     return Hint(
@@ -116,82 +114,21 @@ def internals_stem(e: Evidence) -> str | None:
 _PROJECTIONS = {"q": ("q_proj", "query", "q_lin"), "k": ("k_proj", "key", "k_lin"), "v": ("v_proj", "value", "v_lin")}
 
 
-def _layout_refit(e: Evidence, stem: str, scores: torch.Tensor, probs: torch.Tensor, ours: torch.Tensor) -> Hint | None:
-    """Ours' context ``(batch, heads, seq, head_dim)`` as the reference's attention (its scale, its mask: the keys
-    its probabilities keep) over q, k and v cut from their fused output ``[q | k | v]`` per head, ``(heads, 3,
-    head_dim)`` (GPT-NeoX's, BLOOM's layout), where the reference keeps them stacked: a fused projection's output
-    split in another layout inside ours' forward (its weight held right); or each projection's heads split without
-    moving their axis; or the softmax taken over the queries. Only without RoPE (the q and k nodes are what the scores
-    read) and without GQA (every part one width). Hint ``qkv_layout``, ``head_layout`` or ``softmax_axis``; None
-    otherwise."""
+def _traced_refit(e: Evidence, stem: str, scores: torch.Tensor, probs: torch.Tensor, ours: torch.Tensor) -> Hint | None:
+    """Ours' context ``(batch, heads, seq, head_dim)`` as the reference's attention (its scale ``c``, its mask: the
+    keys its probabilities keep) recomputed from its traced q, k and v with one thing otherwise: q, k and v cut from
+    their fused output ``[q | k | v]`` per head, ``(heads, 3, head_dim)`` (GPT-NeoX's, BLOOM's layout: a fused
+    projection's output split in another layout inside ours' forward, its weight held right); each projection's heads
+    split without moving their axis; the softmax taken over the queries; the query ``c x W + b`` where the
+    reference's is ``c (x W + b)`` (BART's ``q_proj(x) * scaling`` written as ``x (c W) + b``: the scale folded into
+    the weight and not the bias). Only without RoPE (the q and k nodes are what the scores read) and without GQA
+    (every part one width). Hint ``qkv_layout``, ``head_layout``, ``softmax_axis`` or ``bias``; None otherwise."""
     found = [_traced_projection(e, stem, part) for part in _PROJECTIONS]
     if any(t is None for t in found):
         return None
     q, k, v = (cast(torch.Tensor, t).double() for t in found)
     b, h, n, d = ours.shape
     if not (q.shape == k.shape == v.shape == (b, n, h * d)):
-        return None
-    raw = q.view(b, n, h, d).transpose(1, 2) @ k.view(b, n, h, d).transpose(1, 2).transpose(-1, -2)
-    allowed = probs > 0
-    if not bool(allowed.any()):
-        return None
-    s, r = scores[allowed], raw[allowed]
-    c = float((s * r).sum() / r.pow(2).sum().clamp_min(1e-300))
-    if rel(c * r, s) > 1e-6:
-        return None  # the scores are more than the traced q k^T scaled (RoPE, a bias): no recut recomputes them
-    rows = allowed.any(-1)
-
-    def attend(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor) -> torch.Tensor:
-        logits = (c * qh @ kh.transpose(-1, -2)).masked_fill(~allowed, float("-inf"))
-        return torch.softmax(logits, -1).nan_to_num(0.0) @ vh
-
-    if rel(attend(*_per_head_recut(q, k, v, h))[rows], ours[rows]) <= EXPLAINS:
-        return Hint(
-            "qkv_layout",
-            "likely q, k and v cut from the fused projection's output in another layout in ours: its context is the "
-            "reference's attention over them read per head (heads, 3, head_dim: GPT-NeoX / BLOOM) where the "
-            "reference keeps them stacked [q; k; v] (the fused weight is held right: its split in the forward differs)",
-            {"layout": "per head (heads, 3, head_dim)", "side": "ours"},
-        )
-    unmoved = [t.reshape(b, h, n, d) for t in (q, k, v)]  # (batch, seq, heads * head_dim) viewed with no transpose
-    if rel(attend(*unmoved)[rows], ours[rows]) <= EXPLAINS:
-        return Hint(
-            "head_layout",
-            "likely the heads split without moving their axis in ours: its context is the reference's attention with "
-            "each projection (batch, seq, heads * head_dim) viewed as (batch, heads, seq, head_dim) directly, with no "
-            "view(batch, seq, heads, head_dim).transpose(1, 2)",
-            {"layout": "heads split unmoved", "side": "ours"},
-        )
-    qh, kh, vh = (t.view(b, n, h, d).transpose(1, 2) for t in (q, k, v))
-    logits = (c * qh @ kh.transpose(-1, -2)).masked_fill(~allowed, float("-inf"))
-    if rel((torch.softmax(logits, -2).nan_to_num(0.0) @ vh)[rows], ours[rows]) <= EXPLAINS:
-        return Hint(
-            "softmax_axis",
-            "likely the softmax taken over the queries in ours: its context is the reference's attention with each "
-            "key's column of scores normalised (softmax(scores, dim=-2)) where the reference normalises each query's "
-            "row over the keys (dim=-1)",
-            {"side": "ours", "axis": -2},
-        )
-    return None
-
-
-def _bias_scale_refit(
-    e: Evidence, stem: str, scores: torch.Tensor, probs: torch.Tensor, ours: torch.Tensor
-) -> Hint | None:
-    """Ours' context ``(batch, heads, seq, head_dim)`` as the reference's attention (its scale ``s``, the keys its
-    probabilities keep) with the query ``s * x W + b`` where the reference's is ``s * (x W + b)``: the softmax
-    scale put on the query's product before its bias is added, or folded into the weight and not the bias (BART's
-    ``q_proj(x) * scaling`` written as ``x (s W) + b``). Only without RoPE and GQA (the traced projections are
-    what the scores read), for a query projection with a bias. Hint ``bias``; None otherwise."""
-    found = [_traced_projection(e, stem, part) for part in _PROJECTIONS]
-    bias = next(
-        (e.ref_trace.biases[f"{stem}.{n}"] for n in _PROJECTIONS["q"] if f"{stem}.{n}" in e.ref_trace.biases), None
-    )
-    if any(t is None for t in found) or bias is None or not bool(bias.any()):
-        return None
-    q, k, v = (cast(torch.Tensor, t).double() for t in found)
-    b, h, n, d = ours.shape
-    if not (q.shape == k.shape == v.shape == (b, n, h * d)) or bias.numel() != h * d:
         return None
 
     def heads(t: torch.Tensor) -> torch.Tensor:
@@ -201,22 +138,54 @@ def _bias_scale_refit(
     allowed = probs > 0
     if not bool(allowed.any()):
         return None
-    c = float((scores[allowed] * raw[allowed]).sum() / raw[allowed].pow(2).sum().clamp_min(1e-300))
-    if c == 0 or abs(c - 1) < 1e-6 or rel(c * raw[allowed], scores[allowed]) > 1e-6:
-        return None  # no scale, or scores that are more than the traced q k^T scaled (RoPE, a bias)
-    moved = q + bias.double() * (1 / c - 1)  # s (x W + b / s) = s x W + b
-    logits = (c * heads(moved) @ heads(k).transpose(-1, -2)).masked_fill(~allowed, float("-inf"))
-    context = torch.softmax(logits, -1).nan_to_num(0.0) @ heads(v)
+    s, r = scores[allowed], raw[allowed]
+    c = float((s * r).sum() / r.pow(2).sum().clamp_min(1e-300))
+    if c == 0 or rel(c * r, s) > 1e-6:
+        return None  # the scores are more than the traced q k^T scaled (RoPE, a bias): no recut recomputes them
     rows = allowed.any(-1)
-    if rel(context[rows], ours[rows]) > EXPLAINS:
-        return None
-    return Hint(
-        "bias",
-        f"likely the query's scale applied before its bias in ours: its context is the reference's attention with "
-        f"q = {c:.6g} * (x W) + b where the reference scales the whole projection, {c:.6g} * (x W + b) (the scale "
-        "folded into the query's weight and not its bias, or applied before the bias is added)",
-        {"scale": c, "side": "ours"},
+
+    def explains(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, axis: int = -1) -> bool:
+        logits = (c * qh @ kh.transpose(-1, -2)).masked_fill(~allowed, float("-inf"))
+        return rel((torch.softmax(logits, axis).nan_to_num(0.0) @ vh)[rows], ours[rows]) <= EXPLAINS
+
+    if explains(*_per_head_recut(q, k, v, h)):
+        return Hint(
+            "qkv_layout",
+            "likely q, k and v cut from the fused projection's output in another layout in ours: its context is the "
+            "reference's attention over them read per head (heads, 3, head_dim: GPT-NeoX / BLOOM) where the "
+            "reference keeps them stacked [q; k; v] (the fused weight is held right: its split in the forward differs)",
+            {"layout": "per head (heads, 3, head_dim)", "side": "ours"},
+        )
+    if explains(q.reshape(b, h, n, d), k.reshape(b, h, n, d), v.reshape(b, h, n, d)):  # viewed with no transpose
+        return Hint(
+            "head_layout",
+            "likely the heads split without moving their axis in ours: its context is the reference's attention with "
+            "each projection (batch, seq, heads * head_dim) viewed as (batch, heads, seq, head_dim) directly, with no "
+            "view(batch, seq, heads, head_dim).transpose(1, 2)",
+            {"layout": "heads split unmoved", "side": "ours"},
+        )
+    if explains(heads(q), heads(k), heads(v), axis=-2):
+        return Hint(
+            "softmax_axis",
+            "likely the softmax taken over the queries in ours: its context is the reference's attention with each "
+            "key's column of scores normalised (softmax(scores, dim=-2)) where the reference normalises each query's "
+            "row over the keys (dim=-1)",
+            {"side": "ours", "axis": -2},
+        )
+    bias = next(
+        (e.ref_trace.biases[f"{stem}.{n}"] for n in _PROJECTIONS["q"] if f"{stem}.{n}" in e.ref_trace.biases), None
     )
+    if bias is None or bias.numel() != h * d or not bool(bias.any()) or abs(c - 1) < 1e-6:
+        return None
+    if explains(heads(q + bias.double() * (1 / c - 1)), heads(k), heads(v)):  # c (x W + b / c) = c x W + b
+        return Hint(
+            "bias",
+            f"likely the query's scale applied before its bias in ours: its context is the reference's attention with "
+            f"q = {c:.6g} * (x W) + b where the reference scales the whole projection, {c:.6g} * (x W + b) (the scale "
+            "folded into the query's weight and not its bias, or applied before the bias is added)",
+            {"scale": c, "side": "ours"},
+        )
+    return None
 
 
 def inline_attention(e: Evidence) -> Hint | None:

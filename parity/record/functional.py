@@ -1183,10 +1183,17 @@ class FunctionCapture(TorchFunctionMode):
         out = func(*args, **kwargs) if biased else None
         total, values = self._piece_values.get(node, (0, {}))
         values[offset] = out if isinstance(out, torch.Tensor) and out.shape == piece.shape else piece
-        if sum(v.shape[-1] for v in values.values()) >= total:
+        if self._join_pieces(node, total, values):
             self._piece_values.pop(node, None)
-            self._recorded(node, torch.cat([values[o] for o in sorted(values)], dim=-1))
         return biased, out
+
+    def _join_pieces(self, node: str, total: int, values: dict[int, torch.Tensor]) -> bool:
+        """The pieces side by side recorded as ``node`` once they cover the product's ``total`` features; whether
+        they did."""
+        if not values or sum(v.shape[-1] for v in values.values()) < total:
+            return False
+        self._recorded(node, torch.cat([values[o] for o in sorted(values)], dim=-1))
+        return True
 
     def settle_all(self) -> None:
         """Every partial sum still followed, and every result still waiting for a bias, recorded as its
@@ -1204,8 +1211,7 @@ class FunctionCapture(TorchFunctionMode):
         for node, offset, piece in list(self._pieces.values()):  # pieces nothing read after the split: as they are
             self._piece_values.get(node, (0, {}))[1].setdefault(offset, piece)
         for node, (total, values) in self._piece_values.items():
-            if values and sum(v.shape[-1] for v in values.values()) >= total:
-                self._recorded(node, torch.cat([values[o] for o in sorted(values)], dim=-1))
+            self._join_pieces(node, total, values)
         self._pieces.clear()
         self._piece_values.clear()
         if self._weighted is not None:  # a norm's weight applied last, nothing read it after

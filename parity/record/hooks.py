@@ -375,9 +375,7 @@ def _record_param(
             if rec.trace.recorded(node):
                 rec.trace.keep_later(node, tensor, None)
                 return tensor
-            rec.trace.add(node, tensor, None)
-            new = rec.replacement(node, tensor, None)
-            return tensor if new is None else new.to(dtype=tensor.dtype, device=tensor.device)
+            return _record_value(rec, node, tensor, as_read=True)
     read_again = bool(nodes) and tensor is not None and all(rec.trace.recorded(n) for n in nodes)
     if not (read_again and _inside_another_block(rec, node)):
         _enter_block(rec, node)
@@ -486,8 +484,10 @@ def _changed_since_capture(rec: _Recording, node: str, tapped: torch.Tensor) -> 
     return not (replaced and result is not None and result.failed)
 
 
-def _record_value(rec: _Recording, node: str, tensor: torch.Tensor) -> torch.Tensor:
-    rec.trace.add(node, tensor, rec.transforms.get(node))
+def _record_value(rec: _Recording, node: str, tensor: torch.Tensor, as_read: bool = False) -> torch.Tensor:
+    """``tensor`` recorded as ``node`` through its transform (``as_read``: as it is, a lookup's rows), and what
+    ours goes on with (the reference's value in isolated mode)."""
+    rec.trace.add(node, tensor, None if as_read else rec.transforms.get(node))
     new = rec.replacement(node, tensor, None)
     return tensor if new is None else new.to(dtype=tensor.dtype, device=tensor.device)
 

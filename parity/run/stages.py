@@ -19,7 +19,20 @@ from typing import Any, cast
 import torch
 
 from parity.build.builder import tied_weights
-from parity.build.coverage import FUSED_PART, LAYOUT, ROWS, SCALED, SLICE, scale_held, storage_span
+from parity.build.coverage import (
+    COPY,
+    FUSED_PART,
+    LAYOUT,
+    ROWS,
+    SCALED,
+    SHARED,
+    SLICE,
+    SPLIT,
+    STRIDED,
+    TRANSPOSED,
+    scale_held,
+    storage_span,
+)
 from parity.compare.arbiter import arbitrated_like, output_arbitrates
 from parity.compare.later_calls import call_of, with_later_calls
 from parity.compare.metrics import CHUNK, MISMATCH, MISSING, SHAPE, UNTAPPED, chunks
@@ -1152,12 +1165,15 @@ def reshaped_before(results: list[NodeResult], bad: NodeResult, pair: Pair) -> H
 
 
 #: the ways coverage finds a checkpoint tensor held with its values unchanged (a scale of one)
-_AS_IS = frozenset({"shared", "copy", "transposed", "rows", "slice", "layout", "split", "strided"})
+_AS_IS = frozenset({SHARED, COPY, TRANSPOSED, ROWS, SLICE, LAYOUT, SPLIT, STRIDED})
 
 
-def _scale_at_load(pair: Pair, key: str, params: dict[str, torch.Tensor]) -> tuple[str, float] | None:
+def _scale_at_load(
+    pair: Pair, key: str, params: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]
+) -> tuple[str, float] | None:
     """``(parameter, c)``: where ours holds checkpoint tensor ``key``, times ``c`` (1 as it is), from coverage's
-    sources or, for a key computed at load, a block of the parameters derived from it; None when neither says."""
+    sources or, for a key computed at load, a block of ours' ``params`` derived from it (``tensors``: the
+    reference's, by key); None when neither says."""
     coverage = pair.loading.coverage if pair.loading is not None else None
     for name, sources in (getattr(coverage, "sources", None) or {}).items():
         for source in sources:
@@ -1165,8 +1181,7 @@ def _scale_at_load(pair: Pair, key: str, params: dict[str, torch.Tensor]) -> tup
                 return name, float(source.scale)
             if source.key == key and source.how in _AS_IS:
                 return name, 1.0
-    into = _derived(pair).get(key)
-    tensor = dict(pair.reference.named_parameters()).get(key) if pair.reference is not None else None
+    into, tensor = _derived(pair).get(key), tensors.get(key)
     if not into or tensor is None:
         return None
     return scale_held(params, tensor, into)
@@ -1181,13 +1196,13 @@ def unequal_fold_before(results: list[NodeResult], bad: NodeResult, pair: Pair) 
     ):
         return None
     scope = _failure_scope(results, bad)
-    keys = {k for k, _ in pair.reference.named_parameters()} if pair.reference is not None else set()
+    tensors: dict[str, torch.Tensor] = dict(pair.reference.named_parameters()) if pair.reference is not None else {}
     params: dict[str, torch.Tensor] = dict(pair.ours.named_parameters())
-    for weight in sorted(k for k in keys if k.endswith(".weight") and _module_in(k, scope)):
+    for weight in sorted(k for k in tensors if k.endswith(".weight") and _module_in(k, scope)):
         bias = weight[: -len("weight")] + "bias"
-        if bias not in keys:
+        if bias not in tensors:
             continue
-        w, b = _scale_at_load(pair, weight, params), _scale_at_load(pair, bias, params)
+        w, b = _scale_at_load(pair, weight, params, tensors), _scale_at_load(pair, bias, params, tensors)
         if w is None or b is None or abs(w[1] - b[1]) <= 1e-4 * max(abs(w[1]), abs(b[1])):
             continue
         return Hint(
